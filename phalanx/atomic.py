@@ -1,0 +1,42 @@
+"""Atomic file writes: a reader (or a crash) sees the old file or the new one, never half of one.
+
+Write to a temporary file in the destination's directory, fsync it, then `os.replace` it over the
+target (atomic on POSIX within one filesystem). On any error the temporary file is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Yield a binary file whose content replaces `path` only if the block completes."""
+    target = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a normal file respects the umask
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path) as handle:
+        handle.write(data)

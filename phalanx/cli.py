@@ -1,0 +1,140 @@
+"""The `phalanx` command: parse flags, build configs, run, and turn bad input into one line.
+
+Nothing imports this module. Errors a user can fix (`UsageError`, a config's `ValueError`) end
+as `phalanx: error: <problem>; <fix>` on stderr with exit code 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from phalanx.comm import ALGORITHMS
+from phalanx.errors import UsageError
+from phalanx.models import INITS, MODELS
+from phalanx.train.config import DATASETS, TrainConfig
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's own errors: one line, exit 2
+        raise UsageError(f"{message} (see `phalanx {self.prog.split()[-1]} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="phalanx", description="Data-parallel training across k devices.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+    train = sub.add_parser("train", help="train a model on k devices in lockstep")
+    train.add_argument("--devices", default="1", help="N, cpu:N or cuda:0,1 (default 1)")
+    train.add_argument("--model", default="lenet", help=f"one of {', '.join(MODELS)}")
+    train.add_argument("--dataset", default=None, help=f"one of {', '.join(DATASETS)} (default fashion-mnist)")
+    train.add_argument("--data-dir", default=None, help="directory with the four IDX files")
+    train.add_argument("--epochs", type=int, default=10)
+    train.add_argument("--batch-size", type=int, default=256, help="global batch, split over the devices")
+    train.add_argument("--lr", type=float, default=0.2)
+    train.add_argument("--allreduce", default="native", help=f"one of {', '.join(ALGORITHMS)}")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--init", default="pytorch", help=f"one of {', '.join(INITS)} (book: normal(0, 0.01))")
+    train.add_argument("--dtype", default="float32", help="float32, or float64 for exact equivalence checks")
+    train.add_argument("--out", default=None, help="write metrics.jsonl, accuracy.png, model.pt here")
+    train.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
+    train.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    # Imported here so `phalanx --help` does not pay for torch's import.
+    from phalanx.data import load_dataset
+    from phalanx.devices import parse_devices
+    from phalanx.launch import LaunchSpec, launch
+    from phalanx.telemetry import RankZeroLog
+    from phalanx.train.job import train_worker
+    from phalanx.world import launcher_env
+
+    try:
+        config = _config_from_args(args)
+    except ValueError as exc:  # the config names the numbers; it is the user's to fix
+        raise UsageError(str(exc)) from None
+    _check_out_dir(config.out_dir)
+    env = launcher_env()
+    plan = parse_devices(args.devices)
+    if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda
+        kind = plan.kind
+        plan = parse_devices(f"cuda:{','.join(map(str, range(env.local_world_size)))}" if kind == "cuda"
+                             else f"cpu:{env.world_size}")
+    try:
+        config.check_devices(plan.num_devices)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if env is None and plan.num_devices > 1:
+        # Check (and download) the data once here, so bad data is one line from one process
+        # and the workers find it cached; resolve the fallback so every worker agrees.
+        data = load_dataset(config.dataset, config.data_dir, log=RankZeroLog(enabled=True))
+        config = replace(config, dataset=data.name, data_dir=data.data_dir)
+    names = plan.names if env is None else _torchrun_names(plan, env.world_size)
+    launch(train_worker, config, names, spec=LaunchSpec(plan=plan, threads_per_device=config.threads_per_device,
+                                                        timeout_s=config.timeout_s))
+    return 0
+
+
+def _config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        model=args.model,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        epochs=args.epochs,
+        global_batch_size=args.batch_size,
+        lr=args.lr,
+        allreduce=args.allreduce,
+        seed=args.seed,
+        init=args.init,
+        out_dir=args.out,
+        threads_per_device=args.threads_per_device,
+        timeout_s=args.timeout,
+        progress=not args.no_progress,
+        dtype=args.dtype,
+    )
+
+
+def _check_out_dir(out_dir: str | None) -> None:
+    """Refuse an unusable --out before any work, so a failure leaves nothing behind."""
+    if out_dir is None:
+        return
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {out_dir} is an existing file; name a directory instead")
+    parent = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--out {out_dir} is not writable ({parent} denies writing); pick another directory")
+
+
+def _torchrun_names(plan, world_size: int) -> tuple[str, ...]:
+    return tuple(f"{plan.kind}:{i}" for i in range(world_size))
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        if args.command == "train":
+            return _train(args)
+        raise UsageError(f"unknown command {args.command!r}")
+    except UsageError as exc:
+        print(f"phalanx: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("phalanx: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        from phalanx.launch import WorkerFailed
+
+        if isinstance(exc, WorkerFailed):
+            print(f"phalanx: {exc}", file=sys.stderr)
+            return 1
+        raise

@@ -1,0 +1,109 @@
+"""Asynchronous allreduce: launch now, `wait()` later, so communication can overlap backward.
+
+`AsyncComm` owns what the hand-written algorithms need to run off the main thread: one
+background thread and a process group of its own (`dist.new_group`, gloo on CPU), so their
+point-to-point messages never interleave with the main thread's collectives. `native` needs
+neither: it uses the backend's own async all_reduce (`async_op=True`) on the default group.
+
+Ordering is what keeps ranks matched: every rank must launch the same allreduces in the same
+order (as DDP launches buckets in the same order). Native launches go straight to the backend
+in call order; the other algorithms run one at a time on the single thread, in launch order.
+
+A `Handle` belongs to whoever launched it and is waited exactly once; until then the tensor
+must not be read or written (picotron and DDP follow the same contract for their buckets).
+What this does not own: bucketing and deciding when to launch (`phalanx.parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm.algorithms import allreduce_fn
+from phalanx.comm.transport import DistTransport
+from phalanx.world import World
+
+
+class Handle:
+    """One launched allreduce. `wait()` blocks until done, writes back, returns the tensor."""
+
+    def __init__(self, tensor: torch.Tensor, flat: torch.Tensor | None, wait_fn: Callable[[], None]) -> None:
+        self._tensor = tensor
+        self._flat = flat  # a contiguous copy to write back, or None when the tensor was used as is
+        self._wait_fn = wait_fn
+        self._waited = False
+
+    @property
+    def waited(self) -> bool:
+        return self._waited
+
+    def wait(self) -> torch.Tensor:
+        assert not self._waited, "allreduce handle waited twice"
+        self._waited = True
+        self._wait_fn()
+        if self._flat is not None:
+            with torch.no_grad():
+                self._tensor.copy_(self._flat.view(self._tensor.shape))
+        return self._tensor
+
+
+def _done() -> None:
+    return None
+
+
+class AsyncComm:
+    """Background thread + private gloo group for async allreduces; close it before stop_world.
+
+    Construct it at the same point on every rank: `dist.new_group` is itself a collective.
+    """
+
+    def __init__(self, *, world: World) -> None:
+        self.world = world
+        self._group: dist.ProcessGroup | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        if world.distributed:
+            # Same backend as the world (gloo on CPU): p2p on CUDA tensors needs NCCL.
+            self._group = dist.new_group(backend=world.backend)
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
+
+    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native") -> Handle:
+        """Start summing `tensor` in place across the world; the result is there after `wait()`."""
+        fn = allreduce_fn(algorithm)
+        if not self.world.distributed:
+            return Handle(tensor, None, _done)
+        if self._executor is None:
+            raise RuntimeError("AsyncComm is closed")
+        with torch.no_grad():
+            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        copy_back = None if tensor.is_contiguous() else flat
+        if algorithm == "native":
+            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+            return Handle(tensor, copy_back, work.wait)
+        transport = DistTransport(group=self._group)
+        future: Future = self._executor.submit(_run_no_grad, fn, flat, self.world, transport)
+        return Handle(tensor, copy_back, future.result)
+
+    def close(self) -> None:
+        """Finish queued work, stop the thread, and leave the private group; safe to call twice."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+    def __enter__(self) -> "AsyncComm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _run_no_grad(fn: Callable[..., None], flat: torch.Tensor, world: World, transport: DistTransport) -> None:
+    # The current CUDA device is per thread: pin this one to the tensor's (a no-op on CPU).
+    with torch.no_grad(), torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
+        fn(flat, world=world, transport=transport)

@@ -1,0 +1,70 @@
+"""Bandwidth-optimal ring allreduce: a reduce-scatter followed by an all-gather around a ring.
+
+The tensor is cut into k chunks (k = world size). In k-1 reduce-scatter steps each rank sends
+one chunk to its right neighbour while receiving another from its left neighbour and adding it
+to its own copy; afterwards rank r holds the complete sum of chunk (r+1) mod k. In k-1
+all-gather steps the finished chunks travel once more around the ring and are copied into
+place. Each rank sends 2(k-1)/k of the tensor in total, the lower bound for any allreduce
+(Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 69(2); cost model as in Thakur, Rabenseifner & Gropp 2005). The price is
+2(k-1) latency terms, which is why the recursive-doubling tree wins for small tensors.
+nccl-tests' PERFORMANCE.md defines bus bandwidth from exactly this factor:
+busbw = algbw * 2(k-1)/k.
+
+Every chunk's sum is computed once, on the rank that finishes it, and then only copied, so all
+ranks end bitwise identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phalanx.comm.transport import DistTransport, Message, Transport
+from phalanx.world import World
+
+
+def chunk_sizes(numel: int, parts: int) -> list[int]:
+    """Split `numel` elements into `parts` chunks whose sizes differ by at most one.
+
+    The first `numel % parts` chunks get one extra element, so chunk 0 is always the largest
+    and chunks at the end are empty when numel < parts.
+    """
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts; need parts >= 1")
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    base, extra = divmod(numel, parts)
+    return [base + 1 if i < extra else base for i in range(parts)]
+
+
+def _nonempty(messages: list[Message]) -> list[Message]:
+    # Chunk sizes are the same on every rank, so both ends of a transfer skip it together.
+    return [(peer, buf) for peer, buf in messages if buf.numel() > 0]
+
+
+def allreduce_ring(flat: torch.Tensor, *, world: World, transport: Transport | None = None) -> None:
+    """Sum the contiguous 1-D `flat` in place across the world with the ring algorithm."""
+    k, rank = world.world_size, world.rank
+    if k == 1 or flat.numel() == 0:
+        return
+    transport = transport if transport is not None else DistTransport()
+    chunks = flat.split(chunk_sizes(flat.numel(), k))  # views into flat, each contiguous
+    right, left = (rank + 1) % k, (rank - 1) % k
+    # The one allocation: a receive buffer as large as the largest chunk (chunk 0).
+    scratch = torch.empty(chunks[0].numel(), dtype=flat.dtype, device=flat.device)
+
+    # Reduce-scatter. At step s rank r forwards chunk r-s (which it finished adding at step
+    # s-1) and receives chunk r-s-1 from the left, which it adds to its own copy.
+    for step in range(k - 1):
+        outgoing = chunks[(rank - step) % k]
+        incoming = chunks[(rank - step - 1) % k]
+        buf = scratch[: incoming.numel()]
+        transport.exchange(sends=_nonempty([(right, outgoing)]), recvs=_nonempty([(left, buf)]))
+        incoming.add_(buf)
+
+    # All-gather. Rank r now owns the finished chunk r+1; at step s it forwards chunk r+1-s and
+    # receives chunk r-s straight into place (no scratch needed: nothing is added).
+    for step in range(k - 1):
+        outgoing = chunks[(rank + 1 - step) % k]
+        incoming = chunks[(rank - step) % k]
+        transport.exchange(sends=_nonempty([(right, outgoing)]), recvs=_nonempty([(left, incoming)]))

@@ -1,0 +1,73 @@
+"""Turn a `--devices` spec into the list of devices one run drives, one worker process each.
+
+Specs: `N` (N GPUs when CUDA is present, else N CPU workers), `cpu:N`, `cuda:0,1` (explicit GPU
+ids), `cuda:N` only as an id list (`cuda:1` is GPU 1). CPU workers are named cpu:0..cpu:N-1 for
+display; they all compute on `torch.device("cpu")`, each in its own process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.errors import UsageError
+
+
+@dataclass(frozen=True, kw_only=True)
+class DevicePlan:
+    names: tuple[str, ...]  # "cpu:0", "cuda:1", ...
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.names)
+
+    @property
+    def kind(self) -> str:
+        return self.names[0].split(":")[0]
+
+    def torch_device(self, index: int) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.names[index])
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(self.names) + "]"
+
+
+def parse_devices(spec: str | int, *, cuda_count: int | None = None) -> DevicePlan:
+    """Parse a spec; `cuda_count` defaults to what torch sees (passed explicitly in tests)."""
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    text = str(spec).strip().lower()
+    fix = "use --devices N, cpu:N or cuda:0,1"
+    if text.isdigit():
+        count = int(text)
+        if count < 1:
+            raise UsageError(f"--devices {spec} asks for no device; {fix} with N >= 1")
+        if cuda_count == 0:
+            return DevicePlan(names=tuple(f"cpu:{i}" for i in range(count)))
+        if count > cuda_count:
+            raise UsageError(
+                f"--devices {count} asks for {count} GPUs but {cuda_count} are present; "
+                f"use --devices {cuda_count} or --devices cpu:{count}"
+            )
+        return DevicePlan(names=tuple(f"cuda:{i}" for i in range(count)))
+    kind, _, rest = text.partition(":")
+    if kind == "cpu":
+        if not rest.isdigit() or int(rest) < 1:
+            raise UsageError(f"--devices {spec!r} is not a CPU worker count; write cpu:N with N >= 1")
+        return DevicePlan(names=tuple(f"cpu:{i}" for i in range(int(rest))))
+    if kind == "cuda":
+        parts = [p.strip() for p in rest.split(",")] if rest else []
+        if not parts or not all(p.isdigit() for p in parts):
+            raise UsageError(f"--devices {spec!r} names no GPU ids; write cuda:0 or cuda:0,1")
+        ids = [int(p) for p in parts]
+        if len(set(ids)) != len(ids):
+            raise UsageError(f"--devices {spec!r} repeats a GPU id; list each GPU once")
+        missing = [i for i in ids if i >= cuda_count]
+        if missing:
+            raise UsageError(
+                f"--devices {spec!r} asks for GPU {missing[0]} but {cuda_count} GPUs are present"
+                f" (ids 0..{cuda_count - 1}); {'use cpu:N' if cuda_count == 0 else 'pick present ids'}"
+            )
+        return DevicePlan(names=tuple(f"cuda:{i}" for i in ids))
+    raise UsageError(f"--devices {spec!r} is not understood; {fix}")

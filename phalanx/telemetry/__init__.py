@@ -1,0 +1,11 @@
+"""Telemetry: rank-0 logging, the progress bar, per-epoch metrics (JSONL) and the accuracy plot.
+
+Knows nothing of ranks beyond the `enabled` flags it is given: callers decide who reports.
+"""
+
+from phalanx.telemetry.log import RankZeroLog
+from phalanx.telemetry.metrics import MetricsFile
+from phalanx.telemetry.plot import plot_accuracy
+from phalanx.telemetry.progress import ProgressBar
+
+__all__ = ["RankZeroLog", "MetricsFile", "plot_accuracy", "ProgressBar"]

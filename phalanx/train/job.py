@@ -1,0 +1,129 @@
+"""One worker's whole training job: data, replica, epochs, evaluation, outputs (rank 0 writes).
+
+`train_worker` runs identically in every process - spawned by `phalanx.launch`, started by
+torchrun, or alone for one device. Rank 0 reports and writes `--out`: metrics.jsonl after every
+epoch, accuracy.png, and model.pt (the final `state_dict`, loadable with weights_only=True).
+All writes are atomic, and they happen before teardown so an exit-time abort cannot lose them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from phalanx.atomic import atomic_write_bytes
+from phalanx.data import load_dataset
+from phalanx.models import build_model
+from phalanx.parallel import DataParallel
+from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, plot_accuracy
+from phalanx.train.config import TrainConfig
+from phalanx.train.evaluate import evaluate
+from phalanx.train.loop import train_epoch
+from phalanx.world import World
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outputs:
+    """Paths under --out; created by rank 0 only once training actually starts."""
+
+    out_dir: Path
+
+    @property
+    def metrics(self) -> Path:
+        return self.out_dir / "metrics.jsonl"
+
+    @property
+    def accuracy_png(self) -> Path:
+        return self.out_dir / "accuracy.png"
+
+    @property
+    def model(self) -> Path:
+        return self.out_dir / "model.pt"
+
+
+def save_state_dict(path: Path, module: torch.nn.Module) -> None:
+    buffer = io.BytesIO()
+    torch.save({k: v.detach().cpu() for k, v in module.state_dict().items()}, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
+    log = RankZeroLog(enabled=world.is_main)
+    devices_text = "[" + ", ".join(device_names) + "]"
+    data = load_dataset(config.dataset, config.data_dir, log=log)
+    train_images = data.train_images.to(world.device)
+    train_labels = data.train_labels.to(world.device)
+    test_images = data.test_images.to(world.device)
+    test_labels = data.test_labels.to(world.device)
+
+    torch.manual_seed(config.seed)  # same init everywhere; the broadcast makes it a guarantee
+    model = build_model(config.model, init=config.init, num_classes=data.num_classes)
+    model = model.to(getattr(torch, config.dtype))
+    dp = DataParallel(model, world=world, algorithm=config.allreduce)
+    optimizer = torch.optim.SGD(dp.module.parameters(), lr=config.lr)
+
+    outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir else None
+    metrics = None
+    if outputs is not None and world.is_main:
+        os.makedirs(outputs.out_dir, exist_ok=True)
+        metrics = MetricsFile(outputs.metrics)
+    log(
+        f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
+        f"{data.test_images.shape[0]} test images) on {devices_text}: global batch "
+        f"{config.global_batch_size}, lr {config.lr}, allreduce {config.allreduce}"
+    )
+
+    history: list[dict[str, Any]] = []
+    for epoch in range(config.epochs):
+        bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
+        stats = train_epoch(
+            dp,
+            optimizer,
+            train_images,
+            train_labels,
+            world=world,
+            global_batch_size=config.global_batch_size,
+            seed=config.seed,
+            epoch=epoch,
+            on_step=bar.update,
+        )
+        bar.close()
+        test_acc = evaluate(dp.module, test_images, test_labels, world=world, batch_size=config.eval_batch_size)
+        row = {
+            "epoch": epoch + 1,
+            "train_loss": stats.train_loss,
+            "train_acc": stats.train_acc,
+            "test_acc": test_acc,
+            "epoch_s": stats.elapsed_s,
+            "images_per_s": stats.num_examples / stats.elapsed_s,
+            "devices": list(device_names),
+            "global_batch_size": config.global_batch_size,
+            "lr": config.lr,
+            "allreduce": config.allreduce,
+            "dtype": config.dtype,
+        }
+        history.append(row)
+        log(
+            f"epoch {epoch + 1:3d}  loss {stats.train_loss:.4f}  train acc {stats.train_acc:.3f}  "
+            f"test acc {test_acc:.3f}  {stats.elapsed_s:.2f} s  {row['images_per_s']:.0f} img/s"
+        )
+        if metrics is not None:
+            metrics.append(row)
+
+    sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
+    if outputs is not None and world.is_main:
+        plot_accuracy(
+            outputs.accuracy_png,
+            epochs=[r["epoch"] for r in history],
+            test_acc=[r["test_acc"] for r in history],
+            train_acc=[r["train_acc"] for r in history],
+            title=f"{config.model} on {data.name}, {devices_text}",
+        )
+        save_state_dict(outputs.model, dp.module)
+    log(f"test acc: {history[-1]['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {devices_text}")
+    return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}

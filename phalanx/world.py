@@ -1,0 +1,123 @@
+"""The distributed state of one worker process: who it is, which device it drives, how it talks.
+
+`World` is the one object that carries rank, world size and device; it is passed by keyword to
+everything that communicates (no module globals). This module is also the only reader of the
+launcher's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, ... as set by torchrun or by
+`phalanx.launch`). A world of size 1 opens no process group: every collective is then a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import UsageError
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True, kw_only=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str  # "gloo" (CPU) or "nccl" (CUDA); "none" when world_size == 1
+    timeout_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"local_rank {self.local_rank} outside local world {self.local_world_size}")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class LauncherEnv:
+    """What an external launcher (torchrun) told this process through its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+
+def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None:
+    """Read torchrun-style variables; None when this process was not started by a launcher."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        world_size = int(env["WORLD_SIZE"])
+        return LauncherEnv(
+            rank=int(env["RANK"]),
+            world_size=world_size,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+        )
+    except ValueError as exc:
+        raise UsageError(f"launcher environment is malformed ({exc}); fix RANK/WORLD_SIZE/LOCAL_RANK") from None
+
+
+def start_world(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    device: torch.device,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+) -> World:
+    """Join the process group (TCP store rendezvous at master_addr:master_port) and pin the device.
+
+    `timeout_s` bounds every collective and point-to-point wait: a lost peer fails the run
+    instead of hanging it.
+    """
+    backend = "none"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return World(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+        backend=backend,
+        timeout_s=timeout_s,
+    )
+
+
+def stop_world(world: World | None) -> None:
+    """Leave the process group; safe to call twice or on a world that never started."""
+    if world is not None and world.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,70 @@
+"""The worker harness itself: results come back by rank, the known exit-time gloo abort is
+tolerated, and a worker that raises, dies or hangs fails the test fast with every child killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import resource
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed.harness import WorkersFailed, run_workers
+
+pytestmark = pytest.mark.distributed
+
+
+def _abort_without_core_dump() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.abort()
+
+
+def report_then_abort_at_exit(world, offset):
+    """Rank 1 imitates gloo's exit-time abort: SIGABRT after its result was delivered."""
+    if world.rank == 1:
+        atexit.register(_abort_without_core_dump)
+    total = torch.tensor([float(world.rank)])
+    dist.all_reduce(total)
+    return world.rank + offset, world.world_size, total
+
+
+def raise_or_die(world):
+    if world.rank == 0:
+        raise ValueError("boom from rank 0")
+    os._exit(3)  # dies without a result or a traceback
+
+
+def hang(world):
+    if world.rank == 0:
+        dist.recv(torch.zeros(1), src=1)  # never sent
+    else:
+        time.sleep(3600)
+
+
+def test_results_by_rank_and_exit_time_abort_tolerated():
+    with pytest.warns(UserWarning, match="rank 1 aborted"):
+        results = run_workers(report_then_abort_at_exit, 2, 10)
+    assert [r[:2] for r in results] == [(10, 2), (11, 2)]
+    assert all(torch.equal(r[2], torch.tensor([1.0])) for r in results)
+
+
+def test_raising_or_dying_worker_fails_with_its_traceback():
+    with pytest.raises(WorkersFailed) as failure:
+        run_workers(raise_or_die, 2, timeout_s=60)
+    message = str(failure.value)
+    assert "--- rank 0 ---" in message and "ValueError: boom from rank 0" in message
+    assert "--- rank 1 ---" in message and "exit code 3" in message
+    assert not mp.active_children()
+
+
+def test_hung_worker_is_killed_at_timeout():
+    started = time.monotonic()
+    with pytest.raises(WorkersFailed, match="no result within timeout_s=8"):
+        run_workers(hang, 2, timeout_s=8)
+    assert time.monotonic() - started < 20
+    assert not mp.active_children()

@@ -1,0 +1,233 @@
+"""phalanx.comm without processes: chunking, the tree's schedule, name validation, size-1 no-ops,
+and the hand-written algorithms run in threads over an in-memory transport for world sizes 1..9.
+"""
+
+from __future__ import annotations
+
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from phalanx.comm import ALGORITHMS, AsyncComm, all_reduce_sum_, allreduce, allreduce_fn, broadcast_
+from phalanx.comm.naive import allreduce_naive
+from phalanx.comm.ring import allreduce_ring, chunk_sizes
+from phalanx.comm.tree import allreduce_tree, doubling_partners, fold_partner, largest_power_of_two
+from phalanx.world import World
+
+P2P_ALGORITHMS = {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive}
+SIZES = [0, 1, 2, 3, 7, 13, 100]
+
+
+def make_world(rank: int, world_size: int) -> World:
+    return World(
+        rank=rank,
+        world_size=world_size,
+        local_rank=rank,
+        local_world_size=world_size,
+        device=torch.device("cpu"),
+        backend="gloo" if world_size > 1 else "none",
+        timeout_s=5.0,
+    )
+
+
+class Mailbox:
+    """In-memory point-to-point network for k threads: one FIFO per (src, dst) pair.
+
+    Sends are buffered (copied at send time), so only a schedule that receives a message nobody
+    sends can block; that shows up as `queue.Empty` after the timeout instead of a hang.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.queues = {(s, d): queue.Queue() for s in range(world_size) for d in range(world_size)}
+        self.sent_numel = [0] * world_size  # elements each rank sent, to check bandwidth claims
+        self.steps = [0] * world_size  # exchanges each rank took part in
+
+    def transport(self, rank: int) -> "FakeTransport":
+        return FakeTransport(self, rank)
+
+
+class FakeTransport:
+    def __init__(self, mailbox: Mailbox, rank: int) -> None:
+        self.mailbox, self.rank = mailbox, rank
+
+    def exchange(self, *, sends=(), recvs=()) -> None:
+        self.mailbox.steps[self.rank] += 1
+        for peer, buf in [*sends, *recvs]:
+            assert peer != self.rank, "message to self"
+            assert buf.numel() > 0, "empty transfers must be skipped on both sides"
+            assert buf.is_contiguous()
+        for peer, buf in sends:
+            self.mailbox.sent_numel[self.rank] += buf.numel()
+            self.mailbox.queues[(self.rank, peer)].put(buf.clone())
+        for peer, buf in recvs:
+            message = self.mailbox.queues[(peer, self.rank)].get(timeout=5)
+            assert message.shape == buf.shape, f"rank {self.rank} got {message.shape} from {peer}, expected {buf.shape}"
+            buf.copy_(message)
+
+
+def simulate(fn, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], Mailbox]:
+    """Run `fn` on every rank's copy of its input, one thread per rank; return the outputs."""
+    k = len(inputs)
+    mailbox = Mailbox(k)
+    outputs = [x.clone() for x in inputs]
+    with ThreadPoolExecutor(max_workers=k) as pool:
+        futures = [
+            pool.submit(fn, outputs[r], world=make_world(r, k), transport=mailbox.transport(r)) for r in range(k)
+        ]
+        for future in futures:
+            future.result()
+    for k_queue in mailbox.queues.values():
+        assert k_queue.empty(), "a message was sent but never received"
+    return outputs, mailbox
+
+
+def rank_inputs(world_size: int, numel: int, dtype=torch.float64) -> list[torch.Tensor]:
+    gens = [torch.Generator().manual_seed(1000 + r) for r in range(world_size)]
+    return [torch.randn(numel, generator=g, dtype=torch.float64).to(dtype) for g in gens]
+
+
+# --- chunking -------------------------------------------------------------------------------
+
+
+@given(numel=st.integers(0, 10_000), parts=st.integers(1, 64))
+def test_chunk_sizes_cover_and_balance(numel, parts):
+    sizes = chunk_sizes(numel, parts)
+    assert len(sizes) == parts
+    assert sum(sizes) == numel
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # chunk 0 is the largest: the ring's scratch size
+
+
+def test_chunk_sizes_small_tensor_leaves_empty_chunks():
+    assert chunk_sizes(2, 4) == [1, 1, 0, 0]
+    assert chunk_sizes(0, 3) == [0, 0, 0]
+    assert chunk_sizes(10, 3) == [4, 3, 3]
+
+
+@pytest.mark.parametrize("numel, parts", [(5, 0), (-1, 2)])
+def test_chunk_sizes_rejects_bad_arguments(numel, parts):
+    with pytest.raises(ValueError):
+        chunk_sizes(numel, parts)
+
+
+# --- the tree's schedule --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world_size", range(1, 10))
+def test_tree_schedule_is_symmetric(world_size):
+    p = largest_power_of_two(world_size)
+    assert p <= world_size < 2 * p and p & (p - 1) == 0
+    steps = p.bit_length() - 1
+    for rank in range(world_size):
+        partners = doubling_partners(rank, world_size)
+        assert len(partners) == (steps if rank < p else 0)
+        for step, peer in enumerate(partners):
+            assert 0 <= peer < p
+            assert doubling_partners(peer, world_size)[step] == rank  # both sides meet
+        folded = fold_partner(rank, world_size)
+        if folded is not None:
+            assert fold_partner(folded, world_size) == rank
+            assert (rank < p) != (folded < p)  # one inside the group, one extra
+    extras = [r for r in range(world_size) if r >= p]
+    assert sorted(fold_partner(r, world_size) for r in extras) == list(range(world_size - p))
+
+
+def test_largest_power_of_two_rejects_empty_world():
+    with pytest.raises(ValueError):
+        largest_power_of_two(0)
+
+
+# --- the algorithms, simulated in threads ---------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", sorted(P2P_ALGORITHMS))
+@pytest.mark.parametrize("world_size", range(1, 10))
+def test_simulated_allreduce_matches_sum_bitwise_identical(algorithm, world_size):
+    for numel in SIZES:
+        inputs = rank_inputs(world_size, numel)
+        outputs, _ = simulate(P2P_ALGORITHMS[algorithm], inputs)
+        expected = torch.stack(inputs).sum(0) if numel else torch.empty(0, dtype=torch.float64)
+        for rank, out in enumerate(outputs):
+            torch.testing.assert_close(out, expected, msg=lambda m: f"rank {rank}, numel {numel}: {m}")
+            assert torch.equal(out, outputs[0]), f"rank {rank} differs from rank 0 (numel {numel})"
+
+
+@pytest.mark.parametrize("world_size", range(1, 10))
+def test_simulated_allreduce_exact_on_integers(world_size):
+    inputs = [torch.arange(13, dtype=torch.int64) * (r + 1) for r in range(world_size)]
+    expected = torch.arange(13, dtype=torch.int64) * (world_size * (world_size + 1) // 2)
+    for fn in P2P_ALGORITHMS.values():
+        outputs, _ = simulate(fn, inputs)
+        for out in outputs:
+            assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 7])
+def test_ring_sends_2_k_minus_1_over_k_of_the_tensor(world_size):
+    numel = 1000
+    _, mailbox = simulate(allreduce_ring, rank_inputs(world_size, numel))
+    largest_chunk = -(-numel // world_size)
+    for rank in range(world_size):
+        assert mailbox.steps[rank] == 2 * (world_size - 1)
+        assert mailbox.sent_numel[rank] <= 2 * (world_size - 1) * largest_chunk
+    assert sum(mailbox.sent_numel) == 2 * (world_size - 1) * numel  # each chunk goes k-1 hops, twice
+
+
+@pytest.mark.parametrize("world_size, steps_in_group", [(2, 1), (4, 2), (8, 3), (5, 4), (7, 4)])
+def test_tree_takes_log2_steps(world_size, steps_in_group):
+    _, mailbox = simulate(allreduce_tree, rank_inputs(world_size, 10))
+    # Rank 0 always has a group of p ranks; with extras it adds the fold-in and the send-back.
+    assert mailbox.steps[0] == steps_in_group
+
+
+# --- the public entry points ----------------------------------------------------------------
+
+
+def test_algorithm_names_are_validated():
+    assert set(ALGORITHMS) == {"native", "ring", "tree", "naive"}
+    for name in ALGORITHMS:
+        assert callable(allreduce_fn(name))
+    with pytest.raises(ValueError, match="native, ring, tree, naive"):
+        allreduce_fn("butterfly")
+    with pytest.raises(ValueError, match="butterfly"):
+        allreduce(torch.ones(2), world=make_world(0, 1), algorithm="butterfly")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_world_of_one_is_a_no_op(algorithm):
+    assert not dist.is_initialized()  # nothing may need a process group
+    world = make_world(0, 1)
+    base = torch.arange(12.0).view(3, 4)
+    tensor = base.t()  # non-contiguous
+    before = tensor.clone()
+    assert allreduce(tensor, world=world, algorithm=algorithm) is tensor
+    assert torch.equal(tensor, before)
+    flat = torch.arange(5.0)
+    # The raw algorithm functions are no-ops on their own, too.
+    allreduce_fn(algorithm)(flat, world=world)
+    assert torch.equal(flat, torch.arange(5.0))
+    assert broadcast_(tensor, world=world) is tensor
+    assert all_reduce_sum_(tensor, world=world) is tensor
+    assert torch.equal(tensor, before)
+
+
+def test_broadcast_source_is_validated():
+    with pytest.raises(ValueError, match="source rank 1"):
+        broadcast_(torch.ones(2), world=make_world(0, 1), src=1)
+
+
+def test_async_on_world_of_one_completes_at_once_and_waits_once():
+    with AsyncComm(world=make_world(0, 1)) as comm:
+        tensor = torch.arange(6.0).view(2, 3).t()
+        handle = comm.allreduce_async(tensor, algorithm="ring")
+        assert not handle.waited
+        assert handle.wait() is tensor and torch.equal(tensor, torch.arange(6.0).view(2, 3).t())
+        with pytest.raises(AssertionError, match="waited twice"):
+            handle.wait()
+        with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+            comm.allreduce_async(tensor, algorithm="bogus")

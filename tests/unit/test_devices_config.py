@@ -1,0 +1,74 @@
+"""Device specs and the training config: every bad value is refused with its number and a fix."""
+
+import pytest
+
+from phalanx.devices import parse_devices
+from phalanx.errors import UsageError
+from phalanx.train.config import TrainConfig
+
+
+def test_plain_count_uses_cpu_without_cuda():
+    plan = parse_devices("3", cuda_count=0)
+    assert plan.names == ("cpu:0", "cpu:1", "cpu:2")
+    assert plan.kind == "cpu" and plan.num_devices == 3
+    assert str(plan) == "[cpu:0, cpu:1, cpu:2]"
+
+
+def test_plain_count_uses_gpus_when_present():
+    assert parse_devices("2", cuda_count=4).names == ("cuda:0", "cuda:1")
+
+
+def test_explicit_forms():
+    assert parse_devices("cpu:4", cuda_count=8).names == tuple(f"cpu:{i}" for i in range(4))
+    assert parse_devices("cuda:1,3", cuda_count=4).names == ("cuda:1", "cuda:3")
+
+
+@pytest.mark.parametrize(
+    "spec, cuda_count, fragment",
+    [
+        ("0", 0, "no device"),
+        ("4", 2, "2 are present"),
+        ("cuda:0,1", 0, "0 GPUs are present"),
+        ("cuda:0,5", 2, "GPU 5"),
+        ("cuda:1,1", 2, "repeats"),
+        ("cpu:0", 0, "cpu:N"),
+        ("cpu:x", 0, "cpu:N"),
+        ("tpu:2", 0, "not understood"),
+    ],
+)
+def test_bad_device_specs(spec, cuda_count, fragment):
+    with pytest.raises(UsageError, match=fragment) as info:
+        parse_devices(spec, cuda_count=cuda_count)
+    assert "\n" not in str(info.value)
+
+
+def test_config_defaults_are_the_books():
+    config = TrainConfig()
+    assert (config.epochs, config.global_batch_size, config.lr, config.model) == (10, 256, 0.2, "lenet")
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"epochs": 0}, "--epochs 0"),
+        ({"lr": 0.0}, "--lr 0.0"),
+        ({"lr": -1.0}, "--lr -1.0"),
+        ({"lr": float("nan")}, "--lr nan"),
+        ({"global_batch_size": 0}, "--batch-size 0"),
+        ({"allreduce": "magic"}, "ring"),
+        ({"model": "vgg"}, "lenet"),
+        ({"dataset": "cifar"}, "fashion-mnist"),
+        ({"init": "xavier"}, "book"),
+        ({"threads_per_device": 0}, "threads"),
+        ({"timeout_s": 0}, "timeout"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        TrainConfig(**kwargs)
+
+
+def test_batch_smaller_than_device_count():
+    with pytest.raises(ValueError, match="smaller than the 4 devices"):
+        TrainConfig(global_batch_size=3).check_devices(4)
+    TrainConfig(global_batch_size=4).check_devices(4)
