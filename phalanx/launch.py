@@ -1,24 +1,28 @@
 """Start the workers of a run: spawn k local processes, or join a job torchrun already started.
 
 A local run spawns one process per device (fresh interpreters, `spawn`), rendezvous on
-127.0.0.1 at a free port, and supervises them: the first worker that fails takes the others
-down with it (no orphans, no hang), and its message reaches the user. A worker reports its
-result *before* leaving the process group, so the rare gloo abort at process exit (BASELINES.md:
-~1 in 80 runs, SIGABRT after destroy_process_group) cannot turn a finished run into a failure.
-CPU workers get `cores / k` threads and an allocator setting that keeps freed activations
-mapped (BASELINES.md: page faults cost 6-13% of a batch-256 step, up to 1.5x at batch 1024).
+127.0.0.1 at a free port, and supervises them: each worker sends its result (or its error)
+through its own pipe, the first failure takes every worker down (SIGTERM, then SIGKILL; all
+joined, so no orphans and no zombies), and the message names the rank and what happened. A
+worker delivers its result *before* leaving the process group, so the rare gloo abort at process
+exit (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot turn a finished
+run into a failure. CPU workers get `cores / k` threads and an allocator setting that keeps freed
+activations mapped (BASELINES.md: page faults cost 6-13% of a batch-256 step, up to 1.5x at 1024).
+The distributed tests start their workers through this same code (tests/distributed/harness.py).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.connection
 import os
-import queue as queue_module
+import pickle
 import signal
 import socket
+import time
 import traceback
+import warnings
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any, Callable
 
 import torch
@@ -29,17 +33,33 @@ from phalanx.world import World, launcher_env, start_world, stop_world
 
 # glibc reads these at process start: keep large blocks on the heap instead of mmap/munmap per step.
 CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+# After a first failure, keep listening this long for the other ranks' reports: the first one to
+# arrive is often a secondary "connection closed" from a peer of the rank that really broke.
+ERROR_GRACE_S = 1.0
+# How long a terminated worker gets to exit on SIGTERM before it is killed.
+TERMINATE_GRACE_S = 3.0
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process failed; the message names the rank and what happened."""
+    """A worker raised, died or hung; line one names the rank, then every report collected."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchSpec:
     plan: DevicePlan
-    threads_per_device: int | None = None
-    timeout_s: float = 120.0
+    threads_per_device: int | None = None  # CPU threads per worker; None = cores / local workers
+    timeout_s: float = 120.0  # bound on every collective (the process group's timeout)
+    # Bound on the whole spawned run, teardown included. None for training, which relies on
+    # timeout_s; tests set it so a hung worker fails in seconds. Not enforced in-process/torchrun.
+    deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.threads_per_device is not None and self.threads_per_device < 1:
+            raise ValueError(f"threads_per_device {self.threads_per_device} must be at least 1")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s {self.timeout_s} must be a positive number of seconds")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"deadline_s {self.deadline_s} must be positive seconds or None")
 
 
 def available_cores() -> int:
@@ -54,6 +74,7 @@ def default_threads(local_workers: int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it: bind to port 0)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -62,22 +83,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
     """Run `fn(world, *args)` on every device of the plan; return the results by rank.
 
-    Under torchrun only this process's result is returned (a list of one).
+    Spawned workers must get a module-level `fn` (spawn pickles it by name) and return something
+    picklable. A worker's `UsageError` is raised here as `UsageError`; any other failure as
+    `WorkerFailed`. Under torchrun only this process's result is returned (a list of one); with
+    one device `fn` runs in this process and its exceptions propagate unchanged.
     """
     env = launcher_env()
     if env is not None:
         device = torch.device(f"cuda:{env.local_rank}") if spec.plan.kind == "cuda" else torch.device("cpu")
         _set_threads(device, spec.threads_per_device or default_threads(env.local_world_size))
-        world = start_world(
-            rank=env.rank,
-            world_size=env.world_size,
-            local_rank=env.local_rank,
-            local_world_size=env.local_world_size,
-            device=device,
-            master_addr=env.master_addr,
-            master_port=env.master_port,
-            timeout_s=spec.timeout_s,
-        )
+        world = start_world(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                            local_world_size=env.local_world_size, device=device,
+                            master_addr=env.master_addr, master_port=env.master_port, timeout_s=spec.timeout_s,
+                            from_launcher_env=True)
         try:
             return [fn(world, *args)]
         finally:
@@ -96,121 +114,152 @@ def _set_threads(device: torch.device, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, results) -> None:
-    world = None
+def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn) -> None:
+    """One spawned worker: join the world, run fn, send one report, then leave the world."""
+    world, exit_code = None, 0
     try:
         device = spec.plan.torch_device(rank)
         _set_threads(device, spec.threads_per_device or default_threads(spec.plan.num_devices))
-        world = start_world(
-            rank=rank,
-            world_size=spec.plan.num_devices,
-            local_rank=rank,
-            local_world_size=spec.plan.num_devices,
-            device=device,
-            master_addr="127.0.0.1",
-            master_port=port,
-            timeout_s=spec.timeout_s,
-        )
-        result = fn(world, *args)
-        results.put(("ok", rank, result))
-        # Flush the result into the pipe now, before teardown, which is where gloo may abort.
-        results.close()
-        results.join_thread()
+        world = start_world(rank=rank, world_size=spec.plan.num_devices, local_rank=rank,
+                            local_world_size=spec.plan.num_devices, device=device,
+                            master_addr="127.0.0.1", master_port=port, timeout_s=spec.timeout_s)
+        # Pickle here, not in a queue's feeder thread, so an unpicklable result is reported as
+        # this worker's error instead of being lost; plain pickle copies tensor data into the
+        # bytes (no shared-memory handles that would die with this process).
+        report = pickle.dumps(("ok", fn(world, *args)))
     except UsageError as exc:
-        results.put(("usage", rank, str(exc)))
-        raise SystemExit(2)
-    except KeyboardInterrupt:
-        raise SystemExit(130)
-    except BaseException as exc:  # report, then die non-zero: the parent stops the others
-        results.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        raise SystemExit(1)
-    finally:
+        report, exit_code = pickle.dumps(("usage", str(exc))), 2
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        report, exit_code = pickle.dumps(("error", summary, traceback.format_exc())), 1
+    try:
+        # Deliver before teardown: send_bytes returns once the whole report is in the pipe, so an
+        # abort inside destroy_process_group or at interpreter exit can no longer lose it.
+        conn.send_bytes(report)
+        conn.close()
+    except OSError:
+        pass  # the parent is gone (interrupted): nobody is left to tell
+    try:
         stop_world(world)
+    finally:
+        if exit_code:
+            raise SystemExit(exit_code)
 
 
 def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
     extra_env = dict(CPU_ALLOCATOR_ENV) if spec.plan.kind == "cpu" else {}
     saved = {k: os.environ.get(k) for k in extra_env}
-    procs = []
+    procs, conns = [], []
     try:
-        for key, value in extra_env.items():
-            os.environ.setdefault(key, value)  # a user's own setting wins
-        for rank in range(spec.plan.num_devices):
-            proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, port, results), daemon=False)
-            proc.start()
-            procs.append(proc)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    try:
-        return _supervise(procs, results)
-    finally:
+        try:
+            for key, value in extra_env.items():
+                os.environ.setdefault(key, value)  # a user's own setting wins
+            for rank in range(spec.plan.num_devices):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, port, child_end),
+                                   name=f"phalanx-worker-{rank}")
+                proc.start()
+                child_end.close()  # keep only the child's copy, so its death reads as EOF here
+                procs.append(proc)
+                conns.append(parent_end)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        return _supervise(procs, conns, spec)
+    finally:  # failure, deadline, KeyboardInterrupt: take every child down and reap it
         _terminate(procs)
+        for conn in conns:
+            conn.close()
 
 
-def _supervise(procs, results) -> list[Any]:
-    outcome: dict[int, tuple[str, Any]] = {}
-    while True:
-        _drain(results, outcome)
-        alive = [p for p in procs if p.exitcode is None]
-        for rank, proc in enumerate(procs):
-            code = proc.exitcode
-            if code is None or code == 0:
-                continue
-            _drain(results, outcome)
-            status = outcome.get(rank, (None, None))
-            if status[0] == "ok" and code == -signal.SIGABRT:
-                continue  # finished, then hit the known exit-time gloo abort: the work is done
-            _terminate(procs)
-            _drain(results, outcome)
-            usage = [msg for kind, msg in outcome.values() if kind == "usage"]
-            if usage:
-                raise UsageError(usage[0])
-            errors = [(r, msg) for r, (kind, msg) in sorted(outcome.items()) if kind == "error"]
-            if errors:
-                first_rank, message = errors[0]
-                raise WorkerFailed(f"worker rank {first_rank} failed: {message}")
-            raise WorkerFailed(f"worker rank {rank} died ({_describe_exit(code)}) before finishing")
-        if not alive:
+def _supervise(procs, conns, spec: LaunchSpec) -> list[Any]:
+    deadline = None if spec.deadline_s is None else time.monotonic() + spec.deadline_s
+    reports: dict[int, tuple] = {}  # rank -> ("ok", result) | ("usage", msg) | ("error", line, tb)
+    first_failure: int | None = None
+    give_up_at = deadline
+    pending = set(range(len(procs)))
+    while pending:
+        timeout = None if give_up_at is None else give_up_at - time.monotonic()
+        if timeout is not None and timeout <= 0:
             break
-        mp.connection.wait([p.sentinel for p in alive], timeout=0.5)
-    _drain(results, outcome)
-    missing = [r for r in range(len(procs)) if outcome.get(r, (None,))[0] != "ok"]
-    if missing:
-        raise WorkerFailed(f"worker rank {missing[0]} exited without reporting a result")
-    return [outcome[r][1] for r in range(len(procs))]
+        # Sentinels too: a worker whose pipe a forked grandchild still holds open gives no EOF.
+        ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout))
+        for rank in sorted(r for r in pending if conns[r] in ready or procs[r].sentinel in ready):
+            report = _read_report(procs[rank], conns[rank])
+            pending.discard(rank)
+            reports[rank] = report
+            if report[0] != "ok" and first_failure is None:
+                first_failure = rank
+                grace_end = time.monotonic() + ERROR_GRACE_S
+                give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
+    if first_failure is None and pending:
+        first_failure = min(pending)
+        for rank in sorted(pending):
+            reports[rank] = ("error", f"gave no result within the {spec.deadline_s:g} s deadline (hung?)", "")
+    if first_failure is None:
+        _await_exit(procs, reports, deadline or time.monotonic() + spec.timeout_s)
+        first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
+    if first_failure is None:
+        return [reports[rank][1] for rank in range(len(procs))]
+    usage = [report[1] for _, report in sorted(reports.items()) if report[0] == "usage"]
+    if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
+        raise UsageError(usage[0])
+    failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
+    sections = [f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}" for rank, report in failed.items()]
+    raise WorkerFailed(f"worker rank {first_failure} failed: {reports[first_failure][1]}\n" + "\n".join(sections))
 
 
-def _drain(results, outcome: dict) -> None:
-    while True:
-        try:
-            kind, rank, payload = results.get_nowait()
-        except queue_module.Empty:
-            return
-        outcome[rank] = (kind, payload)
+def _read_report(proc, conn) -> tuple:
+    """This worker's report, or a report of its death (all it sent is in the pipe once it exits)."""
+    try:
+        if conn.poll(0):
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        pass  # the pipe closed without a report: the worker is dead, or about to be
+    except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
+        return ("error", f"result could not be unpickled: {type(exc).__name__}: {exc}", traceback.format_exc())
+    proc.join(1)
+    if proc.exitcode is None:
+        return ("error", "closed its result pipe but kept running", "")
+    if proc.exitcode < 0:
+        return ("error", f"died ({_describe_signal(-proc.exitcode)})", "")
+    return ("error", f"exited with code {proc.exitcode} without a result", "")
 
 
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
+def _await_exit(procs, reports: dict, deadline: float) -> None:
+    """Every result is in: judge how each worker then exited (SIGABRT here is gloo's, tolerated)."""
+    for rank, proc in enumerate(procs):
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.exitcode is None:
+            reports[rank] = ("error", "delivered its result but did not exit in time (hung in teardown?)", "")
+        elif proc.exitcode == -signal.SIGABRT:
+            warnings.warn(f"worker rank {rank} aborted (SIGABRT) after delivering its result: "
+                          "the known gloo exit-time abort; its result is kept")
+        elif proc.exitcode != 0:
+            reports[rank] = ("error", f"delivered its result but then exited with code {proc.exitcode}", "")
 
 
-def _terminate(procs, grace_s: float = 5.0) -> None:
+def _describe_signal(signum: int) -> str:
+    try:
+        return f"signal {signal.Signals(signum).name}"
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _terminate(procs) -> None:
+    """SIGTERM every live worker, SIGKILL what is left after the grace, and reap them all."""
     for proc in procs:
         if proc.exitcode is None:
             proc.terminate()
+    give_up_at = time.monotonic() + TERMINATE_GRACE_S
     for proc in procs:
-        proc.join(timeout=grace_s)
+        proc.join(max(0.0, give_up_at - time.monotonic()))
+    for proc in procs:
         if proc.exitcode is None:
             proc.kill()
-            proc.join(timeout=grace_s)
+            proc.join()

@@ -87,11 +87,14 @@ def start_world(
     master_addr: str,
     master_port: int,
     timeout_s: float,
+    from_launcher_env: bool = False,
 ) -> World:
     """Join the process group (TCP store rendezvous at master_addr:master_port) and pin the device.
 
     `timeout_s` bounds every collective and point-to-point wait: a lost peer fails the run
-    instead of hanging it.
+    instead of hanging it. Under torchrun (`from_launcher_env`) the rendezvous is `env://`:
+    torchrun's agent already hosts the store at MASTER_PORT, and `tcp://` would make rank 0 try
+    to host a second one there.
     """
     backend = "none"
     if device.type == "cuda":
@@ -100,7 +103,7 @@ def start_world(
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            init_method="env://" if from_launcher_env else f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -1,5 +1,6 @@
-"""The worker harness itself: results come back by rank, the known exit-time gloo abort is
-tolerated, and a worker that raises, dies or hangs fails the test fast with every child killed.
+"""The worker harness (and through it the launcher): results come back by rank, the known
+exit-time gloo abort is tolerated, and a worker that raises, dies or hangs fails the test fast
+with every child killed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def report_then_abort_at_exit(world, offset):
         atexit.register(_abort_without_core_dump)
     total = torch.tensor([float(world.rank)])
     dist.all_reduce(total)
-    return world.rank + offset, world.world_size, total
+    env = {key: os.environ.get(key) for key in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_")}
+    return world.rank + offset, world.world_size, total, torch.get_num_threads(), env
 
 
 def raise_or_die(world):
@@ -46,25 +48,34 @@ def hang(world):
         time.sleep(3600)
 
 
-def test_results_by_rank_and_exit_time_abort_tolerated():
+def test_results_by_rank_and_exit_time_abort_tolerated(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "7")  # the user's own allocator setting must win
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
     with pytest.warns(UserWarning, match="rank 1 aborted"):
         results = run_workers(report_then_abort_at_exit, 2, 10)
     assert [r[:2] for r in results] == [(10, 2), (11, 2)]
     assert all(torch.equal(r[2], torch.tensor([1.0])) for r in results)
+    assert [r[3] for r in results] == [1, 1]  # one thread per worker
+    assert all(r[4] == {"MALLOC_MMAP_MAX_": "7", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)} for r in results)
+    assert "MALLOC_TRIM_THRESHOLD_" not in os.environ  # the parent's environment is restored
 
 
 def test_raising_or_dying_worker_fails_with_its_traceback():
     with pytest.raises(WorkersFailed) as failure:
         run_workers(raise_or_die, 2, timeout_s=60)
     message = str(failure.value)
-    assert "--- rank 0 ---" in message and "ValueError: boom from rank 0" in message
-    assert "--- rank 1 ---" in message and "exit code 3" in message
+    first_line = message.splitlines()[0]
+    assert first_line.startswith("raise_or_die on 2 workers: worker rank ")
+    assert ("rank 0 failed: ValueError: boom from rank 0" in first_line
+            or "rank 1 failed: exited with code 3 without a result" in first_line), first_line
+    assert "--- rank 0 ---\nTraceback" in message and "ValueError: boom from rank 0" in message
+    assert "--- rank 1 ---\nexited with code 3 without a result" in message
     assert not mp.active_children()
 
 
-def test_hung_worker_is_killed_at_timeout():
+def test_hung_worker_is_killed_at_deadline():
     started = time.monotonic()
-    with pytest.raises(WorkersFailed, match="no result within timeout_s=8"):
+    with pytest.raises(WorkersFailed, match="worker rank 0 failed: gave no result within the 8 s deadline"):
         run_workers(hang, 2, timeout_s=8)
     assert time.monotonic() - started < 20
     assert not mp.active_children()

@@ -1,0 +1,94 @@
+"""The launcher's failure contract beyond the harness's: no child outlives a failed run (even one
+that ignores SIGTERM), a worker's UsageError stays one line, an unpicklable result or a killed
+worker is reported by rank, and the in-process paths (one device, torchrun) spawn nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from phalanx.devices import parse_devices
+from phalanx.errors import UsageError
+from phalanx.launch import LaunchSpec, WorkerFailed, launch
+
+
+def _spec(world_size: int, **overrides) -> LaunchSpec:
+    fields = dict(plan=parse_devices(f"cpu:{world_size}", cuda_count=0), threads_per_device=1, timeout_s=30.0,
+                  deadline_s=60.0)
+    return LaunchSpec(**{**fields, **overrides})
+
+
+def record_pid_then_fail(world, pid_dir):
+    (pid_dir / f"{world.rank}.pid").write_text(str(os.getpid()))
+    dist.barrier()  # both pids are on disk before anyone fails
+    if world.rank == 0:
+        raise ValueError("rank 0 gives up")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL can stop this one
+    time.sleep(3600)
+
+
+def unpicklable_or_killed(world):
+    if world.rank == 0:
+        return threading.Lock()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def usage_error_on_rank_1(world):
+    if world.rank == 1:
+        raise UsageError("--thing 3 is too big; use --thing 2")
+    dist.barrier()  # fails once rank 1 is gone: a secondary error the user must not see
+
+
+@pytest.mark.distributed
+def test_no_child_survives_a_failure(tmp_path):
+    with pytest.raises(WorkerFailed) as failure:
+        launch(record_pid_then_fail, tmp_path, spec=_spec(2))
+    assert str(failure.value).splitlines()[0] == "worker rank 0 failed: ValueError: rank 0 gives up"
+    pids = [int((tmp_path / f"{rank}.pid").read_text()) for rank in range(2)]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):  # reaped, not a zombie
+            os.kill(pid, 0)
+
+
+@pytest.mark.distributed
+def test_unpicklable_result_and_killed_worker_are_reported():
+    with pytest.raises(WorkerFailed) as failure:
+        launch(unpicklable_or_killed, spec=_spec(2))
+    message = str(failure.value)
+    assert "--- rank 0 ---" in message and "cannot pickle" in message
+    assert "--- rank 1 ---\ndied (signal SIGKILL)" in message
+
+
+@pytest.mark.distributed
+def test_worker_usage_error_is_one_line():
+    with pytest.raises(UsageError) as failure:
+        launch(usage_error_on_rank_1, spec=_spec(2))
+    assert str(failure.value) == "--thing 3 is too big; use --thing 2"
+
+
+def where_am_i(world, tag):
+    return tag, os.getpid(), world.rank, world.world_size, world.backend
+
+
+def test_one_device_and_torchrun_run_in_process(monkeypatch):
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)  # keep this test process's threads
+    assert launch(where_am_i, "solo", spec=_spec(1)) == [("solo", os.getpid(), 0, 1, "none")]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun decides the world, whatever the plan says
+    assert launch(where_am_i, "torchrun", spec=_spec(2)) == [("torchrun", os.getpid(), 0, 1, "none")]
+
+
+def test_spec_validates_itself():
+    plan = parse_devices("cpu:2", cuda_count=0)
+    with pytest.raises(ValueError, match="deadline_s 0"):
+        LaunchSpec(plan=plan, deadline_s=0)
+    with pytest.raises(ValueError, match="threads_per_device 0"):
+        LaunchSpec(plan=plan, threads_per_device=0)
+    with pytest.raises(ValueError, match="timeout_s -1"):
+        LaunchSpec(plan=plan, timeout_s=-1)
