@@ -15,6 +15,7 @@ from pathlib import Path
 from phalanx.comm import ALGORITHMS
 from phalanx.errors import UsageError
 from phalanx.models import INITS, MODELS
+from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
 from phalanx.train.config import DATASETS, TrainConfig
 
 
@@ -42,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
     train.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--no-overlap", action="store_true",
+                       help="exchange gradients in one synchronous allreduce after backward "
+                            "(default: bucketed allreduces overlapped with backward)")
+    train.add_argument("--bucket-cap-mb", type=_bucket_cap, default=DEFAULT_BUCKET_CAP_MB,
+                       help=f"gradient bucket cap in MB with overlap, or 'none' for one bucket "
+                            f"(default {DEFAULT_BUCKET_CAP_MB})")
+    train.add_argument("--grad-accum", type=int, default=1,
+                       help="micro-batches per global batch; gradients are exchanged once per batch (default 1)")
     return parser
 
 
@@ -96,7 +105,19 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         dtype=args.dtype,
+        overlap=not args.no_overlap,
+        bucket_cap_mb=args.bucket_cap_mb,
+        grad_accum_steps=args.grad_accum,
     )
+
+
+def _bucket_cap(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    return float(text)  # argparse turns a ValueError into a one-line usage error
+
+
+_bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... value"
 
 
 def _check_out_dir(out_dir: str | None) -> None:

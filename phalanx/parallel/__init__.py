@@ -1,6 +1,7 @@
 """Parallelism strategies. Data parallelism: full replicas, split batches, summed gradients."""
 
 from phalanx.parallel.buckets import Bucket, build_buckets
-from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
+from phalanx.parallel.overlap import OverlapScheduler
 
-__all__ = ["Bucket", "build_buckets", "DataParallel"]
+__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "DataParallel", "OverlapScheduler"]

@@ -3,10 +3,14 @@
 One collective per bucket instead of one per tensor: on gloo every call pays a ~0.6-1.2 ms floor
 (BASELINES.md), so LeNet's 8 gradient tensors cost ~15 ms as 8 calls and ~3.6 ms as one.
 Parameters are packed in *reverse* registration order - the order autograd produces their
-gradients - so that a later overlap scheme can launch a bucket as soon as its last gradient
+gradients - so that overlap.py can launch a bucket as soon as its last gradient
 lands (the choice torch DDP makes in `_compute_bucket_assignment_by_size`). With
-`cap_bytes=None` everything goes into one bucket. The layout depends only on the parameter
-list, so it is the same on every rank.
+`cap_bytes=None` everything goes into one bucket. A cap is an upper bound: a bucket exceeds it
+only when a single tensor does. The first bucket may have a smaller cap of its own
+(`first_cap_bytes`): it holds the gradients autograd produces first, so a small one starts
+communication earliest (DDP's `bucket_size_limits`, 1 MiB then 25 MiB; see
+`default_first_cap_bytes`). The layout depends only on the parameter list, so it is the same on
+every rank.
 """
 
 from __future__ import annotations
@@ -29,21 +33,42 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def build_buckets(params: list[nn.Parameter], *, cap_bytes: int | None = None) -> list[Bucket]:
+# DDP's first-bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+def default_first_cap_bytes(cap_bytes: int | None) -> int | None:
+    """DDP's rule: the first bucket holds at most min(cap, 1 MiB); None (one bucket) stays None.
+
+    Why small: the first bucket's allreduce cannot start before its last gradient lands, and
+    everything after it waits behind it; the smaller it is, the sooner the pipe starts. For
+    LeNet (504 KB in all) every CPU-sensible cap is below 1 MiB, so this changes nothing there.
+    """
+    return None if cap_bytes is None else min(cap_bytes, DDP_FIRST_BUCKET_BYTES)
+
+
+def build_buckets(
+    params: list[nn.Parameter], *, cap_bytes: int | None = None, first_cap_bytes: int | None = None
+) -> list[Bucket]:
     """Group trainable params into buckets (reverse order) and make each `.grad` a view.
 
-    Existing gradient values are copied into the buffers, so this may be called on a model that
-    has already run backward.
+    `first_cap_bytes` bounds the first bucket only (None: the same as `cap_bytes`). Existing
+    gradient values are copied into the buffers, so this may be called on a model that has
+    already run backward.
     """
+    for name, value in (("cap_bytes", cap_bytes), ("first_cap_bytes", first_cap_bytes)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1 byte, got {value}")
     trainable = [p for p in params if p.requires_grad]
     groups: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     current_bytes = 0
     for param in reversed(trainable):
         size = param.numel() * param.element_size()
+        cap = cap_bytes if groups or first_cap_bytes is None else first_cap_bytes
         # A bucket holds one dtype/device; start a new one on a change or when the cap is hit.
         mismatch = current and (param.dtype != current[0].dtype or param.device != current[0].device)
-        if current and (mismatch or (cap_bytes is not None and current_bytes + size > cap_bytes)):
+        if current and (mismatch or (cap is not None and current_bytes + size > cap)):
             groups.append(current)
             current, current_bytes = [], 0
         current.append(param)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from phalanx.comm import ALGORITHMS
 from phalanx.models import INITS, MODELS
+from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
 
 DATASETS = ("fashion-mnist", "digits", "synthetic")
 DTYPES = ("float32", "float64")
@@ -35,6 +36,12 @@ class TrainConfig:
     # differences of summing a batch in another order can grow chaotically while training
     # leaves its initial plateau (measured: 2e-6 to 5e-4 after 24 steps, depending on the seed).
     dtype: str = "float32"
+    # Gradient exchange: overlap each bucket's allreduce with backward (False: one synchronous
+    # flat allreduce after backward). bucket_cap_mb applies with overlap only; None = one bucket.
+    overlap: bool = True
+    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
+    # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs.
+    grad_accum_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -57,6 +64,10 @@ class TrainConfig:
             raise ValueError(f"eval batch size {self.eval_batch_size} must be at least 1")
         if self.threads_per_device is not None and self.threads_per_device < 1:
             raise ValueError(f"--threads-per-device {self.threads_per_device} must be at least 1")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"--grad-accum {self.grad_accum_steps} must be at least 1")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout {self.timeout_s} must be a positive number of seconds")
 

@@ -4,10 +4,18 @@ Loss scaling is where data parallelism is exact or subtly wrong. Each rank compu
 its shard's losses divided by the *global* batch size, so after the gradients are summed across
 ranks the update is the 1-device update on the whole global batch - also for an uneven last
 batch, where averaging per-rank means would weight the small shards too heavily.
+
+Gradient accumulation composes with that rule unchanged: a rank cuts *its* shard into N
+micro-batches (`micro_batches`), runs the first N-1 under `no_sync()` so their gradients only
+add up in the buckets, and syncs on the last. Each micro-batch still contributes its loss sum /
+global batch size, so the summed gradient - and the update - equals the 1-device update on the
+whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
+smaller global batches first) keeps every rank on exactly the examples `rank_shard` gives it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.comm import all_reduce_sum_
-from phalanx.data import global_batches, rank_shard, to_float
+from phalanx.data import global_batches, rank_shard, split_batch, to_float
 from phalanx.parallel import DataParallel
 from phalanx.world import World
 
@@ -29,6 +37,15 @@ class EpochStats:
     elapsed_s: float
 
 
+def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a rank's shard into `grad_accum_steps` contiguous micro-batches, sizes as even as
+    possible (larger first, some empty when the shard is smaller than the count): the book's
+    `split_batch` cut, applied a second time inside the rank."""
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
+    return split_batch(X, y, grad_accum_steps)
+
+
 def train_batch(
     dp: DataParallel,
     optimizer: torch.optim.Optimizer,
@@ -36,21 +53,31 @@ def train_batch(
     y: torch.Tensor,
     *,
     global_batch_size: int,
+    grad_accum_steps: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step on this rank's shard (X, y); returns this shard's (loss sum, correct count)."""
+    """One step on this rank's shard (X, y); returns this shard's (loss sum, correct count).
+
+    With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
+    """
     dp.zero_grad()
-    if X.shape[0] > 0:
-        logits = dp(X)
-        loss_sum = F.cross_entropy(logits, y, reduction="sum")
-        (loss_sum / global_batch_size).backward()
-        correct = (logits.argmax(dim=1) == y).sum()
-    else:
-        # A rank can get an empty shard of a tiny last batch; it still joins the allreduce.
-        loss_sum = torch.zeros((), device=X.device)
-        correct = torch.zeros((), dtype=torch.long, device=X.device)
-    dp.allreduce_gradients()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=X.device)
+    correct = torch.zeros((), dtype=torch.long, device=X.device)
+    pieces = micro_batches(X, y, grad_accum_steps)
+    for index, (X_micro, y_micro) in enumerate(pieces):
+        last = index == len(pieces) - 1
+        # The last micro-batch runs with sync on: its hooks launch the buckets (overlap).
+        with contextlib.nullcontext() if last else dp.no_sync():
+            # An empty piece (a tiny last batch) runs no backward; the rank still joins every
+            # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
+            if X_micro.shape[0] > 0:
+                logits = dp(X_micro)
+                micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
+                (micro_loss_sum / global_batch_size).backward()
+                loss_sum += micro_loss_sum.detach()
+                correct += (logits.argmax(dim=1) == y_micro).sum()
+    dp.finish_gradient_sync()
     optimizer.step()
-    return loss_sum.detach(), correct
+    return loss_sum, correct
 
 
 def train_epoch(
@@ -63,6 +90,7 @@ def train_epoch(
     global_batch_size: int,
     seed: int,
     epoch: int,
+    grad_accum_steps: int = 1,
     on_step: Callable[[int, int], None] | None = None,
 ) -> EpochStats:
     """One pass over (images, labels): same permutation on every rank, each reads its shard."""
@@ -74,7 +102,9 @@ def train_epoch(
         shard = rank_shard(batch, rank=world.rank, world_size=world.world_size).to(images.device)
         X = to_float(images[shard]).to(dtype)
         y = labels[shard]
-        loss_sum, correct = train_batch(dp, optimizer, X, y, global_batch_size=batch.numel())
+        loss_sum, correct = train_batch(
+            dp, optimizer, X, y, global_batch_size=batch.numel(), grad_accum_steps=grad_accum_steps
+        )
         totals[0] += loss_sum
         totals[1] += correct
         totals[2] += shard.numel()

@@ -1,0 +1,341 @@
+"""Bucketed overlap without processes: bucket layout, the launch-in-order rule, the one wait point,
+no_sync, and gradient accumulation, checked in a world of size 1 with a fake comm that records
+every launch (which bucket, and how far backward had got when it launched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.cli import _config_from_args, build_parser
+from phalanx.models import LeNet
+from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, DataParallel, OverlapScheduler
+from phalanx.parallel.buckets import DDP_FIRST_BUCKET_BYTES, build_buckets, default_first_cap_bytes
+from phalanx.train import TrainConfig, train_batch
+from phalanx.train.loop import micro_batches
+from phalanx.world import World
+
+KB = 1024
+WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+               backend="none", timeout_s=10.0)
+
+
+class FakeHandle:
+    def __init__(self, log: list, name) -> None:
+        self.waited = False
+        self._log, self._name = log, name
+
+    def wait(self):
+        assert not self.waited, "waited twice"
+        self.waited = True
+        self._log.append(("wait", self._name))
+
+
+class FakeComm:
+    """Records each launch: the bucket (by buffer address) and a snapshot taken at launch time."""
+
+    def __init__(self, snapshot=lambda: None) -> None:
+        self.log: list = []
+        self.handles: list[FakeHandle] = []
+        self.snapshot = snapshot
+        self.buffers: list[torch.Tensor] = []
+
+    def bucket_of(self, tensor: torch.Tensor) -> int:
+        return next(i for i, b in enumerate(self.buffers) if b.data_ptr() == tensor.data_ptr())
+
+    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native") -> FakeHandle:
+        index = self.bucket_of(tensor)
+        self.log.append(("launch", index, self.snapshot()))
+        self.handles.append(FakeHandle(self.log, index))
+        return self.handles[-1]
+
+    def launches(self) -> list[int]:
+        return [entry[1] for entry in self.log if entry[0] == "launch"]
+
+
+def _dp(model: nn.Module, comm: FakeComm, **kwargs) -> DataParallel:
+    dp = DataParallel(model, world=WORLD1, comm=comm, **kwargs)
+    comm.buffers = [b.buffer for b in dp.buckets]
+    return dp
+
+
+def _batch(n=8, seed=0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(n, 1, 28, 28, generator=gen, dtype=dtype), torch.randint(0, 10, (n,), generator=gen)
+
+
+# --- bucket layout -------------------------------------------------------------------------
+
+def test_default_cap_cuts_lenet_into_three_buckets_last_layer_first():
+    model = LeNet()
+    buckets = build_buckets(list(model.parameters()), cap_bytes=int(DEFAULT_BUCKET_CAP_MB * 1024 * KB))
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [[names[id(p)] for p in b.params] for b in buckets] == [
+        ["fc2.bias", "fc2.weight", "fc1.bias"],
+        ["fc1.weight"],  # 400 KB: alone, over the cap (a single tensor may exceed it)
+        ["conv2.bias", "conv2.weight", "conv1.bias", "conv1.weight"],
+    ]
+    assert sum(b.size_bytes for b in buckets) == 129_068 * 4
+    for bucket in buckets:
+        assert bucket.size_bytes <= 256 * KB or len(bucket.params) == 1
+        offsets = [0] + [sum(p.numel() for p in bucket.params[:i]) for i in range(1, len(bucket.params))]
+        assert bucket.offsets == offsets
+
+
+def test_first_bucket_has_its_own_cap():
+    model = LeNet()
+    params = list(model.parameters())
+    # 6,000 B holds fc2 (5,160 B) and fc1.bias (512 B); the rest use the 0.5 MB cap.
+    buckets = build_buckets(params, cap_bytes=512 * KB, first_cap_bytes=6000)
+    assert buckets[0].params == [model.fc2.bias, model.fc2.weight, model.fc1.bias]
+    assert buckets[1].params[0] is model.fc1.weight and len(buckets) == 2
+    assert [p for b in buckets for p in b.params] == list(reversed(params))
+    # A tiny first cap leaves the last bias alone in the first bucket.
+    assert build_buckets(params, cap_bytes=512 * KB, first_cap_bytes=1)[0].params == [model.fc2.bias]
+
+
+def test_ddp_first_bucket_rule():
+    assert default_first_cap_bytes(None) is None
+    assert default_first_cap_bytes(100) == 100
+    assert default_first_cap_bytes(25 * 1024 * KB) == DDP_FIRST_BUCKET_BYTES == 1024 * KB
+    with pytest.raises(ValueError, match="cap_bytes must be at least 1"):
+        build_buckets(list(LeNet().parameters()), cap_bytes=0)
+
+
+def test_dataparallel_bucket_options():
+    assert len(_dp(LeNet(), FakeComm(), bucket_cap_mb=None).buckets) == 1
+    assert len(_dp(LeNet(), FakeComm()).buckets) == 3
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
+        DataParallel(LeNet(), world=WORLD1, bucket_cap_mb=0, overlap=False)
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        DataParallel(LeNet(), world=WORLD1, algorithm="carrier-pigeon", overlap=False)
+
+
+# --- the scheduler alone -------------------------------------------------------------------
+
+def _scheduler(sizes=(1, 2, 1)):
+    """A scheduler over buckets of `sizes` one-element params, with a recording fake comm."""
+    groups = [[nn.Parameter(torch.zeros(1)) for _ in range(size)] for size in sizes]
+    buckets = []
+    for index, group in enumerate(groups):
+        (bucket,) = build_buckets(list(reversed(group)))  # reversed back: params in group order
+        bucket.index = index
+        buckets.append(bucket)
+    comm = FakeComm()
+    comm.buffers = [b.buffer for b in buckets]
+    return OverlapScheduler(buckets, launch=lambda b: comm.allreduce_async(b.buffer)), groups, comm
+
+
+def test_buckets_launch_in_order_even_when_a_later_one_is_ready_first():
+    scheduler, groups, comm = _scheduler()
+    scheduler.mark_ready(groups[2][0])  # bucket 2 complete first: must wait for 0 and 1
+    assert comm.launches() == []
+    scheduler.mark_ready(groups[1][0])  # bucket 1 half done
+    scheduler.mark_ready(groups[0][0])  # bucket 0 complete: launches 0 only
+    assert comm.launches() == [0]
+    scheduler.mark_ready(groups[1][1])  # bucket 1 complete: 1, then the waiting 2
+    assert comm.launches() == [0, 1, 2]
+    assert scheduler.in_flight and not any(h.waited for h in comm.handles)
+    scheduler.finish()
+    assert comm.log[-3:] == [("wait", 0), ("wait", 1), ("wait", 2)]
+    assert all(h.waited for h in comm.handles) and not scheduler.in_flight
+
+
+def test_finish_launches_buckets_that_never_became_ready_then_waits_each_once():
+    scheduler, groups, comm = _scheduler()
+    scheduler.mark_ready(groups[2][0])  # 0 and 1 never complete (unused params, empty shard)
+    scheduler.finish()
+    assert comm.launches() == [0, 1, 2]
+    assert [e for e in comm.log if e[0] == "wait"] == [("wait", 0), ("wait", 1), ("wait", 2)]
+    scheduler.finish()  # next step with no backward at all: everything launched by finish
+    assert comm.launches() == [0, 1, 2, 0, 1, 2] and all(h.waited for h in comm.handles)
+
+
+def test_a_gradient_landing_twice_is_refused():
+    scheduler, groups, _ = _scheduler()
+    scheduler.mark_ready(groups[0][0])  # bucket 0 launched
+    with pytest.raises(RuntimeError, match="landed twice"):
+        scheduler.mark_ready(groups[0][0])
+    scheduler.mark_ready(groups[1][0])
+    with pytest.raises(RuntimeError, match="landed twice"):  # not launched yet, still a repeat
+        scheduler.mark_ready(groups[1][0])
+
+
+def test_a_handle_already_waited_trips_the_assertion():
+    scheduler, groups, comm = _scheduler()
+    scheduler.mark_ready(groups[0][0])
+    comm.handles[0].wait()  # someone else waited it
+    with pytest.raises(AssertionError, match="waited before finish"):
+        scheduler.finish()
+    assert not scheduler.in_flight  # state is reset even after a failed finish
+
+
+# --- DataParallel's hooks, world of size 1 -------------------------------------------------
+
+def test_hooks_launch_each_bucket_during_backward_in_order():
+    torch.manual_seed(0)
+    model = LeNet().double()
+    comm = FakeComm(snapshot=lambda: float(model.conv1.weight.grad.abs().sum()))
+    dp = _dp(model, comm)
+    reference = LeNet().double()
+    reference.load_state_dict(model.state_dict())
+    X, y = _batch()
+    dp.zero_grad()
+    (F.cross_entropy(dp(X), y, reduction="sum") / 8).backward()
+    assert comm.launches() == [0, 1, 2]  # all launched by hooks, before any wait
+    assert not any(h.waited for h in comm.handles)
+    # Buckets 0 and 1 (fc layers) went out while backward had not reached conv1 yet.
+    assert [entry[2] for entry in comm.log[:2]] == [0.0, 0.0]
+    assert comm.log[2][2] > 0  # the conv bucket launches only once conv1's gradient landed
+    dp.finish_gradient_sync()
+    assert [e for e in comm.log if e[0] == "wait"] == [("wait", 0), ("wait", 1), ("wait", 2)]
+    (F.cross_entropy(reference(X), y, reduction="sum") / 8).backward()
+    for p, q in zip(dp.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_no_sync_launches_nothing_accumulates_and_restores_on_error():
+    torch.manual_seed(0)
+    comm = FakeComm()
+    dp = _dp(LeNet().double(), comm)
+    X, y = _batch()
+    dp.zero_grad()
+    with dp.no_sync():
+        for half in (slice(0, 4), slice(4, 8)):
+            F.cross_entropy(dp(X[half]), y[half], reduction="sum").backward()
+        dp.finish_gradient_sync()  # inside no_sync: nothing to do
+    assert comm.log == [] and dp.sync_enabled
+    accumulated = [p.grad.clone() for p in dp.module.parameters()]
+    dp.finish_gradient_sync()  # no synced backward ran: finish launches every bucket itself
+    assert comm.launches() == [0, 1, 2] and all(h.waited for h in comm.handles)
+    dp.zero_grad()
+    with dp.no_sync():
+        F.cross_entropy(dp(X), y, reduction="sum").backward()  # the full batch at once
+    for acc, p in zip(accumulated, dp.module.parameters()):
+        torch.testing.assert_close(acc, p.grad, rtol=1e-12, atol=1e-14)
+
+    with pytest.raises(KeyError):
+        with dp.no_sync():
+            raise KeyError("boom")
+    assert dp.sync_enabled
+    with dp.no_sync():  # nesting restores the outer value, not True
+        with pytest.raises(KeyError):
+            with dp.no_sync():
+                raise KeyError("boom")
+        assert not dp.sync_enabled
+    assert dp.sync_enabled
+
+
+def test_unused_parameter_bucket_launches_at_finish_and_later_buckets_wait_for_it():
+    class WithUnusedHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lenet = LeNet()
+            self.extra = nn.Linear(10, 10)  # registered last, so it sits in bucket 0
+
+        def forward(self, x):
+            return self.lenet(x)
+
+    comm = FakeComm()
+    dp = _dp(WithUnusedHead().double(), comm, first_bucket_cap_mb=880 / 2**20)  # extra's 110 doubles
+    assert [id(p) for p in dp.buckets[0].params] == [id(dp.module.extra.bias), id(dp.module.extra.weight)]
+    X, y = _batch()
+    dp.zero_grad()
+    F.cross_entropy(dp(X), y, reduction="sum").backward()
+    assert comm.launches() == []  # every other bucket is ready but must not overtake bucket 0
+    dp.finish_gradient_sync()
+    assert comm.launches() == list(range(len(dp.buckets)))
+    assert torch.count_nonzero(dp.module.extra.weight.grad) == 0  # zeros, still summed
+
+
+def test_empty_shard_still_launches_every_bucket():
+    comm = FakeComm()
+    dp = _dp(LeNet().double(), comm)
+    optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+    X, y = _batch(0)
+    loss_sum, correct = train_batch(dp, optimizer, X, y, global_batch_size=5, grad_accum_steps=2)
+    assert comm.launches() == [0, 1, 2] and all(h.waited for h in comm.handles)
+    assert loss_sum.item() == 0 and correct.item() == 0
+
+
+def test_misuse_is_refused():
+    comm = FakeComm()
+    dp = _dp(LeNet().double(), comm)
+    X, y = _batch()
+    dp.zero_grad()
+    F.cross_entropy(dp(X), y).backward()
+    with pytest.raises(RuntimeError, match="in flight"):
+        dp.zero_grad()  # would zero buffers that are on the wire
+    with pytest.raises(RuntimeError, match="in flight"):
+        with dp.no_sync():
+            pass
+    dp.finish_gradient_sync()
+    dp.zero_grad()
+    dp.module.fc1.weight.grad = torch.zeros_like(dp.module.fc1.weight)  # breaks the view
+    with pytest.raises(RuntimeError, match="no longer aliases"):
+        dp.finish_gradient_sync()
+    dp.close()
+    assert comm.handles and all(h.waited for h in comm.handles)
+    with pytest.raises(RuntimeError, match="closed"):
+        dp.finish_gradient_sync()
+
+
+def test_close_removes_the_hooks():
+    comm = FakeComm()
+    dp = _dp(LeNet().double(), comm)
+    dp.close()
+    X, y = _batch()
+    F.cross_entropy(dp(X), y).backward()
+    assert comm.log == []
+
+
+# --- gradient accumulation -----------------------------------------------------------------
+
+@pytest.mark.parametrize("n, steps, sizes", [(10, 3, [4, 3, 3]), (9, 3, [3, 3, 3]), (2, 3, [1, 1, 0]),
+                                             (0, 2, [0, 0]), (5, 1, [5])])
+def test_micro_batch_sizes(n, steps, sizes):
+    X, y = torch.arange(n).float(), torch.arange(n)
+    pieces = micro_batches(X, y, steps)
+    assert [len(px) for px, _ in pieces] == sizes
+    assert torch.equal(torch.cat([py for _, py in pieces]), y)  # contiguous, in order
+    assert all(torch.equal(px.long(), py) for px, py in pieces)
+
+
+def test_micro_batches_rejects_zero():
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        micro_batches(torch.zeros(3), torch.zeros(3), 0)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_grad_accum_three_equals_one_and_syncs_once(overlap):
+    X, y = _batch(11)
+    results = {}
+    for steps in (1, 3):
+        torch.manual_seed(0)
+        comm = FakeComm()
+        dp = _dp(LeNet().double(), comm, overlap=overlap)
+        optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+        loss_sum, correct = train_batch(dp, optimizer, X, y, global_batch_size=11, grad_accum_steps=steps)
+        results[steps] = ([p.detach().clone() for p in dp.module.parameters()], loss_sum, correct)
+        assert comm.launches() == ([0, 1, 2] if overlap else [])  # one exchange per step
+    for a, b in zip(results[1][0], results[3][0]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(results[1][1], results[3][1], rtol=1e-12, atol=0)
+    assert results[1][2] == results[3][2]
+
+
+# --- config and flags ----------------------------------------------------------------------
+
+def test_config_and_cli_flags():
+    config = TrainConfig()
+    assert config.overlap and config.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and config.grad_accum_steps == 1
+    for kwargs, fragment in [({"grad_accum_steps": 0}, "--grad-accum 0"), ({"bucket_cap_mb": -1.0}, "--bucket-cap-mb -1.0")]:
+        with pytest.raises(ValueError, match=fragment):
+            TrainConfig(**kwargs)
+    args = build_parser().parse_args(["train", "--no-overlap", "--bucket-cap-mb", "none", "--grad-accum", "4"])
+    config = _config_from_args(args)
+    assert (config.overlap, config.bucket_cap_mb, config.grad_accum_steps) == (False, None, 4)
+    config = _config_from_args(build_parser().parse_args(["train", "--bucket-cap-mb", "0.1"]))
+    assert (config.overlap, config.bucket_cap_mb) == (True, 0.1)
