@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from phalanx.bench import add_bench_parser, run_bench
 from phalanx.comm import ALGORITHMS
 from phalanx.errors import UsageError
 from phalanx.models import INITS, MODELS
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_BUCKET_CAP_MB})")
     train.add_argument("--grad-accum", type=int, default=1,
                        help="micro-batches per global batch; gradients are exchanged once per batch (default 1)")
+    add_bench_parser(sub)
     return parser
 
 
@@ -145,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.command == "train":
             return _train(args)
+        if args.command == "bench":
+            return run_bench(args)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)

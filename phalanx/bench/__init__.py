@@ -1,0 +1,97 @@
+"""`phalanx bench allreduce|scaling|overlap`: the measurements behind "phalanx beats DDP".
+
+Each benchmark lives in its own module (allreduce.py, scaling.py, overlap.py) with its config
+dataclass, its run, its terminal table and its chart; timing.py holds the method they share
+(warm-up, interleaved rounds, median and min-max, JSON and PNG output). This module only maps
+flags onto those configs: `add_bench_parser(subparsers)` adds the `bench` subcommand to the
+CLI's parser and `run_bench(args)` runs the chosen one, printing its table and writing
+`<name>.json` and `<name>.png` into `--out` (default `runs/bench-<name>`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+from phalanx.comm.algorithms import ALGORITHMS
+from phalanx.errors import UsageError
+
+BENCHMARKS = ("allreduce", "scaling", "overlap")
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `bench` with its three subcommands to an argparse subparsers object; return it."""
+    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, and overlap")
+    kinds = bench.add_subparsers(dest="bench_name", parser_class=type(bench))
+
+    allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm over sizes and world sizes")
+    allreduce.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help="message sizes (binary KB/MB)")
+    allreduce.add_argument("--world-sizes", default="2,3,4", help="process counts, one spawned run each")
+    allreduce.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"any of {', '.join(ALGORITHMS)}")
+    allreduce.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default 5)")
+
+    scaling = kinds.add_parser("scaling", help="images/s: phalanx on 1..k devices vs DDP, one process, ceiling")
+    scaling.add_argument("--model", default="lenet", help="lenet or mlp (784-2048-2048-10, 5.8 M parameters)")
+    scaling.add_argument("--batch-sizes", default="256,1024", help="global batch sizes")
+    scaling.add_argument("--devices", type=int, default=2, help="k, the most CPU processes (default 2)")
+    scaling.add_argument("--steps", type=int, default=6, help="timed steps per configuration (default 6)")
+    scaling.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (default 2)")
+    scaling.add_argument("--rounds", type=int, default=3, help="interleaved rounds, fresh processes each (default 3)")
+
+    overlap = kinds.add_parser("overlap", help="two devices at once; compute while communicating")
+    overlap.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    overlap.add_argument("--matrix-size", type=int, default=None, help="matmul side (cpu 512, cuda 4096)")
+    overlap.add_argument("--matmuls", type=int, default=None, help="matmuls per compute phase (cpu 16, cuda 10)")
+    overlap.add_argument("--transfer-mb", type=float, default=None, help="allreduce / copy size (cpu 64, cuda 512)")
+    overlap.add_argument("--algorithm", default="native", help="allreduce overlapped on CPU (default native)")
+    overlap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+
+    for parser in (allreduce, scaling, overlap):
+        parser.add_argument("--out", default=None, help="directory for the JSON and PNG (default runs/bench-NAME)")
+    return bench
+
+
+def _progress(message: str) -> None:
+    print(f"phalanx bench: {message}", file=sys.stderr, flush=True)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark `args` names: table to stdout, JSON + PNG into --out. Returns 0."""
+    name = getattr(args, "bench_name", None)
+    if name not in BENCHMARKS:
+        raise UsageError(f"choose a benchmark: phalanx bench {'|'.join(BENCHMARKS)}")
+    # Imported here so the CLI's parser does not load matplotlib or the benchmarks.
+    from phalanx.bench import allreduce, overlap, scaling
+    from phalanx.bench.timing import parse_list, parse_size, prepare_out_dir, write_outputs
+
+    try:
+        if name == "allreduce":
+            config = allreduce.AllreduceBenchConfig(
+                sizes_bytes=parse_list(args.sizes, parse_size, flag="--sizes"),
+                world_sizes=parse_list(args.world_sizes, int, flag="--world-sizes"),
+                algorithms=parse_list(args.algorithms, str, flag="--algorithms"), rounds=args.rounds)
+            run, report, plot = allreduce.run_allreduce_bench, allreduce.report_allreduce, allreduce.plot_allreduce
+        elif name == "scaling":
+            config = scaling.ScalingBenchConfig(
+                model=args.model, global_batch_sizes=parse_list(args.batch_sizes, int, flag="--batch-sizes"),
+                num_devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps, rounds=args.rounds)
+            run = functools.partial(scaling.run_scaling_bench, on_run=_progress)
+            report, plot = scaling.report_scaling, scaling.plot_scaling
+        else:
+            config = overlap.OverlapBenchConfig(
+                device=args.device, matrix_size=args.matrix_size, matmuls=args.matmuls,
+                transfer_mb=args.transfer_mb, algorithm=args.algorithm, rounds=args.rounds).resolved()
+            run, report, plot = overlap.run_overlap_bench, overlap.report_overlap, overlap.plot_overlap
+    except ValueError as exc:  # a config names the offending numbers: the user's to fix
+        raise UsageError(str(exc)) from None
+    out_dir = prepare_out_dir(args.out or f"runs/bench-{name}")
+    _progress(f"{name}: measuring (warm-up first, then {config.rounds} interleaved rounds)")
+    payload = run(config)
+    print(report(payload), flush=True)
+    json_path, png_path = write_outputs(out_dir, name, payload, plot(payload))
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+__all__ = ["BENCHMARKS", "add_bench_parser", "run_bench"]

@@ -1,0 +1,201 @@
+"""`phalanx bench allreduce`: time every allreduce algorithm over message sizes and world sizes.
+
+For each world size one spawned run (the production launcher, gloo on loopback) whose workers
+loop sizes x algorithms interleaved round by round: warm-up calls first (they also calibrate how
+many calls make one timed batch), then per round a barrier and one timed batch per (size,
+algorithm). A batch's time is the slowest rank's, since an allreduce is done when its last rank
+is. Bandwidths follow nccl-tests' PERFORMANCE.md: algbw = size / time; busbw = algbw x 2(k-1)/k
+for allreduce, the share of the data each rank must move, so busbw is comparable across world
+sizes and against a link's speed. A single-process memcpy into a preallocated buffer is the
+reference line: no allreduce on this host can move bytes faster than one copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.bench.timing import (Spread, format_size, format_table, new_figure, paired_ratio, run_interleaved,
+                                  seconds_per_call)
+from phalanx.comm import ALGORITHMS, allreduce
+from phalanx.devices import parse_devices
+from phalanx.launch import LaunchSpec, available_cores, launch
+from phalanx.world import World
+
+DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+_FLOAT_BYTES = 4  # float32 buffers, as gradients are
+MEMCPY_MAX_CALLS = 10_000
+
+
+def busbw_factor(world_size: int) -> float:
+    """nccl-tests PERFORMANCE.md, allreduce: busbw = algbw * 2(n-1)/n."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    return 2.0 * (world_size - 1) / world_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceBenchConfig:
+    sizes_bytes: tuple[int, ...] = DEFAULT_SIZES_BYTES
+    world_sizes: tuple[int, ...] = (2, 3, 4)
+    algorithms: tuple[str, ...] = ALGORITHMS
+    rounds: int = 5
+    warmup_calls: int = 2
+    target_batch_s: float = 0.02  # a timed batch repeats a call until about this long (clock resolution, noise)
+    max_calls: int = 50
+    timeout_s: float = 60.0  # bound on one collective
+    deadline_s: float = 900.0  # bound on one world size's whole spawned run
+
+    def __post_init__(self) -> None:
+        odd = [s for s in self.sizes_bytes if s < _FLOAT_BYTES or s % _FLOAT_BYTES]
+        if not self.sizes_bytes or odd:
+            raise ValueError(f"sizes must be positive multiples of {_FLOAT_BYTES} bytes (whole float32s), "
+                             f"got {list(self.sizes_bytes)}")
+        if not self.world_sizes or min(self.world_sizes) < 2:
+            raise ValueError(f"world sizes must be at least 2, got {list(self.world_sizes)}")
+        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
+        if not self.algorithms or unknown:
+            raise ValueError(f"unknown algorithms {unknown}; choose from {', '.join(ALGORITHMS)}")
+        for name in ("rounds", "max_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.warmup_calls < 0:
+            raise ValueError(f"warmup_calls must be >= 0, got {self.warmup_calls}")
+
+
+def _calls_for(seconds: float, config: AllreduceBenchConfig, *, cap: int | None = None) -> int:
+    """Calls per timed batch so that it lasts about target_batch_s (at least 1, at most the cap)."""
+    cap = config.max_calls if cap is None else cap
+    return max(1, min(cap, math.ceil(config.target_batch_s / max(seconds, 1e-9))))
+
+
+def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
+    """One rank: calibrate, then time every (size, algorithm) once per round, interleaved."""
+    # Zeros: sums stay finite (no inf/denormal slow paths) and cost the same adds as any value.
+    buffers = {size: torch.zeros(size // _FLOAT_BYTES) for size in config.sizes_bytes}
+    keys = [(size, algo) for size in config.sizes_bytes for algo in config.algorithms]
+
+    def call(key):
+        return lambda: allreduce(buffers[key[0]], world=world, algorithm=key[1])
+
+    estimates = []
+    for key in keys:  # warm-up: connections, buffers, caches; then one call to size the batch
+        for _ in range(config.warmup_calls):
+            call(key)()
+        dist.barrier()
+        estimates.append(seconds_per_call(call(key), 1))
+    # Every rank must run the same number of calls, or the collectives would mismatch: take the max.
+    calls = torch.tensor([_calls_for(s, config) for s in estimates], dtype=torch.int64)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+
+    def timed(index: int):
+        def run() -> float:
+            dist.barrier()  # start every batch together, so no rank's time includes a peer's lag
+            return seconds_per_call(call(keys[index]), int(calls[index]))
+        return run
+
+    samples = run_interleaved({str(i): timed(i) for i in range(len(keys))}, rounds=config.rounds, warmup_rounds=0)
+    return {"calls": calls.tolist(), "samples": [samples[str(i)] for i in range(len(keys))]}
+
+
+def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
+    """Seconds per copy into a preallocated buffer, one thread, sizes interleaved, in this process."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # one worker's share of the machine
+    try:
+        pairs = {size: (torch.ones(size // _FLOAT_BYTES), torch.empty(size // _FLOAT_BYTES))
+                 for size in config.sizes_bytes}
+        copies = {size: (lambda s=src, d=dst: d.copy_(s)) for size, (src, dst) in pairs.items()}
+        # A 4 KB copy takes ~1 us: allow enough calls that the clock, not the copy, is negligible.
+        calls = {size: _calls_for(seconds_per_call(fn, 1), config, cap=MEMCPY_MAX_CALLS) for size, fn in copies.items()}
+        runs = {str(size): (lambda s=size: seconds_per_call(copies[s], calls[s])) for size in copies}
+        samples = run_interleaved(runs, rounds=config.rounds, warmup_rounds=1)
+    finally:
+        torch.set_num_threads(previous)
+    return {size: Spread.of(samples[str(size)]) for size in config.sizes_bytes}
+
+
+def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
+    """Measure everything; return the JSON payload (times in s, bandwidths in GB/s = 1e9 B/s)."""
+    memcpy = memcpy_reference(config)
+    results, ratios = [], []
+    keys = [(size, algo) for size in config.sizes_bytes for algo in config.algorithms]
+    for world_size in config.world_sizes:
+        spec = LaunchSpec(plan=parse_devices(f"cpu:{world_size}", cuda_count=0), timeout_s=config.timeout_s,
+                          deadline_s=config.deadline_s)
+        by_rank = launch(_worker, config, spec=spec)
+        times: dict[tuple[int, str], list[float]] = {}
+        for index, (size, algo) in enumerate(keys):
+            per_round = [max(rank["samples"][index][r] for rank in by_rank) for r in range(config.rounds)]
+            times[(size, algo)] = per_round
+            time_s = Spread.of(per_round)
+            algbw = Spread.of([size / t / 1e9 for t in per_round])
+            results.append({"world_size": world_size, "size_bytes": size, "algorithm": algo,
+                            "calls_per_batch": by_rank[0]["calls"][index], "time_s": time_s.to_dict(),
+                            "algbw_GBps": algbw.to_dict(),
+                            "busbw_GBps": algbw.scaled(busbw_factor(world_size)).to_dict()})
+        if "native" in config.algorithms:
+            for size, algo in keys:
+                if algo != "native":  # busbw ratio = native time / own time, paired per round
+                    ratio = paired_ratio(times[(size, "native")], times[(size, algo)])
+                    ratios.append({"world_size": world_size, "size_bytes": size, "algorithm": algo,
+                                   "busbw_vs_native": ratio.to_dict()})
+    return {
+        "bench": "allreduce",
+        "config": asdict(config),
+        "cores": available_cores(),
+        "memcpy": [{"size_bytes": size, "time_s": spread.to_dict(),
+                    "algbw_GBps": Spread.of([size / t / 1e9 for t in spread.samples]).to_dict()}
+                   for size, spread in memcpy.items()],
+        "results": results,
+        "ratios": ratios,
+    }
+
+
+def report_allreduce(payload: dict[str, Any]) -> str:
+    """The terminal table: per world size every (size, algorithm), then own algorithm / native."""
+    lines = ["memcpy reference (1 process, 1 thread, preallocated destination):"]
+    rows = [(format_size(m["size_bytes"]), Spread.from_dict(m["time_s"]).scaled(1e3).fmt(3),
+             Spread.from_dict(m["algbw_GBps"]).fmt(2)) for m in payload["memcpy"]]
+    lines += [format_table(["size", "time ms", "GB/s"], rows), ""]
+    for world_size in payload["config"]["world_sizes"]:
+        rows = [(format_size(r["size_bytes"]), r["algorithm"], Spread.from_dict(r["time_s"]).scaled(1e3).fmt(3),
+                 Spread.from_dict(r["algbw_GBps"]).fmt(3), Spread.from_dict(r["busbw_GBps"]).fmt(3),
+                 r["calls_per_batch"]) for r in payload["results"] if r["world_size"] == world_size]
+        lines.append(f"allreduce on {world_size} CPU processes (gloo), median (min-max) of "
+                     f"{payload['config']['rounds']} interleaved rounds:")
+        lines += [format_table(["size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "calls"], rows), ""]
+        ring = [r for r in payload["ratios"] if r["world_size"] == world_size and r["algorithm"] == "ring"]
+        if ring:
+            lines.append(f"own ring / native busbw on {world_size} processes (>1: ring faster): " + ", ".join(
+                f"{format_size(r['size_bytes'])} {Spread.from_dict(r['busbw_vs_native']).fmt(2)}" for r in ring))
+            lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def plot_allreduce(payload: dict[str, Any]):
+    """busbw against message size, one panel per world size, memcpy as the ceiling line."""
+    world_sizes = payload["config"]["world_sizes"]
+    fig, axes = new_figure(len(world_sizes))
+    memcpy_sizes = [m["size_bytes"] for m in payload["memcpy"]]
+    memcpy_bw = [m["algbw_GBps"]["median"] for m in payload["memcpy"]]
+    for ax, world_size in zip(axes, world_sizes):
+        for algo in payload["config"]["algorithms"]:
+            rows = [r for r in payload["results"] if r["world_size"] == world_size and r["algorithm"] == algo]
+            sizes = [r["size_bytes"] for r in rows]
+            ax.plot(sizes, [r["busbw_GBps"]["median"] for r in rows], marker="o", label=algo)
+            ax.fill_between(sizes, [r["busbw_GBps"]["min"] for r in rows], [r["busbw_GBps"]["max"] for r in rows],
+                            alpha=0.2)
+        ax.plot(memcpy_sizes, memcpy_bw, linestyle="--", color="gray", label="memcpy (algbw)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"allreduce, {world_size} processes", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    return fig

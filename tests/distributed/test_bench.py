@@ -1,0 +1,112 @@
+"""Each benchmark end to end through the real spawn path (2 gloo workers), with minimal sizes and
+steps: machinery, not speed. Checks the table, the JSON schema, that the numbers hang together
+(busbw = algbw x 2(k-1)/k, sum of parts = the parts), and that the PNG exists. Plus the fresh-
+process runner the non-phalanx contenders start through: environment, threads, failures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+
+from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.procs import run_fresh
+from phalanx.launch import CPU_ALLOCATOR_ENV
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(argv: list[str], out_dir) -> tuple[dict, str]:
+    parser = argparse.ArgumentParser(prog="phalanx")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    assert run_bench(parser.parse_args(argv + ["--out", str(out_dir)])) == 0
+    name = argv[1]
+    assert (out_dir / f"{name}.png").read_bytes()[:8] == PNG_MAGIC
+    return json.loads((out_dir / f"{name}.json").read_text()), name
+
+
+def _is_spread(value: dict, rounds: int) -> bool:
+    samples = value["samples"]
+    return (set(value) == {"median", "min", "max", "samples"} and len(samples) == rounds
+            and value["min"] == min(samples) and value["max"] == max(samples) and value["min"] <= value["median"])
+
+
+@pytest.mark.distributed
+def test_allreduce_bench_smoke(tmp_path, capsys):
+    payload, _ = _run(["bench", "allreduce", "--sizes", "4KB,64KB", "--world-sizes", "2",
+                       "--algorithms", "native,ring", "--rounds", "2"], tmp_path)
+    assert payload["bench"] == "allreduce"
+    assert [(r["size_bytes"], r["algorithm"]) for r in payload["results"]] == [
+        (4096, "native"), (4096, "ring"), (65536, "native"), (65536, "ring")]
+    for row in payload["results"]:
+        assert row["world_size"] == 2 and row["calls_per_batch"] >= 1
+        assert all(_is_spread(row[key], 2) for key in ("time_s", "algbw_GBps", "busbw_GBps"))
+        for t, algbw, busbw in zip(row["time_s"]["samples"], row["algbw_GBps"]["samples"],
+                                   row["busbw_GBps"]["samples"]):
+            assert algbw == pytest.approx(row["size_bytes"] / t / 1e9)
+            assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
+    assert [m["size_bytes"] for m in payload["memcpy"]] == [4096, 65536]
+    assert all(_is_spread(m["time_s"], 2) for m in payload["memcpy"])
+    assert [(r["size_bytes"], r["algorithm"]) for r in payload["ratios"]] == [(4096, "ring"), (65536, "ring")]
+    out = capsys.readouterr().out
+    assert "own ring / native busbw on 2 processes" in out and "memcpy reference" in out
+
+
+@pytest.mark.distributed
+def test_overlap_bench_smoke(tmp_path, capsys):
+    payload, _ = _run(["bench", "overlap", "--device", "cpu", "--matrix-size", "64", "--matmuls", "2",
+                       "--transfer-mb", "0.25", "--rounds", "2"], tmp_path)
+    assert payload["bench"] == "overlap" and payload["config"]["device"] == "cpu"
+    experiments = {e["experiment"]: e for e in payload["experiments"]}
+    assert set(experiments) == {"a", "b"}
+    assert set(experiments["a"]["parts_s"]) == {"device 0 alone", "device 1 alone"}
+    assert set(experiments["b"]["parts_s"]) == {"compute", "allreduce"}
+    for exp in experiments.values():
+        parts = [p["samples"] for p in exp["parts_s"].values()]
+        assert exp["sum_of_parts_s"]["samples"] == pytest.approx([sum(r) for r in zip(*parts)])
+        ratios = [s / t for s, t in zip(exp["sum_of_parts_s"]["samples"], exp["together_s"]["samples"])]
+        assert exp["sum_of_parts_over_together"]["samples"] == pytest.approx(ratios)
+        assert _is_spread(exp["together_s"], 2)
+    assert "sum of parts / together" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+def test_scaling_bench_smoke(tmp_path, capsys):
+    payload, _ = _run(["bench", "scaling", "--batch-sizes", "8", "--devices", "2", "--steps", "1",
+                       "--warmup-steps", "1", "--rounds", "1"], tmp_path)
+    names = [v["name"] for v in payload["variants"]]
+    assert names[:4] == ["phalanx/1", "phalanx/2", "ddp/2", "ceiling/2"] and "torch 1 thread" in names
+    assert [r["variant"] for r in payload["results"]] == names
+    assert all(r["global_batch_size"] == 8 and r["images_per_s"]["median"] > 0 for r in payload["results"])
+    assert {r["metric"] for r in payload["ratios"]} == {
+        "phalanx_vs_ddp", "phalanx_vs_best_single_process", "phalanx_vs_ceiling", "scaling_efficiency"}
+    per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"]}
+    efficiency = next(r for r in payload["ratios"] if r["metric"] == "scaling_efficiency")
+    assert efficiency["ratio"]["median"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))
+    vs_ddp = next(r for r in payload["ratios"] if r["metric"] == "phalanx_vs_ddp")
+    assert vs_ddp["ratio"]["median"] == pytest.approx(per["phalanx/2"] / per["ddp/2"])
+    assert "phalanx_vs_ddp" in capsys.readouterr().out
+
+
+def report_setup(*, rank, num_procs, port, job):
+    setup = (rank, num_procs, torch.get_num_threads(), os.environ.get("MALLOC_MMAP_MAX_"))
+    if job == "fail":
+        raise ValueError(f"gives up with setup {setup}")
+    return setup
+
+
+@pytest.mark.distributed
+def test_fresh_processes_get_the_environment_and_threads_asked_for(monkeypatch):
+    # One process each (two-process runs are covered by the scaling smoke's ddp/2).
+    for key in CPU_ALLOCATOR_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert run_fresh(report_setup, None, num_procs=1, threads=1, allocator_env=True, deadline_s=60) == [
+        (0, 1, 1, CPU_ALLOCATOR_ENV["MALLOC_MMAP_MAX_"])]
+    assert "MALLOC_MMAP_MAX_" not in os.environ  # the parent's environment is restored
+    # A plain user's process: no allocator setting; a failure names the rank and the error.
+    with pytest.raises(RuntimeError, match=r"rank 0 failed: ValueError: gives up with setup \(0, 1, 2, None\)"):
+        run_fresh(report_setup, "fail", num_procs=1, threads=2, allocator_env=False, deadline_s=60)

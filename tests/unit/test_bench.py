@@ -1,0 +1,181 @@
+"""The benchmark machinery without processes: the statistics, the interleaving order, the busbw
+formula, flag parsing and config validation, the contender set-ups, and the output files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor
+from phalanx.bench.mlp import WideMLP, build_bench_model
+from phalanx.bench.overlap import OverlapBenchConfig
+from phalanx.bench.scaling import ScalingBenchConfig, variants
+from phalanx.bench.timing import (Spread, format_size, interleave, new_figure, paired_ratio, parse_list, parse_size,
+                                  prepare_out_dir, run_interleaved, seconds_per_call, write_outputs)
+from phalanx.errors import UsageError
+
+
+def test_spread_is_median_and_min_max():
+    odd = Spread.of([3.0, 1.0, 2.0, 10.0, 0.5])
+    assert (odd.median, odd.min, odd.max) == (2.0, 0.5, 10.0)
+    even = Spread.of([4.0, 1.0, 3.0, 2.0])
+    assert even.median == 2.5
+    assert even.samples == (4.0, 1.0, 3.0, 2.0)  # kept in round order
+    assert Spread.from_dict(even.to_dict()) == even
+    assert even.scaled(1e3).median == 2500.0
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_interleave_is_round_by_round():
+    assert interleave(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "A"), (1, "B"), (2, "A"), (2, "B")]
+    with pytest.raises(ValueError):
+        interleave(["A"], 0)
+
+
+def test_run_interleaved_warms_up_then_alternates_and_discards_the_warm_up():
+    calls: list[str] = []
+    counter = {"A": 0, "B": 0}
+
+    def make(name):
+        def run():
+            calls.append(name)
+            counter[name] += 1
+            return float(counter[name])
+        return run
+
+    samples = run_interleaved({"A": make("A"), "B": make("B")}, rounds=3, warmup_rounds=1)
+    assert calls == ["A", "B", "A", "B", "A", "B", "A", "B"]
+    assert samples == {"A": [2.0, 3.0, 4.0], "B": [2.0, 3.0, 4.0]}  # call 1 of each was the warm-up
+
+
+def test_paired_ratio_takes_per_round_ratios_not_a_ratio_of_medians():
+    a, b = [2.0, 4.0, 100.0], [1.0, 4.0, 10.0]  # medians 4 and 4; per-round ratios 2, 1, 10
+    ratio = paired_ratio(a, b)
+    assert ratio.samples == (2.0, 1.0, 10.0)
+    assert ratio.median == 2.0
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_seconds_per_call_counts_calls_and_syncs_once():
+    calls, syncs = [], []
+    seconds = seconds_per_call(lambda: calls.append(1), 7, sync=lambda: syncs.append(1))
+    assert len(calls) == 7 and len(syncs) == 1 and seconds >= 0
+
+
+def test_busbw_factor_is_nccl_tests_allreduce_formula():
+    # nccl-tests PERFORMANCE.md: busbw = algbw * 2(n-1)/n
+    assert busbw_factor(1) == 0.0
+    assert busbw_factor(2) == 1.0
+    assert busbw_factor(4) == 1.5
+    assert busbw_factor(8) == 1.75
+    with pytest.raises(ValueError):
+        busbw_factor(0)
+
+
+def test_sizes_and_lists_parse_in_binary_units():
+    assert [parse_size(s) for s in ("4KB", "64kb", "1MB", "16MiB", "65536", "1.5MB")] == [
+        4096, 65536, 1 << 20, 16 << 20, 65536, 3 << 19]
+    assert [format_size(s) for s in (4096, 1 << 20, 64 << 20, 100)] == ["4KB", "1MB", "64MB", "100B"]
+    assert parse_list("2, 3,4", int, flag="--world-sizes") == (2, 3, 4)
+    for bad in ("4XB", "KB", "-1MB"):
+        with pytest.raises(UsageError):
+            parse_size(bad)
+    with pytest.raises(UsageError, match="--world-sizes"):
+        parse_list("2,x", int, flag="--world-sizes")
+    with pytest.raises(UsageError):
+        parse_list(" , ", int, flag="--sizes")
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: AllreduceBenchConfig(world_sizes=(1, 2)), "world sizes"),
+    (lambda: AllreduceBenchConfig(sizes_bytes=(4096, 6)), "multiples of 4"),
+    (lambda: AllreduceBenchConfig(algorithms=("ring", "magic")), "magic"),
+    (lambda: AllreduceBenchConfig(rounds=0), "rounds"),
+    (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), num_devices=2), "[256, 1]"),
+    (lambda: ScalingBenchConfig(num_devices=1), "num_devices"),
+    (lambda: ScalingBenchConfig(model="resnet"), "resnet"),
+    (lambda: ScalingBenchConfig(steps=0), "steps"),
+    (lambda: OverlapBenchConfig(device="tpu"), "tpu"),
+    (lambda: OverlapBenchConfig(matmuls=0), "matmuls"),
+])
+def test_configs_reject_bad_numbers_by_name(make, words):
+    with pytest.raises(ValueError) as error:
+        make()
+    assert words in str(error.value)
+
+
+def test_contenders_are_set_up_as_each_user_would_get_them():
+    by_name = {v.name: v for v in variants(3, cores=4)}
+    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "ddp/3", "ceiling/3", "torch 1 thread",
+                             "torch 4 threads"]
+    assert [(by_name[f"phalanx/{j}"].num_procs, by_name[f"phalanx/{j}"].threads_per_proc) for j in (1, 2, 3)] == [
+        (1, 4), (2, 2), (3, 1)]
+    assert all(by_name[f"phalanx/{j}"].allocator_env for j in (1, 2, 3))
+    ddp = by_name["ddp/3"]
+    assert (ddp.num_procs, ddp.threads_per_proc, ddp.allocator_env) == (3, 1, False)
+    ceiling = by_name["ceiling/3"]  # phalanx's worker set-up, minus the communication
+    assert (ceiling.num_procs, ceiling.threads_per_proc, ceiling.allocator_env) == (3, 1, True)
+    assert not by_name["torch 1 thread"].allocator_env and by_name["torch 4 threads"].threads_per_proc == 4
+    assert [v.name for v in variants(2, cores=1)][-1] == "torch 1 thread"  # no duplicate all-cores contender
+
+
+def test_wide_mlp_is_the_heavier_model():
+    model = build_bench_model("mlp")
+    assert isinstance(model, WideMLP)
+    assert sum(p.numel() for p in model.parameters()) == 784 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 10 + 10
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    assert sum(p.numel() for p in build_bench_model("lenet").parameters()) == 129_068
+    with pytest.raises(ValueError):
+        build_bench_model("vgg")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_bench_flags_parse_into_namespaces():
+    args = _parser().parse_args(["bench", "scaling", "--model", "mlp", "--devices", "3", "--batch-sizes", "64"])
+    assert (args.command, args.bench_name, args.model, args.devices, args.batch_sizes) == (
+        "bench", "scaling", "mlp", 3, "64")
+    args = _parser().parse_args(["bench", "allreduce", "--sizes", "4KB", "--out", "x"])
+    assert (args.sizes, args.world_sizes, args.out, args.rounds) == ("4KB", "2,3,4", "x", 5)
+    assert _parser().parse_args(["bench", "overlap"]).device == "auto"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["bench"], "choose a benchmark"),
+    (["bench", "allreduce", "--world-sizes", "1"], "world sizes"),
+    (["bench", "allreduce", "--sizes", "4QB"], "4QB"),
+    (["bench", "scaling", "--batch-sizes", "1", "--devices", "2"], "global batch"),
+    (["bench", "overlap", "--algorithm", "gossip"], "gossip"),
+])
+def test_bad_bench_input_is_a_usage_error_before_any_work(argv, words, tmp_path):
+    args = _parser().parse_args(argv + (["--out", str(tmp_path / "out")] if len(argv) > 1 else []))
+    with pytest.raises(UsageError, match=words):
+        run_bench(args)
+    assert not (tmp_path / "out").exists()  # nothing measured, nothing written
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UsageError, match="existing file"):
+        prepare_out_dir(tmp_path / "file")
+    assert prepare_out_dir(tmp_path / "a" / "b").is_dir()
+
+
+def test_outputs_are_json_and_png(tmp_path):
+    fig, axes = new_figure(2)
+    assert len(axes) == 2
+    axes[0].plot([1, 2], [3, 4])
+    json_path, png_path = write_outputs(tmp_path, "demo", {"bench": "demo", "value_s": 1.5}, fig)
+    assert json.loads(json_path.read_text()) == {"bench": "demo", "value_s": 1.5}
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.json", "demo.png"]  # no temp files left
