@@ -16,7 +16,7 @@ across backends).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,19 @@ import torch.distributed as dist
 Message = tuple[int, torch.Tensor]
 
 
+# Called with a receive's index as soon as that receive (and every earlier one) has landed.
+OnReceived = Callable[[int], None]
+
+
 class Transport(Protocol):
-    def exchange(self, *, sends: Sequence[Message] = (), recvs: Sequence[Message] = ()) -> None:
-        """Post all sends and receives of one step concurrently; return when all completed."""
+    def exchange(
+        self, *, sends: Sequence[Message] = (), recvs: Sequence[Message] = (), on_received: OnReceived | None = None
+    ) -> None:
+        """Post all sends and receives of one step concurrently; return when all completed.
+
+        `on_received(i)` runs for each receive in order, as soon as receive i has landed, while
+        later messages may still be in flight: the ring adds a segment as the next one arrives.
+        """
         ...
 
 
@@ -42,7 +52,9 @@ class DistTransport:
 
     group: dist.ProcessGroup | None = None
 
-    def exchange(self, *, sends: Sequence[Message] = (), recvs: Sequence[Message] = ()) -> None:
+    def exchange(
+        self, *, sends: Sequence[Message] = (), recvs: Sequence[Message] = (), on_received: OnReceived | None = None
+    ) -> None:
         # Receives first, so a buffer is already waiting when the matching send arrives.
         ops = [dist.P2POp(dist.irecv, buf, peer, group=self.group) for peer, buf in recvs]
         ops += [dist.P2POp(dist.isend, buf, peer, group=self.group) for peer, buf in sends]
@@ -51,5 +63,18 @@ class DistTransport:
         # batch_isend_irecv: on gloo a plain loop of isend/irecv; on NCCL one ncclGroup, without
         # which a pair of ranks that both post recv-then-send on one stream (a ring of two)
         # would deadlock.
-        for work in dist.batch_isend_irecv(ops):
+        works = dist.batch_isend_irecv(ops)
+        # Messages between one pair of ranks are matched in posting order (gloo: per pair and
+        # tag; NCCL: per communicator), so receive i holds the peer's i-th send to this rank.
+        if len(works) != len(ops):
+            # NCCL coalesces the batch into one work: it is done as a whole (and on a stream).
+            for work in works:
+                work.wait()
+            works = []
+        for index in range(len(recvs)):
+            if works:
+                works[index].wait()
+            if on_received is not None:
+                on_received(index)
+        for work in works[len(recvs):]:
             work.wait()

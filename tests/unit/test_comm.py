@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from phalanx.comm import ALGORITHMS, AsyncComm, all_reduce_sum_, allreduce, allreduce_fn, broadcast_
 from phalanx.comm.naive import allreduce_naive
-from phalanx.comm.ring import allreduce_ring, chunk_sizes
+from phalanx.comm.ring import allreduce_ring, chunk_sizes, segments
 from phalanx.comm.tree import allreduce_tree, doubling_partners, fold_partner, largest_power_of_two
 from phalanx.world import World
 
@@ -55,7 +55,7 @@ class FakeTransport:
     def __init__(self, mailbox: Mailbox, rank: int) -> None:
         self.mailbox, self.rank = mailbox, rank
 
-    def exchange(self, *, sends=(), recvs=()) -> None:
+    def exchange(self, *, sends=(), recvs=(), on_received=None) -> None:
         self.mailbox.steps[self.rank] += 1
         for peer, buf in [*sends, *recvs]:
             assert peer != self.rank, "message to self"
@@ -64,10 +64,12 @@ class FakeTransport:
         for peer, buf in sends:
             self.mailbox.sent_numel[self.rank] += buf.numel()
             self.mailbox.queues[(self.rank, peer)].put(buf.clone())
-        for peer, buf in recvs:
+        for index, (peer, buf) in enumerate(recvs):
             message = self.mailbox.queues[(peer, self.rank)].get(timeout=5)
             assert message.shape == buf.shape, f"rank {self.rank} got {message.shape} from {peer}, expected {buf.shape}"
             buf.copy_(message)
+            if on_received is not None:
+                on_received(index)
 
 
 def simulate(fn, inputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], Mailbox]:
@@ -231,3 +233,36 @@ def test_async_on_world_of_one_completes_at_once_and_waits_once():
             handle.wait()
         with pytest.raises(ValueError, match="unknown allreduce algorithm"):
             comm.allreduce_async(tensor, algorithm="bogus")
+
+
+# --- the ring's segment pipeline ------------------------------------------------------------
+
+
+@given(numel=st.integers(0, 5_000), segment_bytes=st.integers(1, 4_096),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+def test_segments_tile_the_chunk_in_bounded_contiguous_views(numel, segment_bytes, dtype):
+    chunk = torch.arange(numel).to(dtype)
+    pieces = segments(chunk, segment_bytes)
+    assert sum(p.numel() for p in pieces) == numel
+    assert all(p.numel() > 0 and p.is_contiguous() for p in pieces)
+    per_segment = max(1, segment_bytes // chunk.element_size())
+    assert all(p.numel() <= per_segment for p in pieces)
+    if pieces:  # views into the chunk, in order: writing a segment writes the chunk
+        assert pieces[0].data_ptr() == chunk.data_ptr()
+        assert max(p.numel() for p in pieces) - min(p.numel() for p in pieces) <= 1
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 7, 97, 1000])
+def test_ring_with_many_segments_equals_the_sum(world_size, numel):
+    # 16-byte segments: every chunk travels as several messages, unevenly cut.
+    def ring(flat, *, world, transport):
+        allreduce_ring(flat, world=world, transport=transport, segment_bytes=16)
+
+    inputs = rank_inputs(world_size, numel)
+    outputs, mailbox = simulate(ring, inputs)
+    expected = torch.stack(inputs).sum(dim=0)
+    for out in outputs:
+        torch.testing.assert_close(out, expected)
+        assert torch.equal(out, outputs[0])  # bitwise identical on every rank
+    assert mailbox.steps == [2 * (world_size - 1)] * world_size  # still one exchange per step
