@@ -28,7 +28,7 @@ from phalanx.bench.timing import Spread, format_table, new_figure, paired_ratio,
 from phalanx.data import split_batch
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, available_cores, launch
-from phalanx.parallel import DataParallel
+from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
 from phalanx.train.loop import train_batch
 from phalanx.world import World
 
@@ -69,6 +69,7 @@ class Variant:
     num_procs: int
     threads_per_proc: int
     allocator_env: bool
+    memory_format: str = "contiguous"  # phalanx's runs: "auto" (channels_last for CPU conv nets)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,21 +83,35 @@ class StepJob:
     steps: int
     lr: float
     seed: int
+    memory_format: str = "contiguous"
 
 
 def variants(num_devices: int, cores: int) -> list[Variant]:
+    """The contenders. "tuned" ones get phalanx's CPU set-up (allocator env, memory format), so
+    the table separates what phalanx's defaults buy from what its engine does."""
+    k, per_proc = num_devices, max(1, cores // num_devices)
     phalanx = [Variant(name=f"phalanx/{j}", kind="phalanx", num_procs=j, threads_per_proc=max(1, cores // j),
-                       allocator_env=True) for j in range(1, num_devices + 1)]
+                       allocator_env=True, memory_format="auto") for j in range(1, k + 1)]
     others = [
-        Variant(name=f"ddp/{num_devices}", kind="ddp", num_procs=num_devices, threads_per_proc=1, allocator_env=False),
-        Variant(name=f"ceiling/{num_devices}", kind="ceiling", num_procs=num_devices,
-                threads_per_proc=max(1, cores // num_devices), allocator_env=True),
+        Variant(name=f"ddp/{k}", kind="ddp", num_procs=k, threads_per_proc=1, allocator_env=False),
+        Variant(name=f"ddp/{k} tuned", kind="ddp", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
+                memory_format="auto"),
+        Variant(name=f"ceiling/{k}", kind="ceiling", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
+                memory_format="auto"),
         Variant(name="torch 1 thread", kind="torch", num_procs=1, threads_per_proc=1, allocator_env=False),
     ]
     if cores > 1:  # what a CPU user runs instead of k processes: one process on every core
         others.append(Variant(name=f"torch {cores} threads", kind="torch", num_procs=1, threads_per_proc=cores,
                               allocator_env=False))
+    # phalanx/1's own yardstick: the same plain loop with phalanx's set-up (its overhead, nothing else).
+    others.append(Variant(name=f"torch {cores} thread{'s' if cores > 1 else ''} tuned", kind="torch", num_procs=1, threads_per_proc=cores,
+                          allocator_env=True, memory_format="auto"))
     return phalanx + others
+
+
+def _build(job: StepJob) -> torch.nn.Module:
+    model = build_bench_model(job.model)
+    return apply_memory_format(model, resolve_memory_format(job.memory_format, model, torch.device("cpu")))
 
 
 def _shard(job: StepJob, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +139,7 @@ def _barrier(world: World) -> Callable[[], object]:
 def _phalanx_worker(world: World, job: StepJob) -> float:
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
-    with DataParallel(build_bench_model(job.model), world=world) as dp:  # phalanx's defaults
+    with DataParallel(_build(job), world=world) as dp:  # phalanx's defaults
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
 
         def step() -> None:
@@ -149,7 +164,7 @@ def _plain_step(model, optimizer, X, y, *, global_batch_size: int) -> Callable[[
 def _ceiling_worker(world: World, job: StepJob) -> float:
     """phalanx's worker set-up, its shard, the same scaled loss: everything but the allreduce."""
     torch.manual_seed(job.seed)
-    model = build_bench_model(job.model)
+    model = _build(job)
     X, y = _shard(job, world.rank)
     step = _plain_step(model, torch.optim.SGD(model.parameters(), lr=job.lr), X, y,
                        global_batch_size=job.global_batch_size)
@@ -160,7 +175,7 @@ def _ddp_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> float:
     """What the PyTorch tutorial does: gloo process group, DDP with its defaults, mean loss."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_procs)
     torch.manual_seed(job.seed)
-    model = torch.nn.parallel.DistributedDataParallel(build_bench_model(job.model))
+    model = torch.nn.parallel.DistributedDataParallel(_build(job))
     X, y = _shard(job, rank)
     step = _plain_step(model, torch.optim.SGD(model.parameters(), lr=job.lr), X, y, global_batch_size=X.shape[0])
     return _timed_steps(step, job, dist.barrier)
@@ -168,7 +183,7 @@ def _ddp_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> float:
 
 def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> float:
     torch.manual_seed(job.seed)
-    model = build_bench_model(job.model)
+    model = _build(job)
     X, y = _shard(job, rank)
     step = _plain_step(model, torch.optim.SGD(model.parameters(), lr=job.lr), X, y,
                        global_batch_size=job.global_batch_size)
@@ -177,7 +192,7 @@ def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> floa
 
 def run_variant(variant: Variant, job: StepJob, config: ScalingBenchConfig) -> float:
     """Images/s of one configuration in fresh processes (the slowest rank's time counts)."""
-    job = replace(job, num_shards=variant.num_procs)
+    job = replace(job, num_shards=variant.num_procs, memory_format=variant.memory_format)
     if variant.kind in ("phalanx", "ceiling") and variant.num_procs > 1:
         fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),
@@ -215,14 +230,20 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
         for variant in contenders:
             results.append({"global_batch_size": batch, "variant": variant.name,
                             "images_per_s": Spread.of(per[variant.name]).to_dict()})
-        singles = [v.name for v in contenders if v.kind == "torch"]
-        best_single = max(singles, key=lambda name: Spread.of(per[name]).median)
-        compare = [("phalanx_vs_ddp", f"ddp/{k}", per[f"ddp/{k}"]),
-                   ("phalanx_vs_best_single_process", best_single, per[best_single]),
-                   ("phalanx_vs_ceiling", f"ceiling/{k}", per[f"ceiling/{k}"])]
-        for metric, against, reference in compare:
-            ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": k, "against": against,
-                           "ratio": paired_ratio(per[f"phalanx/{k}"], reference).to_dict()})
+        def best(names: list[str]) -> str:
+            return max(names, key=lambda name: Spread.of(per[name]).median)
+
+        plain = best([v.name for v in contenders if v.kind == "torch" and v.memory_format == "contiguous"])
+        tuned = best([v.name for v in contenders if v.kind == "torch" and v.memory_format != "contiguous"])
+        compare = [("phalanx_vs_ddp", k, f"ddp/{k}"),
+                   ("phalanx_vs_ddp_same_setup", k, f"ddp/{k} tuned"),
+                   ("phalanx_vs_best_single_process", k, plain),
+                   ("phalanx_vs_best_single_process_same_setup", k, tuned),
+                   ("phalanx_vs_ceiling", k, f"ceiling/{k}"),
+                   ("phalanx_1_device_vs_plain_loop_same_setup", 1, tuned)]
+        for metric, j, against in compare:
+            ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": j, "against": against,
+                           "ratio": paired_ratio(per[f"phalanx/{j}"], per[against]).to_dict()})
         for j in range(2, k + 1):
             ratios.append({"global_batch_size": batch, "metric": "scaling_efficiency", "num_devices": j,
                            "against": f"{j} x phalanx/1",
@@ -247,13 +268,14 @@ def report_scaling(payload: dict[str, Any]) -> str:
         for r in (r for r in payload["results"] if r["global_batch_size"] == batch):
             v = variants_by_name[r["variant"]]
             setup = f"{v['num_procs']} x {v['threads_per_proc']} thr" + (", alloc env" if v["allocator_env"] else "")
+            setup += ", NHWC" if v.get("memory_format", "contiguous") != "contiguous" and payload["config"]["model"] != "mlp" else ""
             rows.append((r["variant"], setup, Spread.from_dict(r["images_per_s"]).fmt(0)))
         lines.append(f"{payload['config']['model']}, global batch {batch}: images/s, median (min-max) of "
                      f"{payload['config']['rounds']} interleaved rounds, {payload['config']['steps']} timed steps each")
         lines += [format_table(["configuration", "processes", "images/s"], rows), ""]
         for r in (r for r in payload["ratios"] if r["global_batch_size"] == batch):
             label = f"phalanx/{r['num_devices']} / {r['against']}"
-            lines.append(f"  {r['metric']:<32} {label:<34} {Spread.from_dict(r['ratio']).fmt(2)}")
+            lines.append(f"  {r['metric']:<42} {label:<36} {Spread.from_dict(r['ratio']).fmt(2)}")
         lines.append("")
     return "\n".join(lines).rstrip()
 

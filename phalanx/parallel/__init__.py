@@ -2,6 +2,8 @@
 
 from phalanx.parallel.buckets import Bucket, build_buckets
 from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
+from phalanx.parallel.memory_format import MEMORY_FORMATS, apply_memory_format, format_name, resolve_memory_format
 from phalanx.parallel.overlap import OverlapScheduler
 
-__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "DataParallel", "OverlapScheduler"]
+__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "DataParallel", "OverlapScheduler", "MEMORY_FORMATS",
+           "apply_memory_format", "format_name", "resolve_memory_format"]

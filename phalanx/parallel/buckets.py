@@ -47,6 +47,28 @@ def default_first_cap_bytes(cap_bytes: int | None) -> int | None:
     return None if cap_bytes is None else min(cap_bytes, DDP_FIRST_BUCKET_BYTES)
 
 
+def _dense_strides(tensor: torch.Tensor) -> bool:
+    """True when `tensor`'s strides are a permutation of a packed layout (no gaps, no overlap)."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda d: (d[1], d[0])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def grad_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """`buffer[offset : offset + param.numel()]` as a tensor with `param`'s shape *and strides*.
+
+    A gradient laid out like its parameter is what autograd accumulates into without a layout
+    change (DDP's "gradient layout contract"): a channels_last conv weight gets a channels_last
+    gradient view. Parameters with gaps or overlaps in memory get a contiguous view.
+    """
+    if param.is_contiguous() or not _dense_strides(param):
+        return buffer[offset : offset + param.numel()].view_as(param)
+    return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+
+
 def build_buckets(
     params: list[nn.Parameter], *, cap_bytes: int | None = None, first_cap_bytes: int | None = None
 ) -> list[Bucket]:
@@ -83,7 +105,7 @@ def build_buckets(
         bucket = Bucket(index=index, buffer=buffer)
         offset = 0
         for param in group:
-            view = buffer[offset : offset + param.numel()].view_as(param)
+            view = grad_view(buffer, offset, param)
             if param.grad is not None:
                 view.copy_(param.grad)
             # Autograd accumulates in place into an existing .grad, so backward writes straight

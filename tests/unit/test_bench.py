@@ -112,8 +112,8 @@ def test_configs_reject_bad_numbers_by_name(make, words):
 
 def test_contenders_are_set_up_as_each_user_would_get_them():
     by_name = {v.name: v for v in variants(3, cores=4)}
-    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "ddp/3", "ceiling/3", "torch 1 thread",
-                             "torch 4 threads"]
+    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "ddp/3", "ddp/3 tuned", "ceiling/3",
+                             "torch 1 thread", "torch 4 threads", "torch 4 threads tuned"]
     assert [(by_name[f"phalanx/{j}"].num_procs, by_name[f"phalanx/{j}"].threads_per_proc) for j in (1, 2, 3)] == [
         (1, 4), (2, 2), (3, 1)]
     assert all(by_name[f"phalanx/{j}"].allocator_env for j in (1, 2, 3))
@@ -122,7 +122,13 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     ceiling = by_name["ceiling/3"]  # phalanx's worker set-up, minus the communication
     assert (ceiling.num_procs, ceiling.threads_per_proc, ceiling.allocator_env) == (3, 1, True)
     assert not by_name["torch 1 thread"].allocator_env and by_name["torch 4 threads"].threads_per_proc == 4
-    assert [v.name for v in variants(2, cores=1)][-1] == "torch 1 thread"  # no duplicate all-cores contender
+    assert [v.name for v in variants(2, cores=1)][-2:] == ["torch 1 thread", "torch 1 thread tuned"]  # no duplicate
+    # "tuned" = phalanx's CPU set-up (allocator env, auto memory format), nothing else changed.
+    for name in ("ddp/3 tuned", "torch 4 threads tuned", "phalanx/2", "ceiling/3"):
+        assert (by_name[name].allocator_env, by_name[name].memory_format) == (True, "auto"), name
+    for name in ("ddp/3", "torch 1 thread", "torch 4 threads"):
+        assert (by_name[name].allocator_env, by_name[name].memory_format) == (False, "contiguous"), name
+    assert by_name["ddp/3 tuned"].threads_per_proc == by_name["phalanx/3"].threads_per_proc
 
 
 def test_wide_mlp_is_the_heavier_model():
