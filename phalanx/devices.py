@@ -64,10 +64,16 @@ def parse_devices(spec: str | int, *, cuda_count: int | None = None) -> DevicePl
         if len(set(ids)) != len(ids):
             raise UsageError(f"--devices {spec!r} repeats a GPU id; list each GPU once")
         missing = [i for i in ids if i >= cuda_count]
-        if missing:
+        if missing and cuda_count == 0:
             raise UsageError(
-                f"--devices {spec!r} asks for GPU {missing[0]} but {cuda_count} GPUs are present"
-                f" (ids 0..{cuda_count - 1}); {'use cpu:N' if cuda_count == 0 else 'pick present ids'}"
+                f"--devices {spec!r} asks for GPU {missing[0]} but 0 GPUs are present (torch sees no CUDA device); "
+                f"use --devices cpu:{len(ids)} to run {len(ids)} CPU worker{'s' if len(ids) > 1 else ''} instead"
+            )
+        if missing:
+            present = "0" if cuda_count == 1 else f"0..{cuda_count - 1}"
+            raise UsageError(
+                f"--devices {spec!r} asks for GPU {missing[0]} but {cuda_count} GPUs are present (ids {present}); "
+                f"list present ids only, e.g. --devices cuda:{','.join(map(str, range(min(len(ids), cuda_count))))}"
             )
         return DevicePlan(names=tuple(f"cuda:{i}" for i in ids))
     raise UsageError(f"--devices {spec!r} is not understood; {fix}")

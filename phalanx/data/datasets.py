@@ -40,13 +40,13 @@ def load_dataset(
     explicit = name is not None
     key = (name or DEFAULT_DATASET).strip().lower().replace("_", "-")
     if key not in DATASET_NAMES:
-        raise UsageError(f"unknown dataset {name!r}: choose one of {', '.join(DATASET_NAMES)}")
+        raise UsageError(f"unknown dataset {name!r}; choose one of {', '.join(DATASET_NAMES)}")
     if key == "digits":
         return load_digits_dataset()
     if key == "synthetic":
         n_train, n_test = synthetic_sizes
         if n_train < 1 or n_test < 1:
-            raise UsageError(f"synthetic dataset sizes must be at least 1, got {n_train} train / {n_test} test: "
+            raise UsageError(f"synthetic dataset sizes must be at least 1, got {n_train} train / {n_test} test; "
                              "pass positive sizes")
         return load_synthetic_dataset((n_train, n_test))
     try:
@@ -55,7 +55,7 @@ def load_dataset(
         )
     except FashionMnistUnavailable as exc:
         if explicit:
-            raise UsageError(f"cannot download Fashion-MNIST ({exc.reason}): put the four official .gz files "
+            raise UsageError(f"cannot download Fashion-MNIST ({exc.reason}); put the four official .gz files "
                              f"in {exc.cache_dir} or pass --data-dir DIR") from None
         # Not asked for by name: a run that trains on real images beats one that stops offline.
         log(f"fashion-mnist is not cached and cannot be downloaded ({exc.reason}); training on scikit-learn's "

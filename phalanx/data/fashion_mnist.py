@@ -214,7 +214,7 @@ def read_fashion_mnist_dir(
 ) -> ImageDataset:
     """The four files in `directory` (each raw or .gz) as an ImageDataset; no checksum check."""
     directory = Path(directory).expanduser()
-    missing_fix = missing_fix or "{dir} has no {file}: put the four Fashion-MNIST files there"
+    missing_fix = missing_fix or "{dir} has no {file}; put the four Fashion-MNIST files there"
     train_images, train_labels = _read_split(directory, "train", missing_fix)
     test_images, test_labels = _read_split(directory, "t10k", missing_fix)
     return ImageDataset(
@@ -241,14 +241,14 @@ def load_fashion_mnist(
     if data_dir is not None:
         directory = Path(data_dir).expanduser()
         if not directory.exists():
-            raise UsageError(f"data dir {directory} does not exist: create it with the four Fashion-MNIST files "
+            raise UsageError(f"data dir {directory} does not exist; create it with the four Fashion-MNIST files "
                              "or drop --data-dir to download them")
         if not directory.is_dir():
-            raise UsageError(f"data dir {directory} is not a directory: pass the folder that holds the four "
+            raise UsageError(f"data dir {directory} is not a directory; pass the folder that holds the four "
                              "Fashion-MNIST files, or drop --data-dir to download them")
         return read_fashion_mnist_dir(
             directory,
-            missing_fix="data dir {dir} has no {file}: put the four Fashion-MNIST files there "
+            missing_fix="data dir {dir} has no {file}; put the four Fashion-MNIST files there "
             "or drop --data-dir to download them",
         )
     cache = cache_dir_for(cache_dir)

@@ -86,7 +86,7 @@ def test_user_dir_raw_and_gz_mixed(tmp_path):
 
 
 def test_missing_data_dir(tmp_path):
-    with pytest.raises(UsageError, match=r"data dir .*nope does not exist: .* drop --data-dir"):
+    with pytest.raises(UsageError, match=r"data dir .*nope does not exist; .* drop --data-dir"):
         load_dataset("fashion-mnist", tmp_path / "nope")
 
 
@@ -103,7 +103,7 @@ def test_data_dir_missing_a_file(tmp_path):
     with pytest.raises(UsageError) as info:
         load_dataset("fashion-mnist", directory)
     assert str(info.value) == (
-        f"data dir {directory} has no t10k-labels-idx1-ubyte(.gz): put the four Fashion-MNIST files there "
+        f"data dir {directory} has no t10k-labels-idx1-ubyte(.gz); put the four Fashion-MNIST files there "
         "or drop --data-dir to download them"
     )
 
@@ -262,7 +262,7 @@ def test_synthetic_rejects_bad_sizes():
 
 
 def test_unknown_name_lists_choices():
-    with pytest.raises(UsageError, match="unknown dataset 'cifar': choose one of fashion-mnist, digits, synthetic"):
+    with pytest.raises(UsageError, match="unknown dataset 'cifar'; choose one of fashion-mnist, digits, synthetic"):
         load_dataset("cifar", None)
 
 
