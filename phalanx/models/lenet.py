@@ -30,11 +30,19 @@ def book_init(model: nn.Module, *, scale: float = 0.01) -> nn.Module:
     """The chapter's initialisation: weights ~ normal(0, scale), biases zero.
 
     It trains slowly (the loss stays at chance for a few hundred steps) - kept for fidelity with
-    the book; PyTorch's default (Kaiming-uniform) init is the CLI default.
+    the book; PyTorch's default (Kaiming-uniform) init is the CLI default. Normalization layers
+    keep their identity start (scale 1, shift 0): a BatchNorm scale drawn from normal(0, 0.01)
+    would multiply every normalized activation by ~0.01, which no chapter intends.
     """
-    for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            nn.init.zeros_(param)
-        else:
-            nn.init.normal_(param, mean=0.0, std=scale)
+    for module in model.modules():
+        if isinstance(module, _NORM_LAYERS):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            else:
+                nn.init.normal_(param, mean=0.0, std=scale)
     return model
+
+
+_NORM_LAYERS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)

@@ -4,6 +4,14 @@ from phalanx.parallel.buckets import Bucket, build_buckets
 from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
 from phalanx.parallel.memory_format import MEMORY_FORMATS, apply_memory_format, format_name, resolve_memory_format
 from phalanx.parallel.overlap import OverlapScheduler
+from phalanx.parallel.sync_batchnorm import (
+    BATCHNORM_POLICIES,
+    SyncBatchNorm,
+    average_running_stats,
+    convert_sync_batchnorm,
+    has_sync_batchnorm,
+)
 
 __all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "DataParallel", "OverlapScheduler", "MEMORY_FORMATS",
-           "apply_memory_format", "format_name", "resolve_memory_format"]
+           "apply_memory_format", "format_name", "resolve_memory_format", "BATCHNORM_POLICIES", "SyncBatchNorm",
+           "average_running_stats", "convert_sync_batchnorm", "has_sync_batchnorm"]
