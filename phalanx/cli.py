@@ -16,7 +16,7 @@ from phalanx.bench import add_bench_parser, run_bench
 from phalanx.comm import ALGORITHMS
 from phalanx.errors import UsageError
 from phalanx.models import INITS, MODELS
-from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
+from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
 from phalanx.train.config import DATASETS, TrainConfig
 
 
@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
                             f"(default {DEFAULT_BUCKET_CAP_MB})")
     train.add_argument("--grad-accum", type=int, default=1,
                        help="micro-batches per global batch; gradients are exchanged once per batch (default 1)")
+    train.add_argument("--memory-format", default="auto", help=f"one of {', '.join(MEMORY_FORMATS)} "
+                       "(auto: channels_last for conv nets on CPU, ~1.5x faster steps)")
+    train.add_argument("--batchnorm", default="sync", help=f"BatchNorm models: {' or '.join(BATCHNORM_POLICIES)} "
+                       "(sync: whole-batch statistics, k devices == 1 device; local: per-device statistics)")
+    train.add_argument("--trace", default=None, metavar="DIR",
+                       help="write a Chrome trace per rank and a communication summary into DIR")
+    train.add_argument("--trace-steps", type=int, default=20, help="steps traced per epoch with --trace (default 20)")
     add_bench_parser(sub)
     return parser
 
@@ -70,6 +77,7 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as exc:  # the config names the numbers; it is the user's to fix
         raise UsageError(str(exc)) from None
     _check_out_dir(config.out_dir)
+    _check_out_dir(config.trace_dir, flag="--trace")
     env = launcher_env()
     plan = parse_devices(args.devices)
     if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda
@@ -110,6 +118,10 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         overlap=not args.no_overlap,
         bucket_cap_mb=args.bucket_cap_mb,
         grad_accum_steps=args.grad_accum,
+        memory_format=args.memory_format,
+        batchnorm=args.batchnorm,
+        trace_dir=args.trace,
+        trace_steps=args.trace_steps,
     )
 
 
@@ -122,16 +134,16 @@ def _bucket_cap(text: str) -> float | None:
 _bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... value"
 
 
-def _check_out_dir(out_dir: str | None) -> None:
-    """Refuse an unusable --out before any work, so a failure leaves nothing behind."""
+def _check_out_dir(out_dir: str | None, *, flag: str = "--out") -> None:
+    """Refuse an unusable output directory before any work, so a failure leaves nothing behind."""
     if out_dir is None:
         return
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {out_dir} is an existing file; name a directory instead")
+        raise UsageError(f"{flag} {out_dir} is an existing file; name a directory instead")
     parent = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
     if not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {out_dir} is not writable ({parent} denies writing); pick another directory")
+        raise UsageError(f"{flag} {out_dir} is not writable ({parent} denies writing); pick another directory")
 
 
 def _torchrun_names(plan, world_size: int) -> tuple[str, ...]:

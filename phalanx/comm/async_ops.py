@@ -70,10 +70,18 @@ class AsyncComm:
             self._group = dist.new_group(backend=world.backend)
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
 
-    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native") -> Handle:
-        """Start summing `tensor` in place across the world; the result is there after `wait()`."""
+    def allreduce_async(
+        self, tensor: torch.Tensor, *, algorithm: str = "native", on_done: Callable[[], None] | None = None
+    ) -> Handle:
+        """Start summing `tensor` in place across the world; the result is there after `wait()`.
+
+        `on_done()` runs as soon as the backend has finished (on its thread, before any wait):
+        how a trace learns when communication really ended.
+        """
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
+            if on_done is not None:
+                on_done()
             return Handle(tensor, None, _done)
         if self._executor is None:
             raise RuntimeError("AsyncComm is closed")
@@ -82,9 +90,13 @@ class AsyncComm:
         copy_back = None if tensor.is_contiguous() else flat
         if algorithm == "native":
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+            if on_done is not None:
+                work.get_future().add_done_callback(lambda _: on_done())
             return Handle(tensor, copy_back, work.wait)
         transport = DistTransport(group=self._group)
         future: Future = self._executor.submit(_run_no_grad, fn, flat, self.world, transport)
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
         return Handle(tensor, copy_back, future.result)
 
     def close(self) -> None:

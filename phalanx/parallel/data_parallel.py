@@ -77,6 +77,8 @@ class DataParallel:
         )
         self._sync_enabled = True
         self._closed = False
+        # A phalanx.telemetry.Tracer to report each bucket's allreduce to, or None (the default).
+        self.tracer = None
         self._comm: AsyncComm | None = None
         self._owns_comm = False
         self._scheduler: OverlapScheduler | None = None
@@ -146,7 +148,11 @@ class DataParallel:
 
     def _launch(self, bucket: Bucket):
         assert self._comm is not None
-        return self._comm.allreduce_async(bucket.buffer, algorithm=self.algorithm)
+        if self.tracer is None:
+            return self._comm.allreduce_async(bucket.buffer, algorithm=self.algorithm)
+        record = self.tracer.comm_launched(bucket.index, bucket.size_bytes)
+        return self._comm.allreduce_async(bucket.buffer, algorithm=self.algorithm,
+                                          on_done=lambda: self.tracer.comm_done(record))
 
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
@@ -163,7 +169,10 @@ class DataParallel:
             self._scheduler.finish()
         elif self.world.distributed:
             for bucket in self.buckets:
+                record = None if self.tracer is None else self.tracer.comm_launched(bucket.index, bucket.size_bytes)
                 allreduce(bucket.buffer, world=self.world, algorithm=self.algorithm)
+                if record is not None:
+                    self.tracer.comm_done(record)
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if not grads_are_bucket_views(self.buckets):
             raise RuntimeError(

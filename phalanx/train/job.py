@@ -19,8 +19,9 @@ import torch
 from phalanx.atomic import atomic_write_bytes
 from phalanx.data import load_dataset
 from phalanx.models import build_model
-from phalanx.parallel import DataParallel
-from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, plot_accuracy
+from phalanx.parallel import (DataParallel, apply_memory_format, average_running_stats, convert_sync_batchnorm,
+                              format_name, resolve_memory_format)
+from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, Tracer, format_summary, plot_accuracy, span
 from phalanx.train.config import TrainConfig
 from phalanx.train.evaluate import evaluate
 from phalanx.train.loop import train_epoch
@@ -59,6 +60,10 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     torch.manual_seed(config.seed)  # same init everywhere; the broadcast makes it a guarantee
     model = build_model(config.model, init=config.init, num_classes=data.num_classes)
     model = model.to(getattr(torch, config.dtype))
+    if config.batchnorm == "sync":  # a no-op for models without BatchNorm
+        model = convert_sync_batchnorm(model, world)
+    memory_format = resolve_memory_format(config.memory_format, model, world.device)
+    model = apply_memory_format(model, memory_format)
     # Without overlap one flat bucket is fastest: every gloo call pays a ~1 ms floor.
     dp = DataParallel(
         model,
@@ -67,14 +72,24 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
         overlap=config.overlap,
         bucket_cap_mb=config.bucket_cap_mb if config.overlap else None,
     )
+    if config.trace_dir is not None:
+        dp.tracer = Tracer(rank=world.rank, world_size=world.world_size, steps_per_epoch=config.trace_steps)
     try:
-        return _run_epochs(dp, world=world, config=config, data=data, log=log, device_names=device_names)
+        result = _run_epochs(dp, world=world, config=config, data=data, log=log, device_names=device_names,
+                             memory_format=format_name(memory_format))
+        if dp.tracer is not None:
+            dp.tracer.write(config.trace_dir)
+            if world.is_main:
+                log(format_summary(dp.tracer.summary()))
+                log(f"traces in {config.trace_dir}/trace-rank*.json (open in https://ui.perfetto.dev)")
+        return result
     finally:
         dp.close()  # stops AsyncComm's thread and group before the launcher's stop_world
 
 
 def _run_epochs(
-    dp: DataParallel, *, world: World, config: TrainConfig, data, log: RankZeroLog, device_names: Sequence[str]
+    dp: DataParallel, *, world: World, config: TrainConfig, data, log: RankZeroLog, device_names: Sequence[str],
+    memory_format: str,
 ) -> dict[str, Any]:
     """Train for config.epochs, evaluate after each, and (rank 0) write the outputs."""
     devices_text = "[" + ", ".join(device_names) + "]"
@@ -93,7 +108,7 @@ def _run_epochs(
         f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch "
         f"{config.global_batch_size}, lr {config.lr}, allreduce {config.allreduce}, "
-        f"{_exchange_text(config, dp)}"
+        f"{_exchange_text(config, dp)}, {memory_format}"
     )
 
     history: list[dict[str, Any]] = []
@@ -110,9 +125,13 @@ def _run_epochs(
             epoch=epoch,
             grad_accum_steps=config.grad_accum_steps,
             on_step=bar.update,
+            tracer=dp.tracer,
         )
         bar.close()
-        test_acc = evaluate(dp.module, test_images, test_labels, world=world, batch_size=config.eval_batch_size)
+        if config.batchnorm == "local":  # per-device statistics: replicas' running stats drift apart
+            average_running_stats(dp.module, world=world)
+        with span(dp.tracer, "evaluate"):
+            test_acc = evaluate(dp.module, test_images, test_labels, world=world, batch_size=config.eval_batch_size)
         row = {
             "epoch": epoch + 1,
             "train_loss": stats.train_loss,
@@ -128,6 +147,8 @@ def _run_epochs(
             "overlap": config.overlap,
             "num_buckets": len(dp.buckets),
             "grad_accum_steps": config.grad_accum_steps,
+            "memory_format": memory_format,
+            "batchnorm": config.batchnorm,
         }
         history.append(row)
         log(

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from phalanx.comm import all_reduce_sum_
 from phalanx.data import global_batches, rank_shard, split_batch, to_float
-from phalanx.parallel import DataParallel
+from phalanx.parallel import DataParallel, has_sync_batchnorm
+from phalanx.telemetry import Tracer, span
 from phalanx.world import World
 
 
@@ -54,10 +55,12 @@ def train_batch(
     *,
     global_batch_size: int,
     grad_accum_steps: int = 1,
+    tracer: Tracer | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One step on this rank's shard (X, y); returns this shard's (loss sum, correct count).
 
     With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
+    `tracer` records forward / backward / wait / optimizer spans (None: tracing off).
     """
     dp.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=X.device)
@@ -69,14 +72,20 @@ def train_batch(
         with contextlib.nullcontext() if last else dp.no_sync():
             # An empty piece (a tiny last batch) runs no backward; the rank still joins every
             # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
-            if X_micro.shape[0] > 0:
-                logits = dp(X_micro)
-                micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
-                (micro_loss_sum / global_batch_size).backward()
+            # With synchronized BatchNorm forward and backward are collectives: an empty piece
+            # still runs them (zero counts) so the rank stays paired with its peers.
+            if X_micro.shape[0] > 0 or has_sync_batchnorm(dp.module):
+                with span(tracer, "forward"):
+                    logits = dp(X_micro)
+                    micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
+                with span(tracer, "backward"):
+                    (micro_loss_sum / global_batch_size).backward()
                 loss_sum += micro_loss_sum.detach()
                 correct += (logits.argmax(dim=1) == y_micro).sum()
-    dp.finish_gradient_sync()
-    optimizer.step()
+    with span(tracer, "wait"):
+        dp.finish_gradient_sync()
+    with span(tracer, "optimizer"):
+        optimizer.step()
     return loss_sum, correct
 
 
@@ -92,6 +101,7 @@ def train_epoch(
     epoch: int,
     grad_accum_steps: int = 1,
     on_step: Callable[[int, int], None] | None = None,
+    tracer: Tracer | None = None,
 ) -> EpochStats:
     """One pass over (images, labels): same permutation on every rank, each reads its shard."""
     start_s = time.perf_counter()
@@ -99,12 +109,19 @@ def train_epoch(
     totals = torch.zeros(3, dtype=torch.float64, device=world.device)  # loss sum, correct, count
     dtype = next(dp.module.parameters()).dtype
     for step, batch in enumerate(batches):
-        shard = rank_shard(batch, rank=world.rank, world_size=world.world_size).to(images.device)
-        X = to_float(images[shard]).to(dtype)
-        y = labels[shard]
-        loss_sum, correct = train_batch(
-            dp, optimizer, X, y, global_batch_size=batch.numel(), grad_accum_steps=grad_accum_steps
-        )
+        if tracer is not None:
+            tracer.begin_step(step)
+        with span(tracer, "step"):
+            with span(tracer, "data"):
+                shard = rank_shard(batch, rank=world.rank, world_size=world.world_size).to(images.device)
+                X = to_float(images[shard]).to(dtype)
+                y = labels[shard]
+            loss_sum, correct = train_batch(
+                dp, optimizer, X, y, global_batch_size=batch.numel(), grad_accum_steps=grad_accum_steps,
+                tracer=tracer,
+            )
+        if tracer is not None:
+            tracer.end_step()
         totals[0] += loss_sum
         totals[1] += correct
         totals[2] += shard.numel()

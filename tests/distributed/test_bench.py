@@ -79,16 +79,21 @@ def test_scaling_bench_smoke(tmp_path, capsys):
     payload, _ = _run(["bench", "scaling", "--batch-sizes", "8", "--devices", "2", "--steps", "1",
                        "--warmup-steps", "1", "--rounds", "1"], tmp_path)
     names = [v["name"] for v in payload["variants"]]
-    assert names[:4] == ["phalanx/1", "phalanx/2", "ddp/2", "ceiling/2"] and "torch 1 thread" in names
+    assert names[:5] == ["phalanx/1", "phalanx/2", "ddp/2", "ddp/2 tuned", "ceiling/2"] and "torch 1 thread" in names
     assert [r["variant"] for r in payload["results"]] == names
     assert all(r["global_batch_size"] == 8 and r["images_per_s"]["median"] > 0 for r in payload["results"])
     assert {r["metric"] for r in payload["ratios"]} == {
-        "phalanx_vs_ddp", "phalanx_vs_best_single_process", "phalanx_vs_ceiling", "scaling_efficiency"}
+        "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process",
+        "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
+        "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency"}
     per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"]}
     efficiency = next(r for r in payload["ratios"] if r["metric"] == "scaling_efficiency")
     assert efficiency["ratio"]["median"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))
     vs_ddp = next(r for r in payload["ratios"] if r["metric"] == "phalanx_vs_ddp")
     assert vs_ddp["ratio"]["median"] == pytest.approx(per["phalanx/2"] / per["ddp/2"])
+    one = next(r for r in payload["ratios"] if r["metric"] == "phalanx_1_device_vs_plain_loop_same_setup")
+    assert one["against"].endswith("tuned") and one["ratio"]["median"] == pytest.approx(
+        per["phalanx/1"] / per[one["against"]])
     assert "phalanx_vs_ddp" in capsys.readouterr().out
 
 
