@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--trace", default=None, metavar="DIR",
                        help="write a Chrome trace per rank and a communication summary into DIR")
     train.add_argument("--trace-steps", type=int, default=20, help="steps traced per epoch with --trace (default 20)")
+    train.add_argument("--checkpoint-every", default=None, metavar="N|epoch",
+                       help="save a checkpoint every N steps (and at every epoch end), or at epoch ends only")
+    train.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default OUT/checkpoints)")
+    train.add_argument("--resume", default=None, metavar="DIR|auto",
+                       help="continue from a checkpoint (dir or file); auto: the checkpoint dir's, if any")
+    train.add_argument("--check-every", type=int, default=100,
+                       help="steps between replica-identity and finite-gradient checks (0: off; default 100)")
     add_bench_parser(sub)
     return parser
 
@@ -122,6 +129,10 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         batchnorm=args.batchnorm,
         trace_dir=args.trace,
         trace_steps=args.trace_steps,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        check_every=args.check_every,
     )
 
 

@@ -40,6 +40,18 @@ ERROR_GRACE_S = 1.0
 TERMINATE_GRACE_S = 3.0
 
 
+# Set in a spawned worker: (shared array of every rank's last finished step, this rank).
+_PROGRESS: tuple[Any, int] | None = None
+
+
+def report_progress(step: int) -> None:
+    """Record the global step this worker just finished, so a failure report can name it.
+
+    A no-op outside a local spawned run (one device, torchrun): there nobody collects it."""
+    if _PROGRESS is not None:
+        _PROGRESS[0][_PROGRESS[1]] = step
+
+
 class WorkerFailed(RuntimeError):
     """A worker raised, died or hung; line one names the rank, then every report collected."""
 
@@ -114,8 +126,10 @@ def _set_threads(device: torch.device, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn) -> None:
+def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn, progress=None) -> None:
     """One spawned worker: join the world, run fn, send one report, then leave the world."""
+    global _PROGRESS
+    _PROGRESS = None if progress is None else (progress, rank)
     world, exit_code = None, 0
     try:
         device = spec.plan.torch_device(rank)
@@ -152,13 +166,14 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
     extra_env = dict(CPU_ALLOCATOR_ENV) if spec.plan.kind == "cpu" else {}
     saved = {k: os.environ.get(k) for k in extra_env}
     procs, conns = [], []
+    progress = ctx.Array("q", [-1] * spec.plan.num_devices, lock=False)  # last finished step per rank
     try:
         try:
             for key, value in extra_env.items():
                 os.environ.setdefault(key, value)  # a user's own setting wins
             for rank in range(spec.plan.num_devices):
                 parent_end, child_end = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, port, child_end),
+                proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, port, child_end, progress),
                                    name=f"phalanx-worker-{rank}")
                 proc.start()
                 child_end.close()  # keep only the child's copy, so its death reads as EOF here
@@ -170,14 +185,14 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        return _supervise(procs, conns, spec)
+        return _supervise(procs, conns, spec, progress=progress)
     finally:  # failure, deadline, KeyboardInterrupt: take every child down and reap it
         _terminate(procs)
         for conn in conns:
             conn.close()
 
 
-def _supervise(procs, conns, spec: LaunchSpec) -> list[Any]:
+def _supervise(procs, conns, spec: LaunchSpec, progress=None) -> list[Any]:
     deadline = None if spec.deadline_s is None else time.monotonic() + spec.deadline_s
     reports: dict[int, tuple] = {}  # rank -> ("ok", result) | ("usage", msg) | ("error", line, tb)
     first_failure: int | None = None
@@ -210,6 +225,15 @@ def _supervise(procs, conns, spec: LaunchSpec) -> list[Any]:
     if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
         raise UsageError(usage[0])
     failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
+    # The root cause first: a rank that died (signal, exit without a report) explains its peers'
+    # "connection closed" errors, even when one of those reached us first.
+    died = [rank for rank, report in failed.items() if report[1].startswith(("died", "exited with code"))]
+    if died:
+        first_failure = died[0]
+    if progress is not None and progress[first_failure] >= 0:
+        reports[first_failure] = (reports[first_failure][0],
+                                  f"{reports[first_failure][1]} after step {progress[first_failure]}",
+                                  *reports[first_failure][2:])
     sections = [f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}" for rank, report in failed.items()]
     raise WorkerFailed(f"worker rank {first_failure} failed: {reports[first_failure][1]}\n" + "\n".join(sections))
 

@@ -56,6 +56,7 @@ class LauncherEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    restart_count: int = 0  # torchrun --max-restarts: how many times this job was restarted
 
 
 def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None:
@@ -72,6 +73,7 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )
     except ValueError as exc:
         raise UsageError(f"launcher environment is malformed ({exc}); fix RANK/WORLD_SIZE/LOCAL_RANK") from None

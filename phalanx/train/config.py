@@ -52,6 +52,14 @@ class TrainConfig:
     # --trace DIR: Chrome traces per rank + rank 0's summary; the first trace_steps of each epoch.
     trace_dir: str | None = None
     trace_steps: int = 20
+    # Checkpoints: None (off), "epoch", or a number of steps as text ("50"). The directory
+    # defaults to <out>/checkpoints. resume: a checkpoint dir/file, or "auto" (the checkpoint dir's
+    # checkpoint when there is one - what a torchrun restart uses).
+    checkpoint_every: str | None = None
+    checkpoint_dir: str | None = None
+    resume: str | None = None
+    # Every check_every steps: replicas compared bitwise, gradients checked finite (0: never).
+    check_every: int = 100
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -84,8 +92,29 @@ class TrainConfig:
             raise ValueError(f"--batchnorm {self.batchnorm!r} is unknown; choose one of {', '.join(BATCHNORM_POLICIES)}")
         if self.trace_steps < 1:
             raise ValueError(f"--trace-steps {self.trace_steps} must be at least 1")
+        if self.checkpoint_every is not None and self.checkpoint_every != "epoch":
+            if not self.checkpoint_every.isdigit() or int(self.checkpoint_every) < 1:
+                raise ValueError(f"--checkpoint-every {self.checkpoint_every} is neither 'epoch' nor a positive number "
+                                 "of steps; use e.g. --checkpoint-every 50")
+        if self.checkpoint_every is not None and self.checkpoint_location is None:
+            raise ValueError("--checkpoint-every needs somewhere to write; add --checkpoint-dir DIR or --out DIR")
+        if self.resume == "auto" and self.checkpoint_location is None:
+            raise ValueError("--resume auto looks in the checkpoint dir; add --checkpoint-dir DIR or --out DIR")
+        if self.check_every < 0:
+            raise ValueError(f"--check-every {self.check_every} must be 0 (off) or a number of steps")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout {self.timeout_s} must be a positive number of seconds")
+
+    @property
+    def checkpoint_location(self) -> str | None:
+        if self.checkpoint_dir is not None:
+            return self.checkpoint_dir
+        return None if self.out_dir is None else f"{self.out_dir}/checkpoints"
+
+    @property
+    def checkpoint_steps(self) -> int | None:
+        """Steps between checkpoints, or None (only at epoch ends, or never)."""
+        return int(self.checkpoint_every) if self.checkpoint_every not in (None, "epoch") else None
 
     def check_devices(self, num_devices: int) -> None:
         """Every device needs at least one example of each global batch."""

@@ -21,11 +21,15 @@ from phalanx.data import load_dataset
 from phalanx.models import build_model
 from phalanx.parallel import (DataParallel, apply_memory_format, average_running_stats, convert_sync_batchnorm,
                               format_name, resolve_memory_format)
+from phalanx.launch import report_progress
 from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, Tracer, format_summary, plot_accuracy, span
+from phalanx.telemetry.metrics import read_metrics
+from phalanx.parallel.guards import check_finite, check_replicas, model_fingerprint, preflight_check
+from phalanx.train import checkpoint as ckpt
 from phalanx.train.config import TrainConfig
 from phalanx.train.evaluate import evaluate
 from phalanx.train.loop import train_epoch
-from phalanx.world import World
+from phalanx.world import World, launcher_env
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,8 +79,15 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     if config.trace_dir is not None:
         dp.tracer = Tracer(rank=world.rank, world_size=world.world_size, steps_per_epoch=config.trace_steps)
     try:
-        result = _run_epochs(dp, world=world, config=config, data=data, log=log, device_names=device_names,
-                             memory_format=format_name(memory_format))
+        optimizer = torch.optim.SGD(dp.module.parameters(), lr=config.lr)
+        steps_per_epoch = -(-data.train_images.shape[0] // config.global_batch_size)
+        preflight_check(world, {"model": model_fingerprint(dp.module), "buckets": [b.size_bytes for b in dp.buckets],
+                                "world_size": world.world_size, "steps_per_epoch": steps_per_epoch,
+                                "global_batch_size": config.global_batch_size, "allreduce": config.allreduce,
+                                "overlap": config.overlap, "dtype": config.dtype, "seed": config.seed})
+        start = _resume(config, world=world, dp=dp, optimizer=optimizer, log=log)
+        result = _run_epochs(dp, optimizer, world=world, config=config, data=data, log=log,
+                             device_names=device_names, memory_format=format_name(memory_format), start=start)
         if dp.tracer is not None:
             dp.tracer.write(config.trace_dir)
             if world.is_main:
@@ -88,8 +99,8 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
 
 
 def _run_epochs(
-    dp: DataParallel, *, world: World, config: TrainConfig, data, log: RankZeroLog, device_names: Sequence[str],
-    memory_format: str,
+    dp: DataParallel, optimizer: torch.optim.Optimizer, *, world: World, config: TrainConfig, data, log: RankZeroLog,
+    device_names: Sequence[str], memory_format: str, start: ckpt.Position,
 ) -> dict[str, Any]:
     """Train for config.epochs, evaluate after each, and (rank 0) write the outputs."""
     devices_text = "[" + ", ".join(device_names) + "]"
@@ -97,13 +108,21 @@ def _run_epochs(
     train_labels = data.train_labels.to(world.device)
     test_images = data.test_images.to(world.device)
     test_labels = data.test_labels.to(world.device)
-    optimizer = torch.optim.SGD(dp.module.parameters(), lr=config.lr)
-
     outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir else None
     metrics = None
+    history: list[dict[str, Any]] = []
     if outputs is not None and world.is_main:
         os.makedirs(outputs.out_dir, exist_ok=True)
         metrics = MetricsFile(outputs.metrics)
+        if start.epoch > 0 and outputs.metrics.exists():  # keep the finished epochs' rows only
+            metrics.rows = [r for r in read_metrics(outputs.metrics) if r.get("epoch", 0) <= start.epoch]
+            history = [dict(r) for r in metrics.rows]
+    fp = ckpt.fingerprint(dp.module, model_name=config.model, global_batch_size=config.global_batch_size,
+                          seed=config.seed, dtype=config.dtype)
+
+    def save(position: ckpt.Position) -> None:
+        ckpt.save_checkpoint(config.checkpoint_location, world=world, model=dp.module, optimizer=optimizer,
+                             position=position, fingerprint=fp)
     log(
         f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch "
@@ -111,9 +130,21 @@ def _run_epochs(
         f"{_exchange_text(config, dp)}, {memory_format}"
     )
 
-    history: list[dict[str, Any]] = []
-    for epoch in range(config.epochs):
+    for epoch in range(start.epoch, config.epochs):
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
+
+        def after_step(done: int, total: int, loss_sum: torch.Tensor, epoch: int = epoch) -> None:
+            global_step = epoch * total + done
+            report_progress(global_step)
+            checking = config.check_every and global_step % config.check_every == 0
+            check_finite(loss=loss_sum, buffers=[b.buffer for b in dp.buckets] if checking else [],
+                         step=global_step, rank=world.rank)
+            if checking:
+                check_replicas(world, dp.module, step=global_step)
+            every = config.checkpoint_steps
+            if every and global_step % every == 0 and done < total:  # epoch ends save below
+                save(ckpt.Position(epoch=epoch, step=done))
+
         stats = train_epoch(
             dp,
             optimizer,
@@ -126,6 +157,8 @@ def _run_epochs(
             grad_accum_steps=config.grad_accum_steps,
             on_step=bar.update,
             tracer=dp.tracer,
+            start_step=start.step if epoch == start.epoch else 0,
+            after_step=after_step,
         )
         bar.close()
         if config.batchnorm == "local":  # per-device statistics: replicas' running stats drift apart
@@ -157,7 +190,12 @@ def _run_epochs(
         )
         if metrics is not None:
             metrics.append(row)
+        if config.checkpoint_every is not None:
+            save(ckpt.Position(epoch=epoch + 1, step=0))
 
+    if not history:  # resumed from a checkpoint taken after the last epoch: nothing left to do
+        log(f"nothing to train: the checkpoint is at the end of epoch {start.epoch}")
+        return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
     sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
     if outputs is not None and world.is_main:
         plot_accuracy(
@@ -170,6 +208,28 @@ def _run_epochs(
         save_state_dict(outputs.model, dp.module)
     log(f"test acc: {history[-1]['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {devices_text}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
+
+
+def _resume(config: TrainConfig, *, world: World, dp: DataParallel, optimizer, log: RankZeroLog) -> ckpt.Position:
+    """Where this run starts: a checkpoint's position (--resume, or a torchrun restart), or 0/0."""
+    resume = config.resume
+    env = launcher_env()
+    if resume is None and config.checkpoint_every is not None and env is not None and env.restart_count > 0:
+        resume = "auto"  # torchrun restarted the job: pick up where the last checkpoint left off
+    if resume == "auto":
+        resume = config.checkpoint_location
+        if not ckpt.checkpoint_path(resume).is_file():
+            log(f"no checkpoint in {resume} yet: starting from scratch")
+            return ckpt.Position(epoch=0, step=0)
+    if resume is None:
+        return ckpt.Position(epoch=0, step=0)
+    state = ckpt.read_checkpoint(resume)
+    expected = ckpt.fingerprint(dp.module, model_name=config.model, global_batch_size=config.global_batch_size,
+                                seed=config.seed, dtype=config.dtype)
+    ckpt.check_compatible(state, expected, path=ckpt.checkpoint_path(resume))
+    position = ckpt.restore(state, world=world, model=dp.module, optimizer=optimizer)
+    log(f"resumed from {ckpt.checkpoint_path(resume)} at epoch {position.epoch + 1}, step {position.step}")
+    return position
 
 
 def _exchange_text(config: TrainConfig, dp: DataParallel) -> str:

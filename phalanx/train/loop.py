@@ -102,13 +102,23 @@ def train_epoch(
     grad_accum_steps: int = 1,
     on_step: Callable[[int, int], None] | None = None,
     tracer: Tracer | None = None,
+    start_step: int = 0,
+    after_step: Callable[[int, int, torch.Tensor], None] | None = None,
 ) -> EpochStats:
-    """One pass over (images, labels): same permutation on every rank, each reads its shard."""
+    """One pass over (images, labels): same permutation on every rank, each reads its shard.
+
+    `start_step` skips the epoch's first steps (a resumed run: the permutation is seeded by
+    (seed, epoch), so the remaining batches are exactly the ones an uninterrupted run trains on).
+    `after_step(steps_done, steps_total, loss_sum)` runs after each optimizer step (checkpoints,
+    guards); `on_step(steps_done, steps_total)` is for progress display.
+    """
     start_s = time.perf_counter()
     batches = global_batches(images.shape[0], global_batch_size, seed=seed, epoch=epoch)
     totals = torch.zeros(3, dtype=torch.float64, device=world.device)  # loss sum, correct, count
     dtype = next(dp.module.parameters()).dtype
     for step, batch in enumerate(batches):
+        if step < start_step:
+            continue
         if tracer is not None:
             tracer.begin_step(step)
         with span(tracer, "step"):
@@ -125,13 +135,15 @@ def train_epoch(
         totals[0] += loss_sum
         totals[1] += correct
         totals[2] += shard.numel()
+        if after_step is not None:
+            after_step(step + 1, len(batches), loss_sum)
         if on_step is not None:
             on_step(step + 1, len(batches))
     all_reduce_sum_(totals, world=world)  # one collective per epoch for the metrics
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     elapsed_s = time.perf_counter() - start_s
-    count = int(totals[2].item())
+    count = max(1, int(totals[2].item()))  # a resumed epoch may have had no step left
     return EpochStats(
         train_loss=totals[0].item() / count,
         train_acc=totals[1].item() / count,

@@ -1,0 +1,88 @@
+"""Checks that turn a silent distributed failure into an error naming the rank, field and step.
+
+- `preflight_check`: before the first step every rank contributes a fingerprint of what must
+  agree (model parameters, bucket layout, world settings, steps per epoch); one all-gather, and
+  a rank that differs is named with the field - instead of a hang when, say, one rank's model has
+  an extra layer and issues one collective more.
+- `check_replicas`: every N steps the replicas' parameter checksums (float64 per tensor) are
+  gathered and compared bitwise: data parallelism keeps replicas identical, so any difference is
+  a bug (a rank that skipped an update, a non-deterministic reduction), caught at the step it
+  shows instead of at the end of training.
+- `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
+  its step and rank instead of silently poisoning every replica.
+
+Every rank sees the same gathered data, so every rank raises the same error at the same point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.world import World
+
+
+class ReplicaMismatch(RuntimeError):
+    """Ranks disagree on something that must be identical."""
+
+
+def model_fingerprint(module: torch.nn.Module) -> str:
+    """A short hash of parameter names, shapes and dtypes (not values)."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def preflight_check(world: World, fields: dict[str, Any]) -> None:
+    """All-gather `fields` (picklable, small) and raise if any rank's differ from rank 0's."""
+    if not world.distributed:
+        return
+    gathered: list[dict[str, Any] | None] = [None] * world.world_size
+    dist.all_gather_object(gathered, fields)
+    reference = gathered[0]
+    for rank, theirs in enumerate(gathered):
+        for field in sorted(set(reference) | set(theirs)):
+            if reference.get(field) != theirs.get(field):
+                raise ReplicaMismatch(
+                    f"pre-flight check: rank {rank} differs from rank 0 in {field} "
+                    f"({theirs.get(field)!r} vs {reference.get(field)!r}); every rank must run the same "
+                    "model, settings and data")
+
+
+def parameter_checksums(module: torch.nn.Module) -> torch.Tensor:
+    """One float64 sum per parameter, plus an index-weighted sum that catches permutations."""
+    sums = []
+    with torch.no_grad():
+        for p in module.parameters():
+            flat = p.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+            sums += [flat.sum(), (flat * weights).sum()]
+    return torch.stack(sums)
+
+
+def check_replicas(world: World, module: torch.nn.Module, *, step: int) -> None:
+    """Raise ReplicaMismatch naming the ranks whose parameters differ from rank 0's at `step`."""
+    if not world.distributed:
+        return
+    mine = parameter_checksums(module)
+    gathered = [torch.empty_like(mine) for _ in range(world.world_size)]
+    dist.all_gather(gathered, mine)
+    names = [n for n, _ in module.named_parameters()]
+    for rank, theirs in enumerate(gathered):
+        differs = (theirs != gathered[0]).nonzero().flatten().tolist()
+        if differs:
+            raise ReplicaMismatch(
+                f"replicas diverged at step {step}: rank {rank}'s {names[differs[0] // 2]} differs from "
+                "rank 0's; the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
+
+
+def check_finite(*, loss: torch.Tensor | None, buffers: list[torch.Tensor], step: int, rank: int) -> None:
+    """Raise FloatingPointError naming the step and rank when the loss or a gradient is NaN/Inf."""
+    if loss is not None and not bool(torch.isfinite(loss).all()):
+        raise FloatingPointError(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
+    for index, buffer in enumerate(buffers):
+        if not bool(torch.isfinite(buffer).all()):
+            raise FloatingPointError(f"gradient bucket {index} holds NaN/Inf at step {step} on rank {rank}; "
+                                     "lower --lr or check the data")
