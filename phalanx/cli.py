@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=int, default=10)
     train.add_argument("--batch-size", type=int, default=256, help="global batch, split over the devices")
     train.add_argument("--lr", type=float, default=0.2)
+    train.add_argument("--warmup-epochs", type=float, default=0.0,
+                       help="raise the lr linearly from lr/steps to lr over this many epochs (default 0: none)")
     train.add_argument("--allreduce", default="native", help=f"one of {', '.join(ALGORITHMS)}")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", default="pytorch", help=f"one of {', '.join(INITS)} (book: normal(0, 0.01))")
@@ -50,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--bucket-cap-mb", type=_bucket_cap, default=DEFAULT_BUCKET_CAP_MB,
                        help=f"gradient bucket cap in MB with overlap, or 'none' for one bucket "
                             f"(default {DEFAULT_BUCKET_CAP_MB})")
+    train.add_argument("--grad-dtype", default=None,
+                       help="exchange gradients compressed to bf16 or fp16 (half the bytes; default: as computed)")
     train.add_argument("--grad-accum", type=int, default=1,
                        help="micro-batches per global batch; gradients are exchanged once per batch (default 1)")
     train.add_argument("--memory-format", default="auto", help=f"one of {', '.join(MEMORY_FORMATS)} "
@@ -114,6 +118,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         epochs=args.epochs,
         global_batch_size=args.batch_size,
         lr=args.lr,
+        warmup_epochs=args.warmup_epochs,
         allreduce=args.allreduce,
         seed=args.seed,
         init=args.init,
@@ -124,6 +129,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         dtype=args.dtype,
         overlap=not args.no_overlap,
         bucket_cap_mb=args.bucket_cap_mb,
+        grad_dtype=args.grad_dtype,
         grad_accum_steps=args.grad_accum,
         memory_format=args.memory_format,
         batchnorm=args.batchnorm,

@@ -1,7 +1,7 @@
 """Parallelism strategies. Data parallelism: full replicas, split batches, summed gradients."""
 
 from phalanx.parallel.buckets import Bucket, build_buckets
-from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
+from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, DataParallel
 from phalanx.parallel.memory_format import MEMORY_FORMATS, apply_memory_format, format_name, resolve_memory_format
 from phalanx.parallel.overlap import OverlapScheduler
 from phalanx.parallel.sync_batchnorm import (
@@ -12,6 +12,6 @@ from phalanx.parallel.sync_batchnorm import (
     has_sync_batchnorm,
 )
 
-__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "DataParallel", "OverlapScheduler", "MEMORY_FORMATS",
+__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel", "OverlapScheduler", "MEMORY_FORMATS",
            "apply_memory_format", "format_name", "resolve_memory_format", "BATCHNORM_POLICIES", "SyncBatchNorm",
            "average_running_stats", "convert_sync_batchnorm", "has_sync_batchnorm"]

@@ -40,6 +40,10 @@ DEFAULT_BUCKET_CAP_MB = 0.25
 _MB = 1024 * 1024
 
 
+# --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _mb_to_bytes(mb: float | None) -> int | None:
     return None if mb is None else max(1, int(mb * _MB))
 
@@ -58,15 +62,21 @@ class DataParallel:
         first_bucket_cap_mb: float | None = None,
         overlap: bool = True,
         comm: AsyncComm | None = None,
+        grad_dtype: torch.dtype | None = None,
     ) -> None:
         """`bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
-        min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own)."""
+        min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
+        `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half
+        the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype."""
         allreduce_fn(algorithm)  # ValueError with the valid names, before any collective
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
+        if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
+            raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
         self.world = world
         self.algorithm = algorithm
+        self.grad_dtype = grad_dtype
         self.overlap = overlap
         self.module = module.to(world.device)
         self.broadcast_state(src=0)
@@ -146,13 +156,22 @@ class DataParallel:
         if self._sync_enabled and self._scheduler is not None:
             self._scheduler.mark_ready(param)
 
+    def _wire(self, bucket: Bucket) -> torch.Tensor:
+        """What goes on the wire for `bucket`: its buffer, or a compressed copy of it."""
+        if self.grad_dtype is None or self.grad_dtype == bucket.buffer.dtype:
+            return bucket.buffer
+        return bucket.buffer.detach().to(self.grad_dtype)
+
     def _launch(self, bucket: Bucket):
         assert self._comm is not None
-        if self.tracer is None:
-            return self._comm.allreduce_async(bucket.buffer, algorithm=self.algorithm)
-        record = self.tracer.comm_launched(bucket.index, bucket.size_bytes)
-        return self._comm.allreduce_async(bucket.buffer, algorithm=self.algorithm,
-                                          on_done=lambda: self.tracer.comm_done(record))
+        wire = self._wire(bucket)
+        on_done = None
+        if self.tracer is not None:
+            record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
+            on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
+        extra = {} if on_done is None else {"on_done": on_done}
+        handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
+        return handle if wire is bucket.buffer else _Decompress(handle, wire, bucket.buffer)
 
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
@@ -169,8 +188,13 @@ class DataParallel:
             self._scheduler.finish()
         elif self.world.distributed:
             for bucket in self.buckets:
-                record = None if self.tracer is None else self.tracer.comm_launched(bucket.index, bucket.size_bytes)
-                allreduce(bucket.buffer, world=self.world, algorithm=self.algorithm)
+                wire = self._wire(bucket)
+                record = None if self.tracer is None else self.tracer.comm_launched(
+                    bucket.index, wire.numel() * wire.element_size())
+                allreduce(wire, world=self.world, algorithm=self.algorithm)
+                if wire is not bucket.buffer:
+                    with torch.no_grad():
+                        bucket.buffer.copy_(wire)
                 if record is not None:
                     self.tracer.comm_done(record)
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
@@ -196,3 +220,20 @@ class DataParallel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Decompress:
+    """A compressed bucket's pending allreduce: `wait()` also writes the sum back, widened."""
+
+    def __init__(self, handle, wire: torch.Tensor, buffer: torch.Tensor) -> None:
+        self._handle, self._wire, self._buffer = handle, wire, buffer
+
+    @property
+    def waited(self) -> bool:
+        return self._handle.waited
+
+    def wait(self) -> torch.Tensor:
+        self._handle.wait()
+        with torch.no_grad():
+            self._buffer.copy_(self._wire)
+        return self._buffer

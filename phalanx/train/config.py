@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from phalanx.comm import ALGORITHMS
 from phalanx.models import INITS, MODELS
-from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
+from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.parallel.sync_batchnorm import BATCHNORM_POLICIES
 
 DATASETS = ("fashion-mnist", "digits", "synthetic")
@@ -26,6 +26,8 @@ class TrainConfig:
     epochs: int = 10
     global_batch_size: int = 256
     lr: float = 0.2
+    # Linear warmup of the lr over this many epochs (fractions allowed; 0: none), per step.
+    warmup_epochs: float = 0.0
     allreduce: str = "native"
     seed: int = 0
     init: str = "pytorch"
@@ -42,6 +44,8 @@ class TrainConfig:
     # flat allreduce after backward). bucket_cap_mb applies with overlap only; None = one bucket.
     overlap: bool = True
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
+    # Exchange gradients compressed to this dtype (bf16 / fp16: half the bytes); None: as computed.
+    grad_dtype: str | None = None
     # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs.
     grad_accum_steps: int = 1
     # auto: channels_last on CPU for conv nets (~1.5x faster steps), contiguous otherwise.
@@ -78,12 +82,16 @@ class TrainConfig:
             raise ValueError(f"--batch-size {self.global_batch_size} must be at least 1")
         if not (self.lr > 0 and math.isfinite(self.lr)):  # also rejects NaN and inf
             raise ValueError(f"--lr {self.lr} must be a positive finite number; use e.g. --lr 0.2")
+        if not (self.warmup_epochs >= 0 and math.isfinite(self.warmup_epochs)):
+            raise ValueError(f"--warmup-epochs {self.warmup_epochs} must be 0 (none) or a positive number of epochs")
         if self.eval_batch_size < 1:
             raise ValueError(f"eval batch size {self.eval_batch_size} must be at least 1")
         if self.threads_per_device is not None and self.threads_per_device < 1:
             raise ValueError(f"--threads-per-device {self.threads_per_device} must be at least 1")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
+        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"--grad-dtype {self.grad_dtype!r} is unknown; choose one of {', '.join(GRAD_DTYPES)}")
         if self.grad_accum_steps < 1:
             raise ValueError(f"--grad-accum {self.grad_accum_steps} must be at least 1")
         if self.memory_format not in MEMORY_FORMATS:

@@ -19,7 +19,7 @@ import torch
 from phalanx.atomic import atomic_write_bytes
 from phalanx.data import load_dataset
 from phalanx.models import build_model
-from phalanx.parallel import (DataParallel, apply_memory_format, average_running_stats, convert_sync_batchnorm,
+from phalanx.parallel import (GRAD_DTYPES, DataParallel, apply_memory_format, average_running_stats, convert_sync_batchnorm,
                               format_name, resolve_memory_format)
 from phalanx.launch import report_progress
 from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, Tracer, format_summary, plot_accuracy, span
@@ -29,6 +29,7 @@ from phalanx.train import checkpoint as ckpt
 from phalanx.train.config import TrainConfig
 from phalanx.train.evaluate import evaluate
 from phalanx.train.loop import train_epoch
+from phalanx.train.schedule import lr_at, set_lr, warmup_steps
 from phalanx.world import World, launcher_env
 
 
@@ -75,6 +76,7 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
         algorithm=config.allreduce,
         overlap=config.overlap,
         bucket_cap_mb=config.bucket_cap_mb if config.overlap else None,
+        grad_dtype=None if config.grad_dtype is None else GRAD_DTYPES[config.grad_dtype],
     )
     if config.trace_dir is not None:
         dp.tracer = Tracer(rank=world.rank, world_size=world.world_size, steps_per_epoch=config.trace_steps)
@@ -84,7 +86,7 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
         preflight_check(world, {"model": model_fingerprint(dp.module), "buckets": [b.size_bytes for b in dp.buckets],
                                 "world_size": world.world_size, "steps_per_epoch": steps_per_epoch,
                                 "global_batch_size": config.global_batch_size, "allreduce": config.allreduce,
-                                "overlap": config.overlap, "dtype": config.dtype, "seed": config.seed})
+                                "overlap": config.overlap, "grad_dtype": config.grad_dtype, "dtype": config.dtype, "seed": config.seed})
         start = _resume(config, world=world, dp=dp, optimizer=optimizer, log=log)
         result = _run_epochs(dp, optimizer, world=world, config=config, data=data, log=log,
                              device_names=device_names, memory_format=format_name(memory_format), start=start)
@@ -130,12 +132,18 @@ def _run_epochs(
         f"{_exchange_text(config, dp)}, {memory_format}"
     )
 
+    steps_per_epoch = -(-data.train_images.shape[0] // config.global_batch_size)
+    warmup = warmup_steps(config.warmup_epochs, steps_per_epoch)
     for epoch in range(start.epoch, config.epochs):
+        first_step = start.step if epoch == start.epoch else 0
+        set_lr(optimizer, lr_at(epoch * steps_per_epoch + first_step, base_lr=config.lr, warmup=warmup))
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
 
         def after_step(done: int, total: int, loss_sum: torch.Tensor, epoch: int = epoch) -> None:
             global_step = epoch * total + done
             report_progress(global_step)
+            if warmup:
+                set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
             checking = config.check_every and global_step % config.check_every == 0
             check_finite(loss=loss_sum, buffers=[b.buffer for b in dp.buckets] if checking else [],
                          step=global_step, rank=world.rank)
@@ -157,7 +165,7 @@ def _run_epochs(
             grad_accum_steps=config.grad_accum_steps,
             on_step=bar.update,
             tracer=dp.tracer,
-            start_step=start.step if epoch == start.epoch else 0,
+            start_step=first_step,
             after_step=after_step,
         )
         bar.close()
@@ -175,9 +183,11 @@ def _run_epochs(
             "devices": list(device_names),
             "global_batch_size": config.global_batch_size,
             "lr": config.lr,
+            "warmup_epochs": config.warmup_epochs,
             "allreduce": config.allreduce,
             "dtype": config.dtype,
             "overlap": config.overlap,
+            "grad_dtype": config.grad_dtype,
             "num_buckets": len(dp.buckets),
             "grad_accum_steps": config.grad_accum_steps,
             "memory_format": memory_format,
@@ -236,4 +246,6 @@ def _exchange_text(config: TrainConfig, dp: DataParallel) -> str:
     sizes = ", ".join(f"{b.size_bytes / 1024:.1f}" for b in dp.buckets)
     mode = "overlapped" if config.overlap else "synchronous"
     accum = f", {config.grad_accum_steps} micro-batches per step" if config.grad_accum_steps > 1 else ""
-    return f"{mode} gradient exchange in {len(dp.buckets)} bucket(s) of [{sizes}] KB{accum}"
+    wire = f" sent as {config.grad_dtype}" if config.grad_dtype else ""
+    warm = f", lr warmup over {config.warmup_epochs:g} epochs" if config.warmup_epochs else ""
+    return f"{mode} gradient exchange in {len(dp.buckets)} bucket(s) of [{sizes}] KB{wire}{accum}{warm}"
