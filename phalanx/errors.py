@@ -1,8 +1,10 @@
-"""The one exception type that means "the user gave us something we cannot use".
+"""The two exception types whose message is the whole story, so the terminal shows no traceback.
 
-Anything raised as `UsageError` reaches the terminal as a single line naming the problem and the
-fix, with exit code 2 and no traceback (see `phalanx.cli`). Every other exception is a bug or an
-environment failure and keeps its traceback.
+`UsageError`: the user gave us something we cannot use; one line naming the problem and the
+fix, exit code 2 (see `phalanx.cli`). `RunFailed`: a run stopped on a condition phalanx checks
+for (a NaN loss, replicas that drifted apart); one line naming the step, the rank and what to
+try, exit code 1. Every other exception is a bug or an environment failure and keeps its
+traceback.
 """
 
 
@@ -10,3 +12,9 @@ class UsageError(Exception):
     """Bad input: the message names the problem and the fix, in one line."""
 
     exit_code = 2
+
+
+class RunFailed(RuntimeError):
+    """A checked condition stopped the run; the message names step, rank and the fix, in one line."""
+
+    exit_code = 1

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.devices import DevicePlan
-from phalanx.errors import UsageError
+from phalanx.errors import RunFailed, UsageError
 from phalanx.world import World, launcher_env, start_world, stop_world
 
 # glibc reads these at process start: keep large blocks on the heap instead of mmap/munmap per step.
@@ -143,6 +143,8 @@ def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn, progres
         report = pickle.dumps(("ok", fn(world, *args)))
     except UsageError as exc:
         report, exit_code = pickle.dumps(("usage", str(exc))), 2
+    except RunFailed as exc:  # a checked condition: the message is the whole story
+        report, exit_code = pickle.dumps(("failed", str(exc).splitlines()[0], "")), 1
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         report, exit_code = pickle.dumps(("error", summary, traceback.format_exc())), 1
@@ -224,6 +226,9 @@ def _supervise(procs, conns, spec: LaunchSpec, progress=None) -> list[Any]:
     usage = [report[1] for _, report in sorted(reports.items()) if report[0] == "usage"]
     if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
         raise UsageError(usage[0])
+    checked = [report[1] for _, report in sorted(reports.items()) if report[0] == "failed"]
+    if checked:  # every rank checks the same gathered values: one line says it all
+        raise WorkerFailed(f"run stopped: {checked[0]}")
     failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
     # The root cause first: a rank that died (signal, exit without a report) explains its peers'
     # "connection closed" errors, even when one of those reached us first.

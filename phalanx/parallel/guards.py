@@ -22,11 +22,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.errors import RunFailed
 from phalanx.world import World
 
 
-class ReplicaMismatch(RuntimeError):
+class ReplicaMismatch(RunFailed):
     """Ranks disagree on something that must be identical."""
+
+
+class NonFinite(RunFailed, FloatingPointError):
+    """The loss or a summed gradient is NaN or infinite."""
 
 
 def model_fingerprint(module: torch.nn.Module) -> str:
@@ -79,10 +84,10 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int) -> None:
 
 
 def check_finite(*, loss: torch.Tensor | None, buffers: list[torch.Tensor], step: int, rank: int) -> None:
-    """Raise FloatingPointError naming the step and rank when the loss or a gradient is NaN/Inf."""
+    """Raise NonFinite (a FloatingPointError) naming the step and rank when the loss or a gradient is NaN/Inf."""
     if loss is not None and not bool(torch.isfinite(loss).all()):
-        raise FloatingPointError(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
+        raise NonFinite(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
     for index, buffer in enumerate(buffers):
         if not bool(torch.isfinite(buffer).all()):
-            raise FloatingPointError(f"gradient bucket {index} holds NaN/Inf at step {step} on rank {rank}; "
+            raise NonFinite(f"gradient bucket {index} holds NaN/Inf at step {step} on rank {rank}; "
                                      "lower --lr or check the data")

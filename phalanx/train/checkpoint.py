@@ -35,10 +35,15 @@ FILENAME = "checkpoint.pt"
 
 @dataclass(frozen=True, kw_only=True)
 class Position:
-    """Where a run stands: `step` steps of epoch `epoch` (0-based) are done."""
+    """Where a run stands: `step` steps of epoch `epoch` (0-based) are done.
+
+    `epoch_totals`: this rank's running sums over those steps (loss sum, correct, examples,
+    seconds), so a run resumed mid-epoch reports the same epoch metrics as an uninterrupted one.
+    """
 
     epoch: int
     step: int
+    epoch_totals: tuple[float, ...] = ()
 
 
 def fingerprint(model: torch.nn.Module, *, model_name: str, global_batch_size: int, seed: int, dtype: str) -> dict:
@@ -79,17 +84,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     position: Position, fingerprint: dict) -> Path | None:
     """Every rank calls this (RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
-    rng = _rng_state()
+    mine = {"rng": _rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
-        dist.all_gather_object(every, rng)
+        dist.all_gather_object(every, mine)
     else:
-        every = [rng]
+        every = [mine]
     if not world.is_main:
         return None
     state = {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-             "optimizer": optimizer.state_dict(), "rng": every}
+             "optimizer": optimizer.state_dict(), "rng": [r["rng"] for r in every],
+             "epoch_totals": [r["epoch_totals"] for r in every]}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = checkpoint_path(directory)
@@ -145,4 +151,6 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
         raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the same optimizer settings") from None
     rng = state["rng"]
     _set_rng_state(rng[world.rank] if world.rank < len(rng) else rng[0])
-    return Position(epoch=int(state["epoch"]), step=int(state["step"]))
+    totals = state.get("epoch_totals") or [[]]
+    mine = totals[world.rank] if world.rank < len(totals) else []
+    return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(mine))

@@ -139,19 +139,20 @@ def _run_epochs(
         set_lr(optimizer, lr_at(epoch * steps_per_epoch + first_step, base_lr=config.lr, warmup=warmup))
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
 
-        def after_step(done: int, total: int, loss_sum: torch.Tensor, epoch: int = epoch) -> None:
+        def after_step(done: int, total: int, loss_sum: torch.Tensor, totals, epoch: int = epoch) -> None:
             global_step = epoch * total + done
             report_progress(global_step)
             if warmup:
                 set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
             checking = config.check_every and global_step % config.check_every == 0
-            check_finite(loss=loss_sum, buffers=[b.buffer for b in dp.buckets] if checking else [],
+            # Every step on CPU (free); on a GPU only at check steps, as reading the loss syncs.
+            check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None, buffers=[b.buffer for b in dp.buckets] if checking else [],
                          step=global_step, rank=world.rank)
             if checking:
                 check_replicas(world, dp.module, step=global_step)
             every = config.checkpoint_steps
             if every and global_step % every == 0 and done < total:  # epoch ends save below
-                save(ckpt.Position(epoch=epoch, step=done))
+                save(ckpt.Position(epoch=epoch, step=done, epoch_totals=tuple(totals())))
 
         stats = train_epoch(
             dp,
@@ -166,6 +167,7 @@ def _run_epochs(
             on_step=bar.update,
             tracer=dp.tracer,
             start_step=first_step,
+            start_totals=start.epoch_totals if epoch == start.epoch else (),
             after_step=after_step,
         )
         bar.close()

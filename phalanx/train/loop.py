@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -103,18 +103,25 @@ def train_epoch(
     on_step: Callable[[int, int], None] | None = None,
     tracer: Tracer | None = None,
     start_step: int = 0,
-    after_step: Callable[[int, int, torch.Tensor], None] | None = None,
+    start_totals: Sequence[float] = (),
+    after_step: Callable[[int, int, torch.Tensor, Callable[[], list[float]]], None] | None = None,
 ) -> EpochStats:
     """One pass over (images, labels): same permutation on every rank, each reads its shard.
 
     `start_step` skips the epoch's first steps (a resumed run: the permutation is seeded by
     (seed, epoch), so the remaining batches are exactly the ones an uninterrupted run trains on).
-    `after_step(steps_done, steps_total, loss_sum)` runs after each optimizer step (checkpoints,
-    guards); `on_step(steps_done, steps_total)` is for progress display.
+    `start_totals` (loss sum, correct, examples, seconds) are this rank's sums over the skipped
+    steps, from the checkpoint. `after_step(steps_done, steps_total, loss_sum, running_totals)`
+    runs after each optimizer step (checkpoints, guards); `running_totals()` returns the sums so
+    far in start_totals' form (a call, so a GPU is synchronised only when they are needed);
+    `on_step(steps_done, steps_total)` is for progress display.
     """
-    start_s = time.perf_counter()
+    earlier_s = float(start_totals[3]) if len(start_totals) == 4 else 0.0
+    start_s = time.perf_counter() - earlier_s
     batches = global_batches(images.shape[0], global_batch_size, seed=seed, epoch=epoch)
     totals = torch.zeros(3, dtype=torch.float64, device=world.device)  # loss sum, correct, count
+    if len(start_totals) == 4:
+        totals += torch.tensor(list(start_totals[:3]), dtype=torch.float64, device=world.device)
     dtype = next(dp.module.parameters()).dtype
     for step, batch in enumerate(batches):
         if step < start_step:
@@ -136,7 +143,7 @@ def train_epoch(
         totals[1] += correct
         totals[2] += shard.numel()
         if after_step is not None:
-            after_step(step + 1, len(batches), loss_sum)
+            after_step(step + 1, len(batches), loss_sum, lambda: [*totals.tolist(), time.perf_counter() - start_s])
         if on_step is not None:
             on_step(step + 1, len(batches))
     all_reduce_sum_(totals, world=world)  # one collective per epoch for the metrics
