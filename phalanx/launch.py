@@ -1,7 +1,8 @@
 """Start the workers of a run: spawn k local processes, or join a job torchrun already started.
 
-A local run spawns one process per device (fresh interpreters, `spawn`), rendezvous on
-127.0.0.1 at a free port, and supervises them: each worker sends its result (or its error)
+A local run spawns one process per device (fresh interpreters, `spawn`), rendezvous through a
+file in a private temporary directory (so no TCP store listens on any interface; gloo's and
+NCCL's own sockets are pinned to the loopback interface), and supervises them: each worker sends its result (or its error)
 through its own pipe, the first failure takes every worker down (SIGTERM, then SIGKILL; all
 joined, so no orphans and no zombies), and the message names the rank and what happened. A
 worker delivers its result *before* leaving the process group, so the rare gloo abort at process
@@ -16,8 +17,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import socket
+import tempfile
 import time
 import traceback
 import warnings
@@ -85,13 +88,6 @@ def default_threads(local_workers: int) -> int:
     return max(1, available_cores() // max(1, local_workers))
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it: bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
     """Run `fn(world, *args)` on every device of the plan; return the results by rank.
 
@@ -126,7 +122,24 @@ def _set_threads(device: torch.device, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn, progress=None) -> None:
+def loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux, "lo0" on macOS), or None if none is found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in names if n in ("lo", "lo0")), next((n for n in names if n.startswith("lo")), None))
+
+
+def _pin_to_loopback(env: dict[str, str]) -> dict[str, str]:
+    """GLOO/NCCL socket interface settings for a local run (a user's own setting wins)."""
+    name = loopback_interface()
+    if name is None:
+        return {}
+    return {key: name for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in env}
+
+
+def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, progress=None) -> None:
     """One spawned worker: join the world, run fn, send one report, then leave the world."""
     global _PROGRESS
     _PROGRESS = None if progress is None else (progress, rank)
@@ -136,7 +149,8 @@ def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn, progres
         _set_threads(device, spec.threads_per_device or default_threads(spec.plan.num_devices))
         world = start_world(rank=rank, world_size=spec.plan.num_devices, local_rank=rank,
                             local_world_size=spec.plan.num_devices, device=device,
-                            master_addr="127.0.0.1", master_port=port, timeout_s=spec.timeout_s)
+                            master_addr="127.0.0.1", master_port=0, timeout_s=spec.timeout_s,
+                            store_path=store_path)
         # Pickle here, not in a queue's feeder thread, so an unpicklable result is reported as
         # this worker's error instead of being lost; plain pickle copies tensor data into the
         # bytes (no shared-memory handles that would die with this process).
@@ -164,8 +178,10 @@ def _worker_main(rank: int, fn, args, spec: LaunchSpec, port: int, conn, progres
 
 def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
     ctx = mp.get_context("spawn")
-    port = free_port()
+    rendezvous_dir = tempfile.mkdtemp(prefix="phalanx-rendezvous-")  # mode 0700: this user's alone
+    store_path = os.path.join(rendezvous_dir, "store")
     extra_env = dict(CPU_ALLOCATOR_ENV) if spec.plan.kind == "cpu" else {}
+    extra_env.update(_pin_to_loopback(dict(os.environ)))
     saved = {k: os.environ.get(k) for k in extra_env}
     procs, conns = [], []
     progress = ctx.Array("q", [-1] * spec.plan.num_devices, lock=False)  # last finished step per rank
@@ -175,7 +191,7 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
                 os.environ.setdefault(key, value)  # a user's own setting wins
             for rank in range(spec.plan.num_devices):
                 parent_end, child_end = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, port, child_end, progress),
+                proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, store_path, child_end, progress),
                                    name=f"phalanx-worker-{rank}")
                 proc.start()
                 child_end.close()  # keep only the child's copy, so its death reads as EOF here
@@ -192,6 +208,7 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
         _terminate(procs)
         for conn in conns:
             conn.close()
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
 
 
 def _supervise(procs, conns, spec: LaunchSpec, progress=None) -> list[Any]:

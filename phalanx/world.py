@@ -90,8 +90,12 @@ def start_world(
     master_port: int,
     timeout_s: float,
     from_launcher_env: bool = False,
+    store_path: str | None = None,
 ) -> World:
     """Join the process group (TCP store rendezvous at master_addr:master_port) and pin the device.
+
+    `store_path`: rendezvous through a file there instead (a local run: no TCP store listening
+    on any interface; master_addr/master_port are then unused).
 
     `timeout_s` bounds every collective and point-to-point wait: a lost peer fails the run
     instead of hanging it. Under torchrun (`from_launcher_env`) the rendezvous is `env://`:
@@ -105,7 +109,8 @@ def start_world(
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend=backend,
-            init_method="env://" if from_launcher_env else f"tcp://{master_addr}:{master_port}",
+            init_method="env://" if from_launcher_env else (
+                f"file://{store_path}" if store_path else f"tcp://{master_addr}:{master_port}"),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -15,6 +15,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -23,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from phalanx.launch import CPU_ALLOCATOR_ENV, free_port
+from phalanx.launch import CPU_ALLOCATOR_ENV
 
 EXIT_GRACE_S = 10.0  # a finished child may take this long to tear down before it is killed
 
@@ -42,6 +43,13 @@ def _environ(extra: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it: bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _child(rank: int, num_procs: int, port: int, threads: int, fn: Callable[..., Any], job: Any, conn) -> None:

@@ -28,7 +28,7 @@ from phalanx.bench.timing import Spread, format_table, new_figure, paired_ratio,
 from phalanx.data import split_batch
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, available_cores, launch
-from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
+from phalanx.parallel import GRAD_DTYPES, DataParallel, apply_memory_format, resolve_memory_format
 from phalanx.train.loop import train_batch
 from phalanx.world import World
 
@@ -47,8 +47,11 @@ class ScalingBenchConfig:
     seed: int = 0
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one configuration's processes
+    grad_dtype: str | None = None  # also time phalanx/k exchanging gradients compressed to this
 
     def __post_init__(self) -> None:
+        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"--grad-dtype {self.grad_dtype!r} is unknown; choose one of {', '.join(GRAD_DTYPES)}")
         if self.model not in BENCH_MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(BENCH_MODELS)}")
         if self.num_devices < 2:
@@ -70,6 +73,7 @@ class Variant:
     threads_per_proc: int
     allocator_env: bool
     memory_format: str = "contiguous"  # phalanx's runs: "auto" (channels_last for CPU conv nets)
+    grad_dtype: str | None = None  # phalanx's runs: exchange compressed (bf16 / fp16)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,14 +88,17 @@ class StepJob:
     lr: float
     seed: int
     memory_format: str = "contiguous"
+    grad_dtype: str | None = None
 
 
-def variants(num_devices: int, cores: int) -> list[Variant]:
+def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> list[Variant]:
     """The contenders. "tuned" ones get phalanx's CPU set-up (allocator env, memory format), so
     the table separates what phalanx's defaults buy from what its engine does."""
     k, per_proc = num_devices, max(1, cores // num_devices)
     phalanx = [Variant(name=f"phalanx/{j}", kind="phalanx", num_procs=j, threads_per_proc=max(1, cores // j),
                        allocator_env=True, memory_format="auto") for j in range(1, k + 1)]
+    if grad_dtype is not None:
+        phalanx.append(replace(phalanx[-1], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
     others = [
         Variant(name=f"ddp/{k}", kind="ddp", num_procs=k, threads_per_proc=1, allocator_env=False),
         Variant(name=f"ddp/{k} tuned", kind="ddp", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
@@ -139,7 +146,8 @@ def _barrier(world: World) -> Callable[[], object]:
 def _phalanx_worker(world: World, job: StepJob) -> float:
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
-    with DataParallel(_build(job), world=world) as dp:  # phalanx's defaults
+    grad_dtype = None if job.grad_dtype is None else GRAD_DTYPES[job.grad_dtype]
+    with DataParallel(_build(job), world=world, grad_dtype=grad_dtype) as dp:  # phalanx's defaults
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
 
         def step() -> None:
@@ -192,7 +200,7 @@ def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> floa
 
 def run_variant(variant: Variant, job: StepJob, config: ScalingBenchConfig) -> float:
     """Images/s of one configuration in fresh processes (the slowest rank's time counts)."""
-    job = replace(job, num_shards=variant.num_procs, memory_format=variant.memory_format)
+    job = replace(job, num_shards=variant.num_procs, memory_format=variant.memory_format, grad_dtype=variant.grad_dtype)
     if variant.kind in ("phalanx", "ceiling") and variant.num_procs > 1:
         fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),
@@ -209,7 +217,7 @@ def run_variant(variant: Variant, job: StepJob, config: ScalingBenchConfig) -> f
 def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every (batch size, contender) once per round, interleaved; return the JSON payload."""
     cores = available_cores()
-    contenders = variants(config.num_devices, cores)
+    contenders = variants(config.num_devices, cores, grad_dtype=config.grad_dtype)
     runs, started = {}, [0]
     total = config.rounds * len(config.global_batch_sizes) * len(contenders)
     for batch in config.global_batch_sizes:
@@ -244,6 +252,11 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
         for metric, j, against in compare:
             ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": j, "against": against,
                            "ratio": paired_ratio(per[f"phalanx/{j}"], per[against]).to_dict()})
+        if config.grad_dtype is not None:
+            name = f"phalanx/{k} {config.grad_dtype}"
+            ratios.append({"global_batch_size": batch, "metric": f"{config.grad_dtype}_exchange_vs_float32",
+                           "num_devices": k, "against": f"phalanx/{k}", "numerator": name,
+                           "ratio": paired_ratio(per[name], per[f"phalanx/{k}"]).to_dict()})
         for j in range(2, k + 1):
             ratios.append({"global_batch_size": batch, "metric": "scaling_efficiency", "num_devices": j,
                            "against": f"{j} x phalanx/1",
@@ -274,7 +287,7 @@ def report_scaling(payload: dict[str, Any]) -> str:
                      f"{payload['config']['rounds']} interleaved rounds, {payload['config']['steps']} timed steps each")
         lines += [format_table(["configuration", "processes", "images/s"], rows), ""]
         for r in (r for r in payload["ratios"] if r["global_batch_size"] == batch):
-            label = f"phalanx/{r['num_devices']} / {r['against']}"
+            label = f"{r.get('numerator', 'phalanx/' + str(r['num_devices']))} / {r['against']}"
             lines.append(f"  {r['metric']:<42} {label:<36} {Spread.from_dict(r['ratio']).fmt(2)}")
         lines.append("")
     return "\n".join(lines).rstrip()

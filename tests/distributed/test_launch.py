@@ -92,3 +92,43 @@ def test_spec_validates_itself():
         LaunchSpec(plan=plan, threads_per_device=0)
     with pytest.raises(ValueError, match="timeout_s -1"):
         LaunchSpec(plan=plan, timeout_s=-1)
+
+
+def _listening_addresses() -> list[str]:
+    """Local addresses of the TCP sockets this process listens on (Linux /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not os.path.exists(table):
+            continue
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1].split(":")[0])
+    return found
+
+
+def listening_addresses_after_a_collective(world):
+    dist.barrier()
+    dist.all_reduce(__import__("torch").ones(4))
+    return _listening_addresses()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")
+def test_a_local_run_listens_on_loopback_only_and_cleans_up(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the rendezvous dir goes
+    results = launch(listening_addresses_after_a_collective, spec=_spec(3))
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 in /proc's hex
+    for rank, addresses in enumerate(results):
+        assert addresses, f"rank {rank} listens on nothing? (gloo's pairs should show)"
+        assert set(addresses) <= loopback, f"rank {rank} listens on {addresses}"
+    assert list(tmp_path.iterdir()) == []  # the rendezvous directory is gone

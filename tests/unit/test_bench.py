@@ -101,6 +101,7 @@ def test_sizes_and_lists_parse_in_binary_units():
     (lambda: ScalingBenchConfig(num_devices=1), "num_devices"),
     (lambda: ScalingBenchConfig(model="resnet"), "resnet"),
     (lambda: ScalingBenchConfig(steps=0), "steps"),
+    (lambda: ScalingBenchConfig(grad_dtype="int4"), "--grad-dtype 'int4'"),
     (lambda: OverlapBenchConfig(device="tpu"), "tpu"),
     (lambda: OverlapBenchConfig(matmuls=0), "matmuls"),
 ])
@@ -129,6 +130,14 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     for name in ("ddp/3", "torch 1 thread", "torch 4 threads"):
         assert (by_name[name].allocator_env, by_name[name].memory_format) == (False, "contiguous"), name
     assert by_name["ddp/3 tuned"].threads_per_proc == by_name["phalanx/3"].threads_per_proc
+    assert all(v.grad_dtype is None for v in by_name.values())
+
+
+def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():
+    names = [v.name for v in variants(2, cores=2, grad_dtype="bf16")]
+    assert names[:3] == ["phalanx/1", "phalanx/2", "phalanx/2 bf16"]
+    compressed = {v.name: v for v in variants(2, cores=2, grad_dtype="bf16")}["phalanx/2 bf16"]
+    assert (compressed.num_procs, compressed.threads_per_proc, compressed.grad_dtype) == (2, 1, "bf16")
 
 
 def test_wide_mlp_is_the_heavier_model():
