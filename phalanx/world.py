@@ -98,19 +98,21 @@ def start_world(
     on any interface; master_addr/master_port are then unused).
 
     `timeout_s` bounds every collective and point-to-point wait: a lost peer fails the run
-    instead of hanging it. Under torchrun (`from_launcher_env`) the rendezvous is `env://`:
-    torchrun's agent already hosts the store at MASTER_PORT, and `tcp://` would make rank 0 try
-    to host a second one there.
+    instead of hanging it. Under torchrun (`from_launcher_env`) see `_launcher_store`.
     """
     backend = "none"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if from_launcher_env:
+            rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
+                                                    timeout_s=timeout_s)}
+        else:
+            rendezvous = {"init_method": f"file://{store_path}" if store_path else f"tcp://{master_addr}:{master_port}"}
         dist.init_process_group(
             backend=backend,
-            init_method="env://" if from_launcher_env else (
-                f"file://{store_path}" if store_path else f"tcp://{master_addr}:{master_port}"),
+            **rendezvous,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -125,6 +127,23 @@ def start_world(
         backend=backend,
         timeout_s=timeout_s,
     )
+
+
+def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size: int, timeout_s: float):
+    """The store of a torchrun job, under a prefix unique to this restart of it.
+
+    torchrun's agent hosts the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True; otherwise
+    rank 0 hosts it, as `env://` would). After a restart (`--max-restarts`) the new workers can
+    find the previous attempt's keys in it - gloo's peer addresses among them - and connect to a
+    dead peer until the timeout; measured here as a flaky "connectFullMesh ... Connection
+    refused" or a hang in `new_group` (cf. pytorch/pytorch#167288). Prefixing every key with the
+    run id and restart count makes each attempt's rendezvous its own.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=not agent_hosts and rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"phalanx/{attempt}/", store)
 
 
 def stop_world(world: World | None) -> None:

@@ -17,6 +17,7 @@ What this does not own: bucketing and deciding when to launch (`phalanx.parallel
 from __future__ import annotations
 
 import contextlib
+import datetime
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -67,7 +68,8 @@ class AsyncComm:
         self._executor: ThreadPoolExecutor | None = None
         if world.distributed:
             # Same backend as the world (gloo on CPU): p2p on CUDA tensors needs NCCL.
-            self._group = dist.new_group(backend=world.backend)
+            # Its own timeout: new_group's default is torch's 30 minutes, not the world's.
+            self._group = dist.new_group(backend=world.backend, timeout=datetime.timedelta(seconds=world.timeout_s))
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
 
     def allreduce_async(

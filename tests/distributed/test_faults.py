@@ -139,7 +139,9 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint(tmp_path):
         os.kill(victims[-1], signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # torchrun starts its workers in sessions of their own: kill them first
+            for pid in _children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout, stdout[-2000:]
