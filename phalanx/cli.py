@@ -13,6 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from phalanx.bench import add_bench_parser, run_bench
+from phalanx.predict import add_predict_parser, run_predict
+from phalanx.sweep import add_sweep_parser, run_sweep
+from phalanx.verify import add_verify_parser, run_verify
 from phalanx.comm import ALGORITHMS
 from phalanx.errors import UsageError
 from phalanx.models import INITS, MODELS
@@ -71,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--check-every", type=int, default=100,
                        help="steps between replica-identity and finite-gradient checks (0: off; default 100)")
     add_bench_parser(sub)
+    add_verify_parser(sub)
+    add_predict_parser(sub)
+    add_sweep_parser(sub)
     return parser
 
 
@@ -178,6 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "verify":
+            return run_verify(args)
+        if args.command == "predict":
+            return run_predict(args)
+        if args.command == "sweep":
+            return run_sweep(args)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)

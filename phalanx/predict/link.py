@@ -1,0 +1,116 @@
+"""Measure the loopback link on this machine: α and β of one allreduce algorithm, and η.
+
+One spawned 2-process run (the production launcher: gloo over 127.0.0.1, one thread per worker,
+as a 2-device run has on two cores). (1) An allreduce sweep over message sizes with the chosen
+algorithm, each size's calls timed in interleaved rounds after a warm-up (the slowest rank's
+time, as in `bench allreduce`); `costmodel.fit_link` turns the medians into α and β. (2) η, the
+share of communication that hides behind computation here. Measuring it as "compute + comm -
+both together" failed on this shared 2-core machine: a few ms of difference drowned in other
+programs' load. What decides it is steadier: on this host no copy engine moves the bytes, gloo's
+threads (or AsyncComm's) do, on the cores the workers compute on; every CPU second the
+communication takes while the cores are computing comes out of backward. So the model's own
+buckets are allreduced asynchronously (as training launches them) in repeated trials, and each
+rank's process CPU time over the trial's wall time gives the communication's share of a core;
+η = 1 - that share (median of trials, mean of ranks), clipped to [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from phalanx.bench.timing import run_interleaved, seconds_per_call
+from phalanx.comm import AsyncComm, allreduce
+from phalanx.devices import parse_devices
+from phalanx.launch import LaunchSpec, launch
+from phalanx.predict.costmodel import LinkFit, fit_link
+from phalanx.world import World
+
+DEFAULT_SWEEP_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
+TARGET_BATCH_S = 0.02  # a timed batch repeats a call until about this long
+MAX_CALLS = 30
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkJob:
+    algorithm: str
+    sizes_bytes: tuple[int, ...]
+    bucket_bytes: tuple[int, ...]  # the model's buckets, for η
+    rounds: int = 3
+    warmup_calls: int = 2
+    overlap_trials: int = 15
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkMeasurement:
+    fit: LinkFit
+    sizes_bytes: tuple[int, ...]
+    times_s: tuple[float, ...]  # median per size, slowest rank
+    overlap_efficiency: float
+    comm_cpu_share: float  # CPU seconds per second of the buckets' allreduces, per rank (median, mean of ranks)
+
+
+def _agreed_calls(estimate_s: float) -> int:
+    calls = torch.tensor([max(1, min(MAX_CALLS, math.ceil(TARGET_BATCH_S / max(estimate_s, 1e-9))))])
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank must issue as many collectives
+    return int(calls.item())
+
+
+def _link_worker(world: World, job: LinkJob) -> dict:
+    buffers = {size: torch.zeros(size // 4) for size in job.sizes_bytes}
+    runs = {}
+    for size, buffer in buffers.items():
+        call = (lambda b=buffer: allreduce(b, world=world, algorithm=job.algorithm))
+        for _ in range(job.warmup_calls):
+            call()
+        dist.barrier()
+        calls = _agreed_calls(seconds_per_call(call, 1))
+
+        def timed(call=call, calls=calls) -> float:
+            dist.barrier()
+            return seconds_per_call(call, calls)
+        runs[str(size)] = timed
+    sweep = run_interleaved(runs, rounds=job.rounds, warmup_rounds=0)
+
+    buckets = [torch.zeros(max(1, n // 4)) for n in job.bucket_bytes]
+    comm = AsyncComm(world=world)
+    try:
+        def communicate() -> None:
+            for handle in [comm.allreduce_async(b, algorithm=job.algorithm) for b in buckets]:
+                handle.wait()
+        for _ in range(job.warmup_calls):
+            communicate()
+        cpu_share = []
+        for _ in range(job.overlap_trials):
+            dist.barrier()
+            wall0, cpu0 = time.perf_counter(), time.process_time()  # process time: every thread's
+            communicate()
+            cpu_share.append((time.process_time() - cpu0) / (time.perf_counter() - wall0))
+    finally:
+        comm.close()
+    return {"sweep": {int(k): v for k, v in sweep.items()}, "cpu_share": statistics.median(cpu_share)}
+
+
+def overlap_efficiency(cpu_share: float) -> float:
+    """η = 1 - the share of a core the communication keeps busy while it runs, clipped to [0, 1]."""
+    return min(1.0, max(0.0, 1.0 - cpu_share))
+
+
+def measure_link(job: LinkJob, *, timeout_s: float, deadline_s: float) -> LinkMeasurement:
+    """Spawn 2 workers, sweep and overlap-test; fit α, β for `job.algorithm` at k = 2."""
+    spec = LaunchSpec(plan=parse_devices("cpu:2", cuda_count=0), threads_per_device=1, timeout_s=timeout_s,
+                      deadline_s=deadline_s)
+    by_rank = launch(_link_worker, job, spec=spec)
+    times = []
+    for size in job.sizes_bytes:  # per round the slower rank's time, then the median of rounds
+        rounds = zip(*(rank["sweep"][size] for rank in by_rank))
+        times.append(statistics.median(max(r) for r in rounds))
+    fit = fit_link(job.algorithm, job.sizes_bytes, times, world_size=2)
+    cpu_share = statistics.fmean(rank["cpu_share"] for rank in by_rank)
+    return LinkMeasurement(fit=fit, sizes_bytes=tuple(job.sizes_bytes), times_s=tuple(times),
+                           overlap_efficiency=overlap_efficiency(cpu_share), comm_cpu_share=cpu_share)

@@ -1,0 +1,101 @@
+"""The prediction as a terminal table and a chart (images/s against k, measured points beside).
+
+Figures are medians over rounds (min-max in the JSON). Columns: k; each device's shard and
+threads; compute (the slowest rank's forward + backward + optimizer); the buckets' allreduce
+time; the share of it that hid behind backward; the exposed wait; the step; images/s, speedup
+over one device and scaling efficiency (speedup / k); with validation, the measured images/s
+and the error (predicted / measured - 1), also against the prediction for the other load the
+measurement met.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.bench.timing import Spread, format_table, new_figure
+
+
+def _med(row: dict[str, Any], key: str) -> float:
+    return row[key]["median"]
+
+
+def _link_line(payload: dict[str, Any]) -> str:
+    link = payload["rounds"][-1]["link"]
+    alphas = [r["link"]["alpha_s"] * 1e6 for r in payload["rounds"]]
+    betas = [r["link"]["beta_Bps"] / 1e9 for r in payload["rounds"]]
+    etas = [r["link"]["overlap_efficiency"] for r in payload["rounds"]]
+    how = "measured, 2-process sweep" if link["source"] == "measured" else "given"
+    fit = f", fit within {link['fit_max_rel_error']:.0%}" if "fit_max_rel_error" in link else ""
+    return (f"link {payload['predict']['interconnect']['name']} ({how}{fit}): alpha {Spread.of(alphas).median:.1f} us, "
+            f"beta {Spread.of(betas).median:.2f} GB/s, overlap efficiency {Spread.of(etas).median:.2f}")
+
+
+def report_prediction(payload: dict[str, Any]) -> str:
+    config = payload["predict"]
+    cap = config["bucket_cap_mb"]
+    lines = [f"phalanx predict: {config['model']}, {config['algorithm']} allreduce, bucket cap "
+             f"{'none' if cap is None else f'{cap:g} MB'}, {payload['cores']} cores here, "
+             f"median of {config['rounds']} round{'s' if config['rounds'] > 1 else ''}",
+             _link_line(payload), ""]
+    for batch in config["global_batch_sizes"]:
+        rows = [r for r in payload["summary"] if r["global_batch_size"] == batch]
+        base = next((r for r in rows if r["world_size"] == 1), None)
+        table = []
+        for r in rows:
+            ips = _med(r, "images_per_s")
+            speedup = "" if base is None else f"{ips / _med(base, 'images_per_s'):.2f}"
+            eff = "" if base is None else f"{ips / _med(base, 'images_per_s') / r['world_size']:.0%}"
+            cells = [r["world_size"], f"{r['batch_size_per_device']} x {r['threads']}",
+                     f"{_med(r, 'compute_s') * 1e3:.1f}", f"{_med(r, 'comm_s') * 1e3:.1f}",
+                     f"{_med(r, 'hidden_fraction'):.0%}", f"{_med(r, 'exposed_s') * 1e3:.1f}",
+                     f"{_med(r, 'step_s') * 1e3:.1f}", f"{ips:.0f}", speedup, eff]
+            if payload["validated_world_sizes"]:
+                measured = r.get("measured_images_per_s")
+                cells += [Spread.from_dict(measured).fmt(0) if measured else "-",
+                          f"{_med(r, 'error'):+.1%}" if measured else "-",
+                          f"{_med(r, 'error_at_its_load'):+.1%}" if measured else "-"]
+            table.append(cells)
+        headers = ["k", "batch x thr", "compute ms", "allreduce ms", "hidden", "exposed ms", "step ms",
+                   "images/s", "speedup", "eff"]
+        if payload["validated_world_sizes"]:
+            headers += ["measured images/s", "error", "at its load"]
+        lines.append(f"global batch {batch}:")
+        lines += [format_table(headers, table), ""]
+    if payload["validated_world_sizes"]:
+        lines += ["measured: phalanx on k CPU workers here, as bench scaling runs it; error: predicted / measured - 1",
+                  "per round (median); at its load: the prediction redone for the other programs' load that the",
+                  "measurement met (this machine's cores are shared)"]
+    return "\n".join(lines).rstrip()
+
+
+def plot_prediction(payload: dict[str, Any]):
+    """Images/s against k per global batch: prediction (line), linear scaling, measurements."""
+    batches = payload["predict"]["global_batch_sizes"]
+    fig, axes = new_figure(len(batches), width_per_plot=5.0)
+    for ax, batch in zip(axes, batches):
+        rows = [r for r in payload["summary"] if r["global_batch_size"] == batch]
+        ks = [r["world_size"] for r in rows]
+        ips = [_med(r, "images_per_s") for r in rows]
+        ax.plot(ks, ips, marker="o", label="predicted")
+        ax.fill_between(ks, [r["images_per_s"]["min"] for r in rows], [r["images_per_s"]["max"] for r in rows],
+                        alpha=0.2)
+        one = next((r for r in rows if r["world_size"] == 1), None)
+        if one is not None:
+            ax.plot(ks, [k * _med(one, "images_per_s") for k in ks], linestyle="--", color="gray",
+                    label="linear from k = 1")
+        measured = [r for r in rows if "measured_images_per_s" in r]
+        if measured:
+            med = [_med(r, "measured_images_per_s") for r in measured]
+            err = [[m - r["measured_images_per_s"]["min"] for m, r in zip(med, measured)],
+                   [r["measured_images_per_s"]["max"] - m for m, r in zip(med, measured)]]
+            ax.errorbar([r["world_size"] for r in measured], med, yerr=err, fmt="s", color="tab:red",
+                        capsize=3, label="measured (phalanx)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.set_xlabel("devices k")
+        ax.set_ylabel("images/s")
+        ax.set_title(f"{payload['predict']['model']}, global batch {batch}, "
+                     f"{payload['predict']['interconnect']['name']}", fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    return fig
