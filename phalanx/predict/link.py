@@ -32,7 +32,7 @@ from phalanx.predict.costmodel import LinkFit, fit_link
 from phalanx.world import World
 
 DEFAULT_SWEEP_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-TARGET_BATCH_S = 0.02  # a timed batch repeats a call until about this long
+TARGET_BATCH_S = 0.05  # a timed batch repeats a call until about this long
 MAX_CALLS = 30
 
 
@@ -41,7 +41,7 @@ class LinkJob:
     algorithm: str
     sizes_bytes: tuple[int, ...]
     bucket_bytes: tuple[int, ...]  # the model's buckets, for η
-    rounds: int = 3
+    rounds: int = 5
     warmup_calls: int = 2
     overlap_trials: int = 15
 
@@ -99,6 +99,12 @@ def _link_worker(world: World, job: LinkJob) -> dict:
 def overlap_efficiency(cpu_share: float) -> float:
     """η = 1 - the share of a core the communication keeps busy while it runs, clipped to [0, 1]."""
     return min(1.0, max(0.0, 1.0 - cpu_share))
+
+
+def sweep_sizes(bucket_bytes: tuple[int, ...]) -> tuple[int, ...]:
+    """The standard sweep plus the model's own bucket sizes (whole float32s): the fit is anchored
+    where the prediction will use it."""
+    return tuple(sorted(set(DEFAULT_SWEEP_BYTES) | {max(4, n // 4 * 4) for n in bucket_bytes}))
 
 
 def measure_link(job: LinkJob, *, timeout_s: float, deadline_s: float) -> LinkMeasurement:

@@ -21,9 +21,9 @@ from typing import Any, Callable
 from phalanx.bench.timing import Spread
 from phalanx.launch import available_cores
 from phalanx.predict.config import PredictConfig
-from phalanx.predict.link import DEFAULT_SWEEP_BYTES, LinkJob, measure_link
+from phalanx.predict.link import LinkJob, measure_link, sweep_sizes
 from phalanx.predict.profile import ProfileJob, phase_for, profile_devices
-from phalanx.predict.timeline import StepPrediction, predict_step, timeslice_factor
+from phalanx.predict.timeline import StepPrediction, oversubscription, predict_step, timeslice_factor
 from phalanx.predict.validate import MeasureJob, measure_phalanx
 
 PREDICTION_KEYS = ("compute_s", "comm_s", "hidden_s", "exposed_s", "overlap_penalty_s", "step_s", "timeslice")
@@ -41,7 +41,7 @@ def _link(config: PredictConfig, bucket_bytes: tuple[int, ...]) -> dict[str, Any
     values = {"alpha_s": link.alpha_s, "beta_Bps": link.beta_Bps, "overlap_efficiency": link.overlap_efficiency,
               "source": "given"}
     if link.measured:
-        job = LinkJob(algorithm=config.algorithm, sizes_bytes=DEFAULT_SWEEP_BYTES, bucket_bytes=bucket_bytes)
+        job = LinkJob(algorithm=config.algorithm, sizes_bytes=sweep_sizes(bucket_bytes), bucket_bytes=bucket_bytes)
         found = measure_link(job, timeout_s=config.timeout_s, deadline_s=config.deadline_s)
         measured = {"alpha_s": found.fit.alpha_s, "beta_Bps": found.fit.beta_Bps,
                     "overlap_efficiency": found.overlap_efficiency}
@@ -80,6 +80,7 @@ def run_round(config: PredictConfig, cores: int, *, on_progress: Callable[[str],
             return predict_step(
                 profile, world_size=k, global_batch_size=batch, algorithm=config.algorithm, alpha_s=link["alpha_s"],
                 beta_Bps=link["beta_Bps"], overlap_efficiency=link["overlap_efficiency"],
+                comm_stretch=oversubscription(k, phase.threads, cores, shares_host=shares),
                 timeslice=timeslice_factor(k, phase.threads, cores, shares_host=shares, co_runners=phase.co_runners,
                                            others_busy_cores=profile.others_busy_cores,
                                            target_others_busy_cores=target_others))

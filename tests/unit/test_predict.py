@@ -293,3 +293,20 @@ def test_table_and_png(tmp_path):
         out = prepare_out_dir(tmp_path / f"v{validate}")
         json_path, png_path = write_outputs(out, "predict", payload, plot_prediction(payload))
         assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and json_path.stat().st_size > 100
+
+
+def test_oversubscribed_hosts_stretch_communication_and_the_sweep_includes_the_buckets():
+    from phalanx.predict.link import DEFAULT_SWEEP_BYTES, sweep_sizes
+    from phalanx.predict.timeline import oversubscription
+
+    assert [oversubscription(k, 1, 2, shares_host=True) for k in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    assert oversubscription(8, 1, 2, shares_host=False) == 1.0
+    base = dict(world_size=2, global_batch_size=256, algorithm="ring", alpha_s=1e-3, beta_Bps=1e9,
+                overlap_efficiency=1.0)
+    plain, stretched = predict_step(_profile(), **base), predict_step(_profile(), **base, comm_stretch=2.0)
+    assert stretched.comm_s == pytest.approx(2 * plain.comm_s) and stretched.exposed_s == pytest.approx(0.006)
+    with pytest.raises(ValueError):
+        predict_step(_profile(), **base, comm_stretch=0.5)
+    sizes = sweep_sizes((5672, 409601, 101000))
+    assert set(DEFAULT_SWEEP_BYTES) <= set(sizes) and {5672, 409600, 101000} <= set(sizes)
+    assert list(sizes) == sorted(sizes) and all(n % 4 == 0 for n in sizes)
