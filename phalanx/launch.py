@@ -67,6 +67,9 @@ class LaunchSpec:
     # Bound on the whole spawned run, teardown included. None for training, which relies on
     # timeout_s; tests set it so a hung worker fails in seconds. Not enforced in-process/torchrun.
     deadline_s: float | None = None
+    # One device: run fn in this process (False) or spawn one worker like k > 1 (True: a fresh
+    # process with the CPU allocator setting, for timings comparable with k-device runs).
+    spawn_single: bool = False
 
     def __post_init__(self) -> None:
         if self.threads_per_device is not None and self.threads_per_device < 1:
@@ -108,7 +111,7 @@ def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
             return [fn(world, *args)]
         finally:
             stop_world(world)
-    if spec.plan.num_devices == 1:
+    if spec.plan.num_devices == 1 and not spec.spawn_single:
         device = spec.plan.torch_device(0)
         _set_threads(device, spec.threads_per_device or default_threads(1))
         world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,

@@ -133,7 +133,9 @@ def run_grid(config: SweepConfig, *, resume: bool = False,
     for num_devices, jobs in by_devices.items():
         plan = parse_devices(f"cpu:{num_devices}")
         progress(f"{len(jobs)} point(s) on {num_devices} CPU worker(s)")
-        spec = LaunchSpec(plan=plan, threads_per_device=config.threads_per_device, timeout_s=config.timeout_s)
+        # spawn_single: k = 1 runs in a worker too, set up as k > 1 ones are (comparable s/epoch).
+        spec = LaunchSpec(plan=plan, threads_per_device=config.threads_per_device, timeout_s=config.timeout_s,
+                          spawn_single=True)
         results = launch(sweep_worker, jobs, plan.names, config.target_acc, str(points_dir), spec=spec)
         for row in results[0]:
             rows[row["key"]] = {**row, "reused": False}

@@ -132,3 +132,15 @@ def test_a_local_run_listens_on_loopback_only_and_cleans_up(tmp_path, monkeypatc
         assert addresses, f"rank {rank} listens on nothing? (gloo's pairs should show)"
         assert set(addresses) <= loopback, f"rank {rank} listens on {addresses}"
     assert list(tmp_path.iterdir()) == []  # the rendezvous directory is gone
+
+
+def report_pid_and_allocator(world):
+    return os.getpid(), os.environ.get("MALLOC_MMAP_MAX_"), world.world_size
+
+
+def test_spawn_single_runs_one_device_in_a_set_up_worker():
+    in_process = launch(report_pid_and_allocator, spec=_spec(1))
+    spawned = launch(report_pid_and_allocator, spec=_spec(1, spawn_single=True))
+    assert in_process[0][0] == os.getpid()
+    pid, allocator, world_size = spawned[0]
+    assert pid != os.getpid() and allocator == "0" and world_size == 1
