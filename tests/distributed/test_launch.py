@@ -34,6 +34,7 @@ def record_pid_then_fail(world, pid_dir):
 
 
 def unpicklable_or_killed(world):
+    dist.barrier()  # both ranks are past start-up, so rank 0's only error is its result
     if world.rank == 0:
         return threading.Lock()
     os.kill(os.getpid(), signal.SIGKILL)
