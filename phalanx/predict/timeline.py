@@ -18,7 +18,7 @@ sorted samples (the order statistic of the empirical distribution); backward and
 times stretch with it. Devices that share a host's C cores are time-sliced once their k·t
 threads exceed the cores: a fair scheduler gives each of N runnable threads min(1, C/N) of a
 core, counting other programs' threads too (estimated from the busy cores they left while the
-profile ran), so compute stretches by max(1, N_k/C) / max(1, N_profile/C); communication, measured
+profile ran), so compute stretches by max(1, N_k/C) / max(1, N_profile/C); the link's α, measured
 with processes that fit, stretches by k·t/C once they do not.
 """
 
@@ -128,8 +128,8 @@ def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: 
                  comm_stretch: float = 1.0) -> StepPrediction:
     """The predicted lockstep step on `world_size` devices from one device's profile.
 
-    `comm_stretch` multiplies every allreduce time: k processes time-sliced on too few cores
-    answer each message only when scheduled (`oversubscription`)."""
+    `comm_stretch` multiplies α, the per-message latency: k processes time-sliced on too few
+    cores answer each message only when scheduled (`oversubscription`)."""
     if not 0.0 <= overlap_efficiency <= 1.0:
         raise ValueError(f"overlap efficiency must be in [0, 1], got {overlap_efficiency}")
     if not timeslice > 0 or comm_stretch < 1.0:
@@ -139,7 +139,7 @@ def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: 
     stretch = compute / statistics.median(samples) * timeslice  # one device's times -> the slowest rank's
     backward = profile.backward_s * stretch
     ready = [min(r * stretch, backward) for r in profile.bucket_ready_s]
-    comm = [comm_stretch * allreduce_time_s(algorithm, n, world_size, alpha_s=alpha_s, beta_Bps=beta_Bps)
+    comm = [allreduce_time_s(algorithm, n, world_size, alpha_s=alpha_s * comm_stretch, beta_Bps=beta_Bps)
             for n in profile.bucket_bytes]
     split = overlap(ready, comm, backward)
     penalty = (1.0 - overlap_efficiency) * split.hidden_s
@@ -151,8 +151,9 @@ def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: 
 def oversubscription(world_size: int, threads_per_device: int, cores: int, *, shares_host: bool) -> float:
     """k·t / C when k workers of t threads overfill a host's C cores, else 1. The link is measured
     with 2 one-thread processes, which fit; beyond the cores every message waits for its
-    receiver to be scheduled, and on this 2-core machine allreduces at k = 3, 4 took about this
-    factor longer (predict --validate: without it k = 4 was over-predicted by 6-16%)."""
+    receiver to be scheduled, so α grows by this factor. (On this 2-core machine, predict
+    --validate: without it LeNet at k = 4 was over-predicted by 6-16%; stretching β as well
+    under-predicted the bandwidth-bound MLP at k = 4 by 15-20%.)"""
     if not shares_host:
         return 1.0
     return max(1.0, world_size * threads_per_device / cores)
