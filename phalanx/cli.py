@@ -16,7 +16,7 @@ from phalanx.bench import add_bench_parser, run_bench
 from phalanx.predict import add_predict_parser, run_predict
 from phalanx.sweep import add_sweep_parser, run_sweep
 from phalanx.verify import add_verify_parser, run_verify
-from phalanx.comm import ALGORITHMS
+from phalanx.comm import CHOICES
 from phalanx.errors import UsageError
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr", type=float, default=0.2)
     train.add_argument("--warmup-epochs", type=float, default=0.0,
                        help="raise the lr linearly from lr/steps to lr over this many epochs (default 0: none)")
-    train.add_argument("--allreduce", default="native", help=f"one of {', '.join(ALGORITHMS)}")
+    train.add_argument("--allreduce", default="auto",
+                       help=f"one of {', '.join(CHOICES)} (auto: shm for CPU workers on one host, else native)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--init", default="pytorch", help=f"one of {', '.join(INITS)} (book: normal(0, 0.01))")
     train.add_argument("--dtype", default="float32", help="float32, or float64 for exact equivalence checks")

@@ -4,7 +4,9 @@
 algorithms are written from scratch over point-to-point messages (`transport.py`), one module
 each, and all are checked against the backend's own `all_reduce` (`native`):
 
-- `native`: `dist.all_reduce` (gloo/NCCL pick their own algorithm); the default.
+- `native`: `dist.all_reduce` (gloo/NCCL pick their own algorithm).
+- `shm`:    through a shared-memory segment, for the CPU workers of one host (`shm.py`); what
+            the default, `auto`, picks there (`resolve_algorithm`).
 - `ring`:   bandwidth-optimal reduce-scatter + all-gather (Patarasuk & Yuan 2009).
 - `tree`:   latency-optimal recursive doubling, folded for non-power-of-two worlds.
 - `naive`:  the D2L chapter's gather-to-rank-0, sum, send back.
@@ -23,26 +25,34 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.algorithms import ALGORITHMS, allreduce_fn
+from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import AsyncComm, Handle
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
+from phalanx.comm.shm import ShmError, ShmGroup, allreduce_shm, shm_applies
 from phalanx.comm.tree import allreduce_tree
 from phalanx.world import World
 
 __all__ = [
     "ALGORITHMS",
     "AsyncComm",
+    "CHOICES",
     "Handle",
+    "ShmError",
+    "ShmGroup",
     "all_reduce_sum_",
     "allreduce",
     "allreduce_fn",
     "allreduce_naive",
     "allreduce_native",
     "allreduce_ring",
+    "allreduce_shm",
     "allreduce_tree",
     "broadcast_",
+    "check_choice",
+    "resolve_algorithm",
+    "shm_applies",
 ]
 
 
@@ -57,15 +67,17 @@ def _apply_flat(tensor: torch.Tensor, op: Callable[[torch.Tensor], None]) -> Non
 
 
 @torch.no_grad()
-def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native") -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", transport=None) -> torch.Tensor:
     """Sum `tensor` in place across all ranks of `world` and return it (D2L's `allreduce`).
 
     Every rank must call this with a tensor of the same shape and dtype, in the same order.
     The algorithm name is validated even in a world of size 1, where nothing else happens.
+    `transport`: what the algorithm runs over (an `ShmGroup` for shm; default group otherwise).
     """
     fn = allreduce_fn(algorithm)
     if world.distributed:
-        _apply_flat(tensor, lambda flat: fn(flat, world=world))
+        extra = {} if transport is None else {"transport": transport}
+        _apply_flat(tensor, lambda flat: fn(flat, world=world, **extra))
     return tensor
 
 

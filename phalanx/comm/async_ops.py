@@ -1,9 +1,11 @@
 """Asynchronous allreduce: launch now, `wait()` later, so communication can overlap backward.
 
 `AsyncComm` owns what the hand-written algorithms need to run off the main thread: one
-background thread and a process group of its own (`dist.new_group`, gloo on CPU), so their
-point-to-point messages never interleave with the main thread's collectives. `native` needs
-neither: it uses the backend's own async all_reduce (`async_op=True`) on the default group.
+background thread, a process group of its own for the point-to-point ones (`dist.new_group`,
+gloo on CPU), so their messages never interleave with the main thread's collectives, and the
+shared segment for `shm`. It opens only what the algorithms it is told about need. `native`
+needs none of it: it uses the backend's own async all_reduce (`async_op=True`) on the default
+group. `allreduce()` runs the same algorithms synchronously, on the caller's thread.
 
 Ordering is what keeps ranks matched: every rank must launch the same allreduces in the same
 order (as DDP launches buckets in the same order). Native launches go straight to the backend
@@ -24,7 +26,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.algorithms import allreduce_fn
+from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn
+from phalanx.comm.shm import ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.world import World
 
@@ -57,20 +60,53 @@ def _done() -> None:
 
 
 class AsyncComm:
-    """Background thread + private gloo group for async allreduces; close it before stop_world.
+    """Background thread, private group and shared segment for allreduces; close before stop_world.
 
-    Construct it at the same point on every rank: `dist.new_group` is itself a collective.
+    `algorithms`: the ones this will be asked to run (default: all but shm, which maps a segment).
+    Construct it at the same point on every rank: opening a group or a segment is a collective.
     """
 
-    def __init__(self, *, world: World) -> None:
+    def __init__(self, *, world: World, algorithms=None) -> None:
         self.world = world
+        self.algorithms = tuple(a for a in ALGORITHMS if a != "shm") if algorithms is None else tuple(algorithms)
+        for algorithm in self.algorithms:
+            allreduce_fn(algorithm)  # ValueError naming the valid ones
         self._group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self.shm: ShmGroup | None = None
+        self._closed = False
         if world.distributed:
-            # Same backend as the world (gloo on CPU): p2p on CUDA tensors needs NCCL.
-            # Its own timeout: new_group's default is torch's 30 minutes, not the world's.
-            self._group = dist.new_group(backend=world.backend, timeout=datetime.timedelta(seconds=world.timeout_s))
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
+            if any(a in P2P_ALGORITHMS for a in self.algorithms):
+                # Same backend as the world (gloo on CPU): p2p on CUDA tensors needs NCCL.
+                # Its own timeout: new_group's default is torch's 30 minutes, not the world's.
+                self._group = dist.new_group(backend=world.backend, timeout=datetime.timedelta(seconds=world.timeout_s))
+            if "shm" in self.algorithms:
+                self.shm = ShmGroup(world=world)
+            if any(a != "native" for a in self.algorithms):
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
+
+    def _transport(self, algorithm: str):
+        if algorithm not in self.algorithms:
+            raise ValueError(f"AsyncComm was opened for {', '.join(self.algorithms)}, not {algorithm}; "
+                             f"pass algorithms=(..., {algorithm!r}) when constructing it")
+        return self.shm if algorithm == "shm" else DistTransport(group=self._group)
+
+    @torch.no_grad()
+    def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native") -> torch.Tensor:
+        """Sum `tensor` in place now, on this thread, with this comm's resources; return it."""
+        fn = allreduce_fn(algorithm)
+        if not self.world.distributed:
+            return tensor
+        if self._closed:
+            raise RuntimeError("AsyncComm is closed")
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        if algorithm == "native":
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        else:
+            fn(flat, world=self.world, transport=self._transport(algorithm))
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view(tensor.shape))
+        return tensor
 
     def allreduce_async(
         self, tensor: torch.Tensor, *, algorithm: str = "native", on_done: Callable[[], None] | None = None
@@ -85,7 +121,7 @@ class AsyncComm:
             if on_done is not None:
                 on_done()
             return Handle(tensor, None, _done)
-        if self._executor is None:
+        if self._closed:
             raise RuntimeError("AsyncComm is closed")
         with torch.no_grad():
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
@@ -95,17 +131,21 @@ class AsyncComm:
             if on_done is not None:
                 work.get_future().add_done_callback(lambda _: on_done())
             return Handle(tensor, copy_back, work.wait)
-        transport = DistTransport(group=self._group)
+        transport = self._transport(algorithm)
         future: Future = self._executor.submit(_run_no_grad, fn, flat, self.world, transport)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         return Handle(tensor, copy_back, future.result)
 
     def close(self) -> None:
-        """Finish queued work, stop the thread, and leave the private group; safe to call twice."""
+        """Finish queued work, stop the thread, leave the private group, unmap; safe to call twice."""
+        self._closed = True
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
@@ -117,7 +157,7 @@ class AsyncComm:
         self.close()
 
 
-def _run_no_grad(fn: Callable[..., None], flat: torch.Tensor, world: World, transport: DistTransport) -> None:
+def _run_no_grad(fn: Callable[..., None], flat: torch.Tensor, world: World, transport) -> None:
     # The current CUDA device is per thread: pin this one to the tensor's (a no-op on CPU).
     with torch.no_grad(), torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
         fn(flat, world=world, transport=transport)

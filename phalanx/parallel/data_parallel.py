@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, allreduce, allreduce_fn, broadcast_
+from phalanx.comm import AsyncComm, broadcast_, resolve_algorithm
 from phalanx.parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, grads_are_bucket_views
 from phalanx.parallel.overlap import OverlapScheduler
 from phalanx.world import World
@@ -57,18 +57,19 @@ class DataParallel:
         module: nn.Module,
         *,
         world: World,
-        algorithm: str = "native",
+        algorithm: str = "auto",
         bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
         first_bucket_cap_mb: float | None = None,
         overlap: bool = True,
         comm: AsyncComm | None = None,
         grad_dtype: torch.dtype | None = None,
     ) -> None:
-        """`bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
+        """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
+        `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
         min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
         `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half
         the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype."""
-        allreduce_fn(algorithm)  # ValueError with the valid names, before any collective
+        algorithm = resolve_algorithm(algorithm, world)  # ValueError with the valid names, before any collective
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
@@ -93,9 +94,11 @@ class DataParallel:
         self._owns_comm = False
         self._scheduler: OverlapScheduler | None = None
         self._hook_handles: list = []
-        if overlap:
+        if world.distributed:
+            # Synchronous exchanges use it too: it owns the shm segment or the private group.
             self._owns_comm = comm is None
-            self._comm = AsyncComm(world=world) if comm is None else comm
+            self._comm = AsyncComm(world=world, algorithms=(algorithm,)) if comm is None else comm
+        if overlap:
             self._scheduler = OverlapScheduler(self.buckets, launch=self._launch)
             for bucket in self.buckets:
                 for param in bucket.params:
@@ -163,13 +166,16 @@ class DataParallel:
         return bucket.buffer.detach().to(self.grad_dtype)
 
     def _launch(self, bucket: Bucket):
-        assert self._comm is not None
         wire = self._wire(bucket)
         on_done = None
         if self.tracer is not None:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         extra = {} if on_done is None else {"on_done": on_done}
+        if self._comm is None:  # a world of one: nothing to exchange
+            if on_done is not None:
+                on_done()
+            return _Done(bucket.buffer)
         handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
         return handle if wire is bucket.buffer else _Decompress(handle, wire, bucket.buffer)
 
@@ -191,7 +197,7 @@ class DataParallel:
                 wire = self._wire(bucket)
                 record = None if self.tracer is None else self.tracer.comm_launched(
                     bucket.index, wire.numel() * wire.element_size())
-                allreduce(wire, world=self.world, algorithm=self.algorithm)
+                self._comm.allreduce(wire, algorithm=self.algorithm)
                 if wire is not bucket.buffer:
                     with torch.no_grad():
                         bucket.buffer.copy_(wire)
@@ -220,6 +226,17 @@ class DataParallel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Done:
+    """The handle of an exchange that had nothing to do (a world of one)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer, self.waited = buffer, False
+
+    def wait(self) -> torch.Tensor:
+        self.waited = True
+        return self._buffer
 
 
 class _Decompress:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from phalanx.comm import ALGORITHMS
+from phalanx.comm import CHOICES
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.parallel.sync_batchnorm import BATCHNORM_POLICIES
@@ -28,7 +28,8 @@ class TrainConfig:
     lr: float = 0.2
     # Linear warmup of the lr over this many epochs (fractions allowed; 0: none), per step.
     warmup_epochs: float = 0.0
-    allreduce: str = "native"
+    # auto: shm for CPU workers on one host, the backend's own (NCCL, gloo across hosts) elsewhere.
+    allreduce: str = "auto"
     seed: int = 0
     init: str = "pytorch"
     out_dir: str | None = None
@@ -70,8 +71,8 @@ class TrainConfig:
             raise ValueError(f"--model {self.model!r} is unknown; choose one of {', '.join(MODELS)}")
         if self.dataset is not None and self.dataset not in DATASETS:
             raise ValueError(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
-        if self.allreduce not in ALGORITHMS:
-            raise ValueError(f"--allreduce {self.allreduce!r} is unknown; choose one of {', '.join(ALGORITHMS)}")
+        if self.allreduce not in CHOICES:
+            raise ValueError(f"--allreduce {self.allreduce!r} is unknown; choose one of {', '.join(CHOICES)}")
         if self.init not in INITS:
             raise ValueError(f"--init {self.init!r} is unknown; choose one of {', '.join(INITS)}")
         if self.dtype not in DTYPES:

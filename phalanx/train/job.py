@@ -128,7 +128,7 @@ def _run_epochs(
     log(
         f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch "
-        f"{config.global_batch_size}, lr {config.lr}, allreduce {config.allreduce}, "
+        f"{config.global_batch_size}, lr {config.lr}, allreduce {_algorithm_text(config, dp)}, "
         f"{_exchange_text(config, dp)}, {memory_format}"
     )
 
@@ -186,7 +186,7 @@ def _run_epochs(
             "global_batch_size": config.global_batch_size,
             "lr": config.lr,
             "warmup_epochs": config.warmup_epochs,
-            "allreduce": config.allreduce,
+            "allreduce": dp.algorithm,
             "dtype": config.dtype,
             "overlap": config.overlap,
             "grad_dtype": config.grad_dtype,
@@ -242,6 +242,15 @@ def _resume(config: TrainConfig, *, world: World, dp: DataParallel, optimizer, l
     position = ckpt.restore(state, world=world, model=dp.module, optimizer=optimizer)
     log(f"resumed from {ckpt.checkpoint_path(resume)} at epoch {position.epoch + 1}, step {position.step}")
     return position
+
+
+def _algorithm_text(config: TrainConfig, dp: DataParallel) -> str:
+    """The allreduce that runs, and why when auto chose it (the first log line names the transport)."""
+    if config.allreduce != "auto":
+        return dp.algorithm
+    if dp.world.distributed and dp.algorithm == "shm":
+        return "shm (auto: CPU workers on one host share memory)"
+    return f"{dp.algorithm} (auto)"
 
 
 def _exchange_text(config: TrainConfig, dp: DataParallel) -> str:

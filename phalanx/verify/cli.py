@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from phalanx.comm import ALGORITHMS
+from phalanx.comm import CHOICES
 from phalanx.errors import UsageError
 from phalanx.parallel import BATCHNORM_POLICIES, GRAD_DTYPES
 from phalanx.verify.config import DEFAULT_GLOBAL_BATCH_SIZE, DTYPES, VerifyConfig
@@ -37,7 +37,7 @@ def add_verify_parser(subparsers) -> argparse.ArgumentParser:
     verify.add_argument("--dtype", default="float64", help=f"one of {', '.join(DTYPES)} (default float64: exact)")
     verify.add_argument("--tolerance", type=float, default=None,
                         help="relative difference allowed per tensor (default 1e-9 in float64, 1e-3 in float32)")
-    verify.add_argument("--allreduce", default="native", help=f"one of {', '.join(ALGORITHMS)}")
+    verify.add_argument("--allreduce", default="auto", help=f"one of {', '.join(CHOICES)}")
     verify.add_argument("--no-overlap", action="store_true", help="one synchronous allreduce after backward")
     verify.add_argument("--batchnorm", default="sync", help=f"BatchNorm models: {' or '.join(BATCHNORM_POLICIES)}")
     verify.add_argument("--grad-dtype", default=None,

@@ -19,7 +19,7 @@ from typing import Callable, Union
 
 import torch
 
-from phalanx.comm import ALGORITHMS
+from phalanx.comm import CHOICES
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 
 DTYPES = ("float32", "float64")
@@ -47,7 +47,7 @@ class VerifyConfig:
     lr: float = 0.2  # plain SGD, as phalanx train
     dtype: str = "float64"
     tolerance: float | None = None  # relative, per tensor; None: DEFAULT_TOLERANCE[dtype]
-    algorithm: str = "native"
+    algorithm: str = "auto"
     overlap: bool = True
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB  # with overlap; None: one bucket
     batchnorm: str = "sync"  # the k-device runs' BatchNorm policy (the reference is plain BatchNorm)
@@ -84,8 +84,8 @@ class VerifyConfig:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
         if self.tolerance is not None and not (self.tolerance > 0 and math.isfinite(self.tolerance)):
             raise ValueError(f"--tolerance {self.tolerance} must be a positive finite number, e.g. 1e-9")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"--allreduce {self.algorithm!r} is unknown; choose one of {', '.join(ALGORITHMS)}")
+        if self.algorithm not in CHOICES:
+            raise ValueError(f"--allreduce {self.algorithm!r} is unknown; choose one of {', '.join(CHOICES)}")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
         if isinstance(self.grad_dtype, torch.dtype):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import ALGORITHMS, AsyncComm, all_reduce_sum_, allreduce, broadcast_
+from phalanx.comm import ALGORITHMS, AsyncComm, ShmGroup, all_reduce_sum_, allreduce, broadcast_
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -61,23 +61,34 @@ CASES = [
 ASYNC_CASES = [c for c in CASES if c.name in ("float64-4099", "bfloat16-7", "float32-13x22[:, ::2]")]
 
 
+# shm twice over: with small slots (65537 float64s stream through 128 rounds, each summed whole
+# by every rank) and with the chunked large-piece path forced for every size (1, 2, 3 elements
+# on 4 ranks leave chunks empty; 65537 float64s take 8 rounds of a 64 KB slot).
+SHM_VARIANTS = {"shm": dict(slot_bytes=4096), "shm-chunked": dict(slot_bytes=64 << 10, small_bytes=0)}
+NAMES = (*ALGORITHMS, "shm-chunked")
+
+
 def allreduce_every_case(world) -> dict:
     """Worker: for each case, the native reference and each algorithm's result on this rank."""
     results = {}
+    groups = {name: ShmGroup(world=world, **options) for name, options in SHM_VARIANTS.items()}
     for case in CASES:
         reference = case.make(world.rank).contiguous()
         dist.all_reduce(reference)
         per_algorithm = {"reference": reference}
-        for algorithm in ALGORITHMS:
+        for algorithm in NAMES:
             base = case.base(world.rank)
             tensor = case.view(base)
             stride = tensor.stride()
-            returned = allreduce(tensor, world=world, algorithm=algorithm)
+            transport = groups.get(algorithm)
+            returned = allreduce(tensor, world=world, algorithm=algorithm.removesuffix("-chunked"), transport=transport)
             assert returned is tensor and tensor.stride() == stride, f"{algorithm} {case.name}: not in place"
             if case.strided_view:  # the skipped columns of the base tensor stay untouched
                 assert torch.equal(base[:, 1::2], case.base(world.rank)[:, 1::2]), f"{algorithm} wrote outside the view"
             per_algorithm[algorithm] = tensor.clone()
         results[case.name] = per_algorithm
+    for group in groups.values():
+        group.close()
 
     # The native conveniences, on a non-contiguous tensor, from the last rank.
     tensor = STRIDED.make(world.rank)
@@ -88,7 +99,7 @@ def allreduce_every_case(world) -> dict:
 
     # Async: every algorithm on several cases in flight at once (p2p ones queue on the comm
     # thread's own group) while the main thread runs a native collective in between.
-    with AsyncComm(world=world) as comm:
+    with AsyncComm(world=world, algorithms=ALGORITHMS) as comm:
         launched = []
         for case in ASYNC_CASES:
             for algorithm in ALGORITHMS:
@@ -119,7 +130,7 @@ def test_allreduce_algorithms_match_native_and_exact_sum(world_size):
     for case in CASES:
         exact = sum(case.make(rank).double() for rank in range(world_size))
         bound = error_bound(case, world_size) if case.dtype.is_floating_point else None
-        for name in ("reference", *ALGORITHMS):
+        for name in ("reference", *NAMES):
             outputs = [results[rank][case.name][name] for rank in range(world_size)]
             for rank, out in enumerate(outputs):
                 where = f"{name}, {case.name}, rank {rank}"

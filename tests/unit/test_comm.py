@@ -191,10 +191,10 @@ def test_tree_takes_log2_steps(world_size, steps_in_group):
 
 
 def test_algorithm_names_are_validated():
-    assert set(ALGORITHMS) == {"native", "ring", "tree", "naive"}
+    assert set(ALGORITHMS) == {"native", "shm", "ring", "tree", "naive"}
     for name in ALGORITHMS:
         assert callable(allreduce_fn(name))
-    with pytest.raises(ValueError, match="native, ring, tree, naive"):
+    with pytest.raises(ValueError, match="native, shm, ring, tree, naive"):
         allreduce_fn("butterfly")
     with pytest.raises(ValueError, match="butterfly"):
         allreduce(torch.ones(2), world=make_world(0, 1), algorithm="butterfly")

@@ -1,0 +1,361 @@
+"""Allreduce through shared memory for the workers of one host: the chapter's "more efficient
+allreduce" where every rank can read every other rank's memory.
+
+gloo has no shared-memory path (pytorch/gloo#455): on one host each call still goes through
+loopback TCP and pays ~0.3-1.3 ms however small (BASELINES.md), while an MPI or DeepSpeed
+shared-memory allreduce on the same host costs tens of microseconds (deepspeedai/DeepSpeed#5391).
+`ShmGroup` maps one segment into every local rank and sums through it:
+
+- Round g (a tensor larger than a slot streams through as several rounds) uses buffer half
+  p = g % 2. Every rank copies its piece into its input slot of half p and publishes
+  `arrived = g` in its own cache line of flags.
+- Small pieces: once every rank has arrived, each rank sums all input slots in rank order
+  0..k-1 straight into its own tensor (one wait per round).
+- Large pieces: rank j sums chunk j of every input slot, in rank order, into half p's result
+  area and publishes `reduced = g`; once every rank has, each copies the whole result out. Each
+  chunk is summed once, so every rank ends bitwise identical; the fixed order makes it
+  deterministic run to run.
+- No barrier frees a buffer: half p is written again only in round g+2, and a rank reaches that
+  only after seeing every peer arrive in round g+1, which each did only after it finished
+  reading round g. So round g+1 can start while a slow peer still copies round g out.
+
+Waiting spins briefly (a peer that is running arrives within microseconds), then sleeps in the
+kernel on the flag's futex, which the publishing rank wakes right after its store: a waiter
+costs no CPU, so k workers on fewer cores (or a comm thread beside backward) do not starve each
+other, and wakes up within a context switch. Sleeps are bounded, so a peer that dies or never
+arrives ends the wait with an error naming it within the world's timeout.
+
+The segment lives in /dev/shm, mode 0600, under a name unique to the run (rank 0's pid plus
+random bits). It is unlinked as soon as every rank has mapped it: the mappings stay valid and
+nothing is left on disk however a process ends afterwards (the launcher also removes a segment
+a worker killed in that short window may leave). Correctness relies on the stores of one rank
+becoming visible to others in program order (x86-64's TSO memory model); `shm_supported()`
+says no elsewhere, and `auto` then picks the backend's own collective.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import platform
+import secrets
+import time
+
+import torch
+import torch.distributed as dist
+
+from phalanx.world import World
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "phalanx-shm-"
+_LINE = 64  # bytes per flag line: each rank writes only its own, so no false sharing
+_ARRIVED, _REDUCED = 0, 1  # int64 fields in a rank's flag line
+_HEADER = 4096  # pids (int64 per rank), then the flag lines
+SLOT_BYTES = 1 << 20  # per rank per half; larger tensors stream through in rounds
+MIN_SLOT_BYTES = 64 << 10
+# Below this a rank sums every slot itself: one wait instead of two; above it, dividing the sum
+# into chunks saves reading k copies of the whole piece.
+SMALL_BYTES = 32 << 10
+SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
+LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
+_SYS_FUTEX_X86_64, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+class ShmError(RuntimeError):
+    """The segment could not be set up, or a peer died or timed out inside an allreduce."""
+
+
+def shm_supported() -> str | None:
+    """None when this host can run the shm allreduce, else why not (one phrase)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the shm allreduce needs x86-64's memory ordering; this is {platform.machine()}"
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+        return f"{SHM_DIR} is missing or not writable"
+    return None
+
+
+def shm_applies(world: World) -> str | None:
+    """None when shm can serve `world` (CPU, every rank on this host), else why not."""
+    if world.device.type != "cpu":
+        return f"the shm allreduce serves CPU workers; this world runs on {world.device.type}"
+    if world.local_world_size != world.world_size:
+        return (f"the shm allreduce serves the workers of one host; {world.world_size} ranks span hosts "
+                f"({world.local_world_size} per host)")
+    return shm_supported()
+
+
+def _slot_bytes_for(world_size: int, wanted: int) -> int:
+    """`wanted`, or less to fit /dev/shm's free space with room to spare (Docker's default is 64 MB)."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+        free = stat.f_bavail * stat.f_frsize
+    except OSError:
+        return wanted
+    fits = (free // 4) // (2 * (world_size + 1)) // _LINE * _LINE  # at most a quarter of what is free
+    return min(wanted, max(fits, MIN_SLOT_BYTES))
+
+
+class ShmGroup:
+    """One shared segment for the ranks of `world`; open it at the same point on every rank."""
+
+    def __init__(self, *, world: World, slot_bytes: int = SLOT_BYTES, small_bytes: int = SMALL_BYTES) -> None:
+        """`slot_bytes`: each rank's input slot (a multiple of 64; larger tensors take several
+        rounds); `small_bytes`: rounds up to this size are summed whole by every rank."""
+        if slot_bytes < _LINE or slot_bytes % _LINE:
+            raise ValueError(f"slot_bytes {slot_bytes} must be a positive multiple of {_LINE}")
+        reason = shm_applies(world)
+        if reason is not None:
+            raise ShmError(f"{reason}; use --allreduce native")
+        self.world = world
+        self.k = world.world_size
+        self.rank = world.rank
+        self.timeout_s = world.timeout_s
+        self.round = 0  # rounds done; the same on every rank, as every rank makes the same calls
+        self.small_bytes = small_bytes
+        self.slot_bytes = _slot_bytes_for(self.k, slot_bytes) if self.rank == 0 else 0
+        self._mmap: mmap.mmap | None = None
+        # Spinning helps only while every worker has a core of its own; past that it takes the
+        # CPU a late peer needs, so oversubscribed workers go straight to the futex.
+        self.spin_s = SPIN_S if world.local_world_size <= _cores() else 0.0
+        self._syscall = _libc().syscall
+        self._open()
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        k, rank = self.k, self.rank
+        header = _HEADER + k * _LINE
+        name, error = None, None
+        if rank == 0:
+            name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+            size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes
+            error = self._create(os.path.join(SHM_DIR, name), size)
+        box = [name, self.slot_bytes, self.small_bytes, error]
+        dist.broadcast_object_list(box, src=0)  # rank 0's sizes rule, so every rank cuts alike
+        name, self.slot_bytes, self.small_bytes, error = box
+        if error is None and rank != 0:
+            error = self._attach(os.path.join(SHM_DIR, name))
+        statuses: list = [None] * k
+        dist.all_gather_object(statuses, error)  # every rank learns whether every rank is in
+        if rank == 0:
+            _unlink_quietly(os.path.join(SHM_DIR, name))  # mapped everywhere (or failed): no file left
+        failed = [(r, e) for r, e in enumerate(statuses) if e is not None]
+        if failed:
+            self.close()
+            r, e = failed[0]
+            raise ShmError(f"shared-memory segment unusable on rank {r}: {e}; use --allreduce native")
+        buf = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._bytes = buf
+        self._flags = memoryview(self._mmap)[_HEADER:_HEADER + k * _LINE].cast("q")
+        pids = memoryview(self._mmap)[:8 * k].cast("q")
+        pids[rank] = os.getpid()
+        self._pids_view = pids
+        self._flags_addr = buf.data_ptr() + _HEADER  # futex words: the low half of each int64 flag
+        data0 = _round_up(header, 4096)
+        half = (k + 1) * self.slot_bytes
+        # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
+        self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
+                       for i in range(k + 1)] for p in range(2)]
+        dist.barrier()  # every pid is written before anyone may need to name a dead peer
+
+    def _create(self, path: str, size: int) -> str | None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            return f"cannot create {path} ({exc.strerror})"
+        try:
+            # Reserve the pages now: on a full tmpfs a write into an ftruncated file is a SIGBUS.
+            os.posix_fallocate(fd, 0, size)
+            self._mmap = mmap.mmap(fd, size)
+        except OSError as exc:
+            _unlink_quietly(path)
+            return f"cannot reserve {size / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror})"
+        finally:
+            os.close(fd)
+        return None
+
+    def _attach(self, path: str) -> str | None:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            return f"cannot open {path} ({exc.strerror}; are all ranks on one host?)"
+        try:
+            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+        except OSError as exc:
+            return f"cannot map {path} ({exc.strerror})"
+        finally:
+            os.close(fd)
+        return None
+
+    def close(self) -> None:
+        """Unmap the segment (its file is long gone); safe to call twice."""
+        if self._mmap is not None:
+            self._flags = self._pids_view = self._slot = self._bytes = None  # drop every export first
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes when the process does
+            self._mmap = None
+
+    # --- the allreduce --------------------------------------------------------------------
+
+    def allreduce(self, flat: torch.Tensor) -> None:
+        """Sum the contiguous 1-D CPU tensor `flat` in place across the group."""
+        if self._mmap is None:
+            raise ShmError("ShmGroup is closed")
+        if flat.device.type != "cpu":
+            raise ShmError(f"the shm allreduce needs CPU tensors, got one on {flat.device}")
+        per_round = max(1, self.slot_bytes // flat.element_size())
+        for start in range(0, flat.numel(), per_round):
+            self._round(flat[start:start + per_round])
+
+    def _round(self, piece: torch.Tensor) -> None:
+        self.round += 1
+        g, k, rank = self.round, self.k, self.rank
+        half = self._slot[g % 2]
+        n, dtype = piece.numel(), piece.dtype
+        nbytes = n * piece.element_size()
+        inputs = [half[r][:nbytes].view(dtype) for r in range(k)]
+        inputs[rank].copy_(piece)
+        self._publish(_ARRIVED, g)
+        self._wait(_ARRIVED, g)
+        if nbytes <= self.small_bytes:
+            torch.add(inputs[0], inputs[1], out=piece)
+            for r in range(2, k):
+                piece.add_(inputs[r])
+            return
+        lo, hi = _chunk(n, k, rank, piece.element_size())
+        result = half[k][:nbytes].view(dtype)
+        if hi > lo:
+            mine = result[lo:hi]
+            torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=mine)
+            for r in range(2, k):
+                mine.add_(inputs[r][lo:hi])
+        self._publish(_REDUCED, g)
+        self._wait(_REDUCED, g)
+        piece.copy_(result)
+
+    def _publish(self, field: int, value: int) -> None:
+        # One aligned 8-byte store, issued after the data copies above it (program order), then
+        # wake whoever sleeps on it (the kernel pairs this with a FUTEX_WAIT that saw the old value).
+        index = self.rank * (_LINE // 8) + field
+        self._flags[index] = value
+        self._syscall(_SYS_FUTEX_X86_64, ctypes.c_void_p(self._flags_addr + 8 * index), _FUTEX_WAKE,
+                      ctypes.c_int(1 << 30), None, None, 0)
+
+    def _wait(self, field: int, value: int) -> None:
+        """Return once every rank's `field` is >= value; spin, then sleep; raise on death/timeout."""
+        flags, stride = self._flags, _LINE // 8
+        pending = [r for r in range(self.k) if r != self.rank]
+        start = time.perf_counter()
+        spin_until = start + self.spin_s
+        while True:
+            pending = [r for r in pending if flags[r * stride + field] < value]
+            if not pending or time.perf_counter() > spin_until:
+                break
+        timeout = _Timespec(0, int(LIVENESS_EVERY_S * 1e9))
+        for r in pending:
+            index = r * stride + field
+            address = ctypes.c_void_p(self._flags_addr + 8 * index)
+            while (seen := flags[index]) < value:
+                # Sleeps only while the flag still holds `seen`: a store in between returns at once.
+                self._syscall(_SYS_FUTEX_X86_64, address, _FUTEX_WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
+                              ctypes.byref(timeout), None, 0)
+                if flags[index] < value:
+                    self._check_peers([r], time.perf_counter() - start)
+
+    def _check_peers(self, pending: list[int], waited_s: float) -> None:
+        """Raise if a pending peer died or the wait outlasted the timeout (after a futex wake-up
+        or its bounded sleep: cheap next to the sleep, and a wake-up is often the flag itself)."""
+        for r in pending:
+            pid = self._pids_view[r]
+            if not _alive(pid):
+                raise ShmError(f"shm allreduce: rank {r} (pid {pid}) died while rank {self.rank} waited for it "
+                               f"in round {self.round}")
+        if waited_s > self.timeout_s:
+            raise ShmError(f"shm allreduce: rank {pending[0]} did not arrive within the {self.timeout_s:g} s timeout "
+                           f"(round {self.round}); raise --timeout if a step can really take that long")
+
+    def __enter__(self) -> "ShmGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None) -> None:
+    """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup)."""
+    if not world.distributed:
+        return
+    if not isinstance(transport, ShmGroup):
+        raise ValueError("the shm allreduce needs its shared segment: pass transport=ShmGroup(world=...) "
+                         "or use AsyncComm(world=..., algorithms=('shm',))")
+    transport.allreduce(flat)
+
+
+def remove_segments_of(pids) -> list[str]:
+    """Unlink every segment a process in `pids` created (a launcher's clean-up); return the names."""
+    prefixes = tuple(f"{NAME_PREFIX}{pid}-" for pid in pids)
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)] if prefixes else []
+    except OSError:
+        return []
+    for name in names:
+        _unlink_quietly(os.path.join(SHM_DIR, name))
+    return names
+
+
+def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:
+    """[lo, hi) of chunk `index`: near-equal chunks whose bounds fall on 64-byte lines."""
+    per_line = max(1, _LINE // element_size)
+    lines = math.ceil(numel / per_line)
+    base, extra = divmod(lines, parts)
+    lo_line = index * base + min(index, extra)
+    hi_line = lo_line + base + (1 if index < extra else 0)
+    return min(numel, lo_line * per_line), min(numel, hi_line * per_line)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """False when `pid` is gone or a zombie (dead, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
