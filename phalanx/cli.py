@@ -17,7 +17,7 @@ from phalanx.predict import add_predict_parser, run_predict
 from phalanx.sweep import add_sweep_parser, run_sweep
 from phalanx.verify import add_verify_parser, run_verify
 from phalanx.comm import CHOICES
-from phalanx.errors import UsageError
+from phalanx.errors import Stopped, UsageError
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
 from phalanx.train.config import DATASETS, TrainConfig
@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("phalanx: interrupted", file=sys.stderr)
         return 130
+    except Stopped as exc:
+        print(f"phalanx: {exc}; every worker was stopped", file=sys.stderr)
+        return exc.exit_code
     except Exception as exc:
         from phalanx.launch import WorkerFailed
 

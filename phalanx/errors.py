@@ -18,3 +18,16 @@ class RunFailed(RuntimeError):
     """A checked condition stopped the run; the message names step, rank and the fix, in one line."""
 
     exit_code = 1
+
+
+class Stopped(BaseException):
+    """The launcher was told to stop (SIGTERM from `timeout`, a scheduler, a container stop, or
+    SIGHUP); its workers have been taken down. A BaseException, like KeyboardInterrupt, so no
+    `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

@@ -4,7 +4,10 @@ A local run spawns one process per device (fresh interpreters, `spawn`), rendezv
 file in a private temporary directory (so no TCP store listens on any interface; gloo's and
 NCCL's own sockets are pinned to the loopback interface), and supervises them: each worker sends its result (or its error)
 through its own pipe, the first failure takes every worker down (SIGTERM, then SIGKILL; all
-joined, so no orphans and no zombies), and the message names the rank and what happened. A
+joined, so no orphans and no zombies), and the message names the rank and what happened. The
+launcher stopped with SIGTERM or SIGHUP takes its workers down the same way before it exits, and
+a launcher killed outright takes them with it (Linux: each worker asks the kernel for SIGKILL
+when its parent dies); shared-memory segments a dead worker may leave are removed. A
 worker delivers its result *before* leaving the process group, so the rare gloo abort at process
 exit (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot turn a finished
 run into a failure. CPU workers get `cores / k` threads and an allocator setting that keeps freed
@@ -14,12 +17,14 @@ The distributed tests start their workers through this same code (tests/distribu
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -30,8 +35,9 @@ from typing import Any, Callable
 
 import torch
 
+from phalanx.comm.shm import remove_segments_of
 from phalanx.devices import DevicePlan
-from phalanx.errors import RunFailed, UsageError
+from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.world import World, launcher_env, start_world, stop_world
 
 # glibc reads these at process start: keep large blocks on the heap instead of mmap/munmap per step.
@@ -142,9 +148,25 @@ def _pin_to_loopback(env: dict[str, str]) -> dict[str, str]:
     return {key: name for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in env}
 
 
-def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, progress=None) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this worker when the launcher dies (killed with SIGKILL,
+    so no handler of its own could stop us), instead of training on as an orphan."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, progress=None,
+                 parent_pid: int | None = None) -> None:
     """One spawned worker: join the world, run fn, send one report, then leave the world."""
     global _PROGRESS
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     _PROGRESS = None if progress is None else (progress, rank)
     world, exit_code = None, 0
     try:
@@ -194,8 +216,8 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
                 os.environ.setdefault(key, value)  # a user's own setting wins
             for rank in range(spec.plan.num_devices):
                 parent_end, child_end = ctx.Pipe(duplex=False)
-                proc = ctx.Process(target=_worker_main, args=(rank, fn, args, spec, store_path, child_end, progress),
-                                   name=f"phalanx-worker-{rank}")
+                proc = ctx.Process(target=_worker_main, name=f"phalanx-worker-{rank}",
+                                   args=(rank, fn, args, spec, store_path, child_end, progress, os.getpid()))
                 proc.start()
                 child_end.close()  # keep only the child's copy, so its death reads as EOF here
                 procs.append(proc)
@@ -206,12 +228,41 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        return _supervise(procs, conns, spec, progress=progress)
-    finally:  # failure, deadline, KeyboardInterrupt: take every child down and reap it
+        with _stop_on_signals():
+            return _supervise(procs, conns, spec, progress=progress)
+    finally:  # failure, deadline, KeyboardInterrupt, SIGTERM: take every child down and reap it
         _terminate(procs)
         for conn in conns:
             conn.close()
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
+        # A worker killed between creating its shm segment and every rank mapping it (a few ms
+        # at start) leaves the file behind; it is named after that worker's pid.
+        remove_segments_of([proc.pid for proc in procs if proc.pid is not None])
+
+
+class _stop_on_signals:
+    """While supervising: SIGTERM/SIGHUP raise `Stopped` here, so the `finally` above takes the
+    workers down (the default action would kill only this process and orphan them). Handlers
+    can be set from the main thread only; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __enter__(self):
+        self._previous = {}
+        try:
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._raise)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise Stopped(signum)
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _supervise(procs, conns, spec: LaunchSpec, progress=None) -> list[Any]:

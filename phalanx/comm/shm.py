@@ -141,7 +141,7 @@ class ShmGroup:
         if rank == 0:
             name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
             size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes
-            error = self._create(os.path.join(SHM_DIR, name), size)
+            self._mmap, error = create_segment(os.path.join(SHM_DIR, name), size)
         box = [name, self.slot_bytes, self.small_bytes, error]
         dist.broadcast_object_list(box, src=0)  # rank 0's sizes rule, so every rank cuts alike
         name, self.slot_bytes, self.small_bytes, error = box
@@ -169,22 +169,6 @@ class ShmGroup:
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
                        for i in range(k + 1)] for p in range(2)]
         dist.barrier()  # every pid is written before anyone may need to name a dead peer
-
-    def _create(self, path: str, size: int) -> str | None:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            return f"cannot create {path} ({exc.strerror})"
-        try:
-            # Reserve the pages now: on a full tmpfs a write into an ftruncated file is a SIGBUS.
-            os.posix_fallocate(fd, 0, size)
-            self._mmap = mmap.mmap(fd, size)
-        except OSError as exc:
-            _unlink_quietly(path)
-            return f"cannot reserve {size / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror})"
-        finally:
-            os.close(fd)
-        return None
 
     def _attach(self, path: str) -> str | None:
         try:
@@ -303,6 +287,24 @@ def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | Non
         raise ValueError("the shm allreduce needs its shared segment: pass transport=ShmGroup(world=...) "
                          "or use AsyncComm(world=..., algorithms=('shm',))")
     transport.allreduce(flat)
+
+
+def create_segment(path: str, size: int) -> tuple[mmap.mmap | None, str | None]:
+    """A new file of `size` bytes at `path`, readable by its owner only, mapped: (map, None), or
+    (None, why not). O_EXCL: an existing name is never reused, so two runs never share one."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        return None, f"cannot create {path} ({exc.strerror})"
+    try:
+        # Reserve the pages now: on a full tmpfs a write into an ftruncated file is a SIGBUS.
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size), None
+    except OSError as exc:
+        _unlink_quietly(path)
+        return None, f"cannot reserve {size / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror})"
+    finally:
+        os.close(fd)
 
 
 def remove_segments_of(pids) -> list[str]:
