@@ -26,7 +26,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     kinds = bench.add_subparsers(dest="bench_name", parser_class=type(bench))
 
     allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm over sizes and world sizes")
-    allreduce.add_argument("--sizes", default="4KB,64KB,1MB,16MB,64MB", help="message sizes (binary KB/MB)")
+    allreduce.add_argument("--sizes", default="4KB,64KB,512KB,1MB,16MB,64MB", help="message sizes (binary KB/MB)")
     allreduce.add_argument("--world-sizes", default="2,3,4", help="process counts, one spawned run each")
     allreduce.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"any of {', '.join(ALGORITHMS)}")
     allreduce.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default 5)")

@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from phalanx.bench.timing import (Spread, format_size, format_table, new_figure, paired_ratio, run_interleaved,
                                   seconds_per_call)
-from phalanx.comm import ALGORITHMS, allreduce
+from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, available_cores, launch
 from phalanx.world import World
 
-DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 1 << 20, 16 << 20, 64 << 20)
 _FLOAT_BYTES = 4  # float32 buffers, as gradients are
 MEMCPY_MAX_CALLS = 10_000
 
@@ -78,9 +78,11 @@ def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
     # Zeros: sums stay finite (no inf/denormal slow paths) and cost the same adds as any value.
     buffers = {size: torch.zeros(size // _FLOAT_BYTES) for size in config.sizes_bytes}
     keys = [(size, algo) for size in config.sizes_bytes for algo in config.algorithms]
+    # Blocking calls on this thread; the comm owns shm's segment and the p2p algorithms' group.
+    comm = AsyncComm(world=world, algorithms=config.algorithms)
 
     def call(key):
-        return lambda: allreduce(buffers[key[0]], world=world, algorithm=key[1])
+        return lambda: comm.allreduce(buffers[key[0]], algorithm=key[1])
 
     estimates = []
     for key in keys:  # warm-up: connections, buffers, caches; then one call to size the batch
@@ -99,6 +101,7 @@ def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
         return run
 
     samples = run_interleaved({str(i): timed(i) for i in range(len(keys))}, rounds=config.rounds, warmup_rounds=0)
+    comm.close()
     return {"calls": calls.tolist(), "samples": [samples[str(i)] for i in range(len(keys))]}
 
 
@@ -166,14 +169,15 @@ def report_allreduce(payload: dict[str, Any]) -> str:
         rows = [(format_size(r["size_bytes"]), r["algorithm"], Spread.from_dict(r["time_s"]).scaled(1e3).fmt(3),
                  Spread.from_dict(r["algbw_GBps"]).fmt(3), Spread.from_dict(r["busbw_GBps"]).fmt(3),
                  r["calls_per_batch"]) for r in payload["results"] if r["world_size"] == world_size]
-        lines.append(f"allreduce on {world_size} CPU processes (gloo), median (min-max) of "
+        lines.append(f"allreduce on {world_size} CPU processes, median (min-max) of "
                      f"{payload['config']['rounds']} interleaved rounds:")
         lines += [format_table(["size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "calls"], rows), ""]
-        ring = [r for r in payload["ratios"] if r["world_size"] == world_size and r["algorithm"] == "ring"]
-        if ring:
-            lines.append(f"own ring / native busbw on {world_size} processes (>1: ring faster): " + ", ".join(
-                f"{format_size(r['size_bytes'])} {Spread.from_dict(r['busbw_vs_native']).fmt(2)}" for r in ring))
-            lines.append("")
+        for algo in payload["config"]["algorithms"]:
+            own = [r for r in payload["ratios"] if r["world_size"] == world_size and r["algorithm"] == algo]
+            if own:
+                lines.append(f"{algo} / native busbw on {world_size} processes (>1: {algo} faster): " + ", ".join(
+                    f"{format_size(r['size_bytes'])} {Spread.from_dict(r['busbw_vs_native']).fmt(2)}" for r in own))
+        lines.append("")
     return "\n".join(lines).rstrip()
 
 

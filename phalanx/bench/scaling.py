@@ -2,7 +2,8 @@
 
 Contenders, on synthetic data held in memory (one fixed random batch, so data time is zero for
 all): phalanx on 1..k devices (DataParallel + train_batch, started by `phalanx.launch`: its
-allocator setting and cores/k threads); torch DDP on k processes as a DDP user gets it (plain
+allocator setting and cores/k threads, its default allreduce - shm on one host); phalanx on k
+devices exchanging over gloo instead (what the shared-memory transport buys); torch DDP on k processes as a DDP user gets it (plain
 `DistributedDataParallel`, gloo, default buckets, 1 thread each, no allocator setting; procs.py);
 one plain PyTorch process with 1 thread and with every core; and the ceiling, k processes set up
 as phalanx's that train their shards with no communication at all. Every (contender, batch
@@ -74,6 +75,7 @@ class Variant:
     allocator_env: bool
     memory_format: str = "contiguous"  # phalanx's runs: "auto" (channels_last for CPU conv nets)
     grad_dtype: str | None = None  # phalanx's runs: exchange compressed (bf16 / fp16)
+    algorithm: str = "auto"  # phalanx's runs: the allreduce
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +91,7 @@ class StepJob:
     seed: int
     memory_format: str = "contiguous"
     grad_dtype: str | None = None
+    algorithm: str = "auto"
 
 
 def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> list[Variant]:
@@ -97,8 +100,9 @@ def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> 
     k, per_proc = num_devices, max(1, cores // num_devices)
     phalanx = [Variant(name=f"phalanx/{j}", kind="phalanx", num_procs=j, threads_per_proc=max(1, cores // j),
                        allocator_env=True, memory_format="auto") for j in range(1, k + 1)]
+    phalanx.append(replace(phalanx[-1], name=f"phalanx/{k} gloo", algorithm="native"))
     if grad_dtype is not None:
-        phalanx.append(replace(phalanx[-1], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
+        phalanx.append(replace(phalanx[-2], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
     others = [
         Variant(name=f"ddp/{k}", kind="ddp", num_procs=k, threads_per_proc=1, allocator_env=False),
         Variant(name=f"ddp/{k} tuned", kind="ddp", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
@@ -147,7 +151,7 @@ def _phalanx_worker(world: World, job: StepJob) -> float:
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
     grad_dtype = None if job.grad_dtype is None else GRAD_DTYPES[job.grad_dtype]
-    with DataParallel(_build(job), world=world, grad_dtype=grad_dtype) as dp:  # phalanx's defaults
+    with DataParallel(_build(job), world=world, grad_dtype=grad_dtype, algorithm=job.algorithm) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
 
         def step() -> None:
@@ -200,7 +204,8 @@ def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> floa
 
 def run_variant(variant: Variant, job: StepJob, config: ScalingBenchConfig) -> float:
     """Images/s of one configuration in fresh processes (the slowest rank's time counts)."""
-    job = replace(job, num_shards=variant.num_procs, memory_format=variant.memory_format, grad_dtype=variant.grad_dtype)
+    job = replace(job, num_shards=variant.num_procs, memory_format=variant.memory_format, grad_dtype=variant.grad_dtype,
+                  algorithm=variant.algorithm)
     if variant.kind in ("phalanx", "ceiling") and variant.num_procs > 1:
         fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),
@@ -243,7 +248,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
 
         plain = best([v.name for v in contenders if v.kind == "torch" and v.memory_format == "contiguous"])
         tuned = best([v.name for v in contenders if v.kind == "torch" and v.memory_format != "contiguous"])
-        compare = [("phalanx_vs_ddp", k, f"ddp/{k}"),
+        compare = [("phalanx_vs_gloo_exchange", k, f"phalanx/{k} gloo"),
+                   ("phalanx_vs_ddp", k, f"ddp/{k}"),
                    ("phalanx_vs_ddp_same_setup", k, f"ddp/{k} tuned"),
                    ("phalanx_vs_best_single_process", k, plain),
                    ("phalanx_vs_best_single_process_same_setup", k, tuned),

@@ -53,7 +53,8 @@ NAME_PREFIX = "phalanx-shm-"
 _LINE = 64  # bytes per flag line: each rank writes only its own, so no false sharing
 _ARRIVED, _REDUCED = 0, 1  # int64 fields in a rank's flag line
 _HEADER = 4096  # pids (int64 per rank), then the flag lines
-SLOT_BYTES = 1 << 20  # per rank per half; larger tensors stream through in rounds
+SLOT_BYTES = 4 << 20  # per rank per half; larger tensors stream through in rounds
+_VIEW_CACHE_ENTRIES = 64  # (half, bytes, dtype) -> views; a training run uses a handful
 MIN_SLOT_BYTES = 64 << 10
 # Below this a rank sums every slot itself: one wait instead of two; above it, dividing the sum
 # into chunks saves reading k copies of the whole piece.
@@ -163,6 +164,7 @@ class ShmGroup:
         pids[rank] = os.getpid()
         self._pids_view = pids
         self._flags_addr = buf.data_ptr() + _HEADER  # futex words: the low half of each int64 flag
+        self._view_cache: dict = {}
         data0 = _round_up(header, 4096)
         half = (k + 1) * self.slot_bytes
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
@@ -187,6 +189,7 @@ class ShmGroup:
         """Unmap the segment (its file is long gone); safe to call twice."""
         if self._mmap is not None:
             self._flags = self._pids_view = self._slot = self._bytes = None  # drop every export first
+            self._view_cache = {}
             try:
                 self._mmap.close()
             except BufferError:
@@ -205,13 +208,25 @@ class ShmGroup:
         for start in range(0, flat.numel(), per_round):
             self._round(flat[start:start + per_round])
 
+    def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
+        making k views costs microseconds, as much as summing a small bucket)."""
+        key = (parity, nbytes, dtype)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= _VIEW_CACHE_ENTRIES:
+                self._view_cache.clear()
+            half = self._slot[parity]
+            views = self._view_cache[key] = ([half[r][:nbytes].view(dtype) for r in range(self.k)],
+                                             half[self.k][:nbytes].view(dtype))
+        return views
+
     def _round(self, piece: torch.Tensor) -> None:
         self.round += 1
         g, k, rank = self.round, self.k, self.rank
-        half = self._slot[g % 2]
         n, dtype = piece.numel(), piece.dtype
         nbytes = n * piece.element_size()
-        inputs = [half[r][:nbytes].view(dtype) for r in range(k)]
+        inputs, result = self._views(g % 2, nbytes, dtype)
         inputs[rank].copy_(piece)
         self._publish(_ARRIVED, g)
         self._wait(_ARRIVED, g)
@@ -221,7 +236,6 @@ class ShmGroup:
                 piece.add_(inputs[r])
             return
         lo, hi = _chunk(n, k, rank, piece.element_size())
-        result = half[k][:nbytes].view(dtype)
         if hi > lo:
             mine = result[lo:hi]
             torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=mine)

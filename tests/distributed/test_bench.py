@@ -38,10 +38,10 @@ def _is_spread(value: dict, rounds: int) -> bool:
 @pytest.mark.distributed
 def test_allreduce_bench_smoke(tmp_path, capsys):
     payload, _ = _run(["bench", "allreduce", "--sizes", "4KB,64KB", "--world-sizes", "2",
-                       "--algorithms", "native,ring", "--rounds", "2"], tmp_path)
+                       "--algorithms", "native,shm,ring", "--rounds", "2"], tmp_path)
     assert payload["bench"] == "allreduce"
     assert [(r["size_bytes"], r["algorithm"]) for r in payload["results"]] == [
-        (4096, "native"), (4096, "ring"), (65536, "native"), (65536, "ring")]
+        (4096, "native"), (4096, "shm"), (4096, "ring"), (65536, "native"), (65536, "shm"), (65536, "ring")]
     for row in payload["results"]:
         assert row["world_size"] == 2 and row["calls_per_batch"] >= 1
         assert all(_is_spread(row[key], 2) for key in ("time_s", "algbw_GBps", "busbw_GBps"))
@@ -51,9 +51,10 @@ def test_allreduce_bench_smoke(tmp_path, capsys):
             assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
     assert [m["size_bytes"] for m in payload["memcpy"]] == [4096, 65536]
     assert all(_is_spread(m["time_s"], 2) for m in payload["memcpy"])
-    assert [(r["size_bytes"], r["algorithm"]) for r in payload["ratios"]] == [(4096, "ring"), (65536, "ring")]
+    assert [(r["size_bytes"], r["algorithm"]) for r in payload["ratios"]] == [
+        (4096, "shm"), (4096, "ring"), (65536, "shm"), (65536, "ring")]
     out = capsys.readouterr().out
-    assert "own ring / native busbw on 2 processes" in out and "memcpy reference" in out
+    assert "shm / native busbw on 2 processes" in out and "ring / native busbw" in out and "memcpy reference" in out
 
 
 @pytest.mark.distributed
@@ -79,11 +80,12 @@ def test_scaling_bench_smoke(tmp_path, capsys):
     payload, _ = _run(["bench", "scaling", "--batch-sizes", "8", "--devices", "2", "--steps", "1",
                        "--warmup-steps", "1", "--rounds", "1"], tmp_path)
     names = [v["name"] for v in payload["variants"]]
-    assert names[:5] == ["phalanx/1", "phalanx/2", "ddp/2", "ddp/2 tuned", "ceiling/2"] and "torch 1 thread" in names
+    assert names[:6] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "ddp/2", "ddp/2 tuned", "ceiling/2"]
+    assert "torch 1 thread" in names
     assert [r["variant"] for r in payload["results"]] == names
     assert all(r["global_batch_size"] == 8 and r["images_per_s"]["median"] > 0 for r in payload["results"])
     assert {r["metric"] for r in payload["ratios"]} == {
-        "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process",
+        "phalanx_vs_gloo_exchange", "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process",
         "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
         "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency"}
     per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"]}
