@@ -83,7 +83,7 @@ def _matmul_loop(config: OverlapBenchConfig, device: torch.device) -> Callable[[
 def _cpu_worker(world: World, config: OverlapBenchConfig) -> dict[str, list[float]]:
     compute = _matmul_loop(config, world.device)
     buffer = torch.zeros(int(config.transfer_mb * _MB) // 4)
-    comm = AsyncComm(world=world)
+    comm = AsyncComm(world=world, algorithms=(config.algorithm,))
 
     def phase(work: Callable[[], None]) -> Callable[[], float]:
         def run() -> float:

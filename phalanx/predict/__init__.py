@@ -17,7 +17,7 @@ import math
 import sys
 
 from phalanx.bench.mlp import BENCH_MODELS
-from phalanx.comm.algorithms import ALGORITHMS
+from phalanx.comm.algorithms import CHOICES
 from phalanx.errors import UsageError
 from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
 from phalanx.predict.config import INTERCONNECTS, PredictConfig, resolve_interconnect
@@ -29,7 +29,8 @@ def add_predict_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="lenet", help=f"one of {', '.join(BENCH_MODELS)} (default lenet)")
     p.add_argument("--batch-size", default="256", help="global batch size(s), comma-separated (default 256)")
     p.add_argument("--world-sizes", default="1,2,4,8", help="device counts k to predict (default 1,2,4,8)")
-    p.add_argument("--allreduce", default="native", help=f"one of {', '.join(ALGORITHMS)} (default native)")
+    p.add_argument("--allreduce", default="auto",
+                   help=f"one of {', '.join(CHOICES)} (default auto: shm on loopback, native on the other links)")
     p.add_argument("--bucket-cap-mb", default=str(DEFAULT_BUCKET_CAP_MB),
                    help=f"gradient bucket cap in MB, or none for one bucket (default {DEFAULT_BUCKET_CAP_MB})")
     p.add_argument("--interconnect", default="loopback",

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 
 from phalanx.bench.mlp import BENCH_MODELS
-from phalanx.comm import ALGORITHMS
+from phalanx.comm import CHOICES
+from phalanx.comm.shm import shm_supported
 from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
 
 
@@ -80,7 +81,7 @@ class PredictConfig:
     model: str = "lenet"
     global_batch_sizes: tuple[int, ...] = (256,)
     world_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    algorithm: str = "native"
+    algorithm: str = "auto"  # auto: what training would pick (shm on loopback, native on a real link)
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB  # None: one bucket
     interconnect: Interconnect = INTERCONNECTS["loopback"]
     validate: bool = False  # also measure phalanx at each k (loopback only) and report the error
@@ -95,8 +96,14 @@ class PredictConfig:
     def __post_init__(self) -> None:
         if self.model not in BENCH_MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(BENCH_MODELS)}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown allreduce {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if self.algorithm not in CHOICES:
+            raise ValueError(f"unknown allreduce {self.algorithm!r}; choose one of {', '.join(CHOICES)}")
+        if self.algorithm == "auto":  # as training's auto: shm for processes sharing this host
+            local = self.interconnect.shares_host and shm_supported() is None
+            object.__setattr__(self, "algorithm", "shm" if local else "native")
+        if self.algorithm == "shm" and not self.interconnect.shares_host:
+            raise ValueError(f"the shm allreduce serves processes on one host; the {self.interconnect.name} "
+                             "interconnect links separate devices: use --allreduce native")
         if not self.world_sizes or min(self.world_sizes) < 1 or len(set(self.world_sizes)) != len(self.world_sizes):
             raise ValueError(f"world sizes must be distinct integers >= 1, got {list(self.world_sizes)}")
         if max(self.world_sizes) > 1024:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.bench.timing import run_interleaved, seconds_per_call
-from phalanx.comm import AsyncComm, allreduce
+from phalanx.comm import AsyncComm
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
 from phalanx.predict.costmodel import LinkFit, fit_link
@@ -62,10 +62,19 @@ def _agreed_calls(estimate_s: float) -> int:
 
 
 def _link_worker(world: World, job: LinkJob) -> dict:
+    # One comm for the sweep and the overlap trials: it owns shm's segment or the p2p group.
+    comm = AsyncComm(world=world, algorithms=(job.algorithm,))
+    try:
+        return _measure(world, job, comm)
+    finally:
+        comm.close()
+
+
+def _measure(world: World, job: LinkJob, comm: AsyncComm) -> dict:
     buffers = {size: torch.zeros(size // 4) for size in job.sizes_bytes}
     runs = {}
     for size, buffer in buffers.items():
-        call = (lambda b=buffer: allreduce(b, world=world, algorithm=job.algorithm))
+        call = (lambda b=buffer: comm.allreduce(b, algorithm=job.algorithm))
         for _ in range(job.warmup_calls):
             call()
         dist.barrier()
@@ -78,21 +87,18 @@ def _link_worker(world: World, job: LinkJob) -> dict:
     sweep = run_interleaved(runs, rounds=job.rounds, warmup_rounds=0)
 
     buckets = [torch.zeros(max(1, n // 4)) for n in job.bucket_bytes]
-    comm = AsyncComm(world=world)
-    try:
-        def communicate() -> None:
-            for handle in [comm.allreduce_async(b, algorithm=job.algorithm) for b in buckets]:
-                handle.wait()
-        for _ in range(job.warmup_calls):
-            communicate()
-        cpu_share = []
-        for _ in range(job.overlap_trials):
-            dist.barrier()
-            wall0, cpu0 = time.perf_counter(), time.process_time()  # process time: every thread's
-            communicate()
-            cpu_share.append((time.process_time() - cpu0) / (time.perf_counter() - wall0))
-    finally:
-        comm.close()
+
+    def communicate() -> None:
+        for handle in [comm.allreduce_async(b, algorithm=job.algorithm) for b in buckets]:
+            handle.wait()
+    for _ in range(job.warmup_calls):
+        communicate()
+    cpu_share = []
+    for _ in range(job.overlap_trials):
+        dist.barrier()
+        wall0, cpu0 = time.perf_counter(), time.process_time()  # process time: every thread's
+        communicate()
+        cpu_share.append((time.process_time() - cpu0) / (time.perf_counter() - wall0))
     return {"sweep": {int(k): v for k, v in sweep.items()}, "cpu_share": statistics.median(cpu_share)}
 
 

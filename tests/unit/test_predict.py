@@ -49,6 +49,23 @@ def test_naive_serialises_2_k_minus_1_whole_messages_at_rank_0():
     assert allreduce_time_s("naive", N, 8, alpha_s=A, beta_Bps=B) == pytest.approx(14 * (A + N / B))
 
 
+def test_shm_is_two_flag_waits_growing_as_log2_k_plus_memory_traffic():
+    # Copy in, sum one chunk of every slot (read n, write n/k), copy out: 3 + 1/k bytes per byte.
+    assert cost_terms("shm", 2) == (2.0, 3.5)
+    assert cost_terms("shm", 8) == (6.0, 3.125)
+    assert allreduce_time_s("shm", N, 4, alpha_s=A, beta_Bps=B) == pytest.approx(4 * A + 3.25 * N / B)
+
+
+def test_auto_prices_what_training_would_pick():
+    from phalanx.comm.shm import shm_supported
+
+    loopback = PredictConfig()
+    assert loopback.algorithm == ("shm" if shm_supported() is None else "native")
+    assert PredictConfig(interconnect=INTERCONNECTS["nvlink"]).algorithm == "native"
+    with pytest.raises(ValueError, match="one host"):
+        PredictConfig(algorithm="shm", interconnect=INTERCONNECTS["nvlink"])
+
+
 def test_nothing_to_send_costs_nothing_and_bad_inputs_are_refused():
     assert allreduce_time_s("ring", N, 1, alpha_s=A, beta_Bps=B) == 0.0
     assert allreduce_time_s("tree", 0, 4, alpha_s=A, beta_Bps=B) == 0.0
