@@ -17,14 +17,12 @@ The distributed tests start their workers through this same code (tests/distribu
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
 import os
 import pickle
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -37,7 +35,8 @@ import torch
 
 from phalanx.comm.shm import remove_segments_of
 from phalanx.devices import DevicePlan
-from phalanx.errors import RunFailed, Stopped, UsageError
+from phalanx.errors import RunFailed, UsageError
+from phalanx.lifeline import describe_signal, die_with_parent, stop_on_signals, terminate
 from phalanx.world import World, launcher_env, start_world, stop_world
 
 # glibc reads these at process start: keep large blocks on the heap instead of mmap/munmap per step.
@@ -45,8 +44,6 @@ CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 <<
 # After a first failure, keep listening this long for the other ranks' reports: the first one to
 # arrive is often a secondary "connection closed" from a peer of the rank that really broke.
 ERROR_GRACE_S = 1.0
-# How long a terminated worker gets to exit on SIGTERM before it is killed.
-TERMINATE_GRACE_S = 3.0
 
 
 # Set in a spawned worker: (shared array of every rank's last finished step, this rank).
@@ -148,25 +145,12 @@ def _pin_to_loopback(env: dict[str, str]) -> dict[str, str]:
     return {key: name for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if key not in env}
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this worker when the launcher dies (killed with SIGKILL,
-    so no handler of its own could stop us), instead of training on as an orphan."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the launcher died before the request took effect
-        os._exit(1)
-
-
 def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, progress=None,
                  parent_pid: int | None = None) -> None:
     """One spawned worker: join the world, run fn, send one report, then leave the world."""
     global _PROGRESS
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        die_with_parent(parent_pid)
     _PROGRESS = None if progress is None else (progress, rank)
     world, exit_code = None, 0
     try:
@@ -228,41 +212,16 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        with _stop_on_signals():
+        with stop_on_signals():
             return _supervise(procs, conns, spec, progress=progress)
     finally:  # failure, deadline, KeyboardInterrupt, SIGTERM: take every child down and reap it
-        _terminate(procs)
+        terminate(procs)
         for conn in conns:
             conn.close()
         shutil.rmtree(rendezvous_dir, ignore_errors=True)
         # A worker killed between creating its shm segment and every rank mapping it (a few ms
         # at start) leaves the file behind; it is named after that worker's pid.
         remove_segments_of([proc.pid for proc in procs if proc.pid is not None])
-
-
-class _stop_on_signals:
-    """While supervising: SIGTERM/SIGHUP raise `Stopped` here, so the `finally` above takes the
-    workers down (the default action would kill only this process and orphan them). Handlers
-    can be set from the main thread only; elsewhere this does nothing."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-
-    def __enter__(self):
-        self._previous = {}
-        try:
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._raise)
-        except ValueError:  # not the main thread
-            pass
-        return self
-
-    @staticmethod
-    def _raise(signum, frame):
-        raise Stopped(signum)
-
-    def __exit__(self, *exc):
-        for signum, handler in self._previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
 
 
 def _supervise(procs, conns, spec: LaunchSpec, progress=None) -> list[Any]:
@@ -327,7 +286,7 @@ def _read_report(proc, conn) -> tuple:
     if proc.exitcode is None:
         return ("error", "closed its result pipe but kept running", "")
     if proc.exitcode < 0:
-        return ("error", f"died ({_describe_signal(-proc.exitcode)})", "")
+        return ("error", f"died ({describe_signal(-proc.exitcode)})", "")
     return ("error", f"exited with code {proc.exitcode} without a result", "")
 
 
@@ -344,22 +303,3 @@ def _await_exit(procs, reports: dict, deadline: float) -> None:
             reports[rank] = ("error", f"delivered its result but then exited with code {proc.exitcode}", "")
 
 
-def _describe_signal(signum: int) -> str:
-    try:
-        return f"signal {signal.Signals(signum).name}"
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _terminate(procs) -> None:
-    """SIGTERM every live worker, SIGKILL what is left after the grace, and reap them all."""
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.terminate()
-    give_up_at = time.monotonic() + TERMINATE_GRACE_S
-    for proc in procs:
-        proc.join(max(0.0, give_up_at - time.monotonic()))
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()

@@ -35,21 +35,21 @@ says no elsewhere, and `auto` then picks the backend's own collective.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
-import platform
 import secrets
 import time
 
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.shm_segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, cores, create_segment, free_bytes,
+                                      process_alive, remove_segments_of, shm_supported, unlink_quietly)
 from phalanx.world import World
 
-SHM_DIR = "/dev/shm"
-NAME_PREFIX = "phalanx-shm-"
+__all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "allreduce_shm", "create_segment", "remove_segments_of",
+           "shm_applies", "shm_supported"]
 _LINE = 64  # bytes per flag line: each rank writes only its own, so no false sharing
 _ARRIVED, _REDUCED = 0, 1  # int64 fields in a rank's flag line
 _HEADER = 4096  # pids (int64 per rank), then the flag lines
@@ -61,30 +61,10 @@ MIN_SLOT_BYTES = 64 << 10
 SMALL_BYTES = 32 << 10
 SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
 LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
-_SYS_FUTEX_X86_64, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _libc():
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    return libc
 
 
 class ShmError(RuntimeError):
     """The segment could not be set up, or a peer died or timed out inside an allreduce."""
-
-
-def shm_supported() -> str | None:
-    """None when this host can run the shm allreduce, else why not (one phrase)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the shm allreduce needs x86-64's memory ordering; this is {platform.machine()}"
-    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
-        return f"{SHM_DIR} is missing or not writable"
-    return None
 
 
 def shm_applies(world: World) -> str | None:
@@ -99,10 +79,8 @@ def shm_applies(world: World) -> str | None:
 
 def _slot_bytes_for(world_size: int, wanted: int) -> int:
     """`wanted`, or less to fit /dev/shm's free space with room to spare (Docker's default is 64 MB)."""
-    try:
-        stat = os.statvfs(SHM_DIR)
-        free = stat.f_bavail * stat.f_frsize
-    except OSError:
+    free = free_bytes()
+    if free is None:
         return wanted
     fits = (free // 4) // (2 * (world_size + 1)) // _LINE * _LINE  # at most a quarter of what is free
     return min(wanted, max(fits, MIN_SLOT_BYTES))
@@ -129,8 +107,8 @@ class ShmGroup:
         self._mmap: mmap.mmap | None = None
         # Spinning helps only while every worker has a core of its own; past that it takes the
         # CPU a late peer needs, so oversubscribed workers go straight to the futex.
-        self.spin_s = SPIN_S if world.local_world_size <= _cores() else 0.0
-        self._syscall = _libc().syscall
+        self.spin_s = SPIN_S if world.local_world_size <= cores() else 0.0
+        self._futex = Futex()
         self._open()
 
     # --- set-up ---------------------------------------------------------------------------
@@ -147,11 +125,11 @@ class ShmGroup:
         dist.broadcast_object_list(box, src=0)  # rank 0's sizes rule, so every rank cuts alike
         name, self.slot_bytes, self.small_bytes, error = box
         if error is None and rank != 0:
-            error = self._attach(os.path.join(SHM_DIR, name))
+            self._mmap, error = attach_segment(os.path.join(SHM_DIR, name))
         statuses: list = [None] * k
         dist.all_gather_object(statuses, error)  # every rank learns whether every rank is in
         if rank == 0:
-            _unlink_quietly(os.path.join(SHM_DIR, name))  # mapped everywhere (or failed): no file left
+            unlink_quietly(os.path.join(SHM_DIR, name))  # mapped everywhere (or failed): no file left
         failed = [(r, e) for r, e in enumerate(statuses) if e is not None]
         if failed:
             self.close()
@@ -171,19 +149,6 @@ class ShmGroup:
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
                        for i in range(k + 1)] for p in range(2)]
         dist.barrier()  # every pid is written before anyone may need to name a dead peer
-
-    def _attach(self, path: str) -> str | None:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            return f"cannot open {path} ({exc.strerror}; are all ranks on one host?)"
-        try:
-            self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
-        except OSError as exc:
-            return f"cannot map {path} ({exc.strerror})"
-        finally:
-            os.close(fd)
-        return None
 
     def close(self) -> None:
         """Unmap the segment (its file is long gone); safe to call twice."""
@@ -250,8 +215,7 @@ class ShmGroup:
         # wake whoever sleeps on it (the kernel pairs this with a FUTEX_WAIT that saw the old value).
         index = self.rank * (_LINE // 8) + field
         self._flags[index] = value
-        self._syscall(_SYS_FUTEX_X86_64, ctypes.c_void_p(self._flags_addr + 8 * index), _FUTEX_WAKE,
-                      ctypes.c_int(1 << 30), None, None, 0)
+        self._futex.wake(self._flags_addr + 8 * index)
 
     def _wait(self, field: int, value: int) -> None:
         """Return once every rank's `field` is >= value; spin, then sleep; raise on death/timeout."""
@@ -263,14 +227,11 @@ class ShmGroup:
             pending = [r for r in pending if flags[r * stride + field] < value]
             if not pending or time.perf_counter() > spin_until:
                 break
-        timeout = _Timespec(0, int(LIVENESS_EVERY_S * 1e9))
         for r in pending:
             index = r * stride + field
-            address = ctypes.c_void_p(self._flags_addr + 8 * index)
             while (seen := flags[index]) < value:
                 # Sleeps only while the flag still holds `seen`: a store in between returns at once.
-                self._syscall(_SYS_FUTEX_X86_64, address, _FUTEX_WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
-                              ctypes.byref(timeout), None, 0)
+                self._futex.wait(self._flags_addr + 8 * index, seen, LIVENESS_EVERY_S)
                 if flags[index] < value:
                     self._check_peers([r], time.perf_counter() - start)
 
@@ -279,7 +240,7 @@ class ShmGroup:
         or its bounded sleep: cheap next to the sleep, and a wake-up is often the flag itself)."""
         for r in pending:
             pid = self._pids_view[r]
-            if not _alive(pid):
+            if not process_alive(pid):
                 raise ShmError(f"shm allreduce: rank {r} (pid {pid}) died while rank {self.rank} waited for it "
                                f"in round {self.round}")
         if waited_s > self.timeout_s:
@@ -303,36 +264,6 @@ def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | Non
     transport.allreduce(flat)
 
 
-def create_segment(path: str, size: int) -> tuple[mmap.mmap | None, str | None]:
-    """A new file of `size` bytes at `path`, readable by its owner only, mapped: (map, None), or
-    (None, why not). O_EXCL: an existing name is never reused, so two runs never share one."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        return None, f"cannot create {path} ({exc.strerror})"
-    try:
-        # Reserve the pages now: on a full tmpfs a write into an ftruncated file is a SIGBUS.
-        os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size), None
-    except OSError as exc:
-        _unlink_quietly(path)
-        return None, f"cannot reserve {size / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror})"
-    finally:
-        os.close(fd)
-
-
-def remove_segments_of(pids) -> list[str]:
-    """Unlink every segment a process in `pids` created (a launcher's clean-up); return the names."""
-    prefixes = tuple(f"{NAME_PREFIX}{pid}-" for pid in pids)
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)] if prefixes else []
-    except OSError:
-        return []
-    for name in names:
-        _unlink_quietly(os.path.join(SHM_DIR, name))
-    return names
-
-
 def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:
     """[lo, hi) of chunk `index`: near-equal chunks whose bounds fall on 64-byte lines."""
     per_line = max(1, _LINE // element_size)
@@ -343,35 +274,7 @@ def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, 
     return min(numel, lo_line * per_line), min(numel, hi_line * per_line)
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _alive(pid: int) -> bool:
-    """False when `pid` is gone or a zombie (dead, not yet reaped by its parent)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, broadcast_, resolve_algorithm
+from phalanx.comm import AsyncComm, broadcast_, check_choice, resolve_algorithm
 from phalanx.parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, grads_are_bucket_views
 from phalanx.parallel.overlap import OverlapScheduler
 from phalanx.world import World
@@ -69,14 +69,14 @@ class DataParallel:
         min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
         `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half
         the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype."""
-        algorithm = resolve_algorithm(algorithm, world)  # ValueError with the valid names, before any collective
+        check_choice(algorithm)  # ValueError with the valid names, before any collective
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
             raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
         self.world = world
-        self.algorithm = algorithm
+        self.algorithm = algorithm = resolve_algorithm(algorithm, world)
         self.grad_dtype = grad_dtype
         self.overlap = overlap
         self.module = module.to(world.device)
@@ -94,10 +94,12 @@ class DataParallel:
         self._owns_comm = False
         self._scheduler: OverlapScheduler | None = None
         self._hook_handles: list = []
-        if world.distributed:
+        if comm is not None:
+            self._comm = comm
+        elif world.distributed:
             # Synchronous exchanges use it too: it owns the shm segment or the private group.
-            self._owns_comm = comm is None
-            self._comm = AsyncComm(world=world, algorithms=(algorithm,)) if comm is None else comm
+            self._owns_comm = True
+            self._comm = AsyncComm(world=world, algorithms=(algorithm,))
         if overlap:
             self._scheduler = OverlapScheduler(self.buckets, launch=self._launch)
             for bucket in self.buckets:

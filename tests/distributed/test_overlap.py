@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.comm import AsyncComm
+from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.data import rank_shard
 from phalanx.models import LeNet
 from phalanx.parallel import DataParallel
@@ -30,14 +30,18 @@ TOL = dict(rtol=1e-10, atol=1e-13)
 
 # name -> DataParallel options; cap 0.25 MB gives 3 buckets of float64 LeNet, 0.05 MB gives 5.
 CONFIGS = {
-    "sync-flat": dict(overlap=False, bucket_cap_mb=None),
+    "sync-flat": dict(overlap=False, bucket_cap_mb=None),  # the default algorithm: auto (shm here)
     "sync-3": dict(overlap=False, bucket_cap_mb=0.25),
+    "sync-native-3": dict(overlap=False, algorithm="native", bucket_cap_mb=0.25),
     "overlap-native-1": dict(bucket_cap_mb=None),
     "overlap-native-first": dict(bucket_cap_mb=0.5, first_bucket_cap_mb=1e-4),  # fc2.bias alone
     **{f"overlap-{a}-{n}": dict(algorithm=a, bucket_cap_mb=cap)
-       for a in ("native", "ring", "tree") for n, cap in ((3, 0.25), (5, 0.05))},
+       for a in ("native", "shm", "ring", "tree") for n, cap in ((3, 0.25), (5, 0.05))},
     "overlap-naive-3": dict(algorithm="naive", bucket_cap_mb=0.25),
 }
+
+
+ACCUM_CASES = (("native", True), ("ring", True), ("shm", True), ("native", False), ("shm", False))
 
 
 class WithExtraHead(nn.Module):
@@ -76,13 +80,18 @@ class CountingComm:
         self.launched += 1
         return self.comm.allreduce_async(tensor, algorithm=algorithm)
 
+    def allreduce(self, tensor, *, algorithm):  # the synchronous exchange (overlap=False)
+        self.launched += 1
+        return self.comm.allreduce(tensor, algorithm=algorithm)
+
 
 def _worker(world) -> dict:
     X, y = _data()
     shard = rank_shard(torch.arange(GLOBAL_BATCH), rank=world.rank, world_size=world.world_size)
     Xs, ys = X[shard], y[shard]
     out: dict = {}
-    with AsyncComm(world=world) as async_comm:  # one private group, shared by every replica below
+    # One private group and one shm segment, shared by every replica below.
+    with AsyncComm(world=world, algorithms=ALGORITHMS) as async_comm:
         def make(kind="lenet", **options):
             comm = CountingComm(async_comm)
             return DataParallel(_model(kind), world=world, comm=comm, **options), comm
@@ -97,7 +106,7 @@ def _worker(world) -> dict:
             dp.close()
 
         # Rank 0 alone uses the extra head: bucket 0 never completes elsewhere.
-        for algorithm in ("native", "ring"):
+        for algorithm in ("native", "ring", "shm"):
             dp, comm = make("extra", algorithm=algorithm, first_bucket_cap_mb=880 / 2**20)
             dp.zero_grad()
             (F.cross_entropy(dp(Xs, world.rank == 0), ys, reduction="sum") / GLOBAL_BATCH).backward()
@@ -108,14 +117,14 @@ def _worker(world) -> dict:
 
         # Only the first world_size - 1 examples: the last rank's shard is empty (no backward).
         tiny = rank_shard(torch.arange(world.world_size - 1), rank=world.rank, world_size=world.world_size)
-        for algorithm in ("native", "tree"):
+        for algorithm in ("native", "tree", "shm"):
             dp, comm = make(algorithm=algorithm)
             train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), X[tiny], y[tiny],
                         global_batch_size=world.world_size - 1)
             out[f"empty-{algorithm}"] = (_grads(dp.module), len(tiny), comm.launched)
             dp.close()
 
-        for algorithm, overlap in (("native", True), ("ring", True), ("native", False)):
+        for algorithm, overlap in ACCUM_CASES:
             for steps in (1, 3):
                 dp, comm = make(algorithm=algorithm, overlap=overlap)
                 train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), Xs, ys,
@@ -180,6 +189,8 @@ def test_overlapped_buckets_match_sync_and_one_process(run):
         torch.testing.assert_close(grads, mine["sync-flat"][0], **TOL)
         if name.startswith("overlap"):  # every parameter used: every bucket went out in backward
             assert launched_in_backward == launched == num_buckets, name
+    for name in ("sync-flat", "sync-3", "sync-native-3"):  # synchronous: each bucket once, after backward
+        assert mine[name][2] == 0 and mine[name][3] == mine[name][1], name
     assert {n: mine[n][1] for n in ("sync-flat", "sync-3", "overlap-native-1", "overlap-ring-3",
                                     "overlap-tree-5", "overlap-native-first")} == {
         "sync-flat": 1, "sync-3": 3, "overlap-native-1": 1, "overlap-ring-3": 3, "overlap-tree-5": 5,
@@ -190,7 +201,7 @@ def test_parameter_unused_on_some_ranks(run):
     world_size, results = run
     shards = [rank_shard(torch.arange(GLOBAL_BATCH), rank=r, world_size=world_size) for r in range(world_size)]
     expected = _reference(extra_for=[(s, r == 0) for r, s in enumerate(shards)])
-    for algorithm in ("native", "ring"):
+    for algorithm in ("native", "ring", "shm"):
         for rank, result in enumerate(results):
             grads, num_buckets, launched_in_backward, launched = result[f"unused-{algorithm}"]
             torch.testing.assert_close(grads, expected, **TOL)
@@ -202,7 +213,7 @@ def test_parameter_unused_on_some_ranks(run):
 def test_empty_shard_rank_still_joins(run):
     world_size, results = run
     expected = _reference(torch.arange(world_size - 1), divisor=world_size - 1)
-    for algorithm in ("native", "tree"):
+    for algorithm in ("native", "tree", "shm"):
         assert results[-1][f"empty-{algorithm}"][1] == 0  # the last rank really had no examples
         for result in results:
             grads, _, launched = result[f"empty-{algorithm}"]
@@ -213,12 +224,12 @@ def test_empty_shard_rank_still_joins(run):
 def test_grad_accum_three_equals_one(run):
     _, results = run
     full = _reference(torch.arange(GLOBAL_BATCH))
-    for algorithm, overlap in (("native", True), ("ring", True), ("native", False)):
+    for algorithm, overlap in ACCUM_CASES:
         one, launched_one = results[0][f"accum-{algorithm}-{overlap}-1"]
         three, launched_three = results[0][f"accum-{algorithm}-{overlap}-3"]
         torch.testing.assert_close(three, one, **TOL)
         torch.testing.assert_close(three, full, **TOL)
-        assert launched_one == launched_three == (3 if overlap else 0)  # one exchange per step
+        assert launched_one == launched_three == 3  # one exchange of each bucket per step
 
 
 def test_no_sync_accumulates_without_communication(run):

@@ -44,7 +44,8 @@ def one_device(tmp_path_factory, base_config):
     return _train(tmp_path_factory.mktemp("one"), base_config, "1")
 
 
-@pytest.mark.parametrize("devices, algorithm", [("2", "native"), ("3", "ring"), ("2", "tree"), ("3", "naive")])
+@pytest.mark.parametrize("devices, algorithm", [("2", "native"), ("3", "ring"), ("2", "tree"), ("3", "naive"),
+                                               ("2", "shm"), ("3", "auto")])
 def test_k_devices_match_one_device(tmp_path, base_config, one_device, devices, algorithm):
     reference, ref_results, _ = one_device
     state, results, out = _train(tmp_path, base_config, devices, algorithm)
@@ -63,12 +64,20 @@ def test_k_devices_match_one_device(tmp_path, base_config, one_device, devices, 
     assert all(r["history"][-1]["test_acc"] == results[0]["history"][-1]["test_acc"] for r in results)
 
 
+# float32 after 12 steps: rounding only, but how much depends on the CPU's kernels (oneDNN picks
+# them per instruction set): 1.2e-5 measured on an AMD EPYC host, under 1e-5 on the machine this
+# bound was first set on. A wrong gradient (a sum where a mean belongs, a bucket never summed)
+# changes every step's update itself, by lr x gradient; float64 below checks exactness.
+FLOAT32_ATOL = 1e-4
+
+
 def test_float32_one_epoch_matches(tmp_path, base_config):
     config = replace(base_config, dtype="float32", epochs=1)
     reference, _, _ = _train(tmp_path, config, "1")
     state, _, _ = _train(tmp_path, config, "2", "ring")
     for name in reference:
-        torch.testing.assert_close(state[name], reference[name], rtol=0, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(state[name], reference[name], rtol=0, atol=FLOAT32_ATOL,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_training_moves_the_parameters(one_device, base_config):

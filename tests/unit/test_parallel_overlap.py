@@ -109,7 +109,7 @@ def test_dataparallel_bucket_options():
     assert len(_dp(LeNet(), FakeComm()).buckets) == 3
     with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
         DataParallel(LeNet(), world=WORLD1, bucket_cap_mb=0, overlap=False)
-    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+    with pytest.raises(ValueError, match="unknown allreduce .carrier-pigeon.; choose one of auto, native, shm"):
         DataParallel(LeNet(), world=WORLD1, algorithm="carrier-pigeon", overlap=False)
 
 
