@@ -200,6 +200,33 @@ def test_algorithm_names_are_validated():
         allreduce(torch.ones(2), world=make_world(0, 1), algorithm="butterfly")
 
 
+def test_auto_picks_shm_for_cpu_workers_of_one_host_and_native_elsewhere():
+    from dataclasses import replace
+
+    from phalanx.comm import resolve_algorithm, shm_applies
+    from phalanx.comm.shm_segment import shm_supported
+
+    local = make_world(0, 4)
+    assert resolve_algorithm("auto", local) == ("shm" if shm_supported() is None else "native")
+    assert shm_applies(local) == shm_supported()
+    two_hosts = replace(local, local_rank=0, local_world_size=2)  # torchrun, 2 nodes x 2
+    gpus = replace(local, device=torch.device("cuda", 0), backend="nccl")
+    for world, why in ((two_hosts, "span hosts"), (gpus, "serves CPU workers")):
+        assert resolve_algorithm("auto", world) == "native"
+        assert why in shm_applies(world)
+    assert resolve_algorithm("auto", make_world(0, 1)) == "native"  # nothing to exchange
+    assert resolve_algorithm("ring", two_hosts) == "ring"  # a named algorithm is kept
+    with pytest.raises(ValueError, match="choose one of auto, native, shm, ring, tree, naive"):
+        resolve_algorithm("fastest", local)
+
+
+def test_an_shm_allreduce_without_its_segment_says_how_to_get_one():
+    with pytest.raises(ValueError, match="needs its shared segment"):
+        allreduce(torch.ones(3), world=make_world(0, 2), algorithm="shm")
+    with pytest.raises(ValueError, match="opened for native, not shm"):
+        AsyncComm(world=make_world(0, 1), algorithms=("native",))._transport("shm")
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_world_of_one_is_a_no_op(algorithm):
     assert not dist.is_initialized()  # nothing may need a process group
