@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, broadcast_, check_choice, resolve_algorithm
+from phalanx.comm import AsyncComm, ShmError, broadcast_, check_choice, resolve_algorithm
 from phalanx.parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, grads_are_bucket_views
 from phalanx.parallel.overlap import OverlapScheduler
 from phalanx.world import World
@@ -76,7 +76,10 @@ class DataParallel:
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
             raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
         self.world = world
+        chosen_by_auto = algorithm == "auto"
         self.algorithm = algorithm = resolve_algorithm(algorithm, world)
+        # Why auto did not pick shm where it usually would (a full /dev/shm, say), or None.
+        self.fallback_reason: str | None = None
         self.grad_dtype = grad_dtype
         self.overlap = overlap
         self.module = module.to(world.device)
@@ -99,7 +102,15 @@ class DataParallel:
         elif world.distributed:
             # Synchronous exchanges use it too: it owns the shm segment or the private group.
             self._owns_comm = True
-            self._comm = AsyncComm(world=world, algorithms=(algorithm,))
+            try:
+                self._comm = AsyncComm(world=world, algorithms=(algorithm,))
+            except ShmError as exc:
+                if not chosen_by_auto:
+                    raise
+                # Every rank learned the same failure (the segment's set-up is all-gathered), so
+                # every rank falls back alike: auto means "the fastest that works here".
+                self.fallback_reason, self.algorithm = str(exc), "native"
+                self._comm = AsyncComm(world=world, algorithms=("native",))
         if overlap:
             self._scheduler = OverlapScheduler(self.buckets, launch=self._launch)
             for bucket in self.buckets:

@@ -250,6 +250,8 @@ def _algorithm_text(config: TrainConfig, dp: DataParallel) -> str:
         return dp.algorithm
     if dp.world.distributed and dp.algorithm == "shm":
         return "shm (auto: CPU workers on one host share memory)"
+    if dp.fallback_reason is not None:
+        return f"native (auto: {dp.fallback_reason.split('; use')[0]})"
     return f"{dp.algorithm} (auto)"
 
 

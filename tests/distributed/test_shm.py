@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.comm import ShmGroup
+from phalanx.comm import ShmError, ShmGroup
 from phalanx.comm.shm import NAME_PREFIX, SHM_DIR, create_segment, shm_supported
 from tests.distributed.harness import WorkersFailed, run_workers
 from tests.distributed.test_faults import _alive, _workers
@@ -89,6 +89,33 @@ def test_a_peer_that_never_arrives_fails_at_the_timeout():
     with pytest.raises(WorkersFailed) as info:
         run_workers(_late_peer, 2, timeout_s=60)
     assert "rank 1 did not arrive within the 1 s timeout" in str(info.value)
+
+
+def _full_dev_shm(world) -> dict:
+    import phalanx.comm.shm as shm
+    from phalanx.models import LeNet
+    from phalanx.parallel import DataParallel
+
+    shm.create_segment = lambda path, size: (None, "cannot reserve 9.0 MiB in /dev/shm (No space left on device)")
+    with DataParallel(LeNet(), world=world) as dp:  # auto: falls back, on every rank alike
+        for p in dp.module.parameters():
+            p.grad.fill_(world.rank + 1.0)
+        dp.finish_gradient_sync()
+        summed = dp.buckets[0].buffer.clone()
+        result = {"algorithm": dp.algorithm, "reason": dp.fallback_reason, "sum": float(summed[0])}
+    try:
+        DataParallel(LeNet(), world=world, algorithm="shm")  # named explicitly: no fallback
+    except ShmError as exc:
+        result["explicit"] = str(exc)
+    return result
+
+
+def test_auto_falls_back_to_native_when_no_segment_can_be_made_and_explicit_shm_refuses():
+    for rank, result in enumerate(run_workers(_full_dev_shm, 2, timeout_s=90)):
+        assert result["algorithm"] == "native" and "No space left on device" in result["reason"], rank
+        assert result["sum"] == 3.0  # 1 + 2: the exchange still works
+        assert "shared-memory segment unusable on rank 0" in result["explicit"]
+        assert result["explicit"].endswith("use --allreduce native")
 
 
 def _kill_inside_allreduce(world) -> int:
