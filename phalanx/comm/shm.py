@@ -9,8 +9,8 @@ shared-memory allreduce on the same host costs tens of microseconds (deepspeedai
 - Round g (a tensor larger than a slot streams through as several rounds) uses buffer half
   p = g % 2. Every rank copies its piece into its input slot of half p and publishes
   `arrived = g` in its own cache line of flags.
-- Small pieces: once every rank has arrived, each rank sums all input slots in rank order
-  0..k-1 straight into its own tensor (one wait per round).
+- Small pieces (every piece, with two ranks): once every rank has arrived, each rank sums all
+  input slots in rank order 0..k-1 straight into its own tensor (one wait per round).
 - Large pieces: rank j sums chunk j of every input slot, in rank order, into half p's result
   area and publishes `reduced = g`; once every rank has, each copies the whole result out. Each
   chunk is summed once, so every rank ends bitwise identical; the fixed order makes it
@@ -57,7 +57,9 @@ SLOT_BYTES = 4 << 20  # per rank per half; larger tensors stream through in roun
 _VIEW_CACHE_ENTRIES = 64  # (half, bytes, dtype) -> views; a training run uses a handful
 MIN_SLOT_BYTES = 64 << 10
 # Below this a rank sums every slot itself: one wait instead of two; above it, dividing the sum
-# into chunks saves reading k copies of the whole piece.
+# into chunks saves reading k copies of the whole piece. With two ranks the whole sum reads no
+# more than the chunked one (4 bytes moved per byte vs 3.5), so there every round is summed
+# whole: each wait can cost a wake-up, ms when the host is busy (seen in `train --trace`).
 SMALL_BYTES = 32 << 10
 SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
 LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
@@ -89,9 +91,10 @@ def _slot_bytes_for(world_size: int, wanted: int) -> int:
 class ShmGroup:
     """One shared segment for the ranks of `world`; open it at the same point on every rank."""
 
-    def __init__(self, *, world: World, slot_bytes: int = SLOT_BYTES, small_bytes: int = SMALL_BYTES) -> None:
+    def __init__(self, *, world: World, slot_bytes: int = SLOT_BYTES, small_bytes: int | None = None) -> None:
         """`slot_bytes`: each rank's input slot (a multiple of 64; larger tensors take several
-        rounds); `small_bytes`: rounds up to this size are summed whole by every rank."""
+        rounds); `small_bytes`: rounds up to this size are summed whole by every rank (None:
+        every round with two ranks, SMALL_BYTES with more)."""
         if slot_bytes < _LINE or slot_bytes % _LINE:
             raise ValueError(f"slot_bytes {slot_bytes} must be a positive multiple of {_LINE}")
         reason = shm_applies(world)
@@ -102,6 +105,8 @@ class ShmGroup:
         self.rank = world.rank
         self.timeout_s = world.timeout_s
         self.round = 0  # rounds done; the same on every rank, as every rank makes the same calls
+        if small_bytes is None:
+            small_bytes = slot_bytes if world.world_size == 2 else SMALL_BYTES
         self.small_bytes = small_bytes
         self.slot_bytes = _slot_bytes_for(self.k, slot_bytes) if self.rank == 0 else 0
         self._mmap: mmap.mmap | None = None
