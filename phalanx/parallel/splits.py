@@ -38,25 +38,22 @@ def check_split(split: str, *, model: str, num_devices: int, micro_batches: int 
         check_channel_split(num_devices, num_classes)
         return
     stage_plan(num_devices, num_classes)
-    count = default_micro_batches(num_devices) if micro_batches is None else micro_batches
-    if count < 1:
-        raise UsageError(f"--micro-batches {count} must be at least 1; use e.g. --micro-batches {2 * num_devices}")
-    if count > global_batch_size:
-        raise UsageError(f"--micro-batches {count} is more than the {global_batch_size} examples of a global batch; "
-                         f"use --micro-batches {global_batch_size} or fewer, or a larger --batch-size")
+    if micro_batches is not None and not 1 <= micro_batches <= global_batch_size:
+        raise UsageError(f"--micro-batches {micro_batches} must be between 1 and the global batch ({global_batch_size}); "
+                         "use e.g. --micro-batches 4")
 
 
-def default_micro_batches(num_devices: int) -> int:
-    """2k: enough that GPipe's bubble, (k-1)/(M+k-1), is at most a third."""
-    return 2 * num_devices
+def default_micro_batches(num_devices: int, global_batch_size: int) -> int:
+    """2k (GPipe's bubble, (k-1)/(M+k-1), is then at most a third), or the batch size if smaller."""
+    return min(2 * num_devices, global_batch_size)
 
 
-def build_split(split: str, full_model: nn.Module, *, world: World, micro_batches: int | None = None,
-                schedule: str = "gpipe", num_classes: int = 10,
+def build_split(split: str, full_model: nn.Module, *, world: World, global_batch_size: int,
+                micro_batches: int | None = None, schedule: str = "gpipe", num_classes: int = 10,
                 transport: CountingTransport | None = None) -> ModelSplit:
     """This rank's share of `full_model` (the same initial model on every rank) for `layers`/`channels`."""
     if split == "layers":
-        count = default_micro_batches(world.world_size) if micro_batches is None else micro_batches
+        count = default_micro_batches(world.world_size, global_batch_size) if micro_batches is None else micro_batches
         return Pipeline(full_model, world=world, micro_batches=count, schedule=schedule, num_classes=num_classes,
                         transport=transport)
     if split == "channels":

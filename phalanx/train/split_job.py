@@ -37,7 +37,8 @@ def split_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     data = load_dataset(config.dataset, config.data_dir, log=log)
     torch.manual_seed(config.seed)  # the same whole model on every rank; each keeps its share
     full = build_model(config.model, init=config.init, num_classes=data.num_classes).to(getattr(torch, config.dtype))
-    split = build_split(config.split, full, world=world, micro_batches=config.micro_batches,
+    split = build_split(config.split, full, world=world, global_batch_size=config.global_batch_size,
+                        micro_batches=config.micro_batches,
                         schedule=config.schedule, num_classes=data.num_classes)
     optimizer = torch.optim.SGD(split.module.parameters(), lr=config.lr)
     full_optimizer = torch.optim.SGD(full.parameters(), lr=config.lr)  # what a checkpoint's optimizer state is
