@@ -56,13 +56,21 @@ class ModelSplit:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every rank's shard, gathered and assembled: an ordinary state dict, on every rank (collective)."""
-        mine = {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        return self.gather_named(self.module.state_dict())
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The whole model's gradients, assembled like its parameters (collective; verify compares them)."""
+        return self.gather_named({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                                  for n, p in self.module.named_parameters()})
+
+    def gather_named(self, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        mine = {k: v.detach().cpu() for k, v in named.items()}
         shards = [mine]
         if self.world.distributed:
             shards = [None] * self.world.world_size
             dist.all_gather_object(shards, mine)
         full = self.assemble(shards)
-        return {k: full[k] for k in self.keys}
+        return {k: full[k] for k in self.keys if k in full}
 
     def output_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.world.device
