@@ -43,8 +43,8 @@ def split_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     optimizer = torch.optim.SGD(split.module.parameters(), lr=config.lr)
     full_optimizer = torch.optim.SGD(full.parameters(), lr=config.lr)  # what a checkpoint's optimizer state is
     steps_per_epoch = -(-data.train_images.shape[0] // config.global_batch_size)
-    preflight_check(world, {"model": model_fingerprint(full), "split": split.describe() if config.split == "channels"
-                            else config.split, "world_size": world.world_size, "steps_per_epoch": steps_per_epoch,
+    preflight_check(world, {"model": model_fingerprint(full), "split": split.describe(),
+                            "world_size": world.world_size, "steps_per_epoch": steps_per_epoch,
                             "global_batch_size": config.global_batch_size, "micro_batches": config.micro_batches,
                             "schedule": config.schedule, "dtype": config.dtype, "seed": config.seed})
     # job._resume checks the checkpoint against, and restores it into, the whole model.
