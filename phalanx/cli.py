@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="continue from a checkpoint (dir or file); auto: the checkpoint dir's, if any")
     train.add_argument("--check-every", type=int, default=100,
                        help="steps between replica-identity and finite-gradient checks (0: off; default 100)")
+    train.add_argument("--split", default="data", help="data (replicas, default), layers (a pipeline of LeNet's "
+                       "layers) or channels (every layer's output channels split over the devices)")
+    train.add_argument("--micro-batches", type=int, default=None,
+                       help="--split layers: micro-batches each global batch is cut into (default 2 x devices)")
+    train.add_argument("--schedule", default="gpipe", help="--split layers: gpipe (all forwards, then all "
+                       "backwards) or 1f1b (one forward, one backward: fewer activations held)")
     add_bench_parser(sub)
     add_verify_parser(sub)
     add_predict_parser(sub)
@@ -146,6 +152,9 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
         check_every=args.check_every,
+        split=args.split,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
     )
 
 

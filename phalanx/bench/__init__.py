@@ -1,4 +1,4 @@
-"""`phalanx bench allreduce|scaling|overlap`: the measurements behind "phalanx beats DDP".
+"""`phalanx bench allreduce|scaling|overlap|splits`: the measurements behind "phalanx beats DDP".
 
 Each benchmark lives in its own module (allreduce.py, scaling.py, overlap.py) with its config
 dataclass, its run, its terminal table and its chart; timing.py holds the method they share
@@ -17,7 +17,7 @@ import sys
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.errors import UsageError
 
-BENCHMARKS = ("allreduce", "scaling", "overlap")
+BENCHMARKS = ("allreduce", "scaling", "overlap", "splits")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -48,7 +48,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     overlap.add_argument("--algorithm", default="native", help="allreduce overlapped on CPU (default native)")
     overlap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
 
-    for parser in (allreduce, scaling, overlap):
+    splits = kinds.add_parser("splits", help="data vs layers vs channels on LeNet: bytes, time, idle, memory")
+    splits.add_argument("--devices", default="2,4", help="device counts k, one spawned run each (default 2,4)")
+    splits.add_argument("--batch-size", type=int, default=256, help="global batch (default 256)")
+    splits.add_argument("--micro-batches", type=int, default=None, help="layers: micro-batches (default 2k)")
+    splits.add_argument("--schedule", default="gpipe", help="layers: gpipe or 1f1b (default gpipe)")
+    splits.add_argument("--steps", type=int, default=5, help="timed steps per split per round (default 5)")
+    splits.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    splits.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+
+    for parser in (allreduce, scaling, overlap, splits):
         parser.add_argument("--out", default=None, help="directory for the JSON and PNG (default runs/bench-NAME)")
     return bench
 
@@ -63,7 +72,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if name not in BENCHMARKS:
         raise UsageError(f"choose a benchmark: phalanx bench {'|'.join(BENCHMARKS)}")
     # Imported here so the CLI's parser does not load matplotlib or the benchmarks.
-    from phalanx.bench import allreduce, overlap, scaling
+    from phalanx.bench import allreduce, overlap, scaling, splits, splits_report
     from phalanx.bench.timing import parse_list, parse_size, prepare_out_dir, write_outputs
 
     try:
@@ -80,6 +89,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 grad_dtype=args.grad_dtype)
             run = functools.partial(scaling.run_scaling_bench, on_run=_progress)
             report, plot = scaling.report_scaling, scaling.plot_scaling
+        elif name == "splits":
+            config = splits.SplitsBenchConfig(
+                world_sizes=parse_list(args.devices, int, flag="--devices"), global_batch_size=args.batch_size,
+                micro_batches=args.micro_batches, schedule=args.schedule, steps=args.steps, rounds=args.rounds,
+                dtype=args.dtype)
+            run = functools.partial(splits.run_splits_bench, on_run=_progress)
+            report, plot = splits_report.report_splits, splits_report.plot_splits
         else:
             config = overlap.OverlapBenchConfig(
                 device=args.device, matrix_size=args.matrix_size, matmuls=args.matmuls,

@@ -13,6 +13,7 @@ from phalanx.comm import CHOICES
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.parallel.sync_batchnorm import BATCHNORM_POLICIES
+from phalanx.parallel.splits import SCHEDULES, SPLITS, check_split
 
 DATASETS = ("fashion-mnist", "digits", "synthetic")
 DTYPES = ("float32", "float64")
@@ -65,6 +66,11 @@ class TrainConfig:
     resume: str | None = None
     # Every check_every steps: replicas compared bitwise, gradients checked finite (0: never).
     check_every: int = 100
+    # How the work is spread (issue 13): data (replicas), layers (a pipeline of stages, cut into
+    # micro_batches per step; None: 2k), channels (every layer's output channels split).
+    split: str = "data"
+    micro_batches: int | None = None
+    schedule: str = "gpipe"  # layers: gpipe or 1f1b
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -113,6 +119,21 @@ class TrainConfig:
             raise ValueError(f"--check-every {self.check_every} must be 0 (off) or a number of steps")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout {self.timeout_s} must be a positive number of seconds")
+        self._check_split()
+
+    def _check_split(self) -> None:
+        if self.split not in SPLITS:
+            raise ValueError(f"--split {self.split!r} is unknown; choose one of {', '.join(SPLITS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule {self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+        if self.micro_batches is not None and not 1 <= self.micro_batches <= self.global_batch_size:
+            raise ValueError(f"--micro-batches {self.micro_batches} must be between 1 and the global batch "
+                             f"({self.global_batch_size}); use e.g. --micro-batches 4")
+        if self.split != "data":
+            for flag, value, default in (("--grad-accum", self.grad_accum_steps, 1), ("--grad-dtype", self.grad_dtype, None),
+                                         ("--trace", self.trace_dir, None)):
+                if value != default:
+                    raise ValueError(f"{flag} is a data-parallel option; drop it with --split {self.split}")
 
     @property
     def checkpoint_location(self) -> str | None:
@@ -132,3 +153,5 @@ class TrainConfig:
                 f"--batch-size {self.global_batch_size} is smaller than the {num_devices} devices; "
                 f"use --batch-size {num_devices} or more, or fewer devices"
             )
+        check_split(self.split, model=self.model, num_devices=num_devices, micro_batches=self.micro_batches,
+                    global_batch_size=self.global_batch_size)

@@ -59,6 +59,10 @@ def save_state_dict(path: Path, module: torch.nn.Module) -> None:
 
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
+    if config.split != "data":  # the model-parallel splits (issue 13); imported here: it imports this module
+        from phalanx.train.split_job import split_worker
+
+        return split_worker(world, config, device_names)
     log = RankZeroLog(enabled=world.is_main)
     data = load_dataset(config.dataset, config.data_dir, log=log)
 

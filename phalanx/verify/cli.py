@@ -48,6 +48,10 @@ def add_verify_parser(subparsers) -> argparse.ArgumentParser:
     verify.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
     verify.add_argument("--no-diagnose", action="store_true", help="on failure, do not rerun probes to name a cause")
     verify.add_argument("--out", default=None, metavar="FILE", help="also write the report as JSON to FILE")
+    verify.add_argument("--split", default="data", help="data (default), layers or channels: which way k devices "
+                        "share the model (layers and channels: --model lenet)")
+    verify.add_argument("--micro-batches", type=int, default=None, help="--split layers: micro-batches (default 2k)")
+    verify.add_argument("--schedule", default="gpipe", help="--split layers: gpipe or 1f1b")
     return verify
 
 
@@ -79,8 +83,17 @@ def run_verify(args: argparse.Namespace) -> int:
     model_fn = functools.partial(build_model, args.model, num_classes=dataset.num_classes)
     title = f"{args.model} on {dataset.name}" + (f" with planted {args.plant}" if args.plant != "none" else "")
     try:
-        report = verify(model_fn, (dataset.train_images, dataset.train_labels), config=config, title=title,
-                        log=_progress)
+        if args.split != "data":  # the model-parallel splits (issue 13): their own k-device run
+            from phalanx.verify.split import verify_split
+
+            if args.plant != "none":
+                raise UsageError(f"--plant plants data-parallel bugs; drop it with --split {args.split}")
+            report = verify_split(model_fn, (dataset.train_images, dataset.train_labels), split=args.split,
+                                  config=config, micro_batches=args.micro_batches, schedule=args.schedule,
+                                  title=f"{title}, split {args.split}", log=_progress)
+        else:
+            report = verify(model_fn, (dataset.train_images, dataset.train_labels), config=config, title=title,
+                            log=_progress)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     print(report.render(), flush=True)
