@@ -80,6 +80,11 @@ class DataParallel:
                 raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
             raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
+        if algorithm != "native" and world.backend == "gloo" and world.device.type == "cuda":
+            # gloo's collectives copy CUDA tensors through host memory; its send/recv hand the raw
+            # device pointer to the socket (ProcessGroupGloo::send), so ring/tree/naive would fail.
+            raise ValueError(f"allreduce {algorithm!r} sends CUDA tensors point to point, which gloo cannot; "
+                             "use allreduce 'native' when CUDA ranks talk over gloo")
         self.world = world
         self.algorithm = algorithm
         self.grad_dtype = grad_dtype
