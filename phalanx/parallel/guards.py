@@ -93,7 +93,8 @@ def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] |
     """
     if loss is not None and not bool(torch.isfinite(loss).all()):
         raise NonFinite(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
-    named = buffers.items() if isinstance(buffers, Mapping) else ((f"gradient bucket {i}", b) for i, b in enumerate(buffers))
+    named = (buffers.items() if isinstance(buffers, Mapping)
+             else ((f"gradient bucket {i}", b) for i, b in enumerate(buffers)))
     for name, buffer in named:
         if not bool(torch.isfinite(buffer).all()):
             raise NonFinite(f"{name} holds NaN/Inf at step {step} on rank {rank}; lower --lr or check the data")

@@ -36,5 +36,6 @@ def test_point_to_point_algorithms_are_refused_for_cuda_tensors_over_gloo(algori
     # Refused before the module moves to the device: this runs without a GPU.
     world = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cuda", 0),
                   backend="gloo", timeout_s=10.0)
-    with pytest.raises(ValueError, match=f"allreduce '{algorithm}' sends CUDA tensors point to point, which gloo cannot"):
+    refusal = f"allreduce '{algorithm}' sends CUDA tensors point to point, which gloo cannot"
+    with pytest.raises(ValueError, match=refusal):
         DataParallel(LeNet(), world=world, algorithm=algorithm)
