@@ -19,6 +19,11 @@ import torch.distributed as dist
 from phalanx.errors import UsageError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Test-only (tests/gpu), never needed by users: "1" makes every CUDA rank drive cuda:0 and the
+# ranks talk over gloo, so a machine with one GPU runs the multi-process CUDA code under test.
+# NCCL refuses two ranks on one GPU; gloo's collectives take CUDA tensors (copied through host
+# memory), its point-to-point ops do not (DataParallel refuses ring/tree/naive there).
+RANKS_SHARE_GPU_VAR = "PHALANX_TEST_RANKS_SHARE_GPU"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +84,14 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None
         raise UsageError(f"launcher environment is malformed ({exc}); fix RANK/WORLD_SIZE/LOCAL_RANK") from None
 
 
+def ranks_share_gpu(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the test-only RANKS_SHARE_GPU_VAR asks every CUDA rank onto cuda:0 over gloo."""
+    value = (os.environ if environ is None else environ).get(RANKS_SHARE_GPU_VAR, "")
+    if value not in ("", "0", "1"):
+        raise UsageError(f"{RANKS_SHARE_GPU_VAR}={value!r} is not understood; it is for tests only: unset it, or 1")
+    return value == "1"
+
+
 def start_world(
     *,
     rank: int,
@@ -101,10 +114,13 @@ def start_world(
     instead of hanging it. Under torchrun (`from_launcher_env`) see `_launcher_store`.
     """
     backend = "none"
+    shared_gpu = device.type == "cuda" and ranks_share_gpu()
+    if shared_gpu:
+        device = torch.device("cuda", 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world_size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
         if from_launcher_env:
             rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
                                                     timeout_s=timeout_s)}
@@ -116,7 +132,7 @@ def start_world(
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=device if device.type == "cuda" else None,
+            device_id=device if backend == "nccl" else None,
         )
     return World(
         rank=rank,

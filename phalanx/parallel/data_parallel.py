@@ -13,6 +13,12 @@ while backward computes the earlier layers (overlap.py), and `finish_gradient_sy
 with `overlap=False` nothing happens during backward and `finish_gradient_sync()` sums the
 buckets one after another. Either way the caller's step is: zero_grad, forward, backward,
 finish_gradient_sync, optimizer step.
+
+A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
+buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it to None), no
+hooks, no communication thread, no collectives; the step is the plain PyTorch loop's (issue 11:
+on a GPU the overlap machinery cost 40-60% of a step where there was nothing to send). A
+`comm` handed in keeps the whole machinery, which is how a single process tests it.
 """
 
 from __future__ import annotations
@@ -78,17 +84,25 @@ class DataParallel:
         self.world = world
         chosen_by_auto = algorithm == "auto"
         self.algorithm = algorithm = resolve_algorithm(algorithm, world)
+        if algorithm != "native" and world.backend == "gloo" and world.device.type == "cuda":
+            # gloo's collectives copy CUDA tensors through host memory; its send/recv hand the raw
+            # device pointer to the socket (ProcessGroupGloo::send), so ring/tree/naive would fail
+            # (and shm serves CPU tensors only).
+            raise ValueError(f"allreduce {algorithm!r} sends CUDA tensors point to point, which gloo cannot; "
+                             "use allreduce 'native' when CUDA ranks talk over gloo")
         # Why auto did not pick shm where it usually would (a full /dev/shm, say), or None.
         self.fallback_reason: str | None = None
         self.grad_dtype = grad_dtype
         self.overlap = overlap
         self.module = module.to(world.device)
         self.broadcast_state(src=0)
+        # False: a world of one with no comm to launch on (see the module docstring).
+        self.exchanging = world.distributed or comm is not None
         cap_bytes = _mb_to_bytes(bucket_cap_mb)
         first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else _mb_to_bytes(first_bucket_cap_mb)
         self.buckets: list[Bucket] = build_buckets(
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
-        )
+        ) if self.exchanging else []
         self._sync_enabled = True
         self._closed = False
         # A phalanx.telemetry.Tracer to report each bucket's allreduce to, or None (the default).
@@ -111,7 +125,7 @@ class DataParallel:
                 # every rank falls back alike: auto means "the fastest that works here".
                 self.fallback_reason, self.algorithm = str(exc), "native"
                 self._comm = AsyncComm(world=world, algorithms=("native",))
-        if overlap:
+        if overlap and self.exchanging:
             self._scheduler = OverlapScheduler(self.buckets, launch=self._launch)
             for bucket in self.buckets:
                 for param in bucket.params:
@@ -140,7 +154,12 @@ class DataParallel:
                     offset += tensor.numel()
 
     def zero_grad(self) -> None:
-        """Zero the bucket buffers (never set .grad to None: the views must survive)."""
+        """Zero the bucket buffers (never set .grad to None: the views must survive); with
+        nothing to exchange, set every .grad to None as `optimizer.zero_grad()` does."""
+        if not self.exchanging:
+            for param in self.module.parameters():
+                param.grad = None
+            return
         if self._scheduler is not None:
             if self._scheduler.in_flight:
                 raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
@@ -201,7 +220,7 @@ class DataParallel:
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")
-        if not self._sync_enabled:
+        if not self._sync_enabled or not self.exchanging:
             return
         if self._scheduler is not None:
             self._scheduler.finish()
@@ -222,6 +241,14 @@ class DataParallel:
                 "a parameter's .grad no longer aliases its gradient bucket; "
                 "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
             )
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
+        parameter's own gradient, by a name an error message can use."""
+        if self.exchanging:
+            return {f"gradient bucket {bucket.index}": bucket.buffer for bucket in self.buckets}
+        return {f"{name}'s gradient": param.grad for name, param in self.module.named_parameters()
+                if param.grad is not None}
 
     def close(self) -> None:
         """Remove the hooks and stop the AsyncComm this replica made; call before stop_world."""

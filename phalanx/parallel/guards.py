@@ -17,7 +17,7 @@ Every rank sees the same gathered data, so every rank raises the same error at t
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -83,11 +83,18 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int) -> None:
                 "rank 0's; the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
 
 
-def check_finite(*, loss: torch.Tensor | None, buffers: list[torch.Tensor], step: int, rank: int) -> None:
-    """Raise NonFinite (a FloatingPointError) naming the step and rank when the loss or a gradient is NaN/Inf."""
+def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], step: int,
+                 rank: int) -> None:
+    """Raise NonFinite (a FloatingPointError) naming the step and rank when the loss or a gradient is NaN/Inf.
+
+    `buffers`: the gradient buckets (named "gradient bucket i"), or gradients by name
+    (`DataParallel.named_gradients()`). Each check reads a value on the host: on a GPU, call it
+    only at the steps that check (it synchronises).
+    """
     if loss is not None and not bool(torch.isfinite(loss).all()):
         raise NonFinite(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
-    for index, buffer in enumerate(buffers):
+    named = (buffers.items() if isinstance(buffers, Mapping)
+             else ((f"gradient bucket {i}", b) for i, b in enumerate(buffers)))
+    for name, buffer in named:
         if not bool(torch.isfinite(buffer).all()):
-            raise NonFinite(f"gradient bucket {index} holds NaN/Inf at step {step} on rank {rank}; "
-                                     "lower --lr or check the data")
+            raise NonFinite(f"{name} holds NaN/Inf at step {step} on rank {rank}; lower --lr or check the data")

@@ -122,8 +122,14 @@ class SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         w = weight if weight is not None else torch.ones(channels, dtype=x.dtype, device=x.device)
         if x.numel() > 0:
+            # save_mean / save_invstd must be *defined* tensors; empty ones mean "not saved: use the
+            # running statistics" (our global ones). None works on the CPU, and on CUDA only where
+            # the fused kernel runs: CUDA's other path (a 2-D BatchNorm1d input, channels_last, or
+            # no input gradient) asserts `save_mean->defined()` (issue 11; aten/src/ATen/native/
+            # cuda/Normalization.cu, batch_norm_backward_cuda).
+            not_saved = x.new_empty(0)
             dx_fixed_stats, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, w, mean.to(x.dtype), var.to(x.dtype), None, None, False, ctx.eps,
+                dy, x, w, mean.to(x.dtype), var.to(x.dtype), not_saved, not_saved, False, ctx.eps,
                 [ctx.needs_input_grad[0], True, True])
         else:  # an empty shard (the CPU kernel divides by its size): no local contribution
             dx_fixed_stats = torch.zeros_like(x)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from phalanx.bench.mlp import build_bench_model
 from phalanx.bench.procs import run_fresh
+from phalanx.comm import AsyncComm
 from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
 from phalanx.predict.timeline import DeviceProfile
 from phalanx.world import World
@@ -74,7 +75,9 @@ def _replica(job: ProfileJob) -> DataParallel:
     model = apply_memory_format(model, resolve_memory_format("auto", model, torch.device("cpu")))
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                   backend="none", timeout_s=60.0)  # a device alone: DataParallel exchanges nothing
-    return DataParallel(model, world=world, bucket_cap_mb=job.bucket_cap_mb)
+    # The comm handed in keeps the buckets and hooks a world of one otherwise leaves out: the
+    # step profiled is the one each of k > 1 devices runs (its allreduces return at once here).
+    return DataParallel(model, world=world, bucket_cap_mb=job.bucket_cap_mb, comm=AsyncComm(world=world))
 
 
 class _StepClock:

@@ -154,7 +154,7 @@ class Tracer:
                             "algbw_gbs": algbw, "busbw_gbs": algbw * factor})
         comm_s = sum(c.done_s - c.launch_s for c in comms)
         hidden_s = sum(_overlap(c.launch_s, c.done_s, self._backward.get(c.step, [])) for c in comms)
-        return {"rank": self.rank, "world_size": self.world_size, "traced_steps": len({c.step for c in comms}),
+        return {"rank": self.rank, "world_size": self.world_size, "traced_steps": len(self._steps_s),
                 "buckets": buckets, "allreduce_ms_per_step": _per_step_ms(comms),
                 "wait_ms": _spread_ms(self._waits_s), "step_ms": _spread_ms(self._steps_s),
                 "overlap_percent": 100.0 * hidden_s / comm_s if comm_s > 0 else 0.0}

@@ -69,7 +69,9 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     torch.manual_seed(config.seed)  # same init everywhere; the broadcast makes it a guarantee
     model = build_model(config.model, init=config.init, num_classes=data.num_classes)
     model = model.to(getattr(torch, config.dtype))
-    if config.batchnorm == "sync":  # a no-op for models without BatchNorm
+    # A no-op for models without BatchNorm; on one device plain BatchNorm already sees the whole
+    # batch (and SyncBatchNorm would read its count on the host every step).
+    if config.batchnorm == "sync" and world.distributed:
         model = convert_sync_batchnorm(model, world)
     memory_format = resolve_memory_format(config.memory_format, model, world.device)
     model = apply_memory_format(model, memory_format)
@@ -150,7 +152,7 @@ def _run_epochs(
                 set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
             checking = config.check_every and global_step % config.check_every == 0
             # Every step on CPU (free); on a GPU only at check steps, as reading the loss syncs.
-            check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None, buffers=[b.buffer for b in dp.buckets] if checking else [],
+            check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None, buffers=dp.named_gradients() if checking else {},
                          step=global_step, rank=world.rank)
             if checking:
                 check_replicas(world, dp.module, step=global_step)
@@ -265,4 +267,6 @@ def _exchange_text(config: TrainConfig, dp: DataParallel) -> str:
     accum = f", {config.grad_accum_steps} micro-batches per step" if config.grad_accum_steps > 1 else ""
     wire = f" sent as {config.grad_dtype}" if config.grad_dtype else ""
     warm = f", lr warmup over {config.warmup_epochs:g} epochs" if config.warmup_epochs else ""
+    if not dp.exchanging:  # one device: the plain loop, no buckets, hooks or thread
+        return f"no gradient exchange (one device){accum}{warm}"
     return f"{mode} gradient exchange in {len(dp.buckets)} bucket(s) of [{sizes}] KB{wire}{accum}{warm}"

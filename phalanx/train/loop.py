@@ -63,9 +63,10 @@ def train_batch(
     `tracer` records forward / backward / wait / optimizer spans (None: tracing off).
     """
     dp.zero_grad()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=X.device)
-    correct = torch.zeros((), dtype=torch.long, device=X.device)
-    pieces = micro_batches(X, y, grad_accum_steps)
+    # One piece in the common case: the step is then the plain loop's, with nothing around it
+    # (no split, no accumulator tensors); the sums stay on the device (issue 11).
+    pieces = [(X, y)] if grad_accum_steps == 1 else micro_batches(X, y, grad_accum_steps)
+    loss_sum = correct = None
     for index, (X_micro, y_micro) in enumerate(pieces):
         last = index == len(pieces) - 1
         # The last micro-batch runs with sync on: its hooks launch the buckets (overlap).
@@ -80,12 +81,16 @@ def train_batch(
                     micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
                 with span(tracer, "backward"):
                     (micro_loss_sum / global_batch_size).backward()
-                loss_sum += micro_loss_sum.detach()
-                correct += (logits.argmax(dim=1) == y_micro).sum()
+                piece_loss, piece_correct = micro_loss_sum.detach().double(), (logits.argmax(dim=1) == y_micro).sum()
+                loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
+                correct = piece_correct if correct is None else correct + piece_correct
     with span(tracer, "wait"):
         dp.finish_gradient_sync()
     with span(tracer, "optimizer"):
         optimizer.step()
+    if loss_sum is None:  # every piece was empty
+        loss_sum = torch.zeros((), dtype=torch.float64, device=X.device)
+        correct = torch.zeros((), dtype=torch.long, device=X.device)
     return loss_sum, correct
 
 
@@ -118,11 +123,19 @@ def train_epoch(
     """
     earlier_s = float(start_totals[3]) if len(start_totals) == 4 else 0.0
     start_s = time.perf_counter() - earlier_s
-    batches = global_batches(images.shape[0], global_batch_size, seed=seed, epoch=epoch)
-    totals = torch.zeros(3, dtype=torch.float64, device=world.device)  # loss sum, correct, count
-    if len(start_totals) == 4:
-        totals += torch.tensor(list(start_totals[:3]), dtype=torch.float64, device=world.device)
+    device = images.device
+    batches = _on_device(global_batches(images.shape[0], global_batch_size, seed=seed, epoch=epoch), device)
+    # Running sums stay on the device (torch.full writes a scalar, no host copy); the example
+    # count is host arithmetic. Nothing inside the loop reads a device value (issue 11).
+    earlier = list(start_totals[:3]) if len(start_totals) == 4 else [0.0, 0, 0]
+    loss_total = torch.full((), float(earlier[0]), dtype=torch.float64, device=world.device)
+    correct_total = torch.full((), int(earlier[1]), dtype=torch.long, device=world.device)
+    examples = int(earlier[2])
     dtype = next(dp.module.parameters()).dtype
+
+    def running_totals() -> list[float]:  # synchronises a GPU: called only when a value is needed
+        return [*torch.stack([loss_total, correct_total.double()]).tolist(), examples, time.perf_counter() - start_s]
+
     for step, batch in enumerate(batches):
         if step < start_step:
             continue
@@ -130,7 +143,7 @@ def train_epoch(
             tracer.begin_step(step)
         with span(tracer, "step"):
             with span(tracer, "data"):
-                shard = rank_shard(batch, rank=world.rank, world_size=world.world_size).to(images.device)
+                shard = rank_shard(batch, rank=world.rank, world_size=world.world_size)
                 X = to_float(images[shard]).to(dtype)
                 y = labels[shard]
             loss_sum, correct = train_batch(
@@ -139,21 +152,31 @@ def train_epoch(
             )
         if tracer is not None:
             tracer.end_step()
-        totals[0] += loss_sum
-        totals[1] += correct
-        totals[2] += shard.numel()
+        loss_total.add_(loss_sum)
+        correct_total.add_(correct)
+        examples += shard.numel()
         if after_step is not None:
-            after_step(step + 1, len(batches), loss_sum, lambda: [*totals.tolist(), time.perf_counter() - start_s])
+            after_step(step + 1, len(batches), loss_sum, running_totals)
         if on_step is not None:
             on_step(step + 1, len(batches))
+    totals = torch.stack([loss_total, correct_total.double(), torch.full_like(loss_total, examples)])
     all_reduce_sum_(totals, world=world)  # one collective per epoch for the metrics
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
+    loss, correct_count, count = totals.tolist()  # also waits for the device's last step
     elapsed_s = time.perf_counter() - start_s
-    count = max(1, int(totals[2].item()))  # a resumed epoch may have had no step left
-    return EpochStats(
-        train_loss=totals[0].item() / count,
-        train_acc=totals[1].item() / count,
-        num_examples=count,
-        elapsed_s=elapsed_s,
-    )
+    count = max(1, int(count))  # a resumed epoch may have had no step left
+    return EpochStats(train_loss=loss / count, train_acc=correct_count / count, num_examples=count,
+                      elapsed_s=elapsed_s)
+
+
+def _on_device(batches: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The epoch's index batches on `device`: one copy of the whole permutation per epoch, from
+    pinned memory and asynchronous on CUDA (a pageable copy per step would synchronise the host
+    with the GPU every step); on the CPU, the batches as they are."""
+    if device.type == "cpu" or not batches:
+        return batches
+    order = torch.cat(batches)
+    if device.type == "cuda":
+        order = order.pin_memory().to(device, non_blocking=True)
+    else:
+        order = order.to(device)
+    return list(torch.split(order, [b.numel() for b in batches]))

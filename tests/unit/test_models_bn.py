@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 from torch import nn
 
 from phalanx.bench.mlp import BENCH_MODELS, WideMLP, build_bench_model
@@ -158,6 +159,56 @@ def test_one_process_sync_batchnorm_equals_batchnorm(shape, dtype, device):
     torch.testing.assert_close(sync(x), ref(x), **tol)
     with pytest.raises(ValueError, match="more than 1 value"):
         convert_sync_batchnorm(nn.BatchNorm1d(4), WORLD_1)(torch.randn(1, 4))
+
+
+# The inputs for which CUDA's batch_norm_backward skips its fused kernel (a 2-D or length-1 input
+# counts as channels-last there, and the fused kernel needs an input gradient); that other path
+# asserted `save_mean->defined()` when SyncBatchNorm passed None (issue 11).
+UNFUSED_ON_CUDA = {"2-D": ((9, 4), torch.contiguous_format, True),
+                   "length 1": ((9, 4, 1), torch.contiguous_format, True),
+                   "channels_last": ((8, 5, 6, 7), torch.channels_last, True),
+                   "no input grad": ((8, 5, 6, 7), torch.contiguous_format, False)}
+
+
+class _BackwardSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the save_mean / save_invstd arguments of every native_batch_norm_backward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved_args = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.native_batch_norm_backward.default:
+            self.saved_args.append(args[5:7])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("case", sorted(UNFUSED_ON_CUDA))
+def test_sync_batchnorm_backward_passes_defined_saved_statistics(case, device):
+    shape, memory_format, input_grad = UNFUSED_ON_CUDA[case]
+    torch.manual_seed(0)
+    ref = (nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d)(shape[1]).to(device, torch.float64)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.normal_()
+    sync = convert_sync_batchnorm(copy.deepcopy(ref), WORLD_1)
+    x = (torch.randn(shape, dtype=torch.float64, device=device) * 3 + 5).contiguous(memory_format=memory_format)
+    g = torch.randn(shape, dtype=torch.float64, device=device)
+    x_ref, x_sync = (x.detach().clone().requires_grad_(input_grad) for _ in range(2))
+    (ref(x_ref) * g).sum().backward()
+    spy = _BackwardSpy()
+    with spy:
+        (sync(x_sync) * g).sum().backward()
+    # CUDA's contract, checked on any device: both tensors defined (empty = use the given statistics).
+    assert len(spy.saved_args) == 1 and all(isinstance(t, torch.Tensor) for t in spy.saved_args[0])
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sync.weight.grad, ref.weight.grad, **tol)
+    torch.testing.assert_close(sync.bias.grad, ref.bias.grad, **tol)
+    if input_grad:
+        torch.testing.assert_close(x_sync.grad, x_ref.grad, **tol)
+    else:
+        assert x_sync.grad is None
 
 
 def test_statistics_are_stable_when_the_mean_dwarfs_the_spread():

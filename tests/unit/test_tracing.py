@@ -10,6 +10,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
 from phalanx.parallel import DataParallel
 from phalanx.telemetry import Tracer, span
@@ -26,7 +27,10 @@ def _traced_epoch(tmp_path, *, steps_per_epoch=3, overlap=True, num_examples=80,
     images = torch.randint(0, 256, (num_examples, 1, 28, 28), dtype=torch.uint8)
     labels = torch.randint(0, 10, (num_examples,))
     tracer = Tracer(rank=0, world_size=1, steps_per_epoch=steps_per_epoch)
-    with DataParallel(LeNet(), world=WORLD1, bucket_cap_mb=0.25, overlap=overlap) as dp:
+    # A comm handed in keeps the buckets and hooks in a world of one (without it there is
+    # nothing to exchange and nothing to draw), so the bucket tracks are exercised here.
+    with AsyncComm(world=WORLD1) as comm, DataParallel(LeNet(), world=WORLD1, bucket_cap_mb=0.25, overlap=overlap,
+                                                       comm=comm) as dp:
         dp.tracer = tracer
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
         train_epoch(dp, optimizer, images, labels, world=WORLD1, global_batch_size=batch, seed=0, epoch=0,

@@ -1,0 +1,41 @@
+"""The test-only way to run k ranks on one GPU (issue 11), the parts a CPU can check: world.py
+reads the switch (and nothing else does), and the one algorithm family gloo cannot carry with
+CUDA tensors is refused before any device or collective is touched. tests/gpu runs the mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.errors import UsageError
+from phalanx.models import LeNet
+from phalanx.parallel import DataParallel
+from phalanx.world import RANKS_SHARE_GPU_VAR, World, ranks_share_gpu
+
+PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
+
+
+def test_the_switch_is_off_unless_set_to_one():
+    assert ranks_share_gpu({}) is False
+    assert ranks_share_gpu({RANKS_SHARE_GPU_VAR: "0"}) is False
+    assert ranks_share_gpu({RANKS_SHARE_GPU_VAR: "1"}) is True
+    with pytest.raises(UsageError, match=f"{RANKS_SHARE_GPU_VAR}='yes' is not understood; it is for tests only"):
+        ranks_share_gpu({RANKS_SHARE_GPU_VAR: "yes"})
+
+
+def test_world_py_is_the_only_reader_of_the_switch():
+    readers = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+               if "PHALANX_TEST_RANKS_SHARE_GPU" in p.read_text()]
+    assert readers == ["world.py"]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "naive"])
+def test_point_to_point_algorithms_are_refused_for_cuda_tensors_over_gloo(algorithm):
+    # Refused before the module moves to the device: this runs without a GPU.
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cuda", 0),
+                  backend="gloo", timeout_s=10.0)
+    refusal = f"allreduce '{algorithm}' sends CUDA tensors point to point, which gloo cannot"
+    with pytest.raises(ValueError, match=refusal):
+        DataParallel(LeNet(), world=world, algorithm=algorithm)
