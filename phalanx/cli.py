@@ -14,6 +14,7 @@ from pathlib import Path
 
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.predict import add_predict_parser, run_predict
+from phalanx.script import add_run_parser, run_run
 from phalanx.sweep import add_sweep_parser, run_sweep
 from phalanx.verify import add_verify_parser, run_verify
 from phalanx.comm import ALGORITHMS
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub)
     add_predict_parser(sub)
     add_sweep_parser(sub)
+    add_run_parser(sub)
     return parser
 
 
@@ -190,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_predict(args)
         if args.command == "sweep":
             return run_sweep(args)
+        if args.command == "run":
+            return run_run(args)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)

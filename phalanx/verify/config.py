@@ -21,6 +21,7 @@ import torch
 
 from phalanx.comm import ALGORITHMS
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
+from phalanx.train.loop import shard_loss
 
 DTYPES = ("float32", "float64")
 # Relative tolerance per tensor (compare.py: max |a - b| / max |b|, floored). float64 k-vs-1 runs
@@ -146,7 +147,7 @@ def scale_loss(loss: torch.Tensor, *, n_local: int, n_global: int, world_size: i
         return scale(loss, n_local=n_local, n_global=n_global, world_size=world_size)
     if scale == "global":
         loss_sum = loss * n_local if reduction == "mean" else loss
-        return loss_sum / n_global
+        return shard_loss(loss_sum, n_global)
     loss_mean = loss if reduction == "mean" else loss / n_local
     if scale == "rank-mean":
         return loss_mean / world_size
