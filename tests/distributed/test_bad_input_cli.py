@@ -39,16 +39,16 @@ def run_refused(args: list[str], out: Path, *, env_cache: Path, python_c: str | 
     return lines[0]
 
 
-def _copy(sample_dir: Path, tmp_path: Path) -> Path:
+def _copy(idx_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "data"
-    shutil.copytree(sample_dir, copy)
+    shutil.copytree(idx_dir, copy)
     for path in copy.iterdir():
         path.chmod(0o644)
     return copy
 
 
-def test_truncated_download_launcher_checks(sample_dir, tmp_path):
-    directory = _copy(sample_dir, tmp_path)
+def test_truncated_download_launcher_checks(idx_dir, tmp_path):
+    directory = _copy(idx_dir, tmp_path)
     raw = (directory / "train-images-idx3-ubyte.gz").read_bytes()
     (directory / "train-images-idx3-ubyte.gz").write_bytes(raw[: len(raw) // 2])
     line = run_refused(["--devices", "2", "--data-dir", str(directory)], tmp_path / "out", env_cache=tmp_path / "c")
@@ -56,8 +56,8 @@ def test_truncated_download_launcher_checks(sample_dir, tmp_path):
                          "re-download it")
 
 
-def test_wrong_magic_one_device_worker(sample_dir, tmp_path):
-    directory = _copy(sample_dir, tmp_path)
+def test_wrong_magic_one_device_worker(idx_dir, tmp_path):
+    directory = _copy(idx_dir, tmp_path)
     (directory / "t10k-labels-idx1-ubyte.gz").write_bytes(b"PK\x03\x04 not an idx file")
     line = run_refused(["--data-dir", str(directory)], tmp_path / "out", env_cache=tmp_path / "c")
     assert "t10k-labels-idx1-ubyte.gz: not an IDX file (starts with 50 4b 03 04" in line
@@ -85,10 +85,10 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
-def test_checksum_mismatch_on_download(sample_dir, tmp_path):
+def test_checksum_mismatch_on_download(idx_dir, tmp_path):
     # The sample's files are real Fashion-MNIST but not the official files: their MD5s differ.
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler,
-                                                                                   directory=str(sample_dir)))
+                                                                                   directory=str(idx_dir)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
