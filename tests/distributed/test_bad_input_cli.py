@@ -51,7 +51,7 @@ def test_truncated_download_launcher_checks(idx_dir, tmp_path):
     directory = _copy(idx_dir, tmp_path)
     raw = (directory / "train-images-idx3-ubyte.gz").read_bytes()
     (directory / "train-images-idx3-ubyte.gz").write_bytes(raw[: len(raw) // 2])
-    line = run_refused(["--devices", "2", "--data-dir", str(directory)], tmp_path / "out", env_cache=tmp_path / "c")
+    line = run_refused(["--devices", "cpu:2", "--data-dir", str(directory)], tmp_path / "out", env_cache=tmp_path / "c")
     assert line.endswith("train-images-idx3-ubyte.gz: truncated: the gzip stream ends before its end marker; "
                          "re-download it")
 

@@ -72,7 +72,7 @@ def _damage(damage):
     def build(idx_dir, tmp_path):
         directory = sample_copy(idx_dir, tmp_path)
         damage(directory)
-        return ["--devices", "2", "--data-dir", str(directory)]
+        return ["--devices", "cpu:2", "--data-dir", str(directory)]
 
     return build
 
@@ -133,7 +133,7 @@ CATALOGUE = [
      r"data dir .*nowhere does not exist", r"; create it with the four Fashion-MNIST files or drop --data-dir"),
     ("data-dir-is-a-file", lambda idx_dir, tmp_path: ["--data-dir", str(idx_dir / f"{IMAGES}.gz")],
      r"data dir .* is not a directory", r"; pass the folder that holds the four Fashion-MNIST files"),
-    ("batch-below-devices", _args("--devices", "4", "--batch-size", "3"),
+    ("batch-below-devices", _args("--devices", "cpu:4", "--batch-size", "3"),
      r"--batch-size 3 is smaller than the 4 devices", r"; use --batch-size 4 or more, or fewer devices$"),
     ("batch-zero", _args("--batch-size", "0"), r"--batch-size 0", r"must be at least 1$"),
     ("lr-zero", _args("--lr", "0"), r"--lr 0\.0", r"must be a positive finite number; use e\.g\. --lr 0\.2$"),
@@ -196,7 +196,7 @@ def test_unreadable_file(idx_dir, tmp_path, capsys):
 
         assert load_dataset("fashion-mnist", str(directory), download=False).num_train > 0
         return
-    message = refuse(["--devices", "2", "--data-dir", str(directory)], tmp_path / "out", capsys)
+    message = refuse(["--devices", "cpu:2", "--data-dir", str(directory)], tmp_path / "out", capsys)
     assert re.fullmatch(r".*train-labels-idx1-ubyte\.gz: permission denied; make it readable \(chmod a\+r\).*", message)
 
 
@@ -210,7 +210,7 @@ def test_unreadable_file_simulated(idx_dir, tmp_path, capsys, monkeypatch):
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(idx_module, "open", guarded_open, raising=False)
-    message = refuse(["--devices", "2", "--data-dir", str(idx_dir)], tmp_path / "out", capsys)
+    message = refuse(["--devices", "cpu:2", "--data-dir", str(idx_dir)], tmp_path / "out", capsys)
     assert re.fullmatch(r".*train-labels-idx1-ubyte\.gz: permission denied; make it readable \(chmod a\+r\).*", message)
 
 
@@ -242,7 +242,7 @@ def wrong_mirror(idx_dir, monkeypatch):
 
 def test_checksum_mismatch_on_download(wrong_mirror, tmp_path, capsys):
     cache = tmp_path / "cache"
-    message = refuse(["--dataset", "fashion-mnist", "--devices", "2"], tmp_path / "out", capsys)
+    message = refuse(["--dataset", "fashion-mnist", "--devices", "cpu:2"], tmp_path / "out", capsys)
     assert message.startswith("cannot download Fashion-MNIST (train-images-idx3-ubyte.gz: ")
     assert len(re.findall(r"MD5 [0-9a-f]{32} != official 8d4fb7e6c68d591d4c3dfef9ec88bf0d", message)) == 2
     assert message.endswith(f"; put the four official .gz files in {cache} or pass --data-dir DIR")
