@@ -74,6 +74,8 @@ class VerifyConfig:
         if not self.world_sizes or any(not isinstance(k, int) or k < 2 for k in self.world_sizes):
             raise ValueError(f"--devices {_join(self.world_sizes)} must list device counts of at least 2 "
                              "(1 device is the reference every count is compared with); e.g. --devices 2,3")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed} must be 0 or more; use e.g. --seed 0")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be at least 1")
         if self.global_batch_size < max(self.world_sizes):

@@ -93,6 +93,12 @@ def _fewer_labels(directory):
     write_idx(directory / f"{LABELS}.gz", labels[:-1], gzip=True)
 
 
+def _no_training_images(directory: Path) -> None:
+    """A well-formed pair of IDX files holding no examples at all (header only)."""
+    rewrite(directory, IMAGES, lambda b: b[:4] + struct.pack(">I", 0) + b[8:16])
+    rewrite(directory, LABELS, lambda b: b[:4] + struct.pack(">I", 0))
+
+
 def _args(*argv):
     return lambda idx_dir, tmp_path: list(argv)
 
@@ -126,6 +132,9 @@ CATALOGUE = [
      r"holds a 3000x784x1 uint8 array, not N x 28 x 28 uint8 images", r"; replace it with the Fashion-MNIST file"),
     ("label-out-of-range", _damage(lambda d: rewrite(d, LABELS, lambda b: b[:-1] + b"\x0c")),
      r"has label 12, outside Fashion-MNIST's 0\.\.9", r"; replace it with the Fashion-MNIST file"),
+    ("empty-training-set", _damage(_no_training_images),
+     r"train-images-idx3-ubyte\.gz holds 0 images; a training set needs at least one",
+     r", replace it \(and its labels\) with a non-empty pair$"),
     ("missing-file", _damage(lambda d: (d / "t10k-images-idx3-ubyte.gz").unlink()),
      r"data dir .* has no t10k-images-idx3-ubyte\(\.gz\)",
      r"; put the four Fashion-MNIST files there or drop --data-dir to download them$"),
