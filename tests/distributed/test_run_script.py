@@ -93,3 +93,17 @@ def test_checkpoint_resumes_exactly(reference, tmp_path):
     final = load(tmp_path / "resumed", 0)
     assert max_rel(final["params"], reference["params"]) < RTOL
     assert max_rel(adam_state(final), adam_state(reference)) < RTOL
+
+
+def test_readme_example_runs_as_written(tmp_path):
+    """The complete script in README's API section, copied out verbatim, trains on 2 workers."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Your model, your data, your loop", 1)[1]
+    script = tmp_path / "readme_example.py"
+    script.write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", str(script)],
+                          capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 5 and lines[-1].startswith("epoch 5: loss"), lines
+    assert float(lines[-1].rsplit("acc ", 1)[1]) > 0.9
