@@ -13,14 +13,20 @@ the right structure, so its forward/backward/gradient exchange still pair with i
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
 from phalanx.data.split import global_batches, rank_shard, steps_per_epoch
-from phalanx.world import World
+
+
+class Ranked(Protocol):
+    """What sharding needs of a `phalanx.World` (data/ sits below world.py, so it names no World)."""
+
+    rank: int
+    world_size: int
 
 
 def empty_batch_like(batch: Any) -> Any:
@@ -49,7 +55,7 @@ class ShardCollate:
 class ShardedLoader:
     """This rank's shards of a dataset's global batches; see the module docstring."""
 
-    def __init__(self, dataset: Dataset, *, world: World, global_batch_size: int, seed: int = 0,
+    def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
                  shuffle: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
                  **loader_kwargs: Any) -> None:
         """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching and
