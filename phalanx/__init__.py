@@ -1,7 +1,39 @@
 """phalanx: train one model on k devices in lockstep (data parallelism from first principles).
 
 The public vocabulary follows Dive into Deep Learning's "Training on Multiple GPUs":
-`split_batch`, `allreduce`, `train_batch`, `evaluate`.
+`split_batch`, `allreduce`, `train_batch`, `evaluate`. This file is the front door for a user's
+own script (run it with `phalanx run --devices cpu:3 script.py`, under torchrun, or alone):
+each name below is re-exported from the module that owns it.
+
+    world = phalanx.init()                                   # rank, world size, device
+    dp = phalanx.DataParallel(model, world=world)            # rank 0's state, bucketed overlapped exchange
+    loader = phalanx.ShardedLoader(dataset, world=world, global_batch_size=64, seed=0)
+    for batch, global_size in loader.epoch(epoch):
+        dp.zero_grad()
+        phalanx.shard_loss(loss_sum(dp(X), y), global_size).backward()
+        dp.finish_gradient_sync()                            # every rank: the summed gradient
+        phalanx.clip_grad_norm_(dp, 1.0)                     # the global norm
+        optimizer.step()
 """
 
+from phalanx.comm import allreduce
+from phalanx.data.loader import ShardedLoader
+from phalanx.data.split import global_batches, rank_shard, shard_sizes, split_batch
+from phalanx.errors import RunFailed, UsageError
+from phalanx.parallel.clip import clip_grad_norm_
+from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.sync_batchnorm import convert_sync_batchnorm
+from phalanx.script import init
+from phalanx.train.checkpoint import Position, checkpoint, resume
+from phalanx.train.evaluate import evaluate, evaluate_dataset
+from phalanx.train.loop import shard_loss, train_batch
+from phalanx.verify.config import VerifyConfig
+from phalanx.world import World
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "DataParallel", "Position", "RunFailed", "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce",
+    "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "global_batches",
+    "init", "rank_shard", "resume", "shard_loss", "shard_sizes", "split_batch", "train_batch",
+]

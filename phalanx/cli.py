@@ -7,17 +7,17 @@ as `phalanx: error: <problem>; <fix>` on stderr with exit code 2 and no tracebac
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.predict import add_predict_parser, run_predict
+from phalanx.script import add_run_parser, run_run
 from phalanx.sweep import add_sweep_parser, run_sweep
 from phalanx.verify import add_verify_parser, run_verify
 from phalanx.comm import CHOICES
 from phalanx.errors import Stopped, UsageError
+from phalanx.outdir import check_out_dir
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
 from phalanx.train.config import DATASETS, TrainConfig
@@ -25,7 +25,7 @@ from phalanx.train.config import DATASETS, TrainConfig
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit 2
-        raise UsageError(f"{message} (see `phalanx {self.prog.split()[-1]} --help`)")
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_parser(sub)
     add_predict_parser(sub)
     add_sweep_parser(sub)
+    add_run_parser(sub)
     return parser
 
 
@@ -100,8 +101,9 @@ def _train(args: argparse.Namespace) -> int:
         config = _config_from_args(args)
     except ValueError as exc:  # the config names the numbers; it is the user's to fix
         raise UsageError(str(exc)) from None
-    _check_out_dir(config.out_dir)
-    _check_out_dir(config.trace_dir, flag="--trace")
+    check_out_dir(config.out_dir)
+    check_out_dir(config.trace_dir, flag="--trace")
+    check_out_dir(config.checkpoint_dir, flag="--checkpoint-dir")
     env = launcher_env()
     plan = parse_devices(args.devices)
     if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda
@@ -167,18 +169,6 @@ def _bucket_cap(text: str) -> float | None:
 _bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... value"
 
 
-def _check_out_dir(out_dir: str | None, *, flag: str = "--out") -> None:
-    """Refuse an unusable output directory before any work, so a failure leaves nothing behind."""
-    if out_dir is None:
-        return
-    path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {out_dir} is an existing file; name a directory instead")
-    parent = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {out_dir} is not writable ({parent} denies writing); pick another directory")
-
-
 def _torchrun_names(plan, world_size: int) -> tuple[str, ...]:
     return tuple(f"{plan.kind}:{i}" for i in range(world_size))
 
@@ -200,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_predict(args)
         if args.command == "sweep":
             return run_sweep(args)
+        if args.command == "run":
+            return run_run(args)
         raise UsageError(f"unknown command {args.command!r}")
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)

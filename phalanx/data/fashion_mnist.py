@@ -202,6 +202,10 @@ def _read_split(directory: Path, prefix: str, missing_fix: str) -> tuple[torch.T
     if labels.shape[0] != images.shape[0]:
         raise UsageError(f"{labels_path} has {labels.shape[0]} labels but {images_path.name} has {images.shape[0]} "
                          "images; the two files do not belong together, replace them with a matching pair")
+    if images.shape[0] == 0:  # would "train" without a step and report loss 0, or evaluate nothing
+        split = "training" if prefix == "train" else "test"
+        raise UsageError(f"{images_path} holds 0 images; a {split} set needs at least one, "
+                         "replace it (and its labels) with a non-empty pair")
     if labels.size and labels.max() > 9:
         raise UsageError(f"{labels_path} has label {int(labels.max())}, outside Fashion-MNIST's 0..9; "
                          "replace it with the Fashion-MNIST file of that name")

@@ -187,6 +187,11 @@ class DataParallel:
     def sync_enabled(self) -> bool:
         return self._sync_enabled
 
+    @property
+    def exchange_in_flight(self) -> bool:
+        """True from a bucket's launch during backward until finish_gradient_sync() returns."""
+        return self._scheduler is not None and self._scheduler.in_flight
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self._sync_enabled and self._scheduler is not None:
             self._scheduler.mark_ready(param)

@@ -12,11 +12,11 @@ run.py the training, report.py the outputs. This module only maps flags onto the
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from pathlib import Path
 
 from phalanx.errors import UsageError
+from phalanx.outdir import check_out_dir
 
 
 def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
@@ -58,16 +58,6 @@ def _numbers(text: str, item, *, flag: str) -> tuple:
     return values
 
 
-def _check_out_dir(out_dir: str) -> None:
-    """`phalanx train --out`'s rule: an existing directory is reused; a file or no write access is refused."""
-    path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out {out_dir} is an existing file; name a directory instead")
-    parent = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"--out {out_dir} is not writable ({parent} denies writing); pick another directory")
-
-
 def sweep_config_from_args(args: argparse.Namespace):
     from phalanx.sweep.grid import SweepConfig, parse_lr_rule
 
@@ -87,7 +77,7 @@ def sweep_config_from_args(args: argparse.Namespace):
 def run_sweep(args: argparse.Namespace) -> int:
     """Train the grid `args` describes: table to stdout, JSON + CSV + PNG into --out. Returns 0."""
     config = sweep_config_from_args(args)
-    _check_out_dir(config.out_dir)
+    check_out_dir(config.out_dir)
     # Imported here so the CLI's parser does not load torch or matplotlib.
     from phalanx.launch import available_cores
     from phalanx.sweep.grid import expand_grid

@@ -72,6 +72,8 @@ class SweepConfig:
             raise ValueError(f"--base-lr {self.base_lr} must be a positive finite number; use e.g. --base-lr 0.2")
         if self.base_batch < 1:
             raise ValueError(f"--base-batch {self.base_batch} must be at least 1; use e.g. --base-batch 256")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed} must be 0 or more; use e.g. --seed 0")
         if self.epochs < 1:
             raise ValueError(f"--epochs {self.epochs} must be at least 1")
         if not (0 <= self.warmup_epochs < self.epochs):

@@ -154,3 +154,45 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
     totals = state.get("epoch_totals") or [[]]
     mine = totals[world.rank] if world.rank < len(totals) else []
     return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(mine))
+
+
+def _replica(model) -> torch.nn.Module:
+    """The module itself, given a module or a DataParallel around one."""
+    return model if isinstance(model, torch.nn.Module) else model.module
+
+
+def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed: int) -> dict:
+    dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+    return fingerprint(module, model_name=type(module).__name__, global_batch_size=global_batch_size, seed=seed,
+                       dtype=dtype)
+
+
+def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
+               step: int = 0, global_batch_size: int, seed: int) -> Path | None:
+    """A user script's checkpoint: `step` steps of `epoch` (0-based) are done. Every rank calls it.
+
+    Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
+    plus a fingerprint of the model class, parameter shapes, global batch size, seed and dtype
+    that `resume` checks. `model`: the module or its DataParallel. Rank 0 writes, atomically.
+    """
+    module = _replica(model)
+    return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
+                           position=Position(epoch=epoch, step=step),
+                           fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed))
+
+
+def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
+           seed: int) -> Position:
+    """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).
+
+    Restores weights, optimizer state and this rank's RNG states after checking the checkpoint
+    fits (a one-line UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the
+    returned position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
+    """
+    path = checkpoint_path(location)
+    if not path.is_file():
+        return Position(epoch=0, step=0)
+    module = _replica(model)
+    state = read_checkpoint(path)
+    check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path)
+    return restore(state, world=world, model=module, optimizer=optimizer)

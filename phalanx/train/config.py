@@ -83,6 +83,8 @@ class TrainConfig:
             raise ValueError(f"--init {self.init!r} is unknown; choose one of {', '.join(INITS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+        if self.seed < 0:  # the epoch permutations are seeded from (seed, epoch), which must be >= 0
+            raise ValueError(f"--seed {self.seed} must be 0 or more; use e.g. --seed 0")
         if self.epochs < 1:
             raise ValueError(f"--epochs {self.epochs} must be at least 1")
         if self.global_batch_size < 1:

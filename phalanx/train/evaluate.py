@@ -2,16 +2,23 @@
 
 The test set is cut into contiguous shards, one per rank (sizes differ by at most one); each rank
 counts its correct predictions and the counts are summed, so every test image is counted exactly
-once and every rank gets the same accuracy.
+once and every rank gets the same accuracy. `evaluate` does this for tensors in memory (the
+CLI's datasets); `evaluate_dataset` for any torch Dataset and any summed metric (a user's).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data._utils.collate import default_collate
 
 from phalanx.comm import all_reduce_sum_
 from phalanx.data import shard_bounds, to_float
+from phalanx.data.loader import ShardCollate
 from phalanx.world import World
 
 
@@ -35,3 +42,55 @@ def evaluate(
     if seen != images.shape[0]:  # a sharding bug would silently skew accuracy
         raise RuntimeError(f"evaluation saw {seen} test images, expected {images.shape[0]}")
     return counts[0].item() / max(seen, 1)
+
+
+def classification_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    """`evaluate_dataset`'s default for (inputs, labels) batches: loss sum and correct count."""
+    inputs, labels = batch
+    logits = model(inputs)
+    return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
+            "correct": (logits.argmax(dim=1) == labels).sum()}
+
+
+def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_size: int = 256,
+                     sums: Callable = classification_sums, collate_fn: Callable | None = None) -> dict[str, float]:
+    """Exact evaluation of any Dataset on all ranks: sums over every example, counted once.
+
+    Each rank reads its contiguous shard of the dataset (sizes differ by at most one), calls
+    `sums(model, batch)` -> {name: sum over the batch} in eval mode without gradients, and the
+    sums are added across ranks in one allreduce. Returns every rank the same dict of global
+    sums plus "count" (= len(dataset), checked); divide by it for means. A rank with an empty
+    shard evaluates an empty batch, so the names are the same everywhere.
+    """
+    start, stop = shard_bounds(len(dataset), world.world_size, world.rank)
+    collate = ShardCollate(dataset, collate_fn or default_collate)
+    loader = DataLoader(Subset(dataset, range(start, stop)), batch_size=batch_size, collate_fn=collate)
+    batches = iter(loader) if stop > start else iter([collate([])])
+    was_training = model.training
+    model.eval()
+    totals: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for batch in batches:
+            for name, value in sums(model, _to_device(batch, world.device)).items():
+                value = torch.as_tensor(value, dtype=torch.float64, device=world.device)
+                totals[name] = totals.get(name, 0) + value
+    model.train(was_training)
+    names = sorted(totals)
+    flat = torch.stack([totals[n] for n in names] + [torch.tensor(float(stop - start), dtype=torch.float64,
+                                                                   device=world.device)])
+    all_reduce_sum_(flat, world=world)
+    result = dict(zip(names, flat[:-1].tolist()))
+    result["count"] = flat[-1].item()
+    if int(result["count"]) != len(dataset):  # a sharding bug would silently skew the metric
+        raise RuntimeError(f"evaluation saw {int(result['count'])} examples, expected {len(dataset)}")
+    return result
+
+
+def _to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch

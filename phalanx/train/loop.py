@@ -38,6 +38,17 @@ class EpochStats:
     elapsed_s: float
 
 
+def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
+    """What a rank backpropagates: its shard's loss *sum* / the *global* batch size.
+
+    After the ranks' gradients are summed this is exactly the 1-device gradient of the mean loss
+    over the global batch, for any split (even or not). For a loss over tokens, pass the global
+    number of tokens."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
+    return loss_sum / global_batch_size
+
+
 def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a rank's shard into `grad_accum_steps` contiguous micro-batches, sizes as even as
     possible (larger first, some empty when the shard is smaller than the count): the book's
@@ -80,7 +91,7 @@ def train_batch(
                     logits = dp(X_micro)
                     micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
                 with span(tracer, "backward"):
-                    (micro_loss_sum / global_batch_size).backward()
+                    shard_loss(micro_loss_sum, global_batch_size).backward()
                 piece_loss, piece_correct = micro_loss_sum.detach().double(), (logits.argmax(dim=1) == y_micro).sum()
                 loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
                 correct = piece_correct if correct is None else correct + piece_correct

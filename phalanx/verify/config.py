@@ -21,6 +21,7 @@ import torch
 
 from phalanx.comm import CHOICES
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
+from phalanx.train.loop import shard_loss
 
 DTYPES = ("float32", "float64")
 # Relative tolerance per tensor (compare.py: max |a - b| / max |b|, floored). float64 k-vs-1 runs
@@ -73,6 +74,8 @@ class VerifyConfig:
         if not self.world_sizes or any(not isinstance(k, int) or k < 2 for k in self.world_sizes):
             raise ValueError(f"--devices {_join(self.world_sizes)} must list device counts of at least 2 "
                              "(1 device is the reference every count is compared with); e.g. --devices 2,3")
+        if self.seed < 0:
+            raise ValueError(f"--seed {self.seed} must be 0 or more; use e.g. --seed 0")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be at least 1")
         if self.global_batch_size < max(self.world_sizes):
@@ -146,7 +149,7 @@ def scale_loss(loss: torch.Tensor, *, n_local: int, n_global: int, world_size: i
         return scale(loss, n_local=n_local, n_global=n_global, world_size=world_size)
     if scale == "global":
         loss_sum = loss * n_local if reduction == "mean" else loss
-        return loss_sum / n_global
+        return shard_loss(loss_sum, n_global)
     loss_mean = loss if reduction == "mean" else loss / n_local
     if scale == "rank-mean":
         return loss_mean / world_size

@@ -15,9 +15,9 @@ def _run_cli(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "phalanx", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_train_two_devices_end_to_end(tmp_path, sample_dir):
+def test_train_two_devices_end_to_end(tmp_path, idx_dir):
     out = tmp_path / "run"
-    proc = _run_cli("train", "--devices", "2", "--data-dir", str(sample_dir), "--epochs", "1",
+    proc = _run_cli("train", "--devices", "cpu:2", "--data-dir", str(idx_dir), "--epochs", "1",
                     "--allreduce", "ring", "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -45,33 +45,33 @@ def test_bad_numbers(tmp_path, capsys):
     assert "--epochs 0" in _bad(tmp_path, capsys, "--epochs", "0", "--dataset", "synthetic")
     assert "--lr -0.1" in _bad(tmp_path, capsys, "--lr", "-0.1", "--dataset", "synthetic")
     assert "--lr 0.0" in _bad(tmp_path, capsys, "--lr", "0", "--dataset", "synthetic")
-    assert "smaller than the 4 devices" in _bad(tmp_path, capsys, "--devices", "4", "--batch-size", "3")
+    assert "smaller than the 4 devices" in _bad(tmp_path, capsys, "--devices", "cpu:4", "--batch-size", "3")
     assert "invalid int value" in _bad(tmp_path, capsys, "--epochs", "ten")
     assert "cuda:0,1" in _bad(tmp_path, capsys, "--devices", "cuda:0,1")  # no GPU here
 
 
-def test_bad_data(tmp_path, capsys, sample_dir):
+def test_bad_data(tmp_path, capsys, idx_dir):
     import shutil
 
-    err = _bad(tmp_path, capsys, "--data-dir", str(tmp_path / "nope"), "--devices", "2")
+    err = _bad(tmp_path, capsys, "--data-dir", str(tmp_path / "nope"), "--devices", "cpu:2")
     assert "nope" in err
     broken = tmp_path / "broken"
-    shutil.copytree(sample_dir, broken)
+    shutil.copytree(idx_dir, broken)
     (broken / "t10k-labels-idx1-ubyte.gz").unlink()
-    assert "t10k-labels" in _bad(tmp_path, capsys, "--data-dir", str(broken), "--devices", "2")
+    assert "t10k-labels" in _bad(tmp_path, capsys, "--data-dir", str(broken), "--devices", "cpu:2")
     truncated = tmp_path / "truncated"
-    shutil.copytree(sample_dir, truncated)
+    shutil.copytree(idx_dir, truncated)
     raw = (truncated / "train-images-idx3-ubyte.gz").read_bytes()
     (truncated / "train-images-idx3-ubyte.gz").write_bytes(raw[: len(raw) // 2])
     _bad(tmp_path, capsys, "--data-dir", str(truncated))
     magic = tmp_path / "magic"
-    shutil.copytree(sample_dir, magic)
+    shutil.copytree(idx_dir, magic)
     import gzip
 
     data = bytearray(gzip.decompress((magic / "t10k-images-idx3-ubyte.gz").read_bytes()))
     data[2] = 0x42  # not a known IDX dtype
     (magic / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(bytes(data)))
-    _bad(tmp_path, capsys, "--data-dir", str(magic), "--devices", "2")
+    _bad(tmp_path, capsys, "--data-dir", str(magic), "--devices", "cpu:2")
 
 
 def test_usage_error_exits_2_in_a_real_process(tmp_path):

@@ -62,7 +62,7 @@ def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
 @pytest.mark.parametrize("devices, victim", [(2, 1), (3, 2)])
 def test_a_killed_worker_stops_every_process_fast_naming_rank_and_step(tmp_path, devices, victim):
     out = tmp_path / "run"
-    proc = subprocess.Popen([*PHALANX, "train", "--devices", str(devices), "--dataset", "synthetic", "--epochs", "200",
+    proc = subprocess.Popen([*PHALANX, "train", "--devices", f"cpu:{devices}", "--dataset", "synthetic", "--epochs", "200",
                              "--no-progress", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -78,7 +78,7 @@ def test_a_diverging_run_stops_with_one_line_naming_step_and_rank(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "2", "--dataset", "synthetic",
+    done = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:2", "--dataset", "synthetic",
                            "--epochs", "2", "--lr", "1e6", "--no-progress", "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1

@@ -26,7 +26,7 @@ import torch
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["train", "--devices", "2", "--dataset", "synthetic", "--dtype", "float64", "--no-progress",
+COMMON = ["train", "--devices", "cpu:2", "--dataset", "synthetic", "--dtype", "float64", "--no-progress",
           "--threads-per-device", "1"]
 TIMEOUT_S = 240
 

@@ -12,14 +12,14 @@ import torch
 pytestmark = pytest.mark.distributed
 
 
-def test_torchrun_two_processes(tmp_path, sample_dir):
+def test_torchrun_two_processes(tmp_path, idx_dir):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     assert torchrun, "torchrun ships with torch and must be on PATH"
     out = tmp_path / "tr"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2",
-         "-m", "phalanx", "train", "--data-dir", str(sample_dir), "--epochs", "1", "--no-progress",
+         "-m", "phalanx", "train", "--data-dir", str(idx_dir), "--epochs", "1", "--no-progress",
          "--out", str(out)],
         capture_output=True, text=True, timeout=240, env=env,
     )

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _train(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "2", "--dataset", "synthetic",
+    return subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:2", "--dataset", "synthetic",
                            "--epochs", "1", "--no-progress", *args], capture_output=True, text=True, timeout=timeout)
 
 

@@ -34,8 +34,8 @@ def _train(tmp_path, config, devices: str, algorithm: str = "native"):
 
 
 @pytest.fixture(scope="module")
-def base_config(sample_dir):
-    return TrainConfig(dataset="fashion-mnist", data_dir=str(sample_dir), epochs=2, global_batch_size=256,
+def base_config(idx_dir):
+    return TrainConfig(dataset="fashion-mnist", data_dir=str(idx_dir), epochs=2, global_batch_size=256,
                        lr=0.2, seed=3, progress=False, dtype="float64")
 
 

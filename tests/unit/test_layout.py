@@ -8,9 +8,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # Layer of each top-level part: a module may import only parts of a lower or equal layer
 # (equal: within its own part). models and telemetry know nothing of the others.
 LAYERS = {
-    "errors": 0, "atomic": 0, "models": 0, "telemetry": 1,
+    "errors": 0, "atomic": 0, "outdir": 0, "models": 0, "telemetry": 1,
     "world": 1, "devices": 1, "data": 1,
-    "comm": 2, "launch": 3, "lifeline": 2, "parallel": 3, "train": 4, "bench": 5, "verify": 5, "predict": 6, "sweep": 5,
+    "comm": 2, "launch": 3, "lifeline": 2, "script": 4, "parallel": 3, "train": 4, "bench": 5, "verify": 5, "predict": 6, "sweep": 5,
     "cli": 7, "__main__": 8,
 }
 ISOLATED = {"models": {"errors", "atomic"}, "telemetry": {"errors", "atomic"}}

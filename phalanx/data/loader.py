@@ -1,0 +1,92 @@
+"""A user's `torch.utils.data.Dataset`, read with phalanx's global-batch semantics.
+
+`ShardedLoader(dataset, world=world, global_batch_size=64, seed=0)` gives this rank its shard of
+every global batch, epoch by epoch: the epoch's order is `global_batches` (a permutation seeded
+by (seed, epoch) alone, identical on every rank, so there is no `set_epoch` to forget) and the
+shard is `rank_shard`'s contiguous slice, so k ranks together read exactly the batches one
+device reads, the smaller last batch included. `loader.epoch(e)` yields `(batch, global_size)`:
+the batch as a plain `DataLoader` collates it (any Dataset, lazy ones included, `num_workers`
+as usual) and the size of the *global* batch it belongs to, which the loss needs
+(`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
+the right structure, so its forward/backward/gradient exchange still pair with its peers'.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils.collate import default_collate
+
+from phalanx.data.split import global_batches, rank_shard, steps_per_epoch
+
+
+class Ranked(Protocol):
+    """What sharding needs of a `phalanx.World` (data/ sits below world.py, so it names no World)."""
+
+    rank: int
+    world_size: int
+
+
+def empty_batch_like(batch: Any) -> Any:
+    """`batch` with every tensor cut to 0 rows (same dtypes, trailing shapes and nesting)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:0]
+    if isinstance(batch, dict):
+        return {key: empty_batch_like(value) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(empty_batch_like(value) for value in batch)
+    return batch
+
+
+class ShardCollate:
+    """The user's collate, plus an empty batch (shaped like example 0's) for an empty shard."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable) -> None:
+        self.dataset, self.collate_fn = dataset, collate_fn
+
+    def __call__(self, items: list) -> Any:
+        if items:
+            return self.collate_fn(items)
+        return empty_batch_like(self.collate_fn([self.dataset[0]]))
+
+
+class ShardedLoader:
+    """This rank's shards of a dataset's global batches; see the module docstring."""
+
+    def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
+                 shuffle: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
+                 **loader_kwargs: Any) -> None:
+        """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching and
+        order are this class's, so `batch_size`, `shuffle`, `sampler` and `drop_last` are refused."""
+        taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
+        if taken:
+            raise ValueError(f"ShardedLoader decides {', '.join(taken)} itself (global_batch_size, seed, shuffle); "
+                             "drop those arguments")
+        if global_batch_size < world.world_size:
+            raise ValueError(f"global_batch_size {global_batch_size} is smaller than the {world.world_size} ranks; "
+                             f"use {world.world_size} or more")
+        if seed < 0:
+            raise ValueError(f"seed {seed} must be >= 0")
+        self.num_examples = len(dataset)
+        if self.num_examples == 0:
+            raise ValueError("the dataset has 0 examples; nothing to train on")
+        self.dataset, self.world = dataset, world
+        self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
+        self.num_workers, self.loader_kwargs = num_workers, loader_kwargs
+        self.collate = ShardCollate(dataset, collate_fn or default_collate)
+
+    def __len__(self) -> int:
+        """Steps per epoch (the last, smaller global batch counts)."""
+        return steps_per_epoch(self.num_examples, self.global_batch_size)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
+        """Yield (this rank's batch, global batch size) for every step of `epoch`."""
+        batches = global_batches(self.num_examples, self.global_batch_size, seed=self.seed, epoch=epoch,
+                                 shuffle=self.shuffle)
+        shards = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist() for b in batches]
+        loader = DataLoader(self.dataset, batch_sampler=shards, collate_fn=self.collate,
+                            num_workers=self.num_workers, **self.loader_kwargs)
+        for batch, indices in zip(loader, batches):
+            yield batch, indices.numel()

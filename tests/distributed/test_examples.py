@@ -1,0 +1,74 @@
+"""examples/ at tiny sizes, each on 1 and 2 workers through `phalanx run`, checked against what
+the maths says: LeNet, the char transformer without dropout and the lazy-file MLP end with the
+1-device parameters (float64, 1e-9 relative); with dropout the two replicas stay identical; the
+lazy Dataset opens each file once per pass, split between the ranks."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.distributed
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+RTOL = 1e-9
+
+
+def run_example(name: str, devices: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", devices, "--timeout", "60",
+                           str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() / max(b[k].abs().max().item(), 1e-30) for k in b)
+
+
+def test_lenet_on_two_workers_equals_one(idx_dir, tmp_path):
+    args = ["--data-dir", str(idx_dir), "--epochs", "1", "--dtype", "float64"]
+    one = run_example("lenet_fashion_mnist.py", "cpu:1", *args, "--out", str(tmp_path / "k1.pt"))
+    two = run_example("lenet_fashion_mnist.py", "cpu:2", *args, "--out", str(tmp_path / "k2.pt"))
+    assert one.splitlines()[-1].startswith("epoch 1  train loss") and one.splitlines()[-1] == two.splitlines()[-1]
+    k1, k2 = (torch.load(tmp_path / f"k{k}.pt", weights_only=True) for k in (1, 2))
+    assert max_rel(k2, k1) < RTOL
+
+
+TINY_LM = ["--max-chars", "4000", "--block", "16", "--d-model", "32", "--heads", "2", "--layers", "1",
+           "--batch-size", "16", "--epochs", "1", "--warmup-steps", "5", "--dtype", "float64"]
+
+
+def test_char_transformer_without_dropout_equals_one_device(tmp_path):
+    outs = {}
+    for devices in ("cpu:1", "cpu:2"):
+        stdout = run_example("char_transformer.py", devices, *TINY_LM, "--dropout", "0", "--out", str(tmp_path / devices))
+        loss = float(stdout.split("validation loss ")[1].split()[0])
+        outs[devices] = torch.load(tmp_path / devices / "rank0.pt", weights_only=True)
+        assert loss < math.log(80)  # below a uniform guess over any plausible character set
+    assert max_rel(outs["cpu:2"], outs["cpu:1"]) < RTOL
+
+
+def test_char_transformer_with_dropout_keeps_replicas_identical(tmp_path):
+    run_example("char_transformer.py", "cpu:2", *TINY_LM, "--dropout", "0.2", "--out", str(tmp_path))
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    assert max_rel(rank1, rank0) == 0.0  # same summed gradient, same update, bitwise
+
+
+def test_lazy_files_each_rank_reads_only_its_shards(tmp_path):
+    n, epochs = 101, 2
+    args = ["--make-data", str(tmp_path / "points"), "--examples", str(n), "--epochs", str(epochs),
+            "--batch-size", "16"]
+    one = run_example("lazy_files.py", "cpu:1", *args, "--out", str(tmp_path / "k1"))
+    two = run_example("lazy_files.py", "cpu:2", *args, "--out", str(tmp_path / "k2"))
+    reads = [int(line.split(", ")[1].split()[0]) for line in two.splitlines() if line.startswith("rank ")]
+    assert len(reads) == 2 and sum(reads) == (epochs + 1) * n and max(reads) < (epochs + 1) * n
+    assert f"rank 0: {n} files listed, {(epochs + 1) * n} reads" in one
+    k1 = torch.load(tmp_path / "k1" / "rank0.pt", weights_only=True)
+    for rank in (0, 1):
+        assert max_rel(torch.load(tmp_path / "k2" / f"rank{rank}.pt", weights_only=True), k1) < RTOL

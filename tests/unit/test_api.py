@@ -1,0 +1,111 @@
+"""The public API without processes: the front door re-exports, ShardedLoader's global-batch
+semantics against one device's batches, shard_loss, clip_grad_norm_'s refusals, evaluate_dataset,
+init() outside any launcher. The k-process behaviour is tests/distributed/test_run_script.py."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import phalanx
+from phalanx import script
+from phalanx.world import World
+
+
+def world(rank: int, world_size: int) -> World:
+    # ShardedLoader only reads rank and world size; no process group is needed to cut batches.
+    return World(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                 device=torch.device("cpu"), backend="gloo" if world_size > 1 else "none", timeout_s=10)
+
+
+def test_front_door_reexports_the_owners_objects():
+    owners = {"DataParallel": "phalanx.parallel.data_parallel", "ShardedLoader": "phalanx.data.loader",
+              "shard_loss": "phalanx.train.loop", "clip_grad_norm_": "phalanx.parallel.clip",
+              "evaluate_dataset": "phalanx.train.evaluate", "init": "phalanx.script",
+              "checkpoint": "phalanx.train.checkpoint", "resume": "phalanx.train.checkpoint",
+              "split_batch": "phalanx.data.split", "allreduce": "phalanx.comm", "World": "phalanx.world"}
+    assert set(owners) <= set(phalanx.__all__)
+    for name in phalanx.__all__:
+        assert getattr(phalanx, name) is not None
+    for name, module in owners.items():
+        assert getattr(phalanx, name) is getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_sharded_loader_shards_add_up_to_one_devices_batches(k):
+    n, batch = 61, 20  # last batch: 1 example, so k - 1 ranks get an empty shard
+    data = TensorDataset(torch.arange(n, dtype=torch.float64).unsqueeze(1).repeat(1, 3), torch.arange(n))
+    one = list(phalanx.ShardedLoader(data, world=world(0, 1), global_batch_size=batch, seed=7).epoch(2))
+    ranks = [list(phalanx.ShardedLoader(data, world=world(r, k), global_batch_size=batch, seed=7).epoch(2))
+             for r in range(k)]
+    assert [g for _, g in one] == [20, 20, 20, 1]
+    for step, ((X, y), global_size) in enumerate(one):
+        pieces = [ranks[r][step] for r in range(k)]
+        assert all(g == global_size for _, g in pieces)
+        assert torch.equal(torch.cat([p[0][1] for p in pieces]), y)  # same examples, same order
+        assert all(p[0][0].shape[1:] == (3,) and p[0][0].dtype == torch.float64 for p in pieces)
+    assert [len(ranks[r][-1][0][1]) for r in range(k)] == [1] + [0] * (k - 1)
+    other_epoch = [y for (_, y), _ in phalanx.ShardedLoader(data, world=world(0, 1), global_batch_size=batch,
+                                                            seed=7).epoch(3)]
+    assert not torch.equal(torch.cat(other_epoch), torch.cat([y for (_, y), _ in one]))  # reshuffled per epoch
+
+
+def test_sharded_loader_refusals():
+    data = TensorDataset(torch.zeros(4, 1), torch.zeros(4))
+    with pytest.raises(ValueError, match="decides batch_size"):
+        phalanx.ShardedLoader(data, world=world(0, 1), global_batch_size=2, batch_size=2)
+    with pytest.raises(ValueError, match="smaller than the 3 ranks"):
+        phalanx.ShardedLoader(data, world=world(0, 3), global_batch_size=2)
+    with pytest.raises(ValueError, match="0 examples"):
+        phalanx.ShardedLoader(TensorDataset(torch.zeros(0, 1)), world=world(0, 1), global_batch_size=2)
+
+
+def test_shard_loss_of_uneven_shards_sums_to_the_global_mean():
+    losses = torch.rand(11, dtype=torch.float64)
+    shards = torch.split(losses, [4, 4, 3])
+    total = sum(phalanx.shard_loss(s.sum(), 11) for s in shards)
+    torch.testing.assert_close(total, losses.mean())
+    wrong = sum(s.mean() for s in shards) / 3  # the per-rank-mean bug
+    assert abs(wrong - losses.mean()) > 1e-6
+
+
+def test_clip_grad_norm_refuses_partial_gradients_and_clips_the_summed_one():
+    torch.manual_seed(0)
+    dp = phalanx.DataParallel(nn.Linear(4, 3), world=world(0, 1), overlap=False)
+    X, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with dp.no_sync():
+        F.cross_entropy(dp(X), y).backward()
+        with pytest.raises(RuntimeError, match="inside no_sync"):
+            phalanx.clip_grad_norm_(dp, 0.1)
+    dp.finish_gradient_sync()
+    norm = phalanx.clip_grad_norm_(dp, 0.1)
+    after = torch.sqrt(sum(p.grad.pow(2).sum() for p in dp.module.parameters()))
+    assert norm > 0.1 and after == pytest.approx(0.1, rel=1e-5)
+    dp.close()
+
+
+def test_evaluate_dataset_counts_every_example_once():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+    X, y = torch.randn(37, 3), torch.randint(0, 4, (37,))
+    sums = phalanx.evaluate_dataset(model, TensorDataset(X, y), world=world(0, 1), batch_size=8)
+    with torch.no_grad():
+        logits = model(X)
+    assert sums["count"] == 37
+    assert sums["correct"] == (logits.argmax(1) == y).sum().item()
+    assert sums["loss"] == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-6)
+
+
+def test_init_outside_any_launcher_is_a_world_of_one(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(script, "_current", None)
+    first = phalanx.init(device="cpu")
+    assert (first.rank, first.world_size, first.backend, first.device.type) == (0, 1, "none", "cpu")
+    assert phalanx.init() is first
+    monkeypatch.setattr(script, "_current", None)
+    with pytest.raises(phalanx.UsageError, match="not understood"):
+        phalanx.init(device="tpu")

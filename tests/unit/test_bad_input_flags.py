@@ -1,0 +1,176 @@
+"""Every flag of every subcommand has a bad-input entry: one line, exit 2, nothing written.
+
+`FLAG_CASES` holds, per flag, a value a user could plausibly mistype and what the one line must
+name. `test_every_flag_has_a_case` walks the real parser (nested subcommands included), so a new
+flag without an entry fails here. Each case runs `phalanx.cli.main` in this process from an
+empty working directory, which must still be empty afterwards (a refused run writes nothing,
+not even the default `runs/...` output folder). No case starts a worker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from phalanx.cli import build_parser, main
+
+NOWHERE = "/nonexistent-phalanx-12"
+PROC = "/proc/phalanx-12"  # a virtual filesystem: "writable" by mode bits, yet no mkdir succeeds
+
+# (argv, pattern the one line must match)
+FLAG_CASES = [
+    (["train", "--devices", "0"], r"--devices 0 asks for no device; use --devices N, cpu:N"),
+    (["train", "--model", "vgg"], r"--model 'vgg' is unknown; choose one of"),
+    (["train", "--dataset", "cifar"], r"--dataset 'cifar' is unknown; choose one of"),
+    (["train", "--data-dir", NOWHERE], r"data dir .* does not exist; create it"),
+    (["train", "--epochs", "0"], r"--epochs 0 must be at least 1"),
+    (["train", "--batch-size", "0"], r"--batch-size 0 must be at least 1"),
+    (["train", "--lr", "-1"], r"--lr -1\.0 must be a positive finite number"),
+    (["train", "--warmup-epochs", "-1"], r"--warmup-epochs -1\.0 must be 0 \(none\) or a positive number"),
+    (["train", "--allreduce", "butterfly"], r"--allreduce 'butterfly' is unknown; choose one of"),
+    (["train", "--seed", "-5"], r"--seed -5 must be 0 or more; use e\.g\. --seed 0"),
+    (["train", "--init", "xavier"], r"--init 'xavier' is unknown; choose one of"),
+    (["train", "--dtype", "float16"], r"--dtype 'float16' is unknown; choose one of"),
+    (["train", "--out", f"{PROC}/run"], r"--out .* cannot be created .*; pick a directory on a writable filesystem"),
+    (["train", "--threads-per-device", "0"], r"--threads-per-device 0 must be at least 1"),
+    (["train", "--timeout", "0"], r"--timeout 0\.0 must be a positive number of seconds"),
+    (["train", "--no-progress=yes"], r"argument --no-progress: ignored explicit argument 'yes'"),
+    (["train", "--no-overlap=yes"], r"argument --no-overlap: ignored explicit argument 'yes'"),
+    (["train", "--bucket-cap-mb", "0"], r"--bucket-cap-mb 0\.0 must be a positive number of MB"),
+    (["train", "--grad-dtype", "int8"], r"--grad-dtype 'int8' is unknown; choose one of"),
+    (["train", "--grad-accum", "0"], r"--grad-accum 0 must be at least 1"),
+    (["train", "--memory-format", "nhwc"], r"--memory-format 'nhwc' is unknown; choose one of"),
+    (["train", "--batchnorm", "global"], r"--batchnorm 'global' is unknown; choose one of"),
+    (["train", "--trace", PROC], r"--trace .* cannot be created"),
+    (["train", "--trace-steps", "0"], r"--trace-steps 0 must be at least 1"),
+    (["train", "--checkpoint-every", "-3"], r"--checkpoint-every -3 is neither 'epoch' nor a positive number"),
+    (["train", "--checkpoint-dir", PROC, "--checkpoint-every", "5"], r"--checkpoint-dir .* cannot be created"),
+    (["train", "--resume", f"{NOWHERE}/ckpt", "--dataset", "synthetic"], r"no checkpoint at .*; pass --resume"),
+    (["train", "--check-every", "-1"], r"--check-every -1 must be 0 \(off\) or a number of steps"),
+    (["bench", "allreduce", "--sizes", "0KB"], r"sizes must be positive multiples of 4 bytes"),
+    (["bench", "allreduce", "--world-sizes", "1"], r"world sizes must be at least 2"),
+    (["bench", "allreduce", "--algorithms", "butterfly"], r"unknown algorithms \['butterfly'\]; choose from"),
+    (["bench", "allreduce", "--rounds", "0"], r"rounds must be at least 1"),
+    (["bench", "allreduce", "--out", PROC], r"--out .* cannot be created"),
+    (["bench", "scaling", "--model", "vgg"], r"unknown model 'vgg'; choose one of"),
+    (["bench", "scaling", "--batch-sizes", "0"], r"every global batch size must be >= num_devices 2"),
+    (["bench", "scaling", "--devices", "1"], r"num_devices must be at least 2"),
+    (["bench", "scaling", "--steps", "0"], r"steps must be at least 1"),
+    (["bench", "scaling", "--warmup-steps", "-1"], r"warmup_steps must be at least 0"),
+    (["bench", "scaling", "--rounds", "0"], r"rounds must be at least 1"),
+    (["bench", "scaling", "--grad-dtype", "int8"], r"--grad-dtype 'int8' is unknown"),
+    (["bench", "scaling", "--out", PROC], r"--out .* cannot be created"),
+    (["bench", "overlap", "--device", "tpu"], r"device 'tpu' is not one of auto, cpu, cuda"),
+    (["bench", "overlap", "--matrix-size", "0"], r"matrix_size must be positive"),
+    (["bench", "overlap", "--matmuls", "0"], r"matmuls must be positive"),
+    (["bench", "overlap", "--transfer-mb", "-1"], r"transfer_mb must be positive"),
+    (["bench", "overlap", "--algorithm", "butterfly"], r"unknown algorithm 'butterfly'"),
+    (["bench", "overlap", "--rounds", "0"], r"rounds must be at least 1"),
+    (["bench", "overlap", "--out", PROC], r"--out .* cannot be created"),
+    (["verify", "--model", "vgg"], r"unknown model 'vgg'"),
+    (["verify", "--devices", "1"], r"--devices 1 must list device counts of at least 2"),
+    (["verify", "--device", "tpu"], r"--device 'tpu' is unknown"),
+    (["verify", "--steps", "0"], r"--steps 0 must be at least 1"),
+    (["verify", "--batch-size", "1"], r"--batch-size 1 is smaller than 3 devices"),
+    (["verify", "--lr", "0"], r"--lr 0\.0 must be a positive finite number"),
+    (["verify", "--seed", "-5"], r"--seed -5 must be 0 or more"),
+    (["verify", "--dtype", "float16"], r"--dtype 'float16' is unknown"),
+    (["verify", "--tolerance", "-1"], r"--tolerance -1\.0 must be a positive finite number"),
+    (["verify", "--allreduce", "butterfly"], r"--allreduce 'butterfly' is unknown"),
+    (["verify", "--no-overlap=yes"], r"argument --no-overlap: ignored explicit argument"),
+    (["verify", "--batchnorm", "global"], r"--batchnorm 'global' is unknown"),
+    (["verify", "--grad-dtype", "int8"], r"--grad-dtype 'int8' is unknown"),
+    (["verify", "--plant", "nothing"], r"--plant 'nothing' is unknown"),
+    (["verify", "--dataset", "cifar"], r"unknown dataset 'cifar'"),
+    (["verify", "--dataset", "fashion-mnist", "--data-dir", NOWHERE], r"data dir .* does not exist"),
+    (["verify", "--timeout", "0"], r"--timeout 0\.0 must be a positive number of seconds"),
+    (["verify", "--no-diagnose=yes"], r"argument --no-diagnose: ignored explicit argument"),
+    (["verify", "--out", f"{PROC}/v.json"], r"--out .*: directory .* does not exist"),
+    (["predict", "--model", "vgg"], r"unknown model 'vgg'"),
+    (["predict", "--batch-size", "0"], r"every global batch size must be >="),
+    (["predict", "--world-sizes", "0"], r"world sizes must be distinct integers >= 1"),
+    (["predict", "--allreduce", "butterfly"], r"unknown allreduce 'butterfly'"),
+    (["predict", "--bucket-cap-mb", "0"], r"bucket cap must be a positive number of MB"),
+    (["predict", "--interconnect", "carrier-pigeon"], r"unknown interconnect 'carrier-pigeon'"),
+    (["predict", "--alpha-us", "-1"], r"alpha must be a finite latency >= 0"),
+    (["predict", "--beta-gbps", "0"], r"beta must be a finite bandwidth > 0"),
+    (["predict", "--overlap-efficiency", "2"], r"overlap efficiency must be between 0 and 1"),
+    (["predict", "--validate=yes"], r"argument --validate: ignored explicit argument"),
+    (["predict", "--rounds", "0"], r"rounds must be at least 1"),
+    (["predict", "--steps", "0"], r"steps must be at least 2"),
+    (["predict", "--warmup-steps", "-1"], r"warmup_steps must be at least 0"),
+    (["predict", "--out", PROC], r"--out .* cannot be created"),
+    (["sweep", "--devices", "0"], r"--devices 0 holds 0; device counts must be at least 1"),
+    (["sweep", "--per-device-batch", "0"], r"--per-device-batch 0 holds 0"),
+    (["sweep", "--lr", "-1"], r"--lr -1\.0 must be a positive finite number or 'scaled'"),
+    (["sweep", "--base-lr", "0"], r"--base-lr 0\.0 must be a positive finite number"),
+    (["sweep", "--base-batch", "0"], r"--base-batch 0 must be at least 1"),
+    (["sweep", "--warmup-epochs", "-1"], r"--warmup-epochs -1\.0 must be at least 0"),
+    (["sweep", "--epochs", "0"], r"--epochs 0 must be at least 1"),
+    (["sweep", "--target", "2"], r"--target 2\.0 is not an accuracy"),
+    (["sweep", "--model", "vgg"], r"--model 'vgg' is unknown"),
+    (["sweep", "--dataset", "cifar"], r"--dataset 'cifar' is unknown"),
+    (["sweep", "--data-dir", NOWHERE], r"data dir .* does not exist"),
+    (["sweep", "--seed", "-5"], r"--seed -5 must be 0 or more"),
+    (["sweep", "--threads-per-device", "0"], r"--threads-per-device 0 must be at least 1"),
+    (["sweep", "--timeout", "0"], r"--timeout 0\.0 must be a positive number of seconds"),
+    (["sweep", "--out", PROC], r"--out .* cannot be created"),
+    (["sweep", "--resume=yes"], r"argument --resume: ignored explicit argument"),
+    (["run", "--devices", "0", "train.py"], r"--devices 0 asks for no device"),
+    (["run", "--timeout", "0", "train.py"], r"--timeout 0\.0 must be a positive number of seconds"),
+    (["run", "--threads-per-device", "0", "train.py"], r"--threads-per-device 0 must be at least 1"),
+    (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
+    (["run", "."], r"script \. is a directory; name a Python file"),
+    (["run"], r"the following arguments are required: script"),
+]
+
+
+def _flags(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _flags(sub, (*path, name))
+        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            yield path, action.option_strings[0]
+        elif not action.option_strings and action.nargs != argparse.REMAINDER:
+            yield path, action.dest  # a positional (phalanx run's script)
+
+
+def _covers(argv: list[str], path: tuple[str, ...], flag: str) -> bool:
+    if tuple(argv[: len(path)]) != path:
+        return False
+    rest = argv[len(path):]
+    if not flag.startswith("-"):  # a positional: some case gives it a bad value or leaves it out
+        return True
+    return any(arg == flag or arg.startswith(flag + "=") for arg in rest)
+
+
+def test_every_flag_has_a_case():
+    missing = [f"{' '.join(path)} {flag}" for path, flag in _flags(build_parser())
+               if not any(_covers(argv, path, flag) for argv, _ in FLAG_CASES)]
+    assert not missing, f"flags with no bad-input case in FLAG_CASES: {missing}"
+
+
+@pytest.fixture(autouse=True)
+def _gpu_less_and_offline(monkeypatch, tmp_path):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("PHALANX_DATA_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("argv, pattern", FLAG_CASES, ids=[" ".join(argv) for argv, _ in FLAG_CASES])
+def test_flag_refused_in_one_line(argv, pattern, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (work / "train.py").write_text("raise SystemExit('must not run')\n")
+    monkeypatch.chdir(work)
+    code = main(argv)
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert code == 2, captured
+    assert len(lines) == 1 and lines[0].startswith("phalanx: error: "), captured.err
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in captured.err + captured.out
+    assert sorted(p.name for p in work.iterdir()) == ["train.py"], "a refused run must write nothing"
+    assert not (tmp_path / "cache").exists()
