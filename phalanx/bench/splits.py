@@ -32,7 +32,7 @@ from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
 from phalanx.models import LeNet
 from phalanx.parallel.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
-from phalanx.parallel.splits import SPLITS, build_split, check_split
+from phalanx.parallel.splits import SCHEDULES, SPLITS, build_split, check_split
 from phalanx.world import World
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -63,6 +63,8 @@ class SplitsBenchConfig:
             raise ValueError(f"--steps {self.steps} and --rounds {self.rounds} must be at least 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
+        if self.schedule not in SCHEDULES:  # checked here, not in a worker: one line, no traceback
+            raise ValueError(f"--schedule {self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
 
     def micro_batches_for(self, k: int) -> int:
         return self.micro_batches if self.micro_batches is not None else min(2 * k, self.global_batch_size)

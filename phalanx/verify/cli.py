@@ -84,8 +84,11 @@ def run_verify(args: argparse.Namespace) -> int:
     title = f"{args.model} on {dataset.name}" + (f" with planted {args.plant}" if args.plant != "none" else "")
     try:
         if args.split != "data":  # the model-parallel splits (issue 13): their own k-device run
+            from phalanx.parallel.splits import SCHEDULES
             from phalanx.verify.split import verify_split
 
+            if args.schedule not in SCHEDULES:  # before any worker starts: one line
+                raise UsageError(f"--schedule {args.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
             if args.plant != "none":
                 raise UsageError(f"--plant plants data-parallel bugs; drop it with --split {args.split}")
             report = verify_split(model_fn, (dataset.train_images, dataset.train_labels), split=args.split,
