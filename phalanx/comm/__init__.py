@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, check_choice, resolve_algorithm
+from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import AsyncComm, Handle
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
@@ -56,16 +56,6 @@ __all__ = [
 ]
 
 
-def _apply_flat(tensor: torch.Tensor, op: Callable[[torch.Tensor], None]) -> None:
-    """Run the in-place `op` on a contiguous 1-D view of `tensor` (a copy, written back, if needed)."""
-    if tensor.is_contiguous():
-        op(tensor.view(-1))  # shares storage: the result lands in `tensor` directly
-        return
-    flat = tensor.contiguous().view(-1)
-    op(flat)
-    tensor.copy_(flat.view(tensor.shape))
-
-
 @torch.no_grad()
 def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", transport=None) -> torch.Tensor:
     """Sum `tensor` in place across all ranks of `world` and return it (D2L's `allreduce`).
@@ -77,7 +67,7 @@ def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", 
     fn = allreduce_fn(algorithm)
     if world.distributed:
         extra = {} if transport is None else {"transport": transport}
-        _apply_flat(tensor, lambda flat: fn(flat, world=world, **extra))
+        apply_flat(tensor, lambda flat: fn(flat, world=world, **extra))
     return tensor
 
 
@@ -92,5 +82,5 @@ def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0) -> torch.Ten
     if not 0 <= src < world.world_size:
         raise ValueError(f"broadcast source rank {src} outside world of size {world.world_size}")
     if world.distributed:
-        _apply_flat(tensor, lambda flat: dist.broadcast(flat, src=src))
+        apply_flat(tensor, lambda flat: dist.broadcast(flat, src=src))
     return tensor

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
@@ -39,6 +41,16 @@ def allreduce_fn(algorithm: str) -> Callable[..., None]:
         return _ALLREDUCE_FNS[algorithm]
     except (KeyError, TypeError):
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}") from None
+
+
+def apply_flat(tensor: torch.Tensor, op: Callable[[torch.Tensor], None]) -> None:
+    """Run the in-place `op` on a contiguous 1-D view of `tensor` (a copy, written back, if needed)."""
+    if tensor.is_contiguous():
+        op(tensor.view(-1))  # shares storage: the result lands in `tensor` directly
+        return
+    flat = tensor.contiguous().view(-1)
+    op(flat)
+    tensor.copy_(flat.view(tensor.shape))
 
 
 def check_choice(choice: str) -> str:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn
+from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat
 from phalanx.comm.shm import ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.world import World
@@ -99,13 +99,8 @@ class AsyncComm:
             return tensor
         if self._closed:
             raise RuntimeError("AsyncComm is closed")
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        if algorithm == "native":
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        else:
-            fn(flat, world=self.world, transport=self._transport(algorithm))
-        if not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
+        extra = {} if algorithm == "native" else {"transport": self._transport(algorithm)}
+        apply_flat(tensor, lambda flat: fn(flat, world=self.world, **extra))
         return tensor
 
     def allreduce_async(

@@ -209,10 +209,6 @@ class DataParallel:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         extra = {} if on_done is None else {"on_done": on_done}
-        if self._comm is None:  # a world of one: nothing to exchange
-            if on_done is not None:
-                on_done()
-            return _Done(bucket.buffer)
         handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
         return handle if wire is bucket.buffer else _Decompress(handle, wire, bucket.buffer)
 
@@ -271,17 +267,6 @@ class DataParallel:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-class _Done:
-    """The handle of an exchange that had nothing to do (a world of one)."""
-
-    def __init__(self, buffer: torch.Tensor) -> None:
-        self._buffer, self.waited = buffer, False
-
-    def wait(self) -> torch.Tensor:
-        self.waited = True
-        return self._buffer
 
 
 class _Decompress:
