@@ -12,6 +12,7 @@ files it read), and `--loader-workers N` reads them in N DataLoader worker proce
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -81,7 +82,10 @@ def main() -> None:
             optimizer.step()
     sums = phalanx.evaluate_dataset(dp.module, dataset, world=world, batch_size=128)
     read_in_loop = dataset.reads if args.loader_workers == 0 else "n/a (read in loader workers)"
-    print(f"rank {world.rank}: {len(dataset)} files listed, {read_in_loop} reads", flush=True)
+    # One write per line: every rank prints, and under PYTHONUNBUFFERED print() issues the text and
+    # its newline as two writes, so two ranks' lines could run together.
+    sys.stdout.write(f"rank {world.rank}: {len(dataset)} files listed, {read_in_loop} reads\n")
+    sys.stdout.flush()
     if world.rank == 0:
         print(f"train acc {sums['correct'] / sums['count']:.3f} after {args.epochs} epochs", flush=True)
     if args.out:
