@@ -10,6 +10,7 @@ import argparse
 import sys
 from dataclasses import replace
 
+from phalanx.binding import allowed_cores, check_bindable
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.predict import add_predict_parser, run_predict
 from phalanx.script import add_run_parser, run_run
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dtype", default="float32", help="float32, or float64 for exact equivalence checks")
     train.add_argument("--out", default=None, help="write metrics.jsonl, accuracy.png, model.pt here")
     train.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
+    train.add_argument("--bind-cores", action="store_true",
+                       help="pin each local worker to its own equal share of the cores (threads = its share)")
     train.add_argument("--timeout", type=float, default=120.0, help="seconds any collective may wait")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument("--no-overlap", action="store_true",
@@ -114,6 +117,8 @@ def _train(args: argparse.Namespace) -> int:
         config.check_devices(plan.num_devices)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if config.bind_cores and env is None:  # before the data is read: one line, nothing started
+        check_bindable(plan.num_devices, len(allowed_cores()))
     if env is None and plan.num_devices > 1:
         # Check (and download) the data once here, so bad data is one line from one process
         # and the workers find it cached; resolve the fallback so every worker agrees.
@@ -121,7 +126,7 @@ def _train(args: argparse.Namespace) -> int:
         config = replace(config, dataset=data.name, data_dir=data.data_dir)
     names = plan.names if env is None else _torchrun_names(plan, env.world_size)
     launch(train_worker, config, names, spec=LaunchSpec(plan=plan, threads_per_device=config.threads_per_device,
-                                                        timeout_s=config.timeout_s))
+                                                        timeout_s=config.timeout_s, bind_cores=config.bind_cores))
     return 0
 
 
@@ -139,6 +144,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         init=args.init,
         out_dir=args.out,
         threads_per_device=args.threads_per_device,
+        bind_cores=args.bind_cores,
         timeout_s=args.timeout,
         progress=not args.no_progress,
         dtype=args.dtype,

@@ -10,7 +10,8 @@ a launcher killed outright takes them with it (Linux: each worker asks the kerne
 when its parent dies); shared-memory segments a dead worker may leave are removed. A
 worker delivers its result *before* leaving the process group, so the rare gloo abort at process
 exit (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot turn a finished
-run into a failure. CPU workers get `cores / k` threads and an allocator setting that keeps freed
+run into a failure. CPU workers get `cores / k` threads (with `bind_cores`, each its own slice of
+the cores: binding.py) and an allocator setting that keeps freed
 activations mapped (BASELINES.md: page faults cost 6-13% of a batch-256 step, up to 1.5x at 1024).
 The distributed tests start their workers through this same code (tests/distributed/harness.py).
 """
@@ -27,12 +28,13 @@ import tempfile
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
 import torch
 
+from phalanx.binding import allowed_cores, check_bindable, place_worker
 from phalanx.comm.shm import remove_segments_of
 from phalanx.devices import DevicePlan
 from phalanx.errors import RunFailed, UsageError
@@ -73,6 +75,8 @@ class LaunchSpec:
     # One device: run fn in this process (False) or spawn one worker like k > 1 (True: a fresh
     # process with the CPU allocator setting, for timings comparable with k-device runs).
     spawn_single: bool = False
+    # Pin each local worker to its own equal slice of the cores (binding.py); opt-in.
+    bind_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.threads_per_device is not None and self.threads_per_device < 1:
@@ -81,17 +85,6 @@ class LaunchSpec:
             raise ValueError(f"timeout_s {self.timeout_s} must be a positive number of seconds")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ValueError(f"deadline_s {self.deadline_s} must be positive seconds or None")
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def default_threads(local_workers: int) -> int:
-    return max(1, available_cores() // max(1, local_workers))
 
 
 def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
@@ -105,7 +98,7 @@ def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
     env = launcher_env()
     if env is not None:
         device = torch.device(f"cuda:{env.local_rank}") if spec.plan.kind == "cuda" else torch.device("cpu")
-        _set_threads(device, spec.threads_per_device or default_threads(env.local_world_size))
+        _place(device, spec, env.local_rank, env.local_world_size)
         world = start_world(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                             local_world_size=env.local_world_size, device=device,
                             master_addr=env.master_addr, master_port=env.master_port, timeout_s=spec.timeout_s,
@@ -114,18 +107,21 @@ def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
             return [fn(world, *args)]
         finally:
             stop_world(world)
+    if spec.bind_cores:  # refuse before any worker starts, not in each of them
+        check_bindable(spec.plan.num_devices, len(allowed_cores()))
     if spec.plan.num_devices == 1 and not spec.spawn_single:
         device = spec.plan.torch_device(0)
-        _set_threads(device, spec.threads_per_device or default_threads(1))
+        _place(device, replace(spec, bind_cores=False), 0, 1)  # alone in this process: all of its cores
         world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=device,
                       backend="none", timeout_s=spec.timeout_s)
         return [fn(world, *args)]
     return _spawn(fn, args, spec)
 
 
-def _set_threads(device: torch.device, threads: int) -> None:
-    if device.type == "cpu":
-        torch.set_num_threads(threads)
+def _place(device: torch.device, spec: LaunchSpec, local_rank: int, local_world_size: int) -> None:
+    if device.type == "cpu" or spec.bind_cores:
+        place_worker(local_rank, local_world_size, bind_cores=spec.bind_cores, threads=spec.threads_per_device,
+                     cpu=device.type == "cpu")
 
 
 def loopback_interface() -> str | None:
@@ -155,7 +151,7 @@ def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, p
     world, exit_code = None, 0
     try:
         device = spec.plan.torch_device(rank)
-        _set_threads(device, spec.threads_per_device or default_threads(spec.plan.num_devices))
+        _place(device, spec, rank, spec.plan.num_devices)
         world = start_world(rank=rank, world_size=spec.plan.num_devices, local_rank=rank,
                             local_world_size=spec.plan.num_devices, device=device,
                             master_addr="127.0.0.1", master_port=0, timeout_s=spec.timeout_s,

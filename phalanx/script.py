@@ -25,7 +25,8 @@ import torch
 
 from phalanx.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
-from phalanx.launch import LaunchSpec, default_threads, launch
+from phalanx.binding import default_threads
+from phalanx.launch import LaunchSpec, launch
 from phalanx.world import World, launcher_env, start_world, stop_world
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -89,6 +90,8 @@ def add_run_parser(sub) -> None:
     run.add_argument("--devices", default="1", help="N, cpu:N or cuda:0,1 (default 1)")
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds any collective may wait")
     run.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
+    run.add_argument("--bind-cores", action="store_true",
+                     help="pin each local worker to its own equal share of the cores (threads = its share)")
     run.add_argument("script", help="the Python file to run on every worker")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -108,6 +111,6 @@ def run_run(args: argparse.Namespace) -> int:
     plan = parse_devices(args.devices)
     # One device too runs in a spawned worker: the script sees the same process set-up at any k.
     spec = LaunchSpec(plan=plan, threads_per_device=args.threads_per_device, timeout_s=args.timeout,
-                      spawn_single=True)
+                      spawn_single=True, bind_cores=args.bind_cores)
     launch(script_worker, str(script), tuple(args.args), spec=spec)
     return 0

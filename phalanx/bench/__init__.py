@@ -72,7 +72,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if name not in BENCHMARKS:
         raise UsageError(f"choose a benchmark: phalanx bench {'|'.join(BENCHMARKS)}")
     # Imported here so the CLI's parser does not load matplotlib or the benchmarks.
-    from phalanx.bench import allreduce, overlap, scaling, splits, splits_report
+    from phalanx.bench import allreduce, overlap, scaling, scaling_report, splits, splits_report
     from phalanx.bench.timing import parse_list, parse_size, prepare_out_dir, write_outputs
 
     try:
@@ -88,7 +88,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 num_devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps, rounds=args.rounds,
                 grad_dtype=args.grad_dtype)
             run = functools.partial(scaling.run_scaling_bench, on_run=_progress)
-            report, plot = scaling.report_scaling, scaling.plot_scaling
+            report, plot = scaling_report.report_scaling, scaling_report.plot_scaling
         elif name == "splits":
             config = splits.SplitsBenchConfig(
                 world_sizes=parse_list(args.devices, int, flag="--devices"), global_batch_size=args.batch_size,

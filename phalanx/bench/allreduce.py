@@ -23,7 +23,8 @@ from phalanx.bench.timing import (Spread, format_size, format_table, new_figure,
                                   seconds_per_call)
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, available_cores, launch
+from phalanx.binding import available_cores
+from phalanx.launch import LaunchSpec, launch
 from phalanx.world import World
 
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 1 << 20, 16 << 20, 64 << 20)

@@ -3,8 +3,10 @@
 Contenders, on synthetic data held in memory (one fixed random batch, so data time is zero for
 all): phalanx on 1..k devices (DataParallel + train_batch, started by `phalanx.launch`: its
 allocator setting and cores/k threads, its default allreduce - shm on one host); phalanx on k
-devices exchanging over gloo instead (what the shared-memory transport buys); torch DDP on k processes as a DDP user gets it (plain
-`DistributedDataParallel`, gloo, default buckets, 1 thread each, no allocator setting; procs.py);
+devices exchanging over gloo instead (what the shared-memory transport buys); phalanx on k
+devices with each worker bound to its own cores (`--bind-cores`, when k <= cores); torch DDP
+on k processes as a DDP user gets it (plain `DistributedDataParallel`, gloo, default buckets, 1
+thread each, no allocator setting; procs.py);
 one plain PyTorch process with 1 thread and with every core; and the ceiling, k processes set up
 as phalanx's that train their shards with no communication at all. Every (contender, batch
 size) runs in fresh processes: warm-up steps, a barrier, timed steps; images/s uses the slowest
@@ -25,10 +27,11 @@ import torch.nn.functional as F
 
 from phalanx.bench.mlp import BENCH_MODELS, build_bench_model
 from phalanx.bench.procs import run_fresh
-from phalanx.bench.timing import Spread, format_table, new_figure, paired_ratio, run_interleaved
+from phalanx.bench.timing import Spread, paired_ratio, run_interleaved
 from phalanx.data import split_batch
 from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, available_cores, launch
+from phalanx.binding import available_cores
+from phalanx.launch import LaunchSpec, launch
 from phalanx.parallel import GRAD_DTYPES, DataParallel, apply_memory_format, resolve_memory_format
 from phalanx.train.loop import train_batch
 from phalanx.world import World
@@ -76,6 +79,7 @@ class Variant:
     memory_format: str = "contiguous"  # phalanx's runs: "auto" (channels_last for CPU conv nets)
     grad_dtype: str | None = None  # phalanx's runs: exchange compressed (bf16 / fp16)
     algorithm: str = "auto"  # phalanx's runs: the allreduce
+    bind_cores: bool = False  # phalanx's runs: each worker pinned to its own cores (--bind-cores)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,8 +105,10 @@ def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> 
     phalanx = [Variant(name=f"phalanx/{j}", kind="phalanx", num_procs=j, threads_per_proc=max(1, cores // j),
                        allocator_env=True, memory_format="auto") for j in range(1, k + 1)]
     phalanx.append(replace(phalanx[-1], name=f"phalanx/{k} gloo", algorithm="native"))
+    if k <= cores:  # --bind-cores: where the workers run, priced beside the default
+        phalanx.append(replace(phalanx[k - 1], name=f"phalanx/{k} bound", bind_cores=True))
     if grad_dtype is not None:
-        phalanx.append(replace(phalanx[-2], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
+        phalanx.append(replace(phalanx[k - 1], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
     others = [
         Variant(name=f"ddp/{k}", kind="ddp", num_procs=k, threads_per_proc=1, allocator_env=False),
         Variant(name=f"ddp/{k} tuned", kind="ddp", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
@@ -210,7 +216,7 @@ def run_variant(variant: Variant, job: StepJob, config: ScalingBenchConfig) -> f
         fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),
                           threads_per_device=variant.threads_per_proc, timeout_s=config.timeout_s,
-                          deadline_s=config.deadline_s)
+                          deadline_s=config.deadline_s, bind_cores=variant.bind_cores)
         elapsed = launch(fn, job, spec=spec)
     else:
         fn = {"phalanx": _phalanx_single, "ddp": _ddp_worker, "torch": _torch_worker}[variant.kind]
@@ -255,6 +261,10 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
                    ("phalanx_vs_best_single_process_same_setup", k, tuned),
                    ("phalanx_vs_ceiling", k, f"ceiling/{k}"),
                    ("phalanx_1_device_vs_plain_loop_same_setup", 1, tuned)]
+        if f"phalanx/{k} bound" in per:
+            ratios.append({"global_batch_size": batch, "metric": "bound_cores_vs_unbound", "num_devices": k,
+                           "against": f"phalanx/{k}", "numerator": f"phalanx/{k} bound",
+                           "ratio": paired_ratio(per[f"phalanx/{k} bound"], per[f"phalanx/{k}"]).to_dict()})
         for metric, j, against in compare:
             ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": j, "against": against,
                            "ratio": paired_ratio(per[f"phalanx/{j}"], per[against]).to_dict()})
@@ -276,43 +286,3 @@ def data_parallel_defaults() -> dict[str, Any]:
     """The settings phalanx ran with (DataParallel's defaults), so a result names what it measured."""
     return {name: param.default for name, param in inspect.signature(DataParallel).parameters.items()
             if isinstance(param.default, (bool, int, float, str)) or (param.default is None and name != "comm")}
-
-
-def report_scaling(payload: dict[str, Any]) -> str:
-    variants_by_name = {v["name"]: v for v in payload["variants"]}
-    settings = ", ".join(f"{k}={v}" for k, v in payload["phalanx_data_parallel"].items())
-    lines = [f"phalanx ran DataParallel({settings}); DDP its defaults", ""]
-    for batch in payload["config"]["global_batch_sizes"]:
-        rows = []
-        for r in (r for r in payload["results"] if r["global_batch_size"] == batch):
-            v = variants_by_name[r["variant"]]
-            setup = f"{v['num_procs']} x {v['threads_per_proc']} thr" + (", alloc env" if v["allocator_env"] else "")
-            setup += ", NHWC" if v.get("memory_format", "contiguous") != "contiguous" and payload["config"]["model"] != "mlp" else ""
-            rows.append((r["variant"], setup, Spread.from_dict(r["images_per_s"]).fmt(0)))
-        lines.append(f"{payload['config']['model']}, global batch {batch}: images/s, median (min-max) of "
-                     f"{payload['config']['rounds']} interleaved rounds, {payload['config']['steps']} timed steps each")
-        lines += [format_table(["configuration", "processes", "images/s"], rows), ""]
-        for r in (r for r in payload["ratios"] if r["global_batch_size"] == batch):
-            label = f"{r.get('numerator', 'phalanx/' + str(r['num_devices']))} / {r['against']}"
-            lines.append(f"  {r['metric']:<42} {label:<36} {Spread.from_dict(r['ratio']).fmt(2)}")
-        lines.append("")
-    return "\n".join(lines).rstrip()
-
-
-def plot_scaling(payload: dict[str, Any]):
-    """Images/s per configuration (bars at the median, whiskers at min and max), one panel per batch."""
-    batches = payload["config"]["global_batch_sizes"]
-    fig, axes = new_figure(len(batches), width_per_plot=5.5)
-    for ax, batch in zip(axes, batches):
-        rows = [r for r in payload["results"] if r["global_batch_size"] == batch]
-        names = [r["variant"] for r in rows]
-        med = [r["images_per_s"]["median"] for r in rows]
-        err = [[m - r["images_per_s"]["min"] for m, r in zip(med, rows)],
-               [r["images_per_s"]["max"] - m for m, r in zip(med, rows)]]
-        colors = ["tab:blue" if n.startswith("phalanx") else "tab:gray" for n in names]
-        ax.barh(names, med, xerr=err, color=colors, capsize=3)
-        ax.invert_yaxis()
-        ax.set_xlabel("images/s")
-        ax.set_title(f"{payload['config']['model']}, global batch {batch}", fontsize=9)
-        ax.grid(alpha=0.3, axis="x")
-    return fig

@@ -20,8 +20,6 @@ In a world of size 1 there is no process group and every collective returns at o
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 

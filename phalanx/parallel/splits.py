@@ -28,7 +28,7 @@ def check_split(split: str, *, model: str, num_devices: int, micro_batches: int 
     if split not in SPLITS:
         raise UsageError(f"--split {split!r} is unknown; choose one of {', '.join(SPLITS)}")
     if micro_batches is not None and split != "layers":
-        raise UsageError(f"--micro-batches applies to --split layers only; drop it or use --split layers "
+        raise UsageError("--micro-batches applies to --split layers only; drop it or use --split layers "
                          "(data parallelism cuts micro-batches with --grad-accum)")
     if split == "data":
         return

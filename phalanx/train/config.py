@@ -36,6 +36,7 @@ class TrainConfig:
     out_dir: str | None = None
     eval_batch_size: int = 1024
     threads_per_device: int | None = None  # CPU workers: None = cores / local workers
+    bind_cores: bool = False  # pin each local worker to its own slice of the cores (binding.py)
     timeout_s: float = 120.0  # bound on every collective
     progress: bool = True
     # float64 makes k-device vs 1-device comparisons exact to ~1e-16: in float32 the rounding

@@ -17,19 +17,20 @@ from typing import Any, Sequence
 import torch
 
 from phalanx.atomic import atomic_write_bytes
+from phalanx.binding import describe as describe_cores
 from phalanx.data import load_dataset
 from phalanx.models import build_model
 from phalanx.parallel import (GRAD_DTYPES, DataParallel, apply_memory_format, average_running_stats, convert_sync_batchnorm,
                               format_name, resolve_memory_format)
-from phalanx.launch import report_progress
 from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, Tracer, format_summary, plot_accuracy, span
 from phalanx.telemetry.metrics import read_metrics
-from phalanx.parallel.guards import check_finite, check_replicas, model_fingerprint, preflight_check
+from phalanx.parallel.guards import check_replicas, model_fingerprint, preflight_check
 from phalanx.train import checkpoint as ckpt
 from phalanx.train.config import TrainConfig
 from phalanx.train.evaluate import evaluate
 from phalanx.train.loop import train_epoch
 from phalanx.train.schedule import lr_at, set_lr, warmup_steps
+from phalanx.train.step_hook import after_step_hook
 from phalanx.world import World, launcher_env
 
 
@@ -135,7 +136,7 @@ def _run_epochs(
         f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch "
         f"{config.global_batch_size}, lr {config.lr}, allreduce {_algorithm_text(config, dp)}, "
-        f"{_exchange_text(config, dp)}, {memory_format}"
+        f"{_exchange_text(config, dp)}, {memory_format}{_placement_text(config, world)}"
     )
 
     steps_per_epoch = -(-data.train_images.shape[0] // config.global_batch_size)
@@ -145,20 +146,9 @@ def _run_epochs(
         set_lr(optimizer, lr_at(epoch * steps_per_epoch + first_step, base_lr=config.lr, warmup=warmup))
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
 
-        def after_step(done: int, total: int, loss_sum: torch.Tensor, totals, epoch: int = epoch) -> None:
-            global_step = epoch * total + done
-            report_progress(global_step)
-            if warmup:
-                set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
-            checking = config.check_every and global_step % config.check_every == 0
-            # Every step on CPU (free); on a GPU only at check steps, as reading the loss syncs.
-            check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None, buffers=dp.named_gradients() if checking else {},
-                         step=global_step, rank=world.rank)
-            if checking:
-                check_replicas(world, dp.module, step=global_step)
-            every = config.checkpoint_steps
-            if every and global_step % every == 0 and done < total:  # epoch ends save below
-                save(ckpt.Position(epoch=epoch, step=done, epoch_totals=tuple(totals())))
+        after_step = after_step_hook(config=config, world=world, optimizer=optimizer, epoch=epoch, warmup=warmup,
+                                     gradients=dp.named_gradients, save=save,
+                                     check_replicas=lambda step: check_replicas(world, dp.module, step=step))
 
         stats = train_epoch(
             dp,
@@ -259,6 +249,17 @@ def _algorithm_text(config: TrainConfig, dp: DataParallel) -> str:
     if dp.fallback_reason is not None:
         return f"native (auto: {dp.fallback_reason.split('; use')[0]})"
     return f"{dp.algorithm} (auto)"
+
+
+def _placement_text(config: TrainConfig, world: World) -> str:
+    """CPU threads per worker, and the cores rank 0 was pinned to under --bind-cores."""
+    if world.device.type != "cpu":
+        return ""
+    threads = torch.get_num_threads()
+    text = f", {threads} thread{'s' if threads > 1 else ''} per worker"
+    if config.bind_cores and hasattr(os, "sched_getaffinity"):
+        text += f", each bound to its own cores (rank 0: {describe_cores(sorted(os.sched_getaffinity(0)))})"
+    return text
 
 
 def _exchange_text(config: TrainConfig, dp: DataParallel) -> str:

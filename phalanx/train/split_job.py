@@ -18,15 +18,15 @@ from typing import Any, Sequence
 import torch
 
 from phalanx.data import load_dataset
-from phalanx.launch import report_progress
 from phalanx.models import build_model
-from phalanx.parallel.guards import check_finite, model_fingerprint, preflight_check
+from phalanx.parallel.guards import model_fingerprint, preflight_check
 from phalanx.parallel.splits import build_split
 from phalanx.telemetry import MetricsFile, ProgressBar, RankZeroLog, plot_accuracy
 from phalanx.telemetry.metrics import read_metrics
 from phalanx.train import checkpoint as ckpt
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import Outputs, _resume, save_state_dict
+from phalanx.train.step_hook import after_step_hook
 from phalanx.train.schedule import lr_at, set_lr, warmup_steps
 from phalanx.train.split_loop import evaluate_split, train_split_epoch
 from phalanx.world import World
@@ -82,17 +82,9 @@ def split_worker(world: World, config: TrainConfig, device_names: Sequence[str])
         set_lr(optimizer, lr_at(epoch * steps_per_epoch + first_step, base_lr=config.lr, warmup=warmup))
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
 
-        def after_step(done: int, total: int, loss_sum: torch.Tensor, totals, epoch: int = epoch) -> None:
-            global_step = epoch * total + done
-            report_progress(global_step)
-            if warmup:
-                set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
-            checking = config.check_every and global_step % config.check_every == 0
-            check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None,
-                         buffers=[p.grad for p in split.module.parameters()] if checking else [],
-                         step=global_step, rank=world.rank)
-            if config.checkpoint_steps and global_step % config.checkpoint_steps == 0 and done < total:
-                save(ckpt.Position(epoch=epoch, step=done, epoch_totals=tuple(totals())))
+        after_step = after_step_hook(
+            config=config, world=world, optimizer=optimizer, epoch=epoch, warmup=warmup, save=save,
+            gradients=lambda: {n: p.grad for n, p in split.module.named_parameters() if p.grad is not None})
 
         stats = train_split_epoch(split, optimizer, images, labels, world=world,
                                   global_batch_size=config.global_batch_size, seed=config.seed, epoch=epoch,

@@ -99,14 +99,17 @@ def test_scaling_bench_smoke(tmp_path, capsys):
                        "--warmup-steps", "1", "--rounds", "1"], tmp_path)
     assert payload["cores"] <= SMOKE_CORES and all(v["threads_per_proc"] <= SMOKE_CORES for v in payload["variants"])
     names = [v["name"] for v in payload["variants"]]
-    assert names[:6] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "ddp/2", "ddp/2 tuned", "ceiling/2"]
+    bound = ["phalanx/2 bound"] if payload["cores"] >= 2 else []  # --bind-cores needs a core per worker
+    assert names[:6 + len(bound)] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", *bound, "ddp/2", "ddp/2 tuned",
+                                      "ceiling/2"]
     assert "torch 1 thread" in names
     assert [r["variant"] for r in payload["results"]] == names
     assert all(r["global_batch_size"] == 8 and r["images_per_s"]["median"] > 0 for r in payload["results"])
     assert {r["metric"] for r in payload["ratios"]} == {
         "phalanx_vs_gloo_exchange", "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process",
         "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
-        "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency"}
+        "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency",
+        *(["bound_cores_vs_unbound"] if bound else [])}
     per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"]}
     efficiency = next(r for r in payload["ratios"] if r["metric"] == "scaling_efficiency")
     assert efficiency["ratio"]["median"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))

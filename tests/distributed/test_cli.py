@@ -6,7 +6,6 @@ import sys
 import pytest
 
 from phalanx.cli import main
-from phalanx.data.idx import write_idx  # noqa: F401  (fixtures below build broken data dirs)
 
 pytestmark = pytest.mark.distributed
 

@@ -145,3 +145,21 @@ def test_spawn_single_runs_one_device_in_a_set_up_worker():
     assert in_process[0][0] == os.getpid()
     pid, allocator, world_size = spawned[0]
     assert pid != os.getpid() and allocator == "0" and world_size == 1
+
+
+def report_placement(world):
+    import torch
+    return sorted(os.sched_getaffinity(0)), torch.get_num_threads()
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and at least 2 cores")
+def test_bind_cores_pins_each_worker_to_its_own_cores():
+    from phalanx.binding import allowed_cores
+    cores = allowed_cores()
+    placed = launch(report_placement, spec=_spec(2, threads_per_device=None, bind_cores=True))
+    per = len(cores) // 2
+    assert [sorted(mine) for mine, _ in placed] == [sorted(cores[:per]), sorted(cores[per:2 * per])]
+    assert [threads for _, threads in placed] == [per, per]  # one thread per core of its share
+    unbound = launch(report_placement, spec=_spec(2))
+    assert all(mine == sorted(os.sched_getaffinity(0)) for mine, _ in unbound)  # opt-in: default leaves them be

@@ -14,10 +14,12 @@ import re
 
 import pytest
 
+from phalanx.binding import allowed_cores
 from phalanx.cli import build_parser, main
 
 NOWHERE = "/nonexistent-phalanx-12"
-PROC = "/proc/phalanx-12"  # a virtual filesystem: "writable" by mode bits, yet no mkdir succeeds
+PROC = "/proc/phalanx-12"
+TOO_MANY = f"cpu:{len(allowed_cores()) + 1}"  # more workers than this host has cores  # a virtual filesystem: "writable" by mode bits, yet no mkdir succeeds
 
 # (argv, pattern the one line must match)
 FLAG_CASES = [
@@ -35,6 +37,8 @@ FLAG_CASES = [
     (["train", "--dtype", "float16"], r"--dtype 'float16' is unknown; choose one of"),
     (["train", "--out", f"{PROC}/run"], r"--out .* cannot be created .*; pick a directory on a writable filesystem"),
     (["train", "--threads-per-device", "0"], r"--threads-per-device 0 must be at least 1"),
+    (["train", "--bind-cores", "--devices", TOO_MANY, "--dataset", "synthetic"],
+     r"--bind-cores needs a core per worker: \d+ workers on this host, \d+ cores available; use at most"),
     (["train", "--timeout", "0"], r"--timeout 0\.0 must be a positive number of seconds"),
     (["train", "--no-progress=yes"], r"argument --no-progress: ignored explicit argument 'yes'"),
     (["train", "--no-overlap=yes"], r"argument --no-overlap: ignored explicit argument 'yes'"),
@@ -135,6 +139,7 @@ FLAG_CASES = [
     (["run", "--devices", "0", "train.py"], r"--devices 0 asks for no device"),
     (["run", "--timeout", "0", "train.py"], r"--timeout 0\.0 must be a positive number of seconds"),
     (["run", "--threads-per-device", "0", "train.py"], r"--threads-per-device 0 must be at least 1"),
+    (["run", "--bind-cores", "--devices", TOO_MANY, "train.py"], r"--bind-cores needs a core per worker"),
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
     (["run"], r"the following arguments are required: script"),

@@ -113,7 +113,7 @@ def test_configs_reject_bad_numbers_by_name(make, words):
 
 def test_contenders_are_set_up_as_each_user_would_get_them():
     by_name = {v.name: v for v in variants(3, cores=4)}
-    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "phalanx/3 gloo", "ddp/3", "ddp/3 tuned", "ceiling/3",
+    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "phalanx/3 gloo", "phalanx/3 bound", "ddp/3", "ddp/3 tuned", "ceiling/3",
                              "torch 1 thread", "torch 4 threads", "torch 4 threads tuned"]
     assert [(by_name[f"phalanx/{j}"].num_procs, by_name[f"phalanx/{j}"].threads_per_proc) for j in (1, 2, 3)] == [
         (1, 4), (2, 2), (3, 1)]
@@ -134,14 +134,19 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     # phalanx's default exchange (auto: shm on one host) against the same run over gloo.
     assert [by_name[n].algorithm for n in ("phalanx/1", "phalanx/3", "phalanx/3 gloo")] == ["auto", "auto", "native"]
     assert (by_name["phalanx/3 gloo"].num_procs, by_name["phalanx/3 gloo"].threads_per_proc) == (3, 1)
+    # --bind-cores priced beside the default: the same run, each worker on its own cores.
+    bound = by_name["phalanx/3 bound"]
+    assert (bound.bind_cores, bound.algorithm, bound.num_procs) == (True, "auto", 3)
+    assert not any(v.bind_cores for n, v in by_name.items() if n != "phalanx/3 bound")
+    assert "phalanx/4 bound" not in {v.name for v in variants(4, cores=2)}  # no core of its own for each
 
 
 def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():
     names = [v.name for v in variants(2, cores=2, grad_dtype="bf16")]
-    assert names[:4] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "phalanx/2 bf16"]
+    assert names[:5] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "phalanx/2 bound", "phalanx/2 bf16"]
     compressed = {v.name: v for v in variants(2, cores=2, grad_dtype="bf16")}["phalanx/2 bf16"]
-    assert (compressed.num_procs, compressed.threads_per_proc, compressed.grad_dtype, compressed.algorithm) == (
-        2, 1, "bf16", "auto")
+    assert (compressed.num_procs, compressed.threads_per_proc, compressed.grad_dtype, compressed.algorithm,
+            compressed.bind_cores) == (2, 1, "bf16", "auto", False)
 
 
 def test_wide_mlp_is_the_heavier_model():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import os
 import urllib.error
 from pathlib import Path
 

@@ -1,0 +1,52 @@
+"""The terminal table and the chart of `phalanx bench scaling` (the measurement is scaling.py).
+
+Per global batch size: images/s of every contender (median, min-max over interleaved rounds)
+with its process set-up, then each ratio phalanx is judged by (median of per-round ratios); the
+chart draws the same images/s as bars with min-max whiskers, phalanx's in blue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from phalanx.bench.timing import Spread, format_table, new_figure
+
+
+def report_scaling(payload: dict[str, Any]) -> str:
+    variants_by_name = {v["name"]: v for v in payload["variants"]}
+    settings = ", ".join(f"{k}={v}" for k, v in payload["phalanx_data_parallel"].items())
+    lines = [f"phalanx ran DataParallel({settings}); DDP its defaults", ""]
+    for batch in payload["config"]["global_batch_sizes"]:
+        rows = []
+        for r in (r for r in payload["results"] if r["global_batch_size"] == batch):
+            v = variants_by_name[r["variant"]]
+            setup = f"{v['num_procs']} x {v['threads_per_proc']} thr" + (", alloc env" if v["allocator_env"] else "")
+            setup += ", NHWC" if v.get("memory_format", "contiguous") != "contiguous" and payload["config"]["model"] != "mlp" else ""
+            rows.append((r["variant"], setup, Spread.from_dict(r["images_per_s"]).fmt(0)))
+        lines.append(f"{payload['config']['model']}, global batch {batch}: images/s, median (min-max) of "
+                     f"{payload['config']['rounds']} interleaved rounds, {payload['config']['steps']} timed steps each")
+        lines += [format_table(["configuration", "processes", "images/s"], rows), ""]
+        for r in (r for r in payload["ratios"] if r["global_batch_size"] == batch):
+            label = f"{r.get('numerator', 'phalanx/' + str(r['num_devices']))} / {r['against']}"
+            lines.append(f"  {r['metric']:<42} {label:<36} {Spread.from_dict(r['ratio']).fmt(2)}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def plot_scaling(payload: dict[str, Any]):
+    """Images/s per configuration (bars at the median, whiskers at min and max), one panel per batch."""
+    batches = payload["config"]["global_batch_sizes"]
+    fig, axes = new_figure(len(batches), width_per_plot=5.5)
+    for ax, batch in zip(axes, batches):
+        rows = [r for r in payload["results"] if r["global_batch_size"] == batch]
+        names = [r["variant"] for r in rows]
+        med = [r["images_per_s"]["median"] for r in rows]
+        err = [[m - r["images_per_s"]["min"] for m, r in zip(med, rows)],
+               [r["images_per_s"]["max"] - m for m, r in zip(med, rows)]]
+        colors = ["tab:blue" if n.startswith("phalanx") else "tab:gray" for n in names]
+        ax.barh(names, med, xerr=err, color=colors, capsize=3)
+        ax.invert_yaxis()
+        ax.set_xlabel("images/s")
+        ax.set_title(f"{payload['config']['model']}, global batch {batch}", fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    return fig

@@ -1,0 +1,96 @@
+"""Where CPU workers run and with how many threads: by default cores / local workers each; with
+`--bind-cores`, each of a host's k workers on its own disjoint set of cores.
+
+Unbound, the kernel may move a worker's threads between cores and stack two workers' threads
+on one core while another idles; in lockstep training every step then waits for the unluckiest
+worker. `--bind-cores` splits the cores this process may use (its affinity mask, so a container's
+or `taskset`'s limit is respected) into k equal contiguous slices and pins local rank r to slice
+r, with as many threads as the slice has cores. Cores are ordered by (package, core id) so the
+hyperthread siblings of one physical core land in the same slice: two workers never share a
+core's execution units. Cores left over when k does not divide the count stay unused, so every
+worker gets the same share (the slowest worker sets a lockstep run's pace).
+
+It is opt-in: two runs that both bind on one host would pin to the same cores. DeepSpeed's
+`--bind_cores_to_rank` and Intel's launcher make the same split (numactl per rank); here it is
+`os.sched_setaffinity` in the worker itself, before its thread pool starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from phalanx.errors import UsageError
+
+_TOPOLOGY = "/sys/devices/system/cpu/cpu{}/topology/{}"
+
+
+def allowed_cores() -> list[int]:
+    """The CPUs this process may run on, siblings of one physical core next to each other."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux: no affinity API, no binding
+        return list(range(os.cpu_count() or 1))
+    return sorted(cpus, key=lambda cpu: (_topology(cpu, "physical_package_id"), _topology(cpu, "core_id"), cpu))
+
+
+def _topology(cpu: int, field: str) -> int:
+    try:
+        with open(_TOPOLOGY.format(cpu, field)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return cpu if field == "core_id" else 0  # unknown topology: every CPU its own core
+
+
+def cores_for(local_rank: int, local_world_size: int, cores: list[int] | None = None) -> list[int]:
+    """Local rank `local_rank`'s slice of `cores` (default: allowed_cores()) among `local_world_size`."""
+    cores = allowed_cores() if cores is None else cores
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"local_rank {local_rank} must be in [0, {local_world_size})")
+    check_bindable(local_world_size, len(cores))
+    per = len(cores) // local_world_size
+    return cores[local_rank * per:(local_rank + 1) * per]
+
+
+def check_bindable(local_world_size: int, num_cores: int) -> None:
+    """Refuse, in one line, a binding that would leave a worker without a core of its own."""
+    if local_world_size > num_cores:
+        raise UsageError(f"--bind-cores needs a core per worker: {local_world_size} workers on this host, "
+                         f"{num_cores} cores available; use at most {num_cores} devices or drop --bind-cores")
+
+
+def bind_to_cores(local_rank: int, local_world_size: int) -> list[int]:
+    """Pin this process to its slice; return the slice (its length is the thread count to use)."""
+    mine = cores_for(local_rank, local_world_size)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, mine)
+    return mine
+
+
+def describe(cores: list[int]) -> str:
+    """"0-3", "0,8,1,9": a slice as a short readable list."""
+    if cores == list(range(cores[0], cores[0] + len(cores))):
+        return str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def available_cores() -> int:
+    """The cores this process may use (its affinity mask), or the CPU count off Linux."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_threads(local_workers: int) -> int:
+    return max(1, available_cores() // max(1, local_workers))
+
+
+def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, threads: int | None,
+                 cpu: bool = True) -> None:
+    """Set up this worker's cores (its own slice with `bind_cores`) and, for a CPU device, its
+    threads: `threads`, else one per core it may use (cores / local workers, or its slice)."""
+    share = len(bind_to_cores(local_rank, local_world_size)) if bind_cores else default_threads(local_world_size)
+    if cpu:
+        torch.set_num_threads(threads or share)

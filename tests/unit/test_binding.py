@@ -1,0 +1,45 @@
+"""--bind-cores' split of a host's cores: equal, disjoint, hyperthread siblings together,
+leftovers unused, and a one-line refusal when workers outnumber cores."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx import binding
+from phalanx.errors import UsageError
+
+
+def test_slices_are_equal_disjoint_and_in_rank_order():
+    cores = list(range(16))
+    slices = [binding.cores_for(r, 4, cores) for r in range(4)]
+    assert slices == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_leftover_cores_stay_unused_so_every_worker_gets_the_same_share():
+    slices = [binding.cores_for(r, 3, list(range(8))) for r in range(3)]
+    assert [len(s) for s in slices] == [2, 2, 2]
+    assert len({c for s in slices for c in s}) == 6
+
+
+def test_hyperthread_siblings_land_in_one_slice(monkeypatch):
+    # Linux numbers 8 cores x 2 threads as cpu0-7 then their siblings cpu8-15 (core_id = cpu % 8).
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(binding, "_topology", lambda cpu, field: cpu % 8 if field == "core_id" else 0)
+    order = binding.allowed_cores()
+    assert order[:4] == [0, 8, 1, 9]
+    assert binding.cores_for(1, 4, order) == [2, 10, 3, 11]
+    assert binding.describe([2, 10, 3, 11]) == "2,10,3,11" and binding.describe([4, 5, 6]) == "4-6"
+
+
+def test_affinity_mask_is_respected(monkeypatch):
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: {2, 3, 6, 7}, raising=False)
+    monkeypatch.setattr(binding, "_topology", lambda cpu, field: cpu if field == "core_id" else 0)
+    assert [binding.cores_for(r, 2) for r in range(2)] == [[2, 3], [6, 7]]
+
+
+def test_more_workers_than_cores_is_refused_in_one_line():
+    with pytest.raises(UsageError, match=r"--bind-cores needs a core per worker: 3 workers on this host, 2 cores "
+                                         r"available; use at most 2 devices or drop --bind-cores"):
+        binding.cores_for(0, 3, [0, 1])
+    with pytest.raises(ValueError, match="local_rank 2 must be in"):
+        binding.cores_for(2, 2, [0, 1])
