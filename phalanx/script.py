@@ -25,7 +25,7 @@ import torch
 
 from phalanx.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
-from phalanx.binding import default_threads
+from phalanx.binding import place_worker
 from phalanx.launch import LaunchSpec, launch
 from phalanx.world import World, launcher_env, start_world, stop_world
 
@@ -56,8 +56,8 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
                       device=torch.device("cuda:0" if use_cuda else "cpu"))
     else:
         torch_device = torch.device(f"cuda:{env.local_rank}" if use_cuda else "cpu")
-        if not use_cuda:
-            torch.set_num_threads(default_threads(env.local_world_size))
+        if not use_cuda:  # a CPU worker torchrun started: set up as phalanx's own workers are
+            place_worker(env.local_rank, env.local_world_size, bind_cores=False, threads=None)
         world = start_world(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                             local_world_size=env.local_world_size, device=torch_device,
                             master_addr=env.master_addr, master_port=env.master_port, timeout_s=timeout_s,
