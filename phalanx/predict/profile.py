@@ -8,11 +8,14 @@ launches buckets from - stamps when each gradient lands; a bucket is ready when 
 A device is profiled as it will run at k: with its share of the batch (the largest shard,
 ceil(B/k): the slowest rank sets the pace) and, when the k devices are processes sharing this
 host (loopback), with the thread count each worker gets (cores // k, at least 1) *and* with as
-many copies running at the same time as fit on the cores - co-running processes slow each other
-down (memory bandwidth, caches: ~18% for two LeNet workers, BASELINES.md), which a lone
-process would not show. Beyond the cores the time-slicing is arithmetic (timeline.py), from
-the cores other programs kept busy meanwhile (/proc/stat's busy time minus the profile's own
-CPU time): a shared machine's other load decides how much k processes can take. The
+many copies running at the same time as it will have, up to twice the cores - co-running
+processes slow each other down (memory bandwidth, caches: ~18% for two LeNet workers,
+BASELINES.md), and time-sliced ones more than the arithmetic share (context switches; with only
+as many copies as cores the k = 3 prediction on 2 cores read +26%, with all three -2%), which a
+lone process would not show. Beyond twice the cores the time-slicing is arithmetic
+(timeline.py), from the cores other programs kept busy meanwhile (/proc/stat's busy time minus
+the profile's own CPU time): a shared machine's other load decides how much k processes can
+take. The
 profile runs in fresh processes with phalanx's worker set-up (allocator setting, channels_last,
 synthetic in-memory batch, as `bench scaling`).
 """
@@ -34,6 +37,9 @@ from phalanx.comm import AsyncComm
 from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
 from phalanx.predict.timeline import DeviceProfile
 from phalanx.world import World
+
+
+OVERSUBSCRIBE_PROFILED = 2  # profile up to this many processes per core as they will run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +73,10 @@ def phase_for(world_size: int, global_batch_size: int, cores: int, *, shares_hos
     if not shares_host:
         return Phase(batch_size_per_device=batch, threads=cores, co_runners=1)
     threads = max(1, cores // world_size)
-    return Phase(batch_size_per_device=batch, threads=threads, co_runners=max(1, min(world_size, cores // threads)))
+    # Up to twice the cores, run all k copies: past the cores, time-slicing k lockstep processes
+    # costs more than the arithmetic share (context switches, caches); beyond that, arithmetic.
+    return Phase(batch_size_per_device=batch, threads=threads,
+                 co_runners=max(1, min(world_size, OVERSUBSCRIBE_PROFILED * cores // threads)))
 
 
 def _replica(job: ProfileJob) -> DataParallel:
