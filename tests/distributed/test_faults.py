@@ -59,30 +59,41 @@ def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("devices, victim", [(2, 1), (3, 2)])
-def test_a_killed_worker_stops_every_process_fast_naming_rank_and_step(tmp_path, devices, victim):
-    out = tmp_path / "run"
-    proc = subprocess.Popen([*PHALANX, "train", "--devices", f"cpu:{devices}", "--dataset", "synthetic", "--epochs", "200",
-                             "--no-progress", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+def kill_a_worker_mid_run(argv: list[str], out: Path, devices: int, victim: int, *, start_timeout_s: float = 120.0,
+                          stop_timeout_s: float = 60.0) -> tuple[int, str, float, list[int]]:
+    """Start `phalanx <argv> --out out`, SIGKILL worker `victim` once epoch 1 is done; return the
+    launcher's exit code, its stderr, seconds from the kill to its exit, and the workers' pids."""
+    proc = subprocess.Popen([*PHALANX, *argv, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         workers = _workers(proc.pid, devices)
-        _wait_for(out / "metrics.jsonl")  # training is under way: epoch 1 is done
+        _wait_for(out / "metrics.jsonl", timeout_s=start_timeout_s)  # training is under way: epoch 1 is done
         os.kill(workers[victim], signal.SIGKILL)
         killed_at = time.monotonic()
-        _, stderr = proc.communicate(timeout=60)
+        _, stderr = proc.communicate(timeout=stop_timeout_s)
         elapsed_s = time.monotonic() - killed_at
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert elapsed_s < 30, f"took {elapsed_s:.1f} s to stop"
-    first = stderr.strip().splitlines()[0]
-    assert f"worker rank {victim} failed: died (signal SIGKILL) after step" in first, stderr[-2000:]
-    deadline = time.monotonic() + 10
+    return proc.returncode, stderr, elapsed_s, workers
+
+
+def assert_all_gone(workers: list[int], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
     while any(_alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in workers), "a worker outlived the run"
+
+
+@pytest.mark.parametrize("devices, victim", [(2, 1), (3, 2)])
+def test_a_killed_worker_stops_every_process_fast_naming_rank_and_step(tmp_path, devices, victim):
+    argv = ["train", "--devices", f"cpu:{devices}", "--dataset", "synthetic", "--epochs", "200", "--no-progress"]
+    returncode, stderr, elapsed_s, workers = kill_a_worker_mid_run(argv, tmp_path / "run", devices, victim)
+    assert returncode != 0
+    assert elapsed_s < 30, f"took {elapsed_s:.1f} s to stop"
+    first = stderr.strip().splitlines()[0]
+    assert f"worker rank {victim} failed: died (signal SIGKILL) after step" in first, stderr[-2000:]
+    assert_all_gone(workers)
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
