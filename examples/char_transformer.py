@@ -91,8 +91,8 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = CharTransformer(len(vocab), block=args.block, d_model=args.d_model, heads=args.heads,
-                            layers=args.layers, dropout=args.dropout).to(getattr(torch, args.dtype))
-    dp = phalanx.DataParallel(model, world=world)
+                            layers=args.layers, dropout=args.dropout)
+    dp = phalanx.prepare(model, world=world, dtype=args.dtype)
     torch.manual_seed(args.seed * 1000 + world.rank)  # dropout: each rank its own masks
     optimizer = torch.optim.AdamW(dp.module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))

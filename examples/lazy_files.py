@@ -70,7 +70,7 @@ def main() -> None:
     phalanx.allreduce(torch.zeros(1), world=world)  # a barrier: rank 0's files exist before anyone lists them
     dataset = FileDataset(root)
     torch.manual_seed(0)
-    dp = phalanx.DataParallel(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)).double(), world=world)
+    dp = phalanx.prepare(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4)), world=world, dtype="float64")
     optimizer = torch.optim.SGD(dp.module.parameters(), lr=args.lr, momentum=0.9)
     loader = phalanx.ShardedLoader(dataset, world=world, global_batch_size=args.batch_size, seed=0,
                                    num_workers=args.loader_workers)

@@ -40,7 +40,9 @@ def main() -> None:
     train = TensorDataset(to_float(data.train_images).to(dtype), data.train_labels)
     test = TensorDataset(to_float(data.test_images).to(dtype), data.test_labels)
     torch.manual_seed(0)
-    dp = phalanx.DataParallel(lenet().to(dtype), world=world)
+    dp = phalanx.prepare(lenet(), world=world, dtype=dtype)  # on CPU a conv net runs in channels_last
+    if world.rank == 0:
+        print(dp.choices.describe(), flush=True)
     optimizer = torch.optim.SGD(dp.module.parameters(), lr=args.lr)
     loader = phalanx.ShardedLoader(train, world=world, global_batch_size=args.batch_size, seed=0)
     for epoch in range(args.epochs):

@@ -60,7 +60,7 @@ def main() -> None:
 
     world = phalanx.init()  # phalanx run, torchrun, or plain python: this worker's rank and device
     torch.manual_seed(args.seed)
-    dp = phalanx.DataParallel(mlp().to(dtype), world=world)  # broadcasts rank 0's weights
+    dp = phalanx.prepare(mlp(), world=world, dtype=dtype)  # a replica: rank 0's weights, broadcast
     optimizer = torch.optim.Adam(dp.module.parameters(), lr=args.lr)
     train = Spiral(args.examples, seed=1, dtype=dtype)
     test = Spiral(args.examples // 4 + 1, seed=2, dtype=dtype)

@@ -6,7 +6,7 @@ own script (run it with `phalanx run --devices cpu:3 script.py`, under torchrun,
 each name below is re-exported from the module that owns it.
 
     world = phalanx.init()                                   # rank, world size, device
-    dp = phalanx.DataParallel(model, world=world)            # rank 0's state, bucketed overlapped exchange
+    dp = phalanx.prepare(model, world=world)                 # replica: rank 0's state, layout, exchange
     loader = phalanx.ShardedLoader(dataset, world=world, global_batch_size=64, seed=0)
     for batch, global_size in loader.epoch(epoch):
         dp.zero_grad()
@@ -22,6 +22,7 @@ from phalanx.data.split import global_batches, rank_shard, shard_sizes, split_ba
 from phalanx.errors import RunFailed, UsageError
 from phalanx.parallel.clip import clip_grad_norm_
 from phalanx.parallel.data_parallel import DataParallel
+from phalanx.parallel.prepare import prepare
 from phalanx.parallel.sync_batchnorm import convert_sync_batchnorm
 from phalanx.script import init
 from phalanx.train.checkpoint import Position, checkpoint, resume
@@ -35,5 +36,5 @@ __version__ = "0.1.0"
 __all__ = [
     "DataParallel", "Position", "RunFailed", "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce",
     "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "global_batches",
-    "init", "rank_shard", "resume", "shard_loss", "shard_sizes", "split_batch", "train_batch",
+    "init", "prepare", "rank_shard", "resume", "shard_loss", "shard_sizes", "split_batch", "train_batch",
 ]

@@ -32,7 +32,7 @@ from phalanx.data import split_batch
 from phalanx.devices import parse_devices
 from phalanx.binding import available_cores
 from phalanx.launch import LaunchSpec, launch
-from phalanx.parallel import GRAD_DTYPES, DataParallel, apply_memory_format, resolve_memory_format
+from phalanx.parallel import GRAD_DTYPES, DataParallel, apply_memory_format, prepare, resolve_memory_format
 from phalanx.train.loop import train_batch
 from phalanx.world import World
 
@@ -156,8 +156,8 @@ def _barrier(world: World) -> Callable[[], object]:
 def _phalanx_worker(world: World, job: StepJob) -> float:
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
-    grad_dtype = None if job.grad_dtype is None else GRAD_DTYPES[job.grad_dtype]
-    with DataParallel(_build(job), world=world, grad_dtype=grad_dtype, algorithm=job.algorithm) as dp:
+    with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format,
+                 grad_dtype=job.grad_dtype, algorithm=job.algorithm) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
 
         def step() -> None:

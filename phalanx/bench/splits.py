@@ -101,7 +101,7 @@ class _DataParallelStep:
         for p in self.module.parameters():
             p.grad = None
 
-    def train_batch(self, X, y, *, global_batch_size):
+    def forward_backward(self, X, y, *, global_batch_size):
         start, stop = shard_bounds(X.shape[0], self.world.world_size, self.world.rank)
         (F.cross_entropy(self.module(X[start:stop]), y[start:stop], reduction="sum") / global_batch_size).backward()
         params = list(self.module.parameters())
@@ -134,7 +134,7 @@ def _worker(world: World, config: SplitsBenchConfig) -> dict:
                 start = time.perf_counter()
                 stepper.zero_grad()
                 with meter:
-                    stepper.train_batch(X, y, global_batch_size=config.global_batch_size)
+                    stepper.forward_backward(X, y, global_batch_size=config.global_batch_size)
                 optimizers[split].step()
                 step_s = time.perf_counter() - start
                 counts = stepper.transport.snapshot().minus(before)

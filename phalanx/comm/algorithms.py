@@ -53,10 +53,14 @@ def apply_flat(tensor: torch.Tensor, op: Callable[[torch.Tensor], None]) -> None
     tensor.copy_(flat.view(tensor.shape))
 
 
-def check_choice(choice: str) -> str:
-    """`choice` if it is auto or an algorithm; ValueError listing the valid names otherwise."""
+def check_choice(choice: str, *, flag: str | None = None) -> str:
+    """`choice` if it is auto or an algorithm; ValueError listing the valid names otherwise.
+
+    The one check of an allreduce name (configs, DataParallel, prepare): a config passes the
+    `flag` its users type, and the message then names it as the config's other checks do."""
     if choice not in CHOICES:
-        raise ValueError(f"unknown allreduce {choice!r}; choose one of {', '.join(CHOICES)}")
+        named = f"{flag} {choice!r} is unknown" if flag else f"unknown allreduce {choice!r}"
+        raise ValueError(f"{named}; choose one of {', '.join(CHOICES)}")
     return choice
 
 

@@ -1,9 +1,11 @@
-"""Parallelism strategies. Data parallelism: full replicas, split batches, summed gradients."""
+"""Parallelism strategies. Data parallelism: full replicas, split batches, summed gradients;
+`prepare` makes a user's model such a replica; the model splits (pipeline, channels) live in splits.py."""
 
 from phalanx.parallel.buckets import Bucket, build_buckets
 from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, DataParallel
 from phalanx.parallel.memory_format import MEMORY_FORMATS, apply_memory_format, format_name, resolve_memory_format
 from phalanx.parallel.overlap import OverlapScheduler
+from phalanx.parallel.prepare import Choices, prepare
 from phalanx.parallel.sync_batchnorm import (
     BATCHNORM_POLICIES,
     SyncBatchNorm,
@@ -13,5 +15,6 @@ from phalanx.parallel.sync_batchnorm import (
 )
 
 __all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel", "OverlapScheduler", "MEMORY_FORMATS",
+           "Choices", "prepare",
            "apply_memory_format", "format_name", "resolve_memory_format", "BATCHNORM_POLICIES", "SyncBatchNorm",
            "average_running_stats", "convert_sync_batchnorm", "has_sync_batchnorm"]

@@ -64,7 +64,7 @@ class ChannelSplit(ModelSplit):
         self.comm = ChannelComm(world=world, transport=self.transport)
         self.holds_output = world.is_main
 
-    def describe(self) -> str:
+    def layout(self) -> str:
         counts = ", ".join(f"{name} {'/'.join(map(str, c))}" for name, c in self.counts.items())
         return f"output channels split over {self.world.world_size} device(s) [{counts}]"
 
@@ -76,7 +76,7 @@ class ChannelSplit(ModelSplit):
             x = gather_channels(local, comm=self.comm, counts=self.counts[name], reduce=name != UNITS[-1])
         return x
 
-    def train_batch(self, X, y, *, global_batch_size):
+    def forward_backward(self, X, y, *, global_batch_size):
         logits = self.forward(X)
         loss_sum = F.cross_entropy(logits, y, reduction="sum")
         (loss_sum / global_batch_size).backward()

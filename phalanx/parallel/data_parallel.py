@@ -107,6 +107,7 @@ class DataParallel:
         self._closed = False
         # A phalanx.telemetry.Tracer to report each bucket's allreduce to, or None (the default).
         self.tracer = None
+        self.choices = None  # what phalanx.prepare chose (prepare.Choices); None when built directly
         self._comm: AsyncComm | None = None
         self._owns_comm = False
         self._scheduler: OverlapScheduler | None = None

@@ -1,11 +1,14 @@
-"""What the training loop needs from a model-parallel split, and the parts both splits share.
+"""What the training job needs from a model-parallel split, and the parts both splits share.
 
 A `ModelSplit` holds this device's share of one model (`module`: the parameters its optimizer
-updates), runs one step's forward and backward (`train_batch`: gradients only; the loop steps
-the optimizer), predicts for evaluation, and converts between its shards and one ordinary
-state dict of the whole model (`full_state_dict`, a collective; `load_full_state_dict`), so
-that `model.pt` and checkpoints look the same whichever split wrote them. All its traffic goes
-through `transport` (a `CountingTransport`), so bytes and blocked time are counted.
+updates) and provides what the job drives every way of splitting through (train/loop.py's
+`Strategy`; DataParallel provides it through `DataSplit`): `rows` (every rank reads the whole
+global batch), `forward_backward` (one step's gradients; the loop steps the optimizer),
+`predict` for evaluation, `named_gradients` for the finite check, and the whole model: its
+state dict from the shards (`full_state_dict`, a collective; `load_full_state_dict`) and
+`whole_model()`, so that `model.pt` and checkpoints look the same whichever split wrote them.
+All its traffic goes through `transport` (a `CountingTransport`), so bytes and blocked time
+are counted.
 """
 
 from __future__ import annotations
@@ -27,12 +30,17 @@ class ModelSplit:
     world: World
     holds_output: bool  # this rank sees the logits: it counts loss, correct and examples
 
+    # Shards are not replicas: each rank holds a different part, so there is nothing to compare.
+    check_replicas = None
+
     def __init__(self, *, world: World, full_model: nn.Module, transport: CountingTransport | None) -> None:
         self.world = world
         self.transport = transport if transport is not None else CountingTransport()
         self.keys = list(full_model.state_dict())  # the whole model's key order, for full_state_dict
+        self.whole = full_model  # whole_model() gathers the shards into it
 
-    def train_batch(self, X: torch.Tensor, y: torch.Tensor, *, global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_backward(self, X: torch.Tensor, y: torch.Tensor, *,
+                         global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one global batch (X, y); (loss sum, correct) on holders, zeros elsewhere."""
         raise NotImplementedError
 
@@ -40,8 +48,32 @@ class ModelSplit:
         """Logits for X on ranks that hold the output, None elsewhere (every rank must call)."""
         raise NotImplementedError
 
-    def describe(self) -> str:
+    def layout(self) -> str:
+        """Where the model's parts live, in words (the plan of stages or of channel slices)."""
         raise NotImplementedError
+
+    def describe(self) -> str:
+        """The run's first log line's account of the split."""
+        return f"split {self.name}: {self.layout()}; activations sent point to point, contiguous"
+
+    def facts(self) -> dict:
+        """What a metrics row and the pre-flight check record about the split."""
+        return {"split": self.name, "micro_batches": None, "schedule": None}
+
+    def rows(self, total: int) -> tuple[int, int]:
+        """Every rank reads all of a global batch: each computes its part of the model for all of it."""
+        return 0, total
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
+
+    def whole_model(self) -> nn.Module:
+        """The whole model holding the shards' current values, on every rank (a collective)."""
+        self.whole.load_state_dict(self.full_state_dict())
+        return self.whole
+
+    def close(self) -> None:
+        """A split owns no thread or process group of its own: nothing to release."""
 
     def assemble(self, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The whole model's tensors from every rank's `module.state_dict()`, in rank order."""

@@ -71,11 +71,14 @@ class Pipeline(ModelSplit):
         self.holds_output = self.last
         self.link = StageLink(rank=world.rank, world_size=world.world_size, transport=self.transport)
 
-    def describe(self) -> str:
+    def layout(self) -> str:
         stages = " | ".join("+".join(s) for s in self.plan)
         return f"{self.schedule} pipeline of {len(self.plan)} stage(s) [{stages}], {self.micro_batches} micro-batches per step"
 
-    def train_batch(self, X, y, *, global_batch_size):
+    def facts(self) -> dict:
+        return {**super().facts(), "micro_batches": self.micro_batches, "schedule": self.schedule}
+
+    def forward_backward(self, X, y, *, global_batch_size):
         pieces = split_batch(X, y, min(self.micro_batches, X.shape[0]))
         self._X, self._pieces, self._n = X, pieces, global_batch_size
         self._inputs, self._outputs, self._loss_sum, self._correct = {}, {}, *self.output_tensors()

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from phalanx.bench.mlp import BENCH_MODELS
-from phalanx.comm import CHOICES
+from phalanx.comm import check_choice
 from phalanx.comm.shm import shm_supported
 from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
 
@@ -96,8 +96,7 @@ class PredictConfig:
     def __post_init__(self) -> None:
         if self.model not in BENCH_MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(BENCH_MODELS)}")
-        if self.algorithm not in CHOICES:
-            raise ValueError(f"unknown allreduce {self.algorithm!r}; choose one of {', '.join(CHOICES)}")
+        check_choice(self.algorithm)
         if self.algorithm == "auto":  # as training's auto: shm for processes sharing this host
             local = self.interconnect.shares_host and shm_supported() is None
             object.__setattr__(self, "algorithm", "shm" if local else "native")

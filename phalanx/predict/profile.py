@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from phalanx.bench.mlp import build_bench_model
 from phalanx.bench.procs import run_fresh
 from phalanx.comm import AsyncComm
-from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
+from phalanx.data import shard_sizes
+from phalanx.parallel import DataParallel, prepare
 from phalanx.predict.timeline import DeviceProfile
 from phalanx.world import World
 
@@ -69,7 +70,7 @@ class ProfileJob:
 
 def phase_for(world_size: int, global_batch_size: int, cores: int, *, shares_host: bool) -> Phase:
     """How one of `world_size` devices runs: its shard, its threads, how many run beside it."""
-    batch = -(-global_batch_size // world_size)  # the largest shard of split_batch
+    batch = shard_sizes(global_batch_size, world_size)[0]  # the largest shard of split_batch
     if not shares_host:
         return Phase(batch_size_per_device=batch, threads=cores, co_runners=1)
     threads = max(1, cores // world_size)
@@ -80,13 +81,12 @@ def phase_for(world_size: int, global_batch_size: int, cores: int, *, shares_hos
 
 
 def _replica(job: ProfileJob) -> DataParallel:
-    model = build_bench_model(job.model)
-    model = apply_memory_format(model, resolve_memory_format("auto", model, torch.device("cpu")))
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                   backend="none", timeout_s=60.0)  # a device alone: DataParallel exchanges nothing
     # The comm handed in keeps the buckets and hooks a world of one otherwise leaves out: the
     # step profiled is the one each of k > 1 devices runs (its allreduces return at once here).
-    return DataParallel(model, world=world, bucket_cap_mb=job.bucket_cap_mb, comm=AsyncComm(world=world))
+    return prepare(build_bench_model(job.model), world=world, bucket_cap_mb=job.bucket_cap_mb,
+                   comm=AsyncComm(world=world))
 
 
 class _StepClock:

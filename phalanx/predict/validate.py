@@ -24,7 +24,7 @@ from phalanx.bench.procs import run_fresh
 from phalanx.data import split_batch
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
-from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
+from phalanx.parallel import prepare
 from phalanx.predict.profile import host_busy_s, others_busy_cores
 from phalanx.train.loop import train_batch
 from phalanx.world import World
@@ -56,9 +56,8 @@ def _phalanx_worker(world: World, job: MeasureJob) -> dict:
     X = torch.randn(job.global_batch_size, 1, 28, 28, generator=generator)
     y = torch.randint(0, 10, (job.global_batch_size,), generator=generator)
     X, y = (t.contiguous() for t in split_batch(X, y, world.world_size)[world.rank])
-    model = build_bench_model(job.model)
-    model = apply_memory_format(model, resolve_memory_format("auto", model, world.device))
-    with DataParallel(model, world=world, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb) as dp:
+    with prepare(build_bench_model(job.model), world=world, algorithm=job.algorithm,
+                 bucket_cap_mb=job.bucket_cap_mb) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
         for _ in range(job.warmup_steps):
             train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)

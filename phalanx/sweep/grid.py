@@ -5,6 +5,8 @@ batch is k·b, as when each added GPU brings its own b) × learning-rate rules. 
 number, or `scaled`: the linear-scaling rule of Goyal et al. (2017, "Accurate, Large Minibatch
 SGD", section 2.1), lr = base_lr × global_batch / base_batch, with their gradual warmup for the
 points whose lr it raises above base_lr (a smaller lr needs no warmup: it is already stable).
+Each point is exactly a `phalanx train` run, so a `SweepConfig` validates what the two share
+(model, dataset, epochs, seed, threads, timeout) by building every point's `TrainConfig`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from phalanx.models import MODELS
-from phalanx.train.config import DATASETS
+from phalanx.train.config import TrainConfig
 
 SCALED = "scaled"
 
@@ -72,23 +73,17 @@ class SweepConfig:
             raise ValueError(f"--base-lr {self.base_lr} must be a positive finite number; use e.g. --base-lr 0.2")
         if self.base_batch < 1:
             raise ValueError(f"--base-batch {self.base_batch} must be at least 1; use e.g. --base-batch 256")
-        if self.seed < 0:
-            raise ValueError(f"--seed {self.seed} must be 0 or more; use e.g. --seed 0")
-        if self.epochs < 1:
-            raise ValueError(f"--epochs {self.epochs} must be at least 1")
-        if not (0 <= self.warmup_epochs < self.epochs):
-            raise ValueError(f"--warmup-epochs {self.warmup_epochs} must be at least 0 and below --epochs "
-                             f"{self.epochs}, so the scaled lr is reached")
+        warmup_error = (f"--warmup-epochs {self.warmup_epochs} must be at least 0 and below --epochs "
+                        f"{self.epochs}, so the scaled lr is reached")
+        if not self.warmup_epochs >= 0:
+            raise ValueError(warmup_error)
+        # The training settings are TrainConfig's to judge (the same one-line messages as train's).
+        for point in expand_grid(self):
+            train_config(self, point, dataset=self.dataset, data_dir=self.data_dir)
+        if not self.warmup_epochs < self.epochs:
+            raise ValueError(warmup_error)
         if not 0 < self.target_acc <= 1:
             raise ValueError(f"--target {self.target_acc} is not an accuracy; give one in (0, 1], e.g. --target 0.7")
-        if self.model not in MODELS:
-            raise ValueError(f"--model {self.model!r} is unknown; choose one of {', '.join(MODELS)}")
-        if self.dataset is not None and self.dataset not in DATASETS:
-            raise ValueError(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
-        if self.threads_per_device < 1:
-            raise ValueError(f"--threads-per-device {self.threads_per_device} must be at least 1")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout {self.timeout_s} must be a positive number of seconds")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,3 +140,11 @@ def expand_grid(config: SweepConfig) -> list[GridPoint]:
     """Every (k, b, rule), ordered by k first: one launch of k workers trains all of k's points."""
     return [make_point(config, num_devices=k, batch_size_per_device=b, rule=rule)
             for k in config.num_devices for b in config.batch_sizes_per_device for rule in config.lr_rules]
+
+
+def train_config(config: SweepConfig, point: GridPoint, *, dataset: str | None, data_dir: str | None) -> TrainConfig:
+    """The `phalanx train` run one point is (a ValueError naming the setting it cannot be)."""
+    return TrainConfig(model=config.model, dataset=dataset, data_dir=data_dir, epochs=config.epochs,
+                       global_batch_size=point.global_batch_size, lr=point.lr, warmup_epochs=point.warmup_epochs,
+                       seed=config.seed, threads_per_device=config.threads_per_device,
+                       timeout_s=config.timeout_s, progress=False)

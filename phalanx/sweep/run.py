@@ -24,7 +24,7 @@ from phalanx.atomic import atomic_write_bytes
 from phalanx.data import load_dataset
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
-from phalanx.sweep.grid import GridPoint, SweepConfig, expand_grid
+from phalanx.sweep.grid import GridPoint, SweepConfig, expand_grid, train_config
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import train_worker
 from phalanx.world import World
@@ -60,13 +60,6 @@ def summarize(point: GridPoint, history: Sequence[dict[str, Any]], *, target_acc
         "history": [{k: r[k] for k in ("epoch", "train_loss", "train_acc", "test_acc", "epoch_s")} for r in history],
         "settings": settings,
     }
-
-
-def train_config(config: SweepConfig, point: GridPoint, *, dataset: str, data_dir: str | None) -> TrainConfig:
-    return TrainConfig(model=config.model, dataset=dataset, data_dir=data_dir, epochs=config.epochs,
-                       global_batch_size=point.global_batch_size, lr=point.lr, warmup_epochs=point.warmup_epochs,
-                       seed=config.seed, threads_per_device=config.threads_per_device,
-                       timeout_s=config.timeout_s, progress=False)
 
 
 def point_settings(train: TrainConfig, point: GridPoint) -> dict[str, Any]:

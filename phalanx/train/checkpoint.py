@@ -8,9 +8,11 @@ global batch size, seed, dtype). The data position needs nothing more: each epoc
 permutation seeded by (seed, epoch), so skipping the steps already done puts every rank exactly
 where it was, and a resumed run ends with the same parameters as an uninterrupted one.
 
-Rank 0 writes; every rank reads. Loading uses `torch.load(..., weights_only=True)` - a file
-that needs arbitrary unpickling (tampered, or not a checkpoint) is refused - and compares the
-fingerprint with the current run before anything is applied, naming the first mismatch.
+`resume_run` is where `phalanx train` starts (a checkpoint named by --resume, or found by a
+torchrun restart); `checkpoint`/`resume` are a user script's. Rank 0 writes; every rank reads.
+Loading uses `torch.load(..., weights_only=True)` - a file that needs arbitrary unpickling
+(tampered, or not a checkpoint) is refused - and compares the fingerprint with the current run
+before anything is applied, naming the first mismatch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import io
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -27,7 +29,8 @@ import torch.distributed as dist
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.errors import UsageError
-from phalanx.world import World
+from phalanx.train.config import TrainConfig
+from phalanx.world import World, launcher_env
 
 FORMAT = "phalanx-checkpoint-1"
 FILENAME = "checkpoint.pt"
@@ -50,6 +53,12 @@ def fingerprint(model: torch.nn.Module, *, model_name: str, global_batch_size: i
     """What a checkpoint must agree on with the run that loads it."""
     return {"model": model_name, "global_batch_size": global_batch_size, "seed": seed, "dtype": dtype,
             "parameters": [[name, list(p.shape)] for name, p in model.named_parameters()]}
+
+
+def run_fingerprint(config: TrainConfig, model: torch.nn.Module) -> dict:
+    """A `phalanx train` run's fingerprint: its whole model and the settings that decide the update."""
+    return fingerprint(model, model_name=config.model, global_batch_size=config.global_batch_size, seed=config.seed,
+                       dtype=config.dtype)
 
 
 def checkpoint_path(location: str | Path) -> Path:
@@ -154,6 +163,33 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
     totals = state.get("epoch_totals") or [[]]
     mine = totals[world.rank] if world.rank < len(totals) else []
     return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(mine))
+
+
+def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               log: Callable[[str], None]) -> Position:
+    """Where a `phalanx train` run starts: a checkpoint's position, or epoch 0, step 0.
+
+    From `--resume DIR`, `--resume auto` (the checkpoint dir's checkpoint if there is one), or -
+    when torchrun restarts a job that checkpoints - auto. The checkpoint is checked against and
+    restored into `model`, the whole model (whichever way the run splits it), and `optimizer`,
+    one over that model's parameters.
+    """
+    resume = config.resume
+    env = launcher_env()
+    if resume is None and config.checkpoint_every is not None and env is not None and env.restart_count > 0:
+        resume = "auto"  # torchrun restarted the job: pick up where the last checkpoint left off
+    if resume == "auto":
+        resume = config.checkpoint_location
+        if not checkpoint_path(resume).is_file():
+            log(f"no checkpoint in {resume} yet: starting from scratch")
+            return Position(epoch=0, step=0)
+    if resume is None:
+        return Position(epoch=0, step=0)
+    state = read_checkpoint(resume)
+    check_compatible(state, run_fingerprint(config, model), path=checkpoint_path(resume))
+    position = restore(state, world=world, model=model, optimizer=optimizer)
+    log(f"resumed from {checkpoint_path(resume)} at epoch {position.epoch + 1}, step {position.step}")
+    return position
 
 
 def _replica(model) -> torch.nn.Module:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from phalanx.comm import CHOICES
+from phalanx.comm import check_choice
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.parallel.sync_batchnorm import BATCHNORM_POLICIES
@@ -78,8 +78,7 @@ class TrainConfig:
             raise ValueError(f"--model {self.model!r} is unknown; choose one of {', '.join(MODELS)}")
         if self.dataset is not None and self.dataset not in DATASETS:
             raise ValueError(f"--dataset {self.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
-        if self.allreduce not in CHOICES:
-            raise ValueError(f"--allreduce {self.allreduce!r} is unknown; choose one of {', '.join(CHOICES)}")
+        check_choice(self.allreduce, flag="--allreduce")
         if self.init not in INITS:
             raise ValueError(f"--init {self.init!r} is unknown; choose one of {', '.join(INITS)}")
         if self.dtype not in DTYPES:

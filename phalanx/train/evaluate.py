@@ -3,7 +3,9 @@
 The test set is cut into contiguous shards, one per rank (sizes differ by at most one); each rank
 counts its correct predictions and the counts are summed, so every test image is counted exactly
 once and every rank gets the same accuracy. `evaluate` does this for tensors in memory (the
-CLI's datasets); `evaluate_dataset` for any torch Dataset and any summed metric (a user's).
+CLI's datasets; `count_accuracy` also for a model split, whose ranks each read every test image
+and where those holding the output count); `evaluate_dataset` for any torch Dataset and any
+summed metric (a user's).
 """
 
 from __future__ import annotations
@@ -25,18 +27,30 @@ from phalanx.world import World
 def evaluate(
     model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, world: World, batch_size: int = 1024
 ) -> float:
-    start, stop = shard_bounds(images.shape[0], world.world_size, world.rank)
-    was_training = model.training
-    model.eval()
+    """Test accuracy of a replica: each rank counts its contiguous shard of (images, labels)."""
+    rows = shard_bounds(images.shape[0], world.world_size, world.rank)
+    return count_accuracy(model, model, images, labels, rows=rows, world=world, batch_size=batch_size)
+
+
+def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Tensor | None], images: torch.Tensor,
+                   labels: torch.Tensor, *, rows: tuple[int, int], world: World, batch_size: int = 1024) -> float:
+    """Accuracy over every test image, counted once: this rank predicts rows [start, stop) with
+    `module` in eval mode and no gradients, counts where `predict` returns logits (a model split
+    returns None on ranks that do not hold the output), and the counts are summed over ranks.
+    `evaluate` reads each rank's shard; a model split has every rank read every row."""
+    start, stop = rows
+    was_training = module.training
+    module.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=world.device)  # correct, seen
-    dtype = next(model.parameters()).dtype
+    dtype = next(module.parameters()).dtype
     with torch.no_grad():
         for lo in range(start, stop, batch_size):
             hi = min(lo + batch_size, stop)
-            logits = model(to_float(images[lo:hi]).to(dtype))
-            counts[0] += (logits.argmax(dim=1) == labels[lo:hi]).sum()
-            counts[1] += hi - lo
-    model.train(was_training)
+            logits = predict(to_float(images[lo:hi]).to(dtype))
+            if logits is not None:
+                counts[0] += (logits.argmax(dim=1) == labels[lo:hi]).sum()
+                counts[1] += hi - lo
+    module.train(was_training)
     all_reduce_sum_(counts, world=world)
     seen = int(counts[1].item())
     if seen != images.shape[0]:  # a sharding bug would silently skew accuracy

@@ -1,10 +1,10 @@
 """What a training job does after each optimizer step, whichever way the work is split.
 
-`after_step_hook` builds the callback that train_epoch and train_split_epoch call after every
-step: note the step for failure reports, follow the warm-up lr schedule, check the loss (and, at
-`--check-every` steps, every gradient and the replicas) for NaN/Inf, and save a mid-epoch
-checkpoint every `--checkpoint-every` steps. One place, so the data split and the layer/channel
-splits cannot drift apart in what they guard.
+`after_step_hook` builds the callback that train_epoch calls after every step, whichever
+strategy runs it (data, layers, channels): note the step for failure reports, follow the
+warm-up lr schedule, check the loss (and, at `--check-every` steps, every gradient and the
+replicas) for NaN/Inf, and save a mid-epoch checkpoint every `--checkpoint-every` steps. One
+place, so the data split and the layer/channel splits cannot drift apart in what they guard.
 """
 
 from __future__ import annotations

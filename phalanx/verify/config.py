@@ -19,7 +19,7 @@ from typing import Callable, Union
 
 import torch
 
-from phalanx.comm import CHOICES
+from phalanx.comm import check_choice
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.train.loop import shard_loss
 
@@ -87,8 +87,7 @@ class VerifyConfig:
             raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
         if self.tolerance is not None and not (self.tolerance > 0 and math.isfinite(self.tolerance)):
             raise ValueError(f"--tolerance {self.tolerance} must be a positive finite number, e.g. 1e-9")
-        if self.algorithm not in CHOICES:
-            raise ValueError(f"--allreduce {self.algorithm!r} is unknown; choose one of {', '.join(CHOICES)}")
+        check_choice(self.algorithm, flag="--allreduce")
         if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
         if isinstance(self.grad_dtype, torch.dtype):

@@ -3,8 +3,8 @@
 `reference_run` is the trusted side (micrograd's habit: agree with a reference you can read):
 the user's model in one process, no DataParallel, loss scaled by the configured rule at k = 1,
 plain SGD. `rank_worker` runs in every spawned worker: the same model from the same seed,
-converted like `phalanx train` converts it (SyncBatchNorm under the `sync` policy, channels_last
-on CPU), wrapped in phalanx's `DataParallel` and stepped by phalanx's own `train_batch` when the
+made a replica by `phalanx.prepare` as `phalanx train` makes its own (SyncBatchNorm under the
+`sync` policy, channels_last on CPU, DataParallel) and stepped by phalanx's own `train_batch` when the
 loss is cross-entropy with phalanx's rule (so verify checks the production step), else by the
 same five calls with the user's loss; with several configs (the diagnosis probes) a rank runs
 them one after another in the same process group. Each run records, per step, the gradient the optimizer
@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.data import shard_bounds
-from phalanx.parallel import (DataParallel, apply_memory_format, convert_sync_batchnorm, has_sync_batchnorm,
-                              resolve_memory_format)
+from phalanx.parallel import DataParallel, has_sync_batchnorm, prepare
 from phalanx.train.loop import train_batch
 from phalanx.verify.batches import BatchSource, example_digests, tensors_digest
 from phalanx.verify.config import VerifyConfig, scale_loss
@@ -151,14 +150,11 @@ def _rank_run(world: World, model_fn, loss_fn, data: Any, config: VerifyConfig) 
     model = build_model(model_fn, config)
     record = RunRecord(rank=world.rank, world_size=world.world_size)
     record.num_batchnorm, record.num_dropout = count_modules(model)
-    if config.batchnorm == "sync":  # a no-op for models without BatchNorm
-        model = convert_sync_batchnorm(model, world)
-    model = apply_memory_format(model, resolve_memory_format(config.memory_format, model, world.device))
     model.train()
     set_eval_modules(model, config.eval_modules)
-    dp = DataParallel(model, world=world, algorithm=config.algorithm, overlap=config.overlap,
-                      bucket_cap_mb=config.bucket_cap_mb if config.overlap else None,
-                      grad_dtype=config.torch_grad_dtype)
+    dp = prepare(model, world=world, batchnorm=config.batchnorm, memory_format=config.memory_format,
+                 algorithm=config.algorithm, overlap=config.overlap, bucket_cap_mb=config.bucket_cap_mb,
+                 grad_dtype=config.grad_dtype)
     try:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=config.lr)
         recorder = _Recorder(record, dp.module, full=world.is_main)

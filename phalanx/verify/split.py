@@ -49,7 +49,7 @@ def split_rank_worker(world: World, model_fn, data, config: VerifyConfig, split:
     for step in range(config.steps):
         X, y = source.batch(step)
         piece.zero_grad()
-        loss_sum, _ = piece.train_batch(X, y, global_batch_size=X.shape[0])
+        loss_sum, _ = piece.forward_backward(X, y, global_batch_size=X.shape[0])
         grads = piece.full_grads()
         optimizer.step()
         params = piece.full_state_dict()

@@ -9,7 +9,7 @@ from phalanx.cli import main
 from phalanx.models import build_model
 from phalanx.parallel import DataParallel
 from phalanx.telemetry.metrics import read_metrics
-from phalanx.train.loop import train_epoch
+from phalanx.train.loop import DataSplit, train_epoch
 from phalanx.world import World
 
 pytestmark = [
@@ -43,8 +43,8 @@ def test_an_epoch_runs_under_sync_debug_mode_error(model_name, grad_accum_steps)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            stats = train_epoch(dp, optimizer, images, labels, world=world, global_batch_size=256, seed=0, epoch=0,
-                                grad_accum_steps=grad_accum_steps, on_step=on_step)
+            stats = train_epoch(DataSplit(dp, grad_accum_steps=grad_accum_steps), optimizer, images, labels,
+                                world=world, global_batch_size=256, seed=0, epoch=0, on_step=on_step)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert steps == [1, 2, 3, 4] and stats.num_examples == 1000  # 3 x 256 + 232: an uneven last batch

@@ -75,7 +75,7 @@ def test_one_device_split_is_plain_lenet(split):
     torch.manual_seed(0)
     piece = build_split(split, LeNet().double(), world=world, global_batch_size=7, micro_batches=3)
     X, y = torch.randn(7, 1, 28, 28, dtype=torch.float64), torch.arange(7) % 10
-    loss_sum, correct = piece.train_batch(X, y, global_batch_size=7)
+    loss_sum, correct = piece.forward_backward(X, y, global_batch_size=7)
     logits = reference(X)
     (F.cross_entropy(logits, y, reduction="sum") / 7).backward()
     torch.testing.assert_close(loss_sum, F.cross_entropy(logits, y, reduction="sum").detach())

@@ -15,7 +15,7 @@ from phalanx.models import LeNet
 from phalanx.parallel import DataParallel
 from phalanx.telemetry import Tracer, span
 from phalanx.telemetry.tracing import BUCKET_TID_BASE, MAIN_TID, _Comm
-from phalanx.train.loop import train_epoch
+from phalanx.train.loop import DataSplit, train_epoch
 from phalanx.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
@@ -33,7 +33,7 @@ def _traced_epoch(tmp_path, *, steps_per_epoch=3, overlap=True, num_examples=80,
                                                        comm=comm) as dp:
         dp.tracer = tracer
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
-        train_epoch(dp, optimizer, images, labels, world=WORLD1, global_batch_size=batch, seed=0, epoch=0,
+        train_epoch(DataSplit(dp), optimizer, images, labels, world=WORLD1, global_batch_size=batch, seed=0, epoch=0,
                     tracer=tracer)
         with span(tracer, "evaluate"):
             pass

@@ -17,7 +17,7 @@ from phalanx.models import LeNet
 from phalanx.parallel import DataParallel
 from phalanx.parallel.guards import check_finite
 from phalanx.train import train_batch
-from phalanx.train.loop import _on_device, train_epoch
+from phalanx.train.loop import DataSplit, _on_device, train_epoch
 from phalanx.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
@@ -122,7 +122,7 @@ def test_an_epoch_reads_no_tensor_value_on_the_host_until_its_last_step_is_done(
         monkeypatch.setattr(torch.Tensor, name, counting)
     with DataParallel(LeNet(), world=WORLD1) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
-        stats = train_epoch(dp, optimizer, images, labels, world=WORLD1, global_batch_size=16, seed=0, epoch=0,
+        stats = train_epoch(DataSplit(dp), optimizer, images, labels, world=WORLD1, global_batch_size=16, seed=0, epoch=0,
                             on_step=on_step)
     monkeypatch.undo()
     assert progress == {"done": 5, "total": 5} and stats.num_examples == 70

@@ -1,0 +1,103 @@
+"""`phalanx.prepare` without processes: what it chooses for a CPU conv net and for an MLP, the
+BatchNorm policy on one device, the one line that says so, that a world of one gets the plain
+loop (its step bitwise the plain PyTorch step), the exchange options it passes on, and that bad
+names are refused before the model is touched. The k-rank behaviour is tests/distributed/test_prepare.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+from phalanx.comm import AsyncComm
+from phalanx.models import LeNet, build_model
+from phalanx.parallel import SyncBatchNorm, apply_memory_format
+from phalanx.train import train_batch
+from phalanx.world import World
+
+WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+               backend="none", timeout_s=10.0)
+
+
+def _conv_weights(module: nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in module.modules() if isinstance(m, nn.Conv2d)]
+
+
+def test_a_cpu_conv_net_gets_channels_last_and_the_first_line_says_what_was_chosen():
+    with phalanx.prepare(LeNet(), world=WORLD1) as dp:
+        weights = _conv_weights(dp.module)
+        assert all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+        assert not weights[1].is_contiguous()  # conv2 (50, 20, 5, 5): NHWC, no longer NCHW (conv1's 1 channel is both)
+        chose = dp.choices
+        assert (chose.memory_format, chose.dtype, chose.algorithm, chose.has_batchnorm) == \
+            ("channels_last", "float32", "native", False)
+        assert chose.describe() == "allreduce native (auto), no gradient exchange (one device), channels_last, float32"
+    with phalanx.prepare(nn.Sequential(nn.Flatten(), nn.Linear(784, 10)), world=WORLD1, dtype="float64") as dp:
+        assert (dp.choices.memory_format, dp.choices.dtype) == ("contiguous", "float64")
+        assert next(dp.module.parameters()).dtype == torch.float64
+    with phalanx.prepare(LeNet(), world=WORLD1, memory_format="contiguous") as dp:
+        assert dp.choices.memory_format == "contiguous" and all(w.is_contiguous() for w in _conv_weights(dp.module))
+
+
+@pytest.mark.parametrize("policy", ["sync", "local"])
+def test_a_batchnorm_model_on_one_device_keeps_plain_batchnorm_under_either_policy(policy):
+    with phalanx.prepare(build_model("lenet-bn"), world=WORLD1, batchnorm=policy) as dp:
+        layers = [m for m in dp.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        assert layers and not any(isinstance(m, SyncBatchNorm) for m in layers)  # one device sees the whole batch
+        assert (dp.choices.batchnorm, dp.choices.has_batchnorm) == (policy, True)
+        assert dp.choices.describe().endswith(f", BatchNorm {policy} (one device: plain BatchNorm sees the whole batch)")
+
+
+def test_a_world_of_one_is_the_plain_loop_step_for_step():
+    torch.manual_seed(0)
+    X, y = torch.randn(24, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (24,))
+    torch.manual_seed(1)
+    plain = apply_memory_format(LeNet().double(), torch.channels_last)
+    plain_optimizer = torch.optim.SGD(plain.parameters(), lr=0.1)
+    torch.manual_seed(1)
+    with phalanx.prepare(LeNet(), world=WORLD1, dtype=torch.float64) as dp:
+        assert not dp.exchanging and dp.buckets == [] and dp._hook_handles == []
+        optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+        for _ in range(3):
+            train_batch(dp, optimizer, X, y, global_batch_size=24)
+            plain_optimizer.zero_grad(set_to_none=True)
+            (F.cross_entropy(plain(X), y, reduction="sum") / 24).backward()
+            plain_optimizer.step()
+        for (name, got), want in zip(dp.module.named_parameters(), plain.parameters()):
+            assert torch.equal(got, want), name
+        dp.zero_grad()
+        assert all(p.grad is None for p in dp.module.parameters())  # as optimizer.zero_grad() leaves them
+
+
+def test_the_exchange_options_reach_the_replica():
+    with AsyncComm(world=WORLD1) as comm:  # a comm handed in keeps the buckets a world of one leaves out
+        with phalanx.prepare(LeNet(), world=WORLD1, comm=comm, grad_dtype="bf16") as dp:
+            assert len(dp.buckets) == 3 and dp.grad_dtype is torch.bfloat16
+            assert dp.choices.describe().startswith("allreduce native (auto), overlapped gradient exchange in 3 "
+                                                    "bucket(s) of [5.5, 400.0, 98.6] KB sent as bf16, channels_last")
+        # Without overlap one flat bucket, whatever the cap: nothing overlaps, so one call is fastest.
+        with phalanx.prepare(LeNet(), world=WORLD1, comm=comm, overlap=False, bucket_cap_mb=0.01) as dp:
+            assert len(dp.buckets) == 1 and dp.choices.describe().startswith(
+                "allreduce native (auto), synchronous gradient exchange in 1 bucket(s)")
+        with phalanx.prepare(LeNet(), world=WORLD1, comm=comm, algorithm="ring") as dp:
+            assert dp.choices.describe().startswith("allreduce ring, ")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"algorithm": "butterfly"}, "unknown allreduce 'butterfly'; choose one of auto, native, shm"),
+    ({"batchnorm": "global"}, "batchnorm 'global' is unknown; choose one of sync, local"),
+    ({"memory_format": "nhwc"}, "unknown memory format 'nhwc'"),
+    ({"dtype": "float8"}, "dtype 'float8' is unknown; choose one of float32, float64"),
+    ({"grad_dtype": "int8"}, "grad_dtype 'int8' is unknown; choose one of bf16, fp16"),
+    ({"grad_dtype": torch.float64}, "grad_dtype torch.float64 is not supported; use one of bf16, fp16"),
+])
+def test_bad_names_are_refused_before_the_model_is_touched(kwargs, message):
+    model = LeNet()
+    before = {k: (v.clone(), v.stride()) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        phalanx.prepare(model, world=WORLD1, dtype=kwargs.pop("dtype", "float64"), **kwargs)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype and after[k].stride() == s
+               for k, (v, s) in before.items())
