@@ -109,7 +109,10 @@ def format_bytes(size_bytes: int) -> str:
 class Board:
     """This process's view of the board: it writes line `local_rank`, reads every line."""
 
-    def __init__(self, memory, *, rank: int, local_rank: int, local_world_size: int, world_size: int) -> None:
+    def __init__(self, memory, *, rank: int, local_rank: int, local_world_size: int, world_size: int,
+                 pid: int | None = None) -> None:
+        """`memory`: a writable buffer of LINE_WORDS int64 per local rank, shared by them; `pid`:
+        the process this line speaks for (default: this one)."""
         words = memoryview(memory).cast("B").cast("q")
         if len(words) < LINE_WORDS * local_world_size:
             raise ValueError(f"board memory holds {len(words)} words, {LINE_WORDS * local_world_size} needed")
@@ -119,7 +122,7 @@ class Board:
         self.first_rank = rank - local_rank  # launchers number the ranks of one host contiguously
         self._base = local_rank * LINE_WORDS
         self._memory = memory  # keep the mapping alive as long as the view
-        words[self._base + _PID] = os.getpid()
+        words[self._base + _PID] = os.getpid() if pid is None else pid
         words[self._base + _RANK] = rank
 
     @property

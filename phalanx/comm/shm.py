@@ -22,11 +22,9 @@ shared-memory allreduce on the same host costs tens of microseconds (deepspeedai
 Waiting spins briefly (a peer that is running arrives within microseconds), then sleeps in the
 kernel on the flag's futex, which the publishing rank wakes right after its store: a waiter
 costs no CPU, so k workers on fewer cores (or a comm thread beside backward) do not starve each
-other, and wakes up within a context switch. Sleeps are bounded (LIVENESS_EVERY_S): after each,
-a peer that died is named at once, and the watchdog reads the collective board (a peer in a
-different collective, one that finished or failed, a deadlock, the deadline: watchdog.py), so
-a peer that never arrives ends the wait within the timeout with an error naming it and what
-its process is doing. `abort()` makes a wait in progress give up at its next wake-up.
+other, and wakes up within a context switch. Sleeps are bounded: after each, a peer that died is
+named, and the watchdog reads the collective board (watchdog.py), so a peer that never arrives
+ends the wait within the timeout, named with what its process is doing; `abort()` ends a wait.
 
 The segment lives in /dev/shm, mode 0600, under a name unique to the run (rank 0's pid plus
 random bits). It is unlinked as soon as every rank has mapped it: the mappings stay valid and
@@ -182,11 +180,8 @@ class ShmGroup:
         self._aborted = True
 
     def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
-        """Sum the contiguous 1-D CPU tensor `flat` in place across the group.
-
-        `ticket`: the call as its launcher entered it on the collective board (AsyncComm does,
-        and publishes its own wait); without one, a call is entered here and waited as this
-        thread's own. Either way it is checked against what each peer entered under its number."""
+        """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: its entry on
+        the collective board (AsyncComm's; without one the call is entered and waited here)."""
         if self._mmap is None:
             raise ShmError("ShmGroup is closed")
         if flat.device.type != "cpu":
@@ -268,9 +263,8 @@ class ShmGroup:
                     self._check_peers([r], time.perf_counter() - start, ticket)
 
     def _check_peers(self, pending: list[int], waited_s: float, ticket: Ticket | None) -> None:
-        """Raise if a pending peer died, the collective cannot complete or the wait outlasted
-        the timeout (after a futex wake-up or its bounded sleep: cheap next to the sleep, and a
-        wake-up is often the flag itself)."""
+        """Raise if a pending peer died, the call cannot complete (watchdog.check) or timed out
+        (after a futex wake-up or its bounded sleep: cheap next to the sleep)."""
         for r in pending:
             pid = self._pids_view[r]
             if not process_alive(pid):

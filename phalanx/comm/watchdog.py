@@ -122,11 +122,11 @@ def diagnose(world: World, ticket: Ticket | None, exc: BaseException, *, waited_
     except (RunFailed, CommError) as found:
         return found
     text = str(exc).lower()
-    if "timed out" in text or "timeout" in text:
-        try:
-            check(world, ticket, waited_s=float("inf"), timeout_s=timeout_s)
-        except (RunFailed, CommError) as found:
-            return found
+    if ("timed out" in text or "timeout" in text) and world.board is not None and ticket is not None:
+        # The backend's own deadline (counted from the launch, which may precede this wait).
+        lines = world.board.lines()
+        return _stalled(world.board, lines, _lacking(world.board, lines, ticket), ticket, max(waited_s, timeout_s),
+                        timeout_s)
     return None
 
 
