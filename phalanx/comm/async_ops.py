@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat
-from phalanx.comm.board import COMM, WORLD, Ticket, phase_code
+from phalanx.comm.board import COMM, WORLD, Ticket
 from phalanx.comm.shm import ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError, check_pairing, collective, wait_future, wait_work, waiting
@@ -108,32 +108,29 @@ class AsyncComm:
         return self.shm if algorithm == "shm" else DistTransport(group=self._group)
 
     @torch.no_grad()
-    def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native", phase: str = "allreduce",
-                  index: int = 0) -> torch.Tensor:
-        """Sum `tensor` in place now, on this thread, with this comm's resources; return it.
-        `phase` and `index` tag the call on the collective board (board.PHASES)."""
+    def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native") -> torch.Tensor:
+        """Sum `tensor` in place now, on this thread, with this comm's resources; return it."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             return tensor
         if self._closed:
             raise RuntimeError("AsyncComm is closed")
         if algorithm == "native":
-            return self.allreduce_async(tensor, algorithm="native", phase=phase, index=index).wait()
+            return self.allreduce_async(tensor, algorithm="native").wait()
         transport = self._transport(algorithm)
-        ticket = self._enter(COMM, phase, index, tensor)
+        ticket = self._enter(COMM, tensor)
         with waiting(self.world, ticket):
             apply_flat(tensor, lambda flat: self._run(fn, flat, transport, ticket))
         return tensor
 
     def allreduce_async(
-        self, tensor: torch.Tensor, *, algorithm: str = "native", on_done: Callable[[], None] | None = None,
-        phase: str = "allreduce", index: int = 0,
+        self, tensor: torch.Tensor, *, algorithm: str = "native", on_done: Callable[[], None] | None = None
     ) -> Handle:
         """Start summing `tensor` in place across the world; the result is there after `wait()`.
 
         `on_done()` runs as soon as the backend has finished (on its thread, before any wait):
-        how a trace learns when communication really ended. `phase` and `index` tag the call on
-        the collective board ("gradient", bucket i), so a failure can name it.
+        how a trace learns when communication really ended. The call is entered on the collective
+        board as a plain "allreduce", or as what an enclosing `board.tagged(...)` says it is.
         """
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
@@ -146,24 +143,21 @@ class AsyncComm:
             flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         copy_back = None if tensor.is_contiguous() else flat
         if algorithm == "native":
-            ticket = self._enter(WORLD, phase, index, flat)
+            ticket = self._enter(WORLD, flat)
             work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
             if on_done is not None:
                 work.get_future().add_done_callback(lambda _: on_done())
             return Handle(tensor, copy_back, functools.partial(wait_work, work, world=self.world, ticket=ticket))
         transport = self._transport(algorithm)
-        ticket = self._enter(COMM, phase, index, flat)
+        ticket = self._enter(COMM, flat)
         future: Future = self._executor.submit(self._run, fn, flat, transport, ticket)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         return Handle(tensor, copy_back, functools.partial(wait_future, future, world=self.world, ticket=ticket))
 
-    def _enter(self, channel: int, phase: str, index: int, tensor: torch.Tensor) -> Ticket | None:
+    def _enter(self, channel: int, tensor: torch.Tensor) -> Ticket | None:
         board = self.world.board
-        if board is None:
-            phase_code(phase)  # the same ValueError for an unknown phase, board or not
-            return None
-        return board.enter(channel, phase, index, tensor.numel() * tensor.element_size())
+        return None if board is None else board.enter(channel, "allreduce", 0, tensor.numel() * tensor.element_size())
 
     def _run(self, fn: Callable[..., None], flat: torch.Tensor, transport, ticket: Ticket | None) -> None:
         """One job (on the thread, or inline for a synchronous call): refused once one has failed."""

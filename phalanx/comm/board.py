@@ -29,12 +29,13 @@ or ranks on several hosts under torchrun) still has deadlines; it cannot name pe
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import secrets
 import sys
 import time
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from phalanx.comm.shm_segment import NAME_PREFIX, SHM_DIR, attach_segment, create_segment, shm_supported, unlink_quietly
 from phalanx.world import World
@@ -85,6 +86,11 @@ def phase_code(phase: str) -> int:
         raise ValueError(f"unknown collective phase {phase!r}; use one of {', '.join(_PHASE_CODE)}") from None
 
 
+def is_generic(code: int) -> bool:
+    """True for a call tagged only "allreduce": nothing to compare but its size."""
+    return code >> _PHASE_SHIFT in (0, _PHASE_CODE["allreduce"])
+
+
 def describe(code: int, size_bytes: int = 0) -> str:
     """A tag in words: "step 76's gradient bucket 2 (5.5 KiB)", "evaluation after step 75 (24 B)"."""
     phase = code >> _PHASE_SHIFT
@@ -122,6 +128,7 @@ class Board:
         self.first_rank = rank - local_rank  # launchers number the ranks of one host contiguously
         self._base = local_rank * LINE_WORDS
         self._memory = memory  # keep the mapping alive as long as the view
+        self.scope: tuple[str, int] | None = None  # set by `tagged`: the tag of entries made inside it
         words[self._base + _PID] = os.getpid() if pid is None else pid
         words[self._base + _RANK] = rank
 
@@ -137,8 +144,11 @@ class Board:
     # --- writes, by the owner of the line: a few stores each, no syscalls ----------------------
 
     def enter(self, channel: int, phase: str, index: int, size_bytes: int) -> Ticket:
-        """Record that this rank issues its next collective on `channel`; return its ticket."""
+        """Record that this rank issues its next collective on `channel`; return its ticket. Inside
+        `tagged(...)` the scope's phase and index replace the ones given."""
         w, base = self._words, self._base
+        if self.scope is not None:
+            phase, index = self.scope
         code = (phase_code(phase) << _PHASE_SHIFT) | ((index & _INDEX_MASK) << _INDEX_SHIFT) | w[base + _STEPS]
         seq = w[base + _ENTERED + channel] + 1
         slot = base + _RING + (channel * RING_SLOTS + seq % RING_SLOTS) * 2
@@ -196,6 +206,23 @@ class Board:
         slot = base + _RING + (channel * RING_SLOTS + seq % RING_SLOTS) * 2
         code, size = w[slot], w[slot + 1]
         return (code, size) if w[entered] < seq + RING_SLOTS else None  # not overwritten meanwhile
+
+
+@contextlib.contextmanager
+def tagged(world: World, phase: str, index: int = 0) -> Iterator[None]:
+    """Tag the collectives entered inside with `phase` (and bucket `index`): how a caller names
+    what it sends through an object it does not own (DataParallel through its comm, which may be
+    a user's wrapper of AsyncComm) without that object's signature changing."""
+    phase_code(phase)
+    board = world.board
+    if board is None:
+        yield
+        return
+    previous, board.scope = board.scope, (phase, index)
+    try:
+        yield
+    finally:
+        board.scope = previous
 
 
 def board_memory(ctx, local_world_size: int):

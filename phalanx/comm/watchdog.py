@@ -5,7 +5,7 @@ collective returns at once, so the normal path pays only the board's few stores)
 poll `check` reads the board (board.py) and the peers' processes:
 
 1. Pairing: a peer that entered this collective's number on this channel with another tag or
-   size is in a different collective - fail now, naming both ("rank 1 is in evaluation after
+   size (only the size, when either call is the generic "allreduce") is in a different collective - fail now, naming both ("rank 1 is in evaluation after
    step 75 (24 B); rank 0 in step 76's gradient bucket 0 (5.5 KiB)"), before the backend sums
    two unrelated tensors or waits for bytes that never come. Checked again once a collective
    completes (`check_pairing`), since gloo pairs equal sizes without a word.
@@ -33,7 +33,7 @@ import datetime
 import time
 from typing import Callable, Iterator
 
-from phalanx.comm.board import FAILED, FINISHED, WAITING, WORLD, Board, Line, Ticket, describe
+from phalanx.comm.board import FAILED, FINISHED, WAITING, WORLD, Board, Line, Ticket, describe, is_generic
 from phalanx.comm.shm_segment import process_alive, process_state
 from phalanx.errors import RunFailed
 from phalanx.world import World
@@ -109,7 +109,10 @@ def pairing_error(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
         if theirs is None:
             continue
         code, size = theirs
-        if code != ticket.code or (size and ticket.size_bytes and size != ticket.size_bytes):
+        sizes_differ = bool(size and ticket.size_bytes and size != ticket.size_bytes)
+        # A generic call ("allreduce": the caller said not what it is for, e.g. SyncBatchNorm's)
+        # has no fingerprint but its size; named calls must agree on phase, bucket and step too.
+        if sizes_differ or (code != ticket.code and not (is_generic(code) or is_generic(ticket.code))):
             return _mismatch(board, board.first_rank + i, Ticket(ticket.channel, ticket.seq, code, size), ticket)
     return None
 
@@ -143,7 +146,7 @@ def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
             except RuntimeError:
                 if work.is_completed():
                     raise  # the collective itself failed: `waiting` explains it
-                poll()
+            poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
     check_pairing(world, ticket)
 
 
@@ -157,7 +160,8 @@ def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Tick
             try:
                 return future.result(timeout=POLL_S)
             except concurrent.futures.TimeoutError:
-                poll()
+                pass
+            poll()
 
 
 @contextlib.contextmanager

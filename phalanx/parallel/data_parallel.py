@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import AsyncComm, ShmError, broadcast_, check_choice, resolve_algorithm
+from phalanx.comm.board import tagged
 from phalanx.parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, grads_are_bucket_views
 from phalanx.parallel.guards import UnsyncedGradientGuard
 from phalanx.parallel.overlap import OverlapScheduler
@@ -227,8 +228,8 @@ class DataParallel:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         extra = {} if on_done is None else {"on_done": on_done}
-        handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, phase="gradient", index=bucket.index,
-                                            **extra)
+        with tagged(self.world, "gradient", bucket.index):  # what a failure calls this collective
+            handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
         return handle if wire is bucket.buffer else _Decompress(handle, wire, bucket.buffer)
 
     def finish_gradient_sync(self) -> None:
@@ -249,7 +250,8 @@ class DataParallel:
                 wire = self._wire(bucket)
                 record = None if self.tracer is None else self.tracer.comm_launched(
                     bucket.index, wire.numel() * wire.element_size())
-                self._comm.allreduce(wire, algorithm=self.algorithm, phase="gradient", index=bucket.index)
+                with tagged(self.world, "gradient", bucket.index):
+                    self._comm.allreduce(wire, algorithm=self.algorithm)
                 if wire is not bucket.buffer:
                     with torch.no_grad():
                         bucket.buffer.copy_(wire)

@@ -76,13 +76,13 @@ class CountingComm:
     def __init__(self, comm: AsyncComm) -> None:
         self.comm, self.launched = comm, 0
 
-    def allreduce_async(self, tensor, *, algorithm, **tag):
+    def allreduce_async(self, tensor, *, algorithm):
         self.launched += 1
-        return self.comm.allreduce_async(tensor, algorithm=algorithm, **tag)
+        return self.comm.allreduce_async(tensor, algorithm=algorithm)
 
-    def allreduce(self, tensor, *, algorithm, **tag):  # the synchronous exchange (overlap=False)
+    def allreduce(self, tensor, *, algorithm):  # the synchronous exchange (overlap=False)
         self.launched += 1
-        return self.comm.allreduce(tensor, algorithm=algorithm, **tag)
+        return self.comm.allreduce(tensor, algorithm=algorithm)
 
 
 def _worker(world) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ import torch.nn.functional as F
 
 from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
 from phalanx.comm.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
-                                describe, phase_code)
+                                describe, phase_code, tagged)
+from phalanx.comm.shm_segment import process_state
 from phalanx.comm.watchdog import check, check_pairing
 from phalanx.models import LeNet
 from phalanx.parallel import DataParallel
@@ -37,6 +39,10 @@ def world_of(board: Board, timeout_s: float = 5.0) -> World:
 def stopped_process():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     child.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while process_state(child.pid) != "T":  # kill() returns before the child has acted on it
+        assert time.monotonic() < deadline, "the child never stopped"
+        time.sleep(0.01)
     yield child.pid
     child.kill()
     child.wait()
@@ -70,6 +76,17 @@ def test_tags_read_as_the_collective_they_stand_for():
     assert describe(a.enter(WORLD, "checkpoint", 0, 0).code) == "checkpoint after step 75"
     with pytest.raises(ValueError, match="unknown collective phase 'evaluate'; use one of gradient, evaluation"):
         phase_code("evaluate")
+
+
+def test_a_tagged_scope_names_the_calls_made_inside_it():
+    a, = boards(1)
+    with tagged(world_of(a), "gradient", 3):  # as DataParallel wraps its comm's launch
+        inside = a.enter(COMM, "allreduce", 0, 8)
+    after = a.enter(COMM, "allreduce", 0, 8)
+    assert (describe(inside.code), describe(after.code)) == ("step 1's gradient bucket 3", "allreduce")
+    with pytest.raises(ValueError, match="unknown collective phase 'grad'"):
+        with tagged(world_of(a), "grad"):
+            pass
 
 
 def test_a_wait_is_published_with_a_new_serial_each_time():
@@ -226,3 +243,14 @@ def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overl
             dp.zero_grad()
             F.cross_entropy(dp(torch.rand(2, 1, 28, 28)), torch.tensor([0, 1]), reduction="sum").backward()
         optimizer.step()
+
+
+def test_a_generic_allreduce_is_compared_by_size_alone():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "allreduce", 0, 48)  # e.g. SyncBatchNorm's, which checks its pairing itself
+    b.enter(WORLD, "metrics", 0, 48)
+    check_pairing(world_of(a), mine)
+    other = a.enter(WORLD, "allreduce", 0, 48)
+    b.enter(WORLD, "metrics", 0, 56)
+    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(56 B\\); rank 0 in allreduce \\(48 B\\)"):
+        check_pairing(world_of(a), other)

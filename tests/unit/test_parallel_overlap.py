@@ -45,8 +45,7 @@ class FakeComm:
     def bucket_of(self, tensor: torch.Tensor) -> int:
         return next(i for i, b in enumerate(self.buffers) if b.data_ptr() == tensor.data_ptr())
 
-    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native", phase: str = "allreduce",
-                        index: int = 0) -> FakeHandle:
+    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native") -> FakeHandle:
         index = self.bucket_of(tensor)
         self.log.append(("launch", index, self.snapshot()))
         self.handles.append(FakeHandle(self.log, index))
