@@ -86,7 +86,7 @@ def check(world: World, ticket: Ticket | None, *, waited_s: float, timeout_s: fl
         error = _gone(board, lines[i], ticket)
         if error is not None:
             raise error
-    error = _deadlock(board, ticket)
+    error = _deadlock(board)
     if error is not None:
         raise error
     if waited_s > timeout_s:
@@ -153,7 +153,7 @@ def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
 def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None):
     """Wait for a job on AsyncComm's thread (which checks the collective itself) with the board
     watched from this thread too, so a deadlock is seen wherever the ranks are blocked."""
-    if future.done():
+    if future.done() and future.exception() is None:
         return future.result()
     with waiting(world, ticket) as poll:
         while True:
@@ -233,7 +233,8 @@ def _gone(board: Board, line: Line | None, ticket: Ticket) -> BaseException | No
     return None
 
 
-def _deadlock(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
+def _deadlock(board: Board) -> CollectiveMismatch | None:
+    """Every rank blocked, none of their collectives complete-able: the rule 3 of the docstring."""
     if not board.covers_world:
         return None  # ranks on other hosts are not on this board: no proof possible
     first = board.lines()
@@ -242,16 +243,11 @@ def _deadlock(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
     lines = board.lines()  # unchanged serials: every rank was blocked in these waits at one instant
     if any(b is None or b.state != WAITING or b.serial != a.serial for a, b in zip(first, lines)):
         return None
-    stuck = {}
-    for i, line in enumerate(lines):
-        missing = [j for j, other in enumerate(lines) if other.entered[line.block.channel] < line.block.seq]
-        if not missing:
-            return None  # that collective has every rank: it will complete
-        stuck[i] = missing[0]
-    mine = lines[board.local_rank]
-    other = lines[stuck[board.local_rank]]
-    if other.block is None:
-        return None
+    missing = [[j for j, other in enumerate(lines) if other.entered[line.block.channel] < line.block.seq]
+               for line in lines]
+    if not all(missing):
+        return None  # some collective has every rank: it will complete, and others may follow
+    mine, other = lines[board.local_rank], lines[missing[board.local_rank][0]]
     return _mismatch(board, other.rank, other.block, mine.block, mine_steps=mine.steps, theirs_steps=other.steps)
 
 
@@ -264,6 +260,9 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
     # A stopped process explains the wait best; then one that has not entered the collective.
     chosen = next((i for i in candidates if states[i] in ("T", "t")), candidates[0] if candidates else None)
     waited = f"rank {me} waited {waited_s:.0f} s in {mine}"
+    if not lacking and (chosen is None or states[chosen] not in ("T", "t")):
+        return PeerStalled(f"{waited}: every rank entered it, but it did not complete within the {timeout_s:g} s "
+                           "timeout; raise --timeout if a step can really take that long")
     if chosen is None or lines[chosen] is None:
         return PeerStalled(f"{waited}, past the {timeout_s:g} s timeout; raise --timeout if a step can really take that long")
     line, state = lines[chosen], states[chosen]

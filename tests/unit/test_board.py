@@ -254,3 +254,12 @@ def test_a_generic_allreduce_is_compared_by_size_alone():
     b.enter(WORLD, "metrics", 0, 56)
     with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(56 B\\); rank 0 in allreduce \\(48 B\\)"):
         check_pairing(world_of(a), other)
+
+
+def test_at_the_deadline_a_collective_every_rank_entered_blames_no_peer():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "metrics", 0, 8)
+    b.enter(WORLD, "metrics", 0, 8)
+    with pytest.raises(PeerStalled, match="rank 0 waited 4 s in metrics \\(8 B\\): every rank entered it, but it did "
+                                          "not complete within the 4 s timeout"):
+        check(world_of(a), mine, waited_s=4.2, timeout_s=4)
