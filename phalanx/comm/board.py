@@ -9,7 +9,7 @@ call against its peers' over the store, at a round trip per collective; this boa
 always-on form for the ranks of one host: a few stores into shared memory per collective, and
 reads only where a rank waits anyway.
 
-Each local rank owns one line (LINE_WORDS int64 words, a few cache lines; only its owner writes
+Each local rank owns one line (LINE_WORDS int64 words, about a kilobyte; only its owner writes
 it). Per channel - WORLD: the default process group, where the backend's own collectives pair in
 call order; COMM: AsyncComm's single thread (the shm segment or the private group of ring, tree,
 naive) - it keeps a count of collectives entered and, in a ring of RING_SLOTS, the tag of each
@@ -41,18 +41,16 @@ from phalanx.comm.shm_segment import NAME_PREFIX, SHM_DIR, attach_segment, creat
 from phalanx.world import World
 
 WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (shm / private group)
-CHANNEL_NAMES = ("the default process group", "the communication thread")
 RING_SLOTS = 32  # recent tags kept per channel; more than a step's buckets, so a peer ahead stays readable
 _PID, _RANK, _STATE, _SERIAL, _SINCE_NS, _BLOCK_CH, _BLOCK_SEQ, _BLOCK_CODE, _BLOCK_SIZE, _STEPS = range(10)
 _ENTERED = 10  # + channel: collectives entered on that channel so far
 _RING = 16  # + (channel * RING_SLOTS + seq % RING_SLOTS) * 2: the tag code, then the size in bytes
 LINE_WORDS = _RING + 2 * RING_SLOTS * 2
 RUNNING, WAITING, FINISHED, FAILED = 0, 1, 2, 3
-STATE_NAMES = ("running", "waiting", "finished", "failed")
 
 # What a collective is for; the call site names it. The index of each name is its code (0: unset).
 PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
-          "batchnorm", "allreduce", "set-up")
+          "allreduce", "set-up")
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK = 56, 40, (1 << 40) - 1, (1 << 16) - 1
 
