@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.binding import allowed_cores, check_bindable, place_worker
+from phalanx.comm.board import attach_board, board_memory, mark_exit, open_board
 from phalanx.comm.shm import remove_segments_of
 from phalanx.devices import DevicePlan
 from phalanx.errors import RunFailed, UsageError
@@ -104,7 +105,13 @@ def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
                             master_addr=env.master_addr, master_port=env.master_port, timeout_s=spec.timeout_s,
                             from_launcher_env=True)
         try:
-            return [fn(world, *args)]
+            world = open_board(world)  # the collective board (issue 21/22): torchrun has no launcher to hold one
+            result = fn(world, *args)
+            mark_exit(world, ok=True)
+            return [result]
+        except BaseException:
+            mark_exit(world, ok=False)
+            raise
         finally:
             stop_world(world)
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
@@ -142,7 +149,7 @@ def _pin_to_loopback(env: dict[str, str]) -> dict[str, str]:
 
 
 def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, progress=None,
-                 parent_pid: int | None = None) -> None:
+                 parent_pid: int | None = None, board=None) -> None:
     """One spawned worker: join the world, run fn, send one report, then leave the world."""
     global _PROGRESS
     if parent_pid is not None:
@@ -156,10 +163,12 @@ def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, p
                             local_world_size=spec.plan.num_devices, device=device,
                             master_addr="127.0.0.1", master_port=0, timeout_s=spec.timeout_s,
                             store_path=store_path)
+        world = attach_board(world, board)  # where each rank says which collective it is in (comm/board.py)
         # Pickle here, not in a queue's feeder thread, so an unpicklable result is reported as
         # this worker's error instead of being lost; plain pickle copies tensor data into the
         # bytes (no shared-memory handles that would die with this process).
         report = pickle.dumps(("ok", fn(world, *args)))
+        mark_exit(world, ok=True)  # peers still waiting in a collective are told it ended normally
     except UsageError as exc:
         report, exit_code = pickle.dumps(("usage", str(exc))), 2
     except RunFailed as exc:  # a checked condition: the message is the whole story
@@ -167,6 +176,8 @@ def _worker_main(rank: int, fn, args, spec: LaunchSpec, store_path: str, conn, p
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         report, exit_code = pickle.dumps(("error", summary, traceback.format_exc())), 1
+    if exit_code:
+        mark_exit(world, ok=False)
     try:
         # Deliver before teardown: send_bytes returns once the whole report is in the pipe, so an
         # abort inside destroy_process_group or at interpreter exit can no longer lose it.
@@ -190,6 +201,7 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
     saved = {k: os.environ.get(k) for k in extra_env}
     procs, conns = [], []
     progress = ctx.Array("q", [-1] * spec.plan.num_devices, lock=False)  # last finished step per rank
+    board = board_memory(ctx, spec.plan.num_devices)  # the workers' collective board
     try:
         try:
             for key, value in extra_env.items():
@@ -197,7 +209,7 @@ def _spawn(fn, args, spec: LaunchSpec) -> list[Any]:
             for rank in range(spec.plan.num_devices):
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 proc = ctx.Process(target=_worker_main, name=f"phalanx-worker-{rank}",
-                                   args=(rank, fn, args, spec, store_path, child_end, progress, os.getpid()))
+                                   args=(rank, fn, args, spec, store_path, child_end, progress, os.getpid(), board))
                 proc.start()
                 child_end.close()  # keep only the child's copy, so its death reads as EOF here
                 procs.append(proc)

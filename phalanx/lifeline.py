@@ -72,6 +72,7 @@ def terminate(procs) -> None:
     for proc in procs:
         if proc.exitcode is None:
             proc.terminate()
+            _continue(proc.pid)  # a stopped worker (SIGSTOP, Ctrl-Z) acts on SIGTERM only once continued
     give_up_at = time.monotonic() + TERMINATE_GRACE_S
     for proc in procs:
         proc.join(max(0.0, give_up_at - time.monotonic()))
@@ -79,3 +80,11 @@ def terminate(procs) -> None:
         if proc.exitcode is None:
             proc.kill()
             proc.join()
+
+
+def _continue(pid: int | None) -> None:
+    try:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+    except OSError:
+        pass  # already gone

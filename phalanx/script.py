@@ -26,6 +26,7 @@ import torch
 from phalanx.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
 from phalanx.binding import place_worker
+from phalanx.comm.board import open_board
 from phalanx.launch import LaunchSpec, launch
 from phalanx.world import World, launcher_env, start_world, stop_world
 
@@ -63,6 +64,7 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
                             master_addr=env.master_addr, master_port=env.master_port, timeout_s=timeout_s,
                             from_launcher_env=True)
         atexit.register(stop_world, world)
+        world = open_board(world)  # the collective board: a failure names the rank and collective
     _current = world
     return world
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -35,6 +35,9 @@ class World:
     device: torch.device
     backend: str  # "gloo" (CPU) or "nccl" (CUDA); "none" when world_size == 1
     timeout_s: float
+    # The collective board (phalanx.comm.board.Board) this rank shares with its local peers, or
+    # None: what lets a wait name the rank and the collective at fault. Set by the launcher.
+    board: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

@@ -25,17 +25,23 @@ import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import AsyncComm, Handle
+from phalanx.comm.board import phase_code
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
 from phalanx.comm.shm import ShmError, ShmGroup, allreduce_shm, shm_applies
 from phalanx.comm.tree import allreduce_tree
+from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled, collective, native
 from phalanx.world import World
 
 __all__ = [
     "ALGORITHMS",
     "AsyncComm",
     "CHOICES",
+    "CollectiveMismatch",
+    "PeerFinished",
+    "PeerGone",
+    "PeerStalled",
     "Handle",
     "ShmError",
     "ShmGroup",
@@ -49,36 +55,43 @@ __all__ = [
     "allreduce_tree",
     "broadcast_",
     "check_choice",
+    "collective",
     "resolve_algorithm",
     "shm_applies",
 ]
 
 
 @torch.no_grad()
-def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", transport=None) -> torch.Tensor:
+def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", transport=None,
+              phase: str = "allreduce") -> torch.Tensor:
     """Sum `tensor` in place across all ranks of `world` and return it (D2L's `allreduce`).
 
     Every rank must call this with a tensor of the same shape and dtype, in the same order.
     The algorithm name is validated even in a world of size 1, where nothing else happens.
     `transport`: what the algorithm runs over (an `ShmGroup` for shm; default group otherwise).
+    `phase`: what the call is for, as a failure names it ("evaluation", "metrics": board.PHASES).
     """
     fn = allreduce_fn(algorithm)
+    phase_code(phase)  # ValueError naming the valid phases
     if world.distributed:
         extra = {} if transport is None else {"transport": transport}
+        if algorithm == "native":
+            extra["phase"] = phase
         apply_flat(tensor, lambda flat: fn(flat, world=world, **extra))
     return tensor
 
 
-def all_reduce_sum_(tensor: torch.Tensor, *, world: World) -> torch.Tensor:
+def all_reduce_sum_(tensor: torch.Tensor, *, world: World, phase: str = "metrics") -> torch.Tensor:
     """Sum `tensor` in place with the backend's all_reduce: for metrics (loss sums, counts)."""
-    return allreduce(tensor, world=world, algorithm="native")
+    return allreduce(tensor, world=world, algorithm="native", phase=phase)
 
 
 @torch.no_grad()
-def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0, phase: str = "broadcast") -> torch.Tensor:
     """Overwrite `tensor` on every rank with rank `src`'s values (rank 0's state at start)."""
     if not 0 <= src < world.world_size:
         raise ValueError(f"broadcast source rank {src} outside world of size {world.world_size}")
     if world.distributed:
-        apply_flat(tensor, lambda flat: dist.broadcast(flat, src=src))
+        apply_flat(tensor, lambda flat: native(world, lambda: dist.broadcast(flat, src=src, async_op=True),
+                                               phase=phase, size_bytes=flat.numel() * flat.element_size()))
     return tensor

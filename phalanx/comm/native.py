@@ -9,11 +9,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.watchdog import native
 from phalanx.world import World
 
 
-def allreduce_native(flat: torch.Tensor, *, world: World, group: dist.ProcessGroup | None = None) -> None:
-    """Sum `flat` in place across `group` (default: the whole world) with `dist.all_reduce`."""
+def allreduce_native(flat: torch.Tensor, *, world: World, group: dist.ProcessGroup | None = None,
+                     phase: str = "allreduce", index: int = 0) -> None:
+    """Sum `flat` in place across `group` (default: the whole world) with `dist.all_reduce`.
+
+    On the default group the call is entered on the collective board under `phase` (and bucket
+    `index`) and waited with the watchdog's deadline; a sub-group pairs its calls on its own, so
+    its collectives stay off the board."""
     if not world.distributed:
         return
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if group is not None:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        return
+    native(world, lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), phase=phase,
+           size_bytes=flat.numel() * flat.element_size(), index=index)

@@ -22,8 +22,9 @@ shared-memory allreduce on the same host costs tens of microseconds (deepspeedai
 Waiting spins briefly (a peer that is running arrives within microseconds), then sleeps in the
 kernel on the flag's futex, which the publishing rank wakes right after its store: a waiter
 costs no CPU, so k workers on fewer cores (or a comm thread beside backward) do not starve each
-other, and wakes up within a context switch. Sleeps are bounded, so a peer that dies or never
-arrives ends the wait with an error naming it within the world's timeout.
+other, and wakes up within a context switch. Sleeps are bounded: after each, a peer that died is
+named, and the watchdog reads the collective board (watchdog.py), so a peer that never arrives
+ends the wait within the timeout, named with what its process is doing; `abort()` ends a wait.
 
 The segment lives in /dev/shm, mode 0600, under a name unique to the run (rank 0's pid plus
 random bits). It is unlinked as soon as every rank has mapped it: the mappings stay valid and
@@ -44,8 +45,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.board import COMM, Ticket
 from phalanx.comm.shm_segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, cores, create_segment, free_bytes,
                                       process_alive, remove_segments_of, shm_supported, unlink_quietly)
+from phalanx.comm.watchdog import CommError, check, check_pairing, collective, waiting
 from phalanx.world import World
 
 __all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "allreduce_shm", "create_segment", "remove_segments_of",
@@ -65,7 +68,7 @@ SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer 
 LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
 
 
-class ShmError(RuntimeError):
+class ShmError(CommError):
     """The segment could not be set up, or a peer died or timed out inside an allreduce."""
 
 
@@ -105,6 +108,7 @@ class ShmGroup:
         self.rank = world.rank
         self.timeout_s = world.timeout_s
         self.round = 0  # rounds done; the same on every rank, as every rank makes the same calls
+        self._aborted = False
         if small_bytes is None:
             small_bytes = slot_bytes if world.world_size == 2 else SMALL_BYTES
         self.small_bytes = small_bytes
@@ -127,12 +131,14 @@ class ShmGroup:
             size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes
             self._mmap, error = create_segment(os.path.join(SHM_DIR, name), size)
         box = [name, self.slot_bytes, self.small_bytes, error]
-        dist.broadcast_object_list(box, src=0)  # rank 0's sizes rule, so every rank cuts alike
+        with collective(self.world, "set-up"):
+            dist.broadcast_object_list(box, src=0)  # rank 0's sizes rule, so every rank cuts alike
         name, self.slot_bytes, self.small_bytes, error = box
         if error is None and rank != 0:
             self._mmap, error = attach_segment(os.path.join(SHM_DIR, name))
         statuses: list = [None] * k
-        dist.all_gather_object(statuses, error)  # every rank learns whether every rank is in
+        with collective(self.world, "set-up"):
+            dist.all_gather_object(statuses, error)  # every rank learns whether every rank is in
         if rank == 0:
             unlink_quietly(os.path.join(SHM_DIR, name))  # mapped everywhere (or failed): no file left
         failed = [(r, e) for r, e in enumerate(statuses) if e is not None]
@@ -153,7 +159,8 @@ class ShmGroup:
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
                        for i in range(k + 1)] for p in range(2)]
-        dist.barrier()  # every pid is written before anyone may need to name a dead peer
+        with collective(self.world, "set-up"):
+            dist.barrier()  # every pid is written before anyone may need to name a dead peer
 
     def close(self) -> None:
         """Unmap the segment (its file is long gone); safe to call twice."""
@@ -168,15 +175,30 @@ class ShmGroup:
 
     # --- the allreduce --------------------------------------------------------------------
 
-    def allreduce(self, flat: torch.Tensor) -> None:
-        """Sum the contiguous 1-D CPU tensor `flat` in place across the group."""
+    def abort(self) -> None:
+        """Make a wait in progress (on another thread) raise at its next wake-up: teardown."""
+        self._aborted = True
+
+    def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
+        """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: its entry on
+        the collective board (AsyncComm's; without one the call is entered and waited here)."""
         if self._mmap is None:
             raise ShmError("ShmGroup is closed")
         if flat.device.type != "cpu":
             raise ShmError(f"the shm allreduce needs CPU tensors, got one on {flat.device}")
+        board = self.world.board
+        if ticket is None and board is not None:
+            ticket = board.enter(COMM, "allreduce", 0, flat.numel() * flat.element_size())
+            with waiting(self.world, ticket, timeout_s=self.timeout_s):
+                self._rounds(flat, ticket)
+        else:
+            self._rounds(flat, ticket)
+        check_pairing(self.world, ticket)
+
+    def _rounds(self, flat: torch.Tensor, ticket: Ticket | None) -> None:
         per_round = max(1, self.slot_bytes // flat.element_size())
         for start in range(0, flat.numel(), per_round):
-            self._round(flat[start:start + per_round])
+            self._round(flat[start:start + per_round], ticket)
 
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
@@ -191,7 +213,7 @@ class ShmGroup:
                                              half[self.k][:nbytes].view(dtype))
         return views
 
-    def _round(self, piece: torch.Tensor) -> None:
+    def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> None:
         self.round += 1
         g, k, rank = self.round, self.k, self.rank
         n, dtype = piece.numel(), piece.dtype
@@ -199,7 +221,7 @@ class ShmGroup:
         inputs, result = self._views(g % 2, nbytes, dtype)
         inputs[rank].copy_(piece)
         self._publish(_ARRIVED, g)
-        self._wait(_ARRIVED, g)
+        self._wait(_ARRIVED, g, ticket)
         if nbytes <= self.small_bytes:
             torch.add(inputs[0], inputs[1], out=piece)
             for r in range(2, k):
@@ -212,7 +234,7 @@ class ShmGroup:
             for r in range(2, k):
                 mine.add_(inputs[r][lo:hi])
         self._publish(_REDUCED, g)
-        self._wait(_REDUCED, g)
+        self._wait(_REDUCED, g, ticket)
         piece.copy_(result)
 
     def _publish(self, field: int, value: int) -> None:
@@ -222,7 +244,7 @@ class ShmGroup:
         self._flags[index] = value
         self._futex.wake(self._flags_addr + 8 * index)
 
-    def _wait(self, field: int, value: int) -> None:
+    def _wait(self, field: int, value: int, ticket: Ticket | None) -> None:
         """Return once every rank's `field` is >= value; spin, then sleep; raise on death/timeout."""
         flags, stride = self._flags, _LINE // 8
         pending = [r for r in range(self.k) if r != self.rank]
@@ -238,17 +260,21 @@ class ShmGroup:
                 # Sleeps only while the flag still holds `seen`: a store in between returns at once.
                 self._futex.wait(self._flags_addr + 8 * index, seen, LIVENESS_EVERY_S)
                 if flags[index] < value:
-                    self._check_peers([r], time.perf_counter() - start)
+                    self._check_peers([r], time.perf_counter() - start, ticket)
 
-    def _check_peers(self, pending: list[int], waited_s: float) -> None:
-        """Raise if a pending peer died or the wait outlasted the timeout (after a futex wake-up
-        or its bounded sleep: cheap next to the sleep, and a wake-up is often the flag itself)."""
+    def _check_peers(self, pending: list[int], waited_s: float, ticket: Ticket | None) -> None:
+        """Raise if a pending peer died, the call cannot complete (watchdog.check) or timed out
+        (after a futex wake-up or its bounded sleep: cheap next to the sleep)."""
         for r in pending:
             pid = self._pids_view[r]
             if not process_alive(pid):
                 raise ShmError(f"shm allreduce: rank {r} (pid {pid}) died while rank {self.rank} waited for it "
                                f"in round {self.round}")
-        if waited_s > self.timeout_s:
+        if self._aborted:
+            raise ShmError(f"shm allreduce abandoned in round {self.round}: this rank is shutting down")
+        if ticket is not None:
+            check(self.world, ticket, waited_s=waited_s, timeout_s=self.timeout_s, pending=pending)
+        elif waited_s > self.timeout_s:
             raise ShmError(f"shm allreduce: rank {pending[0]} did not arrive within the {self.timeout_s:g} s timeout "
                            f"(round {self.round}); raise --timeout if a step can really take that long")
 
@@ -259,14 +285,16 @@ class ShmGroup:
         self.close()
 
 
-def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None) -> None:
-    """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup)."""
+def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None,
+                  ticket: Ticket | None = None) -> None:
+    """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup);
+    `ticket`: the call's entry on the collective board, when the caller made one."""
     if not world.distributed:
         return
     if not isinstance(transport, ShmGroup):
         raise ValueError("the shm allreduce needs its shared segment: pass transport=ShmGroup(world=...) "
                          "or use AsyncComm(world=..., algorithms=('shm',))")
-    transport.allreduce(flat)
+    transport.allreduce(flat, ticket=ticket)
 
 
 def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:

@@ -121,6 +121,16 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter /proc shows for `pid` (R running, S sleeping, T stopped, Z zombie, ...),
+    or None when there is no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
 def process_alive(pid: int) -> bool:
     """False when `pid` is gone or a zombie (dead, not yet reaped by its parent)."""
     try:

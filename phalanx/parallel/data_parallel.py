@@ -14,6 +14,11 @@ with `overlap=False` nothing happens during backward and `finish_gradient_sync()
 buckets one after another. Either way the caller's step is: zero_grad, forward, backward,
 finish_gradient_sync, optimizer step.
 
+Bucket exchanges are tagged "step s's gradient bucket i" on the collective board, so a rank that
+meets another collective is named at once (comm/watchdog.py); a synced backward never exchanged
+(a forgotten finish_gradient_sync(), silent with overlap=False) is refused at the next zero_grad()
+or optimizer step (guards.UnsyncedGradientGuard).
+
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
 buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it to None), no
 hooks, no communication thread, no collectives; the step is the plain PyTorch loop's (issue 11:
@@ -30,7 +35,9 @@ import torch
 from torch import nn
 
 from phalanx.comm import AsyncComm, ShmError, broadcast_, check_choice, resolve_algorithm
+from phalanx.comm.board import tagged
 from phalanx.parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, grads_are_bucket_views
+from phalanx.parallel.guards import UnsyncedGradientGuard
 from phalanx.parallel.overlap import OverlapScheduler
 from phalanx.world import World
 
@@ -112,6 +119,8 @@ class DataParallel:
         self._owns_comm = False
         self._scheduler: OverlapScheduler | None = None
         self._hook_handles: list = []
+        # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
+        self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
         if comm is not None:
             self._comm = comm
         elif world.distributed:
@@ -133,6 +142,10 @@ class DataParallel:
                     # Fires after autograd has added this backward's gradient into param.grad
                     # (our bucket view), i.e. when the value to send is final (torch >= 2.1).
                     self._hook_handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        elif self.exchanging:
+            # Without overlap only the forgotten-sync check needs to see a backward: one hook per bucket.
+            for bucket in self.buckets:
+                self._hook_handles.append(bucket.params[0].register_post_accumulate_grad_hook(self._on_backward))
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -148,7 +161,7 @@ class DataParallel:
         with torch.no_grad():
             for group in by_dtype.values():
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
-                broadcast_(flat, world=self.world, src=src)
+                broadcast_(flat, world=self.world, src=src, phase="broadcast")
                 offset = 0
                 for tensor in group:
                     tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -165,6 +178,7 @@ class DataParallel:
             if self._scheduler.in_flight:
                 raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
             self._scheduler.reset()  # drop gradients marked by a backward that never finished
+        self._unsynced.check("zero_grad()")
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
@@ -195,7 +209,12 @@ class DataParallel:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self._sync_enabled and self._scheduler is not None:
+            self._unsynced.pending = True
             self._scheduler.mark_ready(param)
+
+    def _on_backward(self, param: nn.Parameter) -> None:
+        if self._sync_enabled:
+            self._unsynced.pending = True
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """What goes on the wire for `bucket`: its buffer, or a compressed copy of it."""
@@ -210,7 +229,8 @@ class DataParallel:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         extra = {} if on_done is None else {"on_done": on_done}
-        handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
+        with tagged(self.world, "gradient", bucket.index):  # what a failure calls this collective
+            handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
         return handle if wire is bucket.buffer else _Decompress(handle, wire, bucket.buffer)
 
     def finish_gradient_sync(self) -> None:
@@ -231,12 +251,16 @@ class DataParallel:
                 wire = self._wire(bucket)
                 record = None if self.tracer is None else self.tracer.comm_launched(
                     bucket.index, wire.numel() * wire.element_size())
-                self._comm.allreduce(wire, algorithm=self.algorithm)
+                with tagged(self.world, "gradient", bucket.index):
+                    self._comm.allreduce(wire, algorithm=self.algorithm)
                 if wire is not bucket.buffer:
                     with torch.no_grad():
                         bucket.buffer.copy_(wire)
                 if record is not None:
                     self.tracer.comm_done(record)
+        self._unsynced.pending = False
+        if self.world.board is not None:
+            self.world.board.step_done()  # later collectives' tags carry the step count
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if not grads_are_bucket_views(self.buckets):
             raise RuntimeError(
@@ -257,6 +281,8 @@ class DataParallel:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        if self._unsynced is not None:
+            self._unsynced.close()
         if self._comm is not None and self._owns_comm:
             self._comm.close()
         self._comm = None

@@ -10,6 +10,9 @@
   shows instead of at the end of training.
 - `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
   its step and rank instead of silently poisoning every replica.
+- `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
+  `finish_gradient_sync()`, silent with overlap=False) is refused at `zero_grad()` or at the
+  optimizer's step, naming the fix (issue 22).
 
 Every rank sees the same gathered data, so every rank raises the same error at the same point.
 """
@@ -17,11 +20,14 @@ Every rank sees the same gathered data, so every rank raises the same error at t
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from phalanx.comm import collective
 from phalanx.errors import RunFailed
 from phalanx.world import World
 
@@ -45,7 +51,8 @@ def preflight_check(world: World, fields: dict[str, Any]) -> None:
     if not world.distributed:
         return
     gathered: list[dict[str, Any] | None] = [None] * world.world_size
-    dist.all_gather_object(gathered, fields)
+    with collective(world, "pre-flight check"):
+        dist.all_gather_object(gathered, fields)
     reference = gathered[0]
     for rank, theirs in enumerate(gathered):
         for field in sorted(set(reference) | set(theirs)):
@@ -73,7 +80,8 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int) -> None:
         return
     mine = parameter_checksums(module)
     gathered = [torch.empty_like(mine) for _ in range(world.world_size)]
-    dist.all_gather(gathered, mine)
+    with collective(world, "replica check", size_bytes=mine.numel() * mine.element_size()):
+        dist.all_gather(gathered, mine)
     names = [n for n, _ in module.named_parameters()]
     for rank, theirs in enumerate(gathered):
         differs = (theirs != gathered[0]).nonzero().flatten().tolist()
@@ -98,3 +106,46 @@ def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] |
     for name, buffer in named:
         if not bool(torch.isfinite(buffer).all()):
             raise NonFinite(f"{name} holds NaN/Inf at step {step} on rank {rank}; lower --lr or check the data")
+
+
+class UnsyncedGradientGuard:
+    """Refuses to use gradients of a synced backward that were never exchanged.
+
+    Its owner sets `pending` when a backward lands gradients with sync on and clears it once they
+    are summed. `check()` (from zero_grad) and a step pre-hook on every optimizer that steps the
+    module then raise, naming the fix. The hook is process-wide (torch has no per-module one) but
+    costs a flag test while nothing is pending; it holds the guard weakly, so a dropped replica
+    is not kept alive, and `close()` removes it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.pending = False
+        self._module = module
+        self._steps_module: dict[int, bool] = {}  # id(optimizer) -> does it hold the module's parameters?
+        self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
+
+    def check(self, what: str) -> None:
+        if self.pending:
+            raise RuntimeError(f"{what} after a backward whose gradients were never summed across ranks: call "
+                               "dp.finish_gradient_sync() between loss.backward() and optimizer.step(), or the "
+                               "replicas drift apart")
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        mine = self._steps_module.get(id(optimizer))
+        if mine is None:  # looked up once per optimizer
+            ours = {id(p) for p in self._module.parameters()}
+            mine = self._steps_module[id(optimizer)] = any(
+                id(p) in ours for group in optimizer.param_groups for p in group["params"])
+        if mine:
+            self.check("optimizer.step()")
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _step_hook(guard: "weakref.ref[UnsyncedGradientGuard]"):
+    def hook(optimizer, args, kwargs) -> None:
+        target = guard()
+        if target is not None and target.pending:
+            target.check_step(optimizer)
+
+    return hook

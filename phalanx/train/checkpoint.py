@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.atomic import atomic_write_bytes
+from phalanx.comm import collective
 from phalanx.errors import UsageError
 from phalanx.train.config import TrainConfig
 from phalanx.world import World, launcher_env
@@ -96,7 +97,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     mine = {"rng": _rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
-        dist.all_gather_object(every, mine)
+        with collective(world, "checkpoint"):  # on the collective board: a mismatch names this call
+            dist.all_gather_object(every, mine)
     else:
         every = [mine]
     if not world.is_main:

@@ -51,7 +51,7 @@ def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Te
                 counts[0] += (logits.argmax(dim=1) == labels[lo:hi]).sum()
                 counts[1] += hi - lo
     module.train(was_training)
-    all_reduce_sum_(counts, world=world)
+    all_reduce_sum_(counts, world=world, phase="evaluation")
     seen = int(counts[1].item())
     if seen != images.shape[0]:  # a sharding bug would silently skew accuracy
         raise RuntimeError(f"evaluation saw {seen} test images, expected {images.shape[0]}")
@@ -92,7 +92,7 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     names = sorted(totals)
     flat = torch.stack([totals[n] for n in names] + [torch.tensor(float(stop - start), dtype=torch.float64,
                                                                    device=world.device)])
-    all_reduce_sum_(flat, world=world)
+    all_reduce_sum_(flat, world=world, phase="evaluation")
     result = dict(zip(names, flat[:-1].tolist()))
     result["count"] = flat[-1].item()
     if int(result["count"]) != len(dataset):  # a sharding bug would silently skew the metric

@@ -1,0 +1,289 @@
+"""One deadline per wait, and a diagnosis that names the right rank and the right collective.
+
+Every wait for a collective polls (`POLL_S`: a blocked rank costs nothing, and a healthy
+collective returns at once, so the normal path pays only the board's few stores) and at each
+poll `check` reads the board (board.py) and the peers' processes:
+
+1. Pairing: a peer that entered this collective's number on this channel with another tag or
+   size (only the size, when either call is the generic "allreduce") is in a different collective - fail now, naming both ("rank 1 is in evaluation after
+   step 75 (24 B); rank 0 in step 76's gradient bucket 0 (5.5 KiB)"), before the backend sums
+   two unrelated tensors or waits for bytes that never come. Checked again once a collective
+   completes (`check_pairing`), since gloo pairs equal sizes without a word.
+2. A peer that has not entered it and never will: it finished its work normally (reported as
+   such, not as a death), failed, or died.
+3. Deadlock: every rank of the world waits (on this host, all visible), and every one's
+   collective lacks a rank that has not entered it - e.g. rank 0 in a gradient bucket on the
+   communication thread, rank 1 in evaluation's allreduce on the default group. Two passes over
+   the board with unchanged wait serials prove that every rank was blocked in those waits at one
+   instant; with entries made only by threads that are blocked, nothing can change it.
+4. The deadline, counted once from the start of the wait whatever else is in flight (queued
+   collectives behind a failed one fail at once: async_ops.py): the error names the peer that
+   never arrived and what its process is doing (/proc: a stopped process shows state T).
+
+Errors whose message is the whole story (a stalled, finished or mismatched peer) are `RunFailed`,
+so a launcher prints that one line; a peer that died or failed is a plain error, so the launcher
+names that peer's own report as the root cause.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import time
+from typing import Callable, Iterator
+
+from phalanx.comm.board import FAILED, FINISHED, WAITING, WORLD, Board, Line, Ticket, describe, is_generic
+from phalanx.comm.shm_segment import process_alive, process_state
+from phalanx.errors import RunFailed
+from phalanx.world import World
+
+POLL_S = 0.5  # how often a blocked wait looks at the board and at the clock
+_POLL = datetime.timedelta(seconds=POLL_S)
+_STATE_WORDS = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped",
+                "t": "stopped by a debugger", "Z": "dead", "X": "dead"}
+
+
+class CollectiveMismatch(RunFailed):
+    """Ranks are in different collectives: the order of calls differs between them."""
+
+
+class PeerStalled(RunFailed):
+    """A peer did not arrive within the deadline."""
+
+
+class PeerFinished(RunFailed):
+    """A peer's work ended normally while this rank waits for it in a collective."""
+
+
+class CommError(RuntimeError):
+    """A collective failed and the message already says why: waits pass it on unchanged."""
+
+
+class PeerGone(CommError):
+    """A peer died or failed while this rank waited; its own report says why."""
+
+
+def check(world: World, ticket: Ticket | None, *, waited_s: float, timeout_s: float,
+          pending: list[int] | None = None) -> None:
+    """Raise if the collective `ticket` waits for cannot complete, or waited past `timeout_s`.
+
+    `pending`: the ranks known not to have arrived (shm reads its flags); default: the ranks
+    whose board line has not entered the collective."""
+    board: Board | None = world.board
+    if board is None or ticket is None:
+        if waited_s > timeout_s:
+            raise PeerStalled(f"rank {world.rank} waited {waited_s:.0f} s for a collective, past the {timeout_s:g} s "
+                              "timeout; raise --timeout if a step can really take that long")
+        return
+    error = pairing_error(board, ticket)
+    if error is not None:
+        raise error
+    lines = board.lines()
+    lacking = _lacking(board, lines, ticket) if pending is None else [board.local_index(r) for r in pending]
+    lacking = [i for i in lacking if i is not None]
+    for i in lacking:
+        error = _gone(board, lines[i], ticket)
+        if error is not None:
+            raise error
+    error = _deadlock(board)
+    if error is not None:
+        raise error
+    if waited_s > timeout_s:
+        raise _stalled(board, lines, lacking, ticket, waited_s, timeout_s)
+
+
+def check_pairing(world: World, ticket: Ticket | None) -> None:
+    """After a collective completed: raise if a peer entered its number with another tag."""
+    if ticket is not None and world.board is not None:
+        error = pairing_error(world.board, ticket)
+        if error is not None:
+            raise error
+
+
+def pairing_error(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
+    for i in range(board.local_world_size):
+        if i == board.local_rank:
+            continue
+        theirs = board.tag_of(i, ticket.channel, ticket.seq)
+        if theirs is None:
+            continue
+        code, size = theirs
+        sizes_differ = bool(size and ticket.size_bytes and size != ticket.size_bytes)
+        # A generic call ("allreduce": the caller said not what it is for, e.g. SyncBatchNorm's)
+        # has no fingerprint but its size; named calls must agree on phase, bucket and step too.
+        if sizes_differ or (code != ticket.code and not (is_generic(code) or is_generic(ticket.code))):
+            return _mismatch(board, board.first_rank + i, Ticket(ticket.channel, ticket.seq, code, size), ticket)
+    return None
+
+
+def diagnose(world: World, ticket: Ticket | None, exc: BaseException, *, waited_s: float,
+             timeout_s: float) -> BaseException | None:
+    """The error that explains a backend's failure (a timeout, a closed connection), or None."""
+    try:
+        check(world, ticket, waited_s=waited_s, timeout_s=timeout_s)
+    except (RunFailed, CommError) as found:
+        return found
+    text = str(exc).lower()
+    if ("timed out" in text or "timeout" in text) and world.board is not None and ticket is not None:
+        # The backend's own deadline (counted from the launch, which may precede this wait).
+        lines = world.board.lines()
+        return _stalled(world.board, lines, _lacking(world.board, lines, ticket), ticket, max(waited_s, timeout_s),
+                        timeout_s)
+    return None
+
+
+def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
+    """Wait for a gloo `Work` with the board watched; NCCL's (a stream wait) is left as is."""
+    if world.backend != "gloo":
+        work.wait()
+        return
+    with waiting(world, ticket) as poll:
+        while True:
+            try:
+                work.wait(_POLL)
+                break
+            except RuntimeError:
+                if work.is_completed():
+                    raise  # the collective itself failed: `waiting` explains it
+            poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
+    check_pairing(world, ticket)
+
+
+def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None):
+    """Wait for a job on AsyncComm's thread (which checks the collective itself) with the board
+    watched from this thread too, so a deadlock is seen wherever the ranks are blocked."""
+    if future.done() and future.exception() is None:
+        return future.result()
+    with waiting(world, ticket) as poll:
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            poll()
+
+
+@contextlib.contextmanager
+def waiting(world: World, ticket: Ticket | None, *, timeout_s: float | None = None) -> Iterator[Callable[[], None]]:
+    """Publish that this thread waits for `ticket`; yield `poll()` (check with the time waited);
+    turn a backend error raised inside into the diagnosis when the board has one."""
+    board: Board | None = world.board
+    timeout_s = world.timeout_s if timeout_s is None else timeout_s
+    started = time.monotonic()
+    if board is not None and ticket is not None:
+        board.block(ticket)
+
+    def poll() -> None:
+        check(world, ticket, waited_s=time.monotonic() - started, timeout_s=timeout_s)
+
+    try:
+        yield poll
+    except (RunFailed, CommError):
+        raise
+    except Exception as exc:
+        found = diagnose(world, ticket, exc, waited_s=time.monotonic() - started, timeout_s=timeout_s)
+        if found is None:
+            raise
+        raise found from exc
+    finally:
+        if board is not None and ticket is not None:
+            board.unblock()
+
+
+@contextlib.contextmanager
+def collective(world: World, phase: str, *, size_bytes: int = 0, index: int = 0) -> Iterator[None]:
+    """Around a blocking collective on the default group that cannot be polled (all_gather_object,
+    barrier): peers see where this rank is, and a backend error becomes the board's diagnosis."""
+    if not world.distributed:
+        yield
+        return
+    ticket = None if world.board is None else world.board.enter(WORLD, phase, index, size_bytes)
+    with waiting(world, ticket):
+        yield
+    check_pairing(world, ticket)
+
+
+def native(world: World, start: Callable[[], object], *, phase: str, size_bytes: int, index: int = 0) -> None:
+    """Run a backend collective on the default group: `start()` launches it with async_op=True."""
+    ticket = None if world.board is None else world.board.enter(WORLD, phase, index, size_bytes)
+    wait_work(start(), world=world, ticket=ticket)
+
+
+# --- the rules ------------------------------------------------------------------------------------
+
+def _lacking(board: Board, lines: list[Line | None], ticket: Ticket) -> list[int]:
+    return [i for i, line in enumerate(lines) if i != board.local_rank and line is not None
+            and line.entered[ticket.channel] < ticket.seq]
+
+
+def _gone(board: Board, line: Line | None, ticket: Ticket) -> BaseException | None:
+    """A peer that will never enter `ticket`'s collective, as an error; None if it still may."""
+    if line is None:
+        return None
+    me, mine = board.rank, describe(ticket.code, ticket.size_bytes)
+    if line.state == FINISHED:
+        return PeerFinished(f"rank {line.rank} finished its work normally{_after(line)} while rank {me} waits for it "
+                            f"in {mine}; every rank must make the same collective calls (did rank {line.rank} run "
+                            "fewer steps or skip a collective?)")
+    if line.state == FAILED:
+        return PeerGone(f"rank {line.rank} failed{_after(line)} while rank {me} waited for it in {mine}")
+    if line.pid and not process_alive(line.pid):
+        return PeerGone(f"rank {line.rank} (pid {line.pid}) died{_after(line)} while rank {me} waited for it in {mine}")
+    return None
+
+
+def _deadlock(board: Board) -> CollectiveMismatch | None:
+    """Every rank blocked, none of their collectives complete-able: the rule 3 of the docstring."""
+    if not board.covers_world:
+        return None  # ranks on other hosts are not on this board: no proof possible
+    first = board.lines()
+    if any(line is None or line.state != WAITING for line in first):
+        return None
+    lines = board.lines()  # unchanged serials: every rank was blocked in these waits at one instant
+    if any(b is None or b.state != WAITING or b.serial != a.serial for a, b in zip(first, lines)):
+        return None
+    missing = [[j for j, other in enumerate(lines) if other.entered[line.block.channel] < line.block.seq]
+               for line in lines]
+    if not all(missing):
+        return None  # some collective has every rank: it will complete, and others may follow
+    mine, other = lines[board.local_rank], lines[missing[board.local_rank][0]]
+    return _mismatch(board, other.rank, other.block, mine.block, mine_steps=mine.steps, theirs_steps=other.steps)
+
+
+def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket: Ticket, waited_s: float,
+             timeout_s: float) -> RunFailed:
+    """The deadline passed: name the peer that stopped answering, and how its process is."""
+    me, mine = board.rank, describe(ticket.code, ticket.size_bytes)
+    candidates = lacking or [i for i in range(board.local_world_size) if i != board.local_rank]
+    states = {i: process_state(lines[i].pid) if lines[i] is not None and lines[i].pid else None for i in candidates}
+    # A stopped process explains the wait best; then one that has not entered the collective.
+    chosen = next((i for i in candidates if states[i] in ("T", "t")), candidates[0] if candidates else None)
+    waited = f"rank {me} waited {waited_s:.0f} s in {mine}"
+    if not lacking and (chosen is None or states[chosen] not in ("T", "t")):
+        return PeerStalled(f"{waited}: every rank entered it, but it did not complete within the {timeout_s:g} s "
+                           "timeout; raise --timeout if a step can really take that long")
+    if chosen is None or lines[chosen] is None:
+        return PeerStalled(f"{waited}, past the {timeout_s:g} s timeout; raise --timeout if a step can really take that long")
+    line, state = lines[chosen], states[chosen]
+    if line.state == WAITING and line.block is not None and chosen in lacking:
+        return _mismatch(board, line.rank, line.block, ticket)
+    word = _STATE_WORDS.get(state or "", state or "unknown")
+    text = f"worker rank {line.rank} stopped responding (state: {word}){_after(line)}; {waited}"
+    if state in ("T", "t"):
+        return PeerStalled(f"{text} (SIGSTOP, Ctrl-Z or a debugger?)")
+    return PeerStalled(f"{text}: rank {line.rank} did not arrive within the {timeout_s:g} s timeout; "
+                       "raise --timeout if a step can really take that long")
+
+
+def _mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket, *, mine_steps: int | None = None,
+              theirs_steps: int | None = None) -> CollectiveMismatch:
+    text = (f"ranks are in different collectives: rank {rank} is in {describe(theirs.code, theirs.size_bytes)}; "
+            f"rank {board.rank} in {describe(mine.code, mine.size_bytes)}")
+    if mine_steps is not None and theirs_steps is not None and mine_steps != theirs_steps:
+        text += f" (rank {board.rank} has synced {mine_steps} steps, rank {rank} {theirs_steps})"
+    return CollectiveMismatch(f"{text}; every rank must make the same collective calls in the same order")
+
+
+def _after(line: Line) -> str:
+    return f" after step {line.steps}" if line.steps else ""

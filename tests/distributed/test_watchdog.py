@@ -1,0 +1,156 @@
+"""The watchdog end to end (issues 21 and 22): a frozen worker ends the run within one --timeout
+whatever the number of buckets in flight, named with its state; ranks in different collectives
+fail at once naming both; a rank that finished normally while another waits is reported as
+such; a forgotten finish_gradient_sync() with overlap=False is refused instead of letting the
+replicas drift apart."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.harness import WorkersFailed, run_workers
+from tests.distributed.test_faults import PHALANX, _wait_for, _workers, assert_all_gone
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 3  # --timeout of the frozen runs: the run must end within it + 5 s, not buckets x it
+# Rank 1 runs one step fewer than rank 0 (8 global batches of 8), then evaluates or returns.
+SHORT_BY_ONE = textwrap.dedent("""
+    import sys
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    import phalanx
+
+    then, algorithm, overlap = sys.argv[1], sys.argv[2], sys.argv[3] == "overlap"
+    world = phalanx.init()
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    dp = phalanx.DataParallel(model, world=world, algorithm=algorithm, overlap=overlap, bucket_cap_mb=0.0005)
+    optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+    loader = phalanx.ShardedLoader(data, world=world, global_batch_size=8, seed=0)
+    for step, ((X, y), global_size) in enumerate(loader.epoch(0)):
+        if world.rank == 1 and step == 7:
+            break
+        dp.zero_grad()
+        phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), global_size).backward()
+        dp.finish_gradient_sync()
+        optimizer.step()
+    if then == "evaluate":
+        phalanx.evaluate_dataset(dp.module, data, world=world)
+    dp.close()
+""")
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def stop_a_worker_mid_run(argv: list[str], out: Path) -> tuple[int, str, float, list[int]]:
+    """Start `phalanx <argv> --out out` on 2 workers, SIGSTOP rank 1 once epoch 1 is done; return
+    the exit code, stderr, seconds from the stop to the launcher's exit, and the workers' pids."""
+    proc = subprocess.Popen([*PHALANX, *argv, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env=_env())
+    try:
+        workers = _workers(proc.pid, 2)
+        _wait_for(out / "metrics.jsonl", timeout_s=240)
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+        elapsed_s = time.monotonic() - stopped_at
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the workers share the launcher's process group
+    return proc.returncode, stderr, elapsed_s, workers
+
+
+def launcher_line(stderr: str) -> str:
+    """The launcher's own first line (a worker's C++ runtime may print to stderr before it)."""
+    return next((line for line in stderr.splitlines() if line.startswith("phalanx:")), stderr[-3000:])
+
+
+FROZEN = {
+    "lenet-3-buckets-shm": ["--model", "lenet"],
+    "lenet-3-buckets-native": ["--model", "lenet", "--allreduce", "native"],
+    # Issue 21's case: 27 buckets queued on the communication thread, each of which waited its
+    # own timeout (99.6 s at --timeout 5).
+    "resnet-27-buckets": ["--model", "resnet", "--batchnorm", "local", "--bucket-cap-mb", "0.001"],
+}
+
+
+@pytest.mark.parametrize("case", FROZEN)
+def test_a_frozen_worker_ends_the_run_within_one_timeout_naming_it(tmp_path, case):
+    argv = ["train", "--devices", "cpu:2", "--dataset", "synthetic", "--epochs", "500", "--no-progress",
+            "--timeout", str(TIMEOUT_S), *FROZEN[case]]
+    returncode, stderr, elapsed_s, workers = stop_a_worker_mid_run(argv, tmp_path / "run")
+    first = launcher_line(stderr)
+    assert returncode == 1, stderr[-3000:]
+    assert "worker rank 1 stopped responding (state: stopped) after step" in first, stderr[-3000:]
+    assert f"rank 0 waited {TIMEOUT_S} s in step" in first and "gradient bucket" in first, first
+    assert elapsed_s < TIMEOUT_S + 5, f"took {elapsed_s:.1f} s after the stop ({first})"
+    assert_all_gone(workers)
+
+
+def phalanx_run_short_by_one(tmp_path: Path, then: str, algorithm: str, overlap: str,
+                             timeout_s: int = 60) -> tuple[int, str, float]:
+    script = tmp_path / "short_by_one.py"
+    script.write_text(SHORT_BY_ONE)
+    started = time.monotonic()
+    proc = subprocess.run([*PHALANX, "run", "--devices", "cpu:2", "--timeout", str(timeout_s), str(script), then,
+                           algorithm, overlap], capture_output=True, text=True, timeout=240, env=_env())
+    return proc.returncode, proc.stderr, time.monotonic() - started
+
+
+@pytest.mark.parametrize("algorithm, overlap", [("shm", "overlap"), ("native", "overlap"), ("shm", "sync"),
+                                                ("native", "sync")])
+def test_ranks_in_different_collectives_fail_at_once_naming_both(tmp_path, algorithm, overlap):
+    returncode, stderr, elapsed_s = phalanx_run_short_by_one(tmp_path, "evaluate", algorithm, overlap)
+    first = launcher_line(stderr)
+    assert returncode == 1, stderr[-3000:]
+    assert first.startswith("phalanx: run stopped: ranks are in different collectives: "), stderr[-3000:]
+    sides = {"rank 1 is in evaluation after step 7 (24 B); rank 0 in step 8's gradient bucket 0",
+             "rank 0 is in step 8's gradient bucket 0 (524 B); rank 1 in evaluation after step 7"}
+    assert any(side in first for side in sides), first
+    assert elapsed_s < 60, f"{elapsed_s:.0f} s: the 60 s timeout ran out instead"  # not a timeout: at once
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "native"])
+def test_a_rank_that_finished_normally_while_another_waits_is_reported_as_such(tmp_path, algorithm):
+    returncode, stderr, _ = phalanx_run_short_by_one(tmp_path, "return", algorithm, "overlap")
+    first = launcher_line(stderr)
+    assert returncode == 1, stderr[-3000:]
+    assert ("phalanx: run stopped: rank 1 finished its work normally after step 7 while rank 0 waits for it in step "
+            "8's gradient bucket 0 (524 B)") in first, stderr[-3000:]
+    assert "died" not in stderr
+
+
+def _forgets_finish_gradient_sync(world) -> list[float]:
+    from phalanx.models import LeNet
+    from phalanx.parallel import DataParallel
+
+    torch.manual_seed(0)
+    with DataParallel(LeNet().double(), world=world, overlap=False) as dp:
+        optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+        X = torch.rand(4, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(world.rank))
+        dp.zero_grad()
+        F.cross_entropy(dp(X), torch.tensor([0, 1, 2, 3]), reduction="sum").backward()
+        optimizer.step()  # dp.finish_gradient_sync() forgotten: each rank would step on its own gradient
+    return [float(p.sum()) for p in dp.module.parameters()]
+
+
+def test_a_forgotten_finish_gradient_sync_without_overlap_is_refused_at_the_step():
+    with pytest.raises(WorkersFailed) as info:
+        run_workers(_forgets_finish_gradient_sync, 2, timeout_s=90)
+    first = str(info.value).splitlines()[0]
+    assert ("RuntimeError: optimizer.step() after a backward whose gradients were never summed across ranks: call "
+            "dp.finish_gradient_sync() between loss.backward() and optimizer.step()") in first, str(info.value)[-2000:]

@@ -1,0 +1,265 @@
+"""The collective board's bookkeeping and the watchdog's rules, without processes: several ranks'
+views of one board in this process (each `Board` writes its own line), peers' processes played
+by real child processes (stopped, reaped), and the forgotten-sync guard on a world of one."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
+from phalanx.comm.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
+                                describe, phase_code, tagged)
+from phalanx.comm.shm_segment import process_state
+from phalanx.comm.watchdog import check, check_pairing
+from phalanx.models import LeNet
+from phalanx.parallel import DataParallel
+from phalanx.world import World
+
+
+def boards(k: int, pids=None) -> list[Board]:
+    memory = bytearray(LINE_WORDS * 8 * k)
+    return [Board(memory, rank=r, local_rank=r, local_world_size=k, world_size=k,
+                  pid=None if pids is None else pids[r]) for r in range(k)]
+
+
+def world_of(board: Board, timeout_s: float = 5.0) -> World:
+    return World(rank=board.rank, world_size=board.world_size, local_rank=board.local_rank,
+                 local_world_size=board.local_world_size, device=torch.device("cpu"), backend="gloo",
+                 timeout_s=timeout_s, board=board)
+
+
+@pytest.fixture
+def stopped_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while process_state(child.pid) != "T":  # kill() returns before the child has acted on it
+        assert time.monotonic() < deadline, "the child never stopped"
+        time.sleep(0.01)
+    yield child.pid
+    child.kill()
+    child.wait()
+
+
+def test_entries_count_per_channel_and_peers_read_each_tag():
+    a, b = boards(2)
+    first = a.enter(COMM, "gradient", 2, 5632)
+    second = a.enter(COMM, "gradient", 0, 512)
+    metrics = a.enter(WORLD, "metrics", 0, 24)
+    assert (first.seq, second.seq, metrics.seq) == (1, 2, 1)  # each channel numbers its own calls
+    assert b.tag_of(0, COMM, 1) == (first.code, 5632)  # another rank's view reads rank 0's line
+    assert b.tag_of(0, COMM, 3) is None  # not entered yet
+    line = b.line(0)
+    assert line.entered == (1, 2) and line.state == RUNNING and line.block is None
+
+
+def test_the_ring_forgets_old_tags_instead_of_returning_wrong_ones():
+    a, b = boards(2)
+    tickets = [a.enter(COMM, "gradient", i % 7, 4) for i in range(RING_SLOTS + 3)]
+    assert b.tag_of(0, COMM, tickets[0].seq) is None  # overwritten by a later call: not readable
+    assert b.tag_of(0, COMM, tickets[-1].seq) == (tickets[-1].code, 4)
+
+
+def test_tags_read_as_the_collective_they_stand_for():
+    a, = boards(1)
+    for _ in range(75):
+        a.step_done()
+    assert describe(a.enter(COMM, "gradient", 2, 5632).code, 5632) == "step 76's gradient bucket 2 (5.5 KiB)"
+    assert describe(a.enter(WORLD, "evaluation", 0, 24).code, 24) == "evaluation after step 75 (24 B)"
+    assert describe(a.enter(WORLD, "checkpoint", 0, 0).code) == "checkpoint after step 75"
+    with pytest.raises(ValueError, match="unknown collective phase 'evaluate'; use one of gradient, evaluation"):
+        phase_code("evaluate")
+
+
+def test_a_tagged_scope_names_the_calls_made_inside_it():
+    a, = boards(1)
+    with tagged(world_of(a), "gradient", 3):  # as DataParallel wraps its comm's launch
+        inside = a.enter(COMM, "allreduce", 0, 8)
+    after = a.enter(COMM, "allreduce", 0, 8)
+    assert (describe(inside.code), describe(after.code)) == ("step 1's gradient bucket 3", "allreduce")
+    with pytest.raises(ValueError, match="unknown collective phase 'grad'"):
+        with tagged(world_of(a), "grad"):
+            pass
+
+
+def test_a_wait_is_published_with_a_new_serial_each_time():
+    a, b = boards(2)
+    ticket = a.enter(WORLD, "evaluation", 0, 24)
+    a.block(ticket)
+    seen = b.line(0)
+    assert seen.state == WAITING and seen.block == ticket
+    a.unblock()
+    a.block(ticket)
+    assert b.line(0).serial == seen.serial + 1
+    a.unblock()
+    assert b.line(0).state == RUNNING and b.line(0).block is None
+
+
+def test_the_same_number_with_another_tag_is_a_mismatch_naming_both():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "evaluation", 0, 24)
+    b.enter(WORLD, "evaluation", 0, 24)
+    check_pairing(world_of(a), mine)  # the same collective: nothing to say
+    b.step_done()
+    bucket = b.enter(WORLD, "gradient", 0, 512)
+    evaluation = a.enter(WORLD, "evaluation", 0, 24)
+    with pytest.raises(CollectiveMismatch) as info:
+        check_pairing(world_of(a), evaluation)
+    assert str(info.value).startswith("ranks are in different collectives: rank 1 is in step 2's gradient bucket 0 "
+                                      "(512 B); rank 0 in evaluation (24 B)")
+    with pytest.raises(CollectiveMismatch, match="rank 0 is in evaluation"):
+        check_pairing(world_of(b), bucket)
+
+
+def test_sizes_differ_for_the_same_tag():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "metrics", 0, 24)
+    b.enter(WORLD, "metrics", 0, 32)
+    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(32 B\\); rank 0 in metrics \\(24 B\\)"):
+        check_pairing(world_of(a), mine)
+
+
+def test_ranks_blocked_in_collectives_the_other_never_entered_are_a_deadlock():
+    a, b = boards(2)
+    for board in (a, b):
+        for _ in range(7):
+            board.step_done()
+    bucket = a.enter(COMM, "gradient", 0, 524)  # rank 0 ran a step more...
+    a.block(bucket)
+    evaluation = b.enter(WORLD, "evaluation", 0, 24)  # ...while rank 1 went on to evaluate
+    b.block(evaluation)
+    with pytest.raises(CollectiveMismatch) as info:
+        check(world_of(a), bucket, waited_s=0.5, timeout_s=60)
+    assert "rank 1 is in evaluation after step 7 (24 B); rank 0 in step 8's gradient bucket 0 (524 B)" in str(info.value)
+    with pytest.raises(CollectiveMismatch, match="rank 0 is in step 8's gradient bucket 0"):
+        check(world_of(b), evaluation, waited_s=0.5, timeout_s=60)
+
+
+def test_no_deadlock_while_a_rank_still_runs_or_every_rank_entered():
+    a, b, c = boards(3)
+    mine = a.enter(COMM, "gradient", 0, 64)
+    a.block(mine)
+    theirs = b.enter(WORLD, "evaluation", 0, 24)
+    b.block(theirs)
+    check(world_of(a), mine, waited_s=0.5, timeout_s=60)  # rank 2 runs: it may still come
+    c.enter(COMM, "gradient", 0, 64)
+    c.block(c.enter(WORLD, "metrics", 0, 8))
+    with pytest.raises(CollectiveMismatch):  # now nobody can move
+        check(world_of(a), mine, waited_s=0.5, timeout_s=60)
+    b.unblock()
+    b.enter(COMM, "gradient", 0, 64)
+    b.block(b.enter(COMM, "gradient", 1, 64))  # every rank entered bucket 0: it completes
+    check(world_of(a), mine, waited_s=0.5, timeout_s=60)
+
+
+def test_a_peer_that_finished_or_failed_is_named_as_such():
+    a, b = boards(2)
+    for _ in range(7):
+        b.step_done()
+    mine = a.enter(COMM, "gradient", 0, 524)
+    b.mark(FINISHED)
+    with pytest.raises(PeerFinished, match="rank 1 finished its work normally after step 7 while rank 0 waits for it "
+                                           "in step 1's gradient bucket 0"):
+        check(world_of(a), mine, waited_s=0.5, timeout_s=60)
+    b.mark(FAILED)
+    with pytest.raises(PeerGone, match="rank 1 failed after step 7 while rank 0 waited"):
+        check(world_of(a), mine, waited_s=0.5, timeout_s=60)
+
+
+def test_a_peer_that_entered_and_then_finished_is_no_error():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "metrics", 0, 8)
+    b.enter(WORLD, "metrics", 0, 8)
+    b.mark(FINISHED)  # it took part, then its work ended: this wait can still complete
+    check(world_of(a), mine, waited_s=0.5, timeout_s=60)
+
+
+def test_a_dead_peer_is_named():
+    child = subprocess.Popen(["true"])
+    child.wait()  # reaped: its pid names no process
+    a, _ = boards(2, pids=[None, child.pid])
+    mine = a.enter(WORLD, "metrics", 0, 8)
+    with pytest.raises(PeerGone, match=f"rank 1 \\(pid {child.pid}\\) died while rank 0 waited for it in metrics"):
+        check(world_of(a), mine, waited_s=0.5, timeout_s=60)
+
+
+def test_at_the_deadline_the_stopped_peer_is_named(stopped_process):
+    a, b = boards(2, pids=[None, stopped_process])
+    for board in (a, b):  # 57 steps together, then rank 1 froze
+        for _ in range(57):
+            for bucket in range(3):
+                board.enter(COMM, "gradient", bucket, 64)
+            board.step_done()
+    mine = a.enter(COMM, "gradient", 0, 64)
+    check(world_of(a), mine, waited_s=19.5, timeout_s=20)  # before the deadline: keep waiting
+    with pytest.raises(PeerStalled) as info:
+        check(world_of(a), mine, waited_s=20.2, timeout_s=20)
+    assert str(info.value).startswith("worker rank 1 stopped responding (state: stopped) after step 57; rank 0 waited "
+                                      "20 s in step 58's gradient bucket 0 (64 B)")
+
+
+def test_at_the_deadline_a_running_peer_is_named_with_the_timeout():
+    a, b = boards(2)  # rank 1's line speaks for this (running) process
+    mine = a.enter(WORLD, "broadcast", 0, 64)
+    with pytest.raises(PeerStalled, match="worker rank 1 stopped responding \\(state: (running|sleeping)\\); rank 0 "
+                                          "waited 3 s in broadcast \\(64 B\\): rank 1 did not arrive within the 3 s"):
+        check(world_of(a), mine, waited_s=3.1, timeout_s=3)
+
+
+def _lenet_step(dp: DataParallel, optimizer, *, sync: bool) -> None:
+    dp.zero_grad()
+    X = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    F.cross_entropy(dp(X), torch.tensor([0, 1, 2, 3]), reduction="sum").backward()
+    if sync:
+        dp.finish_gradient_sync()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overlap):
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  backend="none", timeout_s=5.0)
+    with AsyncComm(world=world) as comm, DataParallel(LeNet(), world=world, comm=comm, overlap=overlap) as dp:
+        optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
+        other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        _lenet_step(dp, optimizer, sync=True)  # the right order passes
+        before = [p.detach().clone() for p in dp.module.parameters()]
+        with pytest.raises(RuntimeError, match="optimizer.step\\(\\) after a backward whose gradients were never summed "
+                                               "across ranks: call dp.finish_gradient_sync\\(\\) between"):
+            _lenet_step(dp, optimizer, sync=False)
+        assert all(torch.equal(a, b) for a, b in zip(before, dp.module.parameters()))  # refused before the update
+        other.step()  # an optimizer that does not step this replica is none of its business
+        with pytest.raises(RuntimeError, match="zero_grad\\(\\) after a backward|in flight"):
+            dp.zero_grad()
+        dp.finish_gradient_sync()
+        with dp.no_sync():  # accumulating locally on purpose is not a forgotten sync
+            dp.zero_grad()
+            F.cross_entropy(dp(torch.rand(2, 1, 28, 28)), torch.tensor([0, 1]), reduction="sum").backward()
+        optimizer.step()
+
+
+def test_a_generic_allreduce_is_compared_by_size_alone():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "allreduce", 0, 48)  # e.g. SyncBatchNorm's, which checks its pairing itself
+    b.enter(WORLD, "metrics", 0, 48)
+    check_pairing(world_of(a), mine)
+    other = a.enter(WORLD, "allreduce", 0, 48)
+    b.enter(WORLD, "metrics", 0, 56)
+    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(56 B\\); rank 0 in allreduce \\(48 B\\)"):
+        check_pairing(world_of(a), other)
+
+
+def test_at_the_deadline_a_collective_every_rank_entered_blames_no_peer():
+    a, b = boards(2)
+    mine = a.enter(WORLD, "metrics", 0, 8)
+    b.enter(WORLD, "metrics", 0, 8)
+    with pytest.raises(PeerStalled, match="rank 0 waited 4 s in metrics \\(8 B\\): every rank entered it, but it did "
+                                          "not complete within the 4 s timeout"):
+        check(world_of(a), mine, waited_s=4.2, timeout_s=4)
