@@ -108,9 +108,9 @@ def oversubscription(threads_per_worker: int, local_workers: int, cores: int | N
     unluckiest one: `--threads-per-device 64` on 2 cores measured 57x slower."""
     cores = available_cores() if cores is None else cores
     total = threads_per_worker * local_workers
-    if total <= cores:
-        return None
     fits = max(1, cores // local_workers)
+    if total <= cores or threads_per_worker <= fits:  # more workers than cores: not the threads' doing
+        return None
     return (f"--threads-per-device {threads_per_worker} x {local_workers} local worker(s) = {total} threads on "
             f"{cores} cores: they take turns and training can be many times slower; use --threads-per-device "
             f"{fits}, or leave it unset (cores / workers)")

@@ -73,6 +73,7 @@ def test_a_directory_that_vanished_is_named_too(tmp_path):
 def test_oversubscription_is_named_with_the_count_that_fits():
     assert oversubscription(1, 2, cores=2) is None
     assert oversubscription(2, 1, cores=2) is None
+    assert oversubscription(1, 8, cores=2) is None  # 8 devices on 2 cores: one thread each is all one can do
     assert oversubscription(64, 2, cores=2) == (
         "--threads-per-device 64 x 2 local worker(s) = 128 threads on 2 cores: they take turns and training can be "
         "many times slower; use --threads-per-device 1, or leave it unset (cores / workers)")
