@@ -45,7 +45,7 @@ def _limit(existing: str, name: str, default: int) -> int:
 
 
 def _shorten(text: str, keep: int = 60) -> str:
-    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]} ({len(text)} characters)"
+    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
 
 
 def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> None:
