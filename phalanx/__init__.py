@@ -16,20 +16,29 @@ each name below is re-exported from the module that owns it.
         optimizer.step()
 """
 
-from phalanx.comm import allreduce
-from phalanx.data.loader import ShardedLoader
-from phalanx.data.split import global_batches, rank_shard, shard_sizes, split_batch
-from phalanx.errors import RunFailed, UsageError
-from phalanx.parallel.clip import clip_grad_norm_
-from phalanx.parallel.data_parallel import DataParallel
-from phalanx.parallel.prepare import prepare
-from phalanx.parallel.sync_batchnorm import convert_sync_batchnorm
-from phalanx.script import init
-from phalanx.train.checkpoint import Position, checkpoint, resume
-from phalanx.train.evaluate import evaluate, evaluate_dataset
-from phalanx.train.loop import shard_loss, train_batch
-from phalanx.verify.config import VerifyConfig
-from phalanx.world import World
+import importlib
+
+# Each public name and the module that owns it, imported on first use (PEP 562): `import phalanx`
+# then loads no torch, so the `phalanx` command (phalanx/__main__.py) installs its Ctrl-C and
+# SIGTERM handlers before torch's second of importing, and a Ctrl-C then is one line.
+_OWNERS = {
+    "allreduce": "phalanx.comm",
+    "ShardedLoader": "phalanx.data.loader",
+    "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
+    "split_batch": "phalanx.data.split",
+    "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",
+    "clip_grad_norm_": "phalanx.parallel.clip",
+    "DataParallel": "phalanx.parallel.data_parallel",
+    "prepare": "phalanx.parallel.prepare",
+    "convert_sync_batchnorm": "phalanx.parallel.sync_batchnorm",
+    "init": "phalanx.script",
+    "Position": "phalanx.train.checkpoint", "checkpoint": "phalanx.train.checkpoint",
+    "resume": "phalanx.train.checkpoint",
+    "evaluate": "phalanx.train.evaluate", "evaluate_dataset": "phalanx.train.evaluate",
+    "shard_loss": "phalanx.train.loop", "train_batch": "phalanx.train.loop",
+    "VerifyConfig": "phalanx.verify.config",
+    "World": "phalanx.world",
+}
 
 __version__ = "0.1.0"
 
@@ -38,3 +47,16 @@ __all__ = [
     "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "global_batches",
     "init", "prepare", "rank_shard", "resume", "shard_loss", "shard_sizes", "split_batch", "train_batch",
 ]
+
+
+def __getattr__(name: str):
+    owner = _OWNERS.get(name)
+    if owner is None:
+        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(owner), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,7 +1,10 @@
 """Atomic file writes: a reader (or a crash) sees the old file or the new one, never half of one.
 
 Write to a temporary file in the destination's directory, fsync it, then `os.replace` it over the
-target (atomic on POSIX within one filesystem). On any error the temporary file is removed.
+target (atomic on POSIX within one filesystem). On any error the temporary file is removed, and an
+OS error (a full disk, a quota, a file-size limit, a read-only filesystem) is raised as
+`WriteFailed`: one line naming the file, where a bare OSError was a traceback that named only the
+temporary file, or nothing.
 """
 
 from __future__ import annotations
@@ -12,12 +15,17 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
+from phalanx.errors import WriteFailed
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
     """Yield a binary file whose content replaces `path` only if the block completes."""
     target = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise WriteFailed.of(target, exc) from None
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a normal file respects the umask
         with os.fdopen(fd, "wb") as handle:
@@ -25,9 +33,11 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp_name, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError):
+            raise WriteFailed.of(target, exc) from None
         raise
 
 

@@ -1,6 +1,7 @@
 """Where CPU workers run and how they are set up: threads (by default cores / local workers each;
-with `--bind-cores`, each of a host's k workers on its own disjoint set of cores) and an
-allocator that keeps freed activations mapped.
+with `--bind-cores`, each of a host's k workers on its own disjoint set of cores), the one count
+of the cores this process may use (`available_cores`), a warning when threads oversubscribe them,
+and the allocator setting that keeps freed activations mapped (`keep_freed_memory_mapped`).
 
 Unbound, the kernel may move a worker's threads between cores and stack two workers' threads
 on one core while another idles; in lockstep training every step then waits for the unluckiest
@@ -100,15 +101,43 @@ def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, th
         keep_freed_memory_mapped()
 
 
+def oversubscription(threads_per_worker: int, local_workers: int, cores: int | None = None) -> str | None:
+    """A one-line warning when `threads_per_worker` x `local_workers` exceeds the cores, else None.
+
+    Threads beyond the cores take turns on them, and in lockstep every step then waits for the
+    unluckiest one: `--threads-per-device 64` on 2 cores measured 57x slower."""
+    cores = available_cores() if cores is None else cores
+    total = threads_per_worker * local_workers
+    fits = max(1, cores // local_workers)
+    if total <= cores or threads_per_worker <= fits:  # more workers than cores: not the threads' doing
+        return None
+    return (f"--threads-per-device {threads_per_worker} x {local_workers} local worker(s) = {total} threads on "
+            f"{cores} cores: they take turns and training can be many times slower; use --threads-per-device "
+            f"{fits}, or leave it unset (cores / workers)")
+
+
+# glibc: no large block is ever mmap'ed, and up to 2 GiB - 1 (mallopt takes an int: its largest
+# value) of freed memory at the heap's top is kept instead of trimmed.
+ALLOCATOR_SETTINGS = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, (1 << 31) - 1))
+
+
 def keep_freed_memory_mapped() -> bool:
-    """In a running process, what launch.CPU_ALLOCATOR_ENV does for the workers it spawns: glibc
-    keeps large freed blocks on the heap instead of returning them with munmap/trim, so the next
-    step's activations do not page-fault in again (BASELINES.md: 6-13% of a batch-256 step; a
-    one-device `phalanx train` without it measured 0.7-0.8 against 0.5 s/epoch with it). Serves
-    the processes phalanx does not start itself: one device in the launcher's own process,
-    torchrun's workers. False where the C library is not glibc (nothing changed)."""
+    """phalanx's one allocator setting for CPU workers: glibc keeps large freed blocks on the heap
+    instead of returning them with munmap/trim, so the next step's activations do not page-fault
+    in again (BASELINES.md: 6-13% of a batch-256 step, up to 1.5x at 1024; a one-device `phalanx
+    train` measured 0.7-0.8 against 0.5 s/epoch with it).
+
+    Made with `mallopt` inside the process, not with MALLOC_* variables at spawn: glibc reads those
+    once at process start, so they reach only processes phalanx starts itself, while mallopt also
+    serves one device in the launcher's own process, torchrun's workers, and the bench contenders
+    that ask for it - one mechanism and one threshold everywhere. A user's own MALLOC_* or
+    GLIBC_TUNABLES setting wins (nothing is changed). Returns whether the setting is in force;
+    False where the C library is not glibc."""
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(name.startswith("MALLOC_") for name in os.environ) or "glibc.malloc." in tunables:
+        return False
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1))
+        return all(bool(libc.mallopt(param, value)) for param, value in ALLOCATOR_SETTINGS)
     except (OSError, AttributeError):
         return False

@@ -1,7 +1,12 @@
 """The `phalanx` command: parse flags, build configs, run, and turn bad input into one line.
 
-Nothing imports this module. Errors a user can fix (`UsageError`, a config's `ValueError`) end
-as `phalanx: error: <problem>; <fix>` on stderr with exit code 2 and no traceback.
+Nothing imports this module (the command's entry point, phalanx.__main__, installs the stop
+handlers before it imports this). Every ending a user can act on is one line on stderr, no
+traceback: bad input (`UsageError`, a config's `ValueError`) `phalanx: error: <problem>; <fix>`,
+exit 2; a checked stop or an output that could not be written (`RunFailed`) `phalanx: run
+stopped: ...`, exit 1; a failed worker `phalanx: worker rank R failed: ...` (then every rank's
+report), exit 1; Ctrl-C `phalanx: interrupted`, exit 130; SIGTERM/SIGHUP `phalanx: stopped by
+SIGTERM; every worker was stopped`, exit 128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from phalanx.script import add_run_parser, run_run
 from phalanx.sweep import add_sweep_parser, run_sweep
 from phalanx.verify import add_verify_parser, run_verify
 from phalanx.comm import CHOICES
-from phalanx.errors import Stopped, UsageError
-from phalanx.outdir import check_out_dir
+from phalanx.errors import RunFailed, Stopped, UsageError
+from phalanx.lifeline import stop_message
+from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.models import INITS, MODELS
 from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
 from phalanx.train.config import DATASETS, TrainConfig
@@ -107,6 +113,7 @@ def _train(args: argparse.Namespace) -> int:
     check_out_dir(config.out_dir)
     check_out_dir(config.trace_dir, flag="--trace")
     check_out_dir(config.checkpoint_dir, flag="--checkpoint-dir")
+    check_path_length(config.data_dir, flag="--data-dir")
     env = launcher_env()
     plan = parse_devices(args.devices)
     if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda
@@ -181,33 +188,17 @@ def _torchrun_names(plan, world_size: int) -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if args.command is None:
-            parser.print_help()
-            return 2
-        if args.command == "train":
-            return _train(args)
-        if args.command == "bench":
-            return run_bench(args)
-        if args.command == "verify":
-            return run_verify(args)
-        if args.command == "predict":
-            return run_predict(args)
-        if args.command == "sweep":
-            return run_sweep(args)
-        if args.command == "run":
-            return run_run(args)
-        raise UsageError(f"unknown command {args.command!r}")
+        return _run_command(argv)
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("phalanx: interrupted", file=sys.stderr)
-        return 130
-    except Stopped as exc:
-        print(f"phalanx: {exc}; every worker was stopped", file=sys.stderr)
+    except RunFailed as exc:  # one device runs in this process: its checked stops arrive here
+        print(f"phalanx: run stopped: {exc}", file=sys.stderr)
         return exc.exit_code
+    except (KeyboardInterrupt, Stopped) as exc:
+        line, code = stop_message(exc)
+        print(line, file=sys.stderr)
+        return code
     except Exception as exc:
         from phalanx.launch import WorkerFailed
 
@@ -215,3 +206,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"phalanx: {exc}", file=sys.stderr)
             return 1
         raise
+
+
+def _run_command(argv: list[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    commands = {"train": _train, "bench": run_bench, "verify": run_verify, "predict": run_predict,
+                "sweep": run_sweep, "run": run_run}
+    if args.command not in commands:
+        raise UsageError(f"unknown command {args.command!r}")
+    return commands[args.command](args)

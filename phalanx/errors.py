@@ -1,10 +1,11 @@
-"""The two exception types whose message is the whole story, so the terminal shows no traceback.
+"""The exception types whose message is the whole story, so the terminal shows no traceback.
 
 `UsageError`: the user gave us something we cannot use; one line naming the problem and the
 fix, exit code 2 (see `phalanx.cli`). `RunFailed`: a run stopped on a condition phalanx checks
-for (a NaN loss, replicas that drifted apart); one line naming the step, the rank and what to
-try, exit code 1. Every other exception is a bug or an environment failure and keeps its
-traceback.
+for (a NaN loss, replicas that drifted apart, an output that could not be written:
+`WriteFailed`); one line naming what happened and what to try, exit code 1. `Stopped`: the
+launcher was told to stop by a signal, exit code 128 + its number. Every other exception is a
+bug or an environment failure and keeps its traceback.
 """
 
 
@@ -18,6 +19,22 @@ class RunFailed(RuntimeError):
     """A checked condition stopped the run; the message names step, rank and the fix, in one line."""
 
     exit_code = 1
+
+
+class WriteFailed(RunFailed, OSError):
+    """Writing an output failed (a full disk, a quota, a read-only filesystem): one line naming the
+    file and the system's reason, exit code 1. Still an OSError (same errno and strerror), so a
+    caller that handles a failed write itself keeps doing so."""
+
+    @classmethod
+    def of(cls, path, exc: OSError) -> "WriteFailed":
+        failed = cls(f"cannot write {path} ({exc.strerror or type(exc).__name__}); "
+                     "free space there or choose another directory")
+        failed.errno, failed.strerror = exc.errno, exc.strerror
+        return failed
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class Stopped(BaseException):

@@ -2,24 +2,33 @@
 
 - A worker asks Linux to SIGKILL it when its parent dies (`die_with_parent`): a launcher killed
   outright cannot run any handler, and its workers would otherwise train on as orphans.
-- While the launcher supervises, SIGTERM and SIGHUP (what `timeout`, job schedulers and container
-  stops send) raise `Stopped` in it (`stop_on_signals`), so its clean-up runs: the default action
-  would end the launcher alone.
-- `terminate` ends workers: SIGTERM, a grace period, SIGKILL for what is left, all reaped.
+- In the launcher, SIGTERM and SIGHUP (what `timeout`, job schedulers and container stops send)
+  raise `Stopped` and SIGINT raises KeyboardInterrupt, so its clean-up runs (the default action of
+  SIGTERM would end the launcher alone). The handlers are re-entrant: the first signal raises, any
+  later one is absorbed, so a scheduler that escalates with a second SIGTERM 10 ms later cannot
+  cut the clean-up short; inside `signals_deferred()` (clean-up, starting a process) the first one
+  is held and raised when the block ends. The `phalanx` command installs them for its whole life
+  (`install_stop_handlers`, before torch is imported); `stop_on_signals` does it for one launch
+  when phalanx is used as a library.
+- `terminate` ends workers: SIGTERM, a grace period, SIGKILL for what is left, all reaped. A
+  worker flushes its stdout and stderr on SIGTERM (`flush_on_sigterm`) before it dies of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
 import time
+from typing import Iterator
 
 from phalanx.errors import Stopped
 
 # How long a terminated worker gets to exit on SIGTERM before it is killed.
 TERMINATE_GRACE_S = 3.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -35,29 +44,123 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-class stop_on_signals:
-    """While supervising: SIGTERM/SIGHUP raise `Stopped`, so the launcher's clean-up takes the
-    workers down (the default action would kill only the launcher and orphan them). Handlers
-    can be set from the main thread only; elsewhere this does nothing."""
+class _StopState:
+    """This process's stop handlers: which signal came first, whether it was raised, how deep the
+    deferred blocks are. One per process, as signal handlers are."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.raised = False
+        self.deferring = 0
+
+    def handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            return  # already stopping: a second signal must not interrupt the clean-up
+        self.signum = signum
+        if not self.deferring:
+            self.raised = True
+            raise _stop_exception(signum)
+
+
+_STATE = _StopState()
+
+
+def _stop_exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Stopped(signum)
+
+
+def _ours(signum: int) -> bool:
+    return signal.getsignal(signum) == _STATE.handle
+
+
+def install_stop_handlers(*, interrupt_only: bool = False) -> None:
+    """For the `phalanx` command's whole life: the stop handlers on SIGTERM, SIGHUP and SIGINT
+    (on SIGINT alone with `interrupt_only`)."""
+    for signum in (signal.SIGINT,) if interrupt_only else STOP_SIGNALS:
+        signal.signal(signum, _STATE.handle)
+
+
+class stop_on_signals:
+    """For one launch: the stop handlers the command has not installed already, while it runs
+    (SIGINT only if Python's default is in place, so a caller's own Ctrl-C handling is kept), the
+    previous ones restored after. Off the main thread it does nothing (handlers can be set from
+    the main thread only)."""
 
     def __enter__(self):
+        global _STATE
         self._previous = {}
         try:
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._raise)
+            if not any(_ours(signum) for signum in STOP_SIGNALS):
+                _STATE = _StopState()  # a launch of its own, not inside the command
+            for signum in STOP_SIGNALS:
+                if _ours(signum) or (signum == signal.SIGINT and
+                                     signal.getsignal(signum) is not signal.default_int_handler):
+                    continue
+                self._previous[signum] = signal.signal(signum, _STATE.handle)
         except ValueError:  # not the main thread
             pass
         return self
 
-    @staticmethod
-    def _raise(signum, frame):
-        raise Stopped(signum)
-
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
             signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold a stop signal until this block ends (then raise it): for clean-up, and for the few
+    lines that create something the clean-up must know about."""
+    _STATE.deferring += 1
+    try:
+        yield
+    finally:
+        _STATE.deferring -= 1
+        if not _STATE.deferring and _STATE.signum is not None and not _STATE.raised and _ours(_STATE.signum):
+            _STATE.raised = True
+            raise _stop_exception(_STATE.signum)
+
+
+def ignore_stops_if_stopping() -> None:
+    """At the command's end: once a stop signal was seen, ignore any further one. Python resets
+    its handlers to the default while the interpreter shuts down, so a second SIGTERM landing
+    then would still kill the process (-15 instead of 143) after its "stopped" line."""
+    if _STATE.signum is not None:
+        for signum in STOP_SIGNALS:
+            with contextlib.suppress(ValueError):
+                signal.signal(signum, signal.SIG_IGN)
+
+
+def stop_message(exc: BaseException) -> tuple[str, int]:
+    """The command's last line and exit code for a stop: Ctrl-C 130, a signal 128 + its number."""
+    if isinstance(exc, Stopped):
+        return f"phalanx: {exc}; every worker was stopped", exc.exit_code
+    return "phalanx: interrupted", 128 + signal.SIGINT
+
+
+def flush_on_sigterm() -> None:
+    """In a worker: on SIGTERM flush stdout and stderr, then die of the signal as before (the
+    launcher reads the exit status). Without this, text still in the buffers is lost."""
+
+    def flush_and_die(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # closed, or interrupted inside its own write
+                stream.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, flush_and_die)
+
+
+def line_buffered_output() -> None:
+    """In a worker: each line leaves stdout/stderr in one write, when its newline is printed.
+
+    Block-buffered (a file or pipe) the last lines wait in memory and die with a killed worker;
+    unbuffered (PYTHONUNBUFFERED) `print` writes text and newline separately, so two ranks' lines
+    tear into each other. One write per line is whole on a pipe up to PIPE_BUF (4 KiB) and on
+    a terminal or file in practice, and costs one system call per line."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # replaced or closed streams
+            stream.reconfigure(line_buffering=True, write_through=False)
 
 
 def describe_signal(signum: int) -> str:

@@ -4,6 +4,9 @@
 directory this user may not write, or cannot be created at all (a virtual filesystem such as
 /proc answers "permission" yes and still refuses every mkdir): it creates and at once removes a
 probe directory in the nearest existing ancestor. It creates nothing that outlives the check.
+`check_path_length` refuses a path the system cannot name (a component over the filesystem's
+name limit, usually 255 bytes, or a whole path over PATH_MAX), which would otherwise surface as
+an `OSError: File name too long` traceback from deep inside a run; --data-dir is checked too.
 """
 
 from __future__ import annotations
@@ -14,15 +17,50 @@ from pathlib import Path
 
 from phalanx.errors import UsageError
 
+_DEFAULT_NAME_MAX, _DEFAULT_PATH_MAX = 255, 4096
+
+
+def check_path_length(path: str | os.PathLike | None, *, flag: str) -> None:
+    """UsageError when `path` has a component longer than its filesystem allows, or is too long."""
+    if path is None:
+        return
+    full = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    existing = next(p for p in (full, *map(str, Path(full).parents)) if os.path.exists(p))
+    name_max = _limit(existing, "PC_NAME_MAX", _DEFAULT_NAME_MAX)
+    path_max = _limit(existing, "PC_PATH_MAX", _DEFAULT_PATH_MAX)
+    longest = max(os.fsencode(full).split(b"/"), key=len)
+    if len(longest) > name_max:
+        raise UsageError(f"{flag} {_shorten(os.fspath(path))} has a name of {len(longest)} bytes, longer than the "
+                         f"{name_max} bytes this filesystem allows; use a shorter name")
+    if len(os.fsencode(full)) >= path_max:
+        raise UsageError(f"{flag} {_shorten(os.fspath(path))} is {len(os.fsencode(full))} bytes long, longer than the "
+                         f"{path_max - 1} bytes a path may have here; use a shorter path")
+
+
+def _limit(existing: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(existing, name)
+    except (OSError, ValueError):
+        return default
+
+
+def _shorten(text: str, keep: int = 60) -> str:
+    return text if len(text) <= keep else f"{text[:keep // 2]}...{text[-keep // 2:]}"
+
 
 def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> None:
     """UsageError unless `out_dir` is (or can be created as) a directory this process can write."""
     if out_dir is None:
         return
+    check_path_length(out_dir, flag=flag)
     path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{flag} {out_dir} is an existing file; name a directory instead")
-    parent = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(f"{flag} {out_dir} is an existing file; name a directory instead")
+        parent = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    except OSError as exc:  # e.g. a loop of symlinks
+        raise UsageError(f"{flag} {_shorten(os.fspath(out_dir))} cannot be used ({exc.strerror}); "
+                         "pick another directory") from None
     if not parent.is_dir():
         raise UsageError(f"{flag} {out_dir} cannot be created: {parent} is a file; pick another directory")
     if not os.access(parent, os.W_OK):

@@ -106,12 +106,8 @@ def start_world(
     master_port: int,
     timeout_s: float,
     from_launcher_env: bool = False,
-    store_path: str | None = None,
 ) -> World:
     """Join the process group (TCP store rendezvous at master_addr:master_port) and pin the device.
-
-    `store_path`: rendezvous through a file there instead (a local run: no TCP store listening
-    on any interface; master_addr/master_port are then unused).
 
     `timeout_s` bounds every collective and point-to-point wait: a lost peer fails the run
     instead of hanging it. Under torchrun (`from_launcher_env`) see `_launcher_store`.
@@ -128,7 +124,7 @@ def start_world(
             rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
                                                     timeout_s=timeout_s)}
         else:
-            rendezvous = {"init_method": f"file://{store_path}" if store_path else f"tcp://{master_addr}:{master_port}"}
+            rendezvous = {"init_method": f"tcp://{master_addr}:{master_port}"}
         dist.init_process_group(
             backend=backend,
             **rendezvous,
@@ -149,20 +145,31 @@ def start_world(
 
 
 def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size: int, timeout_s: float):
-    """The store of a torchrun job, under a prefix unique to this restart of it.
+    """The store of a torchrun job (or a local phalanx run), under a prefix unique to this restart of it.
 
-    torchrun's agent hosts the store at MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True; otherwise
-    rank 0 hosts it, as `env://` would). After a restart (`--max-restarts`) the new workers can
-    find the previous attempt's keys in it - gloo's peer addresses among them - and connect to a
-    dead peer until the timeout; measured here as a flaky "connectFullMesh ... Connection
-    refused" or a hang in `new_group` (cf. pytorch/pytorch#167288). Prefixing every key with the
-    run id and restart count makes each attempt's rendezvous its own.
+    torchrun's agent, or phalanx's launcher, hosts the store at MASTER_PORT
+    (TORCHELASTIC_USE_AGENT_STORE=True; otherwise rank 0 hosts it, as `env://` would). After a
+    restart (`--max-restarts`) the new workers can find the previous attempt's keys in it - gloo's
+    peer addresses among them - and connect to a dead peer until the timeout; measured here as a
+    flaky "connectFullMesh ... Connection refused" or a hang in `new_group` (cf.
+    pytorch/pytorch#167288). Prefixing every key with the run id and restart count makes each
+    attempt's rendezvous its own.
     """
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=not agent_hosts and rank == 0,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     return dist.PrefixStore(f"phalanx/{attempt}/", store)
+
+
+def adopt_world(*, local_rank: int, local_world_size: int, device: torch.device, timeout_s: float) -> World:
+    """The World of a default process group the user's script opened itself (a torchrun script's
+    own `init_process_group`), so `phalanx.init()` after it joins nothing twice."""
+    world_size = dist.get_world_size()
+    backend = "none" if world_size == 1 else ("nccl" if "nccl" in str(dist.get_backend()) and device.type == "cuda"
+                                               else "gloo")
+    return World(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                 local_world_size=local_world_size, device=device, backend=backend, timeout_s=timeout_s)
 
 
 def stop_world(world: World | None) -> None:

@@ -221,7 +221,7 @@ def run_variant(variant: Variant, job: StepJob, config: ScalingBenchConfig) -> f
     else:
         fn = {"phalanx": _phalanx_single, "ddp": _ddp_worker, "torch": _torch_worker}[variant.kind]
         elapsed = run_fresh(fn, job, num_procs=variant.num_procs, threads=variant.threads_per_proc,
-                            allocator_env=variant.allocator_env, deadline_s=config.deadline_s, name=variant.name)
+                            tune_allocator=variant.allocator_env, deadline_s=config.deadline_s, name=variant.name)
     return job.global_batch_size * job.steps / max(elapsed)
 
 

@@ -45,8 +45,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from phalanx.binding import available_cores
 from phalanx.comm.board import COMM, Ticket
-from phalanx.comm.shm_segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, cores, create_segment, free_bytes,
+from phalanx.comm.shm_segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, create_segment, free_bytes,
                                       process_alive, remove_segments_of, shm_supported, unlink_quietly)
 from phalanx.comm.watchdog import CommError, check, check_pairing, collective, waiting
 from phalanx.world import World
@@ -116,7 +117,7 @@ class ShmGroup:
         self._mmap: mmap.mmap | None = None
         # Spinning helps only while every worker has a core of its own; past that it takes the
         # CPU a late peer needs, so oversubscribed workers go straight to the futex.
-        self.spin_s = SPIN_S if world.local_world_size <= cores() else 0.0
+        self.spin_s = SPIN_S if world.local_world_size <= available_cores() else 0.0
         self._futex = Futex()
         self._open()
 

@@ -107,13 +107,6 @@ class Futex:
         self._syscall(_SYS_FUTEX_X86_64, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
 
 
-def cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from phalanx.atomic import atomic_write_bytes
+from phalanx.outdir import check_path_length
 from phalanx.data.idx import read_idx
 from phalanx.data.image_dataset import ImageDataset
 from phalanx.errors import UsageError
@@ -243,6 +244,7 @@ def load_fashion_mnist(
 ) -> ImageDataset:
     """Fashion-MNIST from `data_dir` if given, else from the verified cache (downloading into it)."""
     if data_dir is not None:
+        check_path_length(data_dir, flag="--data-dir")  # a name too long: one line, not an OSError
         directory = Path(data_dir).expanduser()
         if not directory.exists():
             raise UsageError(f"data dir {directory} does not exist; create it with the four Fashion-MNIST files "

@@ -202,6 +202,6 @@ def summarize(phase: Phase, per_rank: list[dict]) -> DeviceProfile:
 def profile_devices(job: ProfileJob, *, deadline_s: float) -> dict[Phase, DeviceProfile]:
     """Run every phase of `job` in fresh processes; one DeviceProfile per phase."""
     num_procs = max(phase.co_runners for phase in job.phases)
-    by_rank = run_fresh(_profile_worker, job, num_procs=num_procs, threads=1, allocator_env=True,
+    by_rank = run_fresh(_profile_worker, job, num_procs=num_procs, threads=1, tune_allocator=True,
                         deadline_s=deadline_s, name="predict-profile")
     return {phase: summarize(phase, [rank[i] for rank in by_rank]) for i, phase in enumerate(job.phases)}

@@ -80,7 +80,7 @@ def _single(*, rank: int, num_procs: int, port: int, job: MeasureJob) -> dict:
 def measure_phalanx(job: MeasureJob, *, timeout_s: float, deadline_s: float) -> Measurement:
     """Images/s of phalanx on `job.world_size` CPU devices (the slowest rank's time counts)."""
     if job.world_size == 1:
-        by_rank = run_fresh(_single, job, num_procs=1, threads=job.threads_per_device, allocator_env=True,
+        by_rank = run_fresh(_single, job, num_procs=1, threads=job.threads_per_device, tune_allocator=True,
                             deadline_s=deadline_s, name="predict-validate")
     else:
         spec = LaunchSpec(plan=parse_devices(f"cpu:{job.world_size}", cuda_count=0),

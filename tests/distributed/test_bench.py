@@ -15,7 +15,7 @@ import torch
 
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.bench.procs import run_fresh
-from phalanx.launch import CPU_ALLOCATOR_ENV
+from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMOKE_CORES = 2  # the CI machine's
@@ -122,7 +122,7 @@ def test_scaling_bench_smoke(tmp_path, capsys):
 
 
 def report_setup(*, rank, num_procs, port, job):
-    setup = (rank, num_procs, torch.get_num_threads(), os.environ.get("MALLOC_MMAP_MAX_"))
+    setup = (rank, num_procs, torch.get_num_threads(), keeps_large_blocks_off_mmap())
     if job == "fail":
         raise ValueError(f"gives up with setup {setup}")
     return setup
@@ -131,11 +131,11 @@ def report_setup(*, rank, num_procs, port, job):
 @pytest.mark.distributed
 def test_fresh_processes_get_the_environment_and_threads_asked_for(monkeypatch):
     # One process each (two-process runs are covered by the scaling smoke's ddp/2).
-    for key in CPU_ALLOCATOR_ENV:
-        monkeypatch.delenv(key, raising=False)
-    assert run_fresh(report_setup, None, num_procs=1, threads=1, allocator_env=True, deadline_s=60) == [
-        (0, 1, 1, CPU_ALLOCATOR_ENV["MALLOC_MMAP_MAX_"])]
-    assert "MALLOC_MMAP_MAX_" not in os.environ  # the parent's environment is restored
+    for key in [key for key in os.environ if key.startswith("MALLOC_")]:  # a user's own setting would win
+        monkeypatch.delenv(key)
+    assert run_fresh(report_setup, None, num_procs=1, threads=1, tune_allocator=True, deadline_s=60) == [
+        (0, 1, 1, True)]
+    assert "MALLOC_MMAP_MAX_" not in os.environ  # the parent's environment is left alone
     # A plain user's process: no allocator setting; a failure names the rank and the error.
-    with pytest.raises(RuntimeError, match=r"rank 0 failed: ValueError: gives up with setup \(0, 1, 2, None\)"):
-        run_fresh(report_setup, "fail", num_procs=1, threads=2, allocator_env=False, deadline_s=60)
+    with pytest.raises(RuntimeError, match=r"rank 0 failed: ValueError: gives up with setup \(0, 1, 2, False\)"):
+        run_fresh(report_setup, "fail", num_procs=1, threads=2, tune_allocator=False, deadline_s=60)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from phalanx.devices import parse_devices
 from phalanx.errors import UsageError
 from phalanx.launch import LaunchSpec, WorkerFailed, launch
+from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 
 
 def _spec(world_size: int, **overrides) -> LaunchSpec:
@@ -136,7 +137,7 @@ def test_a_local_run_listens_on_loopback_only_and_cleans_up(tmp_path, monkeypatc
 
 
 def report_pid_and_allocator(world):
-    return os.getpid(), os.environ.get("MALLOC_MMAP_MAX_"), world.world_size
+    return os.getpid(), keeps_large_blocks_off_mmap(), world.world_size
 
 
 def test_spawn_single_runs_one_device_in_a_set_up_worker():
@@ -144,7 +145,7 @@ def test_spawn_single_runs_one_device_in_a_set_up_worker():
     spawned = launch(report_pid_and_allocator, spec=_spec(1, spawn_single=True))
     assert in_process[0][0] == os.getpid()
     pid, allocator, world_size = spawned[0]
-    assert pid != os.getpid() and allocator == "0" and world_size == 1
+    assert pid != os.getpid() and allocator is True and world_size == 1
 
 
 def report_placement(world):

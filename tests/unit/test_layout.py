@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 LAYERS = {
     "errors": 0, "atomic": 0, "outdir": 0, "models": 0, "telemetry": 1,
     "world": 1, "devices": 1, "data": 1,
-    "comm": 2, "launch": 3, "lifeline": 2, "binding": 1, "script": 4, "parallel": 3, "train": 4, "bench": 5, "verify": 5, "predict": 6, "sweep": 5,
+    "comm": 2, "launch": 3, "lifeline": 2, "supervise": 2, "binding": 1, "script": 4, "parallel": 3, "train": 4, "bench": 5, "verify": 5, "predict": 6, "sweep": 5,
     "cli": 7, "__main__": 8,
 }
 ISOLATED = {"models": {"errors", "atomic"}, "telemetry": {"errors", "atomic"}}

@@ -1,0 +1,250 @@
+"""The launcher's endings, probed from outside (issue 21): a run that delivered its results has
+succeeded however long its workers take to tear down; two SIGTERMs in quick succession, or a
+stop while torch is still loading, end in the one "stopped" or "interrupted" line with 128 +
+the signal's number and nothing left behind; every line a worker printed reaches the terminal,
+whole, even from a worker the launcher stops; a worker that exits 0 has succeeded; too many
+threads are named in one warning; an output that cannot be written is one line naming it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.devices import parse_devices
+from phalanx.launch import LaunchSpec, launch
+from tests.distributed.test_faults import _alive, _wait_for, _workers, assert_all_gone
+
+pytestmark = pytest.mark.distributed
+
+PHALANX = [sys.executable, "-m", "phalanx"]
+TRAIN = ["train", "--devices", "cpu:2", "--dataset", "synthetic", "--no-progress"]
+
+
+def _spec(world_size: int, **overrides) -> LaunchSpec:
+    fields = dict(plan=parse_devices(f"cpu:{world_size}", cuda_count=0), threads_per_device=1, timeout_s=30.0)
+    return LaunchSpec(**{**fields, **overrides})
+
+
+def deliver_then_linger(world, linger_s: float) -> tuple[int, int]:
+    atexit.register(time.sleep, linger_s)  # runs after the result is delivered, at interpreter exit
+    return world.rank, os.getpid()
+
+
+def test_a_teardown_slower_than_the_collective_timeout_is_still_a_success():
+    # Was: "worker rank 0 failed: delivered its result but did not exit in time (hung in
+    # teardown?)": the wait for workers to exit was bounded by timeout_s, which is about collectives.
+    results = launch(deliver_then_linger, 8.0, spec=_spec(2, timeout_s=5.0))
+    assert [rank for rank, _ in results] == [0, 1]
+
+
+def test_a_teardown_that_never_ends_is_killed_quietly_and_the_results_stand():
+    results = launch(deliver_then_linger, 3600.0, spec=_spec(2, teardown_s=2.0))
+    assert [rank for rank, _ in results] == [0, 1]
+    assert not any(_alive(pid) for _, pid in results)  # killed and reaped, not left lingering
+
+
+def _start(argv: list[str], tmp_path: Path, *, command=PHALANX) -> subprocess.Popen:
+    """`phalanx <argv>` with TMPDIR in tmp_path (where a rendezvous directory would go)."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    return subprocess.Popen([*command, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def _leftovers(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("phalanx-"))
+
+
+@pytest.mark.parametrize("signum, gap_s, code, line", [
+    (signal.SIGTERM, 0.01, 143, "phalanx: stopped by SIGTERM; every worker was stopped"),
+    (signal.SIGTERM, 0.05, 143, "phalanx: stopped by SIGTERM; every worker was stopped"),
+    (signal.SIGINT, 0.02, 130, "phalanx: interrupted"),
+])
+def test_a_second_stop_signal_while_stopping_is_absorbed(tmp_path, signum, gap_s, code, line):
+    # Was (SIGTERM twice, as a scheduler escalating): the launcher died of the second one, exit
+    # -15, no "stopped" line, $TMPDIR/phalanx-rendezvous-* left behind with its store file.
+    out = tmp_path / "run"
+    proc = _start([*TRAIN, "--epochs", "200", "--out", str(out)], tmp_path)
+    try:
+        workers = _workers(proc.pid, 2)
+        _wait_for(out / "metrics.jsonl")  # training is under way
+        for _ in range(2):
+            if signum == signal.SIGINT:
+                os.killpg(proc.pid, signum)  # a terminal's Ctrl-C reaches the whole group
+            else:
+                os.kill(proc.pid, signum)  # the launcher alone, as `timeout` and schedulers do
+            time.sleep(gap_s)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == line, stderr[-2000:]
+    assert_all_gone(workers)
+    assert _leftovers(tmp_path) == []
+
+
+def _console_script() -> list[str]:
+    found = shutil.which("phalanx", path=str(Path(sys.executable).parent))
+    assert found, "the phalanx console script is installed beside this interpreter"
+    return [found]
+
+
+def _wait_until_torch_loads(pid: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if "libtorch" in Path(f"/proc/{pid}/maps").read_text():
+                return
+        except OSError:
+            break  # the process is gone
+        time.sleep(0.002)
+    raise AssertionError(f"process {pid} never loaded libtorch")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="watches /proc/<pid>/maps")
+@pytest.mark.parametrize("entry", ["python -m phalanx", "phalanx"])
+@pytest.mark.parametrize("signum, code, line", [
+    (signal.SIGINT, 130, "phalanx: interrupted"),
+    (signal.SIGTERM, 143, "phalanx: stopped by SIGTERM; every worker was stopped"),
+])
+def test_a_stop_while_torch_is_loading_is_one_line(tmp_path, entry, signum, code, line):
+    # Was: a 41-line KeyboardInterrupt traceback (SIGTERM: killed by it, no line at all).
+    command = PHALANX if entry.startswith("python") else _console_script()
+    proc = _start([*TRAIN, "--epochs", "1"], tmp_path, command=command)
+    try:
+        _wait_until_torch_loads(proc.pid)  # torch's shared library is mapped; its import is under way
+        os.kill(proc.pid, signum)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, stderr.strip()) == (code, line)
+    assert _leftovers(tmp_path) == []
+
+
+FLOOD = textwrap.dedent("""
+    import time
+    import phalanx
+
+    world = phalanx.init()
+    for i in range({lines}):
+        print(f"rank {{world.rank}} line {{i:06d}} " + "x" * 40)
+    print(f"rank {{world.rank}} LAST")
+    if world.rank == 1:
+        raise RuntimeError("rank 1 gives up")
+    time.sleep(3600)  # rank 0 waits until the launcher stops it
+""")
+FLOOD_LINES = 19_000  # ~1.1 MB per rank
+
+
+@pytest.mark.parametrize("stdout_to, unbuffered", [("file", False), ("pipe", True)])
+def test_every_line_reaches_the_terminal_whole_when_a_run_fails(tmp_path, stdout_to, unbuffered):
+    # Was: block-buffered (a file, PYTHONUNBUFFERED unset), the last ~60 lines of each rank were
+    # lost, the stopped rank's and the failing rank's own; unbuffered, ~1,000 of 38,000 lines
+    # were torn (print wrote text and newline separately, and two ranks' writes interleaved).
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD.format(lines=FLOOD_LINES))
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    command = [*PHALANX, "run", "--devices", "cpu:2", str(script)]
+    if stdout_to == "file":
+        with open(tmp_path / "out.txt", "w") as sink:
+            proc = subprocess.run(command, stdout=sink, stderr=subprocess.PIPE, text=True, env=env, timeout=240)
+        stdout = (tmp_path / "out.txt").read_text()
+    else:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+        stdout = proc.stdout
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines()[0] == "phalanx: worker rank 1 failed: RuntimeError: rank 1 gives up"
+    lines = stdout.splitlines()
+    torn = [line for line in lines if not re.fullmatch(r"rank [01] (line \d{6} x{40}|LAST)", line)]
+    assert torn == [], f"{len(torn)} torn lines, e.g. {torn[:3]}"
+    expected = {f"rank {r} line {i:06d} " + "x" * 40 for r in (0, 1) for i in range(FLOOD_LINES)}
+    expected |= {"rank 0 LAST", "rank 1 LAST"}
+    assert len(lines) == len(expected) and set(lines) == expected, f"{len(expected - set(lines))} lines lost"
+
+
+def test_a_worker_that_exits_0_has_succeeded(tmp_path):
+    # Was: "worker rank 0 failed: exited with code 0 without a result", exit 1.
+    script = tmp_path / "early_exit.py"
+    script.write_text("import os, phalanx\nworld = phalanx.init()\nprint(f'rank {world.rank} done')\n"
+                      "if world.rank == 0:\n    os._exit(0)\n")
+    proc = subprocess.run([*PHALANX, "run", "--devices", "cpu:2", str(script)], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["rank 0 done", "rank 1 done"]
+
+
+def test_threads_beyond_the_cores_get_one_warning(tmp_path):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    proc = subprocess.run([*PHALANX, "train", "--devices", "1", "--dataset", "synthetic", "--epochs", "1",
+                           "--no-progress", "--threads-per-device", str(cores + 1), "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("phalanx: warning: ")]
+    assert warnings == [f"phalanx: warning: --threads-per-device {cores + 1} x 1 local worker(s) = {cores + 1} "
+                        f"threads on {cores} cores: they take turns and training can be many times slower; use "
+                        f"--threads-per-device {cores}, or leave it unset (cores / workers)"], proc.stderr
+
+
+def _file_size_limit(limit_bytes: int):
+    def limit() -> None:  # in the child: writes past the limit fail with EFBIG, as a full disk fails with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes))
+    return limit
+
+
+@pytest.mark.parametrize("devices", ["1", "cpu:2"])
+def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, devices):
+    # Was: a 20-line traceback that named the temporary file, or nothing.
+    out = tmp_path / "run"
+    proc = subprocess.run([*PHALANX, "train", "--devices", devices, "--dataset", "synthetic", "--epochs", "1",
+                           "--no-progress", "--allreduce", "native", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, preexec_fn=_file_size_limit(128 << 10))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()
+    assert len(last) == 1 and re.fullmatch(
+        rf"phalanx: run stopped: cannot write {re.escape(str(out))}/\S+ \(File too large\); free space there or "
+        r"choose another directory", last[0]), proc.stderr[-2000:]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def listening_addresses_of_the_launcher(world) -> list[tuple[str, str]]:
+    """(local address, state) of every listening TCP socket the launcher (this worker's parent) holds."""
+    parent = os.getppid()
+    inodes = set()
+    for fd in os.listdir(f"/proc/{parent}/fd"):
+        try:
+            target = os.readlink(f"/proc/{parent}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:] if Path(table).exists() else []:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.append(fields[1].split(":")[0])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")
+def test_the_launchers_store_listens_on_loopback_only():
+    addresses = launch(listening_addresses_of_the_launcher, spec=_spec(2))[0]
+    assert addresses, "the launcher hosts the run's store: it listens on something"
+    assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1 in /proc's hex

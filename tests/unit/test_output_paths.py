@@ -1,0 +1,80 @@
+"""Paths and writes a run cannot use end in one line (issue 21, item 8): a name over the
+filesystem's limit or a path over PATH_MAX in --out, --checkpoint-dir, --trace or --data-dir is
+bad input (exit 2, nothing created), an output write that fails is `WriteFailed` naming the file
+(no temporary file left), and oversubscribed threads are named with the number that fits."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from phalanx import atomic
+from phalanx.binding import oversubscription
+from phalanx.cli import main
+from phalanx.data import load_dataset
+from phalanx.errors import RunFailed, UsageError, WriteFailed
+
+LONG_NAME = "n" * 300  # over the 255 bytes of a name on ext4, xfs, btrfs, tmpfs
+LONG_PATH = "/".join(["d" * 50] * 100)  # 5,099 characters of short names: over PATH_MAX (4096)
+
+
+def _one_line(capsys, argv) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("phalanx: error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir", "--trace", "--data-dir"])
+@pytest.mark.parametrize("kind", ["name", "path"])
+def test_a_path_the_system_cannot_name_is_one_line(tmp_path, capsys, flag, kind):
+    # Was: OSError: [Errno 36] File name too long, a traceback and exit 1.
+    target = tmp_path / (LONG_NAME if kind == "name" else LONG_PATH)
+    argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, str(target)]
+    if flag != "--out":
+        argv += ["--out", str(tmp_path / "out")]
+    err = _one_line(capsys, argv)
+    assert err.startswith(f"phalanx: error: {flag} ")
+    if kind == "name":
+        assert "has a name of 300 bytes, longer than the 255 bytes this filesystem allows; use a shorter name" in err
+    else:
+        assert "bytes a path may have here; use a shorter path" in err
+    assert list(tmp_path.iterdir()) == []  # nothing created, --out included
+
+
+def test_the_data_dir_check_holds_where_the_data_is_read(tmp_path):
+    with pytest.raises(UsageError, match="--data-dir .* has a name of 300 bytes"):
+        load_dataset("fashion-mnist", str(tmp_path / LONG_NAME))
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(atomic.os, "fsync", disk_full)
+    target = tmp_path / "model.pt"
+    with pytest.raises(WriteFailed) as failure:
+        atomic.atomic_write_bytes(target, b"weights")
+    assert str(failure.value) == (f"cannot write {target} (No space left on device); free space there or choose "
+                                  "another directory")
+    assert isinstance(failure.value, RunFailed) and isinstance(failure.value, OSError)  # exit 1; OSError handlers
+    assert failure.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_that_vanished_is_named_too(tmp_path):
+    with pytest.raises(WriteFailed, match=r"cannot write .*gone/metrics.jsonl \(No such file or directory\)"):
+        atomic.atomic_write_bytes(tmp_path / "gone" / "metrics.jsonl", b"{}")
+
+
+def test_oversubscription_is_named_with_the_count_that_fits():
+    assert oversubscription(1, 2, cores=2) is None
+    assert oversubscription(2, 1, cores=2) is None
+    assert oversubscription(1, 8, cores=2) is None  # 8 devices on 2 cores: one thread each is all one can do
+    assert oversubscription(64, 2, cores=2) == (
+        "--threads-per-device 64 x 2 local worker(s) = 128 threads on 2 cores: they take turns and training can be "
+        "many times slower; use --threads-per-device 1, or leave it unset (cores / workers)")
+    assert "use --threads-per-device 4," in oversubscription(5, 2, cores=8)
