@@ -129,7 +129,8 @@ def _train(args: argparse.Namespace) -> int:
     if config.bind_cores and env is None:  # before the data is read: one line, nothing started
         check_bindable(plan.num_devices, len(allowed_cores()))
     if env is not None and config.max_restarts:
-        raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, not to phalanx train")
+        raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, "
+                         "not to phalanx train")
     # One run per output directory: held from here (before any worker) until the run is over.
     with hold_run_directories(config, enabled=env is None or env.rank == 0):
         if env is None and plan.num_devices > 1:

@@ -45,7 +45,8 @@ DEAD_ON_RESUME_VAR = "PHALANX_TEST_DEAD_ON_RESUME"
 
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
-    if config.resume is not None and world.distributed and os.environ.get(DEAD_ON_RESUME_VAR) == device_names[world.rank]:
+    dead = os.environ.get(DEAD_ON_RESUME_VAR)
+    if dead is not None and config.resume is not None and world.distributed and dead == device_names[world.rank]:
         os.kill(os.getpid(), signal.SIGKILL)
     log = RankZeroLog(enabled=world.is_main)
     data = load_dataset(config.dataset, config.data_dir, log=log)
@@ -109,6 +110,10 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
                              fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings)
 
+    if start.epoch >= config.epochs:  # resumed at or past the last epoch: nothing to do, nothing to write
+        log(f"nothing to train: the checkpoint is at {_position_text(start, steps)}, and --epochs is "
+            f"{config.epochs}; pass --epochs {start.epoch + 1} or more to go on")
+        return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
     devices_text = "[" + ", ".join(device_names) + "]"
     log(f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch {config.global_batch_size}, "
@@ -151,10 +156,6 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         if config.checkpoint_every is not None:
             save(ckpt.Position(epoch=epoch + 1, step=0))
 
-    if not history:  # resumed from a checkpoint at or past the last epoch: nothing left to do
-        log(f"nothing to train: the checkpoint is at {_position_text(start, steps)}, and --epochs is "
-            f"{config.epochs}; pass --epochs {start.epoch + 1} or more to go on")
-        return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
     whole = strategy.whole_model()  # every rank: a split gathers its shards
     sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
     if outputs is not None:

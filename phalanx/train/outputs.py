@@ -87,7 +87,7 @@ class Outputs:
             save_state_dict(spare, whole_model)
         except OSError as again:
             return f"{failed} nor a copy at {spare} ({_reason(again)}); the trained weights are lost"
-        return f"{failed}; the trained model is kept at {spare} instead: move it there once there is space"
+        return f"{failed}; the trained model is kept at {spare} instead: move it to {self.model} once there is space"
 
 
 def _reason(exc: OSError) -> str:
