@@ -5,21 +5,25 @@ and the run finishes on the others, equal to the uninterrupted run to rounding (
 the 1-device update). Without --elastic the restarts run out and the run fails naming the rank.
 
 float64 LeNet on synthetic data, 3 CPU workers, 2 epochs of 24 steps, a checkpoint every 5 steps;
-the victim is rank 1 (cpu:1), killed once the first checkpoint is on disk.
+the victim is rank 1 (cpu:1), killed once the first checkpoint is on disk. Under torchrun elastic
+(--nnodes 1:2, two agents on this host) a node that leaves is resumed without, the same way.
 """
 
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.test_faults import _wait_for, _workers
+from tests.distributed.test_faults import _children, _cmdline, _wait_for, _workers
 
 pytestmark = pytest.mark.distributed
 
@@ -120,3 +124,47 @@ def test_without_elastic_the_restarts_run_out_and_the_run_fails_naming_the_rank(
     from phalanx.train import checkpoint as ckpt
 
     assert ckpt.read_checkpoint(out / "checkpoints")["epoch"] == 0  # the checkpoint it restarted from, whole
+
+
+def test_under_torchrun_elastic_a_node_that_leaves_is_resumed_without_on_the_rest(reference, tmp_path):
+    """Two torchrun agents on this host form one job (--nnodes 1:2, one worker each); the second
+    agent and its worker are SIGKILLed after the first checkpoint. torchrun re-forms the job with
+    the one node left, the job resumes by itself (TORCHELASTIC_RESTART_COUNT > 0) and ends within
+    1e-9 of the uninterrupted run."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    agent = [torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+             "--rdzv-conf", "last_call_timeout=10,join_timeout=120", "--monitor-interval", "0.5",
+             "-m", "phalanx", *[a for a in COMMON if a not in ("--devices", "cpu:3")], "--allreduce", "native",
+             "--timeout", "30", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = []
+    try:
+        for _ in range(2):
+            agents.append(subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                           start_new_session=True))
+            time.sleep(1.0)  # the first one hosts the rendezvous store
+        _wait_for(out / "checkpoints" / "checkpoint.pt")
+        leaving = agents[1]
+        for pid in [p for p in _children(leaving.pid) if "phalanx" in _cmdline(p)] + [leaving.pid]:
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = agents[0].communicate(timeout=TIMEOUT_S)
+    finally:
+        for proc in agents:
+            if proc.poll() is None:  # torchrun starts its workers in sessions of their own: kill them first
+                for pid in _children(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert agents[0].returncode == 0, stderr[-3000:]
+    assert re.search(r"resumed from \S+checkpoint\.pt at epoch \d+, step \d+; changed since the checkpoint: "
+                     r"devices 2 -> 1", stdout), stdout[-2000:]
+    assert stdout.strip().splitlines()[-1].endswith("on [cpu:0]")
+    worst = _relative_difference(out, reference)
+    assert worst <= 1e-9, f"finished on 1 node {worst:.3g} (relative) from the uninterrupted run"
+    _assert_same_rows(out, reference, rel=1e-9)
