@@ -65,7 +65,8 @@ def _directories(config: TrainConfig) -> list[tuple[str, str]]:
 
 def _earlier_outputs(config: TrainConfig) -> list[Path]:
     found = [Path(config.out_dir) / name for name in OUTPUT_FILES] if config.out_dir else []
-    if config.checkpoint_every is not None and config.checkpoint_location:
+    # The checkpoint this run would write, or the one under --out a later --resume auto would find.
+    if config.checkpoint_location and (config.checkpoint_every is not None or config.checkpoint_dir is None):
         found.append(Path(config.checkpoint_location) / CHECKPOINT_FILENAME)
     return [path for path in found if path.is_file()]
 

@@ -125,3 +125,19 @@ def test_no_lock_where_none_is_asked_for(tmp_path):
             pass
     finally:
         _end(holder)
+
+
+def test_a_checkpoint_left_under_out_counts_even_when_this_run_keeps_none(tmp_path):
+    out = tmp_path / "S"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "checkpoint.pt").write_text("earlier")  # a later --resume auto would pick it up
+    with pytest.raises(UsageError, match=r"holds an earlier run's outputs \(checkpoints/checkpoint\.pt\)"):
+        with hold_run_directories(TrainConfig(out_dir=str(out))):
+            pass
+    with hold_run_directories(TrainConfig(out_dir=str(out), overwrite=True)):
+        assert not (out / "checkpoints" / "checkpoint.pt").exists()
+    elsewhere = tmp_path / "elsewhere"  # a checkpoint dir this run neither writes nor reads: not its business
+    elsewhere.mkdir()
+    (elsewhere / "checkpoint.pt").write_text("another run's")
+    with hold_run_directories(TrainConfig(out_dir=str(tmp_path / "T"), checkpoint_dir=str(elsewhere))):
+        pass
