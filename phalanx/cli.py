@@ -81,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--checkpoint-dir", default=None, help="where checkpoints go (default OUT/checkpoints)")
     train.add_argument("--resume", default=None, metavar="DIR|auto",
                        help="continue from a checkpoint (dir or file); auto: the checkpoint dir's, if any")
+    train.add_argument("--overwrite", action="store_true",
+                       help="replace an earlier run's outputs in --out / the checkpoint dir (default: refuse)")
+    train.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                       help="restart the workers from the last checkpoint after a worker fails, up to N times "
+                            "(needs --checkpoint-every; default 0)")
+    train.add_argument("--elastic", action="store_true",
+                       help="with --max-restarts: go on without a device whose worker fails again before the "
+                            "run gets past the checkpoint it restarted from")
     train.add_argument("--check-every", type=int, default=100,
                        help="steps between replica-identity and finite-gradient checks (0: off; default 100)")
     train.add_argument("--split", default="data", help="data (replicas, default), layers (a pipeline of LeNet's "
@@ -101,9 +109,10 @@ def _train(args: argparse.Namespace) -> int:
     # Imported here so `phalanx --help` does not pay for torch's import.
     from phalanx.data import load_dataset
     from phalanx.devices import parse_devices
-    from phalanx.launch import LaunchSpec, launch
+    from phalanx.launch import LaunchSpec
     from phalanx.telemetry import RankZeroLog
-    from phalanx.train.job import train_worker
+    from phalanx.train.dirlock import hold_run_directories
+    from phalanx.train.elastic import train_with_restarts
     from phalanx.world import launcher_env
 
     try:
@@ -126,14 +135,19 @@ def _train(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if config.bind_cores and env is None:  # before the data is read: one line, nothing started
         check_bindable(plan.num_devices, len(allowed_cores()))
-    if env is None and plan.num_devices > 1:
-        # Check (and download) the data once here, so bad data is one line from one process
-        # and the workers find it cached; resolve the fallback so every worker agrees.
-        data = load_dataset(config.dataset, config.data_dir, log=RankZeroLog(enabled=True))
-        config = replace(config, dataset=data.name, data_dir=data.data_dir)
-    names = plan.names if env is None else _torchrun_names(plan, env.world_size)
-    launch(train_worker, config, names, spec=LaunchSpec(plan=plan, threads_per_device=config.threads_per_device,
-                                                        timeout_s=config.timeout_s, bind_cores=config.bind_cores))
+    if env is not None and config.max_restarts:
+        raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, "
+                         "not to phalanx train")
+    # One run per output directory: held from here (before any worker) until the run is over.
+    with hold_run_directories(config, enabled=env is None or env.rank == 0):
+        if env is None and plan.num_devices > 1:
+            # Check (and download) the data once here, so bad data is one line from one process
+            # and the workers find it cached; resolve the fallback so every worker agrees.
+            data = load_dataset(config.dataset, config.data_dir, log=RankZeroLog(enabled=True))
+            config = replace(config, dataset=data.name, data_dir=data.data_dir)
+        names = plan.names if env is None else _torchrun_names(plan, env.world_size)
+        train_with_restarts(config, names, spec=LaunchSpec(plan=plan, threads_per_device=config.threads_per_device,
+                                                           timeout_s=config.timeout_s, bind_cores=config.bind_cores))
     return 0
 
 
@@ -166,6 +180,9 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         checkpoint_every=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
+        overwrite=args.overwrite,
+        max_restarts=args.max_restarts,
+        elastic=args.elastic,
         check_every=args.check_every,
         split=args.split,
         micro_batches=args.micro_batches,

@@ -2,14 +2,19 @@
 
 A checkpoint is one file, `<dir>/checkpoint.pt`, replaced atomically (temp file, fsync, rename:
 a kill during a save leaves the previous checkpoint whole). It holds the model's and optimizer's
-state, where the run stands (epoch, steps done in that epoch), every rank's RNG states (torch,
-numpy, python), and a fingerprint of what produced it (model, parameter names and shapes,
-global batch size, seed, dtype). The data position needs nothing more: each epoch's order is a
-permutation seeded by (seed, epoch), so skipping the steps already done puts every rank exactly
-where it was, and a resumed run ends with the same parameters as an uninterrupted one.
+state, where the run stands (epoch, steps done in that epoch, and the epoch's running sums
+reduced over every rank, so a run resumed on any device count reports the same epoch metrics),
+every rank's RNG states (torch, numpy, python), a fingerprint of what produced it (model,
+parameter names and shapes, global batch size, seed, dtype, and for `phalanx train` the data
+set's name, sizes and a hash of the training set's bytes) and the settings that may change on
+resume (lr, warm-up, epochs, device count: a resumed run says which did). The data position
+needs nothing more: each epoch's order is a permutation seeded by (seed, epoch), so skipping the
+steps already done puts every rank exactly where it was, and a resumed run ends with the same
+parameters as an uninterrupted one. Checkpoints of the first format (per-rank sums, no data
+identity) still load: their sums are added up, and the data set is reported as unchecked.
 
-`resume_run` is where `phalanx train` starts (a checkpoint named by --resume, or found by a
-torchrun restart); `checkpoint`/`resume` are a user script's. Rank 0 writes; every rank reads.
+`phalanx train`'s own use (what it fingerprints, where it starts) is in resume.py;
+`checkpoint`/`resume` here are a user script's. Rank 0 writes; every rank reads.
 Loading uses `torch.load(..., weights_only=True)` - a file that needs arbitrary unpickling
 (tampered, or not a checkpoint) is refused - and compares the fingerprint with the current run
 before anything is applied, naming the first mismatch.
@@ -21,7 +26,7 @@ import io
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,10 +35,11 @@ import torch.distributed as dist
 from phalanx.atomic import atomic_write_bytes
 from phalanx.comm import collective
 from phalanx.errors import UsageError
-from phalanx.train.config import TrainConfig
-from phalanx.world import World, launcher_env
+from phalanx.world import World
 
-FORMAT = "phalanx-checkpoint-1"
+FORMAT = "phalanx-checkpoint-2"
+# Still read: the first format kept each rank's running sums and no data identity.
+FORMAT_1 = "phalanx-checkpoint-1"
 FILENAME = "checkpoint.pt"
 
 
@@ -41,8 +47,10 @@ FILENAME = "checkpoint.pt"
 class Position:
     """Where a run stands: `step` steps of epoch `epoch` (0-based) are done.
 
-    `epoch_totals`: this rank's running sums over those steps (loss sum, correct, examples,
-    seconds), so a run resumed mid-epoch reports the same epoch metrics as an uninterrupted one.
+    `epoch_totals`: running sums over those steps (loss sum, correct, examples, seconds) - this
+    rank's when saving; when restored, rank 0 holds every rank's sums and the others zeros (the
+    epoch's metrics add them up over the ranks), so a run resumed mid-epoch, on any device
+    count, reports the same epoch metrics as an uninterrupted one.
     """
 
     epoch: int
@@ -50,16 +58,12 @@ class Position:
     epoch_totals: tuple[float, ...] = ()
 
 
-def fingerprint(model: torch.nn.Module, *, model_name: str, global_batch_size: int, seed: int, dtype: str) -> dict:
-    """What a checkpoint must agree on with the run that loads it."""
-    return {"model": model_name, "global_batch_size": global_batch_size, "seed": seed, "dtype": dtype,
-            "parameters": [[name, list(p.shape)] for name, p in model.named_parameters()]}
-
-
-def run_fingerprint(config: TrainConfig, model: torch.nn.Module) -> dict:
-    """A `phalanx train` run's fingerprint: its whole model and the settings that decide the update."""
-    return fingerprint(model, model_name=config.model, global_batch_size=config.global_batch_size, seed=config.seed,
-                       dtype=config.dtype)
+def fingerprint(model: torch.nn.Module, *, model_name: str, global_batch_size: int, seed: int, dtype: str,
+                data: dict | None = None) -> dict:
+    """What a checkpoint must agree on with the run that loads it (`data`: `dataset_identity`'s)."""
+    found = {"model": model_name, "global_batch_size": global_batch_size, "seed": seed, "dtype": dtype,
+             "parameters": [[name, list(p.shape)] for name, p in model.named_parameters()]}
+    return found if data is None else {**found, "data": data}
 
 
 def checkpoint_path(location: str | Path) -> Path:
@@ -92,8 +96,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    position: Position, fingerprint: dict) -> Path | None:
-    """Every rank calls this (RNG states are gathered); rank 0 writes. Returns the path on rank 0."""
+                    position: Position, fingerprint: dict, settings: dict | None = None) -> Path | None:
+    """Every rank calls this (RNG states and running sums are gathered); rank 0 writes. Returns
+    the path on rank 0. `settings`: `run_settings`' record, for the resumed run's log line."""
     mine = {"rng": _rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
@@ -106,13 +111,22 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     state = {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": optimizer.state_dict(), "rng": [r["rng"] for r in every],
-             "epoch_totals": [r["epoch_totals"] for r in every]}
+             "epoch_totals": _global_totals([r["epoch_totals"] for r in every]), "settings": dict(settings or {})}
     buffer = io.BytesIO()
     torch.save(state, buffer)
     path = checkpoint_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, buffer.getvalue())
     return path
+
+
+def _global_totals(per_rank: list[list[float]]) -> list[float]:
+    """Every rank's (loss sum, correct, examples, seconds) as one run's: the sums added, rank 0's
+    seconds (the time the log reports). Empty when no rank kept sums."""
+    kept = [t for t in per_rank if len(t) == 4]
+    if not kept:
+        return []
+    return [sum(t[i] for t in kept) for i in range(3)] + [float(per_rank[0][3] if len(per_rank[0]) == 4 else 0.0)]
 
 
 def read_checkpoint(location: str | Path) -> dict[str, Any]:
@@ -126,7 +140,7 @@ def read_checkpoint(location: str | Path) -> dict[str, Any]:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"{path} is not loadable as a weights-only checkpoint ({reason[:160]}); it is corrupt, "
                          "tampered with or not a phalanx checkpoint - resume from another one") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, FORMAT_1):
         raise UsageError(f"{path} is not a phalanx checkpoint (format {state.get('format') if isinstance(state, dict) else None!r}); "
                          "resume from a checkpoint phalanx train wrote")
     return state
@@ -140,12 +154,21 @@ def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path)
         if saved.get(field) != expected[field]:
             raise UsageError(f"checkpoint {path} was saved with {flag} {saved.get(field)} but this run has "
                              f"{flag} {expected[field]}; resume with the same settings")
+    if "data" in saved and "data" in expected and saved["data"] != expected["data"]:
+        raise UsageError(f"checkpoint {path} was trained on {_describe_data(saved['data'])} but this run has "
+                         f"{_describe_data(expected['data'])}; resume with the data set it was trained on "
+                         "(--dataset / --data-dir)")
     mine, theirs = dict(map(tuple, [(n, tuple(s)) for n, s in expected["parameters"]])), \
         dict((n, tuple(s)) for n, s in saved["parameters"])
     for name in sorted(set(mine) | set(theirs)):
         if mine.get(name) != theirs.get(name):
             raise UsageError(f"checkpoint {path} does not fit this model: parameter {name} is "
                              f"{theirs.get(name)} there and {mine.get(name)} here; resume with the model that saved it")
+
+
+def _describe_data(identity: dict) -> str:
+    return (f"{identity.get('name')} ({identity.get('num_train')} train / {identity.get('num_test')} test images, "
+            f"sha256 {str(identity.get('train_sha256'))[:12]})")
 
 
 def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Position:
@@ -162,36 +185,12 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
         raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the same optimizer settings") from None
     rng = state["rng"]
     _set_rng_state(rng[world.rank] if world.rank < len(rng) else rng[0])
-    totals = state.get("epoch_totals") or [[]]
-    mine = totals[world.rank] if world.rank < len(totals) else []
-    return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(mine))
-
-
-def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               log: Callable[[str], None]) -> Position:
-    """Where a `phalanx train` run starts: a checkpoint's position, or epoch 0, step 0.
-
-    From `--resume DIR`, `--resume auto` (the checkpoint dir's checkpoint if there is one), or -
-    when torchrun restarts a job that checkpoints - auto. The checkpoint is checked against and
-    restored into `model`, the whole model (whichever way the run splits it), and `optimizer`,
-    one over that model's parameters.
-    """
-    resume = config.resume
-    env = launcher_env()
-    if resume is None and config.checkpoint_every is not None and env is not None and env.restart_count > 0:
-        resume = "auto"  # torchrun restarted the job: pick up where the last checkpoint left off
-    if resume == "auto":
-        resume = config.checkpoint_location
-        if not checkpoint_path(resume).is_file():
-            log(f"no checkpoint in {resume} yet: starting from scratch")
-            return Position(epoch=0, step=0)
-    if resume is None:
-        return Position(epoch=0, step=0)
-    state = read_checkpoint(resume)
-    check_compatible(state, run_fingerprint(config, model), path=checkpoint_path(resume))
-    position = restore(state, world=world, model=model, optimizer=optimizer)
-    log(f"resumed from {checkpoint_path(resume)} at epoch {position.epoch + 1}, step {position.step}")
-    return position
+    totals = state.get("epoch_totals") or []
+    if state["format"] == FORMAT_1:  # one list per rank of the run that saved it
+        totals = _global_totals(totals) if totals else []
+    if totals and not world.is_main:  # rank 0 carries every rank's sums; the epoch's allreduce adds them up
+        totals = [0.0, 0.0, 0.0, totals[3]]
+    return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(totals))
 
 
 def _replica(model) -> torch.nn.Module:

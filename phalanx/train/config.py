@@ -65,6 +65,13 @@ class TrainConfig:
     checkpoint_every: str | None = None
     checkpoint_dir: str | None = None
     resume: str | None = None
+    # An --out (or checkpoint dir) holding an earlier run's outputs is refused unless the run
+    # continues it (resume) or replaces them (overwrite: they are deleted once the lock is held).
+    overwrite: bool = False
+    # Restart the worker set from the last checkpoint after a worker fails, up to this many
+    # times; elastic: go on without a device whose worker fails again before any progress.
+    max_restarts: int = 0
+    elastic: bool = False
     # Every check_every steps: replicas compared bitwise, gradients checked finite (0: never).
     check_every: int = 100
     # How the work is spread (issue 13): data (replicas), layers (a pipeline of stages, cut into
@@ -115,6 +122,16 @@ class TrainConfig:
                                  "of steps; use e.g. --checkpoint-every 50")
         if self.checkpoint_every is not None and self.checkpoint_location is None:
             raise ValueError("--checkpoint-every needs somewhere to write; add --checkpoint-dir DIR or --out DIR")
+        if self.overwrite and self.resume is not None:
+            raise ValueError(f"--overwrite starts afresh and --resume {self.resume} continues; pass one of them")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts {self.max_restarts} must be 0 (no restarts) or more")
+        if self.max_restarts and self.checkpoint_every is None:
+            raise ValueError(f"--max-restarts {self.max_restarts} restarts from the last checkpoint; "
+                             "add --checkpoint-every N (or epoch)")
+        if self.elastic and not self.max_restarts:
+            raise ValueError("--elastic goes on without a device that fails again after a restart; "
+                             "add --max-restarts N")
         if self.resume == "auto" and self.checkpoint_location is None:
             raise ValueError("--resume auto looks in the checkpoint dir; add --checkpoint-dir DIR or --out DIR")
         if self.check_every < 0:

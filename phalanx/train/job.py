@@ -6,12 +6,15 @@ parallelism (a replica from `phalanx.prepare`) and the model splits (pipeline, c
 driven alike through the loop's `Strategy` interface. Rank 0 reports and writes `--out`
 (outputs.py): metrics.jsonl after every epoch, accuracy.png, and model.pt - the whole model's
 state dict (a split's shards gathered), so a model trained any way loads the same way.
-Checkpoints hold that same whole model, so a run resumes exactly, even under another split.
+Checkpoints hold that same whole model, so a run resumes exactly, even under another split or
+device count (resume.py decides where a run starts and what must match).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -30,12 +33,21 @@ from phalanx.train.config import TrainConfig
 from phalanx.train.evaluate import count_accuracy
 from phalanx.train.loop import DataSplit, Strategy, train_epoch
 from phalanx.train.outputs import Outputs
+from phalanx.train.resume import dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
 from phalanx.train.schedule import lr_at, set_lr, warmup_steps
 from phalanx.train.step_hook import after_step_hook
 from phalanx.world import World
 
+# Test-only (tests/distributed/test_elastic.py), never needed by users: a worker placed on this
+# device (e.g. "cpu:1") that starts from a checkpoint kills itself at once, as a worker on a
+# device that failed for good would die on every restart - so --elastic must go on without it.
+DEAD_ON_RESUME_VAR = "PHALANX_TEST_DEAD_ON_RESUME"
+
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
+    dead = os.environ.get(DEAD_ON_RESUME_VAR)
+    if dead is not None and config.resume is not None and world.distributed and dead == device_names[world.rank]:
+        os.kill(os.getpid(), signal.SIGKILL)
     log = RankZeroLog(enabled=world.is_main)
     data = load_dataset(config.dataset, config.data_dir, log=log)
     num_train = data.train_images.shape[0]
@@ -85,17 +97,23 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                             "world_size": world.world_size, "steps_per_epoch": steps,
                             "global_batch_size": config.global_batch_size, "dtype": config.dtype, "seed": config.seed})
     whole_optimizer = _whole_optimizer(optimizer, strategy, whole)
-    start = ckpt.resume_run(config, world=world, model=whole, optimizer=whole_optimizer, log=log)
+    identity = functools.cache(lambda: dataset_identity(data))  # hashed only by runs that resume or save
+    begin = resume_run(config, world=world, model=whole, optimizer=whole_optimizer, data=identity, log=log)
+    start = begin.position
     if whole is not strategy.module:  # a split: its shards take their values from the whole model
         strategy.load_full_state_dict(whole.state_dict())
-    fingerprint = ckpt.run_fingerprint(config, whole)
+    settings = run_settings(config, num_devices=world.world_size)
 
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
         whole = strategy.whole_model()
         ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
-                             fingerprint=fingerprint)
+                             fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings)
 
+    if start.epoch >= config.epochs:  # resumed at or past the last epoch: nothing to do, nothing to write
+        log(f"nothing to train: the checkpoint is at {_position_text(start, steps)}, and --epochs is "
+            f"{config.epochs}; pass --epochs {start.epoch + 1} or more to go on")
+        return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
     devices_text = "[" + ", ".join(device_names) + "]"
     log(f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch {config.global_batch_size}, "
@@ -126,23 +144,25 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         row = {"epoch": epoch + 1, "train_loss": stats.train_loss, "train_acc": stats.train_acc, "test_acc": test_acc,
                "epoch_s": stats.elapsed_s, "images_per_s": stats.num_examples / stats.elapsed_s,
                "devices": list(device_names), "global_batch_size": config.global_batch_size, "lr": config.lr,
-               "warmup_epochs": config.warmup_epochs, "dtype": config.dtype, **strategy.facts()}
+               "warmup_epochs": config.warmup_epochs, "dtype": config.dtype, **strategy.facts(),
+               **mixed_lr(begin, config, epoch)}
         history.append(row)
+        mixed = (f"  (lr {row['lr_before_resume']:g} for its first {row['steps_before_resume']} steps, "
+                 f"{config.lr:g} after the resume)" if "lr_before_resume" in row else "")
         log(f"epoch {epoch + 1:3d}  loss {stats.train_loss:.4f}  train acc {stats.train_acc:.3f}  "
-            f"test acc {test_acc:.3f}  {stats.elapsed_s:.2f} s  {row['images_per_s']:.0f} img/s")
+            f"test acc {test_acc:.3f}  {stats.elapsed_s:.2f} s  {row['images_per_s']:.0f} img/s{mixed}")
         if metrics is not None:
             metrics.append(row)
         if config.checkpoint_every is not None:
             save(ckpt.Position(epoch=epoch + 1, step=0))
 
-    if not history:  # resumed from a checkpoint taken after the last epoch: nothing left to do
-        log(f"nothing to train: the checkpoint is at the end of epoch {start.epoch}")
-        return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
     whole = strategy.whole_model()  # every rank: a split gathers its shards
     sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
     if outputs is not None:
         split = f", split {config.split}" if config.split != "data" else ""
-        outputs.finish(history, whole, title=f"{config.model} on {data.name}, {devices_text}{split}")
+        # The last epoch's checkpoint (if any) holds exactly this model: named if model.pt fails.
+        kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint_every is not None else None
+        outputs.finish(history, whole, title=f"{config.model} on {data.name}, {devices_text}{split}", checkpoint=kept)
     log(f"test acc: {history[-1]['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {devices_text}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
 
@@ -154,6 +174,12 @@ def _whole_optimizer(optimizer: torch.optim.Optimizer, strategy: Strategy, whole
     if whole is strategy.module:
         return optimizer
     return torch.optim.SGD(whole.parameters(), lr=optimizer.param_groups[0]["lr"])
+
+
+def _position_text(position: ckpt.Position, steps: int) -> str:
+    if position.step == 0:
+        return f"the end of epoch {position.epoch}"
+    return f"epoch {position.epoch + 1}, step {position.step} of {steps}"
 
 
 def _schedule_text(config: TrainConfig) -> str:

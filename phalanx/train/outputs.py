@@ -4,13 +4,17 @@ metrics.jsonl gets a row after every epoch (a resumed run keeps the finished epo
 continues after them); at the end accuracy.png plots the curves and model.pt holds the whole
 model's `state_dict` on the CPU, loadable with weights_only=True, whichever way the work was
 split. Every write is atomic, and all of them happen before teardown so an exit-time abort
-cannot lose them. Nothing is created before training actually starts.
+cannot lose them. Nothing is written before training actually starts (the launcher may create
+--out empty, to lock it: dirlock.py). When model.pt cannot be written (a full disk), the
+trained weights are not lost silently: the run stops in one line naming where they are - the
+last checkpoint, which holds exactly the final model, or else a copy in the temporary directory.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 
 from phalanx.atomic import atomic_write_bytes
+from phalanx.errors import RunFailed
 from phalanx.telemetry import MetricsFile, plot_accuracy
 from phalanx.telemetry.metrics import read_metrics
 
@@ -55,9 +60,37 @@ class Outputs:
             metrics.rows = [r for r in read_metrics(self.metrics) if r.get("epoch", 0) <= start_epoch]
         return metrics, [dict(r) for r in metrics.rows]
 
-    def finish(self, history: list[dict[str, Any]], whole_model: torch.nn.Module, *, title: str) -> None:
-        """accuracy.png from the rows, model.pt from the whole model."""
-        plot_accuracy(self.accuracy_png, epochs=[r["epoch"] for r in history],
-                      test_acc=[r["test_acc"] for r in history], train_acc=[r["train_acc"] for r in history],
-                      title=title)
-        save_state_dict(self.model, whole_model)
+    def finish(self, history: list[dict[str, Any]], whole_model: torch.nn.Module, *, title: str,
+               checkpoint: Path | None = None) -> None:
+        """model.pt from the whole model, then accuracy.png from the rows. `checkpoint`: the last
+        epoch's checkpoint (None: the run kept none), named if model.pt cannot be written."""
+        try:
+            save_state_dict(self.model, whole_model)
+        except OSError as exc:
+            raise RunFailed(self._model_not_written(exc, whole_model, checkpoint)) from None
+        try:
+            plot_accuracy(self.accuracy_png, epochs=[r["epoch"] for r in history],
+                          test_acc=[r["test_acc"] for r in history], train_acc=[r["train_acc"] for r in history],
+                          title=title)
+        except OSError as exc:
+            raise RunFailed(f"could not write {self.accuracy_png} ({_reason(exc)}); {self.model} and "
+                            f"{self.metrics.name} are written") from None
+
+    def _model_not_written(self, exc: OSError, whole_model: torch.nn.Module, checkpoint: Path | None) -> str:
+        """The one line saying where the trained weights are, keeping a copy when no checkpoint holds them."""
+        failed = f"could not write {self.model} ({_reason(exc)})"
+        if checkpoint is not None and checkpoint.is_file():
+            return (f"{failed}; the trained model is in the last checkpoint, {checkpoint} (its 'model' entry is "
+                    "the state dict model.pt would hold)")
+        spare = Path(tempfile.gettempdir()) / f"phalanx-model-{os.getpid()}.pt"
+        try:
+            save_state_dict(spare, whole_model)
+        except OSError as again:
+            return f"{failed} nor a copy at {spare} ({_reason(again)}); the trained weights are lost"
+        return f"{failed}; the trained model is kept at {spare} instead: move it to {self.model} once there is space"
+
+
+def _reason(exc: OSError) -> str:
+    if exc.strerror:
+        return exc.strerror
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__

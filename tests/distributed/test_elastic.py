@@ -1,0 +1,170 @@
+"""Restarts keep the exact trajectory (elastic.py): a worker SIGKILLed mid-run is restarted from the
+last checkpoint and the run ends bitwise equal to an uninterrupted one; with --elastic, a device
+whose worker keeps dying (PHALANX_TEST_DEAD_ON_RESUME makes it die at every restart) is given up
+and the run finishes on the others, equal to the uninterrupted run to rounding (k devices compute
+the 1-device update). Without --elastic the restarts run out and the run fails naming the rank.
+
+float64 LeNet on synthetic data, 3 CPU workers, 2 epochs of 24 steps, a checkpoint every 5 steps;
+the victim is rank 1 (cpu:1), killed once the first checkpoint is on disk. Under torchrun elastic
+(--nnodes 1:2, two agents on this host) a node that leaves is resumed without, the same way.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.test_faults import _children, _cmdline, _wait_for, _workers
+
+pytestmark = pytest.mark.distributed
+
+COMMON = ["train", "--devices", "cpu:3", "--dataset", "synthetic", "--dtype", "float64", "--epochs", "2",
+          "--checkpoint-every", "5", "--no-progress", "--threads-per-device", "1"]
+TIMEOUT_S = 300
+RESTART = (r"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\)[^;]*; restart 1 of 1 from "
+           r"\S+checkpoint\.pt \(epoch 1, step (\d+)\) on 3 devices \[cpu:0, cpu:1, cpu:2\]$")
+
+
+def _phalanx(*args: str, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "phalanx", *args, "--out", str(out)], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+
+
+def _kill_rank_1_after_the_first_checkpoint(*args: str, out: Path, env: dict | None = None):
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *args, "--out", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        workers = _workers(proc.pid, 3)
+        _wait_for(out / "checkpoints" / "checkpoint.pt")
+        os.kill(workers[1], signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, stdout, stderr
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _relative_difference(got: Path, want: Path) -> float:
+    a = torch.load(got / "model.pt", weights_only=True)
+    b = torch.load(want / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)).item() for k in b)
+
+
+def _assert_same_rows(got: Path, want: Path, *, rel: float) -> None:
+    rows_a, rows_b = _rows(got), _rows(want)
+    assert [r["epoch"] for r in rows_a] == [r["epoch"] for r in rows_b] == [1, 2]
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=rel, abs=0), ra["epoch"]
+        assert (ra["train_acc"], ra["test_acc"]) == (rb["train_acc"], rb["test_acc"]), ra["epoch"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "run"
+    done = _phalanx(*COMMON, out=out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = _kill_rank_1_after_the_first_checkpoint(*COMMON, "--max-restarts", "1", out=out)
+    assert code == 0, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    assert len(said) == 1 and re.match(RESTART, said[0]), stderr[-3000:]
+    assert "resumed from" in stdout and stdout.strip().splitlines()[-1].endswith("on [cpu:0, cpu:1, cpu:2]")
+    a = torch.load(out / "model.pt", weights_only=True)
+    b = torch.load(reference / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in b), "a restarted run must end bitwise where the uninterrupted one does"
+    _assert_same_rows(out, reference, rel=1e-12)
+
+
+def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(reference, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr = _kill_rank_1_after_the_first_checkpoint(
+        *COMMON, "--max-restarts", "1", "--elastic", out=out, env={"PHALANX_TEST_DEAD_ON_RESUME": "cpu:1"})
+    assert code == 0, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
+    step = re.match(RESTART, said[0]).group(1)
+    assert re.match(rf"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\) again before the run got past "
+                    rf"\S+checkpoint\.pt \(epoch 1, step {step}\): giving cpu:1 up \(--elastic\); going on from "
+                    rf"\S+checkpoint\.pt \(epoch 1, step {step}\) on 2 devices \[cpu:0, cpu:2\]$", said[1]), said[1]
+    assert f"at epoch 1, step {step}; changed since the checkpoint: devices 3 -> 2" in stdout, stdout[-2000:]
+    assert stdout.strip().splitlines()[-1].endswith("on [cpu:0, cpu:2]")
+    worst = _relative_difference(out, reference)
+    assert worst <= 1e-9, f"finished on 2 devices {worst:.3g} (relative) from the uninterrupted run"
+    _assert_same_rows(out, reference, rel=1e-9)
+    assert _rows(out)[-1]["devices"] == ["cpu:0", "cpu:2"]
+
+
+def test_without_elastic_the_restarts_run_out_and_the_run_fails_naming_the_rank(tmp_path):
+    out = tmp_path / "run"
+    code, _, stderr = _kill_rank_1_after_the_first_checkpoint(
+        *COMMON, "--epochs", "20", "--max-restarts", "1", out=out, env={"PHALANX_TEST_DEAD_ON_RESUME": "cpu:1"})
+    assert code == 1, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
+    assert said[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL)"), said[1]
+    assert not (out / "model.pt").exists()
+    from phalanx.train import checkpoint as ckpt
+
+    assert ckpt.read_checkpoint(out / "checkpoints")["epoch"] == 0  # the checkpoint it restarted from, whole
+
+
+def test_under_torchrun_elastic_a_node_that_leaves_is_resumed_without_on_the_rest(reference, tmp_path):
+    """Two torchrun agents on this host form one job (--nnodes 1:2, one worker each); the second
+    agent and its worker are SIGKILLed after the first checkpoint. torchrun re-forms the job with
+    the one node left, the job resumes by itself (TORCHELASTIC_RESTART_COUNT > 0) and ends within
+    1e-9 of the uninterrupted run."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "run"
+    agent = [torchrun, "--nnodes", "1:2", "--nproc-per-node", "1", "--max-restarts", "2", "--rdzv-backend", "c10d",
+             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+             "--rdzv-conf", "last_call_timeout=10,join_timeout=120", "--monitor-interval", "0.5",
+             "-m", "phalanx", *[a for a in COMMON if a not in ("--devices", "cpu:3")], "--allreduce", "native",
+             "--timeout", "30", "--out", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = []
+    try:
+        for _ in range(2):
+            agents.append(subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                           start_new_session=True))
+            time.sleep(1.0)  # the first one hosts the rendezvous store
+        _wait_for(out / "checkpoints" / "checkpoint.pt")
+        leaving = agents[1]
+        for pid in [p for p in _children(leaving.pid) if "phalanx" in _cmdline(p)] + [leaving.pid]:
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = agents[0].communicate(timeout=TIMEOUT_S)
+    finally:
+        for proc in agents:
+            if proc.poll() is None:  # torchrun starts its workers in sessions of their own: kill them first
+                for pid in _children(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert agents[0].returncode == 0, stderr[-3000:]
+    assert re.search(r"resumed from \S+checkpoint\.pt at epoch \d+, step \d+; changed since the checkpoint: "
+                     r"devices 2 -> 1", stdout), stdout[-2000:]
+    assert stdout.strip().splitlines()[-1].endswith("on [cpu:0]")
+    worst = _relative_difference(out, reference)
+    assert worst <= 1e-9, f"finished on 1 node {worst:.3g} (relative) from the uninterrupted run"
+    _assert_same_rows(out, reference, rel=1e-9)
