@@ -20,6 +20,10 @@ class RunFailed(RuntimeError):
     exit_code = 1
 
 
+class PhalanxWarning(UserWarning):
+    """A run that trains, but not as written means (silence with warnings.filterwarnings)."""
+
+
 class Stopped(BaseException):
     """The launcher was told to stop (SIGTERM from `timeout`, a scheduler, a container stop, or
     SIGHUP); its workers have been taken down. A BaseException, like KeyboardInterrupt, so no

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.errors import UsageError
+from phalanx.parallel.data_parallel import DataParallel
 from phalanx.train.config import TrainConfig
 from phalanx.world import World, launcher_env
 
@@ -193,8 +194,9 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
 
 
 def _replica(model) -> torch.nn.Module:
-    """The module itself, given a module or a DataParallel around one."""
-    return model if isinstance(model, torch.nn.Module) else model.module
+    """The module itself, given a module or a DataParallel around one (itself an nn.Module: the
+    fingerprint names the user's model class, not the wrapper)."""
+    return model.module if isinstance(model, DataParallel) else model
 
 
 def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed: int) -> dict:
