@@ -93,8 +93,8 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, b
         differs = (theirs != gathered[0]).nonzero().flatten().tolist()
         if differs:
             name, kind = named[differs[0] // 2]
-            cause = ("a buffer the forward updates from each rank's own data (running statistics?); average it "
-                     "across ranks, or use phalanx.prepare's BatchNorm handling" if kind else
+            cause = ("a buffer the forward updates from each rank's own data (running statistics?); keep DataParallel's "
+                     "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself" if kind else
                      "the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
             raise ReplicaMismatch(f"replicas diverged {when}: rank {rank}'s {name}{kind} differs from rank 0's; {cause}")
 
