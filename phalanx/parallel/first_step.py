@@ -57,8 +57,8 @@ SHARD_LOSS_MARKS = ShardLossMarks()
 
 def loss_scale_message(world_size: int) -> str:
     return (f"this step's backward did not come through phalanx.shard_loss: gradients are summed over the "
-            f"{world_size} ranks, so a per-rank mean loss gives {world_size}x the 1-device gradient (as lr x "
-            f"{world_size}); backpropagate phalanx.shard_loss(loss_sum, global_batch_size), or build the replica "
+            f"{world_size} ranks, so a per-rank mean loss gives {world_size}x the 1-device gradient (with SGD: "
+            f"the run with lr x {world_size}); backpropagate phalanx.shard_loss(loss_sum, global_batch_size), or build the replica "
             "with average=True for DDP's mean of per-rank means (exact only for equal shards)")
 
 

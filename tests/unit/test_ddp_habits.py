@@ -131,7 +131,7 @@ def test_a_mean_loss_is_named_once_with_the_fix_and_shard_loss_is_not():
     messages = _first_step(lambda out, y: F.cross_entropy(out, y))
     assert messages == [
         "this step's backward did not come through phalanx.shard_loss: gradients are summed over the 2 ranks, so "
-        "a per-rank mean loss gives 2x the 1-device gradient (as lr x 2); backpropagate "
+        "a per-rank mean loss gives 2x the 1-device gradient (with SGD: the run with lr x 2); backpropagate "
         "phalanx.shard_loss(loss_sum, global_batch_size), or build the replica with average=True for DDP's mean "
         "of per-rank means (exact only for equal shards)"]
     assert _first_step(lambda out, y: phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 8)) == []
