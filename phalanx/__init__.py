@@ -6,14 +6,19 @@ own script (run it with `phalanx run --devices cpu:3 script.py`, under torchrun,
 each name below is re-exported from the module that owns it.
 
     world = phalanx.init()                                   # rank, world size, device
-    dp = phalanx.prepare(model, world=world)                 # replica: rank 0's state, layout, exchange
+    dp = phalanx.prepare(model, world=world)                 # replica (an nn.Module): rank 0's state, layout, exchange
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
     loader = phalanx.ShardedLoader(dataset, world=world, global_batch_size=64, seed=0)
-    for batch, global_size in loader.epoch(epoch):
+    for batch, global_size in phalanx.progress(loader.epoch(epoch), world=world, total=len(loader)):
         dp.zero_grad()
-        phalanx.shard_loss(loss_sum(dp(X), y), global_size).backward()
+        loss = phalanx.shard_loss(loss_sum(dp(X), y), global_size)   # this rank's share of the mean
+        loss.backward()
         dp.finish_gradient_sync()                            # every rank: the summed gradient
         phalanx.clip_grad_norm_(dp, 1.0)                     # the global norm
         optimizer.step()
+    world.print("loss", phalanx.reduce(loss, op="sum", world=world))  # rank 0 prints the global mean
+
+`docs/ddp.md` maps a DDP script onto these names, and says what phalanx does about each habit.
 """
 
 import importlib
@@ -26,16 +31,18 @@ _OWNERS = {
     "ShardedLoader": "phalanx.data.loader",
     "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
     "split_batch": "phalanx.data.split",
-    "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",
+    "PhalanxWarning": "phalanx.errors", "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",
     "clip_grad_norm_": "phalanx.parallel.clip",
     "DataParallel": "phalanx.parallel.data_parallel",
     "prepare": "phalanx.parallel.prepare",
     "convert_sync_batchnorm": "phalanx.parallel.sync_batchnorm",
     "init": "phalanx.script",
+    "MetricsLogger": "phalanx.telemetry.run_log", "progress": "phalanx.telemetry.run_log",
     "Position": "phalanx.train.checkpoint", "checkpoint": "phalanx.train.checkpoint",
     "resume": "phalanx.train.checkpoint",
     "evaluate": "phalanx.train.evaluate", "evaluate_dataset": "phalanx.train.evaluate",
     "shard_loss": "phalanx.train.loop", "train_batch": "phalanx.train.loop",
+    "reduce": "phalanx.train.metrics",
     "VerifyConfig": "phalanx.verify.config",
     "World": "phalanx.world",
 }
@@ -43,9 +50,10 @@ _OWNERS = {
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "Position", "RunFailed", "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce",
-    "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "global_batches",
-    "init", "prepare", "rank_shard", "resume", "shard_loss", "shard_sizes", "split_batch", "train_batch",
+    "DataParallel", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed", "ShardedLoader", "UsageError",
+    "VerifyConfig", "World", "allreduce", "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate",
+    "evaluate_dataset", "global_batches", "init", "prepare", "progress", "rank_shard", "reduce", "resume",
+    "shard_loss", "shard_sizes", "split_batch", "train_batch",
 ]
 
 

@@ -37,6 +37,10 @@ class WriteFailed(RunFailed, OSError):
         return str(self.args[0])
 
 
+class PhalanxWarning(UserWarning):
+    """A run that trains, but not as written means (silence with warnings.filterwarnings)."""
+
+
 class Stopped(BaseException):
     """The launcher was told to stop (SIGTERM from `timeout`, a scheduler, a container stop, or
     SIGHUP); its workers have been taken down. A BaseException, like KeyboardInterrupt, so no

@@ -8,6 +8,7 @@ launcher's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, ... as set by to
 
 from __future__ import annotations
 
+import builtins
 import datetime
 import os
 from dataclasses import dataclass, field
@@ -52,6 +53,11 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def print(self, *args, **kwargs) -> None:
+        """`print` on rank 0 only, flushed (k workers share one terminal); other ranks print nothing."""
+        if self.is_main:
+            builtins.print(*args, **{"flush": True, **kwargs})
 
 
 @dataclass(frozen=True, kw_only=True)

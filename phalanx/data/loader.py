@@ -9,6 +9,11 @@ the batch as a plain `DataLoader` collates it (any Dataset, lazy ones included, 
 as usual) and the size of the *global* batch it belongs to, which the loss needs
 (`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
 the right structure, so its forward/backward/gradient exchange still pair with its peers'.
+
+torch's `DistributedSampler` is DDP's way to shard, and it pads the dataset to a multiple of the
+ranks by repeating examples (or drops the rest): `distributed_sampler_note` says so in one line,
+for the warning DataParallel's first step gives (parallel/first_step.py) and for a DataLoader
+handed here instead of its dataset.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torch.utils.data._utils.collate import default_collate
 
 from phalanx.data.split import global_batches, rank_shard, steps_per_epoch
@@ -40,6 +45,45 @@ def empty_batch_like(batch: Any) -> Any:
     return batch
 
 
+def _sampler_of(obj: Any) -> DistributedSampler | None:
+    """`obj` itself, or the sampler of a DataLoader `obj`, when it is a DistributedSampler."""
+    if isinstance(obj, DistributedSampler):
+        return obj
+    if isinstance(obj, DataLoader):
+        for sampler in (obj.sampler, getattr(obj.batch_sampler, "sampler", None)):
+            if isinstance(sampler, DistributedSampler):
+                return sampler
+    return None
+
+
+def distributed_sampler_note(obj: Any) -> str | None:
+    """One line naming what torch's DistributedSampler (`obj`, or a DataLoader's) does to an epoch
+    and the fix; None when `obj` is none, or when it neither pads nor drops (the split is then even)."""
+    sampler = _sampler_of(obj)
+    if sampler is None:
+        return None
+    num_examples, ranks = len(sampler.dataset), sampler.num_replicas
+    if sampler.total_size == num_examples:
+        return None
+    if sampler.total_size > num_examples:
+        repeats = sampler.total_size - num_examples
+        what = (f"pads the {num_examples} examples to {sampler.total_size} by repeating {repeats} so that "
+                f"{ranks} ranks get equal shares (as DDP does)")
+    else:
+        what = f"drops {num_examples - sampler.total_size} of the {num_examples} examples (drop_last=True) every epoch"
+    return (f"torch's DistributedSampler {what}, so an epoch is not the 1-device epoch; use "
+            "phalanx.ShardedLoader(dataset, world=world, global_batch_size=..., shuffle=True), which splits every "
+            "global batch exactly, the last one unevenly")
+
+
+def refuse_loader(obj: Any, what: str) -> None:
+    """ValueError when a DataLoader is handed where a Dataset belongs (`what`: who refuses)."""
+    if isinstance(obj, DataLoader):
+        sampler = " (with torch's DistributedSampler, which phalanx's sharding replaces)" if _sampler_of(obj) else ""
+        raise ValueError(f"{what} takes a Dataset, got a DataLoader{sampler}; pass loader.dataset "
+                         "(ShardedLoader's global_batch_size is the batch of all ranks: DDP's batch_size x world size)")
+
+
 class ShardCollate:
     """The user's collate, plus an empty batch (shaped like example 0's) for an empty shard."""
 
@@ -59,11 +103,15 @@ class ShardedLoader:
                  shuffle: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
                  **loader_kwargs: Any) -> None:
         """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching and
-        order are this class's, so `batch_size`, `shuffle`, `sampler` and `drop_last` are refused."""
+        order are this class's, so `batch_size`, `sampler` and `drop_last` are refused (`shuffle`,
+        as DataLoader's: False keeps the dataset's order, every epoch the same)."""
+        refuse_loader(dataset, "ShardedLoader")
         taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
         if taken:
+            per_rank = (" (global_batch_size is the batch of all ranks together; DDP's batch_size is per rank: "
+                        "global = batch_size x world size)" if "batch_size" in taken else "")
             raise ValueError(f"ShardedLoader decides {', '.join(taken)} itself (global_batch_size, seed, shuffle); "
-                             "drop those arguments")
+                             f"drop those arguments{per_rank}")
         if global_batch_size < world.world_size:
             raise ValueError(f"global_batch_size {global_batch_size} is smaller than the {world.world_size} ranks; "
                              f"use {world.world_size} or more")

@@ -126,3 +126,20 @@ def grads_are_bucket_views(buckets: list[Bucket]) -> bool:
             if grad is None or grad.data_ptr() != bucket.buffer[offset:].data_ptr():
                 return False
     return True
+
+
+class DecompressingHandle:
+    """A compressed bucket's pending allreduce: `wait()` also writes the sum back, widened."""
+
+    def __init__(self, handle, wire: torch.Tensor, buffer: torch.Tensor) -> None:
+        self._handle, self._wire, self._buffer = handle, wire, buffer
+
+    @property
+    def waited(self) -> bool:
+        return self._handle.waited
+
+    def wait(self) -> torch.Tensor:
+        self._handle.wait()
+        with torch.no_grad():
+            self._buffer.copy_(self._wire)
+        return self._buffer

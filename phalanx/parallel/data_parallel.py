@@ -24,21 +24,29 @@ buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it 
 hooks, no communication thread, no collectives; the step is the plain PyTorch loop's (issue 11:
 on a GPU the overlap machinery cost 40-60% of a step where there was nothing to send). A
 `comm` handed in keeps the whole machinery, which is how a single process tests it.
+
+A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
+users do by habit is made right or named after each synced exchange (step_extras.py: running
+statistics averaged, a loss that bypassed `shard_loss` named, or DDP's mean with `average=True`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, ShmError, broadcast_, check_choice, resolve_algorithm
+from phalanx.comm import AsyncComm, ShmError, check_choice, resolve_algorithm
 from phalanx.comm.board import tagged
-from phalanx.parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, grads_are_bucket_views
+from phalanx.parallel.accumulate import accumulate
+from phalanx.parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
+                                      grads_are_bucket_views)
 from phalanx.parallel.guards import UnsyncedGradientGuard
 from phalanx.parallel.overlap import OverlapScheduler
+from phalanx.parallel.replica import ReplicaModule, broadcast_state_
+from phalanx.parallel.step_extras import StepExtras
 from phalanx.world import World
 
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
@@ -61,9 +69,9 @@ def _mb_to_bytes(mb: float | None) -> int | None:
     return None if mb is None else max(1, int(mb * _MB))
 
 
-class DataParallel:
-    """A replica plus its gradient exchange. Construct it at the same point on every rank
-    (the broadcast and, with overlap, AsyncComm's private group are collectives)."""
+class DataParallel(ReplicaModule):
+    """A replica plus its gradient exchange, as an nn.Module. Construct it at the same point on
+    every rank (the broadcast and, with overlap, AsyncComm's private group are collectives)."""
 
     def __init__(
         self,
@@ -76,18 +84,29 @@ class DataParallel:
         overlap: bool = True,
         comm: AsyncComm | None = None,
         grad_dtype: torch.dtype | None = None,
+        average: bool | None = None,
+        average_running_stats: bool = True,
+        autocast_dtype: torch.dtype | None = None,
+        batchnorm: str | None = None,
     ) -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
         min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
         `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half
-        the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype."""
+        the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype.
+        `average`: None sums and expects `shard_loss` (named at the first step if not), True is
+        DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
+        and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
+        step_extras.py. `autocast_dtype`: forward under torch.autocast (prepare's precision=)."""
         check_choice(algorithm)  # ValueError with the valid names, before any collective
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
             raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
+        super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
+        self.exchanging = False
+        self.autocast = None if autocast_dtype is None else (world.device.type, autocast_dtype)
         self.world = world
         chosen_by_auto = algorithm == "auto"
         self.algorithm = algorithm = resolve_algorithm(algorithm, world)
@@ -102,7 +121,7 @@ class DataParallel:
         self.grad_dtype = grad_dtype
         self.overlap = overlap
         self.module = module.to(world.device)
-        self.broadcast_state(src=0)
+        broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with no comm to launch on (see the module docstring).
         self.exchanging = world.distributed or comm is not None
         cap_bytes = _mb_to_bytes(bucket_cap_mb)
@@ -115,6 +134,9 @@ class DataParallel:
         # A phalanx.telemetry.Tracer to report each bucket's allreduce to, or None (the default).
         self.tracer = None
         self.choices = None  # what phalanx.prepare chose (prepare.Choices); None when built directly
+        self.average = average
+        self._extras = StepExtras(self.module, world=world, average=average, batchnorm=batchnorm,
+                                  average_running_stats=average_running_stats)
         self._comm: AsyncComm | None = None
         self._owns_comm = False
         self._scheduler: OverlapScheduler | None = None
@@ -147,32 +169,16 @@ class DataParallel:
             for bucket in self.buckets:
                 self._hook_handles.append(bucket.params[0].register_post_accumulate_grad_hook(self._on_backward))
 
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
-        if not self.world.distributed:
-            return
-        tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers())]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                broadcast_(flat, world=self.world, src=src, phase="broadcast")
-                offset = 0
-                for tensor in group:
-                    tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
+        broadcast_state_(self.module, world=self.world, src=src)
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the bucket buffers (never set .grad to None: the views must survive); with
-        nothing to exchange, set every .grad to None as `optimizer.zero_grad()` does."""
+        nothing to exchange, set every .grad to None (or zero it) as `optimizer.zero_grad()` does."""
         if not self.exchanging:
             for param in self.module.parameters():
-                param.grad = None
+                param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
             return
         if self._scheduler is not None:
             if self._scheduler.in_flight:
@@ -197,6 +203,11 @@ class DataParallel:
             yield
         finally:
             self._sync_enabled = previous
+
+    def accumulate(self, micro_batches: int | Iterable) -> Iterator:
+        """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:
+        gradient accumulation as a loop (accumulate.py); then finish_gradient_sync and step."""
+        return accumulate(self.no_sync, micro_batches)
 
     @property
     def sync_enabled(self) -> bool:
@@ -231,7 +242,7 @@ class DataParallel:
         extra = {} if on_done is None else {"on_done": on_done}
         with tagged(self.world, "gradient", bucket.index):  # what a failure calls this collective
             handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
-        return handle if wire is bucket.buffer else _Decompress(handle, wire, bucket.buffer)
+        return handle if wire is bucket.buffer else DecompressingHandle(handle, wire, bucket.buffer)
 
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
@@ -267,6 +278,10 @@ class DataParallel:
                 "a parameter's .grad no longer aliases its gradient bucket; "
                 "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
             )
+        self._extras.after_exchange(self.buckets, self._allreduce_now)
+
+    def _allreduce_now(self, flat: torch.Tensor) -> None:
+        self._comm.allreduce(flat, algorithm=self.algorithm)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
@@ -283,6 +298,7 @@ class DataParallel:
         self._hook_handles = []
         if self._unsynced is not None:
             self._unsynced.close()
+        self._extras.close()
         if self._comm is not None and self._owns_comm:
             self._comm.close()
         self._comm = None
@@ -295,19 +311,3 @@ class DataParallel:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-class _Decompress:
-    """A compressed bucket's pending allreduce: `wait()` also writes the sum back, widened."""
-
-    def __init__(self, handle, wire: torch.Tensor, buffer: torch.Tensor) -> None:
-        self._handle, self._wire, self._buffer = handle, wire, buffer
-
-    @property
-    def waited(self) -> bool:
-        return self._handle.waited
-
-    def wait(self) -> torch.Tensor:
-        self._handle.wait()
-        with torch.no_grad():
-            self._buffer.copy_(self._wire)
-        return self._buffer

@@ -4,10 +4,12 @@
   agree (model parameters, bucket layout, world settings, steps per epoch); one all-gather, and
   a rank that differs is named with the field - instead of a hang when, say, one rank's model has
   an extra layer and issues one collective more.
-- `check_replicas`: every N steps the replicas' parameter checksums (float64 per tensor) are
-  gathered and compared bitwise: data parallelism keeps replicas identical, so any difference is
-  a bug (a rank that skipped an update, a non-deterministic reduction), caught at the step it
-  shows instead of at the end of training.
+- `check_replicas`: every N steps the replicas' parameter and buffer checksums (float64 per
+  tensor) are gathered and compared bitwise: data parallelism keeps replicas identical, so any
+  difference is a bug (a rank that skipped an update, a non-deterministic reduction) or a buffer
+  that follows each rank's own data (running statistics nobody averages), caught at the step it
+  shows instead of at the end of training - or, with `buffers_only`, before an evaluation that
+  would otherwise mix diverged replicas (issue 22).
 - `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
   its step and rank instead of silently poisoning every replica.
 - `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
@@ -65,30 +67,44 @@ def preflight_check(world: World, fields: dict[str, Any]) -> None:
 
 def parameter_checksums(module: torch.nn.Module) -> torch.Tensor:
     """One float64 sum per parameter, plus an index-weighted sum that catches permutations."""
+    return tensor_checksums(list(module.parameters()))
+
+
+def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor: the float64 sum and an index-weighted sum (catches permutations)."""
     sums = []
     with torch.no_grad():
-        for p in module.parameters():
-            flat = p.detach().reshape(-1).double()
+        for t in tensors:
+            flat = t.detach().reshape(-1).double()
             weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
             sums += [flat.sum(), (flat * weights).sum()]
-    return torch.stack(sums)
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
 
 
-def check_replicas(world: World, module: torch.nn.Module, *, step: int) -> None:
-    """Raise ReplicaMismatch naming the ranks whose parameters differ from rank 0's at `step`."""
+def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, buffers_only: bool = False) -> None:
+    """Raise ReplicaMismatch naming the first parameter or buffer whose value on some rank differs
+    from rank 0's at `step` (None: before an evaluation). `buffers_only`: parameters are skipped
+    (they stay identical by construction; buffers are what a forward can change per rank)."""
     if not world.distributed:
         return
-    mine = parameter_checksums(module)
+    named = ([] if buffers_only else [(n, "") for n, _ in module.named_parameters()]) + \
+        [(n, " (a buffer)") for n, _ in module.named_buffers()]
+    if not named:  # every rank holds the same model, so every rank returns here alike
+        return
+    tensors = ([] if buffers_only else list(module.parameters())) + list(module.buffers())
+    mine = tensor_checksums(tensors).to(world.device)
     gathered = [torch.empty_like(mine) for _ in range(world.world_size)]
     with collective(world, "replica check", size_bytes=mine.numel() * mine.element_size()):
         dist.all_gather(gathered, mine)
-    names = [n for n, _ in module.named_parameters()]
+    when = f"at step {step}" if step is not None else "before evaluation"
     for rank, theirs in enumerate(gathered):
         differs = (theirs != gathered[0]).nonzero().flatten().tolist()
         if differs:
-            raise ReplicaMismatch(
-                f"replicas diverged at step {step}: rank {rank}'s {names[differs[0] // 2]} differs from "
-                "rank 0's; the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
+            name, kind = named[differs[0] // 2]
+            cause = ("a buffer the forward updates from each rank's own data (running statistics?); keep DataParallel's "
+                     "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself" if kind else
+                     "the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
+            raise ReplicaMismatch(f"replicas diverged {when}: rank {rank}'s {name}{kind} differs from rank 0's; {cause}")
 
 
 def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], step: int,

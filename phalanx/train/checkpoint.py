@@ -35,6 +35,7 @@ import torch.distributed as dist
 from phalanx.atomic import atomic_write_bytes
 from phalanx.comm import collective
 from phalanx.errors import UsageError
+from phalanx.parallel.data_parallel import DataParallel
 from phalanx.world import World
 
 FORMAT = "phalanx-checkpoint-2"
@@ -194,8 +195,9 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
 
 
 def _replica(model) -> torch.nn.Module:
-    """The module itself, given a module or a DataParallel around one."""
-    return model if isinstance(model, torch.nn.Module) else model.module
+    """The module itself, given a module or a DataParallel around one (itself an nn.Module: the
+    fingerprint names the user's model class, not the wrapper)."""
+    return model.module if isinstance(model, DataParallel) else model
 
 
 def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed: int) -> dict:

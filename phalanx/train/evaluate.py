@@ -5,7 +5,11 @@ counts its correct predictions and the counts are summed, so every test image is
 once and every rank gets the same accuracy. `evaluate` does this for tensors in memory (the
 CLI's datasets; `count_accuracy` also for a model split, whose ranks each read every test image
 and where those holding the output count); `evaluate_dataset` for any torch Dataset and any
-summed metric (a user's).
+summed metric (a user's). `evaluate_dataset` first checks that the replicas' buffers agree
+(one small all-gather): each rank evaluates its shard with its own replica, so replicas whose
+running statistics drifted apart would be mixed into one number without a word (issue 22). Its
+default metric, `classification_sums`, is for a classifier returning logits and refuses
+anything else (probabilities, one output column, float labels) with the fix: a `sums=` of yours.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from phalanx.comm import all_reduce_sum_
 from phalanx.data import shard_bounds, to_float
-from phalanx.data.loader import ShardCollate
+from phalanx.data.loader import ShardCollate, refuse_loader
+from phalanx.parallel.guards import check_replicas
 from phalanx.world import World
 
 
@@ -59,11 +64,41 @@ def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Te
 
 
 def classification_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
-    """`evaluate_dataset`'s default for (inputs, labels) batches: loss sum and correct count."""
+    """`evaluate_dataset`'s default for (inputs, labels) batches of a classifier that returns
+    *logits* [batch, classes] for integer labels [batch]: cross-entropy sum and correct count.
+    Other outputs (probabilities, a regression, a sequence) need a `sums=` of their own."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ValueError("evaluate_dataset's default sums take (inputs, labels) batches; pass sums=fn(model, batch) "
+                         "-> {name: sum over the batch} for other data")
     inputs, labels = batch
     logits = model(inputs)
+    check_logits(logits, labels)
     return {"loss": F.cross_entropy(logits, labels, reduction="sum"),
             "correct": (logits.argmax(dim=1) == labels).sum()}
+
+
+_SUMS_FIX = "pass sums=fn(model, batch) -> {name: sum over the batch} that fits your model's output"
+
+
+def check_logits(logits, labels) -> None:
+    """ValueError unless (logits, labels) are what `classification_sums` assumes (one host sync:
+    the probability check reads two numbers)."""
+    if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise ValueError(f"evaluate_dataset's default sums expect the model to return a tensor of logits, got "
+                         f"{type(logits).__name__}; {_SUMS_FIX}")
+    shape = tuple(logits.shape)
+    if not logits.is_floating_point() or logits.dim() != 2 or shape[1] < 2 or tuple(labels.shape) != (shape[0],):
+        raise ValueError(f"evaluate_dataset's default sums expect class logits [batch, classes >= 2] and integer "
+                         f"labels [batch], got outputs {shape} and labels {tuple(labels.shape)}; {_SUMS_FIX}")
+    if labels.is_floating_point() or labels.is_complex():
+        raise ValueError(f"evaluate_dataset's default sums expect integer class labels, got {labels.dtype}; "
+                         f"{_SUMS_FIX}")
+    if shape[0] > 0:
+        low, row_error = torch.stack([logits.min().double(), (logits.double().sum(dim=1) - 1).abs().max()]).tolist()
+        if low >= 0 and row_error < 1e-4:  # logits essentially never look like this
+            raise ValueError("evaluate_dataset's default sums apply cross-entropy to logits, but the model's outputs "
+                             "look like probabilities (rows in [0, 1] summing to 1); return logits (drop the "
+                             f"softmax), or {_SUMS_FIX}")
 
 
 def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_size: int = 256,
@@ -74,8 +109,11 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     `sums(model, batch)` -> {name: sum over the batch} in eval mode without gradients, and the
     sums are added across ranks in one allreduce. Returns every rank the same dict of global
     sums plus "count" (= len(dataset), checked); divide by it for means. A rank with an empty
-    shard evaluates an empty batch, so the names are the same everywhere.
+    shard evaluates an empty batch, so the names are the same everywhere. `model`: the replica
+    (a DataParallel) or its module; its buffers must agree across ranks (checked first).
     """
+    refuse_loader(dataset, "evaluate_dataset")
+    check_replicas(world, model, step=None, buffers_only=True)
     start, stop = shard_bounds(len(dataset), world.world_size, world.rank)
     collate = ShardCollate(dataset, collate_fn or default_collate)
     loader = DataLoader(Subset(dataset, range(start, stop)), batch_size=batch_size, collate_fn=collate)

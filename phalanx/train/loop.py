@@ -31,6 +31,7 @@ from torch import nn
 from phalanx.comm import all_reduce_sum_
 from phalanx.data import global_batches, shard_bounds, split_batch, to_float
 from phalanx.parallel import DataParallel, has_sync_batchnorm
+from phalanx.parallel.first_step import SHARD_LOSS_MARKS
 from phalanx.parallel.guards import check_replicas
 from phalanx.telemetry import Tracer, span
 from phalanx.world import World
@@ -49,10 +50,13 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
 
     After the ranks' gradients are summed this is exactly the 1-device gradient of the mean loss
     over the global batch, for any split (even or not). For a loss over tokens, pass the global
-    number of tokens."""
+    number of tokens. The result is marked, so a replica's first step can tell a backward that
+    came through here from a per-rank mean's (parallel/first_step.py)."""
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
-    return loss_sum / global_batch_size
+    scaled = loss_sum / global_batch_size
+    SHARD_LOSS_MARKS.note(scaled)
+    return scaled
 
 
 def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,0 +1,36 @@
+"""Gradient accumulation as a loop: `for piece in dp.accumulate(n): ...` (Accelerate's name).
+
+`no_sync()` is the mechanism (DDP's): backwards inside it only add into the buckets, and the
+first synced backward after it sends the sum. `accumulate` wraps it for the usual shape of a
+loop over micro-batches: every item but the last is yielded inside `no_sync()`, the last
+outside, so its backward launches the exchange. The next item is fetched *before* the current
+one is yielded, which is how an iterator of unknown length learns which item is last. With
+`shard_loss(loss_sum, global_size)` per micro-batch (the *step's* global batch size) the summed
+gradient is the 1-device gradient of the whole global batch, as `train_batch`'s accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator
+
+
+def accumulate(no_sync: Callable[[], contextlib.AbstractContextManager], micro_batches: int | Iterable) -> Iterator:
+    """Yield `micro_batches`' items (an int n: 0..n-1), all but the last inside `no_sync()`."""
+    if isinstance(micro_batches, int):
+        if micro_batches < 1:
+            raise ValueError(f"accumulate({micro_batches}): the number of micro-batches must be at least 1")
+        micro_batches = range(micro_batches)
+    return _accumulate(no_sync, iter(micro_batches))
+
+
+def _accumulate(no_sync: Callable[[], contextlib.AbstractContextManager], items: Iterator) -> Iterator:
+    try:
+        current = next(items)
+    except StopIteration:
+        return
+    for upcoming in items:  # fetched first: `current` is synced only when it is the last
+        with no_sync():
+            yield current
+        current = upcoming
+    yield current

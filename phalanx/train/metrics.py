@@ -1,0 +1,41 @@
+"""`reduce`: one value a user's loop wants to log, summed or averaged over the ranks.
+
+Once a script runs on k ranks every number it prints is one rank's (issue 22, case 7): with
+`shard_loss` the loss a rank backpropagates is its shard's sum / the *global* batch size, about
+the mean / k, so `loss.item()` printed 1.148 where the 1-device script printed 2.31. The
+global batch's mean loss is the *sum* of those shares over the ranks:
+
+    world.print(f"loss {phalanx.reduce(loss, op='sum', world=world):.4f}")   # the 1-device number
+
+and a per-rank quantity (a mean the rank computed itself, a time) is averaged with op="mean".
+It is a collective: every rank calls it at the same point. It reads the result on the host,
+which waits for the device (on a GPU: log every N steps, not every step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phalanx.comm import all_reduce_sum_
+from phalanx.world import World
+
+REDUCE_OPS = ("mean", "sum")
+
+
+def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean") -> float | torch.Tensor:
+    """`value` summed over every rank of `world` (`op="sum"`), or that sum / world size
+    (`op="mean"`), in float64. A number or a one-element tensor gives a float; a larger tensor
+    gives a float64 tensor of its shape (one collective for all its elements). The caller's
+    tensor is left as it was."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is unknown; choose one of {', '.join(REDUCE_OPS)}")
+    if isinstance(value, torch.Tensor):
+        total = value.detach().to(device=world.device, dtype=torch.float64, copy=True)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        total = torch.tensor(float(value), dtype=torch.float64, device=world.device)
+    else:
+        raise ValueError(f"reduce takes a number or a tensor, got {type(value).__name__}")
+    all_reduce_sum_(total, world=world)
+    if op == "mean":
+        total /= world.world_size
+    return total.item() if total.numel() == 1 else total

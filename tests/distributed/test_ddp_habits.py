@@ -1,0 +1,242 @@
+"""A DDP user's habits on 2 gloo ranks (issue 22), one spawn for all of them:
+
+- a mean loss is named in one warning on rank 0 at the first step (and never again, nor on rank 1);
+  through `shard_loss` nothing is said; `average=True` is DDP's mean of per-rank means and ends
+  where torch's own DDP ends (float64, equal shards);
+- torch's DistributedSampler in the loop is named with how many examples it repeats;
+- plain BatchNorm through a DataParallel built directly: one notice naming the choices, and the
+  replicas' buffers bitwise identical after uneven steps; with the averaging off they drift,
+  and the replica check and `evaluate_dataset` then name the buffer on every rank;
+- DDP's `module.`-prefixed state_dict loads into a DataParallel, and the replica's loads back;
+- `reduce` sums and averages; `accumulate` sends one exchange per step and gives the 1-device
+  gradient; `precision="bf16-mixed"` keeps float32 buckets and identical replicas.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import phalanx
+from phalanx.data import split_batch
+from phalanx.errors import RunFailed
+from phalanx.parallel.guards import check_replicas
+from tests.distributed.harness import run_workers
+
+pytestmark = pytest.mark.distributed
+
+GLOBAL = 12  # examples per global batch: shards of 6 and 6 (even), or 7 and 5 (uneven)
+
+
+def _batches(steps: int, dtype=torch.float64) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(GLOBAL, 4, generator=g, dtype=dtype), torch.randint(0, 3, (GLOBAL,), generator=g))
+            for _ in range(steps)]
+
+
+def _shard(X, y, world, uneven: bool = False):
+    if not uneven:
+        return split_batch(X, y, world.world_size)[world.rank]
+    rows = slice(0, 7) if world.rank == 0 else slice(7, GLOBAL)
+    return X[rows], y[rows]
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).double()
+
+
+def _phalanx_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+
+
+def _train(dp, world, batches, *, mean_loss: bool, uneven: bool = False) -> None:
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+    for X, y in batches:
+        X, y = _shard(X, y, world, uneven)
+        dp.zero_grad()
+        out = dp(X)
+        loss = F.cross_entropy(out, y) if mean_loss else phalanx.shard_loss(
+            F.cross_entropy(out, y, reduction="sum"), GLOBAL)
+        loss.backward()
+        dp.finish_gradient_sync()
+        optimizer.step()
+
+
+def _state(module: nn.Module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _loss_cases(world, out: dict) -> None:
+    for name, mean_loss, average in (("mean", True, None), ("shard_loss", False, None), ("ddp-mean", True, True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with phalanx.DataParallel(_mlp(), world=world, average=average) as dp:
+                _train(dp, world, _batches(3), mean_loss=mean_loss)
+                out[f"{name}-state"] = _state(dp)
+        out[f"{name}-warnings"] = _phalanx_warnings(caught)
+    ddp = DistributedDataParallel(_mlp())  # torch's own, the reference for average=True
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for X, y in _batches(3):
+        X, y = _shard(X, y, world)
+        optimizer.zero_grad()
+        F.cross_entropy(ddp(X), y).backward()
+        optimizer.step()
+    out["ddp-state"] = _state(ddp.module)
+    with phalanx.DataParallel(_mlp(), world=world) as dp:  # DDP's checkpoint keys load as they are
+        dp.load_state_dict(ddp.state_dict())
+        out["ddp-loaded"] = _state(dp)
+
+
+def _sampler_case(world, out: dict) -> None:
+    dataset = TensorDataset(torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,)))
+    loader = DataLoader(dataset, batch_size=3, sampler=DistributedSampler(dataset, shuffle=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with phalanx.DataParallel(_mlp(), world=world) as dp:
+            for X, y in loader:  # DDP's loop, with the loss made right: only the sampler is left
+                dp.zero_grad()
+                phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 6).backward()
+                dp.finish_gradient_sync()
+    out["sampler-warnings"] = _phalanx_warnings(caught)
+
+
+def _batchnorm_cases(world, out: dict) -> None:
+    for name, averaged in (("bn-averaged", True), ("bn-drifting", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dp = phalanx.DataParallel(_bn_net(), world=world, average_running_stats=averaged)
+            _train(dp, world, _batches(4), mean_loss=False, uneven=True)
+        out[f"{name}-warnings"] = _phalanx_warnings(caught)
+        out[f"{name}-state"] = _state(dp)
+        for check, call in (("replicas", lambda: check_replicas(world, dp, step=4)),
+                            ("evaluate", lambda: phalanx.evaluate_dataset(
+                                dp, TensorDataset(torch.randn(5, 4, dtype=torch.float64),
+                                                  torch.randint(0, 3, (5,))), world=world))):
+            try:
+                call()
+                out[f"{name}-{check}"] = "ok"
+            except RunFailed as exc:
+                out[f"{name}-{check}"] = str(exc)
+        dp.close()
+
+
+class _CountingTracer:
+    def __init__(self) -> None:
+        self.launched = 0
+
+    def comm_launched(self, bucket_index: int, size_bytes: int) -> int:
+        self.launched += 1
+        return 0
+
+    def comm_done(self, record: int) -> None:
+        pass
+
+
+def _helper_cases(world, out: dict) -> None:
+    out["reduce"] = (phalanx.reduce(world.rank + 1, op="sum", world=world),
+                     phalanx.reduce(torch.tensor(world.rank + 1.0), world=world),
+                     phalanx.reduce(torch.tensor([world.rank, 1.0]), op="sum", world=world).tolist())
+    X, y = _batches(1)[0]
+    with phalanx.DataParallel(_mlp(), world=world, bucket_cap_mb=0.0005) as dp:
+        dp.tracer = tracer = _CountingTracer()
+        X_shard, y_shard = _shard(X, y, world, uneven=True)
+        dp.zero_grad()
+        for X_micro, y_micro in dp.accumulate(list(zip(X_shard.split(3), y_shard.split(3)))):
+            phalanx.shard_loss(F.cross_entropy(dp(X_micro), y_micro, reduction="sum"), GLOBAL).backward()
+        dp.finish_gradient_sync()
+        out["accumulate"] = ([p.grad.clone() for p in dp.parameters()], tracer.launched, len(dp.buckets))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    with phalanx.prepare(model, world=world, precision="bf16-mixed") as dp:
+        _train(dp, world, _batches(3, torch.float32), mean_loss=False)
+        out["bf16"] = (_state(dp), {b.buffer.dtype for b in dp.buckets}, dp.choices.describe())
+
+
+def _worker(world) -> dict:
+    out: dict = {}
+    _loss_cases(world, out)
+    _sampler_case(world, out)
+    _batchnorm_cases(world, out)
+    _helper_cases(world, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_workers(_worker, 2, timeout_s=180)
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in b)
+
+
+def test_a_mean_loss_is_named_once_on_rank_0_and_shard_loss_is_not(results):
+    first, second = results
+    assert len(first["mean-warnings"]) == 1, first["mean-warnings"]
+    assert first["mean-warnings"][0].startswith("this step's backward did not come through phalanx.shard_loss: "
+                                                "gradients are summed over the 2 ranks")
+    assert second["mean-warnings"] == [] and first["shard_loss-warnings"] == [] and first["ddp-mean-warnings"] == []
+    # The mean loss's run is the lr x 2 run: far from the right one.
+    assert _max_diff(first["mean-state"], first["shard_loss-state"]) > 1e-3
+
+
+def test_average_true_is_ddps_mean_of_means(results):
+    for rank in results:
+        assert _max_diff(rank["ddp-mean-state"], rank["ddp-state"]) < 1e-13
+        # On equal shards the mean of means is the global mean: shard_loss's update.
+        assert _max_diff(rank["ddp-mean-state"], rank["shard_loss-state"]) < 1e-13
+    assert _max_diff(results[0]["ddp-loaded"], results[0]["ddp-state"]) == 0.0
+
+
+def test_a_padding_distributed_sampler_is_named_on_rank_0(results):
+    assert results[0]["sampler-warnings"] == [
+        "torch's DistributedSampler pads the 9 examples to 10 by repeating 1 so that 2 ranks get equal shares (as "
+        "DDP does), so an epoch is not the 1-device epoch; use phalanx.ShardedLoader(dataset, world=world, "
+        "global_batch_size=..., shuffle=True), which splits every global batch exactly, the last one unevenly"]
+    assert results[1]["sampler-warnings"] == []
+
+
+def test_plain_batchnorm_replicas_stay_bitwise_identical_and_drift_is_caught_otherwise(results):
+    first, second = results
+    assert len(first["bn-averaged-warnings"]) == 1 and "batchnorm=\"sync\"" in first["bn-averaged-warnings"][0]
+    assert second["bn-averaged-warnings"] == []
+    for key, value in first["bn-averaged-state"].items():
+        assert torch.equal(value, second["bn-averaged-state"][key]), key
+    assert (first["bn-averaged-replicas"], first["bn-averaged-evaluate"]) == ("ok", "ok")
+    drifted = first["bn-drifting-state"]["1.running_mean"] - second["bn-drifting-state"]["1.running_mean"]
+    assert drifted.abs().max() > 1e-3  # what the averaging prevents: shards 7 and 5 give other statistics
+    for rank in results:  # every rank raises the same line
+        assert rank["bn-drifting-replicas"] == (
+            "replicas diverged at step 4: rank 1's 1.running_mean (a buffer) differs from rank 0's; a buffer the "
+            "forward updates from each rank's own data (running statistics?); keep DataParallel's "
+            "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself")
+        assert rank["bn-drifting-evaluate"].startswith("replicas diverged before evaluation: rank 1's 1.running_mean")
+
+
+def test_reduce_accumulate_and_bf16_mixed_on_two_ranks(results):
+    for rank in results:
+        assert rank["reduce"] == (3.0, 1.5, [1.0, 2.0])
+    X, y = _batches(1)[0]
+    reference = _mlp()
+    phalanx.shard_loss(F.cross_entropy(reference(X), y, reduction="sum"), GLOBAL).backward()
+    for rank in results:
+        grads, launched, num_buckets = rank["accumulate"]
+        assert num_buckets > 1 and launched == num_buckets  # one exchange for the three micro-batches
+        for got, want in zip(grads, reference.parameters()):
+            torch.testing.assert_close(got, want.grad, rtol=1e-12, atol=1e-15)
+    state0, dtypes, describe = results[0]["bf16"]
+    assert dtypes == {torch.float32} and "bf16-mixed (autocast forward" in describe
+    for key, value in state0.items():
+        assert value.dtype == torch.float32 and torch.equal(value, results[1]["bf16"][0][key]), key

@@ -1,0 +1,394 @@
+"""What a DDP user does by habit, without processes (issue 22): `DataParallel` as an nn.Module
+(state_dict without `module.`, DDP's keys accepted, moves after bucketing refused), the first
+step's warnings (a loss that bypassed shard_loss, a padding DistributedSampler), running
+statistics averaged bitwise-stably, `accumulate`, bf16-mixed precision, `evaluate_dataset`'s
+guards, `reduce`, `world.print`, the run-script logger and progress bar, and the first line's
+reason for `native` when ranks span hosts. The k-process side is tests/distributed/test_ddp_habits.py."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import phalanx
+from phalanx.comm import AsyncComm, shm_applies
+from phalanx.errors import UsageError
+from phalanx.parallel.first_step import SHARD_LOSS_MARKS, FirstStepCheck, caller_frame
+from phalanx.parallel.prepare import Choices
+from phalanx.parallel.running_stats import RunningStats, drifting_norm_layers
+from phalanx.parallel.step_extras import StepExtras
+from phalanx.telemetry.metrics import read_metrics
+from phalanx.world import World
+
+
+def world(rank: int = 0, world_size: int = 1, local_world_size: int | None = None) -> World:
+    return World(rank=rank, world_size=world_size, local_rank=rank % (local_world_size or world_size),
+                 local_world_size=local_world_size or world_size, device=torch.device("cpu"),
+                 backend="gloo" if world_size > 1 else "none", timeout_s=10.0)
+
+
+def bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+# --- case 5: DataParallel is an nn.Module -------------------------------------------------------
+
+def test_data_parallel_is_the_model_as_far_as_torch_code_can_tell(tmp_path):
+    torch.manual_seed(0)
+    model = bn_net()
+    dp = phalanx.DataParallel(model, world=world())
+    assert isinstance(dp, nn.Module) and dp.module is model  # code using dp.module keeps working
+    assert [p for p in dp.parameters()] == [p for p in model.parameters()]  # the same objects
+    assert [n for n, _ in dp.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [n for n, _ in dp.named_buffers()] == [n for n, _ in model.named_buffers()]
+    assert list(dp.parameters(recurse=False)) == []
+    dp.eval()
+    assert not model.training and not model[1].training
+    dp.train()
+    assert model.training
+    X = torch.randn(6, 4)
+    assert torch.equal(dp(X), model(X))
+    torch.save(dp.state_dict(), tmp_path / "model.pt")  # a DDP user's save, without .module
+    plain = bn_net()
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict: same keys
+    for (name, a), b in zip(model.state_dict().items(), plain.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert dp.to("cpu") is dp and dp.float() is dp  # no-ops are fine
+    dp.double()  # a world of one has no buckets: the plain module's .double()
+    assert next(model.parameters()).dtype == torch.float64
+    dp.close()
+
+
+def test_load_state_dict_takes_the_models_keys_and_ddps_prefixed_ones():
+    torch.manual_seed(1)
+    source = bn_net()
+    for _ in range(2):
+        source(torch.randn(5, 4))  # running statistics and num_batches_tracked move
+    dp = phalanx.DataParallel(bn_net(), world=world())
+    ddp_keys = {f"module.{k}": v for k, v in source.state_dict().items()}
+    assert not dp.load_state_dict(ddp_keys).missing_keys
+    for name, value in source.state_dict().items():
+        assert torch.equal(dp.state_dict()[name], value), name
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # strict stays strict
+        dp.load_state_dict({**source.state_dict(), "extra": torch.zeros(1)})
+
+    class Holder(nn.Module):  # a model whose own child is called "module" keeps its keys
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    holder = phalanx.DataParallel(Holder(), world=world())
+    assert list(holder.state_dict()) == ["module.weight", "module.bias"]
+    holder.load_state_dict({"module.weight": torch.ones(2, 2), "module.bias": torch.zeros(2)})
+    assert torch.equal(holder.module.module.weight, torch.ones(2, 2))
+
+
+def test_moving_the_parameters_after_bucketing_is_refused_before_anything_moves():
+    with AsyncComm(world=world()) as comm, phalanx.DataParallel(nn.Linear(3, 2), world=world(), comm=comm) as dp:
+        weight = dp.module.weight
+        assert dp.to(torch.float32) is dp and dp.cpu() is dp
+        for convert in (lambda: dp.double(), lambda: dp.to(torch.float16), lambda: dp.half()):
+            with pytest.raises(ValueError, match=r"moving, casting or re-laying-out the replica's parameters \(weight"):
+                convert()
+        assert dp.module.weight is weight and weight.dtype == torch.float32
+        with pytest.raises(ValueError, match=r"assign=True\) would replace the parameters"):
+            dp.load_state_dict(dp.state_dict(), assign=True)
+
+
+def test_a_world_of_one_builds_none_of_the_checks():
+    dp = phalanx.DataParallel(bn_net(), world=world())
+    extras = dp._extras
+    assert (extras.first_step, extras.running_stats, extras.divide_by) == (None, None, None)
+    assert SHARD_LOSS_MARKS.watchers == 0  # shard_loss registers no hook: the plain loop's step
+    dp.close()
+
+
+# --- case 2: a loss that did not come through shard_loss ----------------------------------------
+
+def _first_step(loss_fn, *, sampler_loader=None) -> list[str]:
+    """Rank 0's check of a 2-rank replica (no process needed: it never communicates)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True)
+    X, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    loader = sampler_loader  # noqa: F841 - what the frame search finds, as in a user's loop
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not check.after_sync(caller_frame(0))  # no backward yet: not done
+        loss_fn(model(X), y).backward()
+        assert check.after_sync(caller_frame(0))
+    assert SHARD_LOSS_MARKS.watchers == 0 and check._handles == []
+    return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+
+
+def test_a_mean_loss_is_named_once_with_the_fix_and_shard_loss_is_not():
+    messages = _first_step(lambda out, y: F.cross_entropy(out, y))
+    assert messages == [
+        "this step's backward did not come through phalanx.shard_loss: gradients are summed over the 2 ranks, so "
+        "a per-rank mean loss gives 2x the 1-device gradient (with SGD: the run with lr x 2); backpropagate "
+        "phalanx.shard_loss(loss_sum, global_batch_size), or build the replica with average=True for DDP's mean "
+        "of per-rank means (exact only for equal shards)"]
+    assert _first_step(lambda out, y: phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 8)) == []
+    # Through shard_loss and on: still its gradient that flows.
+    assert _first_step(lambda out, y: 2 * phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 16)) == []
+
+
+def test_shard_loss_registers_a_hook_only_while_a_check_waits():
+    loss = torch.ones((), requires_grad=True)
+    assert SHARD_LOSS_MARKS.watchers == 0
+    assert phalanx.shard_loss(loss * 3, 3)._backward_hooks is None
+    check = FirstStepCheck([nn.Parameter(torch.ones(1))], world_size=2, check_loss=True)
+    assert phalanx.shard_loss(loss * 3, 3)._backward_hooks
+    check.close()
+    check.close()  # twice is fine
+    assert SHARD_LOSS_MARKS.watchers == 0
+
+
+# --- case 3: torch's DistributedSampler -----------------------------------------------------------
+
+def test_a_padding_distributed_sampler_in_the_loop_is_named():
+    data = TensorDataset(torch.randn(999, 4), torch.randint(0, 3, (999,)))
+    loader = DataLoader(data, batch_size=10, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    messages = _first_step(lambda out, y: phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 8),
+                           sampler_loader=loader)
+    assert messages == [
+        "torch's DistributedSampler pads the 999 examples to 1000 by repeating 1 so that 2 ranks get equal shares "
+        "(as DDP does), so an epoch is not the 1-device epoch; use phalanx.ShardedLoader(dataset, world=world, "
+        "global_batch_size=..., shuffle=True), which splits every global batch exactly, the last one unevenly"]
+    from phalanx.data.loader import distributed_sampler_note
+    even = TensorDataset(torch.zeros(10, 1))
+    assert distributed_sampler_note(DistributedSampler(even, num_replicas=2, rank=1)) is None  # nothing repeated
+    assert "drops 1 of the 999 examples (drop_last=True)" in distributed_sampler_note(
+        DistributedSampler(data, num_replicas=2, rank=0, drop_last=True))
+    assert distributed_sampler_note(DataLoader(data)) is None
+
+
+def test_a_dataloader_where_a_dataset_belongs_is_refused_and_shuffle_works_as_dataloaders():
+    data = TensorDataset(torch.arange(6.0).unsqueeze(1), torch.arange(6))
+    loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    with pytest.raises(ValueError, match="ShardedLoader takes a Dataset, got a DataLoader \\(with torch's "
+                                         "DistributedSampler.*pass loader.dataset"):
+        phalanx.ShardedLoader(loader, world=world(), global_batch_size=2)
+    with pytest.raises(ValueError, match="DDP's batch_size is per rank: global = batch_size x world size"):
+        phalanx.ShardedLoader(data, world=world(), global_batch_size=2, batch_size=1)
+    ordered = phalanx.ShardedLoader(data, world=world(), global_batch_size=4, shuffle=False)
+    assert [y.tolist() for (_, y), _ in ordered.epoch(3)] == [[0, 1, 2, 3], [4, 5]]
+    with pytest.raises(ValueError, match="evaluate_dataset takes a Dataset, got a DataLoader"):
+        phalanx.evaluate_dataset(nn.Linear(1, 2), loader, world=world())
+
+
+# --- case 1: running statistics -------------------------------------------------------------------
+
+def test_running_statistics_average_to_the_mean_of_the_ranks_and_agreeing_ones_stay_bitwise():
+    torch.manual_seed(0)
+    ranks = [nn.BatchNorm1d(5), nn.BatchNorm1d(5)]
+    for r, layer in enumerate(ranks):
+        for _ in range(2 * r + 2):  # different data and counts (2 and 4) on each "rank"
+            layer(torch.randn(7, 5) * (r + 1) + r)
+    before = [{k: v.clone() for k, v in layer.state_dict().items()} for layer in ranks]
+    stats = [RunningStats([layer]) for layer in ranks]
+    packed = [torch.cat([t.double().reshape(-1) for t in s.tensors]) for s in stats]
+    for r, s in enumerate(stats):  # each rank's allreduce adds the other rank's packed values
+        s.average(lambda flat, r=r: flat.add_(packed[1 - r]), 2)
+    for name in ("running_mean", "running_var"):
+        want = ((before[0][name].double() + before[1][name].double()) / 2).float()
+        assert torch.equal(ranks[0].state_dict()[name], want) and torch.equal(ranks[1].state_dict()[name], want)
+    assert ranks[0].num_batches_tracked.item() == ranks[1].num_batches_tracked.item() == 3  # (2 + 4) / 2
+    agreed = {k: v.clone() for k, v in ranks[0].state_dict().items()}
+    same = RunningStats([ranks[0]])
+    for k in (2, 3, 8):  # k identical ranks: float64 sums of float32 values, exact; the mean is the value
+        same.average(lambda flat, k=k: flat.mul_(k), k)
+        for name, value in ranks[0].state_dict().items():
+            assert torch.equal(value, agreed[name]), (k, name)
+
+
+def test_sync_layers_and_norms_without_statistics_are_left_alone():
+    from phalanx.parallel import SyncBatchNorm
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.LayerNorm(3), nn.BatchNorm1d(3, track_running_stats=False),
+                          nn.InstanceNorm1d(3, track_running_stats=True),
+                          SyncBatchNorm(3, world=world()))
+    assert drifting_norm_layers(model) == [model[0], model[3]]
+
+
+def test_a_batchnorm_model_without_a_stated_policy_gets_one_notice_naming_the_choices():
+    with pytest.warns(phalanx.PhalanxWarning) as caught:
+        StepExtras(bn_net(), world=world(0, 2), average=None, average_running_stats=True, batchnorm=None).close()
+    assert [str(w.message) for w in caught] == [
+        "1 BatchNorm layer(s) normalize with each of the 2 devices' own shard (policy local; their running statistics "
+        "are averaged across ranks after every step); for the whole global batch's statistics build the replica "
+        "with phalanx.prepare(model, world=world, batchnorm=\"sync\"), or pass batchnorm=\"local\" to keep this and "
+        "silence the notice"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for rank, stated in ((0, "local"), (1, None)):  # a stated policy, or another rank: silent
+            StepExtras(bn_net(), world=world(rank, 2), average=None, average_running_stats=True,
+                       batchnorm=stated).close()
+    with pytest.raises(ValueError, match="average must be None, True or False, got 'mean'"):
+        StepExtras(bn_net(), world=world(0, 2), average="mean", average_running_stats=True, batchnorm=None)
+
+
+# --- case 9: accumulate, bf16-mixed --------------------------------------------------------------
+
+def test_accumulate_syncs_only_the_last_micro_batch_and_sums_to_the_whole_batch_gradient():
+    torch.manual_seed(0)
+    X, y = torch.randn(10, 4, dtype=torch.float64), torch.randint(0, 3, (10,))
+    whole = nn.Linear(4, 3).double()
+    phalanx.shard_loss(F.cross_entropy(whole(X), y, reduction="sum"), 10).backward()
+    with AsyncComm(world=world()) as comm:
+        dp = phalanx.DataParallel(nn.Linear(4, 3).double(), world=world(), comm=comm)
+        dp.load_state_dict(whole.state_dict())
+        dp.zero_grad()
+        synced = []
+        for X_micro, y_micro in dp.accumulate(list(zip(X.split(4), y.split(4)))):
+            synced.append(dp.sync_enabled)
+            phalanx.shard_loss(F.cross_entropy(dp(X_micro), y_micro, reduction="sum"), 10).backward()
+        dp.finish_gradient_sync()
+        assert synced == [False, False, True]
+        for mine, want in zip(dp.parameters(), whole.parameters()):
+            torch.testing.assert_close(mine.grad, want.grad, rtol=1e-13, atol=0)
+        assert [i for i in dp.accumulate(3)] == [0, 1, 2] and list(dp.accumulate(iter([]))) == []
+        for _ in dp.accumulate(5):
+            break  # leaving early restores the setting
+        assert dp.sync_enabled
+        with pytest.raises(ValueError, match="accumulate\\(0\\): the number of micro-batches must be at least 1"):
+            dp.accumulate(0)
+        dp.close()
+
+
+def test_bf16_mixed_runs_forward_in_bfloat16_and_keeps_weights_gradients_and_exchange_float32():
+    torch.manual_seed(0)
+    seen = []
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[0].register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    reference = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    reference.load_state_dict(model.state_dict())
+    X, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    with AsyncComm(world=world()) as comm, phalanx.prepare(model, world=world(), comm=comm,
+                                                           precision="bf16-mixed") as dp:
+        out = dp(X)
+        assert seen == [torch.bfloat16] and out.dtype == torch.float32  # widened for the loss
+        phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 32).backward()
+        dp.finish_gradient_sync()
+        assert {b.buffer.dtype for b in dp.buckets} == {torch.float32}
+        assert {p.grad.dtype for p in dp.parameters()} == {torch.float32}
+        assert "float32, bf16-mixed (autocast forward, float32 weights and gradients)" in dp.choices.describe()
+        F.cross_entropy(reference(X), y, reduction="mean").backward()
+        for mine, want in zip(dp.parameters(), reference.parameters()):  # bfloat16's 8 bits of mantissa
+            torch.testing.assert_close(mine.grad, want.grad, rtol=0.05, atol=2e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="precision 'bf16-mixed' keeps float32 weights, but the model's are float64"):
+        phalanx.prepare(model, world=world(), dtype="float64", precision="bf16-mixed")
+    with pytest.raises(ValueError, match="precision 'fp8' is unknown; choose one of bf16-mixed"):
+        phalanx.prepare(model, world=world(), precision="fp8")
+    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
+
+
+# --- case 7: evaluate_dataset's default, reduce, world.print --------------------------------------
+
+def test_evaluate_datasets_default_metric_refuses_what_is_not_logits():
+    data = TensorDataset(torch.randn(12, 4), torch.randint(0, 3, (12,)))
+    torch.manual_seed(0)
+    logits = nn.Linear(4, 3)
+    sums = phalanx.evaluate_dataset(phalanx.DataParallel(logits, world=world()), data, world=world(), batch_size=5)
+    assert sums["count"] == 12 and 0 <= sums["correct"] <= 12
+    cases = [(nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=1)), data, "look like probabilities"),
+             (nn.Linear(4, 1), data, r"class logits \[batch, classes >= 2\].*got outputs \(5, 1\)"),
+             (nn.Linear(4, 3), TensorDataset(torch.randn(12, 4), torch.rand(12)), "integer class labels, got torch.float32"),
+             (nn.Linear(4, 3), TensorDataset(torch.randn(12, 4)), r"take \(inputs, labels\) batches")]
+    for model, dataset, message in cases:
+        with pytest.raises(ValueError, match=message + ".*pass sums="):
+            phalanx.evaluate_dataset(model, dataset, world=world(), batch_size=5)
+
+
+def test_reduce_and_world_print_in_a_world_of_one(capsys):
+    loss = torch.tensor(1.25, requires_grad=True)
+    assert phalanx.reduce(loss, op="sum", world=world()) == 1.25 and phalanx.reduce(3, world=world()) == 3.0
+    vector = torch.tensor([1.0, 2.0])
+    reduced = phalanx.reduce(vector, world=world())
+    assert reduced.dtype == torch.float64 and reduced.tolist() == [1.0, 2.0] and reduced is not vector
+    with pytest.raises(ValueError, match="reduce op 'max' is unknown; choose one of mean, sum"):
+        phalanx.reduce(1.0, op="max", world=world())
+    with pytest.raises(ValueError, match="reduce takes a number or a tensor, got str"):
+        phalanx.reduce("1", world=world())
+    world(0, 2).print("from rank", 0, sep=" ")
+    world(1, 2).print("from rank", 1)
+    assert capsys.readouterr().out == "from rank 0\n"
+
+
+# --- case 9: a run script's logger and progress bar -------------------------------------------------
+
+def test_the_metrics_logger_writes_phalanx_trains_jsonl_on_rank_0_only(tmp_path):
+    rows = [{"epoch": 1, "train_loss": 0.9, "test_acc": 0.5, "epoch_s": 1.5},
+            {"epoch": 2, "train_loss": 0.7, "test_acc": 0.6, "epoch_s": 1.4}]
+    with phalanx.MetricsLogger(tmp_path / "run", world=world(0, 2), tensorboard=False) as log:
+        for row in rows:
+            log.log(row)
+    assert read_metrics(tmp_path / "run" / "metrics.jsonl") == rows
+    with phalanx.MetricsLogger(tmp_path / "other", world=world(1, 2), tensorboard=False) as log:
+        log.log(rows[0])
+    assert not (tmp_path / "other").exists() and log.rows == []
+    resumed = phalanx.MetricsLogger(tmp_path / "run", world=world(0, 2), tensorboard=False, start_epoch=1)
+    resumed.log({"epoch": 2, "train_loss": 0.65})
+    assert [r["train_loss"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0.9, 0.65]
+
+
+def _has_tensorboard() -> bool:
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_tensorboard(), reason="the optional tensorboard package is not installed")
+def test_the_metrics_logger_writes_tensorboard_events_when_tensorboard_is_installed(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    with phalanx.MetricsLogger(tmp_path, world=world(), tensorboard=True) as log:
+        log.log({"epoch": 1, "train_loss": 0.9, "devices": ["cpu:0"]})
+        log.log({"epoch": 2, "train_loss": 0.7, "devices": ["cpu:0"]})
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("train_loss")] == [(1, 0.9), (2, 0.7)]
+
+
+@pytest.mark.skipif(_has_tensorboard(), reason="tensorboard is installed: nothing to refuse")
+def test_asking_for_tensorboard_without_it_is_one_line_naming_the_extra(tmp_path):
+    with pytest.raises(UsageError, match=r"tensorboard=True but the tensorboard package is not installed; "
+                                         r"pip install 'phalanx\[tensorboard\]'"):
+        phalanx.MetricsLogger(tmp_path, world=world(), tensorboard=True)
+    phalanx.MetricsLogger(tmp_path, world=world()).log({"epoch": 1})  # the default: JSONL only
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"epoch": 1}]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_yields_every_item_and_draws_on_rank_0s_terminal_only():
+    for rank in (0, 1):
+        stream = _Terminal()
+        assert list(phalanx.progress(iter(range(5)), world=world(rank, 2), label="epoch 1", total=5,
+                                     stream=stream)) == [0, 1, 2, 3, 4]
+        drawn = stream.getvalue()
+        assert ("epoch 1 [" in drawn and "5/5" in drawn) if rank == 0 else drawn == ""
+    assert list(phalanx.progress([7, 8], world=world(), stream=io.StringIO())) == [7, 8]  # not a terminal: silent
+
+
+# --- case 6: the first line says which allreduce runs across hosts, and why -------------------------
+
+def test_the_first_line_names_native_across_hosts_and_why():
+    spanning = world(0, 2, local_world_size=1)
+    choices = Choices(dtype="float64", batchnorm="sync", has_batchnorm=False, num_devices=2,
+                      memory_format="contiguous", requested_algorithm="auto", algorithm="native",
+                      fallback_reason=None, exchanging=True, overlap=True, bucket_kb=(4.0,), grad_dtype=None,
+                      backend="gloo", why_not_shm=shm_applies(spanning))
+    assert choices.describe().startswith(
+        "allreduce native = gloo's own allreduce (auto: the shm allreduce serves the workers of one host; 2 ranks "
+        "span hosts (1 per host)), overlapped gradient exchange")
