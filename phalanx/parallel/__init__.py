@@ -6,13 +6,8 @@ from phalanx.parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, D
 from phalanx.parallel.memory_format import MEMORY_FORMATS, apply_memory_format, format_name, resolve_memory_format
 from phalanx.parallel.overlap import OverlapScheduler
 from phalanx.parallel.prepare import Choices, prepare
-from phalanx.parallel.sync_batchnorm import (
-    BATCHNORM_POLICIES,
-    SyncBatchNorm,
-    average_running_stats,
-    convert_sync_batchnorm,
-    has_sync_batchnorm,
-)
+from phalanx.parallel.running_stats import average_running_stats
+from phalanx.parallel.sync_batchnorm import BATCHNORM_POLICIES, SyncBatchNorm, convert_sync_batchnorm, has_sync_batchnorm
 
 __all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel", "OverlapScheduler", "MEMORY_FORMATS",
            "Choices", "prepare",

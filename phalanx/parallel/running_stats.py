@@ -31,7 +31,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from phalanx.comm import allreduce_native
 from phalanx.parallel.sync_batchnorm import SyncBatchNorm
+from phalanx.world import World
 
 
 def drifting_norm_layers(module: nn.Module) -> list[nn.Module]:
@@ -69,3 +71,13 @@ def running_stats_of(module: nn.Module) -> RunningStats | None:
     """A `RunningStats` for `module`'s drifting layers, or None when it has none."""
     layers = drifting_norm_layers(module)
     return RunningStats(layers) if layers else None
+
+
+def average_running_stats(module: nn.Module, *, world: World) -> int:
+    """Average `module`'s drifting running statistics across ranks once, now, with the backend's
+    allreduce (what `DataParallel` does after every synced step, for a module outside one);
+    return how many layers were averaged."""
+    stats = running_stats_of(module)
+    if stats is not None and world.distributed:
+        stats.average(lambda flat: allreduce_native(flat, world=world), world.world_size)
+    return 0 if stats is None else stats.num_layers

@@ -32,9 +32,9 @@ GPUs prefer `native`). A "ranks" slot in every packed tensor must sum to the wor
 catches a collective paired with a foreign one instead of returning wrong numbers.
 
 Policy `local` keeps plain BatchNorm layers. Parameters stay identical (gradients are summed),
-but each replica's running statistics follow its own shards; `average_running_stats` makes the
-replicas one model again (one allreduce), and the trainer calls it at the end of every epoch,
-before evaluation and before the model is saved.
+but each replica's running statistics follow its own shards; `DataParallel` averages them across
+ranks after every synced step (running_stats.py: one small allreduce), so the replicas are one
+model at every point - before evaluation and saving included.
 """
 
 from __future__ import annotations
@@ -229,37 +229,3 @@ def convert_sync_batchnorm(module: nn.Module, world: World, *, group: dist.Proce
 def has_sync_batchnorm(module: nn.Module) -> bool:
     """True when `module` communicates in forward/backward, so every rank must run both each step."""
     return any(isinstance(m, SyncBatchNorm) for m in module.modules())
-
-
-@torch.no_grad()
-def average_running_stats(module: nn.Module, *, world: World) -> int:
-    """Average every BatchNorm layer's running statistics across ranks (policy `local`); return
-    how many layers were averaged.
-
-    With per-device statistics each replica tracks its own shards' running mean and variance,
-    so the replicas disagree at evaluation time. This makes them one model again with a single
-    allreduce: running_mean and running_var become the mean over ranks (the variance thus
-    ignores the spread between the ranks' means: it is the average per-device variance, as
-    timm's `distribute_bn(reduce=True)`), num_batches_tracked the rounded mean count.
-    """
-    layers = [m for m in module.modules()
-              if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None]
-    if not layers or not world.distributed:
-        return len(layers)
-    pieces = []
-    for m in layers:
-        pieces += [m.running_mean.double().reshape(-1), m.running_var.double().reshape(-1)]
-        if m.num_batches_tracked is not None:
-            pieces.append(m.num_batches_tracked.double().reshape(1))
-    packed = torch.cat(pieces)
-    allreduce_native(packed, world=world)
-    packed /= world.world_size
-    offset = 0
-    for m in layers:
-        for buffer in (m.running_mean, m.running_var):
-            buffer.copy_(packed[offset : offset + buffer.numel()].view_as(buffer))
-            offset += buffer.numel()
-        if m.num_batches_tracked is not None:
-            m.num_batches_tracked.fill_(int(round(packed[offset].item())))
-            offset += 1
-    return len(layers)

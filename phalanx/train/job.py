@@ -23,7 +23,6 @@ import torch
 from phalanx.binding import describe as describe_cores
 from phalanx.data import load_dataset, steps_per_epoch
 from phalanx.models import build_model
-from phalanx.parallel import average_running_stats
 from phalanx.parallel.guards import model_fingerprint, preflight_check
 from phalanx.parallel.prepare import prepare
 from phalanx.parallel.splits import build_split
@@ -135,8 +134,6 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                             on_step=bar.update, tracer=tracer, start_step=first_step,
                             start_totals=start.epoch_totals if epoch == start.epoch else (), after_step=after_step)
         bar.close()
-        if config.batchnorm == "local":  # per-device statistics: replicas' running stats drift apart
-            average_running_stats(strategy.module, world=world)
         with span(tracer, "evaluate"):
             test_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
                                       rows=strategy.rows(test_images.shape[0]), world=world,
