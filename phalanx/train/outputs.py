@@ -73,12 +73,12 @@ class Outputs:
                           test_acc=[r["test_acc"] for r in history], train_acc=[r["train_acc"] for r in history],
                           title=title)
         except OSError as exc:
-            raise RunFailed(f"could not write {self.accuracy_png} ({_reason(exc)}); {self.model} and "
+            raise RunFailed(f"cannot write {self.accuracy_png} ({_reason(exc)}); {self.model} and "
                             f"{self.metrics.name} are written") from None
 
     def _model_not_written(self, exc: OSError, whole_model: torch.nn.Module, checkpoint: Path | None) -> str:
         """The one line saying where the trained weights are, keeping a copy when no checkpoint holds them."""
-        failed = f"could not write {self.model} ({_reason(exc)})"
+        failed = f"cannot write {self.model} ({_reason(exc)})"
         if checkpoint is not None and checkpoint.is_file():
             return (f"{failed}; the trained model is in the last checkpoint, {checkpoint} (its 'model' entry is "
                     "the state dict model.pt would hold)")
@@ -86,7 +86,8 @@ class Outputs:
         try:
             save_state_dict(spare, whole_model)
         except OSError as again:
-            return f"{failed} nor a copy at {spare} ({_reason(again)}); the trained weights are lost"
+            return (f"{failed} nor a copy at {spare} ({_reason(again)}); the trained weights are lost: free space there "
+                    "or choose another directory")
         return f"{failed}; the trained model is kept at {spare} instead: move it to {self.model} once there is space"
 
 

@@ -105,7 +105,7 @@ def test_a_model_pt_that_does_not_fit_names_the_checkpoint_that_holds_the_weight
                                           script=script))
     kept = out / "checkpoints" / "checkpoint.pt"
     assert code == 1, stderr[-2000:]
-    assert stderr.strip() == (f"phalanx: run stopped: could not write {out / 'model.pt'} (No space left on device); "
+    assert stderr.strip() == (f"phalanx: run stopped: cannot write {out / 'model.pt'} (No space left on device); "
                               f"the trained model is in the last checkpoint, {kept} (its 'model' entry is the state "
                               "dict model.pt would hold)"), stderr[-2000:]
     assert not (out / "model.pt").exists()

@@ -43,7 +43,7 @@ def test_the_last_checkpoint_is_named_when_model_pt_does_not_fit(tmp_path, monke
     _full_disk_for(monkeypatch, out)
     with pytest.raises(RunFailed) as info:
         Outputs(out_dir=out).finish(ROWS, _model(), title="t", checkpoint=kept)
-    assert str(info.value) == (f"could not write {out / 'model.pt'} (No space left on device); the trained model is in "
+    assert str(info.value) == (f"cannot write {out / 'model.pt'} (No space left on device); the trained model is in "
                                f"the last checkpoint, {kept} (its 'model' entry is the state dict model.pt would hold)")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints"]  # nothing half-written
 
@@ -59,7 +59,7 @@ def test_without_a_checkpoint_a_copy_is_kept_in_the_temporary_directory(tmp_path
     with pytest.raises(RunFailed) as info:
         Outputs(out_dir=out).finish(ROWS, model, title="t", checkpoint=None)
     spare = spare_dir / f"phalanx-model-{os.getpid()}.pt"
-    assert str(info.value) == (f"could not write {out / 'model.pt'} (No space left on device); the trained model is "
+    assert str(info.value) == (f"cannot write {out / 'model.pt'} (No space left on device); the trained model is "
                                f"kept at {spare} instead: move it to {out / 'model.pt'} once there is space")
     kept = torch.load(spare, weights_only=True)
     assert all(torch.equal(kept[k], v) for k, v in model.state_dict().items())
@@ -72,8 +72,9 @@ def test_when_no_copy_fits_either_the_line_says_the_weights_are_lost(tmp_path, m
     monkeypatch.setenv("TMPDIR", str(spare_dir))
     monkeypatch.setattr("tempfile.tempdir", None)
     _full_disk_for(monkeypatch, out, spare_dir)
-    with pytest.raises(RunFailed, match=r"^could not write \S+model\.pt \(No space left on device\) nor a copy at "
-                                        r"\S+ \(No space left on device\); the trained weights are lost$"):
+    with pytest.raises(RunFailed, match=r"^cannot write \S+model\.pt \(No space left on device\) nor a copy at "
+                                        r"\S+ \(No space left on device\); the trained weights are lost: free space "
+                                        r"there or choose another directory$"):
         Outputs(out_dir=out).finish(ROWS, _model(), title="t", checkpoint=tmp_path / "missing.pt")
 
 
@@ -85,7 +86,7 @@ def test_a_plot_that_does_not_fit_names_what_was_written(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(outputs_module, "plot_accuracy", no_space)
-    with pytest.raises(RunFailed, match=r"^could not write \S+accuracy\.png \(No space left on device\); "
+    with pytest.raises(RunFailed, match=r"^cannot write \S+accuracy\.png \(No space left on device\); "
                                         r"\S+model\.pt and metrics\.jsonl are written$"):
         Outputs(out_dir=out).finish(ROWS, _model(), title="t")
     assert (out / "model.pt").is_file()
