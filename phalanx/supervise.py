@@ -55,7 +55,16 @@ def report_progress(step: int) -> None:
 
 
 class WorkerFailed(RuntimeError):
-    """A worker raised, died or hung; line one names the rank, then every report collected."""
+    """A worker raised, died or hung; line one names the rank, then every report collected.
+
+    `rank`: the rank at fault, when one is known; `restartable`: whether starting the workers
+    again from a checkpoint can get past it (a death, an error, a worker that stopped responding:
+    yes; a checked condition that would repeat, such as a NaN loss: no). `--max-restarts` reads
+    these, never the message."""
+
+    def __init__(self, message: str, *, rank: int | None = None, restartable: bool = False) -> None:
+        super().__init__(message)
+        self.rank, self.restartable = rank, restartable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,7 +109,8 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int)
         except UsageError as exc:
             report, exit_code = pickle.dumps(("usage", str(exc))), 2
         except RunFailed as exc:  # a checked condition: the message is the whole story
-            report, exit_code = pickle.dumps(("failed", str(exc).splitlines()[0], "")), 1
+            report, exit_code = pickle.dumps(("failed", str(exc).splitlines()[0], "", exc.culprit,
+                                              exc.restartable)), 1
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
             report, exit_code = pickle.dumps(("error", summary, traceback.format_exc())), 1
@@ -181,9 +191,10 @@ def _failure(reports: dict[int, tuple], first_failure: int, progress) -> Excepti
     usage = [report[1] for _, report in sorted(reports.items()) if report[0] == "usage"]
     if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
         return UsageError(usage[0])
-    checked = [report[1] for _, report in sorted(reports.items()) if report[0] == "failed"]
+    checked = [report for _, report in sorted(reports.items()) if report[0] == "failed"]
     if checked:  # every rank checks the same gathered values: one line says it all
-        return WorkerFailed(f"run stopped: {checked[0]}")
+        _, line, _, culprit, restartable = checked[0]
+        return WorkerFailed(f"run stopped: {line}", rank=culprit, restartable=restartable)
     failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
     # The root cause first: a rank that died (signal, exit without a report) explains its peers'
     # "connection closed" errors, even when one of those reached us first.
@@ -194,7 +205,8 @@ def _failure(reports: dict[int, tuple], first_failure: int, progress) -> Excepti
     if progress is not None and progress[first_failure] >= 0:
         line = f"{line} after step {progress[first_failure]}"
     sections = [f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}" for rank, report in failed.items()]
-    return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections))
+    return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
+                        restartable=True)
 
 
 def _read_report(proc, conn, exit_zero_is_success: bool) -> tuple:

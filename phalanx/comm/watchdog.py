@@ -49,7 +49,9 @@ class CollectiveMismatch(RunFailed):
 
 
 class PeerStalled(RunFailed):
-    """A peer did not arrive within the deadline."""
+    """A peer did not arrive within the deadline (`culprit`: that peer, when one is known)."""
+
+    restartable = True  # a frozen or starved worker is the machine's doing: a restart may get past it
 
 
 class PeerFinished(RunFailed):
@@ -271,9 +273,9 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
     word = _STATE_WORDS.get(state or "", state or "unknown")
     text = f"worker rank {line.rank} stopped responding (state: {word}){_after(line)}; {waited}"
     if state in ("T", "t"):
-        return PeerStalled(f"{text} (SIGSTOP, Ctrl-Z or a debugger?)")
+        return PeerStalled(f"{text} (SIGSTOP, Ctrl-Z or a debugger?)", culprit=line.rank)
     return PeerStalled(f"{text}: rank {line.rank} did not arrive within the {timeout_s:g} s timeout; "
-                       "raise --timeout if a step can really take that long")
+                       "raise --timeout if a step can really take that long", culprit=line.rank)
 
 
 def _mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket, *, mine_steps: int | None = None,

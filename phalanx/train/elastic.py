@@ -24,7 +24,6 @@ each new worker set resumes by itself from the checkpoint (resume.py), on howeve
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -36,10 +35,6 @@ from phalanx.train import checkpoint as ckpt
 from phalanx.train.config import TrainConfig
 from phalanx.train.job import train_worker
 
-# The first line of a WorkerFailed that names a rank ("worker rank 1 failed: died (signal ...)").
-_FAILED_RANK = re.compile(r"worker rank (\d+)(?: failed:)? (.*)")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Failure:
     rank: int
@@ -48,13 +43,15 @@ class Failure:
 
 
 def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
-    """The rank and device a launch failure names, or None when it names none (a checked
-    condition: "run stopped: ...")."""
-    found = _FAILED_RANK.match(str(exc).splitlines()[0] if str(exc) else "")
-    if found is None or int(found.group(1)) >= len(names):
+    """The rank and device a launch failure blames when a restart can get past it (a worker that
+    died, raised or stopped responding: `exc.rank`, `exc.restartable`), else None (a checked
+    condition that would repeat, such as a NaN loss, or no rank to blame)."""
+    if not exc.restartable or exc.rank is None or not 0 <= exc.rank < len(names):
         return None
-    rank = int(found.group(1))
-    return Failure(rank=rank, device=names[rank], what=found.group(2).strip())
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    for prefix in (f"worker rank {exc.rank} failed: ", f"run stopped: worker rank {exc.rank} "):
+        first = first.removeprefix(prefix)
+    return Failure(rank=exc.rank, device=names[exc.rank], what=first.strip())
 
 
 def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: LaunchSpec,
@@ -96,7 +93,8 @@ def _launch_once(config: TrainConfig, names: Sequence[str], spec: LaunchSpec) ->
     try:
         return launch(train_worker, config, tuple(names), spec=spec)
     except RunFailed as exc:  # one device runs in this process: report it as a spawned worker's is
-        raise WorkerFailed(f"run stopped: {str(exc).splitlines()[0]}") from None
+        raise WorkerFailed(f"run stopped: {str(exc).splitlines()[0]}", rank=exc.culprit,
+                           restartable=exc.restartable) from None
 
 
 def checkpoint_position(location: str | None) -> tuple[int, int] | None:

@@ -168,3 +168,30 @@ def test_under_torchrun_elastic_a_node_that_leaves_is_resumed_without_on_the_res
     worst = _relative_difference(out, reference)
     assert worst <= 1e-9, f"finished on 1 node {worst:.3g} (relative) from the uninterrupted run"
     _assert_same_rows(out, reference, rel=1e-9)
+
+
+def test_a_frozen_worker_is_restarted_like_a_dead_one_and_the_run_ends_bitwise_equal(reference, tmp_path):
+    """SIGSTOP instead of SIGKILL: the watchdog names the stopped rank within --timeout, the
+    launcher takes the set down, and --max-restarts treats it as it treats a death (a worker that
+    stopped answering is the machine's doing; a NaN loss or mismatched collectives would repeat)."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *COMMON, "--max-restarts", "1", "--timeout", "5",
+                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        workers = _workers(proc.pid, 3)
+        _wait_for(out / "checkpoints" / "checkpoint.pt")
+        os.kill(workers[1], signal.SIGSTOP)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    assert len(said) == 1 and re.match(r"^phalanx: worker rank 1 \(cpu:1\) stopped responding \(state: stopped\)"
+                                       r".*; restart 1 of 1 from \S+checkpoint\.pt \(epoch 1, step \d+\) on 3 devices "
+                                       r"\[cpu:0, cpu:1, cpu:2\]$", said[0]), stderr[-3000:]
+    a = torch.load(out / "model.pt", weights_only=True)
+    b = torch.load(reference / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    _assert_same_rows(out, reference, rel=1e-12)
