@@ -6,11 +6,13 @@ being compared in the same invocation, interleaved A B A B ... round by round, s
 shared machine (another job, thermal state, page cache) hits every contender alike; report the
 median and the min-max of the rounds, never one number. A comparison is the median of the
 per-round ratios (A_i / B_i), which cancels drift that a ratio of two medians would keep.
-What this module does not know: what is being timed, or how processes are started.
+What this module does not know: what is being timed, or how processes are started. It does set
+the one thing a timed run on CPU depends on beside the work: the intra-op thread count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -18,7 +20,9 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+
+import torch
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.errors import UsageError
@@ -73,6 +77,36 @@ def run_interleaved(runs: Mapping[str, Callable[[], float]], *, rounds: int,
     for _, name in interleave(list(runs), rounds):
         samples[name].append(runs[name]())
     return samples
+
+
+def timed(work: Callable[[], object], *, sync: Callable[[], object] | None = None) -> Callable[[], float]:
+    """`work` as a timed run for run_interleaved: seconds from one `sync` to the next. The sync
+    (a barrier, cuda.synchronize) makes the clock start when everyone is ready and stop when the
+    last one is done, not when an asynchronous launch returns."""
+    def run() -> float:
+        if sync is not None:
+            sync()
+        start_s = time.perf_counter()
+        work()
+        if sync is not None:
+            sync()
+        return time.perf_counter() - start_s
+    return run
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """PyTorch's intra-op thread count for the block, restored after. The setting is process-wide
+    in practice (OpenMP and MKL take it from the last call), so contenders that need different
+    counts each set theirs as they start."""
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def seconds_per_call(fn: Callable[[], object], iters: int, *, sync: Callable[[], None] | None = None) -> float:
