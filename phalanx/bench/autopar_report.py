@@ -1,0 +1,184 @@
+"""The bookkeeping of `bench autopar`: outcome arithmetic, crossover, verdicts, table and chart.
+
+Every experiment is reduced to the same outcome (`outcome`): the measured time of the concurrent
+way, the time of the same work in sequence, the ideal (longest independent part, pipeline bound
+or critical path), and three per-round ratios - speed-up (sequence / measured), ideal speed-up
+(sequence / ideal) and share of the ideal reached (ideal / measured, 1.0 = the ideal). Ratios
+are medians of per-round ratios (timing.py). Verdicts are one line in plain words, written only
+from those numbers; `WIN` is how much faster counts as faster on a shared machine, `GOOD_SHARE`
+how close to the ideal counts as reaching it. Nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from phalanx.bench.timing import Spread, format_table, new_figure, paired_ratio
+
+WIN = 1.10  # a speed-up below this is within a shared machine's round-to-round noise
+GOOD_SHARE = 0.8
+
+
+def outcome(*, measured_s: Sequence[float], sequential_s: Sequence[float], ideal_s: Sequence[float]) -> dict[str, Any]:
+    """The common record: the three times and the three per-round ratios, as spreads."""
+    return {"measured_s": Spread.of(measured_s).to_dict(), "sequential_s": Spread.of(sequential_s).to_dict(),
+            "ideal_s": Spread.of(ideal_s).to_dict(),
+            "speedup": paired_ratio(sequential_s, measured_s).to_dict(),
+            "ideal_speedup": paired_ratio(sequential_s, ideal_s).to_dict(),
+            "share_of_ideal": paired_ratio(ideal_s, measured_s).to_dict()}
+
+
+def _m(record: dict[str, Any], key: str) -> float:
+    return float(record[key]["median"])
+
+
+def _ms(record: dict[str, Any], key: str) -> str:
+    return f"{1e3 * _m(record, key):.1f} ms"
+
+
+def crossover(sizes: Sequence[int], speedups: Sequence[float], *, win: float = WIN) -> dict[str, Any]:
+    """The size from which concurrency stops winning: every size below it wins by `win`, none from it on.
+
+    `size` is None when concurrency wins at every size (the crossover lies above the sweep) or
+    when the sweep has no clean boundary (a win above a loss); `kind` says which.
+    """
+    if len(sizes) != len(speedups) or not sizes:
+        raise ValueError(f"need one speed-up per size, got {len(sizes)} sizes and {len(speedups)} speed-ups")
+    if list(sizes) != sorted(sizes):
+        raise ValueError(f"sizes must ascend, got {list(sizes)}")
+    wins = [s >= win for s in speedups]
+    if all(wins):
+        return {"size": None, "kind": "wins everywhere", "win": win}
+    first_loss = wins.index(False)
+    if any(wins[first_loss:]):
+        return {"size": None, "kind": "no clean boundary", "win": win}
+    return {"size": sizes[first_loss], "kind": "never wins" if first_loss == 0 else "crossover", "win": win}
+
+
+def verdict_independent(result: dict[str, Any], *, eager_over_alone: float | None, how: str) -> str:
+    """Experiment 1: does the framework overlap by itself, and what does explicit concurrency buy?"""
+    parts = []
+    if eager_over_alone is not None:
+        if eager_over_alone >= 0.9:
+            parts.append(f"not by itself: issued eagerly they took {eager_over_alone:.2f}x the sum of each "
+                         "product alone, so one ran after another")
+        else:
+            parts.append(f"eagerly issued they took only {eager_over_alone:.2f}x the sum of each product alone: "
+                         "launches queue asynchronously, hiding their cost between products")
+    parts.append(_gain(result, how))
+    return "; ".join(parts) + "."
+
+
+def _gain(result: dict[str, Any], how: str) -> str:
+    speedup, ideal, share = _m(result, "speedup"), _m(result, "ideal_speedup"), _m(result, "share_of_ideal")
+    head = f"{how}: {_ms(result, 'measured_s')} vs {_ms(result, 'sequential_s')}, {speedup:.2f}x"
+    if ideal < WIN:
+        return (f"{head}; little to gain here (ideal {ideal:.2f}x: the longest independent part already takes "
+                f"{1 / ideal:.0%} of the time in sequence)")
+    word = "pays" if speedup >= WIN else "does not pay"
+    return f"{head} - concurrency {word}, {share:.0%} of the ideal {ideal:.2f}x"
+
+
+def verdict_sweep(cross: dict[str, Any], sizes: Sequence[int], speedups: Sequence[float], how: str) -> str:
+    """Experiment 2: the crossover in words, with the speed-ups at the ends of the sweep."""
+    ends = f"{speedups[0]:.2f}x at n={sizes[0]}, {speedups[-1]:.2f}x at n={sizes[-1]}"
+    win = f"{cross['win']:.2f}x"
+    if cross["kind"] == "crossover":
+        return (f"{how} wins below n={cross['size']} (at least {win} faster) and stops winning from "
+                f"n={cross['size']} on ({ends}).")
+    if cross["kind"] == "wins everywhere":
+        return f"{how} wins at every size swept, so the crossover lies above n={sizes[-1]} ({ends})."
+    if cross["kind"] == "never wins":
+        return f"{how} never wins by {win}, so the crossover lies below n={sizes[0]} ({ends})."
+    return f"no clean crossover: wins and losses alternate over the sizes ({ends}); rerun with more --rounds."
+
+
+def verdict_pipeline(result: dict[str, Any], *, stages_s: dict[str, float], chunks: int, cores: int | None) -> str:
+    """Experiment 3: how much of the pipeline's ideal the overlap reached, and what bounds it."""
+    slowest = max(stages_s, key=stages_s.__getitem__)
+    text = (f"all three at once: {_gain(result, 'pipelined')}; the slowest stage is {slowest} "
+            f"({1e3 * stages_s[slowest]:.2f} ms of {chunks} chunks)")
+    if _m(result, "share_of_ideal") < GOOD_SHARE and cores is not None:
+        text += (f"; the ideal gives each stage a processor of its own, here three stages (the transfer's "
+                 f"copies included) share {cores} cores")
+    return text + "."
+
+
+def verdict_graph(result: dict[str, Any], *, rounds: Sequence[dict[str, float]], tasks: int, all_cores_s: float,
+                  edges: int, check_passed: bool) -> str:
+    """Experiment 5: share of the critical-path ideal, what stops it when short, and correctness."""
+    share = _m(result, "share_of_ideal")
+    text = f"the scheduler ran the {tasks}-task graph: {_gain(result, 'scheduled')}"
+    if share >= GOOD_SHARE:
+        text += f" (reaches at least {GOOD_SHARE:.0%} of the critical-path ideal)"
+    else:
+        slowdown = _median([r["task_slowdown"] for r in rounds])
+        crowded = _median([r["ideal_side_by_side_s"] for r in rounds])
+        measured = _m(result, "measured_s")
+        text += (f"; what stops it: tasks ran {slowdown:.2f}x slower side by side than alone (the ideal with "
+                 f"those durations is {1e3 * crowded:.1f} ms) and {1e3 * max(0.0, measured - crowded):.1f} ms "
+                 "went between tasks")
+    text += (f"; every op on every core in sequence took {1e3 * all_cores_s:.1f} ms; results "
+             + ("bitwise equal to the sequential run, all " if check_passed else "DIFFER or a dependency broke, of ")
+             + f"{edges} dependencies respected")
+    return text + "."
+
+
+def _median(values: Sequence[float]) -> float:
+    return Spread.of(values).median
+
+
+def report_autopar(payload: dict[str, Any]) -> str:
+    """The terminal table: one block per experiment, its verdict and its check."""
+    config = payload["config"]
+    lines = [f"on {payload['where']}; ms, median (min-max) of {config['rounds']} interleaved rounds"]
+    headers = ["", "measured", "in sequence", "ideal", "speed-up", "ideal speed-up", "share of ideal", "check"]
+    for exp in payload["experiments"]:
+        lines += ["", f"({exp['experiment']}) {exp['title']} [{exp['how']}]"]
+        records = exp.get("sweep", [exp])
+        rows = []
+        for record in records:
+            r = record["outcome"]
+            rows.append([f"n={record['size']}" if "size" in record else "",
+                         *(Spread.from_dict(r[k]).scaled(1e3).fmt(1) for k in ("measured_s", "sequential_s", "ideal_s")),
+                         *(Spread.from_dict(r[k]).fmt(2) for k in ("speedup", "ideal_speedup", "share_of_ideal")),
+                         "ok" if record["check"]["passed"] else "FAILED"])
+        lines.append(format_table(headers, rows))
+        for name, spread in exp.get("references_s", {}).items():
+            lines.append(f"  {name}: {Spread.from_dict(spread).scaled(1e3).fmt(1)} ms")
+        lines.append(f"  verdict: {exp['verdict']}")
+        lines.append(f"  check: {exp['check']['what']}: {'passed' if exp['check']['passed'] else 'FAILED'}")
+    if payload.get("trace_dir"):
+        lines += ["", f"traces (experiment 4): {payload['trace_dir']}/exp*.json, pictures exp*.png"]
+    return "\n".join(lines)
+
+
+def plot_autopar(payload: dict[str, Any]):
+    """Bars per experiment (in sequence, measured, ideal); experiment 2 as speed-up against n."""
+    experiments = payload["experiments"]
+    fig, axes = new_figure(max(1, len(experiments)), width_per_plot=3.6, height=3.4)
+    for ax, exp in zip(axes, experiments):
+        if "sweep" in exp:
+            sizes = [r["size"] for r in exp["sweep"]]
+            ax.plot(sizes, [r["outcome"]["speedup"]["median"] for r in exp["sweep"]], "o-", label="speed-up")
+            ax.plot(sizes, [r["outcome"]["ideal_speedup"]["median"] for r in exp["sweep"]], "--", color="0.5",
+                    label="ideal")
+            ax.axhline(1.0, color="black", lw=0.8)
+            if exp["crossover"]["size"] is not None:
+                ax.axvline(exp["crossover"]["size"], color="tab:red", ls=":", label=f"crossover n={exp['crossover']['size']}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("n (matrix side)")
+            ax.set_ylabel("concurrent vs one by one (x)")
+        else:
+            r = exp["outcome"]
+            names = ["in sequence", "measured", "ideal"]
+            values = [1e3 * r[k]["median"] for k in ("sequential_s", "measured_s", "ideal_s")]
+            ax.bar(names, values, color=["tab:gray", "tab:blue", "tab:green"])
+            for name, spread in exp.get("references_s", {}).items():
+                ax.axhline(1e3 * spread["median"], color="tab:orange", ls="--", lw=1, label=name)
+            ax.set_ylabel("ms")
+        ax.set_title(f"({exp['experiment']}) {exp['title']}", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+        ax.grid(alpha=0.3)
+    return fig
