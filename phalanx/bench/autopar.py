@@ -201,7 +201,7 @@ def experiment_5(config: AutoparBenchConfig) -> dict[str, Any]:
     result = report.outcome(measured_s=s["scheduled"], sequential_s=s["in sequence"],
                             ideal_s=[r["ideal_s"] for r in m["rounds"]])
     references = {name: Spread.of(v).to_dict() for name, v in s.items() if name not in ("scheduled", "in sequence")}
-    all_cores = Spread.of(s.get("in sequence, all cores", s["in sequence"])).median
+    all_cores = Spread.of(s["in sequence, all cores"]).median if "in sequence, all cores" in s else None
     return {"experiment": 5, "title": f"2-layer MLP, {config.steps} steps, 2 devices + host", "how": how,
             "outcome": result, "check": m["check"], "rounds": m["rounds"], "references_s": references,
             "tasks": m["tasks"], "edges": m["edges"],

@@ -27,14 +27,14 @@ import torch
 
 from phalanx.bench.autopar_pipeline import pipeline_bound_s
 from phalanx.bench.autopar_trace import label, profiled
-from phalanx.bench.timing import run_interleaved, timed
+from phalanx.bench.timing import run_interleaved, synchronize_cuda, timed
 
 MAX_REPEATS = 20_000
 EVENT_DEADLINE_S = 60.0
 
 
 def _synced(fn: Callable[[], object]) -> Callable[[], float]:
-    return timed(fn, sync=torch.cuda.synchronize)  # kernels are asynchronous: a sample ends when they are done
+    return timed(fn, sync=synchronize_cuda)  # kernels are asynchronous: a sample ends when they are done
 
 
 def wait_event(event: torch.cuda.Event, *, deadline_s: float = EVENT_DEADLINE_S) -> None:
@@ -75,7 +75,7 @@ def measure_streams(*, size: int, count: int, streams: int, rounds: int, target_
         for i, (stream, share) in enumerate(zip(lanes, shares)):
             on(stream, share, f"share {i}")  # launches return at once: every stream is fed in turn
 
-    torch.cuda.synchronize()
+    synchronize_cuda()
     _synced(eager)()  # warm: cuBLAS handles and workspaces per stream
     once_s = max(_synced(eager)(), 1e-7)
     repeats[0] = max(1, min(MAX_REPEATS, math.ceil(target_s / once_s)))
@@ -133,7 +133,7 @@ def measure_pipeline(*, chunks: int, chunk_rows: int, width: int, rounds: int, d
         for i in range(chunks):
             t = time.perf_counter()
             compute(i, 0)
-            torch.cuda.synchronize()
+            synchronize_cuda()
             times["compute"].append(time.perf_counter() - t)
             t = time.perf_counter()
             host_slots[0].copy_(dev_slots[0])

@@ -8,7 +8,7 @@ the events of its dependencies on other streams, then records start and end even
 kernels; a host task first waits (with a deadline) for the end events of its GPU dependencies,
 then runs. A GPU task depending on a host task is launched after it ran, so that edge holds by
 construction. The schedule's GPU spans come from the events, host spans from the host clock;
-`violations` is checked on the edges whose two ends share a clock.
+`violations` is checked on the edges whose two ends share a clock (host, or one GPU's events).
 
 The measurement mirrors autopar_deps.py: strictly in sequence (program order on the current
 stream, a synchronize after every task, which also times each task for the critical path)
@@ -27,7 +27,7 @@ from phalanx.bench.autopar_graphs import HOST, MLPProgram
 from phalanx.bench.autopar_trace import profiled
 from phalanx.bench.taskgraph import Schedule, Span, TaskGraph, compare_runs, run_in_sequence, trace_label, violations
 from phalanx.bench.taskgraph_program import program_graph
-from phalanx.bench.timing import run_interleaved
+from phalanx.bench.timing import run_interleaved, synchronize_cuda
 
 
 
@@ -48,12 +48,16 @@ def launch_order(graph: TaskGraph, host_lanes: set[str]) -> list[str]:
     return order
 
 
-def run_on_streams(graph: TaskGraph, streams: dict[str, torch.cuda.Stream | None], *, deadline_s: float) -> tuple[Schedule, list[tuple[str, str]]]:
+def run_on_streams(graph: TaskGraph, streams: dict[str, torch.cuda.Stream | None], *,
+                   deadline_s: float) -> tuple[Schedule, list[tuple[str, str]]]:
     """Launch the graph; return its schedule and the edges whose ends share a clock (to check)."""
     host_lanes = {lane for lane, stream in streams.items() if stream is None}
-    torch.cuda.synchronize()
-    origin = torch.cuda.Event(enable_timing=True)
-    origin.record()
+    synchronize_cuda()
+    origins = {}  # elapsed_time needs two events of one device: one origin per device
+    for stream in streams.values():
+        if stream is not None and stream.device not in origins:
+            origins[stream.device] = torch.cuda.Event(enable_timing=True)
+            origins[stream.device].record(torch.cuda.current_stream(stream.device))
     t0 = time.perf_counter()
     end = time.monotonic() + deadline_s
     marks: dict[str, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
@@ -79,11 +83,16 @@ def run_on_streams(graph: TaskGraph, streams: dict[str, torch.cuda.Stream | None
             task.fn()
             after.record(stream)
         marks[name] = (before, after)
-    torch.cuda.synchronize()
+    synchronize_cuda()
     for name, (before, after) in marks.items():
+        origin = origins[streams[graph.tasks[name].lane].device]
         schedule.spans[name] = Span(lane=graph.tasks[name].lane, start_s=origin.elapsed_time(before) / 1e3,
                                     end_s=origin.elapsed_time(after) / 1e3)
-    same_clock = [(a, b) for a, b in graph.edges if (a in marks) == (b in marks)]
+
+    def clock(name: str):
+        stream = streams[graph.tasks[name].lane]
+        return "host" if stream is None else stream.device
+    same_clock = [(a, b) for a, b in graph.edges if clock(a) == clock(b)]
     return schedule, same_clock
 
 
@@ -106,14 +115,14 @@ def measure_cuda_mlp(*, batch_size: int, in_features: int, hidden: int, out_feat
 
     def in_sequence() -> float:
         program.reset()
-        torch.cuda.synchronize()
+        synchronize_cuda()
         start_s = time.perf_counter()
-        schedules["in sequence"].append(run_in_sequence(graph, after_each=torch.cuda.synchronize))
+        schedules["in sequence"].append(run_in_sequence(graph, after_each=synchronize_cuda))
         return time.perf_counter() - start_s
 
     def scheduled() -> float:
         program.reset()
-        torch.cuda.synchronize()
+        synchronize_cuda()
         start_s = time.perf_counter()
         schedule, same_clock = run_on_streams(graph, streams, deadline_s=deadline_s)
         elapsed_s = time.perf_counter() - start_s
@@ -125,7 +134,7 @@ def measure_cuda_mlp(*, batch_size: int, in_features: int, hidden: int, out_feat
     rounds_out = [compare_runs(graph, alone, crowded)  # the warm-up round's schedules are dropped
                   for alone, crowded in zip(schedules["in sequence"][1:], schedules["scheduled"][1:])]
     program.reset()
-    run_in_sequence(graph, after_each=torch.cuda.synchronize)
+    run_in_sequence(graph, after_each=synchronize_cuda)
     want = program.parameters()
     program.reset()
     schedule, same_clock = run_on_streams(graph, streams, deadline_s=deadline_s)

@@ -14,9 +14,10 @@ allocator is not timed), split round-robin into one share per lane.
 - "share i alone": one share on its lane with the others idle; the longest is the ideal
   (the longest independent part).
 
-Every contender repeats its products `repeats` times per sample, calibrated so a sample lasts
-about `target_s` (a 32 x 32 product takes microseconds). The check: the concurrent outputs are
-bitwise those of the same products run one after another with the same intra-op thread count.
+Every contender repeats its products `repeats` times per sample, calibrated so that one core
+doing all of them takes about `target_s` (a 32 x 32 product takes microseconds). The check: the
+concurrent outputs are bitwise those of the same products one after another with the same
+intra-op thread count.
 """
 
 from __future__ import annotations
@@ -49,12 +50,14 @@ class Products:
             for i in indices:
                 torch.mm(self.inputs[i], self.inputs[i], out=self.outputs[i])
 
-    def calibrate(self, target_s: float, *, cores: int) -> int:
-        """Pick `repeats` so that running everything eagerly takes about `target_s`."""
-        once = timed(lambda: self.run(range(len(self.inputs)), 1))
-        with intra_op_threads(cores):
-            once()  # warm: first calls allocate and spin threads up
-            once_s = max(once(), 1e-7)
+    def calibrate(self, target_s: float, lanes: ThreadLanes, *, deadline_s: float) -> int:
+        """Pick `repeats` so that all products on one core, one after another, take about `target_s`.
+        Timed on one lane thread: unlike an all-core run, it does not stall when another process
+        takes a core away from one of its threads (a shared machine does that)."""
+        once = timed(lambda: lanes.run_all({lanes.names[0]: lambda: self.run(range(len(self.inputs)), 1)},
+                                           deadline_s=deadline_s))
+        once()  # warm: first calls allocate and spin threads up
+        once_s = max(once(), 1e-7)
         self.repeats = max(1, min(MAX_REPEATS, math.ceil(target_s / once_s)))
         return self.repeats
 
@@ -108,8 +111,8 @@ def measure_cpu(*, size: int, count: int, cores: int, lanes: int, rounds: int, t
                 each_alone: bool, deadline_s: float, trace: tuple[str, str] | None = None) -> dict[str, Any]:
     """One size: every contender's samples, the repeats used, the check; traced if asked."""
     products = Products(size=size, count=count, lanes=lanes, dtype=dtype)
-    repeats = products.calibrate(target_s, cores=cores)
     with ThreadLanes([f"lane{i}" for i in range(lanes)], intra_op_threads=1) as pool:
+        repeats = products.calibrate(target_s, pool, deadline_s=deadline_s)
         runs = contenders(products, pool, cores=cores, deadline_s=deadline_s, each_alone=each_alone)
         samples = run_interleaved(runs, rounds=rounds, warmup_rounds=1)
         check = check_bitwise(products, pool, deadline_s=deadline_s)

@@ -37,22 +37,21 @@ def _ms(record: dict[str, Any], key: str) -> str:
 
 
 def crossover(sizes: Sequence[int], speedups: Sequence[float], *, win: float = WIN) -> dict[str, Any]:
-    """The size from which concurrency stops winning: every size below it wins by `win`, none from it on.
-
-    `size` is None when concurrency wins at every size (the crossover lies above the sweep) or
-    when the sweep has no clean boundary (a win above a loss); `kind` says which.
-    """
+    """The size from which concurrency stops winning for good: the one after the largest size that
+    won by `win`. `size` is None when it won at every size (the crossover lies above the sweep);
+    `exceptions` are the sizes below the crossover that did not win (noise, or a dip)."""
     if len(sizes) != len(speedups) or not sizes:
         raise ValueError(f"need one speed-up per size, got {len(sizes)} sizes and {len(speedups)} speed-ups")
     if list(sizes) != sorted(sizes):
         raise ValueError(f"sizes must ascend, got {list(sizes)}")
     wins = [s >= win for s in speedups]
-    if all(wins):
-        return {"size": None, "kind": "wins everywhere", "win": win}
-    first_loss = wins.index(False)
-    if any(wins[first_loss:]):
-        return {"size": None, "kind": "no clean boundary", "win": win}
-    return {"size": sizes[first_loss], "kind": "never wins" if first_loss == 0 else "crossover", "win": win}
+    if not any(wins):
+        return {"size": sizes[0], "kind": "never wins", "win": win, "exceptions": []}
+    last_win = len(wins) - 1 - wins[::-1].index(True)
+    exceptions = [size for size, won in zip(sizes[:last_win], wins[:last_win]) if not won]
+    if last_win == len(sizes) - 1:
+        return {"size": None, "kind": "wins everywhere", "win": win, "exceptions": exceptions}
+    return {"size": sizes[last_win + 1], "kind": "crossover", "win": win, "exceptions": exceptions}
 
 
 def verdict_independent(result: dict[str, Any], *, eager_over_alone: float | None, how: str) -> str:
@@ -83,14 +82,15 @@ def verdict_sweep(cross: dict[str, Any], sizes: Sequence[int], speedups: Sequenc
     """Experiment 2: the crossover in words, with the speed-ups at the ends of the sweep."""
     ends = f"{speedups[0]:.2f}x at n={sizes[0]}, {speedups[-1]:.2f}x at n={sizes[-1]}"
     win = f"{cross['win']:.2f}x"
+    but = ""
+    if cross["exceptions"]:
+        but = f", except at n={', '.join(map(str, cross['exceptions']))}"
     if cross["kind"] == "crossover":
-        return (f"{how} wins below n={cross['size']} (at least {win} faster) and stops winning from "
-                f"n={cross['size']} on ({ends}).")
+        return (f"{how} wins below n={cross['size']} (at least {win} faster{but}) and no longer from "
+                f"n={cross['size']} on: the crossover ({ends}).")
     if cross["kind"] == "wins everywhere":
-        return f"{how} wins at every size swept, so the crossover lies above n={sizes[-1]} ({ends})."
-    if cross["kind"] == "never wins":
-        return f"{how} never wins by {win}, so the crossover lies below n={sizes[0]} ({ends})."
-    return f"no clean crossover: wins and losses alternate over the sizes ({ends}); rerun with more --rounds."
+        return f"{how} wins at every size swept{but}: the crossover lies above n={sizes[-1]} ({ends})."
+    return f"{how} never wins by {win}, so the crossover lies at or below n={sizes[0]} ({ends})."
 
 
 def verdict_pipeline(result: dict[str, Any], *, stages_s: dict[str, float], chunks: int, cores: int | None) -> str:
@@ -104,8 +104,8 @@ def verdict_pipeline(result: dict[str, Any], *, stages_s: dict[str, float], chun
     return text + "."
 
 
-def verdict_graph(result: dict[str, Any], *, rounds: Sequence[dict[str, float]], tasks: int, all_cores_s: float,
-                  edges: int, check_passed: bool) -> str:
+def verdict_graph(result: dict[str, Any], *, rounds: Sequence[dict[str, float]], tasks: int,
+                  all_cores_s: float | None, edges: int, check_passed: bool) -> str:
     """Experiment 5: share of the critical-path ideal, what stops it when short, and correctness."""
     share = _m(result, "share_of_ideal")
     text = f"the scheduler ran the {tasks}-task graph: {_gain(result, 'scheduled')}"
@@ -118,9 +118,10 @@ def verdict_graph(result: dict[str, Any], *, rounds: Sequence[dict[str, float]],
         text += (f"; what stops it: tasks ran {slowdown:.2f}x slower side by side than alone (the ideal with "
                  f"those durations is {1e3 * crowded:.1f} ms) and {1e3 * max(0.0, measured - crowded):.1f} ms "
                  "went between tasks")
-    text += (f"; every op on every core in sequence took {1e3 * all_cores_s:.1f} ms; results "
-             + ("bitwise equal to the sequential run, all " if check_passed else "DIFFER or a dependency broke, of ")
-             + f"{edges} dependencies respected")
+    if all_cores_s is not None:
+        text += f"; every op on every core in sequence took {1e3 * all_cores_s:.1f} ms"
+    text += ("; results " + ("bitwise equal to the sequential run, all " if check_passed
+                             else "DIFFER or a dependency broke, of ") + f"{edges} dependencies respected")
     return text + "."
 
 

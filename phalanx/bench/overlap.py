@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.timing import Spread, format_table, new_figure, paired_ratio, run_interleaved, timed
+from phalanx.bench.timing import (Spread, format_table, new_figure, paired_ratio, run_interleaved, synchronize_cuda,
+                                  timed)
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
@@ -105,15 +106,10 @@ def _cpu_worker(world: World, config: OverlapBenchConfig) -> dict[str, list[floa
         comm.close()
 
 
-def _synchronize_all() -> None:
-    for index in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(index)
-
-
 def _cuda_phases(config: OverlapBenchConfig) -> dict[str, Callable[[], float]]:
     """GPU phases in this process; (a) only with two GPUs."""
     def phase(work: Callable[[], None]) -> Callable[[], float]:
-        return timed(work, sync=_synchronize_all)  # kernels and copies are asynchronous: ends when all are done
+        return timed(work, sync=synchronize_cuda)  # kernels and copies are asynchronous: ends when all are done
 
     phases = {}
     if torch.cuda.device_count() >= 2:

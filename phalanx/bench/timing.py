@@ -94,6 +94,12 @@ def timed(work: Callable[[], object], *, sync: Callable[[], object] | None = Non
     return run
 
 
+def synchronize_cuda() -> None:
+    """Wait for every GPU's queued work (cuda.synchronize waits for the current device only)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
 @contextlib.contextmanager
 def intra_op_threads(threads: int) -> Iterator[None]:
     """PyTorch's intra-op thread count for the block, restored after. The setting is process-wide

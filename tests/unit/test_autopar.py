@@ -119,6 +119,18 @@ def test_lanes_use_their_own_intra_op_thread_count():
         ThreadLanes(["a"], intra_op_threads=0)
 
 
+def test_cuda_launch_order_queues_every_ready_device_task_before_a_host_task():
+    from phalanx.bench.autopar_cuda_graph import launch_order
+
+    graph = TaskGraph([Task(name="g0", lane="device0", fn=_noop), Task(name="h", lane="host", fn=_noop, deps=("g0",)),
+                       Task(name="g1", lane="device1", fn=_noop, deps=("g0",)),
+                       Task(name="g2", lane="device0", fn=_noop, deps=("g1",)),
+                       Task(name="g3", lane="device1", fn=_noop, deps=("h",))])
+    order = launch_order(graph, {"host"})
+    assert order == ["g0", "g1", "g2", "h", "g3"]  # program order would run h second
+    graph.check_order(order)
+
+
 # --- dependencies derived from a program, and the hazard check --------------------------------
 
 def test_program_graph_derives_read_after_write_write_after_read_and_write_after_write():
@@ -289,14 +301,15 @@ def test_outcome_takes_per_round_ratios():
 
 
 @pytest.mark.parametrize("speedups, want", [
-    ([2.4, 1.5, 1.2, 1.05, 0.98], {"size": 256, "kind": "crossover"}),
-    ([1.5, 1.3, 1.2, 1.2, 1.1], {"size": None, "kind": "wins everywhere"}),
-    ([1.0, 0.9, 1.05, 1.0, 0.9], {"size": 32, "kind": "never wins"}),
-    ([1.5, 1.0, 1.3, 1.0, 1.0], {"size": None, "kind": "no clean boundary"}),
+    ([2.4, 1.5, 1.2, 1.05, 0.98], {"size": 256, "kind": "crossover", "exceptions": []}),
+    ([1.5, 1.3, 1.2, 1.2, 1.1], {"size": None, "kind": "wins everywhere", "exceptions": []}),
+    ([1.0, 0.9, 1.05, 1.0, 0.9], {"size": 32, "kind": "never wins", "exceptions": []}),
+    ([1.5, 1.0, 1.3, 1.0, 1.0], {"size": 256, "kind": "crossover", "exceptions": [64]}),
+    ([1.0, 1.2, 1.0, 1.0, 1.3], {"size": None, "kind": "wins everywhere", "exceptions": [32, 128, 256]}),
 ])
 def test_crossover_is_where_concurrency_stops_winning(speedups, want):
     got = autopar_report.crossover([32, 64, 128, 256, 512], speedups)
-    assert {k: got[k] for k in ("size", "kind")} == want
+    assert {k: got[k] for k in ("size", "kind", "exceptions")} == want
 
 
 def test_crossover_refuses_mismatched_or_unsorted_sizes():
@@ -318,7 +331,10 @@ def test_verdicts_say_what_the_numbers_say():
     flat = autopar_report.verdict_independent(_result(0.1, 0.1, 0.098), eager_over_alone=None, how="x")
     assert "little to gain" in flat and "98%" in flat
     cross = autopar_report.crossover([32, 64, 128], [2.0, 1.2, 1.0])
-    assert "wins below n=128" in autopar_report.verdict_sweep(cross, [32, 64, 128], [2.0, 1.2, 1.0], "concurrency")
+    assert "wins below n=128 (at least 1.10x faster) and no longer from n=128 on" in autopar_report.verdict_sweep(
+        cross, [32, 64, 128], [2.0, 1.2, 1.0], "concurrency")
+    dip = autopar_report.crossover([32, 64, 128], [2.0, 1.0, 1.2])
+    assert "except at n=64" in autopar_report.verdict_sweep(dip, [32, 64, 128], [2.0, 1.0, 1.2], "concurrency")
     pipe = autopar_report.verdict_pipeline(_result(0.040, 0.060, 0.020), stages_s={"compute": 0.002, "transfer": 0.001,
                                            "reduce": 0.001}, chunks=8, cores=2)
     assert "slowest stage is compute (2.00 ms" in pipe and "share 2 cores" in pipe  # 50% < 80% of the ideal
