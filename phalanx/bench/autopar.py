@@ -17,6 +17,7 @@ The CUDA variants are in autopar_cuda.py. This module holds the config and puts 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
@@ -131,7 +132,7 @@ def experiment_1(config: AutoparBenchConfig) -> dict[str, Any]:
             "contenders_s": {name: Spread.of(v).to_dict() for name, v in s.items()},
             "eager_over_each_alone": eager_over_alone.to_dict(),
             "verdict": report.verdict_independent(result, eager_over_alone=eager_over_alone.median,
-                                                  how="explicitly concurrent")}
+                                                  how="explicitly concurrent", asynchronous=config.device == "cuda")}
 
 
 def _longest_share(samples: dict[str, list[float]]) -> list[float]:
@@ -215,10 +216,12 @@ def where(config: AutoparBenchConfig) -> str:
     return f"CPU, {available_cores()} cores, torch {torch.__version__}"
 
 
-def run_autopar_bench(config: AutoparBenchConfig, *, on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_autopar_bench(config: AutoparBenchConfig, *,
+                      on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the chosen experiments in order; the payload the table, JSON and PNG are made from."""
     config = config.resolved()
     say = on_progress or (lambda message: None)
+    load_before = _load_average()
     start_s = time.perf_counter()
     experiments = []
     for number in config.experiments:
@@ -229,4 +232,13 @@ def run_autopar_bench(config: AutoparBenchConfig, *, on_progress: Callable[[str]
             experiments.append({1: experiment_1, 3: experiment_3, 5: experiment_5}[number](config))
     return {"bench": "autopar", "config": asdict(config), "where": where(config), "trace_dir": config.trace_dir,
             "experiments": experiments, "checks_passed": all(e["check"]["passed"] for e in experiments),
-            "elapsed_s": time.perf_counter() - start_s}
+            "elapsed_s": time.perf_counter() - start_s,
+            # On a shared machine the load decides how much of the cores a contender gets: say it.
+            "load_average_1min": {"before": load_before, "after": _load_average()}}
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None

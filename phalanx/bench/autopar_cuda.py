@@ -68,12 +68,12 @@ def measure_streams(*, size: int, count: int, streams: int, rounds: int, target_
             run(indices)
 
     def eager() -> None:
-        with label("eager"):
+        with label("eager @main"):
             run(range(count))
 
     def concurrent() -> None:
         for i, (stream, share) in enumerate(zip(lanes, shares)):
-            on(stream, share, f"share {i}")  # launches return at once: every stream is fed in turn
+            on(stream, share, f"share {i} @stream{i}")  # launches return at once: every stream is fed in turn
 
     synchronize_cuda()
     _synced(eager)()  # warm: cuBLAS handles and workspaces per stream
@@ -83,7 +83,8 @@ def measure_streams(*, size: int, count: int, streams: int, rounds: int, target_
     if each_alone:
         runs["each alone, summed"] = lambda: sum(_synced(lambda i=i: run([i]))() for i in range(count))
     for i, (stream, share) in enumerate(zip(lanes, shares)):
-        runs[f"share {i} alone"] = _synced(lambda stream=stream, share=share, i=i: on(stream, share, f"share {i} alone"))
+        runs[f"share {i} alone"] = _synced(
+            lambda stream=stream, share=share, i=i: on(stream, share, f"share-alone {i} @stream{i}"))
     samples = run_interleaved(runs, rounds=rounds, warmup_rounds=1)
     used, repeats[0] = repeats[0], 1
     _synced(concurrent)()

@@ -19,13 +19,13 @@ graph gives the sequential result with every one of its dependencies respected.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from phalanx.bench.autopar_graphs import HOST, DiamondChainProgram, MLPProgram
 from phalanx.bench.autopar_trace import profiled
-from phalanx.bench.taskgraph import (Schedule, TaskGraph, ThreadLanes, compare_runs, run_in_sequence, run_on_lanes,
+from phalanx.bench.taskgraph import (Schedule, ThreadLanes, compare_runs, run_in_sequence, run_on_lanes,
                                      violations)
 from phalanx.bench.taskgraph_program import HazardCheck, program_graph
 from phalanx.bench.timing import intra_op_threads, run_interleaved
@@ -33,8 +33,20 @@ from phalanx.bench.timing import intra_op_threads, run_interleaved
 LANES = ("device0", "device1", HOST)
 
 
-def check_graph(graph: TaskGraph, schedule: Schedule, hazards: HazardCheck) -> list[str]:
-    return violations(graph, schedule) + hazards.problems
+def both_ways(steps, *, reset: Callable[[], None], result: Callable[[], Any], lanes: ThreadLanes,
+              sequence: ThreadLanes, deadline_s: float) -> tuple[Any, Any, list[str], int]:
+    """Run a program in sequence, then by the scheduler, both under the hazard check: the two
+    results, every problem found (versions, and the declared edges in the scheduled run), edges."""
+    hazards = HazardCheck(steps)
+    graph = hazards.graph()
+    reset()
+    sequence.run_all({"sequence": lambda: run_in_sequence(graph)}, deadline_s=deadline_s)
+    want, problems = result(), list(hazards.problems)
+    hazards.reset()
+    reset()
+    schedule = run_on_lanes(graph, lanes, deadline_s=deadline_s)
+    got = result()
+    return want, got, problems + violations(graph, schedule) + hazards.problems, len(graph.edges)
 
 
 def measure_cpu_mlp(*, batch_size: int, in_features: int, hidden: int, out_features: int, steps: int, rounds: int,
@@ -69,9 +81,9 @@ def measure_cpu_mlp(*, batch_size: int, in_features: int, hidden: int, out_featu
                 return time.perf_counter() - start_s
 
         samples = run_interleaved({"in sequence": in_sequence, "scheduled": scheduled,
-                                          "in sequence, all cores": all_cores}, rounds=rounds, warmup_rounds=1)
+                                   "in sequence, all cores": all_cores}, rounds=rounds, warmup_rounds=1)
         runs = {name: values[1:] for name, values in schedules.items()}  # drop the warm-up round
-        check = _checks(program, steps_list, graph, lanes, sequence, deadline_s=deadline_s)
+        check = _checks(program, steps_list, lanes, sequence, deadline_s=deadline_s)
         if trace_dir is not None:
             with profiled(trace_dir, "exp5"):
                 scheduled()
@@ -81,25 +93,16 @@ def measure_cpu_mlp(*, batch_size: int, in_features: int, hidden: int, out_featu
             "tasks": len(graph.tasks), "edges": len(graph.edges)}
 
 
-def _checks(program: MLPProgram, steps_list, graph: TaskGraph, lanes: ThreadLanes, sequence: ThreadLanes, *,
+def _checks(program: MLPProgram, steps, lanes: ThreadLanes, sequence: ThreadLanes, *,
             deadline_s: float) -> dict[str, Any]:
-    hazards = HazardCheck(steps_list)
-    checked = hazards.graph()
-    program.reset()
-    sequence.run_all({"sequence": lambda: run_in_sequence(checked)}, deadline_s=deadline_s)
-    want = program.parameters()
-    problems = list(hazards.problems)
-    hazards.reset()
-    program.reset()
-    schedule = run_on_lanes(checked, lanes, deadline_s=deadline_s)
-    got = program.parameters()
-    problems += check_graph(checked, schedule, hazards)
+    want, got, problems, edges = both_ways(steps, reset=program.reset, result=program.parameters, lanes=lanes,
+                                           sequence=sequence, deadline_s=deadline_s)
     same = all(torch.equal(want[name], got[name]) for name in want)
     replicas = torch.equal(got["W10"], got["W11"]) and torch.equal(got["W20"], got["W21"])
     diamond = check_diamond_chain(lanes, sequence, deadline_s=deadline_s)
     passed = same and replicas and not problems and diamond["passed"]
     return {"passed": bool(passed), "bitwise": True, "weights_equal_sequential": bool(same),
-            "replicas_equal": bool(replicas), "problems": problems[:10], "edges_checked": len(graph.edges),
+            "replicas_equal": bool(replicas), "problems": problems[:10], "edges_checked": edges,
             "diamond_chain": diamond,
             "what": "final weights == in sequence (bitwise), every dependency respected (edges and versions)"}
 
@@ -108,16 +111,9 @@ def check_diamond_chain(lanes: ThreadLanes, sequence: ThreadLanes, *, deadline_s
                         chain_length: int = 12) -> dict[str, Any]:
     """The diamond + chain graph: scheduled result == sequential, and no dependency broken."""
     program = DiamondChainProgram(chain_length=chain_length, lanes=("device0", "device1"))
-    steps_list = program.program()
-    hazards = HazardCheck(steps_list)
-    graph = hazards.graph()
-    program.reset()
-    sequence.run_all({"sequence": lambda: run_in_sequence(graph)}, deadline_s=deadline_s)
-    want, problems = program.result(), list(hazards.problems)
-    hazards.reset()
-    program.reset()
-    schedule = run_on_lanes(graph, lanes, deadline_s=deadline_s)
-    problems += check_graph(graph, schedule, hazards)
-    same = torch.equal(want, program.result())
+    steps = program.program()
+    want, got, problems, edges = both_ways(steps, reset=program.reset, result=program.result, lanes=lanes,
+                                           sequence=sequence, deadline_s=deadline_s)
+    same = torch.equal(want, got)
     return {"passed": bool(same and not problems), "result_equal": bool(same), "problems": problems[:10],
-            "tasks": len(graph.tasks), "edges": len(graph.edges)}
+            "tasks": len(steps), "edges": edges}

@@ -134,7 +134,8 @@ class DiamondChainProgram:
             Step(name="a", lane=lane0, writes=("a",), fn=lambda: torch.mm(self.initial, m, out=b["a"])),
             Step(name="b", lane=lane0, reads=("a",), writes=("b",), fn=lambda: torch.mm(b["a"], m, out=b["b"])),
             Step(name="c", lane=lane1, reads=("a",), writes=("c",), fn=lambda: torch.tanh(b["a"], out=b["c"])),
-            Step(name="d", lane=lane1, reads=("b", "c"), writes=("d",), fn=lambda: torch.add(b["b"], b["c"], out=b["d"])),
+            Step(name="d", lane=lane1, reads=("b", "c"), writes=("d",),
+                 fn=lambda: torch.add(b["b"], b["c"], out=b["d"])),
         ]
         for i in range(self.chain_length):
             steps.append(Step(name=f"chain{i}", lane=self.lanes[i % len(self.lanes)], reads=("chain",),

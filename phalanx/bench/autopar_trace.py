@@ -24,6 +24,7 @@ from phalanx.atomic import atomic_write_bytes
 # Event categories drawn: our labels tall, the operators under them thin (Kineto's names).
 _LABELS = ("user_annotation", "gpu_user_annotation")
 _OPS = ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset")
+_GPU = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")  # on a GPU's row: pid = device, tid = stream
 
 
 def label(name: str):
@@ -80,7 +81,7 @@ def timeline_rows(trace_path: str | Path) -> dict[str, list[dict[str, Any]]]:
         rows.setdefault(f"{e.get('pid')}/{e.get('tid')}", []).append(
             # Backends annotate their own calls too ("gloo:send"): drawn thin, like operators.
             {"name": e["name"], "label": e["cat"] in _LABELS and ":" not in e["name"], "start_ms": start_ms,
-             "end_ms": start_ms + float(e["dur"]) / 1e3})
+             "end_ms": start_ms + float(e["dur"]) / 1e3, "gpu": e["cat"] in _GPU})
     # Rows that hold our labels first (the lanes), in order of their first event.
     return dict(sorted(rows.items(), key=lambda kv: (not any(x["label"] for x in kv[1]), kv[1][0]["start_ms"])))
 
@@ -92,7 +93,10 @@ def row_name(key: str, events: list[dict[str, Any]]) -> str:
         return lanes[0]
     if lanes:
         return "one thread: " + "+".join(lanes[:3])
-    return f"thread {key.split('/')[-1]}"
+    pid, tid = key.split("/")[0], key.split("/")[-1]
+    if any(e.get("gpu") for e in events):
+        return f"GPU {pid} stream {tid}"
+    return f"thread {tid}"
 
 
 def render_timeline(trace_path: str | Path, *, title: str = "", max_rows: int = 8):
@@ -122,8 +126,8 @@ def render_timeline(trace_path: str | Path, *, title: str = "", max_rows: int = 
     ax.set_xlabel("ms", fontsize=8)
     ax.set_title(title or Path(trace_path).stem, fontsize=9)
     if colours:
-        ax.legend(fontsize=6, ncol=min(8, len(colours)), loc="upper center", bbox_to_anchor=(0.5, -0.35 / len(rows) - 0.25),
-                  frameon=False)
+        ax.legend(fontsize=6, ncol=min(8, len(colours)), loc="upper center",
+                  bbox_to_anchor=(0.5, -0.35 / len(rows) - 0.25), frameon=False)
     ax.grid(alpha=0.3, axis="x")
     return fig
 

@@ -109,7 +109,8 @@ class HazardCheck:
                            - self.finished_reads.get((buffer, version), 0)
                            - (1 if buffer in step.reads else 0))
                 if pending > 0:
-                    self.problems.append(f"{step.name} overwrote {buffer} while {pending} reader(s) of it had not finished")
+                    self.problems.append(
+                        f"{step.name} overwrote {buffer} while {pending} reader(s) of it had not finished")
 
     def _leave(self, step: Step) -> None:
         with self._lock:

@@ -325,10 +325,16 @@ def _result(measured, sequential, ideal):
 
 def test_verdicts_say_what_the_numbers_say():
     r = _result(0.050, 0.100, 0.050)
-    one = autopar_report.verdict_independent(r, eager_over_alone=1.01, how="explicitly concurrent")
+    one = autopar_report.verdict_independent(r, eager_over_alone=1.01, how="explicitly concurrent", asynchronous=False)
     assert "not by itself" in one and "1.01x" in one and "2.00x - concurrency pays, 100% of the ideal 2.00x" in one
-    assert "launches queue" in autopar_report.verdict_independent(r, eager_over_alone=0.5, how="x")
-    flat = autopar_report.verdict_independent(_result(0.1, 0.1, 0.098), eager_over_alone=None, how="x")
+    assert "noise" not in one
+    cpu = autopar_report.verdict_independent(r, eager_over_alone=0.8, how="x", asynchronous=False)
+    assert "not by itself" in cpu and "0.80x" in cpu and "noise" in cpu  # a CPU op cannot overlap the next
+    gpu = autopar_report.verdict_independent(r, eager_over_alone=0.5, how="x", asynchronous=True)
+    assert "asynchronous launches hide the gaps" in gpu and "one after another" in gpu
+    assert "not by itself" in autopar_report.verdict_independent(r, eager_over_alone=0.95, how="x", asynchronous=True)
+    flat = autopar_report.verdict_independent(_result(0.1, 0.1, 0.098), eager_over_alone=None, how="x",
+                                              asynchronous=False)
     assert "little to gain" in flat and "98%" in flat
     cross = autopar_report.crossover([32, 64, 128], [2.0, 1.2, 1.0])
     assert "wins below n=128 (at least 1.10x faster) and no longer from n=128 on" in autopar_report.verdict_sweep(
@@ -361,7 +367,9 @@ def test_timeline_rows_and_picture_from_a_trace(tmp_path):
     path.write_text(json.dumps({"traceEvents": events}))
     rows = timeline_rows(path)
     assert list(rows) == ["1/7", "1/8", "1/9"]  # rows with our labels first
-    assert rows["1/7"][0] == {"name": "fwd1 d0 s0 @device0", "label": True, "start_ms": 0.1, "end_ms": 0.6}
+    assert rows["1/7"][0] == {"name": "fwd1 d0 s0 @device0", "label": True, "start_ms": 0.1, "end_ms": 0.6,
+                              "gpu": False}
+    assert row_name("0/7", [{"name": "gemm", "label": False, "gpu": True}]) == "GPU 0 stream 7"
     assert rows["1/9"][0]["label"] is False  # a backend's own annotation is drawn like an operator
     assert [row_name(k, v) for k, v in rows.items()] == ["device0", "host", "thread 9"]
     render_timeline(path)  # draws without error
