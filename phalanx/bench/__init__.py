@@ -22,8 +22,9 @@ BENCHMARKS = ("allreduce", "scaling", "overlap", "splits", "autopar")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` with its three subcommands to an argparse subparsers object; return it."""
-    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, and overlap")
+    """Add `bench` with its subcommands to an argparse subparsers object; return it."""
+    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, overlap, splits; "
+                                  "the automatic parallelism exercises")
     kinds = bench.add_subparsers(dest="bench_name", parser_class=type(bench))
 
     allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm over sizes and world sizes")
@@ -69,7 +70,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     autopar.add_argument("--matmuls", type=int, default=None, help="1: independent products (default 8)")
     autopar.add_argument("--sizes", default="32,64,128,256,512,1024,2048", help="2: product sides swept")
     autopar.add_argument("--ops-per-size", type=int, default=None, help="2: products per size (default 2 per lane)")
-    autopar.add_argument("--target-ms", type=float, default=30.0, help="1, 2: length of one sample (default 30)")
+    autopar.add_argument("--target-ms", type=float, default=30.0, help="1, 2: ms of all products on one core per sample (default 30)")
     autopar.add_argument("--chunks", type=int, default=16, help="3: chunks through the pipeline (default 16)")
     autopar.add_argument("--chunk-rows", type=int, default=None, help="3: rows per chunk (cpu 8192)")
     autopar.add_argument("--width", type=int, default=None, help="3: columns per chunk (cpu 64)")
