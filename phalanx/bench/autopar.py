@@ -64,28 +64,29 @@ class AutoparBenchConfig:
     deadline_s: float = 300.0
 
     def __post_init__(self) -> None:
+        # Messages name the CLI flag that sets each field (--matrix-size for matrix_size).
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device {self.device!r} is not one of auto, cpu, cuda")
+            raise ValueError(f"--device {self.device!r} is not one of auto, cpu, cuda")
         if 4 in self.experiments:
             raise ValueError("experiment 4 is the profiler: add --trace DIR to trace experiments 1, 2, 3 and 5")
         unknown = sorted(set(self.experiments) - set(EXPERIMENTS))
         if unknown or not self.experiments or len(set(self.experiments)) != len(self.experiments):
-            raise ValueError(f"experiments {list(self.experiments)}: choose distinct ones of 1, 2, 3, 5")
+            raise ValueError(f"--experiments {_csv(self.experiments)}: choose distinct ones of 1, 2, 3, 5")
         if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype {self.dtype!r} is not float32 or float64")
-        if list(self.sizes) != sorted(set(self.sizes)) or not self.sizes or self.sizes[0] < 1:
-            raise ValueError(f"sizes {list(self.sizes)} must be distinct positive numbers in ascending order")
-        for name in ("rounds", "chunks", "steps", "in_features", "out_features", "lanes", "matrix_size", "matmuls",
+            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of float32, float64")
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"--sizes {_csv(self.sizes)} must be distinct positive numbers in ascending order")
+        for name in ("rounds", "chunks", "steps", "in_features", "out_features", "matrix_size", "matmuls",
                      "ops_per_size", "chunk_rows", "width", "hidden"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be at least 1")
         if self.lanes is not None and self.lanes < 2:
-            raise ValueError(f"lanes must be at least 2 (one lane has nothing to run beside it), got {self.lanes}")
+            raise ValueError(f"--lanes {self.lanes} must be at least 2 (one lane has nothing to run beside it)")
         if self.batch_size is not None and (self.batch_size < 2 or self.batch_size % 2):
-            raise ValueError(f"batch_size must be even and at least 2 (a half per device), got {self.batch_size}")
+            raise ValueError(f"--batch-size {self.batch_size} must be even and at least 2 (a half per device)")
         if not self.target_ms > 0:
-            raise ValueError(f"target_ms must be positive, got {self.target_ms}")
+            raise ValueError(f"--target-ms {self.target_ms} must be a positive number of milliseconds")
 
     def resolved(self) -> "AutoparBenchConfig":
         """Device picked, lanes and every size filled in."""
@@ -98,6 +99,10 @@ class AutoparBenchConfig:
                   for name, value in _DEFAULTS[device].items()}
         lanes = self.lanes or (4 if device == "cuda" else max(2, available_cores()))
         return replace(self, device=device, lanes=lanes, ops_per_size=self.ops_per_size or 2 * lanes, **filled)
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))
 
 
 def _independent(config: AutoparBenchConfig, *, size: int, count: int, each_alone: bool, trace: str | None):

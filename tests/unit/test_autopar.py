@@ -383,15 +383,16 @@ def test_profiled_writes_nothing_without_a_directory(tmp_path):
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"experiments": (1, 4)}, "--trace DIR"),
-    ({"experiments": (6,)}, "choose distinct ones of 1, 2, 3, 5"),
+    ({"experiments": (6,)}, "--experiments 6: choose distinct ones of 1, 2, 3, 5"),
     ({"experiments": (1, 1)}, "distinct"),
-    ({"sizes": (64, 32)}, "ascending"),
-    ({"lanes": 1}, "lanes must be at least 2"),
-    ({"batch_size": 7}, "even"),
-    ({"rounds": 0}, "rounds must be at least 1, got 0"),
-    ({"device": "tpu"}, "tpu"),
-    ({"dtype": "int8"}, "int8"),
-    ({"target_ms": 0.0}, "target_ms"),
+    ({"sizes": (64, 32)}, "--sizes 64,32 must be distinct positive numbers in ascending order"),
+    ({"lanes": 1}, "--lanes 1 must be at least 2"),
+    ({"batch_size": 7}, "--batch-size 7 must be even"),
+    ({"rounds": 0}, "--rounds 0 must be at least 1"),
+    ({"chunk_rows": 0}, "--chunk-rows 0 must be at least 1"),
+    ({"device": "tpu"}, "--device 'tpu'"),
+    ({"dtype": "int8"}, "--dtype 'int8' is unknown"),
+    ({"target_ms": 0.0}, "--target-ms 0.0"),
 ])
 def test_config_refuses_bad_numbers_by_name(kwargs, words):
     with pytest.raises(ValueError) as error:
