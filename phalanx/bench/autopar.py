@@ -17,7 +17,6 @@ The CUDA variants are in autopar_cuda.py. This module holds the config and puts 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.bench import autopar_report as report
-from phalanx.bench.timing import Spread, paired_ratio
+from phalanx.bench.timing import Spread, cpu_taken_by_others, paired_ratio
 from phalanx.binding import available_cores
 
 EXPERIMENTS = (1, 2, 3, 5)
@@ -226,24 +225,18 @@ def run_autopar_bench(config: AutoparBenchConfig, *,
     """Run the chosen experiments in order; the payload the table, JSON and PNG are made from."""
     config = config.resolved()
     say = on_progress or (lambda message: None)
-    load_before = _load_average()
     start_s = time.perf_counter()
     experiments = []
     for number in config.experiments:
         say(f"experiment {number}")
-        if number == 2:
-            experiments.append(experiment_2(config, on_size=say))
-        else:
-            experiments.append({1: experiment_1, 3: experiment_3, 5: experiment_5}[number](config))
+        others: dict[str, float | None] = {}
+        with cpu_taken_by_others(others):
+            if number == 2:
+                experiment = experiment_2(config, on_size=say)
+            else:
+                experiment = {1: experiment_1, 3: experiment_3, 5: experiment_5}[number](config)
+        # On a shared machine other processes decide how much of the cores a contender got: say it.
+        experiments.append({**experiment, "others_cores": others["others_cores"]})
     return {"bench": "autopar", "config": asdict(config), "where": where(config), "trace_dir": config.trace_dir,
             "experiments": experiments, "checks_passed": all(e["check"]["passed"] for e in experiments),
-            "elapsed_s": time.perf_counter() - start_s,
-            # On a shared machine the load decides how much of the cores a contender gets: say it.
-            "load_average_1min": {"before": load_before, "after": _load_average()}}
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
+            "elapsed_s": time.perf_counter() - start_s}

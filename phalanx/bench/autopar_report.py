@@ -142,13 +142,12 @@ def _median(values: Sequence[float]) -> float:
 def report_autopar(payload: dict[str, Any]) -> str:
     """The terminal table: one block per experiment, its verdict and its check."""
     config = payload["config"]
-    load = payload.get("load_average_1min") or {}
-    busy = (f"; load average {load['before']:.1f} before, {load['after']:.1f} after"
-            if load.get("before") is not None and load.get("after") is not None else "")
-    lines = [f"on {payload['where']}{busy}; ms, median (min-max) of {config['rounds']} interleaved rounds"]
+    lines = [f"on {payload['where']}; ms, median (min-max) of {config['rounds']} interleaved rounds"]
     headers = ["", "measured", "in sequence", "ideal", "speed-up", "ideal speed-up", "share of ideal", "check"]
     for exp in payload["experiments"]:
-        lines += ["", f"({exp['experiment']}) {exp['title']} [{exp['how']}]"]
+        others = exp.get("others_cores")
+        busy = f"; other processes kept {others:.1f} cores busy meanwhile" if others is not None else ""
+        lines += ["", f"({exp['experiment']}) {exp['title']} [{exp['how']}{busy}]"]
         records = exp.get("sweep", [exp])
         rows = []
         for record in records:

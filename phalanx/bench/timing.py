@@ -115,6 +115,34 @@ def intra_op_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _machine_and_own_cpu_s() -> tuple[float, float] | None:
+    """(CPU seconds every process of the machine has used, this process and its reaped children's)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None  # not Linux
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy
+    values = [int(v) for v in fields]
+    busy = sum(values) - values[3] - (values[4] if len(values) > 4 else 0)
+    own = os.times()
+    return busy / ticks, own.user + own.system + own.children_user + own.children_system
+
+
+@contextlib.contextmanager
+def cpu_taken_by_others(result: dict[str, float | None]) -> Iterator[None]:
+    """Fill result["others_cores"]: how many cores other processes kept busy, on average, while the
+    block ran. On a shared machine that is what a contender could not have (None off Linux)."""
+    before, start_s = _machine_and_own_cpu_s(), time.perf_counter()
+    try:
+        yield
+    finally:
+        after, wall_s = _machine_and_own_cpu_s(), time.perf_counter() - start_s
+        result["others_cores"] = None
+        if before is not None and after is not None and wall_s > 0:
+            result["others_cores"] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall_s)
+
+
 def seconds_per_call(fn: Callable[[], object], iters: int, *, sync: Callable[[], None] | None = None) -> float:
     """Mean wall time of `iters` back-to-back calls; `sync` (e.g. cuda.synchronize) ends the clock."""
     if iters < 1:

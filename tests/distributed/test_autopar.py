@@ -86,6 +86,7 @@ def test_autopar_bench_smoke(tmp_path, capsys):
     assert list(experiments) == [1, 2, 3, 5]
     for exp in experiments.values():
         assert exp["check"]["passed"] and exp["verdict"]
+        assert exp["others_cores"] is None or exp["others_cores"] >= 0.0
         for record in exp.get("sweep", [exp]):
             r = record["outcome"]
             for key in ("measured_s", "sequential_s", "ideal_s", "speedup", "ideal_speedup", "share_of_ideal"):

@@ -354,6 +354,28 @@ def test_verdicts_say_what_the_numbers_say():
     assert "reaches at least 80%" in good and "DIFFER" in good
 
 
+def test_cpu_taken_by_others_is_machine_busy_minus_our_own_per_wall_second(monkeypatch):
+    from phalanx.bench import timing
+
+    readings = iter([(100.0, 5.0), (103.0, 6.0)])  # machine busy +3 s, this process +1 s ...
+    clock = iter([10.0, 12.0])  # ... over 2 s of wall time: others kept 1 core busy
+    monkeypatch.setattr(timing, "_machine_and_own_cpu_s", lambda: next(readings))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    result: dict = {}
+    with timing.cpu_taken_by_others(result):
+        pass
+    assert result == {"others_cores": 1.0}
+
+
+def test_cpu_taken_by_others_reads_this_machine():
+    from phalanx.bench import timing
+
+    result: dict = {}
+    with timing.cpu_taken_by_others(result):
+        sum(range(10_000))
+    assert result["others_cores"] is None or result["others_cores"] >= 0.0
+
+
 # --- trace picture and config ---------------------------------------------------------------------
 
 def test_timeline_rows_and_picture_from_a_trace(tmp_path):
