@@ -53,12 +53,19 @@ class Products:
     def calibrate(self, target_s: float, lanes: ThreadLanes, *, deadline_s: float) -> int:
         """Pick `repeats` so that all products on one core, one after another, take about `target_s`.
         Timed on one lane thread: unlike an all-core run, it does not stall when another process
-        takes a core away from one of its threads (a shared machine does that)."""
-        once = timed(lambda: lanes.run_all({lanes.names[0]: lambda: self.run(range(len(self.inputs)), 1)},
-                                           deadline_s=deadline_s))
-        once()  # warm: first calls allocate and spin threads up
-        once_s = max(once(), 1e-7)
-        self.repeats = max(1, min(MAX_REPEATS, math.ceil(target_s / once_s)))
+        takes a core away from one of its threads (a shared machine does that). The repeats double
+        until a timing lasts a quarter of the target, so handing work to the lane (tens of
+        microseconds) does not pass for the products' own time."""
+        everything = range(len(self.inputs))
+        lanes.run_all({lanes.names[0]: lambda: self.run(everything, 1)}, deadline_s=deadline_s)  # warm-up
+        repeats = 1
+        while True:
+            elapsed_s = timed(lambda: lanes.run_all({lanes.names[0]: lambda: self.run(everything, repeats)},
+                                                    deadline_s=deadline_s))()
+            if elapsed_s >= target_s / 4 or repeats >= MAX_REPEATS:
+                break
+            repeats *= 2
+        self.repeats = max(1, min(MAX_REPEATS, math.ceil(repeats * target_s / max(elapsed_s, 1e-9))))
         return self.repeats
 
 
