@@ -449,3 +449,20 @@ def test_autopar_bench_refuses_bad_flags_before_measuring(tmp_path):
     with pytest.raises(UsageError, match="--trace"):
         _run(["bench", "autopar", "--device", "cpu", "--trace", str(tmp_path / "file")], tmp_path / "c")
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # nothing half-written
+
+
+def test_a_failed_check_exits_1_after_writing_the_table_json_and_png(tmp_path, monkeypatch, capsys):
+    from phalanx.bench import autopar
+
+    result = autopar_report.outcome(measured_s=[1.0], sequential_s=[2.0], ideal_s=[1.0])
+    failed = {"passed": False, "bitwise": True, "what": "planted"}
+
+    def fake_run(config, *, on_progress=None):
+        return {"bench": "autopar", "config": {"rounds": 1}, "where": "here", "trace_dir": None, "elapsed_s": 0.1,
+                "experiments": [{"experiment": 5, "title": "t", "how": "h", "outcome": result, "check": failed,
+                                 "verdict": "v", "others_cores": 0.0}], "checks_passed": False}
+    monkeypatch.setattr(autopar, "run_autopar_bench", fake_run)
+    assert _run(["bench", "autopar", "--device", "cpu", "--experiments", "5"], tmp_path) == 1
+    assert json.loads((tmp_path / "autopar.json").read_text())["checks_passed"] is False
+    assert (tmp_path / "autopar.png").read_bytes()[:4] == b"\x89PNG"
+    assert "check: planted: FAILED" in capsys.readouterr().out
