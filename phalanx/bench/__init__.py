@@ -1,4 +1,5 @@
-"""`phalanx bench allreduce|scaling|overlap|splits`: the measurements behind "phalanx beats DDP".
+"""`phalanx bench allreduce|scaling|overlap|splits|autopar`: the measurements behind "phalanx beats DDP",
+and the "Automatic Parallelism" chapter's exercises (autopar.py).
 
 Each benchmark lives in its own module (allreduce.py, scaling.py, overlap.py) with its config
 dataclass, its run, its terminal table and its chart; timing.py holds the method they share
@@ -17,12 +18,13 @@ import sys
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.errors import UsageError
 
-BENCHMARKS = ("allreduce", "scaling", "overlap", "splits")
+BENCHMARKS = ("allreduce", "scaling", "overlap", "splits", "autopar")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `bench` with its three subcommands to an argparse subparsers object; return it."""
-    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, and overlap")
+    """Add `bench` with its subcommands to an argparse subparsers object; return it."""
+    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, overlap, splits; "
+                                  "the automatic parallelism exercises")
     kinds = bench.add_subparsers(dest="bench_name", parser_class=type(bench))
 
     allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm over sizes and world sizes")
@@ -57,7 +59,27 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     splits.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     splits.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
 
-    for parser in (allreduce, scaling, overlap, splits):
+    autopar = kinds.add_parser("autopar", help="the Automatic Parallelism exercises: 1, 2, 3, 5 (and 4: --trace)")
+    autopar.add_argument("--experiments", default="1,2,3,5", help="which of 1, 2, 3, 5 (default all)")
+    autopar.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    autopar.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    autopar.add_argument("--trace", default=None, metavar="DIR",
+                         help="experiment 4: a profiler trace (Chrome JSON + PNG timeline) of each experiment")
+    autopar.add_argument("--lanes", type=int, default=None, help="CPU threads (default: cores) or CUDA streams (4)")
+    autopar.add_argument("--matrix-size", type=int, default=None, help="1: product side (cpu 512, cuda 4096)")
+    autopar.add_argument("--matmuls", type=int, default=None, help="1: independent products (default 8)")
+    autopar.add_argument("--sizes", default="32,64,128,256,512,1024,2048", help="2: product sides swept")
+    autopar.add_argument("--ops-per-size", type=int, default=None, help="2: products per size (default 2 per lane)")
+    autopar.add_argument("--target-ms", type=float, default=30.0, help="1, 2: ms of all products on one core per sample (default 30)")
+    autopar.add_argument("--chunks", type=int, default=16, help="3: chunks through the pipeline (default 16)")
+    autopar.add_argument("--chunk-rows", type=int, default=None, help="3: rows per chunk (cpu 8192)")
+    autopar.add_argument("--width", type=int, default=None, help="3: columns per chunk (cpu 64)")
+    autopar.add_argument("--batch-size", type=int, default=None, help="5: global batch, even (cpu 1024)")
+    autopar.add_argument("--hidden", type=int, default=None, help="5: hidden units (cpu 1024)")
+    autopar.add_argument("--steps", type=int, default=3, help="5: SGD steps in the graph (default 3)")
+    autopar.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
+
+    for parser in (allreduce, scaling, overlap, splits, autopar):
         parser.add_argument("--out", default=None, help="directory for the JSON and PNG (default runs/bench-NAME)")
     return bench
 
@@ -75,6 +97,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from phalanx.bench import allreduce, overlap, scaling, scaling_report, splits, splits_report
     from phalanx.bench.timing import parse_list, parse_size, prepare_out_dir, write_outputs
 
+    if name == "autopar":
+        return _run_autopar(args)
     try:
         if name == "allreduce":
             config = allreduce.AllreduceBenchConfig(
@@ -109,6 +133,36 @@ def run_bench(args: argparse.Namespace) -> int:
     print(report(payload), flush=True)
     json_path, png_path = write_outputs(out_dir, name, payload, plot(payload))
     print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+def _run_autopar(args: argparse.Namespace) -> int:
+    """Like the others, and 1 (after writing everything) when a correctness check failed."""
+    from phalanx.bench import autopar, autopar_report
+    from phalanx.bench.timing import parse_list, prepare_out_dir, write_outputs
+    from phalanx.outdir import check_out_dir
+
+    try:
+        config = autopar.AutoparBenchConfig(
+            experiments=parse_list(args.experiments, int, flag="--experiments"), device=args.device,
+            rounds=args.rounds, trace_dir=args.trace, lanes=args.lanes, matrix_size=args.matrix_size,
+            matmuls=args.matmuls, sizes=parse_list(args.sizes, int, flag="--sizes"), ops_per_size=args.ops_per_size,
+            target_ms=args.target_ms, chunks=args.chunks, chunk_rows=args.chunk_rows, width=args.width,
+            batch_size=args.batch_size, hidden=args.hidden, steps=args.steps, dtype=args.dtype).resolved()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    check_out_dir(args.trace, flag="--trace")
+    out_dir = prepare_out_dir(args.out or "runs/bench-autopar")
+    _progress(f"autopar: experiments {','.join(map(str, config.experiments))} on {config.device} "
+              f"(warm-up first, then {config.rounds} interleaved rounds)")
+    payload = autopar.run_autopar_bench(config, on_progress=lambda message: _progress(f"autopar: {message}"))
+    print(autopar_report.report_autopar(payload), flush=True)
+    json_path, png_path = write_outputs(out_dir, "autopar", payload, autopar_report.plot_autopar(payload))
+    print(f"\nwrote {json_path} and {png_path} ({payload['elapsed_s']:.0f} s)")
+    failed = [str(e["experiment"]) for e in payload["experiments"] if not e["check"]["passed"]]
+    if failed:
+        _progress(f"autopar: the correctness check of experiment {', '.join(failed)} FAILED; see the table")
+        return 1
     return 0
 
 

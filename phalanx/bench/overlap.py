@@ -14,14 +14,14 @@ of per-round ratios: 2.0 would be perfect overlap of two equal parts, 1.0 none.
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.timing import Spread, format_table, new_figure, paired_ratio, run_interleaved
+from phalanx.bench.timing import (Spread, format_table, new_figure, paired_ratio, run_interleaved, synchronize_cuda,
+                                  timed)
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
@@ -86,13 +86,7 @@ def _cpu_worker(world: World, config: OverlapBenchConfig) -> dict[str, list[floa
     comm = AsyncComm(world=world, algorithms=(config.algorithm,))
 
     def phase(work: Callable[[], None]) -> Callable[[], float]:
-        def run() -> float:
-            dist.barrier()
-            start_s = time.perf_counter()
-            work()
-            dist.barrier()  # a phase ends when both processes are done
-            return time.perf_counter() - start_s
-        return run
+        return timed(work, sync=dist.barrier)  # a phase ends when both processes are done
 
     def together() -> None:
         handle = comm.allreduce_async(buffer, algorithm=config.algorithm)
@@ -112,21 +106,10 @@ def _cpu_worker(world: World, config: OverlapBenchConfig) -> dict[str, list[floa
         comm.close()
 
 
-def _synchronize_all() -> None:
-    for index in range(torch.cuda.device_count()):
-        torch.cuda.synchronize(index)
-
-
 def _cuda_phases(config: OverlapBenchConfig) -> dict[str, Callable[[], float]]:
     """GPU phases in this process; (a) only with two GPUs."""
     def phase(work: Callable[[], None]) -> Callable[[], float]:
-        def run() -> float:
-            _synchronize_all()
-            start_s = time.perf_counter()
-            work()
-            _synchronize_all()  # kernels and copies are asynchronous: the phase ends when all are done
-            return time.perf_counter() - start_s
-        return run
+        return timed(work, sync=synchronize_cuda)  # kernels and copies are asynchronous: ends when all are done
 
     phases = {}
     if torch.cuda.device_count() >= 2:

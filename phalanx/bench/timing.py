@@ -6,11 +6,13 @@ being compared in the same invocation, interleaved A B A B ... round by round, s
 shared machine (another job, thermal state, page cache) hits every contender alike; report the
 median and the min-max of the rounds, never one number. A comparison is the median of the
 per-round ratios (A_i / B_i), which cancels drift that a ratio of two medians would keep.
-What this module does not know: what is being timed, or how processes are started.
+What this module does not know: what is being timed, or how processes are started. It does set
+the one thing a timed run on CPU depends on beside the work: the intra-op thread count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -18,7 +20,9 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+
+import torch
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.errors import UsageError
@@ -73,6 +77,70 @@ def run_interleaved(runs: Mapping[str, Callable[[], float]], *, rounds: int,
     for _, name in interleave(list(runs), rounds):
         samples[name].append(runs[name]())
     return samples
+
+
+def timed(work: Callable[[], object], *, sync: Callable[[], object] | None = None) -> Callable[[], float]:
+    """`work` as a timed run for run_interleaved: seconds from one `sync` to the next. The sync
+    (a barrier, cuda.synchronize) makes the clock start when everyone is ready and stop when the
+    last one is done, not when an asynchronous launch returns."""
+    def run() -> float:
+        if sync is not None:
+            sync()
+        start_s = time.perf_counter()
+        work()
+        if sync is not None:
+            sync()
+        return time.perf_counter() - start_s
+    return run
+
+
+def synchronize_cuda() -> None:
+    """Wait for every GPU's queued work (cuda.synchronize waits for the current device only)."""
+    for index in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(index)
+
+
+@contextlib.contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """PyTorch's intra-op thread count for the block, restored after. The setting is process-wide
+    in practice (OpenMP and MKL take it from the last call), so contenders that need different
+    counts each set theirs as they start."""
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _machine_and_own_cpu_s() -> tuple[float, float] | None:
+    """(CPU seconds every process of the machine has used, this process and its reaped children's)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None  # not Linux
+    # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy
+    values = [int(v) for v in fields]
+    busy = sum(values) - values[3] - (values[4] if len(values) > 4 else 0)
+    own = os.times()
+    return busy / ticks, own.user + own.system + own.children_user + own.children_system
+
+
+@contextlib.contextmanager
+def cpu_taken_by_others(result: dict[str, float | None]) -> Iterator[None]:
+    """Fill result["others_cores"]: how many cores other processes kept busy, on average, while the
+    block ran. On a shared machine that is what a contender could not have (None off Linux)."""
+    before, start_s = _machine_and_own_cpu_s(), time.perf_counter()
+    try:
+        yield
+    finally:
+        after, wall_s = _machine_and_own_cpu_s(), time.perf_counter() - start_s
+        result["others_cores"] = None
+        if before is not None and after is not None and wall_s > 0:
+            result["others_cores"] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall_s)
 
 
 def seconds_per_call(fn: Callable[[], object], iters: int, *, sync: Callable[[], None] | None = None) -> float:
