@@ -18,17 +18,14 @@ class UsageError(Exception):
 class RunFailed(RuntimeError):
     """A checked condition stopped the run; the message names step, rank and the fix, in one line.
 
-    `culprit`: the rank the condition blames, when it blames one. `restartable`: whether starting
-    the workers again from a checkpoint can get past it - False for what would repeat (a NaN loss,
-    drifted replicas, mismatched collectives: the program's own doing), True for what came from
-    outside (a worker that stopped responding), which `--max-restarts` then treats like a death."""
+    `restartable`: whether starting the workers again from a checkpoint can get past it - False
+    for what would repeat (a NaN loss, drifted replicas, mismatched collectives: the program's own
+    doing); a subclass for what comes from outside (a worker that stopped responding) says True,
+    and names the rank it blames as `culprit`; `--max-restarts` then treats it like a death."""
 
     exit_code = 1
     restartable = False
-
-    def __init__(self, *args, culprit: int | None = None) -> None:
-        super().__init__(*args)
-        self.culprit = culprit
+    culprit: int | None = None
 
 
 class WriteFailed(RunFailed, OSError):

@@ -53,6 +53,10 @@ class PeerStalled(RunFailed):
 
     restartable = True  # a frozen or starved worker is the machine's doing: a restart may get past it
 
+    def __init__(self, message: str, *, culprit: int | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+
 
 class PeerFinished(RunFailed):
     """A peer's work ended normally while this rank waits for it in a collective."""
