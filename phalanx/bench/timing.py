@@ -1,5 +1,6 @@
 """What every phalanx benchmark shares: warm-up then timed repeats, interleaved rounds, the
-median with its min-max spread, paired ratios, and the three outputs (table, JSON, PNG).
+median with its min-max spread, paired ratios, the --device choice with its per-device default
+sizes, and the three outputs (table, JSON, PNG).
 
 The method (STYLE.md habit 10, nanoGPT's bench.py): warm up first, then time; run the things
 being compared in the same invocation, interleaved A B A B ... round by round, so drift on a
@@ -92,6 +93,19 @@ def timed(work: Callable[[], object], *, sync: Callable[[], object] | None = Non
             sync()
         return time.perf_counter() - start_s
     return run
+
+
+def device_and_sizes(config: Any, defaults: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """A bench config's device made definite - `auto` is cuda when torch sees a GPU, else cpu, and
+    cuda without one is refused - and the sizes it left None taken from that device's `defaults`."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but torch sees no GPU; use --device cpu")
+    sizes = {name: value if getattr(config, name) is None else getattr(config, name)
+             for name, value in defaults[device].items()}
+    return device, sizes
 
 
 def synchronize_cuda() -> None:
