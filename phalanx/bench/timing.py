@@ -241,6 +241,18 @@ def new_figure(ncols: int = 1, *, width_per_plot: float = 5.0, height: float = 3
     return fig, list(axes[0])
 
 
+def rows_by_batch(rows: Sequence[Mapping[str, Any]], batches: Sequence[int]) -> list[tuple[int, list]]:
+    """(global batch size, the rows of that batch in their order) for each of `batches`: the
+    scaling and predict reports give each global batch its own table and its own chart panel."""
+    return [(batch, [r for r in rows if r["global_batch_size"] == batch]) for batch in batches]
+
+
+def panels_by_batch(rows: Sequence[Mapping[str, Any]], batches: Sequence[int], *, width_per_plot: float):
+    """A figure with one panel per global batch size: (fig, [(axes, batch, the rows of that batch)])."""
+    fig, axes = new_figure(len(batches), width_per_plot=width_per_plot)
+    return fig, [(ax, batch, batch_rows) for ax, (batch, batch_rows) in zip(axes, rows_by_batch(rows, batches))]
+
+
 def write_outputs(out_dir: Path, name: str, payload: Mapping[str, Any], fig) -> tuple[Path, Path]:
     """Write `<name>.json` and `<name>.png` atomically (a reader never sees half a file)."""
     import matplotlib.pyplot as plt
