@@ -17,7 +17,7 @@ import pytest
 import torch
 
 # The helper modules shared by several test files assert too: pytest explains their failures as a test's.
-pytest.register_assert_rewrite("tests.distributed.runs")
+pytest.register_assert_rewrite("tests.distributed.runs", "tests.unit.even_split")
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = Path(os.environ.get("PHALANX_SAMPLE_DIR", REPO.parent / "shared" / "data" / "fashion-mnist-sample"))
