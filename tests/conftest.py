@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 import torch
 
+# The helper modules shared by several test files assert too: pytest explains their failures as a test's.
+pytest.register_assert_rewrite("tests.distributed.runs", "tests.unit.even_split")
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = Path(os.environ.get("PHALANX_SAMPLE_DIR", REPO.parent / "shared" / "data" / "fashion-mnist-sample"))
 NUM_TRAIN, NUM_TEST = 3000, 1000

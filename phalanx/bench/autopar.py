@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.bench import autopar_report as report
-from phalanx.bench.timing import Spread, cpu_taken_by_others, paired_ratio
+from phalanx.bench.timing import Spread, cpu_taken_by_others, device_and_sizes, paired_ratio
 from phalanx.binding import available_cores
 
 EXPERIMENTS = (1, 2, 3, 5)
@@ -89,15 +89,9 @@ class AutoparBenchConfig:
 
     def resolved(self) -> "AutoparBenchConfig":
         """Device picked, lanes and every size filled in."""
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda asked for, but torch sees no GPU; use --device cpu")
-        filled = {name: value if getattr(self, name) is None else getattr(self, name)
-                  for name, value in _DEFAULTS[device].items()}
+        device, sizes = device_and_sizes(self, _DEFAULTS)
         lanes = self.lanes or (4 if device == "cuda" else max(2, available_cores()))
-        return replace(self, device=device, lanes=lanes, ops_per_size=self.ops_per_size or 2 * lanes, **filled)
+        return replace(self, device=device, lanes=lanes, ops_per_size=self.ops_per_size or 2 * lanes, **sizes)
 
 
 def _csv(values) -> str:

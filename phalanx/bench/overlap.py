@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.timing import (Spread, format_table, new_figure, paired_ratio, run_interleaved, synchronize_cuda,
-                                  timed)
+from phalanx.bench.timing import (Spread, device_and_sizes, format_table, new_figure, paired_ratio, run_interleaved,
+                                  synchronize_cuda, timed)
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
@@ -60,14 +60,8 @@ class OverlapBenchConfig:
 
     def resolved(self) -> "OverlapBenchConfig":
         """Device picked and every size filled in."""
-        device = self.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device cuda asked for, but torch sees no GPU; use --device cpu")
-        filled = {name: value if getattr(self, name) is None else getattr(self, name)
-                  for name, value in _DEFAULTS[device].items()}
-        return OverlapBenchConfig(**{**asdict(self), "device": device, **filled})
+        device, sizes = device_and_sizes(self, _DEFAULTS)
+        return OverlapBenchConfig(**{**asdict(self), "device": device, **sizes})
 
 
 def _matmul_loop(config: OverlapBenchConfig, device: torch.device) -> Callable[[], None]:

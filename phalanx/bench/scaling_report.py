@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.bench.timing import Spread, format_table, new_figure
+from phalanx.bench.timing import Spread, format_table, panels_by_batch, rows_by_batch
 
 
 def report_scaling(payload: dict[str, Any]) -> str:
     variants_by_name = {v["name"]: v for v in payload["variants"]}
     settings = ", ".join(f"{k}={v}" for k, v in payload["phalanx_data_parallel"].items())
     lines = [f"phalanx ran DataParallel({settings}); DDP its defaults", ""]
-    for batch in payload["config"]["global_batch_sizes"]:
+    for batch, results in rows_by_batch(payload["results"], payload["config"]["global_batch_sizes"]):
         rows = []
-        for r in (r for r in payload["results"] if r["global_batch_size"] == batch):
+        for r in results:
             v = variants_by_name[r["variant"]]
             setup = f"{v['num_procs']} x {v['threads_per_proc']} thr" + (", alloc env" if v["allocator_env"] else "")
             setup += ", NHWC" if v.get("memory_format", "contiguous") != "contiguous" and payload["config"]["model"] != "mlp" else ""
@@ -35,10 +35,8 @@ def report_scaling(payload: dict[str, Any]) -> str:
 
 def plot_scaling(payload: dict[str, Any]):
     """Images/s per configuration (bars at the median, whiskers at min and max), one panel per batch."""
-    batches = payload["config"]["global_batch_sizes"]
-    fig, axes = new_figure(len(batches), width_per_plot=5.5)
-    for ax, batch in zip(axes, batches):
-        rows = [r for r in payload["results"] if r["global_batch_size"] == batch]
+    fig, panels = panels_by_batch(payload["results"], payload["config"]["global_batch_sizes"], width_per_plot=5.5)
+    for ax, batch, rows in panels:
         names = [r["variant"] for r in rows]
         med = [r["images_per_s"]["median"] for r in rows]
         err = [[m - r["images_per_s"]["min"] for m, r in zip(med, rows)],

@@ -1,5 +1,6 @@
 """What every phalanx benchmark shares: warm-up then timed repeats, interleaved rounds, the
-median with its min-max spread, paired ratios, and the three outputs (table, JSON, PNG).
+median with its min-max spread, paired ratios, the --device choice with its per-device default
+sizes, and the three outputs (table, JSON, PNG).
 
 The method (STYLE.md habit 10, nanoGPT's bench.py): warm up first, then time; run the things
 being compared in the same invocation, interleaved A B A B ... round by round, so drift on a
@@ -92,6 +93,19 @@ def timed(work: Callable[[], object], *, sync: Callable[[], object] | None = Non
             sync()
         return time.perf_counter() - start_s
     return run
+
+
+def device_and_sizes(config: Any, defaults: Mapping[str, Mapping[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """A bench config's device made definite - `auto` is cuda when torch sees a GPU, else cpu, and
+    cuda without one is refused - and the sizes it left None taken from that device's `defaults`."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda asked for, but torch sees no GPU; use --device cpu")
+    sizes = {name: value if getattr(config, name) is None else getattr(config, name)
+             for name, value in defaults[device].items()}
+    return device, sizes
 
 
 def synchronize_cuda() -> None:
@@ -225,6 +239,18 @@ def new_figure(ncols: int = 1, *, width_per_plot: float = 5.0, height: float = 3
 
     fig, axes = plt.subplots(1, ncols, figsize=(width_per_plot * ncols, height), dpi=100, squeeze=False)
     return fig, list(axes[0])
+
+
+def rows_by_batch(rows: Sequence[Mapping[str, Any]], batches: Sequence[int]) -> list[tuple[int, list]]:
+    """(global batch size, the rows of that batch in their order) for each of `batches`: the
+    scaling and predict reports give each global batch its own table and its own chart panel."""
+    return [(batch, [r for r in rows if r["global_batch_size"] == batch]) for batch in batches]
+
+
+def panels_by_batch(rows: Sequence[Mapping[str, Any]], batches: Sequence[int], *, width_per_plot: float):
+    """A figure with one panel per global batch size: (fig, [(axes, batch, the rows of that batch)])."""
+    fig, axes = new_figure(len(batches), width_per_plot=width_per_plot)
+    return fig, [(ax, batch, batch_rows) for ax, (batch, batch_rows) in zip(axes, rows_by_batch(rows, batches))]
 
 
 def write_outputs(out_dir: Path, name: str, payload: Mapping[str, Any], fig) -> tuple[Path, Path]:

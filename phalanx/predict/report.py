@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.bench.timing import Spread, format_table, new_figure
+from phalanx.bench.timing import Spread, format_table, panels_by_batch, rows_by_batch
 
 
 def _med(row: dict[str, Any], key: str) -> float:
@@ -37,8 +37,7 @@ def report_prediction(payload: dict[str, Any]) -> str:
              f"{'none' if cap is None else f'{cap:g} MB'}, {payload['cores']} cores here, "
              f"median of {config['rounds']} round{'s' if config['rounds'] > 1 else ''}",
              _link_line(payload), ""]
-    for batch in config["global_batch_sizes"]:
-        rows = [r for r in payload["summary"] if r["global_batch_size"] == batch]
+    for batch, rows in rows_by_batch(payload["summary"], config["global_batch_sizes"]):
         base = next((r for r in rows if r["world_size"] == 1), None)
         table = []
         for r in rows:
@@ -70,10 +69,8 @@ def report_prediction(payload: dict[str, Any]) -> str:
 
 def plot_prediction(payload: dict[str, Any]):
     """Images/s against k per global batch: prediction (line), linear scaling, measurements."""
-    batches = payload["predict"]["global_batch_sizes"]
-    fig, axes = new_figure(len(batches), width_per_plot=5.0)
-    for ax, batch in zip(axes, batches):
-        rows = [r for r in payload["summary"] if r["global_batch_size"] == batch]
+    fig, panels = panels_by_batch(payload["summary"], payload["predict"]["global_batch_sizes"], width_per_plot=5.0)
+    for ax, batch, rows in panels:
         ks = [r["world_size"] for r in rows]
         ips = [_med(r, "images_per_s") for r in rows]
         ax.plot(ks, ips, marker="o", label="predicted")

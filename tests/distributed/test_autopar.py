@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import pytest
 import torch
@@ -15,24 +14,9 @@ import torch
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.bench.autopar_pipeline import PipelineJob, pipeline_bound_s, reference_accumulator, run_cpu_pipeline
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("smoke_sized_cores")]  # tests/distributed/conftest.py
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SMOKE_CORES = 2  # as tests/distributed/test_bench.py: a smoke test must not grow with the machine
-
-
-@pytest.fixture(autouse=True)
-def smoke_sized_cores():
-    """Pin this thread, and so every thread and process it starts, to at most SMOKE_CORES cores."""
-    if not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, sorted(allowed)[:SMOKE_CORES])
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
 
 
 def test_reference_accumulator_is_the_gram_matrix_of_all_chunks():
@@ -71,7 +55,7 @@ def _run(argv, out_dir):
     return run_bench(parser.parse_args(argv + ["--out", str(out_dir)]))
 
 
-def test_autopar_bench_smoke(tmp_path, capsys):
+def test_autopar_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     trace = tmp_path / "trace"
     code = _run(["bench", "autopar", "--device", "cpu", "--rounds", "2", "--matrix-size", "16", "--matmuls", "4",
                  "--sizes", "8,16", "--target-ms", "0.5", "--chunks", "3", "--chunk-rows", "16", "--width", "8",
@@ -81,7 +65,7 @@ def test_autopar_bench_smoke(tmp_path, capsys):
     assert (tmp_path / "autopar.png").read_bytes()[:8] == PNG_MAGIC
     payload = json.loads((tmp_path / "autopar.json").read_text())
     assert payload["bench"] == "autopar" and payload["checks_passed"]
-    assert payload["config"]["lanes"] <= SMOKE_CORES and payload["config"]["device"] == "cpu"
+    assert payload["config"]["lanes"] <= smoke_sized_cores and payload["config"]["device"] == "cpu"
     experiments = {e["experiment"]: e for e in payload["experiments"]}
     assert list(experiments) == [1, 2, 3, 5]
     for exp in experiments.values():

@@ -18,24 +18,7 @@ from phalanx.bench.procs import run_fresh
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SMOKE_CORES = 2  # the CI machine's
-
-
-@pytest.fixture(autouse=True)
-def smoke_sized_cores():
-    """The benchmarks size themselves from the cores they may use (threads per process, and the
-    "torch N threads" contenders); a smoke test must not grow with the machine (issue 11: the
-    scaling smoke took 95 s on 16 cores). Pin this thread, and so every process it spawns, to at
-    most SMOKE_CORES of them for the test, then restore."""
-    if not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, sorted(allowed)[:SMOKE_CORES])
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
+pytestmark = pytest.mark.usefixtures("smoke_sized_cores")  # see tests/distributed/conftest.py
 
 
 def _run(argv: list[str], out_dir) -> tuple[dict, str]:
@@ -94,10 +77,11 @@ def test_overlap_bench_smoke(tmp_path, capsys):
 
 
 @pytest.mark.distributed
-def test_scaling_bench_smoke(tmp_path, capsys):
+def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     payload, _ = _run(["bench", "scaling", "--batch-sizes", "8", "--devices", "2", "--steps", "1",
                        "--warmup-steps", "1", "--rounds", "1"], tmp_path)
-    assert payload["cores"] <= SMOKE_CORES and all(v["threads_per_proc"] <= SMOKE_CORES for v in payload["variants"])
+    assert payload["cores"] <= smoke_sized_cores
+    assert all(v["threads_per_proc"] <= smoke_sized_cores for v in payload["variants"])
     names = [v["name"] for v in payload["variants"]]
     bound = ["phalanx/2 bound"] if payload["cores"] >= 2 else []  # --bind-cores needs a core per worker
     assert names[:6 + len(bound)] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", *bound, "ddp/2", "ddp/2 tuned",

@@ -9,7 +9,6 @@ the victim is rank 1 (cpu:1), killed once the first checkpoint is on disk. Under
 (--nnodes 1:2, two agents on this host) a node that leaves is resumed without, the same way.
 """
 
-import json
 import os
 import re
 import shutil
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed.runs import (assert_same_rows, final_weights, finished_run, metrics_rows, relative_difference,
+                                    started_phalanx)
 from tests.distributed.test_faults import _children, _cmdline, _wait_for, _workers
 
 pytestmark = pytest.mark.distributed
@@ -34,68 +35,42 @@ RESTART = (r"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\)[^;]*; res
            r"\S+checkpoint\.pt \(epoch 1, step (\d+)\) on 3 devices \[cpu:0, cpu:1, cpu:2\]$")
 
 
-def _phalanx(*args: str, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx", *args, "--out", str(out)], capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-
-
-def _kill_rank_1_after_the_first_checkpoint(*args: str, out: Path, env: dict | None = None):
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *args, "--out", str(out)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, **(env or {})})
-    try:
+def _signal_rank_1_after_the_first_checkpoint(*args: str, out: Path, sig: signal.Signals = signal.SIGKILL,
+                                              env: dict | None = None) -> tuple[int, str, str]:
+    """Run `phalanx *args --out out`, send `sig` (a kill, or SIGSTOP: a frozen worker) to worker rank 1
+    once the first checkpoint is on disk, and wait for the launcher: (exit code, stdout, stderr)."""
+    with started_phalanx(*args, "--out", str(out), env=env) as proc:
         workers = _workers(proc.pid, 3)
         _wait_for(out / "checkpoints" / "checkpoint.pt")
-        os.kill(workers[1], signal.SIGKILL)
+        os.kill(workers[1], sig)
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, stdout, stderr
 
 
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _relative_difference(got: Path, want: Path) -> float:
-    a = torch.load(got / "model.pt", weights_only=True)
-    b = torch.load(want / "model.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)).item() for k in b)
-
-
-def _assert_same_rows(got: Path, want: Path, *, rel: float) -> None:
-    rows_a, rows_b = _rows(got), _rows(want)
-    assert [r["epoch"] for r in rows_a] == [r["epoch"] for r in rows_b] == [1, 2]
-    for ra, rb in zip(rows_a, rows_b):
-        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=rel, abs=0), ra["epoch"]
-        assert (ra["train_acc"], ra["test_acc"]) == (rb["train_acc"], rb["test_acc"]), ra["epoch"]
+def _assert_bitwise_equal(got: Path, want: Path) -> None:
+    a, b = final_weights(got, want)
+    assert all(torch.equal(a[k], b[k]) for k in b), "a restarted run must end bitwise where the uninterrupted one does"
+    assert_same_rows(got, want, rel=1e-12)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    done = _phalanx(*COMMON, out=out)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return finished_run(tmp_path_factory.mktemp("reference") / "run", *COMMON, timeout_s=TIMEOUT_S)
 
 
 def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = _kill_rank_1_after_the_first_checkpoint(*COMMON, "--max-restarts", "1", out=out)
+    code, stdout, stderr = _signal_rank_1_after_the_first_checkpoint(*COMMON, "--max-restarts", "1", out=out)
     assert code == 0, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
     assert len(said) == 1 and re.match(RESTART, said[0]), stderr[-3000:]
     assert "resumed from" in stdout and stdout.strip().splitlines()[-1].endswith("on [cpu:0, cpu:1, cpu:2]")
-    a = torch.load(out / "model.pt", weights_only=True)
-    b = torch.load(reference / "model.pt", weights_only=True)
-    assert all(torch.equal(a[k], b[k]) for k in b), "a restarted run must end bitwise where the uninterrupted one does"
-    _assert_same_rows(out, reference, rel=1e-12)
+    _assert_bitwise_equal(out, reference)
 
 
 def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(reference, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = _kill_rank_1_after_the_first_checkpoint(
+    code, stdout, stderr = _signal_rank_1_after_the_first_checkpoint(
         *COMMON, "--max-restarts", "1", "--elastic", out=out, env={"PHALANX_TEST_DEAD_ON_RESUME": "cpu:1"})
     assert code == 0, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
@@ -106,15 +81,15 @@ def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(ref
                     rf"\S+checkpoint\.pt \(epoch 1, step {step}\) on 2 devices \[cpu:0, cpu:2\]$", said[1]), said[1]
     assert f"at epoch 1, step {step}; changed since the checkpoint: devices 3 -> 2" in stdout, stdout[-2000:]
     assert stdout.strip().splitlines()[-1].endswith("on [cpu:0, cpu:2]")
-    worst = _relative_difference(out, reference)
+    worst = relative_difference(out, reference)
     assert worst <= 1e-9, f"finished on 2 devices {worst:.3g} (relative) from the uninterrupted run"
-    _assert_same_rows(out, reference, rel=1e-9)
-    assert _rows(out)[-1]["devices"] == ["cpu:0", "cpu:2"]
+    assert_same_rows(out, reference, rel=1e-9)
+    assert metrics_rows(out)[-1]["devices"] == ["cpu:0", "cpu:2"]
 
 
 def test_without_elastic_the_restarts_run_out_and_the_run_fails_naming_the_rank(tmp_path):
     out = tmp_path / "run"
-    code, _, stderr = _kill_rank_1_after_the_first_checkpoint(
+    code, _, stderr = _signal_rank_1_after_the_first_checkpoint(
         *COMMON, "--epochs", "20", "--max-restarts", "1", out=out, env={"PHALANX_TEST_DEAD_ON_RESUME": "cpu:1"})
     assert code == 1, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
@@ -165,9 +140,9 @@ def test_under_torchrun_elastic_a_node_that_leaves_is_resumed_without_on_the_res
     assert re.search(r"resumed from \S+checkpoint\.pt at epoch \d+, step \d+; changed since the checkpoint: "
                      r"devices 2 -> 1", stdout), stdout[-2000:]
     assert stdout.strip().splitlines()[-1].endswith("on [cpu:0]")
-    worst = _relative_difference(out, reference)
+    worst = relative_difference(out, reference)
     assert worst <= 1e-9, f"finished on 1 node {worst:.3g} (relative) from the uninterrupted run"
-    _assert_same_rows(out, reference, rel=1e-9)
+    assert_same_rows(out, reference, rel=1e-9)
 
 
 def test_a_frozen_worker_is_restarted_like_a_dead_one_and_the_run_ends_bitwise_equal(reference, tmp_path):
@@ -175,23 +150,11 @@ def test_a_frozen_worker_is_restarted_like_a_dead_one_and_the_run_ends_bitwise_e
     launcher takes the set down, and --max-restarts treats it as it treats a death (a worker that
     stopped answering is the machine's doing; a NaN loss or mismatched collectives would repeat)."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *COMMON, "--max-restarts", "1", "--timeout", "5",
-                             "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        workers = _workers(proc.pid, 3)
-        _wait_for(out / "checkpoints" / "checkpoint.pt")
-        os.kill(workers[1], signal.SIGSTOP)
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, stderr[-3000:]
+    code, _, stderr = _signal_rank_1_after_the_first_checkpoint(*COMMON, "--max-restarts", "1", "--timeout", "5",
+                                                                out=out, sig=signal.SIGSTOP)
+    assert code == 0, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
     assert len(said) == 1 and re.match(r"^phalanx: worker rank 1 \(cpu:1\) stopped responding \(state: stopped\)"
                                        r".*; restart 1 of 1 from \S+checkpoint\.pt \(epoch 1, step \d+\) on 3 devices "
                                        r"\[cpu:0, cpu:1, cpu:2\]$", said[0]), stderr[-3000:]
-    a = torch.load(out / "model.pt", weights_only=True)
-    b = torch.load(reference / "model.pt", weights_only=True)
-    assert all(torch.equal(a[k], b[k]) for k in b)
-    _assert_same_rows(out, reference, rel=1e-12)
+    _assert_bitwise_equal(out, reference)

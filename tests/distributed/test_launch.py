@@ -17,6 +17,7 @@ from phalanx.devices import parse_devices
 from phalanx.errors import UsageError
 from phalanx.launch import LaunchSpec, WorkerFailed, launch
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
+from tests.distributed.sockets import listening_addresses
 
 
 def _spec(world_size: int, **overrides) -> LaunchSpec:
@@ -96,31 +97,10 @@ def test_spec_validates_itself():
         LaunchSpec(plan=plan, timeout_s=-1)
 
 
-def _listening_addresses() -> list[str]:
-    """Local addresses of the TCP sockets this process listens on (Linux /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        if not os.path.exists(table):
-            continue
-        for line in open(table).read().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                found.append(fields[1].split(":")[0])
-    return found
-
-
 def listening_addresses_after_a_collective(world):
     dist.barrier()
     dist.all_reduce(__import__("torch").ones(4))
-    return _listening_addresses()
+    return listening_addresses()  # this worker's own
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")

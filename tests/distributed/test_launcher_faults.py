@@ -24,6 +24,7 @@ import pytest
 
 from phalanx.devices import parse_devices
 from phalanx.launch import LaunchSpec, launch
+from tests.distributed.sockets import listening_addresses
 from tests.distributed.test_faults import _alive, _wait_for, _workers, assert_all_gone
 
 pytestmark = pytest.mark.distributed
@@ -226,24 +227,9 @@ def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, device
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
-def listening_addresses_of_the_launcher(world) -> list[tuple[str, str]]:
-    """(local address, state) of every listening TCP socket the launcher (this worker's parent) holds."""
-    parent = os.getppid()
-    inodes = set()
-    for fd in os.listdir(f"/proc/{parent}/fd"):
-        try:
-            target = os.readlink(f"/proc/{parent}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:] if Path(table).exists() else []:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                found.append(fields[1].split(":")[0])
-    return found
+def listening_addresses_of_the_launcher(world) -> list[str]:
+    """The addresses every TCP socket the launcher (this worker's parent) listens on is bound to."""
+    return listening_addresses(os.getppid())
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")

@@ -5,48 +5,27 @@ refused (it would overwrite a finished run); `--resume auto` continues the first
 what changed; `--overwrite` starts afresh. The model.pt of a run whose disk is full (the atomic
 write patched to raise ENOSPC in every worker) is named where it is kept: exit 1, one line."""
 
-import json
 import re
-import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed.runs import finish, metrics_rows, start_phalanx
 
 pytestmark = pytest.mark.distributed
 
 BASE = ["train", "--devices", "2", "--dataset", "synthetic", "--no-progress", "--threads-per-device", "1",
         "--checkpoint-every", "5"]
-TIMEOUT_S = 240
-
-
-def _start(*args: str, script: Path | None = None) -> subprocess.Popen:
-    entry = [sys.executable, str(script)] if script else [sys.executable, "-m", "phalanx"]
-    return subprocess.Popen([*entry, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, stdout, stderr
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def test_two_runs_on_one_out_dir_one_is_refused_naming_the_other(tmp_path):
     out = tmp_path / "S"
-    first = _start(*BASE, "--epochs", "4", "--lr", "0.2", "--out", str(out))
+    first = start_phalanx(*BASE, "--epochs", "4", "--lr", "0.2", "--out", str(out))
     time.sleep(0.5)  # as in the issue: the second starts while the first is starting up
-    second = _start(*BASE, "--epochs", "2", "--lr", "0.05", "--out", str(out))
-    results = {proc.pid: _finish(proc) for proc in (first, second)}
+    second = start_phalanx(*BASE, "--epochs", "2", "--lr", "0.05", "--out", str(out))
+    results = {proc.pid: finish(proc) for proc in (first, second)}
     codes = sorted(code for code, _, _ in results.values())
     assert codes == [0, 2], {pid: (code, err[-1500:]) for pid, (code, _, err) in results.items()}
     winner = next(pid for pid, (code, _, _) in results.items() if code == 0)
@@ -54,28 +33,28 @@ def test_two_runs_on_one_out_dir_one_is_refused_naming_the_other(tmp_path):
     assert loser_err.strip() == (f"phalanx: error: --out {out} is in use by another phalanx run (pid {winner}); "
                                  "wait for it to end or pick another directory")
     lr = 0.2 if winner == first.pid else 0.05
-    rows = _rows(out)
+    rows = metrics_rows(out)
     assert [r["epoch"] for r in rows] == list(range(1, len(rows) + 1)) and {r["lr"] for r in rows} == {lr}
     assert sorted(p.name for p in out.iterdir()) == ["accuracy.png", "checkpoints", "metrics.jsonl", "model.pt"]
 
     # A later plain run would overwrite that finished run: refused, naming both ways on.
-    code, _, err = _finish(_start(*BASE, "--epochs", "6", "--lr", "0.05", "--out", str(out)))
+    code, _, err = finish(start_phalanx(*BASE, "--epochs", "6", "--lr", "0.05", "--out", str(out)))
     assert code == 2 and err.strip() == (
         f"phalanx: error: --out {out} holds an earlier run's outputs (metrics.jsonl, accuracy.png, model.pt, "
         "checkpoints/checkpoint.pt); continue that run with --resume auto, or replace them with --overwrite")
     # Continuing it says what changed since its checkpoint.
     epochs = len(rows)
-    code, stdout, err = _finish(_start(*BASE, "--epochs", str(epochs + 1), "--lr", "0.07", "--out", str(out),
-                                       "--resume", "auto"))
+    code, stdout, err = finish(start_phalanx(*BASE, "--epochs", str(epochs + 1), "--lr", "0.07", "--out", str(out),
+                                             "--resume", "auto"))
     assert code == 0, err[-2000:]
     assert stdout.splitlines()[0] == (f"resumed from {out / 'checkpoints' / 'checkpoint.pt'} at epoch {epochs + 1}, "
                                       f"step 0; changed since the checkpoint: --lr {lr:g} -> 0.07, "
                                       f"--epochs {epochs} -> {epochs + 1}")
-    assert [r["lr"] for r in _rows(out)] == [lr] * epochs + [0.07]
+    assert [r["lr"] for r in metrics_rows(out)] == [lr] * epochs + [0.07]
     # --overwrite starts afresh: the earlier rows are gone, not mixed in.
-    code, _, err = _finish(_start(*BASE, "--epochs", "1", "--lr", "0.07", "--out", str(out), "--overwrite"))
+    code, _, err = finish(start_phalanx(*BASE, "--epochs", "1", "--lr", "0.07", "--out", str(out), "--overwrite"))
     assert code == 0, err[-2000:]
-    assert [(r["epoch"], r["lr"]) for r in _rows(out)] == [(1, 0.07)]
+    assert [(r["epoch"], r["lr"]) for r in metrics_rows(out)] == [(1, 0.07)]
     assert torch.load(out / "checkpoints" / "checkpoint.pt", weights_only=True)["epoch"] == 1
 
 
@@ -101,8 +80,8 @@ def test_a_model_pt_that_does_not_fit_names_the_checkpoint_that_holds_the_weight
     script.write_text(FULL_DISK)
     out = tmp_path / "run"
     argv = [a if a != "2" else devices for a in BASE]  # --devices 1 runs in the launcher itself
-    code, stdout, stderr = _finish(_start(*argv, "--epochs", "1", "--dtype", "float64", "--out", str(out),
-                                          script=script))
+    code, stdout, stderr = finish(start_phalanx(*argv, "--epochs", "1", "--dtype", "float64", "--out", str(out),
+                                                script=script))
     kept = out / "checkpoints" / "checkpoint.pt"
     assert code == 1, stderr[-2000:]
     assert stderr.strip() == (f"phalanx: run stopped: cannot write {out / 'model.pt'} (No space left on device); "

@@ -12,41 +12,26 @@ Ctrl-C (SIGINT to the process group) stops the run at once with exit 130, no wor
 last checkpoint intact.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.distributed.runs import crash_script, final_weights, finished_run, metrics_rows, run_phalanx, started_phalanx
 
 pytestmark = pytest.mark.distributed
 
 COMMON = ["train", "--devices", "cpu:2", "--dataset", "synthetic", "--dtype", "float64", "--no-progress",
           "--threads-per-device", "1"]
-TIMEOUT_S = 240
-
-
-def _phalanx(*args: str, script: Path | None = None) -> subprocess.CompletedProcess:
-    entry = [sys.executable, str(script)] if script else [sys.executable, "-m", "phalanx"]
-    return subprocess.run([*entry, *args], capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _assert_same_run(got: Path, want: Path) -> None:
-    a = torch.load(got / "model.pt", weights_only=True)
-    b = torch.load(want / "model.pt", weights_only=True)
-    assert a.keys() == b.keys()
+    a, b = final_weights(got, want)
     worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a)
     assert worst <= 1e-6, f"final weights differ by {worst}"
-    rows_a, rows_b = _rows(got), _rows(want)
+    rows_a, rows_b = metrics_rows(got), metrics_rows(want)
     assert [r["epoch"] for r in rows_a] == [r["epoch"] for r in rows_b] == [1, 2]
     for ra, rb in zip(rows_a, rows_b):
         for key in ("train_loss", "train_acc", "test_acc"):
@@ -56,45 +41,28 @@ def _assert_same_run(got: Path, want: Path) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("reference") / "run"
-    done = _phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return finished_run(out, *COMMON, "--epochs", "2", "--checkpoint-every", "17")
 
 
 def test_resume_at_an_epoch_boundary_matches_an_uninterrupted_run(reference, tmp_path):
     out = tmp_path / "run"
-    first = _phalanx(*COMMON, "--epochs", "1", "--checkpoint-every", "epoch", "--out", str(out))
+    first = run_phalanx(*COMMON, "--epochs", "1", "--checkpoint-every", "epoch", "--out", str(out))
     assert first.returncode == 0, first.stderr[-2000:]
-    second = _phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "epoch", "--out", str(out),
-                      "--resume", str(out / "checkpoints"))
+    second = run_phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "epoch", "--out", str(out),
+                         "--resume", str(out / "checkpoints"))
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stdout and "at epoch 2, step 0" in second.stdout, second.stdout[-1500:]
     _assert_same_run(out, reference)
 
 
 def test_resume_mid_epoch_after_a_crash_matches_an_uninterrupted_run(reference, tmp_path):
-    script = tmp_path / "crash_after_checkpoint.py"
-    script.write_text(textwrap.dedent("""
-        import os, signal
-        from phalanx.train import checkpoint as ckpt
-        real_save = ckpt.save_checkpoint
-        def save_then_crash(directory, **kw):
-            path = real_save(directory, **kw)
-            if path is not None and (kw["position"].epoch, kw["position"].step) == (1, 10):
-                os.kill(os.getpid(), signal.SIGKILL)  # rank 0, right after the file landed
-            return path
-        ckpt.save_checkpoint = save_then_crash
-        if __name__ == "__main__":
-            import sys
-            from phalanx.cli import main
-            sys.exit(main(sys.argv[1:]))
-    """))
+    script = crash_script(tmp_path)
     out = tmp_path / "run"
-    crashed = _phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out), script=script)
+    crashed = run_phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out), script=script)
     assert crashed.returncode != 0
     assert "worker rank 0 failed: died (signal SIGKILL)" in crashed.stderr, crashed.stderr[-2000:]
-    assert len(_rows(out)) == 1  # epoch 1 finished, epoch 2 did not
-    resumed = _phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out), "--resume", "auto")
+    assert len(metrics_rows(out)) == 1  # epoch 1 finished, epoch 2 did not
+    resumed = run_phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out), "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "at epoch 2, step 10" in resumed.stdout, resumed.stdout[-1500:]
     _assert_same_run(out, reference)
@@ -102,10 +70,8 @@ def test_resume_mid_epoch_after_a_crash_matches_an_uninterrupted_run(reference, 
 
 def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx", *COMMON, "--dtype", "float32", "--epochs", "200",
-                             "--checkpoint-every", "5", "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    with started_phalanx(*COMMON, "--dtype", "float32", "--epochs", "200", "--checkpoint-every", "5",
+                         "--out", str(out)) as proc:
         deadline = time.monotonic() + 120
         # Epoch 1's checkpoint is written right after its metrics row (so a crash between the two
         # resumes one epoch early and rewrites the row); epoch 2's row proves it is on disk.
@@ -117,9 +83,6 @@ def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
         sent = time.monotonic()
         _, stderr = proc.communicate(timeout=30)
         elapsed_s = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, stderr[-2000:]
     assert elapsed_s < 10
     assert stderr.strip().splitlines()[-1].startswith("phalanx: interrupted")

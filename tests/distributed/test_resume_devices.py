@@ -10,75 +10,36 @@ after the checkpoint at epoch 2, step 10 (global step 34) lands (a driver script
 save_checkpoint).
 """
 
-import json
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.distributed.runs import (assert_same_rows, crash_script, finished_run, metrics_rows, relative_difference,
+                                    run_phalanx)
 
 pytestmark = pytest.mark.distributed
 
 COMMON = ["train", "--dataset", "synthetic", "--dtype", "float64", "--no-progress", "--threads-per-device", "1",
           "--epochs", "2", "--checkpoint-every", "17"]
-TIMEOUT_S = 240
-CRASH = textwrap.dedent("""
-    import os, signal
-    from phalanx.train import checkpoint as ckpt
-    real_save = ckpt.save_checkpoint
-    def save_then_crash(directory, **kw):
-        path = real_save(directory, **kw)
-        if path is not None and (kw["position"].epoch, kw["position"].step) == (1, 10):
-            os.kill(os.getpid(), signal.SIGKILL)  # rank 0, right after the file landed
-        return path
-    ckpt.save_checkpoint = save_then_crash
-    if __name__ == "__main__":
-        import sys
-        from phalanx.cli import main
-        sys.exit(main(sys.argv[1:]))
-""")
-
-
-def _phalanx(*args: str, script: Path | None = None) -> subprocess.CompletedProcess:
-    entry = [sys.executable, str(script)] if script else [sys.executable, "-m", "phalanx"]
-    return subprocess.run([*entry, *args], capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def _rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _assert_uninterrupted(got: Path, want: Path) -> None:
-    a = torch.load(got / "model.pt", weights_only=True)
-    b = torch.load(want / "model.pt", weights_only=True)
-    assert a.keys() == b.keys()
-    worst = max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+    worst = relative_difference(got, want)
     assert worst <= 1e-12, f"final weights differ by {worst:.3g} (relative)"
-    rows_a, rows_b = _rows(got), _rows(want)
-    assert [r["epoch"] for r in rows_a] == [r["epoch"] for r in rows_b] == [1, 2]
-    for ra, rb in zip(rows_a, rows_b):
-        assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=1e-12, abs=0), ra["epoch"]
-        assert (ra["train_acc"], ra["test_acc"]) == (rb["train_acc"], rb["test_acc"]), ra["epoch"]
+    assert_same_rows(got, want, rel=1e-12)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "run"
-    done = _phalanx(*COMMON, "--devices", "cpu:2", "--out", str(out))
-    assert done.returncode == 0, done.stderr[-2000:]
-    return out
+    return finished_run(tmp_path_factory.mktemp("reference") / "run", *COMMON, "--devices", "cpu:2")
 
 
 def _crashed(tmp_path_factory, devices: str) -> Path:
     base = tmp_path_factory.mktemp(f"crashed-{devices.replace(':', '')}")
-    script = base / "crash_after_checkpoint.py"
-    script.write_text(CRASH)
     out = base / "run"
-    crashed = _phalanx(*COMMON, "--devices", devices, "--out", str(out), script=script)
-    assert crashed.returncode != 0 and len(_rows(out)) == 1, crashed.stderr[-2000:]  # epoch 2 did not finish
+    crashed = run_phalanx(*COMMON, "--devices", devices, "--out", str(out), script=crash_script(base))
+    assert crashed.returncode != 0 and len(metrics_rows(out)) == 1, crashed.stderr[-2000:]  # epoch 2 did not finish
     return out
 
 
@@ -102,7 +63,7 @@ def _copy(run: Path, tmp_path: Path) -> Path:
 def test_resuming_mid_epoch_on_another_device_count_gives_the_uninterrupted_run(
         reference, crashed_on_2, crashed_on_1, tmp_path, before, after):
     out = _copy(crashed_on_2 if before == "cpu:2" else crashed_on_1, tmp_path)
-    resumed = _phalanx(*COMMON, "--devices", after, "--out", str(out), "--resume", "auto")
+    resumed = run_phalanx(*COMMON, "--devices", after, "--out", str(out), "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     counts = "2 -> 1" if before == "cpu:2" else "1 -> 2"
     assert f"at epoch 2, step 10; changed since the checkpoint: devices {counts}" in resumed.stdout, resumed.stdout
@@ -112,8 +73,8 @@ def test_resuming_mid_epoch_on_another_device_count_gives_the_uninterrupted_run(
 def test_a_checkpoint_of_another_data_set_is_refused_in_one_line(crashed_on_2, tmp_path, idx_dir):
     out = _copy(crashed_on_2, tmp_path)
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    refused = _phalanx(*COMMON, "--devices", "cpu:2", "--data-dir", str(idx_dir), "--dataset", "fashion-mnist",
-                       "--out", str(out), "--resume", "auto")
+    refused = run_phalanx(*COMMON, "--devices", "cpu:2", "--data-dir", str(idx_dir), "--dataset", "fashion-mnist",
+                         "--out", str(out), "--resume", "auto")
     assert refused.returncode == 2, refused.stderr[-2000:]
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr
@@ -126,7 +87,7 @@ def test_a_checkpoint_of_another_data_set_is_refused_in_one_line(crashed_on_2, t
 
 def test_nothing_to_train_states_the_checkpoints_true_position(crashed_on_2, tmp_path):
     out = _copy(crashed_on_2, tmp_path)
-    done = _phalanx(*COMMON, "--devices", "cpu:2", "--epochs", "1", "--out", str(out), "--resume", "auto")
+    done = run_phalanx(*COMMON, "--devices", "cpu:2", "--epochs", "1", "--out", str(out), "--resume", "auto")
     assert done.returncode == 0, done.stderr[-2000:]
     assert ("nothing to train: the checkpoint is at epoch 2, step 10 of 24, and --epochs is 1; "
             "pass --epochs 2 or more to go on") in done.stdout, done.stdout
@@ -134,12 +95,12 @@ def test_nothing_to_train_states_the_checkpoints_true_position(crashed_on_2, tmp
 
 def test_a_changed_lr_is_named_and_the_epoch_that_mixes_two_rates_says_so(crashed_on_2, tmp_path):
     out = _copy(crashed_on_2, tmp_path)
-    done = _phalanx(*COMMON, "--devices", "cpu:2", "--lr", "0.1", "--out", str(out), "--resume", "auto")
+    done = run_phalanx(*COMMON, "--devices", "cpu:2", "--lr", "0.1", "--out", str(out), "--resume", "auto")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert "at epoch 2, step 10; changed since the checkpoint: --lr 0.2 -> 0.1" in done.stdout, done.stdout
     epoch_2 = next(line for line in lines if line.startswith("epoch   2"))
     assert epoch_2.endswith("(lr 0.2 for its first 10 steps, 0.1 after the resume)"), epoch_2
-    first, second = _rows(out)
+    first, second = metrics_rows(out)
     assert first["lr"] == 0.2 and "lr_before_resume" not in first
     assert (second["lr"], second["lr_before_resume"], second["steps_before_resume"]) == (0.1, 0.2, 10)

@@ -18,6 +18,7 @@ from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.ring import allreduce_ring, chunk_sizes, segments
 from phalanx.comm.tree import allreduce_tree, doubling_partners, fold_partner, largest_power_of_two
 from phalanx.world import World
+from tests.unit.even_split import assert_even_split
 
 P2P_ALGORITHMS = {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive}
 SIZES = [0, 1, 2, 3, 7, 13, 100]
@@ -98,11 +99,7 @@ def rank_inputs(world_size: int, numel: int, dtype=torch.float64) -> list[torch.
 
 @given(numel=st.integers(0, 10_000), parts=st.integers(1, 64))
 def test_chunk_sizes_cover_and_balance(numel, parts):
-    sizes = chunk_sizes(numel, parts)
-    assert len(sizes) == parts
-    assert sum(sizes) == numel
-    assert max(sizes) - min(sizes) <= 1
-    assert sizes == sorted(sizes, reverse=True)  # chunk 0 is the largest: the ring's scratch size
+    assert_even_split(chunk_sizes(numel, parts), numel, parts)  # larger first: chunk 0 sizes the ring's scratch
 
 
 def test_chunk_sizes_small_tensor_leaves_empty_chunks():

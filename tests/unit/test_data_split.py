@@ -16,16 +16,14 @@ from phalanx.data import (
     split_batch,
     steps_per_epoch,
 )
+from tests.unit.even_split import assert_even_split
 
 
 @settings(max_examples=300, deadline=None)
 @given(total=st.integers(0, 10_000), num_shards=st.integers(1, 64))
 def test_shard_sizes_properties(total, num_shards):
     sizes = shard_sizes(total, num_shards)
-    assert len(sizes) == num_shards
-    assert sum(sizes) == total
-    assert max(sizes) - min(sizes) <= 1
-    assert sizes == sorted(sizes, reverse=True)  # larger shards first
+    assert_even_split(sizes, total, num_shards)
     if total < num_shards:
         assert sizes == [1] * total + [0] * (num_shards - total)
     # bounds tile [0, total) in order, matching the sizes
