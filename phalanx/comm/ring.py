@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm.transport import DistTransport, Transport
+from phalanx.data.split import shard_sizes
 from phalanx.world import World
 
 # Segment size of the pipeline; measured on loopback gloo with `phalanx bench allreduce`.
@@ -33,17 +34,10 @@ SEGMENT_BYTES = 1 << 20
 
 
 def chunk_sizes(numel: int, parts: int) -> list[int]:
-    """Split `numel` elements into `parts` chunks whose sizes differ by at most one.
-
-    The first `numel % parts` chunks get one extra element, so chunk 0 is always the largest
-    and chunks at the end are empty when numel < parts.
-    """
-    if parts < 1:
-        raise ValueError(f"cannot split into {parts} parts; need parts >= 1")
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    base, extra = divmod(numel, parts)
-    return [base + 1 if i < extra else base for i in range(parts)]
+    """Split `numel` elements into `parts` chunks whose sizes differ by at most one: the book's
+    `split_batch` cut (`data.split.shard_sizes`), so chunk 0 is always the largest (it sizes the
+    ring's scratch) and chunks at the end are empty when numel < parts."""
+    return shard_sizes(numel, parts)
 
 
 def segments(chunk: torch.Tensor, segment_bytes: int = SEGMENT_BYTES) -> list[torch.Tensor]:
