@@ -14,9 +14,13 @@ from phalanx.atomic import atomic_write_bytes
 
 
 class MetricsFile:
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, start_epoch: int = 0) -> None:
+        """`start_epoch` > 0 (a resumed run): keep the file's rows of the epochs up to it, which a
+        resumed run continues after; 0 starts the file afresh."""
         self.path = Path(path)
         self.rows: list[dict[str, Any]] = []
+        if start_epoch > 0 and self.path.exists():
+            self.rows = [r for r in read_metrics(self.path) if r.get("epoch", 0) <= start_epoch]
 
     def append(self, row: dict[str, Any]) -> None:
         self.rows.append(dict(row))

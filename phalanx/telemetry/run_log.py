@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Protocol, TextIO
 
 from phalanx.errors import UsageError
-from phalanx.telemetry.metrics import MetricsFile, read_metrics
+from phalanx.telemetry.metrics import MetricsFile
 from phalanx.telemetry.progress import ProgressBar
 
 
@@ -59,9 +59,7 @@ class MetricsLogger:
             return
         writer_cls = None if tensorboard is False else _summary_writer(required=tensorboard is True)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsFile(self.out_dir / "metrics.jsonl")
-        if start_epoch > 0 and self.metrics.path.exists():
-            self.metrics.rows = [r for r in read_metrics(self.metrics.path) if r.get("epoch", 0) <= start_epoch]
+        self.metrics = MetricsFile(self.out_dir / "metrics.jsonl", start_epoch=start_epoch)
         if writer_cls is not None:
             self.writer = writer_cls(log_dir=str(self.out_dir))
 

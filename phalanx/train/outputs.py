@@ -24,7 +24,6 @@ import torch
 from phalanx.atomic import atomic_write_bytes
 from phalanx.errors import RunFailed
 from phalanx.telemetry import MetricsFile, plot_accuracy
-from phalanx.telemetry.metrics import read_metrics
 
 
 def save_state_dict(path: Path, module: torch.nn.Module) -> None:
@@ -55,9 +54,7 @@ class Outputs:
     def open_metrics(self, *, start_epoch: int) -> tuple[MetricsFile, list[dict[str, Any]]]:
         """Create --out; (the metrics file, the rows of the epochs already done before `start_epoch`)."""
         os.makedirs(self.out_dir, exist_ok=True)
-        metrics = MetricsFile(self.metrics)
-        if start_epoch > 0 and self.metrics.exists():  # keep the finished epochs' rows only
-            metrics.rows = [r for r in read_metrics(self.metrics) if r.get("epoch", 0) <= start_epoch]
+        metrics = MetricsFile(self.metrics, start_epoch=start_epoch)  # the finished epochs' rows only
         return metrics, [dict(r) for r in metrics.rows]
 
     def finish(self, history: list[dict[str, Any]], whole_model: torch.nn.Module, *, title: str,
