@@ -35,7 +35,7 @@ from phalanx.supervise import TEARDOWN_S, WorkerFailed, WorkerSet, report_progre
 from phalanx.world import LauncherEnv, World, launcher_env, start_world, stop_world
 
 __all__ = ["LaunchSpec", "WorkerFailed", "join_launcher_world", "launch", "report_progress", "setup_worker",
-           "spawn_workers", "torchrun_env"]
+           "spawn_workers", "torchrun_device", "torchrun_env"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,7 @@ def launch(fn: Callable[..., Any], *args: Any, spec: LaunchSpec) -> list[Any]:
     if env is not None:
         if env.local_rank == 0:
             warn_if_oversubscribed(spec, local_workers=env.local_world_size)
-        world = join_launcher_world(env, device=_torchrun_device(spec, env), timeout_s=spec.timeout_s,
+        world = join_launcher_world(env, device=torchrun_device(spec, env), timeout_s=spec.timeout_s,
                                     threads=spec.threads_per_device, bind_cores=spec.bind_cores)
         try:
             return [_run_on_board(world, fn, args)]
@@ -189,7 +189,8 @@ def _run_on_board(world: World, fn: Callable[..., Any], args: tuple) -> Any:
     return result
 
 
-def _torchrun_device(spec: LaunchSpec, env: LauncherEnv) -> torch.device:
+def torchrun_device(spec: LaunchSpec, env: LauncherEnv) -> torch.device:
+    """The device a torchrun worker drives: cuda:LOCAL_RANK for a CUDA plan, else the CPU."""
     return torch.device(f"cuda:{env.local_rank}") if spec.plan.kind == "cuda" else torch.device("cpu")
 
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from phalanx.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
-from phalanx.launch import LaunchSpec, join_launcher_world, setup_worker, spawn_workers
-from phalanx.world import World, adopt_world, launcher_env, stop_world
+from phalanx.launch import LaunchSpec, join_launcher_world, setup_worker, spawn_workers, torchrun_device
+from phalanx.world import World, adopt_world, launcher_env, leave_default_group, stop_world
 from phalanx.comm.board import mark_exit, open_board
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -115,7 +115,7 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
     _bound_default_group_timeout(spec.timeout_s)
     _context = _RunContext(device=device, timeout_s=spec.timeout_s)
-    teardown.callback(_leave_group)
+    teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
     try:
         script_worker(script, args, rank=env.rank)
     except BaseException:
@@ -136,12 +136,6 @@ def _bound_default_group_timeout(timeout_s: float) -> None:
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         if getattr(c10d, name, None) is not None:
             setattr(c10d, name, timeout)
-
-
-def _leave_group() -> None:
-    """After the report: destroy a group the script (or init()) left open."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def add_run_parser(sub) -> None:
@@ -172,7 +166,7 @@ def run_run(args: argparse.Namespace) -> int:
                       timeout_s=args.timeout, bind_cores=args.bind_cores)
     env = launcher_env()
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
-        device = torch.device(f"cuda:{env.local_rank}" if spec.plan.kind == "cuda" else "cpu")
+        device = torchrun_device(spec, env)
         with contextlib.ExitStack() as teardown:
             _run_script(str(script), tuple(args.args), spec=spec, device=device, teardown=teardown)
         return 0

@@ -180,5 +180,12 @@ def adopt_world(*, local_rank: int, local_world_size: int, device: torch.device,
 
 def stop_world(world: World | None) -> None:
     """Leave the process group; safe to call twice or on a world that never started."""
-    if world is not None and world.distributed and dist.is_initialized():
+    if world is not None and world.distributed:
+        leave_default_group()
+
+
+def leave_default_group() -> None:
+    """Destroy the default process group if one is open (whoever opened it: phalanx, or a user's
+    script or a benchmark contender that called init_process_group itself); else nothing."""
+    if dist.is_initialized():
         dist.destroy_process_group()

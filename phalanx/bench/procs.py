@@ -16,10 +16,10 @@ import socket
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from phalanx.binding import keep_freed_memory_mapped
 from phalanx.supervise import WorkerFailed, WorkerSet, run_workers
+from phalanx.world import leave_default_group
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,13 +34,8 @@ def _contender_body(rank: int, payload, teardown: contextlib.ExitStack) -> Any:
     torch.set_num_threads(threads)
     if tune_allocator:
         keep_freed_memory_mapped()
-    teardown.callback(_leave_group)  # after the report: see phalanx.supervise
+    teardown.callback(leave_default_group)  # after the report: see phalanx.supervise
     return fn(rank=rank, num_procs=num_procs, port=port, job=job)
-
-
-def _leave_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run_fresh(fn: Callable[..., Any], job: Any, *, num_procs: int, threads: int, tune_allocator: bool,
