@@ -24,10 +24,10 @@ from typing import Iterator
 from phalanx.errors import UsageError
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME
 from phalanx.train.config import TrainConfig
+from phalanx.train.outputs import Outputs
 from phalanx.train.resume import requested_resume
 
 PID_FILE = ".phalanx-run.pid"
-OUTPUT_FILES = ("metrics.jsonl", "accuracy.png", "model.pt")  # what outputs.py writes under --out
 # A holder writes its pid right after taking the lock: how long a refused run waits to read it.
 PID_WAIT_S = 1.0
 
@@ -64,7 +64,7 @@ def _directories(config: TrainConfig) -> list[tuple[str, str]]:
 
 
 def _earlier_outputs(config: TrainConfig) -> list[Path]:
-    found = [Path(config.out_dir) / name for name in OUTPUT_FILES] if config.out_dir else []
+    found = list(Outputs(out_dir=Path(config.out_dir)).files) if config.out_dir else []
     # The checkpoint this run would write, or the one under --out a later --resume auto would find.
     if config.checkpoint_location and (config.checkpoint_every is not None or config.checkpoint_dir is None):
         found.append(Path(config.checkpoint_location) / CHECKPOINT_FILENAME)

@@ -51,6 +51,11 @@ class Outputs:
     def model(self) -> Path:
         return self.out_dir / "model.pt"
 
+    @property
+    def files(self) -> tuple[Path, ...]:
+        """Every file a run writes under --out (what an earlier run leaves behind)."""
+        return self.metrics, self.accuracy_png, self.model
+
     def open_metrics(self, *, start_epoch: int) -> tuple[MetricsFile, list[dict[str, Any]]]:
         """Create --out; (the metrics file, the rows of the epochs already done before `start_epoch`)."""
         os.makedirs(self.out_dir, exist_ok=True)
