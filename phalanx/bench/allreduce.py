@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.timing import (Spread, format_size, format_table, new_figure, paired_ratio, run_interleaved,
-                                  seconds_per_call)
+from phalanx.bench.timing import (Spread, format_size, format_table, intra_op_threads, new_figure, paired_ratio,
+                                  run_interleaved, seconds_per_call)
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.devices import parse_devices
 from phalanx.binding import available_cores
@@ -108,9 +108,7 @@ def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
 
 def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
     """Seconds per copy into a preallocated buffer, one thread, sizes interleaved, in this process."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # one worker's share of the machine
-    try:
+    with intra_op_threads(1):  # one worker's share of the machine
         pairs = {size: (torch.ones(size // _FLOAT_BYTES), torch.empty(size // _FLOAT_BYTES))
                  for size in config.sizes_bytes}
         copies = {size: (lambda s=src, d=dst: d.copy_(s)) for size, (src, dst) in pairs.items()}
@@ -118,8 +116,6 @@ def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
         calls = {size: _calls_for(seconds_per_call(fn, 1), config, cap=MEMCPY_MAX_CALLS) for size, fn in copies.items()}
         runs = {str(size): (lambda s=size: seconds_per_call(copies[s], calls[s])) for size in copies}
         samples = run_interleaved(runs, rounds=config.rounds, warmup_rounds=1)
-    finally:
-        torch.set_num_threads(previous)
     return {size: Spread.of(samples[str(size)]) for size in config.sizes_bytes}
 
 
