@@ -1,7 +1,7 @@
 """The `phalanx` command's entry point (`phalanx ...` and `python -m phalanx ...`, which is what
 `torchrun -m phalanx train` runs in every process).
 
-It installs the stop handlers (phalanx.lifeline) before anything slow is imported, so a Ctrl-C or
+It installs the stop handlers (phalanx.runtime.lifeline) before anything slow is imported, so a Ctrl-C or
 a SIGTERM in the first second - while torch loads - ends in one line and the usual exit code
 instead of a traceback; `phalanx/__init__.py` imports nothing heavy for the same reason.
 """
@@ -10,7 +10,7 @@ import os
 import sys
 
 from phalanx.errors import Stopped
-from phalanx.lifeline import ignore_stops_if_stopping, install_stop_handlers, stop_message
+from phalanx.runtime.lifeline import ignore_stops_if_stopping, install_stop_handlers, stop_message
 
 
 def main() -> int:

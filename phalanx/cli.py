@@ -15,19 +15,19 @@ import argparse
 import sys
 from dataclasses import replace
 
-from phalanx.binding import allowed_cores, check_bindable
+from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.predict import add_predict_parser, run_predict
-from phalanx.script import add_run_parser, run_run
+from phalanx.runtime.script import add_run_parser, run_run
 from phalanx.sweep import add_sweep_parser, run_sweep
 from phalanx.verify import add_verify_parser, run_verify
 from phalanx.comm import CHOICES
 from phalanx.errors import RunFailed, Stopped, UsageError
-from phalanx.lifeline import stop_message
+from phalanx.runtime.lifeline import stop_message
 from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.models import INITS, MODELS
-from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
-from phalanx.train.config import DATASETS, TrainConfig
+from phalanx.data_parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, MEMORY_FORMATS
+from phalanx.job.config import DATASETS, TrainConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,12 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args: argparse.Namespace) -> int:
     # Imported here so `phalanx --help` does not pay for torch's import.
     from phalanx.data import load_dataset
-    from phalanx.devices import parse_devices
-    from phalanx.launch import LaunchSpec
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec
     from phalanx.telemetry import RankZeroLog
-    from phalanx.train.dirlock import hold_run_directories
-    from phalanx.train.elastic import train_with_restarts
-    from phalanx.world import launcher_env
+    from phalanx.job.dirlock import hold_run_directories
+    from phalanx.job.elastic import train_with_restarts
+    from phalanx.runtime.world import launcher_env
 
     try:
         config = _config_from_args(args)
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         return code
     except Exception as exc:
-        from phalanx.launch import WorkerFailed
+        from phalanx.runtime.launch import WorkerFailed
 
         if isinstance(exc, WorkerFailed):
             print(f"phalanx: {exc}", file=sys.stderr)

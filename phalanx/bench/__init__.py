@@ -94,8 +94,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if name not in BENCHMARKS:
         raise UsageError(f"choose a benchmark: phalanx bench {'|'.join(BENCHMARKS)}")
     # Imported here so the CLI's parser does not load matplotlib or the benchmarks.
-    from phalanx.bench import allreduce, overlap, scaling, scaling_report, splits, splits_report
-    from phalanx.bench.timing import parse_list, parse_size, prepare_out_dir, write_outputs
+    from phalanx.autopar import chapter as overlap
+    from phalanx.bench import allreduce, scaling, scaling_report, splits, splits_report
+    from phalanx.measure.timing import parse_list, parse_size, prepare_out_dir, write_outputs
 
     if name == "autopar":
         return _run_autopar(args)
@@ -138,8 +139,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _run_autopar(args: argparse.Namespace) -> int:
     """Like the others, and 1 (after writing everything) when a correctness check failed."""
-    from phalanx.bench import autopar, autopar_report
-    from phalanx.bench.timing import parse_list, prepare_out_dir, write_outputs
+    from phalanx.autopar import exercises as autopar
+    from phalanx.autopar import report as autopar_report
+    from phalanx.measure.timing import parse_list, prepare_out_dir, write_outputs
     from phalanx.outdir import check_out_dir
 
     try:

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.timing import (Spread, format_size, format_table, intra_op_threads, new_figure, paired_ratio,
+from phalanx.measure.timing import (Spread, format_size, format_table, intra_op_threads, new_figure, paired_ratio,
                                   run_interleaved, seconds_per_call)
 from phalanx.comm import ALGORITHMS, AsyncComm
-from phalanx.devices import parse_devices
-from phalanx.binding import available_cores
-from phalanx.launch import LaunchSpec, launch
-from phalanx.world import World
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.binding import available_cores
+from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.runtime.world import World
 
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 1 << 20, 16 << 20, 64 << 20)
 _FLOAT_BYTES = 4  # float32 buffers, as gradients are

@@ -1,7 +1,7 @@
 """`phalanx bench scaling`: training throughput of phalanx against what a user would run instead.
 
 Contenders, on synthetic data held in memory (one fixed random batch, so data time is zero for
-all): phalanx on 1..k devices (DataParallel + train_batch, started by `phalanx.launch`: its
+all): phalanx on 1..k devices (DataParallel + train_batch, started by `phalanx.runtime.launch`: its
 allocator setting and cores/k threads, its default allreduce - shm on one host); phalanx on k
 devices exchanging over gloo instead (what the shared-memory transport buys); phalanx on k
 devices with each worker bound to its own cores (`--bind-cores`, when k <= cores); torch DDP
@@ -25,16 +25,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from phalanx.bench.mlp import BENCH_MODELS, build_bench_model
-from phalanx.bench.procs import run_fresh
-from phalanx.bench.timing import Spread, paired_ratio, run_interleaved
+from phalanx.measure.mlp import BENCH_MODELS, build_bench_model
+from phalanx.measure.procs import run_fresh
+from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
 from phalanx.data import split_batch
-from phalanx.devices import parse_devices
-from phalanx.binding import available_cores
-from phalanx.launch import LaunchSpec, launch
-from phalanx.parallel import GRAD_DTYPES, DataParallel, apply_memory_format, prepare, resolve_memory_format
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.binding import available_cores
+from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.data_parallel import GRAD_DTYPES, DataParallel, apply_memory_format, prepare, resolve_memory_format
 from phalanx.train.loop import train_batch
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 KINDS = ("phalanx", "ddp", "torch", "ceiling")
 

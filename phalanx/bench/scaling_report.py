@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.bench.timing import Spread, format_table, panels_by_batch, rows_by_batch
+from phalanx.measure.timing import Spread, format_table, panels_by_batch, rows_by_batch
 
 
 def report_scaling(payload: dict[str, Any]) -> str:

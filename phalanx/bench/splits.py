@@ -28,12 +28,12 @@ from phalanx.bench.activation_memory import SavedTensorMeter
 from phalanx.comm.counting import CountingTransport
 from phalanx.comm.ring import allreduce_ring, chunk_sizes
 from phalanx.data import shard_bounds
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.models import LeNet
-from phalanx.parallel.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
-from phalanx.parallel.splits import SCHEDULES, SPLITS, build_split, check_split
-from phalanx.world import World
+from phalanx.model_split.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
+from phalanx.model_split.splits import SCHEDULES, SPLITS, build_split, check_split
+from phalanx.runtime.world import World
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -25,14 +25,14 @@ import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import AsyncComm, Handle
-from phalanx.comm.board import phase_code
+from phalanx.runtime.board import phase_code
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
 from phalanx.comm.shm import ShmError, ShmGroup, allreduce_shm, shm_applies
 from phalanx.comm.tree import allreduce_tree
 from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled, collective, native
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 __all__ = [
     "ALGORITHMS",

@@ -18,7 +18,7 @@ from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
 from phalanx.comm.shm import allreduce_shm, shm_applies
 from phalanx.comm.tree import allreduce_tree
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 ALGORITHMS = ("native", "shm", "ring", "tree", "naive")
 # What a run may name: an algorithm, or auto (the default).

@@ -13,7 +13,7 @@ in call order; the other algorithms run one at a time on the single thread, in l
 
 A `Handle` belongs to whoever launched it and is waited exactly once; until then the tensor
 must not be read or written (picotron and DDP follow the same contract for their buckets).
-What this does not own: bucketing and deciding when to launch (`phalanx.parallel`).
+What this does not own: bucketing and deciding when to launch (`phalanx.data_parallel`).
 
 One deadline, whatever is in flight (issue 21): each launch is entered on the collective board
 with its tag, and its wait is the watchdog's (watchdog.py). Once a job on the thread fails, the
@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat
-from phalanx.comm.board import COMM, WORLD, Ticket
+from phalanx.runtime.board import COMM, WORLD, Ticket
 from phalanx.comm.shm import ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError, check_pairing, collective, wait_future, wait_work, waiting
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 class CollectiveAborted(CommError):

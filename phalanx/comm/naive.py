@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm.transport import DistTransport, Transport
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 def allreduce_naive(flat: torch.Tensor, *, world: World, transport: Transport | None = None) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.watchdog import native
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 def allreduce_native(flat: torch.Tensor, *, world: World, group: dist.ProcessGroup | None = None,

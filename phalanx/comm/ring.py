@@ -27,7 +27,7 @@ import torch
 
 from phalanx.comm.transport import DistTransport, Transport
 from phalanx.data.split import shard_sizes
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 # Segment size of the pipeline; measured on loopback gloo with `phalanx bench allreduce`.
 SEGMENT_BYTES = 1 << 20

@@ -45,12 +45,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from phalanx.binding import available_cores
-from phalanx.comm.board import COMM, Ticket
-from phalanx.comm.shm_segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, create_segment, free_bytes,
-                                      process_alive, remove_segments_of, shm_supported, unlink_quietly)
+from phalanx.runtime.binding import available_cores
+from phalanx.runtime.board import COMM, Ticket
+from phalanx.runtime.procs import process_alive
+from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, create_segment, free_bytes,
+                                     remove_segments_of, shm_supported, unlink_quietly)
 from phalanx.comm.watchdog import CommError, check, check_pairing, collective, waiting
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 __all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "allreduce_shm", "create_segment", "remove_segments_of",
            "shm_applies", "shm_supported"]

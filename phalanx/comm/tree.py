@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm.transport import DistTransport, Transport
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 def largest_power_of_two(k: int) -> int:

@@ -33,10 +33,10 @@ import datetime
 import time
 from typing import Callable, Iterator
 
-from phalanx.comm.board import FAILED, FINISHED, WAITING, WORLD, Board, Line, Ticket, describe, is_generic
-from phalanx.comm.shm_segment import process_alive, process_state
+from phalanx.runtime.board import FAILED, FINISHED, WAITING, WORLD, Board, Line, Ticket, describe, is_generic
+from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import RunFailed
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 POLL_S = 0.5  # how often a blocked wait looks at the board and at the clock
 _POLL = datetime.timedelta(seconds=POLL_S)

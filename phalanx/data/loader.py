@@ -12,7 +12,7 @@ the right structure, so its forward/backward/gradient exchange still pair with i
 
 torch's `DistributedSampler` is DDP's way to shard, and it pads the dataset to a multiple of the
 ranks by repeating examples (or drops the rest): `distributed_sampler_note` says so in one line,
-for the warning DataParallel's first step gives (parallel/first_step.py) and for a DataLoader
+for the warning DataParallel's first step gives (data_parallel/first_step.py) and for a DataLoader
 handed here instead of its dataset.
 """
 
@@ -28,7 +28,7 @@ from phalanx.data.split import global_batches, rank_shard, steps_per_epoch
 
 
 class Ranked(Protocol):
-    """What sharding needs of a `phalanx.World` (data/ sits below world.py, so it names no World)."""
+    """What sharding needs of a `phalanx.World` (data/ sits below runtime/world.py, so it names no World)."""
 
     rank: int
     world_size: int

@@ -10,7 +10,7 @@ variant of "Training on Multiple GPUs" (`lenet.py`):
 
 The convolutions keep their biases (redundant before BN, as in the book's code) so the layer
 names and the first-layer shapes match `LeNet`. This is the model that makes the choice of
-BatchNorm policy across devices (`phalanx.parallel.sync_batchnorm`) visible.
+BatchNorm policy across devices (`phalanx.data_parallel.sync_batchnorm`) visible.
 """
 
 from torch import nn

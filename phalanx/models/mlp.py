@@ -2,7 +2,7 @@
 
 LeNet's gradient is 504 KB, so on gloo its allreduce is latency-bound (BASELINES.md); this MLP
 has 5.8 M parameters (a 23 MB gradient) for about 2.6x LeNet's FLOPs per image, so bandwidth and
-overlap decide its scaling. The benchmarks use it (`phalanx.bench.mlp`); it is registered as
+overlap decide its scaling. The benchmarks use it (`phalanx.measure.mlp`); it is registered as
 `build_model("mlp")` so training, `verify` and `predict` can name it too.
 """
 

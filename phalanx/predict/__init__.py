@@ -16,10 +16,10 @@ import argparse
 import math
 import sys
 
-from phalanx.bench.mlp import BENCH_MODELS
+from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.comm.algorithms import CHOICES
 from phalanx.errors import UsageError
-from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
+from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB
 from phalanx.predict.config import INTERCONNECTS, PredictConfig, resolve_interconnect
 
 
@@ -67,7 +67,7 @@ def _bucket_cap(text: str) -> float | None:
 
 def build_config(args: argparse.Namespace) -> PredictConfig:
     """Flags -> PredictConfig; any bad value ends as one UsageError line."""
-    from phalanx.bench.timing import parse_list
+    from phalanx.measure.timing import parse_list
 
     try:
         interconnect = resolve_interconnect(
@@ -91,7 +91,7 @@ def run_predict(args: argparse.Namespace) -> int:
     """Predict (and validate): table to stdout, predict.json + predict.png into --out. Returns 0."""
     config = build_config(args)
     # Imported here so the CLI's parser does not load torch's heavy parts or matplotlib.
-    from phalanx.bench.timing import prepare_out_dir, write_outputs
+    from phalanx.measure.timing import prepare_out_dir, write_outputs
     from phalanx.predict.report import plot_prediction, report_prediction
     from phalanx.predict.run import run_prediction
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from phalanx.bench.mlp import BENCH_MODELS
+from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.comm import check_choice
 from phalanx.comm.shm import shm_supported
-from phalanx.parallel import DEFAULT_BUCKET_CAP_MB
+from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.timing import run_interleaved, seconds_per_call
+from phalanx.measure.timing import run_interleaved, seconds_per_call
 from phalanx.comm import AsyncComm
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.predict.costmodel import LinkFit, fit_link
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 DEFAULT_SWEEP_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 TARGET_BATCH_S = 0.05  # a timed batch repeats a call until about this long

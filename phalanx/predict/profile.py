@@ -31,13 +31,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from phalanx.bench.mlp import build_bench_model
-from phalanx.bench.procs import run_fresh
+from phalanx.measure.mlp import build_bench_model
+from phalanx.measure.procs import run_fresh
 from phalanx.comm import AsyncComm
 from phalanx.data import shard_sizes
-from phalanx.parallel import DataParallel, prepare
+from phalanx.data_parallel import DataParallel, prepare
 from phalanx.predict.timeline import DeviceProfile
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 OVERSUBSCRIBE_PROFILED = 2  # profile up to this many processes per core as they will run

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from phalanx.bench.timing import Spread
-from phalanx.binding import available_cores
+from phalanx.measure.timing import Spread
+from phalanx.runtime.binding import available_cores
 from phalanx.predict.config import PredictConfig
 from phalanx.predict.link import LinkJob, measure_link, sweep_sizes
 from phalanx.predict.profile import ProfileJob, phase_for, profile_devices

@@ -1,6 +1,6 @@
 """From a one-device profile and a link model to the step time on k devices: the arithmetic only.
 
-What a k-device step costs (phalanx's overlap, parallel/overlap.py): every rank computes forward
+What a k-device step costs (phalanx's overlap, data_parallel/overlap.py): every rank computes forward
 and backward on its shard; bucket i's allreduce is launched once its last gradient has landed
 *and* bucket i-1 has launched, and the buckets' allreduces run one after another on one channel
 (the backend pairs the i-th collective of every rank). So with r_i the time bucket i becomes

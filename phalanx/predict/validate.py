@@ -1,6 +1,6 @@
 """The check: measure phalanx on k devices exactly as `bench scaling` measures its phalanx contender.
 
-k CPU workers started by `phalanx.launch` (its allocator setting, cores // k threads each, at
+k CPU workers started by `phalanx.runtime.launch` (its allocator setting, cores // k threads each, at
 least 1), DataParallel with the prediction's algorithm and bucket cap (bench scaling's defaults:
 native, 0.25 MB), channels_last for conv nets, one fixed random global batch in memory, each
 rank training its `split_batch` shard with `train_batch`; warm-up steps, a barrier, timed steps;
@@ -19,15 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from phalanx.bench.mlp import build_bench_model
-from phalanx.bench.procs import run_fresh
+from phalanx.measure.mlp import build_bench_model
+from phalanx.measure.procs import run_fresh
 from phalanx.data import split_batch
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
-from phalanx.parallel import prepare
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.data_parallel import prepare
 from phalanx.predict.profile import host_busy_s, others_busy_cores
 from phalanx.train.loop import train_batch
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 @dataclass(frozen=True, kw_only=True)

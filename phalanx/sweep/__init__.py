@@ -79,7 +79,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     config = sweep_config_from_args(args)
     check_out_dir(config.out_dir)
     # Imported here so the CLI's parser does not load torch or matplotlib.
-    from phalanx.binding import available_cores
+    from phalanx.runtime.binding import available_cores
     from phalanx.sweep.grid import expand_grid
     from phalanx.sweep.report import format_table, oversubscription_note, plot_sweep, write_outputs
     from phalanx.sweep.run import run_grid

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from phalanx.train.config import TrainConfig
+from phalanx.job.config import TrainConfig
 
 SCALED = "scaled"
 

@@ -22,12 +22,12 @@ from typing import Any, Callable, Sequence
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.data import load_dataset
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.sweep.grid import GridPoint, SweepConfig, expand_grid, train_config
-from phalanx.train.config import TrainConfig
-from phalanx.train.job import train_worker
-from phalanx.world import World
+from phalanx.job.config import TrainConfig
+from phalanx.job.job import train_worker
+from phalanx.runtime.world import World
 
 POINTS_DIR = "points"
 

@@ -24,7 +24,7 @@ from phalanx.telemetry.progress import ProgressBar
 
 
 class Main(Protocol):
-    """What reporting needs of a `phalanx.World` (telemetry sits below world.py)."""
+    """What reporting needs of a `phalanx.World` (telemetry sits below runtime/world.py)."""
 
     is_main: bool
 

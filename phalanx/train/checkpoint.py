@@ -35,8 +35,8 @@ import torch.distributed as dist
 from phalanx.atomic import atomic_write_bytes
 from phalanx.comm import collective
 from phalanx.errors import UsageError
-from phalanx.parallel.data_parallel import DataParallel
-from phalanx.world import World
+from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.runtime.world import World
 
 FORMAT = "phalanx-checkpoint-2"
 # Still read: the first format kept each rank's running sums and no data identity.

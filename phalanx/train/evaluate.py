@@ -25,8 +25,8 @@ from torch.utils.data._utils.collate import default_collate
 from phalanx.comm import all_reduce_sum_
 from phalanx.data import shard_bounds, to_float
 from phalanx.data.loader import ShardCollate, refuse_loader
-from phalanx.parallel.guards import check_replicas
-from phalanx.world import World
+from phalanx.data_parallel.guards import check_replicas
+from phalanx.runtime.world import World
 
 
 def evaluate(

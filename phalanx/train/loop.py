@@ -1,40 +1,28 @@
-"""The training loop, read top to bottom: `train_batch` is one lockstep step, `train_epoch` one pass.
+"""The training loop, read top to bottom: `train_step` is one lockstep step, `train_epoch` one pass.
 
-`train_epoch` drives any way of splitting the work through one small interface, `Strategy`:
-data parallelism (`DataSplit`: a DataParallel replica, each rank its shard of every batch) and
-the model splits (pipeline, channels: every rank the whole batch through its part) alike.
-
-Loss scaling is where data parallelism is exact or subtly wrong. Each rank computes the *sum* of
-its shard's losses divided by the *global* batch size, so after the gradients are summed across
-ranks the update is the 1-device update on the whole global batch - also for an uneven last
-batch, where averaging per-rank means would weight the small shards too heavily.
-
-Gradient accumulation composes with that rule unchanged: a rank cuts *its* shard into N
-micro-batches (`micro_batches`), runs the first N-1 under `no_sync()` so their gradients only
-add up in the buckets, and syncs on the last. Each micro-batch still contributes its loss sum /
-global batch size, so the summed gradient - and the update - equals the 1-device update on the
-whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
-smaller global batches first) keeps every rank on exactly the examples `rank_shard` gives it.
+Both drive any way of splitting the work through one small interface, `Strategy`: data
+parallelism (data_parallel/strategy.py's `DataSplit`: a replica, each rank its shard of every
+batch) and the model splits (model_split/: every rank the whole batch through its part) alike.
+`train_step` is the one step - zero_grad, forward and backward with the exchange, the optimizer
+step - that `phalanx train`'s epochs run and that `train_batch` (the book's name, for a replica)
+exposes to verify, bench and predict, so what they check and time is what training runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from phalanx.comm import all_reduce_sum_
-from phalanx.data import global_batches, shard_bounds, split_batch, to_float
-from phalanx.parallel import DataParallel, has_sync_batchnorm
-from phalanx.parallel.first_step import SHARD_LOSS_MARKS
-from phalanx.parallel.guards import check_replicas
+from phalanx.data import global_batches, to_float
+from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel.strategy import DataSplit
 from phalanx.telemetry import Tracer, span
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,34 +33,11 @@ class EpochStats:
     elapsed_s: float
 
 
-def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
-    """What a rank backpropagates: its shard's loss *sum* / the *global* batch size.
-
-    After the ranks' gradients are summed this is exactly the 1-device gradient of the mean loss
-    over the global batch, for any split (even or not). For a loss over tokens, pass the global
-    number of tokens. The result is marked, so a replica's first step can tell a backward that
-    came through here from a per-rank mean's (parallel/first_step.py)."""
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
-    scaled = loss_sum / global_batch_size
-    SHARD_LOSS_MARKS.note(scaled)
-    return scaled
-
-
-def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a rank's shard into `grad_accum_steps` contiguous micro-batches, sizes as even as
-    possible (larger first, some empty when the shard is smaller than the count): the book's
-    `split_batch` cut, applied a second time inside the rank."""
-    if grad_accum_steps < 1:
-        raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
-    return split_batch(X, y, grad_accum_steps)
-
-
 class Strategy(Protocol):
     """How this rank takes part in training, whichever way the work is split (issue 19).
 
-    `train_epoch` and the job drive data parallelism (`DataSplit`, below) and the model splits
-    (parallel/model_split.py: pipeline, channels) through these alone: the loop reads rows
+    `train_epoch` and the job drive data parallelism (data_parallel/strategy.py's `DataSplit`) and
+    the model splits (model_split/: pipeline, channels) through these alone: the loop reads rows
     [`rows(n)`) of each n-example global batch, calls `zero_grad`, then `forward_backward`
     (the gradients the optimizer needs, exchanged; returns this rank's (loss sum, correct)),
     then steps the optimizer over `module`'s parameters. Ranks with `holds_output` count loss,
@@ -98,102 +63,26 @@ class Strategy(Protocol):
     def close(self) -> None: ...
 
 
-def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, global_batch_size: int,
-                     grad_accum_steps: int = 1, tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward of this rank's shard (X, y), then the gradient exchange: afterwards
-    every rank holds the summed gradient. Returns this shard's (loss sum, correct count).
-
-    With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
-    `tracer` records forward / backward / wait spans (None: tracing off).
-    """
-    # One piece in the common case: the step is then the plain loop's, with nothing around it
-    # (no split, no accumulator tensors); the sums stay on the device (issue 11).
-    pieces = [(X, y)] if grad_accum_steps == 1 else micro_batches(X, y, grad_accum_steps)
-    loss_sum = correct = None
-    for index, (X_micro, y_micro) in enumerate(pieces):
-        last = index == len(pieces) - 1
-        # The last micro-batch runs with sync on: its hooks launch the buckets (overlap).
-        with contextlib.nullcontext() if last else dp.no_sync():
-            # An empty piece (a tiny last batch) runs no backward; the rank still joins every
-            # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
-            # With synchronized BatchNorm forward and backward are collectives: an empty piece
-            # still runs them (zero counts) so the rank stays paired with its peers.
-            if X_micro.shape[0] > 0 or has_sync_batchnorm(dp.module):
-                with span(tracer, "forward"):
-                    logits = dp(X_micro)
-                    micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
-                with span(tracer, "backward"):
-                    shard_loss(micro_loss_sum, global_batch_size).backward()
-                piece_loss, piece_correct = micro_loss_sum.detach().double(), (logits.argmax(dim=1) == y_micro).sum()
-                loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
-                correct = piece_correct if correct is None else correct + piece_correct
-    with span(tracer, "wait"):
-        dp.finish_gradient_sync()
-    if loss_sum is None:  # every piece was empty
-        loss_sum = torch.zeros((), dtype=torch.float64, device=X.device)
-        correct = torch.zeros((), dtype=torch.long, device=X.device)
+def train_step(strategy: Strategy, optimizer: torch.optim.Optimizer, X: torch.Tensor, y: torch.Tensor, *,
+               global_batch_size: int, tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One lockstep step on this rank's rows (X, y) of a global batch: zero_grad, forward and
+    backward with the gradient exchange (`strategy.forward_backward`), optimizer step. Returns
+    this rank's (loss sum, correct count), on the device; `tracer` records the optimizer span."""
+    strategy.zero_grad()
+    loss_sum, correct = strategy.forward_backward(X, y, global_batch_size=global_batch_size)
+    with span(tracer, "optimizer"):
+        optimizer.step()
     return loss_sum, correct
 
 
 def train_batch(dp: DataParallel, optimizer: torch.optim.Optimizer, X: torch.Tensor, y: torch.Tensor, *,
                 global_batch_size: int, grad_accum_steps: int = 1,
                 tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One lockstep step on this rank's shard (X, y): zero_grad, `forward_backward`, optimizer
-    step. Returns this shard's (loss sum, correct count); `tracer` also records the optimizer."""
-    dp.zero_grad()
-    loss_sum, correct = forward_backward(dp, X, y, global_batch_size=global_batch_size,
-                                         grad_accum_steps=grad_accum_steps, tracer=tracer)
-    with span(tracer, "optimizer"):
-        optimizer.step()
-    return loss_sum, correct
-
-
-class DataSplit:
-    """Data parallelism as a `Strategy`: a replica on every rank (from `phalanx.prepare`, whose
-    `choices` describe it), each reading its shard of every global batch in `grad_accum_steps`
-    micro-batches. Forward, backward and wait are traced to the replica's tracer (`dp.tracer`)."""
-
-    holds_output = True
-
-    def __init__(self, dp: DataParallel, *, grad_accum_steps: int = 1) -> None:
-        self.dp, self.module, self.grad_accum_steps = dp, dp.module, grad_accum_steps
-
-    def rows(self, total: int) -> tuple[int, int]:
-        return shard_bounds(total, self.dp.world.world_size, self.dp.world.rank)
-
-    def zero_grad(self) -> None:
-        self.dp.zero_grad()
-
-    def forward_backward(self, X, y, *, global_batch_size):
-        return forward_backward(self.dp, X, y, global_batch_size=global_batch_size,
-                                grad_accum_steps=self.grad_accum_steps, tracer=self.dp.tracer)
-
-    def predict(self, X: torch.Tensor) -> torch.Tensor:
-        return self.dp(X)
-
-    def named_gradients(self) -> dict[str, torch.Tensor]:
-        return self.dp.named_gradients()
-
-    def check_replicas(self, step: int) -> None:
-        check_replicas(self.dp.world, self.module, step=step)
-
-    def whole_model(self) -> nn.Module:
-        return self.module  # every rank holds all of it
-
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.module.load_state_dict(state)
-
-    def describe(self) -> str:
-        return self.dp.choices.describe()
-
-    def facts(self) -> dict:
-        chose = self.dp.choices
-        return {"allreduce": chose.algorithm, "overlap": chose.overlap, "num_buckets": len(chose.bucket_kb),
-                "grad_dtype": chose.grad_dtype, "grad_accum_steps": self.grad_accum_steps,
-                "memory_format": chose.memory_format, "batchnorm": chose.batchnorm}
-
-    def close(self) -> None:
-        self.dp.close()
+    """The book's `train_batch`: one `train_step` of replica `dp` on this rank's shard (X, y).
+    Returns this shard's (loss sum, correct count); `tracer` records forward, backward, wait and
+    the optimizer."""
+    return train_step(DataSplit(dp, grad_accum_steps=grad_accum_steps, tracer=tracer), optimizer, X, y,
+                      global_batch_size=global_batch_size, tracer=tracer)
 
 
 def train_epoch(
@@ -249,10 +138,7 @@ def train_epoch(
                 shard = batch[first:stop]
                 X = to_float(images[shard]).to(dtype)
                 y = labels[shard]
-            strategy.zero_grad()
-            loss_sum, correct = strategy.forward_backward(X, y, global_batch_size=batch.numel())
-            with span(tracer, "optimizer"):
-                optimizer.step()
+            loss_sum, correct = train_step(strategy, optimizer, X, y, global_batch_size=batch.numel(), tracer=tracer)
         if tracer is not None:
             tracer.end_step()
         loss_total.add_(loss_sum)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm import all_reduce_sum_
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 REDUCE_OPS = ("mean", "sum")
 

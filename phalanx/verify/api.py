@@ -1,7 +1,7 @@
 """`verify(model_fn, data, loss_fn=..., config=...)`: does k-device training equal 1-device training?
 
 For each k of `config.world_sizes` it trains `config.steps` SGD steps on 1 device in this
-process (the reference) and on k spawned workers (phalanx.launch, phalanx's DataParallel and
+process (the reference) and on k spawned workers (phalanx.runtime.launch, phalanx's DataParallel and
 step), from the same seed on the same global batches, and compares them step by step
 (compare.py). On a failure it names the culprit (diagnose.py): from direct evidence, or from
 reruns with one suspect removed at a time (probes). A small model's probes run in the same spawn
@@ -27,15 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.devices import DevicePlan
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import DevicePlan
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.verify.batches import check_data
 from phalanx.verify.compare import compare_runs
 from phalanx.verify.config import VerifyConfig
 from phalanx.verify.diagnose import ProbeResult, cause_from_probes, direct_cause, plan_probes
 from phalanx.verify.report import VerifyReport, WorldResult
 from phalanx.verify.run import RunRecord, rank_worker, reference_run
-from phalanx.world import launcher_env, ranks_share_gpu
+from phalanx.runtime.world import launcher_env, ranks_share_gpu
 
 # Models up to this size run their diagnosis probes in the same spawn as the comparison itself.
 EAGER_PROBES_MAX_PARAMETERS = 1_000_000
@@ -47,7 +47,7 @@ def verify(model_fn: Callable[[], nn.Module], data: Any, *, loss_fn: Callable = 
     """Compare k-device with 1-device training for every k of the config; see the module docstring.
 
     Raises ValueError for data, functions or devices no run can use (before any process starts),
-    phalanx.launch.WorkerFailed when a worker fails. `log` gets a line before each spawned run.
+    phalanx.runtime.launch.WorkerFailed when a worker fails. `log` gets a line before each spawned run.
     """
     config = config if config is not None else VerifyConfig()
     check_data(data)

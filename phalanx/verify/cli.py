@@ -17,7 +17,7 @@ from pathlib import Path
 
 from phalanx.comm import CHOICES
 from phalanx.errors import UsageError
-from phalanx.parallel import BATCHNORM_POLICIES, GRAD_DTYPES
+from phalanx.data_parallel import BATCHNORM_POLICIES, GRAD_DTYPES
 from phalanx.verify.config import DEFAULT_GLOBAL_BATCH_SIZE, DTYPES, VerifyConfig
 
 PLANTS = ("none", "rank-mean", "rank-sum", "shuffle-per-rank")
@@ -84,7 +84,7 @@ def run_verify(args: argparse.Namespace) -> int:
     title = f"{args.model} on {dataset.name}" + (f" with planted {args.plant}" if args.plant != "none" else "")
     try:
         if args.split != "data":  # the model-parallel splits (issue 13): their own k-device run
-            from phalanx.parallel.splits import SCHEDULES
+            from phalanx.model_split.splits import SCHEDULES
             from phalanx.verify.split import verify_split
 
             if args.schedule not in SCHEDULES:  # before any worker starts: one line

@@ -20,8 +20,8 @@ from typing import Callable, Union
 import torch
 
 from phalanx.comm import check_choice
-from phalanx.parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
-from phalanx.train.loop import shard_loss
+from phalanx.data_parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
+from phalanx.data_parallel.step import shard_loss
 
 DTYPES = ("float32", "float64")
 # Relative tolerance per tensor (compare.py: max |a - b| / max |b|, floored). float64 k-vs-1 runs

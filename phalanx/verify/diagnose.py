@@ -144,7 +144,7 @@ def cause_from_probes(config: VerifyConfig, comparison: Comparison, results: lis
             return Cause(key=key, summary=f"BatchNorm statistics: {where} normalizes with its own shard's mean and "
                          f"variance ({num_batchnorm} BatchNorm layer{'s' if num_batchnorm != 1 else ''}), 1 device "
                          "with the whole batch's", fix="synchronize the statistics (--batchnorm sync; "
-                         "phalanx.parallel.convert_sync_batchnorm), or accept per-device statistics as the chapter "
+                         "phalanx.data_parallel.convert_sync_batchnorm), or accept per-device statistics as the chapter "
                          "does (then k devices do not equal 1)", evidence=evidence)
         if key == "rank-mean":
             n = comparison.batch_sizes[comparison.uneven_steps[0] - 1]

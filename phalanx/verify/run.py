@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.data import shard_bounds
-from phalanx.parallel import DataParallel, has_sync_batchnorm, prepare
+from phalanx.data_parallel import DataParallel, has_sync_batchnorm, prepare
 from phalanx.train.loop import train_batch
 from phalanx.verify.batches import BatchSource, example_digests, tensors_digest
 from phalanx.verify.config import VerifyConfig, scale_loss
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 Snapshot = dict[str, dict[str, torch.Tensor]]  # "grad" / "param" / "buffer" -> name -> tensor
 
@@ -137,7 +137,7 @@ def uses_train_batch(loss_fn, config: VerifyConfig) -> bool:
 
 
 def rank_worker(world: World, model_fn, loss_fn, data: Any, configs: tuple[VerifyConfig, ...]) -> list[RunRecord]:
-    """One rank of k-device runs (spawned by phalanx.launch), one per config, in this process group.
+    """One rank of k-device runs (spawned by phalanx.runtime.launch), one per config, in this process group.
 
     Several configs share one spawn because starting the processes (`import torch`, ~2 s each)
     costs far more than a few small steps: the diagnosis probes all run in a second spawn.

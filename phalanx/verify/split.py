@@ -18,15 +18,15 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from phalanx.devices import DevicePlan
-from phalanx.launch import LaunchSpec, launch
-from phalanx.parallel.splits import build_split, check_split
+from phalanx.runtime.devices import DevicePlan
+from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.model_split.splits import build_split, check_split
 from phalanx.verify.batches import BatchSource, example_digests, tensors_digest
 from phalanx.verify.compare import Comparison, check_replicas, compare_step, gradient_scale
 from phalanx.verify.config import VerifyConfig
 from phalanx.verify.report import VerifyReport, WorldResult
 from phalanx.verify.run import RunRecord, build_model, reference_run
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 def _float64(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,5 +1,5 @@
 """Run a function on k local gloo processes and collect what each returns: the one way
-distributed tests start workers, through the production launcher (`phalanx.launch.launch`), so
+distributed tests start workers, through the production launcher (`phalanx.runtime.launch.launch`), so
 every distributed test also exercises it.
 
     results = run_workers(fn, world_size, *args, timeout_s=60)
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, WorkerFailed, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
 
 # Bounds every collective inside a worker; timeout_s bounds the whole run.
 WORKER_COLLECTIVE_TIMEOUT_S = 30.0

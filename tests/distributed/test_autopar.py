@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from phalanx.bench import add_bench_parser, run_bench
-from phalanx.bench.autopar_pipeline import PipelineJob, pipeline_bound_s, reference_accumulator, run_cpu_pipeline
+from phalanx.autopar.pipeline import PipelineJob, pipeline_bound_s, reference_accumulator, run_cpu_pipeline
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("smoke_sized_cores")]  # tests/distributed/conftest.py
 

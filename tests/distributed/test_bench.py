@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from phalanx.bench import add_bench_parser, run_bench
-from phalanx.bench.procs import run_fresh
+from phalanx.measure.procs import run_fresh
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -103,7 +103,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_one(tmp_path):
         import os, sys, time, torch
         from phalanx.models import LeNet
         from phalanx.train import checkpoint as ckpt
-        from phalanx.world import World
+        from phalanx.runtime.world import World
         world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                       backend="none", timeout_s=10.0)
         model = LeNet(); opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from phalanx.data import rank_shard
 from phalanx.models import LeNet
-from phalanx.parallel import GRAD_DTYPES, DataParallel
+from phalanx.data_parallel import GRAD_DTYPES, DataParallel
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed

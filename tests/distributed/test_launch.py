@@ -13,9 +13,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from phalanx.devices import parse_devices
+from phalanx.runtime.devices import parse_devices
 from phalanx.errors import UsageError
-from phalanx.launch import LaunchSpec, WorkerFailed, launch
+from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 from tests.distributed.sockets import listening_addresses
 
@@ -136,7 +136,7 @@ def report_placement(world):
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and at least 2 cores")
 def test_bind_cores_pins_each_worker_to_its_own_cores():
-    from phalanx.binding import allowed_cores
+    from phalanx.runtime.binding import allowed_cores
     cores = allowed_cores()
     placed = launch(report_placement, spec=_spec(2, threads_per_device=None, bind_cores=True))
     per = len(cores) // 2

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from tests.distributed.sockets import listening_addresses
 from tests.distributed.test_faults import _alive, _wait_for, _workers, assert_all_gone
 

@@ -60,7 +60,7 @@ def test_two_runs_on_one_out_dir_one_is_refused_naming_the_other(tmp_path):
 
 FULL_DISK = textwrap.dedent("""
     import errno, os
-    from phalanx.train import outputs
+    from phalanx.job import outputs
     real_write = outputs.atomic_write_bytes
     def write(path, data):  # model.pt meets a full disk; everything else is written
         if os.path.basename(path) == "model.pt":

@@ -19,7 +19,7 @@ from torch import nn
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.data import rank_shard
 from phalanx.models import LeNet
-from phalanx.parallel import DataParallel
+from phalanx.data_parallel import DataParallel
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers
 

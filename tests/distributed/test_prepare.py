@@ -15,7 +15,7 @@ import torch
 
 from phalanx.data import split_batch
 from phalanx.models import build_model
-from phalanx.parallel import SyncBatchNorm, prepare
+from phalanx.data_parallel import SyncBatchNorm, prepare
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers
 

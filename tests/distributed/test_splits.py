@@ -13,12 +13,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.models import LeNet
 from phalanx.telemetry.metrics import read_metrics
-from phalanx.train import TrainConfig
-from phalanx.train.job import train_worker
+from phalanx.job.config import TrainConfig
+from phalanx.job.job import train_worker
 from tests.distributed.split_data import write_small_fashion_mnist
 
 pytestmark = pytest.mark.distributed

@@ -21,7 +21,7 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, all_reduce_sum_
 from phalanx.models import build_model
-from phalanx.parallel import (DataParallel, SyncBatchNorm, apply_memory_format, average_running_stats,
+from phalanx.data_parallel import (DataParallel, SyncBatchNorm, apply_memory_format, average_running_stats,
                               convert_sync_batchnorm)
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers

@@ -16,11 +16,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from phalanx.devices import parse_devices
-from phalanx.launch import LaunchSpec, launch
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.telemetry.metrics import read_metrics
-from phalanx.train import TrainConfig
-from phalanx.train.job import train_worker
+from phalanx.job.config import TrainConfig
+from phalanx.job.job import train_worker
 
 pytestmark = pytest.mark.distributed
 

@@ -136,7 +136,7 @@ def test_a_rank_that_finished_normally_while_another_waits_is_reported_as_such(t
 
 def _forgets_finish_gradient_sync(world) -> list[float]:
     from phalanx.models import LeNet
-    from phalanx.parallel import DataParallel
+    from phalanx.data_parallel import DataParallel
 
     torch.manual_seed(0)
     with DataParallel(LeNet().double(), world=world, overlap=False) as dp:

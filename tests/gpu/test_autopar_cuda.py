@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from phalanx.bench import add_bench_parser, run_bench
-from phalanx.bench.autopar_cuda import measure_pipeline, measure_streams
-from phalanx.bench.autopar_cuda_graph import measure_cuda_mlp, run_on_streams
-from phalanx.bench.autopar_graphs import HOST, MLPProgram
-from phalanx.bench.taskgraph import run_in_sequence, violations
-from phalanx.bench.taskgraph_program import program_graph
-from phalanx.bench.timing import synchronize_cuda
+from phalanx.autopar.cuda import measure_pipeline, measure_streams
+from phalanx.autopar.cuda_graph import measure_cuda_mlp, run_on_streams
+from phalanx.autopar.graphs import HOST, MLPProgram
+from phalanx.autopar.taskgraph import run_in_sequence, violations
+from phalanx.autopar.taskgraph_program import program_graph
+from phalanx.measure.timing import synchronize_cuda
 
 pytestmark = [
     pytest.mark.gpu,

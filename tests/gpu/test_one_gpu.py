@@ -7,10 +7,11 @@ import torch
 
 from phalanx.cli import main
 from phalanx.models import build_model
-from phalanx.parallel import DataParallel
+from phalanx.data_parallel import DataParallel
 from phalanx.telemetry.metrics import read_metrics
-from phalanx.train.loop import DataSplit, train_epoch
-from phalanx.world import World
+from phalanx.data_parallel.strategy import DataSplit
+from phalanx.train.loop import train_epoch
+from phalanx.runtime.world import World
 
 pytestmark = [
     pytest.mark.gpu,

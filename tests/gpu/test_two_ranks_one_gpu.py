@@ -1,5 +1,5 @@
 """The multi-process CUDA path on a machine with one GPU (issue 11): two ranks share cuda:0 and
-talk over gloo (the test-only PHALANX_TEST_RANKS_SHARE_GPU, read in world.py), so broadcast,
+talk over gloo (the test-only PHALANX_TEST_RANKS_SHARE_GPU, read in runtime/world.py), so broadcast,
 bucketed and overlapped gradient exchange (hooks on autograd's CUDA thread, a side stream
 included), evaluation, training, sync BatchNorm, checkpoint/resume and `phalanx verify` all run
 with CUDA tensors in 2 processes, and must equal 1 device (float64, 1e-9 relative: cuDNN and
@@ -17,15 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.data import load_synthetic_dataset, rank_shard
-from phalanx.devices import DevicePlan
-from phalanx.launch import LaunchSpec, WorkerFailed, launch
+from phalanx.runtime.devices import DevicePlan
+from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
 from phalanx.models import LeNet, build_model
-from phalanx.parallel import DataParallel
-from phalanx.train import TrainConfig, train_batch
+from phalanx.data_parallel import DataParallel
+from phalanx.job.config import TrainConfig
+from phalanx.train import train_batch
 from phalanx.train.evaluate import evaluate
-from phalanx.train.job import train_worker
+from phalanx.job.job import train_worker
 from phalanx.verify import VerifyConfig, verify
-from phalanx.world import RANKS_SHARE_GPU_VAR, World
+from phalanx.runtime.world import RANKS_SHARE_GPU_VAR, World
 
 pytestmark = [
     pytest.mark.gpu,

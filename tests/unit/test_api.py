@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import phalanx
-from phalanx import script
-from phalanx.world import World
+from phalanx.runtime import script
+from phalanx.runtime.world import World
 
 
 def world(rank: int, world_size: int) -> World:
@@ -22,11 +22,11 @@ def world(rank: int, world_size: int) -> World:
 
 
 def test_front_door_reexports_the_owners_objects():
-    owners = {"DataParallel": "phalanx.parallel.data_parallel", "ShardedLoader": "phalanx.data.loader",
-              "shard_loss": "phalanx.train.loop", "clip_grad_norm_": "phalanx.parallel.clip",
-              "evaluate_dataset": "phalanx.train.evaluate", "init": "phalanx.script",
+    owners = {"DataParallel": "phalanx.data_parallel.data_parallel", "ShardedLoader": "phalanx.data.loader",
+              "shard_loss": "phalanx.data_parallel.step", "clip_grad_norm_": "phalanx.data_parallel.clip",
+              "evaluate_dataset": "phalanx.train.evaluate", "init": "phalanx.runtime.script",
               "checkpoint": "phalanx.train.checkpoint", "resume": "phalanx.train.checkpoint",
-              "split_batch": "phalanx.data.split", "allreduce": "phalanx.comm", "World": "phalanx.world"}
+              "split_batch": "phalanx.data.split", "allreduce": "phalanx.comm", "World": "phalanx.runtime.world"}
     assert set(owners) <= set(phalanx.__all__)
     for name in phalanx.__all__:
         assert getattr(phalanx, name) is not None

@@ -14,14 +14,16 @@ import threading
 import pytest
 import torch
 
-from phalanx.bench import add_bench_parser, autopar_ops, autopar_report, run_bench
-from phalanx.bench.autopar import AutoparBenchConfig
-from phalanx.bench.autopar_deps import check_diamond_chain, measure_cpu_mlp
-from phalanx.bench.autopar_graphs import DiamondChainProgram, MLPProgram
-from phalanx.bench.autopar_trace import profiled, render_timeline, row_name, timeline_rows
-from phalanx.bench.taskgraph import (Schedule, Span, Task, TaskGraph, ThreadLanes, bounds, compare_runs, critical_path,
+from phalanx.autopar import ops as autopar_ops
+from phalanx.autopar import report as autopar_report
+from phalanx.bench import add_bench_parser, run_bench
+from phalanx.autopar.exercises import AutoparBenchConfig
+from phalanx.autopar.deps import check_diamond_chain, measure_cpu_mlp
+from phalanx.autopar.graphs import DiamondChainProgram, MLPProgram
+from phalanx.autopar.trace import profiled, render_timeline, row_name, timeline_rows
+from phalanx.autopar.taskgraph import (Schedule, Span, Task, TaskGraph, ThreadLanes, bounds, compare_runs, critical_path,
                                      run_in_sequence, run_on_lanes, violations)
-from phalanx.bench.taskgraph_program import HazardCheck, Step, program_graph, without_edge
+from phalanx.autopar.taskgraph_program import HazardCheck, Step, program_graph, without_edge
 from phalanx.errors import UsageError
 
 LANES = ("device0", "device1", "host")
@@ -120,7 +122,7 @@ def test_lanes_use_their_own_intra_op_thread_count():
 
 
 def test_cuda_launch_order_queues_every_ready_device_task_before_a_host_task():
-    from phalanx.bench.autopar_cuda_graph import launch_order
+    from phalanx.autopar.cuda_graph import launch_order
 
     graph = TaskGraph([Task(name="g0", lane="device0", fn=_noop), Task(name="h", lane="host", fn=_noop, deps=("g0",)),
                        Task(name="g1", lane="device1", fn=_noop, deps=("g0",)),
@@ -355,7 +357,7 @@ def test_verdicts_say_what_the_numbers_say():
 
 
 def test_cpu_taken_by_others_is_machine_busy_minus_our_own_per_wall_second(monkeypatch):
-    from phalanx.bench import timing
+    from phalanx.measure import timing
 
     readings = iter([(100.0, 5.0), (103.0, 6.0)])  # machine busy +3 s, this process +1 s ...
     clock = iter([10.0, 12.0])  # ... over 2 s of wall time: others kept 1 core busy
@@ -368,7 +370,7 @@ def test_cpu_taken_by_others_is_machine_busy_minus_our_own_per_wall_second(monke
 
 
 def test_cpu_taken_by_others_reads_this_machine():
-    from phalanx.bench import timing
+    from phalanx.measure import timing
 
     result: dict = {}
     with timing.cpu_taken_by_others(result):
@@ -452,7 +454,7 @@ def test_autopar_bench_refuses_bad_flags_before_measuring(tmp_path):
 
 
 def test_a_failed_check_exits_1_after_writing_the_table_json_and_png(tmp_path, monkeypatch, capsys):
-    from phalanx.bench import autopar
+    from phalanx.autopar import exercises as autopar
 
     result = autopar_report.outcome(measured_s=[1.0], sequential_s=[2.0], ideal_s=[1.0])
     failed = {"passed": False, "bitwise": True, "what": "planted"}

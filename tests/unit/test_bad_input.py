@@ -27,7 +27,7 @@ import pytest
 from phalanx.cli import main
 from phalanx.data import fashion_mnist, read_idx, write_idx
 from phalanx.data import idx as idx_module
-from phalanx.devices import parse_devices
+from phalanx.runtime.devices import parse_devices
 from phalanx.errors import UsageError
 
 IMAGES, LABELS = "train-images-idx3-ubyte", "train-labels-idx1-ubyte"

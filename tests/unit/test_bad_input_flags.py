@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from phalanx.binding import allowed_cores
+from phalanx.runtime.binding import allowed_cores
 from phalanx.cli import build_parser, main
 
 NOWHERE = "/nonexistent-phalanx-12"

@@ -11,10 +11,10 @@ import torch
 
 from phalanx.bench import add_bench_parser, run_bench
 from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor
-from phalanx.bench.mlp import WideMLP, build_bench_model
-from phalanx.bench.overlap import OverlapBenchConfig
+from phalanx.measure.mlp import WideMLP, build_bench_model
+from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
-from phalanx.bench.timing import (Spread, format_size, interleave, new_figure, paired_ratio, parse_list, parse_size,
+from phalanx.measure.timing import (Spread, format_size, interleave, new_figure, paired_ratio, parse_list, parse_size,
                                   prepare_out_dir, run_interleaved, seconds_per_call, write_outputs)
 from phalanx.errors import UsageError
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from phalanx import binding
+from phalanx.runtime import binding
 from phalanx.errors import UsageError
 
 
@@ -52,7 +52,7 @@ def test_more_workers_than_cores_is_refused_in_one_line():
 
 MMAPPED_BYTES = """
 import ctypes, sys, torch
-from phalanx.binding import keep_freed_memory_mapped
+from phalanx.runtime.binding import keep_freed_memory_mapped
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
                                                 "fordblks keepcost").split()]

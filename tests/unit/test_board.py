@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
-from phalanx.comm.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
+from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
                                 describe, phase_code, tagged)
-from phalanx.comm.shm_segment import process_state
+from phalanx.runtime.procs import process_state
 from phalanx.comm.watchdog import check, check_pairing
 from phalanx.models import LeNet
-from phalanx.parallel import DataParallel
-from phalanx.world import World
+from phalanx.data_parallel import DataParallel
+from phalanx.runtime.world import World
 
 
 def boards(k: int, pids=None) -> list[Board]:

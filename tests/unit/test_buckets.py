@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.models import LeNet, build_model
-from phalanx.parallel.buckets import build_buckets, grads_are_bucket_views
+from phalanx.data_parallel.buckets import build_buckets, grads_are_bucket_views
 
 
 def test_one_bucket_holds_all_grads_in_reverse_order():

@@ -11,7 +11,7 @@ import torch
 from phalanx.errors import UsageError
 from phalanx.models import build_model
 from phalanx.train import checkpoint as ckpt
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 WORLD = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
               backend="none", timeout_s=10.0)

@@ -17,7 +17,7 @@ from phalanx.comm import ALGORITHMS, AsyncComm, all_reduce_sum_, allreduce, allr
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.ring import allreduce_ring, chunk_sizes, segments
 from phalanx.comm.tree import allreduce_tree, doubling_partners, fold_partner, largest_power_of_two
-from phalanx.world import World
+from phalanx.runtime.world import World
 from tests.unit.even_split import assert_even_split
 
 P2P_ALGORITHMS = {"ring": allreduce_ring, "tree": allreduce_tree, "naive": allreduce_naive}
@@ -201,7 +201,7 @@ def test_auto_picks_shm_for_cpu_workers_of_one_host_and_native_elsewhere():
     from dataclasses import replace
 
     from phalanx.comm import resolve_algorithm, shm_applies
-    from phalanx.comm.shm_segment import shm_supported
+    from phalanx.runtime.segment import shm_supported
 
     local = make_world(0, 4)
     assert resolve_algorithm("auto", local) == ("shm" if shm_supported() is None else "native")

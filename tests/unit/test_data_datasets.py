@@ -61,9 +61,9 @@ def _offline(url: str) -> bytes:
 
 def test_real_sample_dir_and_accuracy(real_sample_dir):
     """The real sample reads as 3,000/1,000 images, and LeNet learns it: 4 epochs of batch 128, one process."""
-    from phalanx.train.config import TrainConfig
-    from phalanx.train.job import train_worker
-    from phalanx.world import World
+    from phalanx.job.config import TrainConfig
+    from phalanx.job.job import train_worker
+    from phalanx.runtime.world import World
 
     data = load_dataset("fashion-mnist", str(real_sample_dir), download=False)
     assert (data.num_train, data.num_test) == (3000, 1000)
@@ -278,7 +278,7 @@ def test_to_float():
 
 
 def test_data_imports_point_downward():
-    forbidden = ("phalanx.comm", "phalanx.parallel", "phalanx.world", "phalanx.train", "phalanx.cli")
+    forbidden = ("phalanx.comm", "phalanx.data_parallel", "phalanx.runtime.world", "phalanx.train", "phalanx.cli")
     for path in (Path(__file__).resolve().parents[2] / "phalanx" / "data").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (

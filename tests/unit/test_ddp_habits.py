@@ -19,12 +19,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import phalanx
 from phalanx.comm import AsyncComm, shm_applies
 from phalanx.errors import UsageError
-from phalanx.parallel.first_step import SHARD_LOSS_MARKS, FirstStepCheck, caller_frame
-from phalanx.parallel.prepare import Choices
-from phalanx.parallel.running_stats import RunningStats, drifting_norm_layers
-from phalanx.parallel.step_extras import StepExtras
+from phalanx.data_parallel.first_step import SHARD_LOSS_MARKS, FirstStepCheck, caller_frame
+from phalanx.data_parallel.prepare import Choices
+from phalanx.data_parallel.running_stats import RunningStats, drifting_norm_layers
+from phalanx.data_parallel.step_extras import StepExtras
 from phalanx.telemetry.metrics import read_metrics
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 
 def world(rank: int = 0, world_size: int = 1, local_world_size: int | None = None) -> World:
@@ -209,7 +209,7 @@ def test_running_statistics_average_to_the_mean_of_the_ranks_and_agreeing_ones_s
 
 
 def test_sync_layers_and_norms_without_statistics_are_left_alone():
-    from phalanx.parallel import SyncBatchNorm
+    from phalanx.data_parallel import SyncBatchNorm
     model = nn.Sequential(nn.BatchNorm2d(3), nn.LayerNorm(3), nn.BatchNorm1d(3, track_running_stats=False),
                           nn.InstanceNorm1d(3, track_running_stats=True),
                           SyncBatchNorm(3, world=world()))

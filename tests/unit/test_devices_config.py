@@ -2,9 +2,9 @@
 
 import pytest
 
-from phalanx.devices import parse_devices
+from phalanx.runtime.devices import parse_devices
 from phalanx.errors import UsageError
-from phalanx.train.config import TrainConfig
+from phalanx.job.config import TrainConfig
 
 
 def test_plain_count_uses_cpu_without_cuda():

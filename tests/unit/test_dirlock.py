@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from phalanx.errors import UsageError
-from phalanx.train.config import TrainConfig
-from phalanx.train.dirlock import PID_FILE, hold_run_directories
+from phalanx.job.config import TrainConfig
+from phalanx.job.dirlock import PID_FILE, hold_run_directories
 
 HOLD_S = 60  # the child gives up holding after this long, whatever the test does
 
@@ -22,8 +22,8 @@ def _holder(**config) -> subprocess.Popen:
     """A process holding the run directories of TrainConfig(**config) until its stdin closes."""
     script = textwrap.dedent(f"""
         import sys, select
-        from phalanx.train.config import TrainConfig
-        from phalanx.train.dirlock import hold_run_directories
+        from phalanx.job.config import TrainConfig
+        from phalanx.job.dirlock import hold_run_directories
         with hold_run_directories(TrainConfig(**{config!r})):
             print("held", flush=True)
             select.select([sys.stdin], [], [], {HOLD_S})

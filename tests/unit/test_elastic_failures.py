@@ -2,8 +2,8 @@
 
 from phalanx.comm.watchdog import CollectiveMismatch, PeerStalled
 from phalanx.errors import RunFailed
-from phalanx.supervise import WorkerFailed
-from phalanx.train.elastic import failure_of
+from phalanx.runtime.supervise import WorkerFailed
+from phalanx.job.elastic import failure_of
 
 NAMES = ("cpu:0", "cpu:1", "cpu:2")
 

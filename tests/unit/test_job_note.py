@@ -4,9 +4,9 @@ without a note); a batch that fits gets no such line."""
 
 import torch
 
-from phalanx.train.config import TrainConfig
-from phalanx.train.job import train_worker
-from phalanx.world import World
+from phalanx.job.config import TrainConfig
+from phalanx.job.job import train_worker
+from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                backend="none", timeout_s=60)

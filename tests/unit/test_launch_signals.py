@@ -10,7 +10,7 @@ import time
 import pytest
 
 from phalanx.errors import Stopped
-from phalanx.lifeline import signals_deferred, stop_on_signals
+from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
 
 
 def _signal_self(signum: int) -> None:

@@ -9,10 +9,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # Layer of each top-level part: a module may import only parts of a lower or equal layer
 # (equal: within its own part). models and telemetry know nothing of the others.
 LAYERS = {
-    "errors": 0, "atomic": 0, "outdir": 0, "models": 0, "telemetry": 1,
-    "world": 1, "devices": 1, "data": 1,
-    "comm": 2, "launch": 3, "lifeline": 2, "supervise": 2, "binding": 1, "script": 4, "parallel": 3, "train": 4, "bench": 5, "verify": 5, "predict": 6, "sweep": 5,
-    "cli": 7, "__main__": 8,
+    "errors": 0, "atomic": 0, "outdir": 0, "models": 0,
+    "telemetry": 1, "data": 1, "runtime": 1,
+    "comm": 2,
+    "data_parallel": 3, "model_split": 3,
+    "train": 4,
+    "job": 5, "measure": 5, "autopar": 6,
+    "bench": 7, "verify": 7, "predict": 7, "sweep": 7,
+    "cli": 8, "__main__": 9,
 }
 ISOLATED = {"models": {"errors", "atomic"}, "telemetry": {"errors", "atomic"}}
 

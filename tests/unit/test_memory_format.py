@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.models import LeNet
-from phalanx.parallel import DataParallel, apply_memory_format, resolve_memory_format
-from phalanx.parallel.buckets import build_buckets, grad_view, grads_are_bucket_views
+from phalanx.data_parallel import DataParallel, apply_memory_format, resolve_memory_format
+from phalanx.data_parallel.buckets import build_buckets, grad_view, grads_are_bucket_views
 from phalanx.train import train_batch
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                backend="none", timeout_s=10.0)

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 import torch.utils._python_dispatch
 from torch import nn
 
-from phalanx.bench.mlp import BENCH_MODELS, WideMLP, build_bench_model
+from phalanx.measure.mlp import BENCH_MODELS, WideMLP, build_bench_model
 from phalanx.models import INITS, MODELS, LeNet, LeNetBN, ResNet, book_init, build_model, has_batchnorm
-from phalanx.parallel import SyncBatchNorm, convert_sync_batchnorm, has_sync_batchnorm
-from phalanx.parallel.sync_batchnorm import SyncBatchNormFunction, _Reducer, global_batch_stats
-from phalanx.world import World
+from phalanx.data_parallel import SyncBatchNorm, convert_sync_batchnorm, has_sync_batchnorm
+from phalanx.data_parallel.sync_batchnorm import SyncBatchNormFunction, _Reducer, global_batch_stats
+from phalanx.runtime.world import World
 
 WORLD_1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                 backend="none", timeout_s=10.0)

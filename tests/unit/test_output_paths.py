@@ -11,7 +11,7 @@ import os
 import pytest
 
 from phalanx import atomic
-from phalanx.binding import oversubscription
+from phalanx.runtime.binding import oversubscription
 from phalanx.cli import main
 from phalanx.data import load_dataset
 from phalanx.errors import RunFailed, UsageError, WriteFailed

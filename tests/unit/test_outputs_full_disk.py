@@ -11,8 +11,8 @@ import torch
 
 from phalanx.errors import RunFailed
 from phalanx.models import build_model
-from phalanx.train import outputs as outputs_module
-from phalanx.train.outputs import Outputs
+from phalanx.job import outputs as outputs_module
+from phalanx.job.outputs import Outputs
 
 ROWS = [{"epoch": 1, "train_acc": 0.5, "test_acc": 0.4}, {"epoch": 2, "train_acc": 0.6, "test_acc": 0.5}]
 

@@ -11,11 +11,12 @@ from torch import nn
 
 from phalanx.cli import _config_from_args, build_parser
 from phalanx.models import LeNet
-from phalanx.parallel import DEFAULT_BUCKET_CAP_MB, DataParallel, OverlapScheduler
-from phalanx.parallel.buckets import DDP_FIRST_BUCKET_BYTES, build_buckets, default_first_cap_bytes
-from phalanx.train import TrainConfig, train_batch
-from phalanx.train.loop import micro_batches
-from phalanx.world import World
+from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel, OverlapScheduler
+from phalanx.data_parallel.buckets import DDP_FIRST_BUCKET_BYTES, build_buckets, default_first_cap_bytes
+from phalanx.data_parallel.step import micro_batches
+from phalanx.job.config import TrainConfig
+from phalanx.train import train_batch
+from phalanx.runtime.world import World
 
 KB = 1024
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),

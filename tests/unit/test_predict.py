@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from phalanx.bench.timing import prepare_out_dir, write_outputs
+from phalanx.measure.timing import prepare_out_dir, write_outputs
 from phalanx.errors import UsageError
 from phalanx.predict import add_predict_parser, build_config
 from phalanx.predict.config import INTERCONNECTS, Interconnect, PredictConfig, resolve_interconnect

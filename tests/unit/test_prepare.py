@@ -13,9 +13,9 @@ from torch import nn
 import phalanx
 from phalanx.comm import AsyncComm
 from phalanx.models import LeNet, build_model
-from phalanx.parallel import SyncBatchNorm, apply_memory_format
+from phalanx.data_parallel import SyncBatchNorm, apply_memory_format
 from phalanx.train import train_batch
-from phalanx.world import World
+from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                backend="none", timeout_s=10.0)

@@ -12,9 +12,9 @@ from phalanx.data import load_dataset
 from phalanx.errors import UsageError
 from phalanx.models import build_model
 from phalanx.train import checkpoint as ckpt
-from phalanx.train.config import TrainConfig
-from phalanx.train.resume import Start, dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
-from phalanx.world import World
+from phalanx.job.config import TrainConfig
+from phalanx.job.resume import Start, dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
+from phalanx.runtime.world import World
 
 SIZES = (64, 16)
 

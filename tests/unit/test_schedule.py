@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from phalanx.train.config import TrainConfig
-from phalanx.train.schedule import lr_at, set_lr, warmup_steps
+from phalanx.job.config import TrainConfig
+from phalanx.job.schedule import lr_at, set_lr, warmup_steps
 
 
 def test_no_warmup_is_constant():

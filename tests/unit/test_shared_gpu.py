@@ -1,4 +1,4 @@
-"""The test-only way to run k ranks on one GPU (issue 11), the parts a CPU can check: world.py
+"""The test-only way to run k ranks on one GPU (issue 11), the parts a CPU can check: runtime/world.py
 reads the switch (and nothing else does), and the one algorithm family gloo cannot carry with
 CUDA tensors is refused before any device or collective is touched. tests/gpu runs the mode."""
 
@@ -11,8 +11,8 @@ import torch
 
 from phalanx.errors import UsageError
 from phalanx.models import LeNet
-from phalanx.parallel import DataParallel
-from phalanx.world import RANKS_SHARE_GPU_VAR, World, ranks_share_gpu
+from phalanx.data_parallel import DataParallel
+from phalanx.runtime.world import RANKS_SHARE_GPU_VAR, World, ranks_share_gpu
 
 PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 
@@ -28,7 +28,7 @@ def test_the_switch_is_off_unless_set_to_one():
 def test_world_py_is_the_only_reader_of_the_switch():
     readers = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
                if "PHALANX_TEST_RANKS_SHARE_GPU" in p.read_text()]
-    assert readers == ["world.py"]
+    assert readers == ["runtime/world.py"]
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "naive"])

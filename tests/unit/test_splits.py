@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from phalanx.cli import main
 from phalanx.models import LeNet
-from phalanx.parallel.lenet_parts import UNITS, apply_unit, channel_counts, stage_plan
-from phalanx.parallel.splits import build_split
-from phalanx.world import World
+from phalanx.model_split.lenet_parts import UNITS, apply_unit, channel_counts, stage_plan
+from phalanx.model_split.splits import build_split
+from phalanx.runtime.world import World
 
 
 def _refuse(argv, tmp_path, capsys) -> str:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.parallel.guards import NonFinite
-from phalanx.train.config import TrainConfig
-from phalanx.train.step_hook import after_step_hook
-from phalanx.world import World
+from phalanx.data_parallel.guards import NonFinite
+from phalanx.job.config import TrainConfig
+from phalanx.job.step_hook import after_step_hook
+from phalanx.runtime.world import World
 
 WORLD = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
               timeout_s=10.0)

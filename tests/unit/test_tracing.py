@@ -12,11 +12,12 @@ import torch
 
 from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
-from phalanx.parallel import DataParallel
+from phalanx.data_parallel import DataParallel
 from phalanx.telemetry import Tracer, span
 from phalanx.telemetry.tracing import BUCKET_TID_BASE, MAIN_TID, _Comm
-from phalanx.train.loop import DataSplit, train_epoch
-from phalanx.world import World
+from phalanx.data_parallel.strategy import DataSplit
+from phalanx.train.loop import train_epoch
+from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                backend="none", timeout_s=10.0)

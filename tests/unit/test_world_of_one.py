@@ -14,11 +14,12 @@ import torch.nn.functional as F
 
 from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
-from phalanx.parallel import DataParallel
-from phalanx.parallel.guards import check_finite
+from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel.guards import check_finite
 from phalanx.train import train_batch
-from phalanx.train.loop import DataSplit, _on_device, train_epoch
-from phalanx.world import World
+from phalanx.data_parallel.strategy import DataSplit
+from phalanx.train.loop import _on_device, train_epoch
+from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                backend="none", timeout_s=10.0)

@@ -1,0 +1,236 @@
+"""`phalanx bench autopar`: the five exercises of D2L's "Automatic Parallelism" as experiments.
+
+`bench overlap` runs the chapter's own two experiments; this runs its exercises, each warmed
+up, timed over interleaved rounds and reduced to the same outcome (autopar_report.py): measured,
+in sequence, ideal, speed-up, share of the ideal, a verdict and a correctness check.
+
+1. independent products: does PyTorch run them at once by itself; what explicit concurrency
+   buys (CPU: lane threads with one intra-op thread each; CUDA: streams)      autopar_ops.py
+2. small operators: the same over sizes, and the crossover below which concurrency wins
+3. computation + communication + computation at once: a three-stage pipeline over chunks
+   (CUDA: GPU, copy engine, CPU; CPU: the labelled two-process analogue)   autopar_pipeline.py
+4. a profiler trace of every experiment (`trace_dir`)                         autopar_trace.py
+5. the chapter's two-layer MLP over two devices and the host as a task graph, run by a
+   dependency-driven scheduler against strictly in sequence                  autopar_deps.py
+The CUDA variants are in autopar_cuda.py. This module holds the config and puts them together.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from phalanx.autopar import report
+from phalanx.measure.timing import Spread, cpu_taken_by_others, device_and_sizes, paired_ratio
+from phalanx.runtime.binding import available_cores
+
+EXPERIMENTS = (1, 2, 3, 5)
+DEFAULT_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
+# Sizes for a 2-core CPU: every sample tens of ms, the whole run well under 3 minutes. GPU:
+# D2L's 4096^2 products; a pipeline chunk of ~1 ms on an H100-class GPU (estimates, not run here).
+_DEFAULTS = {
+    "cpu": {"matrix_size": 512, "matmuls": 8, "chunk_rows": 8192, "width": 64, "batch_size": 1024, "hidden": 1024},
+    "cuda": {"matrix_size": 4096, "matmuls": 8, "chunk_rows": 16384, "width": 256, "batch_size": 8192,
+             "hidden": 4096},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoparBenchConfig:
+    experiments: tuple[int, ...] = EXPERIMENTS
+    device: str = "auto"  # auto (cuda when present), cpu or cuda
+    rounds: int = 5
+    lanes: int | None = None  # concurrent lanes: CPU threads (default: the cores, at least 2), CUDA streams (4)
+    matrix_size: int | None = None  # 1: side of each product
+    matmuls: int | None = None  # 1: independent products
+    sizes: tuple[int, ...] = DEFAULT_SIZES  # 2: the sweep
+    ops_per_size: int | None = None  # 2: products per size (default 2 per lane)
+    target_ms: float = 30.0  # 1, 2: products repeat until a sample lasts about this long
+    chunks: int = 16  # 3
+    chunk_rows: int | None = None  # 3: rows per chunk
+    width: int | None = None  # 3: columns per chunk
+    batch_size: int | None = None  # 5: global batch, half per device
+    in_features: int = 784
+    hidden: int | None = None
+    out_features: int = 128
+    steps: int = 3  # 5: SGD steps unrolled into one graph
+    dtype: str = "float32"
+    trace_dir: str | None = None  # 4
+    timeout_s: float = 60.0
+    deadline_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        # Messages name the CLI flag that sets each field (--matrix-size for matrix_size).
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r} is not one of auto, cpu, cuda")
+        if 4 in self.experiments:
+            raise ValueError("experiment 4 is the profiler: add --trace DIR to trace experiments 1, 2, 3 and 5")
+        unknown = sorted(set(self.experiments) - set(EXPERIMENTS))
+        if unknown or not self.experiments or len(set(self.experiments)) != len(self.experiments):
+            raise ValueError(f"--experiments {_csv(self.experiments)}: choose distinct ones of 1, 2, 3, 5")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of float32, float64")
+        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+            raise ValueError(f"--sizes {_csv(self.sizes)} must be distinct positive numbers in ascending order")
+        for name in ("rounds", "chunks", "steps", "in_features", "out_features", "matrix_size", "matmuls",
+                     "ops_per_size", "chunk_rows", "width", "hidden"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value} must be at least 1")
+        if self.lanes is not None and self.lanes < 2:
+            raise ValueError(f"--lanes {self.lanes} must be at least 2 (one lane has nothing to run beside it)")
+        if self.batch_size is not None and (self.batch_size < 2 or self.batch_size % 2):
+            raise ValueError(f"--batch-size {self.batch_size} must be even and at least 2 (a half per device)")
+        if not self.target_ms > 0:
+            raise ValueError(f"--target-ms {self.target_ms} must be a positive number of milliseconds")
+
+    def resolved(self) -> "AutoparBenchConfig":
+        """Device picked, lanes and every size filled in."""
+        device, sizes = device_and_sizes(self, _DEFAULTS)
+        lanes = self.lanes or (4 if device == "cuda" else max(2, available_cores()))
+        return replace(self, device=device, lanes=lanes, ops_per_size=self.ops_per_size or 2 * lanes, **sizes)
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))
+
+
+def _independent(config: AutoparBenchConfig, *, size: int, count: int, each_alone: bool, trace: str | None):
+    if config.device == "cuda":
+        from phalanx.autopar import cuda as autopar_cuda
+
+        return autopar_cuda.measure_streams(size=size, count=count, streams=config.lanes, rounds=config.rounds,
+                                            target_s=config.target_ms / 1e3, dtype=config.dtype,
+                                            each_alone=each_alone, trace=trace and (config.trace_dir, trace))
+    from phalanx.autopar import ops as autopar_ops
+
+    return autopar_ops.measure_cpu(size=size, count=count, cores=available_cores(), lanes=config.lanes,
+                                   rounds=config.rounds, target_s=config.target_ms / 1e3, dtype=config.dtype,
+                                   each_alone=each_alone, deadline_s=config.deadline_s,
+                                   trace=trace and (config.trace_dir, trace))
+
+
+def _how_concurrent(config: AutoparBenchConfig) -> str:
+    if config.device == "cuda":
+        return f"{config.lanes} CUDA streams vs one"
+    return f"{config.lanes} threads x 1 intra-op thread vs eager with {available_cores()} intra-op threads"
+
+
+def experiment_1(config: AutoparBenchConfig) -> dict[str, Any]:
+    m = _independent(config, size=config.matrix_size, count=config.matmuls, each_alone=True,
+                     trace="exp1" if config.trace_dir else None)
+    s = m["samples"]
+    result = report.outcome(measured_s=s["concurrent"], sequential_s=s["eager"], ideal_s=_longest_share(s))
+    eager_over_alone = paired_ratio(s["eager"], s["each alone, summed"])
+    return {"experiment": 1, "title": f"{config.matmuls} independent {config.matrix_size}^2 products",
+            "how": _how_concurrent(config), "outcome": result, "check": m["check"], "repeats": m["repeats"],
+            "contenders_s": {name: Spread.of(v).to_dict() for name, v in s.items()},
+            "eager_over_each_alone": eager_over_alone.to_dict(),
+            "verdict": report.verdict_independent(result, eager_over_alone=eager_over_alone.median,
+                                                  how="explicitly concurrent", asynchronous=config.device == "cuda")}
+
+
+def _longest_share(samples: dict[str, list[float]]) -> list[float]:
+    shares = [v for name, v in samples.items() if name.startswith("share ") and name.endswith(" alone")]
+    return [max(values) for values in zip(*shares)]
+
+
+def experiment_2(config: AutoparBenchConfig, *, on_size: Callable[[str], None] | None = None) -> dict[str, Any]:
+    sweep = []
+    for size in config.sizes:
+        if on_size is not None:
+            on_size(f"experiment 2: n={size}")
+        m = _independent(config, size=size, count=config.ops_per_size, each_alone=False,
+                         trace=f"exp2-n{size}" if config.trace_dir else None)
+        s = m["samples"]
+        sweep.append({"size": size, "repeats": m["repeats"], "check": m["check"],
+                      "contenders_s": {name: Spread.of(v).to_dict() for name, v in s.items()},
+                      "outcome": report.outcome(measured_s=s["concurrent"], sequential_s=s["eager"],
+                                                ideal_s=_longest_share(s))})
+    speedups = [r["outcome"]["speedup"]["median"] for r in sweep]
+    cross = report.crossover(list(config.sizes), speedups)
+    passed = all(r["check"]["passed"] for r in sweep)
+    return {"experiment": 2, "title": f"{config.ops_per_size} small products per size",
+            "how": _how_concurrent(config), "sweep": sweep, "crossover": cross,
+            "check": {"passed": passed, "bitwise": True, "what": f"{sweep[0]['check']['what']}, at every size"},
+            "verdict": report.verdict_sweep(cross, list(config.sizes), speedups, "concurrency")}
+
+
+def experiment_3(config: AutoparBenchConfig) -> dict[str, Any]:
+    if config.device == "cuda":
+        from phalanx.autopar import cuda as autopar_cuda
+
+        m = autopar_cuda.measure_pipeline(chunks=config.chunks, chunk_rows=config.chunk_rows, width=config.width,
+                                          rounds=config.rounds, dtype=config.dtype, trace_dir=config.trace_dir)
+        how, title, cores = "GPU computes, copy engine moves, CPU reduces", "GPU + copy + CPU pipeline", None
+    else:
+        from phalanx.autopar.pipeline import PipelineJob, run_cpu_pipeline
+
+        job = PipelineJob(chunks=config.chunks, chunk_rows=config.chunk_rows, width=config.width,
+                          rounds=config.rounds, dtype=config.dtype, trace_dir=config.trace_dir)
+        m = run_cpu_pipeline(job, timeout_s=config.timeout_s, deadline_s=config.deadline_s)
+        how = "CPU analogue: 2 processes x 1 thread, gloo isend/irecv"
+        title, cores = "compute | transfer | reduce pipeline", available_cores()
+    result = report.outcome(measured_s=m["measured_s"], sequential_s=m["sequential_s"], ideal_s=m["ideal_s"])
+    stages = {name: Spread.of(v).median for name, v in m["stages_s"].items()}
+    extra = {"in sequence, wall (with handshakes)": Spread.of(m["sequential_wall_s"]).to_dict()}
+    return {"experiment": 3, "title": title, "how": how, "outcome": result, "check": m["check"],
+            "stages_s": {name: Spread.of(v).to_dict() for name, v in m["stages_s"].items()}, "references_s": extra,
+            "verdict": report.verdict_pipeline(result, stages_s=stages, chunks=config.chunks, cores=cores)}
+
+
+def experiment_5(config: AutoparBenchConfig) -> dict[str, Any]:
+    sizes = dict(batch_size=config.batch_size, in_features=config.in_features, hidden=config.hidden,
+                 out_features=config.out_features, steps=config.steps, rounds=config.rounds, dtype=config.dtype,
+                 trace_dir=config.trace_dir)
+    if config.device == "cuda":
+        from phalanx.autopar import cuda_graph as autopar_cuda_graph
+
+        m = autopar_cuda_graph.measure_cuda_mlp(**sizes, deadline_s=config.deadline_s)
+        how = "2 CUDA streams (or GPUs) + host, events between them"
+    else:
+        from phalanx.autopar.deps import measure_cpu_mlp
+
+        m = measure_cpu_mlp(**sizes, cores=available_cores(), deadline_s=config.deadline_s)
+        how = "threads: 2 device lanes + host, 1 intra-op thread each"
+    s = m["samples"]
+    result = report.outcome(measured_s=s["scheduled"], sequential_s=s["in sequence"],
+                            ideal_s=[r["ideal_s"] for r in m["rounds"]])
+    references = {name: Spread.of(v).to_dict() for name, v in s.items() if name not in ("scheduled", "in sequence")}
+    all_cores = Spread.of(s["in sequence, all cores"]).median if "in sequence, all cores" in s else None
+    return {"experiment": 5, "title": f"2-layer MLP, {config.steps} steps, 2 devices + host", "how": how,
+            "outcome": result, "check": m["check"], "rounds": m["rounds"], "references_s": references,
+            "tasks": m["tasks"], "edges": m["edges"],
+            "verdict": report.verdict_graph(result, rounds=m["rounds"], tasks=m["tasks"], all_cores_s=all_cores,
+                                            edges=m["edges"], check_passed=m["check"]["passed"])}
+
+
+def where(config: AutoparBenchConfig) -> str:
+    if config.device == "cuda":
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU, {available_cores()} cores, torch {torch.__version__}"
+
+
+def run_autopar_bench(config: AutoparBenchConfig, *,
+                      on_progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the chosen experiments in order; the payload the table, JSON and PNG are made from."""
+    config = config.resolved()
+    say = on_progress or (lambda message: None)
+    start_s = time.perf_counter()
+    experiments = []
+    for number in config.experiments:
+        say(f"experiment {number}")
+        others: dict[str, float | None] = {}
+        with cpu_taken_by_others(others):
+            if number == 2:
+                experiment = experiment_2(config, on_size=say)
+            else:
+                experiment = {1: experiment_1, 3: experiment_3, 5: experiment_5}[number](config)
+        # On a shared machine other processes decide how much of the cores a contender got: say it.
+        experiments.append({**experiment, "others_cores": others["others_cores"]})
+    return {"bench": "autopar", "config": asdict(config), "where": where(config), "trace_dir": config.trace_dir,
+            "experiments": experiments, "checks_passed": all(e["check"]["passed"] for e in experiments),
+            "elapsed_s": time.perf_counter() - start_s}

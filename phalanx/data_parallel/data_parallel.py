@@ -1,0 +1,313 @@
+"""Data parallelism as in D2L 13.5: every rank holds a full replica and sums gradients.
+
+`DataParallel` owns the replica's synchronisation contract, the one torch DDP established:
+rank 0's parameters and buffers are broadcast at construction so replicas start identical;
+gradients live in flat buckets (see buckets.py) that are summed across ranks with the chosen
+allreduce algorithm; `no_sync()` skips the exchange for gradient accumulation. Averaging is
+done by the caller through the loss scale (sum over the shard / global batch size), which keeps
+the update exactly the 1-device update even when the last batch splits unevenly across ranks.
+
+Two ways to exchange, same result: with `overlap=True` (the default) each bucket's allreduce is
+launched asynchronously from a gradient hook the moment its last gradient lands, so it runs
+while backward computes the earlier layers (overlap.py), and `finish_gradient_sync()` waits;
+with `overlap=False` nothing happens during backward and `finish_gradient_sync()` sums the
+buckets one after another. Either way the caller's step is: zero_grad, forward, backward,
+finish_gradient_sync, optimizer step.
+
+Bucket exchanges are tagged "step s's gradient bucket i" on the collective board, so a rank that
+meets another collective is named at once (comm/watchdog.py); a synced backward never exchanged
+(a forgotten finish_gradient_sync(), silent with overlap=False) is refused at the next zero_grad()
+or optimizer step (guards.UnsyncedGradientGuard).
+
+A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
+buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it to None), no
+hooks, no communication thread, no collectives; the step is the plain PyTorch loop's (issue 11:
+on a GPU the overlap machinery cost 40-60% of a step where there was nothing to send). A
+`comm` handed in keeps the whole machinery, which is how a single process tests it.
+
+A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
+users do by habit is made right or named after each synced exchange (step_extras.py: running
+statistics averaged, a loss that bypassed `shard_loss` named, or DDP's mean with `average=True`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from phalanx.comm import AsyncComm, ShmError, check_choice, resolve_algorithm
+from phalanx.runtime.board import tagged
+from phalanx.data_parallel.accumulate import accumulate
+from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
+                                      grads_are_bucket_views)
+from phalanx.data_parallel.guards import UnsyncedGradientGuard
+from phalanx.data_parallel.overlap import OverlapScheduler
+from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
+from phalanx.data_parallel.step_extras import StepExtras
+from phalanx.runtime.world import World
+
+# LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
+# fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
+# batch 256, 40 interleaved rounds in one process tree): the wait left in finish_gradient_sync
+# falls from 4.8 ms (synchronous, flat) to 3.9 / 2.5 / 1.8 / 1.3 ms with 1 / 2 / 3 / 5
+# overlapped buckets, while step time stays within noise for all (p10 62.8-63.8 ms) - presumably
+# because on two busy cores the communication's CPU time comes out of backward's. 3 is the
+# fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on gloo every call pays a
+# ~1 ms floor (BASELINES.md), so CPU buckets stay few.
+DEFAULT_BUCKET_CAP_MB = 0.25
+_MB = 1024 * 1024
+
+
+# --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _mb_to_bytes(mb: float | None) -> int | None:
+    return None if mb is None else max(1, int(mb * _MB))
+
+
+class DataParallel(ReplicaModule):
+    """A replica plus its gradient exchange, as an nn.Module. Construct it at the same point on
+    every rank (the broadcast and, with overlap, AsyncComm's private group are collectives)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        world: World,
+        algorithm: str = "auto",
+        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+        first_bucket_cap_mb: float | None = None,
+        overlap: bool = True,
+        comm: AsyncComm | None = None,
+        grad_dtype: torch.dtype | None = None,
+        average: bool | None = None,
+        average_running_stats: bool = True,
+        autocast_dtype: torch.dtype | None = None,
+        batchnorm: str | None = None,
+    ) -> None:
+        """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
+        `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
+        min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
+        `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half
+        the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype.
+        `average`: None sums and expects `shard_loss` (named at the first step if not), True is
+        DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
+        and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
+        step_extras.py. `autocast_dtype`: forward under torch.autocast (prepare's precision=)."""
+        check_choice(algorithm)  # ValueError with the valid names, before any collective
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
+        if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
+            raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
+        super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
+        self.exchanging = False
+        self.autocast = None if autocast_dtype is None else (world.device.type, autocast_dtype)
+        self.world = world
+        chosen_by_auto = algorithm == "auto"
+        self.algorithm = algorithm = resolve_algorithm(algorithm, world)
+        if algorithm != "native" and world.backend == "gloo" and world.device.type == "cuda":
+            # gloo's collectives copy CUDA tensors through host memory; its send/recv hand the raw
+            # device pointer to the socket (ProcessGroupGloo::send), so ring/tree/naive would fail
+            # (and shm serves CPU tensors only).
+            raise ValueError(f"allreduce {algorithm!r} sends CUDA tensors point to point, which gloo cannot; "
+                             "use allreduce 'native' when CUDA ranks talk over gloo")
+        # Why auto did not pick shm where it usually would (a full /dev/shm, say), or None.
+        self.fallback_reason: str | None = None
+        self.grad_dtype = grad_dtype
+        self.overlap = overlap
+        self.module = module.to(world.device)
+        broadcast_state_(self.module, world=world, src=0)
+        # False: a world of one with no comm to launch on (see the module docstring).
+        self.exchanging = world.distributed or comm is not None
+        cap_bytes = _mb_to_bytes(bucket_cap_mb)
+        first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else _mb_to_bytes(first_bucket_cap_mb)
+        self.buckets: list[Bucket] = build_buckets(
+            list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
+        ) if self.exchanging else []
+        self._sync_enabled = True
+        self._closed = False
+        # A phalanx.telemetry.Tracer to report each bucket's allreduce to, or None (the default).
+        self.tracer = None
+        self.choices = None  # what phalanx.prepare chose (prepare.Choices); None when built directly
+        self.average = average
+        self._extras = StepExtras(self.module, world=world, average=average, batchnorm=batchnorm,
+                                  average_running_stats=average_running_stats)
+        self._comm: AsyncComm | None = None
+        self._owns_comm = False
+        self._scheduler: OverlapScheduler | None = None
+        self._hook_handles: list = []
+        # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
+        self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
+        if comm is not None:
+            self._comm = comm
+        elif world.distributed:
+            # Synchronous exchanges use it too: it owns the shm segment or the private group.
+            self._owns_comm = True
+            try:
+                self._comm = AsyncComm(world=world, algorithms=(algorithm,))
+            except ShmError as exc:
+                if not chosen_by_auto:
+                    raise
+                # Every rank learned the same failure (the segment's set-up is all-gathered), so
+                # every rank falls back alike: auto means "the fastest that works here".
+                self.fallback_reason, self.algorithm = str(exc), "native"
+                self._comm = AsyncComm(world=world, algorithms=("native",))
+        if overlap and self.exchanging:
+            self._scheduler = OverlapScheduler(self.buckets, launch=self._launch)
+            for bucket in self.buckets:
+                for param in bucket.params:
+                    # Fires after autograd has added this backward's gradient into param.grad
+                    # (our bucket view), i.e. when the value to send is final (torch >= 2.1).
+                    self._hook_handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
+        elif self.exchanging:
+            # Without overlap only the forgotten-sync check needs to see a backward: one hook per bucket.
+            for bucket in self.buckets:
+                self._hook_handles.append(bucket.params[0].register_post_accumulate_grad_hook(self._on_backward))
+
+    def broadcast_state(self, *, src: int = 0) -> None:
+        """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
+        broadcast_state_(self.module, world=self.world, src=src)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the bucket buffers (never set .grad to None: the views must survive); with
+        nothing to exchange, set every .grad to None (or zero it) as `optimizer.zero_grad()` does."""
+        if not self.exchanging:
+            for param in self.module.parameters():
+                param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
+            return
+        if self._scheduler is not None:
+            if self._scheduler.in_flight:
+                raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
+            self._scheduler.reset()  # drop gradients marked by a backward that never finished
+        self._unsynced.check("zero_grad()")
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the previous setting is restored even on error.
+
+        With overlap the hooks launch nothing inside; gradients keep summing into the buckets,
+        and the first synced backward after it sends the accumulated sum (as DDP's no_sync).
+        """
+        if self._scheduler is not None and self._scheduler.in_flight:
+            raise RuntimeError("no_sync() entered while gradient allreduces are in flight; finish them first")
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def accumulate(self, micro_batches: int | Iterable) -> Iterator:
+        """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:
+        gradient accumulation as a loop (accumulate.py); then finish_gradient_sync and step."""
+        return accumulate(self.no_sync, micro_batches)
+
+    @property
+    def sync_enabled(self) -> bool:
+        return self._sync_enabled
+
+    @property
+    def exchange_in_flight(self) -> bool:
+        """True from a bucket's launch during backward until finish_gradient_sync() returns."""
+        return self._scheduler is not None and self._scheduler.in_flight
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self._sync_enabled and self._scheduler is not None:
+            self._unsynced.pending = True
+            self._scheduler.mark_ready(param)
+
+    def _on_backward(self, param: nn.Parameter) -> None:
+        if self._sync_enabled:
+            self._unsynced.pending = True
+
+    def _wire(self, bucket: Bucket) -> torch.Tensor:
+        """What goes on the wire for `bucket`: its buffer, or a compressed copy of it."""
+        if self.grad_dtype is None or self.grad_dtype == bucket.buffer.dtype:
+            return bucket.buffer
+        return bucket.buffer.detach().to(self.grad_dtype)
+
+    def _launch(self, bucket: Bucket):
+        wire = self._wire(bucket)
+        on_done = None
+        if self.tracer is not None:
+            record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
+            on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
+        extra = {} if on_done is None else {"on_done": on_done}
+        with tagged(self.world, "gradient", bucket.index):  # what a failure calls this collective
+            handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
+        return handle if wire is bucket.buffer else DecompressingHandle(handle, wire, bucket.buffer)
+
+    def finish_gradient_sync(self) -> None:
+        """The one wait point after backward: afterwards every bucket holds the sum over ranks.
+
+        Overlap: launches the buckets whose gradients never all landed (unused parameters, or
+        a rank with an empty shard that ran no backward), then waits every handle once.
+        Synchronous: sums every bucket now, in bucket order. Inside no_sync() it does nothing.
+        """
+        if self._closed:
+            raise RuntimeError("DataParallel is closed")
+        if not self._sync_enabled or not self.exchanging:
+            return
+        if self._scheduler is not None:
+            self._scheduler.finish()
+        elif self.world.distributed:
+            for bucket in self.buckets:
+                wire = self._wire(bucket)
+                record = None if self.tracer is None else self.tracer.comm_launched(
+                    bucket.index, wire.numel() * wire.element_size())
+                with tagged(self.world, "gradient", bucket.index):
+                    self._comm.allreduce(wire, algorithm=self.algorithm)
+                if wire is not bucket.buffer:
+                    with torch.no_grad():
+                        bucket.buffer.copy_(wire)
+                if record is not None:
+                    self.tracer.comm_done(record)
+        self._unsynced.pending = False
+        if self.world.board is not None:
+            self.world.board.step_done()  # later collectives' tags carry the step count
+        # Checked after the exchange, so a rank that fails here still matched its peers' calls.
+        if not grads_are_bucket_views(self.buckets):
+            raise RuntimeError(
+                "a parameter's .grad no longer aliases its gradient bucket; "
+                "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
+            )
+        self._extras.after_exchange(self.buckets, self._allreduce_now)
+
+    def _allreduce_now(self, flat: torch.Tensor) -> None:
+        self._comm.allreduce(flat, algorithm=self.algorithm)
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
+        parameter's own gradient, by a name an error message can use."""
+        if self.exchanging:
+            return {f"gradient bucket {bucket.index}": bucket.buffer for bucket in self.buckets}
+        return {f"{name}'s gradient": param.grad for name, param in self.module.named_parameters()
+                if param.grad is not None}
+
+    def close(self) -> None:
+        """Remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        if self._unsynced is not None:
+            self._unsynced.close()
+        self._extras.close()
+        if self._comm is not None and self._owns_comm:
+            self._comm.close()
+        self._comm = None
+        self._scheduler = None
+        self._closed = True
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,167 @@
+"""Checks that turn a silent distributed failure into an error naming the rank, field and step.
+
+- `preflight_check`: before the first step every rank contributes a fingerprint of what must
+  agree (model parameters, bucket layout, world settings, steps per epoch); one all-gather, and
+  a rank that differs is named with the field - instead of a hang when, say, one rank's model has
+  an extra layer and issues one collective more.
+- `check_replicas`: every N steps the replicas' parameter and buffer checksums (float64 per
+  tensor) are gathered and compared bitwise: data parallelism keeps replicas identical, so any
+  difference is a bug (a rank that skipped an update, a non-deterministic reduction) or a buffer
+  that follows each rank's own data (running statistics nobody averages), caught at the step it
+  shows instead of at the end of training - or, with `buffers_only`, before an evaluation that
+  would otherwise mix diverged replicas (issue 22).
+- `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
+  its step and rank instead of silently poisoning every replica.
+- `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
+  `finish_gradient_sync()`, silent with overlap=False) is refused at `zero_grad()` or at the
+  optimizer's step, naming the fix (issue 22).
+
+Every rank sees the same gathered data, so every rank raises the same error at the same point.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from phalanx.comm import collective
+from phalanx.errors import RunFailed
+from phalanx.runtime.world import World
+
+
+class ReplicaMismatch(RunFailed):
+    """Ranks disagree on something that must be identical."""
+
+
+class NonFinite(RunFailed, FloatingPointError):
+    """The loss or a summed gradient is NaN or infinite."""
+
+
+def model_fingerprint(module: torch.nn.Module) -> str:
+    """A short hash of parameter names, shapes and dtypes (not values)."""
+    text = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def preflight_check(world: World, fields: dict[str, Any]) -> None:
+    """All-gather `fields` (picklable, small) and raise if any rank's differ from rank 0's."""
+    if not world.distributed:
+        return
+    gathered: list[dict[str, Any] | None] = [None] * world.world_size
+    with collective(world, "pre-flight check"):
+        dist.all_gather_object(gathered, fields)
+    reference = gathered[0]
+    for rank, theirs in enumerate(gathered):
+        for field in sorted(set(reference) | set(theirs)):
+            if reference.get(field) != theirs.get(field):
+                raise ReplicaMismatch(
+                    f"pre-flight check: rank {rank} differs from rank 0 in {field} "
+                    f"({theirs.get(field)!r} vs {reference.get(field)!r}); every rank must run the same "
+                    "model, settings and data")
+
+
+def parameter_checksums(module: torch.nn.Module) -> torch.Tensor:
+    """One float64 sum per parameter, plus an index-weighted sum that catches permutations."""
+    return tensor_checksums(list(module.parameters()))
+
+
+def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor: the float64 sum and an index-weighted sum (catches permutations)."""
+    sums = []
+    with torch.no_grad():
+        for t in tensors:
+            flat = t.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+            sums += [flat.sum(), (flat * weights).sum()]
+    return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
+
+
+def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, buffers_only: bool = False) -> None:
+    """Raise ReplicaMismatch naming the first parameter or buffer whose value on some rank differs
+    from rank 0's at `step` (None: before an evaluation). `buffers_only`: parameters are skipped
+    (they stay identical by construction; buffers are what a forward can change per rank)."""
+    if not world.distributed:
+        return
+    named = ([] if buffers_only else [(n, "") for n, _ in module.named_parameters()]) + \
+        [(n, " (a buffer)") for n, _ in module.named_buffers()]
+    if not named:  # every rank holds the same model, so every rank returns here alike
+        return
+    tensors = ([] if buffers_only else list(module.parameters())) + list(module.buffers())
+    mine = tensor_checksums(tensors).to(world.device)
+    gathered = [torch.empty_like(mine) for _ in range(world.world_size)]
+    with collective(world, "replica check", size_bytes=mine.numel() * mine.element_size()):
+        dist.all_gather(gathered, mine)
+    when = f"at step {step}" if step is not None else "before evaluation"
+    for rank, theirs in enumerate(gathered):
+        differs = (theirs != gathered[0]).nonzero().flatten().tolist()
+        if differs:
+            name, kind = named[differs[0] // 2]
+            cause = ("a buffer the forward updates from each rank's own data (running statistics?); keep DataParallel's "
+                     "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself" if kind else
+                     "the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
+            raise ReplicaMismatch(f"replicas diverged {when}: rank {rank}'s {name}{kind} differs from rank 0's; {cause}")
+
+
+def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], step: int,
+                 rank: int) -> None:
+    """Raise NonFinite (a FloatingPointError) naming the step and rank when the loss or a gradient is NaN/Inf.
+
+    `buffers`: the gradient buckets (named "gradient bucket i"), or gradients by name
+    (`DataParallel.named_gradients()`). Each check reads a value on the host: on a GPU, call it
+    only at the steps that check (it synchronises).
+    """
+    if loss is not None and not bool(torch.isfinite(loss).all()):
+        raise NonFinite(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
+    named = (buffers.items() if isinstance(buffers, Mapping)
+             else ((f"gradient bucket {i}", b) for i, b in enumerate(buffers)))
+    for name, buffer in named:
+        if not bool(torch.isfinite(buffer).all()):
+            raise NonFinite(f"{name} holds NaN/Inf at step {step} on rank {rank}; lower --lr or check the data")
+
+
+class UnsyncedGradientGuard:
+    """Refuses to use gradients of a synced backward that were never exchanged.
+
+    Its owner sets `pending` when a backward lands gradients with sync on and clears it once they
+    are summed. `check()` (from zero_grad) and a step pre-hook on every optimizer that steps the
+    module then raise, naming the fix. The hook is process-wide (torch has no per-module one) but
+    costs a flag test while nothing is pending; it holds the guard weakly, so a dropped replica
+    is not kept alive, and `close()` removes it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.pending = False
+        self._module = module
+        self._steps_module: dict[int, bool] = {}  # id(optimizer) -> does it hold the module's parameters?
+        self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
+
+    def check(self, what: str) -> None:
+        if self.pending:
+            raise RuntimeError(f"{what} after a backward whose gradients were never summed across ranks: call "
+                               "dp.finish_gradient_sync() between loss.backward() and optimizer.step(), or the "
+                               "replicas drift apart")
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        mine = self._steps_module.get(id(optimizer))
+        if mine is None:  # looked up once per optimizer
+            ours = {id(p) for p in self._module.parameters()}
+            mine = self._steps_module[id(optimizer)] = any(
+                id(p) in ours for group in optimizer.param_groups for p in group["params"])
+        if mine:
+            self.check("optimizer.step()")
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _step_hook(guard: "weakref.ref[UnsyncedGradientGuard]"):
+    def hook(optimizer, args, kwargs) -> None:
+        target = guard()
+        if target is not None and target.pending:
+            target.check_step(optimizer)
+
+    return hook

@@ -1,0 +1,116 @@
+"""Overlapping the gradient exchange with backward: which bucket launches when, and the one wait.
+
+`OverlapScheduler` owns every bucket's in-flight allreduce handle. A post-accumulate-grad hook on
+each parameter tells it when that parameter's gradient has landed in its bucket (`mark_ready`);
+when a bucket's last gradient of this backward has landed, its allreduce is launched at once,
+while autograd goes on computing earlier layers' gradients - the scheme of torch DDP's reducer
+(`Reducer::mark_variable_ready` / `mark_bucket_ready`) and picotron's `BucketManager`.
+`finish()` is the single wait point after backward: it launches whatever never became ready
+(unused parameters, a rank whose shard was empty and ran no backward at all) and waits every
+handle exactly once. It knows nothing about processes: `launch` is any callable that starts an
+allreduce of a bucket and returns a handle (`AsyncComm.allreduce_async` in training, a fake in
+unit tests), and whether to sync at all (`no_sync`) is decided by the caller.
+
+Hooks run on autograd's engine thread for the parameters' device; with one device per process
+that is one thread, so this class needs no lock.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+from torch import nn
+
+from phalanx.data_parallel.buckets import Bucket
+
+
+class PendingHandle(Protocol):
+    """What a launch returns: `phalanx.comm.Handle` (or a test's fake)."""
+
+    @property
+    def waited(self) -> bool: ...
+
+    def wait(self) -> object: ...
+
+
+class OverlapScheduler:
+    """Launch bucket i's allreduce once its gradients have all landed and buckets < i launched."""
+
+    def __init__(self, buckets: Sequence[Bucket], *, launch: Callable[[Bucket], PendingHandle]) -> None:
+        self.buckets = list(buckets)
+        if [b.index for b in self.buckets] != list(range(len(self.buckets))):
+            raise ValueError(f"bucket indices must be 0..{len(self.buckets) - 1} in order, got {[b.index for b in self.buckets]}")
+        self._launch_fn = launch
+        self._bucket_of: dict[int, int] = {}  # id(param) -> bucket index
+        for bucket in self.buckets:
+            for param in bucket.params:
+                self._bucket_of[id(param)] = bucket.index
+        self._landed: list[set[int]] = [set() for _ in self.buckets]  # id(param)s landed this backward
+        self._handles: list[PendingHandle | None] = [None] * len(self.buckets)
+        self._next_launch = 0  # buckets [0, _next_launch) have launched in this step
+
+    @property
+    def in_flight(self) -> bool:
+        """True between the first launch of a step and the end of `finish()`."""
+        return self._next_launch > 0
+
+    def mark_ready(self, param: nn.Parameter) -> None:
+        """Called once per parameter per synced backward, after its gradient was accumulated."""
+        index = self._bucket_of[id(param)]
+        landed = self._landed[index]
+        if self._handles[index] is not None or id(param) in landed:
+            # The bucket's buffer is (or is about to be) on the wire: a second gradient for it
+            # would race with the allreduce, so refuse loudly (DDP: "marked ready twice").
+            raise RuntimeError(
+                f"a gradient landed twice in bucket {index} during one synced step (backward ran "
+                "twice before finish_gradient_sync?); accumulate micro-batches under no_sync()"
+            )
+        landed.add(id(param))
+        if len(landed) == len(self.buckets[index].params):
+            self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self) -> None:
+        # Launch strictly in bucket order, even when a later bucket is complete first. Backends
+        # pair the k-th collective of one rank with the k-th of every other rank; the order in
+        # which buckets complete can differ between ranks (unused parameters, an empty shard,
+        # autograd's scheduling), so launching as they complete could sum bucket 1 on one rank
+        # with bucket 2 on another - wrong numbers or a hang. DDP's reducer does the same:
+        # "Buckets are reduced in sequence" (`next_bucket_` in reducer.cpp).
+        while self._next_launch < len(self.buckets) and self._is_complete(self._next_launch):
+            self._launch(self._next_launch)
+
+    def _is_complete(self, index: int) -> bool:
+        return len(self._landed[index]) == len(self.buckets[index].params)
+
+    def _launch(self, index: int) -> None:
+        assert index == self._next_launch, (index, self._next_launch)
+        assert self._handles[index] is None, f"bucket {index} launched twice in one step"
+        handle = self._launch_fn(self.buckets[index])
+        assert not handle.waited, f"bucket {index}: a fresh handle is already waited"
+        self._handles[index] = handle
+        self._next_launch += 1
+
+    def finish(self) -> None:
+        """Launch every bucket still unlaunched (in order), then wait each handle exactly once.
+
+        A bucket whose parameters got no gradient this backward still holds what zero_grad and
+        any no_sync micro-batches left in it (zeros for a rank that ran no backward); it is
+        summed all the same, so every rank issues the same collectives in the same order.
+        """
+        while self._next_launch < len(self.buckets):
+            self._launch(self._next_launch)
+        try:
+            for index, handle in enumerate(self._handles):
+                assert handle is not None, f"bucket {index} never launched"
+                assert not handle.waited, f"bucket {index}: handle waited before finish()"
+                handle.wait()
+                assert handle.waited, f"bucket {index}: handle not marked waited after wait()"
+        finally:
+            self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's state (after finish, or after a failed step)."""
+        for landed in self._landed:
+            landed.clear()
+        self._handles = [None] * len(self.buckets)
+        self._next_launch = 0

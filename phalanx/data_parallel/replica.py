@@ -1,0 +1,130 @@
+"""The `nn.Module` face of a data-parallel replica: what lets `DataParallel` stand where the model stood.
+
+Code written for torch DDP, or for the plain model, calls `.train()`, `.eval()`, `.parameters()`,
+`.state_dict()`, `.to()` and `model(x)` on the wrapper (issue 22, case 5: the port needed
+`.module` in 6 places). `ReplicaModule` gives them, over the wrapped model held as the submodule
+`module` (DDP's name, so `dp.module` keeps working), broadcast from rank 0 at construction
+(`broadcast_state_`). One deliberate difference from DDP: names
+carry no `module.` prefix - `dp.state_dict()` and `dp.named_parameters()` are the model's own, so
+`torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
+how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones.
+
+Refused, because the gradients live as views in the exchange's buckets: moving, casting or
+re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
+would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
+replace them. `forward` optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`,
+as Lightning Fabric and Accelerate do): the weights, their gradients and the exchange stay
+float32, and floating outputs come back as float32 so the loss is computed in full precision.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from phalanx.comm import broadcast_
+from phalanx.runtime.world import World
+
+DDP_PREFIX = "module."
+
+
+class ReplicaModule(nn.Module):
+    """Base of DataParallel: the model as submodule `module`, its names unprefixed (see above)."""
+
+    module: nn.Module
+    exchanging: bool  # True once gradient buckets hold the parameters' .grad
+    autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.autocast is None:
+            return self.module(*args, **kwargs)
+        device_type, dtype = self.autocast
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            out = self.module(*args, **kwargs)
+        return _widen(out)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The model's own state dict: no `module.` prefix (load it into the plain model)."""
+        return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Copy `state_dict` into the model: its own keys, or DDP's `module.`-prefixed ones.
+        Every rank should load the same values (or call `broadcast_state()` afterwards)."""
+        if assign and self.exchanging:
+            raise ValueError("load_state_dict(assign=True) would replace the parameters whose gradients live in "
+                             "DataParallel's buckets; load with assign=False (copies the values in)")
+        return self.module.load_state_dict(without_ddp_prefix(state_dict, self.module), strict=strict, assign=assign)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if not recurse:  # the wrapper holds no parameters of its own
+            return iter(())
+        return self.module.named_parameters(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        if not recurse:
+            return iter(())
+        return self.module.named_buffers(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
+        # Every `.to()`, `.cuda()`, `.double()`, `.half()` ... arrives here. A conversion that
+        # changes nothing returns the tensor itself; anything else would rebind .grad away from
+        # its bucket, so it is refused before a single parameter is touched.
+        if self.exchanging:
+            for name, param in self.module.named_parameters():
+                if fn(param) is not param:
+                    raise ValueError(
+                        f"moving, casting or re-laying-out the replica's parameters ({name} first) after "
+                        "DataParallel built its gradient buckets would detach them from the exchange; convert the "
+                        "model before wrapping it (phalanx.prepare(model, world=world, dtype=..., memory_format=...) "
+                        "also puts it on world.device)")
+        return super()._apply(fn, recurse)
+
+
+@torch.no_grad()
+def broadcast_state_(module: nn.Module, *, world: World, src: int = 0) -> None:
+    """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast per dtype)."""
+    if not world.distributed:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        broadcast_(flat, world=world, src=src)
+        torch._foreach_copy_(group, [piece.view_as(t) for piece, t in zip(torch.split(flat, [t.numel() for t in group]), group)])
+
+
+def without_ddp_prefix(state_dict: Mapping[str, Any], module: nn.Module) -> Mapping[str, Any]:
+    """`state_dict` with DDP's `module.` prefix removed when every key carries it and `module`'s
+    own keys do not (a model with a child named `module` keeps its keys as they are)."""
+    keys = list(state_dict.keys())
+    if not keys or not all(k.startswith(DDP_PREFIX) for k in keys):
+        return state_dict
+    if any(k.startswith(DDP_PREFIX) for k in module.state_dict().keys()):
+        return state_dict
+    stripped = OrderedDict(state_dict)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:  # version info of the layers (BatchNorm's), keyed by module path
+        stripped._metadata = copy.copy(metadata)
+    consume_prefix_in_state_dict_if_present(stripped, DDP_PREFIX)
+    return stripped
+
+
+def _widen(out: Any) -> Any:
+    """Floating tensors narrower than float32 in `out` (tensor, tuple, list, dict), as float32."""
+    if isinstance(out, torch.Tensor):
+        return out.float() if out.is_floating_point() and out.element_size() < 4 else out
+    if isinstance(out, dict):
+        return {key: _widen(value) for key, value in out.items()}
+    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields positionally
+        return type(out)(*(_widen(value) for value in out))
+    if isinstance(out, (tuple, list)):
+        return type(out)(_widen(value) for value in out)
+    return out

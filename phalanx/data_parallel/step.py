@@ -1,0 +1,87 @@
+"""Data parallelism's step on one rank: the loss-scaling rule and forward, backward, exchange.
+
+Loss scaling is where data parallelism is exact or subtly wrong. Each rank computes the *sum* of
+its shard's losses divided by the *global* batch size (`shard_loss`), so after the gradients are
+summed across ranks the update is the 1-device update on the whole global batch - also for an
+uneven last batch, where averaging per-rank means would weight the small shards too heavily.
+
+Gradient accumulation composes with that rule unchanged: a rank cuts *its* shard into N
+micro-batches (`micro_batches`), runs the first N-1 under `no_sync()` so their gradients only
+add up in the buckets, and syncs on the last. Each micro-batch still contributes its loss sum /
+global batch size, so the summed gradient - and the update - equals the 1-device update on the
+whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
+smaller global batches first) keeps every rank on exactly the examples `rank_shard` gives it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.data import split_batch
+from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.data_parallel.first_step import SHARD_LOSS_MARKS
+from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
+from phalanx.telemetry import Tracer, span
+
+
+def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
+    """What a rank backpropagates: its shard's loss *sum* / the *global* batch size.
+
+    After the ranks' gradients are summed this is exactly the 1-device gradient of the mean loss
+    over the global batch, for any split (even or not). For a loss over tokens, pass the global
+    number of tokens. The result is marked, so a replica's first step can tell a backward that
+    came through here from a per-rank mean's (data_parallel/first_step.py)."""
+    if global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
+    scaled = loss_sum / global_batch_size
+    SHARD_LOSS_MARKS.note(scaled)
+    return scaled
+
+
+def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a rank's shard into `grad_accum_steps` contiguous micro-batches, sizes as even as
+    possible (larger first, some empty when the shard is smaller than the count): the book's
+    `split_batch` cut, applied a second time inside the rank."""
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
+    return split_batch(X, y, grad_accum_steps)
+
+
+def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, global_batch_size: int,
+                     grad_accum_steps: int = 1, tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of this rank's shard (X, y), then the gradient exchange: afterwards
+    every rank holds the summed gradient. Returns this shard's (loss sum, correct count).
+
+    With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
+    `tracer` records forward / backward / wait spans (None: tracing off).
+    """
+    # One piece in the common case: the step is then the plain loop's, with nothing around it
+    # (no split, no accumulator tensors); the sums stay on the device (issue 11).
+    pieces = [(X, y)] if grad_accum_steps == 1 else micro_batches(X, y, grad_accum_steps)
+    loss_sum = correct = None
+    for index, (X_micro, y_micro) in enumerate(pieces):
+        last = index == len(pieces) - 1
+        # The last micro-batch runs with sync on: its hooks launch the buckets (overlap).
+        with contextlib.nullcontext() if last else dp.no_sync():
+            # An empty piece (a tiny last batch) runs no backward; the rank still joins every
+            # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
+            # With synchronized BatchNorm forward and backward are collectives: an empty piece
+            # still runs them (zero counts) so the rank stays paired with its peers.
+            if X_micro.shape[0] > 0 or has_sync_batchnorm(dp.module):
+                with span(tracer, "forward"):
+                    logits = dp(X_micro)
+                    micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")
+                with span(tracer, "backward"):
+                    shard_loss(micro_loss_sum, global_batch_size).backward()
+                piece_loss, piece_correct = micro_loss_sum.detach().double(), (logits.argmax(dim=1) == y_micro).sum()
+                loss_sum = piece_loss if loss_sum is None else loss_sum + piece_loss
+                correct = piece_correct if correct is None else correct + piece_correct
+    with span(tracer, "wait"):
+        dp.finish_gradient_sync()
+    if loss_sum is None:  # every piece was empty
+        loss_sum = torch.zeros((), dtype=torch.float64, device=X.device)
+        correct = torch.zeros((), dtype=torch.long, device=X.device)
+    return loss_sum, correct

@@ -1,0 +1,75 @@
+"""What a synced step does once the gradients are summed, for the habits DDP users bring (issue 22).
+
+`DataParallel.finish_gradient_sync()` sums every bucket; `StepExtras.after_exchange` then does
+what the replica was built to do beyond the sum, in this order:
+
+1. `average=True`: divide the sum by the world size - DDP's mean of per-rank means, for a loss
+   that is a per-rank mean (exact only when every rank's shard is equally large; phalanx's own
+   rule, `shard_loss`, is exact for any split).
+2. Plain BatchNorm running statistics, averaged across ranks (running_stats.py), so the
+   replicas stay one model; a model built without a stated BatchNorm policy gets a one-line
+   notice naming the choices at construction.
+3. Rank 0's one-time look at the first synced step (first_step.py): a loss that bypassed
+   `shard_loss`, a padding DistributedSampler.
+
+Each part exists only where it applies: LeNet under `phalanx.prepare` has no running statistics
+and, after its first step, no check, so the step costs what it did before.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.errors import PhalanxWarning
+from phalanx.data_parallel.buckets import Bucket
+from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.running_stats import running_stats_of
+from phalanx.runtime.world import World
+
+BATCHNORM_STATED = (None, "sync", "local")
+
+
+class StepExtras:
+    """The after-the-sum parts of one replica's synced step; see the module docstring."""
+
+    def __init__(self, module: nn.Module, *, world: World, average: bool | None, average_running_stats: bool,
+                 batchnorm: str | None) -> None:
+        if average not in (None, True, False):
+            raise ValueError(f"average must be None, True or False, got {average!r}")
+        if batchnorm not in BATCHNORM_STATED:
+            raise ValueError(f"batchnorm {batchnorm!r} is unknown; choose one of sync, local (or None)")
+        self.world = world
+        self.divide_by = world.world_size if average and world.distributed else None
+        self.running_stats = running_stats_of(module) if average_running_stats and world.distributed else None
+        if self.running_stats is not None and batchnorm is None and world.is_main:
+            warnings.warn(batchnorm_notice(self.running_stats.num_layers, world.world_size), PhalanxWarning,
+                          stacklevel=3)
+        # Rank 0 looks at the first synced step; the other ranks would find the same and stay quiet.
+        self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
+                                         check_loss=average is None) if world.distributed and world.is_main else None
+
+    def after_exchange(self, buckets: Sequence[Bucket], allreduce: Callable[[torch.Tensor], object]) -> None:
+        """Called once per synced step, after every bucket holds the sum; `allreduce` sums a
+        tensor in place on the exchange's own transport. Frames: the user's loop is 3 levels up."""
+        if self.divide_by is not None:
+            torch._foreach_div_([bucket.buffer for bucket in buckets], float(self.divide_by))
+        if self.running_stats is not None:
+            self.running_stats.average(allreduce, self.world.world_size)
+        if self.first_step is not None and self.first_step.after_sync(caller_frame(2)):
+            self.first_step = None
+
+    def close(self) -> None:
+        if self.first_step is not None:
+            self.first_step.close()
+            self.first_step = None
+
+
+def batchnorm_notice(num_layers: int, world_size: int) -> str:
+    return (f"{num_layers} BatchNorm layer(s) normalize with each of the {world_size} devices' own shard (policy "
+            "local; their running statistics are averaged across ranks after every step); for the whole global "
+            "batch's statistics build the replica with phalanx.prepare(model, world=world, batchnorm=\"sync\"), "
+            "or pass batchnorm=\"local\" to keep this and silence the notice")

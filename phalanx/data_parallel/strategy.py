@@ -1,0 +1,67 @@
+"""Data parallelism as the training loop's `Strategy` (train/loop.py): a replica on every rank.
+
+`DataSplit` wraps a `DataParallel` (from `phalanx.prepare`, whose `choices` describe it): each
+rank reads its shard of every global batch (`rows`), runs forward, backward and the gradient
+exchange in `grad_accum_steps` micro-batches (step.py), and reports what the job's first log
+line, metrics rows and guards need. The model splits (model_split/) provide the same interface.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from phalanx.data import shard_bounds
+from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.data_parallel.guards import check_replicas
+from phalanx.data_parallel.step import forward_backward
+from phalanx.telemetry import Tracer
+
+
+class DataSplit:
+    """Data parallelism as a `Strategy`: a replica on every rank (from `phalanx.prepare`, whose
+    `choices` describe it), each reading its shard of every global batch in `grad_accum_steps`
+    micro-batches. Forward, backward and wait are traced to `tracer` (None: the replica's)."""
+
+    holds_output = True
+
+    def __init__(self, dp: DataParallel, *, grad_accum_steps: int = 1, tracer: Tracer | None = None) -> None:
+        self.dp, self.module, self.grad_accum_steps = dp, dp.module, grad_accum_steps
+        self.tracer = dp.tracer if tracer is None else tracer
+
+    def rows(self, total: int) -> tuple[int, int]:
+        return shard_bounds(total, self.dp.world.world_size, self.dp.world.rank)
+
+    def zero_grad(self) -> None:
+        self.dp.zero_grad()
+
+    def forward_backward(self, X, y, *, global_batch_size):
+        return forward_backward(self.dp, X, y, global_batch_size=global_batch_size,
+                                grad_accum_steps=self.grad_accum_steps, tracer=self.tracer)
+
+    def predict(self, X: torch.Tensor) -> torch.Tensor:
+        return self.dp(X)
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        return self.dp.named_gradients()
+
+    def check_replicas(self, step: int) -> None:
+        check_replicas(self.dp.world, self.module, step=step)
+
+    def whole_model(self) -> nn.Module:
+        return self.module  # every rank holds all of it
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+    def describe(self) -> str:
+        return self.dp.choices.describe()
+
+    def facts(self) -> dict:
+        chose = self.dp.choices
+        return {"allreduce": chose.algorithm, "overlap": chose.overlap, "num_buckets": len(chose.bucket_kb),
+                "grad_dtype": chose.grad_dtype, "grad_accum_steps": self.grad_accum_steps,
+                "memory_format": chose.memory_format, "batchnorm": chose.batchnorm}
+
+    def close(self) -> None:
+        self.dp.close()

@@ -1,0 +1,138 @@
+"""One run per output directory: an advisory lock on --out and the checkpoint dir, held by the launcher.
+
+`hold_run_directories` takes an `fcntl.flock` on each directory the run writes (creating it if
+missing) before any worker starts, and holds it until the launcher is done, however it ends: the
+kernel drops a flock when its holder's file is closed or the holder dies (SIGKILL included), so
+no stale lock outlives a run, and spawned workers do not inherit it. The lock is on the directory
+itself, so no lock file can be deleted or swapped under it; a small pid file beside it
+(`.phalanx-run.pid`, removed on the way out) only lets a second run name the holder: it stops in
+one line, exit 2. Holding the locks, it refuses an --out or checkpoint dir that holds an earlier
+run's outputs unless this run continues them (--resume, or a torchrun restart) or replaces them
+(--overwrite deletes them). Directories it created and that stay empty are removed on the way
+out, so a refused run leaves nothing. Advisory: it orders phalanx runs, not other programs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+from phalanx.errors import UsageError
+from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME
+from phalanx.job.config import TrainConfig
+from phalanx.job.outputs import Outputs
+from phalanx.job.resume import requested_resume
+
+PID_FILE = ".phalanx-run.pid"
+# A holder writes its pid right after taking the lock: how long a refused run waits to read it.
+PID_WAIT_S = 1.0
+
+
+@contextlib.contextmanager
+def hold_run_directories(config: TrainConfig, *, enabled: bool = True) -> Iterator[None]:
+    """Lock --out and (when the run checkpoints) the checkpoint dir for the block; refuse a held
+    one, or one holding an earlier run's outputs, in one line. `enabled=False`: hold nothing (a
+    torchrun rank other than 0, which writes nothing)."""
+    held: list[_Lock] = []
+    try:
+        if enabled:
+            for flag, directory in _directories(config):
+                held.append(_Lock.take(flag, Path(directory)))
+            _check_earlier_outputs(config)
+        yield
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+def _directories(config: TrainConfig) -> list[tuple[str, str]]:
+    found = [("--out", config.out_dir)] if config.out_dir else []
+    if config.checkpoint_every is not None and config.checkpoint_location:
+        flag = "--checkpoint-dir" if config.checkpoint_dir is not None else "the checkpoint dir"
+        found.append((flag, config.checkpoint_location))
+    unique, seen = [], set()
+    for flag, directory in found:  # one lock per directory: a second flock on it would block this process
+        key = os.path.realpath(directory)
+        if key not in seen:
+            seen.add(key)
+            unique.append((flag, directory))
+    return unique
+
+
+def _earlier_outputs(config: TrainConfig) -> list[Path]:
+    found = list(Outputs(out_dir=Path(config.out_dir)).files) if config.out_dir else []
+    # The checkpoint this run would write, or the one under --out a later --resume auto would find.
+    if config.checkpoint_location and (config.checkpoint_every is not None or config.checkpoint_dir is None):
+        found.append(Path(config.checkpoint_location) / CHECKPOINT_FILENAME)
+    return [path for path in found if path.is_file()]
+
+
+def _check_earlier_outputs(config: TrainConfig) -> None:
+    earlier = _earlier_outputs(config)
+    if not earlier or requested_resume(config) is not None:
+        return  # nothing to lose, or this run continues them
+    if config.overwrite:
+        for path in earlier:  # a fresh run's outputs must not mix with the old ones
+            path.unlink(missing_ok=True)
+        return
+    where = config.out_dir if config.out_dir else config.checkpoint_location
+    flag = "--out" if config.out_dir else "--checkpoint-dir"
+    names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in earlier)
+    raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}); continue that run with "
+                     "--resume auto, or replace them with --overwrite")
+
+
+class _Lock:
+    """An exclusive flock on one directory, with the directories made to hold it."""
+
+    def __init__(self, path: Path, fd: int, created: list[Path]) -> None:
+        self.path, self.fd, self.created = path, fd, created
+
+    @classmethod
+    def take(cls, flag: str, path: Path) -> "_Lock":
+        created = _make_dirs(path)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # close-on-exec: workers never hold it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            _remove_empty(created)
+            raise UsageError(f"{flag} {path} is in use by another phalanx run ({_holder(path)}); wait for it "
+                             "to end or pick another directory") from None
+        with contextlib.suppress(OSError):  # only informational: a full disk must not stop the run here
+            (path / PID_FILE).write_text(f"{os.getpid()}\n")
+        return cls(path, fd, created)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            if (self.path / PID_FILE).read_text().strip() == str(os.getpid()):
+                (self.path / PID_FILE).unlink()
+        os.close(self.fd)  # drops the flock
+        _remove_empty(self.created)
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """Create `path` and its missing parents; return the ones created, outermost first."""
+    missing = [p for p in (path, *path.parents) if not p.exists()][::-1]
+    path.mkdir(parents=True, exist_ok=True)  # another run may create it at the same moment: fine
+    return missing
+
+
+def _remove_empty(created: list[Path]) -> None:
+    for directory in reversed(created):  # innermost first
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if still empty
+
+
+def _holder(path: Path) -> str:
+    deadline = time.monotonic() + PID_WAIT_S
+    while True:
+        with contextlib.suppress(OSError, ValueError):
+            return f"pid {int((path / PID_FILE).read_text())}"
+        if time.monotonic() > deadline:
+            return "pid unknown"
+        time.sleep(0.05)

@@ -1,0 +1,125 @@
+"""Restarts that keep the exact trajectory: `phalanx train --max-restarts N [--elastic]`.
+
+`train_with_restarts` runs the training job through `launch` and, when a worker fails (dies,
+raises, stops answering), starts the whole worker set again from the last checkpoint, as
+`torchrun --max-restarts` does, up to N times; each restart is one line on stderr naming the
+rank and device that failed, how, the checkpoint and the device count. A resumed run continues
+exactly (the checkpoint holds model, optimizer, RNG states, position and the epoch's sums), so a
+restarted run ends bitwise equal to an uninterrupted one.
+
+`--elastic` goes on without a device that cannot be brought back. The rule: the worker on the
+same device fails again in the attempt right after a restart, before the run got past the
+checkpoint that attempt started from (its position is unchanged) - a device failing for good (a
+GPU gone, a CPU worker that dies at every start), not two unrelated faults. The run then
+continues from that checkpoint on the devices that remain. Giving a device up uses no restart:
+it happens at most once per device (down to one), so the loop stays bounded. Because k devices
+compute the 1-device update of the same global batch (loop.py), the run finished on fewer
+devices ends where the uninterrupted one does, to rounding (float64: ~1e-15 relative).
+
+Not restarted: bad input (`UsageError`), a checked condition ("run stopped: a NaN loss, replicas
+that drifted" - a restart would repeat it), the launcher itself stopped by a signal. Under
+torchrun, restarts and membership changes are torchrun's (its --max-restarts, --nnodes MIN:MAX);
+each new worker set resumes by itself from the checkpoint (resume.py), on however many ranks.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+from phalanx.runtime.devices import DevicePlan
+from phalanx.errors import RunFailed, UsageError
+from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
+from phalanx.train import checkpoint as ckpt
+from phalanx.job.config import TrainConfig
+from phalanx.job.job import train_worker
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    rank: int
+    device: str
+    what: str  # "died (signal SIGKILL) after step 31"
+
+
+def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
+    """The rank and device a launch failure blames when a restart can get past it (a worker that
+    died, raised or stopped responding: `exc.rank`, `exc.restartable`), else None (a checked
+    condition that would repeat, such as a NaN loss, or no rank to blame)."""
+    if not exc.restartable or exc.rank is None or not 0 <= exc.rank < len(names):
+        return None
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    for prefix in (f"worker rank {exc.rank} failed: ", f"run stopped: worker rank {exc.rank} "):
+        first = first.removeprefix(prefix)
+    return Failure(rank=exc.rank, device=names[exc.rank], what=first.strip())
+
+
+def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: LaunchSpec,
+                        say: Callable[[str], None] | None = None) -> list[Any]:
+    """`launch(train_worker, ...)` on `names`, restarted per config.max_restarts / config.elastic
+    (see the module docstring); returns the finished attempt's results by rank."""
+    say = say or (lambda line: print(f"phalanx: {line}", file=sys.stderr, flush=True))
+    if config.max_restarts == 0:
+        return _launch_once(config, names, spec)
+    spec = replace(spec, spawn_single=True)  # one device too: a worker's death must leave the launcher
+    plan, attempt, restarts = DevicePlan(names=tuple(names)), config, 0
+    previous: tuple[str, tuple[int, int] | None] | None = None  # (device, checkpoint position) of the last failure
+    while True:
+        try:
+            return _launch_once(attempt, plan.names, replace(spec, plan=plan))
+        except WorkerFailed as exc:
+            failure = failure_of(exc, plan.names)
+            if failure is None:
+                raise
+            position = checkpoint_position(config.checkpoint_location)
+            where = _where(config.checkpoint_location, position)
+            failed = f"worker rank {failure.rank} ({failure.device}) {failure.what}"
+            if config.elastic and previous == (failure.device, position) and _fits(config, plan.num_devices - 1):
+                plan = DevicePlan(names=tuple(n for n in plan.names if n != failure.device))
+                say(f"{failed} again before the run got past {where}: giving {failure.device} up (--elastic); "
+                    f"going on from {where} on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}")
+            elif restarts < config.max_restarts:
+                restarts += 1
+                say(f"{failed}; restart {restarts} of {config.max_restarts} from {where} "
+                    f"on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}")
+            else:
+                raise
+            previous = (failure.device, position)
+            resume = config.checkpoint_location if position is not None else config.resume
+            attempt = replace(config, resume=resume, overwrite=False)  # overwrite happened once, before attempt 1
+
+
+def _launch_once(config: TrainConfig, names: Sequence[str], spec: LaunchSpec) -> list[Any]:
+    try:
+        return launch(train_worker, config, tuple(names), spec=spec)
+    except RunFailed as exc:  # one device runs in this process: report it as a spawned worker's is
+        raise WorkerFailed(f"run stopped: {str(exc).splitlines()[0]}", rank=exc.culprit,
+                           restartable=exc.restartable) from None
+
+
+def checkpoint_position(location: str | None) -> tuple[int, int] | None:
+    """(epoch, step) of the checkpoint at `location`, or None when there is none (yet)."""
+    if location is None or not ckpt.checkpoint_path(location).is_file():
+        return None
+    try:
+        state = ckpt.read_checkpoint(location)
+    except UsageError:
+        return None
+    return int(state["epoch"]), int(state["step"])
+
+
+def _where(location: str | None, position: tuple[int, int] | None) -> str:
+    if position is None:
+        return "the start (no checkpoint yet)"
+    return f"{ckpt.checkpoint_path(location)} (epoch {position[0] + 1}, step {position[1]})"
+
+
+def _fits(config: TrainConfig, num_devices: int) -> bool:
+    """Whether the run can go on with `num_devices` (at least one, each with a share of a batch)."""
+    if num_devices < 1:
+        return False
+    try:
+        config.check_devices(num_devices)
+    except (ValueError, UsageError):
+        return False
+    return True

@@ -1,0 +1,197 @@
+"""One worker's whole training job: data, this rank's part of the model, epochs, evaluation, outputs.
+
+`train_worker` runs identically in every process - spawned by `phalanx.runtime.launch`, started by
+torchrun, or alone for one device - and for every way of splitting the work (`--split`): data
+parallelism (a replica from `phalanx.prepare`) and the model splits (pipeline, channels) are
+driven alike through the loop's `Strategy` interface. Rank 0 reports and writes `--out`
+(outputs.py): metrics.jsonl after every epoch, accuracy.png, and model.pt - the whole model's
+state dict (a split's shards gathered), so a model trained any way loads the same way.
+Checkpoints hold that same whole model, so a run resumes exactly, even under another split or
+device count (resume.py decides where a run starts and what must match).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from phalanx.runtime.binding import describe as describe_cores
+from phalanx.data import load_dataset, steps_per_epoch
+from phalanx.models import build_model
+from phalanx.data_parallel.guards import model_fingerprint, preflight_check
+from phalanx.data_parallel.prepare import prepare
+from phalanx.model_split.splits import build_split
+from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span
+from phalanx.train import checkpoint as ckpt
+from phalanx.job.config import TrainConfig
+from phalanx.train.evaluate import count_accuracy
+from phalanx.data_parallel.strategy import DataSplit
+from phalanx.train.loop import Strategy, train_epoch
+from phalanx.job.outputs import Outputs
+from phalanx.job.resume import dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
+from phalanx.job.schedule import lr_at, set_lr, warmup_steps
+from phalanx.job.step_hook import after_step_hook
+from phalanx.runtime.world import World
+
+# Test-only (tests/distributed/test_elastic.py), never needed by users: a worker placed on this
+# device (e.g. "cpu:1") that starts from a checkpoint kills itself at once, as a worker on a
+# device that failed for good would die on every restart - so --elastic must go on without it.
+DEAD_ON_RESUME_VAR = "PHALANX_TEST_DEAD_ON_RESUME"
+
+
+def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
+    dead = os.environ.get(DEAD_ON_RESUME_VAR)
+    if dead is not None and config.resume is not None and world.distributed and dead == device_names[world.rank]:
+        os.kill(os.getpid(), signal.SIGKILL)
+    log = RankZeroLog(enabled=world.is_main)
+    data = load_dataset(config.dataset, config.data_dir, log=log)
+    num_train = data.train_images.shape[0]
+    if config.global_batch_size > num_train:  # accepted (one step per epoch), but rarely what was meant
+        log(f"note: --batch-size {config.global_batch_size} is larger than the {num_train} training images, "
+            f"so every step trains on all of them (one step per epoch); use --batch-size {num_train} or less")
+    torch.manual_seed(config.seed)  # the same whole model on every rank; the broadcast makes it a guarantee
+    model = build_model(config.model, init=config.init, num_classes=data.num_classes)
+    tracer = None if config.trace_dir is None else Tracer(rank=world.rank, world_size=world.world_size,
+                                                          steps_per_epoch=config.trace_steps)
+    strategy = build_strategy(config, model, world=world, num_classes=data.num_classes, tracer=tracer)
+    try:
+        result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
+                      tracer=tracer)
+        if tracer is not None:
+            tracer.write(config.trace_dir)
+            if world.is_main:
+                log(format_summary(tracer.summary()))
+                log(f"traces in {config.trace_dir}/trace-rank*.json (open in https://ui.perfetto.dev)")
+        return result
+    finally:
+        strategy.close()  # stops a replica's communication thread before the launcher's stop_world
+
+
+def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World, num_classes: int,
+                   tracer: Tracer | None = None) -> Strategy:
+    """This rank's part of `model`: a prepared replica (`--split data`, its exchange traced to
+    `tracer`), or its share of a model split."""
+    if config.split != "data":
+        return build_split(config.split, model.to(getattr(torch, config.dtype)), world=world,
+                           global_batch_size=config.global_batch_size, micro_batches=config.micro_batches,
+                           schedule=config.schedule, num_classes=num_classes)
+    dp = prepare(model, world=world, dtype=config.dtype, batchnorm=config.batchnorm,
+                 memory_format=config.memory_format, algorithm=config.allreduce, overlap=config.overlap,
+                 bucket_cap_mb=config.bucket_cap_mb, grad_dtype=config.grad_dtype)
+    dp.tracer = tracer
+    return DataSplit(dp, grad_accum_steps=config.grad_accum_steps)
+
+
+def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: RankZeroLog,
+         device_names: Sequence[str], tracer: Tracer | None) -> dict[str, Any]:
+    """Check the ranks agree, resume, train config.epochs (evaluating after each), write the outputs."""
+    optimizer = torch.optim.SGD(strategy.module.parameters(), lr=config.lr)
+    steps = steps_per_epoch(data.train_images.shape[0], config.global_batch_size)
+    whole = strategy.whole_model()
+    preflight_check(world, {"model": model_fingerprint(whole), "strategy": strategy.describe(), **strategy.facts(),
+                            "world_size": world.world_size, "steps_per_epoch": steps,
+                            "global_batch_size": config.global_batch_size, "dtype": config.dtype, "seed": config.seed})
+    whole_optimizer = _whole_optimizer(optimizer, strategy, whole)
+    identity = functools.cache(lambda: dataset_identity(data))  # hashed only by runs that resume or save
+    begin = resume_run(config, world=world, model=whole, optimizer=whole_optimizer, data=identity, log=log)
+    start = begin.position
+    if whole is not strategy.module:  # a split: its shards take their values from the whole model
+        strategy.load_full_state_dict(whole.state_dict())
+    settings = run_settings(config, num_devices=world.world_size)
+
+    def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
+        whole = strategy.whole_model()
+        ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
+                             optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
+                             fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings)
+
+    if start.epoch >= config.epochs:  # resumed at or past the last epoch: nothing to do, nothing to write
+        log(f"nothing to train: the checkpoint is at {_position_text(start, steps)}, and --epochs is "
+            f"{config.epochs}; pass --epochs {start.epoch + 1} or more to go on")
+        return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
+    devices_text = "[" + ", ".join(device_names) + "]"
+    log(f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
+        f"{data.test_images.shape[0]} test images) on {devices_text}: global batch {config.global_batch_size}, "
+        f"lr {config.lr}, {strategy.describe()}{_schedule_text(config)}{_placement_text(config, world)}")
+    train_images, train_labels = data.train_images.to(world.device), data.train_labels.to(world.device)
+    test_images, test_labels = data.test_images.to(world.device), data.test_labels.to(world.device)
+    outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir and world.is_main else None
+    metrics, history = outputs.open_metrics(start_epoch=start.epoch) if outputs is not None else (None, [])
+    warmup = warmup_steps(config.warmup_epochs, steps)
+    for epoch in range(start.epoch, config.epochs):
+        first_step = start.step if epoch == start.epoch else 0
+        set_lr(optimizer, lr_at(epoch * steps + first_step, base_lr=config.lr, warmup=warmup))
+        bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
+        after_step = after_step_hook(config=config, world=world, optimizer=optimizer, epoch=epoch, warmup=warmup,
+                                     gradients=strategy.named_gradients, save=save,
+                                     check_replicas=strategy.check_replicas)
+        stats = train_epoch(strategy, optimizer, train_images, train_labels, world=world,
+                            global_batch_size=config.global_batch_size, seed=config.seed, epoch=epoch,
+                            on_step=bar.update, tracer=tracer, start_step=first_step,
+                            start_totals=start.epoch_totals if epoch == start.epoch else (), after_step=after_step)
+        bar.close()
+        with span(tracer, "evaluate"):
+            test_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
+                                      rows=strategy.rows(test_images.shape[0]), world=world,
+                                      batch_size=config.eval_batch_size)
+        row = {"epoch": epoch + 1, "train_loss": stats.train_loss, "train_acc": stats.train_acc, "test_acc": test_acc,
+               "epoch_s": stats.elapsed_s, "images_per_s": stats.num_examples / stats.elapsed_s,
+               "devices": list(device_names), "global_batch_size": config.global_batch_size, "lr": config.lr,
+               "warmup_epochs": config.warmup_epochs, "dtype": config.dtype, **strategy.facts(),
+               **mixed_lr(begin, config, epoch)}
+        history.append(row)
+        mixed = (f"  (lr {row['lr_before_resume']:g} for its first {row['steps_before_resume']} steps, "
+                 f"{config.lr:g} after the resume)" if "lr_before_resume" in row else "")
+        log(f"epoch {epoch + 1:3d}  loss {stats.train_loss:.4f}  train acc {stats.train_acc:.3f}  "
+            f"test acc {test_acc:.3f}  {stats.elapsed_s:.2f} s  {row['images_per_s']:.0f} img/s{mixed}")
+        if metrics is not None:
+            metrics.append(row)
+        if config.checkpoint_every is not None:
+            save(ckpt.Position(epoch=epoch + 1, step=0))
+
+    whole = strategy.whole_model()  # every rank: a split gathers its shards
+    sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
+    if outputs is not None:
+        split = f", split {config.split}" if config.split != "data" else ""
+        # The last epoch's checkpoint (if any) holds exactly this model: named if model.pt fails.
+        kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint_every is not None else None
+        outputs.finish(history, whole, title=f"{config.model} on {data.name}, {devices_text}{split}", checkpoint=kept)
+    log(f"test acc: {history[-1]['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {devices_text}")
+    return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
+
+
+def _whole_optimizer(optimizer: torch.optim.Optimizer, strategy: Strategy, whole: torch.nn.Module):
+    """The optimizer a checkpoint holds: over the whole model's parameters, so that any split can
+    resume it. A replica's own; for a split's shards the same SGD over the whole model at the
+    current lr (plain SGD keeps no per-parameter state, so nothing else is lost)."""
+    if whole is strategy.module:
+        return optimizer
+    return torch.optim.SGD(whole.parameters(), lr=optimizer.param_groups[0]["lr"])
+
+
+def _position_text(position: ckpt.Position, steps: int) -> str:
+    if position.step == 0:
+        return f"the end of epoch {position.epoch}"
+    return f"epoch {position.epoch + 1}, step {position.step} of {steps}"
+
+
+def _schedule_text(config: TrainConfig) -> str:
+    accum = f", {config.grad_accum_steps} micro-batches per step" if config.grad_accum_steps > 1 else ""
+    warm = f", lr warmup over {config.warmup_epochs:g} epochs" if config.warmup_epochs else ""
+    return accum + warm
+
+
+def _placement_text(config: TrainConfig, world: World) -> str:
+    """CPU threads per worker, and the cores rank 0 was pinned to under --bind-cores."""
+    if world.device.type != "cpu":
+        return ""
+    threads = torch.get_num_threads()
+    text = f", {threads} thread{'s' if threads > 1 else ''} per worker"
+    if config.bind_cores and hasattr(os, "sched_getaffinity"):
+        text += f", each bound to its own cores (rank 0: {describe_cores(sorted(os.sched_getaffinity(0)))})"
+    return text

@@ -1,0 +1,108 @@
+"""Where a `phalanx train` run starts, and what its checkpoints must agree on to be continued.
+
+A run continues from `--resume DIR`, from `--resume auto` (the checkpoint dir's checkpoint, if
+there is one), or - when torchrun restarts a job that checkpoints - auto by itself; the restart
+loop (elastic.py) names the checkpoint explicitly. What must match is the fingerprint: the
+model, the settings that decide the update (global batch, seed, dtype) and the data set's
+identity (name, sizes, a hash of the training set's bytes), refused in one line on a mismatch.
+What may change - lr, warm-up, epochs, the device count (k devices compute the 1-device update,
+so any count continues the same trajectory) - is recorded with the checkpoint, and the resumed
+run's first line names each change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from phalanx.train import checkpoint as ckpt
+from phalanx.job.config import TrainConfig
+from phalanx.runtime.world import World, launcher_env
+
+# What a resumed run may change, and how its log line names each.
+CHANGEABLE = {"lr": "--lr", "warmup_epochs": "--warmup-epochs", "epochs": "--epochs", "num_devices": "devices"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Start:
+    """Where the run starts, and the changeable settings the checkpoint was saved with ({}: a
+    fresh start, or a checkpoint that did not record them)."""
+
+    position: ckpt.Position
+    earlier: dict = field(default_factory=dict)
+
+
+def dataset_identity(data) -> dict:
+    """A data set's name, sizes and a SHA-256 of its training images and labels: the bytes the
+    updates are computed from (hashed in place; ~0.03 s for Fashion-MNIST's 47 MB here)."""
+    digest = hashlib.sha256()
+    for tensor in (data.train_images, data.train_labels):
+        digest.update(tensor.contiguous().numpy().data)
+    return {"name": data.name, "num_train": int(data.train_images.shape[0]), "num_test": int(data.test_images.shape[0]),
+            "num_classes": int(data.num_classes), "train_sha256": digest.hexdigest()}
+
+
+def run_fingerprint(config: TrainConfig, model: torch.nn.Module, *, data: dict | None = None) -> dict:
+    """A `phalanx train` run's fingerprint: its whole model, the settings that decide the update
+    and the data set's identity (`dataset_identity`)."""
+    return ckpt.fingerprint(model, model_name=config.model, global_batch_size=config.global_batch_size,
+                            seed=config.seed, dtype=config.dtype, data=data)
+
+
+def run_settings(config: TrainConfig, *, num_devices: int) -> dict:
+    """What a resumed run may change, recorded with each checkpoint so it can say what changed."""
+    return {"lr": config.lr, "warmup_epochs": config.warmup_epochs, "epochs": config.epochs, "num_devices": num_devices}
+
+
+def requested_resume(config: TrainConfig) -> str | None:
+    """What this run continues from: --resume's value, or "auto" when torchrun restarted a job
+    that checkpoints (TORCHELASTIC_RESTART_COUNT > 0), else None."""
+    if config.resume is not None:
+        return config.resume
+    env = launcher_env()
+    if config.checkpoint_every is not None and env is not None and env.restart_count > 0:
+        return "auto"  # torchrun restarted the job: pick up where the last checkpoint left off
+    return None
+
+
+def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               data: Callable[[], dict], log: Callable[[str], None]) -> Start:
+    """Where a `phalanx train` run starts: a checkpoint's position, or epoch 0, step 0.
+
+    The checkpoint is checked against (`data()`: this run's `dataset_identity`) and restored into
+    `model`, the whole model (whichever way the run splits it), and `optimizer`, one over that
+    model's parameters. One log line says where it resumed and what changed since.
+    """
+    resume = requested_resume(config)
+    if resume == "auto":
+        resume = config.checkpoint_location
+        if not ckpt.checkpoint_path(resume).is_file():
+            log(f"no checkpoint in {resume} yet: starting from scratch")
+            return Start(position=ckpt.Position(epoch=0, step=0))
+    if resume is None:
+        return Start(position=ckpt.Position(epoch=0, step=0))
+    path = ckpt.checkpoint_path(resume)
+    state = ckpt.read_checkpoint(path)
+    ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
+    position = ckpt.restore(state, world=world, model=model, optimizer=optimizer)
+    earlier = dict(state.get("settings") or {})
+    now = run_settings(config, num_devices=world.world_size)
+    changes = [f"{CHANGEABLE[key]} {earlier[key]:g} -> {now[key]:g}" for key in CHANGEABLE
+               if key in earlier and earlier[key] != now[key]]
+    notes = f"; changed since the checkpoint: {', '.join(changes)}" if changes else ""
+    if "data" not in state["fingerprint"]:
+        notes += "; the checkpoint predates data-set fingerprints, so its data set is not checked"
+    log(f"resumed from {path} at epoch {position.epoch + 1}, step {position.step}{notes}")
+    return Start(position=position, earlier=earlier)
+
+
+def mixed_lr(start: Start, config: TrainConfig, epoch: int) -> dict:
+    """The row fields of an epoch trained at two rates (resumed mid-epoch with another --lr): the
+    earlier rate and how many of its steps ran at it; {} for every other epoch."""
+    earlier_lr = start.earlier.get("lr")
+    if epoch != start.position.epoch or start.position.step == 0 or earlier_lr in (None, config.lr):
+        return {}
+    return {"lr_before_resume": earlier_lr, "steps_before_resume": start.position.step}

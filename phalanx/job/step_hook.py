@@ -1,0 +1,46 @@
+"""What a training job does after each optimizer step, whichever way the work is split.
+
+`after_step_hook` builds the callback that train_epoch calls after every step, whichever
+strategy runs it (data, layers, channels): note the step for failure reports, follow the
+warm-up lr schedule, check the loss (and, at `--check-every` steps, every gradient and the
+replicas) for NaN/Inf, and save a mid-epoch checkpoint every `--checkpoint-every` steps. One
+place, so the data split and the layer/channel splits cannot drift apart in what they guard.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+
+from phalanx.runtime.launch import report_progress
+from phalanx.data_parallel.guards import check_finite
+from phalanx.train import checkpoint as ckpt
+from phalanx.job.config import TrainConfig
+from phalanx.job.schedule import lr_at, set_lr
+from phalanx.runtime.world import World
+
+
+def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim.Optimizer, epoch: int,
+                    warmup: int, gradients: Callable[[], Mapping[str, torch.Tensor]],
+                    save: Callable[[ckpt.Position], None],
+                    check_replicas: Callable[[int], None] | None = None) -> Callable[..., None]:
+    """The callback for `epoch`. `gradients()` names this rank's gradients (read only at check
+    steps); `check_replicas(step)`, when given, compares the replicas at check steps."""
+
+    def after_step(done: int, total: int, loss_sum: torch.Tensor, totals: Callable[[], list[float]]) -> None:
+        global_step = epoch * total + done
+        report_progress(global_step)
+        if warmup:
+            set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
+        checking = bool(config.check_every) and global_step % config.check_every == 0
+        # The loss every step on CPU (free); on a GPU only at check steps, as reading it syncs.
+        check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None,
+                     buffers=gradients() if checking else {}, step=global_step, rank=world.rank)
+        if checking and check_replicas is not None:
+            check_replicas(global_step)
+        every = config.checkpoint_steps
+        if every and global_step % every == 0 and done < total:  # an epoch's end is saved by the job
+            save(ckpt.Position(epoch=epoch, step=done, epoch_totals=tuple(totals())))
+
+    return after_step

@@ -1,0 +1,283 @@
+"""The collective board: where each local rank says which collective it is in, so that a wait
+that goes wrong can name the rank and the collective at fault.
+
+Ranks pair collectives by order: the n-th call on a channel of one rank meets the n-th of every
+other. When one rank runs a step more, skips an evaluation or freezes, the others wait - until a
+timeout that names nobody, or, worse, until two different collectives of equal size are summed
+together without a word (gloo does that). torch's TORCH_DISTRIBUTED_DEBUG=DETAIL checks every
+call against its peers' over the store, at a round trip per collective; this board is the cheap,
+always-on form for the ranks of one host: a few stores into shared memory per collective, and
+reads only where a rank waits anyway.
+
+Each local rank owns one line (LINE_WORDS int64 words, about a kilobyte; only its owner writes
+it). Per channel - WORLD: the default process group, where the backend's own collectives pair in
+call order; COMM: AsyncComm's single thread (the shm segment or the private group of ring, tree,
+naive) - it keeps a count of collectives entered and, in a ring of RING_SLOTS, the tag of each
+recent one: phase (gradient bucket, evaluation, metrics, broadcast, checkpoint, ...), bucket
+index, the steps this process has synced so far, and the size in bytes. While its calling thread
+waits for a collective, the line says which one (BLOCK_*), since when, and a serial that changes
+with every wait, so a reader can take a consistent snapshot without a lock (a seqlock). The line
+also holds the pid, and whether the rank finished its work normally or failed.
+
+What the board is not: it moves no data and decides nothing; `watchdog.py` reads it while
+waiting. Memory comes from the launcher (`board_memory`, a shared anonymous mapping handed to
+each spawned worker, so nothing can be left behind) or, under torchrun on one host, from a
+/dev/shm segment the local ranks open together (`open_board`). A world with no board (one rank,
+or ranks on several hosts under torchrun) still has deadlines; it cannot name peers' collectives.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import os
+import secrets
+import sys
+import time
+from typing import Iterator, NamedTuple
+
+from phalanx.runtime.segment import NAME_PREFIX, SHM_DIR, attach_segment, create_segment, shm_supported, unlink_quietly
+from phalanx.runtime.world import World
+
+WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (shm / private group)
+RING_SLOTS = 32  # recent tags kept per channel; more than a step's buckets, so a peer ahead stays readable
+_PID, _RANK, _STATE, _SERIAL, _SINCE_NS, _BLOCK_CH, _BLOCK_SEQ, _BLOCK_CODE, _BLOCK_SIZE, _STEPS = range(10)
+_ENTERED = 10  # + channel: collectives entered on that channel so far
+_RING = 16  # + (channel * RING_SLOTS + seq % RING_SLOTS) * 2: the tag code, then the size in bytes
+LINE_WORDS = _RING + 2 * RING_SLOTS * 2
+RUNNING, WAITING, FINISHED, FAILED = 0, 1, 2, 3
+
+# What a collective is for; the call site names it. The index of each name is its code (0: unset).
+PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
+          "allreduce", "set-up")
+_PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
+_PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK = 56, 40, (1 << 40) - 1, (1 << 16) - 1
+
+
+class Ticket(NamedTuple):
+    """One collective as this rank entered it: which channel, its number there, tag and size."""
+
+    channel: int
+    seq: int
+    code: int
+    size_bytes: int
+
+
+class Line(NamedTuple):
+    """A consistent snapshot of one rank's line."""
+
+    rank: int
+    pid: int
+    state: int
+    serial: int
+    since_ns: int
+    block: Ticket | None  # what it waits for, when state == WAITING
+    steps: int
+    entered: tuple[int, ...]
+
+
+def phase_code(phase: str) -> int:
+    try:
+        return _PHASE_CODE[phase]
+    except KeyError:
+        raise ValueError(f"unknown collective phase {phase!r}; use one of {', '.join(_PHASE_CODE)}") from None
+
+
+def is_generic(code: int) -> bool:
+    """True for a call tagged only "allreduce": nothing to compare but its size."""
+    return code >> _PHASE_SHIFT in (0, _PHASE_CODE["allreduce"])
+
+
+def describe(code: int, size_bytes: int = 0) -> str:
+    """A tag in words: "step 76's gradient bucket 2 (5.5 KiB)", "evaluation after step 75 (24 B)"."""
+    phase = code >> _PHASE_SHIFT
+    index = (code >> _INDEX_SHIFT) & _INDEX_MASK
+    steps = code & _STEP_MASK
+    name = PHASES[phase] if phase < len(PHASES) and PHASES[phase] else "a collective"
+    if name == "gradient":
+        text = f"step {steps + 1}'s gradient bucket {index}"
+    else:
+        text = f"{name} after step {steps}" if steps else name
+    return f"{text} ({format_bytes(size_bytes)})" if size_bytes else text
+
+
+def format_bytes(size_bytes: int) -> str:
+    if size_bytes < 1024:
+        return f"{size_bytes} B"
+    if size_bytes < 1 << 20:
+        return f"{size_bytes / 1024:.1f} KiB"
+    return f"{size_bytes / (1 << 20):.1f} MiB"
+
+
+class Board:
+    """This process's view of the board: it writes line `local_rank`, reads every line."""
+
+    def __init__(self, memory, *, rank: int, local_rank: int, local_world_size: int, world_size: int,
+                 pid: int | None = None) -> None:
+        """`memory`: a writable buffer of LINE_WORDS int64 per local rank, shared by them; `pid`:
+        the process this line speaks for (default: this one)."""
+        words = memoryview(memory).cast("B").cast("q")
+        if len(words) < LINE_WORDS * local_world_size:
+            raise ValueError(f"board memory holds {len(words)} words, {LINE_WORDS * local_world_size} needed")
+        self._words = words
+        self.rank, self.local_rank = rank, local_rank
+        self.local_world_size, self.world_size = local_world_size, world_size
+        self.first_rank = rank - local_rank  # launchers number the ranks of one host contiguously
+        self._base = local_rank * LINE_WORDS
+        self._memory = memory  # keep the mapping alive as long as the view
+        self.scope: tuple[str, int] | None = None  # set by `tagged`: the tag of entries made inside it
+        words[self._base + _PID] = os.getpid() if pid is None else pid
+        words[self._base + _RANK] = rank
+
+    @property
+    def covers_world(self) -> bool:
+        """True when every rank of the world has a line here (all on this host)."""
+        return self.local_world_size == self.world_size
+
+    def local_index(self, rank: int) -> int | None:
+        index = rank - self.first_rank
+        return index if 0 <= index < self.local_world_size else None
+
+    # --- writes, by the owner of the line: a few stores each, no syscalls ----------------------
+
+    def enter(self, channel: int, phase: str, index: int, size_bytes: int) -> Ticket:
+        """Record that this rank issues its next collective on `channel`; return its ticket. Inside
+        `tagged(...)` the scope's phase and index replace the ones given."""
+        w, base = self._words, self._base
+        if self.scope is not None:
+            phase, index = self.scope
+        code = (phase_code(phase) << _PHASE_SHIFT) | ((index & _INDEX_MASK) << _INDEX_SHIFT) | w[base + _STEPS]
+        seq = w[base + _ENTERED + channel] + 1
+        slot = base + _RING + (channel * RING_SLOTS + seq % RING_SLOTS) * 2
+        w[slot] = code
+        w[slot + 1] = size_bytes
+        w[base + _ENTERED + channel] = seq  # published last: a reader that sees seq sees its tag
+        return Ticket(channel, seq, code, size_bytes)
+
+    def block(self, ticket: Ticket) -> None:
+        """This rank's calling thread now waits for `ticket`'s collective."""
+        w, base = self._words, self._base
+        w[base + _BLOCK_CH], w[base + _BLOCK_SEQ] = ticket.channel, ticket.seq
+        w[base + _BLOCK_CODE], w[base + _BLOCK_SIZE] = ticket.code, ticket.size_bytes
+        w[base + _SINCE_NS] = time.monotonic_ns()
+        w[base + _SERIAL] += 1
+        w[base + _STATE] = WAITING
+
+    def unblock(self) -> None:
+        self._words[self._base + _STATE] = RUNNING
+
+    def step_done(self) -> None:
+        """A gradient exchange finished: later tags carry one step more."""
+        self._words[self._base + _STEPS] += 1
+
+    def mark(self, state: int) -> None:
+        """FINISHED (the worker's work returned) or FAILED (it raised): what peers will be told."""
+        self._words[self._base + _STATE] = state
+
+    # --- reads ---------------------------------------------------------------------------------
+
+    def line(self, local_rank: int) -> Line | None:
+        """A consistent snapshot of a rank's line (None if it kept changing under the reader)."""
+        w, base = self._words, local_rank * LINE_WORDS
+        for _ in range(8):
+            serial, state = w[base + _SERIAL], w[base + _STATE]
+            block = Ticket(w[base + _BLOCK_CH], w[base + _BLOCK_SEQ], w[base + _BLOCK_CODE], w[base + _BLOCK_SIZE])
+            since_ns = w[base + _SINCE_NS]
+            entered = (w[base + _ENTERED + WORLD], w[base + _ENTERED + COMM])
+            steps = w[base + _STEPS]
+            if w[base + _SERIAL] == serial and w[base + _STATE] == state:
+                return Line(rank=w[base + _RANK], pid=w[base + _PID], state=state, serial=serial, since_ns=since_ns,
+                            block=block if state == WAITING else None, steps=steps, entered=entered)
+        return None
+
+    def lines(self) -> list[Line | None]:
+        return [self.line(r) for r in range(self.local_world_size)]
+
+    def tag_of(self, local_rank: int, channel: int, seq: int) -> tuple[int, int] | None:
+        """(code, size) of a rank's collective number `seq` on `channel`, if it entered it and the
+        ring still holds it; None otherwise."""
+        w, base = self._words, local_rank * LINE_WORDS
+        entered = base + _ENTERED + channel
+        if not seq <= w[entered] < seq + RING_SLOTS:
+            return None
+        slot = base + _RING + (channel * RING_SLOTS + seq % RING_SLOTS) * 2
+        code, size = w[slot], w[slot + 1]
+        return (code, size) if w[entered] < seq + RING_SLOTS else None  # not overwritten meanwhile
+
+
+@contextlib.contextmanager
+def tagged(world: World, phase: str, index: int = 0) -> Iterator[None]:
+    """Tag the collectives entered inside with `phase` (and bucket `index`): how a caller names
+    what it sends through an object it does not own (DataParallel through its comm, which may be
+    a user's wrapper of AsyncComm) without that object's signature changing."""
+    phase_code(phase)
+    board = world.board
+    if board is None:
+        yield
+        return
+    previous, board.scope = board.scope, (phase, index)
+    try:
+        yield
+    finally:
+        board.scope = previous
+
+
+def board_memory(ctx, local_world_size: int):
+    """Zeroed shared memory for a board, from a multiprocessing context (the launcher's): an
+    anonymous mapping each spawned worker inherits, gone with the last process using it."""
+    return ctx.RawArray("q", LINE_WORDS * local_world_size)
+
+
+def attach_board(world: World, memory) -> World:
+    """`world` with a board over `memory` (None: `world` unchanged)."""
+    if memory is None:
+        return world
+    board = Board(memory, rank=world.rank, local_rank=world.local_rank, local_world_size=world.local_world_size,
+                  world_size=world.world_size)
+    return dataclasses.replace(world, board=board)
+
+
+def mark_exit(world: World | None, *, ok: bool) -> None:
+    """Tell peers this rank's work ended: normally (`ok`) or by an error."""
+    if world is not None and world.board is not None:
+        world.board.mark(FINISHED if ok else FAILED)
+
+
+def open_board(world: World) -> World:
+    """Under torchrun: the local ranks open a board together (a collective: call it at the same
+    point on every rank, right after joining). Only when every rank is on this host and it has
+    /dev/shm; otherwise `world` is returned without one. At interpreter exit the line says how the
+    process ended (FAILED when an exception went uncaught)."""
+    import torch.distributed as dist
+
+    if not world.distributed or world.board is not None or world.local_world_size != world.world_size \
+            or shm_supported() is not None:
+        return world
+    mapping, error, path = None, None, None
+    if world.rank == 0:
+        path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-board-{secrets.token_hex(4)}")
+        mapping, error = create_segment(path, LINE_WORDS * 8 * world.world_size)
+    box = [path, error]
+    dist.broadcast_object_list(box, src=0)
+    path, error = box
+    if error is None and world.rank != 0:
+        mapping, error = attach_segment(path)
+    errors: list = [None] * world.world_size
+    dist.all_gather_object(errors, error)  # every rank mapped it (or learns who could not)
+    if world.rank == 0 and path is not None:
+        unlink_quietly(path)
+    if any(e is not None for e in errors):
+        if mapping is not None:
+            mapping.close()
+        return world
+    world = attach_board(world, mapping)
+    atexit.register(_mark_at_exit, world.board)
+    return world
+
+
+def _mark_at_exit(board: Board) -> None:
+    line = board.line(board.local_rank)
+    if line is not None and line.state not in (FINISHED, FAILED):
+        # The default excepthook sets sys.last_value before atexit runs: the script raised.
+        board.mark(FAILED if getattr(sys, "last_value", None) is not None else FINISHED)

@@ -1,0 +1,176 @@
+"""A user's own training script on k workers: `phalanx run script.py` and `init()` inside it.
+
+`phalanx run --devices cpu:3 train.py --lr 0.1` starts the script on k workers through the same
+launcher as `phalanx train` (supervision, one-line failures naming the rank), as torchrun would:
+each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), its
+threads and allocator set up, and runs the script as `__main__` with `sys.argv = [script, *args]`.
+No process group is opened for it: `init()` joins phalanx's world, and a script written for
+torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
+- so one script runs unchanged under `phalanx run`, under torchrun and under plain python. A
+group the script opens without `timeout=` waits at most `--timeout` (not torch's 30 minutes), and
+one it forgets to destroy is destroyed after its result is reported.
+
+The world a script gets lives in one process-level slot (`_current`): a script started by path
+has no other way to receive it (Accelerate's `PartialState` and Fabric keep the same kind of
+state); `_context` holds what `phalanx run` decided for this worker (device, --timeout).
+phalanx's own code does not read them; it keeps passing `World` by keyword.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import datetime
+import os
+import runpy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from phalanx.runtime.devices import parse_devices
+from phalanx.errors import RunFailed, UsageError
+from phalanx.runtime.launch import LaunchSpec, join_launcher_world, setup_worker, spawn_workers, torchrun_device
+from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, stop_world
+from phalanx.runtime.board import mark_exit, open_board
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _RunContext:
+    device: torch.device
+    timeout_s: float
+
+
+_current: World | None = None  # this process's world, once init() made it
+_context: _RunContext | None = None  # set while `phalanx run` runs the script in this worker
+
+
+def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> World:
+    """This worker's World; call once at the top of a script (later calls return the same one).
+
+    Under `phalanx run` or torchrun this joins the job's process group (gloo on CPU, NCCL on
+    `cuda:LOCAL_RANK`), or adopts the one the script already opened, and leaves it at interpreter
+    exit; `timeout_s` bounds every collective (under `phalanx run`, its `--timeout` does).
+    Otherwise the world has one rank and no process group. `device`: "cpu" or "cuda" (default:
+    cuda when present; under `phalanx run`, its `--devices`).
+    """
+    global _current
+    if _current is not None:
+        return _current
+    if device not in (None, "cpu", "cuda"):
+        raise UsageError(f"init(device={device!r}) is not understood; use 'cpu' or 'cuda'")
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise UsageError("init(device='cuda') but torch sees no CUDA device; use device='cpu'")
+    env = launcher_env()
+    if env is None:
+        world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, backend="none", timeout_s=timeout_s,
+                      device=torch.device("cuda:0" if use_cuda else "cpu"))
+    else:
+        torch_device = torch.device(f"cuda:{env.local_rank}" if use_cuda else "cpu")
+        if _context is not None:  # phalanx run: its device and timeout; the worker is set up already
+            torch_device, timeout_s = _context.device, _context.timeout_s
+        if dist.is_initialized():  # the script opened the group itself
+            world = adopt_world(local_rank=env.local_rank, local_world_size=env.local_world_size,
+                                device=torch_device, timeout_s=timeout_s)
+        else:
+            world = join_launcher_world(env, device=torch_device, timeout_s=timeout_s, set_up=_context is None)
+        atexit.register(stop_world, world)
+        world = open_board(world)  # the collective board: a failure names the rank and collective
+    _current = world
+    return world
+
+
+def script_worker(script: str, args: tuple[str, ...], *, rank: int) -> None:
+    """Run `script` as __main__ in this worker, as `python script.py args` would."""
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` does
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # sys.exit() / argparse in the script: 0 is success, else a failure
+        if exc.code not in (None, 0):
+            detail = f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
+            raise RunFailed(f"{Path(script).name} exited with {detail} on rank {rank}") from None
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
+    """One spawned worker of `phalanx run`."""
+    script, args, spec = payload
+    _run_script(script, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown)
+
+
+def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
+                teardown: contextlib.ExitStack) -> None:
+    global _context, _current
+    env = launcher_env()
+    setup_worker(device, local_rank=env.local_rank, local_world_size=env.local_world_size,
+                 threads=spec.threads_per_device, bind_cores=spec.bind_cores)
+    _bound_default_group_timeout(spec.timeout_s)
+    _context = _RunContext(device=device, timeout_s=spec.timeout_s)
+    teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
+    try:
+        script_worker(script, args, rank=env.rank)
+    except BaseException:
+        mark_exit(_current, ok=False)
+        raise
+    else:  # peers still waiting in a collective learn at once that this rank's script ended
+        mark_exit(_current, ok=True)
+    finally:
+        _context = _current = None
+
+
+def _bound_default_group_timeout(timeout_s: float) -> None:
+    """A group the script opens without `timeout=` gets `--timeout` instead of torch's default
+    (30 minutes for gloo), so a hung collective fails the run as phalanx's own would. torch reads
+    these module defaults when `init_process_group` is called without a timeout."""
+    c10d = dist.distributed_c10d
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if getattr(c10d, name, None) is not None:
+            setattr(c10d, name, timeout)
+
+
+def add_run_parser(sub) -> None:
+    run = sub.add_parser("run", help="run your own training script on k workers, as torchrun would "
+                         "(phalanx.init() or your own init_process_group joins the world)")
+    run.add_argument("--devices", default="1", help="N, cpu:N or cuda:0,1 (default 1)")
+    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds any collective may wait")
+    run.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
+    run.add_argument("--bind-cores", action="store_true",
+                     help="pin each local worker to its own equal share of the cores (threads = its share)")
+    run.add_argument("script", help="the Python file to run on every worker")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+
+
+def run_run(args: argparse.Namespace) -> int:
+    """`phalanx run`: check what can be checked here, then start the script on every worker."""
+    script = Path(args.script)
+    if not script.is_file():
+        raise UsageError(f"script {args.script} {'is a directory' if script.is_dir() else 'does not exist'}; "
+                         "name a Python file, e.g. phalanx run --devices cpu:2 train.py")
+    if not os.access(script, os.R_OK):
+        raise UsageError(f"script {args.script} is not readable; check its permissions")
+    if not (args.timeout > 0):
+        raise UsageError(f"--timeout {args.timeout} must be a positive number of seconds")
+    if args.threads_per_device is not None and args.threads_per_device < 1:
+        raise UsageError(f"--threads-per-device {args.threads_per_device} must be at least 1")
+    spec = LaunchSpec(plan=parse_devices(args.devices), threads_per_device=args.threads_per_device,
+                      timeout_s=args.timeout, bind_cores=args.bind_cores)
+    env = launcher_env()
+    if env is not None:  # under torchrun this process is the worker; torchrun decides the count
+        device = torchrun_device(spec, env)
+        with contextlib.ExitStack() as teardown:
+            _run_script(str(script), tuple(args.args), spec=spec, device=device, teardown=teardown)
+        return 0
+    # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
+    # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
+    spawn_workers(_script_body, (str(script), tuple(args.args), spec), spec=spec, exit_zero_is_success=True)
+    return 0

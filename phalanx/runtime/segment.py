@@ -1,0 +1,114 @@
+"""Shared-memory segments in /dev/shm and futex waits: the plumbing under the shm allreduce and the board.
+
+A segment is a file in /dev/shm created with O_EXCL and mode 0600 (its owner alone can open it;
+an existing name is never reused), its pages reserved up front (a write into an unreserved page
+of a full tmpfs is a SIGBUS, not an error), then mapped. Names start with `phalanx-shm-<pid>-`,
+the creator's pid, so a launcher can remove what a worker it spawned left behind. A futex is
+Linux's sleep-until-this-word-changes: `futex_wait` returns at once if the word no longer holds
+the value the caller saw, so a store followed by `futex_wake` is never missed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import platform
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "phalanx-shm-"
+_SYS_FUTEX_X86_64, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
+
+
+def shm_supported() -> str | None:
+    """None when this host can run the shm allreduce, else why not (one phrase)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the shm allreduce needs x86-64's memory ordering (and futex numbering); this is {platform.machine()}"
+    if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
+        return f"{SHM_DIR} is missing or not writable"
+    return None
+
+
+def free_bytes() -> int | None:
+    """What /dev/shm can still hold (Docker's default size is 64 MB), or None if unknown."""
+    try:
+        stat = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def create_segment(path: str, size: int) -> tuple[mmap.mmap | None, str | None]:
+    """A new file of `size` bytes at `path`, readable by its owner only, mapped: (map, None), or
+    (None, why not). O_EXCL: an existing name is never reused, so two runs never share one."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        return None, f"cannot create {path} ({exc.strerror})"
+    try:
+        # Reserve the pages now: on a full tmpfs a write into an ftruncated file is a SIGBUS.
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size), None
+    except OSError as exc:
+        unlink_quietly(path)
+        return None, f"cannot reserve {size / 2**20:.1f} MiB in {SHM_DIR} ({exc.strerror})"
+    finally:
+        os.close(fd)
+
+
+def attach_segment(path: str) -> tuple[mmap.mmap | None, str | None]:
+    """Map the segment another rank created: (map, None), or (None, why not)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError as exc:
+        return None, f"cannot open {path} ({exc.strerror}; are all ranks on one host?)"
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size), None
+    except OSError as exc:
+        return None, f"cannot map {path} ({exc.strerror})"
+    finally:
+        os.close(fd)
+
+
+def remove_segments_of(pids) -> list[str]:
+    """Unlink every segment a process in `pids` created (a launcher's clean-up); return the names."""
+    prefixes = tuple(f"{NAME_PREFIX}{pid}-" for pid in pids)
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)] if prefixes else []
+    except OSError:
+        return []
+    for name in names:
+        unlink_quietly(os.path.join(SHM_DIR, name))
+    return names
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+class Futex:
+    """FUTEX_WAIT / FUTEX_WAKE on 32-bit words of a shared mapping (not FUTEX_PRIVATE: the
+    waiters are other processes). ctypes releases the GIL for the call, so a waiting comm thread
+    leaves the main thread free."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        self._syscall = libc.syscall
+
+    def wait(self, address: int, seen: int, timeout_s: float) -> None:
+        """Sleep while the word at `address` holds `seen` (low 32 bits), at most `timeout_s`."""
+        timeout = _Timespec(int(timeout_s), int(timeout_s % 1 * 1e9))
+        self._syscall(_SYS_FUTEX_X86_64, ctypes.c_void_p(address), _FUTEX_WAIT, ctypes.c_uint32(seen & 0xFFFFFFFF),
+                      ctypes.byref(timeout), None, 0)
+
+    def wake(self, address: int) -> None:
+        """Wake every process sleeping on the word at `address`."""
+        self._syscall(_SYS_FUTEX_X86_64, ctypes.c_void_p(address), _FUTEX_WAKE, ctypes.c_int(1 << 30), None, None, 0)
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,240 @@
+"""Run a set of fresh worker processes and watch over them: the one way phalanx starts processes.
+
+`run_workers(WorkerSet(...))` starts `num_procs` fresh interpreters (`spawn`), each running
+`body(rank, payload, teardown)` with `env[rank]` added to its environment, and returns their
+results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
+`phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
+
+Each worker sends one report (its result, or its error) through its own pipe *before* its
+`teardown` callbacks leave the process group, so the rare gloo abort at process exit
+(BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot lose a finished
+result. The first failure takes every worker down (SIGTERM, then SIGKILL; all joined: no orphans,
+no zombies) and the message names the rank that broke first. Once every result is in, the run
+has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
+after which a worker still tearing down is killed without a word. Workers write each output line
+in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from typing import Any, Callable, Mapping, Sequence
+
+from phalanx.runtime.segment import remove_segments_of
+from phalanx.errors import RunFailed, UsageError
+from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, line_buffered_output,
+                              signals_deferred, stop_on_signals, terminate)
+
+# After a first failure, keep listening this long for the other ranks' reports: the first one to
+# arrive is often a secondary "connection closed" from a peer of the rank that really broke.
+ERROR_GRACE_S = 1.0
+# How long finished workers may take to leave the group and exit (measured under load: 1.8, 3.1
+# and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
+TEARDOWN_S = 30.0
+
+# Set in a spawned worker: (shared array of every rank's last finished step, this rank).
+_PROGRESS: tuple[Any, int] | None = None
+
+
+def report_progress(step: int) -> None:
+    """Record the global step this worker just finished, so a failure report can name it.
+
+    A no-op outside a spawned worker (one device in-process, torchrun): nobody collects it."""
+    if _PROGRESS is not None:
+        _PROGRESS[0][_PROGRESS[1]] = step
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised, died or hung; line one names the rank, then every report collected.
+
+    `rank`: the rank at fault, when one is known; `restartable`: whether starting the workers
+    again from a checkpoint can get past it (a death, an error, a worker that stopped responding:
+    yes; a checked condition that would repeat, such as a NaN loss: no). `--max-restarts` reads
+    these, never the message."""
+
+    def __init__(self, message: str, *, rank: int | None = None, restartable: bool = False) -> None:
+        super().__init__(message)
+        self.rank, self.restartable = rank, restartable
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSet:
+    """What to start and how long to wait. `body` must be module-level (spawn pickles it by name)."""
+
+    body: Callable[[int, Any, contextlib.ExitStack], Any]  # runs in worker `rank`; returns its result
+    payload: Any
+    num_procs: int
+    env: Sequence[Mapping[str, str]] = ()  # per rank, added to the worker's os.environ first
+    name: str = "phalanx-worker"
+    deadline_s: float | None = None  # bound on results arriving; None: the body bounds its own waits
+    teardown_s: float = TEARDOWN_S
+    exit_zero_is_success: bool = False  # a worker that exits 0 without a report succeeded (result None)
+
+    def __post_init__(self) -> None:
+        if self.num_procs < 1:
+            raise ValueError(f"num_procs {self.num_procs} must be at least 1")
+        if self.env and len(self.env) != self.num_procs:
+            raise ValueError(f"env has {len(self.env)} entries for {self.num_procs} processes")
+        if self.deadline_s is not None and not self.deadline_s > 0:
+            raise ValueError(f"deadline_s {self.deadline_s} must be positive seconds or None")
+        if not self.teardown_s > 0:
+            raise ValueError(f"teardown_s {self.teardown_s} must be positive seconds")
+
+
+def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int) -> None:
+    """One spawned worker: run the body, send one report, then tear down."""
+    global _PROGRESS
+    die_with_parent(parent_pid)
+    line_buffered_output()
+    flush_on_sigterm()
+    if workers.env:
+        os.environ.update(workers.env[rank])
+    _PROGRESS = (progress, rank)
+    exit_code = 0
+    with contextlib.ExitStack() as teardown:
+        try:
+            # Pickle here, not in a queue's feeder thread, so an unpicklable result is reported as
+            # this worker's error; plain pickle copies tensor data into the bytes.
+            report = pickle.dumps(("ok", workers.body(rank, workers.payload, teardown)))
+        except UsageError as exc:
+            report, exit_code = pickle.dumps(("usage", str(exc))), 2
+        except RunFailed as exc:  # a checked condition: the message is the whole story
+            report, exit_code = pickle.dumps(("failed", str(exc).splitlines()[0], "", exc.culprit,
+                                              exc.restartable)), 1
+        except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+            summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+            report, exit_code = pickle.dumps(("error", summary, traceback.format_exc())), 1
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        try:
+            # Deliver before teardown: send_bytes returns once the whole report is in the pipe.
+            conn.send_bytes(report)
+            conn.close()
+        except OSError:
+            pass  # the parent is gone (interrupted): nobody is left to tell
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def run_workers(workers: WorkerSet) -> list[Any]:
+    """Start the worker set, supervise it, and return the results by rank (or raise)."""
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    with stop_on_signals():
+        try:
+            progress = ctx.Array("q", [-1] * workers.num_procs, lock=False)  # last finished step per rank
+            for rank in range(workers.num_procs):
+                with signals_deferred():  # a stop lands after the new worker is on the list
+                    parent_end, child_end = ctx.Pipe(duplex=False)
+                    proc = ctx.Process(target=_worker_main, name=f"{workers.name}-{rank}",
+                                       args=(rank, workers, child_end, progress, os.getpid()))
+                    proc.start()
+                    child_end.close()  # keep only the child's copy, so its death reads as EOF here
+                    procs.append(proc)
+                    conns.append(parent_end)
+            return _supervise(procs, conns, workers, progress=progress)
+        finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
+            with signals_deferred():
+                terminate(procs)
+                for conn in conns:
+                    conn.close()
+                # A worker killed between creating its shm segment and every rank mapping it (a
+                # few ms at start) leaves the file behind; it is named after that worker's pid.
+                remove_segments_of([proc.pid for proc in procs if proc.pid is not None])
+
+
+def _supervise(procs, conns, workers: WorkerSet, progress=None) -> list[Any]:
+    deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
+    reports: dict[int, tuple] = {}  # rank -> ("ok", result) | ("usage", msg) | ("error", line, tb)
+    first_failure: int | None = None
+    give_up_at = deadline
+    pending = set(range(len(procs)))
+    while pending:
+        timeout = None if give_up_at is None else give_up_at - time.monotonic()
+        if timeout is not None and timeout <= 0:
+            break
+        # Sentinels too: a worker whose pipe a forked grandchild still holds open gives no EOF.
+        ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout))
+        for rank in sorted(r for r in pending if conns[r] in ready or procs[r].sentinel in ready):
+            report = _read_report(procs[rank], conns[rank], workers.exit_zero_is_success)
+            pending.discard(rank)
+            reports[rank] = report
+            if report[0] != "ok" and first_failure is None:
+                first_failure = rank
+                grace_end = time.monotonic() + ERROR_GRACE_S
+                give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
+    if first_failure is None and pending:
+        first_failure = min(pending)
+        for rank in sorted(pending):
+            reports[rank] = ("error", f"gave no result within the {workers.deadline_s:g} s deadline (hung?)", "")
+    if first_failure is None:
+        teardown_end = time.monotonic() + workers.teardown_s
+        _await_exit(procs, reports, teardown_end if deadline is None else min(deadline, teardown_end))
+        first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
+    if first_failure is None:
+        return [reports[rank][1] for rank in range(len(procs))]
+    raise _failure(reports, first_failure, progress)
+
+
+def _failure(reports: dict[int, tuple], first_failure: int, progress) -> Exception:
+    usage = [report[1] for _, report in sorted(reports.items()) if report[0] == "usage"]
+    if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
+        return UsageError(usage[0])
+    checked = [report for _, report in sorted(reports.items()) if report[0] == "failed"]
+    if checked:  # every rank checks the same gathered values: one line says it all
+        _, line, _, culprit, restartable = checked[0]
+        return WorkerFailed(f"run stopped: {line}", rank=culprit, restartable=restartable)
+    failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
+    # The root cause first: a rank that died (signal, exit without a report) explains its peers'
+    # "connection closed" errors, even when one of those reached us first.
+    died = [rank for rank, report in failed.items() if report[1].startswith(("died", "exited with code"))]
+    if died:
+        first_failure = died[0]
+    line = reports[first_failure][1]
+    if progress is not None and progress[first_failure] >= 0:
+        line = f"{line} after step {progress[first_failure]}"
+    sections = [f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}" for rank, report in failed.items()]
+    return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
+                        restartable=True)
+
+
+def _read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
+    """This worker's report, or a report of its death (all it sent is in the pipe once it exits)."""
+    try:
+        if conn.poll(0):
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        pass  # the pipe closed without a report: the worker is dead, or about to be
+    except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
+        return ("error", f"result could not be unpickled: {type(exc).__name__}: {exc}", traceback.format_exc())
+    proc.join(1)
+    if proc.exitcode is None:
+        return ("error", "closed its result pipe but kept running", "")
+    if proc.exitcode < 0:
+        return ("error", f"died ({describe_signal(-proc.exitcode)})", "")
+    if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun
+        return ("ok", None)
+    return ("error", f"exited with code {proc.exitcode} without a result", "")
+
+
+def _await_exit(procs, reports: dict, give_up_at: float) -> None:
+    """Every result is in: judge how each worker then exited (SIGABRT here is gloo's, tolerated).
+    One still tearing down at `give_up_at` is left to the caller's terminate: its result stands."""
+    for rank, proc in enumerate(procs):
+        proc.join(max(0.0, give_up_at - time.monotonic()))
+        if proc.exitcode == -signal.SIGABRT:
+            warnings.warn(f"worker rank {rank} aborted (SIGABRT) after delivering its result: "
+                          "the known gloo exit-time abort; its result is kept")
+        elif proc.exitcode is not None and proc.exitcode != 0:
+            reports[rank] = ("error", f"delivered its result but then exited with code {proc.exitcode}", "")

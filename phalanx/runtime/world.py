@@ -1,0 +1,191 @@
+"""The distributed state of one worker process: who it is, which device it drives, how it talks.
+
+`World` is the one object that carries rank, world size and device; it is passed by keyword to
+everything that communicates (no module globals). This module is also the only reader of the
+launcher's environment variables (RANK, WORLD_SIZE, LOCAL_RANK, ... as set by torchrun or by
+`phalanx.runtime.launch`). A world of size 1 opens no process group: every collective is then a no-op.
+"""
+
+from __future__ import annotations
+
+import builtins
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import UsageError
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Test-only (tests/gpu), never needed by users: "1" makes every CUDA rank drive cuda:0 and the
+# ranks talk over gloo, so a machine with one GPU runs the multi-process CUDA code under test.
+# NCCL refuses two ranks on one GPU; gloo's collectives take CUDA tensors (copied through host
+# memory), its point-to-point ops do not (DataParallel refuses ring/tree/naive there).
+RANKS_SHARE_GPU_VAR = "PHALANX_TEST_RANKS_SHARE_GPU"
+
+
+@dataclass(frozen=True, kw_only=True)
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str  # "gloo" (CPU) or "nccl" (CUDA); "none" when world_size == 1
+    timeout_s: float
+    # The collective board (phalanx.runtime.board.Board) this rank shares with its local peers, or
+    # None: what lets a wait name the rank and the collective at fault. Set by the launcher.
+    board: object | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"local_rank {self.local_rank} outside local world {self.local_world_size}")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def print(self, *args, **kwargs) -> None:
+        """`print` on rank 0 only, flushed (k workers share one terminal); other ranks print nothing."""
+        if self.is_main:
+            builtins.print(*args, **{"flush": True, **kwargs})
+
+
+@dataclass(frozen=True, kw_only=True)
+class LauncherEnv:
+    """What an external launcher (torchrun) told this process through its environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int = 0  # torchrun --max-restarts: how many times this job was restarted
+
+
+def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None:
+    """Read torchrun-style variables; None when this process was not started by a launcher."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        world_size = int(env["WORLD_SIZE"])
+        return LauncherEnv(
+            rank=int(env["RANK"]),
+            world_size=world_size,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+            restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        )
+    except ValueError as exc:
+        raise UsageError(f"launcher environment is malformed ({exc}); fix RANK/WORLD_SIZE/LOCAL_RANK") from None
+
+
+def ranks_share_gpu(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the test-only RANKS_SHARE_GPU_VAR asks every CUDA rank onto cuda:0 over gloo."""
+    value = (os.environ if environ is None else environ).get(RANKS_SHARE_GPU_VAR, "")
+    if value not in ("", "0", "1"):
+        raise UsageError(f"{RANKS_SHARE_GPU_VAR}={value!r} is not understood; it is for tests only: unset it, or 1")
+    return value == "1"
+
+
+def start_world(
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    device: torch.device,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float,
+    from_launcher_env: bool = False,
+) -> World:
+    """Join the process group (TCP store rendezvous at master_addr:master_port) and pin the device.
+
+    `timeout_s` bounds every collective and point-to-point wait: a lost peer fails the run
+    instead of hanging it. Under torchrun (`from_launcher_env`) see `_launcher_store`.
+    """
+    backend = "none"
+    shared_gpu = device.type == "cuda" and ranks_share_gpu()
+    if shared_gpu:
+        device = torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
+        if from_launcher_env:
+            rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
+                                                    timeout_s=timeout_s)}
+        else:
+            rendezvous = {"init_method": f"tcp://{master_addr}:{master_port}"}
+        dist.init_process_group(
+            backend=backend,
+            **rendezvous,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return World(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        device=device,
+        backend=backend,
+        timeout_s=timeout_s,
+    )
+
+
+def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size: int, timeout_s: float):
+    """The store of a torchrun job (or a local phalanx run), under a prefix unique to this restart of it.
+
+    torchrun's agent, or phalanx's launcher, hosts the store at MASTER_PORT
+    (TORCHELASTIC_USE_AGENT_STORE=True; otherwise rank 0 hosts it, as `env://` would). After a
+    restart (`--max-restarts`) the new workers can find the previous attempt's keys in it - gloo's
+    peer addresses among them - and connect to a dead peer until the timeout; measured here as a
+    flaky "connectFullMesh ... Connection refused" or a hang in `new_group` (cf.
+    pytorch/pytorch#167288). Prefixing every key with the run id and restart count makes each
+    attempt's rendezvous its own.
+    """
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(master_addr, master_port, world_size, is_master=not agent_hosts and rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return dist.PrefixStore(f"phalanx/{attempt}/", store)
+
+
+def adopt_world(*, local_rank: int, local_world_size: int, device: torch.device, timeout_s: float) -> World:
+    """The World of a default process group the user's script opened itself (a torchrun script's
+    own `init_process_group`), so `phalanx.init()` after it joins nothing twice."""
+    world_size = dist.get_world_size()
+    backend = "none" if world_size == 1 else ("nccl" if "nccl" in str(dist.get_backend()) and device.type == "cuda"
+                                               else "gloo")
+    return World(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                 local_world_size=local_world_size, device=device, backend=backend, timeout_s=timeout_s)
+
+
+def stop_world(world: World | None) -> None:
+    """Leave the process group; safe to call twice or on a world that never started."""
+    if world is not None and world.distributed:
+        leave_default_group()
+
+
+def leave_default_group() -> None:
+    """Destroy the default process group if one is open (whoever opened it: phalanx, or a user's
+    script or a benchmark contender that called init_process_group itself); else nothing."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
