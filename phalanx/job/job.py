@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,16 +37,8 @@ from phalanx.job.schedule import lr_at, set_lr, warmup_steps
 from phalanx.job.step_hook import after_step_hook
 from phalanx.runtime.world import World
 
-# Test-only (tests/distributed/test_elastic.py), never needed by users: a worker placed on this
-# device (e.g. "cpu:1") that starts from a checkpoint kills itself at once, as a worker on a
-# device that failed for good would die on every restart - so --elastic must go on without it.
-DEAD_ON_RESUME_VAR = "PHALANX_TEST_DEAD_ON_RESUME"
-
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
-    dead = os.environ.get(DEAD_ON_RESUME_VAR)
-    if dead is not None and config.resume is not None and world.distributed and dead == device_names[world.rank]:
-        os.kill(os.getpid(), signal.SIGKILL)
     log = RankZeroLog(enabled=world.is_main)
     data = load_dataset(config.dataset, config.data_dir, log=log)
     num_train = data.train_images.shape[0]

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from phalanx.errors import UsageError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# Test-only (tests/gpu), never needed by users: "1" makes every CUDA rank drive cuda:0 and the
-# ranks talk over gloo, so a machine with one GPU runs the multi-process CUDA code under test.
+# "1" makes every CUDA rank of this host drive cuda:0 and the ranks talk over gloo: a k-GPU run
+# rehearsed on a machine with one GPU (docs/command.md, Environment; tests/gpu run this way).
 # NCCL refuses two ranks on one GPU; gloo's collectives take CUDA tensors (copied through host
 # memory), its point-to-point ops do not (DataParallel refuses ring/tree/naive there).
-RANKS_SHARE_GPU_VAR = "PHALANX_TEST_RANKS_SHARE_GPU"
+RANKS_SHARE_GPU_VAR = "PHALANX_RANKS_SHARE_GPU"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,10 +94,10 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None
 
 
 def ranks_share_gpu(environ: Mapping[str, str] | None = None) -> bool:
-    """True when the test-only RANKS_SHARE_GPU_VAR asks every CUDA rank onto cuda:0 over gloo."""
+    """True when RANKS_SHARE_GPU_VAR asks every CUDA rank onto cuda:0 over gloo."""
     value = (os.environ if environ is None else environ).get(RANKS_SHARE_GPU_VAR, "")
     if value not in ("", "0", "1"):
-        raise UsageError(f"{RANKS_SHARE_GPU_VAR}={value!r} is not understood; it is for tests only: unset it, or 1")
+        raise UsageError(f"{RANKS_SHARE_GPU_VAR}={value!r} is not understood; set it to 1 (ranks share cuda:0 over gloo) or unset it")
     return value == "1"
 
 

@@ -41,6 +41,32 @@ CRASH_AFTER_CHECKPOINT = textwrap.dedent("""
 """)
 
 
+# A driver script: the worker on device DEAD_DEVICE (e.g. "cpu:1") that starts from a checkpoint
+# kills itself at once, as a worker on a device that failed for good dies at every restart - so
+# --elastic must go on without it. Patched at module level (the spawned workers re-import it).
+DEAD_ON_RESUME = textwrap.dedent("""
+    import os, signal
+    from phalanx.job import job
+    real_run = job._run
+    def run_or_die(strategy, *, world, config, device_names, **kw):
+        if config.resume is not None and world.distributed and device_names[world.rank] == os.environ["DEAD_DEVICE"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_run(strategy, world=world, config=config, device_names=device_names, **kw)
+    job._run = run_or_die
+    if __name__ == "__main__":
+        import sys
+        from phalanx.cli import main
+        sys.exit(main(sys.argv[1:]))
+""")
+
+
+def dead_on_resume_script(directory: Path) -> Path:
+    """DEAD_ON_RESUME written into `directory`, ready for `script=` (the device named by DEAD_DEVICE)."""
+    script = directory / "dead_on_resume.py"
+    script.write_text(DEAD_ON_RESUME)
+    return script
+
+
 def _entry(script: Path | None) -> list[str]:
     return [sys.executable, str(script)] if script else [sys.executable, "-m", "phalanx"]
 
@@ -80,11 +106,12 @@ def finish(proc: subprocess.Popen, *, timeout_s: float = TIMEOUT_S) -> tuple[int
 
 
 @contextlib.contextmanager
-def started_phalanx(*args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+def started_phalanx(*args: str, env: dict[str, str] | None = None,
+                    script: Path | None = None) -> Iterator[subprocess.Popen]:
     """`phalanx *args` in a session of its own (signals for it - a Ctrl-C, a kill - reach its workers
     too), with `env` added to this process's environment; on leaving the block, however it is left,
     whatever of it still runs is SIGKILLed, launcher and workers."""
-    proc = subprocess.Popen([*_entry(None), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([*_entry(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=None if env is None else {**os.environ, **env})
     try:
         yield proc

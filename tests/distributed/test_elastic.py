@@ -1,6 +1,6 @@
 """Restarts keep the exact trajectory (elastic.py): a worker SIGKILLed mid-run is restarted from the
 last checkpoint and the run ends bitwise equal to an uninterrupted one; with --elastic, a device
-whose worker keeps dying (PHALANX_TEST_DEAD_ON_RESUME makes it die at every restart) is given up
+whose worker keeps dying (runs.DEAD_ON_RESUME's driver makes it die at every restart) is given up
 and the run finishes on the others, equal to the uninterrupted run to rounding (k devices compute
 the 1-device update). Without --elastic the restarts run out and the run fails naming the rank.
 
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.runs import (assert_same_rows, final_weights, finished_run, metrics_rows, relative_difference,
-                                    started_phalanx)
+from tests.distributed.runs import (assert_same_rows, dead_on_resume_script, final_weights, finished_run, metrics_rows,
+                                    relative_difference, started_phalanx)
 from tests.distributed.test_faults import _children, _cmdline, _wait_for, _workers
 
 pytestmark = pytest.mark.distributed
@@ -36,10 +36,10 @@ RESTART = (r"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\)[^;]*; res
 
 
 def _signal_rank_1_after_the_first_checkpoint(*args: str, out: Path, sig: signal.Signals = signal.SIGKILL,
-                                              env: dict | None = None) -> tuple[int, str, str]:
+                                              env: dict | None = None, script: Path | None = None) -> tuple[int, str, str]:
     """Run `phalanx *args --out out`, send `sig` (a kill, or SIGSTOP: a frozen worker) to worker rank 1
     once the first checkpoint is on disk, and wait for the launcher: (exit code, stdout, stderr)."""
-    with started_phalanx(*args, "--out", str(out), env=env) as proc:
+    with started_phalanx(*args, "--out", str(out), env=env, script=script) as proc:
         workers = _workers(proc.pid, 3)
         _wait_for(out / "checkpoints" / "checkpoint.pt")
         os.kill(workers[1], sig)
@@ -71,7 +71,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
 def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(reference, tmp_path):
     out = tmp_path / "run"
     code, stdout, stderr = _signal_rank_1_after_the_first_checkpoint(
-        *COMMON, "--max-restarts", "1", "--elastic", out=out, env={"PHALANX_TEST_DEAD_ON_RESUME": "cpu:1"})
+        *COMMON, "--max-restarts", "1", "--elastic", out=out, env={"DEAD_DEVICE": "cpu:1"},
+        script=dead_on_resume_script(tmp_path))
     assert code == 0, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
     assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
@@ -90,7 +91,8 @@ def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(ref
 def test_without_elastic_the_restarts_run_out_and_the_run_fails_naming_the_rank(tmp_path):
     out = tmp_path / "run"
     code, _, stderr = _signal_rank_1_after_the_first_checkpoint(
-        *COMMON, "--epochs", "20", "--max-restarts", "1", out=out, env={"PHALANX_TEST_DEAD_ON_RESUME": "cpu:1"})
+        *COMMON, "--epochs", "20", "--max-restarts", "1", out=out, env={"DEAD_DEVICE": "cpu:1"},
+        script=dead_on_resume_script(tmp_path))
     assert code == 1, stderr[-3000:]
     said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
     assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]

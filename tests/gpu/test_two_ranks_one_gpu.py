@@ -1,5 +1,5 @@
 """The multi-process CUDA path on a machine with one GPU (issue 11): two ranks share cuda:0 and
-talk over gloo (the test-only PHALANX_TEST_RANKS_SHARE_GPU, read in runtime/world.py), so broadcast,
+talk over gloo (PHALANX_RANKS_SHARE_GPU, read in runtime/world.py), so broadcast,
 bucketed and overlapped gradient exchange (hooks on autograd's CUDA thread, a side stream
 included), evaluation, training, sync BatchNorm, checkpoint/resume and `phalanx verify` all run
 with CUDA tensors in 2 processes, and must equal 1 device (float64, 1e-9 relative: cuDNN and

@@ -1,5 +1,5 @@
-"""The test-only way to run k ranks on one GPU (issue 11), the parts a CPU can check: runtime/world.py
-reads the switch (and nothing else does), and the one algorithm family gloo cannot carry with
+"""The way to run k ranks on one GPU (issue 11; PHALANX_RANKS_SHARE_GPU, documented in docs/command.md), the
+parts a CPU can check: runtime/world.py reads the switch (and nothing else does), and the one algorithm family gloo cannot carry with
 CUDA tensors is refused before any device or collective is touched. tests/gpu runs the mode."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ def test_the_switch_is_off_unless_set_to_one():
     assert ranks_share_gpu({}) is False
     assert ranks_share_gpu({RANKS_SHARE_GPU_VAR: "0"}) is False
     assert ranks_share_gpu({RANKS_SHARE_GPU_VAR: "1"}) is True
-    with pytest.raises(UsageError, match=f"{RANKS_SHARE_GPU_VAR}='yes' is not understood; it is for tests only"):
+    with pytest.raises(UsageError, match=f"{RANKS_SHARE_GPU_VAR}='yes' is not understood; set it to 1"):
         ranks_share_gpu({RANKS_SHARE_GPU_VAR: "yes"})
 
 
 def test_world_py_is_the_only_reader_of_the_switch():
     readers = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
-               if "PHALANX_TEST_RANKS_SHARE_GPU" in p.read_text()]
+               if "PHALANX_RANKS_SHARE_GPU" in p.read_text()]
     assert readers == ["runtime/world.py"]
 
 
