@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from phalanx.errors import UsageError
-from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME
+from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
 from phalanx.job.config import TrainConfig
 from phalanx.job.outputs import Outputs
 from phalanx.job.resume import requested_resume
@@ -65,9 +65,9 @@ def _directories(config: TrainConfig) -> list[tuple[str, str]]:
 
 def _earlier_outputs(config: TrainConfig) -> list[Path]:
     found = list(Outputs(out_dir=Path(config.out_dir)).files) if config.out_dir else []
-    # The checkpoint this run would write, or the one under --out a later --resume auto would find.
+    # The checkpoints this run would write, or those under --out a later --resume auto would find.
     if config.checkpoint_location and (config.checkpoint_every is not None or config.checkpoint_dir is None):
-        found.append(Path(config.checkpoint_location) / CHECKPOINT_FILENAME)
+        found.extend(generation_paths(Path(config.checkpoint_location) / CHECKPOINT_FILENAME))
     return [path for path in found if path.is_file()]
 
 
