@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from phalanx.errors import UsageError
+from phalanx.outdir import check_out_dir
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
 from phalanx.job.config import TrainConfig
 from phalanx.job.outputs import Outputs
@@ -94,6 +95,7 @@ class _Lock:
 
     @classmethod
     def take(cls, flag: str, path: Path) -> "_Lock":
+        check_out_dir(path, flag=flag)  # the default checkpoint dir too: a dangling link there is one line
         created = _make_dirs(path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # close-on-exec: workers never hold it
         try:
