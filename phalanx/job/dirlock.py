@@ -24,6 +24,7 @@ from typing import Iterator
 from phalanx.errors import UsageError
 from phalanx.outdir import check_out_dir
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
+from phalanx.train.checkpoint_files import previous_of
 from phalanx.job.config import TrainConfig
 from phalanx.job.outputs import Outputs
 from phalanx.job.resume import requested_resume
@@ -82,7 +83,8 @@ def _check_earlier_outputs(config: TrainConfig) -> None:
         return
     where = config.out_dir if config.out_dir else config.checkpoint_location
     flag = "--out" if config.out_dir else "--checkpoint-dir"
-    names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in earlier)
+    named = [p for p in earlier if not any(previous_of(q) == p for q in earlier)]  # a checkpoint's generations: one
+    names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in named)
     raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}); continue that run with "
                      "--resume auto, or replace them with --overwrite")
 
