@@ -1,9 +1,11 @@
 """Where a run's outputs go: checked before any work, so a bad `--out` costs nothing and leaves nothing.
 
-`check_out_dir` refuses, in one line naming the fix, a path that is an existing file, lies under a
-directory this user may not write, or cannot be created at all (a virtual filesystem such as
-/proc answers "permission" yes and still refuses every mkdir): it creates and at once removes a
-probe directory in the nearest existing ancestor. It creates nothing that outlives the check.
+`check_out_dir` refuses, in one line naming the fix, an empty path (it would silently write
+nothing), a path that is an existing file, a dangling symlink or a loop of symlinks (on the path
+or on a parent still to be created: mkdir cannot go through either), one that lies under a
+directory this user may not write, or one that cannot be created at all (a virtual filesystem
+such as /proc answers "permission" yes and still refuses every mkdir): it creates and at once
+removes a probe directory in the nearest existing ancestor. It creates nothing that outlives the check.
 `check_path_length` refuses a path the system cannot name (a component over the filesystem's
 name limit, usually 255 bytes, or a whole path over PATH_MAX), which would otherwise surface as
 an `OSError: File name too long` traceback from deep inside a run; --data-dir is checked too.
@@ -11,6 +13,7 @@ an `OSError: File name too long` traceback from deep inside a run; --data-dir is
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -52,8 +55,16 @@ def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> 
     """UsageError unless `out_dir` is (or can be created as) a directory this process can write."""
     if out_dir is None:
         return
+    if not os.fspath(out_dir):
+        raise UsageError(f"{flag} is empty; name a directory, or drop {flag}")
     check_path_length(out_dir, flag=flag)
     path = Path(out_dir)
+    broken = _broken_link(path)
+    if broken is not None:
+        link, what = broken
+        where = "" if link == path else f" cannot be created: {link}"
+        raise UsageError(f"{flag} {out_dir}{where} is {what}; point the link at a directory, "
+                         "remove it, or pick another directory")
     try:
         if path.exists() and not path.is_dir():
             raise UsageError(f"{flag} {out_dir} is an existing file; name a directory instead")
@@ -70,3 +81,19 @@ def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> 
     except OSError as exc:
         raise UsageError(f"{flag} {out_dir} cannot be created ({exc.strerror or type(exc).__name__} in {parent}); "
                          "pick a directory on a writable filesystem") from None
+
+
+def _broken_link(path: Path) -> tuple[Path, str] | None:
+    """(the link, what is wrong) where `path`, or the nearest of its parents that does not resolve,
+    is a symlink leading nowhere (dangling) or to itself (a loop); None when every link resolves."""
+    for candidate in (path, *path.parents):
+        if os.path.exists(candidate):
+            return None  # from here up the path resolves
+        if os.path.islink(candidate):
+            try:
+                os.stat(candidate)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    return candidate, "a loop of symlinks"
+                return candidate, f"a symlink to {os.readlink(candidate)}, which does not exist"
+    return None

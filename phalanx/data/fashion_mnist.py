@@ -5,9 +5,12 @@ subset or re-split is fine, so only the format and the label/image agreement are
 cache (PHALANX_DATA_DIR or ~/.cache/phalanx/fashion-mnist) holds exactly the official `.gz` files:
 each is checked against Zalando's published MD5 once, the result remembered in a marker file
 keyed by size and mtime, and a file that fails is deleted and fetched again. Downloads try the
-mirrors in order, verify before anything is written, and write atomically. When the files cannot
-be had, `FashionMnistUnavailable` carries the reason; whether that means "fall back" or "error"
-is the caller's decision (`phalanx.data.datasets`).
+mirrors in order, verify before anything is written, and write atomically; the cache directory
+is created with the first verified file, so a failed download leaves no empty one behind. A
+download says nothing unless it takes more than NOTICE_AFTER_S (then one line): offline, the
+mirrors fail at once and the caller's one line is all there is. When the files cannot be had,
+`FashionMnistUnavailable` carries the reason; whether that means "fall back" or "error" is the
+caller's decision (`phalanx.data.datasets`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import http.client
 import json
 import os
+import threading
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -46,16 +50,18 @@ FETCH_TIMEOUT_S = 30.0
 MAX_DOWNLOAD_BYTES = 64 * 1024**2  # the largest official file is 26 MB
 MARKER_NAME = ".phalanx-md5-verified.json"
 CACHE_ENV_VAR = "PHALANX_DATA_DIR"
+NOTICE_AFTER_S = 2.0  # a download still going after this long says so, once
 
 Fetch = Callable[[str], bytes]  # url -> the whole response body; raises OSError/ValueError on failure
 
 
 class FashionMnistUnavailable(Exception):
-    """Not cached and not downloadable; `reason` is one short clause for the user's message."""
+    """Not cached and not downloadable; `reason` is one clause for the user's message, `brief` a
+    shorter one (every mirror's same failure said once)."""
 
-    def __init__(self, reason: str, cache_dir: Path):
+    def __init__(self, reason: str, cache_dir: Path, *, brief: str | None = None):
         super().__init__(reason)
-        self.reason, self.cache_dir = reason, cache_dir
+        self.reason, self.cache_dir, self.brief = reason, cache_dir, brief or reason
 
 
 def fetch_url(url: str, *, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
@@ -122,13 +128,12 @@ def _verify_cached(cache: Path, marker: dict, log: Callable[[str], None]) -> lis
     return missing
 
 
-def _download(fname: str, cache: Path, fetch: Fetch, mirrors: Sequence[str], log: Callable[[str], None]) -> None:
+def _download(fname: str, cache: Path, fetch: Fetch, mirrors: Sequence[str]) -> None:
     """Fetch one file from the first mirror that serves the right bytes; raise with every mirror's reason."""
     failures = []
     for mirror in mirrors:
         url = urllib.parse.urljoin(mirror if mirror.endswith("/") else mirror + "/", fname)
         where = urllib.parse.urlsplit(url).netloc or url
-        log(f"downloading {url}")
         try:
             data = fetch(url)
         except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError and timeouts are OSErrors
@@ -140,13 +145,16 @@ def _download(fname: str, cache: Path, fetch: Fetch, mirrors: Sequence[str], log
             failures.append(f"{where}: MD5 {got} != official {OFFICIAL_MD5[fname]}")
             continue
         try:
+            cache.mkdir(parents=True, exist_ok=True)  # only now: a failed download leaves no empty cache
             # Temp file + rename: ranks sharing one cache may download at once; each rename is
             # atomic and carries the same verified bytes, so no lock is needed.
             atomic_write_bytes(cache / fname, data)
         except OSError as exc:
             raise FashionMnistUnavailable(f"cannot write {cache / fname}: {exc.strerror or exc}", cache) from None
         return
-    raise FashionMnistUnavailable(f"{fname}: " + "; ".join(failures or ["no mirrors configured"]), cache)
+    reasons = {failure.split(": ", 1)[-1] for failure in failures}
+    brief = f"{reasons.pop()}, from every mirror" if len(failures) > 1 and len(reasons) == 1 else None
+    raise FashionMnistUnavailable(f"{fname}: " + "; ".join(failures or ["no mirrors configured"]), cache, brief=brief)
 
 
 def ensure_cached(
@@ -164,15 +172,18 @@ def ensure_cached(
     try:
         if missing and not download:
             raise FashionMnistUnavailable(f"downloads are off and {missing[0]} is missing", cache)
+        notice = threading.Timer(NOTICE_AFTER_S, log, args=(f"downloading Fashion-MNIST ({len(missing)} of "
+                                                            f"{len(OFFICIAL_MD5)} files) into {cache}",))
+        notice.daemon = True
         if missing:
-            try:
-                cache.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise FashionMnistUnavailable(f"cannot create {cache}: {exc.strerror or exc}", cache) from None
-        for fname in missing:
-            # Stop at the first file no mirror serves: offline, the rest would fail the same way.
-            _download(fname, cache, fetch or fetch_url, mirrors, log)
-            marker[fname] = _stamp(cache / fname, OFFICIAL_MD5[fname])
+            notice.start()
+        try:
+            for fname in missing:
+                # Stop at the first file no mirror serves: offline, the rest would fail the same way.
+                _download(fname, cache, fetch or fetch_url, mirrors)
+                marker[fname] = _stamp(cache / fname, OFFICIAL_MD5[fname])
+        finally:
+            notice.cancel()
     finally:
         # Record what was verified even if a later file failed, so the next run does not rehash it.
         if marker != before:

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Iterator
 
 from phalanx.errors import UsageError
-from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME
+from phalanx.outdir import check_out_dir
+from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
+from phalanx.train.checkpoint_files import previous_of
 from phalanx.job.config import TrainConfig
 from phalanx.job.outputs import Outputs
 from phalanx.job.resume import requested_resume
@@ -65,9 +67,9 @@ def _directories(config: TrainConfig) -> list[tuple[str, str]]:
 
 def _earlier_outputs(config: TrainConfig) -> list[Path]:
     found = list(Outputs(out_dir=Path(config.out_dir)).files) if config.out_dir else []
-    # The checkpoint this run would write, or the one under --out a later --resume auto would find.
+    # The checkpoints this run would write, or those under --out a later --resume auto would find.
     if config.checkpoint_location and (config.checkpoint_every is not None or config.checkpoint_dir is None):
-        found.append(Path(config.checkpoint_location) / CHECKPOINT_FILENAME)
+        found.extend(generation_paths(Path(config.checkpoint_location) / CHECKPOINT_FILENAME))
     return [path for path in found if path.is_file()]
 
 
@@ -81,7 +83,8 @@ def _check_earlier_outputs(config: TrainConfig) -> None:
         return
     where = config.out_dir if config.out_dir else config.checkpoint_location
     flag = "--out" if config.out_dir else "--checkpoint-dir"
-    names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in earlier)
+    named = [p for p in earlier if not any(previous_of(q) == p for q in earlier)]  # a checkpoint's generations: one
+    names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in named)
     raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}); continue that run with "
                      "--resume auto, or replace them with --overwrite")
 
@@ -94,6 +97,7 @@ class _Lock:
 
     @classmethod
     def take(cls, flag: str, path: Path) -> "_Lock":
+        check_out_dir(path, flag=flag)  # the default checkpoint dir too: a dangling link there is one line
         created = _make_dirs(path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # close-on-exec: workers never hold it
         try:

@@ -99,10 +99,10 @@ def _launch_once(config: TrainConfig, names: Sequence[str], spec: LaunchSpec) ->
 
 def checkpoint_position(location: str | None) -> tuple[int, int] | None:
     """(epoch, step) of the checkpoint at `location`, or None when there is none (yet)."""
-    if location is None or not ckpt.checkpoint_path(location).is_file():
+    if location is None or not ckpt.has_checkpoint(location):
         return None
     try:
-        state = ckpt.read_checkpoint(location)
+        _, state, _ = ckpt.read_newest(location)  # the generation a restart resumes from
     except UsageError:
         return None
     return int(state["epoch"]), int(state["step"])

@@ -2,7 +2,9 @@
 
 A run continues from `--resume DIR`, from `--resume auto` (the checkpoint dir's checkpoint, if
 there is one), or - when torchrun restarts a job that checkpoints - auto by itself; the restart
-loop (elastic.py) names the checkpoint explicitly. What must match is the fingerprint: the
+loop (elastic.py) names the checkpoint explicitly. A directory's newest checkpoint that is
+damaged (its CRCs fail) gives way to the one before it, and the resumed line says so; a file
+named on its own is refused instead, naming the one before it. What must match is the fingerprint: the
 model, the settings that decide the update (global batch, seed, dtype) and the data set's
 identity (name, sizes, a hash of the training set's bytes), refused in one line on a mismatch.
 What may change - lr, warm-up, epochs, the device count (k devices compute the 1-device update,
@@ -79,20 +81,21 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
     resume = requested_resume(config)
     if resume == "auto":
         resume = config.checkpoint_location
-        if not ckpt.checkpoint_path(resume).is_file():
+        if not ckpt.has_checkpoint(resume):
             log(f"no checkpoint in {resume} yet: starting from scratch")
             return Start(position=ckpt.Position(epoch=0, step=0))
     if resume is None:
         return Start(position=ckpt.Position(epoch=0, step=0))
-    path = ckpt.checkpoint_path(resume)
-    state = ckpt.read_checkpoint(path)
+    path, state, passed_over = ckpt.read_newest(resume)
     ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
     position = ckpt.restore(state, world=world, model=model, optimizer=optimizer)
     earlier = dict(state.get("settings") or {})
     now = run_settings(config, num_devices=world.world_size)
     changes = [f"{CHANGEABLE[key]} {earlier[key]:g} -> {now[key]:g}" for key in CHANGEABLE
                if key in earlier and earlier[key] != now[key]]
-    notes = f"; changed since the checkpoint: {', '.join(changes)}" if changes else ""
+    notes = f"; {passed_over}" if passed_over else ""  # first: the run goes back further than asked
+    if changes:
+        notes += f"; changed since the checkpoint: {', '.join(changes)}"
     if "data" not in state["fingerprint"]:
         notes += "; the checkpoint predates data-set fingerprints, so its data set is not checked"
     log(f"resumed from {path} at epoch {position.epoch + 1}, step {position.step}{notes}")

@@ -1,7 +1,9 @@
 """Checkpoints: save a run's whole state atomically, load it only after checking it fits.
 
 A checkpoint is one file, `<dir>/checkpoint.pt`, replaced atomically (temp file, fsync, rename:
-a kill during a save leaves the previous checkpoint whole). It holds the model's and optimizer's
+a kill during a save leaves the previous checkpoint whole), and the one it replaced is kept as
+`checkpoint.previous.pt` (checkpoint_files.py: two generations, every record CRC-checked before
+anything is loaded). It holds the model's and optimizer's
 state, where the run stands (epoch, steps done in that epoch, and the epoch's running sums
 reduced over every rank, so a run resumed on any device count reports the same epoch metrics),
 every rank's RNG states (torch, numpy, python), a fingerprint of what produced it (model,
@@ -15,15 +17,17 @@ identity) still load: their sums are added up, and the data set is reported as u
 
 `phalanx train`'s own use (what it fingerprints, where it starts) is in resume.py;
 `checkpoint`/`resume` here are a user script's. Rank 0 writes; every rank reads.
-Loading uses `torch.load(..., weights_only=True)` - a file that needs arbitrary unpickling
-(tampered, or not a checkpoint) is refused - and compares the fingerprint with the current run
-before anything is applied, naming the first mismatch.
+Loading checks the file's CRCs, then uses `torch.load(..., weights_only=True)` - a file that needs
+arbitrary unpickling (tampered, or not a checkpoint) is refused - and compares the fingerprint
+with the current run before anything is applied, naming the first mismatch. A directory's
+damaged (or missing) newest checkpoint gives way to the one before it, and the reader says so.
 """
 
 from __future__ import annotations
 
 import io
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,11 +36,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from phalanx.atomic import atomic_write_bytes
 from phalanx.comm import collective
-from phalanx.errors import UsageError
+from phalanx.errors import PhalanxWarning, UsageError
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.runtime.world import World
+from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
+    write_generation
 
 FORMAT = "phalanx-checkpoint-2"
 # Still read: the first format kept each rank's running sums and no data identity.
@@ -71,6 +76,18 @@ def checkpoint_path(location: str | Path) -> Path:
     """A checkpoint file, or a directory holding one as checkpoint.pt."""
     path = Path(location)
     return path / FILENAME if path.is_dir() or not path.suffix else path
+
+
+def generation_paths(location: str | Path) -> tuple[Path, Path]:
+    """The files a save at `location` leaves: the checkpoint and the one before it."""
+    path = checkpoint_path(location)
+    return path, previous_of(path)
+
+
+def has_checkpoint(location: str | Path) -> bool:
+    """Whether `location` holds a checkpoint to resume from (either generation of a directory)."""
+    path = checkpoint_path(location)
+    return any(p.is_file() for p in (generation_paths(location) if path != Path(location) else (path,)))
 
 
 def _rng_state() -> dict[str, Any]:
@@ -113,11 +130,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": optimizer.state_dict(), "rng": [r["rng"] for r in every],
              "epoch_totals": _global_totals([r["epoch_totals"] for r in every]), "settings": dict(settings or {})}
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
     path = checkpoint_path(directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, buffer.getvalue())
+    write_generation(path, serialize(state))
     return path
 
 
@@ -131,20 +145,31 @@ def _global_totals(per_rank: list[list[float]]) -> list[float]:
 
 
 def read_checkpoint(location: str | Path) -> dict[str, Any]:
-    """Load a checkpoint file as weights only; a clear UsageError for anything else."""
+    """Load a checkpoint file as weights only, its CRCs checked first (DamagedFile when it is
+    damaged or unloadable); a clear UsageError for anything else."""
     path = checkpoint_path(location)
     if not path.is_file():
         raise UsageError(f"no checkpoint at {path}; pass --resume a directory holding {FILENAME} (or the file)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(read_verified(path)), map_location="cpu", weights_only=True)
+    except DamagedFile:
+        raise
     except Exception as exc:  # noqa: BLE001 - pickle, zip and weights-only errors alike
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{path} is not loadable as a weights-only checkpoint ({reason[:160]}); it is corrupt, "
-                         "tampered with or not a phalanx checkpoint - resume from another one") from None
+        raise DamagedFile(path, f"is not loadable as a weights-only checkpoint ({reason[:160]}); it is corrupt, "
+                                "tampered with or not a phalanx checkpoint") from None
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, FORMAT_1):
         raise UsageError(f"{path} is not a phalanx checkpoint (format {state.get('format') if isinstance(state, dict) else None!r}); "
                          "resume from a checkpoint phalanx train wrote")
     return state
+
+
+def read_newest(location: str | Path) -> tuple[Path, dict[str, Any], str]:
+    """`read_checkpoint` of the newest intact generation: a directory's checkpoint.pt, or - when
+    it is damaged or missing - the one before it; a file named on its own, that file only.
+    Returns (the file read, its state, a note naming the newer one passed over, or '')."""
+    path = checkpoint_path(location)
+    return newest_intact(path, read_checkpoint, go_back=path != Path(location))
 
 
 def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path) -> None:
@@ -228,10 +253,11 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     fits (a one-line UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the
     returned position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
     """
-    path = checkpoint_path(location)
-    if not path.is_file():
+    if not has_checkpoint(location):
         return Position(epoch=0, step=0)
     module = _replica(model)
-    state = read_checkpoint(path)
+    path, state, passed_over = read_newest(location)
+    if passed_over and world.is_main:
+        warnings.warn(f"resuming from {path}: {passed_over}", PhalanxWarning, stacklevel=2)
     check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path)
     return restore(state, world=world, model=module, optimizer=optimizer)

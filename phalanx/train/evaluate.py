@@ -5,10 +5,12 @@ counts its correct predictions and the counts are summed, so every test image is
 once and every rank gets the same accuracy. `evaluate` does this for tensors in memory (the
 CLI's datasets; `count_accuracy` also for a model split, whose ranks each read every test image
 and where those holding the output count); `evaluate_dataset` for any torch Dataset and any
-summed metric (a user's). `evaluate_dataset` first checks that the replicas' buffers agree
-(one small all-gather): each rank evaluates its shard with its own replica, so replicas whose
-running statistics drifted apart would be mixed into one number without a word (issue 22). Its
-default metric, `classification_sums`, is for a classifier returning logits and refuses
+summed metric (a user's); it moves each batch to the model's device and its floating tensors to
+the model's floating dtype, as `evaluate` casts its images (a float64 model from `prepare(dtype=
+"float64")` takes a float32 Dataset; Lightning's precision plugins convert a batch the same way).
+It first checks that the replicas' buffers agree (one small all-gather): each rank evaluates
+its shard with its own replica, so replicas whose running statistics drifted apart would be
+mixed into one number without a word (issue 22). Its default metric, `classification_sums`, is for a classifier returning logits and refuses
 anything else (probabilities, one output column, float labels) with the fix: a `sums=` of yours.
 """
 
@@ -118,12 +120,13 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     collate = ShardCollate(dataset, collate_fn or default_collate)
     loader = DataLoader(Subset(dataset, range(start, stop)), batch_size=batch_size, collate_fn=collate)
     batches = iter(loader) if stop > start else iter([collate([])])
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for batch in batches:
-            for name, value in sums(model, _to_device(batch, world.device)).items():
+            for name, value in sums(model, _to_device(batch, world.device, dtype)).items():
                 value = torch.as_tensor(value, dtype=torch.float64, device=world.device)
                 totals[name] = totals.get(name, 0) + value
     model.train(was_training)
@@ -138,11 +141,13 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     return result
 
 
-def _to_device(batch, device: torch.device):
+def _to_device(batch, device: torch.device, dtype: torch.dtype | None):
+    """`batch` on `device`, its floating tensors in `dtype` (None: as they are); integer labels,
+    token ids and masks keep theirs."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+        return batch.to(device, dtype) if dtype is not None and batch.is_floating_point() else batch.to(device)
     if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
+        return {k: _to_device(v, device, dtype) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_to_device(v, device) for v in batch)
+        return type(batch)(_to_device(v, device, dtype) for v in batch)
     return batch

@@ -11,9 +11,11 @@ import contextlib
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 from typing import Iterator
 
@@ -147,3 +149,17 @@ def assert_same_rows(got: Path, want: Path, *, rel: float) -> None:
     for ra, rb in zip(rows_a, rows_b):
         assert ra["train_loss"] == pytest.approx(rb["train_loss"], rel=rel, abs=0), ra["epoch"]
         assert (ra["train_acc"], ra["test_acc"]) == (rb["train_acc"], rb["test_acc"]), ra["epoch"]
+
+
+def flip_record_byte(path: Path) -> str:
+    """Flip one bit in the middle of the largest tensor record of the checkpoint at `path` (the zip
+    structure stays intact; only that record's CRC-32 no longer matches); return the record's name."""
+    with zipfile.ZipFile(path) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[record.header_offset + 26:record.header_offset + 30])
+    data[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() == record.filename  # damaged in place, as a disk or a copy would
+    return record.filename

@@ -9,7 +9,9 @@ non-zero naming the dead rank, then `--resume auto` finishes it. Final weights a
 metrics row (loss, accuracy) must match the reference to 1e-6 - in fact they match bitwise,
 because the data order is a pure function of (seed, epoch) and the RNG states are restored.
 Ctrl-C (SIGINT to the process group) stops the run at once with exit 130, no worker left and the
-last checkpoint intact.
+last checkpoint intact. A checkpoint damaged on disk (a byte flipped inside a tensor) gives way
+to the one before it under `--resume auto`, which says so, and the run still ends where an
+uninterrupted one does.
 """
 
 import os
@@ -19,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.runs import crash_script, final_weights, finished_run, metrics_rows, run_phalanx, started_phalanx
+from tests.distributed.runs import (crash_script, final_weights, finished_run, flip_record_byte, metrics_rows, run_phalanx,
+                                   started_phalanx)
 
 pytestmark = pytest.mark.distributed
 
@@ -68,6 +71,21 @@ def test_resume_mid_epoch_after_a_crash_matches_an_uninterrupted_run(reference, 
     _assert_same_run(out, reference)
 
 
+def test_a_damaged_checkpoint_gives_way_to_the_one_before_it_and_the_run_ends_the_same(reference, tmp_path):
+    out = tmp_path / "run"
+    first = run_phalanx(*COMMON, "--epochs", "1", "--checkpoint-every", "17", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    newest = out / "checkpoints" / "checkpoint.pt"  # epoch 1's end; the one before it: epoch 1, step 17
+    record = flip_record_byte(newest)
+    resumed = run_phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out), "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert resumed.stdout.splitlines()[0] == (
+        f"resumed from {out / 'checkpoints' / 'checkpoint.previous.pt'} at epoch 1, step 17; {newest} is damaged: "
+        f"its record {record} fails its CRC-32 check (the bytes changed after they were written), so this is the "
+        "checkpoint before it; changed since the checkpoint: --epochs 1 -> 2"), resumed.stdout[-1500:]
+    _assert_same_run(out, reference)
+
+
 def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
     out = tmp_path / "run"
     with started_phalanx(*COMMON, "--dtype", "float32", "--epochs", "200", "--checkpoint-every", "5",
@@ -90,4 +108,5 @@ def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
 
     state = ckpt.read_checkpoint(out / "checkpoints")  # whole and loadable
     assert state["epoch"] >= 1
-    assert not [p for p in (out / "checkpoints").iterdir() if p.name != "checkpoint.pt"], "temp file left behind"
+    kept = ("checkpoint.pt", "checkpoint.previous.pt")  # the last checkpoint and the one before it
+    assert not [p for p in (out / "checkpoints").iterdir() if p.name not in kept], "temp file left behind"

@@ -99,6 +99,28 @@ def test_evaluate_dataset_counts_every_example_once():
     assert sums["loss"] == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-6)
 
 
+def test_evaluate_dataset_follows_a_float64_models_dtype():
+    # Was: "RNN input dtype (torch.float32) does not match weight dtype (torch.float64)" from inside
+    # evaluate_dataset, while the internal evaluate cast its images.
+    torch.manual_seed(0)
+
+    class Tagger(nn.Module):  # a GRU over the sequence, then logits from its last state
+        def __init__(self):
+            super().__init__()
+            self.gru, self.head = nn.GRU(3, 8, batch_first=True), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.head(self.gru(x)[0][:, -1])
+
+    model = phalanx.prepare(Tagger(), world=world(0, 1), dtype="float64")
+    X, y = torch.randn(21, 5, 3), torch.randint(0, 4, (21,))  # float32 data, int64 labels
+    sums = phalanx.evaluate_dataset(model, TensorDataset(X, y), world=world(0, 1), batch_size=8)
+    with torch.no_grad():
+        logits = model.module(X.double())
+    assert sums["count"] == 21 and sums["correct"] == (logits.argmax(1) == y).sum().item()
+    assert sums["loss"] == F.cross_entropy(logits, y, reduction="sum").item()  # the float64 result, exactly
+
+
 def test_init_outside_any_launcher_is_a_world_of_one(monkeypatch):
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

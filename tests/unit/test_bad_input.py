@@ -256,7 +256,7 @@ def test_checksum_mismatch_on_download(wrong_mirror, tmp_path, capsys):
     assert len(re.findall(r"MD5 [0-9a-f]{32} != official 8d4fb7e6c68d591d4c3dfef9ec88bf0d", message)) == 2
     assert message.endswith(f"; put the four official .gz files in {cache} or pass --data-dir DIR")
     assert [url.rsplit("/", 1)[-1] for url in wrong_mirror] == [f"{IMAGES}.gz"] * 2  # both mirrors tried
-    assert not [p for p in cache.iterdir() if not p.name.startswith(".phalanx-md5")]  # nothing unverified kept
+    assert not cache.exists()  # nothing unverified kept, not even an empty cache directory (issue 28)
 
 
 def test_infinite_lr(tmp_path, capsys):

@@ -141,3 +141,19 @@ def test_a_checkpoint_left_under_out_counts_even_when_this_run_keeps_none(tmp_pa
     (elsewhere / "checkpoint.pt").write_text("another run's")
     with hold_run_directories(TrainConfig(out_dir=str(tmp_path / "T"), checkpoint_dir=str(elsewhere))):
         pass
+
+
+def test_both_checkpoint_generations_are_earlier_outputs_and_overwrite_removes_both(tmp_path):
+    out = tmp_path / "S"
+    (out / "checkpoints").mkdir(parents=True)
+    for name in ("checkpoint.pt", "checkpoint.previous.pt"):
+        (out / "checkpoints" / name).write_text("earlier")
+    with pytest.raises(UsageError, match=r"holds an earlier run's outputs \(checkpoints/checkpoint\.pt\); continue"):
+        with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5")):
+            pass
+    (out / "checkpoints" / "checkpoint.pt").unlink()  # the one before it alone would still be resumed from
+    with pytest.raises(UsageError, match=r"\(checkpoints/checkpoint\.previous\.pt\); continue"):
+        with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5")):
+            pass
+    with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5", overwrite=True)):
+        assert [p.name for p in (out / "checkpoints").iterdir()] == [PID_FILE]

@@ -78,3 +78,45 @@ def test_oversubscription_is_named_with_the_count_that_fits():
         "--threads-per-device 64 x 2 local worker(s) = 128 threads on 2 cores: they take turns and training can be "
         "many times slower; use --threads-per-device 1, or leave it unset (cores / workers)")
     assert "use --threads-per-device 4," in oversubscription(5, 2, cores=8)
+
+
+def _links(tmp_path):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    return {"dangling": f"a symlink to {tmp_path / 'nowhere'}, which does not exist", "loop": "a loop of symlinks"}
+
+
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir", "--trace"])
+@pytest.mark.parametrize("link", ["dangling", "loop"])
+@pytest.mark.parametrize("below", [False, True])
+def test_a_symlink_leading_nowhere_is_one_line_before_training(tmp_path, capsys, flag, link, below):
+    # Was: a 23-line traceback ending FileExistsError from the directory lock; --trace trained to the end first.
+    what = _links(tmp_path)[link]
+    target = tmp_path / link / "run" if below else tmp_path / link
+    argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, str(target)]
+    argv += ["--checkpoint-every", "5"] if flag == "--checkpoint-dir" else []
+    err = _one_line(capsys, argv)
+    where = f" cannot be created: {tmp_path / link}" if below else ""
+    assert err == (f"phalanx: error: {flag} {target}{where} is {what}; point the link at a directory, remove it, "
+                   "or pick another directory")
+    assert "epoch" not in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "loop"]  # nothing created
+
+
+def test_a_dangling_default_checkpoint_dir_is_one_line(tmp_path, capsys):
+    what = _links(tmp_path)["dangling"]
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoints").symlink_to(tmp_path / "nowhere")
+    err = _one_line(capsys, ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress",
+                             "--out", str(tmp_path / "out"), "--checkpoint-every", "5"])
+    assert err.startswith(f"phalanx: error: the checkpoint dir {tmp_path / 'out' / 'checkpoints'} is {what}; ")
+
+
+@pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir", "--trace"])
+def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch, flag):
+    # Was: --out "" trained and wrote nothing (and with --checkpoint-every, checkpoints went to /checkpoints).
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, ""]
+    argv += ["--checkpoint-every", "5"] if flag == "--checkpoint-dir" else []
+    assert _one_line(capsys, argv) == f"phalanx: error: {flag} is empty; name a directory, or drop {flag}"
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,106 @@
+"""A first run offline (issue 28, item 11): one line about the missing download and no empty cache
+directory; the failure is remembered for an hour, so later default runs fall back at once without
+trying the mirrors, unless --dataset fashion-mnist is named; a download that succeeds forgets it;
+a slow download says what it is doing, once. The network is simulated (tests/unit/test_data_*.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+
+import pytest
+
+from phalanx.cli import main
+from phalanx.data import datasets, fashion_mnist, load_dataset
+from phalanx.errors import UsageError
+from tests.unit.test_data_datasets import _fetch_from, mirror  # noqa: F401 - the fixture, reused
+
+FALLBACK = "fashion-mnist is not cached and cannot be downloaded ("
+DIGITS = "); training on scikit-learn's digits instead (pass --data-dir to use your own copy)"
+
+
+class Offline:
+    """The network as a machine without one sees it: every URL fails at once; counts the tries."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+
+    def __call__(self, url: str) -> bytes:
+        self.urls.append(url)
+        raise urllib.error.URLError("[Errno -2] Name or service not known")
+
+
+def test_offline_first_run_is_one_line_and_leaves_no_empty_directory(tmp_path):
+    cache, offline, logged = tmp_path / "cache", Offline(), []
+    data = load_dataset(None, None, cache_dir=cache, fetch=offline, log=logged.append)
+    assert data.name == "digits" and len(offline.urls) == 2  # both mirrors, first file only
+    assert logged == [f"{FALLBACK}[Errno -2] Name or service not known, from every mirror{DIGITS}"]
+    assert [p.name for p in cache.iterdir()] == [datasets.FAILED_NOTE]  # the failure, remembered
+    note = json.loads((cache / datasets.FAILED_NOTE).read_text())
+    assert "Name or service not known" in note["reason"] and time.time() - note["failed_at"] < 60
+
+
+def test_a_remembered_failure_falls_back_at_once_for_an_hour(tmp_path, monkeypatch):
+    cache, offline = tmp_path / "cache", Offline()
+    load_dataset(None, None, cache_dir=cache, fetch=offline, log=lambda _: None)
+    tried = len(offline.urls)
+    logged = []
+    assert load_dataset(None, None, cache_dir=cache, fetch=offline, log=logged.append).name == "digits"
+    assert len(offline.urls) == tried  # no download attempt
+    assert len(logged) == 1 and re.fullmatch(re.escape(FALLBACK) + r"its download failed \d+ s ago and is tried again "
+                                             r"after 1 h, or now with --dataset fashion-mnist" + re.escape(DIGITS),
+                                             logged[0]), logged
+    with pytest.raises(UsageError, match=r"^cannot download Fashion-MNIST \("):  # named: always tried
+        load_dataset("fashion-mnist", None, cache_dir=cache, fetch=offline, log=lambda _: None)
+    assert len(offline.urls) == tried + 2
+    an_hour_later = time.time() + datasets.RETRY_AFTER_S + 1
+    monkeypatch.setattr(datasets.time, "time", lambda: an_hour_later)
+    load_dataset(None, None, cache_dir=cache, fetch=offline, log=lambda _: None)
+    assert len(offline.urls) == tried + 4  # an hour on: tried again
+
+
+def test_a_download_that_succeeds_forgets_the_failure(tmp_path, mirror):  # noqa: F811
+    cache = tmp_path / "cache"
+    load_dataset(None, None, cache_dir=cache, fetch=Offline(), log=lambda _: None)
+    data = load_dataset("fashion-mnist", None, cache_dir=cache, fetch=_fetch_from(mirror, []), log=lambda _: None)
+    assert data.name == "fashion-mnist" and not (cache / datasets.FAILED_NOTE).exists()
+
+
+def test_files_put_in_the_cache_are_used_despite_a_remembered_failure(tmp_path, mirror):  # noqa: F811
+    cache = tmp_path / "cache"
+    load_dataset(None, None, cache_dir=cache, fetch=Offline(), log=lambda _: None)
+    for path in mirror.iterdir():  # what the fallback line suggests: put the files there
+        (cache / path.name).write_bytes(path.read_bytes())
+    assert load_dataset(None, None, cache_dir=cache, fetch=Offline(), log=lambda _: None).name == "fashion-mnist"
+
+
+def test_a_slow_download_says_so_once(tmp_path, mirror, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(fashion_mnist, "NOTICE_AFTER_S", 0.05)
+    fast = _fetch_from(mirror, [])
+
+    def slow(url: str) -> bytes:
+        time.sleep(0.1)
+        return fast(url)
+
+    logged = []
+    load_dataset(None, None, cache_dir=tmp_path / "cache", fetch=slow, log=logged.append)
+    assert logged == [f"downloading Fashion-MNIST (4 of 4 files) into {tmp_path / 'cache'}"]
+
+
+def test_the_command_offline_prints_one_line_then_tries_no_more(tmp_path, monkeypatch, capsys):
+    # Was: two "downloading http://..." lines and a ~330-character line on every run, and an empty cache.
+    offline = Offline()
+    monkeypatch.setattr(fashion_mnist, "fetch_url", offline)
+    monkeypatch.setenv("PHALANX_DATA_DIR", str(tmp_path / "cache"))
+    argv = ["train", "--devices", "1", "--epochs", "1", "--no-progress"]
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    about = [line for line in (first.out + first.err).splitlines() if "download" in line or "fashion" in line]
+    assert len(about) == 1 and about[0].startswith(FALLBACK), first
+    assert len(offline.urls) == 2
+    assert main(argv) == 0
+    second = capsys.readouterr()
+    assert len(offline.urls) == 2, "the second run tried the download again"
+    assert [line for line in second.out.splitlines() if line.startswith(FALLBACK)][0].endswith(DIGITS)
