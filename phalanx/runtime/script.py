@@ -22,6 +22,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import multiprocessing
 import os
 import runpy
 import sys
@@ -114,6 +115,7 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
     setup_worker(device, local_rank=env.local_rank, local_world_size=env.local_world_size,
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
     _bound_default_group_timeout(spec.timeout_s)
+    _platform_start_method()
     _context = _RunContext(device=device, timeout_s=spec.timeout_s)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
     try:
@@ -125,6 +127,16 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
         mark_exit(_current, ok=True)
     finally:
         _context = _current = None
+
+
+def _platform_start_method() -> None:
+    """The script's own child processes start as under torchrun, where a rank is a fresh `python
+    script.py`: by the platform's default method (fork on Linux), not by `spawn`, which a spawned
+    worker inherits from its launcher. Under spawn a DataLoader worker re-runs a script that has no
+    `if __name__ == "__main__":` guard - `phalanx.init()` included - and tries to join the group.
+    None (unset) rather than the default's name, so a library that sets its own method only when
+    none is set still may."""
+    multiprocessing.set_start_method(None, force=True)
 
 
 def _bound_default_group_timeout(timeout_s: float) -> None:

@@ -8,8 +8,10 @@ results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the
 Each worker sends one report (its result, or its error) through its own pipe *before* its
 `teardown` callbacks leave the process group, so the rare gloo abort at process exit
 (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot lose a finished
-result. The first failure takes every worker down (SIGTERM, then SIGKILL; all joined: no orphans,
-no zombies) and the message names the rank that broke first. Once every result is in, the run
+result. The first failure takes every worker down, with whatever each started (its process group:
+SIGTERM, then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank
+that broke first, with its traceback; a rank that only stopped because of it (its collective
+lost a peer) or repeats its error gets one line. Once every result is in, the run
 has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
 after which a worker still tearing down is killed without a word. Workers write each output line
 in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
@@ -32,8 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.segment import remove_segments_of
 from phalanx.errors import RunFailed, UsageError
-from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, line_buffered_output,
-                              signals_deferred, stop_on_signals, terminate)
+from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, lead_own_group,
+                                     line_buffered_output, signals_deferred, stop_on_signals, terminate)
 
 # After a first failure, keep listening this long for the other ranks' reports: the first one to
 # arrive is often a secondary "connection closed" from a peer of the rank that really broke.
@@ -95,6 +97,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int)
     """One spawned worker: run the body, send one report, then tear down."""
     global _PROGRESS
     die_with_parent(parent_pid)
+    lead_own_group()
     line_buffered_output()
     flush_on_sigterm()
     if workers.env:
@@ -146,17 +149,17 @@ def run_workers(workers: WorkerSet) -> list[Any]:
             return _supervise(procs, conns, workers, progress=progress)
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
             with signals_deferred():
-                terminate(procs)
+                started = terminate(procs)  # the workers and every process they started
                 for conn in conns:
                     conn.close()
-                # A worker killed between creating its shm segment and every rank mapping it (a
-                # few ms at start) leaves the file behind; it is named after that worker's pid.
-                remove_segments_of([proc.pid for proc in procs if proc.pid is not None])
+                # A process killed between creating its shm segment and every rank mapping it (a
+                # few ms at start) leaves the file behind; it is named after that process's pid.
+                remove_segments_of(started)
 
 
 def _supervise(procs, conns, workers: WorkerSet, progress=None) -> list[Any]:
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
-    reports: dict[int, tuple] = {}  # rank -> ("ok", result) | ("usage", msg) | ("error", line, tb)
+    reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | _error(...)
     first_failure: int | None = None
     give_up_at = deadline
     pending = set(range(len(procs)))
