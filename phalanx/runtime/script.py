@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
-from phalanx.runtime.launch import LaunchSpec, join_launcher_world, setup_worker, spawn_workers, torchrun_device
+from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
+                                   torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, stop_world
 from phalanx.runtime.board import mark_exit, open_board
 
@@ -156,6 +157,7 @@ def add_run_parser(sub) -> None:
     run.add_argument("--devices", default="1", help="N, cpu:N or cuda:0,1 (default 1)")
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds any collective may wait")
     run.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
+    run.add_argument("--quiet", action="store_true", help="no first line on stderr (workers, threads, rendezvous)")
     run.add_argument("--bind-cores", action="store_true",
                      help="pin each local worker to its own equal share of the cores (threads = its share)")
     run.add_argument("script", help="the Python file to run on every worker")
@@ -178,11 +180,35 @@ def run_run(args: argparse.Namespace) -> int:
                       timeout_s=args.timeout, bind_cores=args.bind_cores)
     env = launcher_env()
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
+        if env.rank == 0 and not args.quiet:
+            _say(first_line(spec, workers=env.world_size, local_workers=env.local_world_size,
+                            store=f"{env.master_addr}:{env.master_port}", launcher="torchrun"))
+        if env.local_rank == 0:
+            warn_if_oversubscribed(spec, local_workers=env.local_world_size)
         device = torchrun_device(spec, env)
         with contextlib.ExitStack() as teardown:
             _run_script(str(script), tuple(args.args), spec=spec, device=device, teardown=teardown)
         return 0
+    k = spec.plan.num_devices
+    announce = None if args.quiet else (
+        lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
-    spawn_workers(_script_body, (str(script), tuple(args.args), spec), spec=spec, exit_zero_is_success=True)
+    spawn_workers(_script_body, (str(script), tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
+                  announce=announce)
     return 0
+
+
+def first_line(spec: LaunchSpec, *, workers: int, local_workers: int, store: str, launcher: str) -> str:
+    """`phalanx run`'s first line on stderr, as `phalanx train`'s names its devices and threads:
+    how many workers, each one's threads, and where they meet (`--quiet` drops it)."""
+    threads = threads_per_worker(spec, local_workers=local_workers)
+    where = "cpu" if spec.plan.kind == "cpu" else ",".join(spec.plan.names)
+    here = "" if local_workers == workers else f" ({local_workers} on this host)"
+    each = "torch's default threads" if threads is None else f"{threads} thread{'s' * (threads > 1)} each"
+    return (f"phalanx run: {workers} worker{'s' * (workers > 1)} on {where}{here}, {each}; "
+            f"rendezvous env:// through {launcher}'s store at {store}")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

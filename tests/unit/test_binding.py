@@ -50,6 +50,30 @@ def test_more_workers_than_cores_is_refused_in_one_line():
         binding.cores_for(2, 2, [0, 1])
 
 
+def _warned(monkeypatch, capsys, cores: int, devices: str, threads: int | None = None, bind: bool = False) -> list:
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec, warn_if_oversubscribed
+
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    spec = LaunchSpec(plan=parse_devices(devices, cuda_count=0), threads_per_device=threads, bind_cores=bind)
+    warn_if_oversubscribed(spec, local_workers=spec.plan.num_devices)
+    return capsys.readouterr().err.splitlines()
+
+
+def test_workers_times_threads_above_the_cores_is_one_warning_line(monkeypatch, capsys):
+    # Was silent unless --threads-per-device was given: --devices cpu:16 on 2 cores ran 10x slower.
+    assert _warned(monkeypatch, capsys, 2, "cpu:16") == [
+        "phalanx: warning: 16 CPU workers on this host, 1 thread each, on 2 cores: they take turns and training "
+        "can be many times slower; use at most 2 CPU devices here"]
+    assert _warned(monkeypatch, capsys, 2, "cpu:2") == []  # 1 thread each: fits
+    assert _warned(monkeypatch, capsys, 8, "cpu:3") == []  # 2 threads each (8 // 3): fits
+    assert _warned(monkeypatch, capsys, 2, "cpu:2", bind=True) == []  # a core each
+    assert _warned(monkeypatch, capsys, 2, "cpu:1", threads=4)[0].startswith(
+        "phalanx: warning: --threads-per-device 4 x 1 local worker(s) = 4 threads on 2 cores")
+    assert len(_warned(monkeypatch, capsys, 2, "cpu:3", threads=1)) == 1
+    assert binding.worker_threads(3, bind_cores=False, threads=None) == 1  # 2 cores // 3, at least 1
+
+
 MMAPPED_BYTES = """
 import ctypes, sys, torch
 from phalanx.runtime.binding import keep_freed_memory_mapped
