@@ -203,7 +203,8 @@ def first_line(spec: LaunchSpec, *, workers: int, local_workers: int, store: str
     """`phalanx run`'s first line on stderr, as `phalanx train`'s names its devices and threads:
     how many workers, each one's threads, and where they meet (`--quiet` drops it)."""
     threads = threads_per_worker(spec, local_workers=local_workers)
-    where = "cpu" if spec.plan.kind == "cpu" else ",".join(spec.plan.names)
+    # torchrun's CUDA workers drive cuda:LOCAL_RANK whatever --devices lists; phalanx's, its list
+    where = ", ".join(spec.plan.names) if spec.plan.kind == "cuda" and launcher == "phalanx" else spec.plan.kind
     here = "" if local_workers == workers else f" ({local_workers} on this host)"
     each = "torch's default threads" if threads is None else f"{threads} thread{'s' * (threads > 1)} each"
     return (f"phalanx run: {workers} worker{'s' * (workers > 1)} on {where}{here}, {each}; "

@@ -1,6 +1,7 @@
 """--bind-cores' split of a host's cores: equal, disjoint, hyperthread siblings together,
-leftovers unused, a one-line refusal when workers outnumber cores; and the allocator set-up of
-workers phalanx does not spawn itself."""
+leftovers unused, a one-line refusal when workers outnumber cores; the one warning line when
+workers x threads exceed the cores, and `phalanx run`'s first line naming each worker's threads;
+and the allocator set-up of workers phalanx does not spawn itself."""
 
 from __future__ import annotations
 
@@ -72,6 +73,23 @@ def test_workers_times_threads_above_the_cores_is_one_warning_line(monkeypatch, 
         "phalanx: warning: --threads-per-device 4 x 1 local worker(s) = 4 threads on 2 cores")
     assert len(_warned(monkeypatch, capsys, 2, "cpu:3", threads=1)) == 1
     assert binding.worker_threads(3, bind_cores=False, threads=None) == 1  # 2 cores // 3, at least 1
+
+
+def test_phalanx_runs_first_line_names_workers_threads_and_rendezvous(monkeypatch):
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec
+    from phalanx.runtime.script import first_line
+
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    cpu = LaunchSpec(plan=parse_devices("cpu:3", cuda_count=0))
+    assert first_line(cpu, workers=3, local_workers=3, store="127.0.0.1:4000", launcher="phalanx") == (
+        "phalanx run: 3 workers on cpu, 2 threads each; rendezvous env:// through phalanx's store at 127.0.0.1:4000")
+    assert first_line(cpu, workers=4, local_workers=2, store="node0:29500", launcher="torchrun") == (
+        "phalanx run: 4 workers on cpu (2 on this host), 4 threads each; rendezvous env:// through torchrun's "
+        "store at node0:29500")
+    gpus = LaunchSpec(plan=parse_devices("cuda:0,1", cuda_count=2))
+    assert first_line(gpus, workers=2, local_workers=2, store="127.0.0.1:4000", launcher="phalanx").startswith(
+        "phalanx run: 2 workers on cuda:0, cuda:1, torch's default threads; ")
 
 
 MMAPPED_BYTES = """
