@@ -1,7 +1,7 @@
 """Where CPU workers run and how they are set up: threads (by default cores / local workers each;
 with `--bind-cores`, each of a host's k workers on its own disjoint set of cores), the one count
-of the cores this process may use (`available_cores`), a warning when threads oversubscribe them,
-and the allocator setting that keeps freed activations mapped (`keep_freed_memory_mapped`).
+of the cores this process may use (`available_cores`), a warning when threads or workers
+oversubscribe them, and the allocator setting that keeps freed activations mapped (`keep_freed_memory_mapped`).
 
 Unbound, the kernel may move a worker's threads between cores and stack two workers' threads
 on one core while another idles; in lockstep training every step then waits for the unluckiest
@@ -91,18 +91,29 @@ def default_threads(local_workers: int) -> int:
     return max(1, available_cores() // max(1, local_workers))
 
 
+def worker_threads(local_workers: int, *, bind_cores: bool, threads: int | None) -> int:
+    """The intra-op threads of each CPU worker: `threads` when given, else one per core it may
+    use (its slice with `bind_cores`, else cores / local workers)."""
+    if threads is not None:
+        return threads
+    return len(cores_for(0, local_workers)) if bind_cores else default_threads(local_workers)
+
+
 def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, threads: int | None,
                  cpu: bool = True) -> None:
     """Set up this worker's cores (its own slice with `bind_cores`) and, for a CPU device, its
-    threads: `threads`, else one per core it may use (cores / local workers, or its slice)."""
-    share = len(bind_to_cores(local_rank, local_world_size)) if bind_cores else default_threads(local_world_size)
+    threads (`worker_threads`)."""
+    count = worker_threads(local_world_size, bind_cores=bind_cores, threads=threads)  # before binding narrows
+    if bind_cores:  # the affinity mask that worker_threads reads
+        bind_to_cores(local_rank, local_world_size)
     if cpu:
-        torch.set_num_threads(threads or share)
+        torch.set_num_threads(count)
         keep_freed_memory_mapped()
 
 
 def oversubscription(threads_per_worker: int, local_workers: int, cores: int | None = None) -> str | None:
-    """A one-line warning when `threads_per_worker` x `local_workers` exceeds the cores, else None.
+    """A one-line warning when `threads_per_worker` x `local_workers` exceeds the cores because of
+    the threads, else None (more workers than cores: `too_many_workers`).
 
     Threads beyond the cores take turns on them, and in lockstep every step then waits for the
     unluckiest one: `--threads-per-device 64` on 2 cores measured 57x slower."""
@@ -114,6 +125,18 @@ def oversubscription(threads_per_worker: int, local_workers: int, cores: int | N
     return (f"--threads-per-device {threads_per_worker} x {local_workers} local worker(s) = {total} threads on "
             f"{cores} cores: they take turns and training can be many times slower; use --threads-per-device "
             f"{fits}, or leave it unset (cores / workers)")
+
+
+def too_many_workers(local_workers: int, cores: int | None = None) -> str | None:
+    """A one-line warning when more CPU workers share this host than it has cores, else None.
+
+    Each worker then runs part of the time, and a lockstep step waits for the one that ran least:
+    one synthetic epoch took 56 s wall on cpu:16 against 6 s on cpu:2, on 2 cores (issue 28)."""
+    cores = available_cores() if cores is None else cores
+    if local_workers <= cores:
+        return None
+    return (f"{local_workers} CPU workers on this host, 1 thread each, on {cores} core{'s' * (cores > 1)}: they "
+            f"take turns and training can be many times slower; use at most {cores} CPU device{'s' * (cores > 1)} here")
 
 
 # glibc: no large block is ever mmap'ed, and up to 2 GiB - 1 (mallopt takes an int: its largest

@@ -27,7 +27,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime.binding import allowed_cores, check_bindable, oversubscription, place_worker
+from phalanx.runtime.binding import (allowed_cores, check_bindable, oversubscription, place_worker, too_many_workers,
+                                    worker_threads)
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.devices import DevicePlan
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
@@ -35,7 +36,7 @@ from phalanx.runtime.supervise import TEARDOWN_S, WorkerFailed, WorkerSet, repor
 from phalanx.runtime.world import LauncherEnv, World, launcher_env, start_world, stop_world
 
 __all__ = ["LaunchSpec", "WorkerFailed", "join_launcher_world", "launch", "report_progress", "setup_worker",
-           "spawn_workers", "torchrun_device", "torchrun_env"]
+           "spawn_workers", "threads_per_worker", "torchrun_device", "torchrun_env"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,14 +108,17 @@ def join_launcher_world(env: LauncherEnv, *, device: torch.device, timeout_s: fl
 
 
 def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload: Any, *, spec: LaunchSpec,
-                  exit_zero_is_success: bool = False) -> list[Any]:
+                  exit_zero_is_success: bool = False, announce: Callable[[str], None] | None = None) -> list[Any]:
     """Spawn one process per device of the plan with torchrun's environment, this launcher hosting
-    the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise)."""
+    the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise).
+    `announce(store_address)` is called once the store listens, before any worker starts."""
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
         check_bindable(spec.plan.num_devices, len(allowed_cores()))
-    warn_if_oversubscribed(spec, local_workers=spec.plan.num_devices)
     k = spec.plan.num_devices
     with stop_on_signals(), loopback_store(k, timeout_s=spec.timeout_s) as port:
+        if announce is not None:
+            announce(f"127.0.0.1:{port}")
+        warn_if_oversubscribed(spec, local_workers=k)
         run_id = f"phalanx-{os.getpid()}-{secrets.token_hex(4)}"
         envs = [torchrun_env(rank=rank, world_size=k, master_port=port, run_id=run_id) for rank in range(k)]
         return run_workers(WorkerSet(body=body, payload=payload, num_procs=k, env=envs, deadline_s=spec.deadline_s,
@@ -201,12 +205,21 @@ def setup_worker(device: torch.device, *, local_rank: int, local_world_size: int
         place_worker(local_rank, local_world_size, bind_cores=bind_cores, threads=threads, cpu=device.type == "cpu")
 
 
+def threads_per_worker(spec: LaunchSpec, *, local_workers: int) -> int | None:
+    """The intra-op threads each CPU worker of this host gets (binding.worker_threads); None for
+    a CUDA plan, whose workers keep torch's own count."""
+    if spec.plan.kind != "cpu":
+        return None
+    return worker_threads(local_workers, bind_cores=spec.bind_cores, threads=spec.threads_per_device)
+
+
 def warn_if_oversubscribed(spec: LaunchSpec, *, local_workers: int) -> None:
-    """One line on stderr when an explicit --threads-per-device oversubscribes this host's cores.
-    (More devices than cores, with the default of one thread each, is the user's explicit choice.)"""
-    if spec.plan.kind != "cpu" or spec.threads_per_device is None:
+    """One line on stderr when this host's CPU workers x their threads exceed its cores: too many
+    threads each (--threads-per-device), or more workers than cores."""
+    threads = threads_per_worker(spec, local_workers=local_workers)
+    if threads is None:
         return
-    message = oversubscription(spec.threads_per_device, local_workers)
+    message = oversubscription(threads, local_workers) or too_many_workers(local_workers)
     if message is not None:
         print(f"phalanx: warning: {message}", file=sys.stderr, flush=True)
 

@@ -10,8 +10,11 @@
   is held and raised when the block ends. The `phalanx` command installs them for its whole life
   (`install_stop_handlers`, before torch is imported); `stop_on_signals` does it for one launch
   when phalanx is used as a library.
-- `terminate` ends workers: SIGTERM, a grace period, SIGKILL for what is left, all reaped. A
-  worker flushes its stdout and stderr on SIGTERM (`flush_on_sigterm`) before it dies of it.
+- Each worker leads its own process group (`lead_own_group`: a new session, as torchrun starts
+  its workers), which holds whatever the worker starts - DataLoader workers, a script's own
+  children. `terminate` ends the group, not the worker alone: SIGTERM, a grace period, SIGKILL
+  for what is left, the workers reaped, so no grandchild outlives the run. A worker flushes its
+  stdout and stderr on SIGTERM (`flush_on_sigterm`) before it dies of it.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import time
 from typing import Iterator
 
 from phalanx.errors import Stopped
+from phalanx.runtime.procs import group_members
 
-# How long a terminated worker gets to exit on SIGTERM before it is killed.
+# How long a terminated worker (and what it started) gets to exit on SIGTERM before it is killed.
 TERMINATE_GRACE_S = 3.0
+_GROUP_POLL_S = 0.02
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
@@ -42,6 +47,14 @@ def die_with_parent(parent_pid: int) -> None:
         return
     if os.getppid() != parent_pid:  # the launcher died before the request took effect
         os._exit(1)
+
+
+def lead_own_group() -> None:
+    """In a worker: start a new session, so this process leads a group holding everything it starts
+    (unless a child leaves it on purpose) and the launcher's `terminate` can end them together.
+    Also as under torchrun: a terminal's Ctrl-C reaches the launcher alone, which stops the workers."""
+    with contextlib.suppress(OSError):  # already a group leader
+        os.setsid()
 
 
 class _StopState:
@@ -170,19 +183,41 @@ def describe_signal(signum: int) -> str:
         return f"signal {signum}"
 
 
-def terminate(procs) -> None:
-    """SIGTERM every live worker, SIGKILL what is left after the grace, and reap them all."""
-    for proc in procs:
-        if proc.exitcode is None:
-            proc.terminate()
-            _continue(proc.pid)  # a stopped worker (SIGSTOP, Ctrl-Z) acts on SIGTERM only once continued
+def terminate(procs) -> set[int]:
+    """End every worker and every live process of its group (`lead_own_group`): SIGTERM, a grace
+    period, SIGKILL for what is left; the workers are reaped (the others are init's to reap).
+    Returns the pids seen in the groups, workers included, for the launcher's segment clean-up."""
+    seen = {proc.pid for proc in procs if proc.pid is not None}
+    _signal_all(procs, signal.SIGTERM, seen)
     give_up_at = time.monotonic() + TERMINATE_GRACE_S
     for proc in procs:
         proc.join(max(0.0, give_up_at - time.monotonic()))
+    while group_members(p.pid for p in procs if p.pid is not None) and time.monotonic() < give_up_at:
+        time.sleep(_GROUP_POLL_S)
+    _signal_all(procs, signal.SIGKILL, seen)
     for proc in procs:
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join()
+        proc.join()
+    return seen
+
+
+def _signal_all(procs, signum: int, seen: set[int]) -> None:
+    """`signum` to each worker's group while it has live members (a group id in use cannot be
+    reused by another process), else to the worker alone if it still runs (not yet a leader)."""
+    groups = group_members(proc.pid for proc in procs if proc.pid is not None)
+    for proc in procs:
+        members = groups.get(proc.pid, [])
+        seen.update(members)
+        try:
+            if members:
+                os.killpg(proc.pid, signum)
+                if signum != signal.SIGKILL:  # a stopped process acts on SIGTERM only once continued
+                    os.killpg(proc.pid, signal.SIGCONT)
+            elif proc.exitcode is None:
+                os.kill(proc.pid, signum)
+                if signum != signal.SIGKILL:
+                    _continue(proc.pid)
+        except OSError:
+            pass  # gone meanwhile
 
 
 def _continue(pid: int | None) -> None:

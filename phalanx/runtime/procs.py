@@ -1,7 +1,8 @@
-"""What /proc says about another process: its state letter, and whether it is still alive.
+"""What /proc says about other processes: a state letter, whether one is still alive, who is in a group.
 
 The runtime's one reader of process facts: the supervisor, the collective watchdog (a peer that
-died or was stopped while others wait for it) and the shared-memory allreduce ask here.
+died or was stopped while others wait for it), the shared-memory allreduce and the launcher's
+clean-up (every process a worker started) ask here.
 """
 
 from __future__ import annotations
@@ -33,3 +34,22 @@ def process_alive(pid: int) -> bool:
             return False
         except PermissionError:
             return True
+
+
+def group_members(pgids) -> dict[int, list[int]]:
+    """The live (not zombie) processes of each process group in `pgids`: {pgid: [pid, ...]}, a
+    group with none left absent. One pass over /proc; empty where there is no /proc."""
+    wanted, members = {int(p) for p in pgids}, {}
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # state, ppid, pgrp, session, ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and int(fields[2]) in wanted and fields[0] not in (b"Z", b"X"):
+            members.setdefault(int(fields[2]), []).append(pid)
+    return members

@@ -22,6 +22,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import multiprocessing
 import os
 import runpy
 import sys
@@ -33,7 +34,8 @@ import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
-from phalanx.runtime.launch import LaunchSpec, join_launcher_world, setup_worker, spawn_workers, torchrun_device
+from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
+                                   torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, stop_world
 from phalanx.runtime.board import mark_exit, open_board
 
@@ -114,6 +116,7 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
     setup_worker(device, local_rank=env.local_rank, local_world_size=env.local_world_size,
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
     _bound_default_group_timeout(spec.timeout_s)
+    _platform_start_method()
     _context = _RunContext(device=device, timeout_s=spec.timeout_s)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
     try:
@@ -125,6 +128,16 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
         mark_exit(_current, ok=True)
     finally:
         _context = _current = None
+
+
+def _platform_start_method() -> None:
+    """The script's own child processes start as under torchrun, where a rank is a fresh `python
+    script.py`: by the platform's default method (fork on Linux), not by `spawn`, which a spawned
+    worker inherits from its launcher. Under spawn a DataLoader worker re-runs a script that has no
+    `if __name__ == "__main__":` guard - `phalanx.init()` included - and tries to join the group.
+    None (unset) rather than the default's name, so a library that sets its own method only when
+    none is set still may."""
+    multiprocessing.set_start_method(None, force=True)
 
 
 def _bound_default_group_timeout(timeout_s: float) -> None:
@@ -144,6 +157,7 @@ def add_run_parser(sub) -> None:
     run.add_argument("--devices", default="1", help="N, cpu:N or cuda:0,1 (default 1)")
     run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds any collective may wait")
     run.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
+    run.add_argument("--quiet", action="store_true", help="no first line on stderr (workers, threads, rendezvous)")
     run.add_argument("--bind-cores", action="store_true",
                      help="pin each local worker to its own equal share of the cores (threads = its share)")
     run.add_argument("script", help="the Python file to run on every worker")
@@ -166,11 +180,36 @@ def run_run(args: argparse.Namespace) -> int:
                       timeout_s=args.timeout, bind_cores=args.bind_cores)
     env = launcher_env()
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
+        if env.rank == 0 and not args.quiet:
+            _say(first_line(spec, workers=env.world_size, local_workers=env.local_world_size,
+                            store=f"{env.master_addr}:{env.master_port}", launcher="torchrun"))
+        if env.local_rank == 0:
+            warn_if_oversubscribed(spec, local_workers=env.local_world_size)
         device = torchrun_device(spec, env)
         with contextlib.ExitStack() as teardown:
             _run_script(str(script), tuple(args.args), spec=spec, device=device, teardown=teardown)
         return 0
+    k = spec.plan.num_devices
+    announce = None if args.quiet else (
+        lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
-    spawn_workers(_script_body, (str(script), tuple(args.args), spec), spec=spec, exit_zero_is_success=True)
+    spawn_workers(_script_body, (str(script), tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
+                  announce=announce)
     return 0
+
+
+def first_line(spec: LaunchSpec, *, workers: int, local_workers: int, store: str, launcher: str) -> str:
+    """`phalanx run`'s first line on stderr, as `phalanx train`'s names its devices and threads:
+    how many workers, each one's threads, and where they meet (`--quiet` drops it)."""
+    threads = threads_per_worker(spec, local_workers=local_workers)
+    # torchrun's CUDA workers drive cuda:LOCAL_RANK whatever --devices lists; phalanx's, its list
+    where = ", ".join(spec.plan.names) if spec.plan.kind == "cuda" and launcher == "phalanx" else spec.plan.kind
+    here = "" if local_workers == workers else f" ({local_workers} on this host)"
+    each = "torch's default threads" if threads is None else f"{threads} thread{'s' * (threads > 1)} each"
+    return (f"phalanx run: {workers} worker{'s' * (workers > 1)} on {where}{here}, {each}; "
+            f"rendezvous env:// through {launcher}'s store at {store}")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -8,8 +8,10 @@ results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the
 Each worker sends one report (its result, or its error) through its own pipe *before* its
 `teardown` callbacks leave the process group, so the rare gloo abort at process exit
 (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot lose a finished
-result. The first failure takes every worker down (SIGTERM, then SIGKILL; all joined: no orphans,
-no zombies) and the message names the rank that broke first. Once every result is in, the run
+result. The first failure takes every worker down, with whatever each started (its process group:
+SIGTERM, then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank
+that broke first, with its traceback; a rank that only stopped because of it (its collective
+lost a peer) or repeats its error gets one line. Once every result is in, the run
 has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
 after which a worker still tearing down is killed without a word. Workers write each output line
 in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
@@ -32,8 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.segment import remove_segments_of
 from phalanx.errors import RunFailed, UsageError
-from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, line_buffered_output,
-                              signals_deferred, stop_on_signals, terminate)
+from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, lead_own_group,
+                                     line_buffered_output, signals_deferred, stop_on_signals, terminate)
 
 # After a first failure, keep listening this long for the other ranks' reports: the first one to
 # arrive is often a secondary "connection closed" from a peer of the rank that really broke.
@@ -41,6 +43,10 @@ ERROR_GRACE_S = 1.0
 # How long finished workers may take to leave the group and exit (measured under load: 1.8, 3.1
 # and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
 TEARDOWN_S = 30.0
+# The launcher's own frames, above the user's code in every worker's traceback (left out of reports).
+_PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script", "runpy")
+# Where an error raised means a collective failed: on any rank but the first to fail, an echo.
+_COLLECTIVES = ("torch.distributed", "torch.nn.parallel", "phalanx.comm")
 
 # Set in a spawned worker: (shared array of every rank's last finished step, this rank).
 _PROGRESS: tuple[Any, int] | None = None
@@ -95,6 +101,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int)
     """One spawned worker: run the body, send one report, then tear down."""
     global _PROGRESS
     die_with_parent(parent_pid)
+    lead_own_group()
     line_buffered_output()
     flush_on_sigterm()
     if workers.env:
@@ -113,7 +120,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int)
                                               exc.restartable)), 1
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-            report, exit_code = pickle.dumps(("error", summary, traceback.format_exc())), 1
+            report, exit_code = pickle.dumps(_error(summary, _traceback(exc), _from_a_collective(exc))), 1
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -146,17 +153,17 @@ def run_workers(workers: WorkerSet) -> list[Any]:
             return _supervise(procs, conns, workers, progress=progress)
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
             with signals_deferred():
-                terminate(procs)
+                started = terminate(procs)  # the workers and every process they started
                 for conn in conns:
                     conn.close()
-                # A worker killed between creating its shm segment and every rank mapping it (a
-                # few ms at start) leaves the file behind; it is named after that worker's pid.
-                remove_segments_of([proc.pid for proc in procs if proc.pid is not None])
+                # A process killed between creating its shm segment and every rank mapping it (a
+                # few ms at start) leaves the file behind; it is named after that process's pid.
+                remove_segments_of(started)
 
 
 def _supervise(procs, conns, workers: WorkerSet, progress=None) -> list[Any]:
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
-    reports: dict[int, tuple] = {}  # rank -> ("ok", result) | ("usage", msg) | ("error", line, tb)
+    reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | _error(...)
     first_failure: int | None = None
     give_up_at = deadline
     pending = set(range(len(procs)))
@@ -177,7 +184,7 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None) -> list[Any]:
     if first_failure is None and pending:
         first_failure = min(pending)
         for rank in sorted(pending):
-            reports[rank] = ("error", f"gave no result within the {workers.deadline_s:g} s deadline (hung?)", "")
+            reports[rank] = _error(f"gave no result within the {workers.deadline_s:g} s deadline (hung?)")
     if first_failure is None:
         teardown_end = time.monotonic() + workers.teardown_s
         _await_exit(procs, reports, teardown_end if deadline is None else min(deadline, teardown_end))
@@ -197,16 +204,49 @@ def _failure(reports: dict[int, tuple], first_failure: int, progress) -> Excepti
         return WorkerFailed(f"run stopped: {line}", rank=culprit, restartable=restartable)
     failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
     # The root cause first: a rank that died (signal, exit without a report) explains its peers'
-    # "connection closed" errors, even when one of those reached us first.
+    # "connection closed" errors, even when one of those reached us first; else the first report
+    # (they arrive in `reports` in order) that is not a collective's echo of a peer gone.
     died = [rank for rank, report in failed.items() if report[1].startswith(("died", "exited with code"))]
-    if died:
-        first_failure = died[0]
-    line = reports[first_failure][1]
+    own = [rank for rank, report in reports.items() if report[0] != "ok" and not report[3]]
+    first_failure = (died or own or [first_failure])[0]
+    root = reports[first_failure]
+    line = root[1]
     if progress is not None and progress[first_failure] >= 0:
         line = f"{line} after step {progress[first_failure]}"
-    sections = [f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}" for rank, report in failed.items()]
+    # The root's traceback, and any other rank's that says something else; a rank that only
+    # stopped because of the root (its collective lost a peer) or repeats its error gets one line.
+    sections = [f"--- rank {first_failure} ---\n{(root[2] or root[1]).rstrip()}"]
+    for rank, report in failed.items():
+        if rank != first_failure:
+            echo = report[3] or report[1] == root[1]
+            sections.append(f"rank {rank} stopped too: {report[1]}" if echo else
+                            f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
     return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
                         restartable=True)
+
+
+def _error(line: str, trace: str = "", echo: bool = False) -> tuple:
+    """An error report: its one line, its traceback, whether a collective raised it (an echo)."""
+    return ("error", line, trace, echo)
+
+
+def _traceback(exc: BaseException) -> str:
+    """`exc`'s traceback from the first frame that is not the launcher's own (supervise, launch,
+    script, runpy above the user's code on every rank): what `python script.py` would print."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_globals.get("__name__") in _PLUMBING:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _from_a_collective(exc: BaseException) -> bool:
+    """Whether `exc` was raised inside a collective (torch.distributed, DDP, phalanx.comm): on a
+    rank other than the first to fail, the echo of that failure (gloo's "Connection closed by
+    peer", phalanx's "rank 1 failed ... while rank 0 waited for it")."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_COLLECTIVES)
 
 
 def _read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
@@ -217,15 +257,15 @@ def _read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
     except (EOFError, OSError):
         pass  # the pipe closed without a report: the worker is dead, or about to be
     except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
-        return ("error", f"result could not be unpickled: {type(exc).__name__}: {exc}", traceback.format_exc())
+        return _error(f"result could not be unpickled: {type(exc).__name__}: {exc}", traceback.format_exc())
     proc.join(1)
     if proc.exitcode is None:
-        return ("error", "closed its result pipe but kept running", "")
+        return _error("closed its result pipe but kept running")
     if proc.exitcode < 0:
-        return ("error", f"died ({describe_signal(-proc.exitcode)})", "")
+        return _error(f"died ({describe_signal(-proc.exitcode)})")
     if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun
         return ("ok", None)
-    return ("error", f"exited with code {proc.exitcode} without a result", "")
+    return _error(f"exited with code {proc.exitcode} without a result")
 
 
 def _await_exit(procs, reports: dict, give_up_at: float) -> None:
@@ -237,4 +277,4 @@ def _await_exit(procs, reports: dict, give_up_at: float) -> None:
             warnings.warn(f"worker rank {rank} aborted (SIGABRT) after delivering its result: "
                           "the known gloo exit-time abort; its result is kept")
         elif proc.exitcode is not None and proc.exitcode != 0:
-            reports[rank] = ("error", f"delivered its result but then exited with code {proc.exitcode}", "")
+            reports[rank] = _error(f"delivered its result but then exited with code {proc.exitcode}")

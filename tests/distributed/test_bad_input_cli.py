@@ -128,13 +128,13 @@ def test_run_names_the_rank_whose_script_failed(tmp_path):
     body = ("import phalanx\nworld = phalanx.init()\n"
             "if world.rank == 1:\n    raise ValueError('bad shard on purpose')\n"
             "phalanx.allreduce(__import__('torch').ones(1), world=world)\n")
-    proc = _phalanx_run(tmp_path, body, "--devices", "cpu:2", "--timeout", "20")
+    proc = _phalanx_run(tmp_path, body, "--devices", "cpu:2", "--timeout", "20", "--quiet")
     assert proc.returncode == 1, proc.stderr
     first = proc.stderr.splitlines()[0]
     assert first == "phalanx: worker rank 1 failed: ValueError: bad shard on purpose", proc.stderr
 
 
 def test_run_reports_a_nonzero_sys_exit(tmp_path):
-    proc = _phalanx_run(tmp_path, "import sys\nsys.exit(3)\n", "--devices", "cpu:2")
+    proc = _phalanx_run(tmp_path, "import sys\nsys.exit(3)\n", "--devices", "cpu:2", "--quiet")
     assert proc.returncode == 1
     assert proc.stderr.strip() == "phalanx: run stopped: user_script.py exited with code 3 on rank 0", proc.stderr

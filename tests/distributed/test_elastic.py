@@ -35,6 +35,12 @@ RESTART = (r"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\)[^;]*; res
            r"\S+checkpoint\.pt \(epoch 1, step (\d+)\) on 3 devices \[cpu:0, cpu:1, cpu:2\]$")
 
 
+def _said(stderr: str) -> list[str]:
+    """The launcher's own lines but the oversubscription warning (3 workers on a 2-core host, issue 28 item 5)."""
+    return [line for line in stderr.splitlines() if line.startswith("phalanx: ") and
+            not line.startswith("phalanx: warning: ")]
+
+
 def _signal_rank_1_after_the_first_checkpoint(*args: str, out: Path, sig: signal.Signals = signal.SIGKILL,
                                               env: dict | None = None, script: Path | None = None) -> tuple[int, str, str]:
     """Run `phalanx *args --out out`, send `sig` (a kill, or SIGSTOP: a frozen worker) to worker rank 1
@@ -62,7 +68,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
     out = tmp_path / "run"
     code, stdout, stderr = _signal_rank_1_after_the_first_checkpoint(*COMMON, "--max-restarts", "1", out=out)
     assert code == 0, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    said = _said(stderr)
     assert len(said) == 1 and re.match(RESTART, said[0]), stderr[-3000:]
     assert "resumed from" in stdout and stdout.strip().splitlines()[-1].endswith("on [cpu:0, cpu:1, cpu:2]")
     _assert_bitwise_equal(out, reference)
@@ -74,7 +80,7 @@ def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(ref
         *COMMON, "--max-restarts", "1", "--elastic", out=out, env={"DEAD_DEVICE": "cpu:1"},
         script=dead_on_resume_script(tmp_path))
     assert code == 0, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    said = _said(stderr)
     assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
     step = re.match(RESTART, said[0]).group(1)
     assert re.match(rf"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\) again before the run got past "
@@ -94,7 +100,7 @@ def test_without_elastic_the_restarts_run_out_and_the_run_fails_naming_the_rank(
         *COMMON, "--epochs", "20", "--max-restarts", "1", out=out, env={"DEAD_DEVICE": "cpu:1"},
         script=dead_on_resume_script(tmp_path))
     assert code == 1, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    said = _said(stderr)
     assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
     assert said[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL)"), said[1]
     assert not (out / "model.pt").exists()
@@ -155,7 +161,7 @@ def test_a_frozen_worker_is_restarted_like_a_dead_one_and_the_run_ends_bitwise_e
     code, _, stderr = _signal_rank_1_after_the_first_checkpoint(*COMMON, "--max-restarts", "1", "--timeout", "5",
                                                                 out=out, sig=signal.SIGSTOP)
     assert code == 0, stderr[-3000:]
-    said = [line for line in stderr.splitlines() if line.startswith("phalanx: ")]
+    said = _said(stderr)
     assert len(said) == 1 and re.match(r"^phalanx: worker rank 1 \(cpu:1\) stopped responding \(state: stopped\)"
                                        r".*; restart 1 of 1 from \S+checkpoint\.pt \(epoch 1, step \d+\) on 3 devices "
                                        r"\[cpu:0, cpu:1, cpu:2\]$", said[0]), stderr[-3000:]

@@ -1,5 +1,6 @@
 """The launcher's failure contract beyond the harness's: no child outlives a failed run (even one
-that ignores SIGTERM), a worker's UsageError stays one line, an unpicklable result or a killed
+that ignores SIGTERM), nor anything a worker started (its process group goes with it, as under
+torchrun), a worker's UsageError stays one line, an unpicklable result or a killed
 worker is reported by rank, and the in-process paths (one device, torchrun) spawn nothing.
 """
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +19,7 @@ import torch.distributed as dist
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import UsageError
 from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
+from phalanx.runtime.procs import process_alive
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 from tests.distributed.sockets import listening_addresses
 
@@ -33,6 +37,35 @@ def record_pid_then_fail(world, pid_dir):
         raise ValueError("rank 0 gives up")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL can stop this one
     time.sleep(3600)
+
+
+def start_a_child(world, pid_dir, fail: bool):
+    """Start a process that would sleep for 10 minutes (as a DataLoader worker or a script's own
+    helper would outlive a rank that died), then fail on rank 0 or return."""
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    (pid_dir / f"child{world.rank}.pid").write_text(str(child.pid))
+    dist.barrier()
+    if fail and world.rank == 0:
+        raise ValueError("rank 0 gives up")
+    dist.barrier()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fail", [True, False])
+def test_what_a_worker_started_ends_with_the_run(tmp_path, fail):
+    # Was: a worker's children (DataLoader workers, a resource tracker) were left running,
+    # reparented to init, after a failed run (issue 28).
+    if fail:
+        with pytest.raises(WorkerFailed, match="rank 0 gives up"):
+            launch(start_a_child, tmp_path, fail, spec=_spec(2))
+    else:
+        launch(start_a_child, tmp_path, fail, spec=_spec(2))
+    children = [int((tmp_path / f"child{rank}.pid").read_text()) for rank in range(2)]
+    deadline = time.monotonic() + 5
+    while any(process_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(process_alive(pid) for pid in children), "a child of a worker outlived the run"
 
 
 def unpicklable_or_killed(world):

@@ -161,7 +161,7 @@ def test_every_line_reaches_the_terminal_whole_when_a_run_fails(tmp_path, stdout
     env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
     if unbuffered:
         env["PYTHONUNBUFFERED"] = "1"
-    command = [*PHALANX, "run", "--devices", "cpu:2", str(script)]
+    command = [*PHALANX, "run", "--devices", "cpu:2", "--quiet", str(script)]
     if stdout_to == "file":
         with open(tmp_path / "out.txt", "w") as sink:
             proc = subprocess.run(command, stdout=sink, stderr=subprocess.PIPE, text=True, env=env, timeout=240)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,9 +96,16 @@ def test_a_failing_torchrun_script_is_one_line_naming_the_rank(tmp_path):
             raise ValueError("rank 1 found bad data")
         dist.barrier()
     """)
-    ran = _phalanx_run("--devices", "cpu:2", str(script))
+    ran = _phalanx_run("--devices", "cpu:2", "--quiet", str(script))
     assert ran.returncode == 1
     assert ran.stderr.splitlines()[0] == "phalanx: worker rank 1 failed: ValueError: rank 1 found bad data"
+    # Rank 1's traceback from the script down, as `python script.py` prints it; rank 0, whose
+    # barrier lost its peer, is one line at most (issue 28 item 10: it was a second traceback).
+    lines = ran.stderr.splitlines()
+    assert lines[1:5] == ["--- rank 1 ---", "Traceback (most recent call last):",
+                          f'  File "{script}", line 5, in <module>', '    raise ValueError("rank 1 found bad data")']
+    rest = lines[lines.index("ValueError: rank 1 found bad data") + 1:]
+    assert rest == [] or (len(rest) == 1 and rest[0].startswith("rank 0 stopped too: ")), ran.stderr
 
 
 def test_the_scripts_own_group_waits_at_most_the_timeout(tmp_path):
@@ -110,6 +118,37 @@ def test_the_scripts_own_group_waits_at_most_the_timeout(tmp_path):
             time.sleep(3600)
         dist.barrier()
     """)
-    ran = _phalanx_run("--devices", "cpu:2", "--timeout", "5", str(script), timeout=120)
+    ran = _phalanx_run("--devices", "cpu:2", "--timeout", "5", "--quiet", str(script), timeout=120)
     assert ran.returncode == 1
     assert ran.stderr.splitlines()[0].startswith("phalanx: worker rank 0 failed: "), ran.stderr[-2000:]
+
+
+def test_the_first_line_names_workers_threads_and_rendezvous_and_quiet_drops_it(tmp_path):
+    script = _script(tmp_path, """
+        import torch
+        print(torch.get_num_threads())
+    """)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    ran = _phalanx_run("--devices", "cpu:2", str(script))
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split() == [str(threads)] * 2  # what the line says is what each worker got
+    first = ran.stderr.splitlines()[0]
+    assert re.fullmatch(rf"phalanx run: 2 workers on cpu, {threads} threads? each; rendezvous env:// through "
+                        r"phalanx's store at 127\.0\.0\.1:\d+", first), first
+    quiet = _phalanx_run("--devices", "cpu:2", "--quiet", str(script))
+    assert quiet.returncode == 0 and not quiet.stderr.startswith("phalanx run:"), quiet.stderr[-2000:]
+
+
+def _on_one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def test_more_workers_than_cores_is_one_warning_line(tmp_path):
+    # Was silent: --devices cpu:16 on 2 cores ran one epoch in 56 s against 6 s on cpu:2 (issue 28).
+    script = _script(tmp_path, "")
+    ran = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--quiet", str(script)],
+                         capture_output=True, text=True, timeout=300, env=_env(), preexec_fn=_on_one_core)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stderr.splitlines() == [
+        "phalanx: warning: 2 CPU workers on this host, 1 thread each, on 1 core: they take turns and training "
+        "can be many times slower; use at most 1 CPU device here"]

@@ -163,6 +163,7 @@ FLAG_CASES = [
     (["run", "--timeout", "0", "train.py"], r"--timeout 0\.0 must be a positive number of seconds"),
     (["run", "--threads-per-device", "0", "train.py"], r"--threads-per-device 0 must be at least 1"),
     (["run", "--bind-cores", "--devices", TOO_MANY, "train.py"], r"--bind-cores needs a core per worker"),
+    (["run", "--quiet=yes", "train.py"], r"argument --quiet: ignored explicit argument 'yes'"),
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
     (["run"], r"the following arguments are required: script"),

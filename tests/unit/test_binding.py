@@ -1,6 +1,7 @@
 """--bind-cores' split of a host's cores: equal, disjoint, hyperthread siblings together,
-leftovers unused, a one-line refusal when workers outnumber cores; and the allocator set-up of
-workers phalanx does not spawn itself."""
+leftovers unused, a one-line refusal when workers outnumber cores; the one warning line when
+workers x threads exceed the cores, and `phalanx run`'s first line naming each worker's threads;
+and the allocator set-up of workers phalanx does not spawn itself."""
 
 from __future__ import annotations
 
@@ -48,6 +49,47 @@ def test_more_workers_than_cores_is_refused_in_one_line():
         binding.cores_for(0, 3, [0, 1])
     with pytest.raises(ValueError, match="local_rank 2 must be in"):
         binding.cores_for(2, 2, [0, 1])
+
+
+def _warned(monkeypatch, capsys, cores: int, devices: str, threads: int | None = None, bind: bool = False) -> list:
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec, warn_if_oversubscribed
+
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    spec = LaunchSpec(plan=parse_devices(devices, cuda_count=0), threads_per_device=threads, bind_cores=bind)
+    warn_if_oversubscribed(spec, local_workers=spec.plan.num_devices)
+    return capsys.readouterr().err.splitlines()
+
+
+def test_workers_times_threads_above_the_cores_is_one_warning_line(monkeypatch, capsys):
+    # Was silent unless --threads-per-device was given: --devices cpu:16 on 2 cores ran 10x slower.
+    assert _warned(monkeypatch, capsys, 2, "cpu:16") == [
+        "phalanx: warning: 16 CPU workers on this host, 1 thread each, on 2 cores: they take turns and training "
+        "can be many times slower; use at most 2 CPU devices here"]
+    assert _warned(monkeypatch, capsys, 2, "cpu:2") == []  # 1 thread each: fits
+    assert _warned(monkeypatch, capsys, 8, "cpu:3") == []  # 2 threads each (8 // 3): fits
+    assert _warned(monkeypatch, capsys, 2, "cpu:2", bind=True) == []  # a core each
+    assert _warned(monkeypatch, capsys, 2, "cpu:1", threads=4)[0].startswith(
+        "phalanx: warning: --threads-per-device 4 x 1 local worker(s) = 4 threads on 2 cores")
+    assert len(_warned(monkeypatch, capsys, 2, "cpu:3", threads=1)) == 1
+    assert binding.worker_threads(3, bind_cores=False, threads=None) == 1  # 2 cores // 3, at least 1
+
+
+def test_phalanx_runs_first_line_names_workers_threads_and_rendezvous(monkeypatch):
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec
+    from phalanx.runtime.script import first_line
+
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    cpu = LaunchSpec(plan=parse_devices("cpu:3", cuda_count=0))
+    assert first_line(cpu, workers=3, local_workers=3, store="127.0.0.1:4000", launcher="phalanx") == (
+        "phalanx run: 3 workers on cpu, 2 threads each; rendezvous env:// through phalanx's store at 127.0.0.1:4000")
+    assert first_line(cpu, workers=4, local_workers=2, store="node0:29500", launcher="torchrun") == (
+        "phalanx run: 4 workers on cpu (2 on this host), 4 threads each; rendezvous env:// through torchrun's "
+        "store at node0:29500")
+    gpus = LaunchSpec(plan=parse_devices("cuda:0,1", cuda_count=2))
+    assert first_line(gpus, workers=2, local_workers=2, store="127.0.0.1:4000", launcher="phalanx").startswith(
+        "phalanx run: 2 workers on cuda:0, cuda:1, torch's default threads; ")
 
 
 MMAPPED_BYTES = """

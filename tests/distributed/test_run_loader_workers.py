@@ -1,0 +1,88 @@
+"""A torchrun script whose DataLoader has worker processes, and no `__main__` guard, under
+`phalanx run` (issue 28, item 1): its loader workers start as under torchrun (the platform's
+start method, not the launcher's spawn, which re-ran the script in every loader worker and had
+each call `phalanx.init()`), so every pipeline ends bitwise equal to num_workers=0; and when a
+loader worker raises, the run ends in seconds and nothing it started outlives it - no process
+(loader workers, a resource tracker) and no segment in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.runtime.segment import NAME_PREFIX, SHM_DIR
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "loader_workers.py"
+MARK = "PHALANX_LOADER_WORKERS_MARK"  # every process the run starts inherits it
+PIPELINES = ["0", "2", "2-persistent"]
+
+
+def _run(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, str, float]:
+    mark = secrets.token_hex(8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", MARK: mark}
+    started = time.monotonic()
+    ran = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", str(SCRIPT), "--out",
+                          str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
+    return ran, mark, time.monotonic() - started
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries `mark`: what the run started and left behind."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and needle in Path(f"/proc/{name}/environ").read_bytes().split(b"\0"):
+                found.append(int(name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _assert_nothing_left(out: Path, mark: str) -> None:
+    time.sleep(5)  # "5 s after the launcher exits"
+    assert _marked(mark) == [], "processes the run started are still alive"
+    pids = [int(p.name) for p in (out / "pids").iterdir()]
+    segments = [n for n in os.listdir(SHM_DIR) if n.startswith(tuple(f"{NAME_PREFIX}{pid}-" for pid in pids))]
+    assert segments == [], segments
+
+
+def test_loader_workers_run_as_under_torchrun_and_equal_no_workers(tmp_path):
+    ran, mark, _ = _run(tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert len(list((tmp_path / "pids").iterdir())) > 2, "the loaders started no worker process"
+    for kind in ("sharded", "plain"):
+        reference = torch.load(tmp_path / f"{kind}-0-rank0.pt", weights_only=True)
+        for name in PIPELINES:
+            for rank in range(2):
+                state = torch.load(tmp_path / f"{kind}-{name}-rank{rank}.pt", weights_only=True)
+                assert all(torch.equal(state[key], reference[key]) for key in reference), (kind, name, rank)
+    _assert_nothing_left(tmp_path, mark)
+
+
+def test_a_raising_loader_worker_ends_the_run_fast_and_leaves_nothing(tmp_path):
+    ran, mark, wall_s = _run(tmp_path, "--fail")  # at the default --timeout (120 s)
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert wall_s < 30, f"the failing run took {wall_s:.0f} s"
+    lines = ran.stderr.splitlines()
+    assert lines[0].startswith("phalanx run: 2 workers on cpu"), lines[0]
+    assert lines[1].startswith("phalanx: worker rank 1 failed: RuntimeError: Caught RuntimeError in DataLoader "
+                               "worker process"), ran.stderr[-3000:]
+    assert "a loader worker of rank 1 found bad data" in ran.stderr
+    # One traceback, rank 1's, from the script down (not phalanx's own frames above it); rank 0,
+    # which only stopped because rank 1 failed, is one line at most.
+    assert sum(line.startswith("Traceback (most recent call last)") for line in lines) == 1, ran.stderr
+    assert "phalanx/runtime/supervise.py" not in ran.stderr and "runpy" not in ran.stderr
+    echoes = [line for line in lines if "rank 0" in line]
+    assert all(line.startswith("rank 0 stopped too: ") for line in echoes) and len(echoes) <= 1, echoes
+    _assert_nothing_left(tmp_path, mark)
