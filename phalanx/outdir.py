@@ -1,12 +1,18 @@
 """Where a run's outputs go: checked before any work, so a bad `--out` costs nothing and leaves nothing.
 
-`check_out_dir` refuses, in one line naming the fix, a path that is an existing file, lies under a
-directory this user may not write, or cannot be created at all (a virtual filesystem such as
-/proc answers "permission" yes and still refuses every mkdir): it creates and at once removes a
-probe directory in the nearest existing ancestor. It creates nothing that outlives the check.
+The one check of an output flag for every command: `check_out_dir` for a directory flag
+(`phalanx train`, bench, predict, sweep: --out, --trace, --checkpoint-dir), `check_out_file` for a
+file flag (`phalanx verify --out FILE`). Each refusal is one line naming the fix.
+
+`check_out_dir` refuses a path that is an existing file, lies under a directory this user may
+not write, or cannot be created at all (a virtual filesystem such as /proc answers "permission"
+yes and still refuses every mkdir): it creates and at once removes a probe directory in the
+nearest existing ancestor. It creates nothing that outlives the check.
 `check_path_length` refuses a path the system cannot name (a component over the filesystem's
 name limit, usually 255 bytes, or a whole path over PATH_MAX), which would otherwise surface as
 an `OSError: File name too long` traceback from deep inside a run; --data-dir is checked too.
+`check_out_file` refuses a directory, a file whose directory does not exist, or one this user may
+not write in.
 """
 
 from __future__ import annotations
@@ -70,3 +76,18 @@ def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> 
     except OSError as exc:
         raise UsageError(f"{flag} {out_dir} cannot be created ({exc.strerror or type(exc).__name__} in {parent}); "
                          "pick a directory on a writable filesystem") from None
+
+
+def check_out_file(out_file: str | os.PathLike | None, *, flag: str = "--out") -> None:
+    """UsageError unless `out_file` names a file that can be written in an existing directory."""
+    if out_file is None:
+        return
+    check_path_length(out_file, flag=flag)
+    path = Path(out_file)
+    if path.is_dir():
+        raise UsageError(f"{flag} {out_file} is a directory; name a file, e.g. {flag} {path / 'report.json'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {out_file}: directory {parent} does not exist; create it or pick another path")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {out_file} is not writable ({parent} denies writing); pick another path")

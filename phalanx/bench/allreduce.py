@@ -19,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.measure.timing import (Spread, format_size, format_table, intra_op_threads, new_figure, paired_ratio,
-                                  run_interleaved, seconds_per_call)
+from phalanx.measure.flags import format_size
+from phalanx.measure.outputs import format_table, new_figure
+from phalanx.measure.timing import Spread, intra_op_threads, paired_ratio, run_interleaved, seconds_per_call
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.binding import available_cores

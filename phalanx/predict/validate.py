@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from phalanx.measure.load import host_busy_s, others_busy_cores
 from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
 from phalanx.data import split_batch
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.data_parallel import prepare
-from phalanx.predict.profile import host_busy_s, others_busy_cores
 from phalanx.train.loop import train_batch
 from phalanx.runtime.world import World
 

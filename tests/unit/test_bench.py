@@ -14,8 +14,9 @@ from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
-from phalanx.measure.timing import (Spread, format_size, interleave, new_figure, paired_ratio, parse_list, parse_size,
-                                  prepare_out_dir, run_interleaved, seconds_per_call, write_outputs)
+from phalanx.measure.flags import format_size, parse_list, parse_size
+from phalanx.measure.outputs import new_figure, prepare_out_dir, write_outputs
+from phalanx.measure.timing import Spread, interleave, paired_ratio, run_interleaved, seconds_per_call
 from phalanx.errors import UsageError
 
 

@@ -10,13 +10,14 @@ import math
 
 import pytest
 
-from phalanx.measure.timing import prepare_out_dir, write_outputs
+from phalanx.measure.load import others_busy_cores
+from phalanx.measure.outputs import prepare_out_dir, write_outputs
 from phalanx.errors import UsageError
 from phalanx.predict import add_predict_parser, build_config
 from phalanx.predict.config import INTERCONNECTS, Interconnect, PredictConfig, resolve_interconnect
 from phalanx.predict.costmodel import allreduce_time_s, busbw_Bps, busbw_factor, cost_terms, fit_link
 from phalanx.predict.link import overlap_efficiency
-from phalanx.predict.profile import Phase, others_busy_cores, phase_for
+from phalanx.predict.profile import Phase, phase_for
 from phalanx.predict.report import plot_prediction, report_prediction
 from phalanx.predict.run import PREDICTION_KEYS, _prediction_row, summarize, validated_world_sizes
 from phalanx.predict.timeline import (DeviceProfile, expected_max, others_threads, overlap, predict_step,
