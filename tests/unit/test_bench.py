@@ -16,7 +16,8 @@ from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
 from phalanx.measure.flags import format_size, parse_list, parse_size
 from phalanx.measure.outputs import new_figure, prepare_out_dir, write_outputs
-from phalanx.measure.timing import Spread, interleave, paired_ratio, run_interleaved, seconds_per_call
+from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
+                                    slowest_per_round)
 from phalanx.errors import UsageError
 
 
@@ -67,6 +68,22 @@ def test_seconds_per_call_counts_calls_and_syncs_once():
     calls, syncs = [], []
     seconds = seconds_per_call(lambda: calls.append(1), 7, sync=lambda: syncs.append(1))
     assert len(calls) == 7 and len(syncs) == 1 and seconds >= 0
+
+
+def test_calibration_fills_a_timed_batch_within_its_bounds():
+    assert calls_for(0.001, target_batch_s=0.02, max_calls=50) == 20  # 20 calls of 1 ms make 20 ms
+    assert calls_for(0.0003, target_batch_s=0.02, max_calls=50) == 50  # capped
+    assert calls_for(0.5, target_batch_s=0.02, max_calls=50) == 1  # a slow call is timed once
+    assert calls_for(0.0, target_batch_s=0.02, max_calls=7) == 7  # a call too fast for the clock
+    assert calls_for(0.004) == 5  # the kit's defaults: about 20 ms, at most 50 calls
+
+
+def test_slowest_rank_decides_each_round():
+    # A lockstep step or a collective is done when its last rank is: the max per round, not per rank.
+    assert slowest_per_round([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
+    assert slowest_per_round([[0.25]]) == [0.25]
+    with pytest.raises(ValueError, match="same number of rounds"):
+        slowest_per_round([[1.0, 2.0], [1.0]])
 
 
 def test_busbw_factor_is_nccl_tests_allreduce_formula():
