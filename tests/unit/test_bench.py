@@ -16,6 +16,7 @@ from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
 from phalanx.measure.flags import format_size, parse_list, parse_size
 from phalanx.measure.outputs import new_figure, prepare_out_dir, write_outputs
+from phalanx.measure.step import Variant
 from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
                                     slowest_per_round)
 from phalanx.errors import UsageError
@@ -157,6 +158,11 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     assert (bound.bind_cores, bound.algorithm, bound.num_procs) == (True, "auto", 3)
     assert not any(v.bind_cores for n, v in by_name.items() if n != "phalanx/3 bound")
     assert "phalanx/4 bound" not in {v.name for v in variants(4, cores=2)}  # no core of its own for each
+
+
+def test_a_contender_of_unknown_kind_is_refused_by_name():
+    with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, torch, ceiling"):
+        Variant(name="jax/2", kind="jax", num_procs=2, threads_per_proc=1, allocator_env=False)
 
 
 def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():

@@ -195,6 +195,30 @@ def test_overlap_efficiency_and_other_programs_load():
     assert others_busy_cores([{"wall_s": 1.0, "cpu_s": 1.0, "host_busy_s": None}]) == 0.0
 
 
+def test_validation_measures_bench_scalings_own_phalanx_contender(monkeypatch):
+    # predict --validate's number is bench scaling's phalanx/k line: the same Variant, run by the
+    # same worker (measure/step.py); its load from the kit's windows (rank 0's host time).
+    from phalanx.bench.scaling import variants
+    from phalanx.measure.step import StepJob
+    from phalanx.predict import validate
+
+    ran = []
+
+    def fake_run_variant(variant, job, *, timeout_s, deadline_s):
+        ran.append(variant)
+        return [{"wall_s": 0.5, "cpu_s": 0.4, "host_busy_s": 1.4}, {"wall_s": 1.0, "cpu_s": 0.5, "host_busy_s": None}]
+
+    monkeypatch.setattr(validate, "run_variant", fake_run_variant)
+    cores, job = 4, StepJob(model="lenet", global_batch_size=64, warmup_steps=1, steps=4, lr=0.2, seed=0)
+    for k in (1, 2, 4):
+        threads = phase_for(k, 64, cores, shares_host=True).threads
+        found = validate.measure_phalanx(job, world_size=k, threads_per_device=threads, algorithm="auto",
+                                         timeout_s=1.0, deadline_s=1.0)
+        assert ran[-1] == variants(4, cores)[k - 1]
+        assert found.images_per_s == pytest.approx(64 * 4 / 1.0)  # the slowest rank's wall time
+        assert found.others_busy_cores == pytest.approx((1.4 - 0.9) / 0.5)
+
+
 def test_each_device_is_profiled_with_its_shard_threads_and_co_runners():
     assert phase_for(1, 256, 2, shares_host=True) == Phase(batch_size_per_device=256, threads=2, co_runners=1)
     assert phase_for(2, 256, 2, shares_host=True) == Phase(batch_size_per_device=128, threads=1, co_runners=2)
