@@ -11,8 +11,8 @@ nearest existing ancestor. It creates nothing that outlives the check.
 `check_path_length` refuses a path the system cannot name (a component over the filesystem's
 name limit, usually 255 bytes, or a whole path over PATH_MAX), which would otherwise surface as
 an `OSError: File name too long` traceback from deep inside a run; --data-dir is checked too.
-`check_out_file` refuses a directory, a file whose directory does not exist, or one this user may
-not write in.
+`check_out_file` refuses a directory, a file whose directory does not exist, or one where no file
+can be written (the same kind of probe, a file created and removed).
 """
 
 from __future__ import annotations
@@ -91,3 +91,10 @@ def check_out_file(out_file: str | os.PathLike | None, *, flag: str = "--out") -
         raise UsageError(f"{flag} {out_file}: directory {parent} does not exist; create it or pick another path")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"{flag} {out_file} is not writable ({parent} denies writing); pick another path")
+    try:  # as check_out_dir's probe: /proc and its kind say "writable" and refuse every new file
+        descriptor, probe = tempfile.mkstemp(prefix=".phalanx-probe-", dir=parent)
+        os.close(descriptor)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{flag} {out_file} cannot be written ({exc.strerror or type(exc).__name__} in {parent}); "
+                         "pick a path on a writable filesystem") from None

@@ -15,7 +15,7 @@ from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
 from phalanx.measure.flags import format_size, parse_list, parse_size
-from phalanx.measure.outputs import new_figure, prepare_out_dir, write_outputs
+from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
 from phalanx.measure.step import Variant
 from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
                                     slowest_per_round)
@@ -85,6 +85,27 @@ def test_slowest_rank_decides_each_round():
     assert slowest_per_round([[0.25]]) == [0.25]
     with pytest.raises(ValueError, match="same number of rounds"):
         slowest_per_round([[1.0, 2.0], [1.0]])
+
+
+def test_a_busy_window_notes_wall_own_cpu_and_the_hosts_busy_time(monkeypatch):
+    from phalanx.measure import load
+
+    hosts = iter([100.0, 103.5])  # the host was busy 3.5 s ...
+    monkeypatch.setattr(load, "host_busy_s", lambda: next(hosts))
+    with load.busy_window() as window:
+        sum(range(100_000))
+    assert window["host_busy_s"] == 3.5 and window["wall_s"] > 0 and window["cpu_s"] >= 0
+    # ... of which the workers' own CPU was 1.5 s over a 2 s window: others kept one core busy.
+    assert load.others_busy_cores([{"wall_s": 2.0, "cpu_s": 1.0, "host_busy_s": 3.5},
+                                   {"wall_s": 2.0, "cpu_s": 0.5, "host_busy_s": None}]) == pytest.approx(1.0)
+
+
+def test_tables_align_and_whiskers_reach_min_and_max():
+    assert format_table(["name", "n"], [("a", 10), ("bbb", 2)]).splitlines() == [
+        "name   n", "----  --", "a     10", "bbb    2"]
+    assert format_table(["name", "n"], [("a", 10)], left_columns=0).splitlines()[2] == "   a  10"
+    rows = [{"x": {"median": 2.0, "min": 1.5, "max": 3.0}}, {"x": {"median": 1.0, "min": 1.0, "max": 1.25}}]
+    assert median_whiskers(rows, "x") == ([2.0, 1.0], [[0.5, 0.0], [1.0, 0.25]])
 
 
 def test_busbw_factor_is_nccl_tests_allreduce_formula():
