@@ -69,13 +69,7 @@ def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> 
                          "pick another directory") from None
     if not parent.is_dir():
         raise UsageError(f"{flag} {out_dir} cannot be created: {parent} is a file; pick another directory")
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {out_dir} is not writable ({parent} denies writing); pick another directory")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".phalanx-probe-", dir=parent))
-    except OSError as exc:
-        raise UsageError(f"{flag} {out_dir} cannot be created ({exc.strerror or type(exc).__name__} in {parent}); "
-                         "pick a directory on a writable filesystem") from None
+    _probe(parent, f"{flag} {out_dir}", "cannot be created", noun="directory")
 
 
 def check_out_file(out_file: str | os.PathLike | None, *, flag: str = "--out") -> None:
@@ -89,12 +83,18 @@ def check_out_file(out_file: str | os.PathLike | None, *, flag: str = "--out") -
     parent = path.parent
     if not parent.is_dir():
         raise UsageError(f"{flag} {out_file}: directory {parent} does not exist; create it or pick another path")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"{flag} {out_file} is not writable ({parent} denies writing); pick another path")
-    try:  # as check_out_dir's probe: /proc and its kind say "writable" and refuse every new file
-        descriptor, probe = tempfile.mkstemp(prefix=".phalanx-probe-", dir=parent)
-        os.close(descriptor)
-        os.unlink(probe)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {out_file} is not writable; pick another path")
+    _probe(parent, f"{flag} {out_file}", "cannot be written", noun="path")
+
+
+def _probe(parent: Path, named: str, failure: str, *, noun: str) -> None:
+    """UsageError unless this process may create an entry in `parent`: by its mode bits, then by a
+    probe directory created and removed at once (/proc and its kind say "writable" and refuse)."""
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{named} is not writable ({parent} denies writing); pick another {noun}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".phalanx-probe-", dir=parent))
     except OSError as exc:
-        raise UsageError(f"{flag} {out_file} cannot be written ({exc.strerror or type(exc).__name__} in {parent}); "
-                         "pick a path on a writable filesystem") from None
+        raise UsageError(f"{named} {failure} ({exc.strerror or type(exc).__name__} in {parent}); "
+                         f"pick a {noun} on a writable filesystem") from None
