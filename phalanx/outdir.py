@@ -1,11 +1,17 @@
 """Where a run's outputs go: checked before any work, so a bad `--out` costs nothing and leaves nothing.
 
-`check_out_dir` refuses, in one line naming the fix, an empty path (it would silently write
-nothing), a path that is an existing file, a dangling symlink or a loop of symlinks (on the path
-or on a parent still to be created: mkdir cannot go through either), one that lies under a
-directory this user may not write, or one that cannot be created at all (a virtual filesystem
-such as /proc answers "permission" yes and still refuses every mkdir): it creates and at once
-removes a probe directory in the nearest existing ancestor. It creates nothing that outlives the check.
+The one check of an output flag for every command: `check_out_dir` for a directory flag
+(`phalanx train`, bench, predict, sweep: --out, --trace, --checkpoint-dir), `check_out_file` for a
+file flag (`phalanx verify --out FILE`). Each refusal is one line naming the fix.
+
+Both refuse an empty path (it would silently write nothing) and a dangling symlink or a loop of
+symlinks (on the path or on a parent still to be created: mkdir cannot go through either).
+`check_out_dir` also refuses a path that is an existing file, lies under a directory this user
+may not write, or cannot be created at all (a virtual filesystem such as /proc answers
+"permission" yes and still refuses every mkdir): it creates and at once removes a probe directory
+in the nearest existing ancestor. It creates nothing that outlives the check.
+`check_out_file` refuses a directory, a file whose directory does not exist, or one where no file
+can be written (the same kind of probe).
 `check_path_length` refuses a path the system cannot name (a component over the filesystem's
 name limit, usually 255 bytes, or a whole path over PATH_MAX), which would otherwise surface as
 an `OSError: File name too long` traceback from deep inside a run; --data-dir is checked too.
@@ -55,16 +61,7 @@ def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> 
     """UsageError unless `out_dir` is (or can be created as) a directory this process can write."""
     if out_dir is None:
         return
-    if not os.fspath(out_dir):
-        raise UsageError(f"{flag} is empty; name a directory, or drop {flag}")
-    check_path_length(out_dir, flag=flag)
-    path = Path(out_dir)
-    broken = _broken_link(path)
-    if broken is not None:
-        link, what = broken
-        where = "" if link == path else f" cannot be created: {link}"
-        raise UsageError(f"{flag} {out_dir}{where} is {what}; point the link at a directory, "
-                         "remove it, or pick another directory")
+    path = _checked_path(out_dir, flag=flag, noun="directory")
     try:
         if path.exists() and not path.is_dir():
             raise UsageError(f"{flag} {out_dir} is an existing file; name a directory instead")
@@ -74,13 +71,48 @@ def check_out_dir(out_dir: str | os.PathLike | None, *, flag: str = "--out") -> 
                          "pick another directory") from None
     if not parent.is_dir():
         raise UsageError(f"{flag} {out_dir} cannot be created: {parent} is a file; pick another directory")
+    _probe(parent, f"{flag} {out_dir}", "cannot be created", noun="directory")
+
+
+def check_out_file(out_file: str | os.PathLike | None, *, flag: str = "--out") -> None:
+    """UsageError unless `out_file` names a file that can be written in an existing directory."""
+    if out_file is None:
+        return
+    path = _checked_path(out_file, flag=flag, noun="file")
+    if path.is_dir():
+        raise UsageError(f"{flag} {out_file} is a directory; name a file, e.g. {flag} {path / 'report.json'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {out_file}: directory {parent} does not exist; create it or pick another path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {out_file} is not writable; pick another path")
+    _probe(parent, f"{flag} {out_file}", "cannot be written", noun="path")
+
+
+def _probe(parent: Path, named: str, failure: str, *, noun: str) -> None:
+    """UsageError unless this process may create an entry in `parent`: by its mode bits, then by a
+    probe directory created and removed at once (/proc and its kind say "writable" and refuse)."""
     if not os.access(parent, os.W_OK):
-        raise UsageError(f"{flag} {out_dir} is not writable ({parent} denies writing); pick another directory")
+        raise UsageError(f"{named} is not writable ({parent} denies writing); pick another {noun}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".phalanx-probe-", dir=parent))
     except OSError as exc:
-        raise UsageError(f"{flag} {out_dir} cannot be created ({exc.strerror or type(exc).__name__} in {parent}); "
-                         "pick a directory on a writable filesystem") from None
+        raise UsageError(f"{named} {failure} ({exc.strerror or type(exc).__name__} in {parent}); "
+                         f"pick a {noun} on a writable filesystem") from None
+
+
+def _checked_path(out: str | os.PathLike, *, flag: str, noun: str) -> Path:
+    """`out` as a Path, once it is neither empty, too long, nor behind a broken symlink."""
+    if not os.fspath(out):
+        raise UsageError(f"{flag} is empty; name a {noun}, or drop {flag}")
+    check_path_length(out, flag=flag)
+    path = Path(out)
+    broken = _broken_link(path)
+    if broken is not None:
+        link, what = broken
+        where = "" if link == path else f" cannot be created: {link}"
+        raise UsageError(f"{flag} {out}{where} is {what}; point the link at a {noun}, remove it, or pick another {noun}")
+    return path
 
 
 def _broken_link(path: Path) -> tuple[Path, str] | None:

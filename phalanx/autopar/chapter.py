@@ -20,9 +20,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from phalanx.measure.timing import (Spread, device_and_sizes, format_table, new_figure, paired_ratio, run_interleaved,
-                                  synchronize_cuda, timed)
 from phalanx.comm import ALGORITHMS, AsyncComm
+from phalanx.measure.outputs import format_table, new_figure
+from phalanx.measure.timing import Spread, device_and_sizes, paired_ratio, run_interleaved, synchronize_cuda, timed
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World

@@ -18,7 +18,6 @@ equal. Written without a GPU at hand (tests/gpu/test_autopar_cuda.py runs it whe
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from typing import Any, Callable
@@ -27,7 +26,7 @@ import torch
 
 from phalanx.autopar.pipeline import pipeline_bound_s
 from phalanx.autopar.trace import label, profiled
-from phalanx.measure.timing import run_interleaved, synchronize_cuda, timed
+from phalanx.measure.timing import calls_for, run_interleaved, synchronize_cuda, timed
 
 MAX_REPEATS = 20_000
 EVENT_DEADLINE_S = 60.0
@@ -78,7 +77,7 @@ def measure_streams(*, size: int, count: int, streams: int, rounds: int, target_
     synchronize_cuda()
     _synced(eager)()  # warm: cuBLAS handles and workspaces per stream
     once_s = max(_synced(eager)(), 1e-7)
-    repeats[0] = max(1, min(MAX_REPEATS, math.ceil(target_s / once_s)))
+    repeats[0] = calls_for(once_s, target_batch_s=target_s, max_calls=MAX_REPEATS)
     runs = {"eager": _synced(eager), "concurrent": _synced(concurrent)}
     if each_alone:
         runs["each alone, summed"] = lambda: sum(_synced(lambda i=i: run([i]))() for i in range(count))

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 
 from phalanx.autopar import report
-from phalanx.measure.timing import Spread, cpu_taken_by_others, device_and_sizes, paired_ratio
+from phalanx.measure.load import cpu_taken_by_others
+from phalanx.measure.timing import Spread, device_and_sizes, paired_ratio
 from phalanx.runtime.binding import available_cores
 
 EXPERIMENTS = (1, 2, 3, 5)

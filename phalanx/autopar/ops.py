@@ -22,14 +22,13 @@ intra-op thread count.
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 
 from phalanx.autopar.trace import label, profiled
 from phalanx.autopar.taskgraph import ThreadLanes
-from phalanx.measure.timing import intra_op_threads, run_interleaved, timed
+from phalanx.measure.timing import calls_for, intra_op_threads, run_interleaved, timed
 
 MAX_REPEATS = 20_000
 
@@ -65,7 +64,7 @@ class Products:
             if elapsed_s >= target_s / 4 or repeats >= MAX_REPEATS:
                 break
             repeats *= 2
-        self.repeats = max(1, min(MAX_REPEATS, math.ceil(repeats * target_s / max(elapsed_s, 1e-9))))
+        self.repeats = calls_for(elapsed_s / repeats, target_batch_s=target_s, max_calls=MAX_REPEATS)
         return self.repeats
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from phalanx.measure.timing import Spread, format_table, new_figure, paired_ratio
+from phalanx.measure.outputs import format_table, new_figure
+from phalanx.measure.timing import Spread, paired_ratio
 
 WIN = 1.10  # a speed-up below this is within a shared machine's round-to-round noise
 GOOD_SHARE = 0.8

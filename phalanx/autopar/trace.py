@@ -101,7 +101,7 @@ def row_name(key: str, events: list[dict[str, Any]]) -> str:
 
 def render_timeline(trace_path: str | Path, *, title: str = "", max_rows: int = 8):
     """A matplotlib figure: one row per thread/stream, labels as coloured bars, operators thin."""
-    from phalanx.measure.timing import new_figure
+    from phalanx.measure.outputs import new_figure
 
     rows = list(timeline_rows(trace_path).items())[:max_rows]
     fig, (ax,) = new_figure(1, width_per_plot=8.0, height=0.5 + 0.45 * max(1, len(rows)))

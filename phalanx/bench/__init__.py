@@ -1,12 +1,13 @@
 """`phalanx bench allreduce|scaling|overlap|splits|autopar`: the measurements behind "phalanx beats DDP",
-and the "Automatic Parallelism" chapter's exercises (autopar.py).
+and the "Automatic Parallelism" chapter's experiments (phalanx/autopar/: `overlap`, `autopar`).
 
-Each benchmark lives in its own module (allreduce.py, scaling.py, overlap.py) with its config
-dataclass, its run, its terminal table and its chart; timing.py holds the method they share
-(warm-up, interleaved rounds, median and min-max, JSON and PNG output). This module only maps
-flags onto those configs: `add_bench_parser(subparsers)` adds the `bench` subcommand to the
-CLI's parser and `run_bench(args)` runs the chosen one, printing its table and writing
-`<name>.json` and `<name>.png` into `--out` (default `runs/bench-<name>`).
+Each benchmark lives in its own module (allreduce.py, scaling.py, splits.py; autopar/chapter.py,
+autopar/exercises.py) with its config dataclass, its run, its terminal table and its chart; the
+measuring kit (phalanx/measure/) holds the method they share (warm-up, calibration, interleaved
+rounds in fresh processes, median and min-max, flag lists, the --out check, JSON and PNG
+output). This module only maps flags onto those configs: `add_bench_parser(subparsers)` adds the
+`bench` subcommand to the CLI's parser and `run_bench(args)` runs the chosen one, printing its
+table and writing `<name>.json` and `<name>.png` into `--out` (default `runs/bench-<name>`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def run_bench(args: argparse.Namespace) -> int:
     # Imported here so the CLI's parser does not load matplotlib or the benchmarks.
     from phalanx.autopar import chapter as overlap
     from phalanx.bench import allreduce, scaling, scaling_report, splits, splits_report
-    from phalanx.measure.timing import parse_list, parse_size, prepare_out_dir, write_outputs
+    from phalanx.measure.flags import parse_list, parse_size
+    from phalanx.measure.outputs import prepare_out_dir, write_outputs
 
     if name == "autopar":
         return _run_autopar(args)
@@ -141,7 +143,8 @@ def _run_autopar(args: argparse.Namespace) -> int:
     """Like the others, and 1 (after writing everything) when a correctness check failed."""
     from phalanx.autopar import exercises as autopar
     from phalanx.autopar import report as autopar_report
-    from phalanx.measure.timing import parse_list, prepare_out_dir, write_outputs
+    from phalanx.measure.flags import parse_list
+    from phalanx.measure.outputs import prepare_out_dir, write_outputs
     from phalanx.outdir import check_out_dir
 
     try:

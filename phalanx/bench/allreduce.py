@@ -1,29 +1,30 @@
 """`phalanx bench allreduce`: time every allreduce algorithm over message sizes and world sizes.
 
 For each world size one spawned run (the production launcher, gloo on loopback) whose workers
-loop sizes x algorithms interleaved round by round: warm-up calls first (they also calibrate how
-many calls make one timed batch), then per round a barrier and one timed batch per (size,
-algorithm). A batch's time is the slowest rank's, since an allreduce is done when its last rank
-is. Bandwidths follow nccl-tests' PERFORMANCE.md: algbw = size / time; busbw = algbw x 2(k-1)/k
-for allreduce, the share of the data each rank must move, so busbw is comparable across world
-sizes and against a link's speed. A single-process memcpy into a preallocated buffer is the
+time sizes x algorithms with the kit's collective method (phalanx/measure/collective.py: warm-up
+calls, calibrated batches, agreed counts, a barrier before each batch, interleaved rounds). A
+batch's time is the slowest rank's, since an allreduce is done when its last rank is.
+Bandwidths follow nccl-tests' PERFORMANCE.md: algbw = size / time; busbw = algbw x 2(k-1)/k for
+allreduce, the share of the data each rank must move, so busbw is comparable across world sizes
+and against a link's speed. A single-process memcpy into a preallocated buffer is the
 reference line: no allreduce on this host can move bytes faster than one copy.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from phalanx.measure.timing import (Spread, format_size, format_table, intra_op_threads, new_figure, paired_ratio,
-                                  run_interleaved, seconds_per_call)
 from phalanx.comm import ALGORITHMS, AsyncComm
-from phalanx.runtime.devices import parse_devices
+from phalanx.measure.collective import time_collectives
+from phalanx.measure.flags import format_size
+from phalanx.measure.outputs import format_table, new_figure
+from phalanx.measure.timing import (MAX_CALLS, TARGET_BATCH_S, Spread, calls_for, intra_op_threads, paired_ratio,
+                                    run_interleaved, seconds_per_call, slowest_per_round)
 from phalanx.runtime.binding import available_cores
+from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 
@@ -46,8 +47,8 @@ class AllreduceBenchConfig:
     algorithms: tuple[str, ...] = ALGORITHMS
     rounds: int = 5
     warmup_calls: int = 2
-    target_batch_s: float = 0.02  # a timed batch repeats a call until about this long (clock resolution, noise)
-    max_calls: int = 50
+    target_batch_s: float = TARGET_BATCH_S  # a timed batch repeats a call until about this long
+    max_calls: int = MAX_CALLS
     timeout_s: float = 60.0  # bound on one collective
     deadline_s: float = 900.0  # bound on one world size's whole spawned run
 
@@ -68,42 +69,20 @@ class AllreduceBenchConfig:
             raise ValueError(f"warmup_calls must be >= 0, got {self.warmup_calls}")
 
 
-def _calls_for(seconds: float, config: AllreduceBenchConfig, *, cap: int | None = None) -> int:
-    """Calls per timed batch so that it lasts about target_batch_s (at least 1, at most the cap)."""
-    cap = config.max_calls if cap is None else cap
-    return max(1, min(cap, math.ceil(config.target_batch_s / max(seconds, 1e-9))))
-
-
 def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
-    """One rank: calibrate, then time every (size, algorithm) once per round, interleaved."""
+    """One rank: every (size, algorithm) timed by the kit's collective method."""
     # Zeros: sums stay finite (no inf/denormal slow paths) and cost the same adds as any value.
     buffers = {size: torch.zeros(size // _FLOAT_BYTES) for size in config.sizes_bytes}
-    keys = [(size, algo) for size in config.sizes_bytes for algo in config.algorithms]
     # Blocking calls on this thread; the comm owns shm's segment and the p2p algorithms' group.
     comm = AsyncComm(world=world, algorithms=config.algorithms)
-
-    def call(key):
-        return lambda: comm.allreduce(buffers[key[0]], algorithm=key[1])
-
-    estimates = []
-    for key in keys:  # warm-up: connections, buffers, caches; then one call to size the batch
-        for _ in range(config.warmup_calls):
-            call(key)()
-        dist.barrier()
-        estimates.append(seconds_per_call(call(key), 1))
-    # Every rank must run the same number of calls, or the collectives would mismatch: take the max.
-    calls = torch.tensor([_calls_for(s, config) for s in estimates], dtype=torch.int64)
-    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
-
-    def timed(index: int):
-        def run() -> float:
-            dist.barrier()  # start every batch together, so no rank's time includes a peer's lag
-            return seconds_per_call(call(keys[index]), int(calls[index]))
-        return run
-
-    samples = run_interleaved({str(i): timed(i) for i in range(len(keys))}, rounds=config.rounds, warmup_rounds=0)
-    comm.close()
-    return {"calls": calls.tolist(), "samples": [samples[str(i)] for i in range(len(keys))]}
+    try:
+        return time_collectives(
+            {(size, algo): (lambda b=buffers[size], a=algo: comm.allreduce(b, algorithm=a))
+             for size in config.sizes_bytes for algo in config.algorithms},
+            rounds=config.rounds, warmup_calls=config.warmup_calls, target_batch_s=config.target_batch_s,
+            max_calls=config.max_calls)
+    finally:
+        comm.close()
 
 
 def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
@@ -113,10 +92,11 @@ def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
                  for size in config.sizes_bytes}
         copies = {size: (lambda s=src, d=dst: d.copy_(s)) for size, (src, dst) in pairs.items()}
         # A 4 KB copy takes ~1 us: allow enough calls that the clock, not the copy, is negligible.
-        calls = {size: _calls_for(seconds_per_call(fn, 1), config, cap=MEMCPY_MAX_CALLS) for size, fn in copies.items()}
-        runs = {str(size): (lambda s=size: seconds_per_call(copies[s], calls[s])) for size in copies}
+        calls = {size: calls_for(seconds_per_call(fn, 1), target_batch_s=config.target_batch_s,
+                                 max_calls=MEMCPY_MAX_CALLS) for size, fn in copies.items()}
+        runs = {size: (lambda s=size: seconds_per_call(copies[s], calls[s])) for size in copies}
         samples = run_interleaved(runs, rounds=config.rounds, warmup_rounds=1)
-    return {size: Spread.of(samples[str(size)]) for size in config.sizes_bytes}
+    return {size: Spread.of(samples[size]) for size in config.sizes_bytes}
 
 
 def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
@@ -129,13 +109,13 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
                           deadline_s=config.deadline_s)
         by_rank = launch(_worker, config, spec=spec)
         times: dict[tuple[int, str], list[float]] = {}
-        for index, (size, algo) in enumerate(keys):
-            per_round = [max(rank["samples"][index][r] for rank in by_rank) for r in range(config.rounds)]
+        for size, algo in keys:
+            per_round = slowest_per_round([rank["samples"][(size, algo)] for rank in by_rank])
             times[(size, algo)] = per_round
             time_s = Spread.of(per_round)
             algbw = Spread.of([size / t / 1e9 for t in per_round])
             results.append({"world_size": world_size, "size_bytes": size, "algorithm": algo,
-                            "calls_per_batch": by_rank[0]["calls"][index], "time_s": time_s.to_dict(),
+                            "calls_per_batch": by_rank[0]["calls"][(size, algo)], "time_s": time_s.to_dict(),
                             "algbw_GBps": algbw.to_dict(),
                             "busbw_GBps": algbw.scaled(busbw_factor(world_size)).to_dict()})
         if "native" in config.algorithms:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.measure.timing import Spread, format_table, panels_by_batch, rows_by_batch
+from phalanx.measure.outputs import format_table, median_whiskers, panels_by_batch, rows_by_batch
+from phalanx.measure.timing import Spread
 
 
 def report_scaling(payload: dict[str, Any]) -> str:
@@ -38,9 +39,7 @@ def plot_scaling(payload: dict[str, Any]):
     fig, panels = panels_by_batch(payload["results"], payload["config"]["global_batch_sizes"], width_per_plot=5.5)
     for ax, batch, rows in panels:
         names = [r["variant"] for r in rows]
-        med = [r["images_per_s"]["median"] for r in rows]
-        err = [[m - r["images_per_s"]["min"] for m, r in zip(med, rows)],
-               [r["images_per_s"]["max"] - m for m, r in zip(med, rows)]]
+        med, err = median_whiskers(rows, "images_per_s")
         colors = ["tab:blue" if n.startswith("phalanx") else "tab:gray" for n in names]
         ax.barh(names, med, xerr=err, color=colors, capsize=3)
         ax.invert_yaxis()

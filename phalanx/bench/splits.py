@@ -7,10 +7,12 @@ at a barrier; a step's time is the slowest device's), the share of the step spen
 communication (the idle share: for a pipeline, its bubble plus transfers), the parameters held
 and the peak activation memory (activation_memory.py).
 
-`data` here is data parallelism with phalanx's ring allreduce (`--allreduce ring --no-overlap`)
-through the counting transport, since gloo's native allreduce cannot be counted. Each split's
-bytes per device also come from its formula (`expected_bytes`), written from the algorithm
-rather than the code; the report prints both, and the tests require them equal.
+Every split steps through `train_step`, the one step `phalanx train` runs (train/loop.py), each
+as its `Strategy`: `data` is `phalanx.prepare`'s DataParallel with phalanx's ring allreduce
+(`--allreduce ring --no-overlap`, one flat bucket) exchanging through a counting transport, since
+gloo's native allreduce cannot be counted. Each split's bytes per device also come from its
+formula (`expected_bytes`), written from the algorithm rather than the code; the report prints
+both, and the tests require them equal.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from phalanx.bench.activation_memory import SavedTensorMeter
 from phalanx.comm.counting import CountingTransport
 from phalanx.comm.ring import allreduce_ring, chunk_sizes
-from phalanx.data import shard_bounds
-from phalanx.runtime.devices import parse_devices
-from phalanx.runtime.launch import LaunchSpec, launch
-from phalanx.models import LeNet
+from phalanx.data_parallel import prepare
+from phalanx.data_parallel.strategy import DataSplit
+from phalanx.measure.timing import slowest_per_round
 from phalanx.model_split.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
 from phalanx.model_split.splits import SCHEDULES, SPLITS, build_split, check_split
+from phalanx.models import LeNet
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
+from phalanx.train.loop import train_step
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -91,57 +95,57 @@ def expected_bytes(split: str, *, k: int, rank: int, batch: int, element_size: i
     return element_size * total
 
 
-class _DataParallelStep:
-    """One data-parallel step with a flat ring allreduce through a counting transport."""
+class _CountingRing:
+    """What DataParallel exchanges through here (its `comm`): the ring allreduce over a counting
+    transport, so the data split's bytes are counted on the wire as the model splits' are."""
 
-    def __init__(self, model: LeNet, *, world: World) -> None:
-        self.module, self.world, self.transport = model, world, CountingTransport()
+    def __init__(self, world: World) -> None:
+        self.world, self.transport = world, CountingTransport()
 
-    def zero_grad(self) -> None:
-        for p in self.module.parameters():
-            p.grad = None
+    def allreduce(self, tensor: torch.Tensor, *, algorithm: str) -> torch.Tensor:
+        allreduce_ring(tensor, world=self.world, transport=self.transport)
+        return tensor
 
-    def forward_backward(self, X, y, *, global_batch_size):
-        start, stop = shard_bounds(X.shape[0], self.world.world_size, self.world.rank)
-        (F.cross_entropy(self.module(X[start:stop]), y[start:stop], reduction="sum") / global_batch_size).backward()
-        params = list(self.module.parameters())
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        allreduce_ring(flat, world=self.world, transport=self.transport)
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(g.view_as(p))
+
+def _strategy(split: str, config: SplitsBenchConfig, world: World):
+    """This rank's `Strategy` for `split` (the same initial LeNet on every rank) and its counting transport."""
+    torch.manual_seed(0)
+    full = LeNet().to(DTYPES[config.dtype])
+    if split == "data":
+        comm = _CountingRing(world)
+        dp = prepare(full, world=world, memory_format="contiguous", algorithm="ring", overlap=False, comm=comm)
+        return DataSplit(dp), comm.transport
+    strategy = build_split(split, full, world=world, global_batch_size=config.global_batch_size,
+                           micro_batches=config.micro_batches_for(world.world_size), schedule=config.schedule)
+    return strategy, strategy.transport
 
 
 def _worker(world: World, config: SplitsBenchConfig) -> dict:
-    dtype, k = DTYPES[config.dtype], world.world_size
     g = torch.Generator().manual_seed(0)
-    X = torch.randn(config.global_batch_size, 1, 28, 28, generator=g).to(dtype)
+    X = torch.randn(config.global_batch_size, 1, 28, 28, generator=g).to(DTYPES[config.dtype])
     y = torch.randint(0, 10, (config.global_batch_size,), generator=g)
-    steppers = {}
-    for split in SPLITS:
-        torch.manual_seed(0)
-        full = LeNet().to(dtype)
-        steppers[split] = _DataParallelStep(full, world=world) if split == "data" else build_split(
-            split, full, world=world, global_batch_size=config.global_batch_size,
-            micro_batches=config.micro_batches_for(k), schedule=config.schedule)
-    optimizers = {s: torch.optim.SGD(p.module.parameters(), lr=0.01) for s, p in steppers.items()}
+    strategies = {split: _strategy(split, config, world) for split in SPLITS}
+    optimizers = {s: torch.optim.SGD(st.module.parameters(), lr=0.01) for s, (st, _) in strategies.items()}
     records = {s: [] for s in SPLITS}
     for round_index in range(config.rounds + 1):  # round 0 warms up and is discarded
-        for split, stepper in steppers.items():
+        for split, (strategy, transport) in strategies.items():
+            first, stop = strategy.rows(config.global_batch_size)
             for _ in range(config.steps):
                 dist.barrier()
-                before = stepper.transport.snapshot()
-                meter = SavedTensorMeter(stepper.module.parameters())
+                before = transport.snapshot()
+                meter = SavedTensorMeter(strategy.module.parameters())
                 start = time.perf_counter()
-                stepper.zero_grad()
-                with meter:
-                    stepper.forward_backward(X, y, global_batch_size=config.global_batch_size)
-                optimizers[split].step()
+                with meter:  # zero_grad and the optimizer step save nothing for backward
+                    train_step(strategy, optimizers[split], X[first:stop], y[first:stop],
+                               global_batch_size=config.global_batch_size)
                 step_s = time.perf_counter() - start
-                counts = stepper.transport.snapshot().minus(before)
+                counts = transport.snapshot().minus(before)
                 if round_index:
                     records[split].append({"step_s": step_s, "sent_bytes": counts.sent_bytes,
                                            "blocked_s": counts.blocked_s, "activation_bytes": meter.peak_bytes})
-    params = {s: sum(p.numel() for p in st.module.parameters()) for s, st in steppers.items()}
+    params = {s: sum(p.numel() for p in st.module.parameters()) for s, (st, _) in strategies.items()}
+    for strategy, _ in strategies.values():
+        strategy.close()
     return {"records": records, "parameters": params}
 
 
@@ -157,8 +161,7 @@ def run_splits_bench(config: SplitsBenchConfig, *, on_run=None) -> dict:
                                                           deadline_s=config.deadline_s))
         for split in SPLITS:
             per_rank = [r["records"][split] for r in results]
-            steps = range(len(per_rank[0]))
-            step_s = [max(per_rank[r][i]["step_s"] for r in range(k)) for i in steps]
+            step_s = slowest_per_round([[s["step_s"] for s in records] for records in per_rank])
             micro = config.micro_batches_for(k)
             rows.append({
                 "split": split, "k": k, "micro_batches": micro if split == "layers" else None,

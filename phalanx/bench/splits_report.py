@@ -9,7 +9,7 @@ grouped bars, one group per k.
 
 from __future__ import annotations
 
-from phalanx.measure.timing import format_table, new_figure
+from phalanx.measure.outputs import format_table, new_figure
 
 
 def _kb(size_bytes: float) -> str:

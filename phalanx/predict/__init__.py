@@ -67,7 +67,7 @@ def _bucket_cap(text: str) -> float | None:
 
 def build_config(args: argparse.Namespace) -> PredictConfig:
     """Flags -> PredictConfig; any bad value ends as one UsageError line."""
-    from phalanx.measure.timing import parse_list
+    from phalanx.measure.flags import parse_list
 
     try:
         interconnect = resolve_interconnect(
@@ -91,7 +91,7 @@ def run_predict(args: argparse.Namespace) -> int:
     """Predict (and validate): table to stdout, predict.json + predict.png into --out. Returns 0."""
     config = build_config(args)
     # Imported here so the CLI's parser does not load torch's heavy parts or matplotlib.
-    from phalanx.measure.timing import prepare_out_dir, write_outputs
+    from phalanx.measure.outputs import prepare_out_dir, write_outputs
     from phalanx.predict.report import plot_prediction, report_prediction
     from phalanx.predict.run import run_prediction
 

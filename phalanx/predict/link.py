@@ -2,8 +2,9 @@
 
 One spawned 2-process run (the production launcher: gloo over 127.0.0.1, one thread per worker,
 as a 2-device run has on two cores). (1) An allreduce sweep over message sizes with the chosen
-algorithm, each size's calls timed in interleaved rounds after a warm-up (the slowest rank's
-time, as in `bench allreduce`); `costmodel.fit_link` turns the medians into α and β. (2) η, the
+algorithm, timed by `bench allreduce`'s method (phalanx/measure/collective.py: warm-up,
+calibrated batches, interleaved rounds, the slowest rank's time); `costmodel.fit_link` turns the
+medians into α and β. (2) η, the
 share of communication that hides behind computation here. Measuring it as "compute + comm -
 both together" failed on this shared 2-core machine: a few ms of difference drowned in other
 programs' load. What decides it is steadier: on this host no copy engine moves the bytes, gloo's
@@ -16,7 +17,6 @@ rank's process CPU time over the trial's wall time gives the communication's sha
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,16 +24,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from phalanx.measure.timing import run_interleaved, seconds_per_call
 from phalanx.comm import AsyncComm
+from phalanx.measure.collective import time_collectives
+from phalanx.measure.timing import slowest_per_round
+from phalanx.predict.costmodel import LinkFit, fit_link
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
-from phalanx.predict.costmodel import LinkFit, fit_link
 from phalanx.runtime.world import World
 
 DEFAULT_SWEEP_BYTES = (4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-TARGET_BATCH_S = 0.05  # a timed batch repeats a call until about this long
-MAX_CALLS = 30
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +54,6 @@ class LinkMeasurement:
     comm_cpu_share: float  # CPU seconds per second of the buckets' allreduces, per rank (median, mean of ranks)
 
 
-def _agreed_calls(estimate_s: float) -> int:
-    calls = torch.tensor([max(1, min(MAX_CALLS, math.ceil(TARGET_BATCH_S / max(estimate_s, 1e-9))))])
-    dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank must issue as many collectives
-    return int(calls.item())
-
-
 def _link_worker(world: World, job: LinkJob) -> dict:
     # One comm for the sweep and the overlap trials: it owns shm's segment or the p2p group.
     comm = AsyncComm(world=world, algorithms=(job.algorithm,))
@@ -72,19 +65,9 @@ def _link_worker(world: World, job: LinkJob) -> dict:
 
 def _measure(world: World, job: LinkJob, comm: AsyncComm) -> dict:
     buffers = {size: torch.zeros(size // 4) for size in job.sizes_bytes}
-    runs = {}
-    for size, buffer in buffers.items():
-        call = (lambda b=buffer: comm.allreduce(b, algorithm=job.algorithm))
-        for _ in range(job.warmup_calls):
-            call()
-        dist.barrier()
-        calls = _agreed_calls(seconds_per_call(call, 1))
-
-        def timed(call=call, calls=calls) -> float:
-            dist.barrier()
-            return seconds_per_call(call, calls)
-        runs[str(size)] = timed
-    sweep = run_interleaved(runs, rounds=job.rounds, warmup_rounds=0)
+    sweep = time_collectives({size: (lambda b=buffer: comm.allreduce(b, algorithm=job.algorithm))
+                              for size, buffer in buffers.items()},
+                             rounds=job.rounds, warmup_calls=job.warmup_calls)["samples"]
 
     buckets = [torch.zeros(max(1, n // 4)) for n in job.bucket_bytes]
 
@@ -99,7 +82,7 @@ def _measure(world: World, job: LinkJob, comm: AsyncComm) -> dict:
         wall0, cpu0 = time.perf_counter(), time.process_time()  # process time: every thread's
         communicate()
         cpu_share.append((time.process_time() - cpu0) / (time.perf_counter() - wall0))
-    return {"sweep": {int(k): v for k, v in sweep.items()}, "cpu_share": statistics.median(cpu_share)}
+    return {"sweep": sweep, "cpu_share": statistics.median(cpu_share)}
 
 
 def overlap_efficiency(cpu_share: float) -> float:
@@ -120,8 +103,7 @@ def measure_link(job: LinkJob, *, timeout_s: float, deadline_s: float) -> LinkMe
     by_rank = launch(_link_worker, job, spec=spec)
     times = []
     for size in job.sizes_bytes:  # per round the slower rank's time, then the median of rounds
-        rounds = zip(*(rank["sweep"][size] for rank in by_rank))
-        times.append(statistics.median(max(r) for r in rounds))
+        times.append(statistics.median(slowest_per_round([rank["sweep"][size] for rank in by_rank])))
     fit = fit_link(job.algorithm, job.sizes_bytes, times, world_size=2)
     cpu_share = statistics.fmean(rank["cpu_share"] for rank in by_rank)
     return LinkMeasurement(fit=fit, sizes_bytes=tuple(job.sizes_bytes), times_s=tuple(times),

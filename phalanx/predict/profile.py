@@ -22,7 +22,6 @@ synthetic in-memory batch, as `bench scaling`).
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from phalanx.measure.load import busy_window, others_busy_cores
 from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
 from phalanx.comm import AsyncComm
@@ -128,18 +128,6 @@ class _StepClock:
             hook.remove()
 
 
-def host_busy_s() -> float | None:
-    """CPU seconds the whole host has spent busy since boot (Linux /proc/stat), or None."""
-    try:
-        with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is in user)
-    return busy / os.sysconf("SC_CLK_TCK")
-
-
 def _profile_worker(*, rank: int, num_procs: int, port: int, job: ProfileJob) -> list[dict]:
     """Every phase in turn; ranks >= a phase's co_runners sit it out. Barriers bracket the timing."""
     if num_procs > 1:
@@ -158,27 +146,16 @@ def _profile_worker(*, rank: int, num_procs: int, port: int, job: ProfileJob) ->
             for _ in range(job.warmup_steps):
                 clock.step()
         barrier()  # co-runners time their steps together
-        # Every rank (idle ones too) notes its own CPU time; rank 0 the host's, over the same window.
-        wall0, cpu0, host0 = time.perf_counter(), time.process_time(), host_busy_s()
-        records = [clock.step() for _ in range(job.steps)] if clock is not None else []
-        barrier()
-        window = {"wall_s": time.perf_counter() - wall0, "cpu_s": time.process_time() - cpu0,
-                  "host_busy_s": None if host0 is None or rank != 0 else host_busy_s() - host0}
+        # Every rank (idle ones too) notes its own CPU time and the host's over the same window.
+        with busy_window() as window:
+            records = [clock.step() for _ in range(job.steps)] if clock is not None else []
+            barrier()
         if clock is not None:
             clock.close()
             clock.dp.close()
         results.append({"records": records, "window": window,
                         "bucket_bytes": [] if clock is None else [b.size_bytes for b in clock.dp.buckets]})
     return results
-
-
-def others_busy_cores(windows: list[dict]) -> float:
-    """Cores that other programs kept busy during a phase: the host's busy time minus ours."""
-    host = windows[0]["host_busy_s"]
-    if host is None:
-        return 0.0
-    ours = sum(w["cpu_s"] for w in windows)
-    return max(0.0, (host - ours) / max(windows[0]["wall_s"], 1e-9))
 
 
 def summarize(phase: Phase, per_rank: list[dict]) -> DeviceProfile:

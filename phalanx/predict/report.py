@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.measure.timing import Spread, format_table, panels_by_batch, rows_by_batch
+from phalanx.measure.outputs import format_table, median_whiskers, panels_by_batch, rows_by_batch
+from phalanx.measure.timing import Spread
 
 
 def _med(row: dict[str, Any], key: str) -> float:
@@ -82,9 +83,7 @@ def plot_prediction(payload: dict[str, Any]):
                     label="linear from k = 1")
         measured = [r for r in rows if "measured_images_per_s" in r]
         if measured:
-            med = [_med(r, "measured_images_per_s") for r in measured]
-            err = [[m - r["measured_images_per_s"]["min"] for m, r in zip(med, measured)],
-                   [r["measured_images_per_s"]["max"] - m for m, r in zip(med, measured)]]
+            med, err = median_whiskers(measured, "measured_images_per_s")
             ax.errorbar([r["world_size"] for r in measured], med, yerr=err, fmt="s", color="tab:red",
                         capsize=3, label="measured (phalanx)")
         ax.set_xscale("log", base=2)

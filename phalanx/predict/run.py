@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from phalanx.measure.step import StepJob
 from phalanx.measure.timing import Spread
 from phalanx.runtime.binding import available_cores
 from phalanx.predict.config import PredictConfig
 from phalanx.predict.link import LinkJob, measure_link, sweep_sizes
 from phalanx.predict.profile import ProfileJob, phase_for, profile_devices
 from phalanx.predict.timeline import StepPrediction, oversubscription, predict_step, timeslice_factor
-from phalanx.predict.validate import MeasureJob, measure_phalanx
+from phalanx.predict.validate import measure_phalanx
 
 PREDICTION_KEYS = ("compute_s", "comm_s", "hidden_s", "exposed_s", "overlap_penalty_s", "step_s", "timeslice")
 
@@ -92,11 +93,11 @@ def run_round(config: PredictConfig, cores: int, *, on_progress: Callable[[str],
             predictions.append(row)
         for k in validated_world_sizes(config, cores):
             on_progress(f"measuring phalanx on {k} device{'s' if k > 1 else ''} at global batch {batch}")
-            found = measure_phalanx(MeasureJob(
-                model=config.model, global_batch_size=batch, world_size=k, threads_per_device=phases[k].threads,
-                algorithm=config.algorithm, bucket_cap_mb=config.bucket_cap_mb, warmup_steps=config.warmup_steps,
-                steps=config.steps, lr=config.lr, seed=config.seed), timeout_s=config.timeout_s,
-                deadline_s=config.deadline_s)
+            found = measure_phalanx(StepJob(
+                model=config.model, global_batch_size=batch, bucket_cap_mb=config.bucket_cap_mb,
+                warmup_steps=config.warmup_steps, steps=config.steps, lr=config.lr, seed=config.seed),
+                world_size=k, threads_per_device=phases[k].threads, algorithm=config.algorithm,
+                timeout_s=config.timeout_s, deadline_s=config.deadline_s)
             # The same prediction, for the other load this measurement met (others share these cores).
             measured[str(k)] = {"images_per_s": found.images_per_s, "others_busy_cores": found.others_busy_cores,
                                 "predicted_images_per_s_at_its_load": predict(k, found.others_busy_cores).images_per_s}

@@ -46,26 +46,15 @@ def add_sweep_parser(subparsers) -> argparse.ArgumentParser:
     return sweep
 
 
-def _numbers(text: str, item, *, flag: str) -> tuple:
-    """A comma-separated flag value as a tuple; a bad item is one line naming the flag."""
-    try:
-        values = tuple(item(part.strip()) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise UsageError(f"{flag} {text!r} is not a comma-separated list of {item.__name__}"
-                         if item is int else str(exc)) from None
-    if not values:
-        raise UsageError(f"{flag} is empty; give at least one value")
-    return values
-
-
 def sweep_config_from_args(args: argparse.Namespace):
+    from phalanx.measure.flags import parse_list
     from phalanx.sweep.grid import SweepConfig, parse_lr_rule
 
     try:
         return SweepConfig(
-            num_devices=_numbers(args.devices, int, flag="--devices"),
-            batch_sizes_per_device=_numbers(args.per_device_batch, int, flag="--per-device-batch"),
-            lr_rules=_numbers(args.lr, parse_lr_rule, flag="--lr"),
+            num_devices=parse_list(args.devices, int, flag="--devices"),
+            batch_sizes_per_device=parse_list(args.per_device_batch, int, flag="--per-device-batch"),
+            lr_rules=parse_list(args.lr, parse_lr_rule, flag="--lr"),
             base_lr=args.base_lr, base_batch=args.base_batch, warmup_epochs=args.warmup_epochs,
             epochs=args.epochs, target_acc=args.target, model=args.model, dataset=args.dataset,
             data_dir=args.data_dir, seed=args.seed, threads_per_device=args.threads_per_device,
@@ -81,7 +70,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     # Imported here so the CLI's parser does not load torch or matplotlib.
     from phalanx.runtime.binding import available_cores
     from phalanx.sweep.grid import expand_grid
-    from phalanx.sweep.report import format_table, oversubscription_note, plot_sweep, write_outputs
+    from phalanx.measure.outputs import write_outputs
+    from phalanx.sweep.report import csv_bytes, format_table, oversubscription_note, plot_sweep
     from phalanx.sweep.run import run_grid
 
     points = expand_grid(config)
@@ -99,7 +89,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     fig = plot_sweep(rows, target_acc=config.target_acc, epochs=config.epochs,
                      title=f"{config.model} on {dataset}, {config.epochs} epochs, scaled: lr = {config.base_lr:g} "
                            f"× global / {config.base_batch}")
-    paths = write_outputs(Path(config.out_dir), payload, fig)
+    paths = write_outputs(Path(config.out_dir), "sweep", payload, fig, also={"csv": csv_bytes(rows)})
     reused = sum(row["reused"] for row in rows)
     print(f"\nwrote {', '.join(map(str, paths))} ({wall_s:.0f} s"
           + (f"; {reused} of {len(rows)} points reused from earlier runs)" if reused else ")"))

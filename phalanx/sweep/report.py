@@ -4,18 +4,16 @@ The picture has two panels over the global batch k·b (log scale): final test ac
 training time to the target accuracy. Colour is the lr rule, the marker the device count: points
 of one colour at the same global batch but different k should coincide in accuracy (k devices
 compute the 1-device step on the same global batch), while their time depends on k.
-Everything is written atomically; nothing here trains or reads data.
+The kit writes them (phalanx/measure/outputs.py, atomically); nothing here trains or reads data.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import json
-from pathlib import Path
 from typing import Any, Sequence
 
-from phalanx.atomic import atomic_write_bytes
+from phalanx.measure.outputs import format_table as columns
 
 CSV_FIELDS = ("num_devices", "batch_size_per_device", "global_batch_size", "lr_rule", "lr", "warmup_epochs",
               "final_test_acc", "best_test_acc", "time_to_target_s", "epochs_to_target", "sec_per_epoch", "dataset")
@@ -42,15 +40,8 @@ def format_table(rows: Sequence[dict[str, Any]], *, target_acc: float, cores: in
                       r["global_batch_size"], r["lr_rule"], f"{r['lr']:.4g}",
                       f"{r['warmup_epochs']:g} ep" if r["warmup_epochs"] else "-",
                       f"{r['final_test_acc']:.3f}", f"{r['best_test_acc']:.3f}", reached, f"{r['sec_per_epoch']:.2f}"))
-    text = [[str(h) for h in headers]] + [[str(c) for c in row] for row in cells]
-    widths = [max(len(row[i]) for row in text) for i in range(len(headers))]
-    lines = []
-    for index, row in enumerate(text):
-        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip())
-        if index == 0:
-            lines.append("  ".join("-" * w for w in widths))
     note = oversubscription_note(rows, cores)
-    return "\n".join(lines + ([note] if note else []))
+    return "\n".join([columns(headers, cells, left_columns=0)] + ([note] if note else []))
 
 
 def csv_bytes(rows: Sequence[dict[str, Any]]) -> bytes:
@@ -118,17 +109,3 @@ def _mean_by_batch(series: Sequence[dict[str, Any]], key: str) -> list[tuple[int
         if r[key] is not None:
             groups.setdefault(r["global_batch_size"], []).append(r[key])
     return [(b, sum(v) / len(v)) for b, v in sorted(groups.items())]
-
-
-def write_outputs(out_dir: Path, payload: dict[str, Any], fig) -> tuple[Path, Path, Path]:
-    """sweep.json, sweep.csv and sweep.png, each written atomically."""
-    import matplotlib.pyplot as plt
-
-    paths = (out_dir / "sweep.json", out_dir / "sweep.csv", out_dir / "sweep.png")
-    atomic_write_bytes(paths[0], (json.dumps(payload, indent=2) + "\n").encode())
-    atomic_write_bytes(paths[1], csv_bytes(payload["results"]))
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    atomic_write_bytes(paths[2], buffer.getvalue())
-    return paths

@@ -16,8 +16,10 @@ import sys
 from pathlib import Path
 
 from phalanx.comm import CHOICES
-from phalanx.errors import UsageError
 from phalanx.data_parallel import BATCHNORM_POLICIES, GRAD_DTYPES
+from phalanx.errors import UsageError
+from phalanx.measure.flags import parse_list
+from phalanx.outdir import check_out_file
 from phalanx.verify.config import DEFAULT_GLOBAL_BATCH_SIZE, DTYPES, VerifyConfig
 
 PLANTS = ("none", "rank-mean", "rank-sum", "shuffle-per-rank")
@@ -67,11 +69,13 @@ def run_verify(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown model {args.model!r}; choose one of {', '.join(MODELS)}")
     if args.plant not in PLANTS:
         raise UsageError(f"--plant {args.plant!r} is unknown; choose one of {', '.join(PLANTS)}")
-    out = _check_out_file(args.out)
+    check_out_file(args.out)
+    out = None if args.out is None else Path(args.out)
     try:
         config = VerifyConfig(
-            world_sizes=_parse_counts(args.devices), steps=args.steps, global_batch_size=args.batch_size,
-            lr=args.lr, seed=args.seed, dtype=args.dtype, tolerance=args.tolerance, algorithm=args.allreduce,
+            world_sizes=parse_list(args.devices, int, flag="--devices"), steps=args.steps,
+            global_batch_size=args.batch_size, lr=args.lr, seed=args.seed, dtype=args.dtype,
+            tolerance=args.tolerance, algorithm=args.allreduce,
             overlap=not args.no_overlap, batchnorm=args.batchnorm, grad_dtype=args.grad_dtype,
             loss_scale=args.plant if args.plant in ("rank-mean", "rank-sum") else "global",
             shuffle_per_rank=args.plant == "shuffle-per-rank", device=args.device, timeout_s=args.timeout,
@@ -104,24 +108,6 @@ def run_verify(args: argparse.Namespace) -> int:
         atomic_write_bytes(out, (json.dumps(report.to_dict(), indent=2) + "\n").encode())
         print(f"wrote {out}")
     return 0 if report.passed else 1
-
-
-def _parse_counts(text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in str(text).split(",")]
-    if not parts or not all(p.isdigit() for p in parts):
-        raise UsageError(f"--devices {text!r} is not a list of device counts; write e.g. --devices 2,3")
-    return tuple(int(p) for p in parts)
-
-
-def _check_out_file(out: str | None) -> Path | None:
-    if out is None:
-        return None
-    path = Path(out)
-    if path.is_dir():
-        raise UsageError(f"--out {out} is a directory; name a file, e.g. --out {path / 'verify.json'}")
-    if not path.parent.exists():
-        raise UsageError(f"--out {out}: directory {path.parent} does not exist; create it or pick another path")
-    return path
 
 
 def _progress(message: str) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from phalanx.measure.timing import prepare_out_dir, write_outputs
+from phalanx.measure.outputs import prepare_out_dir, write_outputs
 from phalanx.predict.config import INTERCONNECTS, PredictConfig, resolve_interconnect
 from phalanx.predict.report import plot_prediction, report_prediction
 from phalanx.predict.run import run_prediction

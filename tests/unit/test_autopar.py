@@ -357,23 +357,23 @@ def test_verdicts_say_what_the_numbers_say():
 
 
 def test_cpu_taken_by_others_is_machine_busy_minus_our_own_per_wall_second(monkeypatch):
-    from phalanx.measure import timing
+    from phalanx.measure import load
 
     readings = iter([(100.0, 5.0), (103.0, 6.0)])  # machine busy +3 s, this process +1 s ...
     clock = iter([10.0, 12.0])  # ... over 2 s of wall time: others kept 1 core busy
-    monkeypatch.setattr(timing, "_machine_and_own_cpu_s", lambda: next(readings))
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(load, "_machine_and_own_cpu_s", lambda: next(readings))
+    monkeypatch.setattr(load.time, "perf_counter", lambda: next(clock))
     result: dict = {}
-    with timing.cpu_taken_by_others(result):
+    with load.cpu_taken_by_others(result):
         pass
     assert result == {"others_cores": 1.0}
 
 
 def test_cpu_taken_by_others_reads_this_machine():
-    from phalanx.measure import timing
+    from phalanx.measure import load
 
     result: dict = {}
-    with timing.cpu_taken_by_others(result):
+    with load.cpu_taken_by_others(result):
         sum(range(10_000))
     assert result["others_cores"] is None or result["others_cores"] >= 0.0
 

@@ -14,8 +14,11 @@ from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
-from phalanx.measure.timing import (Spread, format_size, interleave, new_figure, paired_ratio, parse_list, parse_size,
-                                  prepare_out_dir, run_interleaved, seconds_per_call, write_outputs)
+from phalanx.measure.flags import format_size, parse_list, parse_size
+from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
+from phalanx.measure.step import Variant
+from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
+                                    slowest_per_round)
 from phalanx.errors import UsageError
 
 
@@ -66,6 +69,43 @@ def test_seconds_per_call_counts_calls_and_syncs_once():
     calls, syncs = [], []
     seconds = seconds_per_call(lambda: calls.append(1), 7, sync=lambda: syncs.append(1))
     assert len(calls) == 7 and len(syncs) == 1 and seconds >= 0
+
+
+def test_calibration_fills_a_timed_batch_within_its_bounds():
+    assert calls_for(0.001, target_batch_s=0.02, max_calls=50) == 20  # 20 calls of 1 ms make 20 ms
+    assert calls_for(0.0003, target_batch_s=0.02, max_calls=50) == 50  # capped
+    assert calls_for(0.5, target_batch_s=0.02, max_calls=50) == 1  # a slow call is timed once
+    assert calls_for(0.0, target_batch_s=0.02, max_calls=7) == 7  # a call too fast for the clock
+    assert calls_for(0.004) == 5  # the kit's defaults: about 20 ms, at most 50 calls
+
+
+def test_slowest_rank_decides_each_round():
+    # A lockstep step or a collective is done when its last rank is: the max per round, not per rank.
+    assert slowest_per_round([[1.0, 5.0, 2.0], [3.0, 1.0, 2.5]]) == [3.0, 5.0, 2.5]
+    assert slowest_per_round([[0.25]]) == [0.25]
+    with pytest.raises(ValueError, match="same number of rounds"):
+        slowest_per_round([[1.0, 2.0], [1.0]])
+
+
+def test_a_busy_window_notes_wall_own_cpu_and_the_hosts_busy_time(monkeypatch):
+    from phalanx.measure import load
+
+    hosts = iter([100.0, 103.5])  # the host was busy 3.5 s ...
+    monkeypatch.setattr(load, "host_busy_s", lambda: next(hosts))
+    with load.busy_window() as window:
+        sum(range(100_000))
+    assert window["host_busy_s"] == 3.5 and window["wall_s"] > 0 and window["cpu_s"] >= 0
+    # ... of which the workers' own CPU was 1.5 s over a 2 s window: others kept one core busy.
+    assert load.others_busy_cores([{"wall_s": 2.0, "cpu_s": 1.0, "host_busy_s": 3.5},
+                                   {"wall_s": 2.0, "cpu_s": 0.5, "host_busy_s": None}]) == pytest.approx(1.0)
+
+
+def test_tables_align_and_whiskers_reach_min_and_max():
+    assert format_table(["name", "n"], [("a", 10), ("bbb", 2)]).splitlines() == [
+        "name   n", "----  --", "a     10", "bbb    2"]
+    assert format_table(["name", "n"], [("a", 10)], left_columns=0).splitlines()[2] == "   a  10"
+    rows = [{"x": {"median": 2.0, "min": 1.5, "max": 3.0}}, {"x": {"median": 1.0, "min": 1.0, "max": 1.25}}]
+    assert median_whiskers(rows, "x") == ([2.0, 1.0], [[0.5, 0.0], [1.0, 0.25]])
 
 
 def test_busbw_factor_is_nccl_tests_allreduce_formula():
@@ -139,6 +179,11 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     assert (bound.bind_cores, bound.algorithm, bound.num_procs) == (True, "auto", 3)
     assert not any(v.bind_cores for n, v in by_name.items() if n != "phalanx/3 bound")
     assert "phalanx/4 bound" not in {v.name for v in variants(4, cores=2)}  # no core of its own for each
+
+
+def test_a_contender_of_unknown_kind_is_refused_by_name():
+    with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, torch, ceiling"):
+        Variant(name="jax/2", kind="jax", num_procs=2, threads_per_proc=1, allocator_env=False)
 
 
 def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():

@@ -15,6 +15,7 @@ from phalanx.runtime.binding import oversubscription
 from phalanx.cli import main
 from phalanx.data import load_dataset
 from phalanx.errors import RunFailed, UsageError, WriteFailed
+from phalanx.outdir import check_out_file
 
 LONG_NAME = "n" * 300  # over the 255 bytes of a name on ext4, xfs, btrfs, tmpfs
 LONG_PATH = "/".join(["d" * 50] * 100)  # 5,099 characters of short names: over PATH_MAX (4096)
@@ -48,6 +49,19 @@ def test_a_path_the_system_cannot_name_is_one_line(tmp_path, capsys, flag, kind)
 def test_the_data_dir_check_holds_where_the_data_is_read(tmp_path):
     with pytest.raises(UsageError, match="--data-dir .* has a name of 300 bytes"):
         load_dataset("fashion-mnist", str(tmp_path / LONG_NAME))
+
+
+def test_a_file_flag_is_checked_the_one_way_every_command_shares(tmp_path):
+    # phalanx verify --out FILE: outdir.check_out_file, beside check_out_dir for directory flags.
+    check_out_file(None)
+    check_out_file(tmp_path / "report.json")
+    for path, words in [(tmp_path, "is a directory; name a file, e.g. --out "),
+                        (tmp_path / "no" / "r.json", "directory .*no does not exist; create it"),
+                        ("/proc/phalanx-12.json", "cannot be written .* pick a path on a writable filesystem"),
+                        (tmp_path / LONG_NAME, "has a name of 300 bytes")]:
+        with pytest.raises(UsageError, match=words):
+            check_out_file(path, flag="--out")
+    assert list(tmp_path.iterdir()) == []  # the probes left nothing
 
 
 def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch):

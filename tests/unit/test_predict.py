@@ -10,13 +10,14 @@ import math
 
 import pytest
 
-from phalanx.measure.timing import prepare_out_dir, write_outputs
+from phalanx.measure.load import others_busy_cores
+from phalanx.measure.outputs import prepare_out_dir, write_outputs
 from phalanx.errors import UsageError
 from phalanx.predict import add_predict_parser, build_config
 from phalanx.predict.config import INTERCONNECTS, Interconnect, PredictConfig, resolve_interconnect
 from phalanx.predict.costmodel import allreduce_time_s, busbw_Bps, busbw_factor, cost_terms, fit_link
 from phalanx.predict.link import overlap_efficiency
-from phalanx.predict.profile import Phase, others_busy_cores, phase_for
+from phalanx.predict.profile import Phase, phase_for
 from phalanx.predict.report import plot_prediction, report_prediction
 from phalanx.predict.run import PREDICTION_KEYS, _prediction_row, summarize, validated_world_sizes
 from phalanx.predict.timeline import (DeviceProfile, expected_max, others_threads, overlap, predict_step,
@@ -192,6 +193,30 @@ def test_overlap_efficiency_and_other_programs_load():
     windows = [{"wall_s": 2.0, "cpu_s": 1.5, "host_busy_s": 4.0}, {"wall_s": 2.0, "cpu_s": 1.5, "host_busy_s": None}]
     assert others_busy_cores(windows) == pytest.approx(0.5)
     assert others_busy_cores([{"wall_s": 1.0, "cpu_s": 1.0, "host_busy_s": None}]) == 0.0
+
+
+def test_validation_measures_bench_scalings_own_phalanx_contender(monkeypatch):
+    # predict --validate's number is bench scaling's phalanx/k line: the same Variant, run by the
+    # same worker (measure/step.py); its load from the kit's windows (rank 0's host time).
+    from phalanx.bench.scaling import variants
+    from phalanx.measure.step import StepJob
+    from phalanx.predict import validate
+
+    ran = []
+
+    def fake_run_variant(variant, job, *, timeout_s, deadline_s):
+        ran.append(variant)
+        return [{"wall_s": 0.5, "cpu_s": 0.4, "host_busy_s": 1.4}, {"wall_s": 1.0, "cpu_s": 0.5, "host_busy_s": None}]
+
+    monkeypatch.setattr(validate, "run_variant", fake_run_variant)
+    cores, job = 4, StepJob(model="lenet", global_batch_size=64, warmup_steps=1, steps=4, lr=0.2, seed=0)
+    for k in (1, 2, 4):
+        threads = phase_for(k, 64, cores, shares_host=True).threads
+        found = validate.measure_phalanx(job, world_size=k, threads_per_device=threads, algorithm="auto",
+                                         timeout_s=1.0, deadline_s=1.0)
+        assert ran[-1] == variants(4, cores)[k - 1]
+        assert found.images_per_s == pytest.approx(64 * 4 / 1.0)  # the slowest rank's wall time
+        assert found.others_busy_cores == pytest.approx((1.4 - 0.9) / 0.5)
 
 
 def test_each_device_is_profiled_with_its_shard_threads_and_co_runners():

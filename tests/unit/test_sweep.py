@@ -15,7 +15,8 @@ import pytest
 from phalanx.errors import UsageError
 from phalanx.sweep import add_sweep_parser, run_sweep, sweep_config_from_args
 from phalanx.sweep.grid import SCALED, SweepConfig, expand_grid, parse_lr_rule, scaled_lr
-from phalanx.sweep.report import csv_bytes, format_table, oversubscription_note, plot_sweep, write_outputs
+from phalanx.measure.outputs import write_outputs
+from phalanx.sweep.report import csv_bytes, format_table, oversubscription_note, plot_sweep
 from phalanx.sweep.run import load_stored, point_settings, summarize, time_to_target, train_config, with_target
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -202,7 +203,7 @@ def test_outputs_are_written_whole(tmp_path):
     rows = _rows(config)
     payload = {"config": config.to_dict(), "results": rows}
     fig = plot_sweep(rows, target_acc=0.7, epochs=config.epochs, title="fake")
-    json_path, csv_path, png_path = write_outputs(tmp_path, payload, fig)
+    json_path, csv_path, png_path = write_outputs(tmp_path, "sweep", payload, fig, also={"csv": csv_bytes(rows)})
     assert png_path.read_bytes()[:8] == PNG_MAGIC and png_path.stat().st_size > 10_000
     assert json.loads(json_path.read_text())["results"][5]["key"] == rows[5]["key"]
     assert len(csv_path.read_text().splitlines()) == 1 + 18
