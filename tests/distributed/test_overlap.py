@@ -76,9 +76,9 @@ class CountingComm:
     def __init__(self, comm: AsyncComm) -> None:
         self.comm, self.launched = comm, 0
 
-    def allreduce_async(self, tensor, *, algorithm):
+    def allreduce_async(self, tensor, *, algorithm, **named):  # named: the tag (and on_done)
         self.launched += 1
-        return self.comm.allreduce_async(tensor, algorithm=algorithm)
+        return self.comm.allreduce_async(tensor, algorithm=algorithm, **named)
 
     def allreduce(self, tensor, *, algorithm):  # the synchronous exchange (overlap=False)
         self.launched += 1
