@@ -22,10 +22,10 @@ whose gradient exchange it settled: what "after step N" says, and the step of a 
 none (a user's own call, e.g. "evaluation after step 75").
 
 What the board is not: it moves no data and decides nothing; `watchdog.py` reads it while
-waiting. Memory comes from the launcher (`board_memory`, a shared anonymous mapping handed to
-each spawned worker, so nothing can be left behind) or, under torchrun on one host, from a
-/dev/shm segment the local ranks open together (`open_board`). A world with no board (one rank,
-or ranks on several hosts under torchrun) still has deadlines; it cannot name peers' collectives.
+waiting. Its memory is a /dev/shm segment the local ranks open together right after joining
+(`open_board`: phalanx's launcher and `phalanx run` alike), unlinked once mapped, so nothing can
+be left behind. A world with no board (one rank, or ranks on several hosts under torchrun) still
+has deadlines; it cannot name peers' collectives.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Line(NamedTuple):
     serial: int
     since_ns: int
     block: Ticket | None  # what it waits for, when state == WAITING
-    steps: int
+    steps: int  # the last step whose gradient exchange it settled
     entered: tuple[int, ...]
 
 
@@ -234,12 +234,6 @@ class Board:
         return (code, size) if w[entered] < seq + RING_SLOTS else None  # not overwritten meanwhile
 
 
-def board_memory(ctx, local_world_size: int):
-    """Zeroed shared memory for a board, from a multiprocessing context (the launcher's): an
-    anonymous mapping each spawned worker inherits, gone with the last process using it."""
-    return ctx.RawArray("q", LINE_WORDS * local_world_size)
-
-
 def attach_board(world: World, memory) -> World:
     """`world` with a board over `memory` (None: `world` unchanged)."""
     if memory is None:
@@ -256,10 +250,10 @@ def mark_exit(world: World | None, *, ok: bool) -> None:
 
 
 def open_board(world: World) -> World:
-    """Under torchrun: the local ranks open a board together (a collective: call it at the same
-    point on every rank, right after joining). Only when every rank is on this host and it has
-    /dev/shm; otherwise `world` is returned without one. At interpreter exit the line says how the
-    process ended (FAILED when an exception went uncaught)."""
+    """The local ranks open a board together (a collective: call it at the same point on every
+    rank, right after joining). Only when every rank is on this host and it has /dev/shm;
+    otherwise `world` is returned without one. At interpreter exit the line says how the process
+    ended (FAILED when an exception went uncaught)."""
     if not world.distributed or world.board is not None or world.local_world_size != world.world_size \
             or shm_supported() is not None:
         return world
