@@ -84,7 +84,7 @@ def _done() -> None:
 
 
 # A job: the algorithm's work on a transport, told its ticket (a transport that polls reads it).
-Job = Callable[[object, "Ticket | None"], None]
+Job = Callable[[object, Ticket | None], None]
 
 
 class AsyncComm:

@@ -151,6 +151,18 @@ def test_shard_loss_registers_a_hook_only_while_a_check_waits():
     assert phalanx.shard_loss(loss * 3, 3)._backward_hooks is None
 
 
+def test_shard_loss_is_seen_below_a_longer_loss_and_mixed_precision_casts():
+    from phalanx.models import LeNet
+
+    with phalanx.prepare(LeNet(), world=world(), precision="bf16-mixed") as dp:
+        check = FirstStepCheck(list(dp.module.parameters()), world_size=2, check_loss=True)
+        X, y = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+        loss_sum = F.cross_entropy(dp(X), y, reduction="sum", label_smoothing=0.1)
+        phalanx.shard_loss(loss_sum, 8).backward()
+        assert check.through_shard_loss == 1
+        check.close()
+
+
 # --- case 3: torch's DistributedSampler -----------------------------------------------------------
 
 def test_a_padding_distributed_sampler_in_the_loop_is_named():
