@@ -49,6 +49,7 @@ from phalanx.data_parallel.overlap import OverlapScheduler
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
 from phalanx.data_parallel.step_extras import StepExtras
 from phalanx.runtime.world import World
+from phalanx.telemetry import Tracer
 
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel"]
 
@@ -87,7 +88,7 @@ class DataParallel(ReplicaModule):
         average_running_stats: bool = True,
         precision: str | None = None,
         batchnorm: str | None = None,
-        tracer=None,
+        tracer: Tracer | None = None,
     ) -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
@@ -113,9 +114,7 @@ class DataParallel(ReplicaModule):
         # Refuses an algorithm that cannot carry this world's tensors before the module moves.
         self.algorithm = resolve_algorithm(algorithm, world)
         self.fallback_reason: str | None = None  # why auto did not get shm where it usually would
-        self.grad_dtype = grad_dtype
-        self.overlap = overlap
-        self.tracer = tracer
+        self.grad_dtype, self.overlap, self.tracer = grad_dtype, overlap, tracer
         self.module = module.to(world.device)
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with no comm to launch on (see the module docstring).
@@ -125,8 +124,7 @@ class DataParallel(ReplicaModule):
         self.buckets: list[Bucket] = build_buckets(
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
         ) if self.exchanging else []
-        self._sync_enabled = True
-        self._closed = False
+        self._sync_enabled, self._closed = True, False
         self._synced_steps = 0  # the step in each bucket's tag
         self.average = average
         self._extras = StepExtras(self.module, world=world, average=average, batchnorm=batchnorm,
@@ -147,6 +145,7 @@ class DataParallel(ReplicaModule):
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(
                     self._on_grad_ready if overlap else self._on_backward))
         self.choices = replica_choices(self, requested_algorithm=algorithm, batchnorm=batchnorm, precision=precision)
+
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
         broadcast_state_(self.module, world=self.world, src=src)

@@ -24,6 +24,7 @@ from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParal
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES, convert_sync_batchnorm
 from phalanx.runtime.world import World
+from phalanx.telemetry import Tracer
 
 
 def _torch_dtype(dtype: str | torch.dtype | None, what: str, names: dict[str, torch.dtype]) -> torch.dtype | None:
@@ -42,7 +43,7 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool = True,
             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
             comm: AsyncComm | None = None, precision: str | None = None, average: bool | None = None,
-            tracer=None) -> DataParallel:
+            tracer: Tracer | None = None) -> DataParallel:
     """`model` as a replica on `world.device`, rank 0's state broadcast: a `DataParallel` whose
     `choices` say what was chosen. Call it at the same point on every rank (a collective).
 
