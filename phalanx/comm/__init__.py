@@ -14,7 +14,10 @@ each, and all are checked against the backend's own `all_reduce` (`native`):
 Every algorithm leaves all ranks with bitwise identical results, so replicas never drift.
 Each one is a plain function `allreduce_<name>(flat, *, world)` over a contiguous 1-D tensor;
 `allreduce` adapts any tensor (any shape, non-contiguous) to that form. `AsyncComm` launches
-the same algorithms without blocking and hands back a `Handle` to wait on (`async_ops.py`).
+the same algorithms without blocking and hands back a `Handle` to wait on (`async_ops.py`);
+`open_comm` opens the one a replica exchanges through, falling back from shm where auto must.
+Every collective call takes a `Tag` saying what it is (phase, bucket, step), which the board
+records and a failure names (calls.py); a call that says nothing is a plain "allreduce".
 In a world of size 1 there is no process group and every collective returns at once.
 """
 
@@ -24,14 +27,15 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
-from phalanx.comm.async_ops import AsyncComm, Handle
-from phalanx.runtime.board import phase_code
+from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, Handle, OpenedComm, open_comm
+from phalanx.comm.calls import collective, native, run_now
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
 from phalanx.comm.shm import ShmError, ShmGroup, allreduce_shm, shm_applies
 from phalanx.comm.tree import allreduce_tree
-from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled, collective, native
+from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
+from phalanx.runtime.board import COMM, WORLD, Tag
 from phalanx.runtime.world import World
 
 __all__ = [
@@ -43,8 +47,10 @@ __all__ = [
     "PeerGone",
     "PeerStalled",
     "Handle",
+    "OpenedComm",
     "ShmError",
     "ShmGroup",
+    "Tag",
     "all_reduce_sum_",
     "allreduce",
     "allreduce_fn",
@@ -56,6 +62,8 @@ __all__ = [
     "broadcast_",
     "check_choice",
     "collective",
+    "native",
+    "open_comm",
     "resolve_algorithm",
     "shm_applies",
 ]
@@ -63,35 +71,39 @@ __all__ = [
 
 @torch.no_grad()
 def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", transport=None,
-              phase: str = "allreduce") -> torch.Tensor:
+              tag: Tag = ALLREDUCE) -> torch.Tensor:
     """Sum `tensor` in place across all ranks of `world` and return it (D2L's `allreduce`).
 
     Every rank must call this with a tensor of the same shape and dtype, in the same order.
     The algorithm name is validated even in a world of size 1, where nothing else happens.
     `transport`: what the algorithm runs over (an `ShmGroup` for shm; default group otherwise).
-    `phase`: what the call is for, as a failure names it ("evaluation", "metrics": board.PHASES).
+    `tag`: what the call is, as a failure names it (e.g. Tag("evaluation"); default "allreduce").
     """
     fn = allreduce_fn(algorithm)
-    phase_code(phase)  # ValueError naming the valid phases
-    if world.distributed:
-        extra = {} if transport is None else {"transport": transport}
-        if algorithm == "native":
-            extra["phase"] = phase
-        apply_flat(tensor, lambda flat: fn(flat, world=world, **extra))
+    if not world.distributed:
+        return tensor
+    if algorithm == "native":
+        apply_flat(tensor, lambda flat: allreduce_native(flat, world=world, tag=tag))
+        return tensor
+    # On the default group the call pairs with the world's collectives; a transport handed in
+    # (a segment, a private group) orders its own.
+    channel = WORLD if transport is None else COMM
+    apply_flat(tensor, lambda flat: run_now(world, channel, tag, flat.numel() * flat.element_size(),
+                                            lambda ticket: fn(flat, world=world, transport=transport, ticket=ticket)))
     return tensor
 
 
-def all_reduce_sum_(tensor: torch.Tensor, *, world: World, phase: str = "metrics") -> torch.Tensor:
+def all_reduce_sum_(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> torch.Tensor:
     """Sum `tensor` in place with the backend's all_reduce: for metrics (loss sums, counts)."""
-    return allreduce(tensor, world=world, algorithm="native", phase=phase)
+    return allreduce(tensor, world=world, algorithm="native", tag=tag)
 
 
 @torch.no_grad()
-def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0, phase: str = "broadcast") -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0, tag: Tag = Tag("broadcast")) -> torch.Tensor:
     """Overwrite `tensor` on every rank with rank `src`'s values (rank 0's state at start)."""
     if not 0 <= src < world.world_size:
         raise ValueError(f"broadcast source rank {src} outside world of size {world.world_size}")
     if world.distributed:
-        apply_flat(tensor, lambda flat: native(world, lambda: dist.broadcast(flat, src=src, async_op=True),
-                                               phase=phase, size_bytes=flat.numel() * flat.element_size()))
+        apply_flat(tensor, lambda flat: native(world, tag, lambda: dist.broadcast(flat, src=src, async_op=True),
+                                               size_bytes=flat.numel() * flat.element_size()))
     return tensor

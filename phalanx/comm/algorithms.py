@@ -1,14 +1,17 @@
 """The registry of allreduce algorithms by name: what `--allreduce` and configs may choose.
 
-Every entry has the same shape, `allreduce_<name>(flat, *, world, ...) -> None`: it sums the
-contiguous 1-D tensor `flat` in place across `world` and returns when done. `auto` is not an
-algorithm but a choice made per world (`resolve_algorithm`): shared memory for CPU workers on
-one host, where it is many times faster than gloo's loopback sockets, the backend's own
-collective everywhere else (NCCL on GPUs, gloo across hosts).
+Every entry has the same shape, `fn(flat, *, world, transport=None, ticket=None) -> None`: it
+sums the contiguous 1-D tensor `flat` in place across `world` over `transport` and returns when
+done; `ticket` is the call's entry on the collective board, which the caller made (calls.py).
+`native` is the backend's own (the callers launch it as an async op; its entry here is for a
+direct call). `auto` is not an algorithm but a choice made per world (`resolve_algorithm`):
+shared memory for CPU workers on one host, where it is many times faster than gloo's loopback
+sockets, the backend's own collective everywhere else (NCCL on GPUs, gloo across hosts).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -26,12 +29,26 @@ CHOICES = ("auto",) + ALGORITHMS
 # Algorithms written over point-to-point messages: they run on AsyncComm's private group.
 P2P_ALGORITHMS = ("ring", "tree", "naive")
 
+
+
+def _over_messages(fn: Callable[..., None]) -> Callable[..., None]:
+    """A point-to-point algorithm (ring, tree, naive) in the registry's shape. Its waits are the
+    backend's, bounded by the group's timeout, and its caller's wait watches the board: it does
+    not read the ticket (shm, which waits by polling its own flags, does)."""
+
+    @functools.wraps(fn)
+    def run(flat: torch.Tensor, *, world: World, transport=None, ticket=None) -> None:
+        fn(flat, world=world, transport=transport)
+
+    return run
+
+
 _ALLREDUCE_FNS: dict[str, Callable[..., None]] = {
     "native": allreduce_native,
     "shm": allreduce_shm,
-    "ring": allreduce_ring,
-    "tree": allreduce_tree,
-    "naive": allreduce_naive,
+    "ring": _over_messages(allreduce_ring),
+    "tree": _over_messages(allreduce_tree),
+    "naive": _over_messages(allreduce_naive),
 }
 
 
@@ -65,8 +82,15 @@ def check_choice(choice: str, *, flag: str | None = None) -> str:
 
 
 def resolve_algorithm(choice: str, world: World) -> str:
-    """The algorithm `choice` means on `world`: auto -> shm where it applies, else native."""
+    """The algorithm `choice` means on `world`: auto -> shm where it applies, else native.
+    ValueError for an algorithm that cannot carry this world's tensors."""
     check_choice(choice)
-    if choice != "auto":
-        return choice
-    return "shm" if world.distributed and shm_applies(world) is None else "native"
+    if choice == "auto":
+        return "shm" if world.distributed and shm_applies(world) is None else "native"
+    if choice != "native" and world.backend == "gloo" and world.device.type == "cuda":
+        # gloo's collectives copy CUDA tensors through host memory; its send/recv hand the raw
+        # device pointer to the socket (ProcessGroupGloo::send), so ring/tree/naive would fail
+        # (and shm serves CPU tensors only).
+        raise ValueError(f"allreduce {choice!r} sends CUDA tensors point to point, which gloo cannot; "
+                         "use allreduce 'native' when CUDA ranks talk over gloo")
+    return choice

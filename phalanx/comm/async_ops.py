@@ -15,11 +15,18 @@ A `Handle` belongs to whoever launched it and is waited exactly once; until then
 must not be read or written (picotron and DDP follow the same contract for their buckets).
 What this does not own: bucketing and deciding when to launch (`phalanx.data_parallel`).
 
-One deadline, whatever is in flight (issue 21): each launch is entered on the collective board
-with its tag, and its wait is the watchdog's (watchdog.py). Once a job on the thread fails, the
-jobs queued behind it fail at once instead of each waiting out its own timeout (27 queued
-buckets took 27 timeouts), and `close()` cancels what is queued and tells a wait in progress on
-the shared segment to give up, so teardown after a failure takes at most a poll interval.
+Every collective takes its identity as an argument: a `Tag` (what it is: phase, bucket, step;
+the default says only "allreduce"). One launch path serves every algorithm (`_launch`, and
+`_now` for the synchronous form): the call is entered on the collective board with its tag, and
+waited and settled the same way for every transport (calls.py), so a collective added beside
+allreduce (reduce-scatter, all-gather) needs only its native launch and its job.
+
+One deadline, whatever is in flight (issue 21). Once a job on the thread fails, the jobs queued
+behind it fail at once instead of each waiting out its own timeout (27 queued buckets took 27
+timeouts), and `close()` cancels what is queued and tells a wait in progress on the shared
+segment to give up, so teardown after a failure takes at most a poll interval. `open_comm`
+opens the AsyncComm a replica exchanges through and says what runs and why: `auto` falls back
+to native, on every rank alike, where the shared segment cannot be set up.
 """
 
 from __future__ import annotations
@@ -28,17 +35,21 @@ import contextlib
 import datetime
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat
-from phalanx.runtime.board import COMM, WORLD, Ticket
-from phalanx.comm.shm import ShmGroup
+from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat, resolve_algorithm
+from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work
+from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
-from phalanx.comm.watchdog import CommError, check_pairing, collective, wait_future, wait_work, waiting
+from phalanx.comm.watchdog import CommError
+from phalanx.runtime.board import COMM, WORLD, Tag, Ticket
 from phalanx.runtime.world import World
+
+ALLREDUCE = Tag()  # what a caller that does not say what its collective is for gets
+_SET_UP = Tag("set-up")
 
 
 class CollectiveAborted(CommError):
@@ -46,7 +57,7 @@ class CollectiveAborted(CommError):
 
 
 class Handle:
-    """One launched allreduce. `wait()` blocks until done, writes back, returns the tensor."""
+    """One launched collective. `wait()` blocks until done, writes back, returns the tensor."""
 
     def __init__(self, tensor: torch.Tensor, flat: torch.Tensor | None, wait_fn: Callable[[], None]) -> None:
         self._tensor = tensor
@@ -72,6 +83,10 @@ def _done() -> None:
     return None
 
 
+# A job: the algorithm's work on a transport, told its ticket (a transport that polls reads it).
+Job = Callable[[object, Ticket | None], None]
+
+
 class AsyncComm:
     """Background thread, private group and shared segment for allreduces; close before stop_world.
 
@@ -93,7 +108,7 @@ class AsyncComm:
             if any(a in P2P_ALGORITHMS for a in self.algorithms):
                 # Same backend as the world (gloo on CPU): p2p on CUDA tensors needs NCCL.
                 # Its own timeout: new_group's default is torch's 30 minutes, not the world's.
-                with collective(world, "set-up"):
+                with collective(world, _SET_UP):
                     self._group = dist.new_group(backend=world.backend,
                                                  timeout=datetime.timedelta(seconds=world.timeout_s))
             if "shm" in self.algorithms:
@@ -108,58 +123,67 @@ class AsyncComm:
         return self.shm if algorithm == "shm" else DistTransport(group=self._group)
 
     @torch.no_grad()
-    def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native") -> torch.Tensor:
+    def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE) -> torch.Tensor:
         """Sum `tensor` in place now, on this thread, with this comm's resources; return it."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             return tensor
-        if self._closed:
-            raise RuntimeError("AsyncComm is closed")
-        if algorithm == "native":
-            return self.allreduce_async(tensor, algorithm="native").wait()
-        transport = self._transport(algorithm)
-        ticket = self._enter(COMM, tensor)
-        with waiting(self.world, ticket):
-            apply_flat(tensor, lambda flat: self._run(fn, flat, transport, ticket))
+        apply_flat(tensor, lambda flat: self._now(
+            algorithm, tag, flat, start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
+            job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket)))
         return tensor
 
-    def allreduce_async(
-        self, tensor: torch.Tensor, *, algorithm: str = "native", on_done: Callable[[], None] | None = None
-    ) -> Handle:
+    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE,
+                        on_done: Callable[[], None] | None = None) -> Handle:
         """Start summing `tensor` in place across the world; the result is there after `wait()`.
 
+        `tag`: what the collective is, as a failure names it (a bucket: Tag("gradient", i, step=s)).
         `on_done()` runs as soon as the backend has finished (on its thread, before any wait):
-        how a trace learns when communication really ended. The call is entered on the collective
-        board as a plain "allreduce", or as what an enclosing `board.tagged(...)` says it is.
-        """
+        how a trace learns when communication really ended."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             if on_done is not None:
                 on_done()
             return Handle(tensor, None, _done)
+        flat, copy_back = _flat(tensor)
+        wait = self._launch(algorithm, tag, flat, on_done=on_done,
+                            start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
+                            job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket))
+        return Handle(tensor, copy_back, wait)
+
+    def _launch(self, algorithm: str, tag: Tag, flat: torch.Tensor, *, start: Callable[[], object], job: Job,
+                on_done: Callable[[], None] | None) -> Callable[[], None]:
+        """Launch one collective of any kind and return its wait. `start()`: its native form (the
+        backend's async op on the default group); `job`: every other algorithm's, queued on the
+        thread in launch order. Entered on the board under `tag` before it starts."""
         if self._closed:
             raise RuntimeError("AsyncComm is closed")
-        with torch.no_grad():
-            flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-        copy_back = None if tensor.is_contiguous() else flat
+        size_bytes = flat.numel() * flat.element_size()
         if algorithm == "native":
-            ticket = self._enter(WORLD, flat)
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+            ticket = enter(self.world, WORLD, tag, size_bytes)
+            work = start()
             if on_done is not None:
                 work.get_future().add_done_callback(lambda _: on_done())
-            return Handle(tensor, copy_back, functools.partial(wait_work, work, world=self.world, ticket=ticket))
+            return functools.partial(wait_work, work, world=self.world, ticket=ticket)
         transport = self._transport(algorithm)
-        ticket = self._enter(COMM, flat)
-        future: Future = self._executor.submit(self._run, fn, flat, transport, ticket)
+        ticket = enter(self.world, COMM, tag, size_bytes)
+        future: Future = self._executor.submit(self._run, job, flat.device, transport, ticket)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
-        return Handle(tensor, copy_back, functools.partial(wait_future, future, world=self.world, ticket=ticket))
+        return functools.partial(wait_future, future, world=self.world, ticket=ticket)
 
-    def _enter(self, channel: int, tensor: torch.Tensor) -> Ticket | None:
-        board = self.world.board
-        return None if board is None else board.enter(channel, "allreduce", 0, tensor.numel() * tensor.element_size())
+    def _now(self, algorithm: str, tag: Tag, flat: torch.Tensor, *, start: Callable[[], object], job: Job) -> None:
+        """`_launch`'s synchronous form: native through the backend, the others on this thread."""
+        if algorithm == "native":
+            self._launch(algorithm, tag, flat, start=start, job=job, on_done=None)()
+            return
+        if self._closed:
+            raise RuntimeError("AsyncComm is closed")
+        transport = self._transport(algorithm)
+        run_now(self.world, COMM, tag, flat.numel() * flat.element_size(),
+                lambda ticket: self._run(job, flat.device, transport, ticket))
 
-    def _run(self, fn: Callable[..., None], flat: torch.Tensor, transport, ticket: Ticket | None) -> None:
+    def _run(self, job: Job, device: torch.device, transport, ticket: Ticket | None) -> None:
         """One job (on the thread, or inline for a synchronous call): refused once one has failed."""
         if self._failure is not None:
             first = (str(self._failure).splitlines() or [""])[0]
@@ -167,17 +191,12 @@ class AsyncComm:
                                     f"({type(self._failure).__name__}: {first})")
         try:
             # The current CUDA device is per thread: pin this one to the tensor's (a no-op on CPU).
-            with torch.no_grad(), torch.cuda.device(flat.device) if flat.is_cuda else contextlib.nullcontext():
-                if isinstance(transport, ShmGroup):
-                    fn(flat, world=self.world, transport=transport, ticket=ticket)  # checks its pairing
-                else:
-                    fn(flat, world=self.world, transport=transport)
-                    check_pairing(self.world, ticket)
+            with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                job(transport, ticket)
         except BaseException as exc:
             if self._failure is None:
                 self._failure = exc
             raise
-
     def close(self) -> None:
         """Stop the thread, leave the private group, unmap; safe to call twice.
 
@@ -202,3 +221,34 @@ class AsyncComm:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A contiguous 1-D view of `tensor` (or a copy), and the copy to write back (None: a view)."""
+    if tensor.is_contiguous():
+        return tensor.view(-1), None
+    with torch.no_grad():
+        flat = tensor.contiguous().view(-1)
+    return flat, flat
+
+
+class OpenedComm(NamedTuple):
+    """What `open_comm` opened: the comm, the algorithm it runs, and why auto fell back (or None)."""
+
+    comm: AsyncComm
+    algorithm: str
+    fallback_reason: str | None
+
+
+def open_comm(world: World, choice: str) -> OpenedComm:
+    """The AsyncComm that runs allreduce `choice` (auto or a name) on `world`: a collective, so
+    call it at the same point on every rank. `auto` means the fastest that works here: where the
+    shared segment cannot be set up (a full /dev/shm, say) it falls back to native, and every
+    rank alike, since each learned the same failure (the segment's set-up all-gathers it)."""
+    algorithm = resolve_algorithm(choice, world)
+    try:
+        return OpenedComm(AsyncComm(world=world, algorithms=(algorithm,)), algorithm, None)
+    except ShmError as exc:
+        if choice != "auto":
+            raise
+        return OpenedComm(AsyncComm(world=world, algorithms=("native",)), "native", str(exc))

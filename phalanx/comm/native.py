@@ -9,21 +9,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.watchdog import native
+from phalanx.comm.calls import native
+from phalanx.runtime.board import Tag
 from phalanx.runtime.world import World
 
 
 def allreduce_native(flat: torch.Tensor, *, world: World, group: dist.ProcessGroup | None = None,
-                     phase: str = "allreduce", index: int = 0) -> None:
+                     tag: Tag = Tag()) -> None:
     """Sum `flat` in place across `group` (default: the whole world) with `dist.all_reduce`.
 
-    On the default group the call is entered on the collective board under `phase` (and bucket
-    `index`) and waited with the watchdog's deadline; a sub-group pairs its calls on its own, so
-    its collectives stay off the board."""
+    On the default group the call is entered on the collective board as `tag` says and waited
+    with the watchdog's deadline; a sub-group pairs its calls on its own, so its collectives stay
+    off the board."""
     if not world.distributed:
         return
     if group is not None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return
-    native(world, lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), phase=phase,
-           size_bytes=flat.numel() * flat.element_size(), index=index)
+    native(world, tag, lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
+           size_bytes=flat.numel() * flat.element_size())

@@ -26,12 +26,11 @@ other, and wakes up within a context switch. Sleeps are bounded: after each, a p
 named, and the watchdog reads the collective board (watchdog.py), so a peer that never arrives
 ends the wait within the timeout, named with what its process is doing; `abort()` ends a wait.
 
-The segment lives in /dev/shm, mode 0600, under a name unique to the run (rank 0's pid plus
-random bits). It is unlinked as soon as every rank has mapped it: the mappings stay valid and
-nothing is left on disk however a process ends afterwards (the launcher also removes a segment
-a worker killed in that short window may leave). Correctness relies on the stores of one rank
-becoming visible to others in program order (x86-64's TSO memory model); `shm_supported()`
-says no elsewhere, and `auto` then picks the backend's own collective.
+The ranks open the segment together (`share_segment`): in /dev/shm, mode 0600, named for the
+run, unlinked once every rank has mapped it, so nothing is left on disk however a process ends
+(the launcher removes one a worker killed in that window leaves). Correctness relies on one
+rank's stores becoming visible to others in program order (x86-64's TSO memory model);
+`shm_supported()` says no elsewhere, and `auto` then picks the backend's own collective.
 """
 
 from __future__ import annotations
@@ -39,18 +38,18 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import secrets
 import time
 
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.calls import collective
+from phalanx.comm.watchdog import CommError, check
 from phalanx.runtime.binding import available_cores
-from phalanx.runtime.board import COMM, Ticket
+from phalanx.runtime.board import Tag, Ticket
 from phalanx.runtime.procs import process_alive
-from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, Futex, attach_segment, create_segment, free_bytes,
-                                     remove_segments_of, shm_supported, unlink_quietly)
-from phalanx.comm.watchdog import CommError, check, check_pairing, collective, waiting
+from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, Futex, create_segment, free_bytes, remove_segments_of,
+                                     share_segment, shm_applies, shm_supported)
 from phalanx.runtime.world import World
 
 __all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "allreduce_shm", "create_segment", "remove_segments_of",
@@ -68,20 +67,11 @@ MIN_SLOT_BYTES = 64 << 10
 SMALL_BYTES = 32 << 10
 SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
 LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
+_SET_UP = Tag("set-up")
 
 
 class ShmError(CommError):
     """The segment could not be set up, or a peer died or timed out inside an allreduce."""
-
-
-def shm_applies(world: World) -> str | None:
-    """None when shm can serve `world` (CPU, every rank on this host), else why not."""
-    if world.device.type != "cpu":
-        return f"the shm allreduce serves CPU workers; this world runs on {world.device.type}"
-    if world.local_world_size != world.world_size:
-        return (f"the shm allreduce serves the workers of one host; {world.world_size} ranks span hosts "
-                f"({world.local_world_size} per host)")
-    return shm_supported()
 
 
 def _slot_bytes_for(world_size: int, wanted: int) -> int:
@@ -115,38 +105,25 @@ class ShmGroup:
             small_bytes = slot_bytes if world.world_size == 2 else SMALL_BYTES
         self.small_bytes = small_bytes
         self.slot_bytes = _slot_bytes_for(self.k, slot_bytes) if self.rank == 0 else 0
-        self._mmap: mmap.mmap | None = None
+        self._mmap: mmap.mmap | None = None  # the segment, mapped by _open
         # Spinning helps only while every worker has a core of its own; past that it takes the
         # CPU a late peer needs, so oversubscribed workers go straight to the futex.
         self.spin_s = SPIN_S if world.local_world_size <= available_cores() else 0.0
         self._futex = Futex()
         self._open()
 
-    # --- set-up ---------------------------------------------------------------------------
-
     def _open(self) -> None:
         k, rank = self.k, self.rank
         header = _HEADER + k * _LINE
-        name, error = None, None
-        if rank == 0:
-            name = f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-            size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes
-            self._mmap, error = create_segment(os.path.join(SHM_DIR, name), size)
-        box = [name, self.slot_bytes, self.small_bytes, error]
-        with collective(self.world, "set-up"):
-            dist.broadcast_object_list(box, src=0)  # rank 0's sizes rule, so every rank cuts alike
-        name, self.slot_bytes, self.small_bytes, error = box
-        if error is None and rank != 0:
-            self._mmap, error = attach_segment(os.path.join(SHM_DIR, name))
-        statuses: list = [None] * k
-        with collective(self.world, "set-up"):
-            dist.all_gather_object(statuses, error)  # every rank learns whether every rank is in
-        if rank == 0:
-            unlink_quietly(os.path.join(SHM_DIR, name))  # mapped everywhere (or failed): no file left
-        failed = [(r, e) for r, e in enumerate(statuses) if e is not None]
-        if failed:
-            self.close()
-            r, e = failed[0]
+        size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
+        # Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike.
+        shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
+                               facts=(self.slot_bytes, self.small_bytes),
+                               around=lambda: collective(self.world, _SET_UP))
+        self._mmap = shared.mapping
+        self.slot_bytes, self.small_bytes = shared.facts
+        if shared.failed is not None:
+            r, e = shared.failed
             raise ShmError(f"shared-memory segment unusable on rank {r}: {e}; use --allreduce native")
         buf = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._bytes = buf
@@ -161,7 +138,7 @@ class ShmGroup:
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
                        for i in range(k + 1)] for p in range(2)]
-        with collective(self.world, "set-up"):
+        with collective(self.world, _SET_UP):
             dist.barrier()  # every pid is written before anyone may need to name a dead peer
 
     def close(self) -> None:
@@ -175,29 +152,18 @@ class ShmGroup:
                 pass  # a caller still holds a view; the mapping goes when the process does
             self._mmap = None
 
-    # --- the allreduce --------------------------------------------------------------------
-
     def abort(self) -> None:
         """Make a wait in progress (on another thread) raise at its next wake-up: teardown."""
         self._aborted = True
 
     def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
-        """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: its entry on
-        the collective board (AsyncComm's; without one the call is entered and waited here)."""
+        """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
+        board entry, which its caller made (calls.py): waits read it to name whom they wait for;
+        without one they watch only the peers' lives and the timeout."""
         if self._mmap is None:
             raise ShmError("ShmGroup is closed")
         if flat.device.type != "cpu":
             raise ShmError(f"the shm allreduce needs CPU tensors, got one on {flat.device}")
-        board = self.world.board
-        if ticket is None and board is not None:
-            ticket = board.enter(COMM, "allreduce", 0, flat.numel() * flat.element_size())
-            with waiting(self.world, ticket, timeout_s=self.timeout_s):
-                self._rounds(flat, ticket)
-        else:
-            self._rounds(flat, ticket)
-        check_pairing(self.world, ticket)
-
-    def _rounds(self, flat: torch.Tensor, ticket: Ticket | None) -> None:
         per_round = max(1, self.slot_bytes // flat.element_size())
         for start in range(0, flat.numel(), per_round):
             self._round(flat[start:start + per_round], ticket)
@@ -311,5 +277,3 @@ def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, 
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-

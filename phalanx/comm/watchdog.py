@@ -1,14 +1,15 @@
 """One deadline per wait, and a diagnosis that names the right rank and the right collective.
 
 Every wait for a collective polls (`POLL_S`: a blocked rank costs nothing, and a healthy
-collective returns at once, so the normal path pays only the board's few stores) and at each
-poll `check` reads the board (board.py) and the peers' processes:
+collective returns at once, so the normal path pays only the board's few stores; calls.py runs
+the waits) and at each poll `check` reads the board (board.py) and the peers' processes:
 
 1. Pairing: a peer that entered this collective's number on this channel with another tag or
-   size (only the size, when either call is the generic "allreduce") is in a different collective - fail now, naming both ("rank 1 is in evaluation after
-   step 75 (24 B); rank 0 in step 76's gradient bucket 0 (5.5 KiB)"), before the backend sums
+   size (only the size, when either call is the generic "allreduce") is in a different
+   collective - fail now, naming both ("rank 1 is in evaluation after step 75 (24 B); rank 0 in
+   step 76's gradient bucket 0 (5.5 KiB)"), before the backend sums
    two unrelated tensors or waits for bytes that never come. Checked again once a collective
-   completes (`check_pairing`), since gloo pairs equal sizes without a word.
+   completes (`check_pairing`, from calls.settle), since gloo pairs equal sizes without a word.
 2. A peer that has not entered it and never will: it finished its work normally (reported as
    such, not as a death), failed, or died.
 3. Deadlock: every rank of the world waits (on this host, all visible), and every one's
@@ -27,19 +28,12 @@ names that peer's own report as the root cause.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
-import datetime
-import time
-from typing import Callable, Iterator
-
-from phalanx.runtime.board import FAILED, FINISHED, WAITING, WORLD, Board, Line, Ticket, describe, is_generic
+from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket, describe, is_generic
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import RunFailed
 from phalanx.runtime.world import World
 
 POLL_S = 0.5  # how often a blocked wait looks at the board and at the clock
-_POLL = datetime.timedelta(seconds=POLL_S)
 _STATE_WORDS = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped",
                 "t": "stopped by a debugger", "Z": "dead", "X": "dead"}
 
@@ -137,83 +131,6 @@ def diagnose(world: World, ticket: Ticket | None, exc: BaseException, *, waited_
         return _stalled(world.board, lines, _lacking(world.board, lines, ticket), ticket, max(waited_s, timeout_s),
                         timeout_s)
     return None
-
-
-def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
-    """Wait for a gloo `Work` with the board watched; NCCL's (a stream wait) is left as is."""
-    if world.backend != "gloo":
-        work.wait()
-        return
-    with waiting(world, ticket) as poll:
-        while True:
-            try:
-                work.wait(_POLL)
-                break
-            except RuntimeError:
-                if work.is_completed():
-                    raise  # the collective itself failed: `waiting` explains it
-            poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
-    check_pairing(world, ticket)
-
-
-def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None):
-    """Wait for a job on AsyncComm's thread (which checks the collective itself) with the board
-    watched from this thread too, so a deadlock is seen wherever the ranks are blocked."""
-    if future.done() and future.exception() is None:
-        return future.result()
-    with waiting(world, ticket) as poll:
-        while True:
-            try:
-                return future.result(timeout=POLL_S)
-            except concurrent.futures.TimeoutError:
-                pass
-            poll()
-
-
-@contextlib.contextmanager
-def waiting(world: World, ticket: Ticket | None, *, timeout_s: float | None = None) -> Iterator[Callable[[], None]]:
-    """Publish that this thread waits for `ticket`; yield `poll()` (check with the time waited);
-    turn a backend error raised inside into the diagnosis when the board has one."""
-    board: Board | None = world.board
-    timeout_s = world.timeout_s if timeout_s is None else timeout_s
-    started = time.monotonic()
-    if board is not None and ticket is not None:
-        board.block(ticket)
-
-    def poll() -> None:
-        check(world, ticket, waited_s=time.monotonic() - started, timeout_s=timeout_s)
-
-    try:
-        yield poll
-    except (RunFailed, CommError):
-        raise
-    except Exception as exc:
-        found = diagnose(world, ticket, exc, waited_s=time.monotonic() - started, timeout_s=timeout_s)
-        if found is None:
-            raise
-        raise found from exc
-    finally:
-        if board is not None and ticket is not None:
-            board.unblock()
-
-
-@contextlib.contextmanager
-def collective(world: World, phase: str, *, size_bytes: int = 0, index: int = 0) -> Iterator[None]:
-    """Around a blocking collective on the default group that cannot be polled (all_gather_object,
-    barrier): peers see where this rank is, and a backend error becomes the board's diagnosis."""
-    if not world.distributed:
-        yield
-        return
-    ticket = None if world.board is None else world.board.enter(WORLD, phase, index, size_bytes)
-    with waiting(world, ticket):
-        yield
-    check_pairing(world, ticket)
-
-
-def native(world: World, start: Callable[[], object], *, phase: str, size_bytes: int, index: int = 0) -> None:
-    """Run a backend collective on the default group: `start()` launches it with async_op=True."""
-    ticket = None if world.board is None else world.board.enter(WORLD, phase, index, size_bytes)
-    wait_work(start(), world=world, ticket=ticket)
 
 
 # --- the rules ------------------------------------------------------------------------------------

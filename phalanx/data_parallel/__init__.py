@@ -5,7 +5,8 @@ from phalanx.data_parallel.buckets import Bucket, build_buckets
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, DataParallel
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS, apply_memory_format, format_name, resolve_memory_format
 from phalanx.data_parallel.overlap import OverlapScheduler
-from phalanx.data_parallel.prepare import Choices, prepare
+from phalanx.data_parallel.choices import Choices
+from phalanx.data_parallel.prepare import prepare
 from phalanx.data_parallel.running_stats import average_running_stats
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES, SyncBatchNorm, convert_sync_batchnorm, has_sync_batchnorm
 

@@ -7,17 +7,17 @@ allreduce algorithm; `no_sync()` skips the exchange for gradient accumulation. A
 done by the caller through the loss scale (sum over the shard / global batch size), which keeps
 the update exactly the 1-device update even when the last batch splits unevenly across ranks.
 
-Two ways to exchange, same result: with `overlap=True` (the default) each bucket's allreduce is
-launched asynchronously from a gradient hook the moment its last gradient lands, so it runs
-while backward computes the earlier layers (overlap.py), and `finish_gradient_sync()` waits;
-with `overlap=False` nothing happens during backward and `finish_gradient_sync()` sums the
-buckets one after another. Either way the caller's step is: zero_grad, forward, backward,
-finish_gradient_sync, optimizer step.
+One send path, two schedules, the same result: every bucket goes out through `_launch` (wire
+dtype, trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With
+`overlap=True` (the default) a gradient hook launches each bucket the moment its last gradient
+lands, so its allreduce runs while backward computes the earlier layers; with `overlap=False`
+no hook launches anything and `finish_gradient_sync()` launches every bucket, then waits. Either
+way the caller's step is: zero_grad, forward, backward, finish_gradient_sync, optimizer step.
 
-Bucket exchanges are tagged "step s's gradient bucket i" on the collective board, so a rank that
-meets another collective is named at once (comm/watchdog.py); a synced backward never exchanged
-(a forgotten finish_gradient_sync(), silent with overlap=False) is refused at the next zero_grad()
-or optimizer step (guards.UnsyncedGradientGuard).
+Each bucket's allreduce is tagged `Tag("gradient", i, step=s)` - "step s+1's gradient bucket i" -
+so a rank that meets another collective is named at once (comm/watchdog.py); a synced backward
+never exchanged (a forgotten finish_gradient_sync(), silent with overlap=False) is refused at
+the next zero_grad() or optimizer step (guards.UnsyncedGradientGuard).
 
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
 buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it to None), no
@@ -28,6 +28,7 @@ on a GPU the overlap machinery cost 40-60% of a step where there was nothing to 
 A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
 users do by habit is made right or named after each synced exchange (step_extras.py: running
 statistics averaged, a loss that bypassed `shard_loss` named, or DDP's mean with `average=True`).
+What it runs with is `dp.choices` (choices.py), computed by the replica itself.
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, ShmError, check_choice, resolve_algorithm
-from phalanx.runtime.board import tagged
+from phalanx.comm import AsyncComm, Tag, check_choice, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
-                                      grads_are_bucket_views)
+                                           grads_are_bucket_views)
+from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, replica_choices
 from phalanx.data_parallel.guards import UnsyncedGradientGuard
 from phalanx.data_parallel.overlap import OverlapScheduler
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
 from phalanx.data_parallel.step_extras import StepExtras
 from phalanx.runtime.world import World
+from phalanx.telemetry import Tracer
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel"]
 
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
 # fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
@@ -55,14 +59,10 @@ from phalanx.runtime.world import World
 # falls from 4.8 ms (synchronous, flat) to 3.9 / 2.5 / 1.8 / 1.3 ms with 1 / 2 / 3 / 5
 # overlapped buckets, while step time stays within noise for all (p10 62.8-63.8 ms) - presumably
 # because on two busy cores the communication's CPU time comes out of backward's. 3 is the
-# fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on gloo every call pays a
-# ~1 ms floor (BASELINES.md), so CPU buckets stay few.
+# fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
+# gloo every call pays a ~1 ms floor (BASELINES.md), so CPU buckets stay few.
 DEFAULT_BUCKET_CAP_MB = 0.25
 _MB = 1024 * 1024
-
-
-# --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
-GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _mb_to_bytes(mb: float | None) -> int | None:
@@ -71,7 +71,7 @@ def _mb_to_bytes(mb: float | None) -> int | None:
 
 class DataParallel(ReplicaModule):
     """A replica plus its gradient exchange, as an nn.Module. Construct it at the same point on
-    every rank (the broadcast and, with overlap, AsyncComm's private group are collectives)."""
+    every rank (the broadcast and AsyncComm's group or segment are collectives)."""
 
     def __init__(
         self,
@@ -86,8 +86,9 @@ class DataParallel(ReplicaModule):
         grad_dtype: torch.dtype | None = None,
         average: bool | None = None,
         average_running_stats: bool = True,
-        autocast_dtype: torch.dtype | None = None,
+        precision: str | None = None,
         batchnorm: str | None = None,
+        tracer: Tracer | None = None,
     ) -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
@@ -97,29 +98,23 @@ class DataParallel(ReplicaModule):
         `average`: None sums and expects `shard_loss` (named at the first step if not), True is
         DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
         and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
-        step_extras.py. `autocast_dtype`: forward under torch.autocast (prepare's precision=)."""
+        step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
+        `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off)."""
         check_choice(algorithm)  # ValueError with the valid names, before any collective
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
         if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
             raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
+        forward_dtype = autocast_dtype(precision)
         super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
         self.exchanging = False
-        self.autocast = None if autocast_dtype is None else (world.device.type, autocast_dtype)
+        self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)
         self.world = world
-        chosen_by_auto = algorithm == "auto"
-        self.algorithm = algorithm = resolve_algorithm(algorithm, world)
-        if algorithm != "native" and world.backend == "gloo" and world.device.type == "cuda":
-            # gloo's collectives copy CUDA tensors through host memory; its send/recv hand the raw
-            # device pointer to the socket (ProcessGroupGloo::send), so ring/tree/naive would fail
-            # (and shm serves CPU tensors only).
-            raise ValueError(f"allreduce {algorithm!r} sends CUDA tensors point to point, which gloo cannot; "
-                             "use allreduce 'native' when CUDA ranks talk over gloo")
-        # Why auto did not pick shm where it usually would (a full /dev/shm, say), or None.
-        self.fallback_reason: str | None = None
-        self.grad_dtype = grad_dtype
-        self.overlap = overlap
+        # Refuses an algorithm that cannot carry this world's tensors before the module moves.
+        self.algorithm = resolve_algorithm(algorithm, world)
+        self.fallback_reason: str | None = None  # why auto did not get shm where it usually would
+        self.grad_dtype, self.overlap, self.tracer = grad_dtype, overlap, tracer
         self.module = module.to(world.device)
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with no comm to launch on (see the module docstring).
@@ -129,45 +124,27 @@ class DataParallel(ReplicaModule):
         self.buckets: list[Bucket] = build_buckets(
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
         ) if self.exchanging else []
-        self._sync_enabled = True
-        self._closed = False
-        # A phalanx.telemetry.Tracer to report each bucket's allreduce to, or None (the default).
-        self.tracer = None
-        self.choices = None  # what phalanx.prepare chose (prepare.Choices); None when built directly
+        self._sync_enabled, self._closed = True, False
+        self._synced_steps = 0  # the step in each bucket's tag
         self.average = average
         self._extras = StepExtras(self.module, world=world, average=average, batchnorm=batchnorm,
                                   average_running_stats=average_running_stats)
-        self._comm: AsyncComm | None = None
-        self._owns_comm = False
-        self._scheduler: OverlapScheduler | None = None
-        self._hook_handles: list = []
+        self._owns_comm = comm is None and world.distributed
+        if self._owns_comm:  # it owns the shm segment or the private group
+            comm, self.algorithm, self.fallback_reason = open_comm(world, algorithm)
+        self._comm: AsyncComm | None = comm
+        self._scheduler = OverlapScheduler(self.buckets, launch=self._launch) if self.exchanging else None
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
-        if comm is not None:
-            self._comm = comm
-        elif world.distributed:
-            # Synchronous exchanges use it too: it owns the shm segment or the private group.
-            self._owns_comm = True
-            try:
-                self._comm = AsyncComm(world=world, algorithms=(algorithm,))
-            except ShmError as exc:
-                if not chosen_by_auto:
-                    raise
-                # Every rank learned the same failure (the segment's set-up is all-gathered), so
-                # every rank falls back alike: auto means "the fastest that works here".
-                self.fallback_reason, self.algorithm = str(exc), "native"
-                self._comm = AsyncComm(world=world, algorithms=("native",))
-        if overlap and self.exchanging:
-            self._scheduler = OverlapScheduler(self.buckets, launch=self._launch)
-            for bucket in self.buckets:
-                for param in bucket.params:
-                    # Fires after autograd has added this backward's gradient into param.grad
-                    # (our bucket view), i.e. when the value to send is final (torch >= 2.1).
-                    self._hook_handles.append(param.register_post_accumulate_grad_hook(self._on_grad_ready))
-        elif self.exchanging:
-            # Without overlap only the forgotten-sync check needs to see a backward: one hook per bucket.
-            for bucket in self.buckets:
-                self._hook_handles.append(bucket.params[0].register_post_accumulate_grad_hook(self._on_backward))
+        self._hook_handles: list = []
+        for bucket in self.buckets:
+            # Overlap: each gradient's landing marks it ready, and a bucket launches once all have
+            # (the hook fires after autograd added this backward's gradient into our bucket view,
+            # torch >= 2.1). Without: only the forgotten-sync guard needs to see a backward.
+            for param in bucket.params if overlap else bucket.params[:1]:
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(
+                    self._on_grad_ready if overlap else self._on_backward))
+        self.choices = replica_choices(self, requested_algorithm=algorithm, batchnorm=batchnorm, precision=precision)
 
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
@@ -180,7 +157,7 @@ class DataParallel(ReplicaModule):
             for param in self.module.parameters():
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
             return
-        if self._scheduler is not None:
+        if self._scheduler is not None:  # None once closed
             if self._scheduler.in_flight:
                 raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
             self._scheduler.reset()  # drop gradients marked by a backward that never finished
@@ -219,7 +196,7 @@ class DataParallel(ReplicaModule):
         return self._scheduler is not None and self._scheduler.in_flight
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if self._sync_enabled and self._scheduler is not None:
+        if self._sync_enabled:
             self._unsynced.pending = True
             self._scheduler.mark_ready(param)
 
@@ -234,44 +211,31 @@ class DataParallel(ReplicaModule):
         return bucket.buffer.detach().to(self.grad_dtype)
 
     def _launch(self, bucket: Bucket):
+        """The one send path: `bucket`'s allreduce, on the wire in its wire dtype, traced, tagged."""
         wire = self._wire(bucket)
         on_done = None
         if self.tracer is not None:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
-        extra = {} if on_done is None else {"on_done": on_done}
-        with tagged(self.world, "gradient", bucket.index):  # what a failure calls this collective
-            handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, **extra)
+        tag = Tag("gradient", bucket.index, step=self._synced_steps)  # what a failure calls this collective
+        handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, tag=tag, on_done=on_done)
         return handle if wire is bucket.buffer else DecompressingHandle(handle, wire, bucket.buffer)
 
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
 
-        Overlap: launches the buckets whose gradients never all landed (unused parameters, or
-        a rank with an empty shard that ran no backward), then waits every handle once.
-        Synchronous: sums every bucket now, in bucket order. Inside no_sync() it does nothing.
+        Launches, in bucket order, every bucket no hook launched (all of them without overlap;
+        with it, those whose gradients never all landed: unused parameters, or a rank with an
+        empty shard that ran no backward), then waits every handle once. Inside no_sync() it
+        does nothing.
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")
         if not self._sync_enabled or not self.exchanging:
             return
-        if self._scheduler is not None:
-            self._scheduler.finish()
-        elif self.world.distributed:
-            for bucket in self.buckets:
-                wire = self._wire(bucket)
-                record = None if self.tracer is None else self.tracer.comm_launched(
-                    bucket.index, wire.numel() * wire.element_size())
-                with tagged(self.world, "gradient", bucket.index):
-                    self._comm.allreduce(wire, algorithm=self.algorithm)
-                if wire is not bucket.buffer:
-                    with torch.no_grad():
-                        bucket.buffer.copy_(wire)
-                if record is not None:
-                    self.tracer.comm_done(record)
+        self._scheduler.finish()
         self._unsynced.pending = False
-        if self.world.board is not None:
-            self.world.board.step_done()  # later collectives' tags carry the step count
+        self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if not grads_are_bucket_views(self.buckets):
             raise RuntimeError(

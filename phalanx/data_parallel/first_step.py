@@ -5,9 +5,12 @@ first synced step in which it ran a backward, and named in one `PhalanxWarning` 
 
 - **A loss that did not come through `phalanx.shard_loss`.** phalanx *sums* gradients across
   ranks, so a per-rank mean loss (`F.cross_entropy(out, y)`, DDP's habit) gives k times the
-  1-device gradient. `shard_loss` registers a gradient hook on the tensor it returns while a
-  check is waiting (`ShardLossMarks`): the hook runs during backward iff the backward passed
-  through it. No marks since the replica was built, but a backward ran: the warning.
+  1-device gradient. While the check waits, it holds its parameters' gradient accumulators (the
+  autograd nodes every backward through them ends in, as DDP holds them) with itself in their
+  `Node.metadata`; `shard_loss` looks a few nodes down its loss's graph (`mark_shard_loss`) and,
+  where it meets one, hooks the tensor it returns to the check: the hook runs during backward
+  iff the backward passed through it. None passed since the replica was built, but a backward
+  ran: the warning. No process-wide record: the loss's own graph leads to the check.
 - **torch's `DistributedSampler`** in the frames of the loop that called
   `finish_gradient_sync()` (its locals, and the script's globals): it pads the dataset to a
   multiple of the ranks by repeating examples (or drops some), so an epoch is not the 1-device
@@ -20,8 +23,10 @@ Nothing here communicates: rank 0 checks alone, the other ranks build no check a
 
 from __future__ import annotations
 
+import collections
 import sys
 import warnings
+import weakref
 from types import FrameType
 
 import torch
@@ -35,24 +40,36 @@ from phalanx.errors import PhalanxWarning
 _FRAMES_SEARCHED = 8
 
 
-class ShardLossMarks:
-    """Process-wide count of backwards that went through `shard_loss` (a count, not distributed
-    state: the hook has no way to reach a replica, and a process trains one model at a time)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.watchers = 0  # checks waiting: while 0, shard_loss registers no hook (zero cost)
-
-    def note(self, scaled: torch.Tensor) -> None:
-        """Called by shard_loss on the tensor it returns."""
-        if self.watchers and scaled.requires_grad:
-            scaled.register_hook(self._passed)
-
-    def _passed(self, grad: torch.Tensor) -> None:
-        self.count += 1
+_CHECK_KEY = "phalanx.first_step"  # in a gradient accumulator's Node.metadata: a weakref to its check
+# A bound on the autograd nodes shard_loss looks at below its loss. The parameters nearest a
+# loss are its model's last layer's: 4 nodes under a cross-entropy sum, 16 with label smoothing
+# and bf16-mixed's casts (prepare's models); 64 leaves room for a user's longer loss.
+_NODES_SEARCHED = 64
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
-SHARD_LOSS_MARKS = ShardLossMarks()
+def pending_check(loss: torch.Tensor) -> FirstStepCheck | None:
+    """The first-step check waiting on the parameters `loss` is computed from, or None. Breadth
+    first from `loss`, to the first parameter's gradient accumulator: a check marks every one of
+    its replica's, so the nearest tells; once no check is pending, a step pays only the few nodes
+    between its loss and its last layer (microseconds)."""
+    queue, seen = collections.deque([loss.grad_fn] if loss.grad_fn is not None else []), 0
+    while queue and seen < _NODES_SEARCHED:
+        node = queue.popleft()
+        seen += 1
+        if type(node) is _ACCUMULATE_GRAD:
+            ref = node.metadata.get(_CHECK_KEY)
+            return None if ref is None else ref()
+        queue.extend([child for child, _ in node.next_functions if child is not None])
+    return None
+
+
+def mark_shard_loss(loss_sum: torch.Tensor, scaled: torch.Tensor) -> None:
+    """Called by shard_loss with its input and result: where a check waits on the parameters the
+    loss comes from, a backward through `scaled` tells it so."""
+    check = pending_check(loss_sum)
+    if check is not None:
+        scaled.register_hook(check.passed)
 
 
 def loss_scale_message(world_size: int) -> str:
@@ -67,12 +84,19 @@ class FirstStepCheck:
 
     def __init__(self, params: list[nn.Parameter], *, world_size: int, check_loss: bool) -> None:
         self.world_size, self.check_loss = world_size, check_loss
-        self.marks_at_start = SHARD_LOSS_MARKS.count
+        self.through_shard_loss = 0  # backwards that passed through a shard_loss result
         self.backward_ran = False
         self._handles = [p.register_post_accumulate_grad_hook(self._landed) for p in params]
-        self._watching = check_loss
+        self._accumulators = []
         if check_loss:
-            SHARD_LOSS_MARKS.watchers += 1
+            with torch.enable_grad():  # held, every graph through a parameter ends in this same node
+                self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+            for node in self._accumulators:
+                node.metadata[_CHECK_KEY] = weakref.ref(self)
+
+    def passed(self, grad: torch.Tensor) -> None:
+        """Gradient hook shard_loss puts on its result: this backward came through it."""
+        self.through_shard_loss += 1
 
     def _landed(self, param: nn.Parameter) -> None:
         self.backward_ran = True
@@ -82,7 +106,7 @@ class FirstStepCheck:
         if not self.backward_ran:
             return False
         messages = []
-        if self.check_loss and SHARD_LOSS_MARKS.count == self.marks_at_start:
+        if self.check_loss and self.through_shard_loss == 0:
             messages.append(loss_scale_message(self.world_size))
         sampler_note = _sampler_in_frames(caller)
         if sampler_note is not None:
@@ -96,9 +120,9 @@ class FirstStepCheck:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._watching:
-            SHARD_LOSS_MARKS.watchers -= 1
-            self._watching = False
+        for node in self._accumulators:
+            node.metadata.pop(_CHECK_KEY, None)
+        self._accumulators = []
 
 
 def _sampler_in_frames(frame: FrameType | None) -> str | None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from phalanx.comm import collective
+from phalanx.comm import Tag, collective
 from phalanx.errors import RunFailed
 from phalanx.runtime.world import World
 
@@ -53,7 +53,7 @@ def preflight_check(world: World, fields: dict[str, Any]) -> None:
     if not world.distributed:
         return
     gathered: list[dict[str, Any] | None] = [None] * world.world_size
-    with collective(world, "pre-flight check"):
+    with collective(world, Tag("pre-flight check")):
         dist.all_gather_object(gathered, fields)
     reference = gathered[0]
     for rank, theirs in enumerate(gathered):
@@ -94,7 +94,7 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, b
     tensors = ([] if buffers_only else list(module.parameters())) + list(module.buffers())
     mine = tensor_checksums(tensors).to(world.device)
     gathered = [torch.empty_like(mine) for _ in range(world.world_size)]
-    with collective(world, "replica check", size_bytes=mine.numel() * mine.element_size()):
+    with collective(world, Tag("replica check"), size_bytes=mine.numel() * mine.element_size()):
         dist.all_gather(gathered, mine)
     when = f"at step {step}" if step is not None else "before evaluation"
     for rank, theirs in enumerate(gathered):

@@ -45,3 +45,11 @@ def apply_memory_format(module: nn.Module, memory_format: torch.memory_format) -
 
 def format_name(memory_format: torch.memory_format) -> str:
     return "channels_last" if memory_format is torch.channels_last else "contiguous"
+
+
+def layout_of(module: nn.Module) -> str:
+    """The memory format `module`'s 4-D parameters are laid out in: what a replica runs with."""
+    for param in module.parameters():
+        if param.dim() == 4 and not param.is_contiguous() and param.is_contiguous(memory_format=torch.channels_last):
+            return "channels_last"
+    return "contiguous"

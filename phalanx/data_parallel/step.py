@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from phalanx.data import split_batch
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.data_parallel.first_step import SHARD_LOSS_MARKS
+from phalanx.data_parallel.first_step import mark_shard_loss
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 from phalanx.telemetry import Tracer, span
 
@@ -37,7 +37,7 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
     scaled = loss_sum / global_batch_size
-    SHARD_LOSS_MARKS.note(scaled)
+    mark_shard_loss(loss_sum, scaled)
     return scaled
 
 

@@ -73,8 +73,7 @@ def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World,
                            schedule=config.schedule, num_classes=num_classes)
     dp = prepare(model, world=world, dtype=config.dtype, batchnorm=config.batchnorm,
                  memory_format=config.memory_format, algorithm=config.allreduce, overlap=config.overlap,
-                 bucket_cap_mb=config.bucket_cap_mb, grad_dtype=config.grad_dtype)
-    dp.tracer = tracer
+                 bucket_cap_mb=config.bucket_cap_mb, grad_dtype=config.grad_dtype, tracer=tracer)
     return DataSplit(dp, grad_accum_steps=config.grad_accum_steps)
 
 

@@ -13,31 +13,32 @@ Each local rank owns one line (LINE_WORDS int64 words, about a kilobyte; only it
 it). Per channel - WORLD: the default process group, where the backend's own collectives pair in
 call order; COMM: AsyncComm's single thread (the shm segment or the private group of ring, tree,
 naive) - it keeps a count of collectives entered and, in a ring of RING_SLOTS, the tag of each
-recent one: phase (gradient bucket, evaluation, metrics, broadcast, checkpoint, ...), bucket
-index, the steps this process has synced so far, and the size in bytes. While its calling thread
+recent one as its caller named it (a `Tag`: phase - gradient bucket, evaluation, metrics,
+broadcast, checkpoint, ... -, bucket index, step) and its size in bytes. While its calling thread
 waits for a collective, the line says which one (BLOCK_*), since when, and a serial that changes
 with every wait, so a reader can take a consistent snapshot without a lock (a seqlock). The line
-also holds the pid, and whether the rank finished its work normally or failed.
+also holds the pid, whether the rank finished its work normally or failed, and the last step
+whose gradient exchange it settled: what "after step N" says, and the step of a tag that names
+none (a user's own call, e.g. "evaluation after step 75").
 
 What the board is not: it moves no data and decides nothing; `watchdog.py` reads it while
-waiting. Memory comes from the launcher (`board_memory`, a shared anonymous mapping handed to
-each spawned worker, so nothing can be left behind) or, under torchrun on one host, from a
-/dev/shm segment the local ranks open together (`open_board`). A world with no board (one rank,
-or ranks on several hosts under torchrun) still has deadlines; it cannot name peers' collectives.
+waiting. Its memory is a /dev/shm segment the local ranks open together right after joining
+(`open_board`: phalanx's launcher and `phalanx run` alike), unlinked once mapped, so nothing can
+be left behind. A world with no board (one rank, or ranks on several hosts under torchrun) still
+has deadlines; it cannot name peers' collectives.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import os
-import secrets
 import sys
 import time
-from typing import Iterator, NamedTuple
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from phalanx.runtime.segment import NAME_PREFIX, SHM_DIR, attach_segment, create_segment, shm_supported, unlink_quietly
+from phalanx.runtime.segment import create_segment, share_segment, shm_supported
 from phalanx.runtime.world import World
 
 WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (shm / private group)
@@ -53,6 +54,41 @@ PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "p
           "allreduce", "set-up")
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK = 56, 40, (1 << 40) - 1, (1 << 16) - 1
+_GRADIENT = _PHASE_CODE["gradient"]
+
+
+def phase_code(phase: str) -> int:
+    try:
+        return _PHASE_CODE[phase]
+    except KeyError:
+        raise ValueError(f"unknown collective phase {phase!r}; use one of {', '.join(_PHASE_CODE)}") from None
+
+
+@dataclass(frozen=True)
+class Tag:
+    """What a collective is, as its caller names it: every collective call takes one.
+
+    `phase`: what it is for (PHASES); `index`: the gradient bucket; `step`: the steps this rank
+    had synced when it issued the call, so step s's gradient bucket i is `Tag("gradient", i,
+    step=s - 1)` (None: the caller does not know; the board fills in the last step it recorded).
+    The default, "allreduce", is a call that says nothing of itself: peers compare only its size.
+    """
+
+    phase: str = "allreduce"
+    index: int = 0
+    step: int | None = None
+    _bits: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index <= _INDEX_MASK:
+            raise ValueError(f"collective index {self.index} outside 0..{_INDEX_MASK}")
+        if self.step is not None and not 0 <= self.step <= _STEP_MASK:
+            raise ValueError(f"collective step {self.step} outside 0..{_STEP_MASK}")
+        object.__setattr__(self, "_bits", (phase_code(self.phase) << _PHASE_SHIFT) | (self.index << _INDEX_SHIFT))
+
+    def code(self, steps: int) -> int:
+        """The tag as the board's one int64 word; `steps` stands in for a step the tag leaves open."""
+        return self._bits | (steps if self.step is None else self.step)
 
 
 class Ticket(NamedTuple):
@@ -73,15 +109,8 @@ class Line(NamedTuple):
     serial: int
     since_ns: int
     block: Ticket | None  # what it waits for, when state == WAITING
-    steps: int
+    steps: int  # the last step whose gradient exchange it settled
     entered: tuple[int, ...]
-
-
-def phase_code(phase: str) -> int:
-    try:
-        return _PHASE_CODE[phase]
-    except KeyError:
-        raise ValueError(f"unknown collective phase {phase!r}; use one of {', '.join(_PHASE_CODE)}") from None
 
 
 def is_generic(code: int) -> bool:
@@ -126,7 +155,6 @@ class Board:
         self.first_rank = rank - local_rank  # launchers number the ranks of one host contiguously
         self._base = local_rank * LINE_WORDS
         self._memory = memory  # keep the mapping alive as long as the view
-        self.scope: tuple[str, int] | None = None  # set by `tagged`: the tag of entries made inside it
         words[self._base + _PID] = os.getpid() if pid is None else pid
         words[self._base + _RANK] = rank
 
@@ -141,13 +169,10 @@ class Board:
 
     # --- writes, by the owner of the line: a few stores each, no syscalls ----------------------
 
-    def enter(self, channel: int, phase: str, index: int, size_bytes: int) -> Ticket:
-        """Record that this rank issues its next collective on `channel`; return its ticket. Inside
-        `tagged(...)` the scope's phase and index replace the ones given."""
+    def enter(self, channel: int, tag: Tag, size_bytes: int) -> Ticket:
+        """Record that this rank issues its next collective on `channel`; return its ticket."""
         w, base = self._words, self._base
-        if self.scope is not None:
-            phase, index = self.scope
-        code = (phase_code(phase) << _PHASE_SHIFT) | ((index & _INDEX_MASK) << _INDEX_SHIFT) | w[base + _STEPS]
+        code = tag.code(w[base + _STEPS])
         seq = w[base + _ENTERED + channel] + 1
         slot = base + _RING + (channel * RING_SLOTS + seq % RING_SLOTS) * 2
         w[slot] = code
@@ -167,9 +192,12 @@ class Board:
     def unblock(self) -> None:
         self._words[self._base + _STATE] = RUNNING
 
-    def step_done(self) -> None:
-        """A gradient exchange finished: later tags carry one step more."""
-        self._words[self._base + _STEPS] += 1
+    def settled(self, ticket: Ticket) -> None:
+        """`ticket`'s collective completed on this rank; once a step's gradient exchange has, that
+        step is the last this rank synced (what peers say "after step N" of, and what a tag
+        without a step is filled in with)."""
+        if ticket.code >> _PHASE_SHIFT == _GRADIENT:
+            self._words[self._base + _STEPS] = (ticket.code & _STEP_MASK) + 1
 
     def mark(self, state: int) -> None:
         """FINISHED (the worker's work returned) or FAILED (it raised): what peers will be told."""
@@ -206,29 +234,6 @@ class Board:
         return (code, size) if w[entered] < seq + RING_SLOTS else None  # not overwritten meanwhile
 
 
-@contextlib.contextmanager
-def tagged(world: World, phase: str, index: int = 0) -> Iterator[None]:
-    """Tag the collectives entered inside with `phase` (and bucket `index`): how a caller names
-    what it sends through an object it does not own (DataParallel through its comm, which may be
-    a user's wrapper of AsyncComm) without that object's signature changing."""
-    phase_code(phase)
-    board = world.board
-    if board is None:
-        yield
-        return
-    previous, board.scope = board.scope, (phase, index)
-    try:
-        yield
-    finally:
-        board.scope = previous
-
-
-def board_memory(ctx, local_world_size: int):
-    """Zeroed shared memory for a board, from a multiprocessing context (the launcher's): an
-    anonymous mapping each spawned worker inherits, gone with the last process using it."""
-    return ctx.RawArray("q", LINE_WORDS * local_world_size)
-
-
 def attach_board(world: World, memory) -> World:
     """`world` with a board over `memory` (None: `world` unchanged)."""
     if memory is None:
@@ -245,33 +250,18 @@ def mark_exit(world: World | None, *, ok: bool) -> None:
 
 
 def open_board(world: World) -> World:
-    """Under torchrun: the local ranks open a board together (a collective: call it at the same
-    point on every rank, right after joining). Only when every rank is on this host and it has
-    /dev/shm; otherwise `world` is returned without one. At interpreter exit the line says how the
-    process ended (FAILED when an exception went uncaught)."""
-    import torch.distributed as dist
-
+    """The local ranks open a board together (a collective: call it at the same point on every
+    rank, right after joining). Only when every rank is on this host and it has /dev/shm;
+    otherwise `world` is returned without one. At interpreter exit the line says how the process
+    ended (FAILED when an exception went uncaught)."""
     if not world.distributed or world.board is not None or world.local_world_size != world.world_size \
             or shm_supported() is not None:
         return world
-    mapping, error, path = None, None, None
-    if world.rank == 0:
-        path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-board-{secrets.token_hex(4)}")
-        mapping, error = create_segment(path, LINE_WORDS * 8 * world.world_size)
-    box = [path, error]
-    dist.broadcast_object_list(box, src=0)
-    path, error = box
-    if error is None and world.rank != 0:
-        mapping, error = attach_segment(path)
-    errors: list = [None] * world.world_size
-    dist.all_gather_object(errors, error)  # every rank mapped it (or learns who could not)
-    if world.rank == 0 and path is not None:
-        unlink_quietly(path)
-    if any(e is not None for e in errors):
-        if mapping is not None:
-            mapping.close()
+    shared = share_segment(world, label="board-",
+                           create=lambda path: create_segment(path, LINE_WORDS * 8 * world.world_size))
+    if shared.failed is not None:
         return world
-    world = attach_board(world, mapping)
+    world = attach_board(world, shared.mapping)
     atexit.register(_mark_at_exit, world.board)
     return world
 

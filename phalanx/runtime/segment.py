@@ -3,17 +3,27 @@
 A segment is a file in /dev/shm created with O_EXCL and mode 0600 (its owner alone can open it;
 an existing name is never reused), its pages reserved up front (a write into an unreserved page
 of a full tmpfs is a SIGBUS, not an error), then mapped. Names start with `phalanx-shm-<pid>-`,
-the creator's pid, so a launcher can remove what a worker it spawned left behind. A futex is
+the creator's pid, so a launcher can remove what a worker it spawned left behind. The ranks of
+one host open one together with `share_segment` (rank 0 creates, names it to the others, they
+attach, every rank learns who failed, rank 0 unlinks): the shm allreduce's segment and, under
+torchrun, the collective board's. A futex is
 Linux's sleep-until-this-word-changes: `futex_wait` returns at once if the word no longer holds
 the value the caller saw, so a store followed by `futex_wake` is never missed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import platform
+import secrets
+from typing import Any, Callable, ContextManager, NamedTuple
+
+import torch.distributed as dist
+
+from phalanx.runtime.world import World
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "phalanx-shm-"
@@ -27,6 +37,16 @@ def shm_supported() -> str | None:
     if not os.path.isdir(SHM_DIR) or not os.access(SHM_DIR, os.W_OK):
         return f"{SHM_DIR} is missing or not writable"
     return None
+
+
+def shm_applies(world: World) -> str | None:
+    """None when the shm allreduce can serve `world` (CPU, every rank on this host), else why not."""
+    if world.device.type != "cpu":
+        return f"the shm allreduce serves CPU workers; this world runs on {world.device.type}"
+    if world.local_world_size != world.world_size:
+        return (f"the shm allreduce serves the workers of one host; {world.world_size} ranks span hosts "
+                f"({world.local_world_size} per host)")
+    return shm_supported()
 
 
 def free_bytes() -> int | None:
@@ -68,6 +88,46 @@ def attach_segment(path: str) -> tuple[mmap.mmap | None, str | None]:
         return None, f"cannot map {path} ({exc.strerror})"
     finally:
         os.close(fd)
+
+
+class Shared(NamedTuple):
+    """What `share_segment` opened: this rank's mapping (None when a rank failed), rank 0's
+    `facts`, and the first (rank, why) that could not create or map it, or None."""
+
+    mapping: mmap.mmap | None
+    facts: tuple
+    failed: tuple[int, str] | None
+
+
+def share_segment(world: World, *, label: str, create: Callable[[str], tuple[mmap.mmap | None, str | None]],
+                  facts: tuple[Any, ...] = (), around: Callable[[], ContextManager] = contextlib.nullcontext) -> Shared:
+    """Open one segment on every rank of `world` (all on this host): a collective, so call it at
+    the same point on every rank. Rank 0 creates it at a fresh name (`label` marks what it is
+    for) with `create(path)` (`create_segment` with the size rank 0 chose) and broadcasts the
+    name with its `facts` (rank 0's rule, e.g. sizes that depend on its free space); the others
+    attach; every rank learns who could not (so all fail, or fall back, alike); rank 0 unlinks
+    the name once every rank has mapped it, so nothing is left on disk however a process ends.
+    `around()`: a context for each blocking collective (the board entry, where one exists)."""
+    mapping, error, path = None, None, None
+    if world.rank == 0:
+        path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{label}{secrets.token_hex(6)}")
+        mapping, error = create(path)
+    box = [path, tuple(facts), error]
+    with around():
+        dist.broadcast_object_list(box, src=0)
+    path, facts, error = box
+    if error is None and world.rank != 0:
+        mapping, error = attach_segment(path)
+    errors: list = [None] * world.world_size
+    with around():
+        dist.all_gather_object(errors, error)  # every rank mapped it, or learns who could not
+    if world.rank == 0:
+        unlink_quietly(path)  # mapped everywhere (or failed): no file left
+    failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+    if failed is not None and mapping is not None:
+        mapping.close()
+        mapping = None
+    return Shared(mapping, facts, failed)
 
 
 def remove_segments_of(pids) -> list[str]:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import collective
+from phalanx.comm import Tag, collective
 from phalanx.errors import PhalanxWarning, UsageError
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.runtime.world import World
@@ -120,7 +120,7 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     mine = {"rng": _rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
-        with collective(world, "checkpoint"):  # on the collective board: a mismatch names this call
+        with collective(world, Tag("checkpoint")):  # on the collective board: a mismatch names this call
             dist.all_gather_object(every, mine)
     else:
         every = [mine]

@@ -24,11 +24,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data._utils.collate import default_collate
 
-from phalanx.comm import all_reduce_sum_
+from phalanx.comm import Tag, all_reduce_sum_
 from phalanx.data import shard_bounds, to_float
 from phalanx.data.loader import ShardCollate, refuse_loader
 from phalanx.data_parallel.guards import check_replicas
 from phalanx.runtime.world import World
+
+EVALUATION = Tag("evaluation")  # what the board calls the sums below
 
 
 def evaluate(
@@ -58,7 +60,7 @@ def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Te
                 counts[0] += (logits.argmax(dim=1) == labels[lo:hi]).sum()
                 counts[1] += hi - lo
     module.train(was_training)
-    all_reduce_sum_(counts, world=world, phase="evaluation")
+    all_reduce_sum_(counts, world=world, tag=EVALUATION)
     seen = int(counts[1].item())
     if seen != images.shape[0]:  # a sharding bug would silently skew accuracy
         raise RuntimeError(f"evaluation saw {seen} test images, expected {images.shape[0]}")
@@ -133,7 +135,7 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     names = sorted(totals)
     flat = torch.stack([totals[n] for n in names] + [torch.tensor(float(stop - start), dtype=torch.float64,
                                                                    device=world.device)])
-    all_reduce_sum_(flat, world=world, phase="evaluation")
+    all_reduce_sum_(flat, world=world, tag=EVALUATION)
     result = dict(zip(names, flat[:-1].tolist()))
     result["count"] = flat[-1].item()
     if int(result["count"]) != len(dataset):  # a sharding bug would silently skew the metric

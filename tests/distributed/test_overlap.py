@@ -6,7 +6,8 @@ a parameter unused on some ranks, an empty shard, grad-accum 3 vs 1, and no_sync
 the gradients; the parent compares them with gradients it computes in one process. float64, so
 the only differences are summation order (~1e-16 relative). A counting wrapper around AsyncComm
 shows when buckets launch: during backward (all of them, when every parameter is used), not
-at all inside no_sync, and once per step with grad-accum.
+at all inside no_sync, and once per step with grad-accum. Synchronous and overlapped exchanges
+are one send path on two schedules: their buckets are bitwise equal for every algorithm.
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ class CountingComm:
     def __init__(self, comm: AsyncComm) -> None:
         self.comm, self.launched = comm, 0
 
-    def allreduce_async(self, tensor, *, algorithm):
+    def allreduce_async(self, tensor, *, algorithm, **named):  # named: the tag (and on_done)
         self.launched += 1
-        return self.comm.allreduce_async(tensor, algorithm=algorithm)
+        return self.comm.allreduce_async(tensor, algorithm=algorithm, **named)
 
     def allreduce(self, tensor, *, algorithm):  # the synchronous exchange (overlap=False)
         self.launched += 1
@@ -130,6 +131,16 @@ def _worker(world) -> dict:
                 train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), Xs, ys,
                             global_batch_size=GLOBAL_BATCH, grad_accum_steps=steps)
                 out[f"accum-{algorithm}-{overlap}-{steps}"] = (_grads(dp.module), comm.launched)
+                dp.close()
+
+        # One send path: the same buckets launched by hooks during backward or all at the finish.
+        for algorithm in ALGORITHMS:
+            for overlap in (True, False):
+                dp, _ = make(algorithm=algorithm, overlap=overlap, bucket_cap_mb=0.25)
+                dp.zero_grad()
+                (F.cross_entropy(dp(Xs), ys, reduction="sum") / GLOBAL_BATCH).backward()
+                dp.finish_gradient_sync()
+                out[f"buckets-{algorithm}-{overlap}"] = [b.buffer.clone() for b in dp.buckets]
                 dp.close()
 
         # no_sync: two local backwards send nothing; the next finish sends their sum.
@@ -243,3 +254,13 @@ def test_no_sync_accumulates_without_communication(run):
             torch.testing.assert_close(local, _reference(shard), **TOL)
             assert launched_in_no_sync == 0
             torch.testing.assert_close(synced, full, **TOL)
+
+
+def test_synchronous_and_overlapped_exchanges_give_bitwise_equal_buckets(run):
+    _, results = run
+    for result in results:
+        for algorithm in ALGORITHMS:
+            overlapped, synchronous = result[f"buckets-{algorithm}-True"], result[f"buckets-{algorithm}-False"]
+            assert len(overlapped) == len(synchronous) == 3, algorithm
+            for index, (a, b) in enumerate(zip(overlapped, synchronous)):
+                assert torch.equal(a, b), f"{algorithm}: bucket {index} differs between overlap=True and overlap=False"

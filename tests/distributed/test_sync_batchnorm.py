@@ -114,9 +114,9 @@ class LoggingComm:
     def __init__(self, comm: AsyncComm, log: list) -> None:
         self.comm, self.log = comm, log
 
-    def allreduce_async(self, tensor, *, algorithm):
+    def allreduce_async(self, tensor, *, algorithm, **named):  # named: the tag (and on_done)
         self.log.append("bucket")
-        return self.comm.allreduce_async(tensor, algorithm=algorithm)
+        return self.comm.allreduce_async(tensor, algorithm=algorithm, **named)
 
 
 def _worker(world) -> dict:

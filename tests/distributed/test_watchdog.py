@@ -2,7 +2,8 @@
 whatever the number of buckets in flight, named with its state; ranks in different collectives
 fail at once naming both; a rank that finished normally while another waits is reported as
 such; a forgotten finish_gradient_sync() with overlap=False is refused instead of letting the
-replicas drift apart."""
+replicas drift apart; and the tag a caller passes (shm and native, every entry point) is what
+its peer's mismatch error names."""
 
 import os
 import signal
@@ -16,6 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from phalanx.comm import AsyncComm, CollectiveMismatch, Tag, allreduce
+from phalanx.runtime.segment import shm_supported
 from tests.distributed.harness import WorkersFailed, run_workers
 from tests.distributed.test_faults import PHALANX, _wait_for, _workers, assert_all_gone
 
@@ -154,3 +157,45 @@ def test_a_forgotten_finish_gradient_sync_without_overlap_is_refused_at_the_step
     first = str(info.value).splitlines()[0]
     assert ("RuntimeError: optimizer.step() after a backward whose gradients were never summed across ranks: call "
             "dp.finish_gradient_sync() between loss.backward() and optimizer.step()") in first, str(info.value)[-2000:]
+
+
+# Rank 0 says its call is a checkpoint's, rank 1 a gradient bucket's: the same size, so the backend
+# pairs them; what each rank's error names is the tag its peer passed.
+TAGS = [Tag("checkpoint", step=3), Tag("gradient", 2, step=4)]
+NAMED = ["rank 1 is in step 5's gradient bucket 2 (32 B); rank 0 in checkpoint after step 3 (32 B)",
+         "rank 0 is in checkpoint after step 3 (32 B); rank 1 in step 5's gradient bucket 2 (32 B)"]
+
+
+def _mismatched_tags(world) -> dict:
+    """Per algorithm and entry point, the mismatch this rank reported (or "no error")."""
+    mine, out = TAGS[world.rank], {}
+    algorithms = ("native",) if shm_supported() is not None else ("native", "shm")
+    with AsyncComm(world=world, algorithms=algorithms) as comm:
+        for algorithm in algorithms:
+            transport = comm.shm if algorithm == "shm" else None
+            calls = {"async": lambda: comm.allreduce_async(torch.ones(8), algorithm=algorithm, tag=mine).wait(),
+                     "sync": lambda: comm.allreduce(torch.ones(8), algorithm=algorithm, tag=mine),
+                     "comm.allreduce": lambda: allreduce(torch.ones(8), world=world, algorithm=algorithm,
+                                                         transport=transport, tag=mine)}
+            for name, call in calls.items():
+                try:
+                    call()
+                    out[(algorithm, name)] = "no error"
+                except CollectiveMismatch as exc:
+                    out[(algorithm, name)] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mismatched():
+    return run_workers(_mismatched_tags, 2, timeout_s=120)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "shm"])
+def test_the_tag_a_caller_passes_is_what_its_peer_names(mismatched, algorithm):
+    if algorithm == "shm" and shm_supported() is not None:
+        pytest.skip(f"no shm allreduce here: {shm_supported()}")
+    for rank, result in enumerate(mismatched):
+        for name in ("async", "sync", "comm.allreduce"):
+            message = result[(algorithm, name)]
+            assert message.startswith(f"ranks are in different collectives: {NAMED[rank]}"), (rank, name, message)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
 from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
-                                describe, phase_code, tagged)
+                                   Tag, Ticket, describe, phase_code)
 from phalanx.runtime.procs import process_state
 from phalanx.comm.watchdog import check, check_pairing
 from phalanx.models import LeNet
@@ -27,6 +27,12 @@ def boards(k: int, pids=None) -> list[Board]:
     memory = bytearray(LINE_WORDS * 8 * k)
     return [Board(memory, rank=r, local_rank=r, local_world_size=k, world_size=k,
                   pid=None if pids is None else pids[r]) for r in range(k)]
+
+
+def synced(board: Board, steps: int) -> None:
+    """What settling step `steps`'s gradient exchange records on `board` (calls.settle), without
+    entering a collective that would shift the peers' numbering."""
+    board.settled(Ticket(COMM, 0, Tag("gradient", step=steps - 1).code(0), 0))
 
 
 def world_of(board: Board, timeout_s: float = 5.0) -> World:
@@ -50,9 +56,9 @@ def stopped_process():
 
 def test_entries_count_per_channel_and_peers_read_each_tag():
     a, b = boards(2)
-    first = a.enter(COMM, "gradient", 2, 5632)
-    second = a.enter(COMM, "gradient", 0, 512)
-    metrics = a.enter(WORLD, "metrics", 0, 24)
+    first = a.enter(COMM, Tag("gradient", 2), 5632)
+    second = a.enter(COMM, Tag("gradient"), 512)
+    metrics = a.enter(WORLD, Tag("metrics"), 24)
     assert (first.seq, second.seq, metrics.seq) == (1, 2, 1)  # each channel numbers its own calls
     assert b.tag_of(0, COMM, 1) == (first.code, 5632)  # another rank's view reads rank 0's line
     assert b.tag_of(0, COMM, 3) is None  # not entered yet
@@ -62,36 +68,33 @@ def test_entries_count_per_channel_and_peers_read_each_tag():
 
 def test_the_ring_forgets_old_tags_instead_of_returning_wrong_ones():
     a, b = boards(2)
-    tickets = [a.enter(COMM, "gradient", i % 7, 4) for i in range(RING_SLOTS + 3)]
+    tickets = [a.enter(COMM, Tag("gradient", i % 7), 4) for i in range(RING_SLOTS + 3)]
     assert b.tag_of(0, COMM, tickets[0].seq) is None  # overwritten by a later call: not readable
     assert b.tag_of(0, COMM, tickets[-1].seq) == (tickets[-1].code, 4)
 
 
 def test_tags_read_as_the_collective_they_stand_for():
     a, = boards(1)
-    for _ in range(75):
-        a.step_done()
-    assert describe(a.enter(COMM, "gradient", 2, 5632).code, 5632) == "step 76's gradient bucket 2 (5.5 KiB)"
-    assert describe(a.enter(WORLD, "evaluation", 0, 24).code, 24) == "evaluation after step 75 (24 B)"
-    assert describe(a.enter(WORLD, "checkpoint", 0, 0).code) == "checkpoint after step 75"
+    synced(a, 75)
+    assert describe(a.enter(COMM, Tag("gradient", 2), 5632).code, 5632) == "step 76's gradient bucket 2 (5.5 KiB)"
+    assert describe(a.enter(WORLD, Tag("evaluation"), 24).code, 24) == "evaluation after step 75 (24 B)"
+    assert describe(a.enter(WORLD, Tag("checkpoint"), 0).code) == "checkpoint after step 75"
     with pytest.raises(ValueError, match="unknown collective phase 'evaluate'; use one of gradient, evaluation"):
         phase_code("evaluate")
 
 
-def test_a_tagged_scope_names_the_calls_made_inside_it():
+def test_the_tag_a_caller_passes_names_its_call():
     a, = boards(1)
-    with tagged(world_of(a), "gradient", 3):  # as DataParallel wraps its comm's launch
-        inside = a.enter(COMM, "allreduce", 0, 8)
-    after = a.enter(COMM, "allreduce", 0, 8)
-    assert (describe(inside.code), describe(after.code)) == ("step 1's gradient bucket 3", "allreduce")
+    bucket = a.enter(COMM, Tag("gradient", 3, step=0), 8)  # as DataParallel launches a bucket
+    plain = a.enter(COMM, Tag(), 8)  # a call that says nothing of itself
+    assert (describe(bucket.code), describe(plain.code)) == ("step 1's gradient bucket 3", "allreduce")
     with pytest.raises(ValueError, match="unknown collective phase 'grad'"):
-        with tagged(world_of(a), "grad"):
-            pass
+        Tag("grad")
 
 
 def test_a_wait_is_published_with_a_new_serial_each_time():
     a, b = boards(2)
-    ticket = a.enter(WORLD, "evaluation", 0, 24)
+    ticket = a.enter(WORLD, Tag("evaluation"), 24)
     a.block(ticket)
     seen = b.line(0)
     assert seen.state == WAITING and seen.block == ticket
@@ -104,12 +107,11 @@ def test_a_wait_is_published_with_a_new_serial_each_time():
 
 def test_the_same_number_with_another_tag_is_a_mismatch_naming_both():
     a, b = boards(2)
-    mine = a.enter(WORLD, "evaluation", 0, 24)
-    b.enter(WORLD, "evaluation", 0, 24)
+    mine = a.enter(WORLD, Tag("evaluation"), 24)
+    b.enter(WORLD, Tag("evaluation"), 24)
     check_pairing(world_of(a), mine)  # the same collective: nothing to say
-    b.step_done()
-    bucket = b.enter(WORLD, "gradient", 0, 512)
-    evaluation = a.enter(WORLD, "evaluation", 0, 24)
+    bucket = b.enter(WORLD, Tag("gradient", step=1), 512)
+    evaluation = a.enter(WORLD, Tag("evaluation"), 24)
     with pytest.raises(CollectiveMismatch) as info:
         check_pairing(world_of(a), evaluation)
     assert str(info.value).startswith("ranks are in different collectives: rank 1 is in step 2's gradient bucket 0 "
@@ -120,8 +122,8 @@ def test_the_same_number_with_another_tag_is_a_mismatch_naming_both():
 
 def test_sizes_differ_for_the_same_tag():
     a, b = boards(2)
-    mine = a.enter(WORLD, "metrics", 0, 24)
-    b.enter(WORLD, "metrics", 0, 32)
+    mine = a.enter(WORLD, Tag("metrics"), 24)
+    b.enter(WORLD, Tag("metrics"), 32)
     with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(32 B\\); rank 0 in metrics \\(24 B\\)"):
         check_pairing(world_of(a), mine)
 
@@ -129,11 +131,10 @@ def test_sizes_differ_for_the_same_tag():
 def test_ranks_blocked_in_collectives_the_other_never_entered_are_a_deadlock():
     a, b = boards(2)
     for board in (a, b):
-        for _ in range(7):
-            board.step_done()
-    bucket = a.enter(COMM, "gradient", 0, 524)  # rank 0 ran a step more...
+        synced(board, 7)
+    bucket = a.enter(COMM, Tag("gradient"), 524)  # rank 0 ran a step more...
     a.block(bucket)
-    evaluation = b.enter(WORLD, "evaluation", 0, 24)  # ...while rank 1 went on to evaluate
+    evaluation = b.enter(WORLD, Tag("evaluation"), 24)  # ...while rank 1 went on to evaluate
     b.block(evaluation)
     with pytest.raises(CollectiveMismatch) as info:
         check(world_of(a), bucket, waited_s=0.5, timeout_s=60)
@@ -144,26 +145,25 @@ def test_ranks_blocked_in_collectives_the_other_never_entered_are_a_deadlock():
 
 def test_no_deadlock_while_a_rank_still_runs_or_every_rank_entered():
     a, b, c = boards(3)
-    mine = a.enter(COMM, "gradient", 0, 64)
+    mine = a.enter(COMM, Tag("gradient"), 64)
     a.block(mine)
-    theirs = b.enter(WORLD, "evaluation", 0, 24)
+    theirs = b.enter(WORLD, Tag("evaluation"), 24)
     b.block(theirs)
     check(world_of(a), mine, waited_s=0.5, timeout_s=60)  # rank 2 runs: it may still come
-    c.enter(COMM, "gradient", 0, 64)
-    c.block(c.enter(WORLD, "metrics", 0, 8))
+    c.enter(COMM, Tag("gradient"), 64)
+    c.block(c.enter(WORLD, Tag("metrics"), 8))
     with pytest.raises(CollectiveMismatch):  # now nobody can move
         check(world_of(a), mine, waited_s=0.5, timeout_s=60)
     b.unblock()
-    b.enter(COMM, "gradient", 0, 64)
-    b.block(b.enter(COMM, "gradient", 1, 64))  # every rank entered bucket 0: it completes
+    b.enter(COMM, Tag("gradient"), 64)
+    b.block(b.enter(COMM, Tag("gradient", 1), 64))  # every rank entered bucket 0: it completes
     check(world_of(a), mine, waited_s=0.5, timeout_s=60)
 
 
 def test_a_peer_that_finished_or_failed_is_named_as_such():
     a, b = boards(2)
-    for _ in range(7):
-        b.step_done()
-    mine = a.enter(COMM, "gradient", 0, 524)
+    synced(b, 7)
+    mine = a.enter(COMM, Tag("gradient"), 524)
     b.mark(FINISHED)
     with pytest.raises(PeerFinished, match="rank 1 finished its work normally after step 7 while rank 0 waits for it "
                                            "in step 1's gradient bucket 0"):
@@ -175,8 +175,8 @@ def test_a_peer_that_finished_or_failed_is_named_as_such():
 
 def test_a_peer_that_entered_and_then_finished_is_no_error():
     a, b = boards(2)
-    mine = a.enter(WORLD, "metrics", 0, 8)
-    b.enter(WORLD, "metrics", 0, 8)
+    mine = a.enter(WORLD, Tag("metrics"), 8)
+    b.enter(WORLD, Tag("metrics"), 8)
     b.mark(FINISHED)  # it took part, then its work ended: this wait can still complete
     check(world_of(a), mine, waited_s=0.5, timeout_s=60)
 
@@ -185,7 +185,7 @@ def test_a_dead_peer_is_named():
     child = subprocess.Popen(["true"])
     child.wait()  # reaped: its pid names no process
     a, _ = boards(2, pids=[None, child.pid])
-    mine = a.enter(WORLD, "metrics", 0, 8)
+    mine = a.enter(WORLD, Tag("metrics"), 8)
     with pytest.raises(PeerGone, match=f"rank 1 \\(pid {child.pid}\\) died while rank 0 waited for it in metrics"):
         check(world_of(a), mine, waited_s=0.5, timeout_s=60)
 
@@ -193,11 +193,10 @@ def test_a_dead_peer_is_named():
 def test_at_the_deadline_the_stopped_peer_is_named(stopped_process):
     a, b = boards(2, pids=[None, stopped_process])
     for board in (a, b):  # 57 steps together, then rank 1 froze
-        for _ in range(57):
-            for bucket in range(3):
-                board.enter(COMM, "gradient", bucket, 64)
-            board.step_done()
-    mine = a.enter(COMM, "gradient", 0, 64)
+        for step in range(57):
+            for bucket in range(3):  # each bucket entered, then settled once it completed
+                board.settled(board.enter(COMM, Tag("gradient", bucket, step=step), 64))
+    mine = a.enter(COMM, Tag("gradient"), 64)
     check(world_of(a), mine, waited_s=19.5, timeout_s=20)  # before the deadline: keep waiting
     with pytest.raises(PeerStalled) as info:
         check(world_of(a), mine, waited_s=20.2, timeout_s=20)
@@ -207,7 +206,7 @@ def test_at_the_deadline_the_stopped_peer_is_named(stopped_process):
 
 def test_at_the_deadline_a_running_peer_is_named_with_the_timeout():
     a, b = boards(2)  # rank 1's line speaks for this (running) process
-    mine = a.enter(WORLD, "broadcast", 0, 64)
+    mine = a.enter(WORLD, Tag("broadcast"), 64)
     with pytest.raises(PeerStalled, match="worker rank 1 stopped responding \\(state: (running|sleeping)\\); rank 0 "
                                           "waited 3 s in broadcast \\(64 B\\): rank 1 did not arrive within the 3 s"):
         check(world_of(a), mine, waited_s=3.1, timeout_s=3)
@@ -247,19 +246,19 @@ def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overl
 
 def test_a_generic_allreduce_is_compared_by_size_alone():
     a, b = boards(2)
-    mine = a.enter(WORLD, "allreduce", 0, 48)  # e.g. SyncBatchNorm's, which checks its pairing itself
-    b.enter(WORLD, "metrics", 0, 48)
+    mine = a.enter(WORLD, Tag("allreduce"), 48)  # e.g. SyncBatchNorm's, which checks its pairing itself
+    b.enter(WORLD, Tag("metrics"), 48)
     check_pairing(world_of(a), mine)
-    other = a.enter(WORLD, "allreduce", 0, 48)
-    b.enter(WORLD, "metrics", 0, 56)
+    other = a.enter(WORLD, Tag("allreduce"), 48)
+    b.enter(WORLD, Tag("metrics"), 56)
     with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(56 B\\); rank 0 in allreduce \\(48 B\\)"):
         check_pairing(world_of(a), other)
 
 
 def test_at_the_deadline_a_collective_every_rank_entered_blames_no_peer():
     a, b = boards(2)
-    mine = a.enter(WORLD, "metrics", 0, 8)
-    b.enter(WORLD, "metrics", 0, 8)
+    mine = a.enter(WORLD, Tag("metrics"), 8)
+    b.enter(WORLD, Tag("metrics"), 8)
     with pytest.raises(PeerStalled, match="rank 0 waited 4 s in metrics \\(8 B\\): every rank entered it, but it did "
                                           "not complete within the 4 s timeout"):
         check(world_of(a), mine, waited_s=4.2, timeout_s=4)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import phalanx
 from phalanx.comm import AsyncComm, shm_applies
 from phalanx.errors import UsageError
-from phalanx.data_parallel.first_step import SHARD_LOSS_MARKS, FirstStepCheck, caller_frame
+from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
 from phalanx.data_parallel.prepare import Choices
 from phalanx.data_parallel.running_stats import RunningStats, drifting_norm_layers
 from phalanx.data_parallel.step_extras import StepExtras
@@ -105,7 +105,8 @@ def test_a_world_of_one_builds_none_of_the_checks():
     dp = phalanx.DataParallel(bn_net(), world=world())
     extras = dp._extras
     assert (extras.first_step, extras.running_stats, extras.divide_by) == (None, None, None)
-    assert SHARD_LOSS_MARKS.watchers == 0  # shard_loss registers no hook: the plain loop's step
+    loss = sum(p.sum() for p in dp.parameters())
+    assert phalanx.shard_loss(loss, 1)._backward_hooks is None  # shard_loss registers no hook: the plain loop's step
     dp.close()
 
 
@@ -123,7 +124,8 @@ def _first_step(loss_fn, *, sampler_loader=None) -> list[str]:
         assert not check.after_sync(caller_frame(0))  # no backward yet: not done
         loss_fn(model(X), y).backward()
         assert check.after_sync(caller_frame(0))
-    assert SHARD_LOSS_MARKS.watchers == 0 and check._handles == []
+    assert check._handles == []  # done: nothing watches, shard_loss registers no hook
+    assert phalanx.shard_loss(F.cross_entropy(model(X), y, reduction="sum"), 8)._backward_hooks is None
     return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
 
 
@@ -140,14 +142,25 @@ def test_a_mean_loss_is_named_once_with_the_fix_and_shard_loss_is_not():
 
 
 def test_shard_loss_registers_a_hook_only_while_a_check_waits():
-    loss = torch.ones((), requires_grad=True)
-    assert SHARD_LOSS_MARKS.watchers == 0
+    loss = nn.Parameter(torch.ones(()))  # the parameter the check waits on, which the loss comes from
     assert phalanx.shard_loss(loss * 3, 3)._backward_hooks is None
-    check = FirstStepCheck([nn.Parameter(torch.ones(1))], world_size=2, check_loss=True)
+    check = FirstStepCheck([loss], world_size=2, check_loss=True)
     assert phalanx.shard_loss(loss * 3, 3)._backward_hooks
     check.close()
     check.close()  # twice is fine
-    assert SHARD_LOSS_MARKS.watchers == 0
+    assert phalanx.shard_loss(loss * 3, 3)._backward_hooks is None
+
+
+def test_shard_loss_is_seen_below_a_longer_loss_and_mixed_precision_casts():
+    from phalanx.models import LeNet
+
+    with phalanx.prepare(LeNet(), world=world(), precision="bf16-mixed") as dp:
+        check = FirstStepCheck(list(dp.module.parameters()), world_size=2, check_loss=True)
+        X, y = torch.rand(8, 1, 28, 28), torch.randint(0, 10, (8,))
+        loss_sum = F.cross_entropy(dp(X), y, reduction="sum", label_smoothing=0.1)
+        phalanx.shard_loss(loss_sum, 8).backward()
+        assert check.through_shard_loss == 1
+        check.close()
 
 
 # --- case 3: torch's DistributedSampler -----------------------------------------------------------

@@ -1,0 +1,126 @@
+"""A collective call's life on the collective board, the same for every transport: entered under
+the `Tag` its caller passed, waited with one deadline, settled once it completed.
+
+Every collective phalanx issues passes through here: the backend's own on the default group
+(`native`, and `collective` around the blocking ones), and AsyncComm's shm, ring, tree and naive
+(async_ops.py), launched now and waited later or run on the caller's thread (`run_now`).
+
+- `enter` is the one place a call is written on the board (runtime/board.py), before it starts.
+  Its tag says what it is: a gradient bucket of a step, an evaluation, a checkpoint; a user's
+  own call may leave it "allreduce", which peers compare by size alone.
+- `waiting` wraps every wait: the one deadline, the board read at each poll (watchdog.py), a
+  backend error turned into the board's diagnosis - and, once the wait returns, `settle`.
+- `settle` is the one place that checks, after a call completed, that every peer that entered
+  its number entered the same collective (gloo sums two unrelated tensors of one size without a
+  word), and lets the board record a settled gradient exchange's step ("after step N").
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import time
+from typing import Callable, Iterator
+
+from phalanx.comm.watchdog import POLL_S, CommError, check, check_pairing, diagnose
+from phalanx.errors import RunFailed
+from phalanx.runtime.board import WORLD, Board, Tag, Ticket
+from phalanx.runtime.world import World
+
+_POLL = datetime.timedelta(seconds=POLL_S)
+
+
+def enter(world: World, channel: int, tag: Tag, size_bytes: int) -> Ticket | None:
+    """Write this rank's next collective on `channel` on the board; its ticket (None: no board)."""
+    board: Board | None = world.board
+    return None if board is None else board.enter(channel, tag, size_bytes)
+
+
+def settle(world: World, ticket: Ticket | None) -> None:
+    """After `ticket`'s collective completed: raise if a peer entered its number as another
+    collective; otherwise the board records it (a gradient exchange's step is now synced)."""
+    if ticket is not None and world.board is not None:
+        check_pairing(world, ticket)
+        world.board.settled(ticket)
+
+
+@contextlib.contextmanager
+def waiting(world: World, ticket: Ticket | None) -> Iterator[Callable[[], None]]:
+    """Publish that this thread waits for `ticket`; yield `poll()` (check with the time waited);
+    turn a backend error raised inside into the diagnosis when the board has one; settle the
+    collective once the body returned."""
+    board: Board | None = world.board
+    started = time.monotonic()
+    if board is not None and ticket is not None:
+        board.block(ticket)
+
+    def poll() -> None:
+        check(world, ticket, waited_s=time.monotonic() - started, timeout_s=world.timeout_s)
+
+    try:
+        yield poll
+    except (RunFailed, CommError):
+        raise
+    except Exception as exc:
+        found = diagnose(world, ticket, exc, waited_s=time.monotonic() - started, timeout_s=world.timeout_s)
+        if found is None:
+            raise
+        raise found from exc
+    finally:
+        if board is not None and ticket is not None:
+            board.unblock()
+    settle(world, ticket)
+
+
+def run_now(world: World, channel: int, tag: Tag, size_bytes: int, job: Callable[[Ticket | None], None]) -> None:
+    """Run a collective to its end on this thread: `job(ticket)` does the work (a transport that
+    polls, as shm does, reads the ticket to name whom it waits for)."""
+    ticket = enter(world, channel, tag, size_bytes)
+    with waiting(world, ticket):
+        job(ticket)
+
+
+def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
+    """Wait for a backend `Work` with the board watched (gloo's, polled); NCCL's is a stream wait."""
+    with waiting(world, ticket) as poll:
+        if world.backend != "gloo":
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(_POLL)
+                break
+            except RuntimeError:
+                if work.is_completed():
+                    raise  # the collective itself failed: `waiting` explains it
+            poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
+
+
+def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None):
+    """Wait for a job on AsyncComm's thread with the board watched from this thread too, so a
+    deadlock is seen wherever the ranks are blocked."""
+    with waiting(world, ticket) as poll:
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except concurrent.futures.TimeoutError:
+                pass
+            poll()
+
+
+@contextlib.contextmanager
+def collective(world: World, tag: Tag, *, size_bytes: int = 0) -> Iterator[None]:
+    """Around a blocking collective on the default group that cannot be polled (all_gather_object,
+    barrier): peers see where this rank is, and a backend error becomes the board's diagnosis."""
+    if not world.distributed:
+        yield
+        return
+    with waiting(world, enter(world, WORLD, tag, size_bytes)):
+        yield
+
+
+def native(world: World, tag: Tag, start: Callable[[], object], *, size_bytes: int) -> None:
+    """Run a backend collective on the default group: `start()` launches it with async_op=True."""
+    ticket = enter(world, WORLD, tag, size_bytes)
+    wait_work(start(), world=world, ticket=ticket)

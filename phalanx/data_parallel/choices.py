@@ -1,0 +1,102 @@
+"""What a replica runs with: the names its options are chosen by, and `Choices`, the facts behind
+the run's first log line (STYLE habit 14: which transport, bucket layout, memory format ran).
+
+A `DataParallel` computes its own `choices` once built (`replica_choices`), from what it holds -
+its parameters, buckets, the allreduce that opened - and what it was asked for; nothing is
+assigned to it from outside. `dp.choices.describe()` says it in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from phalanx.comm import shm_applies
+from phalanx.data_parallel.memory_format import layout_of
+from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
+
+# --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Mixed precision by name (Lightning Fabric's): the autocast dtype of forward. Only bfloat16: it
+# needs no loss scaling (float16's narrow exponent would need a GradScaler).
+PRECISIONS = {"bf16-mixed": torch.bfloat16}
+
+
+def autocast_dtype(precision: str | None) -> torch.dtype | None:
+    """The dtype forward runs in under `precision` (None: no autocast); ValueError for a bad name."""
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is unknown; choose one of {', '.join(PRECISIONS)} (or None)")
+    return PRECISIONS.get(precision)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Choices:
+    """What one replica runs with: the facts behind the run's first log line."""
+
+    dtype: str  # the parameters' dtype, e.g. "float32"
+    batchnorm: str  # the policy: "sync" or "local"
+    has_batchnorm: bool  # False: the policy had nothing to act on
+    num_devices: int
+    memory_format: str  # "channels_last" or "contiguous"
+    requested_algorithm: str  # what was asked for ("auto" or a name)
+    algorithm: str  # the allreduce that runs
+    fallback_reason: str | None  # why auto fell back to native where it would have chosen shm
+    exchanging: bool  # False: a world of one, the plain loop
+    overlap: bool
+    bucket_kb: tuple[float, ...]
+    grad_dtype: str | None  # the wire dtype's name ("bf16", "fp16"), None: as computed
+    precision: str | None = None  # "bf16-mixed": forward under autocast; None: the dtype throughout
+    backend: str = "none"  # the world's ("gloo", "nccl"): what `native` runs
+    why_not_shm: str | None = None  # why auto chose native for k > 1 (ranks span hosts, GPUs), or None
+
+    def describe(self) -> str:
+        """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
+        mixed = f", {self.precision} (autocast forward, float32 weights and gradients)" if self.precision else ""
+        return f"allreduce {self._algorithm_text()}, {self._exchange_text()}, {self.memory_format}, " \
+               f"{self.dtype}{mixed}{self._batchnorm_text()}"
+
+    def _algorithm_text(self) -> str:
+        if self.requested_algorithm != "auto":
+            return self.algorithm
+        if self.num_devices > 1 and self.algorithm == "shm":
+            return "shm (auto: CPU workers on one host share memory)"
+        if self.fallback_reason is not None:
+            return f"native (auto: {self.fallback_reason.split('; use')[0]})"
+        if self.num_devices > 1 and self.why_not_shm is not None:  # e.g. ranks on several hosts
+            return f"native = {self.backend}'s own allreduce (auto: {self.why_not_shm})"
+        return f"{self.algorithm} (auto)"
+
+    def _exchange_text(self) -> str:
+        if not self.exchanging:  # one device: no buckets, hooks or thread
+            return "no gradient exchange (one device)"
+        sizes = ", ".join(f"{kb:.1f}" for kb in self.bucket_kb)
+        wire = f" sent as {self.grad_dtype}" if self.grad_dtype else ""
+        mode = "overlapped" if self.overlap else "synchronous"
+        return f"{mode} gradient exchange in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{wire}"
+
+    def _batchnorm_text(self) -> str:
+        if not self.has_batchnorm:
+            return ""
+        if self.num_devices == 1:
+            return f", BatchNorm {self.batchnorm} (one device: plain BatchNorm sees the whole batch)"
+        what = "statistics of the whole global batch" if self.batchnorm == "sync" else "each device its own statistics"
+        return f", BatchNorm {self.batchnorm} ({what})"
+
+
+def replica_choices(dp, *, requested_algorithm: str, batchnorm: str | None, precision: str | None) -> Choices:
+    """The `Choices` of a built replica `dp` (a DataParallel): its own facts, and what it was asked
+    for. `batchnorm` None (built directly): sync where the model has SyncBatchNorm, else local."""
+    module, world = dp.module, dp.world
+    first = next(module.parameters(), None)
+    wire_names = {value: name for name, value in GRAD_DTYPES.items()}
+    return Choices(
+        dtype=str(first.dtype).removeprefix("torch.") if first is not None else "no parameters",
+        batchnorm=batchnorm or ("sync" if has_sync_batchnorm(module) else "local"),
+        has_batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()),
+        num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=requested_algorithm,
+        algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
+        bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
+        precision=precision, backend=world.backend, why_not_shm=shm_applies(world) if world.distributed else None)
+
