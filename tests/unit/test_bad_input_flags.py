@@ -166,6 +166,7 @@ FLAG_CASES = [
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
     (["run"], r"the following arguments are required: script"),
+    (["--version=1"], r"argument --version: ignored explicit argument '1'"),
 ]
 
 
