@@ -20,6 +20,7 @@ import torch
 
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import check_checkpoint
 from phalanx.runtime.world import World, launcher_env
 
 # What a resumed run may change, and how its log line names each.
@@ -87,6 +88,7 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
     path = ckpt.checkpoint_path(resume)
     state = ckpt.read_checkpoint(path)
     ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
+    check_checkpoint(state["optimizer"], config.optim, path=path)
     position = ckpt.restore(state, world=world, model=model, optimizer=optimizer)
     earlier = dict(state.get("settings") or {})
     now = run_settings(config, num_devices=world.world_size)

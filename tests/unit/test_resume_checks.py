@@ -125,3 +125,10 @@ def test_a_first_format_checkpoint_still_loads_its_sums_added_up_and_says_its_da
     resumed = build_model("lenet", init="pytorch", num_classes=10)
     resumed.load_state_dict(state["model"])
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_a_resume_with_another_momentum_is_refused_before_training(tmp_path):
+    _save(tmp_path, TrainConfig(), _data())  # plain SGD, as every checkpoint before --momentum
+    with pytest.raises(UsageError, match=r"was saved with --momentum 0 but this run has --momentum 0\.9"):
+        _resume(TrainConfig(optim=OptimizerConfig(momentum=0.9), checkpoint=CheckpointConfig(resume=str(tmp_path))),
+                _data())
