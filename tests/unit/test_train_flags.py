@@ -72,3 +72,9 @@ def test_every_flag_with_a_value_shows_its_default_in_help():
     for shown in ("--epochs EPOCHS       passes over the training set (default: 10)", "(default: 256)",
                   "--lr LR               learning rate (default: 0.2)", "(default: 120.0)"):
         assert shown in text, text
+
+
+def test_docs_command_md_lists_exactly_the_flags_of_phalanx_train():
+    table = (Path(__file__).parents[2] / "docs" / "command.md").read_text()
+    documented = set(re.findall(r"^\| `(--[a-z-]+)", table, re.MULTILINE))
+    assert documented == {flag.name for flag in flags(TrainConfig)}
