@@ -17,11 +17,12 @@ flat on the command line (`--no-overlap`, not `--data_parallel.overlap`).
   whose help shows every default (`HelpFormatter`), hand-written arguments' too.
 
 Standard library only: importing it costs no torch, so `phalanx --help` stays fast. tyro,
-jsonargparse and simple-parsing were weighed and not taken: each derives a flag's name from the
-field's path (`--exchange.overlap`, `--overlap/--nooverlap`), where phalanx keeps its own names
-(`--batch-size` fills `global_batch_size`, `--no-overlap` clears `overlap`, `--timeout` is
-`timeout_s`); tyro reports a bad value in a multi-line panel; each costs 60-75 ms to import
-(argparse: 7 ms).
+jsonargparse and simple-parsing were weighed and not taken: each names a flag after the field's
+path (`--exchange.overlap`, `--exchange.no-overlap`, `--nooverlap`) unless told otherwise field by
+field, where phalanx keeps its own names (`--batch-size` fills `global_batch_size`, `--no-overlap`
+clears `overlap`, `--timeout` is `timeout_s`); tyro reports a bad value in a multi-line panel; each
+costs 60-75 ms to import (argparse: 7 ms). HF's HfArgumentParser is the closest shape (several
+flat dataclasses, help in field metadata) but lives inside transformers.
 """
 
 from __future__ import annotations

@@ -36,3 +36,14 @@ def test_silent_off_a_terminal_or_when_disabled_and_starts_no_thread():
     bar.update(1, 1)
     assert threading.active_count() == before
     bar.close()
+
+
+def test_a_bar_makes_no_multiprocessing_lock():
+    # tqdm's default lock is a multiprocessing semaphore that a killed worker would leak (the
+    # resource tracker then warns after the run's one-line ending).
+    from multiprocessing import synchronize
+
+    bar = ProgressBar(label="epoch 1/1", enabled=False, stream=io.StringIO())
+    lock = type(bar._bar).get_lock()
+    assert not isinstance(lock, synchronize.SemLock) and not hasattr(lock, "mp_lock")
+    bar.close()
