@@ -53,8 +53,8 @@ def hold_run_directories(config: TrainConfig, *, enabled: bool = True) -> Iterat
 
 def _directories(config: TrainConfig) -> list[tuple[str, str]]:
     found = [("--out", config.out_dir)] if config.out_dir else []
-    if config.checkpoint_every is not None and config.checkpoint_location:
-        flag = "--checkpoint-dir" if config.checkpoint_dir is not None else "the checkpoint dir"
+    if config.checkpoint.every is not None and config.checkpoint_location:
+        flag = "--checkpoint-dir" if config.checkpoint.directory is not None else "the checkpoint dir"
         found.append((flag, config.checkpoint_location))
     unique, seen = [], set()
     for flag, directory in found:  # one lock per directory: a second flock on it would block this process
@@ -68,7 +68,7 @@ def _directories(config: TrainConfig) -> list[tuple[str, str]]:
 def _earlier_outputs(config: TrainConfig) -> list[Path]:
     found = list(Outputs(out_dir=Path(config.out_dir)).files) if config.out_dir else []
     # The checkpoints this run would write, or those under --out a later --resume auto would find.
-    if config.checkpoint_location and (config.checkpoint_every is not None or config.checkpoint_dir is None):
+    if config.checkpoint_location and (config.checkpoint.every is not None or config.checkpoint.directory is None):
         found.extend(generation_paths(Path(config.checkpoint_location) / CHECKPOINT_FILENAME))
     return [path for path in found if path.is_file()]
 

@@ -56,10 +56,10 @@ def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
 
 def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: LaunchSpec,
                         say: Callable[[str], None] | None = None) -> list[Any]:
-    """`launch(train_worker, ...)` on `names`, restarted per config.max_restarts / config.elastic
+    """`launch(train_worker, ...)` on `names`, restarted per config.restarts (--max-restarts, --elastic)
     (see the module docstring); returns the finished attempt's results by rank."""
     say = say or (lambda line: print(f"phalanx: {line}", file=sys.stderr, flush=True))
-    if config.max_restarts == 0:
+    if config.restarts.max_restarts == 0:
         return _launch_once(config, names, spec)
     spec = replace(spec, spawn_single=True)  # one device too: a worker's death must leave the launcher
     plan, attempt, restarts = DevicePlan(names=tuple(names)), config, 0
@@ -74,19 +74,19 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
             position = checkpoint_position(config.checkpoint_location)
             where = _where(config.checkpoint_location, position)
             failed = f"worker rank {failure.rank} ({failure.device}) {failure.what}"
-            if config.elastic and previous == (failure.device, position) and _fits(config, plan.num_devices - 1):
+            if config.restarts.elastic and previous == (failure.device, position) and _fits(config, plan.num_devices - 1):
                 plan = DevicePlan(names=tuple(n for n in plan.names if n != failure.device))
                 say(f"{failed} again before the run got past {where}: giving {failure.device} up (--elastic); "
                     f"going on from {where} on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}")
-            elif restarts < config.max_restarts:
+            elif restarts < config.restarts.max_restarts:
                 restarts += 1
-                say(f"{failed}; restart {restarts} of {config.max_restarts} from {where} "
+                say(f"{failed}; restart {restarts} of {config.restarts.max_restarts} from {where} "
                     f"on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}")
             else:
                 raise
             previous = (failure.device, position)
-            resume = config.checkpoint_location if position is not None else config.resume
-            attempt = replace(config, resume=resume, overwrite=False)  # overwrite happened once, before attempt 1
+            resume = config.checkpoint_location if position is not None else config.checkpoint.resume
+            attempt = replace(config, checkpoint=replace(config.checkpoint, resume=resume), overwrite=False)  # overwrite happened once, before attempt 1
 
 
 def _launch_once(config: TrainConfig, names: Sequence[str], spec: LaunchSpec) -> list[Any]:

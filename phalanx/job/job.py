@@ -28,6 +28,7 @@ from phalanx.model_split.splits import build_split
 from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import build_optimizer
 from phalanx.train.evaluate import count_accuracy
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.train.loop import Strategy, train_epoch
@@ -40,7 +41,7 @@ from phalanx.runtime.world import World
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
     log = RankZeroLog(enabled=world.is_main)
-    data = load_dataset(config.dataset, config.data_dir, log=log)
+    data = load_dataset(config.data.dataset, config.data.directory, log=log)
     num_train = data.train_images.shape[0]
     if config.global_batch_size > num_train:  # accepted (one step per epoch), but rarely what was meant
         log(f"note: --batch-size {config.global_batch_size} is larger than the {num_train} training images, "
@@ -67,20 +68,21 @@ def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World,
                    tracer: Tracer | None = None) -> Strategy:
     """This rank's part of `model`: a prepared replica (`--split data`, its exchange traced to
     `tracer`), or its share of a model split."""
-    if config.split != "data":
-        return build_split(config.split, model.to(getattr(torch, config.dtype)), world=world,
-                           global_batch_size=config.global_batch_size, micro_batches=config.micro_batches,
-                           schedule=config.schedule, num_classes=num_classes)
-    dp = prepare(model, world=world, dtype=config.dtype, batchnorm=config.batchnorm,
-                 memory_format=config.memory_format, algorithm=config.allreduce, overlap=config.overlap,
-                 bucket_cap_mb=config.bucket_cap_mb, grad_dtype=config.grad_dtype, tracer=tracer)
-    return DataSplit(dp, grad_accum_steps=config.grad_accum_steps)
+    split, options = config.split, config.data_parallel
+    if split.kind != "data":
+        return build_split(split.kind, model.to(getattr(torch, config.dtype)), world=world,
+                           global_batch_size=config.global_batch_size, micro_batches=split.micro_batches,
+                           schedule=split.schedule, num_classes=num_classes)
+    dp = prepare(model, world=world, dtype=config.dtype, batchnorm=options.batchnorm,
+                 memory_format=options.memory_format, algorithm=options.allreduce, overlap=options.overlap,
+                 bucket_cap_mb=options.bucket_cap_mb, grad_dtype=options.grad_dtype, tracer=tracer)
+    return DataSplit(dp, grad_accum_steps=options.grad_accum_steps)
 
 
 def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: RankZeroLog,
          device_names: Sequence[str], tracer: Tracer | None) -> dict[str, Any]:
     """Check the ranks agree, resume, train config.epochs (evaluating after each), write the outputs."""
-    optimizer = torch.optim.SGD(strategy.module.parameters(), lr=config.lr)
+    optimizer = build_optimizer(strategy.module.parameters(), config.optim)
     steps = steps_per_epoch(data.train_images.shape[0], config.global_batch_size)
     whole = strategy.whole_model()
     preflight_check(world, {"model": model_fingerprint(whole), "strategy": strategy.describe(), **strategy.facts(),
@@ -107,15 +109,15 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     devices_text = "[" + ", ".join(device_names) + "]"
     log(f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch {config.global_batch_size}, "
-        f"lr {config.lr}, {strategy.describe()}{_schedule_text(config)}{_placement_text(config, world)}")
+        f"lr {config.optim.lr}, {strategy.describe()}{_schedule_text(config)}{_placement_text(config, world)}")
     train_images, train_labels = data.train_images.to(world.device), data.train_labels.to(world.device)
     test_images, test_labels = data.test_images.to(world.device), data.test_labels.to(world.device)
     outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir and world.is_main else None
     metrics, history = outputs.open_metrics(start_epoch=start.epoch) if outputs is not None else (None, [])
-    warmup = warmup_steps(config.warmup_epochs, steps)
+    warmup = warmup_steps(config.optim.warmup_epochs, steps)
     for epoch in range(start.epoch, config.epochs):
         first_step = start.step if epoch == start.epoch else 0
-        set_lr(optimizer, lr_at(epoch * steps + first_step, base_lr=config.lr, warmup=warmup))
+        set_lr(optimizer, lr_at(epoch * steps + first_step, base_lr=config.optim.lr, warmup=warmup))
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
         after_step = after_step_hook(config=config, world=world, optimizer=optimizer, epoch=epoch, warmup=warmup,
                                      gradients=strategy.named_gradients, save=save,
@@ -131,25 +133,25 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                                       batch_size=config.eval_batch_size)
         row = {"epoch": epoch + 1, "train_loss": stats.train_loss, "train_acc": stats.train_acc, "test_acc": test_acc,
                "epoch_s": stats.elapsed_s, "images_per_s": stats.num_examples / stats.elapsed_s,
-               "devices": list(device_names), "global_batch_size": config.global_batch_size, "lr": config.lr,
-               "warmup_epochs": config.warmup_epochs, "dtype": config.dtype, **strategy.facts(),
+               "devices": list(device_names), "global_batch_size": config.global_batch_size, "lr": config.optim.lr,
+               "warmup_epochs": config.optim.warmup_epochs, "dtype": config.dtype, **strategy.facts(),
                **mixed_lr(begin, config, epoch)}
         history.append(row)
         mixed = (f"  (lr {row['lr_before_resume']:g} for its first {row['steps_before_resume']} steps, "
-                 f"{config.lr:g} after the resume)" if "lr_before_resume" in row else "")
+                 f"{config.optim.lr:g} after the resume)" if "lr_before_resume" in row else "")
         log(f"epoch {epoch + 1:3d}  loss {stats.train_loss:.4f}  train acc {stats.train_acc:.3f}  "
             f"test acc {test_acc:.3f}  {stats.elapsed_s:.2f} s  {row['images_per_s']:.0f} img/s{mixed}")
         if metrics is not None:
             metrics.append(row)
-        if config.checkpoint_every is not None:
+        if config.checkpoint.every is not None:
             save(ckpt.Position(epoch=epoch + 1, step=0))
 
     whole = strategy.whole_model()  # every rank: a split gathers its shards
     sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
     if outputs is not None:
-        split = f", split {config.split}" if config.split != "data" else ""
+        split = f", split {config.split.kind}" if config.split.kind != "data" else ""
         # The last epoch's checkpoint (if any) holds exactly this model: named if model.pt fails.
-        kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint_every is not None else None
+        kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint.every is not None else None
         outputs.finish(history, whole, title=f"{config.model} on {data.name}, {devices_text}{split}", checkpoint=kept)
     log(f"test acc: {history[-1]['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {devices_text}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
@@ -171,8 +173,9 @@ def _position_text(position: ckpt.Position, steps: int) -> str:
 
 
 def _schedule_text(config: TrainConfig) -> str:
-    accum = f", {config.grad_accum_steps} micro-batches per step" if config.grad_accum_steps > 1 else ""
-    warm = f", lr warmup over {config.warmup_epochs:g} epochs" if config.warmup_epochs else ""
+    accum_steps, warmup_epochs = config.data_parallel.grad_accum_steps, config.optim.warmup_epochs
+    accum = f", {accum_steps} micro-batches per step" if accum_steps > 1 else ""
+    warm = f", lr warmup over {warmup_epochs:g} epochs" if warmup_epochs else ""
     return accum + warm
 
 
@@ -182,6 +185,6 @@ def _placement_text(config: TrainConfig, world: World) -> str:
         return ""
     threads = torch.get_num_threads()
     text = f", {threads} thread{'s' if threads > 1 else ''} per worker"
-    if config.bind_cores and hasattr(os, "sched_getaffinity"):
+    if config.launch.bind_cores and hasattr(os, "sched_getaffinity"):
         text += f", each bound to its own cores (rank 0: {describe_cores(sorted(os.sched_getaffinity(0)))})"
     return text

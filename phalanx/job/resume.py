@@ -22,6 +22,7 @@ import torch
 
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import check_checkpoint
 from phalanx.runtime.world import World, launcher_env
 
 # What a resumed run may change, and how its log line names each.
@@ -56,16 +57,16 @@ def run_fingerprint(config: TrainConfig, model: torch.nn.Module, *, data: dict |
 
 def run_settings(config: TrainConfig, *, num_devices: int) -> dict:
     """What a resumed run may change, recorded with each checkpoint so it can say what changed."""
-    return {"lr": config.lr, "warmup_epochs": config.warmup_epochs, "epochs": config.epochs, "num_devices": num_devices}
+    return {"lr": config.optim.lr, "warmup_epochs": config.optim.warmup_epochs, "epochs": config.epochs, "num_devices": num_devices}
 
 
 def requested_resume(config: TrainConfig) -> str | None:
     """What this run continues from: --resume's value, or "auto" when torchrun restarted a job
     that checkpoints (TORCHELASTIC_RESTART_COUNT > 0), else None."""
-    if config.resume is not None:
-        return config.resume
+    if config.checkpoint.resume is not None:
+        return config.checkpoint.resume
     env = launcher_env()
-    if config.checkpoint_every is not None and env is not None and env.restart_count > 0:
+    if config.checkpoint.every is not None and env is not None and env.restart_count > 0:
         return "auto"  # torchrun restarted the job: pick up where the last checkpoint left off
     return None
 
@@ -88,6 +89,7 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
         return Start(position=ckpt.Position(epoch=0, step=0))
     path, state, passed_over = ckpt.read_newest(resume)
     ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
+    check_checkpoint(state["optimizer"], config.optim, path=path)
     position = ckpt.restore(state, world=world, model=model, optimizer=optimizer)
     earlier = dict(state.get("settings") or {})
     now = run_settings(config, num_devices=world.world_size)
@@ -106,6 +108,6 @@ def mixed_lr(start: Start, config: TrainConfig, epoch: int) -> dict:
     """The row fields of an epoch trained at two rates (resumed mid-epoch with another --lr): the
     earlier rate and how many of its steps ran at it; {} for every other epoch."""
     earlier_lr = start.earlier.get("lr")
-    if epoch != start.position.epoch or start.position.step == 0 or earlier_lr in (None, config.lr):
+    if epoch != start.position.epoch or start.position.step == 0 or earlier_lr in (None, config.optim.lr):
         return {}
     return {"lr_before_resume": earlier_lr, "steps_before_resume": start.position.step}

@@ -32,14 +32,14 @@ def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim
         global_step = epoch * total + done
         report_progress(global_step)
         if warmup:
-            set_lr(optimizer, lr_at(global_step, base_lr=config.lr, warmup=warmup))
+            set_lr(optimizer, lr_at(global_step, base_lr=config.optim.lr, warmup=warmup))
         checking = bool(config.check_every) and global_step % config.check_every == 0
         # The loss every step on CPU (free); on a GPU only at check steps, as reading it syncs.
         check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None,
                      buffers=gradients() if checking else {}, step=global_step, rank=world.rank)
         if checking and check_replicas is not None:
             check_replicas(global_step)
-        every = config.checkpoint_steps
+        every = config.checkpoint.steps
         if every and global_step % every == 0 and done < total:  # an epoch's end is saved by the job
             save(ckpt.Position(epoch=epoch, step=done, epoch_totals=tuple(totals())))
 

@@ -34,12 +34,12 @@ import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
+from phalanx.options import add_options, build
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
                                    torchrun_device, warn_if_oversubscribed)
+from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, stop_world
 from phalanx.runtime.board import mark_exit, open_board
-
-DEFAULT_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,17 +151,30 @@ def _bound_default_group_timeout(timeout_s: float) -> None:
             setattr(c10d, name, timeout)
 
 
-def add_run_parser(sub) -> None:
-    run = sub.add_parser("run", help="run your own training script on k workers, as torchrun would "
-                         "(phalanx.init() or your own init_process_group joins the world)")
-    run.add_argument("--devices", default="1", help="N, cpu:N or cuda:0,1 (default 1)")
-    run.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds any collective may wait")
-    run.add_argument("--threads-per-device", type=int, default=None, help="CPU threads per worker")
-    run.add_argument("--quiet", action="store_true", help="no first line on stderr (workers, threads, rendezvous)")
-    run.add_argument("--bind-cores", action="store_true",
-                     help="pin each local worker to its own equal share of the cores (threads = its share)")
-    run.add_argument("script", help="the Python file to run on every worker")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+RUN_DESCRIPTION = """\
+Run your own training script on k workers, as torchrun would: each worker runs the script as
+__main__ (sys.argv = [script, *args]) under phalanx's launcher, which supervises the workers and
+ends a failure in one line naming the rank.
+
+example: phalanx run --devices cpu:2 train.py --lr 0.1
+
+Each worker's environment holds torchrun's variables: RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the launcher's store). No process group is open
+when the script starts: phalanx.init() joins the world (gloo on CPU, NCCL on cuda:LOCAL_RANK),
+and a script written for torchrun joins with its own dist.init_process_group(...), so one script
+runs unchanged under phalanx run, torchrun and plain python. A group opened without timeout=
+waits at most --timeout.
+"""
+RUN_EPILOG = "The API a script uses (init, prepare, ShardedLoader, shard_loss, ...): docs/api.md."
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """`phalanx run`'s parser: the launch options (declared once, in LaunchConfig), the script, its args."""
+    parser.description, parser.epilog = RUN_DESCRIPTION, RUN_EPILOG
+    add_options(parser, LaunchConfig)
+    parser.add_argument("--quiet", action="store_true", help="no first line on stderr (workers, threads, rendezvous)")
+    parser.add_argument("script", help="the Python file to run on every worker")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
 
 def run_run(args: argparse.Namespace) -> int:
@@ -172,12 +185,8 @@ def run_run(args: argparse.Namespace) -> int:
                          "name a Python file, e.g. phalanx run --devices cpu:2 train.py")
     if not os.access(script, os.R_OK):
         raise UsageError(f"script {args.script} is not readable; check its permissions")
-    if not (args.timeout > 0):
-        raise UsageError(f"--timeout {args.timeout} must be a positive number of seconds")
-    if args.threads_per_device is not None and args.threads_per_device < 1:
-        raise UsageError(f"--threads-per-device {args.threads_per_device} must be at least 1")
-    spec = LaunchSpec(plan=parse_devices(args.devices), threads_per_device=args.threads_per_device,
-                      timeout_s=args.timeout, bind_cores=args.bind_cores)
+    launch_config = build(LaunchConfig, args)
+    spec = launch_config.spec(parse_devices(launch_config.devices))
     env = launcher_env()
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
         if env.rank == 0 and not args.quiet:

@@ -14,7 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from phalanx.data.config import DataConfig
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import OptimizerConfig
+from phalanx.runtime.launch_config import LaunchConfig
 
 SCALED = "scaled"
 
@@ -144,7 +147,8 @@ def expand_grid(config: SweepConfig) -> list[GridPoint]:
 
 def train_config(config: SweepConfig, point: GridPoint, *, dataset: str | None, data_dir: str | None) -> TrainConfig:
     """The `phalanx train` run one point is (a ValueError naming the setting it cannot be)."""
-    return TrainConfig(model=config.model, dataset=dataset, data_dir=data_dir, epochs=config.epochs,
-                       global_batch_size=point.global_batch_size, lr=point.lr, warmup_epochs=point.warmup_epochs,
-                       seed=config.seed, threads_per_device=config.threads_per_device,
-                       timeout_s=config.timeout_s, progress=False)
+    return TrainConfig(model=config.model, data=DataConfig(dataset=dataset, directory=data_dir), epochs=config.epochs,
+                       global_batch_size=point.global_batch_size,
+                       optim=OptimizerConfig(lr=point.lr, warmup_epochs=point.warmup_epochs), seed=config.seed,
+                       launch=LaunchConfig(threads_per_device=config.threads_per_device, timeout_s=config.timeout_s),
+                       progress=False)

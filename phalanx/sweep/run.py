@@ -64,10 +64,10 @@ def summarize(point: GridPoint, history: Sequence[dict[str, Any]], *, target_acc
 
 def point_settings(train: TrainConfig, point: GridPoint) -> dict[str, Any]:
     """What decides a point's outcome: a stored result is reused by --resume only if these match."""
-    return {"num_devices": point.num_devices, "model": train.model, "dataset": train.dataset,
-            "data_dir": train.data_dir, "epochs": train.epochs, "global_batch_size": train.global_batch_size,
-            "lr": train.lr, "warmup_epochs": train.warmup_epochs, "seed": train.seed,
-            "threads_per_device": train.threads_per_device}
+    return {"num_devices": point.num_devices, "model": train.model, "dataset": train.data.dataset,
+            "data_dir": train.data.directory, "epochs": train.epochs, "global_batch_size": train.global_batch_size,
+            "lr": train.optim.lr, "warmup_epochs": train.optim.warmup_epochs, "seed": train.seed,
+            "threads_per_device": train.launch.threads_per_device}
 
 
 def sweep_worker(world: World, jobs: Sequence[tuple[GridPoint, TrainConfig, dict]], names: Sequence[str],

@@ -51,7 +51,7 @@ DEAD_ON_RESUME = textwrap.dedent("""
     from phalanx.job import job
     real_run = job._run
     def run_or_die(strategy, *, world, config, device_names, **kw):
-        if config.resume is not None and world.distributed and device_names[world.rank] == os.environ["DEAD_DEVICE"]:
+        if config.checkpoint.resume is not None and world.distributed and device_names[world.rank] == os.environ["DEAD_DEVICE"]:
             os.kill(os.getpid(), signal.SIGKILL)
         return real_run(strategy, world=world, config=config, device_names=device_names, **kw)
     job._run = run_or_die

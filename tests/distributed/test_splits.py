@@ -17,6 +17,10 @@ from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.models import LeNet
 from phalanx.telemetry.metrics import read_metrics
+from phalanx.data.config import DataConfig
+from phalanx.job.checkpointing import CheckpointConfig
+from phalanx.job.optim import OptimizerConfig
+from phalanx.model_split.config import SplitConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.job import train_worker
 from tests.distributed.split_data import write_small_fashion_mnist
@@ -39,7 +43,8 @@ def _max_relative(state, reference) -> float:
 @pytest.fixture(scope="module")
 def base_config(tmp_path_factory):
     data_dir = write_small_fashion_mnist(tmp_path_factory.mktemp("data"))
-    return TrainConfig(dataset="fashion-mnist", data_dir=str(data_dir), epochs=2, global_batch_size=128, lr=0.2,
+    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(data_dir)), epochs=2, global_batch_size=128,
+                       optim=OptimizerConfig(lr=0.2),
                        seed=5, progress=False, dtype="float64")
 
 
@@ -52,7 +57,7 @@ def one_device(tmp_path_factory, base_config):
     ("layers", 2, "gpipe", None), ("layers", 4, "1f1b", 5), ("channels", 2, "gpipe", None),
     ("channels", 4, "gpipe", None)])
 def test_split_equals_one_device(tmp_path, base_config, one_device, split, devices, schedule, micro_batches):
-    config = replace(base_config, split=split, schedule=schedule, micro_batches=micro_batches)
+    config = replace(base_config, split=SplitConfig(kind=split, schedule=schedule, micro_batches=micro_batches))
     state = _train(tmp_path / "run", config, devices)
     assert list(state) == list(one_device)  # one ordinary LeNet state dict, in LeNet's order
     LeNet().double().load_state_dict(state)  # loads like any LeNet
@@ -67,9 +72,11 @@ def test_split_equals_one_device(tmp_path, base_config, one_device, split, devic
 
 
 def test_a_resumed_split_run_ends_where_an_uninterrupted_one_does(tmp_path, base_config, one_device):
-    config = replace(base_config, split="layers", checkpoint_every="3", epochs=1, out_dir=str(tmp_path / "run"))
+    config = replace(base_config, split=SplitConfig(kind="layers"), checkpoint=CheckpointConfig(every="3"), epochs=1,
+                     out_dir=str(tmp_path / "run"))
     _train(tmp_path / "run", config, 2)  # stops after epoch 1 (checkpoints at step 3 and the epoch end)
-    resumed = _train(tmp_path / "run", replace(config, epochs=2, resume="auto", split="channels"), 2)
+    resumed = _train(tmp_path / "run", replace(config, epochs=2, checkpoint=CheckpointConfig(every="3", resume="auto"),
+                                                         split=SplitConfig(kind="channels")), 2)
     # Resumed under another split, even: every split computes the same update from the same state.
     assert _max_relative(resumed, one_device) < 1e-9
     assert [r["epoch"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]

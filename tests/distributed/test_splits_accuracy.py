@@ -12,6 +12,8 @@ import pytest
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.data.config import DataConfig
+from phalanx.model_split.config import SplitConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.job import train_worker
 
@@ -27,7 +29,7 @@ def _final_test_acc(config: TrainConfig, devices: int) -> float:
 
 @pytest.fixture(scope="module")
 def base(sample_dir):
-    return TrainConfig(dataset="fashion-mnist", data_dir=str(sample_dir), epochs=20, progress=False)
+    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(sample_dir)), epochs=20, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +39,6 @@ def data_acc(base):
 
 @pytest.mark.parametrize("split, devices", [("layers", 2), ("channels", 4)])
 def test_split_reaches_data_parallel_accuracy(base, data_acc, split, devices):
-    acc = _final_test_acc(replace(base, split=split), devices)
+    acc = _final_test_acc(replace(base, split=SplitConfig(kind=split)), devices)
     assert data_acc > 0.6  # learned something: the comparison is not between two chance levels
     assert abs(acc - data_acc) <= 0.02, f"{split} at k={devices}: {acc:.3f} vs data {data_acc:.3f}"

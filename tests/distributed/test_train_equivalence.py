@@ -19,6 +19,9 @@ import torch
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.telemetry.metrics import read_metrics
+from phalanx.data.config import DataConfig
+from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.job.optim import OptimizerConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.job import train_worker
 
@@ -28,15 +31,15 @@ pytestmark = pytest.mark.distributed
 def _train(tmp_path, config, devices: str, algorithm: str = "native"):
     plan = parse_devices(devices, cuda_count=0)
     out = tmp_path / f"{devices}-{algorithm}"
-    config = replace(config, out_dir=str(out), allreduce=algorithm)
+    config = replace(config, out_dir=str(out), data_parallel=DataParallelConfig(allreduce=algorithm))
     results = launch(train_worker, config, plan.names, spec=LaunchSpec(plan=plan, threads_per_device=1, timeout_s=60))
     return torch.load(out / "model.pt", weights_only=True), results, out
 
 
 @pytest.fixture(scope="module")
 def base_config(idx_dir):
-    return TrainConfig(dataset="fashion-mnist", data_dir=str(idx_dir), epochs=2, global_batch_size=256,
-                       lr=0.2, seed=3, progress=False, dtype="float64")
+    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(idx_dir)), epochs=2, global_batch_size=256,
+                       optim=OptimizerConfig(lr=0.2), seed=3, progress=False, dtype="float64")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,10 @@ from phalanx.runtime.devices import DevicePlan
 from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
 from phalanx.models import LeNet, build_model
 from phalanx.data_parallel import DataParallel
+from phalanx.data.config import DataConfig
+from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.job.checkpointing import CheckpointConfig
+from phalanx.job.optim import OptimizerConfig
 from phalanx.job.config import TrainConfig
 from phalanx.train import train_batch
 from phalanx.train.evaluate import evaluate
@@ -151,7 +155,8 @@ def _train(tmp_path, config: TrainConfig, plan: DevicePlan, name: str) -> tuple[
 
 @pytest.fixture(scope="module")
 def base_config(sample_dir):
-    return TrainConfig(dataset="fashion-mnist", data_dir=str(sample_dir), epochs=2, global_batch_size=256, lr=0.2,
+    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(sample_dir)), epochs=2, global_batch_size=256,
+                       optim=OptimizerConfig(lr=0.2),
                        seed=3, progress=False, dtype="float64")
 
 
@@ -159,7 +164,7 @@ def base_config(sample_dir):
 def two_ranks_lenet(tmp_path_factory, base_config):
     """2 epochs of the sample on 2 ranks sharing the GPU, checkpointing every epoch."""
     tmp = tmp_path_factory.mktemp("lenet")
-    return _train(tmp, replace(base_config, checkpoint_every="epoch", checkpoint_dir=str(tmp / "checkpoints")),
+    return _train(tmp, replace(base_config, checkpoint=CheckpointConfig(every="epoch", directory=str(tmp / "checkpoints"))),
                   SHARED, "two")
 
 
@@ -187,9 +192,9 @@ def test_two_epochs_on_two_ranks_equal_one_gpu(tmp_path, base_config, two_ranks_
 def test_resume_on_two_ranks_ends_where_the_uninterrupted_run_does(tmp_path, base_config, two_ranks_lenet):
     reference, _ = two_ranks_lenet
     checkpoints = str(tmp_path / "checkpoints")
-    first = replace(base_config, epochs=1, checkpoint_every="epoch", checkpoint_dir=checkpoints)
+    first = replace(base_config, epochs=1, checkpoint=CheckpointConfig(every="epoch", directory=checkpoints))
     _train(tmp_path, first, SHARED, "first")
-    state, results = _train(tmp_path, replace(first, epochs=2, resume=checkpoints), SHARED, "resumed")
+    state, results = _train(tmp_path, replace(first, epochs=2, checkpoint=replace(first.checkpoint, resume=checkpoints)), SHARED, "resumed")
     assert [r["epoch"] for r in results[0]["history"]] == [2]  # only the epoch left was trained
     _assert_same_model(state, reference)
 
@@ -206,4 +211,4 @@ def test_verify_passes_with_cuda_tensors_in_two_processes():
 
 def test_point_to_point_allreduce_is_refused_with_cuda_tensors_over_gloo(tmp_path, base_config):
     with pytest.raises(WorkerFailed, match="allreduce 'ring' sends CUDA tensors point to point, which gloo cannot"):
-        _train(tmp_path, replace(base_config, epochs=1, allreduce="ring"), SHARED, "ring")
+        _train(tmp_path, replace(base_config, epochs=1, data_parallel=DataParallelConfig(allreduce="ring")), SHARED, "ring")

@@ -30,6 +30,7 @@ FLAG_CASES = [
     (["train", "--epochs", "0"], r"--epochs 0 must be at least 1"),
     (["train", "--batch-size", "0"], r"--batch-size 0 must be at least 1"),
     (["train", "--lr", "-1"], r"--lr -1\.0 must be a positive finite number"),
+    (["train", "--momentum", "1"], r"--momentum 1\.0 must be at least 0 and below 1; use e\.g\. --momentum 0\.9"),
     (["train", "--warmup-epochs", "-1"], r"--warmup-epochs -1\.0 must be 0 \(none\) or a positive number"),
     (["train", "--allreduce", "butterfly"], r"--allreduce 'butterfly' is unknown; choose one of"),
     (["train", "--seed", "-5"], r"--seed -5 must be 0 or more; use e\.g\. --seed 0"),
@@ -167,6 +168,7 @@ FLAG_CASES = [
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
     (["run"], r"the following arguments are required: script"),
+    (["--version=1"], r"argument --version: ignored explicit argument '1'"),
 ]
 
 

@@ -61,6 +61,7 @@ def _offline(url: str) -> bytes:
 
 def test_real_sample_dir_and_accuracy(real_sample_dir):
     """The real sample reads as 3,000/1,000 images, and LeNet learns it: 4 epochs of batch 128, one process."""
+    from phalanx.data.config import DataConfig
     from phalanx.job.config import TrainConfig
     from phalanx.job.job import train_worker
     from phalanx.runtime.world import World
@@ -74,7 +75,7 @@ def test_real_sample_dir_and_accuracy(real_sample_dir):
     assert int(data.train_images.max()) > 200  # real images, not blank
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                   backend="none", timeout_s=60)
-    config = TrainConfig(dataset="fashion-mnist", data_dir=str(real_sample_dir), epochs=4, global_batch_size=128, progress=False)
+    config = TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(real_sample_dir)), epochs=4, global_batch_size=128, progress=False)
     result = train_worker(world, config, ["cpu:0"])
     assert result["history"][-1]["test_acc"] > 0.55, result["history"]
 

@@ -4,7 +4,11 @@ import pytest
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import UsageError
+from phalanx.data.config import DataConfig
+from phalanx.data_parallel.config import DataParallelConfig
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import OptimizerConfig
+from phalanx.runtime.launch_config import LaunchConfig
 
 
 def test_plain_count_uses_cpu_without_cuda():
@@ -44,28 +48,29 @@ def test_bad_device_specs(spec, cuda_count, fragment):
 
 def test_config_defaults_are_the_books():
     config = TrainConfig()
-    assert (config.epochs, config.global_batch_size, config.lr, config.model) == (10, 256, 0.2, "lenet")
+    assert (config.epochs, config.global_batch_size, config.optim.lr, config.model) == (10, 256, 0.2, "lenet")
 
 
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
         ({"epochs": 0}, "--epochs 0"),
-        ({"lr": 0.0}, "--lr 0.0"),
-        ({"lr": -1.0}, "--lr -1.0"),
-        ({"lr": float("nan")}, "--lr nan"),
+        ({"optim": lambda: OptimizerConfig(lr=0.0)}, "--lr 0.0"),
+        ({"optim": lambda: OptimizerConfig(lr=-1.0)}, "--lr -1.0"),
+        ({"optim": lambda: OptimizerConfig(lr=float("nan"))}, "--lr nan"),
         ({"global_batch_size": 0}, "--batch-size 0"),
-        ({"allreduce": "magic"}, "ring"),
+        ({"data_parallel": lambda: DataParallelConfig(allreduce="magic")}, "ring"),
         ({"model": "vgg"}, "lenet"),
-        ({"dataset": "cifar"}, "fashion-mnist"),
+        ({"data": lambda: DataConfig(dataset="cifar")}, "fashion-mnist"),
         ({"init": "xavier"}, "book"),
-        ({"threads_per_device": 0}, "threads"),
-        ({"timeout_s": 0}, "timeout"),
+        ({"launch": lambda: LaunchConfig(threads_per_device=0)}, "threads"),
+        ({"launch": lambda: LaunchConfig(timeout_s=0)}, "timeout"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, fragment):
+    # A component's value is made inside pytest.raises: each config checks itself on construction.
     with pytest.raises(ValueError, match=fragment):
-        TrainConfig(**kwargs)
+        TrainConfig(**{key: value() if callable(value) else value for key, value in kwargs.items()})
 
 
 def test_batch_smaller_than_device_count():

@@ -4,6 +4,7 @@ be locked are removed again; an earlier run's outputs are kept unless the run re
 --overwrite. The holder is a real second process running the same code."""
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -12,19 +13,26 @@ import textwrap
 import pytest
 
 from phalanx.errors import UsageError
+from phalanx.job.checkpointing import CheckpointConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.dirlock import PID_FILE, hold_run_directories
 
 HOLD_S = 60  # the child gives up holding after this long, whatever the test does
 
 
+def _config(*, out_dir: str, checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
+            resume: str | None = None, overwrite: bool = False) -> TrainConfig:
+    """The job's config with the options the directory lock reads (--out, --overwrite, the checkpoint's)."""
+    return TrainConfig(out_dir=out_dir, overwrite=overwrite,
+                       checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume))
+
+
 def _holder(**config) -> subprocess.Popen:
-    """A process holding the run directories of TrainConfig(**config) until its stdin closes."""
+    """A process holding the run directories of _config(**config) until its stdin closes."""
     script = textwrap.dedent(f"""
-        import sys, select
-        from phalanx.job.config import TrainConfig
+        import pickle, sys, select
         from phalanx.job.dirlock import hold_run_directories
-        with hold_run_directories(TrainConfig(**{config!r})):
+        with hold_run_directories(pickle.loads(bytes.fromhex({pickle.dumps(_config(**config)).hex()!r}))):
             print("held", flush=True)
             select.select([sys.stdin], [], [], {HOLD_S})
     """)
@@ -44,7 +52,7 @@ def test_a_held_out_dir_is_refused_in_one_line_naming_the_holder(tmp_path):
     holder = _holder(out_dir=str(out))
     try:
         with pytest.raises(UsageError) as info:
-            with hold_run_directories(TrainConfig(out_dir=str(out))):
+            with hold_run_directories(_config(out_dir=str(out))):
                 pytest.fail("a second run got the lock")
         assert str(info.value) == (f"--out {out} is in use by another phalanx run (pid {holder.pid}); "
                                    "wait for it to end or pick another directory")
@@ -52,7 +60,7 @@ def test_a_held_out_dir_is_refused_in_one_line_naming_the_holder(tmp_path):
         _end(holder)
     assert holder.returncode == 0
     assert not (out / PID_FILE).exists() and not out.exists()  # made only to be locked: removed again
-    with hold_run_directories(TrainConfig(out_dir=str(out))):  # free once the holder is done
+    with hold_run_directories(_config(out_dir=str(out))):  # free once the holder is done
         assert (out / PID_FILE).read_text().strip() == str(os.getpid())
 
 
@@ -62,7 +70,7 @@ def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(timeout=30)
     assert (out / PID_FILE).exists()  # stale: it could not clean up, and need not
-    with hold_run_directories(TrainConfig(out_dir=str(out))):
+    with hold_run_directories(_config(out_dir=str(out))):
         assert (out / PID_FILE).read_text().strip() == str(os.getpid())
     assert not (out / PID_FILE).exists()
 
@@ -73,7 +81,7 @@ def test_the_checkpoint_dir_is_locked_too(tmp_path):
     try:
         with pytest.raises(UsageError, match=rf"^--checkpoint-dir {shared} is in use by another phalanx run "
                                              rf"\(pid {holder.pid}\)"):
-            with hold_run_directories(TrainConfig(out_dir=str(tmp_path / "b"), checkpoint_dir=str(shared),
+            with hold_run_directories(_config(out_dir=str(tmp_path / "b"), checkpoint_dir=str(shared),
                                                   checkpoint_every="epoch")):
                 pass
     finally:
@@ -83,16 +91,16 @@ def test_the_checkpoint_dir_is_locked_too(tmp_path):
 
 def test_out_and_checkpoint_dir_may_be_one_directory(tmp_path):
     out = tmp_path / "S"
-    with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_dir=str(out), checkpoint_every="5")):
+    with hold_run_directories(_config(out_dir=str(out), checkpoint_dir=str(out), checkpoint_every="5")):
         assert out.is_dir()
 
 
 def test_a_nested_new_directory_is_created_for_the_run_and_removed_if_left_empty(tmp_path):
     out = tmp_path / "a" / "b" / "run"
-    with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="epoch")):
+    with hold_run_directories(_config(out_dir=str(out), checkpoint_every="epoch")):
         assert (out / "checkpoints").is_dir()
     assert not (tmp_path / "a").exists()
-    with hold_run_directories(TrainConfig(out_dir=str(out))):
+    with hold_run_directories(_config(out_dir=str(out))):
         (out / "model.pt").write_bytes(b"weights")  # what a finished run leaves
     assert sorted(p.name for p in out.iterdir()) == ["model.pt"]
 
@@ -103,15 +111,15 @@ def test_an_earlier_runs_outputs_are_kept_unless_resumed_or_overwritten(tmp_path
     for name in ("metrics.jsonl", "model.pt", "checkpoints/checkpoint.pt", "notes.txt"):
         (out / name).write_text("earlier")
     with pytest.raises(UsageError) as info:
-        with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5")):
+        with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5")):
             pytest.fail("overwrote an earlier run")
     assert str(info.value) == (f"--out {out} holds an earlier run's outputs (metrics.jsonl, model.pt, "
                                "checkpoints/checkpoint.pt); continue that run with --resume auto, or replace them "
                                "with --overwrite")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.jsonl", "model.pt", "notes.txt"]
-    with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5", resume="auto")):
+    with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5", resume="auto")):
         assert (out / "model.pt").read_text() == "earlier"  # continued, not cleared
-    with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5", overwrite=True)):
+    with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5", overwrite=True)):
         assert {p.name for p in out.iterdir()} == {"checkpoints", "notes.txt", PID_FILE}
         assert [p.name for p in (out / "checkpoints").iterdir()] == [PID_FILE]
     assert (out / "notes.txt").read_text() == "earlier"  # not ours: never touched
@@ -121,7 +129,7 @@ def test_no_lock_where_none_is_asked_for(tmp_path):
     out = tmp_path / "S"
     holder = _holder(out_dir=str(out))
     try:
-        with hold_run_directories(TrainConfig(out_dir=str(out)), enabled=False):  # a torchrun rank > 0
+        with hold_run_directories(_config(out_dir=str(out)), enabled=False):  # a torchrun rank > 0
             pass
     finally:
         _end(holder)
@@ -132,14 +140,14 @@ def test_a_checkpoint_left_under_out_counts_even_when_this_run_keeps_none(tmp_pa
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "checkpoint.pt").write_text("earlier")  # a later --resume auto would pick it up
     with pytest.raises(UsageError, match=r"holds an earlier run's outputs \(checkpoints/checkpoint\.pt\)"):
-        with hold_run_directories(TrainConfig(out_dir=str(out))):
+        with hold_run_directories(_config(out_dir=str(out))):
             pass
-    with hold_run_directories(TrainConfig(out_dir=str(out), overwrite=True)):
+    with hold_run_directories(_config(out_dir=str(out), overwrite=True)):
         assert not (out / "checkpoints" / "checkpoint.pt").exists()
     elsewhere = tmp_path / "elsewhere"  # a checkpoint dir this run neither writes nor reads: not its business
     elsewhere.mkdir()
     (elsewhere / "checkpoint.pt").write_text("another run's")
-    with hold_run_directories(TrainConfig(out_dir=str(tmp_path / "T"), checkpoint_dir=str(elsewhere))):
+    with hold_run_directories(_config(out_dir=str(tmp_path / "T"), checkpoint_dir=str(elsewhere))):
         pass
 
 
@@ -149,11 +157,11 @@ def test_both_checkpoint_generations_are_earlier_outputs_and_overwrite_removes_b
     for name in ("checkpoint.pt", "checkpoint.previous.pt"):
         (out / "checkpoints" / name).write_text("earlier")
     with pytest.raises(UsageError, match=r"holds an earlier run's outputs \(checkpoints/checkpoint\.pt\); continue"):
-        with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5")):
+        with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5")):
             pass
     (out / "checkpoints" / "checkpoint.pt").unlink()  # the one before it alone would still be resumed from
     with pytest.raises(UsageError, match=r"\(checkpoints/checkpoint\.previous\.pt\); continue"):
-        with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5")):
+        with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5")):
             pass
-    with hold_run_directories(TrainConfig(out_dir=str(out), checkpoint_every="5", overwrite=True)):
+    with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5", overwrite=True)):
         assert [p.name for p in (out / "checkpoints").iterdir()] == [PID_FILE]

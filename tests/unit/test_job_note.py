@@ -4,6 +4,7 @@ without a note); a batch that fits gets no such line."""
 
 import torch
 
+from phalanx.data.config import DataConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.job import train_worker
 from phalanx.runtime.world import World
@@ -13,7 +14,7 @@ WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=to
 
 
 def _notes(capsys, global_batch_size: int) -> tuple[list[str], dict]:
-    config = TrainConfig(model="lenet", dataset="digits", epochs=1, global_batch_size=global_batch_size,
+    config = TrainConfig(model="lenet", data=DataConfig(dataset="digits"), epochs=1, global_batch_size=global_batch_size,
                          progress=False)
     result = train_worker(WORLD1, config, ["cpu:0"])
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")], result

@@ -9,12 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.cli import _config_from_args, build_parser
+from phalanx.cli import build_parser
 from phalanx.models import LeNet
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel, OverlapScheduler
 from phalanx.data_parallel.buckets import DDP_FIRST_BUCKET_BYTES, build_buckets, default_first_cap_bytes
 from phalanx.data_parallel.step import micro_batches
+from phalanx.data_parallel.config import DataParallelConfig
 from phalanx.job.config import TrainConfig
+from phalanx.options import build
 from phalanx.train import train_batch
 from phalanx.runtime.world import World
 
@@ -331,13 +333,13 @@ def test_grad_accum_three_equals_one_and_syncs_once(overlap):
 # --- config and flags ----------------------------------------------------------------------
 
 def test_config_and_cli_flags():
-    config = TrainConfig()
+    config = TrainConfig().data_parallel
     assert config.overlap and config.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and config.grad_accum_steps == 1
     for kwargs, fragment in [({"grad_accum_steps": 0}, "--grad-accum 0"), ({"bucket_cap_mb": -1.0}, "--bucket-cap-mb -1.0")]:
         with pytest.raises(ValueError, match=fragment):
-            TrainConfig(**kwargs)
+            DataParallelConfig(**kwargs)
     args = build_parser().parse_args(["train", "--no-overlap", "--bucket-cap-mb", "none", "--grad-accum", "4"])
-    config = _config_from_args(args)
+    config = build(TrainConfig, args).data_parallel
     assert (config.overlap, config.bucket_cap_mb, config.grad_accum_steps) == (False, None, 4)
-    config = _config_from_args(build_parser().parse_args(["train", "--bucket-cap-mb", "0.1"]))
+    config = build(TrainConfig, build_parser().parse_args(["train", "--bucket-cap-mb", "0.1"])).data_parallel
     assert (config.overlap, config.bucket_cap_mb) == (True, 0.1)

@@ -12,7 +12,10 @@ from phalanx.data import load_dataset
 from phalanx.errors import UsageError
 from phalanx.models import build_model
 from phalanx.train import checkpoint as ckpt
+from phalanx.data.config import DataConfig
+from phalanx.job.checkpointing import CheckpointConfig
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import OptimizerConfig
 from phalanx.job.resume import Start, dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
 from phalanx.runtime.world import World
 
@@ -32,7 +35,7 @@ def _data(**changes):
 def _save(directory, config: TrainConfig, data, *, num_devices: int = 2, position=None) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(config.model, init=config.init, num_classes=10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.optim.lr)
     ckpt.save_checkpoint(directory, world=_world(), model=model, optimizer=optimizer,
                          position=position or ckpt.Position(epoch=2, step=6, epoch_totals=(9.5, 30.0, 96.0, 1.25)),
                          fingerprint=run_fingerprint(config, model, data=dataset_identity(data)),
@@ -44,7 +47,7 @@ def _resume(config: TrainConfig, data, world: World | None = None) -> tuple[Star
     lines: list[str] = []
     model = build_model(config.model, init=config.init, num_classes=10)
     start = resume_run(config, world=world or _world(), model=model,
-                       optimizer=torch.optim.SGD(model.parameters(), lr=config.lr),
+                       optimizer=torch.optim.SGD(model.parameters(), lr=config.optim.lr),
                        data=lambda: dataset_identity(data), log=lines.append)
     return start, lines
 
@@ -60,7 +63,7 @@ def test_the_identity_is_name_sizes_and_a_hash_of_the_training_set():
 
 @pytest.mark.parametrize("change", ["name", "size", "one byte"])
 def test_a_checkpoint_of_another_data_set_is_refused_in_one_line(tmp_path, change):
-    config = TrainConfig(dataset="synthetic", resume=str(tmp_path))
+    config = TrainConfig(data=DataConfig(dataset="synthetic"), checkpoint=CheckpointConfig(resume=str(tmp_path)))
     _save(tmp_path, config, _data())
     if change == "name":
         other = _data(name="fashion-mnist")
@@ -80,8 +83,8 @@ def test_a_checkpoint_of_another_data_set_is_refused_in_one_line(tmp_path, chang
 
 
 def test_lr_epochs_and_devices_may_change_and_the_resumed_line_names_each(tmp_path):
-    _save(tmp_path, TrainConfig(lr=0.2, epochs=4), _data(), num_devices=2)
-    config = TrainConfig(lr=0.05, epochs=6, resume=str(tmp_path))
+    _save(tmp_path, TrainConfig(optim=OptimizerConfig(lr=0.2), epochs=4), _data(), num_devices=2)
+    config = TrainConfig(optim=OptimizerConfig(lr=0.05), epochs=6, checkpoint=CheckpointConfig(resume=str(tmp_path)))
     start, lines = _resume(config, _data())
     assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6; changed since the checkpoint: "
                      "--lr 0.2 -> 0.05, --epochs 4 -> 6, devices 2 -> 1"]
@@ -89,9 +92,9 @@ def test_lr_epochs_and_devices_may_change_and_the_resumed_line_names_each(tmp_pa
     # The epoch that mixes the two rates says so in its row; the others do not.
     assert mixed_lr(start, config, epoch=2) == {"lr_before_resume": 0.2, "steps_before_resume": 6}
     assert mixed_lr(start, config, epoch=3) == {}
-    same, lines = _resume(TrainConfig(lr=0.2, epochs=4, resume=str(tmp_path)), _data(), world=_world(0, 2))
+    same, lines = _resume(TrainConfig(optim=OptimizerConfig(lr=0.2), epochs=4, checkpoint=CheckpointConfig(resume=str(tmp_path))), _data(), world=_world(0, 2))
     assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6"]
-    assert mixed_lr(same, TrainConfig(lr=0.2), epoch=2) == {}
+    assert mixed_lr(same, TrainConfig(optim=OptimizerConfig(lr=0.2)), epoch=2) == {}
 
 
 def test_running_sums_are_one_runs_carried_by_rank_0(tmp_path):
@@ -105,7 +108,7 @@ def test_running_sums_are_one_runs_carried_by_rank_0(tmp_path):
 
 
 def test_a_first_format_checkpoint_still_loads_its_sums_added_up_and_says_its_data_is_unchecked(tmp_path):
-    config = TrainConfig(resume=str(tmp_path))
+    config = TrainConfig(checkpoint=CheckpointConfig(resume=str(tmp_path)))
     model = _save(tmp_path, config, _data())
     state = ckpt.read_checkpoint(tmp_path)
     # What the first format held: no data identity, no settings, one list of sums per rank.
@@ -122,3 +125,10 @@ def test_a_first_format_checkpoint_still_loads_its_sums_added_up_and_says_its_da
     resumed = build_model("lenet", init="pytorch", num_classes=10)
     resumed.load_state_dict(state["model"])
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_a_resume_with_another_momentum_is_refused_before_training(tmp_path):
+    _save(tmp_path, TrainConfig(), _data())  # plain SGD, as every checkpoint before --momentum
+    with pytest.raises(UsageError, match=r"was saved with --momentum 0 but this run has --momentum 0\.9"):
+        _resume(TrainConfig(optim=OptimizerConfig(momentum=0.9), checkpoint=CheckpointConfig(resume=str(tmp_path))),
+                _data())

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from phalanx.job.config import TrainConfig
+from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.job.optim import OptimizerConfig
 from phalanx.job.schedule import lr_at, set_lr, warmup_steps
 
 
@@ -32,9 +33,9 @@ def test_set_lr_changes_every_group():
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_config_refuses_bad_warmup(bad):
     with pytest.raises(ValueError, match="--warmup-epochs"):
-        TrainConfig(warmup_epochs=bad)
+        OptimizerConfig(warmup_epochs=bad)
 
 
 def test_config_refuses_unknown_grad_dtype():
     with pytest.raises(ValueError, match="--grad-dtype 'int8' is unknown; choose one of bf16, fp16"):
-        TrainConfig(grad_dtype="int8")
+        DataParallelConfig(grad_dtype="int8")

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from phalanx.data_parallel.guards import NonFinite
+from phalanx.job.checkpointing import CheckpointConfig
 from phalanx.job.config import TrainConfig
+from phalanx.job.optim import OptimizerConfig
 from phalanx.job.step_hook import after_step_hook
 from phalanx.runtime.world import World
 
@@ -19,7 +21,7 @@ def _hook(tmp_path, *, epoch=0, warmup=0, grads=None, **config):
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=0.2)
     saved, checked = [], []
-    config = TrainConfig(lr=0.2, out_dir=str(tmp_path), **config)
+    config = TrainConfig(optim=OptimizerConfig(lr=0.2), out_dir=str(tmp_path), **config)
     hook = after_step_hook(config=config, world=WORLD, optimizer=optimizer, epoch=epoch, warmup=warmup,
                            gradients=lambda: grads or {"w": torch.zeros(2)}, save=saved.append,
                            check_replicas=checked.append)
@@ -27,7 +29,7 @@ def _hook(tmp_path, *, epoch=0, warmup=0, grads=None, **config):
 
 
 def test_checkpoints_every_n_steps_but_not_at_epoch_end(tmp_path):
-    hook, _, saved, _ = _hook(tmp_path, epoch=1, checkpoint_every="2")
+    hook, _, saved, _ = _hook(tmp_path, epoch=1, checkpoint=CheckpointConfig(every="2"))
     for done in range(1, 5):
         hook(done, 4, torch.tensor(1.0), lambda: [1.0, 2.0])
     assert [(p.epoch, p.step, p.epoch_totals) for p in saved] == [(1, 2, (1.0, 2.0))]  # step 4 ends the epoch

@@ -136,8 +136,8 @@ def test_each_point_is_a_train_config_with_its_batch_lr_and_warmup():
                          seed=3, epochs=5, warmup_epochs=0.5)
     point = expand_grid(config)[0]
     train = train_config(config, point, dataset="digits", data_dir=None)
-    assert (train.global_batch_size, train.lr, train.warmup_epochs) == (128, pytest.approx(0.4), 0.5)
-    assert (train.epochs, train.seed, train.threads_per_device, train.progress, train.out_dir) == (5, 3, 1, False, None)
+    assert (train.global_batch_size, train.optim.lr, train.optim.warmup_epochs) == (128, pytest.approx(0.4), 0.5)
+    assert (train.epochs, train.seed, train.launch.threads_per_device, train.progress, train.out_dir) == (5, 3, 1, False, None)
     train.check_devices(point.num_devices)  # every device gets a share of each batch
 
 

@@ -1,0 +1,75 @@
+"""`phalanx train`: its parser (generated from TrainConfig) and its runner, the job's thin entry point.
+
+`add_train_arguments` fills the subcommand's parser from `TrainConfig` and its components (every
+flag, help and default declared once, beside the code it configures: phalanx/options.py);
+`run_train` checks what can be checked before any process starts (output paths, devices, core
+binding), holds the run's directories, and runs the job with restarts (elastic.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from phalanx.data import load_dataset
+from phalanx.errors import UsageError
+from phalanx.job.config import TrainConfig
+from phalanx.job.dirlock import hold_run_directories
+from phalanx.job.elastic import train_with_restarts
+from phalanx.options import add_options, build
+from phalanx.outdir import check_out_dir, check_path_length
+from phalanx.runtime.binding import allowed_cores, check_bindable
+from phalanx.runtime.devices import DevicePlan, parse_devices
+from phalanx.runtime.world import launcher_env
+from phalanx.telemetry import RankZeroLog
+
+DESCRIPTION = """\
+Train a model on k devices in lockstep: every device holds a replica (or, with --split, a share of
+the model), every step one global batch is split over them, and the summed gradient keeps the
+replicas identical, so k devices compute the 1-device update.
+
+example: phalanx train --devices cpu:2 --epochs 3 --out runs/lenet
+"""
+EPILOG = "Each flag and what it does: docs/command.md."
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description, parser.epilog = DESCRIPTION, EPILOG
+    add_options(parser, TrainConfig)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    config = build(TrainConfig, args)
+    check_out_dir(config.out_dir)
+    check_out_dir(config.trace_dir, flag="--trace")
+    check_out_dir(config.checkpoint.directory, flag="--checkpoint-dir")
+    check_path_length(config.data.directory, flag="--data-dir")
+    env = launcher_env()
+    plan = parse_devices(config.launch.devices)
+    if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda
+        kind = plan.kind
+        plan = parse_devices(f"cuda:{','.join(map(str, range(env.local_world_size)))}" if kind == "cuda"
+                             else f"cpu:{env.world_size}")
+    try:
+        config.check_devices(plan.num_devices)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if config.launch.bind_cores and env is None:  # before the data is read: one line, nothing started
+        check_bindable(plan.num_devices, len(allowed_cores()))
+    if env is not None and config.restarts.max_restarts:
+        raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, "
+                         "not to phalanx train")
+    # One run per output directory: held from here (before any worker) until the run is over.
+    with hold_run_directories(config, enabled=env is None or env.rank == 0):
+        if env is None and plan.num_devices > 1:
+            # Check (and download) the data once here, so bad data is one line from one process
+            # and the workers find it cached; resolve the fallback so every worker agrees.
+            data = load_dataset(config.data.dataset, config.data.directory, log=RankZeroLog(enabled=True))
+            config = replace(config, data=replace(config.data, dataset=data.name, directory=data.data_dir))
+        names = plan.names if env is None else _torchrun_names(plan, env.world_size)
+        train_with_restarts(config, names, spec=config.launch.spec(plan))
+    return 0
+
+
+def _torchrun_names(plan: DevicePlan, world_size: int) -> tuple[str, ...]:
+    return tuple(f"{plan.kind}:{i}" for i in range(world_size))

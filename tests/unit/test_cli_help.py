@@ -1,0 +1,73 @@
+"""What `phalanx --help`, `--version`, `phalanx run --help` and every --timeout say (issue 28, item 8), and
+that the top-level help loads no torch (each command's module is imported only when it is named)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+import phalanx
+from phalanx.cli import COMMANDS, build_parser, main
+
+
+def _phalanx(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "phalanx", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_top_level_help_lists_every_command_and_imports_no_torch():
+    done = _phalanx("--help")
+    assert done.returncode == 0, done.stderr
+    for name, command in COMMANDS.items():
+        assert name in done.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
+    assert "phalanx.cli" in imported and not [m for m in imported if m.split(".")[0] == "torch"], imported
+    assert "torch" not in done.stdout + done.stderr  # what `... --help 2>&1 | grep -c torch` counts: 0
+
+
+def test_version_prints_the_version_and_exits_0():
+    done = _phalanx("--version")
+    assert (done.returncode, done.stdout) == (0, f"phalanx {phalanx.__version__}\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+
+
+def test_run_help_says_what_a_script_gets_and_where_to_read_more(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    for said in ("Run your own training script on k workers", "example: phalanx run --devices cpu:2 train.py",
+                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "phalanx.init()",
+                 "init_process_group", "docs/api.md", "--timeout SECONDS", "(default: 120.0)", "script", "args"):
+        assert said in text, text
+
+
+def test_train_help_has_a_description_an_example_and_the_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    assert "Train a model on k devices in lockstep" in text and "example: phalanx train --devices" in text
+    assert "docs/command.md" in text
+
+
+def _timeouts(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _timeouts(sub, (*path, name))
+        elif "--timeout" in action.option_strings:
+            yield " ".join(path), parser
+
+
+def test_every_help_with_a_timeout_shows_its_default():
+    found = list(_timeouts(build_parser()))
+    assert {"train", "run"} <= {path for path, _ in found}
+    for path, parser in found:
+        text = parser.format_help()
+        entry = re.search(r"^  --timeout .*?(?=^  -|^$)", text, re.MULTILINE | re.DOTALL)  # the flag's help
+        assert entry and "(default: " in entry.group(0), f"phalanx {path} --help:\n{text}"

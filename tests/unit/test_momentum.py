@@ -1,0 +1,87 @@
+"""`phalanx train --momentum`: the option added in one place (job/optim.py) to prove the declaration.
+
+At 0 (the default) the job's optimizer is exactly plain SGD, bitwise; above 0 it is torch's SGD
+with that momentum; outside [0, 1) it is one line; a checkpoint saved with another momentum is
+refused on resume instead of quietly bringing its own back; a split refuses it (its checkpoint
+keeps no per-shard optimizer state).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx.cli import build_parser
+from phalanx.data.config import DataConfig
+from phalanx.errors import UsageError
+from phalanx.job.config import TrainConfig
+from phalanx.job.job import train_worker
+from phalanx.job.optim import OptimizerConfig, build_optimizer, check_checkpoint
+from phalanx.model_split.config import SplitConfig
+from phalanx.options import build
+from phalanx.runtime.world import World
+
+WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+               backend="none", timeout_s=60)
+
+
+def _train(argv: list[str]) -> TrainConfig:
+    return build(TrainConfig, build_parser(["train"]).parse_args(["train", *argv]))
+
+
+def _steps(make_optimizer, steps: int = 4) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3).double()
+    optimizer = make_optimizer(model.parameters())
+    x, y = torch.randn(16, 5, dtype=torch.float64), torch.randint(0, 3, (16,))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_flag_fills_the_optimizer_config_and_shows_its_default():
+    assert _train([]).optim.momentum == 0.0
+    assert _train(["--momentum", "0.9"]).optim.momentum == 0.9
+    assert "SGD momentum; 0: plain SGD (default: 0.0)" in " ".join(
+        build_parser(["train"])._subparsers._group_actions[0].choices["train"].format_help().split())
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, float("nan")])
+def test_momentum_outside_0_to_1_is_refused_naming_the_number(bad):
+    with pytest.raises(ValueError, match=rf"--momentum {bad} must be at least 0 and below 1; use e.g. --momentum 0.9"):
+        OptimizerConfig(momentum=bad)
+
+
+def test_at_0_the_optimizer_is_plain_sgd_bitwise_and_above_0_torchs_momentum():
+    plain = _steps(lambda params: torch.optim.SGD(params, lr=0.1))
+    for ours, reference in zip(_steps(lambda params: build_optimizer(params, OptimizerConfig(lr=0.1))), plain):
+        assert torch.equal(ours, reference)
+    heavy = _steps(lambda params: build_optimizer(params, OptimizerConfig(lr=0.1, momentum=0.9)))
+    for ours, reference in zip(heavy, _steps(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))):
+        assert torch.equal(ours, reference)
+    assert not torch.equal(heavy[0], plain[0])  # the momentum took effect
+
+
+def test_the_job_trains_with_it():
+    def history(momentum: float) -> list[float]:
+        config = TrainConfig(data=DataConfig(dataset="digits"), epochs=1, global_batch_size=128, progress=False,
+                             optim=OptimizerConfig(lr=0.05, momentum=momentum))
+        return [row["train_loss"] for row in train_worker(WORLD1, config, ["cpu:0"])["history"]]
+
+    assert history(0.9) != history(0.0)
+
+
+def test_a_checkpoint_saved_with_another_momentum_is_refused_in_one_line(tmp_path):
+    saved = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.2).state_dict()  # today's plain SGD
+    check_checkpoint(saved, OptimizerConfig(), path=tmp_path / "checkpoint.pt")  # the same settings: fine
+    with pytest.raises(UsageError) as info:
+        check_checkpoint(saved, OptimizerConfig(momentum=0.9), path=tmp_path / "checkpoint.pt")
+    assert str(info.value) == (f"checkpoint {tmp_path / 'checkpoint.pt'} was saved with --momentum 0 but this run "
+                               "has --momentum 0.9; resume with the same settings")
+
+
+def test_a_split_refuses_it():
+    with pytest.raises(ValueError, match="--momentum is a data-parallel option; drop it with --split layers"):
+        TrainConfig(split=SplitConfig(kind="layers"), optim=OptimizerConfig(momentum=0.5))

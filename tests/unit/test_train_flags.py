@@ -1,0 +1,80 @@
+"""Every flag `phalanx train` had before its parser was generated from the configs still works, and means
+what it meant: the same config value from the same words, the same default, and a default in --help.
+
+tests/unit/data/train_help_before.txt is `phalanx train --help` as it was (9e2c01d);
+train_flags_before.jsonl holds, per flag, a sample, the companions a sample needs (--elastic needs
+--max-restarts ...), the TrainConfig field it filled, the value the old parser made of the sample and
+the field's default - recorded by running the old parser. A field's new place is named below.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from phalanx.cli import build_parser
+from phalanx.job.config import TrainConfig
+from phalanx.options import build, flags
+
+DATA = Path(__file__).parent / "data"
+OLD_FLAGS = re.findall(r"^  (--[a-z-]+)", (DATA / "train_help_before.txt").read_text(), re.MULTILINE)
+ROWS = [json.loads(line) for line in (DATA / "train_flags_before.jsonl").read_text().splitlines()]
+
+# The old flat TrainConfig field (or `devices`, then the parser's own) -> its place in the composed config.
+NEW_PLACE = {
+    "devices": "launch.devices", "threads_per_device": "launch.threads_per_device",
+    "bind_cores": "launch.bind_cores", "timeout_s": "launch.timeout_s",
+    "dataset": "data.dataset", "data_dir": "data.directory",
+    "lr": "optim.lr", "warmup_epochs": "optim.warmup_epochs",
+    "allreduce": "data_parallel.allreduce", "overlap": "data_parallel.overlap",
+    "bucket_cap_mb": "data_parallel.bucket_cap_mb", "grad_dtype": "data_parallel.grad_dtype",
+    "grad_accum_steps": "data_parallel.grad_accum_steps", "memory_format": "data_parallel.memory_format",
+    "batchnorm": "data_parallel.batchnorm",
+    "split": "split.kind", "micro_batches": "split.micro_batches", "schedule": "split.schedule",
+    "checkpoint_every": "checkpoint.every", "checkpoint_dir": "checkpoint.directory", "resume": "checkpoint.resume",
+    "max_restarts": "restarts.max_restarts", "elastic": "restarts.elastic",
+}
+
+
+def _value(config: TrainConfig, field: str):
+    value = config
+    for name in NEW_PLACE.get(field, field).split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _config(argv: list[str]) -> TrainConfig:
+    return build(TrainConfig, build_parser(["train"]).parse_args(["train", *argv]))
+
+
+def test_the_record_covers_every_old_flag():
+    assert len(OLD_FLAGS) == 35 and [row["flag"] for row in ROWS] == OLD_FLAGS
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["flag"] for row in ROWS])
+def test_an_old_flag_fills_the_same_value_as_before(row):
+    assert _value(_config(row["argv"] + row["companions"]), row["field"]) == row["value"]
+    assert _value(_config(row["companions"]), row["field"]) == row["default"]  # and its default is the same
+
+
+def test_every_flag_with_a_value_shows_its_default_in_help():
+    parser = build_parser(["train"])
+    train = parser._subparsers._group_actions[0].choices["train"]
+    helps = {action.option_strings[0]: action for action in train._actions if action.option_strings}
+    switches = {flag.name for flag in flags(TrainConfig) if flag.kind is bool}
+    assert set(OLD_FLAGS) <= set(helps)
+    for name in set(helps) - {"-h"} - switches:
+        assert "(default: " in helps[name].help, f"{name}: {helps[name].help}"
+    text = train.format_help()
+    for shown in ("--epochs EPOCHS       passes over the training set (default: 10)", "(default: 256)",
+                  "--lr LR               learning rate (default: 0.2)", "(default: 120.0)"):
+        assert shown in text, text
+
+
+def test_docs_command_md_lists_exactly_the_flags_of_phalanx_train():
+    table = (Path(__file__).parents[2] / "docs" / "command.md").read_text()
+    documented = set(re.findall(r"^\| `(--[a-z-]+)", table, re.MULTILINE))
+    assert documented == {flag.name for flag in flags(TrainConfig)}
