@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.bench.activation_memory import SavedTensorMeter
+from phalanx.comm import ALLREDUCE, Handle, Tag
 from phalanx.comm.counting import CountingTransport
 from phalanx.comm.ring import allreduce_ring, chunk_sizes
 from phalanx.data_parallel import prepare
@@ -102,9 +103,17 @@ class _CountingRing:
     def __init__(self, world: World) -> None:
         self.world, self.transport = world, CountingTransport()
 
-    def allreduce(self, tensor: torch.Tensor, *, algorithm: str) -> torch.Tensor:
+    def allreduce(self, tensor: torch.Tensor, *, algorithm: str, tag: Tag = ALLREDUCE) -> torch.Tensor:
         allreduce_ring(tensor, world=self.world, transport=self.transport)
         return tensor
+
+    def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str, tag: Tag = ALLREDUCE,
+                        on_done=None) -> Handle:
+        """DataParallel's one send path: the ring runs now, on this thread, so the handle is done."""
+        self.allreduce(tensor, algorithm=algorithm, tag=tag)
+        if on_done is not None:
+            on_done()
+        return Handle(tensor, None, lambda: None)
 
 
 def _strategy(split: str, config: SplitsBenchConfig, world: World):
