@@ -102,7 +102,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
                              fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings)
 
-    if start.epoch >= config.epochs:  # resumed at or past the last epoch: nothing to do, nothing to write
+    complete = (start.epoch, start.step) == (config.epochs, 0)  # the run that saved it trained to the end
+    if start.epoch >= config.epochs and not complete:  # past the last epoch: nothing to do, nothing to write
         log(f"nothing to train: the checkpoint is at {_position_text(start, steps)}, and --epochs is "
             f"{config.epochs}; pass --epochs {start.epoch + 1} or more to go on")
         return {"history": [], "sec_per_epoch": 0.0, "dataset": data.name}
@@ -115,6 +116,9 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir and world.is_main else None
     metrics, history = outputs.open_metrics(start_epoch=start.epoch) if outputs is not None else (None, [])
     warmup = warmup_steps(config.optim.warmup_epochs, steps)
+    if complete:  # stopped after its last checkpoint (in evaluation, or writing model.pt): finish it
+        log(f"training was complete at the checkpoint (the end of epoch {start.epoch}): evaluating and writing "
+            f"the outputs; pass --epochs {start.epoch + 1} or more to train on")
     for epoch in range(start.epoch, config.epochs):
         first_step = start.step if epoch == start.epoch else 0
         set_lr(optimizer, lr_at(epoch * steps + first_step, base_lr=config.optim.lr, warmup=warmup))
@@ -147,13 +151,18 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
             save(ckpt.Position(epoch=epoch + 1, step=0))
 
     whole = strategy.whole_model()  # every rank: a split gathers its shards
-    sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history)
+    sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history) if history else 0.0
+    # Nothing trained in a run that found the training complete: its model's accuracy, counted again.
+    final_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
+                               rows=strategy.rows(test_images.shape[0]), world=world,
+                               batch_size=config.eval_batch_size) if complete else history[-1]["test_acc"]
     if outputs is not None:
         split = f", split {config.split.kind}" if config.split.kind != "data" else ""
         # The last epoch's checkpoint (if any) holds exactly this model: named if model.pt fails.
         kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint.every is not None else None
         outputs.finish(history, whole, title=f"{config.model} on {data.name}, {devices_text}{split}", checkpoint=kept)
-    log(f"test acc: {history[-1]['test_acc']:.2f}, {sec_per_epoch:.1f} sec/epoch on {devices_text}")
+    timing = f"{sec_per_epoch:.1f} sec/epoch" if sec_per_epoch else "no epoch trained in this run"
+    log(f"test acc: {final_acc:.2f}, {timing} on {devices_text}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
 
 

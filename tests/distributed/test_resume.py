@@ -110,3 +110,21 @@ def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
     assert state["epoch"] >= 1
     kept = ("checkpoint.pt", "checkpoint.previous.pt")  # the last checkpoint and the one before it
     assert not [p for p in (out / "checkpoints").iterdir() if p.name not in kept], "temp file left behind"
+
+
+def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_the_resume(tmp_path):
+    # A restart that lands after the final epoch's checkpoint (while the run evaluated or wrote
+    # model.pt) must finish the run, not stop at "nothing to train" with no model.pt.
+    out = tmp_path / "run"
+    first = run_phalanx(*COMMON, "--epochs", "1", "--checkpoint-every", "epoch", "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    model_bytes = (out / "model.pt").read_bytes()
+    (out / "model.pt").unlink()
+    again = run_phalanx(*COMMON, "--epochs", "1", "--checkpoint-every", "epoch", "--out", str(out), "--resume", "auto")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "training was complete at the checkpoint (the end of epoch 1)" in again.stdout, again.stdout
+    assert "nothing to train" not in again.stdout
+    # The same model's accuracy, and the kept metrics row's epoch time.
+    assert again.stdout.strip().splitlines()[-1] == first.stdout.strip().splitlines()[-1]
+    assert (out / "model.pt").read_bytes() == model_bytes
+    assert [r["epoch"] for r in metrics_rows(out)] == [1]
