@@ -128,6 +128,13 @@ def grads_are_bucket_views(buckets: list[Bucket]) -> bool:
     return True
 
 
+def wire_of(buffer: torch.Tensor, grad_dtype: torch.dtype | None) -> torch.Tensor:
+    """What goes on the wire for a bucket's `buffer`: itself, or a copy compressed to `grad_dtype`."""
+    if grad_dtype is None or grad_dtype == buffer.dtype:
+        return buffer
+    return buffer.detach().to(grad_dtype)
+
+
 class DecompressingHandle:
     """A compressed bucket's pending allreduce: `wait()` also writes the sum back, widened."""
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from phalanx.comm import shm_applies
+from phalanx.comm import check_choice, shm_applies
 from phalanx.data_parallel.memory_format import layout_of
+from phalanx.data_parallel.sharded import check_shard
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 
 # --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
@@ -29,6 +30,18 @@ def autocast_dtype(precision: str | None) -> torch.dtype | None:
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is unknown; choose one of {', '.join(PRECISIONS)} (or None)")
     return PRECISIONS.get(precision)
+
+
+def check_replica_options(*, algorithm: str, shard: str, grad_dtype: torch.dtype | None,
+                          bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> None:
+    """ValueError naming the valid choices for a replica's options, before any collective."""
+    check_choice(algorithm)
+    check_shard(shard)
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
+    if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
+        raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,14 +39,16 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, Tag, check_choice, open_comm, resolve_algorithm
+from phalanx.comm import AsyncComm, Tag, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
-from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
+from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes, wire_of,
                                            grads_are_bucket_views)
-from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, replica_choices
+from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, check_replica_options, replica_choices
 from phalanx.data_parallel.guards import UnsyncedGradientGuard
-from phalanx.data_parallel.overlap import OverlapScheduler
+from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
+from phalanx.data_parallel.sharded import MAX_IN_FLIGHT, Sharding
+from phalanx.data_parallel.sharded_optim import make_optimizer
 from phalanx.data_parallel.step_extras import StepExtras
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
@@ -89,6 +91,7 @@ class DataParallel(ReplicaModule):
         precision: str | None = None,
         batchnorm: str | None = None,
         tracer: Tracer | None = None,
+        shard: str = "none",
     ) -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
@@ -99,13 +102,12 @@ class DataParallel(ReplicaModule):
         DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
         and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
         step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
-        `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off)."""
-        check_choice(algorithm)  # ValueError with the valid names, before any collective
-        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
-        if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
-            raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
+        `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off).
+        `shard`: none, optimizer, gradients or parameters - ZeRO's stages 1-3 (sharded.py); build
+        the optimizer with `dp.optimizer(cls, ...)`. On one device there is nothing to shard."""
+        # ValueErrors naming the valid choices, before any collective.
+        check_replica_options(algorithm=algorithm, shard=shard, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
+                              first_bucket_cap_mb=first_bucket_cap_mb)
         forward_dtype = autocast_dtype(precision)
         super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
         self.exchanging = False
@@ -133,17 +135,17 @@ class DataParallel(ReplicaModule):
         if self._owns_comm:  # it owns the shm segment or the private group
             comm, self.algorithm, self.fallback_reason = open_comm(world, algorithm)
         self._comm: AsyncComm | None = comm
-        self._scheduler = OverlapScheduler(self.buckets, launch=self._launch) if self.exchanging else None
+        self.sharding = Sharding(stage=shard, module=self.module, buckets=self.buckets, rank=world.rank,
+                                 world_size=world.world_size, comm=comm, algorithm=self.algorithm,
+                                 steps=lambda: self._synced_steps) if self.exchanging and shard != "none" else None
+        self.shard = shard if self.sharding is not None else "none"
+        window = None if self.sharding is None or self.sharding.keeps_gradients else MAX_IN_FLIGHT
+        self._scheduler = OverlapScheduler(self.buckets, launch=self._launch,
+                                           max_in_flight=window) if self.exchanging else None
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
-        self._hook_handles: list = []
-        for bucket in self.buckets:
-            # Overlap: each gradient's landing marks it ready, and a bucket launches once all have
-            # (the hook fires after autograd added this backward's gradient into our bucket view,
-            # torch >= 2.1). Without: only the forgotten-sync guard needs to see a backward.
-            for param in bucket.params if overlap else bucket.params[:1]:
-                self._hook_handles.append(param.register_post_accumulate_grad_hook(
-                    self._on_grad_ready if overlap else self._on_backward))
+        self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if overlap else self._on_backward,
+                                           every_parameter=overlap)
         self.choices = replica_choices(self, requested_algorithm=algorithm, batchnorm=batchnorm, precision=precision)
 
     def broadcast_state(self, *, src: int = 0) -> None:
@@ -162,6 +164,9 @@ class DataParallel(ReplicaModule):
                 raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
             self._scheduler.reset()  # drop gradients marked by a backward that never finished
         self._unsynced.check("zero_grad()")
+        if self.sharding is not None and not self.sharding.keeps_gradients:
+            self.sharding.zero_grad()  # its buckets hold nothing between steps
+            return
         for bucket in self.buckets:
             bucket.buffer.zero_()
 
@@ -204,20 +209,19 @@ class DataParallel(ReplicaModule):
         if self._sync_enabled:
             self._unsynced.pending = True
 
-    def _wire(self, bucket: Bucket) -> torch.Tensor:
-        """What goes on the wire for `bucket`: its buffer, or a compressed copy of it."""
-        if self.grad_dtype is None or self.grad_dtype == bucket.buffer.dtype:
-            return bucket.buffer
-        return bucket.buffer.detach().to(self.grad_dtype)
-
     def _launch(self, bucket: Bucket):
-        """The one send path: `bucket`'s allreduce, on the wire in its wire dtype, traced, tagged."""
-        wire = self._wire(bucket)
+        """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
+        in its wire dtype, traced, tagged."""
+        if self.sharding is not None:
+            self.sharding.fill(bucket)  # stages 2-3: the gradients autograd made, into the bucket
+        wire = wire_of(bucket.buffer, self.grad_dtype)
         on_done = None
         if self.tracer is not None:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         tag = Tag("gradient", bucket.index, step=self._synced_steps)  # what a failure calls this collective
+        if self.sharding is not None:
+            return self.sharding.reduce_scatter(bucket, wire, tag=tag, on_done=on_done)
         handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, tag=tag, on_done=on_done)
         return handle if wire is bucket.buffer else DecompressingHandle(handle, wire, bucket.buffer)
 
@@ -237,12 +241,24 @@ class DataParallel(ReplicaModule):
         self._unsynced.pending = False
         self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
-        if not grads_are_bucket_views(self.buckets):
+        keeps = self.sharding is None or self.sharding.keeps_gradients
+        if keeps and not grads_are_bucket_views(self.buckets):
             raise RuntimeError(
                 "a parameter's .grad no longer aliases its gradient bucket; "
                 "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
             )
-        self._extras.after_exchange(self.buckets, self._allreduce_now)
+        self._extras.after_exchange([b.buffer for b in self.buckets] if keeps else self.sharding.shard_grads,
+                                    self._allreduce_now)
+
+    def check_synced(self, what: str) -> None:
+        """Raise, naming `what`, if a synced backward's gradients were never exchanged."""
+        if self._unsynced is not None:
+            self._unsynced.check(what)
+
+    def optimizer(self, cls: type, params=None, *, elementwise: bool | None = None, **defaults) -> torch.optim.Optimizer:
+        """`cls(params or this replica's parameters, **defaults)`; with `shard=`, over this rank's
+        share of them (sharded_optim.py: any element-wise torch optimizer, param groups as torch's)."""
+        return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
     def _allreduce_now(self, flat: torch.Tensor) -> None:
         self._comm.allreduce(flat, algorithm=self.algorithm)
@@ -250,6 +266,8 @@ class DataParallel(ReplicaModule):
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
         parameter's own gradient, by a name an error message can use."""
+        if self.sharding is not None:
+            return self.sharding.named_gradients()
         if self.exchanging:
             return {f"gradient bucket {bucket.index}": bucket.buffer for bucket in self.buckets}
         return {f"{name}'s gradient": param.grad for name, param in self.module.named_parameters()
@@ -263,6 +281,8 @@ class DataParallel(ReplicaModule):
         if self._unsynced is not None:
             self._unsynced.close()
         self._extras.close()
+        if self.sharding is not None:
+            self.sharding.close()
         if self._comm is not None and self._owns_comm:
             self._comm.close()
         self._comm = None

@@ -36,7 +36,14 @@ class PendingHandle(Protocol):
 class OverlapScheduler:
     """Launch bucket i's allreduce once its gradients have all landed and buckets < i launched."""
 
-    def __init__(self, buckets: Sequence[Bucket], *, launch: Callable[[Bucket], PendingHandle]) -> None:
+    def __init__(self, buckets: Sequence[Bucket], *, launch: Callable[[Bucket], PendingHandle],
+                 max_in_flight: int | None = None) -> None:
+        """`max_in_flight`: at most this many launched, unwaited buckets; a launch beyond it
+        first waits the oldest (a sharded replica frees a bucket's buffer at its wait). None:
+        every handle is waited in `finish()`."""
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1 (or None), got {max_in_flight}")
+        self.max_in_flight = max_in_flight
         self.buckets = list(buckets)
         if [b.index for b in self.buckets] != list(range(len(self.buckets))):
             raise ValueError(f"bucket indices must be 0..{len(self.buckets) - 1} in order, got {[b.index for b in self.buckets]}")
@@ -48,6 +55,7 @@ class OverlapScheduler:
         self._landed: list[set[int]] = [set() for _ in self.buckets]  # id(param)s landed this backward
         self._handles: list[PendingHandle | None] = [None] * len(self.buckets)
         self._next_launch = 0  # buckets [0, _next_launch) have launched in this step
+        self._next_wait = 0  # buckets [0, _next_wait) have been waited in this step
 
     @property
     def in_flight(self) -> bool:
@@ -84,6 +92,8 @@ class OverlapScheduler:
 
     def _launch(self, index: int) -> None:
         assert index == self._next_launch, (index, self._next_launch)
+        while self.max_in_flight is not None and self._next_launch - self._next_wait >= self.max_in_flight:
+            self._wait(self._next_wait)
         assert self._handles[index] is None, f"bucket {index} launched twice in one step"
         handle = self._launch_fn(self.buckets[index])
         assert not handle.waited, f"bucket {index}: a fresh handle is already waited"
@@ -100,17 +110,34 @@ class OverlapScheduler:
         while self._next_launch < len(self.buckets):
             self._launch(self._next_launch)
         try:
-            for index, handle in enumerate(self._handles):
-                assert handle is not None, f"bucket {index} never launched"
-                assert not handle.waited, f"bucket {index}: handle waited before finish()"
-                handle.wait()
-                assert handle.waited, f"bucket {index}: handle not marked waited after wait()"
+            while self._next_wait < len(self.buckets):
+                self._wait(self._next_wait)
         finally:
             self.reset()
+
+    def _wait(self, index: int) -> None:
+        """Wait bucket `index`'s handle, the one wait of each (buckets are waited in order)."""
+        assert index == self._next_wait, (index, self._next_wait)
+        handle = self._handles[index]
+        assert handle is not None, f"bucket {index} never launched"
+        assert not handle.waited, f"bucket {index}: handle waited before finish() (or the in-flight bound) waited it"
+        self._next_wait += 1
+        handle.wait()
+        assert handle.waited, f"bucket {index}: handle not marked waited after wait()"
 
     def reset(self) -> None:
         """Forget this step's state (after finish, or after a failed step)."""
         for landed in self._landed:
             landed.clear()
         self._handles = [None] * len(self.buckets)
-        self._next_launch = 0
+        self._next_launch = self._next_wait = 0
+
+
+def landing_hooks(buckets: Sequence[Bucket], on_landed: Callable[[nn.Parameter], None], *,
+                  every_parameter: bool) -> list:
+    """Register `on_landed(param)` to run after autograd accumulated a backward's gradient of a
+    bucket's parameter (torch >= 2.1's post-accumulate-grad hook): on every parameter to overlap
+    (a bucket launches once all of its have landed), or on one per bucket when only the
+    forgotten-sync guard needs to see that a backward ran. Returns the handles to remove."""
+    return [param.register_post_accumulate_grad_hook(on_landed)
+            for bucket in buckets for param in (bucket.params if every_parameter else bucket.params[:1])]

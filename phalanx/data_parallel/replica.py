@@ -38,6 +38,7 @@ class ReplicaModule(nn.Module):
 
     module: nn.Module
     exchanging: bool  # True once gradient buckets hold the parameters' .grad
+    sharding: Any = None  # sharded.py's Sharding under shard=..., else None
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -52,13 +53,25 @@ class ReplicaModule(nn.Module):
         """The model's own state dict: no `module.` prefix (load it into the plain model)."""
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict, detached copies: under shard="parameters" its
+        parameters gathered bucket by bucket (a collective: call it on every rank)."""
+        if self.sharding is None:
+            return {k: v.detach().clone() for k, v in self.state_dict().items()}
+        with self.sharding.whole():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Copy `state_dict` into the model: its own keys, or DDP's `module.`-prefixed ones.
-        Every rank should load the same values (or call `broadcast_state()` afterwards)."""
+        Every rank should load the same values (or call `broadcast_state()` afterwards). Under
+        shard="parameters" each rank copies its range of each parameter (no collective)."""
         if assign and self.exchanging:
             raise ValueError("load_state_dict(assign=True) would replace the parameters whose gradients live in "
                              "DataParallel's buckets; load with assign=False (copies the values in)")
-        return self.module.load_state_dict(without_ddp_prefix(state_dict, self.module), strict=strict, assign=assign)
+        state = without_ddp_prefix(state_dict, self.module)
+        if self.sharding is None or self.sharding.keeps_parameters:
+            return self.module.load_state_dict(state, strict=strict, assign=assign)
+        return self.sharding.load_state_dict(self.module, state, strict=strict)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
@@ -107,7 +120,8 @@ def without_ddp_prefix(state_dict: Mapping[str, Any], module: nn.Module) -> Mapp
     keys = list(state_dict.keys())
     if not keys or not all(k.startswith(DDP_PREFIX) for k in keys):
         return state_dict
-    if any(k.startswith(DDP_PREFIX) for k in module.state_dict().keys()):
+    own = [name for name, _ in module.named_parameters()] + [name for name, _ in module.named_buffers()]
+    if any(k.startswith(DDP_PREFIX) for k in own):
         return state_dict
     stripped = OrderedDict(state_dict)
     metadata = getattr(state_dict, "_metadata", None)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from phalanx.data import split_batch
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.first_step import mark_shard_loss
+from phalanx.data_parallel.gather_hooks import collective_forward
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 from phalanx.telemetry import Tracer, span
 
@@ -68,9 +69,10 @@ def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, glob
         with contextlib.nullcontext() if last else dp.no_sync():
             # An empty piece (a tiny last batch) runs no backward; the rank still joins every
             # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
-            # With synchronized BatchNorm forward and backward are collectives: an empty piece
-            # still runs them (zero counts) so the rank stays paired with its peers.
-            if X_micro.shape[0] > 0 or has_sync_batchnorm(dp.module):
+            # With synchronized BatchNorm, or parameters gathered per layer (shard="parameters"),
+            # forward and backward are collectives: an empty piece still runs them (zero counts)
+            # so the rank stays paired with its peers.
+            if X_micro.shape[0] > 0 or has_sync_batchnorm(dp.module) or collective_forward(dp.module):
                 with span(tracer, "forward"):
                     logits = dp(X_micro)
                     micro_loss_sum = F.cross_entropy(logits, y_micro, reduction="sum")

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from phalanx.errors import PhalanxWarning
-from phalanx.data_parallel.buckets import Bucket
 from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
 from phalanx.data_parallel.running_stats import running_stats_of
 from phalanx.runtime.world import World
@@ -52,11 +51,12 @@ class StepExtras:
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
                                          check_loss=average is None) if world.distributed and world.is_main else None
 
-    def after_exchange(self, buckets: Sequence[Bucket], allreduce: Callable[[torch.Tensor], object]) -> None:
-        """Called once per synced step, after every bucket holds the sum; `allreduce` sums a
-        tensor in place on the exchange's own transport. Frames: the user's loop is 3 levels up."""
+    def after_exchange(self, gradients: Sequence[torch.Tensor], allreduce: Callable[[torch.Tensor], object]) -> None:
+        """Called once per synced step, after the summed `gradients` (the buckets, or a sharded
+        replica's shard of them) hold the sum; `allreduce` sums a tensor in place on the
+        exchange's own transport. Frames: the user's loop is 3 levels up."""
         if self.divide_by is not None:
-            torch._foreach_div_([bucket.buffer for bucket in buckets], float(self.divide_by))
+            torch._foreach_div_(list(gradients), float(self.divide_by))
         if self.running_stats is not None:
             self.running_stats.average(allreduce, self.world.world_size)
         if self.first_step is not None and self.first_step.after_sync(caller_frame(2)):

@@ -1,0 +1,180 @@
+"""Sharded data parallelism (ZeRO stages 1-3): what each rank keeps, and how it stays exact.
+
+`shard="optimizer"` (stage 1), `"gradients"` (2) and `"parameters"` (3) keep on each rank only
+its share - one contiguous range of the flat order (flat_layout.py) - of, respectively, the
+optimizer state; that and the summed gradients; all of that and the parameters at rest
+(Rajbhandari et al. 2020, "ZeRO"). The update stays the 1-device update: gradients are still
+summed over every rank, only each rank's sum covers its own range, and an element-wise optimizer
+(sharded_optim.py) updates that range as it would update the whole. Per bucket, as backward
+fills it, the exchange is a reduce-scatter instead of an allreduce (a ring allreduce's first
+half); the updated ranges are all-gathered back after the optimizer step (stages 1, 2) or just
+before each layer runs (stage 3) - sharded_params.py and gather_hooks.py.
+
+- Stage 1: gradients as unsharded, views into each bucket's gradient buffer; the bucket's
+  reduce-scatter runs in place, so this rank's range of it is its summed shard gradient.
+- Stages 2 and 3: the gradients autograd makes are copied into the bucket's buffer when the
+  bucket launches (`fill`) and dropped; the buffer lives until the reduce-scatter is waited,
+  which copies this rank's range into the persistent shard gradient and frees the buffer. At
+  most `MAX_IN_FLIGHT` buckets are alive at once (overlap.py waits the oldest first).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.comm import AsyncComm, Tag
+from phalanx.data_parallel.buckets import Bucket, grad_view
+from phalanx.data_parallel.flat_layout import FlatLayout, free_storage, parameter_names, refill_storage
+from phalanx.data_parallel.gather_hooks import GatherHooks
+from phalanx.data_parallel.sharded_optim import WholeOptimizerGuard
+from phalanx.data_parallel.sharded_params import ShardedParameters
+
+SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")
+# Stages 2 and 3: buckets whose whole gradient buffer may be alive at once (launched, not yet
+# waited); a launch beyond it waits the oldest first. Two keeps one in flight while the next fills.
+MAX_IN_FLIGHT = 2
+
+
+def check_shard(stage: str, *, flag: str | None = None) -> str:
+    """`stage` if it is a sharding stage; ValueError naming the valid ones otherwise."""
+    if stage not in SHARD_STAGES:
+        named = f"{flag} {stage!r}" if flag else f"shard {stage!r}"
+        raise ValueError(f"{named} is unknown; choose one of {', '.join(SHARD_STAGES)}")
+    return stage
+
+
+class ShardedHandle:
+    """A bucket's pending reduce-scatter; `wait()` also copies this rank's summed range into its
+    shard gradient (widened from the wire dtype) and, in stages 2 and 3, frees the bucket."""
+
+    def __init__(self, handle, wire: torch.Tensor, owned: tuple[int, int], shard_grad: torch.Tensor | None,
+                 release: Callable[[], None] | None) -> None:
+        self._handle, self._wire, self._owned = handle, wire, owned
+        self._shard_grad, self._release = shard_grad, release
+
+    @property
+    def waited(self) -> bool:
+        return self._handle.waited
+
+    def wait(self) -> None:
+        self._handle.wait()
+        lo, hi = self._owned
+        if self._shard_grad is not None and hi > lo:
+            with torch.no_grad():
+                self._shard_grad.copy_(self._wire[lo:hi])
+        if self._release is not None:
+            self._release()
+        self._wire = None
+
+
+class Sharding:
+    """A replica's sharded state and its collectives, built by DataParallel over its buckets.
+    `comm`/`algorithm` carry the reduce-scatters and all-gathers, tagged like the allreduces;
+    `steps()` is the replica's synced steps so far (the step in a gather's tag)."""
+
+    def __init__(self, *, stage: str, module: nn.Module, buckets: Sequence[Bucket], rank: int, world_size: int,
+                 comm: AsyncComm, algorithm: str, steps: Callable[[], int]) -> None:
+        if check_shard(stage) == "none":
+            raise ValueError("Sharding is for the sharded stages; shard='none' builds none")
+        self.stage, self.buckets = stage, list(buckets)
+        self._comm, self._algorithm = comm, algorithm
+        self.keeps_gradients = stage == "optimizer"
+        self.keeps_parameters = stage != "parameters"
+        self.layout = FlatLayout(self.buckets, names=parameter_names(module), world_size=world_size)
+        self.params = ShardedParameters(self.buckets, layout=self.layout, rank=rank, keep_whole=self.keeps_parameters,
+                                        comm=comm, algorithm=algorithm, steps=steps)
+        self.owned = self.params.owned
+        if self.keeps_gradients:
+            self.shard_grads = [b.buffer[lo:hi] for b, (lo, hi) in zip(self.buckets, self.owned)]
+        else:
+            self.shard_grads = [torch.zeros(hi - lo, dtype=b.buffer.dtype, device=b.buffer.device)
+                                for b, (lo, hi) in zip(self.buckets, self.owned)]
+            for bucket in self.buckets:  # gradients stop being bucket views: autograd makes its own
+                for param in bucket.params:
+                    param.grad = None
+                free_storage(bucket.buffer)
+        self._hooks = None if self.keeps_parameters else GatherHooks(module, self.params)
+        self._guard = WholeOptimizerGuard(module, stage)  # AdamW(dp.parameters()): refused in one line
+
+    def fill(self, bucket: Bucket) -> None:
+        """Stages 2 and 3, as a bucket launches: its gradient buffer, allocated now, holding the
+        gradients autograd made (which are dropped: only the buffer holds them from here); in
+        stage 3 the bucket's parameters are freed too, this backward being done with them."""
+        if self.keeps_gradients:
+            return
+        refill_storage(bucket.buffer)
+        buffer = bucket.buffer
+        with torch.no_grad():
+            buffer.zero_()
+            for param, offset, whole in zip(bucket.params, bucket.offsets, self.params.views[bucket.index]):
+                if param.grad is not None:
+                    grad_view(buffer, offset, whole).copy_(param.grad)
+                    param.grad = None
+        self.params.release(bucket.index)
+
+    def reduce_scatter(self, bucket: Bucket, wire: torch.Tensor, *, tag: Tag,
+                       on_done: Callable[[], None] | None = None) -> ShardedHandle:
+        """Start `bucket`'s reduce-scatter of `wire` (its buffer, or a compressed copy): once
+        waited, this rank's range of the sum is in its shard gradient."""
+        index = bucket.index
+        handle = _reduce_scatter_async(self._comm, wire, counts=self.params.counts[index], algorithm=self._algorithm,
+                                       tag=tag, on_done=on_done)
+        in_place = self.keeps_gradients and wire is bucket.buffer  # stage 1: the range is the shard already
+        release = None if self.keeps_gradients else (lambda buffer=bucket.buffer: free_storage(buffer))
+        return ShardedHandle(handle, wire, self.owned[index], None if in_place else self.shard_grads[index], release)
+
+    def zero_grad(self) -> None:
+        """Stages 2 and 3 (stage 1 zeroes its buckets): drop gradients autograd left on the
+        parameters (a backward that never synced) and zero the shard gradients."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.grad = None
+        for grad in self.shard_grads:
+            grad.zero_()
+
+    def gather_after_step(self) -> None:
+        """After the optimizer step: the updated ranges back into every replica (stages 1, 2)."""
+        self.params.gather_after_step()
+
+    def whole(self):
+        """A block in which every parameter is whole (a collective under stage 3)."""
+        return self.params.whole()
+
+    def load_state_dict(self, module: nn.Module, state, *, strict: bool):
+        return self.params.load_state_dict(module, state, strict=strict)
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's summed gradient, by bucket (the finite-gradient guard reads it)."""
+        return {f"gradient bucket {b.index} (this rank's shard)": grad
+                for b, grad in zip(self.buckets, self.shard_grads) if grad.numel()}
+
+    def piece(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This rank's part of `param` as (values, summed gradient), 1-D views in memory order,
+        or None when another rank owns all of it."""
+        for bucket, (lo, hi) in zip(self.buckets, self.owned):
+            for member, offset, whole in zip(bucket.params, bucket.offsets, self.params.views[bucket.index]):
+                if member is param:  # (whole: under stage 3 the parameter itself is empty at rest)
+                    start, stop = max(lo, offset), min(hi, offset + whole.numel())
+                    if stop <= start:
+                        return None
+                    values, grads = self.params.shard[bucket.index], self.shard_grads[bucket.index]
+                    return values[start - lo:stop - lo], grads[start - lo:stop - lo]
+        raise ValueError("the optimizer was given a parameter that is not the replica's; pass the model's own "
+                         "parameters (or param groups of them)")
+
+    def close(self) -> None:
+        if self._hooks is not None:
+            self._hooks.close()
+        self._guard.close()
+        self._comm = None
+
+
+# TEMPORARY until the comm branch lands reduce_scatter_async: the same result through an
+# allreduce (twice the bytes).
+def _reduce_scatter_async(comm, flat, *, counts, algorithm, tag, on_done=None):
+    if hasattr(comm, "reduce_scatter_async"):
+        return comm.reduce_scatter_async(flat, counts=counts, algorithm=algorithm, tag=tag, on_done=on_done)
+    return comm.allreduce_async(flat, algorithm=algorithm, tag=tag, on_done=on_done)

@@ -1,0 +1,163 @@
+"""`dp.optimizer(torch.optim.AdamW, lr=...)`: any element-wise torch optimizer, over this rank's shard.
+
+A replica built with `shard=` hands its optimizer not the model's parameters but this rank's
+*pieces* of them (sharded.py's `Sharding.piece`: 1-D views of the rank's range, each with the
+matching range of the summed gradient as its `.grad`). The optimizer is the user's own class,
+unchanged - a real `torch.optim.AdamW`, so learning-rate schedulers, `param_groups` and
+`state_dict()` work as always - and keeps state only for those pieces: 1/k of it. Its step
+updates the rank's range in place; a step post-hook all-gathers the ranges back into every
+replica (stages 1 and 2; stage 3 gathers before each use instead).
+
+Exact because the update is element-wise: SGD (momentum, weight decay, Nesterov), Adam, AdamW,
+RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD and Rprop compute each element's update
+from that element's gradient and state alone, so updating a range equals updating the whole
+and taking the range. An optimizer that needs a whole tensor or a statistic over all of them -
+LBFGS's line search, SparseAdam's sparse rows, Adafactor's row and column factors, LAMB's or
+LARS's per-layer trust ratio - would compute something else on a piece, and is refused in one
+line; a class of your own whose update is element-wise passes with `elementwise=True`.
+Param groups work as in torch (`dp.optimizer(cls, [{"params": decay}, {"params": no_decay,
+"weight_decay": 0}], lr=...)`): each group gets this rank's pieces of its parameters. Without
+sharding `dp.optimizer` is simply `cls(params or the model's parameters, **defaults)`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# Element-wise updates: exact on any range of the parameters.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
+# Updates that read a whole tensor or all of them: wrong on a shard, and why.
+WHOLE_TENSOR = {
+    "LBFGS": "its line search and curvature history treat all parameters as one vector",
+    "SparseAdam": "it updates whole rows of sparse gradients",
+    "Adafactor": "it factors each tensor's second moment into row and column statistics",
+    "LAMB": "its trust ratio is a per-layer norm", "Lamb": "its trust ratio is a per-layer norm",
+    "LARS": "its trust ratio is a per-layer norm", "Lars": "its trust ratio is a per-layer norm",
+}
+
+
+def check_elementwise(cls: type, elementwise: bool | None) -> None:
+    """ValueError unless `cls`'s update is element-wise (known to be, or `elementwise=True`)."""
+    name = getattr(cls, "__name__", repr(cls))
+    if name in WHOLE_TENSOR and not elementwise:
+        raise ValueError(f"{name} cannot run on a shard: {WHOLE_TENSOR[name]}; use shard=\"none\", or an "
+                         f"element-wise optimizer ({', '.join(ELEMENTWISE[:4])}, ...)")
+    if elementwise is None and not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                                    and name in ELEMENTWISE and cls.__module__.startswith("torch.optim")):
+        raise ValueError(f"{name} is not a torch optimizer known to update element by element, so its update on a "
+                         "shard may differ from the whole model's; pass elementwise=True if each element's update "
+                         "reads only that element's gradient and state, or use shard=\"none\"")
+
+
+def _groups(params: Any, module: nn.Module) -> list[dict]:
+    """`params` as torch takes it (None: the module's), normalised to a list of group dicts."""
+    if params is None:
+        return [{"params": list(module.parameters())}]
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params should be an iterable of parameters or of param-group dicts, not a tensor")
+    items = list(params)
+    if items and isinstance(items[0], dict):
+        return [{**group, "params": list(group["params"])} for group in items]
+    return [{"params": items}]
+
+
+def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise: bool | None = None,
+                   **defaults: Any) -> torch.optim.Optimizer:
+    """`cls` over `dp`'s parameters (or `params`, as torch takes them), sharded when `dp` is."""
+    sharding = dp.sharding
+    if sharding is None:
+        return cls(params if params is not None else dp.module.parameters(), **defaults)
+    check_elementwise(cls, elementwise)
+    groups, pieces = [], {}
+    for group in _groups(params, dp.module):
+        mine = []
+        for param in group["params"]:
+            found = sharding.piece(param)
+            if found is None:
+                continue
+            values, grad = found
+            piece = nn.Parameter(values, requires_grad=param.requires_grad)
+            piece.grad = grad
+            pieces[id(piece)] = (piece, grad)
+            mine.append(piece)
+        groups.append({**group, "params": mine})
+    optimizer = cls(groups, **defaults)
+    sharded = ShardedOptimizerHooks(dp, pieces)
+    optimizer.register_step_pre_hook(sharded.before_step)
+    optimizer.register_step_post_hook(sharded.after_step)
+    # Stage 1 keeps whole gradient buckets that backward adds into: zeroing only this rank's
+    # pieces would leave the rest summing up across steps, so the optimizer's zero_grad is the
+    # replica's (which zeroes every bucket) as well.
+    plain_zero_grad = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        plain_zero_grad(set_to_none=set_to_none)
+        dp.zero_grad()
+
+    optimizer.zero_grad = zero_grad
+    return optimizer
+
+
+class ShardedOptimizerHooks:
+    """The step of a sharded optimizer: its pieces' gradients attached (a `zero_grad` that set
+    them to None does not lose the summed shard), no exchange pending; then the all-gather."""
+
+    def __init__(self, dp, pieces: dict[int, tuple[nn.Parameter, torch.Tensor]]) -> None:
+        self._dp = weakref.ref(dp)
+        self._pieces = list(pieces.values())
+
+    def before_step(self, optimizer, args, kwargs) -> None:
+        dp = self._dp()
+        if dp is None:
+            return
+        if dp.exchange_in_flight:
+            raise RuntimeError("optimizer.step() while gradient reduce-scatters are in flight; call "
+                               "dp.finish_gradient_sync() first")
+        dp.check_synced("optimizer.step()")
+        for piece, grad in self._pieces:
+            if piece.grad is None:
+                piece.grad = grad
+
+    def after_step(self, optimizer, args, kwargs) -> None:
+        dp = self._dp()
+        if dp is not None and dp.sharding is not None:
+            dp.sharding.gather_after_step()
+
+
+class WholeOptimizerGuard:
+    """Refuses a torch optimizer built over a sharded replica's own parameters (the DDP habit
+    `AdamW(dp.parameters())`): it would keep whole state and step with gradients that are summed
+    only in this rank's range. Process-wide hook, looked up once per optimizer, held weakly."""
+
+    def __init__(self, module: nn.Module, stage: str) -> None:
+        self._ids = {id(p) for p in module.parameters()}
+        self._stage = stage
+        self._seen: dict[int, bool] = {}
+        self._handle = register_optimizer_step_pre_hook(_guard_hook(weakref.ref(self)))
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        whole = self._seen.get(id(optimizer))
+        if whole is None:
+            whole = self._seen[id(optimizer)] = any(
+                id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
+        if whole:
+            raise RuntimeError(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
+                               "sums each rank's gradient range only; build it with dp.optimizer("
+                               f"{type(optimizer).__name__}, ...) instead of {type(optimizer).__name__}(dp.parameters(), ...)")
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+def _guard_hook(guard: "weakref.ref[WholeOptimizerGuard]"):
+    def hook(optimizer, args, kwargs) -> None:
+        target = guard()
+        if target is not None:
+            target.check(optimizer)
+
+    return hook

@@ -1,0 +1,136 @@
+"""A sharded replica's parameters: flat per bucket, this rank's range kept, the rest gathered.
+
+Every stage makes each bucket's parameters views into one flat buffer laid out as the bucket's
+gradients (flat_layout.py), so this rank's range of a bucket is one slice, and the optimizer's
+pieces (sharded_optim.py) are views of it. Stages 1 and 2 keep the buffers whole: after each
+optimizer step `gather_after_step` all-gathers every bucket, so each replica holds the updated
+whole. Stage 3 (`shard="parameters"`) keeps only a copy of this rank's range (`shard`); a
+bucket is whole only between `ensure_gathered` (an all-gather into its buffer) and `release`.
+
+Memory is given back by resizing the buffer's storage to zero, and at rest each parameter is an
+empty tensor. Both are needed: the parameters stay the same `nn.Parameter` objects (an optimizer
+or a hook holding one keeps a valid reference, reading one at rest gives an empty tensor rather
+than freed memory), and a view autograd saved in forward (Linear saves its weight transposed)
+points into the buffer itself, which a gather refills in place before backward reads it - FSDP
+frees the same way, for the same reason. Reading a replica's weights at rest under stage 3
+needs `whole()` (a collective), as `dp.full_state_dict()` does; `load_state_dict` copies each
+rank's range alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.comm import AsyncComm, Tag
+from phalanx.data_parallel.buckets import Bucket
+from phalanx.data_parallel.flat_layout import FlatLayout, flatten_parameters, free_storage, memory_order, refill_storage
+
+
+class ShardedParameters:
+    """The flat parameter buffers of `buckets`; `keep_whole` False is stage 3."""
+
+    def __init__(self, buckets: Sequence[Bucket], *, layout: FlatLayout, rank: int, keep_whole: bool,
+                 comm: AsyncComm, algorithm: str, steps: Callable[[], int]) -> None:
+        self.buckets, self.layout, self.keep_whole = list(buckets), layout, keep_whole
+        self._comm, self._algorithm, self._steps = comm, algorithm, steps
+        flattened = [flatten_parameters(bucket) for bucket in self.buckets]
+        self.buffers = [flat for flat, _ in flattened]
+        self.views = [views for _, views in flattened]  # each parameter's whole, as a view of its buffer
+        self.owned = [layout.owned(b.index, rank) for b in self.buckets]
+        self.counts = [layout.counts(b.index) for b in self.buckets]
+        # This rank's range of every bucket: a view where the whole stays, a copy where it goes.
+        self.shard = [flat[lo:hi] if keep_whole else flat[lo:hi].clone()
+                      for flat, (lo, hi) in zip(self.buffers, self.owned)]
+        self.gathered = [True] * len(self.buckets)
+        for index in range(len(self.buckets)):
+            self.release(index)
+
+    def gather_after_step(self) -> None:
+        """Stages 1 and 2, once the optimizer updated this rank's ranges: every replica whole
+        again (one all-gather per bucket, all launched, then waited)."""
+        if self.keep_whole:
+            for handle in [self._all_gather(index) for index in range(len(self.buckets))]:
+                handle.wait()
+
+    def ensure_gathered(self, index: int) -> None:
+        """Bucket `index`'s parameters whole on this rank (an all-gather unless they are)."""
+        if not self.gathered[index]:
+            self._all_gather(index).wait()
+            for param, view in zip(self.buckets[index].params, self.views[index]):
+                param.data = view
+            self.gathered[index] = True
+
+    def release(self, index: int) -> None:
+        """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else."""
+        if self.keep_whole or not self.gathered[index]:
+            return
+        for param in self.buckets[index].params:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        free_storage(self.buffers[index])
+        self.gathered[index] = False
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every bucket whole for the block, as it was after (a collective under stage 3)."""
+        was = list(self.gathered)
+        for index in range(len(self.buckets)):
+            self.ensure_gathered(index)
+        try:
+            yield
+        finally:
+            for index, kept in enumerate(was):
+                if not kept:
+                    self.release(index)
+
+    def _all_gather(self, index: int):
+        flat, (lo, hi) = self.buffers[index], self.owned[index]
+        if not self.keep_whole:
+            refill_storage(flat)
+            with torch.no_grad():
+                flat[lo:hi].copy_(self.shard[index])
+        return _all_gather_async(self._comm, flat, counts=self.counts[index], algorithm=self._algorithm,
+                                 tag=Tag("parameters", index, step=self._steps()))
+
+    def load_state_dict(self, module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool):
+        """Stage 3's load: each parameter's range of this rank copied into its shard (no
+        collective), the buffers loaded as usual. Returns torch's (missing, unexpected) keys."""
+        names = {slot.name for slot in self.layout.slots}
+        for slot in self.layout.slots:
+            if slot.name not in state:
+                continue
+            lo, hi = self.owned[slot.bucket]
+            start, stop = max(lo, slot.bucket_offset), min(hi, slot.bucket_offset + slot.numel)
+            if stop <= start:
+                continue
+            value = state[slot.name]
+            if tuple(value.shape) != slot.shape:
+                raise RuntimeError(f"size mismatch for {slot.name}: copying a param with shape {tuple(value.shape)}, "
+                                   f"the shape in current model is {slot.shape}")
+            laid = torch.empty_strided(slot.shape, slot.stride, dtype=value.dtype, device=self.shard[0].device)
+            laid.copy_(value)
+            with torch.no_grad():
+                self.shard[slot.bucket][start - lo:stop - lo].copy_(
+                    memory_order(laid)[start - slot.bucket_offset:stop - slot.bucket_offset])
+        result = module.load_state_dict({k: v for k, v in state.items() if k not in names}, strict=False)
+        missing = [k for k in result.missing_keys if k not in names] + sorted(names - set(state))
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                               f"{missing}, unexpected keys {result.unexpected_keys}")
+        return type(result)(missing, result.unexpected_keys)
+
+
+# TEMPORARY until the comm branch lands all_gather_async: the same result through an allreduce
+# of the buffer with everything but this rank's range zeroed (twice the bytes).
+def _all_gather_async(comm, flat, *, counts, algorithm, tag):
+    if hasattr(comm, "all_gather_async"):
+        return comm.all_gather_async(flat, counts=counts, algorithm=algorithm, tag=tag)
+    lo = sum(counts[:comm.world.rank])
+    hi = lo + counts[comm.world.rank]
+    with torch.no_grad():
+        flat[:lo].zero_()
+        flat[hi:].zero_()
+    return comm.allreduce_async(flat, algorithm=algorithm, tag=tag)
