@@ -15,7 +15,7 @@ from torch import nn
 
 from phalanx.comm import check_choice, shm_applies
 from phalanx.data_parallel.memory_format import layout_of
-from phalanx.data_parallel.sharded import check_shard
+from phalanx.data_parallel.sharded import SHARD_STAGES, check_shard
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 
 # --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
@@ -63,12 +63,23 @@ class Choices:
     precision: str | None = None  # "bf16-mixed": forward under autocast; None: the dtype throughout
     backend: str = "none"  # the world's ("gloo", "nccl"): what `native` runs
     why_not_shm: str | None = None  # why auto chose native for k > 1 (ranks span hosts, GPUs), or None
+    shard: str = "none"  # what each rank keeps a share of (sharded.py's stages), "none": everything whole
+    requested_shard: str = "none"  # what was asked for (one device runs "none" whatever was asked)
 
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
         mixed = f", {self.precision} (autocast forward, float32 weights and gradients)" if self.precision else ""
-        return f"allreduce {self._algorithm_text()}, {self._exchange_text()}, {self.memory_format}, " \
-               f"{self.dtype}{mixed}{self._batchnorm_text()}"
+        return f"allreduce {self._algorithm_text()}, {self._exchange_text()}{self._shard_text()}, " \
+               f"{self.memory_format}, {self.dtype}{mixed}{self._batchnorm_text()}"
+
+    def _shard_text(self) -> str:
+        if self.shard == "none":
+            asked = self.requested_shard != "none"
+            return f", shard {self.requested_shard} not applied (one device: nothing to shard)" if asked else ""
+        kept = {"optimizer": "optimizer state", "gradients": "optimizer state and gradients",
+                "parameters": "optimizer state, gradients and parameters"}[self.shard]
+        stage = SHARD_STAGES.index(self.shard)
+        return f", sharded (ZeRO-{stage}): each rank keeps 1/{self.num_devices} of the {kept}"
 
     def _algorithm_text(self) -> str:
         if self.requested_algorithm != "auto":
@@ -87,7 +98,8 @@ class Choices:
         sizes = ", ".join(f"{kb:.1f}" for kb in self.bucket_kb)
         wire = f" sent as {self.grad_dtype}" if self.grad_dtype else ""
         mode = "overlapped" if self.overlap else "synchronous"
-        return f"{mode} gradient exchange in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{wire}"
+        what = "gradient exchange" if self.shard == "none" else "gradient reduce-scatter"
+        return f"{mode} {what} in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{wire}"
 
     def _batchnorm_text(self) -> str:
         if not self.has_batchnorm:
@@ -98,7 +110,8 @@ class Choices:
         return f", BatchNorm {self.batchnorm} ({what})"
 
 
-def replica_choices(dp, *, requested_algorithm: str, batchnorm: str | None, precision: str | None) -> Choices:
+def replica_choices(dp, *, requested_algorithm: str, batchnorm: str | None, precision: str | None,
+                    requested_shard: str = "none") -> Choices:
     """The `Choices` of a built replica `dp` (a DataParallel): its own facts, and what it was asked
     for. `batchnorm` None (built directly): sync where the model has SyncBatchNorm, else local."""
     module, world = dp.module, dp.world
@@ -111,5 +124,6 @@ def replica_choices(dp, *, requested_algorithm: str, batchnorm: str | None, prec
         num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=requested_algorithm,
         algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
-        precision=precision, backend=world.backend, why_not_shm=shm_applies(world) if world.distributed else None)
+        precision=precision, backend=world.backend, why_not_shm=shm_applies(world) if world.distributed else None,
+        shard=dp.shard, requested_shard=requested_shard)
 

@@ -5,12 +5,19 @@ Before the exchange a rank holds only its shard's part, whose norm is neither th
 the same on every rank (clipping there makes replicas diverge, or silently changes the maths).
 After `finish_gradient_sync()` every rank holds the same summed gradient in its buckets, so the
 norm computed locally is the global one, identical on every rank, and costs no communication.
+A sharded replica (`shard=`) holds the summed gradient only over its own range: each rank adds
+up its range's |g|^p (or takes its max), one scalar allreduce makes the global norm, identical
+on every rank, and each rank scales its range by the same factor torch's clip_grad_norm_ uses.
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import Tag, native
 from phalanx.data_parallel.data_parallel import DataParallel
 
 
@@ -27,4 +34,28 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0
     if dp.exchange_in_flight:
         raise RuntimeError("clip_grad_norm_ while gradient allreduces are in flight; call "
                            "dp.finish_gradient_sync() first, so the norm is the summed gradient's")
-    return torch.nn.utils.clip_grad_norm_(dp.module.parameters(), max_norm, norm_type=norm_type)
+    if dp.sharding is None:
+        return torch.nn.utils.clip_grad_norm_(dp.module.parameters(), max_norm, norm_type=norm_type)
+    return _clip_sharded(dp, float(max_norm), float(norm_type))
+
+
+def _clip_sharded(dp: DataParallel, max_norm: float, norm_type: float) -> torch.Tensor:
+    grads = [g for g in dp.sharding.shard_grads if g.numel()]
+    dtype = dp.sharding.shard_grads[0].dtype
+    device = dp.sharding.shard_grads[0].device
+    if math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), dtype=dtype, device=device)
+        op = dist.ReduceOp.MAX
+    else:
+        local = torch.stack([g.abs().pow(norm_type).sum() for g in grads]).sum() if grads else \
+            torch.zeros((), dtype=dtype, device=device)
+        op = dist.ReduceOp.SUM
+    total = local.reshape(1).clone()
+    if dp.world.distributed:
+        native(dp.world, Tag("gradient norm"), lambda: dist.all_reduce(total, op=op, async_op=True),
+               size_bytes=total.element_size())
+    norm = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ arithmetic
+    if grads:
+        torch._foreach_mul_(grads, coefficient)
+    return norm

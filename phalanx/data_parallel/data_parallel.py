@@ -2,33 +2,29 @@
 
 `DataParallel` owns the replica's synchronisation contract, the one torch DDP established:
 rank 0's parameters and buffers are broadcast at construction so replicas start identical;
-gradients live in flat buckets (see buckets.py) that are summed across ranks with the chosen
-allreduce algorithm; `no_sync()` skips the exchange for gradient accumulation. Averaging is
-done by the caller through the loss scale (sum over the shard / global batch size), which keeps
-the update exactly the 1-device update even when the last batch splits unevenly across ranks.
+gradients live in flat buckets (buckets.py) summed across ranks with the chosen allreduce;
+`no_sync()` skips the exchange for gradient accumulation. Averaging is the caller's loss scale
+(sum over the shard / global batch size), which keeps the update exactly the 1-device update
+even when the last batch splits unevenly across ranks. `shard=` keeps only this rank's share
+of the optimizer state, gradients or parameters (ZeRO; sharded.py): each bucket's allreduce
+becomes a reduce-scatter, and the optimizer comes from `dp.optimizer(cls, ...)`.
 
 One send path, two schedules, the same result: every bucket goes out through `_launch` (wire
 dtype, trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With
 `overlap=True` (the default) a gradient hook launches each bucket the moment its last gradient
-lands, so its allreduce runs while backward computes the earlier layers; with `overlap=False`
-no hook launches anything and `finish_gradient_sync()` launches every bucket, then waits. Either
-way the caller's step is: zero_grad, forward, backward, finish_gradient_sync, optimizer step.
-
-Each bucket's allreduce is tagged `Tag("gradient", i, step=s)` - "step s+1's gradient bucket i" -
-so a rank that meets another collective is named at once (comm/watchdog.py); a synced backward
-never exchanged (a forgotten finish_gradient_sync(), silent with overlap=False) is refused at
-the next zero_grad() or optimizer step (guards.UnsyncedGradientGuard).
+lands, so its exchange runs while backward computes the earlier layers; with `overlap=False`
+`finish_gradient_sync()` launches every bucket, then waits. Either way the caller's step is:
+zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
+tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
+(comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
+optimizer step (guards.UnsyncedGradientGuard).
 
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
-buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it to None), no
-hooks, no communication thread, no collectives; the step is the plain PyTorch loop's (issue 11:
-on a GPU the overlap machinery cost 40-60% of a step where there was nothing to send). A
-`comm` handed in keeps the whole machinery, which is how a single process tests it.
-
-A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
-users do by habit is made right or named after each synced exchange (step_extras.py: running
-statistics averaged, a loss that bypassed `shard_loss` named, or DDP's mean with `average=True`).
-What it runs with is `dp.choices` (choices.py), computed by the replica itself.
+buckets, hooks, thread or collectives; the step is the plain PyTorch loop's (issue 11). A
+`comm` handed in keeps the whole machinery, which is how a single process tests it. A
+`DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
+users do by habit is made right or named after each synced exchange (step_extras.py). What it
+runs with is `dp.choices` (choices.py), computed by the replica itself.
 """
 
 from __future__ import annotations
@@ -75,24 +71,11 @@ class DataParallel(ReplicaModule):
     """A replica plus its gradient exchange, as an nn.Module. Construct it at the same point on
     every rank (the broadcast and AsyncComm's group or segment are collectives)."""
 
-    def __init__(
-        self,
-        module: nn.Module,
-        *,
-        world: World,
-        algorithm: str = "auto",
-        bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-        first_bucket_cap_mb: float | None = None,
-        overlap: bool = True,
-        comm: AsyncComm | None = None,
-        grad_dtype: torch.dtype | None = None,
-        average: bool | None = None,
-        average_running_stats: bool = True,
-        precision: str | None = None,
-        batchnorm: str | None = None,
-        tracer: Tracer | None = None,
-        shard: str = "none",
-    ) -> None:
+    def __init__(self, module: nn.Module, *, world: World, algorithm: str = "auto",
+                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, first_bucket_cap_mb: float | None = None,
+                 overlap: bool = True, comm: AsyncComm | None = None, grad_dtype: torch.dtype | None = None,
+                 average: bool | None = None, average_running_stats: bool = True, precision: str | None = None,
+                 batchnorm: str | None = None, tracer: Tracer | None = None, shard: str = "none") -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
         min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
@@ -135,10 +118,13 @@ class DataParallel(ReplicaModule):
         if self._owns_comm:  # it owns the shm segment or the private group
             comm, self.algorithm, self.fallback_reason = open_comm(world, algorithm)
         self._comm: AsyncComm | None = comm
+        self.shard = shard if self.exchanging else "none"  # one device: nothing to shard
+        # Chosen before sharding empties stage 3's parameters (their layout names the memory format).
+        self.choices = replica_choices(self, requested_algorithm=algorithm, batchnorm=batchnorm, precision=precision,
+                                       requested_shard=shard)
         self.sharding = Sharding(stage=shard, module=self.module, buckets=self.buckets, rank=world.rank,
                                  world_size=world.world_size, comm=comm, algorithm=self.algorithm,
-                                 steps=lambda: self._synced_steps) if self.exchanging and shard != "none" else None
-        self.shard = shard if self.sharding is not None else "none"
+                                 steps=lambda: self._synced_steps) if self.shard != "none" else None
         window = None if self.sharding is None or self.sharding.keeps_gradients else MAX_IN_FLIGHT
         self._scheduler = OverlapScheduler(self.buckets, launch=self._launch,
                                            max_in_flight=window) if self.exchanging else None
@@ -146,7 +132,6 @@ class DataParallel(ReplicaModule):
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
         self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if overlap else self._on_backward,
                                            every_parameter=overlap)
-        self.choices = replica_choices(self, requested_algorithm=algorithm, batchnorm=batchnorm, precision=precision)
 
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
@@ -206,8 +191,7 @@ class DataParallel(ReplicaModule):
             self._scheduler.mark_ready(param)
 
     def _on_backward(self, param: nn.Parameter) -> None:
-        if self._sync_enabled:
-            self._unsynced.pending = True
+        self._unsynced.pending = self._unsynced.pending or self._sync_enabled
 
     def _launch(self, bucket: Bucket):
         """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
@@ -243,10 +227,8 @@ class DataParallel(ReplicaModule):
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         keeps = self.sharding is None or self.sharding.keeps_gradients
         if keeps and not grads_are_bucket_views(self.buckets):
-            raise RuntimeError(
-                "a parameter's .grad no longer aliases its gradient bucket; "
-                "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
-            )
+            raise RuntimeError("a parameter's .grad no longer aliases its gradient bucket; "
+                               "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)")
         self._extras.after_exchange([b.buffer for b in self.buckets] if keeps else self.sharding.shard_grads,
                                     self._allreduce_now)
 

@@ -79,6 +79,7 @@ class FlatLayout:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
+        self._names = dict(names)
         slots, bucket_ranges, offset = [], [], 0
         for bucket in buckets:
             start = offset
@@ -91,6 +92,10 @@ class FlatLayout:
         self.slots: list[Slot] = slots
         self.total = offset
         self.bucket_ranges: list[tuple[int, int]] = bucket_ranges
+
+    def name_of(self, param: nn.Parameter) -> str:
+        """The name of a parameter of this layout."""
+        return self._names[id(param)]
 
     def shard(self, rank: int) -> tuple[int, int]:
         """[start, stop) of the flat order that `rank` owns."""

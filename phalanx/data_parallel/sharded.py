@@ -20,6 +20,8 @@ before each layer runs (stage 3) - sharded_params.py and gather_hooks.py.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -27,7 +29,7 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data_parallel.buckets import Bucket, grad_view
-from phalanx.data_parallel.flat_layout import FlatLayout, free_storage, parameter_names, refill_storage
+from phalanx.data_parallel.flat_layout import FlatLayout, Slot, free_storage, parameter_names, refill_storage
 from phalanx.data_parallel.gather_hooks import GatherHooks
 from phalanx.data_parallel.sharded_optim import WholeOptimizerGuard
 from phalanx.data_parallel.sharded_params import ShardedParameters
@@ -44,6 +46,17 @@ def check_shard(stage: str, *, flag: str | None = None) -> str:
         named = f"{flag} {stage!r}" if flag else f"shard {stage!r}"
         raise ValueError(f"{named} is unknown; choose one of {', '.join(SHARD_STAGES)}")
     return stage
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnedPiece:
+    """This rank's part of one parameter: elements [start, stop) of `slot` in memory order."""
+
+    values: torch.Tensor  # 1-D view of this rank's parameter shard
+    grad: torch.Tensor  # 1-D view of this rank's summed gradient
+    slot: Slot
+    start: int
+    stop: int
 
 
 class ShardedHandle:
@@ -97,6 +110,7 @@ class Sharding:
                     param.grad = None
                 free_storage(bucket.buffer)
         self._hooks = None if self.keeps_parameters else GatherHooks(module, self.params)
+        self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dp.optimizer's records
         self._guard = WholeOptimizerGuard(module, stage)  # AdamW(dp.parameters()): refused in one line
 
     def fill(self, bucket: Bucket) -> None:
@@ -151,9 +165,9 @@ class Sharding:
         return {f"gradient bucket {b.index} (this rank's shard)": grad
                 for b, grad in zip(self.buckets, self.shard_grads) if grad.numel()}
 
-    def piece(self, param: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This rank's part of `param` as (values, summed gradient), 1-D views in memory order,
-        or None when another rank owns all of it."""
+    def piece(self, param: nn.Parameter) -> OwnedPiece | None:
+        """This rank's part of `param` (values and summed gradient as 1-D views in memory order,
+        and where it lies), or None when other ranks own all of it."""
         for bucket, (lo, hi) in zip(self.buckets, self.owned):
             for member, offset, whole in zip(bucket.params, bucket.offsets, self.params.views[bucket.index]):
                 if member is param:  # (whole: under stage 3 the parameter itself is empty at rest)
@@ -161,7 +175,9 @@ class Sharding:
                     if stop <= start:
                         return None
                     values, grads = self.params.shard[bucket.index], self.shard_grads[bucket.index]
-                    return values[start - lo:stop - lo], grads[start - lo:stop - lo]
+                    slot = next(s for s in self.layout.slots if s.bucket == bucket.index and s.bucket_offset == offset)
+                    return OwnedPiece(values=values[start - lo:stop - lo], grad=grads[start - lo:stop - lo], slot=slot,
+                                      start=start - offset, stop=stop - offset)
         raise ValueError("the optimizer was given a parameter that is not the replica's; pass the model's own "
                          "parameters (or param groups of them)")
 

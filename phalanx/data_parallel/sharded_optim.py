@@ -23,6 +23,7 @@ sharding `dp.optimizer` is simply `cls(params or the model's parameters, **defau
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -71,22 +72,29 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
     """`cls` over `dp`'s parameters (or `params`, as torch takes them), sharded when `dp` is."""
     sharding = dp.sharding
     if sharding is None:
-        return cls(params if params is not None else dp.module.parameters(), **defaults)
+        optimizer = cls(params if params is not None else dp.module.parameters(), **defaults)
+        if dp.exchanging:  # gradients live in the buckets: zero them there, never drop the views
+            optimizer.zero_grad = lambda set_to_none=True: dp.zero_grad()
+        return optimizer
     check_elementwise(cls, elementwise)
-    groups, pieces = [], {}
+    groups, pieces, owned, group_names = [], {}, [], []
     for group in _groups(params, dp.module):
-        mine = []
+        mine, names = [], []
         for param in group["params"]:
             found = sharding.piece(param)
+            names.append(found.slot.name if found is not None else sharding.layout.name_of(param))
             if found is None:
                 continue
-            values, grad = found
-            piece = nn.Parameter(values, requires_grad=param.requires_grad)
-            piece.grad = grad
-            pieces[id(piece)] = (piece, grad)
+            piece = nn.Parameter(found.values, requires_grad=param.requires_grad)
+            piece.grad = found.grad
+            pieces[id(piece)] = (piece, found.grad)
             mine.append(piece)
+            owned.append((piece, found))
         groups.append({**group, "params": mine})
+        group_names.append(names)
     optimizer = cls(groups, **defaults)
+    # What the sharded checkpoint needs: each piece and where it lies, each group's parameter names.
+    sharding.optimizers[optimizer] = ShardedOptimizerRecord(pieces=owned, group_names=group_names)
     sharded = ShardedOptimizerHooks(dp, pieces)
     optimizer.register_step_pre_hook(sharded.before_step)
     optimizer.register_step_post_hook(sharded.after_step)
@@ -101,6 +109,15 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
 
     optimizer.zero_grad = zero_grad
     return optimizer
+
+
+@dataclass(frozen=True)
+class ShardedOptimizerRecord:
+    """A sharded optimizer's pieces, each with where it lies (sharded.py's OwnedPiece), and the
+    parameter names of each of its groups (all of them, also those other ranks own)."""
+
+    pieces: list
+    group_names: list[list[str]]
 
 
 class ShardedOptimizerHooks:

@@ -51,7 +51,7 @@ RUNNING, WAITING, FINISHED, FAILED = 0, 1, 2, 3
 
 # What a collective is for; the call site names it. The index of each name is its code (0: unset).
 PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
-          "allreduce", "set-up", "parameters")  # parameters: a sharded bucket's all-gather
+          "allreduce", "set-up", "parameters", "gradient norm")  # parameters: a sharded bucket's all-gather
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK = 56, 40, (1 << 40) - 1, (1 << 16) - 1
 _GRADIENT = _PHASE_CODE["gradient"]

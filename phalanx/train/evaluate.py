@@ -10,23 +10,28 @@ the model's floating dtype, as `evaluate` casts its images (a float64 model from
 "float64")` takes a float32 Dataset; Lightning's precision plugins convert a batch the same way).
 It first checks that the replicas' buffers agree (one small all-gather): each rank evaluates
 its shard with its own replica, so replicas whose running statistics drifted apart would be
-mixed into one number without a word (issue 22). Its default metric, `classification_sums`, is for a classifier returning logits and refuses
+mixed into one number without a word (issue 22). Where forward is itself a collective (a
+replica with `shard="parameters"` gathers each layer's weights), every rank runs as many
+batches as the rank with the most, padding with empty ones (`lockstep_batches`). Its default metric, `classification_sums`, is for a classifier returning logits and refuses
 anything else (probabilities, one output column, float labels) with the fix: a `sums=` of yours.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data._utils.collate import default_collate
 
-from phalanx.comm import Tag, all_reduce_sum_
+from phalanx.comm import Tag, all_reduce_sum_, native
 from phalanx.data import shard_bounds, to_float
 from phalanx.data.loader import ShardCollate, refuse_loader
+from phalanx.data_parallel.gather_hooks import collective_forward
 from phalanx.data_parallel.guards import check_replicas
 from phalanx.runtime.world import World
 
@@ -52,9 +57,10 @@ def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Te
     module.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=world.device)  # correct, seen
     dtype = next(module.parameters()).dtype
+    batches = lockstep_batches(-(-(stop - start) // batch_size), module, world=world)
     with torch.no_grad():
-        for lo in range(start, stop, batch_size):
-            hi = min(lo + batch_size, stop)
+        for lo in range(start, start + batches * batch_size, batch_size):
+            lo, hi = min(lo, stop), min(lo + batch_size, stop)
             logits = predict(to_float(images[lo:hi]).to(dtype))
             if logits is not None:
                 counts[0] += (logits.argmax(dim=1) == labels[lo:hi]).sum()
@@ -121,7 +127,8 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     start, stop = shard_bounds(len(dataset), world.world_size, world.rank)
     collate = ShardCollate(dataset, collate_fn or default_collate)
     loader = DataLoader(Subset(dataset, range(start, stop)), batch_size=batch_size, collate_fn=collate)
-    batches = iter(loader) if stop > start else iter([collate([])])
+    empty = max(1, lockstep_batches(len(loader), model, world=world)) - len(loader)
+    batches = itertools.chain(iter(loader), (collate([]) for _ in range(empty)))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     was_training = model.training
     model.eval()
@@ -141,6 +148,17 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     if int(result["count"]) != len(dataset):  # a sharding bug would silently skew the metric
         raise RuntimeError(f"evaluation saw {int(result['count'])} examples, expected {len(dataset)}")
     return result
+
+
+def lockstep_batches(count: int, module: nn.Module, *, world: World) -> int:
+    """How many batches this rank evaluates: its own `count`, or - where `module`'s forward is a
+    collective (stage 3 gathers every layer) - the largest count of any rank (one small allreduce)."""
+    if not world.distributed or not collective_forward(module):
+        return count
+    most = torch.tensor([float(count)], dtype=torch.float64, device=world.device)
+    native(world, EVALUATION, lambda: dist.all_reduce(most, op=dist.ReduceOp.MAX, async_op=True),
+           size_bytes=most.element_size())
+    return int(most.item())
 
 
 def _to_device(batch, device: torch.device, dtype: torch.dtype | None):

@@ -1,0 +1,201 @@
+"""A sharded replica's state as ranges of the flat order: what a rank saves, and how any k reads it.
+
+A rank's share (`rank_state`) is its ranges of the flat order (one per bucket it owns part of)
+with, for each range, the parameters' values and every per-element optimizer state (Adam's
+`exp_avg`, SGD's `momentum_buffer`, ...: tensors shaped like the parameter), plus per-parameter
+scalars (Adam's `step`) and the optimizer's param groups by parameter *name*. Ranges of one flat
+order, which depends neither on k nor on the bucket cap, are what lets a checkpoint written at
+k devices be read at any other k, sharded or not:
+
+- a `Reader` answers `read(key, start, stop)` for any flat range, `scalars(name)` and
+  `element_keys(name)`: `RangesReader` over k ranks' shares, `WholeReader` over a whole model's
+  state dict and a plain torch optimizer's state dict (a `shard="none"` checkpoint);
+- `load_shard` puts what a reader holds into a sharded replica (each rank reads its own ranges,
+  then stages 1 and 2 all-gather), and `whole_state` turns a reader into a whole model's state
+  dict and a plain optimizer's state dict (for `shard="none"`, one device, or model.pt).
+
+Per-element state is told from scalars by shape: a tensor with the piece's one dimension and
+length is per element; anything else (a 0-d `step`, a number) belongs to the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from phalanx.data_parallel.flat_layout import intersect, laid_out_like, memory_order
+
+PARAMETERS = "parameters"  # the key of the parameters' own values among the state keys
+
+
+class Reader(Protocol):
+    groups: list[dict]  # each param group's hyperparameters, and "names": its parameters' names
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor: ...
+    def scalars(self, name: str) -> dict[str, Any]: ...
+    def element_keys(self, name: str) -> list[str]: ...
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def rank_state(dp, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's share of a sharded replica `dp` and its `dp.optimizer(...)`, as saved."""
+    sharding = dp.sharding
+    record = sharding.optimizers[optimizer]
+    ranges, tensors = [], {PARAMETERS: []}
+    spans = {}  # bucket index -> (flat start, position in ranges)
+    for bucket, (lo, hi) in zip(sharding.buckets, sharding.owned):
+        if hi > lo:
+            start = sharding.layout.bucket_ranges[bucket.index][0]
+            spans[bucket.index] = (start + lo, len(ranges))
+            ranges.append((start + lo, start + hi))
+            tensors[PARAMETERS].append(sharding.params.shard[bucket.index].detach().clone())
+    scalars, element_keys = {}, {}
+    for piece, owned in record.pieces:
+        state = optimizer.state.get(piece, {})
+        name = owned.slot.name
+        scalars[name] = {k: v for k, v in state.items() if not _per_element(v, piece.numel())}
+        element_keys[name] = sorted(k for k, v in state.items() if _per_element(v, piece.numel()))
+        first, position = spans[owned.slot.bucket]
+        at = owned.slot.offset + owned.start - first
+        for key in element_keys[name]:
+            per_range = tensors.setdefault(key, [None] * len(ranges))
+            if per_range[position] is None:
+                per_range[position] = torch.zeros(ranges[position][1] - ranges[position][0], dtype=state[key].dtype)
+            per_range[position][at:at + piece.numel()] = state[key].detach().cpu()
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "names": names}
+              for group, names in zip(optimizer.param_groups, record.group_names)]
+    return {"ranges": ranges, "tensors": tensors, "scalars": scalars, "element_keys": element_keys, "groups": groups}
+
+
+class RangesReader:
+    """A `Reader` over ranks' shares (`rank_state`'s, each given lazily by `load(i)`)."""
+
+    def __init__(self, shares_ranges: list[list[tuple[int, int]]], load: Callable[[int], dict], groups: list[dict]) -> None:
+        self._ranges, self._load, self.groups = shares_ranges, load, groups
+        self._loaded: dict[int, dict] = {}
+
+    def _share(self, index: int) -> dict:
+        if index not in self._loaded:
+            self._loaded[index] = self._load(index)
+        return self._loaded[index]
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        pieces = []
+        for index, ranges in enumerate(self._ranges):
+            for position, (lo, hi) in enumerate(ranges):
+                a, b = intersect((start, stop), (lo, hi))
+                if b > a:
+                    tensor = self._share(index)["tensors"][key][position]
+                    pieces.append((a, tensor[a - lo:b - lo]))
+        pieces.sort(key=lambda item: item[0])
+        found = torch.cat([t for _, t in pieces]) if pieces else torch.empty(0)
+        if found.numel() != stop - start:
+            raise ValueError(f"the checkpoint's shards hold {found.numel()} of the {stop - start} elements "
+                             f"[{start}, {stop}) of {key}")
+        return found
+
+    def _first_with(self, name: str, what: str):
+        for index in range(len(self._ranges)):
+            share = self._share(index)
+            if name in share[what]:
+                return share[what][name]
+        return {} if what == "scalars" else []
+
+    def scalars(self, name: str) -> dict[str, Any]:
+        return self._first_with(name, "scalars")
+
+    def element_keys(self, name: str) -> list[str]:
+        return self._first_with(name, "element_keys")
+
+
+class WholeReader:
+    """A `Reader` over a whole model's state dict and a plain optimizer's state dict whose
+    parameter indices follow `names` (the order the optimizer was given the parameters in);
+    `slots` is the flat layout (FlatLayout.slots) to read ranges through."""
+
+    def __init__(self, model_state: dict, optimizer_state: dict, *, names: list[str], slots) -> None:
+        self._model, self._slots = model_state, list(slots)
+        self._state = {names[int(i)]: s for i, s in optimizer_state.get("state", {}).items()}
+        self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "names": [names[int(i)] for i in g["params"]]}
+                       for g in optimizer_state.get("param_groups", [])]
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        parts = []
+        for slot in self._slots:
+            a, b = intersect((start, stop), (slot.offset, slot.stop))
+            if b > a:
+                whole = self._model[slot.name] if key == PARAMETERS else self._state[slot.name][key]
+                laid = torch.empty_strided(slot.shape, slot.stride, dtype=whole.dtype)
+                laid.copy_(whole)
+                parts.append(memory_order(laid)[a - slot.offset:b - slot.offset])
+        return torch.cat(parts) if parts else torch.empty(0)
+
+    def scalars(self, name: str) -> dict[str, Any]:
+        state = self._state.get(name, {})
+        return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() >= 1)}
+
+    def element_keys(self, name: str) -> list[str]:
+        state = self._state.get(name, {})
+        return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1)
+
+
+def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
+    """Put `reader`'s state into the sharded replica `dp` and its `dp.optimizer(...)`: each rank
+    reads its own ranges; stages 1 and 2 then all-gather so every replica is whole again."""
+    sharding = dp.sharding
+    for bucket, (lo, hi) in zip(sharding.buckets, sharding.owned):
+        if hi > lo:
+            start = sharding.layout.bucket_ranges[bucket.index][0]
+            with torch.no_grad():
+                sharding.params.shard[bucket.index].copy_(reader.read(PARAMETERS, start + lo, start + hi))
+    sharding.gather_after_step()
+    record = sharding.optimizers[optimizer]
+    state, index_of = {}, {}
+    for index, (piece, owned) in enumerate(record.pieces):
+        index_of[id(piece)] = index
+        first = owned.slot.offset
+        entry = dict(reader.scalars(owned.slot.name))
+        for key in reader.element_keys(owned.slot.name):
+            entry[key] = reader.read(key, first + owned.start, first + owned.stop)
+        if entry:
+            state[index] = entry
+    saved_groups = {tuple(g["names"]): g for g in reader.groups}
+    groups = []
+    for group, names in zip(optimizer.param_groups, record.group_names):
+        saved = saved_groups.get(tuple(names), {})
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       **{k: v for k, v in saved.items() if k != "names"},
+                       "params": [index_of[id(p)] for p in group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def whole_state(reader: Reader, *, slots, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """A whole model's parameters (by name) and a plain torch optimizer's state dict over the
+    parameters in the order `names` gives, from any reader; `slots`: the flat layout."""
+    params, state = {}, {}
+    for slot in slots:
+        params[slot.name] = laid_out_like(reader.read(PARAMETERS, slot.offset, slot.stop), slot.shape, slot.stride)
+    by_slot = {slot.name: slot for slot in slots}
+    for index, name in enumerate(names):
+        slot = by_slot.get(name)
+        if slot is None:
+            continue
+        entry = dict(reader.scalars(name))
+        for key in reader.element_keys(name):
+            entry[key] = laid_out_like(reader.read(key, slot.offset, slot.stop), slot.shape, slot.stride)
+        if entry:
+            state[index] = entry
+    position = {name: index for index, name in enumerate(names)}
+    groups = [{**{k: v for k, v in g.items() if k != "names"}, "params": [position[n] for n in g["names"]]}
+              for g in reader.groups]
+    return params, {"state": state, "param_groups": groups}
+
+
+def trainable_names(module: nn.Module) -> list[str]:
+    """The names of `module`'s parameters in the order `module.parameters()` gives them."""
+    return [name for name, _ in module.named_parameters()]

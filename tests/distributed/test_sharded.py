@@ -1,0 +1,125 @@
+"""Sharded data parallelism (ZeRO stages 1-3) equals `shard="none"` and 1 device, float64.
+
+One spawn of 3 workers and one run in this process (a world of one) train the same models from
+the same seed, each rank on its `split_batch` shard of the same global batches of 13 (shards of
+5, 4, 4: uneven), with `dp.optimizer(...)`: SGD, momentum SGD (with weight decay), Adam and AdamW
+(weight decay), gradient clipping by the global norm on, for every stage. Parameters must end
+within 1e-9 relative of the 1-device run and of `shard="none"`, bitwise identical on every rank;
+the optimizer state, reassembled from the 3 ranks' shares (sharded_state.py: the very ranges a
+checkpoint holds), within 1e-9 of the plain optimizer's. A small MLP adds a model whose buckets
+hold whole Linear weights; LeNet-BN adds BatchNorm (sync) running statistics.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.data import split_batch
+from phalanx.data_parallel import prepare
+from phalanx.data_parallel.clip import clip_grad_norm_
+from phalanx.data_parallel.step import shard_loss
+from phalanx.data_parallel.sharded_state import RangesReader, rank_state, trainable_names, whole_state
+from phalanx.models import build_model
+from tests.distributed.harness import run_workers
+
+pytestmark = pytest.mark.distributed
+
+STEPS, GLOBAL_BATCH = 3, 13
+STAGES = ("none", "optimizer", "gradients", "parameters")
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1}),
+    "sgd-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3}),
+    "adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
+}
+MODELS = ("lenet", "lenet-bn", "small-mlp")
+
+
+def _model(name: str) -> nn.Module:
+    if name == "small-mlp":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    return build_model(name)
+
+
+def _worker(world, stages) -> dict:
+    generator = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(GLOBAL_BATCH, 1, 28, 28, generator=generator, dtype=torch.float64),
+                torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)) for _ in range(STEPS)]
+    results = {}
+    for model_name in MODELS:
+        for opt_name, (cls, kwargs) in OPTIMIZERS.items():
+            for stage in stages:
+                torch.manual_seed(0)
+                with prepare(_model(model_name), world=world, dtype="float64", shard=stage) as dp:
+                    optimizer = dp.optimizer(cls, **kwargs)
+                    for X, y in batches:
+                        X_shard, y_shard = split_batch(X, y, world.world_size)[world.rank]
+                        optimizer.zero_grad()
+                        loss_sum = F.cross_entropy(dp(X_shard), y_shard, reduction="sum")
+                        shard_loss(loss_sum, GLOBAL_BATCH).backward()
+                        dp.finish_gradient_sync()
+                        clip_grad_norm_(dp, 0.5)
+                        optimizer.step()
+                    done = {"state": dp.full_state_dict(), "describe": dp.choices.describe()}
+                    if dp.sharding is not None:
+                        done["share"] = rank_state(dp, optimizer)
+                        done["slots"] = dp.sharding.layout.slots
+                    else:
+                        done["optimizer"] = optimizer.state_dict()
+                    done["names"] = trainable_names(dp.module)
+                    results[(model_name, opt_name, stage)] = done
+    return results
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() if want.numel() else 0.0
+
+
+def _worst(got: dict, want: dict) -> float:
+    return max(_relative(got[k], want[k]) for k in want if torch.is_tensor(want[k]) and want[k].is_floating_point())
+
+
+def test_every_stage_equals_shard_none_and_one_device_parameters_and_optimizer_state():
+    one = run_workers(_worker, 1, ("none",))[0]
+    three = run_workers(_worker, 3, STAGES, timeout_s=300)
+    for model_name in MODELS:
+        for opt_name in OPTIMIZERS:
+            reference = one[(model_name, opt_name, "none")]
+            none = three[0][(model_name, opt_name, "none")]
+            for stage in STAGES:
+                case = (model_name, opt_name, stage)
+                got = three[0][case]
+                assert _worst(got["state"], reference["state"]) < 1e-9, case
+                assert _worst(got["state"], none["state"]) < 1e-9, case
+                for rank in (1, 2):
+                    assert _worst(three[rank][case]["state"], got["state"]) == 0.0, (case, rank)
+                if stage == "none":
+                    continue
+                assert f"sharded (ZeRO-{STAGES.index(stage)})" in got["describe"], got["describe"]
+                shares = [three[rank][case]["share"] for rank in range(3)]
+                reader = RangesReader([s["ranges"] for s in shares], lambda i: shares[i], shares[0]["groups"])
+                params, optimizer_state = whole_state(reader, slots=got["slots"], names=got["names"])
+                assert _worst(params, {n: none["state"][n] for n in params}) < 1e-9, case
+                want = none["optimizer"]["state"]
+                assert set(optimizer_state["state"]) == set(want), case
+                # Relative to each state's largest value over all parameters: a conv bias under
+                # BatchNorm has a zero gradient, and its Adam moments are rounding noise (~1e-18).
+                scale = {}
+                for entry in want.values():
+                    for key, value in entry.items():
+                        if torch.is_tensor(value) and value.is_floating_point() and value.dim():
+                            scale[key] = max(scale.get(key, 0.0), value.abs().max().item())
+                for index, entry in want.items():
+                    for key, value in entry.items():
+                        mine = optimizer_state["state"][index][key]
+                        if key in scale:
+                            assert (mine - value).abs().max().item() <= 1e-9 * scale[key], (case, index, key)
+                        else:
+                            assert float(mine) == float(value), (case, index, key)
+                groups = none["optimizer"]["param_groups"]
+                assert [g["params"] for g in optimizer_state["param_groups"]] == [g["params"] for g in groups]
+                assert [g["lr"] for g in optimizer_state["param_groups"]] == [g["lr"] for g in groups]
