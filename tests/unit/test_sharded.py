@@ -1,0 +1,140 @@
+"""Sharded data parallelism in one process: the flat layout, the optimizer's rules, the refusals.
+
+The layout is pure arithmetic; the rest runs a replica in a world of one with an AsyncComm handed
+in (the whole sharded machinery, every collective a no-op), against a plain replica. The
+3-rank equivalences are tests/distributed/test_sharded.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.comm import AsyncComm
+from phalanx.data_parallel import build_buckets, prepare
+from phalanx.data_parallel.flat_layout import FlatLayout, parameter_names
+from phalanx.data_parallel.sharded_optim import check_elementwise
+from phalanx.data_parallel.step import shard_loss
+from phalanx.models import LeNet
+from phalanx.runtime.world import World
+from tests.unit.even_split import assert_even_split
+
+WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+               backend="none", timeout_s=10.0)
+
+
+def _layout(model: nn.Module, cap_bytes: int | None, k: int) -> FlatLayout:
+    return FlatLayout(build_buckets(list(model.parameters()), cap_bytes=cap_bytes), names=parameter_names(model),
+                      world_size=k)
+
+
+def test_the_flat_order_depends_neither_on_k_nor_on_the_bucket_cap():
+    model = LeNet().to(memory_format=torch.channels_last)
+    layouts = [_layout(model, cap, k) for cap in (None, 4096, 256 * 1024) for k in (1, 2, 3, 5)]
+    orders = {tuple((s.name, s.offset, s.numel, s.stride) for s in layout.slots) for layout in layouts}
+    assert len(orders) == 1  # one order for every k and cap
+    slots = layouts[0].slots
+    assert [s.name for s in slots][:2] == ["fc2.bias", "fc2.weight"]  # reverse registration: backward's order
+    assert slots[-1].name == "conv1.weight" and slots[-1].stride != (25, 25, 5, 1)  # memory order (channels_last)
+    assert sum(s.numel for s in slots) == layouts[0].total == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_shards_are_contiguous_even_and_bucket_counts_add_up(k):
+    layout = _layout(LeNet(), 64 * 1024, k)
+    shards = [layout.shard(rank) for rank in range(k)]
+    assert shards[0][0] == 0 and shards[-1][1] == layout.total
+    assert all(a[1] == b[0] for a, b in zip(shards, shards[1:]))
+    assert_even_split([hi - lo for lo, hi in shards], layout.total, k)
+    for bucket, (start, stop) in enumerate(layout.bucket_ranges):
+        counts = layout.counts(bucket)
+        assert sum(counts) == stop - start
+        owned = [layout.owned(bucket, rank) for rank in range(k)]
+        assert [hi - lo for lo, hi in owned] == counts
+    pieces = [p for rank in range(k) for p in layout.pieces(*layout.shard(rank))]
+    assert sum(p.numel for p in pieces) == layout.total  # every element in exactly one piece
+
+
+def test_optimizers_that_need_a_whole_tensor_are_refused_and_elementwise_ones_pass():
+    check_elementwise(torch.optim.AdamW, None)
+    with pytest.raises(ValueError, match="LBFGS cannot run on a shard: its line search"):
+        check_elementwise(torch.optim.LBFGS, None)
+
+    class MyOptimizer(torch.optim.SGD):
+        pass
+
+    with pytest.raises(ValueError, match="pass elementwise=True"):
+        check_elementwise(MyOptimizer, None)
+    check_elementwise(MyOptimizer, True)
+
+
+def _replica(shard: str, model: nn.Module | None = None, **kwargs):
+    torch.manual_seed(0)
+    comm = AsyncComm(world=WORLD1, algorithms=("native",))
+    return prepare(model or LeNet(), world=WORLD1, dtype="float64", comm=comm, shard=shard, **kwargs)
+
+
+def _train(dp, optimizer, steps: int = 3, micro: int = 1) -> None:
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        X = torch.randn(12, 1, 28, 28, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 10, (12,), generator=generator)
+        optimizer.zero_grad()
+        for index in dp.accumulate(micro):
+            piece = slice(index * 12 // micro, (index + 1) * 12 // micro)
+            shard_loss(F.cross_entropy(dp(X[piece]), y[piece], reduction="sum"), 12).backward()
+        dp.finish_gradient_sync()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+@pytest.mark.parametrize("micro", [1, 3])
+def test_each_stage_trains_as_the_plain_replica_with_and_without_accumulation(stage, micro):
+    plain = _replica("none")
+    plain_opt = plain.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    _train(plain, plain_opt, micro=micro)
+    sharded = _replica(stage)
+    sharded_opt = sharded.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    _train(sharded, sharded_opt, micro=micro)
+    want, got = plain.full_state_dict(), sharded.full_state_dict()
+    # Not bitwise: a parameter inside a flat buffer sits at another address, and the BLAS and
+    # oneDNN kernels round a few products differently there (~4e-17 in the first forward).
+    assert max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-12
+    assert "sharded (ZeRO-" in sharded.choices.describe()
+
+
+def test_a_torch_optimizer_over_a_sharded_replicas_parameters_is_refused():
+    dp = _replica("optimizer")
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+    X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
+    shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 4).backward()
+    dp.finish_gradient_sync()
+    with pytest.raises(RuntimeError, match=r"build it with dp.optimizer\(SGD, \.\.\.\) instead of SGD\(dp.parameters"):
+        optimizer.step()
+    dp.close()
+
+
+def test_stage_three_keeps_no_whole_parameter_at_rest_and_loads_and_gives_its_state():
+    dp = _replica("parameters")
+    assert all(p.numel() == 0 for p in dp.module.parameters())  # at rest: this rank's range only
+    with pytest.raises(RuntimeError, match=r"call dp.full_state_dict\(\) on every rank"):
+        dp.module.state_dict()
+    torch.manual_seed(5)
+    other = LeNet().double().state_dict()
+    dp.load_state_dict(other)
+    got = dp.full_state_dict()
+    assert all(torch.equal(got[k], other[k]) for k in other)
+    assert all(p.numel() == 0 for p in dp.module.parameters())  # released again after the gather
+
+
+def test_shard_on_one_device_runs_as_none_and_says_so():
+    dp = prepare(LeNet(), world=WORLD1, shard="gradients")
+    assert dp.shard == "none" and dp.sharding is None
+    assert "shard gradients not applied (one device: nothing to shard)" in dp.choices.describe()
+
+
+def test_an_unknown_stage_is_one_line():
+    with pytest.raises(ValueError, match="shard 'zero4' is unknown; choose one of none, optimizer, gradients, parameters"):
+        prepare(LeNet(), world=WORLD1, shard="zero4")
