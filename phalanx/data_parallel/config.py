@@ -1,8 +1,8 @@
 """The data-parallel options of a training run: how replicas are laid out and how gradients are exchanged.
 
 `DataParallelConfig` declares each flag once (phalanx/options.py makes the parser from it): the
-allreduce algorithm, overlap and its bucket cap, compression, accumulation, the memory format and
-the BatchNorm policy. `prepare` (prepare.py) and `DataSplit` (strategy.py) take them as arguments.
+allreduce algorithm, overlap and its bucket cap, compression, accumulation, the memory format,
+the BatchNorm policy and sharding. `prepare` (prepare.py) and `DataSplit` (strategy.py) take them as arguments.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from phalanx.comm import CHOICES
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS
+from phalanx.data_parallel.sharded import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
 from phalanx.options import at_least, check_options, option, positive
 
@@ -51,6 +52,12 @@ class DataParallelConfig:
     # own (the chapter's per-device statistics), running stats averaged.
     batchnorm: str = option("sync", choices=BATCHNORM_POLICIES, help="BatchNorm models' statistics (sync: "
                             "whole-batch, k devices == 1 device; local: per-device)")
+    # ZeRO stages 1-3 (sharded.py): what each rank keeps only 1/k of.
+    shard: str = option("none", choices=SHARD_STAGES, help="keep 1/k per device of the optimizer state (optimizer), "
+                        "also the gradients (gradients), also the parameters (parameters)")
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.shard != "none" and self.allreduce in ("naive", "tree"):
+            raise ValueError(f"--shard {self.shard} reduce-scatters and all-gathers, which --allreduce {self.allreduce} "
+                             "cannot; use --allreduce auto, shm, ring or native")

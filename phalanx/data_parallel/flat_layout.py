@@ -52,6 +52,17 @@ class Slot:
     def stop(self) -> int:
         return self.offset + self.numel
 
+    def describe(self) -> dict:
+        """The slot as plain data (a checkpoint's manifest records the layout so)."""
+        return {"name": self.name, "offset": self.offset, "numel": self.numel, "shape": list(self.shape),
+                "stride": list(self.stride), "bucket": self.bucket, "bucket_offset": self.bucket_offset}
+
+    @classmethod
+    def of(cls, record: dict) -> "Slot":
+        """The slot `describe` wrote."""
+        return cls(name=record["name"], offset=record["offset"], numel=record["numel"], shape=tuple(record["shape"]),
+                   stride=tuple(record["stride"]), bucket=record["bucket"], bucket_offset=record["bucket_offset"])
+
 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
@@ -123,8 +134,7 @@ class FlatLayout:
 
     def describe(self) -> list[dict]:
         """The layout as a checkpoint's manifest records it: what any k needs to read a range back."""
-        return [{"name": s.name, "offset": s.offset, "numel": s.numel, "shape": list(s.shape),
-                 "stride": list(s.stride)} for s in self.slots]
+        return [slot.describe() for slot in self.slots]
 
 
 def memory_order(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,10 +7,10 @@ optimizer step `gather_after_step` all-gathers every bucket, so each replica hol
 whole. Stage 3 (`shard="parameters"`) keeps only a copy of this rank's range (`shard`); a
 bucket is whole only between `ensure_gathered` (an all-gather into its buffer) and `release`.
 
-Memory is given back by resizing the buffer's storage to zero, and at rest each parameter is an
-empty tensor. Both are needed: the parameters stay the same `nn.Parameter` objects (an optimizer
-or a hook holding one keeps a valid reference, reading one at rest gives an empty tensor rather
-than freed memory), and a view autograd saved in forward (Linear saves its weight transposed)
+Memory is given back by resizing the buffer's storage to zero, and at rest each parameter is a
+stand-in of its shape holding one NaN (`release`). Both are needed: the parameters stay the same
+`nn.Parameter` objects with their shapes (an optimizer or a hook holding one keeps a valid
+reference; reading one at rest touches no freed memory), and a view autograd saved in forward (Linear saves its weight transposed)
 points into the buffer itself, which a gather refills in place before backward reads it - FSDP
 frees the same way, for the same reason. Reading a replica's weights at rest under stage 3
 needs `whole()` (a collective), as `dp.full_state_dict()` does; `load_state_dict` copies each
@@ -65,11 +65,14 @@ class ShardedParameters:
             self.gathered[index] = True
 
     def release(self, index: int) -> None:
-        """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else."""
+        """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else.
+        At rest a parameter keeps its shape but holds one NaN seen through zero strides
+        (`_at_rest`): its shape and count stay true, reading it can touch no freed memory, and
+        writing it fails ("more than one element ... refers to a single memory location")."""
         if self.keep_whole or not self.gathered[index]:
             return
-        for param in self.buckets[index].params:
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        for param, whole in zip(self.buckets[index].params, self.views[index]):
+            param.data = _at_rest(whole)
         free_storage(self.buffers[index])
         self.gathered[index] = False
 
@@ -85,6 +88,18 @@ class ShardedParameters:
             for index, kept in enumerate(was):
                 if not kept:
                     self.release(index)
+
+    def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter whole, one bucket at a time: (name, whole parameter) for each, the
+        bucket freed again before the next is gathered (stage 3). A collective: every rank must
+        run it to the end; what it yields is valid until the next item."""
+        for index, bucket in enumerate(self.buckets):
+            was = self.gathered[index]
+            self.ensure_gathered(index)
+            for param, whole in zip(bucket.params, self.views[index]):
+                yield self.layout.name_of(param), whole
+            if not was:
+                self.release(index)
 
     def _all_gather(self, index: int):
         flat, (lo, hi) = self.buffers[index], self.owned[index]
@@ -121,6 +136,11 @@ class ShardedParameters:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
                                f"{missing}, unexpected keys {result.unexpected_keys}")
         return type(result)(missing, result.unexpected_keys)
+
+
+def _at_rest(whole: torch.Tensor) -> torch.Tensor:
+    """A stand-in of `whole`'s shape that holds no memory: one NaN, expanded."""
+    return torch.full((1,), float("nan"), dtype=whole.dtype, device=whole.device).expand(whole.shape)
 
 
 # TEMPORARY until the comm branch lands all_gather_async: the same result through an allreduce

@@ -2,7 +2,8 @@
 
 `DataSplit` wraps a `DataParallel` (from `phalanx.prepare`, whose `choices` describe it): each
 rank reads its shard of every global batch (`rows`), runs forward, backward and the gradient
-exchange in `grad_accum_steps` micro-batches (step.py), and reports what the job's first log
+exchange in `grad_accum_steps` micro-batches (step.py), clips by the global norm when asked,
+builds the optimizer over its share (`make_optimizer`: sharded under `shard=`), and reports what the job's first log
 line, metrics rows and guards need. The model splits (model_split/) provide the same interface.
 """
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from phalanx.data import shard_bounds
+from phalanx.data_parallel.clip import clip_grad_norm_
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.guards import check_replicas
 from phalanx.data_parallel.step import forward_backward
@@ -25,8 +27,10 @@ class DataSplit:
 
     holds_output = True
 
-    def __init__(self, dp: DataParallel, *, grad_accum_steps: int = 1, tracer: Tracer | None = None) -> None:
+    def __init__(self, dp: DataParallel, *, grad_accum_steps: int = 1, max_grad_norm: float | None = None,
+                 tracer: Tracer | None = None) -> None:
         self.dp, self.module, self.grad_accum_steps = dp, dp.module, grad_accum_steps
+        self.max_grad_norm = max_grad_norm
         self.tracer = dp.tracer if tracer is None else tracer
 
     def rows(self, total: int) -> tuple[int, int]:
@@ -36,8 +40,15 @@ class DataSplit:
         self.dp.zero_grad()
 
     def forward_backward(self, X, y, *, global_batch_size):
-        return forward_backward(self.dp, X, y, global_batch_size=global_batch_size,
+        sums = forward_backward(self.dp, X, y, global_batch_size=global_batch_size,
                                 grad_accum_steps=self.grad_accum_steps, tracer=self.tracer)
+        if self.max_grad_norm is not None:  # by the summed gradient's global norm (clip.py)
+            clip_grad_norm_(self.dp, self.max_grad_norm)
+        return sums
+
+    def make_optimizer(self, cls: type, **defaults) -> torch.optim.Optimizer:
+        """The optimizer over this rank's share of the replica (`dp.optimizer`: sharded or not)."""
+        return self.dp.optimizer(cls, **defaults)
 
     def predict(self, X: torch.Tensor) -> torch.Tensor:
         return self.dp(X)
@@ -49,7 +60,7 @@ class DataSplit:
         check_replicas(self.dp.world, self.module, step=step)
 
     def whole_model(self) -> nn.Module:
-        return self.module  # every rank holds all of it
+        return self.module  # every rank holds all of it (under shard="parameters": gather it first)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state)

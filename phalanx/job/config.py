@@ -89,10 +89,13 @@ class TrainConfig:
             raise ValueError(f"--micro-batches {micro_batches} must be between 1 and the global batch "
                              f"({self.global_batch_size}); use e.g. --micro-batches 4")
         if self.split.kind != "data":
-            # --momentum: a split's checkpoint holds the whole model's optimizer without the shards' state.
+            # --momentum, --optimizer: a split's checkpoint holds the whole model's optimizer without the
+            # shards' state; --clip-grad-norm: the global norm would need the parts' norms added up.
             data_parallel_only = (("--grad-accum", self.data_parallel.grad_accum_steps, 1),
                                   ("--grad-dtype", self.data_parallel.grad_dtype, None), ("--trace", self.trace_dir, None),
-                                  ("--momentum", self.optim.momentum, 0.0))
+                                  ("--momentum", self.optim.momentum, 0.0), ("--shard", self.data_parallel.shard, "none"),
+                                  ("--optimizer", self.optim.optimizer, "sgd"),
+                                  ("--clip-grad-norm", self.optim.clip_grad_norm, None))
             for flag, value, default in data_parallel_only:
                 if value != default:
                     raise ValueError(f"{flag} is a data-parallel option; drop it with --split {self.split.kind}")

@@ -28,7 +28,8 @@ from phalanx.model_split.splits import build_split
 from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
-from phalanx.job.optim import build_optimizer
+from phalanx.job.optim import build_optimizer, describe as describe_optimizer
+from phalanx.train.streamed_save import stream_model
 from phalanx.train.evaluate import count_accuracy
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.train.loop import Strategy, train_epoch
@@ -75,14 +76,15 @@ def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World,
                            schedule=split.schedule, num_classes=num_classes)
     dp = prepare(model, world=world, dtype=config.dtype, batchnorm=options.batchnorm,
                  memory_format=options.memory_format, algorithm=options.allreduce, overlap=options.overlap,
-                 bucket_cap_mb=options.bucket_cap_mb, grad_dtype=options.grad_dtype, tracer=tracer)
-    return DataSplit(dp, grad_accum_steps=options.grad_accum_steps)
+                 bucket_cap_mb=options.bucket_cap_mb, grad_dtype=options.grad_dtype, tracer=tracer, shard=options.shard)
+    return DataSplit(dp, grad_accum_steps=options.grad_accum_steps, max_grad_norm=config.optim.clip_grad_norm)
 
 
 def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: RankZeroLog,
          device_names: Sequence[str], tracer: Tracer | None) -> dict[str, Any]:
     """Check the ranks agree, resume, train config.epochs (evaluating after each), write the outputs."""
-    optimizer = build_optimizer(strategy.module.parameters(), config.optim)
+    optimizer = build_optimizer(strategy, config.optim)
+    replica = getattr(strategy, "dp", None)  # a data-parallel replica: sharded ones save and load shares
     steps = steps_per_epoch(data.train_images.shape[0], config.global_batch_size)
     whole = strategy.whole_model()
     preflight_check(world, {"model": model_fingerprint(whole), "strategy": strategy.describe(), **strategy.facts(),
@@ -90,7 +92,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                             "global_batch_size": config.global_batch_size, "dtype": config.dtype, "seed": config.seed})
     whole_optimizer = _whole_optimizer(optimizer, strategy, whole)
     identity = functools.cache(lambda: dataset_identity(data))  # hashed only by runs that resume or save
-    begin = resume_run(config, world=world, model=whole, optimizer=whole_optimizer, data=identity, log=log)
+    begin = resume_run(config, world=world, model=whole, optimizer=whole_optimizer, data=identity, log=log, dp=replica)
     start = begin.position
     if whole is not strategy.module:  # a split: its shards take their values from the whole model
         strategy.load_full_state_dict(whole.state_dict())
@@ -100,7 +102,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         whole = strategy.whole_model()
         ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
-                             fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings)
+                             fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings, dp=replica)
 
     complete = (start.epoch, start.step) == (config.epochs, 0)  # the run that saved it trained to the end
     if start.epoch >= config.epochs and not complete:  # past the last epoch: nothing to do, nothing to write
@@ -110,7 +112,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     devices_text = "[" + ", ".join(device_names) + "]"
     log(f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch {config.global_batch_size}, "
-        f"lr {config.optim.lr}, {strategy.describe()}{_schedule_text(config)}{_placement_text(config, world)}")
+        f"{describe_optimizer(config.optim)}, {strategy.describe()}{_schedule_text(config)}{_placement_text(config, world)}")
     train_images, train_labels = data.train_images.to(world.device), data.train_labels.to(world.device)
     test_images, test_labels = data.test_images.to(world.device), data.test_labels.to(world.device)
     outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir and world.is_main else None
@@ -151,6 +153,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
             save(ckpt.Position(epoch=epoch + 1, step=0))
 
     whole = strategy.whole_model()  # every rank: a split gathers its shards
+    streamed = replica is not None and replica.shard == "parameters"  # no rank holds the whole model
     sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history) if history else 0.0
     # Nothing trained in a run that found the training complete: its model's accuracy, counted again.
     final_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
@@ -160,7 +163,10 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         split = f", split {config.split.kind}" if config.split.kind != "data" else ""
         # The last epoch's checkpoint (if any) holds exactly this model: named if model.pt fails.
         kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint.every is not None else None
-        outputs.finish(history, whole, title=f"{config.model} on {data.name}, {devices_text}{split}", checkpoint=kept)
+        outputs.finish(history, None if streamed else whole, title=f"{config.model} on {data.name}, {devices_text}{split}",
+                       checkpoint=kept, write_model=(lambda path: stream_model(replica, path)) if streamed else None)
+    elif streamed and config.out_dir:  # rank 0 streams model.pt: every rank gathers each bucket with it
+        stream_model(replica, None)
     timing = f"{sec_per_epoch:.1f} sec/epoch" if sec_per_epoch else "no epoch trained in this run"
     log(f"test acc: {final_acc:.2f}, {timing} on {devices_text}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
@@ -172,7 +178,8 @@ def _whole_optimizer(optimizer: torch.optim.Optimizer, strategy: Strategy, whole
     current lr (plain SGD keeps no per-parameter state, so nothing else is lost)."""
     if whole is strategy.module:
         return optimizer
-    return torch.optim.SGD(whole.parameters(), lr=optimizer.param_groups[0]["lr"])
+    group = optimizer.param_groups[0]
+    return torch.optim.SGD(whole.parameters(), lr=group["lr"], weight_decay=group.get("weight_decay", 0.0))
 
 
 def _position_text(position: ckpt.Position, steps: int) -> str:

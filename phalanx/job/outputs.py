@@ -17,7 +17,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -62,12 +62,17 @@ class Outputs:
         metrics = MetricsFile(self.metrics, start_epoch=start_epoch)  # the finished epochs' rows only
         return metrics, [dict(r) for r in metrics.rows]
 
-    def finish(self, history: list[dict[str, Any]], whole_model: torch.nn.Module, *, title: str,
-               checkpoint: Path | None = None) -> None:
+    def finish(self, history: list[dict[str, Any]], whole_model: torch.nn.Module | None, *, title: str,
+               checkpoint: Path | None = None, write_model: Callable[[Path], None] | None = None) -> None:
         """model.pt from the whole model, then accuracy.png from the rows. `checkpoint`: the last
-        epoch's checkpoint (None: the run kept none), named if model.pt cannot be written."""
+        epoch's checkpoint (None: the run kept none), named if model.pt cannot be written.
+        `write_model(path)` writes model.pt instead where no rank holds the whole model
+        (`whole_model` None: shard="parameters" streams it, bucket by bucket, once)."""
         try:
-            save_state_dict(self.model, whole_model)
+            if write_model is not None:
+                write_model(self.model)
+            else:
+                save_state_dict(self.model, whole_model)
         except OSError as exc:
             raise RunFailed(self._model_not_written(exc, whole_model, checkpoint)) from None
         try:
@@ -81,9 +86,15 @@ class Outputs:
     def _model_not_written(self, exc: OSError, whole_model: torch.nn.Module, checkpoint: Path | None) -> str:
         """The one line saying where the trained weights are, keeping a copy when no checkpoint holds them."""
         failed = f"cannot write {self.model} ({_reason(exc)})"
+        if checkpoint is not None and checkpoint.is_file() and whole_model is None:
+            return (f"{failed}; the trained model is in the last checkpoint, {checkpoint} and the shares it names "
+                    "(resume from it with --epochs unchanged to write model.pt again)")
         if checkpoint is not None and checkpoint.is_file():
             return (f"{failed}; the trained model is in the last checkpoint, {checkpoint} (its 'model' entry is "
                     "the state dict model.pt would hold)")
+        if whole_model is None:
+            return (f"{failed}; the model is sharded over the ranks and was streamed to it once, so the trained "
+                    "weights are lost: keep checkpoints (--checkpoint-every epoch) to have them on disk")
         spare = Path(tempfile.gettempdir()) / f"phalanx-model-{os.getpid()}.pt"
         try:
             save_state_dict(spare, whole_model)

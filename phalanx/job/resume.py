@@ -8,7 +8,8 @@ named on its own is refused instead, naming the one before it. What must match i
 model, the settings that decide the update (global batch, seed, dtype) and the data set's
 identity (name, sizes, a hash of the training set's bytes), refused in one line on a mismatch.
 What may change - lr, warm-up, epochs, the device count (k devices compute the 1-device update,
-so any count continues the same trajectory) - is recorded with the checkpoint, and the resumed
+so any count continues the same trajectory), sharding (any stage reads any other's checkpoint) -
+is recorded with the checkpoint, and the resumed
 run's first line names each change.
 """
 
@@ -23,10 +24,12 @@ import torch
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import check_checkpoint
+from phalanx.train.sharded_checkpoint import optimizer_groups
 from phalanx.runtime.world import World, launcher_env
 
 # What a resumed run may change, and how its log line names each.
-CHANGEABLE = {"lr": "--lr", "warmup_epochs": "--warmup-epochs", "epochs": "--epochs", "num_devices": "devices"}
+CHANGEABLE = {"lr": "--lr", "warmup_epochs": "--warmup-epochs", "epochs": "--epochs", "num_devices": "devices",
+              "shard": "--shard"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,14 +53,15 @@ def dataset_identity(data) -> dict:
 
 def run_fingerprint(config: TrainConfig, model: torch.nn.Module, *, data: dict | None = None) -> dict:
     """A `phalanx train` run's fingerprint: its whole model, the settings that decide the update
-    and the data set's identity (`dataset_identity`)."""
+    (the optimizer among them) and the data set's identity (`dataset_identity`)."""
     return ckpt.fingerprint(model, model_name=config.model, global_batch_size=config.global_batch_size,
-                            seed=config.seed, dtype=config.dtype, data=data)
+                            seed=config.seed, dtype=config.dtype, data=data, optimizer=config.optim.optimizer)
 
 
 def run_settings(config: TrainConfig, *, num_devices: int) -> dict:
     """What a resumed run may change, recorded with each checkpoint so it can say what changed."""
-    return {"lr": config.optim.lr, "warmup_epochs": config.optim.warmup_epochs, "epochs": config.epochs, "num_devices": num_devices}
+    return {"lr": config.optim.lr, "warmup_epochs": config.optim.warmup_epochs, "epochs": config.epochs,
+            "num_devices": num_devices, "shard": config.data_parallel.shard if num_devices > 1 else "none"}
 
 
 def requested_resume(config: TrainConfig) -> str | None:
@@ -72,12 +76,14 @@ def requested_resume(config: TrainConfig) -> str | None:
 
 
 def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               data: Callable[[], dict], log: Callable[[str], None]) -> Start:
+               data: Callable[[], dict], log: Callable[[str], None], dp=None) -> Start:
     """Where a `phalanx train` run starts: a checkpoint's position, or epoch 0, step 0.
 
     The checkpoint is checked against (`data()`: this run's `dataset_identity`) and restored into
     `model`, the whole model (whichever way the run splits it), and `optimizer`, one over that
-    model's parameters. One log line says where it resumed and what changed since.
+    model's parameters - or, for a sharded replica `dp`, its module and sharded optimizer. Whole
+    and sharded checkpoints load either way, at any device count. One log line says where it
+    resumed and what changed since.
     """
     resume = requested_resume(config)
     if resume == "auto":
@@ -89,11 +95,12 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
         return Start(position=ckpt.Position(epoch=0, step=0))
     path, state, passed_over = ckpt.read_newest(resume)
     ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
-    check_checkpoint(state["optimizer"], config.optim, path=path)
-    position = ckpt.restore(state, world=world, model=model, optimizer=optimizer)
+    check_checkpoint(optimizer_groups(state), config.optim, path=path)
+    position = ckpt.restore(state, world=world, model=model, optimizer=optimizer, dp=dp, path=path)
     earlier = dict(state.get("settings") or {})
     now = run_settings(config, num_devices=world.world_size)
-    changes = [f"{CHANGEABLE[key]} {earlier[key]:g} -> {now[key]:g}" for key in CHANGEABLE
+    text = lambda value: value if isinstance(value, str) else f"{value:g}"  # noqa: E731
+    changes = [f"{CHANGEABLE[key]} {text(earlier[key])} -> {text(now[key])}" for key in CHANGEABLE
                if key in earlier and earlier[key] != now[key]]
     notes = f"; {passed_over}" if passed_over else ""  # first: the run goes back further than asked
     if changes:

@@ -82,6 +82,10 @@ class ModelSplit:
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def make_optimizer(self, cls: type, **defaults) -> torch.optim.Optimizer:
+        """The optimizer over this rank's part of the model."""
+        return cls(self.module.parameters(), **defaults)
+
     def zero_grad(self) -> None:
         for p in self.module.parameters():
             p.grad = None

@@ -26,13 +26,11 @@ damaged (or missing) newest checkpoint gives way to the one before it, and the r
 from __future__ import annotations
 
 import io
-import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,6 +40,8 @@ from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
     write_generation
+from phalanx.train.rng_state import rng_state, set_rng_state
+from phalanx.train.sharded_checkpoint import FORMAT_SHARDED, check_shares, restore_any, save_sharded
 
 FORMAT = "phalanx-checkpoint-2"
 # Still read: the first format kept each rank's running sums and no data identity.
@@ -65,10 +65,13 @@ class Position:
 
 
 def fingerprint(model: torch.nn.Module, *, model_name: str, global_batch_size: int, seed: int, dtype: str,
-                data: dict | None = None) -> dict:
-    """What a checkpoint must agree on with the run that loads it (`data`: `dataset_identity`'s)."""
+                data: dict | None = None, optimizer: str | None = None) -> dict:
+    """What a checkpoint must agree on with the run that loads it (`data`: `dataset_identity`'s;
+    `optimizer`: phalanx train's --optimizer)."""
     found = {"model": model_name, "global_batch_size": global_batch_size, "seed": seed, "dtype": dtype,
              "parameters": [[name, list(p.shape)] for name, p in model.named_parameters()]}
+    if optimizer is not None:
+        found["optimizer"] = optimizer
     return found if data is None else {**found, "data": data}
 
 
@@ -90,40 +93,23 @@ def has_checkpoint(location: str | Path) -> bool:
     return any(p.is_file() for p in (generation_paths(location) if path != Path(location) else (path,)))
 
 
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "numpy": {"key": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                      "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
-            "python": _to_lists(random.getstate())}
-
-
-def _to_lists(value):
-    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
-
-
-def _to_tuples(value):
-    return tuple(_to_tuples(v) for v in value) if isinstance(value, list) else value
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    random.setstate(_to_tuples(state["python"]))
-
-
 def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    position: Position, fingerprint: dict, settings: dict | None = None) -> Path | None:
+                    position: Position, fingerprint: dict, settings: dict | None = None, dp=None) -> Path | None:
     """Every rank calls this (RNG states and running sums are gathered); rank 0 writes. Returns
-    the path on rank 0. `settings`: `run_settings`' record, for the resumed run's log line."""
-    mine = {"rng": _rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
+    the path on rank 0. `settings`: `run_settings`' record, for the resumed run's log line. `dp`:
+    a sharded replica (`shard=`) whose ranks each write their share (sharded_checkpoint.py)."""
+    mine = {"rng": rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
         with collective(world, Tag("checkpoint")):  # on the collective board: a mismatch names this call
             dist.all_gather_object(every, mine)
     else:
         every = [mine]
+    if dp is not None and dp.sharding is not None:
+        run_state = {"epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
+                     "epoch_totals": _global_totals([r["epoch_totals"] for r in every]), "settings": dict(settings or {})}
+        return save_sharded(checkpoint_path(directory), world=world, dp=dp, optimizer=optimizer, run_state=run_state,
+                            every=every)
     if not world.is_main:
         return None
     state = {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
@@ -158,9 +144,11 @@ def read_checkpoint(location: str | Path) -> dict[str, Any]:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DamagedFile(path, f"is not loadable as a weights-only checkpoint ({reason[:160]}); it is corrupt, "
                                 "tampered with or not a phalanx checkpoint") from None
-    if not isinstance(state, dict) or state.get("format") not in (FORMAT, FORMAT_1):
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, FORMAT_1, FORMAT_SHARDED):
         raise UsageError(f"{path} is not a phalanx checkpoint (format {state.get('format') if isinstance(state, dict) else None!r}); "
                          "resume from a checkpoint phalanx train wrote")
+    if state["format"] == FORMAT_SHARDED:
+        check_shares(path, state)  # a missing or damaged share makes this generation unusable
     return state
 
 
@@ -175,10 +163,14 @@ def read_newest(location: str | Path) -> tuple[Path, dict[str, Any], str]:
 def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path) -> None:
     """Refuse a checkpoint whose fingerprint differs from this run's, naming the first field."""
     saved = state["fingerprint"]
-    flags = {"model": "--model", "global_batch_size": "--batch-size", "seed": "--seed", "dtype": "--dtype"}
+    flags = {"model": "--model", "global_batch_size": "--batch-size", "seed": "--seed", "dtype": "--dtype",
+             "optimizer": "--optimizer"}
     for field, flag in flags.items():
-        if saved.get(field) != expected[field]:
-            raise UsageError(f"checkpoint {path} was saved with {flag} {saved.get(field)} but this run has "
+        if field not in expected:
+            continue
+        theirs = saved.get(field, "sgd" if field == "optimizer" else None)  # before --optimizer: SGD
+        if theirs != expected[field]:
+            raise UsageError(f"checkpoint {path} was saved with {flag} {theirs} but this run has "
                              f"{flag} {expected[field]}; resume with the same settings")
     if "data" in saved and "data" in expected and saved["data"] != expected["data"]:
         raise UsageError(f"checkpoint {path} was trained on {_describe_data(saved['data'])} but this run has "
@@ -197,20 +189,22 @@ def _describe_data(identity: dict) -> str:
             f"sha256 {str(identity.get('train_sha256'))[:12]})")
 
 
-def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Position:
-    """Apply a checked checkpoint on this rank; return where to continue."""
-    own = {k: v for k, v in model.state_dict().items()}
+def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            dp=None, path: str | Path | None = None) -> Position:
+    """Apply a checked checkpoint on this rank; return where to continue. `dp`: a sharded replica
+    (`model` its module, `optimizer` its `dp.optimizer(...)`); whole and sharded checkpoints
+    load into either (`path`: the sharded checkpoint's manifest, beside its shares)."""
+    own = {**{n: p for n, p in model.named_parameters()}, **dict(model.named_buffers())}
     for key, value in state["model"].items():
         if key in own and own[key].shape != value.shape:
             raise UsageError(f"checkpoint tensor {key} has shape {tuple(value.shape)}, the model {tuple(own[key].shape)}; "
                              "resume with the model that saved it")
-    model.load_state_dict(state["model"])
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        restore_any(state, path=Path(path) if path is not None else Path("."), module=model, optimizer=optimizer, dp=dp)
     except (ValueError, KeyError) as exc:
         raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the same optimizer settings") from None
     rng = state["rng"]
-    _set_rng_state(rng[world.rank] if world.rank < len(rng) else rng[0])
+    set_rng_state(rng[world.rank] if world.rank < len(rng) else rng[0])
     totals = state.get("epoch_totals") or []
     if state["format"] == FORMAT_1:  # one list per rank of the run that saved it
         totals = _global_totals(totals) if totals else []
@@ -223,6 +217,11 @@ def _replica(model) -> torch.nn.Module:
     """The module itself, given a module or a DataParallel around one (itself an nn.Module: the
     fingerprint names the user's model class, not the wrapper)."""
     return model.module if isinstance(model, DataParallel) else model
+
+
+def _sharded(model):
+    """The replica itself when `model` is a sharded DataParallel (its ranks save shares), else None."""
+    return model if isinstance(model, DataParallel) and model.sharding is not None else None
 
 
 def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed: int) -> dict:
@@ -242,7 +241,8 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
-                           fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed))
+                           fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
+                           dp=_sharded(model))
 
 
 def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
@@ -260,4 +260,4 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     if passed_over and world.is_main:
         warnings.warn(f"resuming from {path}: {passed_over}", PhalanxWarning, stacklevel=2)
     check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path)
-    return restore(state, world=world, model=module, optimizer=optimizer)
+    return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path)

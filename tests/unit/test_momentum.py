@@ -54,11 +54,21 @@ def test_momentum_outside_0_to_1_is_refused_naming_the_number(bad):
         OptimizerConfig(momentum=bad)
 
 
+class _Over:
+    """A strategy's make_optimizer over `params` (what a model split's does)."""
+
+    def __init__(self, params) -> None:
+        self.params = list(params)
+
+    def make_optimizer(self, cls, **defaults):
+        return cls(self.params, **defaults)
+
+
 def test_at_0_the_optimizer_is_plain_sgd_bitwise_and_above_0_torchs_momentum():
     plain = _steps(lambda params: torch.optim.SGD(params, lr=0.1))
-    for ours, reference in zip(_steps(lambda params: build_optimizer(params, OptimizerConfig(lr=0.1))), plain):
+    for ours, reference in zip(_steps(lambda params: build_optimizer(_Over(params), OptimizerConfig(lr=0.1))), plain):
         assert torch.equal(ours, reference)
-    heavy = _steps(lambda params: build_optimizer(params, OptimizerConfig(lr=0.1, momentum=0.9)))
+    heavy = _steps(lambda params: build_optimizer(_Over(params), OptimizerConfig(lr=0.1, momentum=0.9)))
     for ours, reference in zip(heavy, _steps(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))):
         assert torch.equal(ours, reference)
     assert not torch.equal(heavy[0], plain[0])  # the momentum took effect
@@ -75,9 +85,9 @@ def test_the_job_trains_with_it():
 
 def test_a_checkpoint_saved_with_another_momentum_is_refused_in_one_line(tmp_path):
     saved = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.2).state_dict()  # today's plain SGD
-    check_checkpoint(saved, OptimizerConfig(), path=tmp_path / "checkpoint.pt")  # the same settings: fine
+    check_checkpoint(saved["param_groups"], OptimizerConfig(), path=tmp_path / "checkpoint.pt")  # the same settings
     with pytest.raises(UsageError) as info:
-        check_checkpoint(saved, OptimizerConfig(momentum=0.9), path=tmp_path / "checkpoint.pt")
+        check_checkpoint(saved["param_groups"], OptimizerConfig(momentum=0.9), path=tmp_path / "checkpoint.pt")
     assert str(info.value) == (f"checkpoint {tmp_path / 'checkpoint.pt'} was saved with --momentum 0 but this run "
                                "has --momentum 0.9; resume with the same settings")
 

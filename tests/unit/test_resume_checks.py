@@ -88,7 +88,7 @@ def test_lr_epochs_and_devices_may_change_and_the_resumed_line_names_each(tmp_pa
     start, lines = _resume(config, _data())
     assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6; changed since the checkpoint: "
                      "--lr 0.2 -> 0.05, --epochs 4 -> 6, devices 2 -> 1"]
-    assert start.earlier == {"lr": 0.2, "warmup_epochs": 0.0, "epochs": 4, "num_devices": 2}
+    assert start.earlier == {"lr": 0.2, "warmup_epochs": 0.0, "epochs": 4, "num_devices": 2, "shard": "none"}
     # The epoch that mixes the two rates says so in its row; the others do not.
     assert mixed_lr(start, config, epoch=2) == {"lr_before_resume": 0.2, "steps_before_resume": 6}
     assert mixed_lr(start, config, epoch=3) == {}

@@ -1,0 +1,150 @@
+"""Sharded checkpoints: every rank writes its own share, rank 0 a manifest saying what a whole one is.
+
+A replica built with `shard=` holds 1/k of the parameters' values (stage 3) and of the optimizer
+state, so no rank can write a whole checkpoint without gathering it. Instead each rank writes its
+share (data_parallel/sharded_state.py: its ranges of the one flat order, with values, optimizer
+state and scalars) to `checkpoint.shard-<r>-of-<k>.<serial>.pt`, atomically; once every rank has
+written, rank 0 writes the manifest `checkpoint.pt` - position, fingerprint, RNG states, the
+epoch's sums, the model's buffers, the flat layout, each share's file and ranges, the optimizer's
+name and groups - through the same two-generation write as a whole checkpoint (checkpoint_files.py).
+The manifest's atomic rename is the commit: a kill before it leaves the previous manifest and
+the files it names; files no manifest names are removed after the next commit.
+
+Reading checks the manifest and every file it names (CRC-32, every record) before anything is
+applied, so a missing or damaged share makes the generation unusable: `--resume auto` goes back
+to the previous one, and a checkpoint named on its own is refused in one line naming the file.
+A sharded checkpoint loads into any k (each rank reads only the ranges it owns, memory-mapped),
+into `shard="none"`, one device or a model split (`whole_state` assembles the whole), and a whole
+checkpoint loads into a sharded replica (`WholeReader`): `restore_any` picks the path.
+
+Why not torch.distributed.checkpoint (DCP): its resharding plans DTensor's placements, whose
+`Shard(0)` cuts a tensor as torch.chunk does (ceil-sized, last shards short or empty), not the
+even cut of one flat order this layout uses; its files are not CRC-checked or kept two
+generations deep as phalanx's are; and reading one back into a single process needs its own
+conversion step. The ranges here are plain torch.save files any process can read.
+"""
+
+from __future__ import annotations
+
+import secrets
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import Tag, collective
+from phalanx.data_parallel.flat_layout import Slot
+from phalanx.data_parallel.sharded_state import RangesReader, WholeReader, load_shard, rank_state, trainable_names, \
+    whole_state
+from phalanx.atomic import atomic_write_bytes
+from phalanx.runtime.world import World
+from phalanx.train.checkpoint_files import DamagedFile, previous_of, serialize, write_generation
+from phalanx.train.streamed_save import persistent_buffers
+
+FORMAT_SHARDED = "phalanx-checkpoint-sharded-1"
+
+
+def shard_name(rank: int, world_size: int, serial: str) -> str:
+    return f"checkpoint.shard-{rank:05d}-of-{world_size:05d}.{serial}.pt"
+
+
+def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.optim.Optimizer, run_state: dict,
+                 every: list[dict]) -> Path | None:
+    """Every rank calls this after gathering `every` rank's RNG states and sums (`run_state` is
+    the rest of the manifest: format, position, fingerprint, settings). Returns the manifest on
+    rank 0."""
+    serial = [secrets.token_hex(4) if world.is_main else None]
+    with collective(world, Tag("checkpoint")):
+        dist.broadcast_object_list(serial, src=0)
+    share = rank_state(dp, optimizer)
+    name = shard_name(world.rank, world.world_size, serial[0])
+    atomic_write_bytes(manifest_path.parent / name, serialize(share))
+    written = [None] * world.world_size
+    with collective(world, Tag("checkpoint")):  # every share on disk before the manifest names them
+        dist.all_gather_object(written, {"file": name, "ranges": share["ranges"]})
+    if not world.is_main:
+        return None
+    manifest = {**run_state, "format": FORMAT_SHARDED, "model": persistent_buffers(dp.module),
+                "layout": dp.sharding.layout.describe(), "shards": written, "optimizer_groups": share["groups"],
+                "rng": [r["rng"] for r in every]}
+    write_generation(manifest_path, serialize(manifest))
+    _remove_unnamed_shares(manifest_path)
+    return manifest_path
+
+
+def _remove_unnamed_shares(manifest_path: Path) -> None:
+    """Delete share files that neither generation's manifest names (an older save's, or one a
+    kill left before its manifest)."""
+    named = set()
+    for path in (manifest_path, previous_of(manifest_path)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - a missing or unreadable generation names nothing
+            continue
+        if isinstance(state, dict) and state.get("format") == FORMAT_SHARDED:
+            named.update(s["file"] for s in state["shards"])
+    for candidate in manifest_path.parent.glob("checkpoint.shard-*.pt"):
+        if candidate.name not in named:
+            candidate.unlink(missing_ok=True)
+
+
+def check_shares(manifest_path: Path, state: dict) -> None:
+    """DamagedFile unless every share the manifest names is there and intact (CRCs of every record)."""
+    for rank, share in enumerate(state["shards"]):
+        path = manifest_path.parent / share["file"]
+        if not path.is_file():
+            raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, which is missing")
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, which is damaged ({exc})") from None
+        if bad is not None:
+            raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, whose record {bad} fails its "
+                                             "CRC-32 check")
+
+
+def reader_of(manifest_path: str | Path, state: dict) -> RangesReader:
+    """A `Reader` of a sharded checkpoint: its manifest `state` read from `manifest_path`."""
+    manifest_path = Path(manifest_path)
+    shares = state["shards"]
+    load = lambda i: torch.load(manifest_path.parent / shares[i]["file"], map_location="cpu",  # noqa: E731
+                                weights_only=True, mmap=True)
+    return RangesReader([[tuple(r) for r in s["ranges"]] for s in shares], load, state["optimizer_groups"])
+
+
+def restore_any(state: dict, *, path: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                dp=None) -> None:
+    """Put a checked checkpoint's model and optimizer state into this rank's replica: a sharded
+    replica `dp` (with `module` its model and `optimizer` its `dp.optimizer(...)`), or a whole
+    `module` and its plain optimizer. Whole or sharded checkpoints alike, at any k."""
+    sharded_target = dp is not None and dp.sharding is not None
+    if state.get("format") == FORMAT_SHARDED:
+        reader = reader_of(path, state)
+        if sharded_target:
+            load_shard(dp, optimizer, reader)
+            module.load_state_dict(state["model"], strict=False)
+            return
+        slots = [Slot.of(record) for record in state["layout"]]
+        params, optimizer_state = whole_state(reader, slots=slots, names=trainable_names(module))
+        module.load_state_dict({**state["model"], **params})
+        optimizer.load_state_dict(optimizer_state)
+        return
+    if sharded_target:
+        reader = WholeReader(state["model"], state["optimizer"], names=trainable_names(module),
+                             slots=dp.sharding.layout.slots)
+        load_shard(dp, optimizer, reader)
+        names = {slot.name for slot in dp.sharding.layout.slots}
+        module.load_state_dict({k: v for k, v in state["model"].items() if k not in names}, strict=False)
+        return
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def optimizer_groups(state: dict) -> list[dict[str, Any]]:
+    """The saved optimizer's param groups (hyperparameters) of a whole or sharded checkpoint."""
+    if state.get("format") == FORMAT_SHARDED:
+        return state["optimizer_groups"]
+    return state["optimizer"].get("param_groups", [])
