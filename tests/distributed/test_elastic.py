@@ -74,14 +74,22 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bitwise_equal(reference, 
     _assert_bitwise_equal(out, reference)
 
 
-def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(reference, tmp_path):
+def kill_rank_1_for_good(*args: str, tmp_path: Path) -> tuple[int, str, str, list[str]]:
+    """`phalanx *args --max-restarts 1` whose rank 1 (cpu:1) is killed after the first checkpoint
+    and dies again at every restart: (exit code, stdout, stderr, the launcher's own lines), the
+    first of which must be the restart."""
     out = tmp_path / "run"
     code, stdout, stderr = _signal_rank_1_after_the_first_checkpoint(
-        *COMMON, "--max-restarts", "1", "--elastic", out=out, env={"DEAD_DEVICE": "cpu:1"},
-        script=dead_on_resume_script(tmp_path))
-    assert code == 0, stderr[-3000:]
+        *args, "--max-restarts", "1", out=out, env={"DEAD_DEVICE": "cpu:1"}, script=dead_on_resume_script(tmp_path))
     said = _said(stderr)
     assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
+    return code, stdout, stderr, said
+
+
+def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(reference, tmp_path):
+    out = tmp_path / "run"
+    code, stdout, stderr, said = kill_rank_1_for_good(*COMMON, "--elastic", tmp_path=tmp_path)
+    assert code == 0, stderr[-3000:]
     step = re.match(RESTART, said[0]).group(1)
     assert re.match(rf"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\) again before the run got past "
                     rf"\S+checkpoint\.pt \(epoch 1, step {step}\): giving cpu:1 up \(--elastic\); going on from "
@@ -96,12 +104,8 @@ def test_elastic_gives_up_a_device_that_keeps_dying_and_finishes_on_the_rest(ref
 
 def test_without_elastic_the_restarts_run_out_and_the_run_fails_naming_the_rank(tmp_path):
     out = tmp_path / "run"
-    code, _, stderr = _signal_rank_1_after_the_first_checkpoint(
-        *COMMON, "--epochs", "20", "--max-restarts", "1", out=out, env={"DEAD_DEVICE": "cpu:1"},
-        script=dead_on_resume_script(tmp_path))
+    code, _, stderr, said = kill_rank_1_for_good(*COMMON, "--epochs", "20", tmp_path=tmp_path)
     assert code == 1, stderr[-3000:]
-    said = _said(stderr)
-    assert len(said) == 2 and re.match(RESTART, said[0]), stderr[-3000:]
     assert said[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL)"), said[1]
     assert not (out / "model.pt").exists()
     from phalanx.train import checkpoint as ckpt

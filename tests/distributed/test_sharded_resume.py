@@ -21,9 +21,8 @@ from phalanx.data_parallel.flat_layout import Slot
 from phalanx.data_parallel.sharded_state import whole_state
 from phalanx.models import LeNet
 from phalanx.train.sharded_checkpoint import reader_of
-from tests.distributed.runs import (assert_same_rows, crash_script, dead_on_resume_script, finished_run, metrics_rows,
-                                    relative_difference, run_phalanx)
-from tests.distributed.test_elastic import _said, _signal_rank_1_after_the_first_checkpoint
+from tests.distributed.runs import assert_same_rows, crash_script, finished_run, metrics_rows, relative_difference, run_phalanx
+from tests.distributed.test_elastic import kill_rank_1_for_good
 
 pytestmark = pytest.mark.distributed
 
@@ -91,11 +90,10 @@ def test_a_missing_share_goes_back_a_generation_and_with_none_left_is_one_line(r
 
 def test_elastic_gives_up_a_dying_device_and_finishes_the_sharded_run_on_the_rest(reference, tmp_path):
     out = tmp_path / "run"
-    code, stdout, stderr = _signal_rank_1_after_the_first_checkpoint(
-        *COMMON, "--devices", "cpu:3", "--shard", "gradients", "--checkpoint-every", "5", "--max-restarts", "1",
-        "--elastic", out=out, env={"DEAD_DEVICE": "cpu:1"}, script=dead_on_resume_script(tmp_path))
+    code, stdout, stderr, said = kill_rank_1_for_good(*COMMON, "--devices", "cpu:3", "--shard", "gradients",
+                                                      "--checkpoint-every", "5", "--elastic", tmp_path=tmp_path)
     assert code == 0, stderr[-3000:]
-    assert "giving cpu:1 up (--elastic)" in " ".join(_said(stderr)), stderr[-3000:]
+    assert "giving cpu:1 up (--elastic)" in said[1], said
     assert stdout.strip().splitlines()[-1].endswith("on [cpu:0, cpu:2]")
     assert relative_difference(out, reference) <= 1e-9
 

@@ -7,15 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phalanx.data import (
-    EpochBatches,
-    global_batches,
-    rank_shard,
-    shard_bounds,
-    shard_sizes,
-    split_batch,
-    steps_per_epoch,
-)
+from phalanx.data import EpochBatches, global_batches, rank_shard, shard_bounds, shard_sizes, split_batch, steps_per_epoch
 from tests.unit.even_split import assert_even_split
 
 
