@@ -5,12 +5,14 @@ parameters are whole only while a layer that owns some of them computes. `Gather
 every module that owns parameters directly:
 
 - **forward pre-hook**: its buckets gathered (an all-gather each; a bucket an earlier layer
-  gathered is whole already);
+  gathered is whole already), and the all-gather of the bucket forward needs next started, so
+  it runs on the communication thread while this layer computes (FSDP's forward prefetch);
 - **forward hook**: once every module owning parameters of a bucket has run forward, the bucket
   is freed - except, while gradients are recorded, bucket 0 (the last layers: backward needs it
   first, so it stays whole rather than being gathered twice in a row); and on each output that
   records gradients, a hook that gathers the module's buckets again when backward reaches it
-  (that gradient arrives before the module's backward runs, which reads the weights);
+  (that gradient arrives before the module's backward runs, which reads the weights) and
+  starts the next bucket's gather in backward's order;
 - **after backward**: a bucket is freed once its gradients have all landed and its
   reduce-scatter launches (sharded.py's `fill`).
 
@@ -68,10 +70,12 @@ class GatherHooks:
                                "dp.full_state_dict() on every rank for the whole model's state dict")
 
     def _before_forward(self, sub: nn.Module, args: Any) -> None:
-        for index in self._buckets_of[id(sub)]:
+        mine = self._buckets_of[id(sub)]
+        for index in mine:
             if not self._params.gathered[index]:
                 self._ran[index].clear()
             self._params.ensure_gathered(index)
+        self._params.prefetch(mine[0] - 1)  # forward runs the buckets from the last index down
 
     def _after_forward(self, sub: nn.Module, args: Any, output: Any) -> None:
         mine = self._buckets_of[id(sub)]
@@ -89,6 +93,7 @@ class GatherHooks:
     def _before_backward(self, mine: list[int]) -> None:
         for index in mine:
             self._params.ensure_gathered(index)
+        self._params.prefetch(mine[-1] + 1)  # backward runs them from 0 up
 
     def close(self) -> None:
         for handle in self._handles:

@@ -46,6 +46,7 @@ class ShardedParameters:
         self.shard = [flat[lo:hi] if keep_whole else flat[lo:hi].clone()
                       for flat, (lo, hi) in zip(self.buffers, self.owned)]
         self.gathered = [True] * len(self.buckets)
+        self._prefetched: dict[int, object] = {}  # bucket -> its all-gather in flight (stage 3)
         for index in range(len(self.buckets)):
             self.release(index)
 
@@ -57,12 +58,21 @@ class ShardedParameters:
                 handle.wait()
 
     def ensure_gathered(self, index: int) -> None:
-        """Bucket `index`'s parameters whole on this rank (an all-gather unless they are)."""
+        """Bucket `index`'s parameters whole on this rank (an all-gather unless they are; its
+        prefetch's wait if one is in flight)."""
         if not self.gathered[index]:
-            self._all_gather(index).wait()
+            handle = self._prefetched.pop(index, None) or self._all_gather(index)
+            handle.wait()
             for param, view in zip(self.buckets[index].params, self.views[index]):
                 param.data = view
             self.gathered[index] = True
+
+    def prefetch(self, index: int) -> None:
+        """Start bucket `index`'s all-gather now (stage 3), to be waited by `ensure_gathered` when a
+        layer needs it; nothing if it is out of range, whole or already on its way. Every rank
+        prefetches at the same points (the hooks are the same), so the collectives stay paired."""
+        if 0 <= index < len(self.buckets) and not self.gathered[index] and index not in self._prefetched:
+            self._prefetched[index] = self._all_gather(index)
 
     def release(self, index: int) -> None:
         """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else.
