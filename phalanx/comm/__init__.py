@@ -32,7 +32,8 @@ from phalanx.comm.calls import collective, native, run_now
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
-from phalanx.comm.shm import ShmError, ShmGroup, allreduce_shm, shm_applies
+from phalanx.comm.shm import ShmError, ShmGroup, shm_applies
+from phalanx.comm.shm_ops import allreduce_shm
 from phalanx.comm.tree import allreduce_tree
 from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
 from phalanx.runtime.board import COMM, WORLD, Tag
