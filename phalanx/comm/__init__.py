@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
-from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, Handle, OpenedComm, open_comm
+from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
 from phalanx.comm.calls import collective, native, run_now
+from phalanx.comm.handle import Handle
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring

@@ -11,8 +11,7 @@ Ordering is what keeps ranks matched: every rank must launch the same allreduces
 order (as DDP launches buckets in the same order). Native launches go straight to the backend
 in call order; the other algorithms run one at a time on the single thread, in launch order.
 
-A `Handle` belongs to whoever launched it and is waited exactly once; until then the tensor
-must not be read or written (picotron and DDP follow the same contract for their buckets).
+A `Handle` (handle.py) belongs to whoever launched it and is waited exactly once.
 What this does not own: bucketing and deciding when to launch (`phalanx.data_parallel`).
 
 Every collective takes its identity as an argument: a `Tag` (what it is: phase, bucket, step;
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat, resolve_algorithm
 from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work
+from phalanx.comm.handle import Handle, done, flat_of
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
@@ -54,33 +54,6 @@ _SET_UP = Tag("set-up")
 
 class CollectiveAborted(CommError):
     """A queued collective that was not run because an earlier one on the same thread failed."""
-
-
-class Handle:
-    """One launched collective. `wait()` blocks until done, writes back, returns the tensor."""
-
-    def __init__(self, tensor: torch.Tensor, flat: torch.Tensor | None, wait_fn: Callable[[], None]) -> None:
-        self._tensor = tensor
-        self._flat = flat  # a contiguous copy to write back, or None when the tensor was used as is
-        self._wait_fn = wait_fn
-        self._waited = False
-
-    @property
-    def waited(self) -> bool:
-        return self._waited
-
-    def wait(self) -> torch.Tensor:
-        assert not self._waited, "allreduce handle waited twice"
-        self._waited = True
-        self._wait_fn()
-        if self._flat is not None:
-            with torch.no_grad():
-                self._tensor.copy_(self._flat.view(self._tensor.shape))
-        return self._tensor
-
-
-def _done() -> None:
-    return None
 
 
 # A job: the algorithm's work on a transport, told its ticket (a transport that polls reads it).
@@ -144,8 +117,8 @@ class AsyncComm:
         if not self.world.distributed:
             if on_done is not None:
                 on_done()
-            return Handle(tensor, None, _done)
-        flat, copy_back = _flat(tensor)
+            return Handle(tensor, None, done)
+        flat, copy_back = flat_of(tensor)
         wait = self._launch(algorithm, tag, flat, on_done=on_done,
                             start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
                             job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket))
@@ -221,15 +194,6 @@ class AsyncComm:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A contiguous 1-D view of `tensor` (or a copy), and the copy to write back (None: a view)."""
-    if tensor.is_contiguous():
-        return tensor.view(-1), None
-    with torch.no_grad():
-        flat = tensor.contiguous().view(-1)
-    return flat, flat
 
 
 class OpenedComm(NamedTuple):
