@@ -116,8 +116,8 @@ class ShmGroup:
 
     def _open(self) -> None:
         k, rank = self.k, self.rank
-        header = _HEADER + k * _LINE
-        size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
+        data0 = -(-(_HEADER + k * _LINE) // 4096) * 4096  # the slots start on the page after the header
+        size = data0 + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
         # Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike.
         shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
                                facts=(self.slot_bytes, self.small_bytes),
@@ -135,7 +135,6 @@ class ShmGroup:
         self._pids_view = pids
         self._flags_addr = buf.data_ptr() + _HEADER  # futex words: the low half of each int64 flag
         self._view_cache: dict = {}
-        data0 = _round_up(header, 4096)
         half = (k + 1) * self.slot_bytes
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
@@ -258,12 +257,15 @@ class ShmGroup:
         self.close()
 
 
-def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
-    """out = parts[0] + parts[1] + ... + parts[k-1], added in that order (k >= 2; `out` may be
-    memory of its own or a slot): every shm sum runs in rank order, so it is deterministic."""
-    torch.add(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        out.add_(part)
+def sum_into(out: torch.Tensor, parts: list[torch.Tensor], scratch: torch.Tensor | None = None) -> None:
+    """out = parts[0] + ... + parts[k-1], added in that order (k >= 2), so every shm sum is
+    deterministic. A part may be `out` itself if `scratch` holds the partial sums until the last add."""
+    acc = out if scratch is None or len(parts) == 2 else scratch
+    torch.add(parts[0], parts[1], out=acc)
+    for part in parts[2:-1]:
+        acc.add_(part)
+    if len(parts) > 2:
+        torch.add(acc, parts[-1], out=out)
 
 
 def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:
@@ -274,7 +276,3 @@ def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, 
     lo_line = index * base + min(index, extra)
     hi_line = lo_line + base + (1 if index < extra else 0)
     return min(numel, lo_line * per_line), min(numel, hi_line * per_line)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

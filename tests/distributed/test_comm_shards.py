@@ -67,6 +67,7 @@ def shards_every_case(world) -> dict:
         reference = make_input(case, world.rank)
         dist.all_reduce(reference)
         per_algorithm = {"reference": reference[lo:hi].clone()}
+        summed = allreduce(make_input(case, world.rank), world=world, algorithm="shm", transport=group)
         for algorithm in ALGORITHMS:
             transport = group if algorithm == "shm" else None
             runs = []
@@ -76,6 +77,8 @@ def shards_every_case(world) -> dict:
                 assert view.data_ptr() == flat[lo:hi].data_ptr() and view.numel() == hi - lo, (algorithm, case)
                 runs.append(view.clone())
             assert torch.equal(runs[0], runs[1]), f"reduce-scatter {algorithm} {case}: not the same bits twice"
+            if algorithm == "shm":  # the same sums in the same order as its allreduce
+                assert torch.equal(runs[0], summed[lo:hi]), f"reduce-scatter shm {case}: not its allreduce's bits"
             per_algorithm[algorithm] = runs[0]
             _gathered(case, world, algorithm, lambda f, c, a: all_gather(f, counts=c, world=world, algorithm=a,
                                                                          transport=group if a == "shm" else None))

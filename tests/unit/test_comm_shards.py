@@ -15,6 +15,7 @@ from phalanx.comm import AsyncComm, all_gather, reduce_scatter
 from phalanx.comm.counts import check_counts, own_range
 from phalanx.comm.ring import all_gather_ring, reduce_scatter_ring
 from phalanx.comm.shards import sharded_fn
+from phalanx.comm.shm import sum_into
 from tests.unit.test_comm import make_world, simulate
 
 
@@ -75,6 +76,19 @@ def test_world_of_one_returns_at_once_and_still_checks_counts():
         assert comm.all_gather(flat, counts=[5], algorithm="ring") is flat
         assert torch.equal(comm.reduce_scatter(flat, counts=[5]), torch.arange(5.0))
     assert torch.equal(flat, torch.arange(5.0))
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shm_sum_reads_a_part_that_is_its_output_before_writing_it(k, dtype):
+    parts = [torch.randn(33, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(k)]
+    ordered = parts[0] + parts[1]
+    for part in parts[2:]:
+        ordered = ordered + part
+    for own in range(k):  # a reduce-scatter's own values are its output
+        out = parts[own].clone()
+        sum_into(out, [out if r == own else part for r, part in enumerate(parts)], scratch=torch.empty(33, dtype=dtype))
+        assert torch.equal(out, ordered), own
 
 
 # --- the ring's bookkeeping, in threads ---------------------------------------------------
