@@ -83,8 +83,8 @@ class AllreduceBenchConfig:
         if not self.collectives or unknown:
             raise ValueError(f"unknown collectives {unknown}; choose from {', '.join(COLLECTIVES)}")
         if not timed(self):
-            raise ValueError(f"{', '.join(self.algorithms)} have no {', '.join(self.collectives)}; "
-                             f"those run on {', '.join(SHARDED_ALGORITHMS)}")
+            raise ValueError(f"{', '.join(self.collectives)} run on {', '.join(SHARDED_ALGORITHMS)} only, "
+                             f"not on {', '.join(self.algorithms)}; add one of those to the algorithms")
         for name in ("rounds", "max_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
