@@ -28,10 +28,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                   "the automatic parallelism exercises")
     kinds = bench.add_subparsers(dest="bench_name", parser_class=type(bench))
 
-    allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm over sizes and world sizes")
+    allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm, and reduce-scatter and all-gather, "
+                                 "over sizes and world sizes")
     allreduce.add_argument("--sizes", default="4KB,64KB,512KB,1MB,16MB,64MB", help="message sizes (binary KB/MB)")
     allreduce.add_argument("--world-sizes", default="2,3,4", help="process counts, one spawned run each")
     allreduce.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"any of {', '.join(ALGORITHMS)}")
+    allreduce.add_argument("--collectives", default="allreduce,reduce-scatter,all-gather",
+                           help="any of allreduce, reduce-scatter, all-gather (the last two: native, shm, ring)")
     allreduce.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default 5)")
 
     scaling = kinds.add_parser("scaling", help="images/s: phalanx on 1..k devices vs DDP, one process, ceiling")
@@ -107,7 +110,8 @@ def run_bench(args: argparse.Namespace) -> int:
             config = allreduce.AllreduceBenchConfig(
                 sizes_bytes=parse_list(args.sizes, parse_size, flag="--sizes"),
                 world_sizes=parse_list(args.world_sizes, int, flag="--world-sizes"),
-                algorithms=parse_list(args.algorithms, str, flag="--algorithms"), rounds=args.rounds)
+                algorithms=parse_list(args.algorithms, str, flag="--algorithms"),
+                collectives=parse_list(args.collectives, str, flag="--collectives"), rounds=args.rounds)
             run, report, plot = allreduce.run_allreduce_bench, allreduce.report_allreduce, allreduce.plot_allreduce
         elif name == "scaling":
             config = scaling.ScalingBenchConfig(

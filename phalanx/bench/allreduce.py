@@ -1,13 +1,18 @@
-"""`phalanx bench allreduce`: time every allreduce algorithm over message sizes and world sizes.
+"""`phalanx bench allreduce`: time every allreduce algorithm over message sizes and world sizes,
+and its two halves, reduce-scatter and all-gather, for the algorithms that have them.
 
 For each world size one spawned run (the production launcher, gloo on loopback) whose workers
-time sizes x algorithms with the kit's collective method (phalanx/measure/collective.py: warm-up
-calls, calibrated batches, agreed counts, a barrier before each batch, interleaved rounds). A
-batch's time is the slowest rank's, since an allreduce is done when its last rank is.
-Bandwidths follow nccl-tests' PERFORMANCE.md: algbw = size / time; busbw = algbw x 2(k-1)/k for
-allreduce, the share of the data each rank must move, so busbw is comparable across world sizes
-and against a link's speed. A single-process memcpy into a preallocated buffer is the
-reference line: no allreduce on this host can move bytes faster than one copy.
+time sizes x collectives x algorithms with the kit's collective method (phalanx/measure/collective.py:
+warm-up calls, calibrated batches, agreed counts, a barrier before each batch, interleaved
+rounds). A batch's time is the slowest rank's, since a collective is done when its last rank is.
+Reduce-scatter and all-gather run on the whole buffer cut in even per-rank counts.
+Bandwidths follow nccl-tests' PERFORMANCE.md, with size the whole buffer: algbw = size / time;
+busbw = algbw x 2(k-1)/k for allreduce and x (k-1)/k for reduce-scatter and all-gather, the share
+of the data each rank must move, so busbw is comparable across world sizes, collectives and a
+link's speed. A half's time over the allreduce's (same size and algorithm, paired per round) is
+the per-byte comparison: a ring's halves each move half the allreduce's bytes (about 0.5). A
+single-process memcpy into a preallocated buffer is the reference line: no collective on this
+host can move bytes faster than one copy.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from typing import Any
 import torch
 
 from phalanx.comm import ALGORITHMS, AsyncComm
+from phalanx.comm.ring import chunk_sizes
+from phalanx.comm.shards import ALL_GATHER, REDUCE_SCATTER, SHARDED_ALGORITHMS
 from phalanx.measure.collective import time_collectives
 from phalanx.measure.flags import format_size
 from phalanx.measure.outputs import format_table, new_figure
@@ -31,13 +38,22 @@ from phalanx.runtime.world import World
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 1 << 20, 16 << 20, 64 << 20)
 _FLOAT_BYTES = 4  # float32 buffers, as gradients are
 MEMCPY_MAX_CALLS = 10_000
+COLLECTIVES = ("allreduce", REDUCE_SCATTER, ALL_GATHER)
 
 
-def busbw_factor(world_size: int) -> float:
-    """nccl-tests PERFORMANCE.md, allreduce: busbw = algbw * 2(n-1)/n."""
+def busbw_factor(world_size: int, collective: str = "allreduce") -> float:
+    """nccl-tests PERFORMANCE.md: busbw = algbw * 2(n-1)/n for allreduce, (n-1)/n for
+    reduce-scatter and all-gather (size: the whole buffer)."""
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
-    return 2.0 * (world_size - 1) / world_size
+    return (2.0 if collective == "allreduce" else 1.0) * (world_size - 1) / world_size
+
+
+def timed(config: "AllreduceBenchConfig") -> list[tuple[int, str, str]]:
+    """(size, collective, algorithm) of every measurement, in the order they run and print:
+    reduce-scatter and all-gather only for the algorithms that have them."""
+    return [(size, collective, algo) for size in config.sizes_bytes for collective in config.collectives
+            for algo in config.algorithms if collective == "allreduce" or algo in SHARDED_ALGORITHMS]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +61,7 @@ class AllreduceBenchConfig:
     sizes_bytes: tuple[int, ...] = DEFAULT_SIZES_BYTES
     world_sizes: tuple[int, ...] = (2, 3, 4)
     algorithms: tuple[str, ...] = ALGORITHMS
+    collectives: tuple[str, ...] = COLLECTIVES
     rounds: int = 5
     warmup_calls: int = 2
     target_batch_s: float = TARGET_BATCH_S  # a timed batch repeats a call until about this long
@@ -62,6 +79,12 @@ class AllreduceBenchConfig:
         unknown = [a for a in self.algorithms if a not in ALGORITHMS]
         if not self.algorithms or unknown:
             raise ValueError(f"unknown algorithms {unknown}; choose from {', '.join(ALGORITHMS)}")
+        unknown = [c for c in self.collectives if c not in COLLECTIVES]
+        if not self.collectives or unknown:
+            raise ValueError(f"unknown collectives {unknown}; choose from {', '.join(COLLECTIVES)}")
+        if not timed(self):
+            raise ValueError(f"{', '.join(self.collectives)} run on {', '.join(SHARDED_ALGORITHMS)} only, "
+                             f"not on {', '.join(self.algorithms)}; add one of those to the algorithms")
         for name in ("rounds", "max_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -70,15 +93,19 @@ class AllreduceBenchConfig:
 
 
 def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
-    """One rank: every (size, algorithm) timed by the kit's collective method."""
+    """One rank: every (size, collective, algorithm) timed by the kit's collective method."""
     # Zeros: sums stay finite (no inf/denormal slow paths) and cost the same adds as any value.
     buffers = {size: torch.zeros(size // _FLOAT_BYTES) for size in config.sizes_bytes}
     # Blocking calls on this thread; the comm owns shm's segment and the p2p algorithms' group.
     comm = AsyncComm(world=world, algorithms=config.algorithms)
+    counts = {size: chunk_sizes(size // _FLOAT_BYTES, world.world_size) for size in config.sizes_bytes}
+    calls = {"allreduce": lambda b, n, a: comm.allreduce(b, algorithm=a),
+             REDUCE_SCATTER: lambda b, n, a: comm.reduce_scatter(b, counts=n, algorithm=a),
+             ALL_GATHER: lambda b, n, a: comm.all_gather(b, counts=n, algorithm=a)}
     try:
         return time_collectives(
-            {(size, algo): (lambda b=buffers[size], a=algo: comm.allreduce(b, algorithm=a))
-             for size in config.sizes_bytes for algo in config.algorithms},
+            {key: (lambda b=buffers[key[0]], n=counts[key[0]], c=calls[key[1]], a=key[2]: c(b, n, a))
+             for key in timed(config)},
             rounds=config.rounds, warmup_calls=config.warmup_calls, target_batch_s=config.target_batch_s,
             max_calls=config.max_calls)
     finally:
@@ -102,28 +129,29 @@ def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
 def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
     """Measure everything; return the JSON payload (times in s, bandwidths in GB/s = 1e9 B/s)."""
     memcpy = memcpy_reference(config)
-    results, ratios = [], []
-    keys = [(size, algo) for size in config.sizes_bytes for algo in config.algorithms]
+    results, ratios, halves = [], [], []
+    keys = timed(config)
     for world_size in config.world_sizes:
         spec = LaunchSpec(plan=parse_devices(f"cpu:{world_size}", cuda_count=0), timeout_s=config.timeout_s,
                           deadline_s=config.deadline_s)
         by_rank = launch(_worker, config, spec=spec)
-        times: dict[tuple[int, str], list[float]] = {}
-        for size, algo in keys:
-            per_round = slowest_per_round([rank["samples"][(size, algo)] for rank in by_rank])
-            times[(size, algo)] = per_round
-            time_s = Spread.of(per_round)
+        times = {key: slowest_per_round([rank["samples"][key] for rank in by_rank]) for key in keys}
+        for (size, collective, algo), per_round in times.items():
             algbw = Spread.of([size / t / 1e9 for t in per_round])
-            results.append({"world_size": world_size, "size_bytes": size, "algorithm": algo,
-                            "calls_per_batch": by_rank[0]["calls"][(size, algo)], "time_s": time_s.to_dict(),
-                            "algbw_GBps": algbw.to_dict(),
-                            "busbw_GBps": algbw.scaled(busbw_factor(world_size)).to_dict()})
-        if "native" in config.algorithms:
-            for size, algo in keys:
-                if algo != "native":  # busbw ratio = native time / own time, paired per round
-                    ratio = paired_ratio(times[(size, "native")], times[(size, algo)])
-                    ratios.append({"world_size": world_size, "size_bytes": size, "algorithm": algo,
-                                   "busbw_vs_native": ratio.to_dict()})
+            results.append({"world_size": world_size, "size_bytes": size, "collective": collective, "algorithm": algo,
+                            "calls_per_batch": by_rank[0]["calls"][(size, collective, algo)],
+                            "time_s": Spread.of(per_round).to_dict(), "algbw_GBps": algbw.to_dict(),
+                            "busbw_GBps": algbw.scaled(busbw_factor(world_size, collective)).to_dict()})
+        for size, collective, algo in keys:
+            where = {"world_size": world_size, "size_bytes": size, "collective": collective, "algorithm": algo}
+            native = times.get((size, collective, "native"))
+            if algo != "native" and native is not None:  # busbw ratio = native time / own time, paired per round
+                ratio = paired_ratio(native, times[(size, collective, algo)])
+                ratios.append({**where, "busbw_vs_native": ratio.to_dict()})
+            allreduce = times.get((size, "allreduce", algo))
+            if collective != "allreduce" and allreduce is not None:  # the per-byte comparison
+                halves.append({**where, "time_vs_allreduce": paired_ratio(times[(size, collective, algo)],
+                                                                         allreduce).to_dict()})
     return {
         "bench": "allreduce",
         "config": asdict(config),
@@ -133,40 +161,55 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
                    for size, spread in memcpy.items()],
         "results": results,
         "ratios": ratios,
+        "halves": halves,
     }
 
 
 def report_allreduce(payload: dict[str, Any]) -> str:
-    """The terminal table: per world size every (size, algorithm), then own algorithm / native."""
+    """The terminal table: per world size every (size, collective, algorithm), then own algorithm
+    / native per collective, then each half's time / the allreduce's per algorithm."""
     lines = ["memcpy reference (1 process, 1 thread, preallocated destination):"]
     rows = [(format_size(m["size_bytes"]), Spread.from_dict(m["time_s"]).scaled(1e3).fmt(3),
              Spread.from_dict(m["algbw_GBps"]).fmt(2)) for m in payload["memcpy"]]
     lines += [format_table(["size", "time ms", "GB/s"], rows), ""]
+    collectives = payload["config"]["collectives"]
     for world_size in payload["config"]["world_sizes"]:
-        rows = [(format_size(r["size_bytes"]), r["algorithm"], Spread.from_dict(r["time_s"]).scaled(1e3).fmt(3),
-                 Spread.from_dict(r["algbw_GBps"]).fmt(3), Spread.from_dict(r["busbw_GBps"]).fmt(3),
-                 r["calls_per_batch"]) for r in payload["results"] if r["world_size"] == world_size]
-        lines.append(f"allreduce on {world_size} CPU processes, median (min-max) of "
+        rows = [(format_size(r["size_bytes"]), r["collective"], r["algorithm"],
+                 Spread.from_dict(r["time_s"]).scaled(1e3).fmt(3), Spread.from_dict(r["algbw_GBps"]).fmt(3),
+                 Spread.from_dict(r["busbw_GBps"]).fmt(3), r["calls_per_batch"])
+                for r in payload["results"] if r["world_size"] == world_size]
+        lines.append(f"{', '.join(collectives)} on {world_size} CPU processes, median (min-max) of "
                      f"{payload['config']['rounds']} interleaved rounds:")
-        lines += [format_table(["size", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "calls"], rows), ""]
-        for algo in payload["config"]["algorithms"]:
-            own = [r for r in payload["ratios"] if r["world_size"] == world_size and r["algorithm"] == algo]
-            if own:
-                lines.append(f"{algo} / native busbw on {world_size} processes (>1: {algo} faster): " + ", ".join(
-                    f"{format_size(r['size_bytes'])} {Spread.from_dict(r['busbw_vs_native']).fmt(2)}" for r in own))
+        lines += [format_table(["size", "collective", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "calls"],
+                               rows), ""]
+        for key, text in (("ratios", "{algo} / native busbw, {collective}, on {k} processes (>1: {algo} faster): "),
+                          ("halves", "{algo} {collective} time / {algo} allreduce time on {k} processes: ")):
+            for collective in collectives:
+                for algo in payload["config"]["algorithms"]:
+                    own = [r for r in payload[key] if r["world_size"] == world_size and r["algorithm"] == algo
+                           and r["collective"] == collective]
+                    if own:
+                        value = "busbw_vs_native" if key == "ratios" else "time_vs_allreduce"
+                        lines.append(text.format(algo=algo, collective=collective, k=world_size) + ", ".join(
+                            f"{format_size(r['size_bytes'])} {Spread.from_dict(r[value]).fmt(2)}" for r in own))
         lines.append("")
     return "\n".join(lines).rstrip()
 
 
 def plot_allreduce(payload: dict[str, Any]):
-    """busbw against message size, one panel per world size, memcpy as the ceiling line."""
-    world_sizes = payload["config"]["world_sizes"]
-    fig, axes = new_figure(len(world_sizes))
+    """busbw against message size, one panel per collective (rows) and world size (columns),
+    memcpy as the ceiling line."""
+    world_sizes, collectives = payload["config"]["world_sizes"], payload["config"]["collectives"]
+    fig, axes = new_figure(len(world_sizes), nrows=len(collectives))
     memcpy_sizes = [m["size_bytes"] for m in payload["memcpy"]]
     memcpy_bw = [m["algbw_GBps"]["median"] for m in payload["memcpy"]]
-    for ax, world_size in zip(axes, world_sizes):
+    panels = [(collective, world_size) for collective in collectives for world_size in world_sizes]
+    for ax, (collective, world_size) in zip(axes, panels):
         for algo in payload["config"]["algorithms"]:
-            rows = [r for r in payload["results"] if r["world_size"] == world_size and r["algorithm"] == algo]
+            rows = [r for r in payload["results"] if r["world_size"] == world_size and r["algorithm"] == algo
+                    and r["collective"] == collective]
+            if not rows:
+                continue
             sizes = [r["size_bytes"] for r in rows]
             ax.plot(sizes, [r["busbw_GBps"]["median"] for r in rows], marker="o", label=algo)
             ax.fill_between(sizes, [r["busbw_GBps"]["min"] for r in rows], [r["busbw_GBps"]["max"] for r in rows],
@@ -176,7 +219,7 @@ def plot_allreduce(payload: dict[str, Any]):
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(f"allreduce, {world_size} processes", fontsize=9)
+        ax.set_title(f"{collective}, {world_size} processes", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     return fig

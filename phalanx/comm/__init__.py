@@ -1,4 +1,5 @@
-"""Collectives for data parallelism: the book's `allreduce`, with a choice of algorithm.
+"""Collectives for data parallelism: the book's `allreduce`, with a choice of algorithm, and its
+two halves for sharded data parallelism, `reduce_scatter` and `all_gather` (shards.py).
 
 `allreduce(tensor, world=..., algorithm=...)` sums a tensor in place across all ranks. The
 algorithms are written from scratch over point-to-point messages (`transport.py`), one module
@@ -27,15 +28,18 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
-from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, Handle, OpenedComm, open_comm
-from phalanx.comm.calls import collective, native, run_now
+from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
+from phalanx.comm.calls import collective, native, run_collective
+from phalanx.comm.handle import Handle
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
-from phalanx.comm.shm import ShmError, ShmGroup, allreduce_shm, shm_applies
+from phalanx.comm.shards import all_gather, reduce_scatter
+from phalanx.comm.shm import ShmError, ShmGroup, shm_applies
+from phalanx.comm.shm_ops import allreduce_shm
 from phalanx.comm.tree import allreduce_tree
 from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
-from phalanx.runtime.board import COMM, WORLD, Tag
+from phalanx.runtime.board import Tag
 from phalanx.runtime.world import World
 
 __all__ = [
@@ -59,11 +63,13 @@ __all__ = [
     "allreduce_ring",
     "allreduce_shm",
     "allreduce_tree",
+    "all_gather",
     "broadcast_",
     "check_choice",
     "collective",
     "native",
     "open_comm",
+    "reduce_scatter",
     "resolve_algorithm",
     "shm_applies",
 ]
@@ -82,14 +88,10 @@ def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", 
     fn = allreduce_fn(algorithm)
     if not world.distributed:
         return tensor
-    if algorithm == "native":
-        apply_flat(tensor, lambda flat: allreduce_native(flat, world=world, tag=tag))
-        return tensor
-    # On the default group the call pairs with the world's collectives; a transport handed in
-    # (a segment, a private group) orders its own.
-    channel = WORLD if transport is None else COMM
-    apply_flat(tensor, lambda flat: run_now(world, channel, tag, flat.numel() * flat.element_size(),
-                                            lambda ticket: fn(flat, world=world, transport=transport, ticket=ticket)))
+    apply_flat(tensor, lambda flat: run_collective(
+        world, algorithm, tag, flat, transport=transport,
+        start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
+        job=lambda transport, ticket: fn(flat, world=world, transport=transport, ticket=ticket)))
     return tensor
 
 

@@ -1,4 +1,5 @@
-"""The registry of allreduce algorithms by name: what `--allreduce` and configs may choose.
+"""The registry of allreduce algorithms by name: what `--allreduce` and configs may choose
+(reduce-scatter and all-gather take the same names where they have an algorithm: shards.py).
 
 Every entry has the same shape, `fn(flat, *, world, transport=None, ticket=None) -> None`: it
 sums the contiguous 1-D tensor `flat` in place across `world` over `transport` and returns when
@@ -19,7 +20,8 @@ import torch
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
-from phalanx.comm.shm import allreduce_shm, shm_applies
+from phalanx.comm.shm import shm_applies
+from phalanx.comm.shm_ops import allreduce_shm
 from phalanx.comm.tree import allreduce_tree
 from phalanx.runtime.world import World
 
@@ -30,15 +32,15 @@ CHOICES = ("auto",) + ALGORITHMS
 P2P_ALGORITHMS = ("ring", "tree", "naive")
 
 
-
-def _over_messages(fn: Callable[..., None]) -> Callable[..., None]:
+def over_messages(fn: Callable[..., None]) -> Callable[..., None]:
     """A point-to-point algorithm (ring, tree, naive) in the registry's shape. Its waits are the
     backend's, bounded by the group's timeout, and its caller's wait watches the board: it does
-    not read the ticket (shm, which waits by polling its own flags, does)."""
+    not read the ticket (shm, which waits by polling its own flags, does). Other keywords (a
+    reduce-scatter's counts) pass through."""
 
     @functools.wraps(fn)
-    def run(flat: torch.Tensor, *, world: World, transport=None, ticket=None) -> None:
-        fn(flat, world=world, transport=transport)
+    def run(flat: torch.Tensor, *, world: World, transport=None, ticket=None, **options) -> None:
+        fn(flat, world=world, transport=transport, **options)
 
     return run
 
@@ -46,9 +48,9 @@ def _over_messages(fn: Callable[..., None]) -> Callable[..., None]:
 _ALLREDUCE_FNS: dict[str, Callable[..., None]] = {
     "native": allreduce_native,
     "shm": allreduce_shm,
-    "ring": _over_messages(allreduce_ring),
-    "tree": _over_messages(allreduce_tree),
-    "naive": _over_messages(allreduce_naive),
+    "ring": over_messages(allreduce_ring),
+    "tree": over_messages(allreduce_tree),
+    "naive": over_messages(allreduce_naive),
 }
 
 

@@ -1,25 +1,25 @@
-"""Asynchronous allreduce: launch now, `wait()` later, so communication can overlap backward.
+"""Asynchronous collectives: launch now, `wait()` later, so communication can overlap backward.
 
 `AsyncComm` owns what the hand-written algorithms need to run off the main thread: one
 background thread, a process group of its own for the point-to-point ones (`dist.new_group`,
 gloo on CPU), so their messages never interleave with the main thread's collectives, and the
 shared segment for `shm`. It opens only what the algorithms it is told about need. `native`
-needs none of it: it uses the backend's own async all_reduce (`async_op=True`) on the default
-group. `allreduce()` runs the same algorithms synchronously, on the caller's thread.
+needs none of it: it uses the backend's own async ops (`async_op=True`) on the default group.
+It launches allreduce, reduce-scatter and all-gather (`*_async`); `allreduce()`,
+`reduce_scatter()` and `all_gather()` run the same algorithms synchronously, on the caller's thread.
 
-Ordering is what keeps ranks matched: every rank must launch the same allreduces in the same
+Ordering is what keeps ranks matched: every rank must launch the same collectives in the same
 order (as DDP launches buckets in the same order). Native launches go straight to the backend
 in call order; the other algorithms run one at a time on the single thread, in launch order.
 
-A `Handle` belongs to whoever launched it and is waited exactly once; until then the tensor
-must not be read or written (picotron and DDP follow the same contract for their buckets).
+A `Handle` (handle.py) belongs to whoever launched it and is waited exactly once.
 What this does not own: bucketing and deciding when to launch (`phalanx.data_parallel`).
 
 Every collective takes its identity as an argument: a `Tag` (what it is: phase, bucket, step;
-the default says only "allreduce"). One launch path serves every algorithm (`_launch`, and
-`_now` for the synchronous form): the call is entered on the collective board with its tag, and
-waited and settled the same way for every transport (calls.py), so a collective added beside
-allreduce (reduce-scatter, all-gather) needs only its native launch and its job.
+the default says only "allreduce"). One launch path serves every algorithm and collective
+(`_launch`, and `_now` for the synchronous form): the call is entered on the collective board
+with its tag, and waited and settled the same way for every transport (calls.py); a
+reduce-scatter or all-gather brings only its native launch and its job (shards.py).
 
 One deadline, whatever is in flight (issue 21). Once a job on the thread fails, the jobs queued
 behind it fail at once instead of each waiting out its own timeout (27 queued buckets took 27
@@ -35,13 +35,15 @@ import contextlib
 import datetime
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat, resolve_algorithm
 from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work
+from phalanx.comm.handle import Handle, done, flat_of
+from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDUCE_SCATTER_TAG, prepare
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
@@ -54,33 +56,6 @@ _SET_UP = Tag("set-up")
 
 class CollectiveAborted(CommError):
     """A queued collective that was not run because an earlier one on the same thread failed."""
-
-
-class Handle:
-    """One launched collective. `wait()` blocks until done, writes back, returns the tensor."""
-
-    def __init__(self, tensor: torch.Tensor, flat: torch.Tensor | None, wait_fn: Callable[[], None]) -> None:
-        self._tensor = tensor
-        self._flat = flat  # a contiguous copy to write back, or None when the tensor was used as is
-        self._wait_fn = wait_fn
-        self._waited = False
-
-    @property
-    def waited(self) -> bool:
-        return self._waited
-
-    def wait(self) -> torch.Tensor:
-        assert not self._waited, "allreduce handle waited twice"
-        self._waited = True
-        self._wait_fn()
-        if self._flat is not None:
-            with torch.no_grad():
-                self._tensor.copy_(self._flat.view(self._tensor.shape))
-        return self._tensor
-
-
-def _done() -> None:
-    return None
 
 
 # A job: the algorithm's work on a transport, told its ticket (a transport that polls reads it).
@@ -144,12 +119,50 @@ class AsyncComm:
         if not self.world.distributed:
             if on_done is not None:
                 on_done()
-            return Handle(tensor, None, _done)
-        flat, copy_back = _flat(tensor)
+            return Handle(tensor, None, done)
+        flat, copy_back = flat_of(tensor)
         wait = self._launch(algorithm, tag, flat, on_done=on_done,
                             start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
                             job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket))
         return Handle(tensor, copy_back, wait)
+
+    def reduce_scatter_async(self, flat: torch.Tensor, *, counts: Sequence[int], algorithm: str = "native",
+                             tag: Tag = REDUCE_SCATTER_TAG, on_done: Callable[[], None] | None = None) -> Handle:
+        """Start summing every rank's contiguous 1-D `flat` into each rank's own range (`counts`:
+        elements per rank, in rank order; shards.py has the contract); `wait()` returns this
+        rank's range, a view of `flat`. `on_done` as for allreduce_async."""
+        return self._sharded(REDUCE_SCATTER, flat, counts, algorithm, tag, on_done=on_done)
+
+    def all_gather_async(self, flat: torch.Tensor, *, counts: Sequence[int], algorithm: str = "native",
+                         tag: Tag = ALL_GATHER_TAG, on_done: Callable[[], None] | None = None) -> Handle:
+        """Start giving every rank every rank's range of `flat` (rank r's piece: counts[r] elements,
+        in place on entry); `wait()` returns `flat`, bitwise alike on every rank."""
+        return self._sharded(ALL_GATHER, flat, counts, algorithm, tag, on_done=on_done)
+
+    def reduce_scatter(self, flat: torch.Tensor, *, counts: Sequence[int], algorithm: str = "native",
+                       tag: Tag = REDUCE_SCATTER_TAG) -> torch.Tensor:
+        """`reduce_scatter_async`, run now on this thread: returns this rank's range of `flat`."""
+        return self._sharded(REDUCE_SCATTER, flat, counts, algorithm, tag, now=True)
+
+    def all_gather(self, flat: torch.Tensor, *, counts: Sequence[int], algorithm: str = "native",
+                   tag: Tag = ALL_GATHER_TAG) -> torch.Tensor:
+        """`all_gather_async`, run now on this thread: returns `flat`."""
+        return self._sharded(ALL_GATHER, flat, counts, algorithm, tag, now=True)
+
+    @torch.no_grad()
+    def _sharded(self, op: str, flat: torch.Tensor, counts: Sequence[int], algorithm: str, tag: Tag, *,
+                 on_done: Callable[[], None] | None = None, now: bool = False):
+        """A reduce-scatter or all-gather through the one launch path: its result now, or its Handle."""
+        call = prepare(op, flat, counts=counts, world=self.world, algorithm=algorithm, tag=tag)
+        if not self.world.distributed:
+            if on_done is not None:
+                on_done()
+            return call.result if now else Handle(call.result, None, done)
+        if now:
+            self._now(algorithm, call.tag, flat, start=call.start, job=call.job)
+            return call.result
+        return Handle(call.result, None, self._launch(algorithm, call.tag, flat, start=call.start, job=call.job,
+                                                      on_done=on_done))
 
     def _launch(self, algorithm: str, tag: Tag, flat: torch.Tensor, *, start: Callable[[], object], job: Job,
                 on_done: Callable[[], None] | None) -> Callable[[], None]:
@@ -221,15 +234,6 @@ class AsyncComm:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _flat(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A contiguous 1-D view of `tensor` (or a copy), and the copy to write back (None: a view)."""
-    if tensor.is_contiguous():
-        return tensor.view(-1), None
-    with torch.no_grad():
-        flat = tensor.contiguous().view(-1)
-    return flat, flat
 
 
 class OpenedComm(NamedTuple):

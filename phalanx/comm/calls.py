@@ -3,7 +3,8 @@ the `Tag` its caller passed, waited with one deadline, settled once it completed
 
 Every collective phalanx issues passes through here: the backend's own on the default group
 (`native`, and `collective` around the blocking ones), and AsyncComm's shm, ring, tree and naive
-(async_ops.py), launched now and waited later or run on the caller's thread (`run_now`).
+(async_ops.py), launched now and waited later or run on the caller's thread (`run_now`);
+`run_collective` is the one synchronous form of allreduce, reduce-scatter and all-gather.
 
 - `enter` is the one place a call is written on the board (runtime/board.py), before it starts.
   Its tag says what it is: a gradient bucket of a step, an evaluation, a checkpoint; a user's
@@ -25,7 +26,7 @@ from typing import Callable, Iterator
 
 from phalanx.comm.watchdog import POLL_S, CommError, check, check_pairing, diagnose
 from phalanx.errors import RunFailed
-from phalanx.runtime.board import WORLD, Board, Tag, Ticket
+from phalanx.runtime.board import COMM, WORLD, Board, Tag, Ticket
 from phalanx.runtime.world import World
 
 _POLL = datetime.timedelta(seconds=POLL_S)
@@ -79,6 +80,19 @@ def run_now(world: World, channel: int, tag: Tag, size_bytes: int, job: Callable
     ticket = enter(world, channel, tag, size_bytes)
     with waiting(world, ticket):
         job(ticket)
+
+
+def run_collective(world: World, algorithm: str, tag: Tag, flat, *, start: Callable[[], object],
+                   job: Callable[[object, Ticket | None], None], transport=None) -> None:
+    """One collective of any kind to its end on this thread, outside AsyncComm: `native` through
+    `start()` (the backend's async op on the default group), any other algorithm as
+    `job(transport, ticket)`. Without a transport it runs on the default group and pairs with the
+    world's collectives; a transport handed in (a segment, a private group) orders its own."""
+    size_bytes = flat.numel() * flat.element_size()
+    if algorithm == "native":
+        native(world, tag, start, size_bytes=size_bytes)
+    else:
+        run_now(world, WORLD if transport is None else COMM, tag, size_bytes, lambda ticket: job(transport, ticket))
 
 
 def wait_work(work, *, world: World, ticket: Ticket | None) -> None:

@@ -11,6 +11,12 @@ workstations", JPDC 69(2); cost model as in Thakur, Rabenseifner & Gropp 2005). 
 nccl-tests' PERFORMANCE.md defines bus bandwidth from exactly this factor:
 busbw = algbw * 2(k-1)/k.
 
+Each half is also a collective of its own (`reduce_scatter_ring`, `all_gather_ring`, for
+sharded data parallelism): there the chunks are the caller's per-rank counts, however uneven,
+and rank r ends owning chunk r (the phases take which chunk a rank ends with as `shift`). Each
+half moves (k-1)/k of an even tensor; an empty chunk is skipped by both its sender and its
+receiver, and a chunk owned by one rank alone (a one-owner bucket) travels k-1 hops in turn.
+
 Each chunk travels as segments of at most `SEGMENT_BYTES`, all posted at once: a segment is
 added as soon as it lands while the next ones are still on the wire (gloo's own ring pipelines
 segments the same way). Every point-to-point message costs gloo a handshake (the receiver
@@ -22,6 +28,8 @@ ranks end bitwise identical.
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
@@ -35,8 +43,8 @@ SEGMENT_BYTES = 1 << 20
 
 def chunk_sizes(numel: int, parts: int) -> list[int]:
     """Split `numel` elements into `parts` chunks whose sizes differ by at most one: the book's
-    `split_batch` cut (`data.split.shard_sizes`), so chunk 0 is always the largest (it sizes the
-    ring's scratch) and chunks at the end are empty when numel < parts."""
+    `split_batch` cut (`data.split.shard_sizes`), so chunk 0 is always the largest and chunks at
+    the end are empty when numel < parts."""
     return shard_sizes(numel, parts)
 
 
@@ -57,20 +65,48 @@ def allreduce_ring(
     flat: torch.Tensor, *, world: World, transport: Transport | None = None, segment_bytes: int = SEGMENT_BYTES
 ) -> None:
     """Sum the contiguous 1-D `flat` in place across the world with the ring algorithm."""
-    k, rank = world.world_size, world.rank
+    k = world.world_size
     if k == 1 or flat.numel() == 0:
         return
-    transport = transport if transport is not None else DistTransport()
     chunks = flat.split(chunk_sizes(flat.numel(), k))  # views into flat, each contiguous
-    right, left = (rank + 1) % k, (rank - 1) % k
-    # The one allocation: a receive buffer as large as the largest chunk (chunk 0).
-    scratch = torch.empty(chunks[0].numel(), dtype=flat.dtype, device=flat.device)
+    transport = transport if transport is not None else DistTransport()
+    # Rank r finishes chunk r+1 (shift 1, as the ring was first written: its sums keep their bits).
+    reduce_scatter_phase(chunks, world=world, transport=transport, shift=1, segment_bytes=segment_bytes)
+    all_gather_phase(chunks, world=world, transport=transport, shift=1, segment_bytes=segment_bytes)
 
-    # Reduce-scatter. At step s rank r forwards chunk r-s (which it finished adding at step
-    # s-1) and receives chunk r-s-1 from the left, segment by segment, adding each as it lands.
+
+def reduce_scatter_ring(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: Transport | None = None,
+                        segment_bytes: int = SEGMENT_BYTES) -> None:
+    """Leave in rank r's range of `flat` (counts[r] elements from the sum of the counts before it)
+    the sum of that range over all ranks: the ring's first half, with `counts` as its chunks."""
+    if world.world_size > 1 and flat.numel():
+        reduce_scatter_phase(flat.split(list(counts)), world=world, shift=0, segment_bytes=segment_bytes,
+                             transport=transport if transport is not None else DistTransport())
+
+
+def all_gather_ring(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: Transport | None = None,
+                    segment_bytes: int = SEGMENT_BYTES) -> None:
+    """Give every rank every rank's range of `flat` (rank r's: counts[r] elements): the ring's
+    second half, with `counts` as its chunks."""
+    if world.world_size > 1 and flat.numel():
+        all_gather_phase(flat.split(list(counts)), world=world, shift=0, segment_bytes=segment_bytes,
+                         transport=transport if transport is not None else DistTransport())
+
+
+def reduce_scatter_phase(chunks: Sequence[torch.Tensor], *, world: World, transport: Transport, shift: int,
+                         segment_bytes: int = SEGMENT_BYTES) -> None:
+    """k-1 steps after which rank r holds the whole sum of chunk (r + shift) mod k.
+
+    At step s rank r forwards chunk r+shift-1-s (which it finished adding at step s-1; at step 0
+    its own) to the right and receives chunk r+shift-2-s from the left, segment by segment,
+    adding each as it lands. An empty chunk has no segments: neither side sends or waits."""
+    k, rank = world.world_size, world.rank
+    right, left = (rank + 1) % k, (rank - 1) % k
+    # The one allocation: a receive buffer as large as the largest chunk.
+    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype, device=chunks[0].device)
     for step in range(k - 1):
-        outgoing = chunks[(rank - step) % k]
-        incoming = chunks[(rank - step - 1) % k]
+        outgoing = chunks[(rank + shift - 1 - step) % k]
+        incoming = chunks[(rank + shift - 2 - step) % k]
         landing = segments(scratch[: incoming.numel()], segment_bytes)
         targets = segments(incoming, segment_bytes)
         transport.exchange(
@@ -79,10 +115,16 @@ def allreduce_ring(
             on_received=lambda i, targets=targets, landing=landing: targets[i].add_(landing[i]),
         )
 
-    # All-gather. Rank r now owns the finished chunk r+1; at step s it forwards chunk r+1-s and
-    # receives chunk r-s straight into place (no scratch needed: nothing is added).
+
+def all_gather_phase(chunks: Sequence[torch.Tensor], *, world: World, transport: Transport, shift: int,
+                     segment_bytes: int = SEGMENT_BYTES) -> None:
+    """k-1 steps that spread chunk (r + shift) mod k from each rank r to all: at step s rank r
+    forwards chunk r+shift-s and receives chunk r+shift-1-s straight into place (nothing is
+    added, so no scratch; and every chunk's bits are its finisher's on every rank)."""
+    k, rank = world.world_size, world.rank
+    right, left = (rank + 1) % k, (rank - 1) % k
     for step in range(k - 1):
-        outgoing = chunks[(rank + 1 - step) % k]
-        incoming = chunks[(rank - step) % k]
+        outgoing = chunks[(rank + shift - step) % k]
+        incoming = chunks[(rank + shift - 1 - step) % k]
         transport.exchange(sends=[(right, seg) for seg in segments(outgoing, segment_bytes)],
                            recvs=[(left, seg) for seg in segments(incoming, segment_bytes)])

@@ -1,4 +1,4 @@
-"""Allreduce through shared memory for the workers of one host: the chapter's "more efficient
+"""Collectives through shared memory for the workers of one host: the chapter's "more efficient
 allreduce" where every rank can read every other rank's memory.
 
 gloo has no shared-memory path (pytorch/gloo#455): on one host each call still goes through
@@ -18,6 +18,8 @@ shared-memory allreduce on the same host costs tens of microseconds (deepspeedai
 - No barrier frees a buffer: half p is written again only in round g+2, and a rank reaches that
   only after seeing every peer arrive in round g+1, which each did only after it finished
   reading round g. So round g+1 can start while a slow peer still copies round g out.
+- Reduce-scatter and all-gather run on the same rounds, counted by the same group in call order
+  (shm_ops.py: how each uses a round, and why the argument above still holds for them).
 
 Waiting spins briefly (a peer that is running arrives within microseconds), then sleeps in the
 kernel on the flag's futex, which the publishing rank wakes right after its store: a waiter
@@ -52,8 +54,8 @@ from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, Futex, create_segment
                                      share_segment, shm_applies, shm_supported)
 from phalanx.runtime.world import World
 
-__all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "allreduce_shm", "create_segment", "remove_segments_of",
-           "shm_applies", "shm_supported"]
+__all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "create_segment", "remove_segments_of", "shm_applies",
+           "shm_supported", "sum_into"]
 _LINE = 64  # bytes per flag line: each rank writes only its own, so no false sharing
 _ARRIVED, _REDUCED = 0, 1  # int64 fields in a rank's flag line
 _HEADER = 4096  # pids (int64 per rank), then the flag lines
@@ -71,7 +73,7 @@ _SET_UP = Tag("set-up")
 
 
 class ShmError(CommError):
-    """The segment could not be set up, or a peer died or timed out inside an allreduce."""
+    """The segment could not be set up, or a peer died or timed out inside a collective."""
 
 
 def _slot_bytes_for(world_size: int, wanted: int) -> int:
@@ -114,8 +116,8 @@ class ShmGroup:
 
     def _open(self) -> None:
         k, rank = self.k, self.rank
-        header = _HEADER + k * _LINE
-        size = _round_up(header, 4096) + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
+        data0 = -(-(_HEADER + k * _LINE) // 4096) * 4096  # the slots start on the page after the header
+        size = data0 + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
         # Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike.
         shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
                                facts=(self.slot_bytes, self.small_bytes),
@@ -133,7 +135,6 @@ class ShmGroup:
         self._pids_view = pids
         self._flags_addr = buf.data_ptr() + _HEADER  # futex words: the low half of each int64 flag
         self._view_cache: dict = {}
-        data0 = _round_up(header, 4096)
         half = (k + 1) * self.slot_bytes
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
@@ -158,15 +159,28 @@ class ShmGroup:
 
     def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
         """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
-        board entry, which its caller made (calls.py): waits read it to name whom they wait for;
-        without one they watch only the peers' lives and the timeout."""
+        board entry (calls.py), which waits read to name whom they wait for; None: lives and time."""
+        for lo, hi in self.windows(flat):
+            self._round(flat[lo:hi], ticket)
+
+    def windows(self, flat: torch.Tensor) -> list[tuple[int, int]]:
+        """[lo, hi) of each round `flat` streams through: a slot's worth each, for every collective."""
         if self._mmap is None:
             raise ShmError("ShmGroup is closed")
         if flat.device.type != "cpu":
-            raise ShmError(f"the shm allreduce needs CPU tensors, got one on {flat.device}")
-        per_round = max(1, self.slot_bytes // flat.element_size())
-        for start in range(0, flat.numel(), per_round):
-            self._round(flat[start:start + per_round], ticket)
+            raise ShmError(f"the shm collectives need CPU tensors, got one on {flat.device}")
+        per_round, numel = max(1, self.slot_bytes // flat.element_size()), flat.numel()
+        return [(lo, min(lo + per_round, numel)) for lo in range(0, numel, per_round)]
+
+    def begin(self, numel: int, dtype: torch.dtype) -> tuple[int, list[torch.Tensor], torch.Tensor]:
+        """The next round's number g, and half g % 2's input slots and result area (`numel` x `dtype`)."""
+        self.round += 1
+        return (self.round, *self._views(self.round % 2, numel * dtype.itemsize, dtype))
+
+    def arrive(self, g: int, ticket: Ticket | None) -> None:
+        """Publish that this rank's part of round `g` is in place; return once every rank's is."""
+        self._publish(_ARRIVED, g)
+        self._wait(_ARRIVED, g, ticket)
 
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
@@ -182,25 +196,15 @@ class ShmGroup:
         return views
 
     def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> None:
-        self.round += 1
-        g, k, rank = self.round, self.k, self.rank
-        n, dtype = piece.numel(), piece.dtype
-        nbytes = n * piece.element_size()
-        inputs, result = self._views(g % 2, nbytes, dtype)
-        inputs[rank].copy_(piece)
-        self._publish(_ARRIVED, g)
-        self._wait(_ARRIVED, g, ticket)
-        if nbytes <= self.small_bytes:
-            torch.add(inputs[0], inputs[1], out=piece)
-            for r in range(2, k):
-                piece.add_(inputs[r])
+        g, inputs, result = self.begin(piece.numel(), piece.dtype)
+        inputs[self.rank].copy_(piece)
+        self.arrive(g, ticket)
+        if piece.numel() * piece.element_size() <= self.small_bytes:
+            sum_into(piece, inputs)
             return
-        lo, hi = _chunk(n, k, rank, piece.element_size())
+        lo, hi = _chunk(piece.numel(), self.k, self.rank, piece.element_size())
         if hi > lo:
-            mine = result[lo:hi]
-            torch.add(inputs[0][lo:hi], inputs[1][lo:hi], out=mine)
-            for r in range(2, k):
-                mine.add_(inputs[r][lo:hi])
+            sum_into(result[lo:hi], [x[lo:hi] for x in inputs])
         self._publish(_REDUCED, g)
         self._wait(_REDUCED, g, ticket)
         piece.copy_(result)
@@ -253,16 +257,15 @@ class ShmGroup:
         self.close()
 
 
-def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None,
-                  ticket: Ticket | None = None) -> None:
-    """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup);
-    `ticket`: the call's entry on the collective board, when the caller made one."""
-    if not world.distributed:
-        return
-    if not isinstance(transport, ShmGroup):
-        raise ValueError("the shm allreduce needs its shared segment: pass transport=ShmGroup(world=...) "
-                         "or use AsyncComm(world=..., algorithms=('shm',))")
-    transport.allreduce(flat, ticket=ticket)
+def sum_into(out: torch.Tensor, parts: list[torch.Tensor], scratch: torch.Tensor | None = None) -> None:
+    """out = parts[0] + ... + parts[k-1], added in that order (k >= 2), so every shm sum is
+    deterministic. A part may be `out` itself if `scratch` holds the partial sums until the last add."""
+    acc = out if scratch is None or len(parts) == 2 else scratch
+    torch.add(parts[0], parts[1], out=acc)
+    for part in parts[2:-1]:
+        acc.add_(part)
+    if len(parts) > 2:
+        torch.add(acc, parts[-1], out=out)
 
 
 def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:
@@ -273,7 +276,3 @@ def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, 
     lo_line = index * base + min(index, extra)
     hi_line = lo_line + base + (1 if index < extra else 0)
     return min(numel, lo_line * per_line), min(numel, hi_line * per_line)
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

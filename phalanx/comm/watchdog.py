@@ -4,8 +4,8 @@ Every wait for a collective polls (`POLL_S`: a blocked rank costs nothing, and a
 collective returns at once, so the normal path pays only the board's few stores; calls.py runs
 the waits) and at each poll `check` reads the board (board.py) and the peers' processes:
 
-1. Pairing: a peer that entered this collective's number on this channel with another tag or
-   size (only the size, when either call is the generic "allreduce") is in a different
+1. Pairing: a peer that entered this collective's number on this channel with another tag, kind
+   or size (only size and kind, when either call is a generic "allreduce") is in a different
    collective - fail now, naming both ("rank 1 is in evaluation after step 75 (24 B); rank 0 in
    step 76's gradient bucket 0 (5.5 KiB)"), before the backend sums
    two unrelated tensors or waits for bytes that never come. Checked again once a collective
@@ -28,7 +28,7 @@ names that peer's own report as the root cause.
 
 from __future__ import annotations
 
-from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket, describe, is_generic
+from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket, describe, is_generic, op_of
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import RunFailed
 from phalanx.runtime.world import World
@@ -111,8 +111,10 @@ def pairing_error(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
         code, size = theirs
         sizes_differ = bool(size and ticket.size_bytes and size != ticket.size_bytes)
         # A generic call ("allreduce": the caller said not what it is for, e.g. SyncBatchNorm's)
-        # has no fingerprint but its size; named calls must agree on phase, bucket and step too.
-        if sizes_differ or (code != ticket.code and not (is_generic(code) or is_generic(ticket.code))):
+        # has no fingerprint but its size and kind (an allreduce never pairs with a reduce-scatter);
+        # named calls must agree on phase, bucket and step too.
+        kinds_differ = op_of(code) != op_of(ticket.code)
+        if sizes_differ or kinds_differ or (code != ticket.code and not (is_generic(code) or is_generic(ticket.code))):
             return _mismatch(board, board.first_rank + i, Ticket(ticket.channel, ticket.seq, code, size), ticket)
     return None
 

@@ -134,8 +134,8 @@ class Sharding:
         """Start `bucket`'s reduce-scatter of `wire` (its buffer, or a compressed copy): once
         waited, this rank's range of the sum is in its shard gradient."""
         index = bucket.index
-        handle = _reduce_scatter_async(self._comm, wire, counts=self.params.counts[index], algorithm=self._algorithm,
-                                       tag=tag, on_done=on_done)
+        handle = self._comm.reduce_scatter_async(wire, counts=self.params.counts[index], algorithm=self._algorithm,
+                                                 tag=tag, on_done=on_done)
         in_place = self.keeps_gradients and wire is bucket.buffer  # stage 1: the range is the shard already
         release = None if self.keeps_gradients else (lambda buffer=bucket.buffer: free_storage(buffer))
         return ShardedHandle(handle, wire, self.owned[index], None if in_place else self.shard_grads[index], release)
@@ -186,11 +186,3 @@ class Sharding:
             self._hooks.close()
         self._guard.close()
         self._comm = None
-
-
-# TEMPORARY until the comm branch lands reduce_scatter_async: the same result through an
-# allreduce (twice the bytes).
-def _reduce_scatter_async(comm, flat, *, counts, algorithm, tag, on_done=None):
-    if hasattr(comm, "reduce_scatter_async"):
-        return comm.reduce_scatter_async(flat, counts=counts, algorithm=algorithm, tag=tag, on_done=on_done)
-    return comm.allreduce_async(flat, algorithm=algorithm, tag=tag, on_done=on_done)

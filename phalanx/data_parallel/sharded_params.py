@@ -117,8 +117,8 @@ class ShardedParameters:
             refill_storage(flat)
             with torch.no_grad():
                 flat[lo:hi].copy_(self.shard[index])
-        return _all_gather_async(self._comm, flat, counts=self.counts[index], algorithm=self._algorithm,
-                                 tag=Tag("parameters", index, step=self._steps()))
+        return self._comm.all_gather_async(flat, counts=self.counts[index], algorithm=self._algorithm,
+                                           tag=Tag("parameters", index, step=self._steps()))
 
     def load_state_dict(self, module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool):
         """Stage 3's load: each parameter's range of this rank copied into its shard (no
@@ -151,16 +151,3 @@ class ShardedParameters:
 def _at_rest(whole: torch.Tensor) -> torch.Tensor:
     """A stand-in of `whole`'s shape that holds no memory: one NaN, expanded."""
     return torch.full((1,), float("nan"), dtype=whole.dtype, device=whole.device).expand(whole.shape)
-
-
-# TEMPORARY until the comm branch lands all_gather_async: the same result through an allreduce
-# of the buffer with everything but this rank's range zeroed (twice the bytes).
-def _all_gather_async(comm, flat, *, counts, algorithm, tag):
-    if hasattr(comm, "all_gather_async"):
-        return comm.all_gather_async(flat, counts=counts, algorithm=algorithm, tag=tag)
-    lo = sum(counts[:comm.world.rank])
-    hi = lo + counts[comm.world.rank]
-    with torch.no_grad():
-        flat[:lo].zero_()
-        flat[hi:].zero_()
-    return comm.allreduce_async(flat, algorithm=algorithm, tag=tag)

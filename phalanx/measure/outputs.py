@@ -43,15 +43,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, le
     return "\n".join(lines)
 
 
-def new_figure(ncols: int = 1, *, width_per_plot: float = 5.0, height: float = 3.8):
-    """A matplotlib (fig, [axes]) on the Agg backend (no display on servers)."""
+def new_figure(ncols: int = 1, *, width_per_plot: float = 5.0, height: float = 3.8, nrows: int = 1):
+    """A matplotlib (fig, [axes]) on the Agg backend (no display on servers); with several rows
+    the axes are listed row by row."""
     import matplotlib
 
     matplotlib.use("Agg")  # must precede pyplot
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(width_per_plot * ncols, height), dpi=100, squeeze=False)
-    return fig, list(axes[0])
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width_per_plot * ncols, height * nrows), dpi=100, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
 
 
 def rows_by_batch(rows: Sequence[Mapping[str, Any]], batches: Sequence[int]) -> list[tuple[int, list]]:

@@ -13,8 +13,9 @@ Each local rank owns one line (LINE_WORDS int64 words, about a kilobyte; only it
 it). Per channel - WORLD: the default process group, where the backend's own collectives pair in
 call order; COMM: AsyncComm's single thread (the shm segment or the private group of ring, tree,
 naive) - it keeps a count of collectives entered and, in a ring of RING_SLOTS, the tag of each
-recent one as its caller named it (a `Tag`: phase - gradient bucket, evaluation, metrics,
-broadcast, checkpoint, ... -, bucket index, step) and its size in bytes. While its calling thread
+recent one as its caller named it (a `Tag`, tags.py: phase - gradient bucket, evaluation,
+metrics, broadcast, checkpoint, ... -, bucket index, step, and the kind of collective) and its
+size in bytes. While its calling thread
 waits for a collective, the line says which one (BLOCK_*), since when, and a serial that changes
 with every wait, so a reader can take a consistent snapshot without a lock (a seqlock). The line
 also holds the pid, whether the rank finished its work normally or failed, and the last step
@@ -35,10 +36,11 @@ import dataclasses
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from phalanx.runtime.segment import create_segment, share_segment, shm_supported
+# Re-exported: a collective's tag is what the board stores of it.
+from phalanx.runtime.tags import PHASES, Tag, describe, gradient_step, is_generic, op_of, phase_code  # noqa: F401
 from phalanx.runtime.world import World
 
 WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (shm / private group)
@@ -48,48 +50,6 @@ _ENTERED = 10  # + channel: collectives entered on that channel so far
 _RING = 16  # + (channel * RING_SLOTS + seq % RING_SLOTS) * 2: the tag code, then the size in bytes
 LINE_WORDS = _RING + 2 * RING_SLOTS * 2
 RUNNING, WAITING, FINISHED, FAILED = 0, 1, 2, 3
-
-# What a collective is for; the call site names it. The index of each name is its code (0: unset).
-PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
-          "allreduce", "set-up", "parameters", "gradient norm")  # parameters: a sharded bucket's all-gather
-_PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
-_PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK = 56, 40, (1 << 40) - 1, (1 << 16) - 1
-_GRADIENT = _PHASE_CODE["gradient"]
-
-
-def phase_code(phase: str) -> int:
-    try:
-        return _PHASE_CODE[phase]
-    except KeyError:
-        raise ValueError(f"unknown collective phase {phase!r}; use one of {', '.join(_PHASE_CODE)}") from None
-
-
-@dataclass(frozen=True)
-class Tag:
-    """What a collective is, as its caller names it: every collective call takes one.
-
-    `phase`: what it is for (PHASES); `index`: the gradient bucket; `step`: the steps this rank
-    had synced when it issued the call, so step s's gradient bucket i is `Tag("gradient", i,
-    step=s - 1)` (None: the caller does not know; the board fills in the last step it recorded).
-    The default, "allreduce", is a call that says nothing of itself: peers compare only its size.
-    """
-
-    phase: str = "allreduce"
-    index: int = 0
-    step: int | None = None
-    _bits: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.index <= _INDEX_MASK:
-            raise ValueError(f"collective index {self.index} outside 0..{_INDEX_MASK}")
-        if self.step is not None and not 0 <= self.step <= _STEP_MASK:
-            raise ValueError(f"collective step {self.step} outside 0..{_STEP_MASK}")
-        object.__setattr__(self, "_bits", (phase_code(self.phase) << _PHASE_SHIFT) | (self.index << _INDEX_SHIFT))
-
-    def code(self, steps: int) -> int:
-        """The tag as the board's one int64 word; `steps` stands in for a step the tag leaves open."""
-        return self._bits | (steps if self.step is None else self.step)
-
 
 class Ticket(NamedTuple):
     """One collective as this rank entered it: which channel, its number there, tag and size."""
@@ -111,32 +71,6 @@ class Line(NamedTuple):
     block: Ticket | None  # what it waits for, when state == WAITING
     steps: int  # the last step whose gradient exchange it settled
     entered: tuple[int, ...]
-
-
-def is_generic(code: int) -> bool:
-    """True for a call tagged only "allreduce": nothing to compare but its size."""
-    return code >> _PHASE_SHIFT in (0, _PHASE_CODE["allreduce"])
-
-
-def describe(code: int, size_bytes: int = 0) -> str:
-    """A tag in words: "step 76's gradient bucket 2 (5.5 KiB)", "evaluation after step 75 (24 B)"."""
-    phase = code >> _PHASE_SHIFT
-    index = (code >> _INDEX_SHIFT) & _INDEX_MASK
-    steps = code & _STEP_MASK
-    name = PHASES[phase] if phase < len(PHASES) and PHASES[phase] else "a collective"
-    if name == "gradient":
-        text = f"step {steps + 1}'s gradient bucket {index}"
-    else:
-        text = f"{name} after step {steps}" if steps else name
-    return f"{text} ({format_bytes(size_bytes)})" if size_bytes else text
-
-
-def format_bytes(size_bytes: int) -> str:
-    if size_bytes < 1024:
-        return f"{size_bytes} B"
-    if size_bytes < 1 << 20:
-        return f"{size_bytes / 1024:.1f} KiB"
-    return f"{size_bytes / (1 << 20):.1f} MiB"
 
 
 class Board:
@@ -196,8 +130,9 @@ class Board:
         """`ticket`'s collective completed on this rank; once a step's gradient exchange has, that
         step is the last this rank synced (what peers say "after step N" of, and what a tag
         without a step is filled in with)."""
-        if ticket.code >> _PHASE_SHIFT == _GRADIENT:
-            self._words[self._base + _STEPS] = (ticket.code & _STEP_MASK) + 1
+        step = gradient_step(ticket.code)
+        if step is not None:
+            self._words[self._base + _STEPS] = step + 1
 
     def mark(self, state: int) -> None:
         """FINISHED (the worker's work returned) or FAILED (it raised): what peers will be told."""

@@ -39,23 +39,30 @@ def _is_spread(value: dict, rounds: int) -> bool:
 @pytest.mark.distributed
 def test_allreduce_bench_smoke(tmp_path, capsys):
     payload, _ = _run(["bench", "allreduce", "--sizes", "4KB,64KB", "--world-sizes", "2",
-                       "--algorithms", "native,shm,ring", "--rounds", "2"], tmp_path)
+                       "--algorithms", "native,shm,ring", "--collectives", "allreduce,reduce-scatter",
+                       "--rounds", "2"], tmp_path)
     assert payload["bench"] == "allreduce"
-    assert [(r["size_bytes"], r["algorithm"]) for r in payload["results"]] == [
-        (4096, "native"), (4096, "shm"), (4096, "ring"), (65536, "native"), (65536, "shm"), (65536, "ring")]
+    assert [(r["size_bytes"], r["collective"], r["algorithm"]) for r in payload["results"]] == [
+        (size, collective, algo) for size in (4096, 65536) for collective in ("allreduce", "reduce-scatter")
+        for algo in ("native", "shm", "ring")]
     for row in payload["results"]:
         assert row["world_size"] == 2 and row["calls_per_batch"] >= 1
         assert all(_is_spread(row[key], 2) for key in ("time_s", "algbw_GBps", "busbw_GBps"))
+        factor = 2 * (2 - 1) / 2 if row["collective"] == "allreduce" else (2 - 1) / 2
         for t, algbw, busbw in zip(row["time_s"]["samples"], row["algbw_GBps"]["samples"],
                                    row["busbw_GBps"]["samples"]):
             assert algbw == pytest.approx(row["size_bytes"] / t / 1e9)
-            assert busbw == pytest.approx(algbw * 2 * (2 - 1) / 2)
+            assert busbw == pytest.approx(algbw * factor)
     assert [m["size_bytes"] for m in payload["memcpy"]] == [4096, 65536]
     assert all(_is_spread(m["time_s"], 2) for m in payload["memcpy"])
-    assert [(r["size_bytes"], r["algorithm"]) for r in payload["ratios"]] == [
-        (4096, "shm"), (4096, "ring"), (65536, "shm"), (65536, "ring")]
+    assert [(r["size_bytes"], r["collective"], r["algorithm"]) for r in payload["ratios"]] == [
+        (size, collective, algo) for size in (4096, 65536) for collective in ("allreduce", "reduce-scatter")
+        for algo in ("shm", "ring")]
+    assert [(r["size_bytes"], r["algorithm"]) for r in payload["halves"]] == [
+        (size, algo) for size in (4096, 65536) for algo in ("native", "shm", "ring")]
     out = capsys.readouterr().out
-    assert "shm / native busbw on 2 processes" in out and "ring / native busbw" in out and "memcpy reference" in out
+    assert "shm / native busbw, allreduce, on 2 processes" in out and "ring / native busbw, reduce-scatter" in out
+    assert "shm reduce-scatter time / shm allreduce time on 2 processes: 4KB" in out and "memcpy reference" in out
 
 
 @pytest.mark.distributed

@@ -7,7 +7,8 @@ the same seed, each rank on its `split_batch` shard of the same global batches o
 within 1e-9 relative of the 1-device run and of `shard="none"`, bitwise identical on every rank;
 the optimizer state, reassembled from the 3 ranks' shares (sharded_state.py: the very ranges a
 checkpoint holds), within 1e-9 of the plain optimizer's. A small MLP adds a model whose buckets
-hold whole Linear weights; LeNet-BN adds BatchNorm (sync) running statistics.
+hold whole Linear weights; LeNet-BN adds BatchNorm (sync) running statistics. The ring's and
+the backend's (gloo) reduce-scatter and all-gather take LeNet with AdamW through every stage too.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ def _worker(world, stages) -> dict:
     batches = [(torch.randn(GLOBAL_BATCH, 1, 28, 28, generator=generator, dtype=torch.float64),
                 torch.randint(0, 10, (GLOBAL_BATCH,), generator=generator)) for _ in range(STEPS)]
     results = {}
+    for algorithm in ("ring", "native"):  # the other transports' reduce-scatter and all-gather, one case each
+        for stage in stages:
+            torch.manual_seed(0)
+            with prepare(_model("lenet"), world=world, dtype="float64", shard=stage, algorithm=algorithm) as dp:
+                optimizer = dp.optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+                for X, y in batches:
+                    X_shard, y_shard = split_batch(X, y, world.world_size)[world.rank]
+                    optimizer.zero_grad()
+                    shard_loss(F.cross_entropy(dp(X_shard), y_shard, reduction="sum"), GLOBAL_BATCH).backward()
+                    dp.finish_gradient_sync()
+                    optimizer.step()
+                results[(algorithm, stage)] = dp.full_state_dict()
     for model_name in MODELS:
         for opt_name, (cls, kwargs) in OPTIMIZERS.items():
             for stage in stages:
@@ -86,6 +99,10 @@ def _worst(got: dict, want: dict) -> float:
 def test_every_stage_equals_shard_none_and_one_device_parameters_and_optimizer_state():
     one = run_workers(_worker, 1, ("none",))[0]
     three = run_workers(_worker, 3, STAGES, timeout_s=300)
+    for algorithm in ("ring", "native"):
+        for stage in STAGES:
+            assert _worst(three[0][(algorithm, stage)], three[0][(algorithm, "none")]) < 1e-9, (algorithm, stage)
+            assert _worst(three[2][(algorithm, stage)], three[0][(algorithm, stage)]) == 0.0, (algorithm, stage)
     for model_name in MODELS:
         for opt_name in OPTIMIZERS:
             reference = one[(model_name, opt_name, "none")]

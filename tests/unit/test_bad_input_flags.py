@@ -85,6 +85,7 @@ FLAG_CASES = [
     (["bench", "allreduce", "--world-sizes", "1"], r"world sizes must be at least 2"),
     (["bench", "allreduce", "--algorithms", "butterfly"], r"unknown algorithms \['butterfly'\]; choose from"),
     (["bench", "allreduce", "--rounds", "0"], r"rounds must be at least 1"),
+    (["bench", "allreduce", "--collectives", "allgather"], r"unknown collectives \['allgather'\]; choose from allreduce"),
     (["bench", "allreduce", "--out", PROC], r"--out .* cannot be created"),
     (["bench", "scaling", "--model", "vgg"], r"unknown model 'vgg'; choose one of"),
     (["bench", "scaling", "--batch-sizes", "0"], r"every global batch size must be >= num_devices 2"),

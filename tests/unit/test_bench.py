@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phalanx.bench import add_bench_parser, run_bench
-from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor
+from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor, timed
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
@@ -116,6 +116,15 @@ def test_busbw_factor_is_nccl_tests_allreduce_formula():
     assert busbw_factor(8) == 1.75
     with pytest.raises(ValueError):
         busbw_factor(0)
+    # reduce-scatter and all-gather: (n-1)/n of the whole buffer, half an allreduce's
+    assert busbw_factor(4, "reduce-scatter") == busbw_factor(4, "all-gather") == 0.75
+
+
+def test_bench_allreduce_times_the_halves_only_where_an_algorithm_has_them():
+    config = AllreduceBenchConfig(sizes_bytes=(4096,), algorithms=("native", "tree", "shm"))
+    assert timed(config) == [(4096, "allreduce", "native"), (4096, "allreduce", "tree"), (4096, "allreduce", "shm"),
+                             (4096, "reduce-scatter", "native"), (4096, "reduce-scatter", "shm"),
+                             (4096, "all-gather", "native"), (4096, "all-gather", "shm")]
 
 
 def test_sizes_and_lists_parse_in_binary_units():
@@ -137,6 +146,8 @@ def test_sizes_and_lists_parse_in_binary_units():
     (lambda: AllreduceBenchConfig(sizes_bytes=(4096, 6)), "multiples of 4"),
     (lambda: AllreduceBenchConfig(algorithms=("ring", "magic")), "magic"),
     (lambda: AllreduceBenchConfig(rounds=0), "rounds"),
+    (lambda: AllreduceBenchConfig(collectives=("all-reduce",)), "unknown collectives"),
+    (lambda: AllreduceBenchConfig(algorithms=("tree",), collectives=("all-gather",)), "all-gather run on native, shm, ring only, not on tree"),
     (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), num_devices=2), "[256, 1]"),
     (lambda: ScalingBenchConfig(num_devices=1), "num_devices"),
     (lambda: ScalingBenchConfig(model="resnet"), "resnet"),

@@ -17,7 +17,7 @@ from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, 
 from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
                                    Tag, Ticket, describe, phase_code)
 from phalanx.runtime.procs import process_state
-from phalanx.comm.watchdog import check, check_pairing
+from phalanx.comm.watchdog import check, check_pairing, pairing_error
 from phalanx.models import LeNet
 from phalanx.data_parallel import DataParallel
 from phalanx.runtime.world import World
@@ -90,6 +90,23 @@ def test_the_tag_a_caller_passes_names_its_call():
     assert (describe(bucket.code), describe(plain.code)) == ("step 1's gradient bucket 3", "allreduce")
     with pytest.raises(ValueError, match="unknown collective phase 'grad'"):
         Tag("grad")
+
+
+def test_a_reduce_scatter_never_pairs_with_an_allreduce_of_the_same_bucket():
+    a, b = boards(2)
+    bucket = Tag("gradient", 1, step=0)
+    mine = a.enter(COMM, bucket.doing("reduce-scatter"), 64)
+    b.enter(COMM, bucket, 64)
+    error = pairing_error(a, mine)
+    assert error is not None and str(error).startswith(
+        "ranks are in different collectives: rank 1 is in step 1's gradient bucket 1 (64 B); "
+        "rank 0 in reduce-scatter of step 1's gradient bucket 1 (64 B)")
+    # Generic calls of one kind pair by size, as allreduces always did.
+    c, d = boards(2)
+    mine = c.enter(COMM, Tag("reduce-scatter", op="reduce-scatter"), 64)
+    d.enter(COMM, bucket.doing("reduce-scatter"), 64)
+    assert pairing_error(c, mine) is None
+    assert describe(Tag("all-gather", op="all-gather").code(0), 8) == "all-gather (8 B)"
 
 
 def test_a_wait_is_published_with_a_new_serial_each_time():

@@ -1,0 +1,108 @@
+"""The shm collectives as the algorithm registry calls them: allreduce, reduce-scatter and
+all-gather through one `ShmGroup`'s rounds (shm.py), with per-rank `counts` for the two halves.
+
+A tensor streams through in windows of a slot's worth of elements (`ShmGroup.windows`), one round
+each; with uneven counts rank r's part of a window is its range [offset_r, offset_r + counts[r])
+cut to the window, possibly empty. Rounds are numbered by the group, whichever collective runs
+them, so one group serves all three in one call order; every rank makes the same calls with the
+same numel, so every rank runs the same rounds.
+
+- Reduce-scatter, round g on half p = g % 2: each rank copies its window into its input slot
+  (every range needs every rank's values) but for its own part, which no peer reads, publishes
+  `arrived = g`, waits for all, then sums its own part from every slot, its own values read in
+  place, in rank order 0..k-1 straight into its own tensor (the partial sums wait in its slot's
+  unused part, so its own values are read before they are overwritten): one wait per round, as
+  allreduce's small pieces; a rank whose part is empty only copies in. Each range is summed
+  once, by its owner, in a fixed order: deterministic, and the same bits as the small-piece
+  allreduce gives that range. Skipping the own part is what makes it as cheap per byte as the
+  allreduce: with two ranks it moves half the allreduce's bytes through memory.
+- All-gather, round g on half p: each rank copies its part into half p's result area at its
+  place in the window, publishes, waits for all, and copies the rest of the window out. With one
+  owner this is a broadcast through memory: the owner copies in, every other rank copies out.
+- Why half p may be written again in round g+2 (the allreduce's argument, unchanged): a rank
+  begins round g+2 only after its wait in round g+1 saw every peer arrive there, and each peer
+  publishes that arrival only after its reads of round g (the sums or the copy out) are done, in
+  program order. Both collectives wait once in every round they run, so the argument covers any
+  mix of the three collectives on one group.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Sequence
+
+import torch
+
+from phalanx.comm.counts import own_range
+from phalanx.comm.shm import ShmGroup, sum_into
+from phalanx.runtime.board import Ticket
+from phalanx.runtime.world import World
+
+
+def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None,
+                  ticket: Ticket | None = None) -> None:
+    """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup);
+    `ticket`: the call's entry on the collective board, when the caller made one."""
+    if world.distributed:
+        segment_of(transport, "allreduce").allreduce(flat, ticket=ticket)
+
+
+def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,
+                       ticket: Ticket | None = None) -> None:
+    """Sum over all ranks, into this rank's range of `flat` (counts[rank] elements after the
+    counts before it), that range of every rank's `flat`; the rest of `flat` is left as it was."""
+    for r in _rounds("reduce-scatter", flat, counts, world, transport):
+        mine = r.inputs[world.rank]
+        _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
+        r.group.arrive(r.g, ticket)
+        if r.hi > r.lo:
+            own, part = flat[r.lo:r.hi], slice(r.lo - r.start, r.hi - r.start)
+            parts = [own if rank == world.rank else x[part] for rank, x in enumerate(r.inputs)]
+            sum_into(own, parts, scratch=mine[part])  # its own slot's part: copied in by none, read by none
+
+
+def all_gather_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,
+                   ticket: Ticket | None = None) -> None:
+    """Fill every rank's range of `flat` with that rank's piece (rank r's range: counts[r]
+    elements after the counts before it), on every rank alike."""
+    for r in _rounds("all-gather", flat, counts, world, transport):
+        if r.hi > r.lo:
+            r.result[r.lo - r.start:r.hi - r.start].copy_(flat[r.lo:r.hi])
+        r.group.arrive(r.g, ticket)
+        _around_own(r, lambda a, b: flat[a:b].copy_(r.result[a - r.start:b - r.start]))
+
+
+def _around_own(r: "_Round", copy) -> None:
+    """copy(a, b) for each non-empty [a, b) of the window outside this rank's part."""
+    for a, b in ((r.start, r.lo), (r.hi, r.stop)) if r.hi > r.lo else ((r.start, r.stop),):
+        if b > a:
+            copy(a, b)
+
+
+class _Round(NamedTuple):
+    group: ShmGroup
+    g: int  # the round's number
+    inputs: list[torch.Tensor]  # its half's input slots and result area, a window's length each
+    result: torch.Tensor
+    start: int  # the window of flat: [start, stop)
+    stop: int
+    lo: int  # this rank's part of it: [lo, hi), none when hi <= lo
+    hi: int
+
+
+def _rounds(op: str, flat: torch.Tensor, counts: Sequence[int], world: World, transport) -> Iterator[_Round]:
+    """The rounds `flat` streams through, each begun on the segment (none in a world of one)."""
+    if not world.distributed:
+        return
+    group = segment_of(transport, op)
+    lo, hi = own_range(counts, world.rank)
+    for start, stop in group.windows(flat):
+        g, inputs, result = group.begin(stop - start, flat.dtype)
+        yield _Round(group, g, inputs, result, start, stop, max(lo, start), min(hi, stop))
+
+
+def segment_of(transport, op: str) -> ShmGroup:
+    """`transport` if it is the ShmGroup an shm collective needs; ValueError saying how to get one."""
+    if not isinstance(transport, ShmGroup):
+        raise ValueError(f"the shm {op} needs its shared segment: pass transport=ShmGroup(world=...) "
+                         "or use AsyncComm(world=..., algorithms=('shm',))")
+    return transport

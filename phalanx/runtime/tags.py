@@ -1,0 +1,112 @@
+"""What a collective is: its `Tag` as the caller names it (phase, bucket, step) and the kind of
+collective it is (allreduce, reduce-scatter, all-gather), packed into the one int64 word the
+collective board stores per call (board.py), and read back in words for an error message.
+
+A code: op (bits 60-61), phase (56-59), bucket index (40-55), step (0-39). Peers compare codes
+to tell whether the n-th collective of each is the same one (comm/watchdog.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# What a collective is for; the call site names it. The index of each name is its code (0: unset).
+PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
+          "allreduce", "set-up", "reduce-scatter", "all-gather",
+          "parameters", "gradient norm")  # parameters: a sharded bucket's all-gather; gradient norm: clipping's
+_PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
+# What a collective does, set by the collective itself: "allreduce" stands for every collective of
+# allreduce's shape (the backend's broadcast and barrier too); the sharded two differ in kind.
+OPS = ("allreduce", "reduce-scatter", "all-gather")
+_OP_CODE = {name: code for code, name in enumerate(OPS)}
+_OP_SHIFT, _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK, _PHASE_MASK = 60, 56, 40, (1 << 40) - 1, (1 << 16) - 1, 15
+_GRADIENT = _PHASE_CODE["gradient"]
+_GENERIC = {0, _PHASE_CODE["allreduce"], _PHASE_CODE["reduce-scatter"], _PHASE_CODE["all-gather"]}
+assert len(PHASES) <= _PHASE_MASK + 1 and len(OPS) <= 4
+
+
+def phase_code(phase: str) -> int:
+    try:
+        return _PHASE_CODE[phase]
+    except KeyError:
+        raise ValueError(f"unknown collective phase {phase!r}; use one of {', '.join(_PHASE_CODE)}") from None
+
+
+@dataclass(frozen=True)
+class Tag:
+    """What a collective is, as its caller names it: every collective call takes one.
+
+    `phase`: what it is for (PHASES); `index`: the gradient bucket; `step`: the steps this rank
+    had synced when it issued the call, so step s's gradient bucket i is `Tag("gradient", i,
+    step=s - 1)` (None: the caller does not know; the board fills in the last step it recorded).
+    The defaults, "allreduce", "reduce-scatter", "all-gather", are calls that say nothing of
+    themselves: peers compare only their size and kind. `op`: the kind (OPS), which the
+    reduce-scatter and all-gather set on the tag they are given (`doing`), so a bucket's
+    reduce-scatter never pairs with a peer's allreduce of the same bucket.
+    """
+
+    phase: str = "allreduce"
+    index: int = 0
+    step: int | None = None
+    op: str = field(default="allreduce", kw_only=True)
+    _bits: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index <= _INDEX_MASK:
+            raise ValueError(f"collective index {self.index} outside 0..{_INDEX_MASK}")
+        if self.step is not None and not 0 <= self.step <= _STEP_MASK:
+            raise ValueError(f"collective step {self.step} outside 0..{_STEP_MASK}")
+        if self.op not in _OP_CODE:
+            raise ValueError(f"unknown collective op {self.op!r}; use one of {', '.join(OPS)}")
+        object.__setattr__(self, "_bits", (_OP_CODE[self.op] << _OP_SHIFT) | (phase_code(self.phase) << _PHASE_SHIFT)
+                           | (self.index << _INDEX_SHIFT))
+
+    def doing(self, op: str) -> "Tag":
+        """This tag on a collective of kind `op`: what reduce-scatter and all-gather enter."""
+        return self if op == self.op else dataclasses.replace(self, op=op)
+
+    def code(self, steps: int) -> int:
+        """The tag as the board's one int64 word; `steps` stands in for a step the tag leaves open."""
+        return self._bits | (steps if self.step is None else self.step)
+
+
+def is_generic(code: int) -> bool:
+    """True for a call tagged only with its kind ("allreduce", ...): nothing to compare but its
+    size and kind."""
+    return (code >> _PHASE_SHIFT) & _PHASE_MASK in _GENERIC
+
+
+def op_of(code: int) -> str:
+    """The kind of collective a code was entered as (OPS)."""
+    return OPS[code >> _OP_SHIFT] if code >> _OP_SHIFT < len(OPS) else "a collective"
+
+
+def describe(code: int, size_bytes: int = 0) -> str:
+    """A tag in words: "step 76's gradient bucket 2 (5.5 KiB)", "evaluation after step 75 (24 B)",
+    "reduce-scatter of step 3's gradient bucket 0"."""
+    phase = (code >> _PHASE_SHIFT) & _PHASE_MASK
+    index = (code >> _INDEX_SHIFT) & _INDEX_MASK
+    steps = code & _STEP_MASK
+    name = PHASES[phase] if phase < len(PHASES) and PHASES[phase] else "a collective"
+    if name == "gradient":
+        text = f"step {steps + 1}'s gradient bucket {index}"
+    else:
+        text = f"{name} after step {steps}" if steps else name
+    op = op_of(code)
+    if op != "allreduce" and name != op:
+        text = f"{op} of {text}"
+    return f"{text} ({format_bytes(size_bytes)})" if size_bytes else text
+
+
+def gradient_step(code: int) -> int | None:
+    """The step a gradient exchange's code names (whatever its kind); None for any other phase."""
+    return code & _STEP_MASK if (code >> _PHASE_SHIFT) & _PHASE_MASK == _GRADIENT else None
+
+
+def format_bytes(size_bytes: int) -> str:
+    if size_bytes < 1024:
+        return f"{size_bytes} B"
+    if size_bytes < 1 << 20:
+        return f"{size_bytes / 1024:.1f} KiB"
+    return f"{size_bytes / (1 << 20):.1f} MiB"
