@@ -74,6 +74,11 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
     return manifest_path
 
 
+def share_files(directory: Path) -> list[Path]:
+    """Every share file in a checkpoint directory (any generation's, or one no manifest names)."""
+    return sorted(directory.glob("checkpoint.shard-*.pt")) if directory.is_dir() else []
+
+
 def _remove_unnamed_shares(manifest_path: Path) -> None:
     """Delete share files that neither generation's manifest names (an older save's, or one a
     kill left before its manifest)."""
@@ -85,7 +90,7 @@ def _remove_unnamed_shares(manifest_path: Path) -> None:
             continue
         if isinstance(state, dict) and state.get("format") == FORMAT_SHARDED:
             named.update(s["file"] for s in state["shards"])
-    for candidate in manifest_path.parent.glob("checkpoint.shard-*.pt"):
+    for candidate in share_files(manifest_path.parent):
         if candidate.name not in named:
             candidate.unlink(missing_ok=True)
 
