@@ -17,7 +17,8 @@ way the caller's step is: zero_grad, forward, backward, finish_gradient_sync, op
 Each bucket's allreduce is tagged `Tag("gradient", i, step=s)` - "step s+1's gradient bucket i" -
 so a rank that meets another collective is named at once (comm/watchdog.py); a synced backward
 never exchanged (a forgotten finish_gradient_sync(), silent with overlap=False) is refused at
-the next zero_grad() or optimizer step (guards.UnsyncedGradientGuard).
+the next zero_grad() or optimizer step (guards.UnsyncedGradientGuard). Every `check_finite_every`
+synced steps the gradient is checked for NaN/Inf, naming the first step and rank (finite.py).
 
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
 buckets (autograd allocates `.grad` as in a plain loop, and `zero_grad` sets it to None), no
@@ -42,8 +43,9 @@ from torch import nn
 from phalanx.comm import AsyncComm, Tag, check_choice, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
-                                           grads_are_bucket_views)
+                                           grads_are_bucket_views, mb_to_bytes)
 from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, replica_choices
+from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY, FiniteCheck
 from phalanx.data_parallel.guards import UnsyncedGradientGuard
 from phalanx.data_parallel.overlap import OverlapScheduler
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
@@ -62,11 +64,6 @@ __all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel"]
 # fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
 # gloo every call pays a ~1 ms floor (BASELINES.md), so CPU buckets stay few.
 DEFAULT_BUCKET_CAP_MB = 0.25
-_MB = 1024 * 1024
-
-
-def _mb_to_bytes(mb: float | None) -> int | None:
-    return None if mb is None else max(1, int(mb * _MB))
 
 
 class DataParallel(ReplicaModule):
@@ -89,6 +86,7 @@ class DataParallel(ReplicaModule):
         precision: str | None = None,
         batchnorm: str | None = None,
         tracer: Tracer | None = None,
+        check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY,
     ) -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
@@ -99,7 +97,8 @@ class DataParallel(ReplicaModule):
         DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
         and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
         step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
-        `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off)."""
+        `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off).
+        `check_finite_every`: synced steps between NaN/Inf checks of the gradient (finite.py; 0: off)."""
         check_choice(algorithm)  # ValueError with the valid names, before any collective
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
             if value is not None and not value > 0:
@@ -108,6 +107,7 @@ class DataParallel(ReplicaModule):
             raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
         forward_dtype = autocast_dtype(precision)
         super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
+        self._finite = FiniteCheck(every=check_finite_every, world=world)  # ValueError before any collective
         self.exchanging = False
         self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)
         self.world = world
@@ -119,8 +119,8 @@ class DataParallel(ReplicaModule):
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with no comm to launch on (see the module docstring).
         self.exchanging = world.distributed or comm is not None
-        cap_bytes = _mb_to_bytes(bucket_cap_mb)
-        first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else _mb_to_bytes(first_bucket_cap_mb)
+        cap_bytes = mb_to_bytes(bucket_cap_mb)
+        first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self.buckets: list[Bucket] = build_buckets(
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
         ) if self.exchanging else []
@@ -212,6 +212,7 @@ class DataParallel(ReplicaModule):
 
     def _launch(self, bucket: Bucket):
         """The one send path: `bucket`'s allreduce, on the wire in its wire dtype, traced, tagged."""
+        self._finite.before_sum(bucket.buffer)  # this rank's own gradient, before the sum spreads it
         wire = self._wire(bucket)
         on_done = None
         if self.tracer is not None:
@@ -231,8 +232,11 @@ class DataParallel(ReplicaModule):
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")
-        if not self._sync_enabled or not self.exchanging:
+        if not self._sync_enabled:
             return
+        if not self.exchanging:  # nothing to sum, but a gradient to check all the same
+            self._synced_steps += 1
+            return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         self._scheduler.finish()
         self._unsynced.pending = False
         self._synced_steps += 1
@@ -242,6 +246,7 @@ class DataParallel(ReplicaModule):
                 "a parameter's .grad no longer aliases its gradient bucket; "
                 "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
             )
+        self._finite.after_sum([b.buffer for b in self.buckets], step=self._synced_steps, allreduce=self._allreduce_now)
         self._extras.after_exchange(self.buckets, self._allreduce_now)
 
     def _allreduce_now(self, flat: torch.Tensor) -> None:

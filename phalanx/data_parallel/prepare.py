@@ -21,6 +21,7 @@ from torch import nn
 from phalanx.comm import AsyncComm, check_choice
 from phalanx.data_parallel.choices import GRAD_DTYPES, Choices, autocast_dtype
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
+from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES, convert_sync_batchnorm
 from phalanx.runtime.world import World
@@ -43,7 +44,7 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool = True,
             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
             comm: AsyncComm | None = None, precision: str | None = None, average: bool | None = None,
-            tracer: Tracer | None = None) -> DataParallel:
+            tracer: Tracer | None = None, check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> DataParallel:
     """`model` as a replica on `world.device`, rank 0's state broadcast: a `DataParallel` whose
     `choices` say what was chosen. Call it at the same point on every rank (a collective).
 
@@ -55,8 +56,9 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
     so when nothing overlaps, one call is fastest). `precision="bf16-mixed"`: forward under
     torch.autocast(bfloat16), outputs widened to float32, float32 weights and exchange (None:
     the dtype throughout). `average`: as DataParallel's (None: expects `shard_loss`; True: DDP's
-    mean of per-rank means). `tracer`: where each bucket's exchange is traced (None: off). A bad
-    name raises ValueError before anything is converted.
+    mean of per-rank means). `tracer`: where each bucket's exchange is traced (None: off).
+    `check_finite_every`: synced steps between the gradient's NaN/Inf checks (0: off), as DataParallel's.
+    A bad name raises ValueError before anything is converted.
     """
     check_choice(algorithm)
     autocast_dtype(precision)  # ValueError naming the valid precisions
@@ -84,4 +86,5 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
     model = apply_memory_format(model, layout)
     return DataParallel(model, world=world, algorithm=algorithm, overlap=overlap,
                         bucket_cap_mb=bucket_cap_mb if overlap else None, grad_dtype=wire_dtype, comm=comm,
-                        average=average, precision=precision, batchnorm=batchnorm, tracer=tracer)
+                        average=average, precision=precision, batchnorm=batchnorm, tracer=tracer,
+                        check_finite_every=check_finite_every)
