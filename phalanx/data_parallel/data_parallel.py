@@ -46,7 +46,7 @@ from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_bu
                                            grads_are_bucket_views, mb_to_bytes)
 from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, replica_choices
 from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY, FiniteCheck
-from phalanx.data_parallel.guards import UnsyncedGradientGuard
+from phalanx.data_parallel.guards import UnsyncedGradientGuard, gradients_detached
 from phalanx.data_parallel.overlap import OverlapScheduler
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
 from phalanx.data_parallel.step_extras import StepExtras
@@ -242,10 +242,7 @@ class DataParallel(ReplicaModule):
         self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if not grads_are_bucket_views(self.buckets):
-            raise RuntimeError(
-                "a parameter's .grad no longer aliases its gradient bucket; "
-                "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)"
-            )
+            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare)
         self._finite.after_sum([b.buffer for b in self.buckets], step=self._synced_steps, allreduce=self._allreduce_now)
         self._extras.after_exchange(self.buckets, self._allreduce_now)
 

@@ -39,8 +39,13 @@ class ReplicaModule(nn.Module):
     module: nn.Module
     exchanging: bool  # True once gradient buckets hold the parameters' .grad
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
+    # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
+    # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
+    compiled_after_prepare = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and not self.compiled_after_prepare:
+            self.compiled_after_prepare = True
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast
