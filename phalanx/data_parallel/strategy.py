@@ -43,7 +43,7 @@ class DataSplit:
         return self.dp(X)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
-        """None for the job's hook: the replica checks its own gradient (prepare's check_finite_every,
+        """Nothing for the job's hook: the replica checks its own gradient (prepare's check_finite_every,
         which the job sets to --check-every), naming the rank whose share went NaN/Inf first."""
         return {}
 
