@@ -45,6 +45,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     scaling.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (default 2)")
     scaling.add_argument("--rounds", type=int, default=3, help="interleaved rounds, fresh processes each (default 3)")
     scaling.add_argument("--grad-dtype", default=None, help="also time phalanx/k exchanging bf16 or fp16 gradients")
+    scaling.add_argument("--finite-check-cost", action="store_true",
+                         help="also time phalanx/k with the gradient's NaN/Inf check off and at every step")
 
     overlap = kinds.add_parser("overlap", help="two devices at once; compute while communicating")
     overlap.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
@@ -117,7 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
             config = scaling.ScalingBenchConfig(
                 model=args.model, global_batch_sizes=parse_list(args.batch_sizes, int, flag="--batch-sizes"),
                 num_devices=args.devices, steps=args.steps, warmup_steps=args.warmup_steps, rounds=args.rounds,
-                grad_dtype=args.grad_dtype)
+                grad_dtype=args.grad_dtype, finite_check_cost=args.finite_check_cost)
             run = functools.partial(scaling.run_scaling_bench, on_run=_progress)
             report, plot = scaling_report.report_scaling, scaling_report.plot_scaling
         elif name == "splits":

@@ -8,10 +8,12 @@ devices with each worker bound to its own cores (`--bind-cores`, when k <= cores
 on k processes as a DDP user gets it (plain `DistributedDataParallel`, gloo, default buckets, 1
 thread each, no allocator setting); one plain PyTorch process with 1 thread and with every core;
 and the ceiling, k processes set up as phalanx's that train their shards with no communication
-at all. How each contender runs and is timed is the measuring kit's (phalanx/measure/step.py:
-fresh processes, warm-up steps, a barrier, timed steps, the slowest rank's time); this module
-chooses the contenders, interleaves them round by round and forms the ratios, each the median
-of per-round ratios. Scaling efficiency is images/s on j devices / (j x images/s on 1).
+at all; with `--finite-check-cost`, phalanx on k devices with the gradient's NaN/Inf check
+(data_parallel/finite.py; every 100 steps by default) off and at every step. How each contender
+runs and is timed is the measuring kit's (phalanx/measure/step.py: fresh processes, warm-up
+steps, a barrier, timed steps, the slowest rank's time); this module chooses the contenders,
+interleaves them round by round and forms the ratios, each the median of per-round ratios.
+Scaling efficiency is images/s on j devices / (j x images/s on 1).
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
 from phalanx.runtime.binding import available_cores
 
 
+# --finite-check-cost's contenders beside phalanx/k (DataParallel's default: a check every 100 steps).
+FINITE_CHECKS = {"no finite check": 0, "finite check every step": 1}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScalingBenchConfig:
     model: str = "lenet"
@@ -40,6 +46,7 @@ class ScalingBenchConfig:
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one configuration's processes
     grad_dtype: str | None = None  # also time phalanx/k exchanging gradients compressed to this
+    finite_check_cost: bool = False  # also time phalanx/k with the gradient's NaN/Inf check off and at every step
 
     def __post_init__(self) -> None:
         if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
@@ -57,7 +64,8 @@ class ScalingBenchConfig:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
 
 
-def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> list[Variant]:
+def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None,
+             finite_check_cost: bool = False) -> list[Variant]:
     """The contenders. "tuned" ones get phalanx's CPU set-up (allocator env, memory format), so
     the table separates what phalanx's defaults buy from what its engine does."""
     k, per_proc = num_devices, max(1, cores // num_devices)
@@ -68,6 +76,9 @@ def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> 
         phalanx.append(replace(phalanx[k - 1], name=f"phalanx/{k} bound", bind_cores=True))
     if grad_dtype is not None:
         phalanx.append(replace(phalanx[k - 1], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
+    if finite_check_cost:  # the default checks every 100 steps: priced against none and every step
+        phalanx += [replace(phalanx[k - 1], name=f"phalanx/{k} {name}", check_finite_every=every)
+                    for name, every in FINITE_CHECKS.items()]
     others = [
         Variant(name=f"ddp/{k}", kind="ddp", num_procs=k, threads_per_proc=1, allocator_env=False),
         Variant(name=f"ddp/{k} tuned", kind="ddp", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
@@ -88,7 +99,8 @@ def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None) -> 
 def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every (batch size, contender) once per round, interleaved; return the JSON payload."""
     cores = available_cores()
-    contenders = variants(config.num_devices, cores, grad_dtype=config.grad_dtype)
+    contenders = variants(config.num_devices, cores, grad_dtype=config.grad_dtype,
+                          finite_check_cost=config.finite_check_cost)
     runs, started = {}, [0]
     total = config.rounds * len(config.global_batch_sizes) * len(contenders)
     for batch in config.global_batch_sizes:
@@ -134,6 +146,12 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
             ratios.append({"global_batch_size": batch, "metric": f"{config.grad_dtype}_exchange_vs_float32",
                            "num_devices": k, "against": f"phalanx/{k}", "numerator": name,
                            "ratio": paired_ratio(per[name], per[f"phalanx/{k}"]).to_dict()})
+        if config.finite_check_cost:
+            off = f"phalanx/{k} no finite check"
+            for metric, name in (("finite_check_default_vs_off", f"phalanx/{k}"),
+                                 ("finite_check_every_step_vs_off", f"phalanx/{k} finite check every step")):
+                ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": k, "against": off,
+                               "numerator": name, "ratio": paired_ratio(per[name], per[off]).to_dict()})
         for j in range(2, k + 1):
             ratios.append({"global_batch_size": batch, "metric": "scaling_efficiency", "num_devices": j,
                            "against": f"{j} x phalanx/1",

@@ -37,6 +37,11 @@ class Bucket:
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
 
 
+def mb_to_bytes(mb: float | None) -> int | None:
+    """A cap in MB (binary) as bytes, at least 1; None (one bucket) stays None."""
+    return None if mb is None else max(1, int(mb * 1024 * 1024))
+
+
 def default_first_cap_bytes(cap_bytes: int | None) -> int | None:
     """DDP's rule: the first bucket holds at most min(cap, 1 MiB); None (one bucket) stays None.
 

@@ -17,7 +17,8 @@ lands, so its exchange runs while backward computes the earlier layers; with `ov
 zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
 (comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
-optimizer step (guards.UnsyncedGradientGuard).
+optimizer step (guards.UnsyncedGradientGuard). Every `check_finite_every` synced steps the
+gradient is checked for NaN/Inf, naming the first step and rank (finite.py).
 
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
 buckets, hooks, thread or collectives; the step is the plain PyTorch loop's (issue 11). A
@@ -37,10 +38,11 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, Tag, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
-from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes, wire_of,
-                                           grads_are_bucket_views)
+from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
+                                           grads_are_bucket_views, mb_to_bytes, wire_of)
 from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, check_replica_options, replica_choices
-from phalanx.data_parallel.guards import UnsyncedGradientGuard
+from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY, FiniteCheck
+from phalanx.data_parallel.guards import UnsyncedGradientGuard, gradients_detached
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
 from phalanx.data_parallel.sharded import MAX_IN_FLIGHT, Sharding
@@ -60,11 +62,6 @@ __all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel"]
 # fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
 # gloo every call pays a ~1 ms floor (BASELINES.md), so CPU buckets stay few.
 DEFAULT_BUCKET_CAP_MB = 0.25
-_MB = 1024 * 1024
-
-
-def _mb_to_bytes(mb: float | None) -> int | None:
-    return None if mb is None else max(1, int(mb * _MB))
 
 
 class DataParallel(ReplicaModule):
@@ -75,7 +72,8 @@ class DataParallel(ReplicaModule):
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, first_bucket_cap_mb: float | None = None,
                  overlap: bool = True, comm: AsyncComm | None = None, grad_dtype: torch.dtype | None = None,
                  average: bool | None = None, average_running_stats: bool = True, precision: str | None = None,
-                 batchnorm: str | None = None, tracer: Tracer | None = None, shard: str = "none") -> None:
+                 batchnorm: str | None = None, tracer: Tracer | None = None, shard: str = "none",
+                 check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> None:
         """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
         min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
@@ -87,12 +85,14 @@ class DataParallel(ReplicaModule):
         step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
         `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off).
         `shard`: none, optimizer, gradients or parameters - ZeRO's stages 1-3 (sharded.py); build
-        the optimizer with `dp.optimizer(cls, ...)`. On one device there is nothing to shard."""
+        the optimizer with `dp.optimizer(cls, ...)`. On one device there is nothing to shard.
+        `check_finite_every`: synced steps between NaN/Inf checks of the gradient (finite.py; 0: off)."""
         # ValueErrors naming the valid choices, before any collective.
         check_replica_options(algorithm=algorithm, shard=shard, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
                               first_bucket_cap_mb=first_bucket_cap_mb)
         forward_dtype = autocast_dtype(precision)
         super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
+        self._finite = FiniteCheck(every=check_finite_every, world=world)  # ValueError before any collective
         self.exchanging = False
         self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)
         self.world = world
@@ -104,8 +104,8 @@ class DataParallel(ReplicaModule):
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with no comm to launch on (see the module docstring).
         self.exchanging = world.distributed or comm is not None
-        cap_bytes = _mb_to_bytes(bucket_cap_mb)
-        first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else _mb_to_bytes(first_bucket_cap_mb)
+        cap_bytes = mb_to_bytes(bucket_cap_mb)
+        first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self.buckets: list[Bucket] = build_buckets(
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
         ) if self.exchanging else []
@@ -198,6 +198,7 @@ class DataParallel(ReplicaModule):
         in its wire dtype, traced, tagged."""
         if self.sharding is not None:
             self.sharding.fill(bucket)  # stages 2-3: the gradients autograd made, into the bucket
+        self._finite.before_sum(bucket.buffer)  # this rank's own gradient, before the sum spreads it
         wire = wire_of(bucket.buffer, self.grad_dtype)
         on_done = None
         if self.tracer is not None:
@@ -219,18 +220,20 @@ class DataParallel(ReplicaModule):
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")
-        if not self._sync_enabled or not self.exchanging:
+        if not self._sync_enabled:
             return
+        if not self.exchanging:  # nothing to sum, but a gradient to check all the same
+            self._synced_steps += 1
+            return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         self._scheduler.finish()
         self._unsynced.pending = False
         self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
-        keeps = self.sharding is None or self.sharding.keeps_gradients
-        if keeps and not grads_are_bucket_views(self.buckets):
-            raise RuntimeError("a parameter's .grad no longer aliases its gradient bucket; "
-                               "use DataParallel.zero_grad() instead of optimizer.zero_grad(set_to_none=True)")
-        self._extras.after_exchange([b.buffer for b in self.buckets] if keeps else self.sharding.shard_grads,
-                                    self._allreduce_now)
+        if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
+            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare)
+        summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
+        self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._allreduce_now)
+        self._extras.after_exchange(summed, self._allreduce_now)
 
     def check_synced(self, what: str) -> None:
         """Raise, naming `what`, if a synced backward's gradients were never exchanged."""
@@ -270,10 +273,3 @@ class DataParallel(ReplicaModule):
         self._comm = None
         self._scheduler = None
         self._closed = True
-
-    def __enter__(self) -> "DataParallel":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-

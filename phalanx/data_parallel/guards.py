@@ -12,6 +12,8 @@
   would otherwise mix diverged replicas (issue 22).
 - `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
   its step and rank instead of silently poisoning every replica.
+- `gradients_detached`: the refusal when a `.grad` no longer aliases its bucket, naming the
+  cause (a replica compiled after `prepare`, or `optimizer.zero_grad(set_to_none=True)`).
 - `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
   `finish_gradient_sync()`, silent with overlap=False) is refused at `zero_grad()` or at the
   optimizer's step, naming the fix (issue 22).
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from phalanx.comm import Tag, collective
-from phalanx.errors import RunFailed
+from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.world import World
 
 
@@ -40,6 +42,22 @@ class ReplicaMismatch(RunFailed):
 
 class NonFinite(RunFailed, FloatingPointError):
     """The loss or a summed gradient is NaN or infinite."""
+
+
+class GradientsDetached(UsageError, RuntimeError):
+    """A parameter's .grad no longer aliases its gradient bucket (something set it to None)."""
+
+
+def gradients_detached(*, compiled_after_prepare: bool) -> GradientsDetached:
+    """The one-line refusal, naming the likely cause: a replica compiled after prepare, whose
+    wrapper's zero_grad() is nn.Module's (it sets .grad to None), or optimizer.zero_grad()."""
+    if compiled_after_prepare:
+        return GradientsDetached(
+            "a parameter's .grad no longer aliases its gradient bucket: the replica was compiled after prepare, and "
+            "the compiled wrapper's zero_grad() is nn.Module's, which drops the buckets; compile the model before "
+            "prepare: dp = phalanx.prepare(torch.compile(model), world=world)")
+    return GradientsDetached("a parameter's .grad no longer aliases its gradient bucket; use DataParallel.zero_grad() "
+                             "instead of optimizer.zero_grad(set_to_none=True)")
 
 
 def model_fingerprint(module: torch.nn.Module) -> str:

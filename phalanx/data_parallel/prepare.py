@@ -21,6 +21,7 @@ from torch import nn
 from phalanx.comm import AsyncComm, check_choice
 from phalanx.data_parallel.choices import GRAD_DTYPES, Choices, autocast_dtype
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
+from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.sharded import check_shard
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES, convert_sync_batchnorm
@@ -44,7 +45,8 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool = True,
             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
             comm: AsyncComm | None = None, precision: str | None = None, average: bool | None = None,
-            tracer: Tracer | None = None, shard: str = "none") -> DataParallel:
+            tracer: Tracer | None = None, shard: str = "none",
+            check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> DataParallel:
     """`model` as a replica on `world.device`, rank 0's state broadcast: a `DataParallel` whose
     `choices` say what was chosen. Call it at the same point on every rank (a collective).
 
@@ -59,8 +61,9 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
     mean of per-rank means). `tracer`: where each bucket's exchange is traced (None: off).
     `shard`: none, optimizer, gradients or parameters (ZeRO stages 1-3: each rank keeps 1/k of
     the optimizer state, then the gradients, then the parameters; build the optimizer with
-    `dp.optimizer(torch.optim.AdamW, lr=...)`). A bad name raises ValueError before anything
-    is converted.
+    `dp.optimizer(torch.optim.AdamW, lr=...)`). `check_finite_every`: synced steps between the
+    gradient's NaN/Inf checks (0: off), as DataParallel's. A bad name raises ValueError before
+    anything is converted.
     """
     check_choice(algorithm)
     check_shard(shard)
@@ -89,4 +92,5 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
     model = apply_memory_format(model, layout)
     return DataParallel(model, world=world, algorithm=algorithm, overlap=overlap,
                         bucket_cap_mb=bucket_cap_mb if overlap else None, grad_dtype=wire_dtype, comm=comm,
-                        average=average, precision=precision, batchnorm=batchnorm, tracer=tracer, shard=shard)
+                        average=average, precision=precision, batchnorm=batchnorm, tracer=tracer, shard=shard,
+                        check_finite_every=check_finite_every)

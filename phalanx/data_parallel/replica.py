@@ -40,8 +40,13 @@ class ReplicaModule(nn.Module):
     exchanging: bool  # True once gradient buckets hold the parameters' .grad
     sharding: Any = None  # sharded.py's Sharding under shard=..., else None
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
+    # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
+    # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
+    compiled_after_prepare = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() and not self.compiled_after_prepare:
+            self.compiled_after_prepare = True
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast
@@ -72,6 +77,15 @@ class ReplicaModule(nn.Module):
         if self.sharding is None or self.sharding.keeps_parameters:
             return self.module.load_state_dict(state, strict=strict, assign=assign)
         return self.sharding.load_state_dict(self.module, state, strict=strict)
+
+    def close(self) -> None:  # DataParallel's: its hooks, its communication
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:

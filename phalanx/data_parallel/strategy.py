@@ -54,7 +54,9 @@ class DataSplit:
         return self.dp(X)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
-        return self.dp.named_gradients()
+        """Nothing for the job's hook: the replica checks its own gradient (prepare's check_finite_every,
+        which the job sets to --check-every), naming the rank whose share went NaN/Inf first."""
+        return {}
 
     def check_replicas(self, step: int) -> None:
         check_replicas(self.dp.world, self.module, step=step)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from phalanx.data.config import DataConfig
 from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.job.checkpointing import CheckpointConfig, RestartConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.model_split.config import SplitConfig
@@ -52,8 +53,10 @@ class TrainConfig:
     overwrite: bool = option(False, help="replace an earlier run's outputs in --out / the checkpoint dir "
                                          "(default: refuse)")
     progress: bool = option(True, flag="--no-progress", help="no progress bar")
-    # Every check_every steps: replicas compared bitwise, gradients checked finite (0: never).
-    check_every: int = option(100, metavar="STEPS", check=at_least(0, problem="must be 0 (off) or a number of steps"),
+    # Every check_every steps: replicas compared bitwise, gradients checked finite (0: never); the
+    # data split's replicas take it as their own check_finite_every (data_parallel/finite.py).
+    check_every: int = option(DEFAULT_CHECK_FINITE_EVERY, metavar="STEPS",
+                              check=at_least(0, problem="must be 0 (off) or a number of steps"),
                               help="steps between replica-identity and finite-gradient checks; 0: off")
     # --trace DIR: Chrome traces per rank + rank 0's summary; the first trace_steps of each epoch.
     trace_dir: str | None = option(None, flag="--trace", metavar="DIR", default_text="no trace",

@@ -76,7 +76,8 @@ def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World,
                            schedule=split.schedule, num_classes=num_classes)
     dp = prepare(model, world=world, dtype=config.dtype, batchnorm=options.batchnorm,
                  memory_format=options.memory_format, algorithm=options.allreduce, overlap=options.overlap,
-                 bucket_cap_mb=options.bucket_cap_mb, grad_dtype=options.grad_dtype, tracer=tracer, shard=options.shard)
+                 bucket_cap_mb=options.bucket_cap_mb, grad_dtype=options.grad_dtype, tracer=tracer, shard=options.shard,
+                 check_finite_every=config.check_every)  # the gradient's check: the replica's own
     return DataSplit(dp, grad_accum_steps=options.grad_accum_steps, max_grad_norm=config.optim.clip_grad_norm)
 
 

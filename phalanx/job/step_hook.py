@@ -2,9 +2,11 @@
 
 `after_step_hook` builds the callback that train_epoch calls after every step, whichever
 strategy runs it (data, layers, channels): note the step for failure reports, follow the
-warm-up lr schedule, check the loss (and, at `--check-every` steps, every gradient and the
-replicas) for NaN/Inf, and save a mid-epoch checkpoint every `--checkpoint-every` steps. One
-place, so the data split and the layer/channel splits cannot drift apart in what they guard.
+warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps, a model split's
+gradients and the replicas), and save a mid-epoch checkpoint every `--checkpoint-every` steps.
+One place, so the data split and the layer/channel splits cannot drift apart in what they guard.
+The data split's gradient is not read here: its replica checks it at the same interval
+(data_parallel/finite.py, which can tell the rank whose share went NaN/Inf first).
 """
 
 from __future__ import annotations

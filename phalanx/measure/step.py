@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from phalanx.data import split_batch
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
+from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.measure.load import busy_window
 from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
@@ -51,6 +52,7 @@ class Variant:
     grad_dtype: str | None = None  # phalanx's runs: exchange compressed (bf16 / fp16)
     algorithm: str = "auto"  # phalanx's runs: the allreduce
     bind_cores: bool = False  # phalanx's runs: each worker pinned to its own cores (--bind-cores)
+    check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY  # phalanx's runs: the gradient's NaN/Inf check (0: off)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -73,6 +75,7 @@ class StepJob:
     grad_dtype: str | None = None
     algorithm: str = "auto"
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
+    check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY
 
 
 def _build(job: StepJob) -> torch.nn.Module:
@@ -106,7 +109,8 @@ def _phalanx_worker(world: World, job: StepJob) -> dict:
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
     with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format,
-                 grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb) as dp:
+                 grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
+                 check_finite_every=job.check_finite_every) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
 
         def step() -> None:
@@ -161,7 +165,8 @@ def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict
 def run_variant(variant: Variant, job: StepJob, *, timeout_s: float, deadline_s: float) -> list[dict]:
     """Run `job` as `variant` in fresh processes; every rank's busy_window (wall_s, cpu_s, host_busy_s)."""
     job = replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
-                  memory_format=variant.memory_format, grad_dtype=variant.grad_dtype, algorithm=variant.algorithm)
+                  memory_format=variant.memory_format, grad_dtype=variant.grad_dtype, algorithm=variant.algorithm,
+                  check_finite_every=variant.check_finite_every)
     if variant.kind in ("phalanx", "ceiling") and variant.num_procs > 1:
         fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),

@@ -113,9 +113,11 @@ def summarize(config: PredictConfig, rounds: list[dict[str, Any]]) -> list[dict[
             preds = [r["batches"][index]["predictions"][j] for r in rounds]
             row: dict[str, Any] = {"global_batch_size": batch, "world_size": k,
                                    "batch_size_per_device": preds[0]["batch_size_per_device"],
-                                   "threads": preds[0]["threads"]}
+                                   "threads": preds[0]["threads"], "co_runners": preds[0]["co_runners"]}
             for key in PREDICTION_KEYS + ("images_per_s", "hidden_fraction"):
                 row[key] = Spread.of([p[key] for p in preds]).to_dict()
+            # What other programs took while this k's device was profiled (report.py judges it).
+            row["profile_others_busy_cores"] = Spread.of([p["profile"]["others_busy_cores"] for p in preds]).to_dict()
             measured = [r["batches"][index]["measured"].get(str(k)) for r in rounds]
             if all(m is not None for m in measured):
                 row["measured_images_per_s"] = Spread.of([m["images_per_s"] for m in measured]).to_dict()

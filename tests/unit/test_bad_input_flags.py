@@ -94,6 +94,7 @@ FLAG_CASES = [
     (["bench", "scaling", "--warmup-steps", "-1"], r"warmup_steps must be at least 0"),
     (["bench", "scaling", "--rounds", "0"], r"rounds must be at least 1"),
     (["bench", "scaling", "--grad-dtype", "int8"], r"--grad-dtype 'int8' is unknown"),
+    (["bench", "scaling", "--finite-check-cost=yes"], r"argument --finite-check-cost: ignored explicit argument"),
     (["bench", "scaling", "--out", PROC], r"--out .* cannot be created"),
     (["bench", "overlap", "--device", "tpu"], r"device 'tpu' is not one of auto, cpu, cuda"),
     (["bench", "overlap", "--matrix-size", "0"], r"matrix_size must be positive"),

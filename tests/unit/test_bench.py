@@ -205,6 +205,15 @@ def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():
             compressed.bind_cores) == (2, 1, "bf16", "auto", False)
 
 
+def test_finite_check_cost_prices_the_default_check_against_none_and_every_step():
+    by_name = {v.name: v for v in variants(2, cores=2, finite_check_cost=True)}
+    assert by_name["phalanx/2"].check_finite_every == 100  # DataParallel's default
+    assert (by_name["phalanx/2 no finite check"].check_finite_every,
+            by_name["phalanx/2 finite check every step"].check_finite_every) == (0, 1)
+    assert by_name["phalanx/2 no finite check"].num_procs == 2
+    assert "phalanx/2 no finite check" not in {v.name for v in variants(2, cores=2)}
+
+
 def test_wide_mlp_is_the_heavier_model():
     model = build_bench_model("mlp")
     assert isinstance(model, WideMLP)

@@ -101,3 +101,33 @@ def test_bad_names_are_refused_before_the_model_is_touched(kwargs, message):
     after = model.state_dict()
     assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype and after[k].stride() == s
                for k, (v, s) in before.items())
+
+
+def _mlp() -> nn.Module:  # no convolutions: inductor's conv gradients are wrong on this CPU (no AVX2)
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 16), nn.GELU(), nn.Linear(16, 3)).double()
+
+
+def _compiled_steps(dp, model_zero_grad) -> None:
+    X, y = torch.randn(8, 2, dtype=torch.float64), torch.randint(0, 3, (8,))
+    for _ in range(2):
+        model_zero_grad()
+        F.cross_entropy(dp(X), y).backward()
+        dp.finish_gradient_sync()
+
+
+def test_compile_before_prepare_works_and_after_prepare_is_refused_naming_the_fix():
+    # backend="eager": dynamo traces as torch.compile does (what the check sees) without
+    # inductor's code generation, which takes minutes on a busy 2-core machine.
+    with AsyncComm(world=WORLD1) as comm:
+        with phalanx.prepare(torch.compile(_mlp(), backend="eager"), world=WORLD1, comm=comm) as dp:
+            assert dp.exchanging
+            _compiled_steps(dp, dp.zero_grad)
+            assert not dp.compiled_after_prepare
+        with phalanx.prepare(_mlp(), world=WORLD1, comm=comm) as dp:
+            compiled = torch.compile(dp, backend="eager")
+            with pytest.raises(phalanx.UsageError, match=r"the replica was compiled after prepare, and the compiled "
+                               r"wrapper's zero_grad\(\) is nn.Module's, which drops the buckets; compile the model "
+                               r"before prepare: dp = phalanx.prepare\(torch.compile\(model\), world=world\)$"):
+                _compiled_steps(compiled, compiled.zero_grad)  # nn.Module's zero_grad, not the replica's
+    torch._dynamo.reset()

@@ -1,0 +1,42 @@
+"""A user's loop through `phalanx.prepare` in which one rank's loss turns NaN at one step, for the
+finite check's test: the allreduce spreads that rank's NaN gradient to every replica, and the run
+must stop naming the step and the rank. With the check off it runs on and saves NaN weights.
+
+    phalanx run --devices cpu:2 nan_on_one_rank.py --nan-step 3 --nan-rank 1 --check-every 5 --out DIR
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--nan-step", type=int, required=True)
+parser.add_argument("--nan-rank", type=int, required=True)
+parser.add_argument("--check-every", type=int, required=True)
+parser.add_argument("--steps", type=int, default=12)
+parser.add_argument("--out", type=Path, required=True)
+args = parser.parse_args()
+
+world = phalanx.init()
+torch.manual_seed(0)
+dp = phalanx.prepare(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)), world=world,
+                     check_finite_every=args.check_every, bucket_cap_mb=0.0002)  # 2 buckets
+optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(world.rank)
+for step in range(1, args.steps + 1):
+    X, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    dp.zero_grad()
+    loss = phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 8 * world.world_size)
+    if (step, world.rank) == (args.nan_step, args.nan_rank):
+        loss = loss * float("nan")  # a bad example on one rank
+    loss.backward()
+    dp.finish_gradient_sync()
+    optimizer.step()
+if world.is_main:
+    torch.save(dp.state_dict(), args.out / "model.pt")
+dp.close()

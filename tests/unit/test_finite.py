@@ -1,0 +1,131 @@
+"""DataParallel's NaN/Inf check of the gradient (data_parallel/finite.py), in one process: the step
+and rank it names (the other ranks stood in for by what their slots of the check's allreduce hold),
+the exchange's own overflow, a world of one naming the parameter, the off switch, and no host read
+between check steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phalanx.comm import AsyncComm
+from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel.finite import FiniteCheck
+from phalanx.data_parallel.guards import NonFinite
+from phalanx.models import LeNet
+from phalanx.runtime.world import World
+
+NAN, INF = float("nan"), float("inf")
+
+
+def _world(rank: int = 0, world_size: int = 1) -> World:
+    return World(rank=rank, world_size=world_size, local_rank=rank, local_world_size=world_size,
+                 device=torch.device("cpu"), backend="none" if world_size == 1 else "gloo", timeout_s=10.0)
+
+
+def _others(slots: dict[int, tuple[int, int]]):
+    """An allreduce as the other ranks would make it: their (own, summed) first bad steps added in."""
+    def allreduce(firsts: torch.Tensor) -> None:
+        for rank, (own, summed) in slots.items():
+            firsts[2 * rank] += own
+            firsts[2 * rank + 1] += summed
+    return allreduce
+
+
+def _steps(check: FiniteCheck, own: list[float], summed: list[float], *, others=None, first: int = 1) -> None:
+    """One synced step per value: two buckets each, the second holding `own[i]` before the sum and `summed[i]` after."""
+    for i, (mine, total) in enumerate(zip(own, summed)):
+        check.before_sum(torch.ones(3))
+        check.before_sum(torch.tensor([1.0, mine]))
+        check.after_sum([torch.ones(3), torch.tensor([2.0, total])], step=first + i,
+                        allreduce=others or _others({}))
+
+
+def test_the_interval_is_validated():
+    for bad in (-1, 1.5, True, None):
+        with pytest.raises(ValueError, match="check_finite_every must be 0 \\(off\\) or a number of steps"):
+            FiniteCheck(every=bad, world=_world())
+
+
+def test_names_the_first_step_and_the_rank_whose_own_gradient_went_non_finite():
+    world = _world(rank=0, world_size=3)
+    check = FiniteCheck(every=4, world=world)
+    _steps(check, [1.0] * 4, [1.0] * 4)  # step 4's check passes and forgets steps 1-4
+    with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 6: rank 2's own gradient went non-finite "
+                       r"first and the allreduce spread it to every replica \(found at step 8's check, every 4 "
+                       r"steps\); look at that step's loss and data, or lower the lr; check_finite_every=0"):
+        _steps(check, [1.0, 1.0, NAN, NAN], [1.0, NAN, NAN, NAN], first=5, others=_others({1: (7, 6), 2: (6, 6)}))
+    # Rank 0 itself first, alongside rank 2; and every rank at once (the parameters were already NaN).
+    for others, who in (({2: (3, 3)}, "rank 0's and rank 2's own gradients"),
+                        ({1: (3, 3), 2: (3, 3)}, "every rank's own gradient")):
+        with pytest.raises(NonFinite, match=f"at step 3: {who} went non-finite first"):
+            _steps(FiniteCheck(every=4, world=world), [1.0, 1.0, INF, NAN], [1.0, 1.0, INF, NAN],
+                   others=_others(others))
+
+
+def test_a_sum_that_overflows_although_every_rank_was_finite_is_named_as_such():
+    check = FiniteCheck(every=2, world=_world(rank=1, world_size=2))
+    with pytest.raises(NonFinite, match="at step 1: the summed gradient overflowed although every rank's own was "
+                       "finite .*an fp16 exchange holds at most 65504"):
+        _steps(check, [1.0, NAN], [INF, NAN], others=_others({0: (2, 1)}))
+
+
+def test_a_bucketed_replica_stops_within_the_interval_and_names_the_step():
+    torch.manual_seed(0)
+    world = _world()
+    X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
+    with AsyncComm(world=world) as comm, DataParallel(LeNet().double(), world=world, comm=comm,
+                                                      check_finite_every=3) as dp:
+        assert len(dp.buckets) == 3  # the exchanging path, as each of k ranks runs it
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+        with pytest.raises(NonFinite, match="at step 5: rank 0's own gradient went non-finite first .found at step "
+                           "6's check, every 3 steps"):
+            for step in range(1, 10):
+                dp.zero_grad()
+                scale = NAN if step == 5 else 1.0
+                (F.cross_entropy(dp(X), y) * scale).backward()
+                dp.finish_gradient_sync()
+                optimizer.step()
+        assert step == 6
+
+
+def test_a_world_of_one_names_the_parameter_and_the_steps_it_went_non_finite_in():
+    X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
+    for every, when in ((1, "step 2"), (4, "one of steps 1-4")):
+        with DataParallel(LeNet().double(), world=_world(), check_finite_every=every) as dp:
+            assert not dp.exchanging
+            optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+            with pytest.raises(NonFinite, match=f"gradient NaN/Inf at {when}, in conv1.weight's gradient"):
+                for step in range(1, 5):
+                    dp.zero_grad()
+                    F.cross_entropy(dp(X), y).backward()
+                    if step == 2:
+                        dp.module.conv1.weight.grad[0, 0, 0, 0] = INF
+                    dp.finish_gradient_sync()
+                    optimizer.step()  # the NaN goes on into every later step's gradient
+
+
+def test_off_keeps_nothing_and_checks_nothing():
+    check = FiniteCheck(every=0, world=_world())
+    _steps(check, [NAN] * 3, [NAN] * 3)
+    check.after_local_step(lambda: {"w's gradient": torch.tensor([NAN])}, step=1)
+    assert check._mine == [] and check._steps == []
+
+
+def test_steps_between_checks_read_nothing_on_the_host(monkeypatch):
+    """A host read synchronises a GPU: only the check step may make one."""
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *args, __name=name, __original=original, **kwargs):
+            reads.append(__name)
+            return __original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    check = FiniteCheck(every=5, world=_world())
+    _steps(check, [1.0] * 4, [1.0] * 4)
+    assert reads == [] and len(check._steps) == 4
+    _steps(check, [1.0], [1.0], first=5)
+    monkeypatch.undo()
+    assert reads and check._steps == []
