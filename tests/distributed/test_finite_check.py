@@ -1,6 +1,7 @@
 """A NaN on one rank under `phalanx run` (issue 28 item 4): the allreduce spreads it to every
 replica, and DataParallel's finite check stops the run within its interval in one line naming
-the step and the rank it came from; with the check off the script ends 0 and saves NaN weights."""
+the step and the rank it came from - sharded too (each rank then sums its own range only); with
+the check off the script ends 0 and saves NaN weights."""
 
 import os
 import subprocess
@@ -21,8 +22,9 @@ def _run(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def test_a_nan_on_one_rank_is_named_by_step_and_rank_within_the_check_interval(tmp_path):
-    done = _run(tmp_path, "--check-every", "5")
+@pytest.mark.parametrize("shard", ["none", "gradients"])
+def test_a_nan_on_one_rank_is_named_by_step_and_rank_within_the_check_interval(tmp_path, shard):
+    done = _run(tmp_path, "--check-every", "5", "--shard", shard)
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
         "phalanx: run stopped: gradient NaN/Inf at step 3: rank 1's own gradient went non-finite first and the "

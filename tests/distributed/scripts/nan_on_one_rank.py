@@ -20,13 +20,14 @@ parser.add_argument("--nan-rank", type=int, required=True)
 parser.add_argument("--check-every", type=int, required=True)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--out", type=Path, required=True)
+parser.add_argument("--shard", default="none")
 args = parser.parse_args()
 
 world = phalanx.init()
 torch.manual_seed(0)
 dp = phalanx.prepare(nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)), world=world,
-                     check_finite_every=args.check_every, bucket_cap_mb=0.0002)  # 2 buckets
-optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+                     check_finite_every=args.check_every, bucket_cap_mb=0.0002, shard=args.shard)  # 2 buckets
+optimizer = dp.optimizer(torch.optim.SGD, lr=0.1)
 g = torch.Generator().manual_seed(world.rank)
 for step in range(1, args.steps + 1):
     X, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
@@ -37,6 +38,7 @@ for step in range(1, args.steps + 1):
     loss.backward()
     dp.finish_gradient_sync()
     optimizer.step()
+state = dp.full_state_dict()  # every rank: a sharded replica gathers it
 if world.is_main:
-    torch.save(dp.state_dict(), args.out / "model.pt")
+    torch.save(state, args.out / "model.pt")
 dp.close()
