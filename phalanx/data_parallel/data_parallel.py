@@ -196,17 +196,17 @@ class DataParallel(ReplicaModule):
     def _launch(self, bucket: Bucket):
         """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
         in its wire dtype, traced, tagged."""
-        if self.sharding is not None:
-            self.sharding.fill(bucket)  # stages 2-3: the gradients autograd made, into the bucket
-        self._finite.before_sum(bucket.buffer)  # this rank's own gradient, before the sum spreads it
-        wire = wire_of(bucket.buffer, self.grad_dtype)
+        # Sharded stages 2-3 send the gradients autograd made (fill): in the bucket, or as they are.
+        sent = bucket.buffer if self.sharding is None else self.sharding.fill(bucket)
+        self._finite.before_sum(sent)  # this rank's own gradient, before the sum spreads it
+        wire = wire_of(sent, self.grad_dtype)
         on_done = None
         if self.tracer is not None:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         tag = Tag("gradient", bucket.index, step=self._synced_steps)  # what a failure calls this collective
         if self.sharding is not None:
-            return self.sharding.reduce_scatter(bucket, wire, tag=tag, on_done=on_done)
+            return self.sharding.reduce_scatter(bucket, sent, wire, tag=tag, on_done=on_done)
         handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, tag=tag, on_done=on_done)
         return handle if wire is bucket.buffer else DecompressingHandle(handle, wire, bucket.buffer)
 

@@ -12,10 +12,11 @@ before each layer runs (stage 3) - sharded_params.py and gather_hooks.py.
 
 - Stage 1: gradients as unsharded, views into each bucket's gradient buffer; the bucket's
   reduce-scatter runs in place, so this rank's range of it is its summed shard gradient.
-- Stages 2 and 3: the gradients autograd makes are copied into the bucket's buffer when the
-  bucket launches (`fill`) and dropped; the buffer lives until the reduce-scatter is waited,
-  which copies this rank's range into the persistent shard gradient and frees the buffer. At
-  most `MAX_IN_FLIGHT` buckets are alive at once (overlap.py waits the oldest first).
+- Stages 2 and 3: when a bucket launches (`fill`) the gradients autograd made are copied into
+  its buffer and dropped - or, for a bucket of one parameter (a large layer), sent as they are,
+  with no copy; what holds the bucket lives until the reduce-scatter is waited, which copies
+  this rank's range into the persistent shard gradient. At most `MAX_IN_FLIGHT` buckets are
+  alive at once (overlap.py waits the oldest first).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data_parallel.buckets import Bucket, grad_view
-from phalanx.data_parallel.flat_layout import FlatLayout, Slot, free_storage, parameter_names, refill_storage
+from phalanx.data_parallel.flat_layout import (FlatLayout, Slot, free_storage, memory_order, parameter_names,
+                                               refill_storage)
 from phalanx.data_parallel.gather_hooks import GatherHooks
 from phalanx.data_parallel.sharded_optim import WholeOptimizerGuard
 from phalanx.data_parallel.sharded_params import ShardedParameters
@@ -67,10 +69,11 @@ class ShardedHandle:
                  release: Callable[[], None] | None) -> None:
         self._handle, self._wire, self._owned = handle, wire, owned
         self._shard_grad, self._release = shard_grad, release
+        self._waited = False
 
     @property
     def waited(self) -> bool:
-        return self._handle.waited
+        return self._waited
 
     def wait(self) -> None:
         self._handle.wait()
@@ -80,7 +83,10 @@ class ShardedHandle:
                 self._shard_grad.copy_(self._wire[lo:hi])
         if self._release is not None:
             self._release()
-        self._wire = None
+        # Drop every reference to the whole bucket now: the scheduler keeps this handle until the
+        # step's end, and a gradient sent as it is would live that long otherwise.
+        self._handle = self._wire = None
+        self._waited = True
 
 
 class Sharding:
@@ -113,31 +119,41 @@ class Sharding:
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dp.optimizer's records
         self._guard = WholeOptimizerGuard(module, stage)  # AdamW(dp.parameters()): refused in one line
 
-    def fill(self, bucket: Bucket) -> None:
-        """Stages 2 and 3, as a bucket launches: its gradient buffer, allocated now, holding the
-        gradients autograd made (which are dropped: only the buffer holds them from here); in
+    def fill(self, bucket: Bucket) -> torch.Tensor:
+        """The flat gradient `bucket` sends, as it launches. Stage 1: its buffer. Stages 2 and 3:
+        a bucket of one parameter sends the gradient autograd made, in place (no copy: a large
+        layer's gradient exists once, as under FSDP); a bucket of several, its buffer allocated
+        now and holding their gradients. Either way the parameters' `.grad` is dropped, and in
         stage 3 the bucket's parameters are freed too, this backward being done with them."""
         if self.keeps_gradients:
-            return
-        refill_storage(bucket.buffer)
-        buffer = bucket.buffer
-        with torch.no_grad():
-            buffer.zero_()
-            for param, offset, whole in zip(bucket.params, bucket.offsets, self.params.views[bucket.index]):
-                if param.grad is not None:
-                    grad_view(buffer, offset, whole).copy_(param.grad)
-                    param.grad = None
+            return bucket.buffer
+        whole = self.params.views[bucket.index]
+        grads = [param.grad for param in bucket.params]
+        for param in bucket.params:
+            param.grad = None
         self.params.release(bucket.index)
+        if len(grads) == 1 and grads[0] is not None and grads[0].stride() == whole[0].stride() and \
+                grads[0].dtype == bucket.buffer.dtype:
+            return memory_order(grads[0].detach())
+        refill_storage(bucket.buffer)
+        with torch.no_grad():
+            bucket.buffer.zero_()
+            for grad, offset, view in zip(grads, bucket.offsets, whole):
+                if grad is not None:
+                    grad_view(bucket.buffer, offset, view).copy_(grad)
+        return bucket.buffer
 
-    def reduce_scatter(self, bucket: Bucket, wire: torch.Tensor, *, tag: Tag,
+    def reduce_scatter(self, bucket: Bucket, sent: torch.Tensor, wire: torch.Tensor, *, tag: Tag,
                        on_done: Callable[[], None] | None = None) -> ShardedHandle:
-        """Start `bucket`'s reduce-scatter of `wire` (its buffer, or a compressed copy): once
-        waited, this rank's range of the sum is in its shard gradient."""
+        """Start the reduce-scatter of `wire` (`sent`, the flat gradient `fill` gave, or a
+        compressed copy of it): once waited, this rank's range of the sum is in its shard
+        gradient, and what held the whole bucket is freed (stages 2, 3)."""
         index = bucket.index
         handle = self._comm.reduce_scatter_async(wire, counts=self.params.counts[index], algorithm=self._algorithm,
                                                  tag=tag, on_done=on_done)
         in_place = self.keeps_gradients and wire is bucket.buffer  # stage 1: the range is the shard already
-        release = None if self.keeps_gradients else (lambda buffer=bucket.buffer: free_storage(buffer))
+        release = None if self.keeps_gradients or sent is not bucket.buffer else \
+            (lambda buffer=bucket.buffer: free_storage(buffer))  # a gradient of its own goes with its last reference
         return ShardedHandle(handle, wire, self.owned[index], None if in_place else self.shard_grads[index], release)
 
     def zero_grad(self) -> None:
