@@ -1,7 +1,7 @@
-"""`phalanx bench allreduce|scaling|overlap|splits|autopar`: the measurements behind "phalanx beats DDP",
-and the "Automatic Parallelism" chapter's experiments (phalanx/autopar/: `overlap`, `autopar`).
+"""`phalanx bench allreduce|scaling|memory|overlap|splits|autopar`: the measurements behind "phalanx beats
+DDP", and the "Automatic Parallelism" chapter's experiments (phalanx/autopar/: `overlap`, `autopar`).
 
-Each benchmark lives in its own module (allreduce.py, scaling.py, splits.py; autopar/chapter.py,
+Each benchmark lives in its own module (allreduce.py, scaling.py, memory.py, splits.py; autopar/chapter.py,
 autopar/exercises.py) with its config dataclass, its run, its terminal table and its chart; the
 measuring kit (phalanx/measure/) holds the method they share (warm-up, calibration, interleaved
 rounds in fresh processes, median and min-max, flag lists, the --out check, JSON and PNG
@@ -19,13 +19,13 @@ import sys
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.errors import UsageError
 
-BENCHMARKS = ("allreduce", "scaling", "overlap", "splits", "autopar")
+BENCHMARKS = ("allreduce", "scaling", "memory", "overlap", "splits", "autopar")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add `bench` with its subcommands to an argparse subparsers object; return it."""
-    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, overlap, splits; "
-                                  "the automatic parallelism exercises")
+    bench = subparsers.add_parser("bench", help="measure allreduce, scaling against DDP, sharded memory, overlap, "
+                                  "splits; the automatic parallelism exercises")
     kinds = bench.add_subparsers(dest="bench_name", parser_class=type(bench))
 
     allreduce = kinds.add_parser("allreduce", help="time each allreduce algorithm, and reduce-scatter and all-gather, "
@@ -47,6 +47,19 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     scaling.add_argument("--grad-dtype", default=None, help="also time phalanx/k exchanging bf16 or fp16 gradients")
     scaling.add_argument("--finite-check-cost", action="store_true",
                          help="also time phalanx/k with the gradient's NaN/Inf check off and at every step")
+
+    memory = kinds.add_parser("memory", help="bytes per rank, peak RSS and step time: phalanx's ZeRO stages vs "
+                              "DDP, ZeroRedundancyOptimizer, FSDP2")
+    memory.add_argument("--models", default="lenet,mlp,mlp-wide,resnet",
+                        help="any of lenet, mlp (5.8 M parameters), mlp-wide (57.1 M), resnet (default all)")
+    memory.add_argument("--devices", type=int, default=2, help="k, the processes of every contender (default 2)")
+    memory.add_argument("--batch-size", type=int, default=128, help="global batch (default 128)")
+    memory.add_argument("--steps", type=int, default=5, help="timed steps per contender (default 5)")
+    memory.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (default 2)")
+    memory.add_argument("--rounds", type=int, default=3, help="interleaved rounds, fresh processes each (default 3)")
+    memory.add_argument("--contenders", default="ddp,zero,fsdp2,none,optimizer,gradients,parameters",
+                        help="any of ddp, zero (DDP + ZeroRedundancyOptimizer), fsdp2, and phalanx's none, "
+                        "optimizer, gradients, parameters (default all)")
 
     overlap = kinds.add_parser("overlap", help="two devices at once; compute while communicating")
     overlap.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
@@ -85,7 +98,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     autopar.add_argument("--steps", type=int, default=3, help="5: SGD steps in the graph (default 3)")
     autopar.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
 
-    for parser in (allreduce, scaling, overlap, splits, autopar):
+    for parser in (allreduce, scaling, memory, overlap, splits, autopar):
         parser.add_argument("--out", default=None, help="directory for the JSON and PNG (default runs/bench-NAME)")
     return bench
 
@@ -101,7 +114,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UsageError(f"choose a benchmark: phalanx bench {'|'.join(BENCHMARKS)}")
     # Imported here so the CLI's parser does not load matplotlib or the benchmarks.
     from phalanx.autopar import chapter as overlap
-    from phalanx.bench import allreduce, scaling, scaling_report, splits, splits_report
+    from phalanx.bench import allreduce, memory, memory_report, scaling, scaling_report, splits, splits_report
     from phalanx.measure.flags import parse_list, parse_size
     from phalanx.measure.outputs import prepare_out_dir, write_outputs
 
@@ -122,6 +135,13 @@ def run_bench(args: argparse.Namespace) -> int:
                 grad_dtype=args.grad_dtype, finite_check_cost=args.finite_check_cost)
             run = functools.partial(scaling.run_scaling_bench, on_run=_progress)
             report, plot = scaling_report.report_scaling, scaling_report.plot_scaling
+        elif name == "memory":
+            config = memory.MemoryBenchConfig(
+                models=parse_list(args.models, str, flag="--models"), num_devices=args.devices,
+                global_batch_size=args.batch_size, steps=args.steps, warmup_steps=args.warmup_steps,
+                rounds=args.rounds, contenders=parse_list(args.contenders, str, flag="--contenders"))
+            run = functools.partial(memory.run_memory_bench, on_run=_progress)
+            report, plot = memory_report.report_memory, memory_report.plot_memory
         elif name == "splits":
             config = splits.SplitsBenchConfig(
                 world_sizes=parse_list(args.devices, int, flag="--devices"), global_batch_size=args.batch_size,

@@ -1,21 +1,27 @@
-"""The scaling worker: phalanx's training step timed on synthetic data, and what it is judged against.
+"""The scaling and memory worker: phalanx's training step timed on synthetic data, and what it is judged against.
 
 One configuration (a `Variant`: which program, how many processes, threads each, the allocator
-setting, memory format, exchange) runs a `StepJob` in fresh processes. Every rank draws the same
-fixed random global batch (data time is zero for all), takes its `split_batch` shard, runs the
-warm-up steps, meets the others at a barrier and times `steps` steps in a `busy_window` (wall
-time, its own CPU time, the host's busy time). The kinds:
+setting, memory format, exchange, ZeRO stage) runs a `StepJob` (model, batch, steps, optimizer)
+in fresh processes. Every rank draws the same fixed random global batch (data time is zero for
+all), takes its `split_batch` shard, runs the warm-up steps, meets the others at a barrier and
+times `steps` steps in a `busy_window` (wall time, its own CPU time, the host's busy time); it
+also reports its resident set around the run and the bytes of parameters, gradients and
+optimizer state it holds after it (memory.py). The kinds:
 
-- `phalanx`: `phalanx.prepare` and `train_batch`, the step training runs, started by
-  `phalanx.runtime.launch` (its allocator setting, threads, core binding); one device runs in a
-  fresh process of its own that launches it, as `phalanx train --devices 1` would;
+- `phalanx`: `phalanx.prepare` (with `shard=`) and `train_batch`, the step training runs, started
+  by `phalanx.runtime.launch` (its allocator setting, threads, core binding); one device runs
+  in a fresh process of its own that launches it, as `phalanx train --devices 1` would;
 - `ceiling`: phalanx's worker set-up, shard and scaled loss with no exchange at all;
 - `ddp`: torch DDP as its tutorial runs it (gloo, default buckets, mean loss), via procs.py;
+  `zero`: the same with `ZeroRedundancyOptimizer`; `fsdp2`: FSDP2's `fully_shard` per layer;
 - `torch`: the plain PyTorch loop in one process.
 
-`run_variant` returns every rank's window; `images_per_s` counts the slowest rank's time. bench
-scaling fields all the kinds; predict --validate measures the `phalanx` one, so its check is
-bench scaling's number by construction.
+BatchNorm, where a model has it, computes each rank's own batch statistics in every kind
+(phalanx's `batchnorm="local"`), so a timing compares the exchange, not the BatchNorm policy.
+`run_variant` returns every rank's record; `images_per_s` counts the slowest rank's time. bench
+scaling fields the kinds but zero and fsdp2, bench memory phalanx's stages and ddp, zero and
+fsdp2; predict --validate measures the `phalanx` one, so its check is bench scaling's number by
+construction.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from phalanx.data import split_batch
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
 from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.measure.load import busy_window
+from phalanx.measure.memory import MemoryProbe, held_bytes, replica_held_bytes
 from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
 from phalanx.runtime.devices import parse_devices
@@ -38,7 +47,8 @@ from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 from phalanx.train.loop import train_batch
 
-KINDS = ("phalanx", "ddp", "torch", "ceiling")
+KINDS = ("phalanx", "ddp", "zero", "fsdp2", "torch", "ceiling")
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +63,7 @@ class Variant:
     algorithm: str = "auto"  # phalanx's runs: the allreduce
     bind_cores: bool = False  # phalanx's runs: each worker pinned to its own cores (--bind-cores)
     check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY  # phalanx's runs: the gradient's NaN/Inf check (0: off)
+    shard: str = "none"  # phalanx's runs: the ZeRO stage (none, optimizer, gradients, parameters)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -76,6 +87,12 @@ class StepJob:
     algorithm: str = "auto"
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
     check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY
+    shard: str = "none"
+    optimizer: str = "sgd"  # a key of OPTIMIZERS
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
 
 
 def _build(job: StepJob) -> torch.nn.Module:
@@ -91,14 +108,22 @@ def _shard(job: StepJob, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return X_shard.contiguous(), y_shard.contiguous()
 
 
-def _timed_steps(step: Callable[[], object], job: StepJob, barrier: Callable[[], object]) -> dict:
+def _optimizer(params, job: StepJob) -> torch.optim.Optimizer:
+    return OPTIMIZERS[job.optimizer](params, lr=job.lr)
+
+
+def _timed_steps(step: Callable[[], object], job: StepJob, barrier: Callable[[], object], *, probe: MemoryProbe,
+                 held: Callable[[], dict]) -> dict:
+    """Warm-up, a barrier, the timed steps: this rank's busy_window, its resident set around
+    the run and the bytes it holds after (memory.py)."""
+    probe.built()
     for _ in range(job.warmup_steps):
         step()
     barrier()  # every rank starts the clock together
     with busy_window() as window:
         for _ in range(job.steps):
             step()
-    return window
+    return {**window, **probe.finished(held())}
 
 
 def _barrier(world: World) -> Callable[[], object]:
@@ -106,17 +131,19 @@ def _barrier(world: World) -> Callable[[], object]:
 
 
 def _phalanx_worker(world: World, job: StepJob) -> dict:
+    probe = MemoryProbe()
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
-    with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format,
+    # BatchNorm "local": each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them.
+    with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
                  grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
-                 check_finite_every=job.check_finite_every) as dp:
-        optimizer = torch.optim.SGD(dp.module.parameters(), lr=job.lr)
+                 shard=job.shard, check_finite_every=job.check_finite_every) as dp:
+        optimizer = dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr)
 
         def step() -> None:
             train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
 
-        return _timed_steps(step, job, _barrier(world))
+        return _timed_steps(step, job, _barrier(world), probe=probe, held=lambda: replica_held_bytes(dp, optimizer))
 
 
 def _phalanx_single(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
@@ -125,56 +152,91 @@ def _phalanx_single(*, rank: int, num_procs: int, port: int, job: StepJob) -> di
     return launch(_phalanx_worker, job, spec=spec)[0]
 
 
-def _plain_step(model, optimizer, X, y, *, global_batch_size: int) -> Callable[[], None]:
+def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int,
+                 mean_loss: bool, barrier: Callable[[], object], probe: MemoryProbe) -> dict:
+    """`_timed_steps` of the plain PyTorch step on this rank's shard: the loss summed over the
+    global batch (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's)."""
+    X, y = _shard(job, rank)
+    scale = X.shape[0] if mean_loss else job.global_batch_size
+
     def step() -> None:
         optimizer.zero_grad()
-        (F.cross_entropy(model(X), y, reduction="sum") / global_batch_size).backward()
+        (F.cross_entropy(model(X), y, reduction="sum") / scale).backward()
         optimizer.step()
-    return step
+
+    return _timed_steps(step, job, barrier, probe=probe, held=lambda: held_bytes(model.parameters(), optimizer))
 
 
 def _ceiling_worker(world: World, job: StepJob) -> dict:
     """phalanx's worker set-up, its shard, the same scaled loss: everything but the allreduce."""
+    probe = MemoryProbe()
     torch.manual_seed(job.seed)
     model = _build(job)
-    X, y = _shard(job, world.rank)
-    step = _plain_step(model, torch.optim.SGD(model.parameters(), lr=job.lr), X, y,
-                       global_batch_size=job.global_batch_size)
-    return _timed_steps(step, job, _barrier(world))
+    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=False,
+                        barrier=_barrier(world), probe=probe)
 
 
-def _ddp_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
-    """What the PyTorch tutorial does: gloo process group, DDP with its defaults, mean loss."""
+def _join(rank: int, num_procs: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_procs)
+
+
+def _ddp_worker(*, rank: int, num_procs: int, port: int, job: StepJob, zero: bool = False) -> dict:
+    """What the PyTorch tutorial does: gloo process group, DDP with its defaults, mean loss;
+    `zero`: its optimizer a ZeroRedundancyOptimizer (each rank the state of its parameters)."""
+    # Imported here, not above: importing torch.distributed.optim jit-scripts its functional
+    # optimizers, 66 DeprecationWarnings in every process that would import this module.
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    probe = MemoryProbe()
+    _join(rank, num_procs, port)
     torch.manual_seed(job.seed)
     model = torch.nn.parallel.DistributedDataParallel(_build(job))
-    X, y = _shard(job, rank)
-    step = _plain_step(model, torch.optim.SGD(model.parameters(), lr=job.lr), X, y, global_batch_size=X.shape[0])
-    return _timed_steps(step, job, dist.barrier)
+    optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[job.optimizer], lr=job.lr)
+                 if zero else _optimizer(model.parameters(), job))
+    return _plain_steps(model, optimizer, job, rank=rank, mean_loss=True, barrier=dist.barrier, probe=probe)
+
+
+def _zero_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
+    return _ddp_worker(rank=rank, num_procs=num_procs, port=port, job=job, zero=True)
+
+
+def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
+    """FSDP2 as its docs set it up: `fully_shard` on each layer that holds parameters, then on the
+    root, over a 1-D CPU mesh (gloo); the optimizer over the sharded (DTensor) parameters."""
+    probe = MemoryProbe()
+    _join(rank, num_procs, port)
+    torch.manual_seed(job.seed)
+    model = _build(job)
+    mesh = init_device_mesh("cpu", (num_procs,))
+    for layer in [m for m in model.modules() if m is not model and next(m.parameters(recurse=False), None) is not None]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=True,
+                        barrier=dist.barrier, probe=probe)
 
 
 def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
+    probe = MemoryProbe()
     torch.manual_seed(job.seed)
     model = _build(job)
-    X, y = _shard(job, rank)
-    step = _plain_step(model, torch.optim.SGD(model.parameters(), lr=job.lr), X, y,
-                       global_batch_size=job.global_batch_size)
-    return _timed_steps(step, job, lambda: None)
+    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=False,
+                        barrier=lambda: None, probe=probe)
 
 
 def run_variant(variant: Variant, job: StepJob, *, timeout_s: float, deadline_s: float) -> list[dict]:
-    """Run `job` as `variant` in fresh processes; every rank's busy_window (wall_s, cpu_s, host_busy_s)."""
+    """Run `job` as `variant` in fresh processes; every rank's record: its busy_window (wall_s,
+    cpu_s, host_busy_s) and its memory (memory.MemoryProbe's: resident set, bytes held)."""
     job = replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
                   memory_format=variant.memory_format, grad_dtype=variant.grad_dtype, algorithm=variant.algorithm,
-                  check_finite_every=variant.check_finite_every)
+                  check_finite_every=variant.check_finite_every, shard=variant.shard)
     if variant.kind in ("phalanx", "ceiling") and variant.num_procs > 1:
         fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),
                           threads_per_device=variant.threads_per_proc, timeout_s=timeout_s,
                           deadline_s=deadline_s, bind_cores=variant.bind_cores)
         return launch(fn, job, spec=spec)
-    fn = {"phalanx": _phalanx_single, "ddp": _ddp_worker, "torch": _torch_worker,
-          "ceiling": _torch_worker}[variant.kind]
+    fn = {"phalanx": _phalanx_single, "ddp": _ddp_worker, "zero": _zero_worker, "fsdp2": _fsdp2_worker,
+          "torch": _torch_worker, "ceiling": _torch_worker}[variant.kind]
     return run_fresh(fn, job, num_procs=variant.num_procs, threads=variant.threads_per_proc,
                      tune_allocator=variant.allocator_env, deadline_s=deadline_s, name=variant.name)
 

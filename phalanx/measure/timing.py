@@ -67,12 +67,12 @@ def interleave(names: Sequence[T], rounds: int) -> list[tuple[int, T]]:
     return [(r, name) for r in range(rounds) for name in names]
 
 
-def run_interleaved(runs: Mapping[K, Callable[[], float]], *, rounds: int,
-                    warmup_rounds: int = 1) -> dict[K, list[float]]:
-    """Call every run once per round, interleaved; the warm-up rounds are run and discarded."""
+def run_interleaved(runs: Mapping[K, Callable[[], T]], *, rounds: int, warmup_rounds: int = 1) -> dict[K, list[T]]:
+    """Call every run once per round, interleaved; the warm-up rounds are run and discarded. A
+    run returns its sample: seconds, or whatever its processes report (bench memory's records)."""
     for _, name in interleave(list(runs), warmup_rounds) if warmup_rounds else []:
         runs[name]()
-    samples: dict[K, list[float]] = {name: [] for name in runs}
+    samples: dict[K, list[T]] = {name: [] for name in runs}
     for _, name in interleave(list(runs), rounds):
         samples[name].append(runs[name]())
     return samples

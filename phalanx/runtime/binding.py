@@ -144,6 +144,15 @@ def too_many_workers(local_workers: int, cores: int | None = None) -> str | None
 ALLOCATOR_SETTINGS = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, (1 << 31) - 1))
 
 
+def users_allocator_setting() -> str | None:
+    """The environment variable through which the user set glibc's allocator (a MALLOC_* one, or
+    GLIBC_TUNABLES naming glibc.malloc.*), which phalanx's own setting then leaves alone; None."""
+    named = sorted(name for name in os.environ if name.startswith("MALLOC_"))
+    if named:
+        return named[0]
+    return "GLIBC_TUNABLES" if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") else None
+
+
 def keep_freed_memory_mapped() -> bool:
     """phalanx's one allocator setting for CPU workers: glibc keeps large freed blocks on the heap
     instead of returning them with munmap/trim, so the next step's activations do not page-fault
@@ -156,8 +165,7 @@ def keep_freed_memory_mapped() -> bool:
     that ask for it - one mechanism and one threshold everywhere. A user's own MALLOC_* or
     GLIBC_TUNABLES setting wins (nothing is changed). Returns whether the setting is in force;
     False where the C library is not glibc."""
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if any(name.startswith("MALLOC_") for name in os.environ) or "glibc.malloc." in tunables:
+    if users_allocator_setting() is not None:
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -181,6 +181,16 @@ FLAG_CASES = [
     (["--version=1"], r"argument --version: ignored explicit argument '1'"),
 ]
 
+FLAG_CASES += [(["bench", "memory", flag, value], pattern) for flag, value, pattern in (
+    ("--models", "mlp,vgg", r"--models 'mlp,vgg': choose from lenet, mlp, mlp-wide, resnet"),
+    ("--devices", "1", r"--devices 1 must be at least 2 \(sharding over one device divides nothing\)"),
+    ("--batch-size", "1", r"--batch-size 1 is smaller than 2 devices"),
+    ("--steps", "0", r"--steps 0 must be at least 1"),
+    ("--warmup-steps", "-1", r"--warmup-steps -1 must be at least 0"),
+    ("--rounds", "0", r"--rounds 0 must be at least 1"),
+    ("--contenders", "ddp,zero3", r"--contenders 'ddp,zero3': choose distinct ones of ddp, zero"),
+    ("--out", PROC, r"--out .* cannot be created"))]
+
 
 def _flags(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     for action in parser._actions:

@@ -193,7 +193,7 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
 
 
 def test_a_contender_of_unknown_kind_is_refused_by_name():
-    with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, torch, ceiling"):
+    with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, zero, fsdp2, torch, ceiling"):
         Variant(name="jax/2", kind="jax", num_procs=2, threads_per_proc=1, allocator_env=False)
 
 

@@ -118,3 +118,15 @@ def test_in_process_workers_keep_large_blocks_off_mmap():
     if mapped["default"] < 64 << 20:
         pytest.skip("this C library does not mmap a 64 MB block by default")
     assert mapped["tuned"] == 0
+
+
+def test_a_users_malloc_variable_wins_over_phalanxs_allocator_setting(monkeypatch):
+    for key in [key for key in os.environ if key.startswith("MALLOC_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.rtld.nns=2")  # not the allocator's
+    assert binding.users_allocator_setting() is None
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
+    assert binding.users_allocator_setting() == "GLIBC_TUNABLES"
+    monkeypatch.setenv("MALLOC_PERTURB_", "0")  # glibc's own default value: glibc's allocator as it comes
+    assert binding.users_allocator_setting() == "MALLOC_PERTURB_"
+    assert binding.keep_freed_memory_mapped() is False  # nothing changed in this process
