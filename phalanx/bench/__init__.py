@@ -51,7 +51,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     memory = kinds.add_parser("memory", help="bytes per rank, peak RSS and step time: phalanx's ZeRO stages vs "
                               "DDP, ZeroRedundancyOptimizer, FSDP2")
     memory.add_argument("--models", default="lenet,mlp,mlp-wide,resnet",
-                        help="any of lenet, mlp (5.8 M parameters), mlp-wide (57.1 M), resnet (default all)")
+                        help="any of lenet, mlp (5.8 M parameters), mlp-wide (53.6 M), resnet (default all)")
     memory.add_argument("--devices", type=int, default=2, help="k, the processes of every contender (default 2)")
     memory.add_argument("--batch-size", type=int, default=128, help="global batch (default 128)")
     memory.add_argument("--steps", type=int, default=5, help="timed steps per contender (default 5)")

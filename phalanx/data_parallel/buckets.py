@@ -75,13 +75,16 @@ def grad_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.T
 
 
 def build_buckets(
-    params: list[nn.Parameter], *, cap_bytes: int | None = None, first_cap_bytes: int | None = None
+    params: list[nn.Parameter], *, cap_bytes: int | None = None, first_cap_bytes: int | None = None,
+    gradient_views: bool = True,
 ) -> list[Bucket]:
     """Group trainable params into buckets (reverse order) and make each `.grad` a view.
 
     `first_cap_bytes` bounds the first bucket only (None: the same as `cap_bytes`). Existing
     gradient values are copied into the buffers, so this may be called on a model that has
-    already run backward.
+    already run backward. `gradient_views=False` (sharded stages 2, 3: a bucket's buffer exists
+    only while it is sent) lays the buckets out without touching a byte of their buffers and
+    leaves the gradients alone.
     """
     for name, value in (("cap_bytes", cap_bytes), ("first_cap_bytes", first_cap_bytes)):
         if value is not None and value < 1:
@@ -106,16 +109,17 @@ def build_buckets(
     buckets = []
     for index, group in enumerate(groups):
         total = sum(p.numel() for p in group)
-        buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
-        bucket = Bucket(index=index, buffer=buffer)
+        make = torch.zeros if gradient_views else torch.empty  # empty: no page of it touched
+        bucket = Bucket(index=index, buffer=make(total, dtype=group[0].dtype, device=group[0].device))
         offset = 0
         for param in group:
-            view = grad_view(buffer, offset, param)
-            if param.grad is not None:
-                view.copy_(param.grad)
-            # Autograd accumulates in place into an existing .grad, so backward writes straight
-            # into the bucket (DDP's gradient_as_bucket_view): no copy before the allreduce.
-            param.grad = view
+            if gradient_views:
+                view = grad_view(bucket.buffer, offset, param)
+                if param.grad is not None:
+                    view.copy_(param.grad)
+                # Autograd accumulates in place into an existing .grad, so backward writes straight
+                # into the bucket (DDP's gradient_as_bucket_view): no copy before the allreduce.
+                param.grad = view
             bucket.params.append(param)
             bucket.offsets.append(offset)
             offset += param.numel()

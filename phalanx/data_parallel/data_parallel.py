@@ -107,8 +107,8 @@ class DataParallel(ReplicaModule):
         cap_bytes = mb_to_bytes(bucket_cap_mb)
         first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self.buckets: list[Bucket] = build_buckets(
-            list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap
-        ) if self.exchanging else []
+            list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap,
+            gradient_views=shard in ("none", "optimizer")) if self.exchanging else []
         self._sync_enabled, self._closed = True, False
         self._synced_steps = 0  # the step in each bucket's tag
         self.average = average

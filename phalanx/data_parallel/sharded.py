@@ -35,6 +35,7 @@ from phalanx.data_parallel.flat_layout import (FlatLayout, Slot, free_storage, m
 from phalanx.data_parallel.gather_hooks import GatherHooks
 from phalanx.data_parallel.sharded_optim import WholeOptimizerGuard
 from phalanx.data_parallel.sharded_params import ShardedParameters
+from phalanx.runtime.binding import give_back_freed_memory
 
 SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")
 # Stages 2 and 3: buckets whose whole gradient buffer may be alive at once (launched, not yet
@@ -103,6 +104,11 @@ class Sharding:
         self.keeps_gradients = stage == "optimizer"
         self.keeps_parameters = stage != "parameters"
         self.layout = FlatLayout(self.buckets, names=parameter_names(module), world_size=world_size)
+        if not self.keeps_gradients:  # gradients stop being bucket views (autograd makes its own): freed first
+            for bucket in self.buckets:
+                for param in bucket.params:
+                    param.grad = None
+                free_storage(bucket.buffer)
         self.params = ShardedParameters(self.buckets, layout=self.layout, rank=rank, keep_whole=self.keeps_parameters,
                                         comm=comm, algorithm=algorithm, steps=steps)
         self.owned = self.params.owned
@@ -111,13 +117,10 @@ class Sharding:
         else:
             self.shard_grads = [torch.zeros(hi - lo, dtype=b.buffer.dtype, device=b.buffer.device)
                                 for b, (lo, hi) in zip(self.buckets, self.owned)]
-            for bucket in self.buckets:  # gradients stop being bucket views: autograd makes its own
-                for param in bucket.params:
-                    param.grad = None
-                free_storage(bucket.buffer)
         self._hooks = None if self.keeps_parameters else GatherHooks(module, self.params)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dp.optimizer's records
         self._guard = WholeOptimizerGuard(module, stage)  # AdamW(dp.parameters()): refused in one line
+        give_back_freed_memory()  # what set-up freed (whole parameters, gradient buckets) leaves the process
 
     def fill(self, bucket: Bucket) -> torch.Tensor:
         """The flat gradient `bucket` sends, as it launches. Stage 1: its buffer. Stages 2 and 3:

@@ -37,17 +37,18 @@ class ShardedParameters:
                  comm: AsyncComm, algorithm: str, steps: Callable[[], int]) -> None:
         self.buckets, self.layout, self.keep_whole = list(buckets), layout, keep_whole
         self._comm, self._algorithm, self._steps = comm, algorithm, steps
-        flattened = [flatten_parameters(bucket) for bucket in self.buckets]
-        self.buffers = [flat for flat, _ in flattened]
-        self.views = [views for _, views in flattened]  # each parameter's whole, as a view of its buffer
         self.owned = [layout.owned(b.index, rank) for b in self.buckets]
         self.counts = [layout.counts(b.index) for b in self.buckets]
-        # This rank's range of every bucket: a view where the whole stays, a copy where it goes.
-        self.shard = [flat[lo:hi] if keep_whole else flat[lo:hi].clone()
-                      for flat, (lo, hi) in zip(self.buffers, self.owned)]
+        self.buffers, self.views, self.shard = [], [], []  # views: each parameter's whole, in its buffer
         self.gathered = [True] * len(self.buckets)
         self._prefetched: dict[int, object] = {}  # bucket -> its all-gather in flight (stage 3)
-        for index in range(len(self.buckets)):
+        # Bucket by bucket, so that set-up holds at most one bucket twice (its old parameters and
+        # its flat buffer); this rank's range: a view where the whole stays, a copy where it goes.
+        for index, (bucket, (lo, hi)) in enumerate(zip(self.buckets, self.owned)):
+            flat, views = flatten_parameters(bucket)
+            self.buffers.append(flat)
+            self.views.append(views)
+            self.shard.append(flat[lo:hi] if keep_whole else flat[lo:hi].clone())
             self.release(index)
 
     def gather_after_step(self) -> None:

@@ -12,14 +12,14 @@ from torch import nn
 
 
 class WideMLP(nn.Module):
-    def __init__(self, *, in_features: int = 28 * 28, hidden: int = 2048, num_classes: int = 10) -> None:
+    """`depth` hidden layers of `hidden` units (the default, 2 x 2048, is `build_model("mlp")`)."""
+
+    def __init__(self, *, in_features: int = 28 * 28, hidden: int = 2048, depth: int = 2, num_classes: int = 10) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Flatten(),
-            nn.Linear(in_features, hidden), nn.ReLU(),
-            nn.Linear(hidden, hidden), nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU()]
+        for _ in range(depth - 1):
+            layers += [nn.Linear(hidden, hidden), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(hidden, num_classes))
 
     def forward(self, x):
         return self.net(x)

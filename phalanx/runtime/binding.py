@@ -153,6 +153,18 @@ def users_allocator_setting() -> str | None:
     return "GLIBC_TUNABLES" if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") else None
 
 
+def give_back_freed_memory() -> bool:
+    """Return the heap's free memory to the system now (glibc's `malloc_trim(0)`; False elsewhere).
+
+    The allocator setting keeps freed blocks for the next step's reuse; a one-off release - a
+    sharded replica's set-up, after which each rank keeps 1/k of the model - would otherwise
+    stay resident for good."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def keep_freed_memory_mapped() -> bool:
     """phalanx's one allocator setting for CPU workers: glibc keeps large freed blocks on the heap
     instead of returning them with munmap/trim, so the next step's activations do not page-fault
