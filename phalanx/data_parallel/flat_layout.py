@@ -173,11 +173,13 @@ def refill_storage(tensor: torch.Tensor) -> None:
         storage.resize_(needed)
 
 
-def flatten_parameters(bucket: Bucket) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One flat parameter buffer for `bucket`, laid out as its gradient buffer (buckets.grad_view:
-    each parameter in its memory order), and each parameter's view into it; every parameter
-    becomes that view (the same Parameter object, shape and strides, its values copied)."""
-    flat = torch.empty(bucket.buffer.numel(), dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+def flatten_parameters(bucket: Bucket, flat: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One flat parameter buffer for `bucket` (`flat`, or a new one), laid out as its gradient
+    buffer (buckets.grad_view: each parameter in its memory order), and each parameter's view
+    into it; every parameter becomes that view (the same Parameter object, shape and strides,
+    its values copied)."""
+    if flat is None:
+        flat = torch.empty(bucket.buffer.numel(), dtype=bucket.buffer.dtype, device=bucket.buffer.device)
     views = []
     for param, offset in zip(bucket.params, bucket.offsets):
         view = grad_view(flat, offset, param)

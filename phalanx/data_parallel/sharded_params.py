@@ -42,10 +42,16 @@ class ShardedParameters:
         self.buffers, self.views, self.shard = [], [], []  # views: each parameter's whole, in its buffer
         self.gathered = [True] * len(self.buckets)
         self._prefetched: dict[int, object] = {}  # bucket -> its all-gather in flight (stage 3)
+        # Stages 1 and 2 keep every bucket's buffer a slice of one flat buffer of the whole order
+        # (one dtype and device): this rank's ranges are then one range, and `gather_after_step`
+        # is one all-gather, not one per bucket (each costs the communication thread's round trip).
+        self.flat = _one_buffer(self.buckets) if keep_whole else None
+        self._rank_counts = [hi - lo for lo, hi in (layout.shard(r) for r in range(layout.world_size))]
         # Bucket by bucket, so that set-up holds at most one bucket twice (its old parameters and
         # its flat buffer); this rank's range: a view where the whole stays, a copy where it goes.
         for index, (bucket, (lo, hi)) in enumerate(zip(self.buckets, self.owned)):
-            flat, views = flatten_parameters(bucket)
+            start, stop = layout.bucket_ranges[index]
+            flat, views = flatten_parameters(bucket, None if self.flat is None else self.flat[start:stop])
             self.buffers.append(flat)
             self.views.append(views)
             self.shard.append(flat[lo:hi] if keep_whole else flat[lo:hi].clone())
@@ -53,8 +59,11 @@ class ShardedParameters:
 
     def gather_after_step(self) -> None:
         """Stages 1 and 2, once the optimizer updated this rank's ranges: every replica whole
-        again (one all-gather per bucket, all launched, then waited)."""
-        if self.keep_whole:
+        again (one all-gather of the whole order; of each bucket where dtypes differ)."""
+        if self.flat is not None:
+            self._comm.all_gather_async(self.flat, counts=self._rank_counts, algorithm=self._algorithm,
+                                        tag=Tag("parameters", step=self._steps())).wait()
+        elif self.keep_whole:
             for handle in [self._all_gather(index) for index in range(len(self.buckets))]:
                 handle.wait()
 
@@ -147,6 +156,16 @@ class ShardedParameters:
             raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
                                f"{missing}, unexpected keys {result.unexpected_keys}")
         return type(result)(missing, result.unexpected_keys)
+
+
+def _one_buffer(buckets: Sequence[Bucket]) -> torch.Tensor | None:
+    """A flat buffer for every bucket's parameters back to back, or None where they differ in
+    dtype or device (each bucket then has its own)."""
+    kinds = {(b.buffer.dtype, b.buffer.device) for b in buckets}
+    if len(kinds) != 1:
+        return None
+    dtype, device = kinds.pop()
+    return torch.empty(sum(b.buffer.numel() for b in buckets), dtype=dtype, device=device)
 
 
 def _at_rest(whole: torch.Tensor) -> torch.Tensor:
