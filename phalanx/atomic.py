@@ -4,7 +4,9 @@ Write to a temporary file in the destination's directory, fsync it, then `os.rep
 target (atomic on POSIX within one filesystem). On any error the temporary file is removed, and an
 OS error (a full disk, a quota, a file-size limit, a read-only filesystem) is raised as
 `WriteFailed`: one line naming the file, where a bare OSError was a traceback that named only the
-temporary file, or nothing.
+temporary file, or nothing. A process stopped by a signal whose handler runs no Python clean-up
+(a worker's SIGTERM: runtime.lifeline.flush_on_sigterm) calls `remove_unfinished` first, so a
+write cut short by the signal leaves no temporary file behind either.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import BinaryIO, Iterator
 
 from phalanx.errors import WriteFailed
 
+_UNFINISHED: set[str] = set()  # temporary files of this process's writes in progress
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
@@ -26,6 +30,7 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise WriteFailed.of(target, exc) from None
+    _UNFINISHED.add(tmp_name)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a normal file respects the umask
         with os.fdopen(fd, "wb") as handle:
@@ -39,6 +44,16 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
         if isinstance(exc, OSError):
             raise WriteFailed.of(target, exc) from None
         raise
+    finally:
+        _UNFINISHED.discard(tmp_name)
+
+
+def remove_unfinished() -> None:
+    """Remove the temporary file of every write this process has in progress (safe inside a
+    signal handler that is about to end the process: unlink only, errors ignored)."""
+    for tmp_name in list(_UNFINISHED):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_name)
 
 
 def _umask() -> int:

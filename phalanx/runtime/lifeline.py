@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Iterator
 
+from phalanx.atomic import remove_unfinished
 from phalanx.errors import Stopped
 from phalanx.runtime.procs import group_members
 
@@ -151,10 +152,13 @@ def stop_message(exc: BaseException) -> tuple[str, int]:
 
 
 def flush_on_sigterm() -> None:
-    """In a worker: on SIGTERM flush stdout and stderr, then die of the signal as before (the
-    launcher reads the exit status). Without this, text still in the buffers is lost."""
+    """In a worker: on SIGTERM flush stdout and stderr and remove the temporary file of a write
+    in progress (a checkpoint being saved), then die of the signal as before (the launcher reads
+    the exit status). Without this, text still in the buffers is lost and the temporary file of
+    an atomic write stays beside its target."""
 
     def flush_and_die(signum, frame):
+        remove_unfinished()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # closed, or interrupted inside its own write
                 stream.flush()
