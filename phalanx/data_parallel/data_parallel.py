@@ -202,7 +202,8 @@ class DataParallel(ReplicaModule):
         wire = wire_of(sent, self.grad_dtype)
         on_done = None
         if self.tracer is not None:
-            record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size())
+            record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size(),
+                                               "allreduce" if self.sharding is None else "reduce-scatter")
             on_done = lambda: self.tracer.comm_done(record)  # noqa: E731
         tag = Tag("gradient", bucket.index, step=self._synced_steps)  # what a failure calls this collective
         if self.sharding is not None:

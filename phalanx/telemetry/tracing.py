@@ -2,14 +2,15 @@
 
 `phalanx train --trace DIR` gives every rank a `Tracer`. The loop wraps data, forward, backward,
 the wait in finish_gradient_sync, the optimizer step and evaluation in spans; DataParallel
-reports each bucket's allreduce when it is launched and when the backend says it is *done*
+reports each bucket's collective (its allreduce; its reduce-scatter when sharded) when it is launched and when the backend says it is *done*
 (a completion callback on the comm thread, not the later wait), so a bucket that finished while
 backward was still running shows as such. Each rank writes `trace-rank<r>.json` in the Trace
 Event Format (open it in https://ui.perfetto.dev or chrome://tracing): compute on one track,
-each bucket's allreduce on a track of its own. Rank 0 also writes `summary.json`: bytes per
-bucket, time per collective, algbw and busbw as nccl-tests defines them (algbw = bytes / time;
-busbw = algbw * 2(k-1)/k for allreduce), the wait per step, and the overlap percentage - the
-share of allreduce time that ran while backward was still computing.
+each bucket's collective on a track of its own. Rank 0 also writes `summary.json`: bytes per
+bucket, time per collective, algbw and busbw as nccl-tests defines them (algbw = bytes / time,
+bytes being the whole bucket; busbw = algbw * 2(k-1)/k for an allreduce, * (k-1)/k for a
+reduce-scatter, which moves half of an allreduce's bytes), the wait per step, and the overlap
+percentage - the share of the collectives' time that ran while backward was still computing.
 
 Memory stays bounded: only the first `steps_per_epoch` steps of every epoch are recorded.
 Tracing off is `tracer=None`: the loop then enters a shared no-op context per span and takes no
@@ -30,7 +31,9 @@ from typing import Any, Iterator
 from phalanx.atomic import atomic_write_bytes
 
 MAIN_TID = 1
-BUCKET_TID_BASE = 100  # bucket i's allreduce is drawn on track 100 + i
+BUCKET_TID_BASE = 100  # bucket i's collective is drawn on track 100 + i
+# nccl-tests' bus-bandwidth factor of each collective a bucket may be sent with, at k ranks
+BUS_FACTOR = {"allreduce": lambda k: 2.0 * (k - 1) / k, "reduce-scatter": lambda k: (k - 1) / k}
 _NULL = contextlib.nullcontext()
 
 
@@ -44,6 +47,7 @@ class _Comm:
     step: int
     bucket: int
     nbytes: int
+    kind: str  # a key of BUS_FACTOR
     launch_s: float
     done_s: float | None = None
 
@@ -97,11 +101,14 @@ class Tracer:
             elif name == "step":
                 self._steps_s.append(end_s - start_s)
 
-    def comm_launched(self, bucket: int, nbytes: int) -> _Comm | None:
-        """A bucket's allreduce starts now; pass the result to `comm_done` on completion."""
+    def comm_launched(self, bucket: int, nbytes: int, kind: str = "allreduce") -> _Comm | None:
+        """A bucket's collective (`kind`, a key of BUS_FACTOR) starts now; pass the result to
+        `comm_done` on completion."""
+        if kind not in BUS_FACTOR:
+            raise ValueError(f"comm_launched: kind must be one of {', '.join(BUS_FACTOR)}, got {kind!r}")
         if not self.recording:
             return None
-        record = _Comm(step=self._step, bucket=bucket, nbytes=nbytes, launch_s=time.perf_counter())
+        record = _Comm(step=self._step, bucket=bucket, nbytes=nbytes, kind=kind, launch_s=time.perf_counter())
         with self._lock:
             self._comms.append(record)
         return record
@@ -129,9 +136,9 @@ class Tracer:
             comms = [c for c in self._comms if c.done_s is not None]
         for bucket in sorted({c.bucket for c in comms}):
             events.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": BUCKET_TID_BASE + bucket,
-                           "args": {"name": f"bucket {bucket} allreduce"}})
+                           "args": {"name": f"bucket {bucket} " + next(c.kind for c in comms if c.bucket == bucket)}})
         for c in comms:
-            events.append({"name": f"allreduce bucket {c.bucket}", "cat": "comm", "ph": "X", "pid": self.rank,
+            events.append({"name": f"{c.kind} bucket {c.bucket}", "cat": "comm", "ph": "X", "pid": self.rank,
                            "tid": BUCKET_TID_BASE + c.bucket, "ts": (c.launch_s - self._t0) * 1e6,
                            "dur": (c.done_s - c.launch_s) * 1e6, "args": {"bytes": c.nbytes, "step": c.step}})
         return {"traceEvents": events, "displayTimeUnit": "ms",
@@ -142,20 +149,19 @@ class Tracer:
         """Per-bucket bytes/time/bandwidth, wait and step time, and the overlap percentage."""
         with self._lock:
             comms = [c for c in self._comms if c.done_s is not None]
-        factor = 2.0 * (self.world_size - 1) / self.world_size
         buckets = []
         for index in sorted({c.bucket for c in comms}):
             times = [c.done_s - c.launch_s for c in comms if c.bucket == index]
-            nbytes = next(c.nbytes for c in comms if c.bucket == index)
+            nbytes, kind = next((c.nbytes, c.kind) for c in comms if c.bucket == index)
             median_s = statistics.median(times)
             algbw = nbytes / median_s / 1e9 if median_s > 0 else 0.0
-            buckets.append({"bucket": index, "bytes": nbytes, "count": len(times),
+            buckets.append({"bucket": index, "kind": kind, "bytes": nbytes, "count": len(times),
                             "time_ms": {"median": median_s * 1e3, "min": min(times) * 1e3, "max": max(times) * 1e3},
-                            "algbw_gbs": algbw, "busbw_gbs": algbw * factor})
+                            "algbw_gbs": algbw, "busbw_gbs": algbw * BUS_FACTOR[kind](self.world_size)})
         comm_s = sum(c.done_s - c.launch_s for c in comms)
         hidden_s = sum(_overlap(c.launch_s, c.done_s, self._backward.get(c.step, [])) for c in comms)
         return {"rank": self.rank, "world_size": self.world_size, "traced_steps": len(self._steps_s),
-                "buckets": buckets, "allreduce_ms_per_step": _per_step_ms(comms),
+                "buckets": buckets, "collective_ms_per_step": _per_step_ms(comms),
                 "wait_ms": _spread_ms(self._waits_s), "step_ms": _spread_ms(self._steps_s),
                 "overlap_percent": 100.0 * hidden_s / comm_s if comm_s > 0 else 0.0}
 
@@ -191,10 +197,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"trace summary (rank 0, {summary['traced_steps']} traced steps, {summary['world_size']} ranks):"]
     for b in summary["buckets"]:
         t = b["time_ms"]
-        lines.append(f"  bucket {b['bucket']}: {b['bytes'] / 1024:.1f} KB, allreduce {t['median']:.2f} ms "
+        lines.append(f"  bucket {b['bucket']}: {b['bytes'] / 1024:.1f} KB, {b['kind']} {t['median']:.2f} ms "
                      f"({t['min']:.2f}-{t['max']:.2f}), algbw {b['algbw_gbs']:.3f} GB/s, busbw {b['busbw_gbs']:.3f} GB/s")
     wait, step = summary["wait_ms"], summary["step_ms"]
     if wait and step:
         lines.append(f"  step {step['median']:.1f} ms, wait after backward {wait['median']:.2f} ms (medians)")
-    lines.append(f"  overlap: {summary['overlap_percent']:.0f}% of allreduce time hidden behind backward")
+    kinds = " and ".join(sorted({b["kind"] for b in summary["buckets"]})) or "collective"
+    lines.append(f"  overlap: {summary['overlap_percent']:.0f}% of {kinds} time hidden behind backward")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
 from phalanx.data_parallel import DataParallel
 from phalanx.telemetry import Tracer, span
-from phalanx.telemetry.tracing import BUCKET_TID_BASE, MAIN_TID, _Comm
+from phalanx.telemetry.tracing import BUCKET_TID_BASE, MAIN_TID, _Comm, format_summary
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.train.loop import train_epoch
 from phalanx.runtime.world import World
@@ -102,14 +102,28 @@ def test_busbw_and_overlap_arithmetic_on_a_hand_made_timeline():
     # Step 0: backward runs 0-10 s; bucket 0 (1 GB) communicates 6-8 (fully hidden), bucket 1
     # (2 GB) 9-13 (1 s of 4 hidden). Overlap = (2 + 1) / (2 + 4) = 50%.
     tracer._backward[0] = [(0.0, 10.0)]
-    tracer._comms += [_Comm(step=0, bucket=0, nbytes=10**9, launch_s=6.0, done_s=8.0),
-                      _Comm(step=0, bucket=1, nbytes=2 * 10**9, launch_s=9.0, done_s=13.0)]
+    tracer._comms += [_Comm(step=0, bucket=0, nbytes=10**9, kind="allreduce", launch_s=6.0, done_s=8.0),
+                      _Comm(step=0, bucket=1, nbytes=2 * 10**9, kind="allreduce", launch_s=9.0, done_s=13.0)]
     summary = tracer.summary()
     assert summary["overlap_percent"] == pytest.approx(50.0)
     b0, b1 = summary["buckets"]
     assert b0["algbw_gbs"] == pytest.approx(0.5) and b1["algbw_gbs"] == pytest.approx(0.5)
     assert b0["busbw_gbs"] == pytest.approx(0.5 * 2 * 3 / 4)  # nccl-tests: algbw * 2(k-1)/k
-    assert summary["allreduce_ms_per_step"] == pytest.approx(6000.0)
+    assert summary["collective_ms_per_step"] == pytest.approx(6000.0)
+
+
+def test_a_sharded_buckets_reduce_scatter_is_named_and_its_busbw_is_half_an_allreduces():
+    tracer = Tracer(rank=0, world_size=4)
+    tracer._backward[0] = [(0.0, 10.0)]
+    tracer._comms.append(_Comm(step=0, bucket=0, nbytes=10**9, kind="reduce-scatter", launch_s=6.0, done_s=8.0))
+    (bucket,) = tracer.summary()["buckets"]
+    assert bucket["kind"] == "reduce-scatter"
+    assert bucket["busbw_gbs"] == pytest.approx(0.5 * 3 / 4)  # nccl-tests: algbw * (k-1)/k
+    text = format_summary(tracer.summary())
+    assert "reduce-scatter 2000.00 ms" in text and "of reduce-scatter time hidden" in text
+    assert "reduce-scatter bucket 0" in {e["name"] for e in tracer.chrome_trace()["traceEvents"]}
+    with pytest.raises(ValueError, match="kind must be one of allreduce, reduce-scatter"):
+        tracer.comm_launched(0, 8, "broadcast")
 
 
 def test_only_the_first_steps_of_each_epoch_are_recorded():
