@@ -136,7 +136,7 @@ class _CountingTracer:
     def __init__(self) -> None:
         self.launched = 0
 
-    def comm_launched(self, bucket_index: int, size_bytes: int) -> int:
+    def comm_launched(self, bucket_index: int, size_bytes: int, kind: str = "allreduce") -> int:
         self.launched += 1
         return 0
 

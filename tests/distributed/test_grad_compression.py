@@ -49,7 +49,7 @@ class WireBytes:
     def __init__(self) -> None:
         self.nbytes = 0
 
-    def comm_launched(self, bucket: int, nbytes: int) -> None:
+    def comm_launched(self, bucket: int, nbytes: int, kind: str = "allreduce") -> None:
         self.nbytes += nbytes
 
     def comm_done(self, record) -> None:
