@@ -6,13 +6,16 @@ OS error (a full disk, a quota, a file-size limit, a read-only filesystem) is ra
 `WriteFailed`: one line naming the file, where a bare OSError was a traceback that named only the
 temporary file, or nothing. A process stopped by a signal whose handler runs no Python clean-up
 (a worker's SIGTERM: runtime.lifeline.flush_on_sigterm) calls `remove_unfinished` first, so a
-write cut short by the signal leaves no temporary file behind either.
+write cut short by the signal leaves no temporary file behind either. A process killed outright
+(SIGKILL, a power cut) cannot; `remove_stale_temporaries` removes what such a write left, for
+the next run that holds the directory (job/dirlock.py, under its lock).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
@@ -20,6 +23,9 @@ from typing import BinaryIO, Iterator
 from phalanx.errors import WriteFailed
 
 _UNFINISHED: set[str] = set()  # temporary files of this process's writes in progress
+# What `atomic_open`'s mkstemp names a temporary file: "." + the target's name + "." + 8 random
+# characters + ".tmp".
+_TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 @contextlib.contextmanager
@@ -54,6 +60,20 @@ def remove_unfinished() -> None:
     for tmp_name in list(_UNFINISHED):
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files that interrupted atomic writes left in `directory` (named as
+    `atomic_open` names them); return them. Only for a caller that knows no write is in progress
+    there (it holds the directory's lock)."""
+    removed = []
+    with contextlib.suppress(OSError):  # a directory that cannot be listed has nothing to sweep
+        for entry in os.scandir(directory):
+            if _TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed
 
 
 def _umask() -> int:

@@ -9,7 +9,9 @@ itself, so no lock file can be deleted or swapped under it; a small pid file bes
 one line, exit 2. Holding the locks, it refuses an --out or checkpoint dir that holds an earlier
 run's outputs unless this run continues them (--resume, or a torchrun restart) or replaces them
 (--overwrite deletes them). Directories it created and that stay empty are removed on the way
-out, so a refused run leaves nothing. Advisory: it orders phalanx runs, not other programs.
+out, so a refused run leaves nothing. Holding a directory, it removes the temporary files of
+atomic writes that a run killed outright left there (atomic.remove_stale_temporaries): under the
+lock no other phalanx run can be writing them. Advisory: it orders phalanx runs, not other programs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from phalanx.atomic import remove_stale_temporaries
 from phalanx.errors import UsageError
 from phalanx.outdir import check_out_dir
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
@@ -112,6 +115,7 @@ class _Lock:
                              "to end or pick another directory") from None
         with contextlib.suppress(OSError):  # only informational: a full disk must not stop the run here
             (path / PID_FILE).write_text(f"{os.getpid()}\n")
+        remove_stale_temporaries(path)
         return cls(path, fd, created)
 
     def release(self) -> None:

@@ -165,3 +165,27 @@ def test_both_checkpoint_generations_are_earlier_outputs_and_overwrite_removes_b
             pass
     with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5", overwrite=True)):
         assert [p.name for p in (out / "checkpoints").iterdir()] == [PID_FILE]
+
+
+def test_temporary_files_of_a_killed_runs_writes_are_removed_under_the_lock(tmp_path):
+    # A worker SIGKILLed mid-save (after the launcher's grace period) leaves its atomic write's
+    # temporary file; the next run holding the directory removes it, and nothing else.
+    from phalanx.atomic import atomic_open
+
+    out, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    out.mkdir()
+    ckpt.mkdir()
+    stale = [ckpt / ".checkpoint.pt.ab3_9xyz.tmp", ckpt / ".checkpoint.shard-1-of-2.4.pt.k2m8q0zz.tmp",
+             out / ".model.pt.0a1b2c3d.tmp"]
+    kept = [out / ".notes.tmp", out / "model.pt", ckpt / "checkpoint.pt", out / ".x.ABCDEFGH.tmp"]
+    for path in stale + kept:
+        path.write_bytes(b"x")
+    with atomic_open(tmp_path / "probe.pt") as handle:  # the name atomic_open really gives
+        made = [p for p in tmp_path.iterdir() if p.name.startswith(".probe.pt.")]
+        handle.write(b"x")
+    from phalanx.atomic import _TEMPORARY
+    assert len(made) == 1 and _TEMPORARY.match(made[0].name)
+    with hold_run_directories(_config(out_dir=str(out), checkpoint_dir=str(ckpt), checkpoint_every="5",
+                                      resume="auto")):
+        assert not [p for p in stale if p.exists()]
+        assert all(p.exists() for p in kept)
