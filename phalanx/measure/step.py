@@ -32,8 +32,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from phalanx.data import split_batch
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
@@ -203,6 +201,11 @@ def _zero_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
 def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
     """FSDP2 as its docs set it up: `fully_shard` on each layer that holds parameters, then on the
     root, over a 1-D CPU mesh (gloo); the optimizer over the sharded (DTensor) parameters."""
+    # Imported here, not above: DTensor's package takes 0.4 s to import, in every fresh process
+    # of bench scaling and predict that imports this module and never runs FSDP2.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
     probe = MemoryProbe()
     _join(rank, num_procs, port)
     torch.manual_seed(job.seed)
