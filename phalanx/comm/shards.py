@@ -27,8 +27,9 @@ counts as its chunks) and `native`, the backend's own:
   padding every piece to the largest for `all_gather_single` moves k times a one-owner bucket;
   on gloo loopback (k = 2..4, 1-16 MB) the broadcasts took 1.3-15x less time than the padded
   gather, and 1.1-1.4x less even with equal counts. With NCCL and equal counts it is
-  `all_gather_single` in place (NCCL's own ring, bandwidth-optimal). NCCL paths: untested here
-  (no GPU), written to the documented calls.
+  `all_gather_single` in place (NCCL's own ring, bandwidth-optimal; an older torch, such as
+  the GPU machine's 2.11, may know it only as `all_gather_into_tensor`, which 2.13 deprecates).
+  NCCL paths: untested here (no GPU), written to the documented calls.
 
 `tree` and `naive` have no reduce-scatter or all-gather: asking for one is a ValueError.
 In a world of one both return at once (the counts are still checked).
@@ -53,6 +54,8 @@ REDUCE_SCATTER, ALL_GATHER = "reduce-scatter", "all-gather"
 REDUCE_SCATTER_TAG = Tag(REDUCE_SCATTER, op=REDUCE_SCATTER)  # a call that says nothing else of itself
 ALL_GATHER_TAG = Tag(ALL_GATHER, op=ALL_GATHER)
 SHARDED_ALGORITHMS = ("native", "shm", "ring")
+# torch's one-tensor all-gather: its current name where this torch has it, its older one else.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Every entry: fn(flat, *, counts, world, transport=None, ticket=None) -> None. Native is the
 # backend's op, started by `_native_start`.
@@ -129,7 +132,7 @@ def _native_start(op: str, flat: torch.Tensor, counts: tuple[int, ...], world: W
         if op == REDUCE_SCATTER:
             return dist.reduce_scatter(flat[lo:hi], list(flat.split(counts)), op=dist.ReduceOp.SUM, async_op=True)
         if world.backend == "nccl" and len(set(counts)) == 1:
-            return dist.all_gather_single(flat, flat[lo:hi], async_op=True)
+            return _ALL_GATHER_SINGLE(flat, flat[lo:hi], async_op=True)
         return Works([dist.broadcast(piece, src=owner, async_op=True)
                       for owner, piece in enumerate(flat.split(counts)) if piece.numel()])
 
