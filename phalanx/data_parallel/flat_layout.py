@@ -115,7 +115,7 @@ class FlatLayout:
     def counts(self, bucket: int) -> list[int]:
         """How many elements of bucket `bucket` each rank owns (its collectives' counts)."""
         span = self.bucket_ranges[bucket]
-        return [(lambda r: r[1] - r[0])(intersect(span, self.shard(rank))) for rank in range(self.world_size)]
+        return [hi - lo for lo, hi in (intersect(span, self.shard(rank)) for rank in range(self.world_size))]
 
     def owned(self, bucket: int, rank: int) -> tuple[int, int]:
         """[start, stop) *inside* bucket `bucket` of what `rank` owns (empty: start == stop)."""
@@ -143,6 +143,14 @@ def memory_order(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.is_contiguous():
         return tensor.view(-1)
     return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+def memory_order_of(value: torch.Tensor, slot: Slot, *, device: torch.device | None = None) -> torch.Tensor:
+    """`value` (a tensor of `slot`'s shape, in any layout: a state dict's) as 1-D in the slot's
+    memory order, copied into the slot's strides on `device` (default: value's) first."""
+    laid = torch.empty_strided(slot.shape, slot.stride, dtype=value.dtype, device=device or value.device)
+    laid.copy_(value)
+    return memory_order(laid)
 
 
 def laid_out_like(flat: torch.Tensor, shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:

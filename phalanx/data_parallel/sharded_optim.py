@@ -77,7 +77,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
             optimizer.zero_grad = lambda set_to_none=True: dp.zero_grad()
         return optimizer
     check_elementwise(cls, elementwise)
-    groups, pieces, owned, group_names = [], {}, [], []
+    groups, owned, group_names = [], [], []
     for group in _groups(params, dp.module):
         mine, names = [], []
         for param in group["params"]:
@@ -87,7 +87,6 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
                 continue
             piece = nn.Parameter(found.values, requires_grad=param.requires_grad)
             piece.grad = found.grad
-            pieces[id(piece)] = (piece, found.grad)
             mine.append(piece)
             owned.append((piece, found))
         groups.append({**group, "params": mine})
@@ -95,7 +94,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
     optimizer = cls(groups, **defaults)
     # What the sharded checkpoint needs: each piece and where it lies, each group's parameter names.
     sharding.optimizers[optimizer] = ShardedOptimizerRecord(pieces=owned, group_names=group_names)
-    sharded = ShardedOptimizerHooks(dp, pieces)
+    sharded = ShardedOptimizerHooks(dp, [(piece, found.grad) for piece, found in owned])
     optimizer.register_step_pre_hook(sharded.before_step)
     optimizer.register_step_post_hook(sharded.after_step)
     # Stage 1 keeps whole gradient buckets that backward adds into: zeroing only this rank's
@@ -124,9 +123,9 @@ class ShardedOptimizerHooks:
     """The step of a sharded optimizer: its pieces' gradients attached (a `zero_grad` that set
     them to None does not lose the summed shard), no exchange pending; then the all-gather."""
 
-    def __init__(self, dp, pieces: dict[int, tuple[nn.Parameter, torch.Tensor]]) -> None:
+    def __init__(self, dp, pieces: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         self._dp = weakref.ref(dp)
-        self._pieces = list(pieces.values())
+        self._pieces = pieces  # (piece, its summed shard gradient)
 
     def before_step(self, optimizer, args, kwargs) -> None:
         dp = self._dp()

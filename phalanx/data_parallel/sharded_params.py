@@ -2,9 +2,9 @@
 
 Every stage makes each bucket's parameters views into one flat buffer laid out as the bucket's
 gradients (flat_layout.py), so this rank's range of a bucket is one slice, and the optimizer's
-pieces (sharded_optim.py) are views of it. Stages 1 and 2 keep the buffers whole: after each
-optimizer step `gather_after_step` all-gathers every bucket, so each replica holds the updated
-whole. Stage 3 (`shard="parameters"`) keeps only a copy of this rank's range (`shard`); a
+pieces (sharded_optim.py) are views of it. Stages 1 and 2 keep the buffers whole, as slices of
+one buffer of the whole flat order: after each optimizer step `gather_after_step` all-gathers it
+once, so each replica holds the updated whole. Stage 3 (`shard="parameters"`) keeps only a copy of this rank's range (`shard`); a
 bucket is whole only between `ensure_gathered` (an all-gather into its buffer) and `release`.
 
 Memory is given back by resizing the buffer's storage to zero, and at rest each parameter is a
@@ -26,8 +26,10 @@ import torch
 from torch import nn
 
 from phalanx.comm import AsyncComm, Tag
+from phalanx.data.split import shard_sizes
 from phalanx.data_parallel.buckets import Bucket
-from phalanx.data_parallel.flat_layout import FlatLayout, flatten_parameters, free_storage, memory_order, refill_storage
+from phalanx.data_parallel.flat_layout import (FlatLayout, flatten_parameters, free_storage, memory_order_of,
+                                               refill_storage)
 
 
 class ShardedParameters:
@@ -45,8 +47,8 @@ class ShardedParameters:
         # Stages 1 and 2 keep every bucket's buffer a slice of one flat buffer of the whole order
         # (one dtype and device): this rank's ranges are then one range, and `gather_after_step`
         # is one all-gather, not one per bucket (each costs the communication thread's round trip).
-        self.flat = _one_buffer(self.buckets) if keep_whole else None
-        self._rank_counts = [hi - lo for lo, hi in (layout.shard(r) for r in range(layout.world_size))]
+        self.flat = _one_buffer(self.buckets, numel=layout.total) if keep_whole else None
+        self._rank_counts = shard_sizes(layout.total, layout.world_size)  # each rank's share of the whole order
         # Bucket by bucket, so that set-up holds at most one bucket twice (its old parameters and
         # its flat buffer); this rank's range: a view where the whole stays, a copy where it goes.
         for index, (bucket, (lo, hi)) in enumerate(zip(self.buckets, self.owned)):
@@ -66,6 +68,11 @@ class ShardedParameters:
         elif self.keep_whole:
             for handle in [self._all_gather(index) for index in range(len(self.buckets))]:
                 handle.wait()
+
+    def owned_flat(self) -> list[tuple[int, int, int]]:
+        """(bucket index, start, stop) in the flat order of each bucket part this rank owns."""
+        return [(b.index, self.layout.bucket_ranges[b.index][0] + lo, self.layout.bucket_ranges[b.index][0] + hi)
+                for b, (lo, hi) in zip(self.buckets, self.owned) if hi > lo]
 
     def ensure_gathered(self, index: int) -> None:
         """Bucket `index`'s parameters whole on this rank (an all-gather unless they are; its
@@ -145,11 +152,9 @@ class ShardedParameters:
             if tuple(value.shape) != slot.shape:
                 raise RuntimeError(f"size mismatch for {slot.name}: copying a param with shape {tuple(value.shape)}, "
                                    f"the shape in current model is {slot.shape}")
-            laid = torch.empty_strided(slot.shape, slot.stride, dtype=value.dtype, device=self.shard[0].device)
-            laid.copy_(value)
             with torch.no_grad():
-                self.shard[slot.bucket][start - lo:stop - lo].copy_(
-                    memory_order(laid)[start - slot.bucket_offset:stop - slot.bucket_offset])
+                self.shard[slot.bucket][start - lo:stop - lo].copy_(memory_order_of(
+                    value, slot, device=self.shard[0].device)[start - slot.bucket_offset:stop - slot.bucket_offset])
         result = module.load_state_dict({k: v for k, v in state.items() if k not in names}, strict=False)
         missing = [k for k in result.missing_keys if k not in names] + sorted(names - set(state))
         if strict and (missing or result.unexpected_keys):
@@ -158,14 +163,14 @@ class ShardedParameters:
         return type(result)(missing, result.unexpected_keys)
 
 
-def _one_buffer(buckets: Sequence[Bucket]) -> torch.Tensor | None:
-    """A flat buffer for every bucket's parameters back to back, or None where they differ in
-    dtype or device (each bucket then has its own)."""
+def _one_buffer(buckets: Sequence[Bucket], *, numel: int) -> torch.Tensor | None:
+    """A flat buffer of `numel` elements for every bucket's parameters back to back, or None
+    where they differ in dtype or device (each bucket then has its own)."""
     kinds = {(b.buffer.dtype, b.buffer.device) for b in buckets}
     if len(kinds) != 1:
         return None
     dtype, device = kinds.pop()
-    return torch.empty(sum(b.buffer.numel() for b in buckets), dtype=dtype, device=device)
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _at_rest(whole: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from phalanx.data_parallel.flat_layout import intersect, laid_out_like, memory_order
+from phalanx.data_parallel.flat_layout import intersect, laid_out_like, memory_order_of
 
 PARAMETERS = "parameters"  # the key of the parameters' own values among the state keys
 
@@ -48,12 +48,10 @@ def rank_state(dp, optimizer: torch.optim.Optimizer) -> dict:
     record = sharding.optimizers[optimizer]
     ranges, tensors = [], {PARAMETERS: []}
     spans = {}  # bucket index -> (flat start, position in ranges)
-    for bucket, (lo, hi) in zip(sharding.buckets, sharding.owned):
-        if hi > lo:
-            start = sharding.layout.bucket_ranges[bucket.index][0]
-            spans[bucket.index] = (start + lo, len(ranges))
-            ranges.append((start + lo, start + hi))
-            tensors[PARAMETERS].append(sharding.params.shard[bucket.index].detach().clone())
+    for index, start, stop in sharding.params.owned_flat():
+        spans[index] = (start, len(ranges))
+        ranges.append((start, stop))
+        tensors[PARAMETERS].append(sharding.params.shard[index].detach().clone())
     scalars, element_keys = {}, {}
     for piece, owned in record.pieces:
         state = optimizer.state.get(piece, {})
@@ -130,9 +128,7 @@ class WholeReader:
             a, b = intersect((start, stop), (slot.offset, slot.stop))
             if b > a:
                 whole = self._model[slot.name] if key == PARAMETERS else self._state[slot.name][key]
-                laid = torch.empty_strided(slot.shape, slot.stride, dtype=whole.dtype)
-                laid.copy_(whole)
-                parts.append(memory_order(laid)[a - slot.offset:b - slot.offset])
+                parts.append(memory_order_of(whole, slot, device=torch.device("cpu"))[a - slot.offset:b - slot.offset])
         return torch.cat(parts) if parts else torch.empty(0)
 
     def scalars(self, name: str) -> dict[str, Any]:
@@ -148,11 +144,9 @@ def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
     """Put `reader`'s state into the sharded replica `dp` and its `dp.optimizer(...)`: each rank
     reads its own ranges; stages 1 and 2 then all-gather so every replica is whole again."""
     sharding = dp.sharding
-    for bucket, (lo, hi) in zip(sharding.buckets, sharding.owned):
-        if hi > lo:
-            start = sharding.layout.bucket_ranges[bucket.index][0]
-            with torch.no_grad():
-                sharding.params.shard[bucket.index].copy_(reader.read(PARAMETERS, start + lo, start + hi))
+    for index, start, stop in sharding.params.owned_flat():
+        with torch.no_grad():
+            sharding.params.shard[index].copy_(reader.read(PARAMETERS, start, stop))
     sharding.gather_after_step()
     record = sharding.optimizers[optimizer]
     state, index_of = {}, {}

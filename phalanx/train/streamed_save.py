@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import io
 import itertools
+import math
 import pickle
 import sys
 import zipfile
@@ -66,7 +67,7 @@ def write_streamed(path: str | Path, entries: Sequence[tuple[str, torch.dtype, S
     keys = {name: str(index) for index, (name, _, _) in enumerate(entries)}
     expected = {name: (dtype, tuple(shape)) for name, dtype, shape in entries}
     meta = collections.OrderedDict(
-        (name, _TensorRecord(_StorageRecord(keys[name], dtype, _numel(shape)), shape)) for name, dtype, shape in entries)
+        (name, _TensorRecord(_StorageRecord(keys[name], dtype, math.prod(shape)), shape)) for name, dtype, shape in entries)
     pickled = io.BytesIO()
     _Pickler(pickled, protocol=2).dump(meta)
     written: set[str] = set()
@@ -88,13 +89,6 @@ def write_streamed(path: str | Path, entries: Sequence[tuple[str, torch.dtype, S
         if missing:
             raise ValueError(f"write_streamed: no data for {', '.join(missing[:3])}")
         archive.writestr(f"{_ARCHIVE}/version", "3\n")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
