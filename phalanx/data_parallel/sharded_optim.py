@@ -153,13 +153,14 @@ class WholeOptimizerGuard:
     def __init__(self, module: nn.Module, stage: str) -> None:
         self._ids = {id(p) for p in module.parameters()}
         self._stage = stage
-        self._seen: dict[int, bool] = {}
+        # Each optimizer's verdict, looked up once; held weakly: an id could be a dead optimizer's.
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handle = register_optimizer_step_pre_hook(_guard_hook(weakref.ref(self)))
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        whole = self._seen.get(id(optimizer))
+        whole = self._seen.get(optimizer)
         if whole is None:
-            whole = self._seen[id(optimizer)] = any(
+            whole = self._seen[optimizer] = any(
                 id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
         if whole:
             raise RuntimeError(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "

@@ -7,6 +7,8 @@ in (the whole sharded machinery, every collective a no-op), against a plain repl
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,8 +109,19 @@ def test_each_stage_trains_as_the_plain_replica_with_and_without_accumulation(st
 
 def test_a_torch_optimizer_over_a_sharded_replicas_parameters_is_refused():
     dp = _replica("optimizer")
-    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
     X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
+    # A dp.optimizer's verdict (allowed) is not kept past its life: a later optimizer at its
+    # address must be judged on its own.
+    allowed = dp.optimizer(torch.optim.SGD, lr=0.1)
+    shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 4).backward()
+    dp.finish_gradient_sync()
+    allowed.step()
+    assert len(dp.sharding._guard._seen) == 1
+    del allowed
+    gc.collect()
+    assert len(dp.sharding._guard._seen) == 0
+    dp.zero_grad()
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
     shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 4).backward()
     dp.finish_gradient_sync()
     with pytest.raises(RuntimeError, match=r"build it with dp.optimizer\(SGD, \.\.\.\) instead of SGD\(dp.parameters"):
