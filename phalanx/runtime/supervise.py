@@ -6,9 +6,10 @@ results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the
 `phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
 
 Each worker sends one report (its result, or its error) through its own pipe *before* its
-`teardown` callbacks leave the process group, so the rare gloo abort at process exit
+`teardown` callbacks leave the process group, so a gloo abort at process exit
 (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot lose a finished
-result. The first failure takes every worker down, with whatever each started (its process group:
+result. phalanx's own world no longer hits it (phalanx/runtime/world.py says why it happened);
+a contender or a user's script that opens its group before importing phalanx still may. The first failure takes every worker down, with whatever each started (its process group:
 SIGTERM, then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank
 that broke first, with its traceback; a rank that only stopped because of it (its collective
 lost a peer) or repeats its error gets one line. Once every result is in, the run
@@ -275,6 +276,7 @@ def _await_exit(procs, reports: dict, give_up_at: float) -> None:
         proc.join(max(0.0, give_up_at - time.monotonic()))
         if proc.exitcode == -signal.SIGABRT:
             warnings.warn(f"worker rank {rank} aborted (SIGABRT) after delivering its result: "
-                          "the known gloo exit-time abort; its result is kept")
+                          "gloo's exit-time abort (a process group still alive at interpreter exit); "
+                          "its result is kept")
         elif proc.exitcode is not None and proc.exitcode != 0:
             reports[rank] = _error(f"delivered its result but then exited with code {proc.exitcode}")

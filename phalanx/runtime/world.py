@@ -16,6 +16,15 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose. torch.distributed.nn.functional takes
+# `group=group.WORLD` as default arguments, evaluated when it is first imported; every torch
+# optimizer's constructor imports torch._dynamo, which imports it. Imported after
+# init_process_group, those defaults hold the default group for good: destroy_process_group then
+# cannot free it, gloo's worker threads outlive it into interpreter exit, and one still releasing
+# its last allreduce there needs the GIL and aborts the process ("terminate called without an
+# active exception", SIGABRT; 4 in 30 two-node torchrun runs here, where it fails the node and the
+# other node's agent waits out its exit barrier). Imported first, the defaults are None.
+import torch.distributed.nn.functional  # noqa: F401
 
 from phalanx.errors import UsageError
 
