@@ -17,6 +17,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -45,27 +47,44 @@ def _free_port() -> int:
 
 
 def two_nodes(*command: str) -> list[subprocess.CompletedProcess]:
-    """Run `command` (what follows torchrun's own flags) as node 0 and node 1 of one job."""
+    """Run `command` (what follows torchrun's own flags) as node 0 and node 1 of one job.
+
+    Both agents are watched together: when one fails, the other (whose agent would wait out
+    torchrun's 300 s exit barrier for it) is killed at once and the failing node's output shown."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     assert torchrun, "torchrun ships with torch and must be on PATH"
     port = _free_port()
-    agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                                "--master-addr", "127.0.0.1", "--master-port", str(port), *command],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                               start_new_session=True)
-              for node in (0, 1)]
-    finished = []
-    try:
-        for agent in agents:
-            out, err = agent.communicate(timeout=DEADLINE_S)
-            finished.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
-    finally:
-        for agent in agents:  # the agents and their workers: nothing outlives the test
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-    for node, proc in enumerate(finished):
-        assert proc.returncode == 0, f"node {node}: {proc.stderr[-3000:]}"
+    with tempfile.TemporaryDirectory() as logs:
+        outs = [open(Path(logs) / f"node{node}.{stream}", "w+") for node in (0, 1) for stream in ("out", "err")]
+        agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                                    "--master-addr", "127.0.0.1", "--master-port", str(port), *command],
+                                   stdout=outs[2 * node], stderr=outs[2 * node + 1], text=True, env=_env(),
+                                   start_new_session=True)
+                  for node in (0, 1)]
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while any(agent.poll() is None for agent in agents) and time.monotonic() < deadline \
+                    and all(agent.poll() in (None, 0) for agent in agents):
+                time.sleep(0.1)
+        finally:
+            for agent in agents:  # the agents and their workers: nothing outlives the test
+                if agent.poll() is None:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
+        texts = []
+        for f in outs:
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+    finished = [subprocess.CompletedProcess(agent.args, agent.returncode, texts[2 * node], texts[2 * node + 1])
+                for node, agent in enumerate(agents)]
+    failed = [node for node, proc in enumerate(finished) if proc.returncode not in (0, -signal.SIGKILL)]
+    for node in failed + [n for n in (0, 1) if n not in failed]:
+        proc = finished[node]
+        killed = (" (killed: the deadline passed, or the other node failed)"
+                  if proc.returncode == -signal.SIGKILL else "")
+        assert proc.returncode == 0, \
+            f"node {node} exited {proc.returncode}{killed}:\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
     return finished
 
 
