@@ -16,15 +16,6 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
-# Imported before any process group exists, on purpose. torch.distributed.nn.functional takes
-# `group=group.WORLD` as default arguments, evaluated when it is first imported; every torch
-# optimizer's constructor imports torch._dynamo, which imports it. Imported after
-# init_process_group, those defaults hold the default group for good: destroy_process_group then
-# cannot free it, gloo's worker threads outlive it into interpreter exit, and one still releasing
-# its last allreduce there needs the GIL and aborts the process ("terminate called without an
-# active exception", SIGABRT; 4 in 30 two-node torchrun runs here, where it fails the node and the
-# other node's agent waits out its exit barrier). Imported first, the defaults are None.
-import torch.distributed.nn.functional  # noqa: F401
 
 from phalanx.errors import UsageError
 
@@ -128,6 +119,7 @@ def start_world(
     instead of hanging it. Under torchrun (`from_launcher_env`) see `_launcher_store`.
     """
     backend = "none"
+    _import_group_defaults()
     shared_gpu = device.type == "cuda" and ranks_share_gpu()
     if shared_gpu:
         device = torch.device("cuda", 0)
@@ -157,6 +149,30 @@ def start_world(
         backend=backend,
         timeout_s=timeout_s,
     )
+
+
+def _import_group_defaults() -> None:
+    """Import torch.distributed.nn.functional before the group phalanx opens exists, so that
+    leaving the world frees the group and ends gloo's threads.
+
+    That module takes `group=group.WORLD` as default arguments, evaluated when it is first
+    imported; every torch optimizer's constructor imports torch._dynamo, which imports it.
+    Imported after init_process_group, those defaults hold the default group for good:
+    destroy_process_group cannot free it, gloo's worker threads outlive it into interpreter exit,
+    and one still releasing its last allreduce there needs the GIL and aborts the process
+    ("terminate called without an active exception", SIGABRT; 4 in 30 two-node torchrun runs
+    here, where it failed the node and the other node's agent waited out its exit barrier).
+    Imported first, the defaults are None, and stop_world's destroy_process_group frees the group
+    (its Python holder ends gloo's threads with the GIL released).
+
+    Only for the group phalanx opens: a script that opens its own group keeps torch's behaviour
+    (under `phalanx run` as under torchrun). Freed early, a group whose last holder is torch
+    DDP's Reducer - a script that destroys the group while its DDP model lives - is joined with
+    the GIL held, and deadlocks against a gloo thread that needs it (seen in 2 of 6 runs of
+    tests/distributed/scripts/torchrun_style.py); held to the end, it can only abort at exit,
+    which the launcher tolerates once the results are in.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size: int, timeout_s: float):
