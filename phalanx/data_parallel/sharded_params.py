@@ -4,8 +4,9 @@ Every stage makes each bucket's parameters views into one flat buffer laid out a
 gradients (flat_layout.py), so this rank's range of a bucket is one slice, and the optimizer's
 pieces (sharded_optim.py) are views of it. Stages 1 and 2 keep the buffers whole, as slices of
 one buffer of the whole flat order: after each optimizer step `gather_after_step` all-gathers it
-once, so each replica holds the updated whole. Stage 3 (`shard="parameters"`) keeps only a copy of this rank's range (`shard`); a
-bucket is whole only between `ensure_gathered` (an all-gather into its buffer) and `release`.
+once, so each replica holds the updated whole. Stage 3 (`shard="parameters"`) keeps only a copy
+of this rank's range (`shard`); a bucket is whole only between `ensure_gathered` (an all-gather
+into its buffer) and `release`.
 
 Memory is given back by resizing the buffer's storage to zero, and at rest each parameter is a
 stand-in of its shape holding one NaN (`release`). Both are needed: the parameters stay the same

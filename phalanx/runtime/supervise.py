@@ -8,10 +8,11 @@ results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the
 Each worker sends one report (its result, or its error) through its own pipe *before* its
 `teardown` callbacks leave the process group, so a gloo abort at process exit
 (BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot lose a finished
-result. phalanx's own world no longer hits it (phalanx/runtime/world.py says why it happened);
-a contender or a user's script that opens its group before importing phalanx still may. The first failure takes every worker down, with whatever each started (its process group:
-SIGTERM, then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank
-that broke first, with its traceback; a rank that only stopped because of it (its collective
+result. A group phalanx opens no longer hits it (runtime/world.py, `_import_group_defaults`,
+says why it happened); a contender or a user's script that opens its own group still may. The
+first failure takes every worker down, with whatever each started (its process group: SIGTERM,
+then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank that
+broke first, with its traceback; a rank that only stopped because of it (its collective
 lost a peer) or repeats its error gets one line. Once every result is in, the run
 has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
 after which a worker still tearing down is killed without a word. Workers write each output line

@@ -119,7 +119,6 @@ def start_world(
     instead of hanging it. Under torchrun (`from_launcher_env`) see `_launcher_store`.
     """
     backend = "none"
-    _import_group_defaults()
     shared_gpu = device.type == "cuda" and ranks_share_gpu()
     if shared_gpu:
         device = torch.device("cuda", 0)
@@ -127,6 +126,7 @@ def start_world(
         torch.cuda.set_device(device)
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
+        _import_group_defaults()
         if from_launcher_env:
             rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
                                                     timeout_s=timeout_s)}

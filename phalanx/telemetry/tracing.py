@@ -1,16 +1,17 @@
 """Where a step's time goes, per rank: Chrome-trace spans and the run's communication summary.
 
 `phalanx train --trace DIR` gives every rank a `Tracer`. The loop wraps data, forward, backward,
-the wait in finish_gradient_sync, the optimizer step and evaluation in spans; DataParallel
-reports each bucket's collective (its allreduce; its reduce-scatter when sharded) when it is launched and when the backend says it is *done*
-(a completion callback on the comm thread, not the later wait), so a bucket that finished while
-backward was still running shows as such. Each rank writes `trace-rank<r>.json` in the Trace
-Event Format (open it in https://ui.perfetto.dev or chrome://tracing): compute on one track,
-each bucket's collective on a track of its own. Rank 0 also writes `summary.json`: bytes per
-bucket, time per collective, algbw and busbw as nccl-tests defines them (algbw = bytes / time,
-bytes being the whole bucket; busbw = algbw * 2(k-1)/k for an allreduce, * (k-1)/k for a
-reduce-scatter, which moves half of an allreduce's bytes), the wait per step, and the overlap
-percentage - the share of the collectives' time that ran while backward was still computing.
+the wait in finish_gradient_sync, the optimizer step and evaluation in spans; DataParallel reports
+each bucket's collective (its allreduce; its reduce-scatter when sharded) when it is launched and
+when the backend says it is *done* (a completion callback on the comm thread, not the later wait),
+so a bucket that finished while backward was still running shows as such. Each rank writes
+`trace-rank<r>.json` in the Trace Event Format (open it in https://ui.perfetto.dev or
+chrome://tracing): compute on one track, each bucket's collective on a track of its own. Rank 0
+also writes `summary.json`: bytes per bucket, time per collective, algbw and busbw as nccl-tests
+defines them (algbw = bytes / time, bytes being the whole bucket; busbw = algbw * 2(k-1)/k for an
+allreduce, * (k-1)/k for a reduce-scatter, which moves half of an allreduce's bytes), the wait per
+step, and the overlap percentage - the share of the collectives' time that ran while backward was
+still computing.
 
 Memory stays bounded: only the first `steps_per_epoch` steps of every epoch are recorded.
 Tracing off is `tracer=None`: the loop then enters a shared no-op context per span and takes no

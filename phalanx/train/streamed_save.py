@@ -67,7 +67,8 @@ def write_streamed(path: str | Path, entries: Sequence[tuple[str, torch.dtype, S
     keys = {name: str(index) for index, (name, _, _) in enumerate(entries)}
     expected = {name: (dtype, tuple(shape)) for name, dtype, shape in entries}
     meta = collections.OrderedDict(
-        (name, _TensorRecord(_StorageRecord(keys[name], dtype, math.prod(shape)), shape)) for name, dtype, shape in entries)
+        (name, _TensorRecord(_StorageRecord(keys[name], dtype, math.prod(shape)), shape))
+        for name, dtype, shape in entries)
     pickled = io.BytesIO()
     _Pickler(pickled, protocol=2).dump(meta)
     written: set[str] = set()
