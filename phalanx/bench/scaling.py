@@ -9,7 +9,7 @@ on k processes as a DDP user gets it (plain `DistributedDataParallel`, gloo, def
 thread each, no allocator setting); one plain PyTorch process with 1 thread and with every core;
 and the ceiling, k processes set up as phalanx's that train their shards with no communication
 at all; with `--finite-check-cost`, phalanx on k devices with the gradient's NaN/Inf check
-(data_parallel/finite.py; every 100 steps by default) off and at every step. How each contender
+(data_parallel/guards/finite.py; every 100 steps by default) off and at every step. How each contender
 runs and is timed is the measuring kit's (phalanx/measure/step.py: fresh processes, warm-up
 steps, a barrier, timed steps, the slowest rank's time); this module chooses the contenders,
 interleaves them round by round and forms the ratios, each the median of per-round ratios.

@@ -15,7 +15,7 @@ from torch import nn
 
 from phalanx.comm import check_choice, shm_applies
 from phalanx.data_parallel.memory_format import layout_of
-from phalanx.data_parallel.sharded import SHARD_STAGES, check_shard
+from phalanx.data_parallel.sharding.stages import SHARD_STAGES, check_shard
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 
 # --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
@@ -63,7 +63,7 @@ class Choices:
     precision: str | None = None  # "bf16-mixed": forward under autocast; None: the dtype throughout
     backend: str = "none"  # the world's ("gloo", "nccl"): what `native` runs
     why_not_shm: str | None = None  # why auto chose native for k > 1 (ranks span hosts, GPUs), or None
-    shard: str = "none"  # what each rank keeps a share of (sharded.py's stages), "none": everything whole
+    shard: str = "none"  # what each rank keeps a share of (sharding/stages.py), "none": everything whole
     requested_shard: str = "none"  # what was asked for (one device runs "none" whatever was asked)
 
     def describe(self) -> str:

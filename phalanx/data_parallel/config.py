@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from phalanx.comm import CHOICES
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS
-from phalanx.data_parallel.sharded import SHARD_STAGES
+from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
 from phalanx.options import at_least, check_options, option, positive
 
@@ -52,7 +52,7 @@ class DataParallelConfig:
     # own (the chapter's per-device statistics), running stats averaged.
     batchnorm: str = option("sync", choices=BATCHNORM_POLICIES, help="BatchNorm models' statistics (sync: "
                             "whole-batch, k devices == 1 device; local: per-device)")
-    # ZeRO stages 1-3 (sharded.py): what each rank keeps only 1/k of.
+    # ZeRO stages 1-3 (sharding/): what each rank keeps only 1/k of.
     shard: str = option("none", choices=SHARD_STAGES, help="keep 1/k per device of the optimizer state (optimizer), "
                         "also the gradients (gradients), also the parameters (parameters)")
 

@@ -6,7 +6,7 @@ gradients live in flat buckets (buckets.py) summed across ranks with the chosen 
 `no_sync()` skips the exchange for gradient accumulation. Averaging is the caller's loss scale
 (sum over the shard / global batch size), which keeps the update exactly the 1-device update
 even when the last batch splits unevenly across ranks. `shard=` keeps only this rank's share
-of the optimizer state, gradients or parameters (ZeRO; sharded.py): each bucket's allreduce
+of the optimizer state, gradients or parameters (ZeRO; sharding/): each bucket's allreduce
 becomes a reduce-scatter, and the optimizer comes from `dp.optimizer(cls, ...)`.
 
 One send path, two schedules, the same result: every bucket goes out through `_launch` (wire
@@ -17,14 +17,14 @@ lands, so its exchange runs while backward computes the earlier layers; with `ov
 zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
 (comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
-optimizer step (guards.UnsyncedGradientGuard). Every `check_finite_every` synced steps the
-gradient is checked for NaN/Inf, naming the first step and rank (finite.py).
+optimizer step (guards/checks.py's UnsyncedGradientGuard). Every `check_finite_every` synced steps the
+gradient is checked for NaN/Inf, naming the first step and rank (guards/finite.py).
 
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
 buckets, hooks, thread or collectives; the step is the plain PyTorch loop's (issue 11). A
 `comm` handed in keeps the whole machinery, which is how a single process tests it. A
 `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
-users do by habit is made right or named after each synced exchange (step_extras.py). What it
+users do by habit is made right or named after each synced exchange (guards/step_extras.py). What it
 runs with is `dp.choices` (choices.py), computed by the replica itself.
 """
 
@@ -41,13 +41,13 @@ from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
                                            grads_are_bucket_views, mb_to_bytes, wire_of)
 from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, check_replica_options, replica_choices
-from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY, FiniteCheck
-from phalanx.data_parallel.guards import UnsyncedGradientGuard, gradients_detached
+from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY, FiniteCheck
+from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
-from phalanx.data_parallel.sharded import MAX_IN_FLIGHT, Sharding
-from phalanx.data_parallel.sharded_optim import make_optimizer
-from phalanx.data_parallel.step_extras import StepExtras
+from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
+from phalanx.data_parallel.sharding.optim import make_optimizer
+from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
@@ -82,11 +82,11 @@ class DataParallel(ReplicaModule):
         `average`: None sums and expects `shard_loss` (named at the first step if not), True is
         DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
         and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
-        step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
+        guards/step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
         `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off).
-        `shard`: none, optimizer, gradients or parameters - ZeRO's stages 1-3 (sharded.py); build
+        `shard`: none, optimizer, gradients or parameters - ZeRO's stages 1-3 (sharding/); build
         the optimizer with `dp.optimizer(cls, ...)`. On one device there is nothing to shard.
-        `check_finite_every`: synced steps between NaN/Inf checks of the gradient (finite.py; 0: off)."""
+        `check_finite_every`: synced steps between NaN/Inf checks of the gradient (guards/finite.py; 0: off)."""
         # ValueErrors naming the valid choices, before any collective.
         check_replica_options(algorithm=algorithm, shard=shard, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
                               first_bucket_cap_mb=first_bucket_cap_mb)
@@ -243,7 +243,7 @@ class DataParallel(ReplicaModule):
 
     def optimizer(self, cls: type, params=None, *, elementwise: bool | None = None, **defaults) -> torch.optim.Optimizer:
         """`cls(params or this replica's parameters, **defaults)`; with `shard=`, over this rank's
-        share of them (sharded_optim.py: any element-wise torch optimizer, param groups as torch's)."""
+        share of them (sharding/optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
     def _allreduce_now(self, flat: torch.Tensor) -> None:

@@ -21,8 +21,8 @@ from torch import nn
 from phalanx.comm import AsyncComm, check_choice
 from phalanx.data_parallel.choices import GRAD_DTYPES, Choices, autocast_dtype
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel
-from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
-from phalanx.data_parallel.sharded import check_shard
+from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
+from phalanx.data_parallel.sharding.stages import check_shard
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES, convert_sync_batchnorm
 from phalanx.runtime.world import World

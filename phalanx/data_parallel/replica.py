@@ -38,7 +38,7 @@ class ReplicaModule(nn.Module):
 
     module: nn.Module
     exchanging: bool  # True once gradient buckets hold the parameters' .grad
-    sharding: Any = None  # sharded.py's Sharding under shard=..., else None
+    sharding: Any = None  # sharding/stages.py's Sharding under shard=..., else None
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
     # noted here, where the compiler traces, so the error that follows can say "compile before prepare".

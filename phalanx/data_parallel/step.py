@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from phalanx.data import split_batch
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.data_parallel.first_step import mark_shard_loss
-from phalanx.data_parallel.gather_hooks import collective_forward
+from phalanx.data_parallel.guards.first_step import mark_shard_loss
+from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 from phalanx.telemetry import Tracer, span
 
@@ -34,7 +34,7 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     After the ranks' gradients are summed this is exactly the 1-device gradient of the mean loss
     over the global batch, for any split (even or not). For a loss over tokens, pass the global
     number of tokens. The result is marked, so a replica's first step can tell a backward that
-    came through here from a per-rank mean's (data_parallel/first_step.py)."""
+    came through here from a per-rank mean's (data_parallel/guards/first_step.py)."""
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
     scaled = loss_sum / global_batch_size

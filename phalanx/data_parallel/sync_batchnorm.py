@@ -33,7 +33,7 @@ catches a collective paired with a foreign one instead of returning wrong number
 
 Policy `local` keeps plain BatchNorm layers. Parameters stay identical (gradients are summed),
 but each replica's running statistics follow its own shards; `DataParallel` averages them across
-ranks after every synced step (running_stats.py: one small allreduce), so the replicas are one
+ranks after every synced step (guards/running_stats.py: one small allreduce), so the replicas are one
 model at every point - before evaluation and saving included.
 """
 

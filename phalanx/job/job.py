@@ -22,7 +22,7 @@ import torch
 from phalanx.runtime.binding import describe as describe_cores
 from phalanx.data import load_dataset, steps_per_epoch
 from phalanx.models import build_model
-from phalanx.data_parallel.guards import model_fingerprint, preflight_check
+from phalanx.data_parallel.guards.checks import model_fingerprint, preflight_check
 from phalanx.data_parallel.prepare import prepare
 from phalanx.model_split.splits import build_split
 from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span

@@ -6,7 +6,7 @@ warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps, 
 gradients and the replicas), and save a mid-epoch checkpoint every `--checkpoint-every` steps.
 One place, so the data split and the layer/channel splits cannot drift apart in what they guard.
 The data split's gradient is not read here: its replica checks it at the same interval
-(data_parallel/finite.py, which can tell the rank whose share went NaN/Inf first).
+(data_parallel/guards/finite.py, which can tell the rank whose share went NaN/Inf first).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Mapping
 import torch
 
 from phalanx.runtime.launch import report_progress
-from phalanx.data_parallel.guards import check_finite
+from phalanx.data_parallel.guards.checks import check_finite
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.schedule import lr_at, set_lr

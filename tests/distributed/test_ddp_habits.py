@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import phalanx
 from phalanx.data import split_batch
 from phalanx.errors import RunFailed
-from phalanx.data_parallel.guards import check_replicas
+from phalanx.data_parallel.guards.checks import check_replicas
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed

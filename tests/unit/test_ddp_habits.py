@@ -19,10 +19,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import phalanx
 from phalanx.comm import AsyncComm, shm_applies
 from phalanx.errors import UsageError
-from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
 from phalanx.data_parallel.prepare import Choices
-from phalanx.data_parallel.running_stats import RunningStats, drifting_norm_layers
-from phalanx.data_parallel.step_extras import StepExtras
+from phalanx.data_parallel.guards.running_stats import RunningStats, drifting_norm_layers
+from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.telemetry.metrics import read_metrics
 from phalanx.runtime.world import World
 

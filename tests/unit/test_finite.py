@@ -1,4 +1,4 @@
-"""DataParallel's NaN/Inf check of the gradient (data_parallel/finite.py), in one process: the step
+"""DataParallel's NaN/Inf check of the gradient (data_parallel/guards/finite.py), in one process: the step
 and rank it names (the other ranks stood in for by what their slots of the check's allreduce hold),
 the exchange's own overflow, a world of one naming the parameter, the off switch, and no host read
 between check steps."""
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from phalanx.comm import AsyncComm
 from phalanx.data_parallel import DataParallel
-from phalanx.data_parallel.finite import FiniteCheck
-from phalanx.data_parallel.guards import NonFinite
+from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.models import LeNet
 from phalanx.runtime.world import World
 

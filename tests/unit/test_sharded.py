@@ -16,8 +16,8 @@ from torch import nn
 
 from phalanx.comm import AsyncComm
 from phalanx.data_parallel import build_buckets, prepare
-from phalanx.data_parallel.flat_layout import FlatLayout, parameter_names
-from phalanx.data_parallel.sharded_optim import check_elementwise
+from phalanx.data_parallel.sharding.flat_layout import FlatLayout, parameter_names
+from phalanx.data_parallel.sharding.optim import check_elementwise
 from phalanx.data_parallel.step import shard_loss
 from phalanx.models import LeNet
 from phalanx.runtime.world import World

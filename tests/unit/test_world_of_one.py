@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
 from phalanx.data_parallel import DataParallel
-from phalanx.data_parallel.guards import check_finite
+from phalanx.data_parallel.guards.checks import check_finite
 from phalanx.train import train_batch
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.train.loop import _on_device, train_epoch

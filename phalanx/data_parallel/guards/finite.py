@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from phalanx.data_parallel.guards import NonFinite
+from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.runtime.world import World
 
 DEFAULT_CHECK_FINITE_EVERY = 100  # as `phalanx train --check-every`, which sets it for its replicas

@@ -5,10 +5,10 @@ its share - one contiguous range of the flat order (flat_layout.py) - of, respec
 optimizer state; that and the summed gradients; all of that and the parameters at rest
 (Rajbhandari et al. 2020, "ZeRO"). The update stays the 1-device update: gradients are still
 summed over every rank, only each rank's sum covers its own range, and an element-wise optimizer
-(sharded_optim.py) updates that range as it would update the whole. Per bucket, as backward
+(optim.py) updates that range as it would update the whole. Per bucket, as backward
 fills it, the exchange is a reduce-scatter instead of an allreduce (a ring allreduce's first
 half); the updated ranges are all-gathered back after the optimizer step (stages 1, 2) or just
-before each layer runs (stage 3) - sharded_params.py and gather_hooks.py.
+before each layer runs (stage 3) - params.py and gather_hooks.py.
 
 - Stage 1: gradients as unsharded, views into each bucket's gradient buffer; the bucket's
   reduce-scatter runs in place, so this rank's range of it is its summed shard gradient.
@@ -30,11 +30,11 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data_parallel.buckets import Bucket, grad_view
-from phalanx.data_parallel.flat_layout import (FlatLayout, Slot, free_storage, memory_order, parameter_names,
+from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, Slot, free_storage, memory_order, parameter_names,
                                                refill_storage)
-from phalanx.data_parallel.gather_hooks import GatherHooks
-from phalanx.data_parallel.sharded_optim import WholeOptimizerGuard
-from phalanx.data_parallel.sharded_params import ShardedParameters
+from phalanx.data_parallel.sharding.gather_hooks import GatherHooks
+from phalanx.data_parallel.sharding.optim import WholeOptimizerGuard
+from phalanx.data_parallel.sharding.params import ShardedParameters
 from phalanx.runtime.binding import give_back_freed_memory
 
 SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from phalanx.errors import PhalanxWarning
-from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
-from phalanx.data_parallel.running_stats import running_stats_of
+from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.guards.running_stats import running_stats_of
 from phalanx.runtime.world import World
 
 BATCHNORM_STATED = (None, "sync", "local")
