@@ -6,10 +6,10 @@ summed across ranks the update is the 1-device update on the whole global batch 
 uneven last batch, where averaging per-rank means would weight the small shards too heavily.
 
 Gradient accumulation composes with that rule unchanged: a rank cuts *its* shard into N
-micro-batches (`micro_batches`), runs the first N-1 under `no_sync()` so their gradients only
-add up in the buckets, and syncs on the last. Each micro-batch still contributes its loss sum /
-global batch size, so the summed gradient - and the update - equals the 1-device update on the
-whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
+micro-batches (`micro_batches`) and runs them through `dp.accumulate` (accumulate.py): the first
+N-1 under `no_sync()`, so their gradients only add up in the buckets, the last synced. Each
+micro-batch still contributes its loss sum / global batch size, so the summed gradient - and the
+update - equals the 1-device update on the whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
 smaller global batches first) keeps every rank on exactly the examples `rank_shard` gives it.
 """
 
@@ -63,10 +63,10 @@ def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, glob
     # (no split, no accumulator tensors); the sums stay on the device (issue 11).
     pieces = [(X, y)] if grad_accum_steps == 1 else micro_batches(X, y, grad_accum_steps)
     loss_sum = correct = None
-    for index, (X_micro, y_micro) in enumerate(pieces):
-        last = index == len(pieces) - 1
-        # The last micro-batch runs with sync on: its hooks launch the buckets (overlap).
-        with contextlib.nullcontext() if last else dp.no_sync():
+    # dp.accumulate: every piece but the last under no_sync, the last with sync on, so its hooks
+    # launch the buckets (overlap). Closed on the way out, so an error in a piece restores sync.
+    with contextlib.closing(dp.accumulate(pieces)) as synced_last:
+        for X_micro, y_micro in synced_last:
             # An empty piece (a tiny last batch) runs no backward; the rank still joins every
             # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
             # With synchronized BatchNorm, or parameters gathered per layer (shard="parameters"),
