@@ -12,7 +12,8 @@ flat on the command line (`--no-overlap`, not `--data_parallel.overlap`).
   `UsageError` (one line on stderr, exit 2).
 - `check_options(config)`: the declared checks of one config's own options, with the messages
   `{flag} {value} must be ...` / `{flag} 'x' is unknown; choose one of ...`; each config's
-  `__post_init__` calls it first, then checks what spans several options.
+  `__post_init__` calls it first, then checks what spans several options. The refusal is an
+  `OptionError`, which an API that builds a config from its keywords re-words in their names.
 - `CommandParser`: argparse whose own errors (a bad number, an unknown flag) are a `UsageError`, and
   whose help shows every default (`HelpFormatter`), hand-written arguments' too.
 
@@ -110,8 +111,7 @@ def flags(cls: type, path: tuple[str, ...] = ()) -> Iterator[_Flag]:
     for f in fields(cls):
         kind = hints[f.name]
         if _KEY in f.metadata:
-            name = f.metadata[_KEY].flag or "--" + f.name.replace("_", "-")
-            yield _Flag((*path, f.name), name, f.metadata[_KEY], _plain(kind), f.default, cls)
+            yield _Flag((*path, f.name), flag_name(f), f.metadata[_KEY], _plain(kind), f.default, cls)
         elif is_dataclass(kind):
             yield from flags(kind, (*path, f.name))
 
@@ -173,19 +173,43 @@ def _build(cls: type, namespace: argparse.Namespace, path: tuple[str, ...]) -> A
     return cls(**values)
 
 
+class OptionError(ValueError):
+    """A config's refusal of its own options' values, naming each option by its flag
+    (`--shard 'x' is unknown; ...`). `named(names)` is the same refusal naming them as a caller's
+    API does instead (`prepare(shard=...)`: `shard 'x' is unknown; ...`), so the check is written
+    once, where the config is made, whoever makes it. `template` holds `{field}` per option named."""
+
+    def __init__(self, template: str, *, config: Any) -> None:
+        self.template, self.flags = template, {f.name: flag_name(f) for f in fields(config) if _KEY in f.metadata}
+        super().__init__(template.format_map(self.flags))
+
+    def named(self, names: dict[str, str] | None = None) -> ValueError:
+        """The message with each option named `names[field]`, or its field's name (a keyword)."""
+        return ValueError(self.template.format_map({f: (names or {}).get(f, f) for f in self.flags}))
+
+
+def flag_name(f: Any) -> str:
+    """The flag of option field `f`: its declared one, else "--" and the field's name with dashes."""
+    return f.metadata[_KEY].flag or "--" + f.name.replace("_", "-")
+
+
+def _text(value: Any) -> str:  # a value inside an OptionError's template: braces kept literal
+    return str(value).replace("{", "{{").replace("}", "}}")
+
+
 def check_options(config: Any) -> None:
-    """Raise ValueError for the first own option of `config` whose value breaks its declaration."""
+    """Raise OptionError (a ValueError) for the first own option of `config` whose value breaks its declaration."""
     for f in fields(config):
         spec = f.metadata.get(_KEY)
         value = getattr(config, f.name)
         if spec is None or value is None:  # None: "not given", whatever it then means
             continue
-        name = spec.flag or "--" + f.name.replace("_", "-")
         if spec.choices is not None and value not in spec.choices:
-            raise ValueError(f"{name} {value!r} is unknown; choose one of {', '.join(spec.choices)}")
+            raise OptionError(f"{{{f.name}}} {_text(repr(value))} is unknown; choose one of "
+                              f"{_text(', '.join(spec.choices))}", config=config)
         for rule in spec.rules:
             if not rule.ok(value):
-                raise ValueError(f"{name} {value} {rule.problem}")
+                raise OptionError(f"{{{f.name}}} {_text(value)} {_text(rule.problem)}", config=config)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -214,5 +238,5 @@ class CommandParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-__all__ = ["Option", "Rule", "CommandParser", "HelpFormatter", "add_options", "at_least", "build", "check_options",
-           "component", "finite", "flags", "help_text", "option", "positive"]
+__all__ = ["Option", "OptionError", "Rule", "CommandParser", "HelpFormatter", "add_options", "at_least", "build",
+           "check_options", "component", "finite", "flag_name", "flags", "help_text", "option", "positive"]

@@ -18,11 +18,10 @@ Scaling efficiency is images/s on j devices / (j x images/s on 1).
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
-from phalanx.data_parallel import GRAD_DTYPES, DataParallel
+from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.step import StepJob, Variant, images_per_s, run_variant
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
@@ -162,6 +161,5 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
 
 
 def data_parallel_defaults() -> dict[str, Any]:
-    """The settings phalanx ran with (DataParallel's defaults), so a result names what it measured."""
-    return {name: param.default for name, param in inspect.signature(DataParallel).parameters.items()
-            if isinstance(param.default, (bool, int, float, str)) or (param.default is None and name != "comm")}
+    """The settings phalanx ran with (a replica's default options), so a result names what it measured."""
+    return {f.name: f.default for f in fields(DataParallelConfig)}

@@ -229,3 +229,9 @@ def convert_sync_batchnorm(module: nn.Module, world: World, *, group: dist.Proce
 def has_sync_batchnorm(module: nn.Module) -> bool:
     """True when `module` communicates in forward/backward, so every rank must run both each step."""
     return any(isinstance(m, SyncBatchNorm) for m in module.modules())
+
+
+def has_plain_batchnorm(module: nn.Module) -> bool:
+    """True when `module` has a BatchNorm layer that normalizes with its own device's shard only."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
+               for m in module.modules())

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.comm import AsyncComm
-from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.models import LeNet
@@ -42,10 +41,10 @@ def _steps(check: FiniteCheck, own: list[float], summed: list[float], *, others=
                         allreduce=others or _others({}))
 
 
-def test_the_interval_is_validated():
+def test_the_interval_is_validated_where_the_replica_options_are_made():
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="check_finite_every must be 0 \\(off\\) or a number of steps"):
-            FiniteCheck(every=bad, world=_world())
+            DataParallelConfig(check_finite_every=bad)
 
 
 def test_names_the_first_step_and_the_rank_whose_own_gradient_went_non_finite():
@@ -75,8 +74,8 @@ def test_a_bucketed_replica_stops_within_the_interval_and_names_the_step():
     torch.manual_seed(0)
     world = _world()
     X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
-    with AsyncComm(world=world) as comm, DataParallel(LeNet().double(), world=world, comm=comm,
-                                                      check_finite_every=3) as dp:
+    options = DataParallelConfig(check_finite_every=3, exchange_alone=True)
+    with DataParallel(LeNet().double(), world=world, options=options) as dp:
         assert len(dp.buckets) == 3  # the exchanging path, as each of k ranks runs it
         optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
         with pytest.raises(NonFinite, match="at step 5: rank 0's own gradient went non-finite first .found at step "
@@ -93,7 +92,7 @@ def test_a_bucketed_replica_stops_within_the_interval_and_names_the_step():
 def test_a_world_of_one_names_the_parameter_and_the_steps_it_went_non_finite_in():
     X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
     for every, when in ((1, "step 2"), (4, "one of steps 1-4")):
-        with DataParallel(LeNet().double(), world=_world(), check_finite_every=every) as dp:
+        with DataParallel(LeNet().double(), world=_world(), options=DataParallelConfig(check_finite_every=every)) as dp:
             assert not dp.exchanging
             optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
             with pytest.raises(NonFinite, match=f"gradient NaN/Inf at {when}, in conv1.weight's gradient"):

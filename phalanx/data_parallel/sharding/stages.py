@@ -43,14 +43,6 @@ SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")
 MAX_IN_FLIGHT = 2
 
 
-def check_shard(stage: str, *, flag: str | None = None) -> str:
-    """`stage` if it is a sharding stage; ValueError naming the valid ones otherwise."""
-    if stage not in SHARD_STAGES:
-        named = f"{flag} {stage!r}" if flag else f"shard {stage!r}"
-        raise ValueError(f"{named} is unknown; choose one of {', '.join(SHARD_STAGES)}")
-    return stage
-
-
 @dataclass(frozen=True, kw_only=True)
 class OwnedPiece:
     """This rank's part of one parameter: elements [start, stop) of `slot` in memory order."""
@@ -91,14 +83,13 @@ class ShardedHandle:
 
 
 class Sharding:
-    """A replica's sharded state and its collectives, built by DataParallel over its buckets.
-    `comm`/`algorithm` carry the reduce-scatters and all-gathers, tagged like the allreduces;
-    `steps()` is the replica's synced steps so far (the step in a gather's tag)."""
+    """A replica's sharded state and its collectives, built by DataParallel over its buckets for
+    a sharded `stage` (its options checked the name). `comm`/`algorithm` carry the
+    reduce-scatters and all-gathers, tagged like the allreduces; `steps()` is the replica's
+    synced steps so far (the step in a gather's tag)."""
 
     def __init__(self, *, stage: str, module: nn.Module, buckets: Sequence[Bucket], rank: int, world_size: int,
                  comm: AsyncComm, algorithm: str, steps: Callable[[], int]) -> None:
-        if check_shard(stage) == "none":
-            raise ValueError("Sharding is for the sharded stages; shard='none' builds none")
         self.stage, self.buckets = stage, list(buckets)
         self._comm, self._algorithm = comm, algorithm
         self.keeps_gradients = stage == "optimizer"
