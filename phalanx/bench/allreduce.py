@@ -7,9 +7,9 @@ warm-up calls, calibrated batches, agreed counts, a barrier before each batch, i
 rounds). A batch's time is the slowest rank's, since a collective is done when its last rank is.
 Reduce-scatter and all-gather run on the whole buffer cut in even per-rank counts.
 Bandwidths follow nccl-tests' PERFORMANCE.md, with size the whole buffer: algbw = size / time;
-busbw = algbw x 2(k-1)/k for allreduce and x (k-1)/k for reduce-scatter and all-gather, the share
-of the data each rank must move, so busbw is comparable across world sizes, collectives and a
-link's speed. A half's time over the allreduce's (same size and algorithm, paired per round) is
+busbw = algbw x 2(k-1)/k for allreduce and x (k-1)/k for reduce-scatter and all-gather
+(telemetry/bandwidth.py), the share of the data each rank must move, so busbw is comparable
+across world sizes, collectives and a link's speed. A half's time over the allreduce's (same size and algorithm, paired per round) is
 the per-byte comparison: a ring's halves each move half the allreduce's bytes (about 0.5). A
 single-process memcpy into a preallocated buffer is the reference line: no collective on this
 host can move bytes faster than one copy.
@@ -34,19 +34,12 @@ from phalanx.runtime.binding import available_cores
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
+from phalanx.telemetry.bandwidth import busbw_factor
 
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 1 << 20, 16 << 20, 64 << 20)
 _FLOAT_BYTES = 4  # float32 buffers, as gradients are
 MEMCPY_MAX_CALLS = 10_000
 COLLECTIVES = ("allreduce", REDUCE_SCATTER, ALL_GATHER)
-
-
-def busbw_factor(world_size: int, collective: str = "allreduce") -> float:
-    """nccl-tests PERFORMANCE.md: busbw = algbw * 2(n-1)/n for allreduce, (n-1)/n for
-    reduce-scatter and all-gather (size: the whole buffer)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    return (2.0 if collective == "allreduce" else 1.0) * (world_size - 1) / world_size
 
 
 def timed(config: "AllreduceBenchConfig") -> list[tuple[int, str, str]]:

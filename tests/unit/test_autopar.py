@@ -23,7 +23,7 @@ from phalanx.autopar.graphs import DiamondChainProgram, MLPProgram
 from phalanx.autopar.trace import profiled, render_timeline, row_name, timeline_rows
 from phalanx.autopar.taskgraph import (Schedule, Span, Task, TaskGraph, ThreadLanes, bounds, compare_runs, critical_path,
                                      run_in_sequence, run_on_lanes, violations)
-from phalanx.autopar.taskgraph_program import HazardCheck, Step, program_graph, without_edge
+from phalanx.autopar.taskgraph_program import HazardCheck, Step, program_graph
 from phalanx.errors import UsageError
 
 LANES = ("device0", "device1", "host")
@@ -31,6 +31,15 @@ LANES = ("device0", "device1", "host")
 
 def _noop() -> None:
     return None
+
+
+def without_edge(graph: TaskGraph, before: str, after: str) -> TaskGraph:
+    """The same graph missing the edge before -> after: the planted bug the checks must catch."""
+    if before not in graph.tasks[after].deps:
+        raise ValueError(f"{after!r} does not depend on {before!r}")
+    return TaskGraph(Task(name=t.name, lane=t.lane, fn=t.fn,
+                          deps=tuple(d for d in t.deps if not (t.name == after and d == before)))
+                     for t in graph.tasks.values())
 
 
 # --- the task graph -------------------------------------------------------------------------

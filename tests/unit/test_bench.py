@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phalanx.bench import add_bench_parser, run_bench
-from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor, timed
+from phalanx.bench.allreduce import AllreduceBenchConfig, timed
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
@@ -106,18 +106,6 @@ def test_tables_align_and_whiskers_reach_min_and_max():
     assert format_table(["name", "n"], [("a", 10)], left_columns=0).splitlines()[2] == "   a  10"
     rows = [{"x": {"median": 2.0, "min": 1.5, "max": 3.0}}, {"x": {"median": 1.0, "min": 1.0, "max": 1.25}}]
     assert median_whiskers(rows, "x") == ([2.0, 1.0], [[0.5, 0.0], [1.0, 0.25]])
-
-
-def test_busbw_factor_is_nccl_tests_allreduce_formula():
-    # nccl-tests PERFORMANCE.md: busbw = algbw * 2(n-1)/n
-    assert busbw_factor(1) == 0.0
-    assert busbw_factor(2) == 1.0
-    assert busbw_factor(4) == 1.5
-    assert busbw_factor(8) == 1.75
-    with pytest.raises(ValueError):
-        busbw_factor(0)
-    # reduce-scatter and all-gather: (n-1)/n of the whole buffer, half an allreduce's
-    assert busbw_factor(4, "reduce-scatter") == busbw_factor(4, "all-gather") == 0.75
 
 
 def test_bench_allreduce_times_the_halves_only_where_an_algorithm_has_them():
