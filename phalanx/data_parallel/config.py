@@ -13,6 +13,7 @@ on one device).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS
 from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
-from phalanx.options import OptionError, at_least, check_options, option, positive
+from phalanx.options import OptionError, at_least, check_options, finite, option, positive
 
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
 # fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
@@ -49,6 +50,12 @@ def bucket_cap(text: str) -> float | None:
 bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... value"
 
 
+def bucket_cap_mb_option() -> Any:
+    """--bucket-cap-mb, declared once for the configs that take it (this one, predict's)."""
+    return option(DEFAULT_BUCKET_CAP_MB, parse=bucket_cap, metavar="MB", check=finite(positive("number of MB")),
+                  help="gradient bucket cap in MB with overlap, or 'none' for one bucket")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataParallelConfig:
     """data parallelism: the replicas and the gradient exchange"""
@@ -60,9 +67,7 @@ class DataParallelConfig:
     # backward). bucket_cap_mb applies with overlap only; None = one bucket.
     overlap: bool = option(True, flag="--no-overlap", help="exchange gradients in one synchronous allreduce after "
                            "backward (default: bucketed allreduces overlapped with backward)")
-    bucket_cap_mb: float | None = option(DEFAULT_BUCKET_CAP_MB, parse=bucket_cap, metavar="MB",
-                                         help="gradient bucket cap in MB with overlap, or 'none' for one bucket",
-                                         check=positive("number of MB"))
+    bucket_cap_mb: float | None = bucket_cap_mb_option()
     grad_dtype: str | None = option(None, choices=tuple(GRAD_DTYPES), default_text="as computed",
                                     help="exchange gradients compressed to this dtype (half the bytes)")
     # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs (DataSplit's).
