@@ -54,14 +54,26 @@ def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> li
 def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, global_batch_size: int,
                      grad_accum_steps: int = 1, tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of this rank's shard (X, y), then the gradient exchange: afterwards
-    every rank holds the summed gradient. Returns this shard's (loss sum, correct count).
+    every rank holds the summed gradient. Returns this shard's (loss sum, correct count), on the
+    device: the loss sum in the model's dtype for one piece, in float64 when pieces are added.
 
     With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
     `tracer` records forward / backward / wait spans (None: tracing off).
     """
-    # One piece in the common case: the step is then the plain loop's, with nothing around it
-    # (no split, no accumulator tensors); the sums stay on the device (issue 11).
-    pieces = [(X, y)] if grad_accum_steps == 1 else micro_batches(X, y, grad_accum_steps)
+    if grad_accum_steps == 1 and X.shape[0] > 0:
+        # The common case is the plain loop's step with nothing around it: no split, no
+        # accumulator tensors, and the loss scaled without shard_loss's look at the graph once
+        # the replica's first-step check is done (a world of one never has one).
+        with span(tracer, "forward"):
+            logits = dp(X)
+            loss_sum = F.cross_entropy(logits, y, reduction="sum")
+        with span(tracer, "backward"):
+            scaled = shard_loss(loss_sum, global_batch_size) if dp.first_step_pending else loss_sum / global_batch_size
+            scaled.backward()
+        with span(tracer, "wait"):
+            dp.finish_gradient_sync()
+        return loss_sum.detach(), (logits.argmax(dim=1) == y).sum()
+    pieces = micro_batches(X, y, grad_accum_steps)
     loss_sum = correct = None
     for index, (X_micro, y_micro) in enumerate(pieces):
         last = index == len(pieces) - 1
