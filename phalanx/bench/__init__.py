@@ -8,18 +8,24 @@ rounds in fresh processes, median and min-max, flag lists, the --out check, JSON
 output). This module only maps flags onto those configs: `add_bench_parser(subparsers)` adds the
 `bench` subcommand to the CLI's parser and `run_bench(args)` runs the chosen one, printing its
 table and writing `<name>.json` and `<name>.png` into `--out` (default `runs/bench-<name>`).
+`step` and `gpu` (one device: phalanx's step against the plain loop) have their flags generated
+from their configs.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import sys
 
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.errors import UsageError
+from phalanx.options import add_options, build
 
-BENCHMARKS = ("allreduce", "scaling", "memory", "overlap", "splits", "autopar")
+BENCHMARKS = ("allreduce", "scaling", "memory", "overlap", "splits", "autopar", "step", "gpu")
+# Benchmarks whose flags are generated from their configs (phalanx/options.py): name -> (module, config class)
+GENERATED = {"step": ("phalanx.bench.step", "StepBenchConfig"), "gpu": ("phalanx.bench.gpu", "GpuBenchConfig")}
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -98,7 +104,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     autopar.add_argument("--steps", type=int, default=3, help="5: SGD steps in the graph (default 3)")
     autopar.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
 
-    for parser in (allreduce, scaling, memory, overlap, splits, autopar):
+    generated = []
+    for name, (module, config) in GENERATED.items():
+        cls = getattr(importlib.import_module(module), config)
+        generated.append(kinds.add_parser(name, help=cls.__doc__.strip().splitlines()[0]))
+        add_options(generated[-1], cls)
+    for parser in (allreduce, scaling, memory, overlap, splits, autopar, *generated):
         parser.add_argument("--out", default=None, help="directory for the JSON and PNG (default runs/bench-NAME)")
     return bench
 
@@ -120,6 +131,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if name == "autopar":
         return _run_autopar(args)
+    if name in GENERATED:
+        return _run_generated(name, args)
     try:
         if name == "allreduce":
             config = allreduce.AllreduceBenchConfig(
@@ -162,6 +175,29 @@ def run_bench(args: argparse.Namespace) -> int:
     print(report(payload), flush=True)
     json_path, png_path = write_outputs(out_dir, name, payload, plot(payload))
     print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+def _run_generated(name: str, args: argparse.Namespace) -> int:
+    """A benchmark with a generated parser: its config's `prepare()` refuses what cannot run here
+    (one line, exit 2, nothing written); exit 1 after writing everything when its check failed."""
+    from phalanx.measure.outputs import prepare_out_dir, write_outputs
+
+    module = importlib.import_module(GENERATED[name][0])
+    try:
+        config = build(getattr(module, GENERATED[name][1]), args).prepare()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    out_dir = prepare_out_dir(args.out or f"runs/bench-{name}")
+    _progress(f"{name}: measuring (warm-up first, then interleaved rounds in fresh processes)")
+    payload = getattr(module, f"run_{name}_bench")(config, on_run=_progress)
+    report = importlib.import_module(f"{GENERATED[name][0]}_report") if name == "gpu" else module
+    print(getattr(report, f"report_{name}")(payload), flush=True)
+    json_path, png_path = write_outputs(out_dir, name, payload, getattr(report, f"plot_{name}")(payload))
+    print(f"\nwrote {json_path} and {png_path}")
+    if not payload.get("check", {"passed": True})["passed"]:
+        _progress(f"{name}: the check FAILED: {'; '.join(payload['check']['problems'])}")
+        return 1
     return 0
 
 

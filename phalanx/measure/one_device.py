@@ -23,6 +23,7 @@ CPU, the step's whole cost; on a GPU, the time the host spent issuing it, plus a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from phalanx.data_parallel.strategy import DataSplit
 from phalanx.job.config import TrainConfig
 from phalanx.job.step_hook import after_step_hook
 from phalanx.measure.procs import run_fresh
+from phalanx.measure.timing import run_interleaved
 from phalanx.models import MODELS, build_model
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
@@ -161,10 +163,14 @@ def _plain_epochs(model: torch.nn.Module, job: OneDeviceJob, device: torch.devic
     images, labels = resident_data(job, device)
     batch = job.global_batch_size
 
+    def forward():  # autocast's cache would outlive a captured step: off
+        return (torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False) if job.bf16
+                else contextlib.nullcontext())
+
     def step(index: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
         X = images[index].float() / 255
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.bf16, cache_enabled=False):
+        with forward():
             loss = F.cross_entropy(model(X), labels[index])
         loss.backward()
         optimizer.step()
@@ -233,4 +239,22 @@ def run_one_device(job: OneDeviceJob, *, deadline_s: float) -> dict[str, Any]:
                      deadline_s=deadline_s, name=f"{job.kind}-{job.device}")[0]
 
 
-__all__ = ["KINDS", "OneDeviceJob", "resident_data", "run_one_device", "timed_epochs"]
+
+
+def run_contenders(jobs: dict[str, OneDeviceJob], *, rounds: int, deadline_s: float,
+                   on_run: Callable[[str], None] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every contender once per round, interleaved, each in a fresh process; the records by name."""
+    started = [0]
+
+    def runner(name: str, job: OneDeviceJob) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            started[0] += 1
+            if on_run is not None:
+                on_run(f"[{started[0]}/{rounds * len(jobs)}] {name}")
+            return run_one_device(job, deadline_s=deadline_s)
+        return run
+
+    return run_interleaved({name: runner(name, job) for name, job in jobs.items()}, rounds=rounds, warmup_rounds=0)
+
+
+__all__ = ["KINDS", "OneDeviceJob", "resident_data", "run_contenders", "run_one_device", "timed_epochs"]
