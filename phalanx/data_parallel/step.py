@@ -16,6 +16,7 @@ smaller global batches first) keeps every rank on exactly the examples `rank_sha
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,13 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     scaled = loss_sum / global_batch_size
     mark_shard_loss(loss_sum, scaled)
     return scaled
+
+
+@functools.lru_cache(maxsize=16)
+def _inverse(global_batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """1 / global_batch_size as the 0-dim tensor backward feeds `loss_sum`: made by the division
+    shard_loss's backward does, so the gradient is bitwise shard_loss's on every device."""
+    return torch.ones((), dtype=dtype, device=device) / global_batch_size
 
 
 def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,8 +76,10 @@ def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, glob
             logits = dp(X)
             loss_sum = F.cross_entropy(logits, y, reduction="sum")
         with span(tracer, "backward"):
-            scaled = shard_loss(loss_sum, global_batch_size) if dp.first_step_pending else loss_sum / global_batch_size
-            scaled.backward()
+            if dp.first_step_pending:
+                shard_loss(loss_sum, global_batch_size).backward()
+            else:  # shard_loss's gradient, 1 / global batch size, fed in: no division kernel either way
+                loss_sum.backward(_inverse(global_batch_size, loss_sum.dtype, loss_sum.device))
         with span(tracer, "wait"):
             dp.finish_gradient_sync()
         return loss_sum.detach(), (logits.argmax(dim=1) == y).sum()

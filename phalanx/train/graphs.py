@@ -23,7 +23,8 @@ keeps on the host - a replica's step count and its periodic NaN/Inf check - is `
 job, and `capturing` is entered around the runs of the step that are not steps of their own -
 the capture, and the eager run the first replay is checked against (DataParallel.capturing). The graph itself is a `GraphBackend`: `CudaGraph` on a GPU; on the CPU the tests
 hand in a stand-in that records the step and calls it back, so everything here but the kernel
-is tested without a GPU. Refusals (what cannot be captured) are graph_plan.py's.
+is tested without a GPU. Refusals (what cannot be captured) are graph_plan.py's;
+`capture_step` is the front door for a user's own step (`phalanx.capture_step`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from typing import Callable, ContextManager, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
+
+from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
+from phalanx.train.graph_plan import StepFacts, refusal
 
 WARMUP_STEPS = 3  # PyTorch's whole-network example warms up 3 iterations before capture
 RTOL = {torch.float64: 1e-9}  # of an update's size; other dtypes DEFAULT_RTOL
@@ -88,12 +93,16 @@ class CudaGraph:
 class CapturedStep:
     """`step` (one whole eager step on `inputs`, returning its output tensors) run as a CUDA
     graph after `warmup_steps` eager calls; see the module docstring. Call it with the batch's
-    tensors (copied into `inputs`); it returns the step's outputs, valid until the next call."""
+    tensors (copied into `inputs`); it returns the step's outputs, valid until the next call.
+    `eager_reason` (with `backend` None): why it runs eagerly from the start."""
 
     def __init__(self, step: Callable[[], Sequence[torch.Tensor]], *, inputs: Sequence[torch.Tensor],
-                 module: nn.Module, optimizer: torch.optim.Optimizer, backend: GraphBackend,
+                 module: nn.Module, optimizer: torch.optim.Optimizer, backend: GraphBackend | None,
                  warmup_steps: int = WARMUP_STEPS, capturing: Callable[[], ContextManager] = contextlib.nullcontext,
-                 after_replay: Callable[[], object] | None = None, say: Callable[[str], None] = print) -> None:
+                 after_replay: Callable[[], object] | None = None, say: Callable[[str], None] = print,
+                 eager_reason: str | None = None) -> None:
+        if (backend is None) == (eager_reason is None):
+            raise ValueError("give CapturedStep a graph backend, or (for a step that runs eagerly) eager_reason")
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be at least 1 (state such as momentum must exist before capture), "
                              f"got {warmup_steps}")
@@ -102,7 +111,7 @@ class CapturedStep:
         self.after_replay, self.say = after_replay, say
         self.warmed = 0
         self.replaying = False
-        self.eager_reason: str | None = None  # why it runs eagerly for good, once it does
+        self.eager_reason = eager_reason  # why it runs eagerly for good, once it does
         self._outputs: Sequence[torch.Tensor] = ()
         self._settings: list[tuple] = []
         dtype = next((p.dtype for p in module.parameters()), torch.float32)
@@ -165,6 +174,26 @@ class CapturedStep:
         self.say(f"CUDA graph step abandoned, running eagerly: {reason}")
 
 
+def capture_step(step: Callable[[], Sequence[torch.Tensor]], *, inputs: Sequence[torch.Tensor], dp: DataParallel,
+                 optimizer: torch.optim.Optimizer, warmup_steps: int = WARMUP_STEPS,
+                 say: Callable[[str], None] = print) -> CapturedStep:
+    """A user's own step as a CUDA graph: `step()` runs one whole step of replica `dp` (zero_grad,
+    forward, `shard_loss(...).backward()`, `finish_gradient_sync()`, `optimizer.step()`) on the
+    static tensors `inputs` and returns its outputs; call the result with each batch's tensors
+    (their shapes: the inputs'). Captured on one CUDA device (graph_plan.py's refusals apply);
+    anywhere else it runs the step eagerly, saying why in one line (`say`) when it is built."""
+    world = dp.world
+    why = refusal(StepFacts(device_type=world.device.type, num_devices=world.world_size,
+                            sync_batchnorm=has_sync_batchnorm(dp.module), backend=world.backend,
+                            exchanging=dp.exchanging))
+    if why is not None:
+        say(f"step not captured, running eagerly: {why}")
+    return CapturedStep(step, inputs=inputs, module=dp.module, optimizer=optimizer,
+                        backend=CudaGraph(world.device) if why is None else None, eager_reason=why,
+                        warmup_steps=warmup_steps, capturing=dp.capturing, after_replay=dp.finish_gradient_sync,
+                        say=say)
+
+
 def _settings(optimizer: torch.optim.Optimizer) -> list[tuple]:
     """The numbers a captured optimizer step holds as constants (lr, momentum, ...), per group."""
     return [tuple((k, v) for k, v in group.items() if isinstance(v, (bool, int, float)))
@@ -220,4 +249,4 @@ def _disagreement(before: dict[str, torch.Tensor], eager: dict[str, torch.Tensor
     return None
 
 
-__all__ = ["CapturedStep", "CudaGraph", "DEFAULT_RTOL", "GraphBackend", "RTOL", "WARMUP_STEPS"]
+__all__ = ["CapturedStep", "CudaGraph", "DEFAULT_RTOL", "GraphBackend", "RTOL", "WARMUP_STEPS", "capture_step"]

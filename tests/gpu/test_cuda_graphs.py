@@ -7,6 +7,10 @@ graph (tests/unit/test_cuda_graphs.py, tests/distributed/test_cuda_graph_stand_i
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +23,7 @@ from phalanx.models import LeNet
 from phalanx.runtime.world import World
 from phalanx.train.graphs import CapturedStep, CudaGraph
 from phalanx.train.loop import captured_train_step, train_epoch
+from tests.unit.api_doc import API_DOC, REPO, python_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -139,3 +144,13 @@ def test_bench_gpu_contenders_run(kind, graphs):
     assert record["images"] == [2048] and record["wall_s"][0] > 0
     if kind == "phalanx":
         assert record["graph"] == ("replaying" if graphs else None) and record["notes"] == []
+
+
+def test_the_api_pages_captured_step_replays_on_one_gpu(tmp_path):
+    (code,) = [code for _, code in python_blocks(API_DOC.read_text()) if "capture_step" in code]
+    script = tmp_path / "captured.py"
+    script.write_text(code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines() == ["captured step trained (replaying)"]
