@@ -36,14 +36,6 @@ RATIOS = (("phalanx_eager_vs_plain", "phalanx eager", "plain"), ("phalanx_graphs
           ("plain_captured_vs_plain", "plain captured", "plain"), ("ddp_vs_plain", "ddp/1", "plain"))
 
 
-def _variants(text: str) -> tuple[str, ...]:
-    names = tuple(v.strip() for v in text.split(",") if v.strip() and v.strip() != "none")
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown or len(set(names)) != len(names):
-        raise ValueError(f"--variants {text!r}: choose distinct ones of {', '.join(VARIANTS)} (or none)")
-    return names
-
-
 @dataclass(frozen=True, kw_only=True)
 class GpuBenchConfig:
     """images/s on one GPU: phalanx eager and captured vs the plain loop, captured or not, and DDP"""
@@ -54,15 +46,16 @@ class GpuBenchConfig:
     warmup_epochs: int = option(1, check=at_least(0), help="untimed epochs first, in every process")
     epochs: int = option(2, check=at_least(1), help="timed epochs per process")
     rounds: int = option(3, check=at_least(1), help="interleaved rounds of the five contenders, fresh processes")
-    variants: str = option(",".join(VARIANTS), help=f"changes to phalanx's captured step also timed, any of "
-                           f"{', '.join(VARIANTS)} (compile: also instead of the capture), or none")
+    variants: tuple[str, ...] = option(VARIANTS, items=str, choices=VARIANTS, help="changes to phalanx's captured "
+                                       "step also timed (compile: also instead of the capture)")
     variant_rounds: int = option(1, check=at_least(0), help="rounds of the variants, each beside phalanx's "
-                                 "captured step")
+                                 "captured step; 0: none")
     deadline_s: float = 300.0  # bound on one contender's process (a first torch.compile takes tens of seconds)
 
     def __post_init__(self) -> None:
         check_options(self)
-        _variants(self.variants)
+        if len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"--variants {','.join(self.variants)}: name each one once")
         if self.global_batch_size > self.num_images:
             raise ValueError(f"--batch-size {self.global_batch_size} is larger than --images {self.num_images}")
 
@@ -84,9 +77,8 @@ def contenders(config: GpuBenchConfig) -> tuple[dict[str, OneDeviceJob], dict[st
     graphs = config.job("phalanx", graphs=True)
     base = {"phalanx eager": config.job("phalanx"), "phalanx graphs": graphs, "plain": config.job("plain"),
             "plain captured": config.job("plain", graphs=True), "ddp/1": config.job("ddp")}
-    chosen = _variants(config.variants)
-    variants = {f"phalanx graphs + {name}": replace(graphs, **{name: True}) for name in chosen}
-    if "compile" in chosen:
+    variants = {f"phalanx graphs + {name}": replace(graphs, **{name: True}) for name in config.variants}
+    if "compile" in config.variants:
         variants["phalanx eager + compile"] = config.job("phalanx", compile=True)
     return base, ({"phalanx graphs": graphs, **variants} if variants and config.variant_rounds else {})
 
@@ -120,9 +112,15 @@ def run_gpu_bench(config: GpuBenchConfig, *, on_run: Callable[[str], None] | Non
             "check": {"passed": not problems, "problems": problems}}
 
 
+def gpu_failed(payload: dict[str, Any]) -> str | None:
+    """Why the run failed its check (exit 1), or None."""
+    check = payload["check"]
+    return None if check["passed"] else f"gpu: the check FAILED: {'; '.join(check['problems'])}"
+
+
 def where() -> str:
     return (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}"
             if torch.cuda.is_available() else "no GPU")
 
 
-__all__ = ["BASE", "GpuBenchConfig", "VARIANTS", "contenders", "run_gpu_bench"]
+__all__ = ["BASE", "GpuBenchConfig", "VARIANTS", "contenders", "gpu_failed", "run_gpu_bench"]

@@ -26,7 +26,8 @@ def test_bench_gpu_refuses_in_one_line_where_no_gpu_is(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--variants", "fused,tf32"], "--variants 'fused,tf32': choose distinct ones of fused, channels_last, bf16, compile"),
+    (["--variants", "fused,tf32"], "--variants 'tf32' is unknown; choose one of fused, channels_last, bf16, compile"),
+    (["--variants", "fused,fused"], "--variants fused,fused: name each one once"),
     (["--batch-size", "512", "--images", "100"], "--batch-size 512 is larger than --images 100"),
     (["--rounds", "0"], "--rounds 0 must be at least 1"),
 ])
@@ -45,7 +46,7 @@ def test_the_contenders_are_the_five_anchors_and_the_variants_beside_the_capture
                               "phalanx graphs + bf16", "phalanx graphs + compile", "phalanx eager + compile"]
     assert variants["phalanx graphs + bf16"].bf16 and variants["phalanx graphs + bf16"].graphs
     assert not variants["phalanx eager + compile"].graphs and variants["phalanx eager + compile"].compile
-    assert gpu.contenders(gpu.GpuBenchConfig(variants="none"))[1] == {}
+    assert list(gpu.contenders(gpu.GpuBenchConfig(variants=("bf16",)))[1]) == ["phalanx graphs", "phalanx graphs + bf16"]
     assert gpu.contenders(gpu.GpuBenchConfig(variant_rounds=0))[1] == {}
     with pytest.raises(ValueError, match="a captured step needs a CUDA device"):
         OneDeviceJob(kind="plain", device="cpu", graphs=True)
@@ -65,7 +66,7 @@ def test_ratios_and_the_check_come_from_the_records(monkeypatch):
                 for name, job in jobs.items()}
 
     monkeypatch.setattr(gpu, "run_contenders", fake_run)
-    payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variants="fused,compile", rounds=2, variant_rounds=1))
+    payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variants=("fused", "compile"), rounds=2, variant_rounds=1))
     ratios = {r["metric"]: r["ratio"]["median"] for r in payload["ratios"]}
     assert ratios["phalanx_eager_vs_plain"] == pytest.approx((120 / 130 + 121 / 131) / 2)
     assert ratios["phalanx_graphs_vs_plain_captured"] == pytest.approx((400 / 430 + 401 / 431) / 2)
@@ -81,7 +82,7 @@ def test_ratios_and_the_check_come_from_the_records(monkeypatch):
                 for name, job in jobs.items()}
 
     monkeypatch.setattr(gpu, "run_contenders", fell_back)
-    failed = gpu.run_gpu_bench(gpu.GpuBenchConfig(variants="none", rounds=1))["check"]
+    failed = gpu.run_gpu_bench(gpu.GpuBenchConfig(variant_rounds=0, rounds=1))["check"]
     assert not failed["passed"]
     assert failed["problems"][0] == "phalanx graphs: the captured step ran eager (CUDA graph step abandoned, running eagerly: x)"
 
