@@ -26,7 +26,7 @@ def test_bench_gpu_refuses_in_one_line_where_no_gpu_is(tmp_path, monkeypatch, ca
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--variants", "fused,tf32"], "--variants 'tf32' is unknown; choose one of fused, channels_last, bf16, compile"),
+    (["--variants", "fused,tf32"], "--variants fused,tf32: 'tf32' is unknown; choose one of fused, channels_last, bf16, compile"),
     (["--variants", "fused,fused"], "--variants fused,fused: name each one once"),
     (["--batch-size", "512", "--images", "100"], "--batch-size 512 is larger than --images 100"),
     (["--rounds", "0"], "--rounds 0 must be at least 1"),
