@@ -80,10 +80,6 @@ class OneDeviceJob:
         if self.global_batch_size > self.num_images:
             raise ValueError(f"batch {self.global_batch_size} is larger than the {self.num_images} images")
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return -(-self.num_images // self.global_batch_size)
-
 
 def resident_data(job: OneDeviceJob, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """`num_images` random 28x28 uint8 images and their labels, on `device` (the same for every contender)."""

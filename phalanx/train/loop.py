@@ -115,8 +115,7 @@ def train_epoch(
     far in start_totals' form (a call, so a GPU is synchronised only when they are needed);
     `on_step(steps_done, steps_total)` is for progress display. `tracer` records each step with
     its data and optimizer spans. `graph` (`captured_train_step`'s) runs every full global batch;
-    a smaller last batch runs eagerly, so no example is dropped or padded. `images` are uint8
-    (converted per batch) or already floating (indexed as they are).
+    a smaller last batch runs eagerly, so no example is dropped or padded.
     """
     earlier_s = float(start_totals[3]) if len(start_totals) == 4 else 0.0
     start_s = time.perf_counter() - earlier_s
@@ -147,7 +146,7 @@ def train_epoch(
                 loss_sum, correct = graph(shard)
             else:
                 with span(tracer, "data"):
-                    X = images[shard] if images.is_floating_point() else to_float(images[shard], dtype)
+                    X = to_float(images[shard], dtype)
                     y = labels[shard]
                 loss_sum, correct = train_step(strategy, optimizer, X, y, global_batch_size=n, tracer=tracer)
         if tracer is not None:
@@ -179,7 +178,7 @@ def captured_train_step(strategy: DataSplit, optimizer: torch.optim.Optimizer, i
     dtype = next(strategy.module.parameters()).dtype
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
-        X = images[index] if images.is_floating_point() else to_float(images[index], dtype)
+        X = to_float(images[index], dtype)
         return train_step(strategy, optimizer, X, labels[index], global_batch_size=global_batch_size)
 
     dp = strategy.dp
