@@ -11,13 +11,17 @@ Beyond the anchors, `--variants` times phalanx's captured step with one change e
 SGD, channels_last, a bfloat16 autocast forward, `torch.compile` of the model inside the graph -
 and "compile" also as the alternative to capture (phalanx eager + compile), each beside a fresh
 run of phalanx's captured step, `--variant-rounds` times: what phalanx's CUDA defaults should
-become is read from these ratios. The check: every captured phalanx run replayed its graph to
-the end (a capture that fell back to eager is named, and the command exits 1). Without a GPU it
-refuses in one line (exit 2); `bench step` is the host-time proxy any CPU can run.
+become is read from these ratios. Rounds run most telling first - one of the anchors, the
+variants', then the anchors' others - and one that would end past `--budget-s` (170 s) is not
+started, so the bench stays under 3 minutes on one GPU whatever its start-up costs there. The
+check: every captured phalanx run replayed its graph to the end (a capture that fell back to
+eager is named, and the command exits 1). Without a GPU it refuses in one line (exit 2); `bench
+step` is the host-time proxy any CPU can run.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
@@ -26,7 +30,7 @@ import torch
 from phalanx.measure.one_device import OneDeviceJob, run_contenders
 from phalanx.measure.timing import Spread, paired_ratio
 from phalanx.models import MODELS
-from phalanx.options import at_least, check_options, option
+from phalanx.options import at_least, check_options, option, positive
 
 VARIANTS = ("fused", "channels_last", "bf16", "compile")
 BASE = ("phalanx eager", "phalanx graphs", "plain", "plain captured", "ddp/1")
@@ -50,6 +54,8 @@ class GpuBenchConfig:
                                        "step also timed (compile: also instead of the capture)")
     variant_rounds: int = option(1, check=at_least(0), help="rounds of the variants, each beside phalanx's "
                                  "captured step; 0: none")
+    budget_s: float = option(170.0, check=positive("number of seconds"), help="start no round that would end past "
+                             "this many seconds (at least one round of every contender runs)")
     deadline_s: float = 300.0  # bound on one contender's process (a first torch.compile takes tens of seconds)
 
     def __post_init__(self) -> None:
@@ -87,28 +93,49 @@ def images_per_s(record: dict[str, Any]) -> float:
     return sum(record["images"]) / sum(record["wall_s"])
 
 
-def run_gpu_bench(config: GpuBenchConfig, *, on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The anchors `rounds` times, then the variants `variant_rounds` times; the JSON payload."""
+def plan_rounds(config: GpuBenchConfig, groups: dict[str, dict[str, OneDeviceJob]]) -> list[str]:
+    """The order rounds run in, most telling first: one round of the anchors, the variants' rounds,
+    then the anchors' other rounds - so a time budget cut short still leaves every contender timed."""
+    order = ["anchors"] if config.rounds else []
+    order += ["variants"] * config.variant_rounds if groups["variants"] else []
+    return order + ["anchors"] * (config.rounds - 1)
+
+
+def run_gpu_bench(config: GpuBenchConfig, *, on_run: Callable[[str], None] | None = None,
+                  clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+    """The rounds of `plan_rounds`, each interleaved in fresh processes, while `budget_s` lasts (a
+    round is started only if the seconds its processes took so far, on average, fit); the payload."""
     base, variant_group = contenders(config)
-    groups = [("anchors", base, config.rounds)] + ([("variants", variant_group, config.variant_rounds)]
-                                                    if variant_group else [])
+    groups = {"anchors": base, "variants": variant_group}
+    records: dict[str, dict[str, list]] = {"anchors": {}, "variants": {}}
+    started_s, processes, skipped = clock(), 0, []
+    for group in plan_rounds(config, groups):
+        jobs = groups[group]
+        per_process_s = (clock() - started_s) / processes if processes else 0.0
+        if processes and clock() - started_s + per_process_s * len(jobs) > config.budget_s:
+            skipped.append(group)
+            continue
+        for name, runs in run_contenders(jobs, rounds=1, deadline_s=config.deadline_s, on_run=on_run).items():
+            records[group].setdefault(name, []).extend(runs)
+        processes += len(jobs)
     results, ratios, problems = [], [], []
-    for group, jobs, rounds in groups:
-        records = run_contenders(jobs, rounds=rounds, deadline_s=config.deadline_s, on_run=on_run)
-        rates = {name: [images_per_s(r) for r in runs] for name, runs in records.items()}
-        for name, runs in records.items():
+    for group, by_name in records.items():
+        rates = {name: [images_per_s(r) for r in runs] for name, runs in by_name.items()}
+        for name, runs in by_name.items():
             states = sorted({r["graph"] for r in runs if r["graph"] is not None})
-            results.append({"group": group, "contender": name, "images_per_s": Spread.of(rates[name]).to_dict(),
+            results.append({"group": group, "contender": name, "rounds": len(runs),
+                            "images_per_s": Spread.of(rates[name]).to_dict(),
                             "host_s_per_epoch": Spread.of([sum(r["host_s"]) / len(r["host_s"]) for r in runs]).to_dict(),
                             "graph": states, "notes": sorted({n for r in runs for n in r["notes"]})})
-            if jobs[name].graphs and states != ["replaying"]:
+            if groups[group][name].graphs and states != ["replaying"]:
                 problems.append(f"{name}: the captured step ran {', '.join(states)} "
                                 f"({'; '.join(results[-1]['notes']) or 'no reason given'})")
         pairs = RATIOS if group == "anchors" else [(f"{name}_vs_phalanx_graphs", name, "phalanx graphs")
-                                                   for name in jobs if name != "phalanx graphs"]
+                                                   for name in by_name if name != "phalanx graphs"]
         ratios += [{"group": group, "metric": metric, "numerator": a, "against": b,
-                    "ratio": paired_ratio(rates[a], rates[b]).to_dict()} for metric, a, b in pairs]
+                    "ratio": paired_ratio(rates[a], rates[b]).to_dict()} for metric, a, b in pairs if a in rates]
     return {"bench": "gpu", "config": asdict(config), "where": where(), "results": results, "ratios": ratios,
+            "elapsed_s": clock() - started_s, "rounds_skipped": skipped,
             "check": {"passed": not problems, "problems": problems}}
 
 

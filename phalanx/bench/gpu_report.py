@@ -18,14 +18,17 @@ def report_gpu(payload: dict[str, Any]) -> str:
     lines = [f"{config['model']}, {config['num_images']} images resident, global batch {config['global_batch_size']}, "
              f"on {payload['where']}: images/s, median (min-max) of interleaved rounds, {config['epochs']} timed "
              "epochs each", ""]
-    rows = [(r["contender"], r["group"], Spread.from_dict(r["images_per_s"]).fmt(0),
+    rows = [(r["contender"], r["group"], r["rounds"], Spread.from_dict(r["images_per_s"]).fmt(0),
              ", ".join(r["graph"]) or "-") for r in payload["results"]]
-    lines += [format_table(["contender", "group", "images/s", "graph"], rows), ""]
+    lines += [format_table(["contender", "group", "rounds", "images/s", "graph"], rows), ""]
     for r in payload["ratios"]:
         lines.append(f"  {r['metric']:<44} {r['numerator'] + ' / ' + r['against']:<52} "
                      f"{Spread.from_dict(r['ratio']).fmt(2)}")
     check = payload["check"]
-    lines += ["", "check: every captured phalanx run replayed its graph: " +
+    if payload["rounds_skipped"]:
+        lines += ["", f"not started within the {config['budget_s']:g} s budget: {len(payload['rounds_skipped'])} "
+                      f"round(s) of {', '.join(sorted(set(payload['rounds_skipped'])))}"]
+    lines += ["", f"check: every captured phalanx run replayed its graph ({payload['elapsed_s']:.0f} s in all): " +
               ("passed" if check["passed"] else "FAILED - " + "; ".join(check["problems"]))]
     return "\n".join(lines)
 

@@ -204,6 +204,7 @@ FLAG_CASES += [(["bench", "gpu", flag, value], pattern) for flag, value, pattern
     ("--rounds", "0", r"--rounds 0 must be at least 1"),
     ("--variants", "fused,tf32", r"--variants fused,tf32: 'tf32' is unknown; choose one of fused, channels_last"),
     ("--variant-rounds", "-1", r"--variant-rounds -1 must be at least 0"),
+    ("--budget-s", "0", r"--budget-s 0\.0 must be a positive number of seconds"),
     ("--out", PROC, r"bench gpu needs a CUDA GPU, and torch sees none; `phalanx bench step`"))]
 FLAG_CASES += [(["bench", "memory", flag, value], pattern) for flag, value, pattern in (
     ("--models", "mlp,vgg", r"--models mlp,vgg: 'vgg' is unknown; choose one of lenet, mlp, mlp-wide, resnet"),

@@ -61,9 +61,12 @@ def test_ratios_and_the_check_come_from_the_records(monkeypatch):
     rates = {"phalanx eager": 120, "phalanx graphs": 400, "plain": 130, "plain captured": 430, "ddp/1": 100,
              "phalanx graphs + fused": 440, "phalanx graphs + compile": 420, "phalanx eager + compile": 150}
 
-    def fake_run(jobs, *, rounds, deadline_s, on_run=None):
-        return {name: [_record(rates[name] + r, "replaying" if job.graphs else None) for r in range(rounds)]
-                for name, job in jobs.items()}
+    calls = {"anchors": 0}
+
+    def fake_run(jobs, *, rounds, deadline_s, on_run=None):  # the anchors' 2nd round: 1 image/s more each
+        r = calls["anchors"] if "plain" in jobs else 0
+        calls["anchors"] += "plain" in jobs
+        return {name: [_record(rates[name] + r, "replaying" if job.graphs else None)] for name, job in jobs.items()}
 
     monkeypatch.setattr(gpu, "run_contenders", fake_run)
     payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variants=("fused", "compile"), rounds=2, variant_rounds=1))
@@ -72,9 +75,10 @@ def test_ratios_and_the_check_come_from_the_records(monkeypatch):
     assert ratios["phalanx_graphs_vs_plain_captured"] == pytest.approx((400 / 430 + 401 / 431) / 2)
     assert ratios["phalanx graphs + fused_vs_phalanx_graphs"] == pytest.approx(440 / 400)
     assert ratios["phalanx eager + compile_vs_phalanx_graphs"] == pytest.approx(150 / 400)
-    assert payload["check"] == {"passed": True, "problems": []}
+    assert payload["check"] == {"passed": True, "problems": []} and payload["rounds_skipped"] == []
+    assert [(r["contender"], r["rounds"]) for r in payload["results"]][:2] == [("phalanx eager", 2), ("phalanx graphs", 2)]
     text = gpu_report.report_gpu(payload)
-    assert "phalanx_graphs_vs_plain" in text and "check: every captured phalanx run replayed its graph: passed" in text
+    assert "phalanx_graphs_vs_plain" in text and "check: every captured phalanx run replayed its graph (0 s in all): passed" in text
     gpu_report.plot_gpu(payload)
 
     def fell_back(jobs, *, rounds, deadline_s, on_run=None):
@@ -102,3 +106,22 @@ def test_bench_step_reports_host_time_per_step_and_the_paired_ratio(monkeypatch)
     text = step.report_step(payload)
     assert "phalanx's step / the plain loop's: host 1.075" in text and "75 (50-100) us more host time" in text
     step.plot_step(payload)
+
+
+def test_rounds_run_most_telling_first_and_stop_at_the_budget(monkeypatch):
+    config = gpu.GpuBenchConfig(variants=("bf16",), rounds=3, variant_rounds=2, budget_s=100)
+    assert gpu.plan_rounds(config, {"variants": {"x": None}}) == ["anchors", "variants", "variants", "anchors",
+                                                                    "anchors"]
+    now, seen = [0.0], []
+
+    def fake_run(jobs, *, rounds, deadline_s, on_run=None):  # every process takes 6 s
+        now[0] += 6 * len(jobs)
+        seen.append(sorted(jobs))
+        return {name: [_record(100, "replaying" if job.graphs else None)] for name, job in jobs.items()}
+
+    monkeypatch.setattr(gpu, "run_contenders", fake_run)
+    payload = gpu.run_gpu_bench(config, clock=lambda: now[0])
+    # anchors (5 x 6 = 30 s), variants (2 x 6: 42 s), variants (54 s), anchors (84 s); the last anchors would end at 114 s
+    assert len(seen) == 4 and payload["rounds_skipped"] == ["anchors"] and payload["elapsed_s"] == 84
+    assert {r["contender"]: r["rounds"] for r in payload["results"] if r["group"] == "anchors"}["plain"] == 2
+    assert "not started within the 100 s budget: 1 round(s) of anchors" in gpu_report.report_gpu(payload)
