@@ -14,8 +14,9 @@ import pytest
 
 from phalanx.comm import PeerGone, PeerStalled
 from phalanx.comm.watchdog import check
-from phalanx.runtime.board import COMM, WORLD, Tag
+from phalanx.runtime.board import COMM, WORLD
 from phalanx.runtime.procs import process_state
+from phalanx.runtime.tags import Tag
 from tests.unit.test_board import boards, world_of
 
 
