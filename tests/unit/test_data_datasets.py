@@ -265,8 +265,18 @@ def test_unknown_name_lists_choices():
 def test_to_float():
     x = torch.tensor([0, 51, 255], dtype=torch.uint8)
     torch.testing.assert_close(to_float(x), torch.tensor([0.0, 0.2, 1.0]))
+    assert to_float(x, torch.float64).dtype == torch.float64
     with pytest.raises(ValueError):
         to_float(x.float())
+
+
+def test_to_float_computes_what_cuda_computes():
+    """CUDA divides a tensor by a number as a multiplication by the number's reciprocal; to_float
+    does that on every device, in the run's dtype (tests/gpu compares the devices bitwise)."""
+    x = torch.arange(256, dtype=torch.uint8)
+    for dtype in (torch.float32, torch.float64):
+        assert torch.equal(to_float(x, dtype), x.to(dtype) * torch.tensor(1 / 255, dtype=dtype))
+    assert int((x.float() / 255 != to_float(x)).sum()) == 126  # where the CPU's division rounds otherwise
 
 
 def test_data_imports_point_downward():
