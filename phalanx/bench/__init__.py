@@ -1,5 +1,6 @@
-"""`phalanx bench allreduce|scaling|memory|overlap|splits|autopar`: the measurements behind "phalanx beats
-DDP", and the "Automatic Parallelism" chapter's experiments (phalanx/autopar/: `overlap`, `autopar`).
+"""`phalanx bench allreduce|scaling|memory|overlap|splits|autopar|hosts`: the measurements behind "phalanx beats
+DDP", the "Automatic Parallelism" chapter's experiments (phalanx/autopar/: `overlap`, `autopar`), and
+flat vs hierarchical allreduce on simulated hosts (`hosts`).
 
 Each benchmark lives in its own module (allreduce.py, scaling.py, memory.py, splits.py; autopar/chapter.py,
 autopar/exercises.py) with its config dataclass, its run, its terminal table and its chart; the
@@ -19,7 +20,7 @@ import sys
 from phalanx.comm.algorithms import ALGORITHMS
 from phalanx.errors import UsageError
 
-BENCHMARKS = ("allreduce", "scaling", "memory", "overlap", "splits", "autopar")
+BENCHMARKS = ("allreduce", "scaling", "memory", "overlap", "splits", "autopar", "hosts")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
@@ -98,7 +99,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     autopar.add_argument("--steps", type=int, default=3, help="5: SGD steps in the graph (default 3)")
     autopar.add_argument("--dtype", default="float32", help="float32 or float64 (default float32)")
 
-    for parser in (allreduce, scaling, memory, overlap, splits, autopar):
+    from phalanx.bench.hosts import HostsBenchConfig
+    from phalanx.options import add_options
+
+    hosts = kinds.add_parser("hosts", help=HostsBenchConfig.__doc__.strip())
+    add_options(hosts, HostsBenchConfig)
+
+    for parser in (allreduce, scaling, memory, overlap, splits, autopar, hosts):
         parser.add_argument("--out", default=None, help="directory for the JSON and PNG (default runs/bench-NAME)")
     return bench
 
@@ -121,7 +128,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if name == "autopar":
         return _run_autopar(args)
     try:
-        if name == "allreduce":
+        if name == "hosts":
+            from phalanx.bench import hosts
+            from phalanx.options import build
+
+            config = hosts.require_bed(build(hosts.HostsBenchConfig, args))
+            run, report, plot = hosts.run_hosts_bench, hosts.report_hosts, hosts.plot_hosts
+        elif name == "allreduce":
             config = allreduce.AllreduceBenchConfig(
                 sizes_bytes=parse_list(args.sizes, parse_size, flag="--sizes"),
                 world_sizes=parse_list(args.world_sizes, int, flag="--world-sizes"),

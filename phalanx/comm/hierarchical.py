@@ -103,14 +103,7 @@ class Hierarchy:
 
     def shares(self, numel: int, element_size: int) -> list[int]:
         """Each local rank's share of an allreduce of `numel` elements, in elements."""
-        m = self.layout.per_host
-        if self.variant == "leader":
-            return [numel] + [0] * (m - 1)
-        per_line = max(1, _LINE // element_size)
-        lines = math.ceil(numel / per_line)
-        base, extra = divmod(lines, m)
-        bounds = [min(numel, (i * base + min(i, extra)) * per_line) for i in range(m + 1)]
-        return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        return bucket_shares(numel, element_size, per_host=self.layout.per_host, variant=self.variant)
 
     def across(self, op: str, fn: Callable[[], None]) -> None:
         """Run this rank's exchange with its peers on the other hosts; a failure of the link or of
@@ -156,6 +149,18 @@ class Hierarchy:
         return layout_text(lay.num_hosts, lay.per_host, self.variant)
 
 
+def bucket_shares(numel: int, element_size: int, *, per_host: int, variant: str = DEFAULT_VARIANT) -> list[int]:
+    """How a host's `per_host` ranks share a bucket of `numel` elements: near-equal slices cut on
+    64-byte lines (`slices`), or all of it to local rank 0 (`leader`)."""
+    if variant == "leader":
+        return [numel] + [0] * (per_host - 1)
+    per_line = max(1, _LINE // element_size)
+    lines = math.ceil(numel / per_line)
+    base, extra = divmod(lines, per_host)
+    bounds = [min(numel, (i * base + min(i, extra)) * per_line) for i in range(per_host + 1)]
+    return [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+
+
 def allreduce_hierarchical(flat: torch.Tensor, *, world: World, transport: Hierarchy | None = None,
                            ticket: Ticket | None = None) -> None:
     """Sum the contiguous 1-D `flat` in place across `world`: within each host, between hosts,
@@ -187,7 +192,7 @@ def reduce_scatter_hierarchical(flat: torch.Tensor, *, counts: Sequence[int], wo
     if not world.distributed or flat.numel() == 0:
         return
     h = _hierarchy(transport, "reduce-scatter")
-    order = _Order(h.layout, counts)
+    order = HostOrder(h.layout, counts)
     buf = order.gather(flat)
     lo, hi = own_range(order.shares, h.layout.local)
     if h.shm is not None:
@@ -207,7 +212,7 @@ def all_gather_hierarchical(flat: torch.Tensor, *, counts: Sequence[int], world:
     if not world.distributed or flat.numel() == 0:
         return
     h = _hierarchy(transport, "all-gather")
-    order = _Order(h.layout, counts)
+    order = HostOrder(h.layout, counts)
     mine_lo, mine_hi = own_range(counts, world.rank)
     buf = flat if order.identity else torch.empty_like(flat)
     if buf is not flat:
@@ -223,7 +228,7 @@ def all_gather_hierarchical(flat: torch.Tensor, *, counts: Sequence[int], world:
         order.scatter(buf, flat)
 
 
-class _Order:
+class HostOrder:
     """Per-rank ranges reordered by local rank, then host: local rank l's share is contiguous,
     and within it the pieces of its peers follow in host order (what their ring cuts)."""
 

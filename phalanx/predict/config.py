@@ -63,6 +63,23 @@ INTERCONNECTS: dict[str, Interconnect] = {
 }
 
 
+# A message across a host's link under gloo: its per-message floor over TCP (0.1-0.3 ms on this
+# machine's loopback, costmodel.py), the low end, since a message between hosts pays no more for it.
+HOST_ALPHA_S = 100e-6
+
+
+def host_link(link_gbit: float, *, alpha_us: float | None = None, overlap_efficiency: float | None = None,
+              simulated: bool = False) -> Interconnect:
+    """Each host's link of `link_gbit` Gbit/s (predict/hosts.py): β its rate in bytes/s, α gloo's
+    per-message cost unless given, η 1 unless given (the link, not the cores, bounds the exchange)."""
+    if not (math.isfinite(link_gbit) and link_gbit > 0):
+        raise ValueError(f"--link-gbit {link_gbit} must be a positive number of Gbit/s")
+    return Interconnect(name=f"{link_gbit:g} Gbit/s host links", alpha_s=HOST_ALPHA_S if alpha_us is None else alpha_us * 1e-6,
+                        beta_Bps=link_gbit * 1e9 / 8, overlap_efficiency=1.0 if overlap_efficiency is None
+                        else overlap_efficiency, shares_host=simulated,
+                        note="hosts simulated on this machine" if simulated else "hosts like this machine")
+
+
 def resolve_interconnect(name: str, *, alpha_us: float | None = None, beta_gbps: float | None = None,
                          overlap_efficiency: float | None = None) -> Interconnect:
     """The preset `name` with any of α (µs), β (GB/s, 1e9 bytes/s), η replaced by the caller's."""
@@ -92,10 +109,17 @@ class PredictConfig:
     seed: int = 0
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one spawned run
+    # --hosts: predict H hosts of workers_per_host over links of link_gbit (predict/hosts.py); the
+    # world sizes are then H x workers_per_host, and validation runs on simulated hosts.
+    hosts: tuple[int, ...] = ()
+    workers_per_host: int = 2
+    link_gbit: float | None = None
 
     def __post_init__(self) -> None:
         if self.model not in BENCH_MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(BENCH_MODELS)}")
+        if self.hosts:
+            self._check_hosts()
         check_choice(self.algorithm)
         if self.algorithm == "auto":  # as training's auto: shm for processes sharing this host
             local = self.interconnect.shares_host and shm_supported() is None
@@ -116,9 +140,18 @@ class PredictConfig:
         for name, low in (("rounds", 1), ("steps", 2), ("warmup_steps", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
-        if self.validate and not self.interconnect.shares_host:
+        if self.validate and not self.interconnect.shares_host and not self.hosts:
             raise ValueError(f"validation measures this machine over loopback, not {self.interconnect.name}; "
                              "drop --validate or use --interconnect loopback")
+
+    def _check_hosts(self) -> None:
+        if min(self.hosts) < 2 or len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"--hosts {','.join(map(str, self.hosts))} must list distinct host counts of at least 2")
+        if self.workers_per_host < 1:
+            raise ValueError(f"--workers-per-host {self.workers_per_host} must be at least 1")
+        if self.link_gbit is None:
+            raise ValueError("--hosts needs --link-gbit, the speed of each host's link (e.g. --link-gbit 10)")
+        object.__setattr__(self, "world_sizes", tuple(h * self.workers_per_host for h in self.hosts))
 
     @property
     def world_sizes_sorted(self) -> tuple[int, ...]:
