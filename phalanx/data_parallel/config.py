@@ -31,9 +31,10 @@ bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... va
 class DataParallelConfig:
     """data parallelism: the replicas and the gradient exchange"""
 
-    # auto: shm for CPU workers on one host, the backend's own (NCCL, gloo across hosts) elsewhere.
+    # auto: shm for CPU workers on one host, hierarchical for CPU workers on several hosts of
+    # several workers, the backend's own (NCCL, gloo) elsewhere.
     allreduce: str = option("auto", choices=CHOICES, help="allreduce algorithm (auto: shm for CPU workers on one "
-                            "host, else native)")
+                            "host, hierarchical across hosts of several workers, else native)")
     # Overlap each bucket's allreduce with backward (False: one synchronous flat allreduce after
     # backward). bucket_cap_mb applies with overlap only; None = one bucket.
     overlap: bool = option(True, flag="--no-overlap", help="exchange gradients in one synchronous allreduce after "

@@ -27,8 +27,9 @@ Across H hosts (`hosts` > 1) β is one host's link and B counts the bytes a host
 flat ring over k ranks numbered host by host (torchrun's numbering) crosses each host's link once
 each way, so a host sends what one rank does, 2(k-1)/k of the message; the hierarchical one sends
 2(H-1)/H (its shm steps run at memory bandwidth, a hundred times a Gbit link's, and overlap the
-exchange window by window: comm/hierarchical.py). A host's ranks share its link, so whatever m is,
-the link's rate bounds the exchange.
+exchange window by window: comm/hierarchical.py). Its latency term is paid per window: a bucket
+of n bytes goes between hosts as ceil(n / slot) gloo allreduces, each 2(H-1) messages. A host's
+ranks share its link, so whatever m is, the link's rate bounds the exchange.
 α and β are fitted per algorithm from a 2-rank sweep (`fit_link`): on gloo every call has a floor
 of its own (~1 ms for a native call, ~0.1-0.3 ms per point-to-point message), so the α an
 algorithm sees is its own, and the fit keeps predictions at k = 2 self-consistent.
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from phalanx.comm import ALGORITHMS
+from phalanx.comm.shm import SLOT_BYTES
 from phalanx.comm.tree import largest_power_of_two
 
 
@@ -79,6 +81,8 @@ def allreduce_time_s(algorithm: str, size_bytes: float, world_size: int, *, alph
     latency, bandwidth = cost_terms(algorithm, world_size, hosts=hosts)
     if size_bytes == 0:
         return 0.0
+    if algorithm == "hierarchical" and hosts > 1:
+        latency *= math.ceil(size_bytes / SLOT_BYTES)  # one exchange between hosts per window
     return latency * alpha_s + bandwidth * size_bytes / beta_Bps
 
 

@@ -6,8 +6,9 @@ Per bucket of n bytes, with β = R/8 bytes/s a host's link and α the cost of on
 it (costmodel.cost_terms, `hosts`):
 
     flat (gloo's ring over k = H·m ranks)   c = 2(k-1)·α + 2(k-1)/k · n/β
-    hierarchical                            c = 2(H-1)·α + 2(H-1)/H · n/β
+    hierarchical                            c = 2(H-1)·α·w + 2(H-1)/H · n/β,  w = ceil(n / 4 MiB)
 
+(w: the windows a bucket crosses the hosts in, one gloo allreduce each, comm/hierarchical.py)
 and the step is timeline.py's: the slowest of k ranks' compute, each bucket's exchange scheduled
 from its ready time in backward, the part after backward exposed. η, the share of hidden
 exchange that really hides, is 1 here: a host's link, not its cores, bounds the exchange (the

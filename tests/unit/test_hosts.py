@@ -137,3 +137,12 @@ def test_the_first_line_names_the_hierarchy_and_why():
     assert Choices(requested_algorithm="hierarchical", **facts).describe().startswith(
         "allreduce hierarchical: shm within each of 2 hosts x 2 workers, gloo between hosts, 1/2 of each bucket per "
         "link, overlapped")
+
+
+def test_the_hierarchical_exchange_pays_its_latency_per_window():
+    from phalanx.comm.shm import SLOT_BYTES
+
+    two_and_a_bit = 2 * SLOT_BYTES + 1  # three windows, each a gloo allreduce of 2(H-1) messages
+    assert allreduce_time_s("hierarchical", two_and_a_bit, 8, alpha_s=1.0, beta_Bps=1e30, hosts=4) == \
+        pytest.approx(3 * 2 * 3)
+    assert allreduce_time_s("native", two_and_a_bit, 8, alpha_s=1.0, beta_Bps=1e30, hosts=4) == pytest.approx(14)
