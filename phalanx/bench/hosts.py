@@ -29,7 +29,7 @@ from typing import Any
 from phalanx.errors import UsageError
 from phalanx.measure.hosts_bed import bed_unavailable
 from phalanx.measure.hosts_run import run_on_bed
-from phalanx.measure.hosts_worker import ALLREDUCE_CONTENDERS, CONTENDERS, BedJob
+from phalanx.measure.hosts_worker import CONTENDERS, BedJob
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.outputs import new_figure
 from phalanx.measure.timing import Spread
@@ -168,5 +168,5 @@ def plot_hosts(payload: dict[str, Any]):
     return fig
 
 
-__all__ = ["ALLREDUCE_CONTENDERS", "HostsBenchConfig", "formula_bytes", "plot_hosts", "report_hosts",
+__all__ = ["HostsBenchConfig", "formula_bytes", "plot_hosts", "report_hosts",
            "require_bed", "run_hosts_bench", "speedups", "summarize"]

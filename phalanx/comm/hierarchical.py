@@ -51,7 +51,7 @@ import torch.distributed as dist
 from phalanx.comm.calls import collective
 from phalanx.comm.counts import own_range
 from phalanx.comm.hosts import DEFAULT_VARIANT, VARIANTS, HostLayout, exchange_failed, layout_text, read_layout
-from phalanx.comm.ring import all_gather_ring, allreduce_ring, reduce_scatter_ring
+from phalanx.comm.ring import all_gather_ring, reduce_scatter_ring
 from phalanx.comm.shm import SLOT_BYTES, ShmGroup
 from phalanx.comm.shm_ops import all_gather_shm, reduce_scatter_shm
 from phalanx.comm.transport import DistTransport

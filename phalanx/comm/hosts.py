@@ -9,6 +9,9 @@ real ones. `read_layout` is a collective: every rank's (node rank, local rank), 
 grouped by node rank, each host's ranks ordered by local rank. Every host must run the same
 number of workers numbered 0..m-1, since local rank l of every host exchanges the same share of
 each bucket with its peers (local rank l of the other hosts).
+
+It also says the layout in words (the run's first line: `layout_text`), and a failed exchange
+between hosts in one line naming both ends (`exchange_failed`).
 """
 
 from __future__ import annotations
