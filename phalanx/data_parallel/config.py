@@ -61,4 +61,4 @@ class DataParallelConfig:
         check_options(self)
         if self.shard != "none" and self.allreduce in ("naive", "tree"):
             raise ValueError(f"--shard {self.shard} reduce-scatters and all-gathers, which --allreduce {self.allreduce} "
-                             "cannot; use --allreduce auto, shm, ring or native")
+                             "cannot; use --allreduce auto, shm, hierarchical, ring or native")

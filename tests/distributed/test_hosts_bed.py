@@ -2,8 +2,8 @@
 own /dev/shm and its own torchrun agent (phalanx/measure/hosts_bed.py), as real machines run.
 
 2 hosts x 2 workers: `phalanx train` in float64 (LeNet and the MLP, 2 epochs) ends within 1e-12
-of 1 device with every replica checked bitwise at every step, and its first line names the
-hierarchy; a user's script's 4 ranks end bitwise equal; a host that dies mid-epoch ends the run
+of 1 device with every replica checked bitwise at every step, and so does LeNet sharded to ZeRO-3;
+the first line names the hierarchy; a user's script's 4 ranks end bitwise equal; a host that dies mid-epoch ends the run
 on the other host within --timeout, named in one line, nothing left in any host's /dev/shm; and
 under `--max-restarts` a worker killed after a checkpoint is resumed on every host to the same
 bits as an uninterrupted run. Needs root and iproute2: elsewhere every test skips with the
@@ -88,12 +88,19 @@ def test_the_bed_removes_every_namespace_and_mount_it_made():
     assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
-@pytest.mark.parametrize("model", ["lenet", "mlp"])
-def test_train_on_two_hosts_of_two_workers_equals_one_device_and_names_the_hierarchy(model, small_idx, tmp_path):
-    one_device("train", "--devices", "cpu:1", *common(small_idx, model), "--out", str(tmp_path / "one"))
+# (model, extra flags): the MLP and LeNet with every replica compared bitwise at every step, and
+# LeNet sharded to ZeRO-3 (the hierarchical reduce-scatter and all-gather) with Adam.
+RUNS = [("lenet", ("--check-every", "1")), ("mlp", ("--check-every", "1")),
+        ("lenet", ("--shard", "parameters", "--optimizer", "adam", "--lr", "0.01"))]
+
+
+@pytest.mark.parametrize("model, extra", RUNS, ids=["lenet", "mlp", "lenet-zero3"])
+def test_train_on_two_hosts_of_two_workers_equals_one_device_and_names_the_hierarchy(model, extra, small_idx,
+                                                                                      tmp_path):
+    one_device("train", "--devices", "cpu:1", *common(small_idx, model), *extra, "--out", str(tmp_path / "one"))
     with HostsBed(hosts=2) as bed:
-        node0, node1 = on_two_hosts(bed, tmp_path, "-m", "phalanx", "train", *common(small_idx, model),
-                                    "--check-every", "1", "--out", str(tmp_path / "two"))
+        node0, node1 = on_two_hosts(bed, tmp_path, "-m", "phalanx", "train", *common(small_idx, model), *extra,
+                                    "--out", str(tmp_path / "two"))
         assert left_in_shm(bed) == []
     first = node0.splitlines()[0]
     assert first.startswith(f"training {model} on fashion-mnist"), first
@@ -102,7 +109,7 @@ def test_train_on_two_hosts_of_two_workers_equals_one_device_and_names_the_hiera
     reference = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
     state = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
     assert list(state) == list(reference)
-    assert max_rel(state, reference) < RTOL  # and --check-every 1 compared the 4 replicas at every step
+    assert max_rel(state, reference) < RTOL
 
 
 def test_a_user_script_on_two_hosts_ends_bitwise_equal_on_every_rank(tmp_path):
