@@ -35,7 +35,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     allreduce.add_argument("--world-sizes", default="2,3,4", help="process counts, one spawned run each")
     allreduce.add_argument("--algorithms", default=",".join(ALGORITHMS), help=f"any of {', '.join(ALGORITHMS)}")
     allreduce.add_argument("--collectives", default="allreduce,reduce-scatter,all-gather",
-                           help="any of allreduce, reduce-scatter, all-gather (the last two: native, shm, ring)")
+                           help="any of allreduce, reduce-scatter, all-gather (the last two: native, shm, hierarchical, ring)")
     allreduce.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds (default 5)")
 
     scaling = kinds.add_parser("scaling", help="images/s: phalanx on 1..k devices vs DDP, one process, ceiling")

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from phalanx.comm.calls import collective
 from phalanx.comm.counts import own_range
-from phalanx.comm.hosts import DEFAULT_VARIANT, VARIANTS, HostLayout, exchange_failed, layout_text, read_layout
+from phalanx.comm.hosts import DEFAULT_VARIANT, VARIANTS, HostLayout, exchange_failed, read_layout
 from phalanx.comm.ring import all_gather_ring, reduce_scatter_ring
 from phalanx.comm.shm import SLOT_BYTES, ShmGroup
 from phalanx.comm.shm_ops import all_gather_shm, reduce_scatter_shm
@@ -142,11 +142,6 @@ class Hierarchy:
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
-
-    def describe(self) -> str:
-        """The layout in words, as the run's first line gives it."""
-        lay = self.layout
-        return layout_text(lay.num_hosts, lay.per_host, self.variant)
 
 
 def bucket_shares(numel: int, element_size: int, *, per_host: int, variant: str = DEFAULT_VARIANT) -> list[int]:
