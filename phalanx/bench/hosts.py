@@ -15,7 +15,7 @@ The formulas, per allreduce of S bytes, for what one host sends on its link:
 So on a link-bound bed the hierarchical allreduce can be at most (k-1)/k · H/(H-1) times as fast
 as the flat one: 1.5x at 2 hosts x 2 workers, 1.75x at 2 x 4, approaching m as H grows (the
 flat ring pays for every worker on the link; the hierarchy for one host). busbw is nccl-tests'
-(PERFORMANCE.md): algbw · 2(k-1)/k with algbw = S / time. Needs root and iproute2 (the bed's
+(telemetry/bandwidth.py): algbw · 2(k-1)/k with algbw = S / time. Needs root and iproute2 (the bed's
 `bed_unavailable` says why not, in one line); the machine's cores are shared by all hosts, so a
 step's compute is k workers' on this machine's cores, not one host's.
 """
@@ -34,6 +34,7 @@ from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.outputs import new_figure
 from phalanx.measure.timing import Spread
 from phalanx.options import at_least, check_options, finite, option, positive
+from phalanx.telemetry.bandwidth import busbw_factor
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +111,7 @@ def summarize(records: list[dict], *, gradient_bytes: int, hosts: int, world_siz
         algbw = gradient_bytes / time_s.median
         rows.append({"contender": contender, "time_s": time_s.to_dict(), "sent_bytes": sent_bytes.to_dict(),
                      "formula_bytes": formula, "bytes_error": sent_bytes.median / formula - 1,
-                     "algbw_Bps": algbw, "busbw_Bps": algbw * 2 * (world_size - 1) / world_size,
+                     "algbw_Bps": algbw, "busbw_Bps": algbw * busbw_factor(world_size),
                      "link_utilization": sent_bytes.median / time_s.median / (link_gbit * 1e9 / 8)})
     return rows
 

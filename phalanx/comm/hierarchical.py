@@ -55,7 +55,8 @@ from phalanx.comm.ring import all_gather_ring, reduce_scatter_ring
 from phalanx.comm.shm import SLOT_BYTES, ShmGroup
 from phalanx.comm.shm_ops import all_gather_shm, reduce_scatter_shm
 from phalanx.comm.transport import DistTransport
-from phalanx.runtime.board import Tag, Ticket
+from phalanx.runtime.board import Ticket
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 _LINE = 64

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from phalanx.comm.calls import collective
 from phalanx.comm.watchdog import CommError
 from phalanx.errors import RunFailed
-from phalanx.runtime.board import Tag
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.segment import shm_supported
 from phalanx.runtime.world import World
 

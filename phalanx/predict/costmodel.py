@@ -1,4 +1,4 @@
-"""α–β cost models of the allreduce algorithms, nccl-tests' bus bandwidth, and fitting α, β.
+"""α–β cost models of the allreduce algorithms, and fitting α, β.
 
 The Hockney model: sending one message of n bytes costs α + n/β. An allreduce of n bytes over k
 ranks then costs L(k)·α + B(k)·n/β, where L counts the messages on the critical path and B the
@@ -20,8 +20,8 @@ rank moves through memory per message byte (copy in, read k chunks of n/k, write
 L counts its two flag waits per call; a wait ends when the last of k-1 peers arrives, which grows
 with k about as log2 k (the 16-core host's MPI shared-memory allreduce: 7 µs at k=2, 18 µs at 8).
 
-Bus bandwidth as nccl-tests' PERFORMANCE.md defines it for allreduce: busbw = algbw · 2(k-1)/k,
-algbw = n / time, so busbw of a ring approaches β as n grows, whatever k.
+With nccl-tests' bus bandwidth (telemetry/bandwidth.py: busbw = algbw · 2(k-1)/k for an
+allreduce, algbw = n / time), a ring's modelled busbw approaches β as n grows, whatever k.
 
 Across H hosts (`hosts` > 1) β is one host's link and B counts the bytes a host sends on it: the
 flat ring over k ranks numbered host by host (torchrun's numbering) crosses each host's link once
@@ -84,19 +84,6 @@ def allreduce_time_s(algorithm: str, size_bytes: float, world_size: int, *, alph
     if algorithm == "hierarchical" and hosts > 1:
         latency *= math.ceil(size_bytes / SLOT_BYTES)  # one exchange between hosts per window
     return latency * alpha_s + bandwidth * size_bytes / beta_Bps
-
-
-def busbw_factor(world_size: int) -> float:
-    """nccl-tests PERFORMANCE.md, allreduce: busbw = algbw · 2(k-1)/k."""
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    return 2.0 * (world_size - 1) / world_size
-
-
-def busbw_Bps(size_bytes: float, time_s: float, world_size: int) -> float:
-    if not time_s > 0:
-        raise ValueError(f"time must be > 0 s, got {time_s}")
-    return size_bytes / time_s * busbw_factor(world_size)
 
 
 @dataclass(frozen=True, kw_only=True)
