@@ -26,9 +26,9 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from phalanx.errors import UsageError
-from phalanx.measure.hosts_bed import bed_unavailable
-from phalanx.measure.hosts_run import run_on_bed
+from phalanx.errors import RunFailed, UsageError
+from phalanx.measure.hosts_bed import BedError, bed_unavailable
+from phalanx.measure.hosts_run import BedRunFailed, run_on_bed
 from phalanx.measure.hosts_worker import CONTENDERS, BedJob
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.outputs import new_figure
@@ -86,8 +86,11 @@ def run_hosts_bench(config: HostsBenchConfig) -> dict[str, Any]:
     job = BedJob(model=config.model, global_batch_size=config.global_batch_size, contenders=CONTENDERS,
                  rounds=config.rounds, allreduce_calls=config.allreduce_calls, warmup_steps=config.warmup_steps,
                  steps=config.steps, timeout_s=config.timeout_s)
-    bed = run_on_bed(job, hosts=config.hosts, per_host=config.workers_per_host, link_gbit=config.link_gbit,
-                     deadline_s=config.deadline_s)
+    try:
+        bed = run_on_bed(job, hosts=config.hosts, per_host=config.workers_per_host, link_gbit=config.link_gbit,
+                         deadline_s=config.deadline_s)
+    except (BedError, BedRunFailed) as exc:  # what the bed or a host's agent said, after this line
+        raise RunFailed(f"bench hosts: the simulated hosts failed: {exc}") from exc
     return {"config": asdict(config), "first_line": bed["first_line"], "gradient_bytes": bed["gradient_bytes"],
             "rows": summarize(bed["records"], gradient_bytes=bed["gradient_bytes"], hosts=config.hosts,
                               world_size=config.world_size, link_gbit=config.link_gbit),
