@@ -123,7 +123,8 @@ def read_layout(world: World) -> HostLayout:
     for node in nodes:
         on_node = sorted((local, rank) for rank, (n, local) in enumerate(entries) if n == node)
         if [local for local, _ in on_node] != list(range(len(on_node))):
-            raise LayoutError(f"node {node}'s local ranks are {[local for local, _ in on_node]}, not 0..{len(on_node) - 1}")
+            locals_ = [local for local, _ in on_node]
+            raise LayoutError(f"node {node}'s local ranks are {locals_}, not 0..{len(on_node) - 1}")
         hosts.append(tuple(rank for _, rank in on_node))
     return HostLayout(hosts=tuple(hosts), rank=world.rank)
 

@@ -76,9 +76,10 @@ def host_link(link_gbit: float, *, alpha_us: float | None = None, overlap_effici
     per-message cost unless given, η 1 unless given (the link, not the cores, bounds the exchange)."""
     if not (math.isfinite(link_gbit) and link_gbit > 0):
         raise ValueError(f"--link-gbit {link_gbit} must be a positive number of Gbit/s")
-    return Interconnect(name=f"{link_gbit:g} Gbit/s host links", alpha_s=HOST_ALPHA_S if alpha_us is None else alpha_us * 1e-6,
-                        beta_Bps=link_gbit * 1e9 / 8, overlap_efficiency=1.0 if overlap_efficiency is None
-                        else overlap_efficiency, shares_host=simulated,
+    return Interconnect(name=f"{link_gbit:g} Gbit/s host links",
+                        alpha_s=HOST_ALPHA_S if alpha_us is None else alpha_us * 1e-6, beta_Bps=link_gbit * 1e9 / 8,
+                        overlap_efficiency=1.0 if overlap_efficiency is None else overlap_efficiency,
+                        shares_host=simulated,
                         note="hosts simulated on this machine" if simulated else "hosts like this machine")
 
 

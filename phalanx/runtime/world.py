@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from phalanx.errors import UsageError
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT")
 # "1" makes every CUDA rank of this host drive cuda:0 and the ranks talk over gloo: a k-GPU run
 # rehearsed on a machine with one GPU (docs/command.md, Environment; tests/gpu run this way).
 # NCCL refuses two ranks on one GPU; gloo's collectives take CUDA tensors (copied through host
