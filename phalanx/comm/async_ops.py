@@ -43,6 +43,8 @@ import torch.distributed as dist
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat, resolve_algorithm
 from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work
 from phalanx.comm.handle import Handle, done, flat_of
+from phalanx.comm.hierarchical import Hierarchy
+from phalanx.comm.hosts import LayoutError
 from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDUCE_SCATTER_TAG, prepare
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
@@ -66,18 +68,21 @@ Job = Callable[[object, Ticket | None], None]
 class AsyncComm:
     """Background thread, private group and shared segment for allreduces; close before stop_world.
 
-    `algorithms`: the ones this will be asked to run (default: all but shm, which maps a segment).
-    Construct it at the same point on every rank: opening a group or a segment is a collective.
+    `algorithms`: the ones this will be asked to run (default: all but shm and hierarchical, which
+    map segments). Construct it at the same point on every rank: opening a group or a segment is a
+    collective.
     """
 
     def __init__(self, *, world: World, algorithms=None) -> None:
         self.world = world
-        self.algorithms = tuple(a for a in ALGORITHMS if a != "shm") if algorithms is None else tuple(algorithms)
+        self.algorithms = (tuple(a for a in ALGORITHMS if a not in ("shm", "hierarchical")) if algorithms is None
+                           else tuple(algorithms))
         for algorithm in self.algorithms:
             allreduce_fn(algorithm)  # ValueError naming the valid ones
         self._group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.shm: ShmGroup | None = None
+        self.hierarchy: Hierarchy | None = None
         self._closed = False
         self._failure: BaseException | None = None  # the first job on the thread that failed
         if world.distributed:
@@ -89,6 +94,8 @@ class AsyncComm:
                                                  timeout=datetime.timedelta(seconds=world.timeout_s))
             if "shm" in self.algorithms:
                 self.shm = ShmGroup(world=world)
+            if "hierarchical" in self.algorithms:
+                self.hierarchy = Hierarchy(world=world)
             if any(a != "native" for a in self.algorithms):
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
 
@@ -96,7 +103,9 @@ class AsyncComm:
         if algorithm not in self.algorithms:
             raise ValueError(f"AsyncComm was opened for {', '.join(self.algorithms)}, not {algorithm}; "
                              f"pass algorithms=(..., {algorithm!r}) when constructing it")
-        return self.shm if algorithm == "shm" else DistTransport(group=self._group)
+        if algorithm == "shm":
+            return self.shm
+        return self.hierarchy if algorithm == "hierarchical" else DistTransport(group=self._group)
 
     @torch.no_grad()
     def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE) -> torch.Tensor:
@@ -220,12 +229,17 @@ class AsyncComm:
         self._closed = True
         if self.shm is not None:
             self.shm.abort()
+        if self.hierarchy is not None:
+            self.hierarchy.abort()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+            self.hierarchy = None
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
@@ -249,11 +263,12 @@ def open_comm(world: World, choice: str) -> OpenedComm:
     """The AsyncComm that runs allreduce `choice` (auto or a name) on `world`: a collective, so
     call it at the same point on every rank. `auto` means the fastest that works here: where the
     shared segment cannot be set up (a full /dev/shm, say) it falls back to native, and every
-    rank alike, since each learned the same failure (the segment's set-up all-gathers it)."""
+    rank alike, since each learned the same failure (the segment's set-up all-gathers it, as
+    the hosts' layout is)."""
     algorithm = resolve_algorithm(choice, world)
     try:
         return OpenedComm(AsyncComm(world=world, algorithms=(algorithm,)), algorithm, None)
-    except ShmError as exc:
+    except (ShmError, LayoutError) as exc:
         if choice != "auto":
             raise
         return OpenedComm(AsyncComm(world=world, algorithms=("native",)), "native", str(exc))

@@ -2,8 +2,8 @@
 the `Tag` its caller passed, waited with one deadline, settled once it completed.
 
 Every collective phalanx issues passes through here: the backend's own on the default group
-(`native`, and `collective` around the blocking ones), and AsyncComm's shm, ring, tree and naive
-(async_ops.py), launched now and waited later or run on the caller's thread (`run_now`);
+(`native`, and `collective` around the blocking ones), and AsyncComm's shm, hierarchical, ring,
+tree and naive (async_ops.py), launched now and waited later or run on the caller's thread (`run_now`);
 `run_collective` is the one synchronous form of allreduce, reduce-scatter and all-gather.
 
 - `enter` is the one place a call is written on the board (runtime/board.py), before it starts.

@@ -136,7 +136,7 @@ def test_sizes_and_lists_parse_in_binary_units():
     (lambda: AllreduceBenchConfig(algorithms=("ring", "magic")), "magic"),
     (lambda: AllreduceBenchConfig(rounds=0), "rounds"),
     (lambda: AllreduceBenchConfig(collectives=("all-reduce",)), "--collectives 'all-reduce' is unknown"),
-    (lambda: AllreduceBenchConfig(algorithms=("tree",), collectives=("all-gather",)), "all-gather run on native, shm, ring only, not on tree"),
+    (lambda: AllreduceBenchConfig(algorithms=("tree",), collectives=("all-gather",)), "all-gather run on native, shm, hierarchical, ring only, not on tree"),
     (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), num_devices=2), "--batch-sizes 256,1"),
     (lambda: ScalingBenchConfig(num_devices=1), "--devices 1 must be at least 2"),
     (lambda: ScalingBenchConfig(model="resnet"), "resnet"),

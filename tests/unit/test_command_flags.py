@@ -56,8 +56,13 @@ def _gpu_less(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # --device auto resolves to cpu, as recorded
 
 
+# Benchmarks that came after the record: their flags were generated from their configs from the start.
+ADDED_SINCE = {"bench hosts", "bench step", "bench gpu"}
+
+
 def test_the_record_covers_every_command_and_benchmark():
-    assert {row["command"] for row in ROWS} == {*(f"bench {name}" for name in BENCHMARKS), "verify", "predict", "sweep"}
+    assert {row["command"] for row in ROWS} == \
+        {*(f"bench {name}" for name in BENCHMARKS), "verify", "predict", "sweep"} - ADDED_SINCE
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{row['command']} {row['flag']}" for row in ROWS])
