@@ -47,9 +47,11 @@ from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDU
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
+from phalanx.runtime.binding import run_single_threaded
 from phalanx.runtime.board import COMM, WORLD, Tag, Ticket
 from phalanx.runtime.world import World
 
+COMM_THREAD = "phalanx-comm"  # the communication thread's name, in /proc and py-spy too
 ALLREDUCE = Tag()  # what a caller that does not say what its collective is for gets
 _SET_UP = Tag("set-up")
 
@@ -89,7 +91,11 @@ class AsyncComm:
             if "shm" in self.algorithms:
                 self.shm = ShmGroup(world=world)
             if any(a != "native" for a in self.algorithms):
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
+                # The thread sums and copies buckets beside backward, single-threaded (binding.py says
+                # why); this thread's own team is fixed first, before the new one changes torch's default.
+                torch.get_num_threads()
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COMM_THREAD,
+                                                    initializer=run_single_threaded, initargs=(COMM_THREAD,))
 
     def _transport(self, algorithm: str):
         if algorithm not in self.algorithms:

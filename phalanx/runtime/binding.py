@@ -28,6 +28,7 @@ from phalanx.errors import UsageError
 
 _TOPOLOGY = "/sys/devices/system/cpu/cpu{}/topology/{}"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_PR_SET_NAME = 15  # prctl option (linux/prctl.h)
 
 
 def allowed_cores() -> list[int]:
@@ -107,8 +108,43 @@ def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, th
     if bind_cores:  # the affinity mask that worker_threads reads
         bind_to_cores(local_rank, local_world_size)
     if cpu:
-        torch.set_num_threads(count)
+        set_intra_op_threads(count)
         keep_freed_memory_mapped()
+
+
+def set_intra_op_threads(count: int) -> None:
+    """Give the calling (training) thread an intra-op team of `count` threads, and torch's second
+    pool none.
+
+    torch.set_num_threads also sizes torch's pthreadpool (XNNPACK's and QNNPACK's kernels, not
+    ATen's OpenMP ones nor oneDNN's), which this torch creates at the size of the first call and
+    never resizes: made at one thread, it holds no idle workers beside the team (over a training
+    run they took no CPU time at all). The count is then fixed for this thread: torch applies its
+    process-wide count to a thread lazily, at its first parallel op, and a communication thread
+    later sets that count to one (`run_single_threaded`)."""
+    torch.set_num_threads(1)
+    torch.set_num_threads(count)
+    torch.get_num_threads()  # the lazy per-thread set-up, now, with `count`
+
+
+def run_single_threaded(name: str | None = None) -> None:
+    """The first call of a thread phalanx starts to run tensor work beside training (the
+    communication thread): its ATen ops use no intra-op team.
+
+    With OpenMP every thread that runs an op above the parallel grain (32,768 elements) gets a
+    team of its own of torch.get_num_threads() threads: a communication thread summing 400 KB
+    buckets beside backward doubled a worker's busy threads, and on 16 cores with 2 workers x 8
+    threads that is 32 spinning threads (PyTorch's "CPU threading" notes; pytorch/pytorch#131290).
+    torch.set_num_threads(1) here sets this thread's team, and torch's default for threads that
+    have not run a parallel op yet; a training thread set up by `set_intra_op_threads` (or one
+    that already ran one) keeps its own. `name`: the OS thread's name (Linux, 15 bytes), which
+    /proc, top and py-spy show, and which the threads it starts inherit."""
+    torch.set_num_threads(1)
+    if name is not None:
+        try:
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # not Linux/glibc: the name is cosmetic
 
 
 def oversubscription(threads_per_worker: int, local_workers: int, cores: int | None = None) -> str | None:
