@@ -47,7 +47,8 @@ from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
 from phalanx.runtime.binding import run_single_threaded
-from phalanx.runtime.board import COMM, WORLD, Tag, Ticket
+from phalanx.runtime.board import COMM, WORLD, Ticket
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 COMM_THREAD = "phalanx-comm"  # the communication thread's name, in /proc and py-spy too
