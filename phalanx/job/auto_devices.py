@@ -40,7 +40,7 @@ from phalanx.data import ImageDataset
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.job.config import TrainConfig
 from phalanx.models import build_model
-from phalanx.runtime.binding import available_cores, worker_threads
+from phalanx.runtime.binding import available_cores, set_intra_op_threads, worker_threads
 
 MARGIN = 0.03  # layouts this close to the fastest count as a tie, won by the fewest workers
 LONG_STEP_S = 0.25  # a warm-up step longer than this: one timed step instead of three
@@ -151,6 +151,7 @@ def probe_layouts(model: nn.Module, input_shape: tuple[int, ...], layouts: list[
     always runs), and the seconds it took. This thread's own intra-op count is kept (each probe
     thread sets its own, and with it torch's default)."""
     mine = torch.get_num_threads()
+    set_intra_op_threads(mine)  # torch's second pool made at one thread first, as in a worker (binding.py)
     model = apply_memory_format(model, resolve_memory_format("auto", model, torch.device("cpu")))
     began, probes = time.perf_counter(), []
     try:
