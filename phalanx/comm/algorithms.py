@@ -70,7 +70,7 @@ def allreduce_fn(algorithm: str) -> Callable[..., None]:
 def apply_flat(tensor: torch.Tensor, op: Callable[[torch.Tensor], None]) -> None:
     """Run the in-place `op` on a contiguous 1-D view of `tensor` (a copy, written back, if needed)."""
     if tensor.is_contiguous():
-        op(tensor.view(-1))  # shares storage: the result lands in `tensor` directly
+        op(tensor if tensor.dim() == 1 else tensor.view(-1))  # shares storage: the result lands in `tensor`
         return
     flat = tensor.contiguous().view(-1)
     op(flat)

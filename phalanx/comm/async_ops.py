@@ -31,7 +31,6 @@ to native, on every rank alike, where the shared segment cannot be set up.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,12 +48,21 @@ from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDU
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
+from phalanx.runtime.binding import run_single_threaded
 from phalanx.runtime.board import COMM, WORLD, Ticket
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
+COMM_THREAD = "phalanx-comm"  # the communication thread's name, in /proc and py-spy too
 ALLREDUCE = Tag()  # what a caller that does not say what its collective is for gets
 _SET_UP = Tag("set-up")
+
+
+def _start_comm_thread() -> None:
+    """The communication thread's set-up: single-threaded ATen ops, its OS name, and grad mode off
+    for good (grad mode is per thread; its jobs only sum and copy buffers)."""
+    run_single_threaded(COMM_THREAD)
+    torch.set_grad_enabled(False)
 
 
 class CollectiveAborted(CommError):
@@ -97,7 +105,11 @@ class AsyncComm:
             if "hierarchical" in self.algorithms:
                 self.hierarchy = Hierarchy(world=world)
             if any(a != "native" for a in self.algorithms):
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
+                # The thread sums and copies buckets beside backward, single-threaded (binding.py says
+                # why); this thread's own team is fixed first, before the new one changes torch's default.
+                torch.get_num_threads()
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COMM_THREAD,
+                                                    initializer=_start_comm_thread)
 
     def _transport(self, algorithm: str):
         if algorithm not in self.algorithms:
@@ -107,15 +119,15 @@ class AsyncComm:
             return self.shm
         return self.hierarchy if algorithm == "hierarchical" else DistTransport(group=self._group)
 
-    @torch.no_grad()
     def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE) -> torch.Tensor:
         """Sum `tensor` in place now, on this thread, with this comm's resources; return it."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             return tensor
-        apply_flat(tensor, lambda flat: self._now(
-            algorithm, tag, flat, start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
-            job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket)))
+        with torch.no_grad():
+            apply_flat(tensor, lambda flat: self._now(
+                algorithm, tag, flat, start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
+                job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket)))
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE,
@@ -213,8 +225,11 @@ class AsyncComm:
             raise CollectiveAborted(f"not run: an earlier collective on the communication thread failed "
                                     f"({type(self._failure).__name__}: {first})")
         try:
-            # The current CUDA device is per thread: pin this one to the tensor's (a no-op on CPU).
-            with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            # Grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread).
+            if device.type == "cuda":
+                with torch.cuda.device(device):  # the current CUDA device is per thread: the tensor's
+                    job(transport, ticket)
+            else:
                 job(transport, ticket)
         except BaseException as exc:
             if self._failure is None:
