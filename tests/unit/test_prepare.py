@@ -99,7 +99,8 @@ def test_the_exchange_options_reach_the_replica():
     ({"memory_format": "nhwc"}, "memory_format 'nhwc' is unknown; choose one of auto, channels_last, contiguous"),
     ({"bucket_cap_mb": 0}, "bucket_cap_mb 0 must be a positive number of MB"),
     ({"shard": "optimizer", "algorithm": "tree"},
-     "shard optimizer reduce-scatters and all-gathers, which algorithm tree cannot; use algorithm auto, shm, ring"),
+     "shard optimizer reduce-scatters and all-gathers, which algorithm tree cannot; use algorithm auto, shm, "
+     "hierarchical, ring or native"),
     ({"dtype": "float8"}, "dtype 'float8' is unknown; choose one of float32, float64"),
     ({"grad_dtype": "int8"}, "grad_dtype 'int8' is unknown; choose one of bf16, fp16"),
     ({"grad_dtype": torch.float64}, "grad_dtype torch.float64 is not supported; use one of bf16, fp16"),
