@@ -43,8 +43,9 @@ class StepExtras:
         self.running_stats = running_stats_of(module) if average_running_stats and world.distributed else None
         unapplied = batchnorm == "sync" and has_plain_batchnorm(module)  # layers no one made SyncBatchNorm
         if self.running_stats is not None and unapplied and world.is_main:
+            # Named at the caller's line: here <- DataParallel._build <- DataParallel() or .over <- the caller.
             warnings.warn(batchnorm_notice(self.running_stats.num_layers, world.world_size), PhalanxWarning,
-                          stacklevel=3)
+                          stacklevel=4)
         # Rank 0 looks at the first synced step; the other ranks would find the same and stay quiet.
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
                                          check_loss=average is None) if world.distributed and world.is_main else None
