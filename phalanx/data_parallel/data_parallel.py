@@ -18,7 +18,8 @@ zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket'
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
 (comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
 optimizer step (guards.UnsyncedGradientGuard). Every `check_finite_every` synced steps the
-gradient is checked for NaN/Inf, naming the first step and rank (finite.py).
+gradient is checked for NaN/Inf, naming the first step and rank (finite.py), and the steps since
+then again before state leaves the replica (`check_finite`: state_dict, full_state_dict, close).
 
 A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
 buckets, hooks, thread or collectives; the step is the plain PyTorch loop's (issue 11). A
@@ -31,6 +32,7 @@ runs with is `dp.choices` (choices.py), computed by the replica itself.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterable, Iterator
 
 import torch
@@ -246,6 +248,26 @@ class DataParallel(ReplicaModule):
         share of them (sharded_optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
+    def check_finite(self, *, where: str = "dp.check_finite()") -> None:
+        """Check the gradients of the synced steps since the last NaN/Inf check now; every rank
+        calls it (a collective, where steps are pending). NonFinite names the first step and rank."""
+        if self._closed:
+            return
+        found = self._finite.found_by(where, self._synced_steps)
+        if not self.exchanging:
+            return self._finite.after_local_step(self.named_gradients, step=self._synced_steps, found=found)
+        self._finite.check_now(step=self._synced_steps, allreduce=self._allreduce_now, found=found)
+
+    def state_dict(self, *args, **kwargs):
+        """The model's own state dict (replica.py), after this rank's own NaN/Inf notes since the
+        last check (finite.py's check_local: no collective, so rank 0 may call it alone)."""
+        if not self._closed:
+            whole = self.sharding is not None and self.sharding.keeps_parameters  # its notes: its share
+            self._finite.check_local(step=self._synced_steps, where="state_dict()",
+                                     gradients=None if self.exchanging else self.named_gradients,
+                                     parameters=self.module.named_parameters if whole else None)
+        return super().state_dict(*args, **kwargs)
+
     def _allreduce_now(self, flat: torch.Tensor) -> None:
         self._comm.allreduce(flat, algorithm=self.algorithm)
 
@@ -260,7 +282,15 @@ class DataParallel(ReplicaModule):
                 if param.grad is not None}
 
     def close(self) -> None:
-        """Remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        """Check the steps since the last NaN/Inf check (every rank: unless an error is already on
+        its way), then remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        try:
+            if not self._closed and sys.exc_info()[1] is None:
+                self.check_finite(where="close()")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -60,7 +60,9 @@ class ReplicaModule(nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, detached copies: under shard="parameters" its
-        parameters gathered bucket by bucket (a collective: call it on every rank)."""
+        parameters gathered bucket by bucket (a collective: call it on every rank), after the NaN/Inf
+        check of the steps since the last one (NonFinite names the step and rank)."""
+        self.check_finite(where="full_state_dict()")  # DataParallel's: nothing non-finite leaves
         if self.sharding is None:
             return {k: v.detach().clone() for k, v in self.state_dict().items()}
         with self.sharding.whole():
@@ -79,6 +81,9 @@ class ReplicaModule(nn.Module):
         return self.sharding.load_state_dict(self.module, state, strict=strict)
 
     def close(self) -> None:  # DataParallel's: its hooks, its communication
+        raise NotImplementedError
+
+    def check_finite(self, *, where: str) -> None:  # DataParallel's: the gradient's NaN/Inf check, now
         raise NotImplementedError
 
     def __enter__(self):

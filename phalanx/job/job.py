@@ -100,6 +100,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     settings = run_settings(config, num_devices=world.world_size)
 
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
+        if replica is not None:  # nothing non-finite is saved: the steps since the last check, checked
+            replica.check_finite(where="the checkpoint")
         whole = strategy.whole_model()
         ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
@@ -134,6 +136,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                             on_step=bar.update, tracer=tracer, start_step=first_step,
                             start_totals=start.epoch_totals if epoch == start.epoch else (), after_step=after_step)
         bar.close()
+        if replica is not None:  # the epoch's last steps since the periodic check, before its row is written
+            replica.check_finite(where=f"the end of epoch {epoch + 1}")
         with span(tracer, "evaluate"):
             test_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
                                       rows=strategy.rows(test_images.shape[0]), world=world,
