@@ -47,6 +47,7 @@ from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDU
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
+from phalanx.errors import PeerLost
 from phalanx.runtime.board import COMM, WORLD, Tag, Ticket
 from phalanx.runtime.world import World
 
@@ -54,7 +55,7 @@ ALLREDUCE = Tag()  # what a caller that does not say what its collective is for 
 _SET_UP = Tag("set-up")
 
 
-class CollectiveAborted(CommError):
+class CollectiveAborted(CommError, PeerLost):
     """A queued collective that was not run because an earlier one on the same thread failed."""
 
 
