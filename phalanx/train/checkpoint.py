@@ -262,7 +262,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     Rank 0 writes, atomically.
     """
     if isinstance(model, DataParallel):
-        model.check_finite()
+        model.check_finite(where="phalanx.checkpoint()")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
