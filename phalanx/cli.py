@@ -30,25 +30,22 @@ from phalanx.runtime.lifeline import stop_message
 class Command:
     summary: str  # its line in `phalanx --help` (and the subcommand's own help)
     module: str  # owns the parser and the runner; imported only when the command is named
-    add: str  # module's function filling the subcommand's parser with its arguments
+    add: str  # module's function filling the subcommand's parser (generated from its configs)
     run: str  # module's function running it: parsed arguments -> exit code
-    # bench, verify, predict, sweep: `add(subparsers)` makes the subparser itself, with flags
-    # written by hand; when their flags are generated from configs, they take `add(parser)` too.
-    makes_own_parser: bool = False
 
 
 COMMANDS = {
     "train": Command(summary="train a model on k devices in lockstep", module="phalanx.job.command",
                      add="add_train_arguments", run="run_train"),
-    "bench": Command(summary="measure allreduce, scaling against DDP, overlap, splits; the automatic "
-                             "parallelism exercises", module="phalanx.bench", add="add_bench_parser",
-                     run="run_bench", makes_own_parser=True),
+    "bench": Command(summary="measure allreduce, scaling against DDP, sharded memory, overlap, splits; the "
+                             "automatic parallelism exercises", module="phalanx.bench.cli", add="add_bench_arguments",
+                     run="run_bench"),
     "verify": Command(summary="check that k-device training equals 1-device training, step by step",
-                      module="phalanx.verify", add="add_verify_parser", run="run_verify", makes_own_parser=True),
+                      module="phalanx.verify.cli", add="add_verify_arguments", run="run_verify"),
     "predict": Command(summary="predict step time and images/s on k devices from one device's profile",
-                       module="phalanx.predict", add="add_predict_parser", run="run_predict", makes_own_parser=True),
+                       module="phalanx.predict.cli", add="add_predict_arguments", run="run_predict"),
     "sweep": Command(summary="train over devices x per-device batch x lr; plot accuracy and time",
-                     module="phalanx.sweep", add="add_sweep_parser", run="run_sweep", makes_own_parser=True),
+                     module="phalanx.sweep.cli", add="add_sweep_arguments", run="run_sweep"),
     "run": Command(summary="run your own training script on k workers (phalanx.init() or your own "
                            "init_process_group joins the world)", module="phalanx.runtime.script",
                    add="add_run_arguments", run="run_run"),
@@ -59,13 +56,12 @@ def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentPars
     """The `phalanx` parser with the full parsers of `commands` (None: all of them); every other
     subcommand is only its name and summary, so its module is not imported."""
     parser = CommandParser(prog="phalanx", description="Data-parallel training across k devices.")
+    # The one flag of `phalanx` itself: argparse's own version action (it prints and exits).
     parser.add_argument("--version", action="version", version=f"phalanx {__version__}")
     sub = parser.add_subparsers(dest="command", parser_class=CommandParser)
     for name, command in COMMANDS.items():
         if commands is not None and name not in commands:
             sub.add_parser(name, help=command.summary, add_help=False)
-        elif command.makes_own_parser:
-            getattr(importlib.import_module(command.module), command.add)(sub)
         else:
             getattr(importlib.import_module(command.module), command.add)(sub.add_parser(name, help=command.summary))
     return parser

@@ -4,17 +4,21 @@ A command's configuration is a kw_only dataclass whose fields are either `option
 each: the field's name, type and default are the flag's; its metadata adds the help, the flag's
 name where it differs from the field's, the allowed values and `Rule`s) or `component(Cls)`s (a
 nested config beside the code it configures, as torchtitan composes its job config). Flags stay
-flat on the command line (`--no-overlap`, not `--data_parallel.overlap`).
+flat on the command line (`--no-overlap`, not `--data_parallel.overlap`). A list flag
+(`--world-sizes 2,3,4`) is an option with `items=`: its text is split at commas, each item read
+by `items`, and the field holds the tuple; choices and rules apply to every item. A component
+made with `into=` shows its own options and holds what `into` makes of them (predict's link
+flags become an `Interconnect`).
 
 - `add_options(parser, Cls)`: one argparse argument per option of Cls and of its components (one
-  help group per component, headed by its docstring's first words), every help ending in its default.
+  help group per component, headed by its docstring's first words), every help ending in its
+  default. A parser may take several configs' options (`bench`: the kind's, then `--out`).
 - `build(Cls, namespace)`: the config from parsed arguments; a config's `ValueError` becomes a
   `UsageError` (one line on stderr, exit 2).
 - `check_options(config)`: the declared checks of one config's own options, with the messages
   `{flag} {value} must be ...` / `{flag} 'x' is unknown; choose one of ...`; each config's
   `__post_init__` calls it first, then checks what spans several options.
-- `CommandParser`: argparse whose own errors (a bad number, an unknown flag) are a `UsageError`, and
-  whose help shows every default (`HelpFormatter`), hand-written arguments' too.
+- `CommandParser`: argparse whose own errors (a bad number, an unknown flag) are a `UsageError`.
 
 Standard library only: importing it costs no torch, so `phalanx --help` stays fast. tyro,
 jsonargparse and simple-parsing were weighed and not taken: each names a flag after the field's
@@ -28,15 +32,19 @@ flat dataclasses, help in field metadata) but lives inside transformers.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from phalanx.errors import UsageError
 
 _KEY = "phalanx.option"
+_COMPONENT = "phalanx.component"
+T = TypeVar("T")
+_PLAIN = (int, float, str)  # their ValueError speaks Python ("invalid literal for int()"), not to a user
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,25 +77,47 @@ class Option:
     flag: str | None = None  # None: "--" + the field's name with dashes
     metavar: str | None = None
     default_text: str | None = None  # how --help shows the default (needed where it is None)
-    choices: tuple[str, ...] | None = None
+    choices: tuple[Any, ...] | None = None
     rules: tuple[Rule, ...] = ()
     parse: Callable[[str], Any] | None = None  # text -> value, where the field's type is not enough
+    items: Callable[[str], Any] | None = None  # a comma-separated list of these; the field holds a tuple
 
 
 def option(default: Any, *, help: str, flag: str | None = None, metavar: str | None = None,
-           default_text: str | None = None, choices: Sequence[str] | None = None,
-           check: Rule | Sequence[Rule] = (), parse: Callable[[str], Any] | None = None) -> Any:
+           default_text: str | None = None, choices: Sequence[Any] | None = None,
+           check: Rule | Sequence[Rule] = (), parse: Callable[[str], Any] | None = None,
+           items: Callable[[str], Any] | None = None) -> Any:
     """A config field that is a flag. A bool is a switch: default False turns on with `--name`,
-    default True turns off with `--no-name` (its `flag`)."""
+    default True turns off with `--no-name` (its `flag`). `items=int`: a list flag (`2,3,4`)
+    whose field holds a tuple; `choices` and `check` then apply to each item."""
+    if parse is not None and items is not None:
+        raise TypeError("an option reads its text with parse= or, for a list, items=; not both")
     rules = (check,) if isinstance(check, Rule) else tuple(check)
     spec = Option(help=help, flag=flag, metavar=metavar, default_text=default_text,
-                  choices=None if choices is None else tuple(choices), rules=rules, parse=parse)
+                  choices=None if choices is None else tuple(choices), rules=rules, parse=parse, items=items)
     return field(default=default, metadata={_KEY: spec})
 
 
-def component(cls: type) -> Any:
-    """A config field holding a component's own config (its defaults unless given)."""
-    return field(default_factory=cls)
+def component(cls: type, *, into: Callable[[Any], Any] | None = None) -> Any:
+    """A config field holding a component's own config (its defaults unless given); with `into`,
+    the field holds `into(options)` instead, and the command line shows `cls`'s options."""
+    make = cls if into is None else (lambda: into(cls()))
+    return field(default_factory=make, metadata={_COMPONENT: (cls, into)})
+
+
+def parse_list(text: str, item: Callable[[str], T], *, flag: str) -> tuple[T, ...]:
+    """A comma-separated flag value as a tuple (blank items skipped). A bad item is one line: for
+    int / float, naming the flag and the type; for a parser of its own, that parser's ValueError
+    (which names the flag and the fix); an empty list asks for at least one value."""
+    try:
+        values = tuple(item(part.strip()) for part in str(text).split(",") if part.strip())
+    except ValueError as exc:
+        if item in _PLAIN:
+            raise UsageError(f"{flag} {text!r} is not a comma-separated list of {item.__name__}") from None
+        raise UsageError(str(exc)) from None
+    if not values:
+        raise UsageError(f"{flag} is empty; give at least one value")
+    return values
 
 
 @dataclass(frozen=True)
@@ -95,7 +125,7 @@ class _Flag:
     path: tuple[str, ...]  # attribute path from the command's config: ("data_parallel", "overlap")
     name: str  # "--no-overlap"
     spec: Option
-    kind: type  # int, float, str or bool (None removed from an optional type)
+    kind: Any  # the field's type, None removed: int, float, str, bool, tuple[int, ...]
     default: Any
     group: type  # the config class that declares it
 
@@ -108,29 +138,57 @@ def flags(cls: type, path: tuple[str, ...] = ()) -> Iterator[_Flag]:
     """Every option of `cls` and of its components, depth first, in declaration order."""
     hints = typing.get_type_hints(cls)
     for f in fields(cls):
-        kind = hints[f.name]
         if _KEY in f.metadata:
-            name = f.metadata[_KEY].flag or "--" + f.name.replace("_", "-")
-            yield _Flag((*path, f.name), name, f.metadata[_KEY], _plain(kind), f.default, cls)
-        elif is_dataclass(kind):
-            yield from flags(kind, (*path, f.name))
+            spec = f.metadata[_KEY]
+            yield _Flag((*path, f.name), _flag_name(f.name, spec), spec, _plain(hints[f.name]), f.default, cls)
+        elif _COMPONENT in f.metadata:
+            yield from flags(f.metadata[_COMPONENT][0], (*path, f.name))
 
 
-def _plain(kind: Any) -> type:
-    """`int | None` -> int: the type a flag's text is converted to."""
+def _flag_name(field_name: str, spec: Option) -> str:
+    return spec.flag or "--" + field_name.replace("_", "-")
+
+
+def _plain(kind: Any) -> Any:
+    """`int | None` -> int: the type a flag's text is converted to (of several, the first)."""
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        (kind,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        kind = [arg for arg in typing.get_args(kind) if arg is not type(None)][0]
     return kind
 
 
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def help_text(flag: _Flag) -> str:
-    """The flag's help with its default: `(default: 0.2)`; a switch shows none (it is off until given)."""
+    """The flag's help with its default: `(default: 0.2)`, a list's as `2,3,4`; a switch shows
+    none (it is off until given)."""
     if flag.kind is bool:
         return flag.spec.help.replace("%", "%%")
     shown = flag.spec.default_text if flag.spec.default_text is not None else flag.default
     if shown is None:
         raise TypeError(f"option {flag.name} defaults to None; give it default_text= saying what that means")
-    return f"{flag.spec.help} (default: {shown})".replace("%", "%%")
+    return f"{flag.spec.help} (default: {_shown(shown)})".replace("%", "%%")
+
+
+def _metavar(flag: _Flag) -> str:
+    if flag.spec.metavar:
+        return flag.spec.metavar
+    if flag.spec.choices:
+        listed = "{" + ",".join(map(str, flag.spec.choices)) + "}"
+        return listed + "[,...]" if flag.spec.items else listed
+    return flag.name.removeprefix("--").upper().replace("-", "_")
+
+
+def _reader(flag: _Flag) -> Callable[[str], Any]:
+    """What turns the flag's text into the field's value."""
+    if flag.spec.items is not None:
+        return functools.partial(parse_list, item=flag.spec.items, flag=flag.name)
+    if flag.spec.parse is not None:
+        return flag.spec.parse
+    if typing.get_origin(flag.kind) is tuple:
+        raise TypeError(f"option {flag.name} holds a tuple; give it items= (the type of each listed value)")
+    return flag.kind
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -142,16 +200,15 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             title = (flag.group.__doc__ or flag.group.__name__).strip().splitlines()[0].split(":")[0]
             groups[flag.group] = parser.add_argument_group(title)
         target, help_ = groups[flag.group], help_text(flag)
+        # The two add_argument calls below are the only ones a generated parser makes.
         if flag.kind is bool:
             if flag.default and not flag.name.startswith("--no-"):
                 raise TypeError(f"switch {flag.name} is on by default; name it --no-... to turn it off")
             target.add_argument(flag.name, dest=flag.dest, action="store_false" if flag.default else "store_true",
                                 default=flag.default, help=help_)
             continue
-        metavar = flag.spec.metavar or ("{" + ",".join(flag.spec.choices) + "}" if flag.spec.choices
-                                        else flag.name.removeprefix("--").upper().replace("-", "_"))
-        target.add_argument(flag.name, dest=flag.dest, type=flag.spec.parse or flag.kind, default=flag.default,
-                            metavar=metavar, help=help_)
+        target.add_argument(flag.name, dest=flag.dest, type=_reader(flag), default=flag.default,
+                            metavar=_metavar(flag), help=help_)
 
 
 def build(cls: type, namespace: argparse.Namespace) -> Any:
@@ -163,56 +220,54 @@ def build(cls: type, namespace: argparse.Namespace) -> Any:
 
 
 def _build(cls: type, namespace: argparse.Namespace, path: tuple[str, ...]) -> Any:
-    hints = typing.get_type_hints(cls)
     values = {}
     for f in fields(cls):
         if _KEY in f.metadata:
             values[f.name] = getattr(namespace, ".".join((*path, f.name)))
-        elif is_dataclass(hints[f.name]):
-            values[f.name] = _build(hints[f.name], namespace, (*path, f.name))
+        elif _COMPONENT in f.metadata:
+            component_cls, into = f.metadata[_COMPONENT]
+            made = _build(component_cls, namespace, (*path, f.name))
+            values[f.name] = made if into is None else into(made)
     return cls(**values)
 
 
 def check_options(config: Any) -> None:
-    """Raise ValueError for the first own option of `config` whose value breaks its declaration."""
+    """Raise ValueError for the first own option of `config` whose value breaks its declaration
+    (of a list option: the first item that does, or an empty list)."""
     for f in fields(config):
         spec = f.metadata.get(_KEY)
         value = getattr(config, f.name)
         if spec is None or value is None:  # None: "not given", whatever it then means
             continue
-        name = spec.flag or "--" + f.name.replace("_", "-")
-        if spec.choices is not None and value not in spec.choices:
-            raise ValueError(f"{name} {value!r} is unknown; choose one of {', '.join(spec.choices)}")
-        for rule in spec.rules:
-            if not rule.ok(value):
-                raise ValueError(f"{name} {value} {rule.problem}")
+        name = _flag_name(f.name, spec)
+        if spec.items is None:
+            _check_value(name, spec, value)
+            continue
+        if not value:
+            raise ValueError(f"{name} is empty; give at least one value")
+        for item in value:
+            _check_value(name if len(value) == 1 else f"{name} {_shown(tuple(value))}:", spec, item)
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written (examples keep their lines); every flag's help ends with its default.
-
-    Options made by `add_options` say theirs already (a None default in words); this adds it to
-    a hand-written argument (bench, verify, predict, sweep until theirs are generated) that has a
-    value and whose help does not mention one. A switch has none to show: it is off until given."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (not action.option_strings or action.nargs == 0 or "default" in text
-                or action.default is None or action.default is argparse.SUPPRESS):
-            return text
-        return f"{text} (default: %(default)s)"
+def _check_value(name: str, spec: Option, value: Any) -> None:
+    if spec.choices is not None and value not in spec.choices:
+        raise ValueError(f"{name} {value!r} is unknown; choose one of {', '.join(map(str, spec.choices))}")
+    for rule in spec.rules:
+        if not rule.ok(value):
+            raise ValueError(f"{name} {value} {rule.problem}")
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse whose own errors (an unknown flag, `--epochs x`) are one line: a `UsageError`."""
+    """argparse whose own errors (an unknown flag, `--epochs x`) are one line: a `UsageError`; its
+    help keeps a description's lines as written (examples stay on their own lines)."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-__all__ = ["Option", "Rule", "CommandParser", "HelpFormatter", "add_options", "at_least", "build", "check_options",
-           "component", "finite", "flags", "help_text", "option", "positive"]
+__all__ = ["Option", "Rule", "CommandParser", "add_options", "at_least", "build", "check_options", "component",
+           "finite", "flags", "help_text", "option", "parse_list", "positive"]

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.measure.outputs import format_table, new_figure
-from phalanx.measure.timing import Spread, device_and_sizes, paired_ratio, run_interleaved, synchronize_cuda, timed
+from phalanx.measure.timing import (Spread, device_and_sizes, paired_ratio, per_device, run_interleaved,
+                                    synchronize_cuda, timed)
+from phalanx.options import at_least, check_options, option, positive
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
@@ -37,26 +39,23 @@ _DEFAULTS = {"cpu": {"matrix_size": 512, "matmuls": 16, "transfer_mb": 64.0},
 
 @dataclass(frozen=True, kw_only=True)
 class OverlapBenchConfig:
-    device: str = "auto"  # auto (cuda when present), cpu or cuda
-    matrix_size: int | None = None  # None: the device's default above
-    matmuls: int | None = None
-    transfer_mb: float | None = None
-    algorithm: str = "native"  # the allreduce overlapped on CPU
-    rounds: int = 5
+    """two devices at once; compute while communicating"""
+
+    device: str = option("auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when torch sees a GPU, else cpu")
+    # None: the device's size in _DEFAULTS (`resolved`)
+    matrix_size: int | None = option(None, default_text=per_device(_DEFAULTS, "matrix_size"),
+                                     check=at_least(1), help="matmul side")
+    matmuls: int | None = option(None, default_text=per_device(_DEFAULTS, "matmuls"), check=at_least(1),
+                                 help="matmuls per compute phase")
+    transfer_mb: float | None = option(None, default_text=per_device(_DEFAULTS, "transfer_mb"),
+                                       check=positive("number of MB"), help="allreduce / copy size in MB")
+    algorithm: str = option("native", choices=ALGORITHMS, help="the allreduce overlapped on CPU")
+    rounds: int = option(5, check=at_least(1), help="interleaved rounds")
     timeout_s: float = 60.0
     deadline_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device {self.device!r} is not one of auto, cpu, cuda")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-        for name in ("matrix_size", "matmuls", "transfer_mb"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        if self.rounds < 1:
-            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
+        check_options(self)
 
     def resolved(self) -> "OverlapBenchConfig":
         """Device picked and every size filled in."""

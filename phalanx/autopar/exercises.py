@@ -25,7 +25,8 @@ import torch
 
 from phalanx.autopar import report
 from phalanx.measure.load import cpu_taken_by_others
-from phalanx.measure.timing import Spread, device_and_sizes, paired_ratio
+from phalanx.measure.timing import Spread, device_and_sizes, paired_ratio, per_device
+from phalanx.options import Rule, at_least, check_options, finite, option, positive
 from phalanx.runtime.binding import available_cores
 
 EXPERIMENTS = (1, 2, 3, 5)
@@ -41,52 +42,56 @@ _DEFAULTS = {
 
 @dataclass(frozen=True, kw_only=True)
 class AutoparBenchConfig:
-    experiments: tuple[int, ...] = EXPERIMENTS
-    device: str = "auto"  # auto (cuda when present), cpu or cuda
-    rounds: int = 5
-    lanes: int | None = None  # concurrent lanes: CPU threads (default: the cores, at least 2), CUDA streams (4)
-    matrix_size: int | None = None  # 1: side of each product
-    matmuls: int | None = None  # 1: independent products
-    sizes: tuple[int, ...] = DEFAULT_SIZES  # 2: the sweep
-    ops_per_size: int | None = None  # 2: products per size (default 2 per lane)
-    target_ms: float = 30.0  # 1, 2: products repeat until a sample lasts about this long
-    chunks: int = 16  # 3
-    chunk_rows: int | None = None  # 3: rows per chunk
-    width: int | None = None  # 3: columns per chunk
-    batch_size: int | None = None  # 5: global batch, half per device
+    """the Automatic Parallelism exercises: 1, 2, 3, 5 (and 4: --trace)"""
+
+    # 4 is the profiler, asked for with --trace: checked below, with that hint.
+    experiments: tuple[int, ...] = option(EXPERIMENTS, items=int, help="which of 1, 2, 3, 5")
+    device: str = option("auto", choices=("auto", "cpu", "cuda"), help="auto: cuda when torch sees a GPU, else cpu")
+    rounds: int = option(5, check=at_least(1), help="interleaved rounds")
+    # None: filled in by `resolved` (CPU: the cores, at least 2; CUDA: 4), as are the sizes below.
+    lanes: int | None = option(None, default_text="cpu: the cores (at least 2), cuda: 4",
+                               check=at_least(2, problem="must be at least 2 (one lane has nothing to run beside it)"),
+                               help="concurrent lanes: CPU threads or CUDA streams")
+    matrix_size: int | None = option(None, default_text=per_device(_DEFAULTS, "matrix_size"), check=at_least(1),
+                                     help="1: product side")
+    matmuls: int | None = option(None, default_text=per_device(_DEFAULTS, "matmuls"), check=at_least(1),
+                                 help="1: independent products")
+    sizes: tuple[int, ...] = option(DEFAULT_SIZES, items=int, check=at_least(1), help="2: product sides swept")
+    ops_per_size: int | None = option(None, default_text="2 per lane", check=at_least(1), help="2: products per size")
+    target_ms: float = option(30.0, check=finite(positive("number of milliseconds")),
+                              help="1, 2: ms of all products on one core per sample")
+    chunks: int = option(16, check=at_least(1), help="3: chunks through the pipeline")
+    chunk_rows: int | None = option(None, default_text=per_device(_DEFAULTS, "chunk_rows"), check=at_least(1),
+                                    help="3: rows per chunk")
+    width: int | None = option(None, default_text=per_device(_DEFAULTS, "width"), check=at_least(1),
+                               help="3: columns per chunk")
+    batch_size: int | None = option(None, default_text=per_device(_DEFAULTS, "batch_size"),
+                                    check=Rule(ok=lambda b: b >= 2 and b % 2 == 0,
+                                               problem="must be even and at least 2 (a half per device)"),
+                                    help="5: global batch, half per device")
     in_features: int = 784
-    hidden: int | None = None
+    hidden: int | None = option(None, default_text=per_device(_DEFAULTS, "hidden"), check=at_least(1),
+                                help="5: hidden units")
     out_features: int = 128
-    steps: int = 3  # 5: SGD steps unrolled into one graph
-    dtype: str = "float32"
-    trace_dir: str | None = None  # 4
+    steps: int = option(3, check=at_least(1), help="5: SGD steps unrolled into one graph")
+    dtype: str = option("float32", choices=("float32", "float64"), help="the products' and the MLP's dtype")
+    trace_dir: str | None = option(None, flag="--trace", metavar="DIR", default_text="no trace",
+                                   help="experiment 4: a profiler trace (Chrome JSON + PNG timeline) of each experiment")
     timeout_s: float = 60.0
     deadline_s: float = 300.0
 
     def __post_init__(self) -> None:
-        # Messages name the CLI flag that sets each field (--matrix-size for matrix_size).
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--device {self.device!r} is not one of auto, cpu, cuda")
+        check_options(self)
         if 4 in self.experiments:
             raise ValueError("experiment 4 is the profiler: add --trace DIR to trace experiments 1, 2, 3 and 5")
         unknown = sorted(set(self.experiments) - set(EXPERIMENTS))
-        if unknown or not self.experiments or len(set(self.experiments)) != len(self.experiments):
+        if unknown or len(set(self.experiments)) != len(self.experiments):
             raise ValueError(f"--experiments {_csv(self.experiments)}: choose distinct ones of 1, 2, 3, 5")
-        if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of float32, float64")
-        if not self.sizes or list(self.sizes) != sorted(set(self.sizes)) or self.sizes[0] < 1:
+        if list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"--sizes {_csv(self.sizes)} must be distinct positive numbers in ascending order")
-        for name in ("rounds", "chunks", "steps", "in_features", "out_features", "matrix_size", "matmuls",
-                     "ops_per_size", "chunk_rows", "width", "hidden"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} {value} must be at least 1")
-        if self.lanes is not None and self.lanes < 2:
-            raise ValueError(f"--lanes {self.lanes} must be at least 2 (one lane has nothing to run beside it)")
-        if self.batch_size is not None and (self.batch_size < 2 or self.batch_size % 2):
-            raise ValueError(f"--batch-size {self.batch_size} must be even and at least 2 (a half per device)")
-        if not self.target_ms > 0:
-            raise ValueError(f"--target-ms {self.target_ms} must be a positive number of milliseconds")
+        for name in ("in_features", "out_features"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be at least 1")
 
     def resolved(self) -> "AutoparBenchConfig":
         """Device picked, lanes and every size filled in."""

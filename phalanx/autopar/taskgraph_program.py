@@ -57,15 +57,6 @@ def program_graph(steps: Sequence[Step], *, wrap: Callable[[Step], Callable[[], 
     return TaskGraph(tasks)
 
 
-def without_edge(graph: TaskGraph, before: str, after: str) -> TaskGraph:
-    """The same graph missing the edge before -> after (to show that the checks catch it)."""
-    if before not in graph.tasks[after].deps:
-        raise ValueError(f"{after!r} does not depend on {before!r}")
-    return TaskGraph(Task(name=t.name, lane=t.lane, fn=t.fn,
-                          deps=tuple(d for d in t.deps if not (t.name == after and d == before)))
-                     for t in graph.tasks.values())
-
-
 class HazardCheck:
     """Wraps each step so that running it checks the versions it sees; `problems` lists violations."""
 

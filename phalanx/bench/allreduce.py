@@ -7,9 +7,9 @@ warm-up calls, calibrated batches, agreed counts, a barrier before each batch, i
 rounds). A batch's time is the slowest rank's, since a collective is done when its last rank is.
 Reduce-scatter and all-gather run on the whole buffer cut in even per-rank counts.
 Bandwidths follow nccl-tests' PERFORMANCE.md, with size the whole buffer: algbw = size / time;
-busbw = algbw x 2(k-1)/k for allreduce and x (k-1)/k for reduce-scatter and all-gather, the share
-of the data each rank must move, so busbw is comparable across world sizes, collectives and a
-link's speed. A half's time over the allreduce's (same size and algorithm, paired per round) is
+busbw = algbw x 2(k-1)/k for allreduce and x (k-1)/k for reduce-scatter and all-gather
+(telemetry/bandwidth.py), the share of the data each rank must move, so busbw is comparable
+across world sizes, collectives and a link's speed. A half's time over the allreduce's (same size and algorithm, paired per round) is
 the per-byte comparison: a ring's halves each move half the allreduce's bytes (about 0.5). A
 single-process memcpy into a preallocated buffer is the reference line: no collective on this
 host can move bytes faster than one copy.
@@ -26,27 +26,21 @@ from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.comm.ring import chunk_sizes
 from phalanx.comm.shards import ALL_GATHER, REDUCE_SCATTER, SHARDED_ALGORITHMS
 from phalanx.measure.collective import time_collectives
-from phalanx.measure.flags import format_size
+from phalanx.measure.flags import format_size, parse_size
 from phalanx.measure.outputs import format_table, new_figure
 from phalanx.measure.timing import (MAX_CALLS, TARGET_BATCH_S, Spread, calls_for, intra_op_threads, paired_ratio,
                                     run_interleaved, seconds_per_call, slowest_per_round)
+from phalanx.options import Rule, at_least, check_options, option
 from phalanx.runtime.binding import available_cores
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
+from phalanx.telemetry.bandwidth import busbw_factor
 
 DEFAULT_SIZES_BYTES = (4 << 10, 64 << 10, 512 << 10, 1 << 20, 16 << 20, 64 << 20)
 _FLOAT_BYTES = 4  # float32 buffers, as gradients are
 MEMCPY_MAX_CALLS = 10_000
 COLLECTIVES = ("allreduce", REDUCE_SCATTER, ALL_GATHER)
-
-
-def busbw_factor(world_size: int, collective: str = "allreduce") -> float:
-    """nccl-tests PERFORMANCE.md: busbw = algbw * 2(n-1)/n for allreduce, (n-1)/n for
-    reduce-scatter and all-gather (size: the whole buffer)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    return (2.0 if collective == "allreduce" else 1.0) * (world_size - 1) / world_size
 
 
 def timed(config: "AllreduceBenchConfig") -> list[tuple[int, str, str]]:
@@ -58,11 +52,20 @@ def timed(config: "AllreduceBenchConfig") -> list[tuple[int, str, str]]:
 
 @dataclass(frozen=True, kw_only=True)
 class AllreduceBenchConfig:
-    sizes_bytes: tuple[int, ...] = DEFAULT_SIZES_BYTES
-    world_sizes: tuple[int, ...] = (2, 3, 4)
-    algorithms: tuple[str, ...] = ALGORITHMS
-    collectives: tuple[str, ...] = COLLECTIVES
-    rounds: int = 5
+    """time each allreduce algorithm, and reduce-scatter and all-gather, over sizes and world sizes"""
+
+    sizes_bytes: tuple[int, ...] = option(
+        DEFAULT_SIZES_BYTES, flag="--sizes", items=parse_size, help="message sizes (binary KB/MB)",
+        default_text=",".join(map(format_size, DEFAULT_SIZES_BYTES)),
+        check=Rule(ok=lambda size: size >= _FLOAT_BYTES and size % _FLOAT_BYTES == 0,
+                   problem=f"bytes is not a positive multiple of {_FLOAT_BYTES} bytes (whole float32s)"))
+    world_sizes: tuple[int, ...] = option((2, 3, 4), items=int, check=at_least(2),
+                                          help="process counts, one spawned run each")
+    algorithms: tuple[str, ...] = option(ALGORITHMS, items=str, choices=ALGORITHMS, help="allreduce algorithms")
+    collectives: tuple[str, ...] = option(
+        COLLECTIVES, items=str, choices=COLLECTIVES,
+        help=f"collectives timed (reduce-scatter and all-gather: {', '.join(SHARDED_ALGORITHMS)})")
+    rounds: int = option(5, check=at_least(1), help="interleaved timed rounds")
     warmup_calls: int = 2
     target_batch_s: float = TARGET_BATCH_S  # a timed batch repeats a call until about this long
     max_calls: int = MAX_CALLS
@@ -70,24 +73,12 @@ class AllreduceBenchConfig:
     deadline_s: float = 900.0  # bound on one world size's whole spawned run
 
     def __post_init__(self) -> None:
-        odd = [s for s in self.sizes_bytes if s < _FLOAT_BYTES or s % _FLOAT_BYTES]
-        if not self.sizes_bytes or odd:
-            raise ValueError(f"sizes must be positive multiples of {_FLOAT_BYTES} bytes (whole float32s), "
-                             f"got {list(self.sizes_bytes)}")
-        if not self.world_sizes or min(self.world_sizes) < 2:
-            raise ValueError(f"world sizes must be at least 2, got {list(self.world_sizes)}")
-        unknown = [a for a in self.algorithms if a not in ALGORITHMS]
-        if not self.algorithms or unknown:
-            raise ValueError(f"unknown algorithms {unknown}; choose from {', '.join(ALGORITHMS)}")
-        unknown = [c for c in self.collectives if c not in COLLECTIVES]
-        if not self.collectives or unknown:
-            raise ValueError(f"unknown collectives {unknown}; choose from {', '.join(COLLECTIVES)}")
+        check_options(self)
         if not timed(self):
             raise ValueError(f"{', '.join(self.collectives)} run on {', '.join(SHARDED_ALGORITHMS)} only, "
-                             f"not on {', '.join(self.algorithms)}; add one of those to the algorithms")
-        for name in ("rounds", "max_calls"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+                             f"not on {', '.join(self.algorithms)}; add one of those to --algorithms")
+        if self.max_calls < 1:
+            raise ValueError(f"max_calls must be at least 1, got {self.max_calls}")
         if self.warmup_calls < 0:
             raise ValueError(f"warmup_calls must be >= 0, got {self.warmup_calls}")
 

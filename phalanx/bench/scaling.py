@@ -26,6 +26,7 @@ from phalanx.data_parallel import GRAD_DTYPES, DataParallel
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.step import StepJob, Variant, images_per_s, run_variant
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
+from phalanx.options import at_least, check_options, option
 from phalanx.runtime.binding import available_cores
 
 
@@ -35,33 +36,30 @@ FINITE_CHECKS = {"no finite check": 0, "finite check every step": 1}
 
 @dataclass(frozen=True, kw_only=True)
 class ScalingBenchConfig:
-    model: str = "lenet"
-    global_batch_sizes: tuple[int, ...] = (256, 1024)
-    num_devices: int = 2
-    warmup_steps: int = 2
-    steps: int = 6
-    rounds: int = 3
+    """images/s: phalanx on 1..k devices vs DDP, one process, ceiling"""
+
+    model: str = option("lenet", choices=BENCH_MODELS, help="the model (mlp: 784-2048-2048-10, 5.8 M parameters)")
+    global_batch_sizes: tuple[int, ...] = option((256, 1024), flag="--batch-sizes", items=int, help="global batch sizes")
+    num_devices: int = option(2, flag="--devices", help="k, the most CPU processes",
+                              check=at_least(2, problem="must be at least 2 to compare scaling"))
+    warmup_steps: int = option(2, check=at_least(0), help="untimed steps first")
+    steps: int = option(6, check=at_least(1), help="timed steps per configuration")
+    rounds: int = option(3, check=at_least(1), help="interleaved rounds, fresh processes each")
     lr: float = 0.2  # BASELINES.md's setting; the update's size does not change its cost
     seed: int = 0
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one configuration's processes
-    grad_dtype: str | None = None  # also time phalanx/k exchanging gradients compressed to this
-    finite_check_cost: bool = False  # also time phalanx/k with the gradient's NaN/Inf check off and at every step
+    grad_dtype: str | None = option(None, choices=tuple(GRAD_DTYPES), default_text="not timed",
+                                    help="also time phalanx/k exchanging gradients compressed to this dtype")
+    finite_check_cost: bool = option(False, help="also time phalanx/k with the gradient's NaN/Inf check off and "
+                                                 "at every step")
 
     def __post_init__(self) -> None:
-        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
-            raise ValueError(f"--grad-dtype {self.grad_dtype!r} is unknown; choose one of {', '.join(GRAD_DTYPES)}")
-        if self.model not in BENCH_MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(BENCH_MODELS)}")
-        if self.num_devices < 2:
-            raise ValueError(f"num_devices must be at least 2 to compare scaling, got {self.num_devices}")
+        check_options(self)
         small = [b for b in self.global_batch_sizes if b < self.num_devices]
-        if not self.global_batch_sizes or small:
-            raise ValueError(f"every global batch size must be >= num_devices {self.num_devices} "
-                             f"(one example per device), got {list(self.global_batch_sizes)}")
-        for name, low in (("steps", 1), ("rounds", 1), ("warmup_steps", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if small:
+            raise ValueError(f"--batch-sizes {','.join(map(str, self.global_batch_sizes))}: every global batch size "
+                             f"must be at least --devices {self.num_devices} (one example per device)")
 
 
 def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None,

@@ -35,6 +35,7 @@ from phalanx.measure.timing import slowest_per_round
 from phalanx.model_split.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
 from phalanx.model_split.splits import SCHEDULES, SPLITS, build_split, check_split
 from phalanx.models import LeNet
+from phalanx.options import at_least, check_options, option
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
@@ -45,31 +46,27 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclass(frozen=True, kw_only=True)
 class SplitsBenchConfig:
-    world_sizes: tuple[int, ...] = (2, 4)
-    global_batch_size: int = 256
-    micro_batches: int | None = None  # layers; None: 2k
-    schedule: str = "gpipe"
-    steps: int = 5  # timed steps per split per round
-    rounds: int = 3
-    dtype: str = "float32"
+    """data vs layers vs channels on LeNet: bytes, time, idle, memory"""
+
+    world_sizes: tuple[int, ...] = option((2, 4), flag="--devices", items=int, check=at_least(2),
+                                          help="device counts k, one spawned run each")
+    global_batch_size: int = option(256, flag="--batch-size", help="global batch")
+    micro_batches: int | None = option(None, default_text="2k", help="layers: micro-batches")
+    schedule: str = option("gpipe", choices=SCHEDULES, help="layers: the pipeline's schedule")
+    steps: int = option(5, check=at_least(1), help="timed steps per split per round")
+    rounds: int = option(3, check=at_least(1), help="interleaved rounds")
+    dtype: str = option("float32", choices=tuple(DTYPES), help="parameter dtype")
     timeout_s: float = 60.0
     deadline_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if not self.world_sizes or any(k < 2 for k in self.world_sizes):
-            raise ValueError(f"--devices {self.world_sizes} must list device counts of at least 2, e.g. 2,4")
+        check_options(self)
         for k in self.world_sizes:
             for split in SPLITS:
                 check_split(split, model="lenet", num_devices=k, global_batch_size=self.global_batch_size,
                             micro_batches=self.micro_batches if split == "layers" else None)
         if self.global_batch_size < max(self.world_sizes):
             raise ValueError(f"--batch-size {self.global_batch_size} is smaller than {max(self.world_sizes)} devices")
-        if self.steps < 1 or self.rounds < 1:
-            raise ValueError(f"--steps {self.steps} and --rounds {self.rounds} must be at least 1")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-        if self.schedule not in SCHEDULES:  # checked here, not in a worker: one line, no traceback
-            raise ValueError(f"--schedule {self.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
 
     def micro_batches_for(self, k: int) -> int:
         return self.micro_batches if self.micro_batches is not None else min(2 * k, self.global_batch_size)

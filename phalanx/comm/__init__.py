@@ -39,7 +39,7 @@ from phalanx.comm.shm import ShmError, ShmGroup, shm_applies
 from phalanx.comm.shm_ops import allreduce_shm
 from phalanx.comm.tree import allreduce_tree
 from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
-from phalanx.runtime.board import Tag
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 __all__ = [

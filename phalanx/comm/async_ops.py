@@ -48,7 +48,8 @@ from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
 from phalanx.errors import PeerLost
-from phalanx.runtime.board import COMM, WORLD, Tag, Ticket
+from phalanx.runtime.board import COMM, WORLD, Ticket
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 ALLREDUCE = Tag()  # what a caller that does not say what its collective is for gets

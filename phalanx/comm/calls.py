@@ -26,7 +26,8 @@ from typing import Callable, Iterator
 
 from phalanx.comm.watchdog import POLL_S, CommError, check, check_pairing, diagnose
 from phalanx.errors import RunFailed
-from phalanx.runtime.board import COMM, WORLD, Board, Tag, Ticket
+from phalanx.runtime.board import COMM, WORLD, Board, Ticket
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 _POLL = datetime.timedelta(seconds=POLL_S)

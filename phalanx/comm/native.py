@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.calls import native
-from phalanx.runtime.board import Tag
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 

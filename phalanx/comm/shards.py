@@ -47,7 +47,8 @@ from phalanx.comm.calls import run_collective
 from phalanx.comm.counts import check_counts, own_range
 from phalanx.comm.ring import all_gather_ring, reduce_scatter_ring
 from phalanx.comm.shm_ops import all_gather_shm, reduce_scatter_shm
-from phalanx.runtime.board import Tag, Ticket
+from phalanx.runtime.board import Ticket
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 REDUCE_SCATTER, ALL_GATHER = "reduce-scatter", "all-gather"

@@ -49,7 +49,8 @@ from phalanx.comm.calls import collective
 from phalanx.comm.watchdog import CommError, check
 from phalanx.errors import PeerLost
 from phalanx.runtime.binding import available_cores
-from phalanx.runtime.board import Tag, Ticket
+from phalanx.runtime.board import Ticket
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.procs import process_alive
 from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, Futex, create_segment, free_bytes, remove_segments_of,
                                      share_segment, shm_applies, shm_supported)

@@ -28,7 +28,8 @@ names that peer's own report as the root cause.
 
 from __future__ import annotations
 
-from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket, describe, is_generic, op_of
+from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket
+from phalanx.runtime.tags import describe, is_generic, op_of
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import PeerLost, RunFailed
 from phalanx.runtime.world import World

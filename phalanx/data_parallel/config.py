@@ -8,13 +8,14 @@ the BatchNorm policy and sharding. `prepare` (prepare.py) and `DataSplit` (strat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from phalanx.comm import CHOICES
 from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS
 from phalanx.data_parallel.sharded import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
-from phalanx.options import at_least, check_options, option, positive
+from phalanx.options import at_least, check_options, finite, option, positive
 
 
 def bucket_cap(text: str) -> float | None:
@@ -25,6 +26,12 @@ def bucket_cap(text: str) -> float | None:
 
 
 bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... value"
+
+
+def bucket_cap_mb_option() -> Any:
+    """--bucket-cap-mb, declared once for the configs that take it (this one, predict's)."""
+    return option(DEFAULT_BUCKET_CAP_MB, parse=bucket_cap, metavar="MB", check=finite(positive("number of MB")),
+                  help="gradient bucket cap in MB with overlap, or 'none' for one bucket")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,9 +45,7 @@ class DataParallelConfig:
     # backward). bucket_cap_mb applies with overlap only; None = one bucket.
     overlap: bool = option(True, flag="--no-overlap", help="exchange gradients in one synchronous allreduce after "
                            "backward (default: bucketed allreduces overlapped with backward)")
-    bucket_cap_mb: float | None = option(DEFAULT_BUCKET_CAP_MB, parse=bucket_cap, metavar="MB",
-                                         help="gradient bucket cap in MB with overlap, or 'none' for one bucket",
-                                         check=positive("number of MB"))
+    bucket_cap_mb: float | None = bucket_cap_mb_option()
     grad_dtype: str | None = option(None, choices=tuple(GRAD_DTYPES), default_text="as computed",
                                     help="exchange gradients compressed to this dtype (half the bytes)")
     # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs.

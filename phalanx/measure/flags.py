@@ -1,36 +1,12 @@
-"""Flag values the measuring commands share: comma-separated lists and binary sizes.
-
-`parse_list` is the one reading of a list flag (`--devices 1,2,4`, `--sizes 4KB,1MB`, `--lr
-0.1,scaled`) for bench, predict, sweep and verify: a bad item or an empty list is one UsageError
-line naming the flag. `parse_size` / `format_size` read and write message sizes in binary units,
-as nccl-tests' -b/-e do. The parsers themselves (the `add_*_parser` functions) stay with their
-commands; these only turn a flag's text into values.
+"""Message sizes in binary units, as nccl-tests' -b/-e write them: `parse_size` reads one
+(`--sizes 4KB,1MB`'s items; a bad one is one UsageError line), `format_size` writes one back.
 """
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
-
 from phalanx.errors import UsageError
 
-T = TypeVar("T")
 _SIZE_UNITS = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3}  # binary, as nccl-tests' -b/-e
-_PLAIN = (int, float, str)  # their ValueError speaks Python ("invalid literal for int()"), not to a user
-
-
-def parse_list(text: str, item: Callable[[str], T], *, flag: str) -> tuple[T, ...]:
-    """A comma-separated flag value as a tuple (blank items skipped). A bad item is one line: for
-    int / float, naming the flag and the type; for a parser of its own, that parser's ValueError
-    (which names the flag and the fix); an empty list asks for at least one value."""
-    try:
-        values = tuple(item(part.strip()) for part in str(text).split(",") if part.strip())
-    except ValueError as exc:
-        if item in _PLAIN:
-            raise UsageError(f"{flag} {text!r} is not a comma-separated list of {item.__name__}") from None
-        raise UsageError(str(exc)) from None
-    if not values:
-        raise UsageError(f"{flag} is empty; give at least one value")
-    return values
 
 
 def parse_size(text: str) -> int:

@@ -106,6 +106,11 @@ def device_and_sizes(config: Any, defaults: Mapping[str, Mapping[str, Any]]) -> 
     return device, sizes
 
 
+def per_device(defaults: Mapping[str, Mapping[str, Any]], name: str) -> str:
+    """How --help shows a size `device_and_sizes` fills in: 'cpu 512, cuda 4096'."""
+    return ", ".join(f"{device} {sizes[name]}" for device, sizes in defaults.items())
+
+
 def synchronize_cuda() -> None:
     """Wait for every GPU's queued work (cuda.synchronize waits for the current device only)."""
     for index in range(torch.cuda.device_count()):

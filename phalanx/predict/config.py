@@ -1,5 +1,6 @@
-"""What `phalanx predict` is asked: the run to plan (`PredictConfig`) and the link between devices
-(`Interconnect`, with presets for planning).
+"""What `phalanx predict` is asked: the run to plan (`PredictConfig`, every field that is a flag
+declared on it) and the link between devices (`Interconnect`, with presets for planning; its
+flags are `LinkOptions`, which resolve to one).
 
 A link is three numbers: α, the fixed cost of one message (s); β, the bandwidth one message
 stream reaches (bytes/s); and η, the share of communication time that really hides behind
@@ -18,10 +19,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from phalanx.measure.mlp import BENCH_MODELS
-from phalanx.comm import check_choice
+from phalanx.comm import CHOICES
 from phalanx.comm.shm import shm_supported
-from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB
+from phalanx.data_parallel.config import bucket_cap_mb_option
+from phalanx.measure.mlp import BENCH_MODELS
+from phalanx.options import Rule, at_least, check_options, component, finite, option, positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,45 +79,67 @@ def resolve_interconnect(name: str, *, alpha_us: float | None = None, beta_gbps:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinkOptions:
+    """the link: an interconnect's preset, any of its numbers replaced"""
+
+    interconnect: str = option("loopback", choices=tuple(INTERCONNECTS),
+                               help="the link between devices (loopback: measured on this machine)")
+    alpha_us: float | None = option(None, default_text="the preset's", help="link latency per message in microseconds",
+                                    check=finite(at_least(0, problem="must be a finite latency of 0 µs or more")))
+    beta_gbps: float | None = option(None, default_text="the preset's", help="link bandwidth in GB/s (1e9 bytes/s)",
+                                     check=finite(positive("finite bandwidth in GB/s")))
+    overlap_efficiency: float | None = option(None, default_text="the preset's",
+                                              help="share 0..1 of overlapped communication that really hides",
+                                              check=Rule(ok=lambda share: 0 <= share <= 1,
+                                                         problem="must be between 0 and 1"))
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    def resolve(self) -> Interconnect:
+        return resolve_interconnect(self.interconnect, alpha_us=self.alpha_us, beta_gbps=self.beta_gbps,
+                                    overlap_efficiency=self.overlap_efficiency)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PredictConfig:
-    model: str = "lenet"
-    global_batch_sizes: tuple[int, ...] = (256,)
-    world_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    algorithm: str = "auto"  # auto: what training would pick (shm on loopback, native on a real link)
-    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB  # None: one bucket
-    interconnect: Interconnect = INTERCONNECTS["loopback"]
-    validate: bool = False  # also measure phalanx at each k (loopback only) and report the error
-    rounds: int = 1  # predict (and validate) this many times, interleaved
-    warmup_steps: int = 2
-    steps: int = 8  # timed steps per profile phase and per validation run
+    """what to predict: the model, the batches, the device counts, the exchange and the link"""
+
+    model: str = option("lenet", choices=BENCH_MODELS, help="the model profiled")
+    global_batch_sizes: tuple[int, ...] = option((256,), flag="--batch-size", items=int, help="global batch sizes")
+    world_sizes: tuple[int, ...] = option((1, 2, 4, 8), items=int, check=at_least(1), help="device counts k to predict")
+    # auto: what training would pick (shm on loopback, native on a real link)
+    algorithm: str = option("auto", flag="--allreduce", choices=CHOICES,
+                            help="the allreduce (auto: shm on loopback, native on the other links)")
+    bucket_cap_mb: float | None = bucket_cap_mb_option()
+    interconnect: Interconnect = component(LinkOptions, into=LinkOptions.resolve)
+    # also measure phalanx at each k (loopback only) and report the error
+    validate: bool = option(False, help="measure phalanx at each k here (loopback, k <= 2 x cores) and print the error")
+    rounds: int = option(1, check=at_least(1), help="repeat profile, link and validation")
+    warmup_steps: int = option(2, check=at_least(0), help="untimed steps first")
+    steps: int = option(8, check=at_least(2), help="timed steps per profile setting and measurement")
     lr: float = 0.2
     seed: int = 0
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one spawned run
+    out_dir: str = option("runs/predict", flag="--out", metavar="DIR", help="directory for predict.json and predict.png")
 
     def __post_init__(self) -> None:
-        if self.model not in BENCH_MODELS:
-            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(BENCH_MODELS)}")
-        check_choice(self.algorithm)
+        check_options(self)
         if self.algorithm == "auto":  # as training's auto: shm for processes sharing this host
             local = self.interconnect.shares_host and shm_supported() is None
             object.__setattr__(self, "algorithm", "shm" if local else "native")
         if self.algorithm == "shm" and not self.interconnect.shares_host:
             raise ValueError(f"the shm allreduce serves processes on one host; the {self.interconnect.name} "
                              "interconnect links separate devices: use --allreduce native")
-        if not self.world_sizes or min(self.world_sizes) < 1 or len(set(self.world_sizes)) != len(self.world_sizes):
-            raise ValueError(f"world sizes must be distinct integers >= 1, got {list(self.world_sizes)}")
+        if len(set(self.world_sizes)) != len(self.world_sizes):
+            raise ValueError(f"--world-sizes {_csv(self.world_sizes)} names a count twice; name each once")
         if max(self.world_sizes) > 1024:
-            raise ValueError(f"world sizes up to 1024 are modelled, got {max(self.world_sizes)}")
+            raise ValueError(f"--world-sizes {_csv(self.world_sizes)}: world sizes up to 1024 are modelled")
         small = [b for b in self.global_batch_sizes if b < max(self.world_sizes)]
-        if not self.global_batch_sizes or small:
-            raise ValueError(f"every global batch size must be >= the largest world size {max(self.world_sizes)} "
-                             f"(one example per device), got {list(self.global_batch_sizes)}")
-        if self.bucket_cap_mb is not None and not (math.isfinite(self.bucket_cap_mb) and self.bucket_cap_mb > 0):
-            raise ValueError(f"bucket cap must be a positive number of MB (or none), got {self.bucket_cap_mb}")
-        for name, low in (("rounds", 1), ("steps", 2), ("warmup_steps", 0)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
+        if small:
+            raise ValueError(f"--batch-size {_csv(self.global_batch_sizes)}: every global batch size must be at least "
+                             f"the largest world size {max(self.world_sizes)} (one example per device)")
         if self.validate and not self.interconnect.shares_host:
             raise ValueError(f"validation measures this machine over loopback, not {self.interconnect.name}; "
                              "drop --validate or use --interconnect loopback")
@@ -123,3 +147,7 @@ class PredictConfig:
     @property
     def world_sizes_sorted(self) -> tuple[int, ...]:
         return tuple(sorted(self.world_sizes))
+
+
+def _csv(values) -> str:
+    return ",".join(map(str, values))

@@ -1,4 +1,4 @@
-"""α–β cost models of the allreduce algorithms, nccl-tests' bus bandwidth, and fitting α, β.
+"""α–β cost models of the allreduce algorithms, and fitting α, β.
 
 The Hockney model: sending one message of n bytes costs α + n/β. An allreduce of n bytes over k
 ranks then costs L(k)·α + B(k)·n/β, where L counts the messages on the critical path and B the
@@ -19,8 +19,8 @@ rank moves through memory per message byte (copy in, read k chunks of n/k, write
 L counts its two flag waits per call; a wait ends when the last of k-1 peers arrives, which grows
 with k about as log2 k (the 16-core host's MPI shared-memory allreduce: 7 µs at k=2, 18 µs at 8).
 
-Bus bandwidth as nccl-tests' PERFORMANCE.md defines it for allreduce: busbw = algbw · 2(k-1)/k,
-algbw = n / time, so busbw of a ring approaches β as n grows, whatever k.
+With nccl-tests' bus bandwidth (telemetry/bandwidth.py: busbw = algbw · 2(k-1)/k for an
+allreduce, algbw = n / time), a ring's modelled busbw approaches β as n grows, whatever k.
 α and β are fitted per algorithm from a 2-rank sweep (`fit_link`): on gloo every call has a floor
 of its own (~1 ms for a native call, ~0.1-0.3 ms per point-to-point message), so the α an
 algorithm sees is its own, and the fit keeps predictions at k = 2 self-consistent.
@@ -66,19 +66,6 @@ def allreduce_time_s(algorithm: str, size_bytes: float, world_size: int, *, alph
     if size_bytes == 0:
         return 0.0
     return latency * alpha_s + bandwidth * size_bytes / beta_Bps
-
-
-def busbw_factor(world_size: int) -> float:
-    """nccl-tests PERFORMANCE.md, allreduce: busbw = algbw · 2(k-1)/k."""
-    if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
-    return 2.0 * (world_size - 1) / world_size
-
-
-def busbw_Bps(size_bytes: float, time_s: float, world_size: int) -> float:
-    if not time_s > 0:
-        raise ValueError(f"time must be > 0 s, got {time_s}")
-    return size_bytes / time_s * busbw_factor(world_size)
 
 
 @dataclass(frozen=True, kw_only=True)

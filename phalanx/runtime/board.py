@@ -39,8 +39,7 @@ import time
 from typing import NamedTuple
 
 from phalanx.runtime.segment import create_segment, share_segment, shm_supported
-# Re-exported: a collective's tag is what the board stores of it.
-from phalanx.runtime.tags import PHASES, Tag, describe, gradient_step, is_generic, op_of, phase_code  # noqa: F401
+from phalanx.runtime.tags import Tag, gradient_step
 from phalanx.runtime.world import World
 
 WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (shm / private group)

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError
-from phalanx.options import add_options, build
+from phalanx.options import add_options, build, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
                                    torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
@@ -230,11 +230,20 @@ waits at most --timeout.
 RUN_EPILOG = "The API a script uses (init, prepare, ShardedLoader, shard_loss, ...): docs/api.md."
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """phalanx run's own options, beside the launch's (LaunchConfig)"""
+
+    quiet: bool = option(False, help="no first line on stderr (workers, threads, rendezvous)")
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """`phalanx run`'s parser: the launch options (declared once, in LaunchConfig), the script, its args."""
     parser.description, parser.epilog = RUN_DESCRIPTION, RUN_EPILOG
     add_options(parser, LaunchConfig)
-    parser.add_argument("--quiet", action="store_true", help="no first line on stderr (workers, threads, rendezvous)")
+    add_options(parser, RunOptions)
+    # The script and what follows it are positional, which options.py's flags are not: the two
+    # hand-written arguments of a generated parser.
     parser.add_argument("script", help="the Python file to run on every worker")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -247,11 +256,11 @@ def run_run(args: argparse.Namespace) -> int:
                          "name a Python file, e.g. phalanx run --devices cpu:2 train.py")
     if not os.access(script, os.R_OK):
         raise UsageError(f"script {args.script} is not readable; check its permissions")
-    launch_config = build(LaunchConfig, args)
+    launch_config, quiet = build(LaunchConfig, args), build(RunOptions, args).quiet
     spec = launch_config.spec(parse_devices(launch_config.devices))
     env = launcher_env()
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
-        if env.rank == 0 and not args.quiet:
+        if env.rank == 0 and not quiet:
             _say(first_line(spec, workers=env.world_size, local_workers=env.local_world_size,
                             store=f"{env.master_addr}:{env.master_port}", launcher="torchrun"))
         if env.local_rank == 0:
@@ -261,7 +270,7 @@ def run_run(args: argparse.Namespace) -> int:
             _run_script(str(script), tuple(args.args), spec=spec, device=device, teardown=teardown)
         return 0
     k = spec.plan.num_devices
-    announce = None if args.quiet else (
+    announce = None if quiet else (
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.

@@ -6,7 +6,8 @@ number, or `scaled`: the linear-scaling rule of Goyal et al. (2017, "Accurate, L
 SGD", section 2.1), lr = base_lr × global_batch / base_batch, with their gradual warmup for the
 points whose lr it raises above base_lr (a smaller lr needs no warmup: it is already stable).
 Each point is exactly a `phalanx train` run, so a `SweepConfig` validates what the two share
-(model, dataset, epochs, seed, threads, timeout) by building every point's `TrainConfig`.
+(model, data, epochs, seed, threads, timeout) by building every point's `TrainConfig`; its
+flags are declared on its fields (the data's are `phalanx train`'s own `DataConfig`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass
 from phalanx.data.config import DataConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig
+from phalanx.models import MODELS
+from phalanx.options import Rule, at_least, check_options, component, finite, option, positive
 from phalanx.runtime.launch_config import LaunchConfig
 
 SCALED = "scaled"
@@ -41,28 +44,40 @@ def scaled_lr(*, base_lr: float, base_batch: int, global_batch_size: int) -> flo
 
 @dataclass(frozen=True, kw_only=True)
 class SweepConfig:
-    num_devices: tuple[int, ...] = (1, 2, 4)
-    batch_sizes_per_device: tuple[int, ...] = (32, 128)
-    lr_rules: tuple[float | str, ...] = (0.1, 0.2, SCALED)
+    """the grid: devices x per-device batch x lr rule, each point a `phalanx train` run"""
+
+    # The lists' own checks (each at least 1, none repeated) are _check_list's, below.
+    num_devices: tuple[int, ...] = option((1, 2, 4), flag="--devices", items=int, help="CPU worker counts k")
+    batch_sizes_per_device: tuple[int, ...] = option((32, 128), flag="--per-device-batch", items=int,
+                                                     help="batch per device b; the global batch is k*b")
+    lr_rules: tuple[float | str, ...] = option((0.1, 0.2, SCALED), flag="--lr", items=parse_lr_rule,
+                                               help="lr rules: numbers and/or 'scaled' = base-lr * k*b / base-batch "
+                                                    "with warmup")
     # The anchor of the scaling rule: one device's run (b = 32, lr 0.1) that the rule extends to k
     # devices. The book's 0.2 at 256 scales down to 0.025 at 32 (0.68 vs 0.76 after 10 epochs of
     # the sample at 0.2).
-    base_lr: float = 0.1
-    base_batch: int = 32
-    warmup_epochs: float = 1.0  # for scaled points above base_lr
-    epochs: int = 10
-    target_acc: float = 0.7
-    model: str = "lenet"
-    dataset: str | None = None
-    data_dir: str | None = None
-    seed: int = 0
+    base_lr: float = option(0.1, check=finite(positive("finite number; use e.g. --base-lr 0.2")),
+                            help="lr at the base batch for 'scaled'")
+    base_batch: int = option(32, check=at_least(1, problem="must be at least 1; use e.g. --base-batch 256"),
+                             help="global batch of base-lr")
+    warmup_epochs: float = option(1.0, help="linear lr warmup of 'scaled' points whose lr exceeds base-lr")
+    # The training settings (epochs, model, seed, threads, timeout) are TrainConfig's to judge.
+    epochs: int = option(10, help="epochs per point")
+    target_acc: float = option(0.7, flag="--target", help="test accuracy for time-to-target",
+                               check=Rule(ok=lambda acc: 0 < acc <= 1,
+                                          problem="is not an accuracy; give one in (0, 1], e.g. --target 0.7"))
+    model: str = option("lenet", choices=MODELS, help="the model trained")
+    data: DataConfig = component(DataConfig)
+    seed: int = option(0, help="seed of each point's initial model and batch order")
     # One thread per device: k devices are k cores' worth of work, and OpenMP threads that
     # outnumber free cores spin (measured here under load: 1 device × 2 threads 8× slower).
-    threads_per_device: int = 1
-    timeout_s: float = 120.0
-    out_dir: str = "runs/sweep"
+    threads_per_device: int = option(1, help="CPU threads per worker")
+    timeout_s: float = option(120.0, flag="--timeout", metavar="SECONDS", help="how long any collective may wait")
+    out_dir: str = option("runs/sweep", flag="--out", metavar="DIR", help="directory for the outputs")
+    resume: bool = option(False, help="reuse points already finished in --out with the same settings")
 
     def __post_init__(self) -> None:
+        check_options(self)
         _check_list("--devices", self.num_devices, "device counts", minimum=1)
         _check_list("--per-device-batch", self.batch_sizes_per_device, "batch sizes", minimum=1)
         if not self.lr_rules:
@@ -72,21 +87,15 @@ class SweepConfig:
         for rule in self.lr_rules:
             if rule != SCALED and not (isinstance(rule, float) and rule > 0 and math.isfinite(rule)):
                 raise ValueError(f"--lr {rule} must be a positive finite number or 'scaled'; use e.g. --lr 0.2")
-        if not (self.base_lr > 0 and math.isfinite(self.base_lr)):
-            raise ValueError(f"--base-lr {self.base_lr} must be a positive finite number; use e.g. --base-lr 0.2")
-        if self.base_batch < 1:
-            raise ValueError(f"--base-batch {self.base_batch} must be at least 1; use e.g. --base-batch 256")
         warmup_error = (f"--warmup-epochs {self.warmup_epochs} must be at least 0 and below --epochs "
                         f"{self.epochs}, so the scaled lr is reached")
         if not self.warmup_epochs >= 0:
             raise ValueError(warmup_error)
         # The training settings are TrainConfig's to judge (the same one-line messages as train's).
         for point in expand_grid(self):
-            train_config(self, point, dataset=self.dataset, data_dir=self.data_dir)
+            train_config(self, point, data=self.data)
         if not self.warmup_epochs < self.epochs:
             raise ValueError(warmup_error)
-        if not 0 < self.target_acc <= 1:
-            raise ValueError(f"--target {self.target_acc} is not an accuracy; give one in (0, 1], e.g. --target 0.7")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,9 +154,9 @@ def expand_grid(config: SweepConfig) -> list[GridPoint]:
             for k in config.num_devices for b in config.batch_sizes_per_device for rule in config.lr_rules]
 
 
-def train_config(config: SweepConfig, point: GridPoint, *, dataset: str | None, data_dir: str | None) -> TrainConfig:
+def train_config(config: SweepConfig, point: GridPoint, *, data: DataConfig) -> TrainConfig:
     """The `phalanx train` run one point is (a ValueError naming the setting it cannot be)."""
-    return TrainConfig(model=config.model, data=DataConfig(dataset=dataset, directory=data_dir), epochs=config.epochs,
+    return TrainConfig(model=config.model, data=data, epochs=config.epochs,
                        global_batch_size=point.global_batch_size,
                        optim=OptimizerConfig(lr=point.lr, warmup_epochs=point.warmup_epochs), seed=config.seed,
                        launch=LaunchConfig(threads_per_device=config.threads_per_device, timeout_s=config.timeout_s),

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.data import load_dataset
+from phalanx.data.config import DataConfig
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.sweep.grid import GridPoint, SweepConfig, expand_grid, train_config
@@ -104,20 +105,19 @@ def load_stored(points_dir: Path, key: str, settings: dict) -> dict | None:
     return row if row.get("settings") == settings else None
 
 
-def run_grid(config: SweepConfig, *, resume: bool = False,
-             progress: Callable[[str], None] = _stderr) -> list[dict[str, Any]]:
+def run_grid(config: SweepConfig, *, progress: Callable[[str], None] = _stderr) -> list[dict[str, Any]]:
     """Train the whole grid (data loaded and checked once, here); the rows in grid order."""
     # Resolve the dataset once, so bad data is one line from this process and every point trains
     # on the same data (an unnamed fashion-mnist may fall back to digits offline).
-    data = load_dataset(config.dataset, config.data_dir, log=progress)
+    data = load_dataset(config.data.dataset, config.data.directory, log=progress)
     points_dir = Path(config.out_dir) / POINTS_DIR
     points_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     by_devices: dict[int, list] = {}
     for point in expand_grid(config):
-        train = train_config(config, point, dataset=data.name, data_dir=data.data_dir)
+        train = train_config(config, point, data=DataConfig(dataset=data.name, directory=data.data_dir))
         settings = point_settings(train, point)
-        stored = load_stored(points_dir, point.key, settings) if resume else None
+        stored = load_stored(points_dir, point.key, settings) if config.resume else None
         if stored is not None:
             rows[point.key] = {**stored, "reused": True}
             progress(f"{point.key}: reusing the stored result (--resume)")

@@ -8,8 +8,8 @@ so a bucket that finished while backward was still running shows as such. Each r
 `trace-rank<r>.json` in the Trace Event Format (open it in https://ui.perfetto.dev or
 chrome://tracing): compute on one track, each bucket's collective on a track of its own. Rank 0
 also writes `summary.json`: bytes per bucket, time per collective, algbw and busbw as nccl-tests
-defines them (algbw = bytes / time, bytes being the whole bucket; busbw = algbw * 2(k-1)/k for an
-allreduce, * (k-1)/k for a reduce-scatter, which moves half of an allreduce's bytes), the wait per
+defines them (algbw = bytes / time, bytes being the whole bucket; busbw = algbw x bandwidth.py's
+factor: 2(k-1)/k for an allreduce, (k-1)/k for a reduce-scatter, which moves half of its bytes), the wait per
 step, and the overlap percentage - the share of the collectives' time that ran while backward was
 still computing.
 
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from phalanx.atomic import atomic_write_bytes
+from phalanx.telemetry.bandwidth import busbw_factor
 
 MAIN_TID = 1
 BUCKET_TID_BASE = 100  # bucket i's collective is drawn on track 100 + i
-# nccl-tests' bus-bandwidth factor of each collective a bucket may be sent with, at k ranks
-BUS_FACTOR = {"allreduce": lambda k: 2.0 * (k - 1) / k, "reduce-scatter": lambda k: (k - 1) / k}
+BUCKET_KINDS = ("allreduce", "reduce-scatter")  # the collectives a bucket's gradients are sent with
 _NULL = contextlib.nullcontext()
 
 
@@ -48,7 +48,7 @@ class _Comm:
     step: int
     bucket: int
     nbytes: int
-    kind: str  # a key of BUS_FACTOR
+    kind: str  # one of BUCKET_KINDS
     launch_s: float
     done_s: float | None = None
 
@@ -103,10 +103,10 @@ class Tracer:
                 self._steps_s.append(end_s - start_s)
 
     def comm_launched(self, bucket: int, nbytes: int, kind: str = "allreduce") -> _Comm | None:
-        """A bucket's collective (`kind`, a key of BUS_FACTOR) starts now; pass the result to
+        """A bucket's collective (`kind`, one of BUCKET_KINDS) starts now; pass the result to
         `comm_done` on completion."""
-        if kind not in BUS_FACTOR:
-            raise ValueError(f"comm_launched: kind must be one of {', '.join(BUS_FACTOR)}, got {kind!r}")
+        if kind not in BUCKET_KINDS:
+            raise ValueError(f"comm_launched: kind must be one of {', '.join(BUCKET_KINDS)}, got {kind!r}")
         if not self.recording:
             return None
         record = _Comm(step=self._step, bucket=bucket, nbytes=nbytes, kind=kind, launch_s=time.perf_counter())
@@ -158,7 +158,7 @@ class Tracer:
             algbw = nbytes / median_s / 1e9 if median_s > 0 else 0.0
             buckets.append({"bucket": index, "kind": kind, "bytes": nbytes, "count": len(times),
                             "time_ms": {"median": median_s * 1e3, "min": min(times) * 1e3, "max": max(times) * 1e3},
-                            "algbw_gbs": algbw, "busbw_gbs": algbw * BUS_FACTOR[kind](self.world_size)})
+                            "algbw_gbs": algbw, "busbw_gbs": algbw * busbw_factor(self.world_size, kind)})
         comm_s = sum(c.done_s - c.launch_s for c in comms)
         hidden_s = sum(_overlap(c.launch_s, c.done_s, self._backward.get(c.step, [])) for c in comms)
         return {"rank": self.rank, "world_size": self.world_size, "traced_steps": len(self._steps_s),

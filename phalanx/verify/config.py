@@ -13,15 +13,15 @@ summed) makes the gradient about k times too large.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Union
 
 import torch
 
-from phalanx.comm import check_choice
+from phalanx.comm import CHOICES
 from phalanx.data_parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.data_parallel.step import shard_loss
+from phalanx.options import Rule, at_least, check_options, finite, option, positive
 
 DTYPES = ("float32", "float64")
 # Relative tolerance per tensor (compare.py: max |a - b| / max |b|, floored). float64 k-vs-1 runs
@@ -42,63 +42,66 @@ LossScale = Union[str, Callable[..., torch.Tensor]]
 
 @dataclass(frozen=True, kw_only=True)
 class VerifyConfig:
-    world_sizes: tuple[int, ...] = (2, 3)  # k values compared with 1 device, one spawned run each
-    steps: int = 5
-    global_batch_size: int = DEFAULT_GLOBAL_BATCH_SIZE  # for (inputs, targets) data; ignored for a batches_fn
-    lr: float = 0.2  # plain SGD, as phalanx train
-    dtype: str = "float64"
-    tolerance: float | None = None  # relative, per tensor; None: DEFAULT_TOLERANCE[dtype]
-    algorithm: str = "auto"
-    overlap: bool = True
+    """the comparison: k devices against 1, step by step"""
+
+    # k values compared with 1 device, one spawned run each
+    world_sizes: tuple[int, ...] = option(
+        (2, 3), flag="--devices", items=int, help="device counts k compared with 1 device",
+        check=Rule(ok=lambda k: isinstance(k, int) and k >= 2,
+                   problem="must list device counts of at least 2 (1 device is the reference every count is "
+                           "compared with); e.g. --devices 2,3"))
+    steps: int = option(5, check=at_least(1), help="SGD steps compared")
+    # for (inputs, targets) data; ignored for a batches_fn
+    global_batch_size: int = option(DEFAULT_GLOBAL_BATCH_SIZE, flag="--batch-size",
+                                    help="global batch (a prime: uneven over every k)")
+    lr: float = option(0.2, check=finite(positive("finite number; use e.g. --lr 0.2")),
+                       help="plain SGD's learning rate, as phalanx train's")
+    dtype: str = option("float64", choices=DTYPES, help="parameter dtype (float64: exact)")
+    # relative, per tensor; None: DEFAULT_TOLERANCE[dtype]
+    tolerance: float | None = option(None, check=finite(positive("finite number, e.g. 1e-9")),
+                                     default_text=", ".join(f"{tol:g} in {dtype}"
+                                                            for dtype, tol in DEFAULT_TOLERANCE.items()),
+                                     help="relative difference allowed per tensor")
+    algorithm: str = option("auto", flag="--allreduce", choices=CHOICES, help="the k-device runs' allreduce")
+    overlap: bool = option(True, flag="--no-overlap", help="one synchronous allreduce after backward")
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB  # with overlap; None: one bucket
-    batchnorm: str = "sync"  # the k-device runs' BatchNorm policy (the reference is plain BatchNorm)
+    # the k-device runs' BatchNorm policy (the reference is plain BatchNorm)
+    batchnorm: str = option("sync", choices=BATCHNORM_POLICIES, help="BatchNorm models' statistics")
     memory_format: str = "auto"  # the k-device runs' layout, as phalanx train (the reference: contiguous)
     # The k-device runs exchange gradients compressed to this dtype: a name of GRAD_DTYPES ("bf16",
     # "fp16") or the torch dtype itself (stored as its name); None: exchanged as computed.
-    grad_dtype: str | torch.dtype | None = None
+    grad_dtype: str | torch.dtype | None = option(None, choices=tuple(GRAD_DTYPES), default_text="as computed",
+                                                  help="exchange gradients compressed to this dtype and measure the "
+                                                       "error")
     loss_reduction: str = "mean"  # what loss_fn returns over the examples it is given
     # How a rank scales its loss before backward: a name of LOSS_SCALES, or a picklable callable
     # (loss, *, n_local, n_global, world_size) -> tensor. The reference is the same rule at k = 1.
     loss_scale: LossScale = "global"
-    seed: int = 0
+    seed: int = option(0, check=at_least(0, problem="must be 0 or more; use e.g. --seed 0"),
+                       help="seed of the model and the batch order")
     eval_modules: tuple[str, ...] = ()  # module kinds put in eval mode in every run (probes)
     trim_to_multiple: int | None = None  # probes: cut every global batch to a multiple of this
     shuffle_per_rank: bool = False  # planted bug: each rank draws its own batch order
-    device: str = "cpu"  # cpu: k CPU worker processes; cuda: k GPUs
+    device: str = option("cpu", choices=DEVICE_KINDS, help="cpu (k worker processes) or cuda (k GPUs)")
     threads_per_device: int = 1
-    timeout_s: float = 60.0  # bound on every collective
+    timeout_s: float = option(60.0, flag="--timeout", metavar="SECONDS", check=positive("number of seconds"),
+                              help="how long any collective may wait")
     deadline_s: float | None = None  # bound on each whole spawned run (tests); None: none
-    diagnose: bool = True  # on failure, name the culprit (may rerun with probes)
+    # on failure, name the culprit (may rerun with probes)
+    diagnose: bool = option(True, flag="--no-diagnose", help="on failure, do not rerun probes to name a cause")
 
     def __post_init__(self) -> None:
-        if not self.world_sizes or any(not isinstance(k, int) or k < 2 for k in self.world_sizes):
-            raise ValueError(f"--devices {_join(self.world_sizes)} must list device counts of at least 2 "
-                             "(1 device is the reference every count is compared with); e.g. --devices 2,3")
-        if self.seed < 0:
-            raise ValueError(f"--seed {self.seed} must be 0 or more; use e.g. --seed 0")
-        if self.steps < 1:
-            raise ValueError(f"--steps {self.steps} must be at least 1")
-        if self.global_batch_size < max(self.world_sizes):
-            raise ValueError(f"--batch-size {self.global_batch_size} is smaller than {max(self.world_sizes)} devices; "
-                             f"use --batch-size {max(self.world_sizes)} or more")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"--lr {self.lr} must be a positive finite number; use e.g. --lr 0.2")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}")
-        if self.tolerance is not None and not (self.tolerance > 0 and math.isfinite(self.tolerance)):
-            raise ValueError(f"--tolerance {self.tolerance} must be a positive finite number, e.g. 1e-9")
-        check_choice(self.algorithm, flag="--allreduce")
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
-            raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
         if isinstance(self.grad_dtype, torch.dtype):
             names = {dtype: name for name, dtype in GRAD_DTYPES.items()}
             if self.grad_dtype not in names:
                 raise ValueError(f"grad_dtype {self.grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
             object.__setattr__(self, "grad_dtype", names[self.grad_dtype])  # frozen: normalize once
-        if self.grad_dtype is not None and self.grad_dtype not in GRAD_DTYPES:
-            raise ValueError(f"--grad-dtype {self.grad_dtype!r} is unknown; choose one of {', '.join(GRAD_DTYPES)}")
-        if self.batchnorm not in BATCHNORM_POLICIES:
-            raise ValueError(f"--batchnorm {self.batchnorm!r} is unknown; choose one of {', '.join(BATCHNORM_POLICIES)}")
+        check_options(self)
+        if self.global_batch_size < max(self.world_sizes):
+            raise ValueError(f"--batch-size {self.global_batch_size} is smaller than {max(self.world_sizes)} devices; "
+                             f"use --batch-size {max(self.world_sizes)} or more")
+        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+            raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory format {self.memory_format!r} is unknown; choose one of {', '.join(MEMORY_FORMATS)}")
         if self.loss_reduction not in LOSS_REDUCTIONS:
@@ -111,12 +114,8 @@ class VerifyConfig:
             raise ValueError(f"--eval {unknown[0]!r} is unknown; choose from {', '.join(EVAL_MODULES)}")
         if self.trim_to_multiple is not None and self.trim_to_multiple < 1:
             raise ValueError(f"trim_to_multiple {self.trim_to_multiple} must be at least 1")
-        if self.device not in DEVICE_KINDS:
-            raise ValueError(f"--device {self.device!r} is unknown; choose one of {', '.join(DEVICE_KINDS)}")
         if self.threads_per_device < 1:
             raise ValueError(f"threads_per_device {self.threads_per_device} must be at least 1")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout {self.timeout_s} must be a positive number of seconds")
         if self.deadline_s is not None and not self.deadline_s > 0:
             raise ValueError(f"deadline_s {self.deadline_s} must be positive seconds or None")
 
@@ -156,6 +155,3 @@ def scale_loss(loss: torch.Tensor, *, n_local: int, n_global: int, world_size: i
         return loss_mean
     raise ValueError(f"loss_scale {scale!r} is unknown; choose one of {', '.join(LOSS_SCALES)}")
 
-
-def _join(values) -> str:
-    return ",".join(str(v) for v in values) if isinstance(values, (tuple, list)) else str(values)

@@ -5,13 +5,13 @@ with every experiment at tiny sizes and --trace: machinery and arithmetic, not s
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.cli import run_bench
+from phalanx.cli import build_parser
 from phalanx.autopar.pipeline import PipelineJob, pipeline_bound_s, reference_accumulator, run_cpu_pipeline
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("smoke_sized_cores")]  # tests/distributed/conftest.py
@@ -50,8 +50,7 @@ def test_two_process_pipeline_matches_in_sequence_and_the_reference(tmp_path):
 
 
 def _run(argv, out_dir):
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser(["bench"])
     return run_bench(parser.parse_args(argv + ["--out", str(out_dir)]))
 
 

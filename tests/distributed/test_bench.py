@@ -6,14 +6,14 @@ process runner the non-phalanx contenders start through: environment, threads, f
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import pytest
 import torch
 
-from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.cli import run_bench
+from phalanx.cli import build_parser
 from phalanx.measure.procs import run_fresh
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.usefixtures("smoke_sized_cores")  # see tests/distribut
 
 
 def _run(argv: list[str], out_dir) -> tuple[dict, str]:
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser(["bench"])
     assert run_bench(parser.parse_args(argv + ["--out", str(out_dir)])) == 0
     name = argv[1]
     assert (out_dir / f"{name}.png").read_bytes()[:8] == PNG_MAGIC

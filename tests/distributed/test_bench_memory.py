@@ -6,12 +6,12 @@ set, that the stages divide what they say they divide, and that the table, JSON 
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.cli import run_bench
+from phalanx.cli import build_parser
 from phalanx.bench.memory import CONTENDERS
 from phalanx.measure.memory import HELD
 
@@ -21,8 +21,7 @@ pytestmark = pytest.mark.usefixtures("smoke_sized_cores")  # see tests/distribut
 
 @pytest.mark.distributed
 def test_memory_bench_smoke(tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser(["bench"])
     argv = ["bench", "memory", "--models", "lenet", "--batch-size", "8", "--steps", "1", "--warmup-steps", "0",
             "--rounds", "1", "--out", str(tmp_path)]
     assert run_bench(parser.parse_args(argv)) == 0

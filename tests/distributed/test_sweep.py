@@ -20,13 +20,12 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 DRIVER = textwrap.dedent("""
-    import argparse, sys
-    from phalanx.sweep import add_sweep_parser, run_sweep
+    import sys
+    from phalanx.cli import build_parser
+    from phalanx.sweep.cli import run_sweep
 
     if __name__ == "__main__":  # spawned workers import this file too
-        parser = argparse.ArgumentParser(prog="phalanx")
-        add_sweep_parser(parser.add_subparsers(dest="command"))
-        sys.exit(run_sweep(parser.parse_args(["sweep", *sys.argv[1:]])))
+        sys.exit(run_sweep(build_parser(["sweep"]).parse_args(["sweep", *sys.argv[1:]])))
 """)
 ARGS = ["--dataset", "digits", "--devices", "1,2", "--per-device-batch", "32,64", "--lr", "scaled",
         "--base-lr", "0.2", "--base-batch", "64", "--warmup-epochs", "0.5", "--epochs", "1", "--timeout", "30"]

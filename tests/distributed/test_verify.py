@@ -10,7 +10,6 @@ float64, a few steps of small batches; every run under a deadline (VerifyConfig.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 
@@ -21,7 +20,9 @@ from torch import nn
 
 from phalanx.data import load_synthetic_dataset
 from phalanx.models import build_model
-from phalanx.verify import VerifyConfig, add_verify_parser, run_verify, verify
+from phalanx.cli import build_parser
+from phalanx.verify import VerifyConfig, verify
+from phalanx.verify.cli import run_verify
 
 pytestmark = pytest.mark.distributed
 
@@ -54,8 +55,7 @@ def test_lenet_and_lenet_bn_pass_at_2_and_3_devices(model, images):
 
 
 def test_planted_rank_mean_fails_through_the_cli_naming_the_cause(tmp_path, capsys):
-    parser = argparse.ArgumentParser()
-    add_verify_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser(["verify"])
     out = tmp_path / "verify.json"
     args = parser.parse_args(["verify", "--devices", "2", "--steps", "2", "--batch-size", "31", "--plant", "rank-mean",
                               "--timeout", str(COLLECTIVE_TIMEOUT_S), "--out", str(out)])

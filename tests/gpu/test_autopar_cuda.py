@@ -5,13 +5,13 @@ no timed assertions (the numbers go to docs/autopar.md from a run of the bench i
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.cli import run_bench
+from phalanx.cli import build_parser
 from phalanx.autopar.cuda import measure_pipeline, measure_streams
 from phalanx.autopar.cuda_graph import measure_cuda_mlp, run_on_streams
 from phalanx.autopar.graphs import HOST, MLPProgram
@@ -78,8 +78,7 @@ def test_experiment_5_on_cuda_passes_its_checks(tmp_path):
 
 
 def test_autopar_bench_cuda_smoke(tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_bench_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser(["bench"])
     args = parser.parse_args(["bench", "autopar", "--device", "cuda", "--rounds", "2", "--matrix-size", "64",
                               "--matmuls", "4", "--sizes", "32,64", "--target-ms", "1", "--chunks", "3",
                               "--chunk-rows", "64", "--width", "16", "--batch-size", "8", "--hidden", "8",

@@ -7,7 +7,7 @@ trace picture, and the config's refusals. No timed assertions: timings only feed
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import threading
 
@@ -16,14 +16,15 @@ import torch
 
 from phalanx.autopar import ops as autopar_ops
 from phalanx.autopar import report as autopar_report
-from phalanx.bench import add_bench_parser, run_bench
+from phalanx.bench.cli import BENCHMARKS, run_bench
+from phalanx.cli import build_parser
 from phalanx.autopar.exercises import AutoparBenchConfig
 from phalanx.autopar.deps import check_diamond_chain, measure_cpu_mlp
 from phalanx.autopar.graphs import DiamondChainProgram, MLPProgram
 from phalanx.autopar.trace import profiled, render_timeline, row_name, timeline_rows
 from phalanx.autopar.taskgraph import (Schedule, Span, Task, TaskGraph, ThreadLanes, bounds, compare_runs, critical_path,
                                      run_in_sequence, run_on_lanes, violations)
-from phalanx.autopar.taskgraph_program import HazardCheck, Step, program_graph, without_edge
+from phalanx.autopar.taskgraph_program import HazardCheck, Step, program_graph
 from phalanx.errors import UsageError
 
 LANES = ("device0", "device1", "host")
@@ -31,6 +32,15 @@ LANES = ("device0", "device1", "host")
 
 def _noop() -> None:
     return None
+
+
+def without_edge(graph: TaskGraph, before: str, after: str) -> TaskGraph:
+    """The same graph missing the edge before -> after: the planted bug the checks must catch."""
+    if before not in graph.tasks[after].deps:
+        raise ValueError(f"{after!r} does not depend on {before!r}")
+    return TaskGraph(Task(name=t.name, lane=t.lane, fn=t.fn,
+                          deps=tuple(d for d in t.deps if not (t.name == after and d == before)))
+                     for t in graph.tasks.values())
 
 
 # --- the task graph -------------------------------------------------------------------------
@@ -437,9 +447,7 @@ def test_resolved_fills_the_cpu_defaults():
 
 
 def _run(argv, out_dir):
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return run_bench(parser.parse_args(argv + ["--out", str(out_dir)]))
+    return run_bench(build_parser(["bench"]).parse_args(argv + ["--out", str(out_dir)]))
 
 
 def test_autopar_bench_refuses_bad_flags_before_measuring(tmp_path):
@@ -454,16 +462,14 @@ def test_autopar_bench_refuses_bad_flags_before_measuring(tmp_path):
 
 
 def test_a_failed_check_exits_1_after_writing_the_table_json_and_png(tmp_path, monkeypatch, capsys):
-    from phalanx.autopar import exercises as autopar
-
     result = autopar_report.outcome(measured_s=[1.0], sequential_s=[2.0], ideal_s=[1.0])
     failed = {"passed": False, "bitwise": True, "what": "planted"}
 
-    def fake_run(config, *, on_progress=None):
+    def fake_run(config):
         return {"bench": "autopar", "config": {"rounds": 1}, "where": "here", "trace_dir": None, "elapsed_s": 0.1,
                 "experiments": [{"experiment": 5, "title": "t", "how": "h", "outcome": result, "check": failed,
                                  "verdict": "v", "others_cores": 0.0}], "checks_passed": False}
-    monkeypatch.setattr(autopar, "run_autopar_bench", fake_run)
+    monkeypatch.setitem(BENCHMARKS, "autopar", dataclasses.replace(BENCHMARKS["autopar"], run=fake_run))
     assert _run(["bench", "autopar", "--device", "cpu", "--experiments", "5"], tmp_path) == 1
     assert json.loads((tmp_path / "autopar.json").read_text())["checks_passed"] is False
     assert (tmp_path / "autopar.png").read_bytes()[:4] == b"\x89PNG"

@@ -3,23 +3,24 @@ formula, flag parsing and config validation, the contender set-ups, and the outp
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from phalanx.bench import add_bench_parser, run_bench
-from phalanx.bench.allreduce import AllreduceBenchConfig, busbw_factor, timed
+from phalanx.bench.cli import run_bench
+from phalanx.cli import build_parser
+from phalanx.bench.allreduce import AllreduceBenchConfig, timed
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, variants
-from phalanx.measure.flags import format_size, parse_list, parse_size
+from phalanx.measure.flags import format_size, parse_size
 from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
 from phalanx.measure.step import Variant
 from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
                                     slowest_per_round)
 from phalanx.errors import UsageError
+from phalanx.options import build, parse_list
 
 
 def test_spread_is_median_and_min_max():
@@ -108,18 +109,6 @@ def test_tables_align_and_whiskers_reach_min_and_max():
     assert median_whiskers(rows, "x") == ([2.0, 1.0], [[0.5, 0.0], [1.0, 0.25]])
 
 
-def test_busbw_factor_is_nccl_tests_allreduce_formula():
-    # nccl-tests PERFORMANCE.md: busbw = algbw * 2(n-1)/n
-    assert busbw_factor(1) == 0.0
-    assert busbw_factor(2) == 1.0
-    assert busbw_factor(4) == 1.5
-    assert busbw_factor(8) == 1.75
-    with pytest.raises(ValueError):
-        busbw_factor(0)
-    # reduce-scatter and all-gather: (n-1)/n of the whole buffer, half an allreduce's
-    assert busbw_factor(4, "reduce-scatter") == busbw_factor(4, "all-gather") == 0.75
-
-
 def test_bench_allreduce_times_the_halves_only_where_an_algorithm_has_them():
     config = AllreduceBenchConfig(sizes_bytes=(4096,), algorithms=("native", "tree", "shm"))
     assert timed(config) == [(4096, "allreduce", "native"), (4096, "allreduce", "tree"), (4096, "allreduce", "shm"),
@@ -142,14 +131,14 @@ def test_sizes_and_lists_parse_in_binary_units():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: AllreduceBenchConfig(world_sizes=(1, 2)), "world sizes"),
-    (lambda: AllreduceBenchConfig(sizes_bytes=(4096, 6)), "multiples of 4"),
+    (lambda: AllreduceBenchConfig(world_sizes=(1, 2)), "--world-sizes 1,2: 1 must be at least 2"),
+    (lambda: AllreduceBenchConfig(sizes_bytes=(4096, 6)), "6 bytes is not a positive multiple of 4"),
     (lambda: AllreduceBenchConfig(algorithms=("ring", "magic")), "magic"),
     (lambda: AllreduceBenchConfig(rounds=0), "rounds"),
-    (lambda: AllreduceBenchConfig(collectives=("all-reduce",)), "unknown collectives"),
+    (lambda: AllreduceBenchConfig(collectives=("all-reduce",)), "--collectives 'all-reduce' is unknown"),
     (lambda: AllreduceBenchConfig(algorithms=("tree",), collectives=("all-gather",)), "all-gather run on native, shm, ring only, not on tree"),
-    (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), num_devices=2), "[256, 1]"),
-    (lambda: ScalingBenchConfig(num_devices=1), "num_devices"),
+    (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), num_devices=2), "--batch-sizes 256,1"),
+    (lambda: ScalingBenchConfig(num_devices=1), "--devices 1 must be at least 2"),
     (lambda: ScalingBenchConfig(model="resnet"), "resnet"),
     (lambda: ScalingBenchConfig(steps=0), "steps"),
     (lambda: ScalingBenchConfig(grad_dtype="int4"), "--grad-dtype 'int4'"),
@@ -224,32 +213,31 @@ def test_wide_mlp_is_the_heavier_model():
         build_bench_model("vgg")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_bench_parser(parser.add_subparsers(dest="command"))
-    return parser
+def _parse(*argv: str):
+    return build_parser(["bench"]).parse_args(["bench", *argv])
 
 
-def test_bench_flags_parse_into_namespaces():
-    args = _parser().parse_args(["bench", "scaling", "--model", "mlp", "--devices", "3", "--batch-sizes", "64"])
-    assert (args.command, args.bench_name, args.model, args.devices, args.batch_sizes) == (
-        "bench", "scaling", "mlp", 3, "64")
-    args = _parser().parse_args(["bench", "allreduce", "--sizes", "4KB", "--out", "x"])
-    assert (args.sizes, args.world_sizes, args.out, args.rounds) == ("4KB", "2,3,4", "x", 5)
-    assert _parser().parse_args(["bench", "overlap"]).device == "auto"
+def test_bench_flags_build_each_benchmarks_config():
+    args = _parse("scaling", "--model", "mlp", "--devices", "3", "--batch-sizes", "64")
+    assert (args.command, args.bench_name) == ("bench", "scaling")
+    assert build(ScalingBenchConfig, args) == ScalingBenchConfig(model="mlp", num_devices=3, global_batch_sizes=(64,))
+    args = _parse("allreduce", "--sizes", "4KB", "--out", "x")
+    assert build(AllreduceBenchConfig, args) == AllreduceBenchConfig(sizes_bytes=(4096,))
+    assert args.out_dir == "x"
+    assert build(AllreduceBenchConfig, _parse("allreduce")) == AllreduceBenchConfig()
+    assert build(OverlapBenchConfig, _parse("overlap")).device == "auto"
 
 
 @pytest.mark.parametrize("argv, words", [
     (["bench"], "choose a benchmark"),
-    (["bench", "allreduce", "--world-sizes", "1"], "world sizes"),
+    (["bench", "allreduce", "--world-sizes", "1"], "--world-sizes 1"),
     (["bench", "allreduce", "--sizes", "4QB"], "4QB"),
     (["bench", "scaling", "--batch-sizes", "1", "--devices", "2"], "global batch"),
     (["bench", "overlap", "--algorithm", "gossip"], "gossip"),
 ])
 def test_bad_bench_input_is_a_usage_error_before_any_work(argv, words, tmp_path):
-    args = _parser().parse_args(argv + (["--out", str(tmp_path / "out")] if len(argv) > 1 else []))
     with pytest.raises(UsageError, match=words):
-        run_bench(args)
+        run_bench(_parse(*argv[1:], *(["--out", str(tmp_path / "out")] if len(argv) > 1 else [])))
     assert not (tmp_path / "out").exists()  # nothing measured, nothing written
 
 

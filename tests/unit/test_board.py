@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
 from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
-                                   Tag, Ticket, describe, phase_code)
+                                   Ticket)
+from phalanx.runtime.tags import Tag, describe, phase_code
 from phalanx.runtime.procs import process_state
 from phalanx.comm.watchdog import check, check_pairing, pairing_error
 from phalanx.models import LeNet

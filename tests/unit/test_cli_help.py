@@ -71,3 +71,41 @@ def test_every_help_with_a_timeout_shows_its_default():
         text = parser.format_help()
         entry = re.search(r"^  --timeout .*?(?=^  -|^$)", text, re.MULTILINE | re.DOTALL)  # the flag's help
         assert entry and "(default: " in entry.group(0), f"phalanx {path} --help:\n{text}"
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """Every command's own parser, nested ones (bench's kinds) included: (path, parser)."""
+    subcommands = [action for action in parser._actions if isinstance(action, argparse._SubParsersAction)]
+    if not subcommands:
+        yield path, parser
+    for action in subcommands:
+        for name, sub in action.choices.items():
+            yield from _commands(sub, (*path, name))
+
+
+def test_every_command_and_benchmark_shows_each_options_default_in_its_help():
+    from phalanx.bench.cli import BENCHMARKS
+
+    found = dict(_commands(build_parser()))
+    # Generated from the tables, not listed by hand: a new command or benchmark is checked too.
+    assert set(found) == {(name,) for name in COMMANDS if name != "bench"} | {("bench", name) for name in BENCHMARKS}
+    for path, parser in found.items():
+        text = parser.format_help()
+        for action in parser._actions:
+            if not action.option_strings or action.nargs == 0:  # positionals, switches (off until given), -h
+                continue
+            entry = re.search(rf"^  {re.escape(action.option_strings[0])}\b.*?(?=^  -|^\S|\Z)", text,
+                              re.MULTILINE | re.DOTALL)  # the flag's help, over however many lines
+            shown = " ".join(entry.group(0).split()) if entry else ""  # argparse wraps lines anywhere
+            assert "(default: " in shown, f"phalanx {' '.join(path)} --help, {action.option_strings}: {shown}"
+
+
+def test_each_benchmark_takes_exactly_its_configs_options_and_out():
+    from phalanx.bench.cli import BENCHMARKS, BenchOutput
+    from phalanx.options import flags
+
+    found = dict(_commands(build_parser(["bench"])))
+    for name, benchmark in BENCHMARKS.items():
+        taken = {a.option_strings[0] for a in found[("bench", name)]._actions if a.option_strings} - {"-h"}
+        assert taken == {flag.name for flag in flags(benchmark.config)} | {flag.name for flag in flags(BenchOutput)}
+        assert found[("bench", name)].description == benchmark.summary == benchmark.config.__doc__.splitlines()[0]

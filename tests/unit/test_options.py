@@ -7,6 +7,7 @@ every help ends in its default, a None default must say what it means, a bad val
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -117,3 +118,92 @@ def test_a_switch_on_by_default_is_named_to_turn_it_off():
 
     with pytest.raises(TypeError, match="switch --progress is on by default; name it --no-"):
         add_options(CommandParser(prog="backwards"), Backwards)
+
+
+def test_a_list_option_reads_commas_checks_each_item_and_shows_its_default():
+    @dataclass(frozen=True, kw_only=True)
+    class Sizes:
+        """sizes"""
+
+        world_sizes: tuple[int, ...] = option((2, 3), items=int, check=at_least(2), help="counts")
+        kinds: tuple[str, ...] = option(("a",), items=str, choices=("a", "b"), help="kinds")
+
+        def __post_init__(self) -> None:
+            check_options(self)
+
+    parser = CommandParser(prog="sizes")
+    add_options(parser, Sizes)
+    assert build(Sizes, parser.parse_args(["--world-sizes", "2, 4,", "--kinds", "b,a"])) == Sizes(
+        world_sizes=(2, 4), kinds=("b", "a"))
+    text = parser.format_help()
+    assert "counts (default: 2,3)" in text and "--kinds {a,b}[,...]" in text
+    for argv, line in ((["--world-sizes", "2,x"], "--world-sizes '2,x' is not a comma-separated list of int"),
+                       (["--world-sizes", ","], "--world-sizes is empty; give at least one value"),
+                       (["--world-sizes", "2,1"], "--world-sizes 2,1: 1 must be at least 2"),
+                       (["--kinds", "c"], "--kinds 'c' is unknown; choose one of a, b")):
+        with pytest.raises(UsageError) as info:
+            build(Sizes, parser.parse_args(argv))
+        assert str(info.value) == line
+    with pytest.raises(ValueError, match="--world-sizes is empty"):
+        Sizes(world_sizes=())
+
+
+def test_a_component_made_into_another_value_shows_its_own_options():
+    @dataclass(frozen=True, kw_only=True)
+    class Link:
+        """link: a preset's numbers"""
+
+        gbps: float = option(10.0, help="bandwidth")
+
+        def seconds_per_gb(self) -> float:
+            return 1 / self.gbps
+
+    @dataclass(frozen=True, kw_only=True)
+    class Plan:
+        """plan"""
+
+        link: float = component(Link, into=Link.seconds_per_gb)
+
+    parser = CommandParser(prog="plan")
+    add_options(parser, Plan)
+    assert Plan().link == 0.1 and build(Plan, parser.parse_args(["--gbps", "4"])).link == 0.25
+    assert "\nlink:\n  --gbps GBPS  bandwidth (default: 10.0)" in parser.format_help()
+
+
+def test_a_new_field_of_a_commands_config_is_a_flag_with_no_other_edit(monkeypatch, capsys):
+    """A field added to a benchmark's config (its table entry) or to a command's config appears in
+    that command's parser and help, with its default, and reaches the config."""
+    from phalanx.bench import cli as bench_cli
+    from phalanx.bench.allreduce import AllreduceBenchConfig
+    from phalanx.cli import build_parser, main
+    from phalanx.sweep import cli as sweep_cli
+    from phalanx.sweep.grid import SweepConfig
+
+    @dataclass(frozen=True, kw_only=True)
+    class WithKnob(AllreduceBenchConfig):
+        """allreduce, with one knob more"""
+
+        knob_mb: float = option(1.5, check=at_least(0), help="a knob added later")
+
+    @dataclass(frozen=True, kw_only=True)
+    class SweepWithKnob(SweepConfig):
+        """the grid, with one knob more"""
+
+        knob: str = option("low", choices=("low", "high"), help="a knob added later")
+
+    monkeypatch.setitem(bench_cli.BENCHMARKS, "allreduce",
+                        dataclasses.replace(bench_cli.BENCHMARKS["allreduce"], config=WithKnob))
+    monkeypatch.setattr(sweep_cli, "SweepConfig", SweepWithKnob)
+    for words, cls, argv, field, value, shown in (
+            (["bench", "allreduce"], WithKnob, ["--knob-mb", "2"], "knob_mb", 2.0,
+             "--knob-mb KNOB_MB a knob added later (default: 1.5)"),
+            (["sweep"], SweepWithKnob, ["--knob", "high"], "knob", "high",
+             "--knob {low,high} a knob added later (default: low)")):
+        parser = build_parser(words[:1])
+        assert getattr(build(cls, parser.parse_args([*words, *argv])), field) == value
+        assert build(cls, parser.parse_args(words)) == cls()
+        with pytest.raises(SystemExit):
+            main([*words, "--help"])
+        assert shown in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(UsageError, match="--knob-mb -1.0 must be at least 0"):
+        build(WithKnob, build_parser(["bench"]).parse_args(["bench", "allreduce", "--knob-mb", "-1"]))

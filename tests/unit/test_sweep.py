@@ -13,7 +13,10 @@ import math
 import pytest
 
 from phalanx.errors import UsageError
-from phalanx.sweep import add_sweep_parser, run_sweep, sweep_config_from_args
+from phalanx.cli import build_parser
+from phalanx.data.config import DataConfig
+from phalanx.options import build
+from phalanx.sweep.cli import run_sweep
 from phalanx.sweep.grid import SCALED, SweepConfig, expand_grid, parse_lr_rule, scaled_lr
 from phalanx.measure.outputs import write_outputs
 from phalanx.sweep.report import csv_bytes, format_table, oversubscription_note, plot_sweep
@@ -23,9 +26,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="phalanx")
-    add_sweep_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["sweep", *argv])
+    return build_parser(["sweep"]).parse_args(["sweep", *argv])
 
 
 def _history(accs, epoch_s=1.5):
@@ -40,7 +41,7 @@ def _rows(config: SweepConfig, target=0.7):
         top = 0.78 if point.lr_rule == SCALED else 0.78 - 0.05 * math.log2(point.global_batch_size / 32)
         curve = [top * (e + 1) / config.epochs for e in range(config.epochs)]
         history = _history(curve, epoch_s=0.5 * point.num_devices)
-        train = train_config(config, point, dataset="fashion-mnist", data_dir=None)
+        train = train_config(config, point, data=DataConfig(dataset="fashion-mnist"))
         rows.append({**summarize(point, history, target_acc=target, settings=point_settings(train, point),
                                  dataset="fashion-mnist"), "num_classes": 10})
     return rows
@@ -75,7 +76,7 @@ def test_grid_is_devices_by_batch_by_rule_with_global_batch_k_times_b():
 
 
 def test_default_grid_is_the_documented_one():
-    points = expand_grid(sweep_config_from_args(_args()))
+    points = expand_grid(build(SweepConfig, _args()))
     assert len(points) == 18  # 3 device counts x 2 per-device batches x 3 lr rules
     assert sorted({p.global_batch_size for p in points}) == [32, 64, 128, 256, 512]
 
@@ -98,13 +99,19 @@ def test_default_grid_is_the_documented_one():
     ({"target_acc": 0.0}, "--target 0.0"),
     ({"target_acc": 70.0}, "--target 70.0 is not an accuracy"),
     ({"model": "vgg"}, "--model 'vgg' is unknown"),
-    ({"dataset": "cifar"}, "--dataset 'cifar' is unknown"),
     ({"threads_per_device": 0}, "--threads-per-device 0"),
     ({"timeout_s": 0.0}, "--timeout 0.0"),
 ])
 def test_config_rejects_bad_values_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         SweepConfig(**kwargs)
+
+
+def test_the_data_options_are_train_s_own():
+    with pytest.raises(ValueError, match="--dataset 'cifar' is unknown"):
+        SweepConfig(data=DataConfig(dataset="cifar"))
+    assert build(SweepConfig, _args("--dataset", "digits", "--data-dir", "d")).data == DataConfig(dataset="digits",
+                                                                                                 directory="d")
 
 
 def test_time_to_target_is_cumulative_training_time_to_the_first_epoch_reaching_it():
@@ -135,7 +142,7 @@ def test_each_point_is_a_train_config_with_its_batch_lr_and_warmup():
     config = SweepConfig(num_devices=(4,), batch_sizes_per_device=(32,), lr_rules=(SCALED,), threads_per_device=1,
                          seed=3, epochs=5, warmup_epochs=0.5)
     point = expand_grid(config)[0]
-    train = train_config(config, point, dataset="digits", data_dir=None)
+    train = train_config(config, point, data=DataConfig(dataset="digits"))
     assert (train.global_batch_size, train.optim.lr, train.optim.warmup_epochs) == (128, pytest.approx(0.4), 0.5)
     assert (train.epochs, train.seed, train.launch.threads_per_device, train.progress, train.out_dir) == (5, 3, 1, False, None)
     train.check_devices(point.num_devices)  # every device gets a share of each batch

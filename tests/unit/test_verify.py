@@ -1,6 +1,5 @@
 """phalanx verify without processes: config rules, loss scaling, batches, comparison maths, diagnosis, report, CLI."""
 
-import argparse
 import json
 import math
 
@@ -9,7 +8,10 @@ import torch
 
 from phalanx.data import shard_sizes
 from phalanx.errors import UsageError
-from phalanx.verify import VerifyConfig, add_verify_parser, compare_runs, run_verify, scale_loss
+from phalanx.cli import build_parser
+from phalanx.verify import VerifyConfig, compare_runs, scale_loss
+from phalanx.options import build
+from phalanx.verify.cli import VerifyCommand, run_verify
 from phalanx.verify.batches import BatchSource, check_data, example_digests
 from phalanx.verify.compare import RELATIVE_FLOOR, gradient_scale, tensor_diff
 from phalanx.verify.diagnose import Probe, ProbeResult, cause_from_probes, direct_cause, plan_probes
@@ -21,7 +23,7 @@ from phalanx.verify.run import RunRecord
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"world_sizes": (1, 2)}, "at least 2"),
-    ({"world_sizes": ()}, "at least 2"),
+    ({"world_sizes": ()}, "--devices is empty; give at least one value"),
     ({"steps": 0}, "--steps 0"),
     ({"global_batch_size": 2}, "smaller than 3 devices"),
     ({"lr": float("nan")}, "--lr nan"),
@@ -305,18 +307,36 @@ def test_report_renders_numbers_verdict_and_cause_and_writes_strict_json():
 
 
 def _args(*argv):
-    parser = argparse.ArgumentParser()
-    add_verify_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["verify", *argv])
+    return build_parser(["verify"]).parse_args(["verify", *argv])
 
 
 def test_cli_flags_map_and_bad_input_is_one_line(tmp_path):
-    args = _args("--devices", "2,3", "--grad-dtype", "bf16", "--plant", "rank-mean", "--tolerance", "1e-2")
-    assert (args.devices, args.grad_dtype, args.plant, args.tolerance) == ("2,3", "bf16", "rank-mean", 1e-2)
-    for argv, words in [(("--model", "vgg"), "unknown model 'vgg'"), (("--plant", "x"), "--plant 'x'"),
+    command = build(VerifyCommand, _args("--devices", "2,3", "--grad-dtype", "bf16", "--plant", "rank-mean",
+                                         "--tolerance", "1e-2", "--split", "data"))
+    config = command.verify_config()
+    assert (config.world_sizes, config.grad_dtype, config.tolerance, config.loss_scale) == ((2, 3), "bf16", 1e-2,
+                                                                                          "rank-mean")
+    assert (command.plant, command.split.kind) == ("rank-mean", "data")
+    assert build(VerifyCommand, _args("--plant", "shuffle-per-rank")).verify_config().shuffle_per_rank
+    assert build(VerifyCommand, _args()).verify_config() == VerifyConfig()
+    for argv, words in [(("--model", "vgg"), "--model 'vgg' is unknown"), (("--plant", "x"), "--plant 'x'"),
                         (("--devices", "1"), "at least 2"), (("--devices", "two"), "--devices 'two'"),
                         (("--grad-dtype", "int8"), "--grad-dtype 'int8'"), (("--out", str(tmp_path)), "a directory"),
                         (("--out", str(tmp_path / "no" / "r.json")), "does not exist")]:
         with pytest.raises(UsageError, match=words.replace("(", r"\(")) as info:
             run_verify(_args(*argv))
+    with pytest.raises(UsageError, match="--plant plants data-parallel bugs; drop it with --split layers"):
+        run_verify(_args("--plant", "rank-sum", "--split", "layers"))
         assert "\n" not in str(info.value)
+
+
+def test_the_help_says_the_tolerances_the_config_uses(capsys):
+    from phalanx.cli import main
+    from phalanx.verify import DEFAULT_TOLERANCE
+
+    with pytest.raises(SystemExit):
+        main(["verify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("relative difference allowed per tensor (default: "
+            + ", ".join(f"{tolerance:g} in {dtype}" for dtype, tolerance in DEFAULT_TOLERANCE.items()) + ")") in text
+    assert "0.01 in float32" in text and VerifyConfig(dtype="float32").rtol == 1e-2

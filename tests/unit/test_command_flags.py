@@ -1,0 +1,68 @@
+"""Every flag `bench`, `verify`, `predict` and `sweep` had before their parsers were generated from their
+configs still works and means what it meant: the same settings from the same words, the same defaults.
+
+tests/unit/data/command_flags_before.jsonl holds, per flag, a sample (and the companions it needs),
+and what the hand-written parser and its hand mapping made of it and of nothing: each setting that
+the sample changed, with its value and its default - recorded by running the old code (9e76603)
+with the measurement itself replaced by a catch of its config. Where a setting's place moved, the
+settings below say where it is now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from phalanx.bench.cli import BENCHMARKS, BenchOutput
+from phalanx.cli import build_parser
+from phalanx.options import build
+from phalanx.predict.config import PredictConfig
+from phalanx.sweep.grid import SweepConfig
+from phalanx.verify.cli import VerifyCommand
+
+ROWS = [json.loads(line) for line in (Path(__file__).parent / "data" / "command_flags_before.jsonl").read_text()
+        .splitlines()]
+
+
+def _json(value):
+    return json.loads(json.dumps(value))
+
+
+def _settings(command: str, argv: list[str]) -> dict:
+    """What the command makes of `argv`, keyed as the old code's settings were."""
+    words = command.split()
+    args = build_parser(words[:1]).parse_args([*words, *argv])
+    if words[0] == "bench":
+        benchmark = BENCHMARKS[words[1]]
+        config = benchmark.prepare(build(benchmark.config, args))  # run_bench's own order
+        return _json({**dataclasses.asdict(config), "out": build(BenchOutput, args).out_dir or f"runs/bench-{words[1]}"})
+    if command == "verify":
+        verify = build(VerifyCommand, args)
+        return _json({**dataclasses.asdict(verify.verify_config()), "model": verify.model, "dataset": verify.dataset,
+                      "data_dir": verify.data_dir, "out": verify.out, "split": verify.split.kind,
+                      "micro_batches": verify.split.micro_batches, "schedule": verify.split.schedule})
+    if command == "predict":
+        config = build(PredictConfig, args)
+        return _json({**dataclasses.asdict(config), "out": config.out_dir})
+    config = build(SweepConfig, args)
+    return _json({**dataclasses.asdict(config), "dataset": config.data.dataset, "data_dir": config.data.directory})
+
+
+@pytest.fixture(autouse=True)
+def _gpu_less(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # --device auto resolves to cpu, as recorded
+
+
+def test_the_record_covers_every_command_and_benchmark():
+    assert {row["command"] for row in ROWS} == {*(f"bench {name}" for name in BENCHMARKS), "verify", "predict", "sweep"}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"{row['command']} {row['flag']}" for row in ROWS])
+def test_an_old_flag_makes_the_same_settings_as_before(row):
+    given = _settings(row["command"], row["argv"] + row["companions"])
+    assert {key: given[key] for key in row["value"]} == row["value"]
+    default = _settings(row["command"], row["companions"])
+    assert {key: default[key] for key in row["default"]} == row["default"]  # and its default is the same
