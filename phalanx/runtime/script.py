@@ -2,8 +2,11 @@
 
 `phalanx run --devices cpu:3 train.py --lr 0.1` starts the script on k workers through the same
 launcher as `phalanx train` (supervision, one-line failures naming the rank), as torchrun would:
-each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), its
-threads and allocator set up, and runs the script as `__main__` with `sys.argv = [script, *args]`.
+each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
+TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
+runs the script as `__main__` with `sys.argv = [script, *args]` and an absolute `__file__`. A
+script that changes its thread count is named once on rank 0; torch's SyncBatchNorm, which torch
+refuses on CPU workers, is refused in one line naming phalanx's own.
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
 - so one script runs unchanged under `phalanx run`, under torchrun and under plain python. A
