@@ -37,8 +37,8 @@ def main() -> None:
 
     world = phalanx.init()
     data = load_dataset(None, args.data_dir, log=print if world.rank == 0 else (lambda _: None))
-    train = TensorDataset(to_float(data.train_images).to(dtype), data.train_labels)
-    test = TensorDataset(to_float(data.test_images).to(dtype), data.test_labels)
+    train = TensorDataset(to_float(data.train_images, dtype), data.train_labels)
+    test = TensorDataset(to_float(data.test_images, dtype), data.test_labels)
     torch.manual_seed(0)
     dp = phalanx.prepare(lenet(), world=world, dtype=dtype)  # on CPU a conv net runs in channels_last
     if world.rank == 0:

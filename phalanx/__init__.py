@@ -42,6 +42,7 @@ _OWNERS = {
     "resume": "phalanx.train.checkpoint",
     "evaluate": "phalanx.train.evaluate", "evaluate_dataset": "phalanx.train.evaluate",
     "shard_loss": "phalanx.data_parallel.step", "train_batch": "phalanx.train.loop",
+    "capture_step": "phalanx.train.graphs",
     "reduce": "phalanx.train.metrics",
     "VerifyConfig": "phalanx.verify.config",
     "World": "phalanx.runtime.world",
@@ -51,7 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataParallel", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed", "ShardedLoader", "UsageError",
-    "VerifyConfig", "World", "allreduce", "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate",
+    "VerifyConfig", "World", "allreduce", "capture_step", "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate",
     "evaluate_dataset", "global_batches", "init", "prepare", "progress", "rank_shard", "reduce", "resume",
     "shard_loss", "shard_sizes", "split_batch", "train_batch",
 ]

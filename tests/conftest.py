@@ -62,9 +62,3 @@ def real_sample_dir() -> Path:
         pytest.skip(f"real Fashion-MNIST sample not found at {SAMPLE_DIR}; to run this accuracy test set "
                     "PHALANX_SAMPLE_DIR to a directory holding the four Fashion-MNIST IDX files")
     return SAMPLE_DIR
-
-
-@pytest.fixture(scope="session")
-def sample_dir(idx_dir) -> Path:
-    """The name tests used when they read the real sample; now the generated `idx_dir` (prefer that name)."""
-    return idx_dir

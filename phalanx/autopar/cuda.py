@@ -2,8 +2,12 @@
 
 1 and 2 (see autopar_ops.py for the CPU twin): k independent n x n products on cuda:0, "eager"
 on the current stream (kernels queue and run one after another), "concurrent" split round-robin
-over `streams` CUDA streams, "share i alone" on its stream with the others idle (the longest is
-the ideal), and for experiment 1 "each alone, summed" (synchronize after every product). Every
+over `streams` CUDA streams, "share i alone" on its stream with the others idle, "batched" all k
+as one `bmm` kernel (the device's own bound: streams share one GPU, and no arrangement of them
+does the work faster than the GPU runs it all at once; one 4096^2 product already fills an H200,
+where the longest share alone promised 4 lanes' worth), and for experiment 1 "each alone,
+summed" (synchronize after every product). The ideal is the longer of the longest share alone
+and the batched kernel (exercises.py). Every
 contender starts and ends with a synchronize. The check: the concurrent outputs are bitwise the
 one-stream outputs (same kernels, same inputs).
 
@@ -52,6 +56,7 @@ def measure_streams(*, size: int, count: int, streams: int, rounds: int, target_
     inputs = [(torch.randn(size, size, generator=g, dtype=getattr(torch, dtype)) / size ** 0.5).to(device)
               for _ in range(count)]
     outputs = [torch.empty_like(x) for x in inputs]
+    stacked, stacked_out = torch.stack(inputs), torch.empty(count, size, size, dtype=inputs[0].dtype, device=device)
     lanes = [torch.cuda.Stream(device=device) for _ in range(streams)]
     shares = [list(range(s, count, streams)) for s in range(streams)]
     repeats = [1]
@@ -74,11 +79,16 @@ def measure_streams(*, size: int, count: int, streams: int, rounds: int, target_
         for i, (stream, share) in enumerate(zip(lanes, shares)):
             on(stream, share, f"share {i} @stream{i}")  # launches return at once: every stream is fed in turn
 
+    def batched() -> None:  # the device's bound: every product in one kernel, filling the GPU as it can
+        with label("batched @main"):
+            for _ in range(repeats[0]):
+                torch.bmm(stacked, stacked, out=stacked_out)
+
     synchronize_cuda()
     _synced(eager)()  # warm: cuBLAS handles and workspaces per stream
     once_s = max(_synced(eager)(), 1e-7)
     repeats[0] = calls_for(once_s, target_batch_s=target_s, max_calls=MAX_REPEATS)
-    runs = {"eager": _synced(eager), "concurrent": _synced(concurrent)}
+    runs = {"eager": _synced(eager), "concurrent": _synced(concurrent), "batched": _synced(batched)}
     if each_alone:
         runs["each alone, summed"] = lambda: sum(_synced(lambda i=i: run([i]))() for i in range(count))
     for i, (stream, share) in enumerate(zip(lanes, shares)):

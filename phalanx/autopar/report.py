@@ -40,7 +40,8 @@ def _ms(record: dict[str, Any], key: str) -> str:
 def crossover(sizes: Sequence[int], speedups: Sequence[float], *, win: float = WIN) -> dict[str, Any]:
     """The size from which concurrency stops winning for good: the one after the largest size that
     won by `win`. `size` is None when it won at every size (the crossover lies above the sweep);
-    `exceptions` are the sizes below the crossover that did not win (noise, or a dip)."""
+    `exceptions` are the sizes below the crossover that did not win (noise, or a dip) - fewer than
+    the wins there, or there is no range that wins: kind "isolated", `wins` the sizes that did."""
     if len(sizes) != len(speedups) or not sizes:
         raise ValueError(f"need one speed-up per size, got {len(sizes)} sizes and {len(speedups)} speed-ups")
     if list(sizes) != sorted(sizes):
@@ -50,19 +51,23 @@ def crossover(sizes: Sequence[int], speedups: Sequence[float], *, win: float = W
         return {"size": sizes[0], "kind": "never wins", "win": win, "exceptions": []}
     last_win = len(wins) - 1 - wins[::-1].index(True)
     exceptions = [size for size, won in zip(sizes[:last_win], wins[:last_win]) if not won]
+    if len(exceptions) * 2 >= last_win + 1:  # as many sizes below the last win lost as won: no range
+        return {"size": None, "kind": "isolated", "win": win, "exceptions": [],
+                "wins": [size for size, won in zip(sizes, wins) if won]}
     if last_win == len(sizes) - 1:
         return {"size": None, "kind": "wins everywhere", "win": win, "exceptions": exceptions}
     return {"size": sizes[last_win + 1], "kind": "crossover", "win": win, "exceptions": exceptions}
 
 
 def verdict_independent(result: dict[str, Any], *, eager_over_alone: float | None, how: str,
-                        asynchronous: bool) -> str:
+                        asynchronous: bool, device_bound_s: float | None = None) -> str:
     """Experiment 1: does the framework overlap by itself, and what does explicit concurrency buy?
 
     `asynchronous`: eager launches return before the work is done (CUDA). On CPU an operator
     runs to completion before the next one starts, so eager cannot beat the sum of its parts
     except by noise; on a GPU it can, by hiding launch and synchronisation costs, which is still
-    not running two products at once (one stream runs its kernels in order)."""
+    not running two products at once (one stream runs its kernels in order). `device_bound_s`:
+    the time of all the products as one kernel where that, not the longest lane, is the ideal."""
     parts = []
     if eager_over_alone is not None:
         ratio = f"issued eagerly they took {eager_over_alone:.2f}x the sum of each product alone"
@@ -75,13 +80,16 @@ def verdict_independent(result: dict[str, Any], *, eager_over_alone: float | Non
         else:
             parts.append(f"{ratio}: asynchronous launches hide the gaps between products, but one stream "
                          "still runs them one after another")
-    parts.append(_gain(result, how))
+    parts.append(_gain(result, how, device_bound_s=device_bound_s))
     return "; ".join(parts) + "."
 
 
-def _gain(result: dict[str, Any], how: str) -> str:
+def _gain(result: dict[str, Any], how: str, *, device_bound_s: float | None = None) -> str:
     speedup, ideal, share = _m(result, "speedup"), _m(result, "ideal_speedup"), _m(result, "share_of_ideal")
     head = f"{how}: {_ms(result, 'measured_s')} vs {_ms(result, 'sequential_s')}, {speedup:.2f}x"
+    if ideal < WIN and device_bound_s is not None:
+        return (f"{head}; little to gain here (ideal {ideal:.2f}x): all of them as one batched kernel take "
+                f"{1e3 * device_bound_s:.1f} ms, so the work itself keeps the GPU busy and streams can only share it")
     if ideal < WIN:
         return (f"{head}; little to gain here (ideal {ideal:.2f}x: the longest independent part already takes "
                 f"{1 / ideal:.0%} of the time in sequence)")
@@ -96,6 +104,11 @@ def verdict_sweep(cross: dict[str, Any], sizes: Sequence[int], speedups: Sequenc
     but = ""
     if cross["exceptions"]:
         but = f", except at n={', '.join(map(str, cross['exceptions']))}"
+    if cross["kind"] == "isolated":
+        won = ", ".join(f"n={size} ({speedup:.2f}x)" for size, speedup in zip(sizes, speedups) if size in cross["wins"])
+        rest = [speedup for size, speedup in zip(sizes, speedups) if size not in cross["wins"]]
+        return (f"{how} wins by at least {win} only at {won}; at the other {len(rest)} sizes it gives "
+                f"{min(rest):.2f}-{max(rest):.2f}x: isolated sizes, no range below a crossover.")
     if cross["kind"] == "crossover":
         return (f"{how} wins below n={cross['size']} (at least {win} faster{but}) and no longer from "
                 f"n={cross['size']} on: the crossover ({ends}).")

@@ -27,8 +27,11 @@ from phalanx.bench.memory import MemoryBenchConfig, run_memory_bench
 from phalanx.bench.memory_report import plot_memory, report_memory
 from phalanx.bench.scaling import ScalingBenchConfig, run_scaling_bench
 from phalanx.bench.scaling_report import plot_scaling, report_scaling
+from phalanx.bench.gpu import GpuBenchConfig, gpu_failed, run_gpu_bench
+from phalanx.bench.gpu_report import plot_gpu, report_gpu
 from phalanx.bench.splits import SplitsBenchConfig, run_splits_bench
 from phalanx.bench.splits_report import plot_splits, report_splits
+from phalanx.bench.step import StepBenchConfig, plot_step, report_step, run_step_bench
 from phalanx.errors import UsageError
 from phalanx.measure.outputs import prepare_out_dir, write_outputs
 from phalanx.options import add_options, build, option
@@ -82,6 +85,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "autopar": Benchmark(config=AutoparBenchConfig,
                          run=functools.partial(run_autopar_bench, on_progress=lambda m: _progress(f"autopar: {m}")),
                          report=report_autopar, plot=plot_autopar, prepare=_prepare_autopar, failed=_autopar_failed),
+    "step": Benchmark(config=StepBenchConfig, run=functools.partial(run_step_bench, on_run=_progress),
+                      report=report_step, plot=plot_step, prepare=StepBenchConfig.prepare),
+    "gpu": Benchmark(config=GpuBenchConfig, run=functools.partial(run_gpu_bench, on_run=_progress), report=report_gpu,
+                     plot=plot_gpu, prepare=GpuBenchConfig.prepare, failed=gpu_failed),
 }
 
 

@@ -15,11 +15,18 @@ import torch
 IMAGE_SHAPE = (1, 28, 28)
 
 
-def to_float(images_uint8: torch.Tensor) -> torch.Tensor:
-    """uint8 images -> float32 in [0, 1] on the same device, as torchvision's ToTensor does."""
+def to_float(images_uint8: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 images -> `dtype` in [0, 1] on the same device, as torchvision's ToTensor scales them.
+
+    Computed as x * (1/255) in `dtype` itself, bitwise the same on every device: CUDA divides a
+    tensor by a Python number as a multiplication by its reciprocal while the CPU divides, and
+    the two disagree by one float32 ulp on 126 of the 256 pixel values. Converting through
+    float32 and dividing therefore fed cuda:0 and cpu:1 different float64 inputs: after 2 epochs
+    of the sample their parameters were 1.1e-7 apart (largest difference / largest parameter),
+    where the same conversion everywhere leaves nothing but summation order."""
     if images_uint8.dtype != torch.uint8:
         raise ValueError(f"to_float: expected uint8 images, got {images_uint8.dtype}")
-    return images_uint8.to(torch.float32).div_(255.0)
+    return images_uint8.to(dtype).mul_(1 / 255)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class DataParallel(ReplicaModule):
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap,
             gradient_views=shard in ("none", "optimizer")) if self.exchanging else []
         self._sync_enabled, self._closed = True, False
+        self._capturing = False  # a CUDA graph is recording the step (capturing())
         self._synced_steps = 0  # the step in each bucket's tag
         self.average = average
         self._extras = StepExtras(self.module, world=world, average=average, batchnorm=batchnorm,
@@ -134,6 +135,10 @@ class DataParallel(ReplicaModule):
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
         self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if overlap else self._on_backward,
                                            every_parameter=overlap)
+        # What zero_grad clears with nothing to exchange: the parameters the replica was built
+        # with, listed once (as an optimizer holds its param_groups; walking the modules for them
+        # every step cost LeNet ~40 us of host time on the 2-core machine).
+        self._params = list(self.module.parameters())
 
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
@@ -143,7 +148,7 @@ class DataParallel(ReplicaModule):
         """Zero the bucket buffers (never set .grad to None: the views must survive); with
         nothing to exchange, set every .grad to None (or zero it) as `optimizer.zero_grad()` does."""
         if not self.exchanging:
-            for param in self.module.parameters():
+            for param in self._params:
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
             return
         if self._scheduler is not None:  # None once closed
@@ -173,10 +178,30 @@ class DataParallel(ReplicaModule):
         finally:
             self._sync_enabled = previous
 
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While a CUDA graph records a step of a replica with nothing to exchange: the recording
+        is not a step, so finish_gradient_sync counts nothing and reads nothing on the host (its
+        periodic NaN/Inf check would); whoever replays the graph calls it after each replay."""
+        if self.exchanging:
+            raise RuntimeError("capturing a replica that exchanges gradients is not supported; "
+                               "capture a one-device replica's step")
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
     def accumulate(self, micro_batches: int | Iterable) -> Iterator:
         """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:
         gradient accumulation as a loop (accumulate.py); then finish_gradient_sync and step."""
         return accumulate(self.no_sync, micro_batches)
+
+    @property
+    def first_step_pending(self) -> bool:
+        """True until rank 0's one-time look at the first synced step is done (step_extras.py):
+        only then must a loss come through `shard_loss` to be recognised."""
+        return self._extras.first_step is not None
 
     @property
     def sync_enabled(self) -> bool:
@@ -226,6 +251,8 @@ class DataParallel(ReplicaModule):
         if not self._sync_enabled:
             return
         if not self.exchanging:  # nothing to sum, but a gradient to check all the same
+            if self._capturing:
+                return
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         self._scheduler.finish()

@@ -24,6 +24,7 @@ Every rank sees the same gathered data, so every rank raises the same error at t
 from __future__ import annotations
 
 import hashlib
+import math
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -140,7 +141,8 @@ def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] |
     (`DataParallel.named_gradients()`). Each check reads a value on the host: on a GPU, call it
     only at the steps that check (it synchronises).
     """
-    if loss is not None and not bool(torch.isfinite(loss).all()):
+    # A loss is one number: read it (no kernel; on the CPU, checked every step, that is what it costs).
+    if loss is not None and not all(math.isfinite(v) for v in loss.detach().reshape(-1).tolist()):
         raise NonFinite(f"loss is {loss.item()} at step {step} on rank {rank}; lower --lr or check the data")
     named = (buffers.items() if isinstance(buffers, Mapping)
              else ((f"gradient bucket {i}", b) for i, b in enumerate(buffers)))

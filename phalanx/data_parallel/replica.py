@@ -50,7 +50,9 @@ class ReplicaModule(nn.Module):
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast
-        with torch.autocast(device_type=device_type, dtype=dtype):
+        # A CUDA graph recording the step must not keep autocast's cast weights across steps.
+        cache = not getattr(self, "_capturing", False)
+        with torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=cache):
             out = self.module(*args, **kwargs)
         return _widen(out)
 

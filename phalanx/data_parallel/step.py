@@ -16,6 +16,7 @@ smaller global batches first) keeps every rank on exactly the examples `rank_sha
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,13 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     return scaled
 
 
+@functools.lru_cache(maxsize=16)
+def _inverse(global_batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """1 / global_batch_size as the 0-dim tensor backward feeds `loss_sum`: made by the division
+    shard_loss's backward does, so the gradient is bitwise shard_loss's on every device."""
+    return torch.ones((), dtype=dtype, device=device) / global_batch_size
+
+
 def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Cut a rank's shard into `grad_accum_steps` contiguous micro-batches, sizes as even as
     possible (larger first, some empty when the shard is smaller than the count): the book's
@@ -54,14 +62,28 @@ def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> li
 def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, global_batch_size: int,
                      grad_accum_steps: int = 1, tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of this rank's shard (X, y), then the gradient exchange: afterwards
-    every rank holds the summed gradient. Returns this shard's (loss sum, correct count).
+    every rank holds the summed gradient. Returns this shard's (loss sum, correct count), on the
+    device: the loss sum in the model's dtype for one piece, in float64 when pieces are added.
 
     With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
     `tracer` records forward / backward / wait spans (None: tracing off).
     """
-    # One piece in the common case: the step is then the plain loop's, with nothing around it
-    # (no split, no accumulator tensors); the sums stay on the device (issue 11).
-    pieces = [(X, y)] if grad_accum_steps == 1 else micro_batches(X, y, grad_accum_steps)
+    if grad_accum_steps == 1 and X.shape[0] > 0:
+        # The common case is the plain loop's step with nothing around it: no split, no
+        # accumulator tensors, and the loss scaled without shard_loss's look at the graph once
+        # the replica's first-step check is done (a world of one never has one).
+        with span(tracer, "forward"):
+            logits = dp(X)
+            loss_sum = F.cross_entropy(logits, y, reduction="sum")
+        with span(tracer, "backward"):
+            if dp.first_step_pending:
+                shard_loss(loss_sum, global_batch_size).backward()
+            else:  # shard_loss's gradient, 1 / global batch size, fed in: no division kernel either way
+                loss_sum.backward(_inverse(global_batch_size, loss_sum.dtype, loss_sum.device))
+        with span(tracer, "wait"):
+            dp.finish_gradient_sync()
+        return loss_sum.detach(), (logits.argmax(dim=1) == y).sum()
+    pieces = micro_batches(X, y, grad_accum_steps)
     loss_sum = correct = None
     for index, (X_micro, y_micro) in enumerate(pieces):
         last = index == len(pieces) - 1

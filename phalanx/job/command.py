@@ -52,6 +52,7 @@ def run_train(args: argparse.Namespace) -> int:
                              else f"cpu:{env.world_size}")
     try:
         config.check_devices(plan.num_devices)
+        config.graph_plan(plan.kind, plan.num_devices)  # --cuda-graphs on that cannot be honoured: refused now
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if config.launch.bind_cores and env is None:  # before the data is read: one line, nothing started

@@ -22,9 +22,10 @@ from phalanx.job.checkpointing import CheckpointConfig, RestartConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.model_split.config import SplitConfig
 from phalanx.model_split.splits import check_split
-from phalanx.models import INITS, MODELS
+from phalanx.models import INITS, MODELS, build_model, has_batchnorm
 from phalanx.options import at_least, check_options, component, option
 from phalanx.runtime.launch_config import LaunchConfig
+from phalanx.train.graph_plan import GRAPH_MODES, GraphPlan, StepFacts, plan
 
 DTYPES = ("float32", "float64")
 
@@ -62,6 +63,10 @@ class TrainConfig:
     trace_dir: str | None = option(None, flag="--trace", metavar="DIR", default_text="no trace",
                                    help="write a Chrome trace per rank and a communication summary into DIR")
     trace_steps: int = option(20, check=at_least(1), help="steps traced per epoch with --trace")
+    # auto: each full batch's step replayed as one CUDA graph where the run allows it; the first
+    # log line names what ran, or what stood in the way (train/graph_plan.py).
+    cuda_graphs: str = option("auto", choices=GRAPH_MODES, help="run each full batch's step as one CUDA graph "
+                              "(auto: on one CUDA device where the run allows; on: insist; off: eager)")
     launch: LaunchConfig = component(LaunchConfig)
     data: DataConfig = component(DataConfig)
     optim: OptimizerConfig = component(OptimizerConfig)
@@ -102,6 +107,17 @@ class TrainConfig:
             for flag, value, default in data_parallel_only:
                 if value != default:
                     raise ValueError(f"{flag} is a data-parallel option; drop it with --split {self.split.kind}")
+
+    def graph_plan(self, device_type: str, num_devices: int, *, backend: str = "nccl") -> GraphPlan:
+        """Whether this run's step is captured on `num_devices` devices of `device_type`;
+        ValueError naming the refusal when --cuda-graphs on cannot be honoured."""
+        options = self.data_parallel
+        sync_bn = (num_devices > 1 and self.split.kind == "data" and options.batchnorm == "sync"
+                   and has_batchnorm(build_model(self.model)))
+        return plan(self.cuda_graphs, StepFacts(
+            device_type=device_type, num_devices=num_devices, split=self.split.kind,
+            grad_accum_steps=options.grad_accum_steps, tracing=self.trace_dir is not None, sync_batchnorm=sync_bn,
+            allreduce=options.allreduce, backend=backend, lr_changes_every_step=self.optim.warmup_epochs > 0))
 
     @property
     def checkpoint_location(self) -> str | None:

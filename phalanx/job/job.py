@@ -32,7 +32,8 @@ from phalanx.job.optim import build_optimizer, describe as describe_optimizer
 from phalanx.train.streamed_save import stream_model
 from phalanx.train.evaluate import count_accuracy
 from phalanx.data_parallel.strategy import DataSplit
-from phalanx.train.loop import Strategy, train_epoch
+from phalanx.train.graphs import CudaGraph
+from phalanx.train.loop import Strategy, captured_train_step, train_epoch
 from phalanx.job.outputs import Outputs
 from phalanx.job.resume import dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
 from phalanx.job.schedule import lr_at, set_lr, warmup_steps
@@ -98,6 +99,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     if whole is not strategy.module:  # a split: its shards take their values from the whole model
         strategy.load_full_state_dict(whole.state_dict())
     settings = run_settings(config, num_devices=world.world_size)
+    graph_plan = config.graph_plan(world.device.type, world.world_size, backend=world.backend)
+    _set_capturable(optimizer, graph_plan.capture)
 
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
         if replica is not None:  # nothing non-finite is saved: the steps since the last check, checked
@@ -115,8 +118,12 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     devices_text = "[" + ", ".join(device_names) + "]"
     log(f"training {config.model} on {data.name} ({data.train_images.shape[0]} train / "
         f"{data.test_images.shape[0]} test images) on {devices_text}: global batch {config.global_batch_size}, "
-        f"{describe_optimizer(config.optim)}, {strategy.describe()}{_schedule_text(config)}{_placement_text(config, world)}")
+        f"{describe_optimizer(config.optim)}, {strategy.describe()}{graph_plan.describe()}{_schedule_text(config)}"
+        f"{_placement_text(config, world)}")
     train_images, train_labels = data.train_images.to(world.device), data.train_labels.to(world.device)
+    graph = captured_train_step(strategy, optimizer, train_images, train_labels,
+                                global_batch_size=config.global_batch_size, backend=CudaGraph(world.device),
+                                say=log) if graph_plan.capture else None
     test_images, test_labels = data.test_images.to(world.device), data.test_labels.to(world.device)
     outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir and world.is_main else None
     metrics, history = outputs.open_metrics(start_epoch=start.epoch) if outputs is not None else (None, [])
@@ -134,7 +141,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         stats = train_epoch(strategy, optimizer, train_images, train_labels, world=world,
                             global_batch_size=config.global_batch_size, seed=config.seed, epoch=epoch,
                             on_step=bar.update, tracer=tracer, start_step=first_step,
-                            start_totals=start.epoch_totals if epoch == start.epoch else (), after_step=after_step)
+                            start_totals=start.epoch_totals if epoch == start.epoch else (), after_step=after_step,
+                            graph=graph)
         bar.close()
         if replica is not None:  # the epoch's last steps since the periodic check, before its row is written
             replica.check_finite(where=f"the end of epoch {epoch + 1}")
@@ -185,6 +193,14 @@ def _whole_optimizer(optimizer: torch.optim.Optimizer, strategy: Strategy, whole
         return optimizer
     group = optimizer.param_groups[0]
     return torch.optim.SGD(whole.parameters(), lr=group["lr"], weight_decay=group.get("weight_decay", 0.0))
+
+
+def _set_capturable(optimizer: torch.optim.Optimizer, capture: bool) -> None:
+    """Adam and AdamW keep their step count on the device only when `capturable`, which a CUDA
+    graph of their step needs and a CPU run refuses: set per run, whatever a checkpoint held."""
+    for group in optimizer.param_groups:
+        if "capturable" in group:
+            group["capturable"] = capture
 
 
 def _position_text(position: ckpt.Position, steps: int) -> str:

@@ -61,7 +61,7 @@ def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Te
     with torch.no_grad():
         for lo in range(start, start + batches * batch_size, batch_size):
             lo, hi = min(lo, stop), min(lo + batch_size, stop)
-            logits = predict(to_float(images[lo:hi]).to(dtype))
+            logits = predict(to_float(images[lo:hi], dtype))
             if logits is not None:
                 counts[0] += (logits.argmax(dim=1) == labels[lo:hi]).sum()
                 counts[1] += hi - lo

@@ -23,6 +23,7 @@ from phalanx.data_parallel import DataParallel
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.telemetry import Tracer, span
 from phalanx.runtime.world import World
+from phalanx.train.graphs import WARMUP_STEPS, CapturedStep, GraphBackend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,7 @@ def train_epoch(
     start_step: int = 0,
     start_totals: Sequence[float] = (),
     after_step: Callable[[int, int, torch.Tensor, Callable[[], list[float]]], None] | None = None,
+    graph: CapturedStep | None = None,
 ) -> EpochStats:
     """One pass over (images, labels): the same permutation on every rank, each reads its rows.
 
@@ -112,7 +114,8 @@ def train_epoch(
     runs after each optimizer step (checkpoints, guards); `running_totals()` returns the sums so
     far in start_totals' form (a call, so a GPU is synchronised only when they are needed);
     `on_step(steps_done, steps_total)` is for progress display. `tracer` records each step with
-    its data and optimizer spans.
+    its data and optimizer spans. `graph` (`captured_train_step`'s) runs every full global batch;
+    a smaller last batch runs eagerly, so no example is dropped or padded.
     """
     earlier_s = float(start_totals[3]) if len(start_totals) == 4 else 0.0
     start_s = time.perf_counter() - earlier_s
@@ -129,23 +132,28 @@ def train_epoch(
     def running_totals() -> list[float]:  # synchronises a GPU: called only when a value is needed
         return [*torch.stack([loss_total, correct_total.double()]).tolist(), examples, time.perf_counter() - start_s]
 
+    rows: dict[int, tuple[int, int]] = {}  # this rank's rows of an n-example batch, by n
     for step, batch in enumerate(batches):
         if step < start_step:
             continue
         if tracer is not None:
             tracer.begin_step(step)
+        n = batch.numel()
+        first, stop = rows[n] if n in rows else rows.setdefault(n, strategy.rows(n))
+        shard = batch if (first, stop) == (0, n) else batch[first:stop]
         with span(tracer, "step"):
-            with span(tracer, "data"):
-                first, stop = strategy.rows(batch.numel())
-                shard = batch[first:stop]
-                X = to_float(images[shard]).to(dtype)
-                y = labels[shard]
-            loss_sum, correct = train_step(strategy, optimizer, X, y, global_batch_size=batch.numel(), tracer=tracer)
+            if graph is not None and n == global_batch_size:
+                loss_sum, correct = graph(shard)
+            else:
+                with span(tracer, "data"):
+                    X = to_float(images[shard], dtype)
+                    y = labels[shard]
+                loss_sum, correct = train_step(strategy, optimizer, X, y, global_batch_size=n, tracer=tracer)
         if tracer is not None:
             tracer.end_step()
         loss_total.add_(loss_sum)
         correct_total.add_(correct)
-        examples += shard.numel() if strategy.holds_output else 0
+        examples += stop - first if strategy.holds_output else 0
         if after_step is not None:
             after_step(step + 1, len(batches), loss_sum, running_totals)
         if on_step is not None:
@@ -157,6 +165,25 @@ def train_epoch(
     count = max(1, int(count))  # a resumed epoch may have had no step left
     return EpochStats(train_loss=loss / count, train_acc=correct_count / count, num_examples=count,
                       elapsed_s=elapsed_s)
+
+
+def captured_train_step(strategy: DataSplit, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+                        labels: torch.Tensor, *, global_batch_size: int, backend: GraphBackend,
+                        say: Callable[[str], None], warmup_steps: int = WARMUP_STEPS) -> CapturedStep:
+    """`train_step` on this rank's rows of a full global batch, as a CUDA graph (graphs.py) that
+    `train_epoch(graph=...)` runs: the rows' indices go through one static buffer, and the step
+    reads images and labels (resident on the device) through it, as the eager step does."""
+    first, stop = strategy.rows(global_batch_size)
+    index = torch.zeros(stop - first, dtype=torch.long, device=images.device)
+    dtype = next(strategy.module.parameters()).dtype
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        X = to_float(images[index], dtype)
+        return train_step(strategy, optimizer, X, labels[index], global_batch_size=global_batch_size)
+
+    dp = strategy.dp
+    return CapturedStep(step, inputs=(index,), module=strategy.module, optimizer=optimizer, backend=backend,
+                        warmup_steps=warmup_steps, capturing=dp.capturing, after_replay=dp.finish_gradient_sync, say=say)
 
 
 def _on_device(batches: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:

@@ -89,7 +89,7 @@ class BatchSource:
 def prepare_inputs(inputs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 images -> [0, 1] (as phalanx train), other floats -> the run's dtype, ints unchanged."""
     if inputs.dtype == torch.uint8:
-        return to_float(inputs).to(dtype)
+        return to_float(inputs, dtype)
     if inputs.is_floating_point():
         return inputs.to(dtype)
     return inputs

@@ -1,6 +1,6 @@
 """Every sharding stage equals `--shard none` and 1 device through `phalanx train`, on real data.
 
-The long form of tests/distributed/test_sharded.py (which the suite runs on random batches): for
+The long form of tests/distributed/test_sharded_equals_one_device.py (which the suite runs on random batches): for
 each model and optimizer, `phalanx train` in float64 on 1 device and on `--devices cpu:3` with each
 `--shard` stage, 2 epochs with an uneven last batch, weight decay and gradient clipping on; then
 the final parameters (model.pt) and the optimizer state (the last checkpoint: a whole one's

@@ -69,4 +69,7 @@ def test_every_other_script_on_the_page_runs(tmp_path, index):
         pytest.skip("torch.compile took more than 20 s here; compile before and after prepare is tested in "
                     "tests/unit/test_prepare.py (dynamo without inductor)")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] in ("compiled and trained",)
+    last = done.stdout.strip().splitlines()[-1]
+    assert last in ("compiled and trained", "captured step trained (eager)")  # on CPU workers: eager, said once
+    if last.startswith("captured"):
+        assert done.stdout.count("step not captured, running eagerly: CUDA graphs need CUDA devices") == 1

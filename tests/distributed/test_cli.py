@@ -1,11 +1,14 @@
-"""The `phalanx` command end to end, and its bad-input contract: one line, exit 2, nothing written."""
+"""The `phalanx` command end to end, and its bad-input contract: one line, exit 2, nothing written;
+and in a fresh interpreter, `phalanx --help` lists every command without loading torch (each
+command's module is imported only when it is named), and `--version` prints the version."""
 
 import subprocess
 import sys
 
 import pytest
 
-from phalanx.cli import main
+import phalanx
+from phalanx.cli import COMMANDS, main
 
 pytestmark = pytest.mark.distributed
 
@@ -78,3 +81,23 @@ def test_usage_error_exits_2_in_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def _phalanx(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "phalanx", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_top_level_help_lists_every_command_and_imports_no_torch():
+    done = _phalanx("--help")
+    assert done.returncode == 0, done.stderr
+    for name, command in COMMANDS.items():
+        assert name in done.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time")]
+    assert "phalanx.cli" in imported and not [m for m in imported if m.split(".")[0] == "torch"], imported
+    assert "torch" not in done.stdout + done.stderr  # what `... --help 2>&1 | grep -c torch` counts: 0
+
+
+def test_version_in_a_fresh_interpreter_prints_the_version_and_exits_0():
+    done = _phalanx("--version")
+    assert (done.returncode, done.stdout) == (0, f"phalanx {phalanx.__version__}\n")

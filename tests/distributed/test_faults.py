@@ -1,5 +1,6 @@
 """Faults: a worker killed mid-epoch takes the run down fast with the rank and step named; a kill
-during a checkpoint write leaves the previous one loadable; torchrun restarts resume by themselves."""
+during a checkpoint write leaves the previous one loadable, and a SIGTERM mid-write leaves no
+temporary file; torchrun restarts resume by themselves."""
 
 import os
 import shutil
@@ -161,3 +162,21 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint(tmp_path):
     rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 6  # one row per epoch, none repeated by the restart
     assert set(torch.load(out / "model.pt", weights_only=True)) >= {"conv1.weight"}
+
+
+def test_a_worker_stopped_by_sigterm_mid_write_leaves_no_temporary_file(tmp_path):
+    # A worker's SIGTERM handler dies of the signal (no Python clean-up runs), so a checkpoint
+    # write it cuts short must have its temporary file removed by the handler itself.
+    target = tmp_path / "checkpoint.pt"
+    script = (
+        "import os, signal, sys\n"
+        "from phalanx.atomic import atomic_open\n"
+        "from phalanx.runtime.lifeline import flush_on_sigterm\n"
+        "flush_on_sigterm()\n"
+        f"with atomic_open({str(target)!r}) as handle:\n"
+        "    handle.write(b'half')\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -3,16 +3,28 @@ with one's files silently replacing the other's. The second stops in one line na
 pid (exit 2) and writes nothing; the first finishes whole. A later plain run on that --out is
 refused (it would overwrite a finished run); `--resume auto` continues the first run and says
 what changed; `--overwrite` starts afresh. The model.pt of a run whose disk is full (the atomic
-write patched to raise ENOSPC in every worker) is named where it is kept: exit 1, one line."""
+write patched to raise ENOSPC in every worker) is named where it is kept: exit 1, one line.
 
+The lock itself (dirlock.py) against a real second process holding it: refused in one line
+naming the holder's pid, the checkpoint directory locked too, nothing left behind by a SIGKILLed
+holder, no lock where none is asked for. Its in-process rules are tests/unit/test_dirlock.py's."""
+
+import os
+import pickle
 import re
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
 import torch
 
+from phalanx.errors import UsageError
+from phalanx.job.dirlock import PID_FILE, hold_run_directories
 from tests.distributed.runs import finish, metrics_rows, start_phalanx
+from tests.unit.test_dirlock import _config
 
 pytestmark = pytest.mark.distributed
 
@@ -91,3 +103,78 @@ def test_a_model_pt_that_does_not_fit_names_the_checkpoint_that_holds_the_weight
     assert re.search(r"^epoch   1 ", stdout, re.M)
     state = torch.load(kept, weights_only=True)
     assert (state["epoch"], state["step"]) == (1, 0)  # the end of the last epoch: the trained model
+
+
+HOLD_S = 60  # the child gives up holding after this long, whatever the test does
+
+
+def _holder(**config) -> subprocess.Popen:
+    """A process holding the run directories of _config(**config) until its stdin closes."""
+    script = textwrap.dedent(f"""
+        import pickle, sys, select
+        from phalanx.job.dirlock import hold_run_directories
+        with hold_run_directories(pickle.loads(bytes.fromhex({pickle.dumps(_config(**config)).hex()!r}))):
+            print("held", flush=True)
+            select.select([sys.stdin], [], [], {HOLD_S})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def test_a_held_out_dir_is_refused_in_one_line_naming_the_holder(tmp_path):
+    out = tmp_path / "S"
+    holder = _holder(out_dir=str(out))
+    try:
+        with pytest.raises(UsageError) as info:
+            with hold_run_directories(_config(out_dir=str(out))):
+                pytest.fail("a second run got the lock")
+        assert str(info.value) == (f"--out {out} is in use by another phalanx run (pid {holder.pid}); "
+                                   "wait for it to end or pick another directory")
+    finally:
+        _end(holder)
+    assert holder.returncode == 0
+    assert not (out / PID_FILE).exists() and not out.exists()  # made only to be locked: removed again
+    with hold_run_directories(_config(out_dir=str(out))):  # free once the holder is done
+        assert (out / PID_FILE).read_text().strip() == str(os.getpid())
+
+
+def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
+    out = tmp_path / "S"
+    holder = _holder(out_dir=str(out))
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait(timeout=30)
+    assert (out / PID_FILE).exists()  # stale: it could not clean up, and need not
+    with hold_run_directories(_config(out_dir=str(out))):
+        assert (out / PID_FILE).read_text().strip() == str(os.getpid())
+    assert not (out / PID_FILE).exists()
+
+
+def test_the_checkpoint_dir_is_locked_too(tmp_path):
+    shared = tmp_path / "ckpt"
+    holder = _holder(out_dir=str(tmp_path / "a"), checkpoint_dir=str(shared), checkpoint_every="5")
+    try:
+        with pytest.raises(UsageError, match=rf"^--checkpoint-dir {shared} is in use by another phalanx run "
+                                             rf"\(pid {holder.pid}\)"):
+            with hold_run_directories(_config(out_dir=str(tmp_path / "b"), checkpoint_dir=str(shared),
+                                                  checkpoint_every="epoch")):
+                pass
+    finally:
+        _end(holder)
+    assert not (tmp_path / "b").exists(), "a refused run must leave nothing"
+
+
+def test_no_lock_where_none_is_asked_for(tmp_path):
+    out = tmp_path / "S"
+    holder = _holder(out_dir=str(out))
+    try:
+        with hold_run_directories(_config(out_dir=str(out)), enabled=False):  # a torchrun rank > 0
+            pass
+    finally:
+        _end(holder)

@@ -28,8 +28,8 @@ def _final_test_acc(config: TrainConfig, devices: int) -> float:
 
 
 @pytest.fixture(scope="module")
-def base(sample_dir):
-    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(sample_dir)), epochs=20, progress=False)
+def base(idx_dir):
+    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(idx_dir)), epochs=20, progress=False)
 
 
 @pytest.fixture(scope="module")

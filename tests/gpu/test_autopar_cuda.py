@@ -29,8 +29,8 @@ def test_products_on_several_streams_equal_one_stream_bitwise(tmp_path):
     m = measure_streams(size=64, count=6, streams=3, rounds=2, target_s=1e-3, dtype="float32", each_alone=True,
                         trace=(str(tmp_path), "exp1"))
     assert m["check"]["passed"]
-    assert set(m["samples"]) == {"eager", "concurrent", "each alone, summed", "share 0 alone", "share 1 alone",
-                                 "share 2 alone"}
+    assert set(m["samples"]) == {"eager", "concurrent", "batched", "each alone, summed", "share 0 alone",
+                                 "share 1 alone", "share 2 alone"}
     assert (tmp_path / "exp1.json").exists() and (tmp_path / "exp1.png").exists()
 
 

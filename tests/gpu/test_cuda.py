@@ -11,8 +11,8 @@ pytestmark = [
 ]
 
 
-def test_one_gpu_trains_on_the_sample(tmp_path, sample_dir, capsys):
-    code = main(["train", "--devices", "cuda:0", "--data-dir", str(sample_dir), "--epochs", "2",
+def test_one_gpu_trains_on_the_sample(tmp_path, idx_dir, capsys):
+    code = main(["train", "--devices", "cuda:0", "--data-dir", str(idx_dir), "--epochs", "2",
                  "--no-progress", "--out", str(tmp_path / "gpu")])
     out = capsys.readouterr().out
     assert code == 0
@@ -22,9 +22,9 @@ def test_one_gpu_trains_on_the_sample(tmp_path, sample_dir, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_nccl(tmp_path, sample_dir, capsys):
+def test_two_gpus_nccl(tmp_path, idx_dir, capsys):
     for algorithm in ("native", "ring"):
-        code = main(["train", "--devices", "2", "--data-dir", str(sample_dir), "--epochs", "1",
+        code = main(["train", "--devices", "2", "--data-dir", str(idx_dir), "--epochs", "1",
                      "--allreduce", algorithm, "--no-progress"])
         assert code == 0
         assert capsys.readouterr().out.strip().endswith("on [cuda:0, cuda:1]")

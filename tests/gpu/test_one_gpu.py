@@ -52,9 +52,9 @@ def test_an_epoch_runs_under_sync_debug_mode_error(model_name, grad_accum_steps)
     assert 0 < stats.train_loss < 10
 
 
-def test_lenet_bn_trains_on_one_gpu(tmp_path, sample_dir, capsys):
+def test_lenet_bn_trains_on_one_gpu(tmp_path, idx_dir, capsys):
     out = tmp_path / "bn"
-    code = main(["train", "--devices", "cuda:0", "--model", "lenet-bn", "--data-dir", str(sample_dir),
+    code = main(["train", "--devices", "cuda:0", "--model", "lenet-bn", "--data-dir", str(idx_dir),
                  "--epochs", "2", "--no-progress", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     rows = read_metrics(out / "metrics.jsonl")

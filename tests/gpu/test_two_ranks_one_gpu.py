@@ -154,8 +154,8 @@ def _train(tmp_path, config: TrainConfig, plan: DevicePlan, name: str) -> tuple[
 
 
 @pytest.fixture(scope="module")
-def base_config(sample_dir):
-    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(sample_dir)), epochs=2, global_batch_size=256,
+def base_config(idx_dir):
+    return TrainConfig(data=DataConfig(dataset="fashion-mnist", directory=str(idx_dir)), epochs=2, global_batch_size=256,
                        optim=OptimizerConfig(lr=0.2),
                        seed=3, progress=False, dtype="float64")
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from phalanx.autopar import ops as autopar_ops
+from phalanx.autopar import exercises
 from phalanx.autopar import report as autopar_report
 from phalanx.bench.cli import BENCHMARKS, run_bench
 from phalanx.cli import build_parser
@@ -317,11 +318,42 @@ def test_outcome_takes_per_round_ratios():
     ([1.5, 1.3, 1.2, 1.2, 1.1], {"size": None, "kind": "wins everywhere", "exceptions": []}),
     ([1.0, 0.9, 1.05, 1.0, 0.9], {"size": 32, "kind": "never wins", "exceptions": []}),
     ([1.5, 1.0, 1.3, 1.0, 1.0], {"size": 256, "kind": "crossover", "exceptions": [64]}),
-    ([1.0, 1.2, 1.0, 1.0, 1.3], {"size": None, "kind": "wins everywhere", "exceptions": [32, 128, 256]}),
+    ([1.3, 1.2, 1.0, 1.3, 1.3], {"size": None, "kind": "wins everywhere", "exceptions": [128]}),
+    ([1.0, 1.2, 1.0, 1.0, 1.3], {"size": None, "kind": "isolated", "exceptions": []}),  # 2 wins in 5: no range
 ])
 def test_crossover_is_where_concurrency_stops_winning(speedups, want):
     got = autopar_report.crossover([32, 64, 128, 256, 512], speedups)
     assert {k: got[k] for k in ("size", "kind", "exceptions")} == want
+
+
+def test_the_sweep_verdict_follows_the_numbers_of_the_h200():
+    """Exercise 2 on an H200 (2026-11-27): 1.14x at n=32 and 1.26x at n=1024, 0.95-1.03x elsewhere. It
+    once read "concurrency wins below n=2048 (at least 1.10x faster, except at n=64, 128, 256, 512)"."""
+    sizes, speedups = [32, 64, 128, 256, 512, 1024, 2048], [1.14, 0.97, 0.95, 0.98, 0.98, 1.26, 1.03]
+    cross = autopar_report.crossover(sizes, speedups)
+    assert cross["kind"] == "isolated" and cross["wins"] == [32, 1024] and cross["size"] is None
+    assert autopar_report.verdict_sweep(cross, sizes, speedups, "concurrency") == (
+        "concurrency wins by at least 1.10x only at n=32 (1.14x), n=1024 (1.26x); at the other 5 sizes it gives "
+        "0.95-1.03x: isolated sizes, no range below a crossover.")
+
+
+def test_exercise_1_on_a_gpu_takes_the_device_as_its_ideal():
+    """An H200 (2026-11-27): 8 products of 4096^2 on 4 streams, 42.5 ms against 42.9 ms in sequence,
+    each stream's share alone 11.1 ms - an "ideal" of 3.86x no GPU can give, since one product fills it."""
+    samples = {"eager": [0.0429, 0.0430], "concurrent": [0.0425, 0.0425], "batched": [0.0412, 0.0413],
+               **{f"share {i} alone": [0.0111, 0.0111] for i in range(4)}}
+    ideal = exercises._ideal(samples)
+    assert ideal == [0.0412, 0.0413] and exercises._device_bound_s(samples) == pytest.approx(0.04125)
+    result = autopar_report.outcome(measured_s=samples["concurrent"], sequential_s=samples["eager"], ideal_s=ideal)
+    text = autopar_report.verdict_independent(result, eager_over_alone=0.97, how="explicitly concurrent",
+                                              asynchronous=True, device_bound_s=exercises._device_bound_s(samples))
+    assert "little to gain here (ideal 1.04x): all of them as one batched kernel take 41.2 ms" in text
+    assert "3.86" not in text
+    small = {"eager": [0.004], "concurrent": [0.0015], "batched": [0.0005], "share 0 alone": [0.001],
+             "share 1 alone": [0.0012]}  # small products: the lanes, not the device, bound it
+    assert exercises._ideal(small) == [0.0012] and exercises._device_bound_s(small) is None
+    cpu = {"eager": [0.004], "concurrent": [0.002], "share 0 alone": [0.001], "share 1 alone": [0.0012]}
+    assert exercises._ideal(cpu) == [0.0012] and exercises._device_bound_s(cpu) is None
 
 
 def test_crossover_refuses_mismatched_or_unsorted_sizes():

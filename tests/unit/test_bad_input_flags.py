@@ -58,6 +58,9 @@ FLAG_CASES = [
     (["train", "--batchnorm", "global"], r"--batchnorm 'global' is unknown; choose one of"),
     (["train", "--trace", PROC], r"--trace .* cannot be created"),
     (["train", "--trace-steps", "0"], r"--trace-steps 0 must be at least 1"),
+    (["train", "--cuda-graphs", "always"], r"--cuda-graphs 'always' is unknown; choose one of auto, on, off"),
+    (["train", "--cuda-graphs", "on"],
+     r"--cuda-graphs on: CUDA graphs need CUDA devices; this run is on cpu; use --cuda-graphs auto"),
     (["train", "--checkpoint-every", "-3"], r"--checkpoint-every -3 is neither 'epoch' nor a positive number"),
     (["train", "--checkpoint-dir", PROC, "--checkpoint-every", "5"], r"--checkpoint-dir .* cannot be created"),
     (["train", "--resume", f"{NOWHERE}/ckpt", "--dataset", "synthetic"], r"no checkpoint at .*; pass --resume"),
@@ -181,6 +184,28 @@ FLAG_CASES = [
     (["--version=1"], r"argument --version: ignored explicit argument '1'"),
 ]
 
+FLAG_CASES += [(["bench", "step", flag, value], pattern) for flag, value, pattern in (
+    ("--device", "tpu", r"--device 'tpu' is unknown; choose one of cpu, cuda"),
+    ("--model", "vgg", r"--model 'vgg' is unknown; choose one of"),
+    ("--batch-size", "0", r"--batch-size 0 must be at least 1"),
+    ("--steps", "0", r"--steps 0 must be at least 1"),
+    ("--warmup-epochs", "-1", r"--warmup-epochs -1 must be at least 0"),
+    ("--epochs", "0", r"--epochs 0 must be at least 1"),
+    ("--threads", "0", r"--threads 0 must be at least 1"),
+    ("--rounds", "0", r"--rounds 0 must be at least 1"),
+    ("--out", PROC, r"--out .* cannot be created"))]
+# No GPU here (the fixture below): bench gpu's own checks come first, then its refusal in one line.
+FLAG_CASES += [(["bench", "gpu", flag, value], pattern) for flag, value, pattern in (
+    ("--model", "vgg", r"--model 'vgg' is unknown; choose one of"),
+    ("--batch-size", "0", r"--batch-size 0 must be at least 1"),
+    ("--images", "100", r"--batch-size 256 is larger than --images 100"),
+    ("--warmup-epochs", "-1", r"--warmup-epochs -1 must be at least 0"),
+    ("--epochs", "0", r"--epochs 0 must be at least 1"),
+    ("--rounds", "0", r"--rounds 0 must be at least 1"),
+    ("--variants", "fused,tf32", r"--variants fused,tf32: 'tf32' is unknown; choose one of fused, channels_last"),
+    ("--variant-rounds", "-1", r"--variant-rounds -1 must be at least 0"),
+    ("--budget-s", "0", r"--budget-s 0\.0 must be a positive number of seconds"),
+    ("--out", PROC, r"bench gpu needs a CUDA GPU, and torch sees none; `phalanx bench step`"))]
 FLAG_CASES += [(["bench", "memory", flag, value], pattern) for flag, value, pattern in (
     ("--models", "mlp,vgg", r"--models mlp,vgg: 'vgg' is unknown; choose one of lenet, mlp, mlp-wide, resnet"),
     ("--devices", "1", r"--devices 1 must be at least 2 \(sharding over one device divides nothing\)"),

@@ -89,7 +89,8 @@ def test_every_contender_gets_the_same_set_up():
 
 
 @pytest.mark.parametrize("fields, words", [
-    ({"models": ()}, "--models ''"), ({"contenders": ("ddp", "ddp")}, "choose distinct ones"),
+    ({"models": ()}, "--models is empty; give at least one value"),
+        ({"contenders": ("ddp", "ddp")}, "--contenders ddp,ddp names one twice; name each once"),
     ({"num_devices": 1}, "--devices 1 must be at least 2"),
     ({"global_batch_size": 3, "num_devices": 4}, "--batch-size 3"),
     ({"steps": 0}, "--steps 0"), ({"warmup_steps": -1}, "--warmup-steps -1")])

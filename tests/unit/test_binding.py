@@ -1,13 +1,12 @@
 """--bind-cores' split of a host's cores: equal, disjoint, hyperthread siblings together,
 leftovers unused, a one-line refusal when workers outnumber cores; the one warning line when
 workers x threads exceed the cores, and `phalanx run`'s first line naming each worker's threads;
-and the allocator set-up of workers phalanx does not spawn itself."""
+and a user's allocator setting winning over phalanx's (tests/distributed/test_launch.py checks, in
+fresh interpreters, what that setting does for the workers phalanx does not spawn itself)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -90,34 +89,6 @@ def test_phalanx_runs_first_line_names_workers_threads_and_rendezvous(monkeypatc
     gpus = LaunchSpec(plan=parse_devices("cuda:0,1", cuda_count=2))
     assert first_line(gpus, workers=2, local_workers=2, store="127.0.0.1:4000", launcher="phalanx").startswith(
         "phalanx run: 2 workers on cuda:0, cuda:1, torch's default threads; ")
-
-
-MMAPPED_BYTES = """
-import ctypes, sys, torch
-from phalanx.runtime.binding import keep_freed_memory_mapped
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks "
-                                                "fordblks keepcost").split()]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
-if sys.argv[1] == "tuned":
-    assert keep_freed_memory_mapped()
-before = libc.mallinfo2().hblkhd
-x = torch.empty(64 << 20, dtype=torch.uint8)
-print(libc.mallinfo2().hblkhd - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
-def test_in_process_workers_keep_large_blocks_off_mmap():
-    # One device runs in the launcher's process and torchrun starts its own workers: neither gets
-    # launch's allocator env, so place_worker sets the same through mallopt (seen: 0.7 -> 0.5 s/epoch).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    mapped = {mode: int(subprocess.run([sys.executable, "-c", MMAPPED_BYTES, mode], capture_output=True, text=True,
-                                       env=env, check=True, timeout=120).stdout) for mode in ("default", "tuned")}
-    if mapped["default"] < 64 << 20:
-        pytest.skip("this C library does not mmap a 64 MB block by default")
-    assert mapped["tuned"] == 0
 
 
 def test_a_users_malloc_variable_wins_over_phalanxs_allocator_setting(monkeypatch):

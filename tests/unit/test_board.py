@@ -1,13 +1,9 @@
 """The collective board's bookkeeping and the watchdog's rules, without processes: several ranks'
-views of one board in this process (each `Board` writes its own line), peers' processes played
-by real child processes (stopped, reaped), and the forgotten-sync guard on a world of one."""
+views of one board in this process (each `Board` writes its own line), and the forgotten-sync
+guard on a world of one. Peers played by real child processes (stopped, reaped) are
+tests/distributed/test_watchdog_peers.py's."""
 
 from __future__ import annotations
-
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -17,7 +13,6 @@ from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, 
 from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
                                    Ticket)
 from phalanx.runtime.tags import Tag, describe, phase_code
-from phalanx.runtime.procs import process_state
 from phalanx.comm.watchdog import check, check_pairing, pairing_error
 from phalanx.models import LeNet
 from phalanx.data_parallel import DataParallel
@@ -40,19 +35,6 @@ def world_of(board: Board, timeout_s: float = 5.0) -> World:
     return World(rank=board.rank, world_size=board.world_size, local_rank=board.local_rank,
                  local_world_size=board.local_world_size, device=torch.device("cpu"), backend="gloo",
                  timeout_s=timeout_s, board=board)
-
-
-@pytest.fixture
-def stopped_process():
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    child.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + 30
-    while process_state(child.pid) != "T":  # kill() returns before the child has acted on it
-        assert time.monotonic() < deadline, "the child never stopped"
-        time.sleep(0.01)
-    yield child.pid
-    child.kill()
-    child.wait()
 
 
 def test_entries_count_per_channel_and_peers_read_each_tag():
@@ -197,29 +179,6 @@ def test_a_peer_that_entered_and_then_finished_is_no_error():
     b.enter(WORLD, Tag("metrics"), 8)
     b.mark(FINISHED)  # it took part, then its work ended: this wait can still complete
     check(world_of(a), mine, waited_s=0.5, timeout_s=60)
-
-
-def test_a_dead_peer_is_named():
-    child = subprocess.Popen(["true"])
-    child.wait()  # reaped: its pid names no process
-    a, _ = boards(2, pids=[None, child.pid])
-    mine = a.enter(WORLD, Tag("metrics"), 8)
-    with pytest.raises(PeerGone, match=f"rank 1 \\(pid {child.pid}\\) died while rank 0 waited for it in metrics"):
-        check(world_of(a), mine, waited_s=0.5, timeout_s=60)
-
-
-def test_at_the_deadline_the_stopped_peer_is_named(stopped_process):
-    a, b = boards(2, pids=[None, stopped_process])
-    for board in (a, b):  # 57 steps together, then rank 1 froze
-        for step in range(57):
-            for bucket in range(3):  # each bucket entered, then settled once it completed
-                board.settled(board.enter(COMM, Tag("gradient", bucket, step=step), 64))
-    mine = a.enter(COMM, Tag("gradient"), 64)
-    check(world_of(a), mine, waited_s=19.5, timeout_s=20)  # before the deadline: keep waiting
-    with pytest.raises(PeerStalled) as info:
-        check(world_of(a), mine, waited_s=20.2, timeout_s=20)
-    assert str(info.value).startswith("worker rank 1 stopped responding (state: stopped) after step 57; rank 0 waited "
-                                      "20 s in step 58's gradient bucket 0 (64 B)")
 
 
 def test_at_the_deadline_a_running_peer_is_named_with_the_timeout():

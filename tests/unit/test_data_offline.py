@@ -1,7 +1,8 @@
 """A first run offline (issue 28, item 11): one line about the missing download and no empty cache
 directory; the failure is remembered for an hour, so later default runs fall back at once without
 trying the mirrors, unless --dataset fashion-mnist is named; a download that succeeds forgets it;
-a slow download says what it is doing, once. The network is simulated (tests/unit/test_data_*.py)."""
+a slow download says what it is doing, once. The network is simulated (tests/unit/test_data_*.py);
+the command itself run offline, twice, is tests/distributed/test_one_device_jobs.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import urllib.error
 
 import pytest
 
-from phalanx.cli import main
 from phalanx.data import datasets, fashion_mnist, load_dataset
 from phalanx.errors import UsageError
 from tests.unit.test_data_datasets import _fetch_from, mirror  # noqa: F401 - the fixture, reused
@@ -87,20 +87,3 @@ def test_a_slow_download_says_so_once(tmp_path, mirror, monkeypatch):  # noqa: F
     logged = []
     load_dataset(None, None, cache_dir=tmp_path / "cache", fetch=slow, log=logged.append)
     assert logged == [f"downloading Fashion-MNIST (4 of 4 files) into {tmp_path / 'cache'}"]
-
-
-def test_the_command_offline_prints_one_line_then_tries_no_more(tmp_path, monkeypatch, capsys):
-    # Was: two "downloading http://..." lines and a ~330-character line on every run, and an empty cache.
-    offline = Offline()
-    monkeypatch.setattr(fashion_mnist, "fetch_url", offline)
-    monkeypatch.setenv("PHALANX_DATA_DIR", str(tmp_path / "cache"))
-    argv = ["train", "--devices", "1", "--epochs", "1", "--no-progress"]
-    assert main(argv) == 0
-    first = capsys.readouterr()
-    about = [line for line in (first.out + first.err).splitlines() if "download" in line or "fashion" in line]
-    assert len(about) == 1 and about[0].startswith(FALLBACK), first
-    assert len(offline.urls) == 2
-    assert main(argv) == 0
-    second = capsys.readouterr()
-    assert len(offline.urls) == 2, "the second run tried the download again"
-    assert [line for line in second.out.splitlines() if line.startswith(FALLBACK)][0].endswith(DIGITS)

@@ -3,7 +3,8 @@
 step's warnings (a loss that bypassed shard_loss, a padding DistributedSampler), running
 statistics averaged bitwise-stably, `accumulate`, bf16-mixed precision, `evaluate_dataset`'s
 guards, `reduce`, `world.print`, the run-script logger and progress bar, and the first line's
-reason for `native` when ranks span hosts. The k-process side is tests/distributed/test_ddp_habits.py."""
+reason for `native` when ranks span hosts. The k-process side is
+tests/distributed/test_ddp_habits_two_ranks.py."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """One run per output directory (dirlock.py): a held --out or checkpoint dir is refused in one line
 naming the holder's pid; the lock dies with its holder (even SIGKILLed); directories made only to
 be locked are removed again; an earlier run's outputs are kept unless the run resumes or says
---overwrite. The holder is a real second process running the same code."""
-
-import os
-import pickle
-import signal
-import subprocess
-import sys
-import textwrap
+--overwrite. Here, in one process: the rules that need no holder; tests/distributed/test_outdir_lock.py
+holds the lock in a real second process."""
 
 import pytest
 
@@ -17,76 +11,12 @@ from phalanx.job.checkpointing import CheckpointConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.dirlock import PID_FILE, hold_run_directories
 
-HOLD_S = 60  # the child gives up holding after this long, whatever the test does
-
 
 def _config(*, out_dir: str, checkpoint_dir: str | None = None, checkpoint_every: str | None = None,
             resume: str | None = None, overwrite: bool = False) -> TrainConfig:
     """The job's config with the options the directory lock reads (--out, --overwrite, the checkpoint's)."""
     return TrainConfig(out_dir=out_dir, overwrite=overwrite,
                        checkpoint=CheckpointConfig(directory=checkpoint_dir, every=checkpoint_every, resume=resume))
-
-
-def _holder(**config) -> subprocess.Popen:
-    """A process holding the run directories of _config(**config) until its stdin closes."""
-    script = textwrap.dedent(f"""
-        import pickle, sys, select
-        from phalanx.job.dirlock import hold_run_directories
-        with hold_run_directories(pickle.loads(bytes.fromhex({pickle.dumps(_config(**config)).hex()!r}))):
-            print("held", flush=True)
-            select.select([sys.stdin], [], [], {HOLD_S})
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
-def _end(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.stdin.close()
-        proc.wait(timeout=30)
-
-
-def test_a_held_out_dir_is_refused_in_one_line_naming_the_holder(tmp_path):
-    out = tmp_path / "S"
-    holder = _holder(out_dir=str(out))
-    try:
-        with pytest.raises(UsageError) as info:
-            with hold_run_directories(_config(out_dir=str(out))):
-                pytest.fail("a second run got the lock")
-        assert str(info.value) == (f"--out {out} is in use by another phalanx run (pid {holder.pid}); "
-                                   "wait for it to end or pick another directory")
-    finally:
-        _end(holder)
-    assert holder.returncode == 0
-    assert not (out / PID_FILE).exists() and not out.exists()  # made only to be locked: removed again
-    with hold_run_directories(_config(out_dir=str(out))):  # free once the holder is done
-        assert (out / PID_FILE).read_text().strip() == str(os.getpid())
-
-
-def test_a_killed_holder_leaves_no_lock_behind(tmp_path):
-    out = tmp_path / "S"
-    holder = _holder(out_dir=str(out))
-    os.kill(holder.pid, signal.SIGKILL)
-    holder.wait(timeout=30)
-    assert (out / PID_FILE).exists()  # stale: it could not clean up, and need not
-    with hold_run_directories(_config(out_dir=str(out))):
-        assert (out / PID_FILE).read_text().strip() == str(os.getpid())
-    assert not (out / PID_FILE).exists()
-
-
-def test_the_checkpoint_dir_is_locked_too(tmp_path):
-    shared = tmp_path / "ckpt"
-    holder = _holder(out_dir=str(tmp_path / "a"), checkpoint_dir=str(shared), checkpoint_every="5")
-    try:
-        with pytest.raises(UsageError, match=rf"^--checkpoint-dir {shared} is in use by another phalanx run "
-                                             rf"\(pid {holder.pid}\)"):
-            with hold_run_directories(_config(out_dir=str(tmp_path / "b"), checkpoint_dir=str(shared),
-                                                  checkpoint_every="epoch")):
-                pass
-    finally:
-        _end(holder)
-    assert not (tmp_path / "b").exists(), "a refused run must leave nothing"
 
 
 def test_out_and_checkpoint_dir_may_be_one_directory(tmp_path):
@@ -123,16 +53,6 @@ def test_an_earlier_runs_outputs_are_kept_unless_resumed_or_overwritten(tmp_path
         assert {p.name for p in out.iterdir()} == {"checkpoints", "notes.txt", PID_FILE}
         assert [p.name for p in (out / "checkpoints").iterdir()] == [PID_FILE]
     assert (out / "notes.txt").read_text() == "earlier"  # not ours: never touched
-
-
-def test_no_lock_where_none_is_asked_for(tmp_path):
-    out = tmp_path / "S"
-    holder = _holder(out_dir=str(out))
-    try:
-        with hold_run_directories(_config(out_dir=str(out)), enabled=False):  # a torchrun rank > 0
-            pass
-    finally:
-        _end(holder)
 
 
 def test_a_checkpoint_left_under_out_counts_even_when_this_run_keeps_none(tmp_path):

@@ -3,7 +3,7 @@
 At 0 (the default) the job's optimizer is exactly plain SGD, bitwise; above 0 it is torch's SGD
 with that momentum; outside [0, 1) it is one line; a checkpoint saved with another momentum is
 refused on resume instead of quietly bringing its own back; a split refuses it (its checkpoint
-keeps no per-shard optimizer state).
+keeps no per-shard optimizer state). A job trained with it: tests/distributed/test_one_device_jobs.py.
 """
 
 from __future__ import annotations
@@ -12,17 +12,11 @@ import pytest
 import torch
 
 from phalanx.cli import build_parser
-from phalanx.data.config import DataConfig
 from phalanx.errors import UsageError
 from phalanx.job.config import TrainConfig
-from phalanx.job.job import train_worker
 from phalanx.job.optim import OptimizerConfig, build_optimizer, check_checkpoint
 from phalanx.model_split.config import SplitConfig
 from phalanx.options import build
-from phalanx.runtime.world import World
-
-WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
-               backend="none", timeout_s=60)
 
 
 def _train(argv: list[str]) -> TrainConfig:
@@ -72,15 +66,6 @@ def test_at_0_the_optimizer_is_plain_sgd_bitwise_and_above_0_torchs_momentum():
     for ours, reference in zip(heavy, _steps(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))):
         assert torch.equal(ours, reference)
     assert not torch.equal(heavy[0], plain[0])  # the momentum took effect
-
-
-def test_the_job_trains_with_it():
-    def history(momentum: float) -> list[float]:
-        config = TrainConfig(data=DataConfig(dataset="digits"), epochs=1, global_batch_size=128, progress=False,
-                             optim=OptimizerConfig(lr=0.05, momentum=momentum))
-        return [row["train_loss"] for row in train_worker(WORLD1, config, ["cpu:0"])["history"]]
-
-    assert history(0.9) != history(0.0)
 
 
 def test_a_checkpoint_saved_with_another_momentum_is_refused_in_one_line(tmp_path):

@@ -58,6 +58,6 @@ def test_a_step_of_the_epoch_equals_train_batch_on_the_same_rows():
                                  epoch=0)
             else:
                 (batch,) = global_batches(16, 16, seed=0, epoch=0)
-                loop.train_batch(dp, optimizer, to_float(images[batch]).double(), labels[batch], global_batch_size=16)
+                loop.train_batch(dp, optimizer, to_float(images[batch], torch.float64), labels[batch], global_batch_size=16)
             params.append([p.detach().clone() for p in dp.module.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params))

@@ -1,7 +1,8 @@
 """`phalanx.prepare` without processes: what it chooses for a CPU conv net and for an MLP, the
 BatchNorm policy on one device, the one line that says so, that a world of one gets the plain
 loop (its step bitwise the plain PyTorch step), the exchange options it passes on, and that bad
-names are refused before the model is touched. The k-rank behaviour is tests/distributed/test_prepare.py."""
+names are refused before the model is touched. The k-rank behaviour is
+tests/distributed/test_prepare_equals_one_rank.py."""
 
 from __future__ import annotations
 

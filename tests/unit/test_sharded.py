@@ -2,7 +2,7 @@
 
 The layout is pure arithmetic; the rest runs a replica in a world of one with an AsyncComm handed
 in (the whole sharded machinery, every collective a no-op), against a plain replica. The
-3-rank equivalences are tests/distributed/test_sharded.py's.
+3-rank equivalences are tests/distributed/test_sharded_equals_one_device.py's.
 """
 
 from __future__ import annotations
