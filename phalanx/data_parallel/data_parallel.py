@@ -275,26 +275,6 @@ class DataParallel(ReplicaModule):
         share of them (sharded_optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
-    def check_finite(self, *, where: str = "dp.check_finite()") -> None:
-        """Check the gradients of the synced steps since the last NaN/Inf check now; every rank
-        calls it (a collective, where steps are pending). NonFinite names the first step and rank."""
-        if self._closed:
-            return
-        found = self._finite.found_by(where, self._synced_steps)
-        if not self.exchanging:
-            return self._finite.after_local_step(self.named_gradients, step=self._synced_steps, found=found)
-        self._finite.check_now(step=self._synced_steps, allreduce=self._allreduce_now, found=found)
-
-    def state_dict(self, *args, **kwargs):
-        """The model's own state dict (replica.py), after this rank's own NaN/Inf notes since the
-        last check (finite.py's check_local: no collective, so rank 0 may call it alone)."""
-        if not self._closed:
-            whole = self.sharding is not None and self.sharding.keeps_parameters  # its notes: its share
-            self._finite.check_local(step=self._synced_steps, where="state_dict()",
-                                     gradients=None if self.exchanging else self.named_gradients,
-                                     parameters=self.module.named_parameters if whole else None)
-        return super().state_dict(*args, **kwargs)
-
     def _allreduce_now(self, flat: torch.Tensor) -> None:
         self._comm.allreduce(flat, algorithm=self.algorithm)
 
