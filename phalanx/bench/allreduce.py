@@ -61,7 +61,10 @@ class AllreduceBenchConfig:
                    problem=f"bytes is not a positive multiple of {_FLOAT_BYTES} bytes (whole float32s)"))
     world_sizes: tuple[int, ...] = option((2, 3, 4), items=int, check=at_least(2),
                                           help="process counts, one spawned run each")
-    algorithms: tuple[str, ...] = option(ALGORITHMS, items=str, choices=ALGORITHMS, help="allreduce algorithms")
+    # By default the ones this bench's one host can tell apart: hierarchical on one host is shm's
+    # reduce-scatter and all-gather (across hosts: bench hosts).
+    algorithms: tuple[str, ...] = option(tuple(a for a in ALGORITHMS if a != "hierarchical"), items=str,
+                                         choices=ALGORITHMS, help="allreduce algorithms")
     collectives: tuple[str, ...] = option(
         COLLECTIVES, items=str, choices=COLLECTIVES,
         help=f"collectives timed (reduce-scatter and all-gather: {', '.join(SHARDED_ALGORITHMS)})")

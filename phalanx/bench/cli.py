@@ -23,6 +23,7 @@ from phalanx.autopar.chapter import OverlapBenchConfig, plot_overlap, report_ove
 from phalanx.autopar.exercises import AutoparBenchConfig, run_autopar_bench
 from phalanx.autopar.report import plot_autopar, report_autopar
 from phalanx.bench.allreduce import AllreduceBenchConfig, plot_allreduce, report_allreduce, run_allreduce_bench
+from phalanx.bench.hosts import HostsBenchConfig, plot_hosts, report_hosts, require_bed, run_hosts_bench
 from phalanx.bench.memory import MemoryBenchConfig, run_memory_bench
 from phalanx.bench.memory_report import plot_memory, report_memory
 from phalanx.bench.scaling import ScalingBenchConfig, run_scaling_bench
@@ -89,6 +90,8 @@ BENCHMARKS: dict[str, Benchmark] = {
                       report=report_step, plot=plot_step, prepare=StepBenchConfig.prepare),
     "gpu": Benchmark(config=GpuBenchConfig, run=functools.partial(run_gpu_bench, on_run=_progress), report=report_gpu,
                      plot=plot_gpu, prepare=GpuBenchConfig.prepare, failed=gpu_failed),
+    "hosts": Benchmark(config=HostsBenchConfig, run=run_hosts_bench, report=report_hosts, plot=plot_hosts,
+                       prepare=require_bed),
 }
 
 

@@ -1,8 +1,9 @@
 """`phalanx bench scaling`: training throughput of phalanx against what a user would run instead.
 
 Contenders, on synthetic data held in memory (one fixed random batch, so data time is zero for
-all): phalanx on 1..k devices (DataParallel + train_batch, started by `phalanx.runtime.launch`: its
-allocator setting and cores/k threads, its default allreduce - shm on one host); phalanx on k
+all): phalanx on each device count `--devices` lists and on 1 (DataParallel + train_batch,
+started by `phalanx.runtime.launch`: its allocator setting and cores/k threads, its default
+allreduce - shm on one host), k being the largest count listed; phalanx on k
 devices exchanging over gloo instead (what the shared-memory transport buys); phalanx on k
 devices with each worker bound to its own cores (`--bind-cores`, when k <= cores); torch DDP
 on k processes as a DDP user gets it (plain `DistributedDataParallel`, gloo, default buckets, 1
@@ -12,13 +13,20 @@ at all; with `--finite-check-cost`, phalanx on k devices with the gradient's NaN
 (data_parallel/finite.py; every 100 steps by default) off and at every step. How each contender
 runs and is timed is the measuring kit's (phalanx/measure/step.py: fresh processes, warm-up
 steps, a barrier, timed steps, the slowest rank's time); this module chooses the contenders,
-interleaves them round by round and forms the ratios, each the median of per-round ratios.
-Scaling efficiency is images/s on j devices / (j x images/s on 1).
+interleaves them round by round, prints each contender's images/s and wall time as it completes,
+and forms the ratios, each the median of per-round ratios. Scaling efficiency is images/s on j
+devices / (j x images/s on 1).
+
+A round costs, per batch size, one fresh start of every contender: with n device counts (1
+included) n + 8 of them (n + 7 where k exceeds the cores: no bound run). Each start pays process
+spawn, `import torch` and a rendezvous before its warm-up and timed steps; every run's wall time
+is in the JSON (`wall_s`), so a round on a bigger host can be budgeted from it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
@@ -40,8 +48,10 @@ class ScalingBenchConfig:
 
     model: str = option("lenet", choices=BENCH_MODELS, help="the model (mlp: 784-2048-2048-10, 5.8 M parameters)")
     global_batch_sizes: tuple[int, ...] = option((256, 1024), flag="--batch-sizes", items=int, help="global batch sizes")
-    num_devices: int = option(2, flag="--devices", help="k, the most CPU processes",
-                              check=at_least(2, problem="must be at least 2 to compare scaling"))
+    device_counts: tuple[int, ...] = option((2,), flag="--devices", items=int, check=at_least(1),
+                                            help="the device counts phalanx runs on, e.g. 1,2,4,8 (1 always runs: "
+                                                 "the yardstick of scaling efficiency); every other contender runs "
+                                                 "on the largest, k")
     warmup_steps: int = option(2, check=at_least(0), help="untimed steps first")
     steps: int = option(6, check=at_least(1), help="timed steps per configuration")
     rounds: int = option(3, check=at_least(1), help="interleaved rounds, fresh processes each")
@@ -56,26 +66,43 @@ class ScalingBenchConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.num_devices < 2:
+            raise ValueError(f"--devices {','.join(map(str, self.device_counts))}: the largest count must be at "
+                             "least 2 to compare scaling")
         small = [b for b in self.global_batch_sizes if b < self.num_devices]
         if small:
             raise ValueError(f"--batch-sizes {','.join(map(str, self.global_batch_sizes))}: every global batch size "
                              f"must be at least --devices {self.num_devices} (one example per device)")
 
+    @property
+    def num_devices(self) -> int:
+        """k: the largest device count, where every contender but phalanx/j runs."""
+        return max(self.device_counts)
 
-def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None,
+    @property
+    def phalanx_counts(self) -> tuple[int, ...]:
+        """The device counts phalanx runs on: those listed, and 1."""
+        return tuple(sorted({1, *self.device_counts}))
+
+
+def variants(device_counts: tuple[int, ...], cores: int, *, grad_dtype: str | None = None,
              finite_check_cost: bool = False) -> list[Variant]:
-    """The contenders. "tuned" ones get phalanx's CPU set-up (allocator env, memory format), so
-    the table separates what phalanx's defaults buy from what its engine does."""
-    k, per_proc = num_devices, max(1, cores // num_devices)
+    """The contenders: phalanx on each of `device_counts` (and 1), the others on k, the largest.
+    "tuned" ones get phalanx's CPU set-up (allocator env, memory format), so the table separates
+    what phalanx's defaults buy from what its engine does."""
+    counts = sorted({1, *device_counts})
+    k = counts[-1]
+    per_proc = max(1, cores // k)
     phalanx = [Variant(name=f"phalanx/{j}", kind="phalanx", num_procs=j, threads_per_proc=max(1, cores // j),
-                       allocator_env=True, memory_format="auto") for j in range(1, k + 1)]
-    phalanx.append(replace(phalanx[-1], name=f"phalanx/{k} gloo", algorithm="native"))
+                       allocator_env=True, memory_format="auto") for j in counts]
+    at_k = phalanx[-1]
+    phalanx.append(replace(at_k, name=f"phalanx/{k} gloo", algorithm="native"))
     if k <= cores:  # --bind-cores: where the workers run, priced beside the default
-        phalanx.append(replace(phalanx[k - 1], name=f"phalanx/{k} bound", bind_cores=True))
+        phalanx.append(replace(at_k, name=f"phalanx/{k} bound", bind_cores=True))
     if grad_dtype is not None:
-        phalanx.append(replace(phalanx[k - 1], name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
+        phalanx.append(replace(at_k, name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
     if finite_check_cost:  # the default checks every 100 steps: priced against none and every step
-        phalanx += [replace(phalanx[k - 1], name=f"phalanx/{k} {name}", check_finite_every=every)
+        phalanx += [replace(at_k, name=f"phalanx/{k} {name}", check_finite_every=every)
                     for name, every in FINITE_CHECKS.items()]
     others = [
         Variant(name=f"ddp/{k}", kind="ddp", num_procs=k, threads_per_proc=1, allocator_env=False),
@@ -97,20 +124,25 @@ def variants(num_devices: int, cores: int, *, grad_dtype: str | None = None,
 def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measure every (batch size, contender) once per round, interleaved; return the JSON payload."""
     cores = available_cores()
-    contenders = variants(config.num_devices, cores, grad_dtype=config.grad_dtype,
+    contenders = variants(config.device_counts, cores, grad_dtype=config.grad_dtype,
                           finite_check_cost=config.finite_check_cost)
-    runs, started = {}, [0]
+    runs, done, wall_s = {}, [0], {}
     total = config.rounds * len(config.global_batch_sizes) * len(contenders)
     for batch in config.global_batch_sizes:
         job = StepJob(model=config.model, global_batch_size=batch, warmup_steps=config.warmup_steps,
                       steps=config.steps, lr=config.lr, seed=config.seed)
         for variant in contenders:
             def run(variant=variant, job=job) -> float:
-                started[0] += 1
-                if on_run is not None:
-                    on_run(f"[{started[0]}/{total}] {variant.name}, global batch {job.global_batch_size}")
-                return images_per_s(job, run_variant(variant, job, timeout_s=config.timeout_s,
-                                                     deadline_s=config.deadline_s))
+                start_s = time.perf_counter()
+                speed = images_per_s(job, run_variant(variant, job, timeout_s=config.timeout_s,
+                                                      deadline_s=config.deadline_s))
+                seconds = time.perf_counter() - start_s
+                wall_s.setdefault(f"{job.global_batch_size}|{variant.name}", []).append(seconds)
+                done[0] += 1
+                if on_run is not None:  # each contender's row as it completes: a long run shows progress
+                    on_run(f"[{done[0]}/{total}] {variant.name}, global batch {job.global_batch_size}: "
+                           f"{speed:.0f} images/s ({seconds:.1f} s)")
+                return speed
             runs[f"{batch}|{variant.name}"] = run
     samples = run_interleaved(runs, rounds=config.rounds, warmup_rounds=0)  # warm-up: steps in each process
     results, ratios = [], []
@@ -119,7 +151,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
         per = {v.name: samples[f"{batch}|{v.name}"] for v in contenders}
         for variant in contenders:
             results.append({"global_batch_size": batch, "variant": variant.name,
-                            "images_per_s": Spread.of(per[variant.name]).to_dict()})
+                            "images_per_s": Spread.of(per[variant.name]).to_dict(),
+                            "wall_s": Spread.of(wall_s[f"{batch}|{variant.name}"]).to_dict()})
         def best(names: list[str]) -> str:
             return max(names, key=lambda name: Spread.of(per[name]).median)
 
@@ -150,7 +183,7 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
                                  ("finite_check_every_step_vs_off", f"phalanx/{k} finite check every step")):
                 ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": k, "against": off,
                                "numerator": name, "ratio": paired_ratio(per[name], per[off]).to_dict()})
-        for j in range(2, k + 1):
+        for j in (j for j in config.phalanx_counts if j > 1):
             ratios.append({"global_batch_size": batch, "metric": "scaling_efficiency", "num_devices": j,
                            "against": f"{j} x phalanx/1",
                            "ratio": paired_ratio(per[f"phalanx/{j}"], [j * s for s in per["phalanx/1"]]).to_dict()})

@@ -8,6 +8,8 @@ each, and all are checked against the backend's own `all_reduce` (`native`):
 - `native`: `dist.all_reduce` (gloo/NCCL pick their own algorithm).
 - `shm`:    through a shared-memory segment, for the CPU workers of one host (`shm.py`); what
             the default, `auto`, picks there (`resolve_algorithm`).
+- `hierarchical`: shm within each host, a ring between hosts over gloo (`hierarchical.py`);
+            what `auto` picks for CPU workers on several hosts of several workers each.
 - `ring`:   bandwidth-optimal reduce-scatter + all-gather (Patarasuk & Yuan 2009).
 - `tree`:   latency-optimal recursive doubling, folded for non-power-of-two worlds.
 - `naive`:  the D2L chapter's gather-to-rank-0, sum, send back.
@@ -31,6 +33,8 @@ from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_fla
 from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
 from phalanx.comm.calls import collective, native, run_collective
 from phalanx.comm.handle import Handle
+from phalanx.comm.hierarchical import Hierarchy, allreduce_hierarchical
+from phalanx.comm.hosts import HostLayout, hierarchy_applies
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
@@ -51,6 +55,8 @@ __all__ = [
     "PeerGone",
     "PeerStalled",
     "Handle",
+    "Hierarchy",
+    "HostLayout",
     "OpenedComm",
     "ShmError",
     "ShmGroup",
@@ -58,6 +64,7 @@ __all__ = [
     "all_reduce_sum_",
     "allreduce",
     "allreduce_fn",
+    "allreduce_hierarchical",
     "allreduce_naive",
     "allreduce_native",
     "allreduce_ring",
@@ -67,6 +74,7 @@ __all__ = [
     "broadcast_",
     "check_choice",
     "collective",
+    "hierarchy_applies",
     "native",
     "open_comm",
     "reduce_scatter",

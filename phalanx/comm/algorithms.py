@@ -7,7 +7,9 @@ done; `ticket` is the call's entry on the collective board, which the caller mad
 `native` is the backend's own (the callers launch it as an async op; its entry here is for a
 direct call). `auto` is not an algorithm but a choice made per world (`resolve_algorithm`):
 shared memory for CPU workers on one host, where it is many times faster than gloo's loopback
-sockets, the backend's own collective everywhere else (NCCL on GPUs, gloo across hosts).
+sockets; the hierarchical collectives (shm within each host, gloo between hosts) for CPU workers
+on at least 2 hosts of at least 2 workers each; the backend's own collective everywhere else
+(NCCL on GPUs, gloo across hosts of one worker).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from phalanx.comm.hierarchical import allreduce_hierarchical
+from phalanx.comm.hosts import hierarchy_applies
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.native import allreduce_native
 from phalanx.comm.ring import allreduce_ring
@@ -25,7 +29,7 @@ from phalanx.comm.shm_ops import allreduce_shm
 from phalanx.comm.tree import allreduce_tree
 from phalanx.runtime.world import World
 
-ALGORITHMS = ("native", "shm", "ring", "tree", "naive")
+ALGORITHMS = ("native", "shm", "hierarchical", "ring", "tree", "naive")
 # What a run may name: an algorithm, or auto (the default).
 CHOICES = ("auto",) + ALGORITHMS
 # Algorithms written over point-to-point messages: they run on AsyncComm's private group.
@@ -48,6 +52,7 @@ def over_messages(fn: Callable[..., None]) -> Callable[..., None]:
 _ALLREDUCE_FNS: dict[str, Callable[..., None]] = {
     "native": allreduce_native,
     "shm": allreduce_shm,
+    "hierarchical": allreduce_hierarchical,
     "ring": over_messages(allreduce_ring),
     "tree": over_messages(allreduce_tree),
     "naive": over_messages(allreduce_naive),
@@ -65,7 +70,7 @@ def allreduce_fn(algorithm: str) -> Callable[..., None]:
 def apply_flat(tensor: torch.Tensor, op: Callable[[torch.Tensor], None]) -> None:
     """Run the in-place `op` on a contiguous 1-D view of `tensor` (a copy, written back, if needed)."""
     if tensor.is_contiguous():
-        op(tensor.view(-1))  # shares storage: the result lands in `tensor` directly
+        op(tensor if tensor.dim() == 1 else tensor.view(-1))  # shares storage: the result lands in `tensor`
         return
     flat = tensor.contiguous().view(-1)
     op(flat)
@@ -84,15 +89,20 @@ def check_choice(choice: str, *, flag: str | None = None) -> str:
 
 
 def resolve_algorithm(choice: str, world: World) -> str:
-    """The algorithm `choice` means on `world`: auto -> shm where it applies, else native.
-    ValueError for an algorithm that cannot carry this world's tensors."""
+    """The algorithm `choice` means on `world`: auto -> shm where it applies, else hierarchical
+    where it applies, else native. ValueError for an algorithm that cannot carry this world's
+    tensors."""
     check_choice(choice)
     if choice == "auto":
-        return "shm" if world.distributed and shm_applies(world) is None else "native"
+        if not world.distributed:
+            return "native"
+        if shm_applies(world) is None:
+            return "shm"
+        return "hierarchical" if hierarchy_applies(world) is None else "native"
     if choice != "native" and world.backend == "gloo" and world.device.type == "cuda":
         # gloo's collectives copy CUDA tensors through host memory; its send/recv hand the raw
         # device pointer to the socket (ProcessGroupGloo::send), so ring/tree/naive would fail
-        # (and shm serves CPU tensors only).
+        # (and shm and hierarchical serve CPU tensors only).
         raise ValueError(f"allreduce {choice!r} sends CUDA tensors point to point, which gloo cannot; "
                          "use allreduce 'native' when CUDA ranks talk over gloo")
     return choice

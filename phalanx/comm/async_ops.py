@@ -31,7 +31,6 @@ to native, on every rank alike, where the shared segment cannot be set up.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,17 +42,28 @@ import torch.distributed as dist
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat, resolve_algorithm
 from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work
 from phalanx.comm.handle import Handle, done, flat_of
+from phalanx.comm.hierarchical import Hierarchy
+from phalanx.comm.hosts import LayoutError
 from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDUCE_SCATTER_TAG, prepare
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
 from phalanx.errors import PeerLost
+from phalanx.runtime.binding import run_single_threaded
 from phalanx.runtime.board import COMM, WORLD, Ticket
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
+COMM_THREAD = "phalanx-comm"  # the communication thread's name, in /proc and py-spy too
 ALLREDUCE = Tag()  # what a caller that does not say what its collective is for gets
 _SET_UP = Tag("set-up")
+
+
+def _start_comm_thread() -> None:
+    """The communication thread's set-up: single-threaded ATen ops, its OS name, and grad mode off
+    for good (grad mode is per thread; its jobs only sum and copy buffers)."""
+    run_single_threaded(COMM_THREAD)
+    torch.set_grad_enabled(False)
 
 
 class CollectiveAborted(CommError, PeerLost):
@@ -67,18 +77,21 @@ Job = Callable[[object, Ticket | None], None]
 class AsyncComm:
     """Background thread, private group and shared segment for allreduces; close before stop_world.
 
-    `algorithms`: the ones this will be asked to run (default: all but shm, which maps a segment).
-    Construct it at the same point on every rank: opening a group or a segment is a collective.
+    `algorithms`: the ones this will be asked to run (default: all but shm and hierarchical, which
+    map segments). Construct it at the same point on every rank: opening a group or a segment is a
+    collective.
     """
 
     def __init__(self, *, world: World, algorithms=None) -> None:
         self.world = world
-        self.algorithms = tuple(a for a in ALGORITHMS if a != "shm") if algorithms is None else tuple(algorithms)
+        self.algorithms = (tuple(a for a in ALGORITHMS if a not in ("shm", "hierarchical")) if algorithms is None
+                           else tuple(algorithms))
         for algorithm in self.algorithms:
             allreduce_fn(algorithm)  # ValueError naming the valid ones
         self._group: dist.ProcessGroup | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.shm: ShmGroup | None = None
+        self.hierarchy: Hierarchy | None = None
         self._closed = False
         self._failure: BaseException | None = None  # the first job on the thread that failed
         if world.distributed:
@@ -90,24 +103,32 @@ class AsyncComm:
                                                  timeout=datetime.timedelta(seconds=world.timeout_s))
             if "shm" in self.algorithms:
                 self.shm = ShmGroup(world=world)
+            if "hierarchical" in self.algorithms:
+                self.hierarchy = Hierarchy(world=world)
             if any(a != "native" for a in self.algorithms):
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-comm")
+                # The thread sums and copies buckets beside backward, single-threaded (binding.py says
+                # why); this thread's own team is fixed first, before the new one changes torch's default.
+                torch.get_num_threads()
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COMM_THREAD,
+                                                    initializer=_start_comm_thread)
 
     def _transport(self, algorithm: str):
         if algorithm not in self.algorithms:
             raise ValueError(f"AsyncComm was opened for {', '.join(self.algorithms)}, not {algorithm}; "
                              f"pass algorithms=(..., {algorithm!r}) when constructing it")
-        return self.shm if algorithm == "shm" else DistTransport(group=self._group)
+        if algorithm == "shm":
+            return self.shm
+        return self.hierarchy if algorithm == "hierarchical" else DistTransport(group=self._group)
 
-    @torch.no_grad()
     def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE) -> torch.Tensor:
         """Sum `tensor` in place now, on this thread, with this comm's resources; return it."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             return tensor
-        apply_flat(tensor, lambda flat: self._now(
-            algorithm, tag, flat, start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
-            job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket)))
+        with torch.no_grad():
+            apply_flat(tensor, lambda flat: self._now(
+                algorithm, tag, flat, start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
+                job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket)))
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE,
@@ -205,8 +226,11 @@ class AsyncComm:
             raise CollectiveAborted(f"not run: an earlier collective on the communication thread failed "
                                     f"({type(self._failure).__name__}: {first})")
         try:
-            # The current CUDA device is per thread: pin this one to the tensor's (a no-op on CPU).
-            with torch.no_grad(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            # Grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread).
+            if device.type == "cuda":
+                with torch.cuda.device(device):  # the current CUDA device is per thread: the tensor's
+                    job(transport, ticket)
+            else:
                 job(transport, ticket)
         except BaseException as exc:
             if self._failure is None:
@@ -221,12 +245,17 @@ class AsyncComm:
         self._closed = True
         if self.shm is not None:
             self.shm.abort()
+        if self.hierarchy is not None:
+            self.hierarchy.abort()
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._executor = None
         if self.shm is not None:
             self.shm.close()
             self.shm = None
+        if self.hierarchy is not None:
+            self.hierarchy.close()
+            self.hierarchy = None
         if self._group is not None and dist.is_initialized():
             dist.destroy_process_group(self._group)
         self._group = None
@@ -250,11 +279,12 @@ def open_comm(world: World, choice: str) -> OpenedComm:
     """The AsyncComm that runs allreduce `choice` (auto or a name) on `world`: a collective, so
     call it at the same point on every rank. `auto` means the fastest that works here: where the
     shared segment cannot be set up (a full /dev/shm, say) it falls back to native, and every
-    rank alike, since each learned the same failure (the segment's set-up all-gathers it)."""
+    rank alike, since each learned the same failure (the segment's set-up all-gathers it, as
+    the hosts' layout is)."""
     algorithm = resolve_algorithm(choice, world)
     try:
         return OpenedComm(AsyncComm(world=world, algorithms=(algorithm,)), algorithm, None)
-    except ShmError as exc:
+    except (ShmError, LayoutError) as exc:
         if choice != "auto":
             raise
         return OpenedComm(AsyncComm(world=world, algorithms=("native",)), "native", str(exc))

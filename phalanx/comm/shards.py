@@ -15,8 +15,9 @@ same everywhere; AsyncComm launches the same calls without blocking (async_ops.p
 entered on the collective board as what it is (the tag, marked with the kind of collective, so a
 reduce-scatter never pairs with a peer's allreduce of one size), like every other collective.
 
-The algorithms: `shm` (shm_ops.py), `ring` (ring.py: the ring allreduce's two phases with the
-counts as its chunks) and `native`, the backend's own:
+The algorithms: `shm` (shm_ops.py), `hierarchical` (hierarchical.py: shm within each host, the
+ring between hosts), `ring` (ring.py: the ring allreduce's two phases with the counts as its
+chunks) and `native`, the backend's own:
 
 - reduce-scatter: `dist.reduce_scatter` into this rank's range from the list of every rank's
   ranges. gloo takes uneven lists (it copies them into one buffer before it sums, so the
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from phalanx.comm.algorithms import ALGORITHMS, over_messages
 from phalanx.comm.calls import run_collective
 from phalanx.comm.counts import check_counts, own_range
+from phalanx.comm.hierarchical import all_gather_hierarchical, reduce_scatter_hierarchical
 from phalanx.comm.ring import all_gather_ring, reduce_scatter_ring
 from phalanx.comm.shm_ops import all_gather_shm, reduce_scatter_shm
 from phalanx.runtime.board import Ticket
@@ -54,15 +56,17 @@ from phalanx.runtime.world import World
 REDUCE_SCATTER, ALL_GATHER = "reduce-scatter", "all-gather"
 REDUCE_SCATTER_TAG = Tag(REDUCE_SCATTER, op=REDUCE_SCATTER)  # a call that says nothing else of itself
 ALL_GATHER_TAG = Tag(ALL_GATHER, op=ALL_GATHER)
-SHARDED_ALGORITHMS = ("native", "shm", "ring")
+SHARDED_ALGORITHMS = ("native", "shm", "hierarchical", "ring")
 # torch's one-tensor all-gather: its current name where this torch has it, its older one else.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # Every entry: fn(flat, *, counts, world, transport=None, ticket=None) -> None. Native is the
 # backend's op, started by `_native_start`.
 _FNS: dict[str, dict[str, Callable[..., None]]] = {
-    REDUCE_SCATTER: {"shm": reduce_scatter_shm, "ring": over_messages(reduce_scatter_ring)},
-    ALL_GATHER: {"shm": all_gather_shm, "ring": over_messages(all_gather_ring)},
+    REDUCE_SCATTER: {"shm": reduce_scatter_shm, "hierarchical": reduce_scatter_hierarchical,
+                     "ring": over_messages(reduce_scatter_ring)},
+    ALL_GATHER: {"shm": all_gather_shm, "hierarchical": all_gather_hierarchical,
+                 "ring": over_messages(all_gather_ring)},
 }
 
 
@@ -82,7 +86,7 @@ def sharded_fn(op: str, algorithm: str) -> Callable[..., None] | None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown {op} algorithm {algorithm!r}; choose one of {', '.join(SHARDED_ALGORITHMS)}")
     if algorithm not in SHARDED_ALGORITHMS:
-        raise ValueError(f"{op} has no {algorithm!r} algorithm; use shm, ring or native")
+        raise ValueError(f"{op} has no {algorithm!r} algorithm; use {', '.join(SHARDED_ALGORITHMS)}")
     return _FNS[op].get(algorithm)
 
 

@@ -92,25 +92,30 @@ def _slot_bytes_for(world_size: int, wanted: int) -> int:
 
 
 class ShmGroup:
-    """One shared segment for the ranks of `world`; open it at the same point on every rank."""
+    """One shared segment for the ranks of `world`, or of each host; open it at the same point on
+    every rank. Its members are numbered 0..k-1 in segment order (`rank`: this one's index)."""
 
-    def __init__(self, *, world: World, slot_bytes: int = SLOT_BYTES, small_bytes: int | None = None) -> None:
+    def __init__(self, *, world: World, slot_bytes: int = SLOT_BYTES, small_bytes: int | None = None,
+                 host: tuple[int, ...] | None = None) -> None:
         """`slot_bytes`: each rank's input slot (a multiple of 64; larger tensors take several
         rounds); `small_bytes`: rounds up to this size are summed whole by every rank (None:
-        every round with two ranks, SMALL_BYTES with more)."""
+        every round with two ranks, SMALL_BYTES with more). `host`: the global ranks that share
+        this rank's host, when each host opens a segment of its own (the hierarchical
+        collectives); default: every rank of the world, all on this host."""
         if slot_bytes < _LINE or slot_bytes % _LINE:
             raise ValueError(f"slot_bytes {slot_bytes} must be a positive multiple of {_LINE}")
-        reason = shm_applies(world)
+        reason = shm_applies(world, host=host)
         if reason is not None:
             raise ShmError(f"{reason}; use --allreduce native")
         self.world = world
-        self.k = world.world_size
-        self.rank = world.rank
+        self.members = tuple(range(world.world_size)) if host is None else tuple(host)
+        self.k = len(self.members)
+        self.rank = self.members.index(world.rank)
         self.timeout_s = world.timeout_s
         self.round = 0  # rounds done; the same on every rank, as every rank makes the same calls
         self._aborted = False
         if small_bytes is None:
-            small_bytes = slot_bytes if world.world_size == 2 else SMALL_BYTES
+            small_bytes = slot_bytes if self.k == 2 else SMALL_BYTES
         self.small_bytes = small_bytes
         self.slot_bytes = _slot_bytes_for(self.k, slot_bytes) if self.rank == 0 else 0
         self._mmap: mmap.mmap | None = None  # the segment, mapped by _open
@@ -127,7 +132,7 @@ class ShmGroup:
         # Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike.
         shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
                                facts=(self.slot_bytes, self.small_bytes),
-                               around=lambda: collective(self.world, _SET_UP))
+                               around=lambda: collective(self.world, _SET_UP), host=self.members)
         self._mmap = shared.mapping
         self.slot_bytes, self.small_bytes = shared.facts
         if shared.failed is not None:
@@ -166,6 +171,10 @@ class ShmGroup:
     def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
         """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
         board entry (calls.py), which waits read to name whom they wait for; None: lives and time."""
+        if flat.numel() * flat.element_size() <= self.slot_bytes and self._mmap is not None \
+                and flat.device.type == "cpu":
+            self._round(flat, ticket)  # one round, the common case: no windows to cut
+            return
         for lo, hi in self.windows(flat):
             self._round(flat[lo:hi], ticket)
 
@@ -246,14 +255,15 @@ class ShmGroup:
         for r in pending:
             pid = self._pids_view[r]
             if not process_alive(pid):
-                raise ShmPeerGone(f"shm allreduce: rank {r} (pid {pid}) died while rank {self.rank} waited for it "
-                               f"in round {self.round}")
+                raise ShmPeerGone(f"shm allreduce: rank {self.members[r]} (pid {pid}) died while rank "
+                                  f"{self.world.rank} waited for it in round {self.round}")
         if self._aborted:
             raise ShmPeerGone(f"shm allreduce abandoned in round {self.round}: this rank is shutting down")
         if ticket is not None:
-            check(self.world, ticket, waited_s=waited_s, timeout_s=self.timeout_s, pending=pending)
+            check(self.world, ticket, waited_s=waited_s, timeout_s=self.timeout_s,
+                  pending=[self.members[r] for r in pending])
         elif waited_s > self.timeout_s:
-            raise ShmError(f"shm allreduce: rank {pending[0]} did not arrive within the {self.timeout_s:g} s timeout "
+            raise ShmError(f"shm allreduce: rank {self.members[pending[0]]} did not arrive within the {self.timeout_s:g} s timeout "
                            f"(round {self.round}); raise --timeout if a step can really take that long")
 
     def __enter__(self) -> "ShmGroup":

@@ -5,7 +5,9 @@ A tensor streams through in windows of a slot's worth of elements (`ShmGroup.win
 each; with uneven counts rank r's part of a window is its range [offset_r, offset_r + counts[r])
 cut to the window, possibly empty. Rounds are numbered by the group, whichever collective runs
 them, so one group serves all three in one call order; every rank makes the same calls with the
-same numel, so every rank runs the same rounds.
+same numel, so every rank runs the same rounds. The counts are per member of the segment, in its
+order (`ShmGroup.rank`): the world's ranks on one host, or one host's ranks in the hierarchical
+collectives (hierarchical.py).
 
 - Reduce-scatter, round g on half p = g % 2: each rank copies its window into its input slot
   (every range needs every rank's values) but for its own part, which no peer reads, publishes
@@ -51,12 +53,12 @@ def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: Worl
     """Sum over all ranks, into this rank's range of `flat` (counts[rank] elements after the
     counts before it), that range of every rank's `flat`; the rest of `flat` is left as it was."""
     for r in _rounds("reduce-scatter", flat, counts, world, transport):
-        mine = r.inputs[world.rank]
+        mine = r.inputs[r.group.rank]
         _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
         r.group.arrive(r.g, ticket)
         if r.hi > r.lo:
             own, part = flat[r.lo:r.hi], slice(r.lo - r.start, r.hi - r.start)
-            parts = [own if rank == world.rank else x[part] for rank, x in enumerate(r.inputs)]
+            parts = [own if index == r.group.rank else x[part] for index, x in enumerate(r.inputs)]
             sum_into(own, parts, scratch=mine[part])  # its own slot's part: copied in by none, read by none
 
 
@@ -94,7 +96,7 @@ def _rounds(op: str, flat: torch.Tensor, counts: Sequence[int], world: World, tr
     if not world.distributed:
         return
     group = segment_of(transport, op)
-    lo, hi = own_range(counts, world.rank)
+    lo, hi = own_range(counts, group.rank)
     for start, stop in group.windows(flat):
         g, inputs, result = group.begin(stop - start, flat.dtype)
         yield _Round(group, g, inputs, result, start, stop, max(lo, start), min(hi, stop))

@@ -51,13 +51,18 @@ class DistTransport:
     """
 
     group: dist.ProcessGroup | None = None
+    # The global rank of each peer number, for an algorithm that numbers the members of `group`
+    # 0..n-1 (the hierarchical exchange: this rank's peers on the other hosts); None: peer
+    # numbers are global ranks.
+    ranks: tuple[int, ...] | None = None
 
     def exchange(
         self, *, sends: Sequence[Message] = (), recvs: Sequence[Message] = (), on_received: OnReceived | None = None
     ) -> None:
+        at = (lambda peer: peer) if self.ranks is None else self.ranks.__getitem__
         # Receives first, so a buffer is already waiting when the matching send arrives.
-        ops = [dist.P2POp(dist.irecv, buf, peer, group=self.group) for peer, buf in recvs]
-        ops += [dist.P2POp(dist.isend, buf, peer, group=self.group) for peer, buf in sends]
+        ops = [dist.P2POp(dist.irecv, buf, at(peer), group=self.group) for peer, buf in recvs]
+        ops += [dist.P2POp(dist.isend, buf, at(peer), group=self.group) for peer, buf in sends]
         if not ops:
             return
         # batch_isend_irecv: on gloo a plain loop of isend/irecv; on NCCL one ncclGroup, without

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import check_choice, shm_applies
+from phalanx.comm.hosts import hierarchy_text
 from phalanx.data_parallel.memory_format import layout_of
 from phalanx.data_parallel.sharded import SHARD_STAGES, check_shard
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
@@ -65,6 +66,7 @@ class Choices:
     why_not_shm: str | None = None  # why auto chose native for k > 1 (ranks span hosts, GPUs), or None
     shard: str = "none"  # what each rank keeps a share of (sharded.py's stages), "none": everything whole
     requested_shard: str = "none"  # what was asked for (one device runs "none" whatever was asked)
+    hierarchy: str | None = None  # the hosts' layout in words, where the hierarchical allreduce runs
 
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
@@ -82,6 +84,10 @@ class Choices:
         return f", sharded (ZeRO-{stage}): each rank keeps 1/{self.num_devices} of the {kept}"
 
     def _algorithm_text(self) -> str:
+        if self.algorithm == "hierarchical" and self.hierarchy is not None:
+            why = (f" (auto: {self.num_devices} ranks span hosts, and memory is shared within a host only)"
+                   if self.requested_algorithm == "auto" else "")
+            return f"hierarchical: {self.hierarchy}{why}"
         if self.requested_algorithm != "auto":
             return self.algorithm
         if self.num_devices > 1 and self.algorithm == "shm":
@@ -125,5 +131,6 @@ def replica_choices(dp, *, requested_algorithm: str, batchnorm: str | None, prec
         algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
         precision=precision, backend=world.backend, why_not_shm=shm_applies(world) if world.distributed else None,
-        shard=dp.shard, requested_shard=requested_shard)
+        shard=dp.shard, requested_shard=requested_shard,
+        hierarchy=hierarchy_text(world) if dp.algorithm == "hierarchical" else None)
 

@@ -38,9 +38,10 @@ def bucket_cap_mb_option() -> Any:
 class DataParallelConfig:
     """data parallelism: the replicas and the gradient exchange"""
 
-    # auto: shm for CPU workers on one host, the backend's own (NCCL, gloo across hosts) elsewhere.
+    # auto: shm for CPU workers on one host, hierarchical for CPU workers on several hosts of
+    # several workers, the backend's own (NCCL, gloo) elsewhere.
     allreduce: str = option("auto", choices=CHOICES, help="allreduce algorithm (auto: shm for CPU workers on one "
-                            "host, else native)")
+                            "host, hierarchical across hosts of several workers, else native)")
     # Overlap each bucket's allreduce with backward (False: one synchronous flat allreduce after
     # backward). bucket_cap_mb applies with overlap only; None = one bucket.
     overlap: bool = option(True, flag="--no-overlap", help="exchange gradients in one synchronous allreduce after "
@@ -65,4 +66,4 @@ class DataParallelConfig:
         check_options(self)
         if self.shard != "none" and self.allreduce in ("naive", "tree"):
             raise ValueError(f"--shard {self.shard} reduce-scatters and all-gathers, which --allreduce {self.allreduce} "
-                             "cannot; use --allreduce auto, shm, ring or native")
+                             "cannot; use --allreduce auto, shm, hierarchical, ring or native")

@@ -76,7 +76,8 @@ class DataParallel(ReplicaModule):
                  average: bool | None = None, average_running_stats: bool = True, precision: str | None = None,
                  batchnorm: str | None = None, tracer: Tracer | None = None, shard: str = "none",
                  check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> None:
-        """`algorithm`: auto (shm for CPU workers on one host, else native) or any of comm's.
+        """`algorithm`: auto (shm for CPU workers on one host, hierarchical for CPU workers on
+        several hosts of several workers, else native) or any of comm's.
         `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
         min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
         `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half

@@ -11,15 +11,18 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+import torch
+
 from phalanx.data import load_dataset
 from phalanx.errors import UsageError
+from phalanx.job.auto_devices import resolve_auto
 from phalanx.job.config import TrainConfig
 from phalanx.job.dirlock import hold_run_directories
 from phalanx.job.elastic import train_with_restarts
 from phalanx.options import add_options, build
 from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.runtime.binding import allowed_cores, check_bindable
-from phalanx.runtime.devices import DevicePlan, parse_devices
+from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
 from phalanx.runtime.world import launcher_env
 from phalanx.telemetry import RankZeroLog
 
@@ -45,7 +48,19 @@ def run_train(args: argparse.Namespace) -> int:
     check_out_dir(config.checkpoint.directory, flag="--checkpoint-dir")
     check_path_length(config.data.directory, flag="--data-dir")
     env = launcher_env()
-    plan = parse_devices(config.launch.devices)
+    data = None
+    auto = config.launch.devices.strip().lower() == AUTO
+    if auto and env is None and not torch.cuda.is_available():
+        # The probe needs the model's classes: read (or download) the data now, as a run of
+        # several devices does below anyway. What it chose, from what, is the run's first line.
+        data = load_dataset(config.data.dataset, config.data.directory, log=RankZeroLog(enabled=True))
+        config = replace(config, data=replace(config.data, dataset=data.name, directory=data.data_dir))
+        config, line = resolve_auto(config, data)
+        RankZeroLog(enabled=True)(line)
+    if auto and env is not None:  # torchrun decides the count; auto picks the kind
+        plan = parse_devices("cuda:0" if torch.cuda.is_available() else "cpu:1")
+    else:
+        plan = parse_devices(config.launch.devices)
     if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda
         kind = plan.kind
         plan = parse_devices(f"cuda:{','.join(map(str, range(env.local_world_size)))}" if kind == "cuda"
@@ -62,7 +77,7 @@ def run_train(args: argparse.Namespace) -> int:
                          "not to phalanx train")
     # One run per output directory: held from here (before any worker) until the run is over.
     with hold_run_directories(config, enabled=env is None or env.rank == 0):
-        if env is None and plan.num_devices > 1:
+        if env is None and plan.num_devices > 1 and data is None:
             # Check (and download) the data once here, so bad data is one line from one process
             # and the workers find it cached; resolve the fallback so every worker agrees.
             data = load_dataset(config.data.dataset, config.data.directory, log=RankZeroLog(enabled=True))

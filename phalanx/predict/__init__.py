@@ -6,5 +6,6 @@ flags), and predicts the step time and images/s at each k with an α–β model 
 allreduce and the bucketed overlap with backward (costmodel.py, timeline.py); `--validate`
 measures phalanx at the same settings right after and prints the error. config.py holds what it
 is asked (`PredictConfig`, its flags declared on its fields), run.py the prediction, report.py the
-table and chart, cli.py the command.
+table and chart, cli.py the command. `--hosts H --link-gbit R` predicts H hosts instead, flat gloo
+against the hierarchical allreduce (hosts.py).
 """

@@ -31,6 +31,11 @@ def run_predict(args: argparse.Namespace) -> int:
     from phalanx.predict.run import run_prediction
 
     out_dir = prepare_out_dir(config.out_dir)
+    if config.hosts:
+        from phalanx.predict.hosts import plot_hosts_prediction, report_hosts_prediction, run_hosts_prediction
+
+        run_prediction, report_prediction, plot_prediction = (run_hosts_prediction, report_hosts_prediction,
+                                                              plot_hosts_prediction)
     payload = run_prediction(config, on_progress=_progress)
     print(report_prediction(payload), flush=True)
     json_path, png_path = write_outputs(out_dir, "predict", payload, plot_prediction(payload))

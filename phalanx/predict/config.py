@@ -65,6 +65,24 @@ INTERCONNECTS: dict[str, Interconnect] = {
 }
 
 
+# A message across a host's link under gloo: its per-message floor over TCP (0.1-0.3 ms on this
+# machine's loopback, costmodel.py), the low end, since a message between hosts pays no more for it.
+HOST_ALPHA_S = 100e-6
+
+
+def host_link(link_gbit: float, *, alpha_us: float | None = None, overlap_efficiency: float | None = None,
+              simulated: bool = False) -> Interconnect:
+    """Each host's link of `link_gbit` Gbit/s (predict/hosts.py): β its rate in bytes/s, α gloo's
+    per-message cost unless given, η 1 unless given (the link, not the cores, bounds the exchange)."""
+    if not (math.isfinite(link_gbit) and link_gbit > 0):
+        raise ValueError(f"--link-gbit {link_gbit} must be a positive number of Gbit/s")
+    return Interconnect(name=f"{link_gbit:g} Gbit/s host links",
+                        alpha_s=HOST_ALPHA_S if alpha_us is None else alpha_us * 1e-6, beta_Bps=link_gbit * 1e9 / 8,
+                        overlap_efficiency=1.0 if overlap_efficiency is None else overlap_efficiency,
+                        shares_host=simulated,
+                        note="hosts simulated on this machine" if simulated else "hosts like this machine")
+
+
 def resolve_interconnect(name: str, *, alpha_us: float | None = None, beta_gbps: float | None = None,
                          overlap_efficiency: float | None = None) -> Interconnect:
     """The preset `name` with any of α (µs), β (GB/s, 1e9 bytes/s), η replaced by the caller's."""
@@ -123,9 +141,19 @@ class PredictConfig:
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one spawned run
     out_dir: str = option("runs/predict", flag="--out", metavar="DIR", help="directory for predict.json and predict.png")
+    # --hosts: predict H hosts of workers_per_host over links of link_gbit (predict/hosts.py); the
+    # world sizes are then H x workers_per_host, and validation runs on simulated hosts.
+    hosts: tuple[int, ...] | None = option(None, items=int, check=at_least(2), default_text="none",
+                                    help="host counts H: predict H hosts of --workers-per-host workers over links of "
+                                    "--link-gbit, flat gloo against the hierarchical allreduce")
+    workers_per_host: int = option(2, check=at_least(1), help="with --hosts: workers per host")
+    link_gbit: float | None = option(None, default_text="none", check=finite(positive("number of Gbit/s")),
+                                     help="with --hosts: each host's link, each way, in Gbit/s")
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.hosts or self.link_gbit is not None:
+            self._for_hosts()
         if self.algorithm == "auto":  # as training's auto: shm for processes sharing this host
             local = self.interconnect.shares_host and shm_supported() is None
             object.__setattr__(self, "algorithm", "shm" if local else "native")
@@ -140,9 +168,26 @@ class PredictConfig:
         if small:
             raise ValueError(f"--batch-size {_csv(self.global_batch_sizes)}: every global batch size must be at least "
                              f"the largest world size {max(self.world_sizes)} (one example per device)")
-        if self.validate and not self.interconnect.shares_host:
+        if self.validate and not self.interconnect.shares_host and not self.hosts:
             raise ValueError(f"validation measures this machine over loopback, not {self.interconnect.name}; "
                              "drop --validate or use --interconnect loopback")
+
+    def _for_hosts(self) -> None:
+        """The world sizes and the link of --hosts: H x workers_per_host, each host's link."""
+        if not self.hosts:
+            raise ValueError(f"--link-gbit {self.link_gbit:g} is the link between hosts: give --hosts too")
+        if len(set(self.hosts)) != len(self.hosts):
+            raise ValueError(f"--hosts {_csv(self.hosts)} names a count twice; name each once")
+        if self.link_gbit is None:
+            raise ValueError("--hosts needs --link-gbit, the speed of each host's link (e.g. --link-gbit 10)")
+        link = self.interconnect
+        if link.name != "loopback" or link.beta_Bps is not None:
+            raise ValueError(f"--hosts takes each host's link from --link-gbit; drop --interconnect {link.name} "
+                             "and --beta-gbps")
+        object.__setattr__(self, "world_sizes", tuple(h * self.workers_per_host for h in self.hosts))
+        object.__setattr__(self, "interconnect", host_link(
+            self.link_gbit, alpha_us=None if link.alpha_s is None else link.alpha_s * 1e6,
+            overlap_efficiency=link.overlap_efficiency, simulated=self.validate))
 
     @property
     def world_sizes_sorted(self) -> tuple[int, ...]:

@@ -13,6 +13,7 @@ are in phalanx.comm's module docstrings):
 | naive (the book's: gather to rank 0, add, send back; rank 0 serialises) | 2(k-1) | 2(k-1) |
 | native (gloo / NCCL pick ring-based schedules for gradient-sized messages) | as ring | as ring |
 | shm (copy in, each rank sums its chunk of every slot, copy out; waits on flags, not messages) | 2·log2 k | 3 + 1/k |
+| hierarchical on H hosts (shm within each host, a ring between hosts): a host's link | 2(H-1) | 2(H-1)/H |
 
 For shm, β is the memory bandwidth one rank's copies and adds reach, and B counts the bytes each
 rank moves through memory per message byte (copy in, read k chunks of n/k, write n/k, copy out).
@@ -21,6 +22,14 @@ with k about as log2 k (the 16-core host's MPI shared-memory allreduce: 7 µs at
 
 With nccl-tests' bus bandwidth (telemetry/bandwidth.py: busbw = algbw · 2(k-1)/k for an
 allreduce, algbw = n / time), a ring's modelled busbw approaches β as n grows, whatever k.
+
+Across H hosts (`hosts` > 1) β is one host's link and B counts the bytes a host sends on it: the
+flat ring over k ranks numbered host by host (torchrun's numbering) crosses each host's link once
+each way, so a host sends what one rank does, 2(k-1)/k of the message; the hierarchical one sends
+2(H-1)/H (its shm steps run at memory bandwidth, a hundred times a Gbit link's, and overlap the
+exchange window by window: comm/hierarchical.py). Its latency term is paid per window: a bucket
+of n bytes goes between hosts as ceil(n / slot) gloo allreduces, each 2(H-1) messages. A host's
+ranks share its link, so whatever m is, the link's rate bounds the exchange.
 α and β are fitted per algorithm from a 2-rank sweep (`fit_link`): on gloo every call has a floor
 of its own (~1 ms for a native call, ~0.1-0.3 ms per point-to-point message), so the α an
 algorithm sees is its own, and the fit keeps predictions at k = 2 self-consistent.
@@ -33,18 +42,24 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from phalanx.comm import ALGORITHMS
+from phalanx.comm.shm import SLOT_BYTES
 from phalanx.comm.tree import largest_power_of_two
 
 
-def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
-    """(L, B): an allreduce of n bytes costs L·α + B·n/β on `world_size` ranks."""
+def cost_terms(algorithm: str, world_size: int, *, hosts: int = 1) -> tuple[float, float]:
+    """(L, B): an allreduce of n bytes costs L·α + B·n/β on `world_size` ranks (on `hosts` hosts:
+    β is a host's link, B what a host sends on it)."""
     k = world_size
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown allreduce {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-    if k < 1:
-        raise ValueError(f"world size must be >= 1, got {k}")
+    if k < 1 or not 1 <= hosts <= k or k % hosts:
+        raise ValueError(f"need world size >= 1 split evenly over 1..k hosts, got {k} ranks on {hosts} hosts")
     if k == 1:
         return 0.0, 0.0  # nothing to exchange
+    if algorithm == "hierarchical":
+        if hosts == 1:  # shm's reduce-scatter and all-gather
+            return 2.0 * math.log2(k), 3.0 + 1.0 / k
+        return 2.0 * (hosts - 1), 2.0 * (hosts - 1) / hosts
     if algorithm in ("ring", "native"):
         return 2.0 * (k - 1), 2.0 * (k - 1) / k
     if algorithm == "shm":
@@ -56,15 +71,18 @@ def cost_terms(algorithm: str, world_size: int) -> tuple[float, float]:
     return 2.0 * (k - 1), 2.0 * (k - 1)  # naive
 
 
-def allreduce_time_s(algorithm: str, size_bytes: float, world_size: int, *, alpha_s: float, beta_Bps: float) -> float:
+def allreduce_time_s(algorithm: str, size_bytes: float, world_size: int, *, alpha_s: float, beta_Bps: float,
+                     hosts: int = 1) -> float:
     """Predicted seconds for one allreduce of `size_bytes` (0 for an empty message or k = 1)."""
     if size_bytes < 0:
         raise ValueError(f"size must be >= 0 bytes, got {size_bytes}")
     if alpha_s < 0 or not beta_Bps > 0:
         raise ValueError(f"need alpha >= 0 and beta > 0, got alpha {alpha_s} s, beta {beta_Bps} B/s")
-    latency, bandwidth = cost_terms(algorithm, world_size)
+    latency, bandwidth = cost_terms(algorithm, world_size, hosts=hosts)
     if size_bytes == 0:
         return 0.0
+    if algorithm == "hierarchical" and hosts > 1:
+        latency *= math.ceil(size_bytes / SLOT_BYTES)  # one exchange between hosts per window
     return latency * alpha_s + bandwidth * size_bytes / beta_Bps
 
 

@@ -125,11 +125,12 @@ class StepPrediction:
 
 def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: int, algorithm: str,
                  alpha_s: float, beta_Bps: float, overlap_efficiency: float, timeslice: float = 1.0,
-                 comm_stretch: float = 1.0) -> StepPrediction:
+                 comm_stretch: float = 1.0, hosts: int = 1) -> StepPrediction:
     """The predicted lockstep step on `world_size` devices from one device's profile.
 
     `comm_stretch` multiplies α, the per-message latency: k processes time-sliced on too few
-    cores answer each message only when scheduled (`oversubscription`)."""
+    cores answer each message only when scheduled (`oversubscription`). `hosts`: the devices
+    are spread over that many hosts, and α, β are a host's link (costmodel.cost_terms)."""
     if not 0.0 <= overlap_efficiency <= 1.0:
         raise ValueError(f"overlap efficiency must be in [0, 1], got {overlap_efficiency}")
     if not timeslice > 0 or comm_stretch < 1.0:
@@ -139,7 +140,7 @@ def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: 
     stretch = compute / statistics.median(samples) * timeslice  # one device's times -> the slowest rank's
     backward = profile.backward_s * stretch
     ready = [min(r * stretch, backward) for r in profile.bucket_ready_s]
-    comm = [allreduce_time_s(algorithm, n, world_size, alpha_s=alpha_s * comm_stretch, beta_Bps=beta_Bps)
+    comm = [allreduce_time_s(algorithm, n, world_size, alpha_s=alpha_s * comm_stretch, beta_Bps=beta_Bps, hosts=hosts)
             for n in profile.bucket_bytes]
     split = overlap(ready, comm, backward)
     penalty = (1.0 - overlap_efficiency) * split.hidden_s

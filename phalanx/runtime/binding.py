@@ -1,60 +1,84 @@
-"""Where CPU workers run and how they are set up: threads (by default cores / local workers each;
-with `--bind-cores`, each of a host's k workers on its own disjoint set of cores), the one count
-of the cores this process may use (`available_cores`), a warning when threads or workers
-oversubscribe them, and the allocator setting that keeps freed activations mapped (`keep_freed_memory_mapped`).
+"""Where CPU workers run and how they are set up: threads (by default a share of the cores per
+local worker; with `--bind-cores`, each of a host's k workers on its own disjoint set of cores),
+the one count of the cores this process may use (`available_cores`), a warning when threads or
+workers oversubscribe them, the thread discipline (the training thread's team is a worker's
+only one: `set_intra_op_threads`, `run_single_threaded`), and the allocator setting that keeps
+freed activations mapped (`keep_freed_memory_mapped`).
 
 Unbound, the kernel may move a worker's threads between cores and stack two workers' threads
 on one core while another idles; in lockstep training every step then waits for the unluckiest
 worker. `--bind-cores` splits the cores this process may use (its affinity mask, so a container's
-or `taskset`'s limit is respected) into k equal contiguous slices and pins local rank r to slice
-r, with as many threads as the slice has cores. Cores are ordered by (package, core id) so the
-hyperthread siblings of one physical core land in the same slice: two workers never share a
-core's execution units. Cores left over when k does not divide the count stay unused, so every
-worker gets the same share (the slowest worker sets a lockstep run's pace).
+or `taskset`'s limit is respected) into k equal contiguous shares of whole physical cores
+(topology.py: SMT siblings stay together, so two workers never share a core's execution units)
+and pins local rank r to share r; only when there are more workers than physical cores are
+siblings dealt out one by one. Cores left over when k does not divide the count stay unused, so
+every worker gets the same share (the slowest worker sets a lockstep run's pace).
 
 It is opt-in: two runs that both bind on one host would pin to the same cores. DeepSpeed's
 `--bind_cores_to_rank` and Intel's launcher make the same split (numactl per rank); here it is
 `os.sched_setaffinity` in the worker itself, before its thread pool starts.
+
+How many threads a worker runs on its share is `PLACEMENT`, the one default to change once a
+many-core host has measured it (docs/how-it-works.md, "Threads and cores" says which runs decide).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 
 import torch
 
 from phalanx.errors import UsageError
+from phalanx.runtime.topology import allowed_cpus, physical_cores
 
-_TOPOLOGY = "/sys/devices/system/cpu/cpu{}/topology/{}"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+_PR_SET_NAME = 15  # prctl option (linux/prctl.h)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """How a CPU worker uses its share of the host's cores, when --threads-per-device is not given.
+
+    `threads_on_siblings`: one intra-op thread per logical CPU of its physical cores (False: one
+    per physical core, leaving SMT siblings idle). `core_for_comm`: with two or more workers, one
+    core of each share is left to the worker's communication thread (its team is one smaller)."""
+
+    threads_on_siblings: bool = True
+    core_for_comm: bool = False
+
+    def threads(self, cores: list[int], local_workers: int) -> int:
+        """The threads for a worker whose share of the host is `cores` (logical CPUs)."""
+        count = len(cores) if self.threads_on_siblings else len(physical_cores(cores))
+        if self.core_for_comm and local_workers > 1:
+            count -= 1
+        return max(1, count)
+
+
+# The default: a thread on every logical CPU of a worker's share, none kept for communication -
+# what the 2-core machine measures best (no SMT there; one core each at k=2). Not yet measured
+# on a many-core host; the runs that decide it are in docs/how-it-works.md.
+PLACEMENT = Placement()
 
 
 def allowed_cores() -> list[int]:
     """The CPUs this process may run on, siblings of one physical core next to each other."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux: no affinity API, no binding
-        return list(range(os.cpu_count() or 1))
-    return sorted(cpus, key=lambda cpu: (_topology(cpu, "physical_package_id"), _topology(cpu, "core_id"), cpu))
-
-
-def _topology(cpu: int, field: str) -> int:
-    try:
-        with open(_TOPOLOGY.format(cpu, field)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return cpu if field == "core_id" else 0  # unknown topology: every CPU its own core
+    return allowed_cpus()
 
 
 def cores_for(local_rank: int, local_world_size: int, cores: list[int] | None = None) -> list[int]:
-    """Local rank `local_rank`'s slice of `cores` (default: allowed_cores()) among `local_world_size`."""
+    """Local rank `local_rank`'s share of `cores` (default: allowed_cores()) among
+    `local_world_size`: whole physical cores when each worker can have one, else logical CPUs."""
     cores = allowed_cores() if cores is None else cores
     if not 0 <= local_rank < local_world_size:
         raise ValueError(f"local_rank {local_rank} must be in [0, {local_world_size})")
     check_bindable(local_world_size, len(cores))
-    per = len(cores) // local_world_size
-    return cores[local_rank * per:(local_rank + 1) * per]
+    groups = physical_cores(cores)
+    if local_world_size > len(groups):  # more workers than physical cores: siblings dealt out
+        groups = [[cpu] for group in groups for cpu in group]
+    per = len(groups) // local_world_size
+    return [cpu for group in groups[local_rank * per:(local_rank + 1) * per] for cpu in group]
 
 
 def check_bindable(local_world_size: int, num_cores: int) -> None:
@@ -88,15 +112,21 @@ def available_cores() -> int:
 
 
 def default_threads(local_workers: int) -> int:
-    return max(1, available_cores() // max(1, local_workers))
+    """The threads of each of `local_workers` unbound workers: `PLACEMENT` on an even share of the
+    cores (logical CPUs / workers, at least one)."""
+    cpus = allowed_cores()
+    share = cpus[:max(1, len(cpus) // max(1, local_workers))]  # its size is what counts, not which CPUs
+    return PLACEMENT.threads(share, local_workers)
 
 
 def worker_threads(local_workers: int, *, bind_cores: bool, threads: int | None) -> int:
-    """The intra-op threads of each CPU worker: `threads` when given, else one per core it may
-    use (its slice with `bind_cores`, else cores / local workers)."""
+    """The intra-op threads of each CPU worker: `threads` when given, else `PLACEMENT` on the
+    cores it may use (its share with `bind_cores`, else an even share of the host's)."""
     if threads is not None:
         return threads
-    return len(cores_for(0, local_workers)) if bind_cores else default_threads(local_workers)
+    if bind_cores:
+        return PLACEMENT.threads(cores_for(0, local_workers), local_workers)
+    return default_threads(local_workers)
 
 
 def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, threads: int | None,
@@ -107,10 +137,45 @@ def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, th
     if bind_cores:  # the affinity mask that worker_threads reads
         bind_to_cores(local_rank, local_world_size)
     if cpu:
-        torch.set_num_threads(count)
+        set_intra_op_threads(count)
         # What torchrun exports too: libraries read these (Accelerate sets 1 thread where they are unset).
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(count)
         keep_freed_memory_mapped()
+
+
+def set_intra_op_threads(count: int) -> None:
+    """Give the calling (training) thread an intra-op team of `count` threads, and torch's second
+    pool none.
+
+    torch.set_num_threads also sizes torch's pthreadpool (XNNPACK's and QNNPACK's kernels, not
+    ATen's OpenMP ones nor oneDNN's), which this torch creates at the size of the first call and
+    never resizes: made at one thread, it holds no idle workers beside the team (over a training
+    run they took no CPU time at all). The count is then fixed for this thread: torch applies its
+    process-wide count to a thread lazily, at its first parallel op, and a communication thread
+    later sets that count to one (`run_single_threaded`)."""
+    torch.set_num_threads(1)
+    torch.set_num_threads(count)
+    torch.get_num_threads()  # the lazy per-thread set-up, now, with `count`
+
+
+def run_single_threaded(name: str | None = None) -> None:
+    """The first call of a thread phalanx starts to run tensor work beside training (the
+    communication thread): its ATen ops use no intra-op team.
+
+    With OpenMP every thread that runs an op above the parallel grain (32,768 elements) gets a
+    team of its own of torch.get_num_threads() threads: a communication thread summing 400 KB
+    buckets beside backward doubled a worker's busy threads, and on 16 cores with 2 workers x 8
+    threads that is 32 spinning threads (PyTorch's "CPU threading" notes; pytorch/pytorch#131290).
+    torch.set_num_threads(1) here sets this thread's team, and torch's default for threads that
+    have not run a parallel op yet; a training thread set up by `set_intra_op_threads` (or one
+    that already ran one) keeps its own. `name`: the OS thread's name (Linux, 15 bytes), which
+    /proc, top and py-spy show, and which the threads it starts inherit."""
+    torch.set_num_threads(1)
+    if name is not None:
+        try:
+            ctypes.CDLL("libc.so.6").prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # not Linux/glibc: the name is cosmetic
 
 
 def oversubscription(threads_per_worker: int, local_workers: int, cores: int | None = None) -> str | None:

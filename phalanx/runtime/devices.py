@@ -1,8 +1,10 @@
 """Turn a `--devices` spec into the list of devices one run drives, one worker process each.
 
 Specs: `N` (N GPUs when CUDA is present, else N CPU workers), `cpu:N`, `cuda:0,1` (explicit GPU
-ids), `cuda:N` only as an id list (`cuda:1` is GPU 1). CPU workers are named cpu:0..cpu:N-1 for
-display; they all compute on `torch.device("cpu")`, each in its own process.
+ids), `cuda:N` only as an id list (`cuda:1` is GPU 1), `auto` (every GPU where CUDA is present;
+on a CPU host `phalanx train` chooses the workers and threads from a probe of its model,
+job/auto_devices.py, and any other command asks for cpu:N). CPU workers are named
+cpu:0..cpu:N-1 for display; they all compute on `torch.device("cpu")`, each in its own process.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.errors import UsageError
+
+AUTO = "auto"  # --devices auto: every GPU, or on a CPU host what phalanx train's probe chooses
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +43,11 @@ def parse_devices(spec: str | int, *, cuda_count: int | None = None) -> DevicePl
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     text = str(spec).strip().lower()
     fix = "use --devices N, cpu:N or cuda:0,1"
+    if text == AUTO:
+        if cuda_count == 0:
+            raise UsageError("--devices auto on a CPU host is phalanx train's (it measures the model's step): "
+                             "give --devices cpu:N here")
+        return DevicePlan(names=tuple(f"cuda:{i}" for i in range(cuda_count)))
     if text.isdigit():
         count = int(text)
         if count < 1:

@@ -104,7 +104,8 @@ def join_launcher_world(env: LauncherEnv, *, device: torch.device, timeout_s: fl
                      bind_cores=bind_cores)
     return start_world(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                        local_world_size=env.local_world_size, device=device, master_addr=env.master_addr,
-                       master_port=env.master_port, timeout_s=timeout_s, from_launcher_env=True)
+                       master_port=env.master_port, timeout_s=timeout_s, node_rank=env.node_rank,
+                       from_launcher_env=True)
 
 
 def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload: Any, *, spec: LaunchSpec,

@@ -88,7 +88,7 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
             _say_if_threads_changed(_context)
         if dist.is_initialized():  # the script opened the group itself
             world = adopt_world(local_rank=env.local_rank, local_world_size=env.local_world_size,
-                                device=torch_device, timeout_s=timeout_s)
+                                device=torch_device, timeout_s=timeout_s, node_rank=env.node_rank)
         else:
             world = join_launcher_world(env, device=torch_device, timeout_s=timeout_s, set_up=_context is None)
         atexit.register(stop_world, world)

@@ -4,11 +4,11 @@ A segment is a file in /dev/shm created with O_EXCL and mode 0600 (its owner alo
 an existing name is never reused), its pages reserved up front (a write into an unreserved page
 of a full tmpfs is a SIGBUS, not an error), then mapped. Names start with `phalanx-shm-<pid>-`,
 the creator's pid, so a launcher can remove what a worker it spawned left behind. The ranks of
-one host open one together with `share_segment` (rank 0 creates, names it to the others, they
-attach, every rank learns who failed, rank 0 unlinks): the shm allreduce's segment and, under
-torchrun, the collective board's. A futex is
-Linux's sleep-until-this-word-changes: `futex_wait` returns at once if the word no longer holds
-the value the caller saw, so a store followed by `futex_wake` is never missed.
+one host open one together with `share_segment` (the host's first rank creates, names it to the
+others, they attach, every rank learns who failed, the creator unlinks): the shm allreduce's
+segment (one per host for the hierarchical one) and, under torchrun, the collective board's. A
+futex is Linux's sleep-until-this-word-changes: `futex_wait` returns at once if the word no
+longer holds the value the caller saw, so a store followed by `futex_wake` is never missed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import mmap
 import os
 import platform
 import secrets
-from typing import Any, Callable, ContextManager, NamedTuple
+from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
 import torch.distributed as dist
 
@@ -39,11 +39,12 @@ def shm_supported() -> str | None:
     return None
 
 
-def shm_applies(world: World) -> str | None:
-    """None when the shm allreduce can serve `world` (CPU, every rank on this host), else why not."""
+def shm_applies(world: World, *, host: Sequence[int] | None = None) -> str | None:
+    """None when the shm collectives can serve `world` (CPU, every rank on this host), else why
+    not. `host`: the ranks that share this rank's host, when the segment serves only them."""
     if world.device.type != "cpu":
         return f"the shm allreduce serves CPU workers; this world runs on {world.device.type}"
-    if world.local_world_size != world.world_size:
+    if host is None and world.local_world_size != world.world_size:
         return (f"the shm allreduce serves the workers of one host; {world.world_size} ranks span hosts "
                 f"({world.local_world_size} per host)")
     return shm_supported()
@@ -100,28 +101,35 @@ class Shared(NamedTuple):
 
 
 def share_segment(world: World, *, label: str, create: Callable[[str], tuple[mmap.mmap | None, str | None]],
-                  facts: tuple[Any, ...] = (), around: Callable[[], ContextManager] = contextlib.nullcontext) -> Shared:
-    """Open one segment on every rank of `world` (all on this host): a collective, so call it at
-    the same point on every rank. Rank 0 creates it at a fresh name (`label` marks what it is
-    for) with `create(path)` (`create_segment` with the size rank 0 chose) and broadcasts the
-    name with its `facts` (rank 0's rule, e.g. sizes that depend on its free space); the others
-    attach; every rank learns who could not (so all fail, or fall back, alike); rank 0 unlinks
-    the name once every rank has mapped it, so nothing is left on disk however a process ends.
+                  facts: tuple[Any, ...] = (), around: Callable[[], ContextManager] = contextlib.nullcontext,
+                  host: Sequence[int] | None = None) -> Shared:
+    """Open one segment on the ranks of each host: a collective of the whole `world`, so call it
+    at the same point on every rank. `host`: the ranks that share this rank's host, in order
+    (default: every rank; hosts simulated on one machine still never share a segment, because
+    each host's name goes to its own ranks only). The host's first rank creates the segment at a
+    fresh name (`label` marks what it is for) with `create(path)` (`create_segment` with the size
+    it chose) and offers the name with its `facts` (its rule, e.g. sizes that depend on its free
+    space); the host's other ranks attach; every rank of the world learns who could not (so all
+    fail, or fall back, alike); the creator unlinks the name once its host's ranks have mapped it,
+    so nothing is left on disk however a process ends.
     `around()`: a context for each blocking collective (the board entry, where one exists)."""
-    mapping, error, path = None, None, None
-    if world.rank == 0:
+    host = tuple(range(world.world_size)) if host is None else tuple(host)
+    creator = host[0]
+    mapping, error, offer = None, None, None
+    if world.rank == creator:
         path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{label}{secrets.token_hex(6)}")
         mapping, error = create(path)
-    box = [path, tuple(facts), error]
+        offer = (path, tuple(facts), error)
+    offers: list = [None] * world.world_size
     with around():
-        dist.broadcast_object_list(box, src=0)
-    path, facts, error = box
-    if error is None and world.rank != 0:
+        dist.all_gather_object(offers, offer)  # each host's creator names its segment
+    path, facts, error = offers[creator]
+    if error is None and world.rank != creator:
         mapping, error = attach_segment(path)
     errors: list = [None] * world.world_size
     with around():
         dist.all_gather_object(errors, error)  # every rank mapped it, or learns who could not
-    if world.rank == 0:
+    if world.rank == creator:
         unlink_quietly(path)  # mapped everywhere (or failed): no file left
     failed = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
     if failed is not None and mapping is not None:

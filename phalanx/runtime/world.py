@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from phalanx.errors import UsageError
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT")
 # "1" makes every CUDA rank of this host drive cuda:0 and the ranks talk over gloo: a k-GPU run
 # rehearsed on a machine with one GPU (docs/command.md, Environment; tests/gpu run this way).
 # NCCL refuses two ranks on one GPU; gloo's collectives take CUDA tensors (copied through host
@@ -36,6 +37,10 @@ class World:
     device: torch.device
     backend: str  # "gloo" (CPU) or "nccl" (CUDA); "none" when world_size == 1
     timeout_s: float
+    # Which host this rank runs on, as the launcher numbers them (torchrun's GROUP_RANK, its node
+    # rank): ranks of one node_rank share a host and its memory. Never the hostname, so hosts
+    # simulated on one machine behave as real ones.
+    node_rank: int = 0
     # The collective board (phalanx.runtime.board.Board) this rank shares with its local peers, or
     # None: what lets a wait name the rank and the collective at fault. Set by the launcher.
     board: object | None = field(default=None, compare=False, repr=False)
@@ -45,6 +50,8 @@ class World:
             raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
         if not 0 <= self.local_rank < self.local_world_size:
             raise ValueError(f"local_rank {self.local_rank} outside local world {self.local_world_size}")
+        if self.node_rank < 0:
+            raise ValueError(f"node_rank {self.node_rank} must be >= 0")
 
     @property
     def is_main(self) -> bool:
@@ -70,6 +77,7 @@ class LauncherEnv:
     local_world_size: int
     master_addr: str
     master_port: int
+    node_rank: int = 0  # GROUP_RANK: torchrun's node rank (0 on a one-host launch)
     restart_count: int = 0  # torchrun --max-restarts: how many times this job was restarted
 
 
@@ -87,6 +95,7 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", world_size)),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "29500")),
+            node_rank=int(env.get("GROUP_RANK", "0")),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         )
     except ValueError as exc:
@@ -111,6 +120,7 @@ def start_world(
     master_addr: str,
     master_port: int,
     timeout_s: float,
+    node_rank: int = 0,
     from_launcher_env: bool = False,
 ) -> World:
     """Join the process group (TCP store rendezvous at master_addr:master_port) and pin the device.
@@ -148,6 +158,7 @@ def start_world(
         device=device,
         backend=backend,
         timeout_s=timeout_s,
+        node_rank=node_rank,
     )
 
 
@@ -193,14 +204,16 @@ def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size
     return dist.PrefixStore(f"phalanx/{attempt}/", store)
 
 
-def adopt_world(*, local_rank: int, local_world_size: int, device: torch.device, timeout_s: float) -> World:
+def adopt_world(*, local_rank: int, local_world_size: int, device: torch.device, timeout_s: float,
+                node_rank: int = 0) -> World:
     """The World of a default process group the user's script opened itself (a torchrun script's
     own `init_process_group`), so `phalanx.init()` after it joins nothing twice."""
     world_size = dist.get_world_size()
     backend = "none" if world_size == 1 else ("nccl" if "nccl" in str(dist.get_backend()) and device.type == "cuda"
                                                else "gloo")
     return World(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
-                 local_world_size=local_world_size, device=device, backend=backend, timeout_s=timeout_s)
+                 local_world_size=local_world_size, device=device, backend=backend, timeout_s=timeout_s,
+                 node_rank=node_rank)
 
 
 def stop_world(world: World | None) -> None:

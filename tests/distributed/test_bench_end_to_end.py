@@ -108,7 +108,12 @@ def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     one = next(r for r in payload["ratios"] if r["metric"] == "phalanx_1_device_vs_plain_loop_same_setup")
     assert one["against"].endswith("tuned") and one["ratio"]["median"] == pytest.approx(
         per["phalanx/1"] / per[one["against"]])
-    assert "phalanx_vs_ddp" in capsys.readouterr().out
+    assert all(r["wall_s"]["median"] > 0 for r in payload["results"])
+    captured = capsys.readouterr()
+    assert "phalanx_vs_ddp" in captured.out
+    # Each contender's row on stderr as it completes, before the table.
+    rows = [line for line in captured.err.splitlines() if "images/s (" in line]
+    assert len(rows) == len(names) and rows[0].startswith("phalanx bench: [1/") and "phalanx/1, global batch 8: " in rows[0]
 
 
 def report_setup(*, rank, num_procs, port, job):

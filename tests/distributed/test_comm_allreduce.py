@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import ALGORITHMS, AsyncComm, ShmGroup, all_reduce_sum_, allreduce, broadcast_
+from phalanx.comm import ALGORITHMS, AsyncComm, Hierarchy, ShmGroup, all_reduce_sum_, allreduce, broadcast_
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -72,6 +72,9 @@ def allreduce_every_case(world) -> dict:
     """Worker: for each case, the native reference and each algorithm's result on this rank."""
     results = {}
     groups = {name: ShmGroup(world=world, **options) for name, options in SHM_VARIANTS.items()}
+    # hierarchical on one host: its shm reduce-scatter and all-gather (several hosts:
+    # test_comm_hierarchical.py, test_hosts_bed.py).
+    groups["hierarchical"] = Hierarchy(world=world, slot_bytes=4096)
     for case in CASES:
         reference = case.make(world.rank).contiguous()
         dist.all_reduce(reference)

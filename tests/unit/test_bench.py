@@ -136,9 +136,11 @@ def test_sizes_and_lists_parse_in_binary_units():
     (lambda: AllreduceBenchConfig(algorithms=("ring", "magic")), "magic"),
     (lambda: AllreduceBenchConfig(rounds=0), "rounds"),
     (lambda: AllreduceBenchConfig(collectives=("all-reduce",)), "--collectives 'all-reduce' is unknown"),
-    (lambda: AllreduceBenchConfig(algorithms=("tree",), collectives=("all-gather",)), "all-gather run on native, shm, ring only, not on tree"),
-    (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), num_devices=2), "--batch-sizes 256,1"),
-    (lambda: ScalingBenchConfig(num_devices=1), "--devices 1 must be at least 2"),
+    (lambda: AllreduceBenchConfig(algorithms=("tree",), collectives=("all-gather",)),
+     "all-gather run on native, shm, hierarchical, ring only, not on tree"),
+    (lambda: ScalingBenchConfig(global_batch_sizes=(256, 1), device_counts=(2,)), "--batch-sizes 256,1"),
+    (lambda: ScalingBenchConfig(device_counts=(1,)), "--devices 1: the largest count must be at least 2"),
+    (lambda: ScalingBenchConfig(device_counts=(0, 2)), "--devices 0,2: 0 must be at least 1"),
     (lambda: ScalingBenchConfig(model="resnet"), "resnet"),
     (lambda: ScalingBenchConfig(steps=0), "steps"),
     (lambda: ScalingBenchConfig(grad_dtype="int4"), "--grad-dtype 'int4'"),
@@ -152,7 +154,7 @@ def test_configs_reject_bad_numbers_by_name(make, words):
 
 
 def test_contenders_are_set_up_as_each_user_would_get_them():
-    by_name = {v.name: v for v in variants(3, cores=4)}
+    by_name = {v.name: v for v in variants((1, 2, 3), cores=4)}
     assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "phalanx/3 gloo", "phalanx/3 bound", "ddp/3", "ddp/3 tuned", "ceiling/3",
                              "torch 1 thread", "torch 4 threads", "torch 4 threads tuned"]
     assert [(by_name[f"phalanx/{j}"].num_procs, by_name[f"phalanx/{j}"].threads_per_proc) for j in (1, 2, 3)] == [
@@ -163,7 +165,7 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     ceiling = by_name["ceiling/3"]  # phalanx's worker set-up, minus the communication
     assert (ceiling.num_procs, ceiling.threads_per_proc, ceiling.allocator_env) == (3, 1, True)
     assert not by_name["torch 1 thread"].allocator_env and by_name["torch 4 threads"].threads_per_proc == 4
-    assert [v.name for v in variants(2, cores=1)][-2:] == ["torch 1 thread", "torch 1 thread tuned"]  # no duplicate
+    assert [v.name for v in variants((2,), cores=1)][-2:] == ["torch 1 thread", "torch 1 thread tuned"]  # no duplicate
     # "tuned" = phalanx's CPU set-up (allocator env, auto memory format), nothing else changed.
     for name in ("ddp/3 tuned", "torch 4 threads tuned", "phalanx/2", "ceiling/3"):
         assert (by_name[name].allocator_env, by_name[name].memory_format) == (True, "auto"), name
@@ -178,7 +180,15 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     bound = by_name["phalanx/3 bound"]
     assert (bound.bind_cores, bound.algorithm, bound.num_procs) == (True, "auto", 3)
     assert not any(v.bind_cores for n, v in by_name.items() if n != "phalanx/3 bound")
-    assert "phalanx/4 bound" not in {v.name for v in variants(4, cores=2)}  # no core of its own for each
+    assert "phalanx/4 bound" not in {v.name for v in variants((4,), cores=2)}  # no core of its own for each
+
+
+def test_devices_picks_the_counts_phalanx_runs_on_and_one_always_runs():
+    names = [v.name for v in variants((8, 2), cores=16)]
+    assert [n for n in names if n.startswith("phalanx/")] == ["phalanx/1", "phalanx/2", "phalanx/8", "phalanx/8 gloo",
+                                                             "phalanx/8 bound"]
+    assert {"ddp/8", "ceiling/8", "torch 16 threads"} <= set(names) and "ddp/2" not in names
+    assert len(variants((8,), cores=16)) == 2 + 8  # a round at k in {1, 8}: 10 starts per batch size
 
 
 def test_a_contender_of_unknown_kind_is_refused_by_name():
@@ -187,20 +197,20 @@ def test_a_contender_of_unknown_kind_is_refused_by_name():
 
 
 def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():
-    names = [v.name for v in variants(2, cores=2, grad_dtype="bf16")]
+    names = [v.name for v in variants((2,), cores=2, grad_dtype="bf16")]
     assert names[:5] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "phalanx/2 bound", "phalanx/2 bf16"]
-    compressed = {v.name: v for v in variants(2, cores=2, grad_dtype="bf16")}["phalanx/2 bf16"]
+    compressed = {v.name: v for v in variants((2,), cores=2, grad_dtype="bf16")}["phalanx/2 bf16"]
     assert (compressed.num_procs, compressed.threads_per_proc, compressed.grad_dtype, compressed.algorithm,
             compressed.bind_cores) == (2, 1, "bf16", "auto", False)
 
 
 def test_finite_check_cost_prices_the_default_check_against_none_and_every_step():
-    by_name = {v.name: v for v in variants(2, cores=2, finite_check_cost=True)}
+    by_name = {v.name: v for v in variants((2,), cores=2, finite_check_cost=True)}
     assert by_name["phalanx/2"].check_finite_every == 100  # DataParallel's default
     assert (by_name["phalanx/2 no finite check"].check_finite_every,
             by_name["phalanx/2 finite check every step"].check_finite_every) == (0, 1)
     assert by_name["phalanx/2 no finite check"].num_procs == 2
-    assert "phalanx/2 no finite check" not in {v.name for v in variants(2, cores=2)}
+    assert "phalanx/2 no finite check" not in {v.name for v in variants((2,), cores=2)}
 
 
 def test_wide_mlp_is_the_heavier_model():
@@ -220,7 +230,9 @@ def _parse(*argv: str):
 def test_bench_flags_build_each_benchmarks_config():
     args = _parse("scaling", "--model", "mlp", "--devices", "3", "--batch-sizes", "64")
     assert (args.command, args.bench_name) == ("bench", "scaling")
-    assert build(ScalingBenchConfig, args) == ScalingBenchConfig(model="mlp", num_devices=3, global_batch_sizes=(64,))
+    assert build(ScalingBenchConfig, args) == ScalingBenchConfig(model="mlp", device_counts=(3,), global_batch_sizes=(64,))
+    config = build(ScalingBenchConfig, _parse("scaling", "--devices", "8,2,4"))
+    assert (config.num_devices, config.phalanx_counts) == (8, (1, 2, 4, 8))
     args = _parse("allreduce", "--sizes", "4KB", "--out", "x")
     assert build(AllreduceBenchConfig, args) == AllreduceBenchConfig(sizes_bytes=(4096,))
     assert args.out_dir == "x"

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from phalanx.runtime import binding
+from phalanx.runtime import binding, topology
 from phalanx.errors import UsageError
 
 
@@ -29,16 +29,40 @@ def test_leftover_cores_stay_unused_so_every_worker_gets_the_same_share():
 def test_hyperthread_siblings_land_in_one_slice(monkeypatch):
     # Linux numbers 8 cores x 2 threads as cpu0-7 then their siblings cpu8-15 (core_id = cpu % 8).
     monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
-    monkeypatch.setattr(binding, "_topology", lambda cpu, field: cpu % 8 if field == "core_id" else 0)
+    monkeypatch.setattr(topology, "topology", lambda cpu, field: cpu % 8 if field == "core_id" else 0)
     order = binding.allowed_cores()
     assert order[:4] == [0, 8, 1, 9]
     assert binding.cores_for(1, 4, order) == [2, 10, 3, 11]
     assert binding.describe([2, 10, 3, 11]) == "2,10,3,11" and binding.describe([4, 5, 6]) == "4-6"
 
 
+def test_shares_are_whole_physical_cores_while_every_worker_can_have_one(monkeypatch):
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(topology, "topology", lambda cpu, field: cpu % 8 if field == "core_id" else 0)
+    # 3 workers on 8 cores x 2: two whole cores each (a split by logical CPUs, 5 each, cut a core in two).
+    assert [binding.cores_for(r, 3) for r in range(3)] == [[0, 8, 1, 9], [2, 10, 3, 11], [4, 12, 5, 13]]
+    # More workers than physical cores: the siblings are dealt out, neighbours on one core.
+    assert [binding.cores_for(r, 16) for r in range(3)] == [[0], [8], [1]]
+    assert binding.worker_threads(3, bind_cores=True, threads=None) == 4
+    assert binding.worker_threads(3, bind_cores=False, threads=None) == 5  # 16 // 3 logical CPUs
+
+
+def test_the_placement_default_is_one_place_to_change(monkeypatch):
+    monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(topology, "topology", lambda cpu, field: cpu % 8 if field == "core_id" else 0)
+    assert binding.PLACEMENT == binding.Placement(threads_on_siblings=True, core_for_comm=False)
+    assert binding.worker_threads(2, bind_cores=True, threads=None) == 8
+    monkeypatch.setattr(binding, "PLACEMENT", binding.Placement(threads_on_siblings=False, core_for_comm=True))
+    assert binding.worker_threads(2, bind_cores=True, threads=None) == 3  # 4 physical cores, one left to comm
+    assert binding.worker_threads(2, bind_cores=False, threads=None) == 3
+    assert binding.worker_threads(1, bind_cores=False, threads=None) == 8  # one worker: nothing to leave
+    assert binding.worker_threads(16, bind_cores=False, threads=None) == 1  # never below one
+    assert binding.worker_threads(2, bind_cores=True, threads=5) == 5  # --threads-per-device wins
+
+
 def test_affinity_mask_is_respected(monkeypatch):
     monkeypatch.setattr(binding.os, "sched_getaffinity", lambda pid: {2, 3, 6, 7}, raising=False)
-    monkeypatch.setattr(binding, "_topology", lambda cpu, field: cpu if field == "core_id" else 0)
+    monkeypatch.setattr(topology, "topology", lambda cpu, field: cpu if field == "core_id" else 0)
     assert [binding.cores_for(r, 2) for r in range(2)] == [[2, 3], [6, 7]]
 
 

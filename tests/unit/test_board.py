@@ -120,6 +120,22 @@ def test_the_same_number_with_another_tag_is_a_mismatch_naming_both():
         check_pairing(world_of(b), bucket)
 
 
+def test_the_quick_read_agrees_only_when_every_rank_entered_the_same_call():
+    ranks = boards(8)
+    tickets = [b.enter(COMM, Tag("gradient", 3, step=7), 4096) for b in ranks]
+    assert all(b.all_entered_as(t) for b, t in zip(ranks, tickets))
+    late = [b.enter(COMM, Tag("gradient", 4, step=7), 4096) for b in ranks[:7]]  # rank 7 has not entered
+    assert not ranks[0].all_entered_as(late[0])
+    assert pairing_error(ranks[0], late[0]) is None  # a peer not there yet is no mismatch
+    other = ranks[7].enter(COMM, Tag("gradient", 5, step=7), 4096)
+    assert not ranks[0].all_entered_as(late[0]) and not ranks[7].all_entered_as(other)
+    assert pairing_error(ranks[0], late[0]) is not None
+    for b in ranks:  # far ahead: the ring no longer holds the call
+        for _ in range(RING_SLOTS):
+            b.enter(COMM, Tag("gradient", 4, step=7), 4096)
+    assert not ranks[0].all_entered_as(late[0])
+
+
 def test_sizes_differ_for_the_same_tag():
     a, b = boards(2)
     mine = a.enter(WORLD, Tag("metrics"), 24)

@@ -188,32 +188,38 @@ def test_tree_takes_log2_steps(world_size, steps_in_group):
 
 
 def test_algorithm_names_are_validated():
-    assert set(ALGORITHMS) == {"native", "shm", "ring", "tree", "naive"}
+    assert set(ALGORITHMS) == {"native", "shm", "hierarchical", "ring", "tree", "naive"}
     for name in ALGORITHMS:
         assert callable(allreduce_fn(name))
-    with pytest.raises(ValueError, match="native, shm, ring, tree, naive"):
+    with pytest.raises(ValueError, match="native, shm, hierarchical, ring, tree, naive"):
         allreduce_fn("butterfly")
     with pytest.raises(ValueError, match="butterfly"):
         allreduce(torch.ones(2), world=make_world(0, 1), algorithm="butterfly")
 
 
-def test_auto_picks_shm_for_cpu_workers_of_one_host_and_native_elsewhere():
+def test_auto_picks_shm_on_one_host_hierarchical_on_hosts_of_several_workers_and_native_elsewhere():
     from dataclasses import replace
 
-    from phalanx.comm import resolve_algorithm, shm_applies
+    from phalanx.comm import hierarchy_applies, resolve_algorithm, shm_applies
     from phalanx.runtime.segment import shm_supported
 
     local = make_world(0, 4)
     assert resolve_algorithm("auto", local) == ("shm" if shm_supported() is None else "native")
     assert shm_applies(local) == shm_supported()
     two_hosts = replace(local, local_rank=0, local_world_size=2)  # torchrun, 2 nodes x 2
+    assert "span hosts" in shm_applies(two_hosts)
+    assert resolve_algorithm("auto", two_hosts) == ("hierarchical" if shm_supported() is None else "native")
+    assert hierarchy_applies(two_hosts) == shm_supported()
+    one_each = replace(local, local_rank=0, local_world_size=1)  # 4 nodes x 1
+    uneven = replace(make_world(0, 5), local_world_size=2)  # 5 ranks cannot be hosts of 2
     gpus = replace(local, device=torch.device("cuda", 0), backend="nccl")
-    for world, why in ((two_hosts, "span hosts"), (gpus, "serves CPU workers")):
+    for world, why in ((one_each, "one worker"), (uneven, "do not divide"), (gpus, "serves CPU workers")):
         assert resolve_algorithm("auto", world) == "native"
-        assert why in shm_applies(world)
+        assert why in hierarchy_applies(world)
+    assert "one host" in hierarchy_applies(local)
     assert resolve_algorithm("auto", make_world(0, 1)) == "native"  # nothing to exchange
     assert resolve_algorithm("ring", two_hosts) == "ring"  # a named algorithm is kept
-    with pytest.raises(ValueError, match="choose one of auto, native, shm, ring, tree, naive"):
+    with pytest.raises(ValueError, match="choose one of auto, native, shm, hierarchical, ring, tree, naive"):
         resolve_algorithm("fastest", local)
 
 

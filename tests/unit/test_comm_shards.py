@@ -55,9 +55,9 @@ def test_counts_need_a_flat_contiguous_tensor_and_become_a_tuple():
 
 def test_tree_and_naive_are_refused_and_unknown_names_listed():
     for algorithm in ("tree", "naive"):
-        with pytest.raises(ValueError, match=f"reduce-scatter has no '{algorithm}' algorithm; use shm, ring or native"):
+        with pytest.raises(ValueError, match=f"reduce-scatter has no '{algorithm}' algorithm; use native, shm, hierarchical, ring"):
             sharded_fn("reduce-scatter", algorithm)
-    with pytest.raises(ValueError, match="unknown all-gather algorithm 'butterfly'; choose one of native, shm, ring"):
+    with pytest.raises(ValueError, match="unknown all-gather algorithm 'butterfly'; choose one of native, shm, hierarchical, ring"):
         all_gather(torch.zeros(2), counts=[2], world=make_world(0, 1), algorithm="butterfly")
     assert sharded_fn("all-gather", "native") is None
 

@@ -51,17 +51,30 @@ def _settings(command: str, argv: list[str]) -> dict:
     return _json({**dataclasses.asdict(config), "dataset": config.data.dataset, "data_dir": config.data.directory})
 
 
+# Settings whose flag means something else since the record, and what the recorded words make now.
+# bench scaling --devices lists the device counts phalanx runs on (3: phalanx/1 and phalanx/3,
+# where it ran every count from 1 to 3): on a 16-core host --devices 8 ran 8 phalanx contenders
+# per batch size and one round did not finish in 150 s.
+NOW = {("bench scaling", "--devices"): {"value": {"device_counts": [3]}, "default": {"device_counts": [2]}}}
+
+
 @pytest.fixture(autouse=True)
 def _gpu_less(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # --device auto resolves to cpu, as recorded
 
 
+# Benchmarks that came after the record: their flags were generated from their configs from the start.
+ADDED_SINCE = {"bench hosts", "bench step", "bench gpu"}
+
+
 def test_the_record_covers_every_command_and_benchmark():
-    assert {row["command"] for row in ROWS} == {*(f"bench {name}" for name in BENCHMARKS), "verify", "predict", "sweep"}
+    assert {row["command"] for row in ROWS} == \
+        {*(f"bench {name}" for name in BENCHMARKS), "verify", "predict", "sweep"} - ADDED_SINCE
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{row['command']} {row['flag']}" for row in ROWS])
 def test_an_old_flag_makes_the_same_settings_as_before(row):
+    row = {**row, **NOW.get((row["command"], row["flag"]), {})}
     given = _settings(row["command"], row["argv"] + row["companions"])
     assert {key: given[key] for key in row["value"]} == row["value"]
     default = _settings(row["command"], row["companions"])

@@ -1,0 +1,52 @@
+"""A worker's threads while it trains, for the thread-discipline test: a few steps of an MLP whose
+gradient buckets exceed ATen's parallel grain (32,768 elements, so a sum or copy of one opens an
+intra-op team on the thread that runs it), exchanged through phalanx's default (the shm
+allreduce, overlapped with backward on the communication thread); then, while that thread
+lives, the worker's OS threads (/proc/self/task) and their names, written to DIR/rank<r>.json.
+
+    phalanx run --devices cpu:2 --threads-per-device 3 thread_census.py DIR
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import phalanx
+
+
+def threads() -> list[str]:
+    names = []
+    for tid in sorted(os.listdir("/proc/self/task")):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return names
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    world = phalanx.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    dp = phalanx.prepare(model, world=world)
+    optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.01)
+    X, y = torch.randn(512, 256), torch.randint(0, 10, (512,))
+    for _ in range(5):
+        dp.zero_grad()
+        phalanx.shard_loss(nn.functional.cross_entropy(dp(X), y, reduction="sum"), 512 * world.world_size).backward()
+        dp.finish_gradient_sync()
+        optimizer.step()
+    record = {"rank": world.rank, "algorithm": dp.choices.algorithm, "intra_op_threads": torch.get_num_threads(),
+              "threads": threads()}
+    (out / f"rank{world.rank}.json").write_text(json.dumps(record))
+    dp.close()
+
+
+if __name__ == "__main__":
+    main()
