@@ -261,7 +261,8 @@ class DataParallel(ReplicaModule):
         self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
-            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare, sharded=self.sharding is not None)
+            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare,
+                                     sharded=self.sharding is not None)
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._allreduce_now)
         self._extras.after_exchange(summed, self._allreduce_now)

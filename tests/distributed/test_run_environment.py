@@ -127,8 +127,8 @@ def test_what_a_worker_recorded_with_torchs_record_is_in_the_failure_line(tmp_pa
     """)
     done = _phalanx_run(script)
     assert done.returncode == 1, done.stderr[-3000:]
-    assert done.stderr.splitlines()[0] == ("phalanx: worker rank 1 failed: exited with code 3 without a result: ValueError: bad shard on "
-                     "rank 1"), done.stderr[-3000:]
+    assert done.stderr.splitlines()[0] == ("phalanx: worker rank 1 failed: exited with code 3 without a result: "
+                                           "ValueError: bad shard on rank 1"), done.stderr[-3000:]
 
 
 SYNC_BN_SCRIPT = """
@@ -167,10 +167,11 @@ def test_torch_sync_batchnorm_on_cpu_workers_is_refused_in_one_line_naming_prepa
     script = _script(tmp_path, SYNC_BN_SCRIPT)
     refused = _phalanx_run(script, "ddp")
     assert refused.returncode == 2, refused.stderr[-3000:]
-    assert refused.stderr.splitlines() == ["phalanx: error: torch.nn.SyncBatchNorm runs on GPUs only (torch refuses it for CPU workers, "
-                     "under torchrun too); on CPU workers wrap the model with phalanx.prepare(model, "
-                     "batchnorm=\"sync\") instead of DistributedDataParallel: it normalizes with the whole global "
-                     "batch's statistics, torch's SyncBatchNorm layers included"], refused.stderr[-3000:]
+    assert refused.stderr.splitlines() == [
+        "phalanx: error: torch.nn.SyncBatchNorm runs on GPUs only (torch refuses it for CPU workers, under torchrun "
+        "too); on CPU workers wrap the model with phalanx.prepare(model, batchnorm=\"sync\") instead of "
+        "DistributedDataParallel: it normalizes with the whole global batch's statistics, torch's SyncBatchNorm "
+        "layers included"], refused.stderr[-3000:]
     fixed = _phalanx_run(script, "phalanx", str(tmp_path / "state.pt"))
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     got = torch.load(tmp_path / "state.pt", weights_only=True)
@@ -186,6 +187,6 @@ def test_torch_sync_batchnorm_on_cpu_workers_is_refused_in_one_line_naming_prepa
         optimizer.step()
     want = model.state_dict()
     assert set(got) == set(want)
-    worst = max(((got[k].double() - want[k].double()).abs().max() / want[k].double().abs().max().clamp_min(1e-300)).item()
-                for k in want)
+    worst = max(((got[k].double() - want[k].double()).abs().max()
+                 / want[k].double().abs().max().clamp_min(1e-300)).item() for k in want)
     assert worst <= 1e-12, f"{worst:.3g} (relative) from one device's full-batch BatchNorm"

@@ -9,9 +9,9 @@ whose newest generation misses a rank's share goes back to the previous generati
 with no generation left it is refused in one line naming the share. So does one whose rank-1
 share is an intact share of the previous generation copied over the newest one's name (each
 share's digest is in the manifest): the resumed run ends within 1e-9 of the reference, and the
-manifest named on its own is refused in one line naming the share and the generation it holds. `--max-restarts 1 --elastic`
-gives up a device that keeps dying and finishes the sharded run on the rest, within 1e-9. And the
-docs' snippet reads a sharded checkpoint into a plain model.
+manifest named on its own is refused in one line naming the share and the generation it holds.
+`--max-restarts 1 --elastic` gives up a device that keeps dying and finishes the sharded run on
+the rest, within 1e-9. And the docs' snippet reads a sharded checkpoint into a plain model.
 """
 
 import shutil
@@ -107,7 +107,8 @@ def test_a_share_of_another_generation_goes_back_a_generation_and_named_alone_is
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     first = resumed.stdout.splitlines()[0]
     assert first.startswith(f"resumed from {checkpoints / 'checkpoint.previous.pt'} at epoch 2, step 0; "
-                            f"{checkpoints / 'checkpoint.pt'} {said}") and "so this is the checkpoint before it" in first
+                            f"{checkpoints / 'checkpoint.pt'} {said}"), first
+    assert "so this is the checkpoint before it" in first
     assert relative_difference(out, reference) <= 1e-9
     refused = run_phalanx(*COMMON, "--devices", "cpu:2", "--out", str(alone),
                           "--resume", str(alone / "checkpoints" / "checkpoint.pt"))

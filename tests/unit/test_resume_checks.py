@@ -103,7 +103,8 @@ def test_lr_epochs_and_devices_may_change_and_the_resumed_line_names_each(tmp_pa
 def test_a_changed_clip_grad_norm_is_named_among_the_changes(tmp_path):
     _save(tmp_path, TrainConfig(), _data(), num_devices=1)
     for clip, change in ((1.0, "--clip-grad-norm none -> 1"), (None, None)):
-        config = TrainConfig(optim=OptimizerConfig(clip_grad_norm=clip), checkpoint=CheckpointConfig(resume=str(tmp_path)))
+        config = TrainConfig(optim=OptimizerConfig(clip_grad_norm=clip),
+                             checkpoint=CheckpointConfig(resume=str(tmp_path)))
         _, lines = _resume(config, _data())
         assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6"
                          + (f"; changed since the checkpoint: {change}" if change else "")]

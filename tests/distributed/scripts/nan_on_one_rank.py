@@ -23,7 +23,8 @@ parser.add_argument("--check-every", type=int, required=True)
 parser.add_argument("--steps", type=int, default=12)
 parser.add_argument("--out", type=Path, required=True)
 parser.add_argument("--shard", default="none")
-parser.add_argument("--leave", default="full_state_dict", choices=["full_state_dict", "state_dict", "checkpoint", "close"])
+parser.add_argument("--leave", default="full_state_dict",
+                    choices=["full_state_dict", "state_dict", "checkpoint", "close"])
 args = parser.parse_args()
 
 world = phalanx.init()
