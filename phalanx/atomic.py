@@ -18,7 +18,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from phalanx.errors import WriteFailed
 
@@ -29,8 +29,9 @@ _TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 @contextlib.contextmanager
-def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
-    """Yield a binary file whose content replaces `path` only if the block completes."""
+def atomic_open(path: str | os.PathLike, *, before_replace: Callable[[], None] | None = None) -> Iterator[BinaryIO]:
+    """Yield a binary file whose content replaces `path` only if the block completes.
+    `before_replace()` runs once the new content is durable (fsynced), just before the rename."""
     target = Path(path)
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -43,6 +44,8 @@ def atomic_open(path: str | os.PathLike) -> Iterator[BinaryIO]:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp_name, target)
     except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
@@ -82,6 +85,18 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    with atomic_open(path) as handle:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, *,
+                       before_replace: Callable[[], None] | None = None) -> None:
+    with atomic_open(path, before_replace=before_replace) as handle:
         handle.write(data)
+
+
+def sync_directory(directory: str | os.PathLike) -> None:
+    """fsync `directory`, so the renames made in it survive a power cut (best effort: a
+    filesystem that cannot fsync a directory keeps whatever order it keeps)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -44,6 +44,12 @@ class WriteFailed(RunFailed, OSError):
         return str(self.args[0])
 
 
+class PeerLost(RuntimeError):
+    """Raised on a rank because another rank failed, died or is shutting down while this one
+    waited for it: the other rank's own report is the cause, this one its echo (the launcher
+    prints "rank r stopped too"). The collectives' peer-died and abort errors are this kind."""
+
+
 class PhalanxWarning(UserWarning):
     """A run that trains, but not as written means (silence with warnings.filterwarnings)."""
 

@@ -48,6 +48,7 @@ from phalanx.comm.shards import ALL_GATHER, ALL_GATHER_TAG, REDUCE_SCATTER, REDU
 from phalanx.comm.shm import ShmError, ShmGroup
 from phalanx.comm.transport import DistTransport
 from phalanx.comm.watchdog import CommError
+from phalanx.errors import PeerLost
 from phalanx.runtime.binding import run_single_threaded
 from phalanx.runtime.board import COMM, WORLD, Ticket
 from phalanx.runtime.tags import Tag
@@ -65,7 +66,7 @@ def _start_comm_thread() -> None:
     torch.set_grad_enabled(False)
 
 
-class CollectiveAborted(CommError):
+class CollectiveAborted(CommError, PeerLost):
     """A queued collective that was not run because an earlier one on the same thread failed."""
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from phalanx.comm.calls import collective
 from phalanx.comm.watchdog import CommError, check
+from phalanx.errors import PeerLost
 from phalanx.runtime.binding import available_cores
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.tags import Tag
@@ -75,6 +76,10 @@ _SET_UP = Tag("set-up")
 
 class ShmError(CommError):
     """The segment could not be set up, or a peer died or timed out inside a collective."""
+
+
+class ShmPeerGone(ShmError, PeerLost):
+    """A peer died, or this rank is shutting down, inside a collective: an echo of another failure."""
 
 
 def _slot_bytes_for(world_size: int, wanted: int) -> int:
@@ -250,10 +255,10 @@ class ShmGroup:
         for r in pending:
             pid = self._pids_view[r]
             if not process_alive(pid):
-                raise ShmError(f"shm allreduce: rank {self.members[r]} (pid {pid}) died while rank {self.world.rank} "
-                               f"waited for it in round {self.round}")
+                raise ShmPeerGone(f"shm allreduce: rank {self.members[r]} (pid {pid}) died while rank "
+                                  f"{self.world.rank} waited for it in round {self.round}")
         if self._aborted:
-            raise ShmError(f"shm allreduce abandoned in round {self.round}: this rank is shutting down")
+            raise ShmPeerGone(f"shm allreduce abandoned in round {self.round}: this rank is shutting down")
         if ticket is not None:
             check(self.world, ticket, waited_s=waited_s, timeout_s=self.timeout_s,
                   pending=[self.members[r] for r in pending])

@@ -31,7 +31,7 @@ from __future__ import annotations
 from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket
 from phalanx.runtime.tags import describe, is_generic, op_of
 from phalanx.runtime.procs import process_alive, process_state
-from phalanx.errors import RunFailed
+from phalanx.errors import PeerLost, RunFailed
 from phalanx.runtime.world import World
 
 POLL_S = 0.5  # how often a blocked wait looks at the board and at the clock
@@ -61,7 +61,7 @@ class CommError(RuntimeError):
     """A collective failed and the message already says why: waits pass it on unchanged."""
 
 
-class PeerGone(CommError):
+class PeerGone(CommError, PeerLost):
     """A peer died or failed while this rank waited; its own report says why."""
 
 

@@ -18,7 +18,9 @@ zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket'
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
 (comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
 optimizer step (guards/checks.py's UnsyncedGradientGuard). Every `check_finite_every` synced
-steps the gradient is checked for NaN/Inf, naming the first step and rank (guards/finite.py).
+steps the gradient is checked for NaN/Inf, naming the first step and rank (guards/finite.py), and
+the steps since then again before state leaves the replica (`check_finite`: state_dict,
+full_state_dict, close).
 
 Its options come as one object, `DataParallelConfig` (config.py), checked where it was made. A
 world of one has nothing to exchange, so it builds nothing: no buckets, hooks, thread or
@@ -33,6 +35,7 @@ What it runs with is `dp.choices` (choices.py), computed by the replica itself.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterable, Iterator
 
 import torch
@@ -189,7 +192,7 @@ class DataParallel(ReplicaModule):
 
     @property
     def first_step_pending(self) -> bool:
-        """True until rank 0's one-time look at the first synced step is done (step_extras.py):
+        """True until rank 0's one-time look at the first synced step is done (guards/step_extras.py):
         only then must a loss come through `shard_loss` to be recognised."""
         return self._extras.first_step is not None
 
@@ -250,7 +253,8 @@ class DataParallel(ReplicaModule):
         self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
-            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare)
+            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare,
+                                     sharded=self.sharding is not None)
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._allreduce_now)
         self._extras.after_exchange(summed, self._allreduce_now)
@@ -279,7 +283,15 @@ class DataParallel(ReplicaModule):
                 if param.grad is not None}
 
     def close(self) -> None:
-        """Remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        """Check the steps since the last NaN/Inf check (every rank: unless an error is already on
+        its way), then remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        try:
+            if not self._closed and sys.exc_info()[1] is None:
+                self.check_finite(where="close()")
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -8,6 +8,8 @@ Code written for torch DDP, or for the plain model, calls `.train()`, `.eval()`,
 carry no `module.` prefix - `dp.state_dict()` and `dp.named_parameters()` are the model's own, so
 `torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
 how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones.
+What leaves it - `state_dict()`, `full_state_dict()`, `check_finite()` - first checks the
+gradients of the steps since the last NaN/Inf check (guards/finite.py), so nothing non-finite is saved.
 
 Refused, because the gradients live as views in the exchange's buckets: moving, casting or
 re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
@@ -28,6 +30,7 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from phalanx.comm import broadcast_
+from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.runtime.world import World
 
 DDP_PREFIX = "module."
@@ -40,6 +43,9 @@ class ReplicaModule(nn.Module):
     exchanging: bool  # True once gradient buckets hold the parameters' .grad
     sharding: Any = None  # sharding/stages.py's Sharding under shard=..., else None
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
+    _finite: FiniteCheck  # the gradient's NaN/Inf watch, checked before state leaves (guards/finite.py)
+    _synced_steps: int  # synced steps so far
+    _closed: bool
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
     # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
     compiled_after_prepare = False
@@ -57,12 +63,32 @@ class ReplicaModule(nn.Module):
         return _widen(out)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The model's own state dict: no `module.` prefix (load it into the plain model)."""
+        """The model's own state dict: no `module.` prefix (load it into the plain model). First
+        this rank's own NaN/Inf notes since the last check (guards/finite.py's check_local: no
+        collective, so rank 0 may call it alone; a sharded replica's notes hold only its share of
+        the sum, so its parameters are read too)."""
+        if not self._closed:
+            whole = self.sharding is not None and self.sharding.keeps_parameters
+            self._finite.check_local(step=self._synced_steps, where="state_dict()",
+                                     gradients=None if self.exchanging else self.named_gradients,
+                                     parameters=self.module.named_parameters if whole else None)
         return self.module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def check_finite(self, *, where: str = "dp.check_finite()") -> None:
+        """Check the gradients of the synced steps since the last NaN/Inf check now; every rank
+        calls it (a collective, where steps are pending). NonFinite names the first step and rank."""
+        if self._closed:
+            return
+        found = self._finite.found_by(where, self._synced_steps)
+        if not self.exchanging:
+            return self._finite.after_local_step(self.named_gradients, step=self._synced_steps, found=found)
+        self._finite.check_now(step=self._synced_steps, allreduce=self._allreduce_now, found=found)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, detached copies: under shard="parameters" its
-        parameters gathered bucket by bucket (a collective: call it on every rank)."""
+        parameters gathered bucket by bucket (a collective: call it on every rank), after the NaN/Inf
+        check of the steps since the last one (NonFinite names the step and rank)."""
+        self.check_finite(where="full_state_dict()")  # DataParallel's: nothing non-finite leaves
         if self.sharding is None:
             return {k: v.detach().clone() for k, v in self.state_dict().items()}
         with self.sharding.whole():
@@ -81,6 +107,12 @@ class ReplicaModule(nn.Module):
         return self.sharding.load_state_dict(self.module, state, strict=strict)
 
     def close(self) -> None:  # DataParallel's: its hooks, its communication
+        raise NotImplementedError
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:  # DataParallel's: what the NaN/Inf check reads
+        raise NotImplementedError
+
+    def _allreduce_now(self, flat: torch.Tensor) -> None:  # DataParallel's: a small sum over the ranks
         raise NotImplementedError
 
     def __enter__(self):

@@ -28,7 +28,7 @@ from phalanx.errors import UsageError
 from phalanx.outdir import check_out_dir
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
 from phalanx.train.sharded_checkpoint import share_files
-from phalanx.train.checkpoint_files import previous_of
+from phalanx.train.checkpoint_files import damaged_of, previous_of
 from phalanx.job.config import TrainConfig
 from phalanx.job.outputs import Outputs
 from phalanx.job.resume import requested_resume
@@ -74,6 +74,7 @@ def _earlier_outputs(config: TrainConfig) -> list[Path]:
     # The checkpoints this run would write, or those under --out a later --resume auto would find.
     if config.checkpoint_location and (config.checkpoint.every is not None or config.checkpoint.directory is None):
         found.extend(generation_paths(Path(config.checkpoint_location) / CHECKPOINT_FILENAME))
+        found.append(damaged_of(Path(config.checkpoint_location) / CHECKPOINT_FILENAME))  # set aside by a resume
         found.extend(share_files(Path(config.checkpoint_location)))  # a sharded checkpoint's: go with it
     return [path for path in found if path.is_file()]
 
@@ -89,7 +90,8 @@ def _check_earlier_outputs(config: TrainConfig) -> None:
     where = config.out_dir if config.out_dir else config.checkpoint_location
     flag = "--out" if config.out_dir else "--checkpoint-dir"
     shares = set(share_files(Path(config.checkpoint_location))) if config.checkpoint_location else set()
-    named = [p for p in earlier if p not in shares and not any(previous_of(q) == p for q in earlier)]  # one per checkpoint
+    named = [p for p in earlier if p not in shares  # one per checkpoint
+             and not any(p in (previous_of(q), damaged_of(q)) for q in earlier)]
     names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in named)
     raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}); continue that run with "
                      "--resume auto, or replace them with --overwrite")

@@ -103,6 +103,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     _set_capturable(optimizer, graph_plan.capture)
 
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
+        if replica is not None:  # nothing non-finite is saved: the steps since the last check, checked
+            replica.check_finite(where="the checkpoint")
         whole = strategy.whole_model()
         ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
@@ -142,6 +144,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                             start_totals=start.epoch_totals if epoch == start.epoch else (), after_step=after_step,
                             graph=graph)
         bar.close()
+        if replica is not None:  # the epoch's last steps since the periodic check, before its row is written
+            replica.check_finite(where=f"the end of epoch {epoch + 1}")
         with span(tracer, "evaluate"):
             test_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
                                       rows=strategy.rows(test_images.shape[0]), world=world,

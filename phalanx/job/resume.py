@@ -7,10 +7,11 @@ damaged (its CRCs fail) gives way to the one before it, and the resumed line say
 named on its own is refused instead, naming the one before it. What must match is the fingerprint: the
 model, the settings that decide the update (global batch, seed, dtype) and the data set's
 identity (name, sizes, a hash of the training set's bytes), refused in one line on a mismatch.
-What may change - lr, warm-up, epochs, the device count (k devices compute the 1-device update,
-so any count continues the same trajectory), sharding (any stage reads any other's checkpoint) -
-is recorded with the checkpoint, and the resumed
-run's first line names each change.
+What may change - lr, warm-up, epochs, gradient clipping, the device count (k devices compute
+the 1-device update, so any count continues the same trajectory), sharding (any stage reads any
+other's checkpoint) - is recorded with the checkpoint, and the resumed run's first line names
+each change. A damaged newest checkpoint the run went back past is set aside (resume's line says
+where), so the run's next save cannot rotate it over the intact one it resumed from.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from phalanx.train.sharded_checkpoint import optimizer_groups
 from phalanx.runtime.world import World, launcher_env
 
 # What a resumed run may change, and how its log line names each.
-CHANGEABLE = {"lr": "--lr", "warmup_epochs": "--warmup-epochs", "epochs": "--epochs", "num_devices": "devices",
-              "shard": "--shard"}
+CHANGEABLE = {"lr": "--lr", "warmup_epochs": "--warmup-epochs", "epochs": "--epochs",
+              "clip_grad_norm": "--clip-grad-norm", "num_devices": "devices", "shard": "--shard"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +62,8 @@ def run_fingerprint(config: TrainConfig, model: torch.nn.Module, *, data: dict |
 def run_settings(config: TrainConfig, *, num_devices: int) -> dict:
     """What a resumed run may change, recorded with each checkpoint so it can say what changed."""
     return {"lr": config.optim.lr, "warmup_epochs": config.optim.warmup_epochs, "epochs": config.epochs,
-            "num_devices": num_devices, "shard": config.data_parallel.shard if num_devices > 1 else "none"}
+            "clip_grad_norm": config.optim.clip_grad_norm, "num_devices": num_devices,
+            "shard": config.data_parallel.shard if num_devices > 1 else "none"}
 
 
 def requested_resume(config: TrainConfig) -> str | None:
@@ -97,9 +99,12 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
     ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
     check_checkpoint(optimizer_groups(state), config.optim, path=path)
     position = ckpt.restore(state, world=world, model=model, optimizer=optimizer, dp=dp, path=path)
+    if passed_over:  # the damaged newest file is no generation from here on
+        passed_over += ckpt.set_aside_passed_over(resume, path, world=world)
     earlier = dict(state.get("settings") or {})
     now = run_settings(config, num_devices=world.world_size)
-    text = lambda value: value if isinstance(value, str) else f"{value:g}"  # noqa: E731
+    text = lambda value: value if isinstance(value, str) else "none" if value is None else f"{value:g}"  # noqa: E731
+    # A setting the checkpoint predates (clip_grad_norm before it was recorded) is not named.
     changes = [f"{CHANGEABLE[key]} {text(earlier[key])} -> {text(now[key])}" for key in CHANGEABLE
                if key in earlier and earlier[key] != now[key]]
     notes = f"; {passed_over}" if passed_over else ""  # first: the run goes back further than asked

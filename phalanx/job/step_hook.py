@@ -2,11 +2,12 @@
 
 `after_step_hook` builds the callback that train_epoch calls after every step, whichever
 strategy runs it (data, layers, channels): note the step for failure reports, follow the
-warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps, a model split's
-gradients and the replicas), and save a mid-epoch checkpoint every `--checkpoint-every` steps.
+warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps and each epoch's
+last, a model split's gradients and the replicas), and save a mid-epoch checkpoint every `--checkpoint-every` steps.
 One place, so the data split and the layer/channel splits cannot drift apart in what they guard.
 The data split's gradient is not read here: its replica checks it at the same interval
-(data_parallel/guards/finite.py, which can tell the rank whose share went NaN/Inf first).
+(data_parallel/guards/finite.py, which can tell the rank whose share went NaN/Inf first), and the
+job has it check the steps since then at each epoch's end and before each checkpoint.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim
                     save: Callable[[ckpt.Position], None],
                     check_replicas: Callable[[int], None] | None = None) -> Callable[..., None]:
     """The callback for `epoch`. `gradients()` names this rank's gradients (read only at check
-    steps); `check_replicas(step)`, when given, compares the replicas at check steps."""
+    steps and the epoch's last); `check_replicas(step)`, when given, compares the replicas at check steps."""
 
     def after_step(done: int, total: int, loss_sum: torch.Tensor, totals: Callable[[], list[float]]) -> None:
         global_step = epoch * total + done
@@ -36,9 +37,11 @@ def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim
         if warmup:
             set_lr(optimizer, lr_at(global_step, base_lr=config.optim.lr, warmup=warmup))
         checking = bool(config.check_every) and global_step % config.check_every == 0
-        # The loss every step on CPU (free); on a GPU only at check steps, as reading it syncs.
-        check_finite(loss=loss_sum if checking or world.device.type == "cpu" else None,
-                     buffers=gradients() if checking else {}, step=global_step, rank=world.rank)
+        # A model split's gradients at --check-every steps and at the epoch's last (before its row).
+        reading = checking or (bool(config.check_every) and done == total)
+        # The loss every step on CPU (free); on a GPU only when the gradients are read, as reading it syncs.
+        check_finite(loss=loss_sum if reading or world.device.type == "cpu" else None,
+                     buffers=gradients() if reading else {}, step=global_step, rank=world.rank)
         if checking and check_replicas is not None:
             check_replicas(global_step)
         every = config.checkpoint.steps

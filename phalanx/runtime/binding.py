@@ -132,12 +132,14 @@ def worker_threads(local_workers: int, *, bind_cores: bool, threads: int | None)
 def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, threads: int | None,
                  cpu: bool = True) -> None:
     """Set up this worker's cores (its own slice with `bind_cores`) and, for a CPU device, its
-    threads (`worker_threads`)."""
+    threads (`worker_threads`), exported as OMP_NUM_THREADS and MKL_NUM_THREADS as well."""
     count = worker_threads(local_world_size, bind_cores=bind_cores, threads=threads)  # before binding narrows
     if bind_cores:  # the affinity mask that worker_threads reads
         bind_to_cores(local_rank, local_world_size)
     if cpu:
         set_intra_op_threads(count)
+        # What torchrun exports too: libraries read these (Accelerate sets 1 thread where they are unset).
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(count)
         keep_freed_memory_mapped()
 
 

@@ -129,13 +129,19 @@ def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload
 def torchrun_env(*, rank: int, world_size: int, master_port: int, run_id: str) -> dict[str, str]:
     """What torchrun's agent puts in a worker's environment (torch.distributed.elastic's
     LocalElasticAgent), for local rank `rank` of a one-host job whose agent hosts the store on
-    127.0.0.1:`master_port`; plus the loopback pins for gloo and NCCL (a user's own setting wins)."""
+    127.0.0.1:`master_port`; plus the loopback pins for gloo and NCCL (a user's own setting wins).
+    The rest of torchrun's contract is made where phalanx makes it: each worker's error file by
+    the supervisor (TORCHELASTIC_ERROR_FILE), its threads by binding.place_worker (OMP_NUM_THREADS,
+    MKL_NUM_THREADS), its script's absolute `__file__` by script.py."""
     env = {
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default",
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1",
         "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
         "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank connects to our store; none hosts one
+        # What torchrun's agent sets in its own environment (the signals it forwards), so its workers have it too.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
+                                                         "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
     interface = loopback_interface()

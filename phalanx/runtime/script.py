@@ -2,8 +2,11 @@
 
 `phalanx run --devices cpu:3 train.py --lr 0.1` starts the script on k workers through the same
 launcher as `phalanx train` (supervision, one-line failures naming the rank), as torchrun would:
-each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...), its
-threads and allocator set up, and runs the script as `__main__` with `sys.argv = [script, *args]`.
+each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
+TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
+runs the script as `__main__` with `sys.argv = [script, *args]` and an absolute `__file__`. A
+script that changes its thread count is named once on rank 0; torch's SyncBatchNorm, which torch
+refuses on CPU workers, is refused in one line naming phalanx's own.
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
 - so one script runs unchanged under `phalanx run`, under torchrun and under plain python. A
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import builtins
 import contextlib
 import datetime
+import importlib.machinery
 import multiprocessing
 import os
-import runpy
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,10 +47,13 @@ from phalanx.runtime.world import World, adopt_world, launcher_env, leave_defaul
 from phalanx.runtime.board import mark_exit, open_board
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)
 class _RunContext:
     device: torch.device
     timeout_s: float
+    threads: int  # what phalanx gave the worker (its first line says so)
+    rank: int
+    threads_said: bool = False  # the script's own thread count, once it differs, is said once
 
 
 _current: World | None = None  # this process's world, once init() made it
@@ -77,6 +85,7 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
         torch_device = torch.device(f"cuda:{env.local_rank}" if use_cuda else "cpu")
         if _context is not None:  # phalanx run: its device and timeout; the worker is set up already
             torch_device, timeout_s = _context.device, _context.timeout_s
+            _say_if_threads_changed(_context)
         if dist.is_initialized():  # the script opened the group itself
             world = adopt_world(local_rank=env.local_rank, local_world_size=env.local_world_size,
                                 device=torch_device, timeout_s=timeout_s, node_rank=env.node_rank)
@@ -89,18 +98,38 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
 
 
 def script_worker(script: str, args: tuple[str, ...], *, rank: int) -> None:
-    """Run `script` as __main__ in this worker, as `python script.py args` would."""
+    """Run `script` as __main__ in this worker, as `python script.py args` would: sys.argv[0] as
+    given, `__file__` and sys.path[0] absolute (what a torchrun worker sees too), so a script that
+    changes directory still finds itself."""
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).resolve().parent))  # as `python script.py` does
+    sys.path.insert(0, str(Path(script).resolve().parent))  # python's own: symbolic links resolved
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_as_main(os.path.abspath(script))
     except SystemExit as exc:  # sys.exit() / argparse in the script: 0 is success, else a failure
         if exc.code not in (None, 0):
             detail = f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
             raise RunFailed(f"{Path(script).name} exited with {detail} on rank {rank}") from None
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def _run_as_main(path: str) -> None:
+    """Run the Python file at `path` (absolute) as `python path` runs it: in a fresh `__main__`
+    module whose `__file__` is `path`, sys.argv left as it is (runpy.run_path would set argv[0]
+    to `path` too, where python and torchrun keep it as given); the previous `__main__` is back
+    afterwards."""
+    code = compile(Path(path).read_bytes(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None, __builtins__=builtins,
+                           __loader__=importlib.machinery.SourceFileLoader("__main__", path))
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
 
 
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
@@ -117,17 +146,53 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
     _bound_default_group_timeout(spec.timeout_s)
     _platform_start_method()
-    _context = _RunContext(device=device, timeout_s=spec.timeout_s)
+    _context = _RunContext(device=device, timeout_s=spec.timeout_s, threads=torch.get_num_threads(), rank=env.rank)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
     try:
         script_worker(script, args, rank=env.rank)
-    except BaseException:
+    except BaseException as exc:
         mark_exit(_current, ok=False)
+        if device.type == "cpu" and _torch_sync_batchnorm_refused(exc):
+            raise UsageError(CPU_SYNC_BATCHNORM) from None
         raise
     else:  # peers still waiting in a collective learn at once that this rank's script ended
         mark_exit(_current, ok=True)
     finally:
+        _say_if_threads_changed(_context)
         _context = _current = None
+
+
+# torch.nn.SyncBatchNorm runs on GPUs only: DDP's constructor refuses it for a CPU module, and its
+# forward refuses CPU input once a group is open. Making it work here would mean replacing a private
+# DDP method and SyncBatchNorm.forward in the user's process, and the script would then work under
+# `phalanx run` only, not under torchrun; phalanx's own sync BatchNorm is one call away instead.
+CPU_SYNC_BATCHNORM = ("torch.nn.SyncBatchNorm runs on GPUs only (torch refuses it for CPU workers, under torchrun "
+                      "too); on CPU workers wrap the model with phalanx.prepare(model, batchnorm=\"sync\") instead of "
+                      "DistributedDataParallel: it normalizes with the whole global batch's statistics, torch's "
+                      "SyncBatchNorm layers included")
+
+
+def _torch_sync_batchnorm_refused(exc: BaseException) -> bool:
+    """Whether `exc` is torch's refusal of SyncBatchNorm on the CPU (DDP's constructor, or the
+    layer's forward), told by where it was raised, not by its wording alone."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    return (isinstance(exc, ValueError) and "SyncBatchNorm" in str(exc)
+            and where in ("torch.nn.parallel.distributed", "torch.nn.modules.batchnorm"))
+
+
+def _say_if_threads_changed(context: _RunContext) -> None:
+    """Once, on rank 0 of a CPU run: the script set its own intra-op thread count (a
+    torch.set_num_threads of its own or a library's), so the first line's count no longer holds."""
+    now = torch.get_num_threads()
+    if context.threads_said or context.rank != 0 or context.device.type != "cpu" or now == context.threads:
+        return
+    context.threads_said = True
+    _say(f"phalanx run: the script set torch's threads to {now}: rank 0 runs on {now} thread{'s' * (now > 1)}, "
+         f"not the {context.threads} phalanx gave each worker (torch.set_num_threads, in the script or a library "
+         "it calls)")
 
 
 def _platform_start_method() -> None:

@@ -12,8 +12,11 @@ result. A group phalanx opens no longer hits it (runtime/world.py, `_import_grou
 says why it happened); a contender or a user's script that opens its own group still may. The
 first failure takes every worker down, with whatever each started (its process group: SIGTERM,
 then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank that
-broke first, with its traceback; a rank that only stopped because of it (its collective
-lost a peer) or repeats its error gets one line. Once every result is in, the run
+broke first, with its traceback; a rank that only stopped because of it (its collective lost a
+peer: worker_errors.is_echo) gets one line, "stopped too", and one that failed on its own with
+the same error one line, "failed too". Each worker has torchrun's `TORCHELASTIC_ERROR_FILE`
+(worker_errors.py): what a script's `@record` writes there completes the report of a worker
+that exited or died without one of its own. Once every result is in, the run
 has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
 after which a worker still tearing down is killed without a word. Workers write each output line
 in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
@@ -35,6 +38,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.segment import remove_segments_of
+from phalanx.runtime.worker_errors import ERROR_FILE_VAR, error_files, is_echo, recorded
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, lead_own_group,
                                      line_buffered_output, signals_deferred, stop_on_signals, terminate)
@@ -47,8 +51,6 @@ ERROR_GRACE_S = 1.0
 TEARDOWN_S = 30.0
 # The launcher's own frames, above the user's code in every worker's traceback (left out of reports).
 _PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script", "runpy")
-# Where an error raised means a collective failed: on any rank but the first to fail, an echo.
-_COLLECTIVES = ("torch.distributed", "torch.nn.parallel", "phalanx.comm")
 
 # Set in a spawned worker: (shared array of every rank's last finished step, this rank).
 _PROGRESS: tuple[Any, int] | None = None
@@ -99,7 +101,7 @@ class WorkerSet:
             raise ValueError(f"teardown_s {self.teardown_s} must be positive seconds")
 
 
-def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int) -> None:
+def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str) -> None:
     """One spawned worker: run the body, send one report, then tear down."""
     global _PROGRESS
     die_with_parent(parent_pid)
@@ -108,7 +110,8 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int)
     flush_on_sigterm()
     if workers.env:
         os.environ.update(workers.env[rank])
-    _PROGRESS = (progress, rank)
+    os.environ[ERROR_FILE_VAR] = error_file  # as torchrun's agent gives each worker one of its own
+    _PROGRESS = None if progress is None else (progress, rank)
     exit_code = 0
     with contextlib.ExitStack() as teardown:
         try:
@@ -122,7 +125,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int)
                                               exc.restartable)), 1
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-            report, exit_code = pickle.dumps(_error(summary, _traceback(exc), _from_a_collective(exc))), 1
+            report, exit_code = pickle.dumps(_error(summary, _traceback(exc), is_echo(exc))), 1
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -140,19 +143,19 @@ def run_workers(workers: WorkerSet) -> list[Any]:
     """Start the worker set, supervise it, and return the results by rank (or raise)."""
     ctx = mp.get_context("spawn")
     procs, conns = [], []
-    with stop_on_signals():
+    with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
-            progress = ctx.Array("q", [-1] * workers.num_procs, lock=False)  # last finished step per rank
+            progress = _progress_array(ctx, workers.num_procs)
             for rank in range(workers.num_procs):
                 with signals_deferred():  # a stop lands after the new worker is on the list
                     parent_end, child_end = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker_main, name=f"{workers.name}-{rank}",
-                                       args=(rank, workers, child_end, progress, os.getpid()))
+                                       args=(rank, workers, child_end, progress, os.getpid(), errors[rank]))
                     proc.start()
                     child_end.close()  # keep only the child's copy, so its death reads as EOF here
                     procs.append(proc)
                     conns.append(parent_end)
-            return _supervise(procs, conns, workers, progress=progress)
+            return _supervise(procs, conns, workers, progress=progress, errors=errors)
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
             with signals_deferred():
                 started = terminate(procs)  # the workers and every process they started
@@ -163,7 +166,17 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                 remove_segments_of(started)
 
 
-def _supervise(procs, conns, workers: WorkerSet, progress=None) -> list[Any]:
+def _progress_array(ctx, num_procs: int):
+    """Every rank's last finished step, shared with the workers (multiprocessing's heap, a file
+    in /dev/shm); None where /dev/shm cannot hold it (read-only, full): failure lines then name
+    no step, and the run goes on."""
+    try:
+        return ctx.Array("q", [-1] * num_procs, lock=False)
+    except OSError:
+        return None
+
+
+def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str] = ()) -> list[Any]:
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | _error(...)
     first_failure: int | None = None
@@ -176,7 +189,8 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None) -> list[Any]:
         # Sentinels too: a worker whose pipe a forked grandchild still holds open gives no EOF.
         ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout))
         for rank in sorted(r for r in pending if conns[r] in ready or procs[r].sentinel in ready):
-            report = _read_report(procs[rank], conns[rank], workers.exit_zero_is_success)
+            report = _with_recorded(_read_report(procs[rank], conns[rank], workers.exit_zero_is_success),
+                                    recorded(errors[rank] if rank < len(errors) else None))
             pending.discard(rank)
             reports[rank] = report
             if report[0] != "ok" and first_failure is None:
@@ -216,19 +230,20 @@ def _failure(reports: dict[int, tuple], first_failure: int, progress) -> Excepti
     if progress is not None and progress[first_failure] >= 0:
         line = f"{line} after step {progress[first_failure]}"
     # The root's traceback, and any other rank's that says something else; a rank that only
-    # stopped because of the root (its collective lost a peer) or repeats its error gets one line.
+    # stopped because of the root (its collective lost a peer) gets one line, and so does one
+    # that failed on its own with the root's very error.
     sections = [f"--- rank {first_failure} ---\n{(root[2] or root[1]).rstrip()}"]
     for rank, report in failed.items():
         if rank != first_failure:
-            echo = report[3] or report[1] == root[1]
-            sections.append(f"rank {rank} stopped too: {report[1]}" if echo else
+            sections.append(f"rank {rank} stopped too: {report[1]}" if report[3] else
+                            f"rank {rank} failed too: {report[1]}" if report[1] == root[1] else
                             f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
     return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
                         restartable=True)
 
 
 def _error(line: str, trace: str = "", echo: bool = False) -> tuple:
-    """An error report: its one line, its traceback, whether a collective raised it (an echo)."""
+    """An error report: its one line, its traceback, whether it echoes another rank's failure."""
     return ("error", line, trace, echo)
 
 
@@ -241,14 +256,15 @@ def _traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _from_a_collective(exc: BaseException) -> bool:
-    """Whether `exc` was raised inside a collective (torch.distributed, DDP, phalanx.comm): on a
-    rank other than the first to fail, the echo of that failure (gloo's "Connection closed by
-    peer", phalanx's "rank 1 failed ... while rank 0 waited for it")."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_COLLECTIVES)
+def _with_recorded(report: tuple, found: tuple[str, str] | None) -> tuple:
+    """`report` completed with what the worker recorded in its error file (`found`: message,
+    traceback): a line that lacks the message gets it, a report without a traceback takes its."""
+    if found is None or report[0] not in ("error", "failed") or found[0] in report[1]:
+        return report
+    line = f"{report[1]}: {found[0]}"
+    if report[0] == "failed":
+        return (report[0], line, *report[2:])
+    return (report[0], line, report[2] or found[1], report[3])
 
 
 def _read_report(proc, conn, exit_zero_is_success: bool) -> tuple:

@@ -20,7 +20,11 @@ identity) still load: their sums are added up, and the data set is reported as u
 Loading checks the file's CRCs, then uses `torch.load(..., weights_only=True)` - a file that needs
 arbitrary unpickling (tampered, or not a checkpoint) is refused - and compares the fingerprint
 with the current run before anything is applied, naming the first mismatch. A directory's
-damaged (or missing) newest checkpoint gives way to the one before it, and the reader says so.
+damaged (or missing) newest checkpoint gives way to the one before it, and the reader says so;
+the damaged one is then set aside (checkpoint.damaged.pt), so the next save cannot rotate it
+over the intact one. Each rank's own running sums are kept too: resumed on the same device
+count, every rank continues its own sums in the order an uninterrupted run adds them, so the
+epoch's row is bitwise the same.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from phalanx.errors import PhalanxWarning, UsageError
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
-    write_generation
+    set_aside, write_generation
 from phalanx.train.rng_state import rng_state, set_rng_state
 from phalanx.train.sharded_checkpoint import FORMAT_SHARDED, check_shares, restore_any, save_sharded
 
@@ -54,9 +58,10 @@ class Position:
     """Where a run stands: `step` steps of epoch `epoch` (0-based) are done.
 
     `epoch_totals`: running sums over those steps (loss sum, correct, examples, seconds) - this
-    rank's when saving; when restored, rank 0 holds every rank's sums and the others zeros (the
-    epoch's metrics add them up over the ranks), so a run resumed mid-epoch, on any device
-    count, reports the same epoch metrics as an uninterrupted one.
+    rank's when saving; when restored on the device count that saved them, this rank's own (the
+    epoch's row is then bitwise an uninterrupted run's), on another count rank 0 holds every
+    rank's sums and the others zeros (the epoch's metrics add them up over the ranks: the same
+    row up to the rounding of another order of additions).
     """
 
     epoch: int
@@ -107,7 +112,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
         every = [mine]
     if dp is not None and dp.sharding is not None:
         run_state = {"epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
-                     "epoch_totals": _global_totals([r["epoch_totals"] for r in every]), "settings": dict(settings or {})}
+                     "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
+                     "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {})}
         return save_sharded(checkpoint_path(directory), world=world, dp=dp, optimizer=optimizer, run_state=run_state,
                             every=every)
     if not world.is_main:
@@ -115,7 +121,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     state = {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": optimizer.state_dict(), "rng": [r["rng"] for r in every],
-             "epoch_totals": _global_totals([r["epoch_totals"] for r in every]), "settings": dict(settings or {})}
+             "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
+             "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {})}
     path = checkpoint_path(directory)
     write_generation(path, serialize(state))
     return path
@@ -158,6 +165,17 @@ def read_newest(location: str | Path) -> tuple[Path, dict[str, Any], str]:
     Returns (the file read, its state, a note naming the newer one passed over, or '')."""
     path = checkpoint_path(location)
     return newest_intact(path, read_checkpoint, go_back=path != Path(location))
+
+
+def set_aside_passed_over(location: str | Path, read: Path, *, world: World) -> str:
+    """After `read_newest(location)` went back to `read`: rank 0 sets the damaged newest file
+    aside (checkpoint_files.set_aside), so it is no generation and the next save keeps `read`.
+    Returns the words for the resumed line ('' when nothing was set aside)."""
+    newest = checkpoint_path(location)
+    if not world.is_main or read == newest or not newest.is_file():
+        return ""
+    kept = set_aside(newest)
+    return "" if kept is None else f" (kept as {kept.name}, no longer a checkpoint)"
 
 
 def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path) -> None:
@@ -208,7 +226,10 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
     totals = state.get("epoch_totals") or []
     if state["format"] == FORMAT_1:  # one list per rank of the run that saved it
         totals = _global_totals(totals) if totals else []
-    if totals and not world.is_main:  # rank 0 carries every rank's sums; the epoch's allreduce adds them up
+    own = state.get("rank_totals") or []
+    if len(own) == world.world_size and all(len(t) == 4 for t in own):  # the same ranks: each its own sums
+        totals = own[world.rank]
+    elif totals and not world.is_main:  # rank 0 carries every rank's sums; the epoch's allreduce adds them up
         totals = [0.0, 0.0, 0.0, totals[3]]
     return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(totals))
 
@@ -236,8 +257,12 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
 
     Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
     plus a fingerprint of the model class, parameter shapes, global batch size, seed and dtype
-    that `resume` checks. `model`: the module or its DataParallel. Rank 0 writes, atomically.
+    that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
+    NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
+    Rank 0 writes, atomically.
     """
+    if isinstance(model, DataParallel):
+        model.check_finite(where="phalanx.checkpoint()")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
@@ -258,6 +283,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     module = _replica(model)
     path, state, passed_over = read_newest(location)
     if passed_over and world.is_main:
-        warnings.warn(f"resuming from {path}: {passed_over}", PhalanxWarning, stacklevel=2)
+        kept = set_aside_passed_over(location, path, world=world)
+        warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
     check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path)
     return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path)

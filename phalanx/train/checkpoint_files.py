@@ -1,10 +1,13 @@
 """A checkpoint's files on disk: two generations, each written atomically, each read back only whole.
 
-`write_generation` writes a file atomically (atomic.py) after keeping the file it replaces as the
-generation before it, `<stem>.previous<suffix>` beside it: a hard link renamed into place, so at
-every instant both names hold a whole file (where the filesystem has no hard links, a copy
-written atomically). A checkpoint damaged at rest - a flipped bit on disk, a bad copy - then
-leaves one to go back to. `read_verified` returns a file's bytes only after every record of its
+`write_generation` writes a file atomically (atomic.py) and keeps the file it replaces as the
+generation before it, `<stem>.previous<suffix>` beside it: a hard link renamed into place once
+the new file's bytes are durable (fsynced) and just before its rename, so at every instant both
+names hold a whole file (where the filesystem has no hard links, a copy written atomically), and
+a write that fails (a full disk) or is killed rotates nothing. A checkpoint damaged at rest - a
+flipped bit on disk, a bad copy - then leaves one to go back to; once a reader has gone back past
+it, `set_aside` renames it to `<stem>.damaged<suffix>`, so the next save cannot rotate it over
+the intact generation before it. `read_verified` returns a file's bytes only after every record of its
 zip archive (torch.save's format) matched its CRC-32: torch.load checks none, so a byte flipped
 inside a tensor loaded silently (issue 28). CRCs rather than a digest kept beside the file:
 torch.save writes them anyway (nothing more to compute on save, no second file to keep in step),
@@ -25,7 +28,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from phalanx.atomic import atomic_write_bytes
+from phalanx.atomic import atomic_write_bytes, sync_directory
 from phalanx.errors import UsageError, WriteFailed
 
 T = TypeVar("T")
@@ -45,6 +48,11 @@ def previous_of(path: Path) -> Path:
     return path.with_name(f"{path.stem}.previous{path.suffix}")
 
 
+def damaged_of(path: Path) -> Path:
+    """Where a damaged newest generation is kept once set aside: checkpoint.pt -> checkpoint.damaged.pt."""
+    return path.with_name(f"{path.stem}.damaged{path.suffix}")
+
+
 def serialize(state: Any) -> bytes:
     """torch.save's bytes of `state`, with every record's CRC-32 written even where this process
     turned them off (`torch.serialization.set_crc32_options`): `read_verified` relies on them."""
@@ -62,12 +70,27 @@ def serialize(state: Any) -> bytes:
 
 
 def write_generation(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically, first keeping the file there (if any) as the generation
-    before it. A kill at any moment leaves `path` whole: the old file or the new one."""
+    """Write `data` to `path` atomically, keeping the file there (if any) as the generation before
+    it. The rotation runs only once `data` is durable, just before the rename: a kill at any
+    moment leaves `path` whole (the old file or the new one), and a failed write (WriteFailed)
+    leaves both generations as they were."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_file():
-        _keep_as_previous(path)
-    atomic_write_bytes(path, data)
+    atomic_write_bytes(path, data, before_replace=lambda: _keep_as_previous(path) if path.is_file() else None)
+    sync_directory(path.parent)
+
+
+def set_aside(path: Path) -> Path | None:
+    """Rename `path`, a newest generation a reader went back past (damaged), to `damaged_of(path)`,
+    replacing an older one there: it is no generation any more, so the next save keeps the intact
+    one before it. Returns the new name, or None when `path` is gone already."""
+    try:
+        os.replace(path, damaged_of(path))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise WriteFailed.of(damaged_of(path), exc) from None
+    sync_directory(path.parent)
+    return damaged_of(path)
 
 
 def _keep_as_previous(path: Path) -> None:

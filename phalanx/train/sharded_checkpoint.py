@@ -10,9 +10,16 @@ name and groups - through the same two-generation write as a whole checkpoint (c
 The manifest's atomic rename is the commit: a kill before it leaves the previous manifest and
 the files it names; files no manifest names are removed after the next commit.
 
-Reading checks the manifest and every file it names (CRC-32, every record) before anything is
-applied, so a missing or damaged share makes the generation unusable: `--resume auto` goes back
-to the previous one, and a checkpoint named on its own is refused in one line naming the file.
+Each share is bound to its generation: it holds the generation's serial and position (epoch,
+step), and the manifest records each share's SHA-256 (hashed from the bytes in memory as they are
+written). Reading checks the manifest and the digest of every file it names before anything is
+applied, so a share that is missing, damaged or another generation's (an intact older share
+copied over this one's name, as a sync tool that renames files can leave) makes the generation
+unusable: `--resume auto` goes back to the previous one and says why, and a checkpoint named on
+its own is refused in one line naming the share. Going back, rather than refusing a directory,
+because the generation before it is whole and resuming from it ends exactly where an
+uninterrupted run does (only the steps since it are trained again). Manifests written before
+the digests still have every share's CRCs checked.
 A sharded checkpoint loads into any k (each rank reads only the ranges it owns, memory-mapped),
 into `shard="none"`, one device or a model split (`whole_state` assembles the whole), and a whole
 checkpoint loads into a sharded replica (`WholeReader`): `restore_any` picks the path.
@@ -26,6 +33,7 @@ conversion step. The ranges here are plain torch.save files any process can read
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import zipfile
 from pathlib import Path
@@ -58,12 +66,15 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
     serial = [secrets.token_hex(4) if world.is_main else None]
     with collective(world, Tag("checkpoint")):
         dist.broadcast_object_list(serial, src=0)
-    share = rank_state(dp, optimizer)
+    share = {**rank_state(dp, optimizer), "generation": {"serial": serial[0], "epoch": run_state["epoch"],
+                                                         "step": run_state["step"]}}
     name = shard_name(world.rank, world.world_size, serial[0])
-    atomic_write_bytes(manifest_path.parent / name, serialize(share))
+    data = serialize(share)
+    atomic_write_bytes(manifest_path.parent / name, data)
     written = [None] * world.world_size
     with collective(world, Tag("checkpoint")):  # every share on disk before the manifest names them
-        dist.all_gather_object(written, {"file": name, "ranges": share["ranges"]})
+        dist.all_gather_object(written, {"file": name, "ranges": share["ranges"],
+                                         "sha256": hashlib.sha256(data).hexdigest()})
     if not world.is_main:
         return None
     manifest = {**run_state, "format": FORMAT_SHARDED, "model": persistent_buffers(dp.module),
@@ -96,19 +107,55 @@ def _remove_unnamed_shares(manifest_path: Path) -> None:
 
 
 def check_shares(manifest_path: Path, state: dict) -> None:
-    """DamagedFile unless every share the manifest names is there and intact (CRCs of every record)."""
+    """DamagedFile unless every share the manifest names is there and is the one this generation
+    wrote (its SHA-256; a manifest without digests: the CRCs of every record)."""
     for rank, share in enumerate(state["shards"]):
         path = manifest_path.parent / share["file"]
         if not path.is_file():
             raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, which is missing")
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip()
-        except (zipfile.BadZipFile, OSError) as exc:
-            raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, which is damaged ({exc})") from None
-        if bad is not None:
-            raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, whose record {bad} fails its "
-                                             "CRC-32 check")
+        if "sha256" in share and _sha256(path) == share["sha256"]:
+            continue  # the very bytes written (their CRCs were right then)
+        _check_crcs(manifest_path, rank, path)
+        if "sha256" in share:  # intact, yet not the share this generation wrote
+            raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, which holds "
+                                             f"{_generation_of(path)}, not this one's (saved at "
+                                             f"{_position(state['epoch'], state['step'])}): its SHA-256 differs "
+                                             "from the manifest's (a share copied over another's name?)")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_crcs(manifest_path: Path, rank: int, path: Path) -> None:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, which is damaged ({exc})") from None
+    if bad is not None:
+        raise DamagedFile(manifest_path, f"names rank {rank}'s share {path.name}, whose record {bad} fails its "
+                                         "CRC-32 check")
+
+
+def _generation_of(path: Path) -> str:
+    """Which generation a share says it belongs to, in words."""
+    try:
+        generation = torch.load(path, map_location="cpu", weights_only=True, mmap=True).get("generation")
+    except Exception:  # noqa: BLE001 - a file that is no share at all
+        generation = None
+    if not isinstance(generation, dict):
+        return "another generation's share (one from before shares named their generation)"
+    return f"the share of another generation (saved at {_position(generation.get('epoch'), generation.get('step'))})"
+
+
+def _position(epoch: int, step: int) -> str:
+    """A saved position in words: the end of epoch E, or epoch E+1 at step S (epoch counts those done)."""
+    return f"the end of epoch {epoch}" if step == 0 else f"epoch {epoch + 1}, step {step}"
 
 
 def reader_of(manifest_path: str | Path, state: dict) -> RangesReader:

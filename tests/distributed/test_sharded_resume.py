@@ -6,9 +6,12 @@ of 24 steps, a checkpoint every 17 steps; the reference trains uninterrupted on 
 checkpoint at epoch 2, step 10 lands (runs.crash_script); finished on 2 devices (stage 3 again)
 and on one device (no sharding at all) it must end within 1e-9 of the reference. A checkpoint
 whose newest generation misses a rank's share goes back to the previous generation and says so;
-with no generation left it is refused in one line naming the share. `--max-restarts 1 --elastic`
-gives up a device that keeps dying and finishes the sharded run on the rest, within 1e-9. And the
-docs' snippet reads a sharded checkpoint into a plain model.
+with no generation left it is refused in one line naming the share. So does one whose rank-1
+share is an intact share of the previous generation copied over the newest one's name (each
+share's digest is in the manifest): the resumed run ends within 1e-9 of the reference, and the
+manifest named on its own is refused in one line naming the share and the generation it holds.
+`--max-restarts 1 --elastic` gives up a device that keeps dying and finishes the sharded run on
+the rest, within 1e-9. And the docs' snippet reads a sharded checkpoint into a plain model.
 """
 
 import shutil
@@ -86,6 +89,32 @@ def test_a_missing_share_goes_back_a_generation_and_with_none_left_is_one_line(r
     assert refused.returncode == 2, refused.stderr[-2000:]
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and f"names rank 1's share {missing.name}, which is missing" in lines[0], lines
+
+
+def test_a_share_of_another_generation_goes_back_a_generation_and_named_alone_is_one_line(reference,
+                                                                                         crashed_stage3_on_3, tmp_path):
+    out = _copy(crashed_stage3_on_3, tmp_path)
+    checkpoints = out / "checkpoints"
+    newest = torch.load(checkpoints / "checkpoint.pt", weights_only=True)  # epoch 2, step 10
+    older = torch.load(checkpoints / "checkpoint.previous.pt", weights_only=True)  # the end of epoch 1
+    stale = checkpoints / newest["shards"][1]["file"]
+    shutil.copyfile(checkpoints / older["shards"][1]["file"], stale)  # intact, CRCs and all: another generation's
+    said = (f"names rank 1's share {stale.name}, which holds the share of another generation (saved at the end of "
+            "epoch 1), not this one's (saved at epoch 2, step 10): its SHA-256 differs from the manifest's")
+    alone = _copy(out, tmp_path / "alone")
+    resumed = run_phalanx(*COMMON, "--devices", "cpu:3", "--shard", "parameters", "--out", str(out),
+                          "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    first = resumed.stdout.splitlines()[0]
+    assert first.startswith(f"resumed from {checkpoints / 'checkpoint.previous.pt'} at epoch 2, step 0; "
+                            f"{checkpoints / 'checkpoint.pt'} {said}"), first
+    assert "so this is the checkpoint before it" in first
+    assert relative_difference(out, reference) <= 1e-9
+    refused = run_phalanx(*COMMON, "--devices", "cpu:2", "--out", str(alone),
+                          "--resume", str(alone / "checkpoints" / "checkpoint.pt"))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], lines
 
 
 def test_elastic_gives_up_a_dying_device_and_finishes_the_sharded_run_on_the_rest(reference, tmp_path):

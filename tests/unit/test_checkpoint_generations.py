@@ -1,9 +1,12 @@
 """Checkpoints kept two deep and read back only whole (issue 28): a save keeps the checkpoint it
 replaces as checkpoint.previous.pt; a byte flipped inside a tensor record - which torch.load
 itself loads without a word - is refused in one line naming the file and the record; a
-directory's damaged newest checkpoint gives way to the one before it, saying so; a file named on
-its own is refused, naming the one before it."""
+directory's damaged newest checkpoint gives way to the one before it, saying so, and is set aside
+(checkpoint.damaged.pt), so no later save rotates it over the intact one; a save that fails (a
+full disk, simulated by an fsync that raises ENOSPC) rotates nothing; a file named on its own is
+refused, naming the one before it."""
 
+import errno
 import os
 import warnings
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from phalanx.cli import main
-from phalanx.errors import PhalanxWarning, UsageError
+from phalanx.errors import PhalanxWarning, UsageError, WriteFailed
 from phalanx.models import build_model
 from phalanx.train import checkpoint as ckpt
 from phalanx.train import checkpoint_files
@@ -152,3 +155,61 @@ def test_the_command_refuses_a_damaged_checkpoint_before_training(tmp_path, caps
     assert len(lines) == 1 and lines[0].startswith(f"phalanx: error: checkpoint {tmp_path / 'ck' / 'checkpoint.pt'} "
                                                    "is damaged: its record "), captured.err
     assert "epoch" not in captured.out  # nothing trained
+
+
+def _full_disk(monkeypatch, directory) -> None:
+    """Every write into `directory` fails as a full disk does: at the fsync of its bytes."""
+    real = os.fsync
+
+    def fsync(fd):
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == str(directory):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def _epochs(directory) -> list[int]:
+    return [ckpt.read_checkpoint(p)["epoch"] for p in ckpt.generation_paths(directory)]
+
+
+def test_a_save_that_fails_rotates_nothing(tmp_path, monkeypatch):
+    model = _model()
+    _save(tmp_path, model, 1)
+    _save(tmp_path, model, 2)
+    _full_disk(monkeypatch, tmp_path)
+    with pytest.raises(WriteFailed, match="No space left on device"):
+        _save(tmp_path, model, 3)
+    assert _epochs(tmp_path) == [2, 1]  # both generations as they were, nothing half-written beside them
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous.pt", "checkpoint.pt"]
+
+
+def test_after_a_fall_back_the_damaged_file_is_no_generation_and_a_failed_save_keeps_the_good_one(tmp_path,
+                                                                                                   monkeypatch):
+    model = _model()
+    _save(tmp_path, model, 1)
+    _save(tmp_path, model, 2)
+    flip_record_byte(tmp_path / "checkpoint.pt")
+    with pytest.warns(PhalanxWarning, match=r"so this is the checkpoint before it \(kept as checkpoint.damaged.pt, "
+                                            r"no longer a checkpoint\)"):
+        assert _resume(tmp_path, _model()).epoch == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.damaged.pt", "checkpoint.previous.pt"]
+    with monkeypatch.context() as patched:
+        _full_disk(patched, tmp_path)
+        with pytest.raises(WriteFailed):  # the resumed run's first save fails
+            _save(tmp_path, model, 3)
+    with pytest.warns(PhalanxWarning, match="checkpoint.pt is missing, so this is the checkpoint before it"):
+        assert _resume(tmp_path, _model()).epoch == 1  # the good generation is still there
+    _save(tmp_path, model, 3)
+    assert _epochs(tmp_path) == [3, 1]  # the damaged file never became the generation before the new one
+
+
+def test_a_resume_that_needs_no_fall_back_sets_nothing_aside(tmp_path):
+    model = _model()
+    _save(tmp_path, model, 1)
+    _save(tmp_path, model, 2)
+    os.unlink(tmp_path / "checkpoint.pt")  # missing, not damaged: nothing to set aside
+    with pytest.warns(PhalanxWarning, match="is missing, so this is the checkpoint before it$"):
+        _resume(tmp_path, _model())
+    assert _resume(tmp_path / "checkpoint.previous.pt", _model()).epoch == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous.pt"]

@@ -1,16 +1,21 @@
 """What the launcher prints when a run fails (issue 28, item 10): the failing rank's traceback,
-from the user's code down (not the launcher's frames above it), and one line for each rank that
-only stopped because of it - its collective lost a peer - or repeats its error; a rank that
-failed on its own keeps its traceback. A collective's echo never passes for the cause, even when
-it arrives first."""
+from the user's code down (not the launcher's frames above it); one line, "stopped too", for each
+rank that only stopped because of it - a peer-died or abort error of phalanx's own, or gloo's lost
+connection - and one line, "failed too", for a rank that failed on its own with the same error; a
+rank that failed otherwise keeps its traceback. An echo never passes for the cause, even when it
+arrives first. What a worker recorded in its TORCHELASTIC_ERROR_FILE (torch's @record) completes
+a report that lacks it."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from phalanx.runtime import supervise
+from phalanx.runtime.worker_errors import is_echo, recorded
 from phalanx.runtime.script import script_worker
 
 ROOT_TB = "Traceback (most recent call last):\n  File \"train.py\", line 9\nValueError: bad batch\n"
@@ -37,11 +42,12 @@ def test_an_echo_that_arrives_first_is_not_taken_for_the_cause():
     assert lines[-1] == "rank 0 stopped too: PeerGone: rank 1 failed while rank 0 waited"
 
 
-def test_the_same_error_on_every_rank_is_one_traceback():
+def test_the_same_error_on_every_rank_is_one_traceback_and_each_rank_failed_too():
     reports = {r: supervise._error("ValueError: bad batch", ROOT_TB) for r in range(3)}
     lines = _message(reports, 0)
     assert sum(line.startswith("Traceback") for line in lines) == 1
-    assert lines[-2:] == ["rank 1 stopped too: ValueError: bad batch", "rank 2 stopped too: ValueError: bad batch"]
+    # Each raised it on its own: not "stopped too", which says a rank stopped because another failed.
+    assert lines[-2:] == ["rank 1 failed too: ValueError: bad batch", "rank 2 failed too: ValueError: bad batch"]
 
 
 def test_a_rank_that_failed_on_its_own_keeps_its_traceback():
@@ -52,13 +58,39 @@ def test_a_rank_that_failed_on_its_own_keeps_its_traceback():
     assert "--- rank 0 ---\n" + ROOT_TB.rstrip() in message
 
 
-def test_an_error_raised_inside_a_collective_is_an_echo():
+def test_only_an_error_that_a_peers_failure_caused_is_an_echo():
+    from phalanx.comm.async_ops import CollectiveAborted
+    from phalanx.comm.shm import ShmError, ShmPeerGone
+    from phalanx.comm.watchdog import PeerGone
+
+    for echo in (PeerGone("rank 1 died while rank 0 waited"), CollectiveAborted("not run"),
+                 ShmPeerGone("shm allreduce: rank 1 (pid 9) died while rank 0 waited for it"),
+                 RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234"),
+                 RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Read error: Connection reset by peer")):
+        assert is_echo(echo), echo
     with pytest.raises(ValueError) as inside:
-        dist.all_reduce(torch.ones(1))  # no process group: raised in torch.distributed
-    assert supervise._from_a_collective(inside.value)
-    with pytest.raises(ValueError) as outside:
-        raise ValueError("the user's own")
-    assert not supervise._from_a_collective(outside.value)
+        dist.all_reduce(torch.ones(1))  # raised in torch.distributed, but about this rank's own call
+    for own in (inside.value, ValueError("the user's own"), ShmError("cannot create the segment"),
+                ConnectionResetError(104, "Connection reset by peer")):  # the script's own socket
+        assert not is_echo(own), own
+
+
+def test_what_a_worker_recorded_completes_a_report_that_lacks_it(tmp_path):
+    record = tmp_path / "error.json"
+    record.write_text(json.dumps({"message": {"message": "ValueError: bad batch",
+                                              "extraInfo": {"py_callstack": ROOT_TB, "timestamp": "1"}}}))
+    found = recorded(str(record))
+    assert found == ("ValueError: bad batch", ROOT_TB)
+    died = supervise._with_recorded(supervise._error("exited with code 1 without a result"), found)
+    assert died == ("error", "exited with code 1 without a result: ValueError: bad batch", ROOT_TB, False)
+    exited = supervise._with_recorded(("failed", "train.py exited with code 1 on rank 0", "", None, False), found)
+    assert exited[1] == "train.py exited with code 1 on rank 0: ValueError: bad batch"
+    same = supervise._error("ValueError: bad batch", "Traceback ...")  # phalanx saw it itself: nothing to add
+    assert supervise._with_recorded(same, found) == same
+    record.write_text(json.dumps({"message": "RuntimeError: plain", "timestamp": 1}))  # the plain-string form
+    assert recorded(str(record)) == ("RuntimeError: plain", "")
+    record.write_text("{not json")
+    assert recorded(str(record)) is None and recorded(str(tmp_path / "none.json")) is None
 
 
 def test_the_traceback_starts_at_the_users_code(tmp_path):

@@ -1,9 +1,12 @@
 """DataParallel's NaN/Inf check of the gradient (data_parallel/guards/finite.py), in one process: the step
 and rank it names (the other ranks stood in for by what their slots of the check's allreduce hold),
-the exchange's own overflow, a world of one naming the parameter, the off switch, and no host read
-between check steps."""
+the exchange's own overflow, a world of one naming the parameter, the off switch, no host read
+between check steps, and the steps since the last check checked before state leaves the replica
+(state_dict, full_state_dict, close; one rank alone from its own notes)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -128,3 +131,104 @@ def test_steps_between_checks_read_nothing_on_the_host(monkeypatch):
     _steps(check, [1.0], [1.0], first=5)
     monkeypatch.undo()
     assert reads and check._steps == []
+
+
+def test_the_steps_since_the_last_check_are_checked_now_on_demand():
+    """check_now compares what the periodic check would, at any step: a run shorter than the
+    interval, or steps after its last check, are not left unchecked."""
+    world = _world(rank=0, world_size=2)
+    check = FiniteCheck(every=100, world=world)
+    _steps(check, [1.0] * 4, [1.0] * 4)
+    calls = []
+    check.check_now(step=4, allreduce=lambda t: calls.append(t), found="found by close() after step 4")
+    assert len(calls) == 1 and check._steps == []  # compared and forgotten
+    check.check_now(step=4, allreduce=lambda t: calls.append(t))
+    assert len(calls) == 1  # nothing noted since: no collective (every rank alike, in lockstep)
+    _steps(check, [1.0, 1.0, 1.0], [1.0, NAN, NAN], first=5)
+    with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 6: rank 1's own gradient went non-finite first "
+                       r"and the allreduce spread it to every replica \(found by full_state_dict\(\) after step 7"):
+        check.check_now(step=7, allreduce=_others({1: (6, 6)}), found="found by full_state_dict() after step 7")
+
+
+def test_one_rank_alone_names_the_step_from_its_own_notes_and_keeps_them_for_every_rank():
+    for rank, own, who in ((1, NAN, "rank 1's own gradient went non-finite"),
+                           (0, 1.0, r"rank 1's own gradient went non-finite \(or the sum overflowed\) while rank 0's "
+                                    "stayed finite")):
+        check = FiniteCheck(every=100, world=_world(rank=rank, world_size=2))
+        _steps(check, [1.0, 1.0, own, own], [1.0, 1.0, NAN, NAN])
+        with pytest.raises(NonFinite, match=f"^gradient NaN/Inf at step 3: {who} \\(found by state_dict\\(\\) after "
+                           "step 4, before the next check every 100 steps\\)"):
+            check.check_local(step=4, where="state_dict()")
+        assert len(check._steps) == 4  # a check across ranks still finds them
+        check.check_local(step=4, where="state_dict()")  # once per step: a second call finds nothing new
+    three = FiniteCheck(every=100, world=_world(rank=0, world_size=3))
+    _steps(three, [1.0], [NAN])
+    with pytest.raises(NonFinite, match="the summed gradient went non-finite while rank 0's own stayed finite .another "
+                       "rank's did, or the sum overflowed; dp.check_finite.. on every rank names it"):
+        three.check_local(step=1, where="state_dict()")
+
+
+def test_a_sharded_replicas_share_of_the_sum_is_completed_by_its_parameters():
+    check = FiniteCheck(every=100, world=_world(rank=0, world_size=2))
+    _steps(check, [1.0], [1.0])  # this rank's share of the sum was finite; another share was not
+    parameters = {"w": torch.ones(3), "v": torch.tensor([1.0, NAN])}
+    with pytest.raises(NonFinite, match=r"^parameter v is NaN/Inf on rank 0 \(found by state_dict\(\) after step 1"):
+        check.check_local(step=1, where="state_dict()", parameters=parameters.items)
+
+
+def test_state_leaving_a_replica_is_checked_first_and_nothing_non_finite_leaves():
+    """A NaN after the last periodic check (here: a run shorter than the interval) is caught by
+    state_dict(), full_state_dict() and close() - each naming the step."""
+    X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
+    world = _world()
+    alone = DataParallelConfig(exchange_alone=True)  # buckets and an exchange, as on each of k devices
+    for leave in ("state_dict", "full_state_dict", "close"):
+        dp = DataParallel(LeNet().double(), world=world, options=alone)  # the default: a check every 100 steps
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+        for step in range(1, 8):
+            dp.zero_grad()
+            (F.cross_entropy(dp(X), y) * (NAN if step == 3 else 1.0)).backward()
+            dp.finish_gradient_sync()
+            optimizer.step()
+        with pytest.raises(NonFinite, match=f"^gradient NaN/Inf at step 3: rank 0's own gradient went non-finite.*"
+                           f"found by {leave}\\(\\) after step 7, before the next check every 100 steps"):
+            getattr(dp, leave)()
+        # Checked across ranks already: closes without a second error. One rank's state_dict()
+        # keeps the notes for the check every rank makes, which close() then makes.
+        with pytest.raises(NonFinite) if leave == "state_dict" else contextlib.nullcontext():
+            dp.close()
+        assert dp._closed
+        with DataParallel(LeNet().double(), world=world, options=alone) as healthy:
+            healthy.zero_grad()
+            F.cross_entropy(healthy(X), y).backward()
+            healthy.finish_gradient_sync()
+            assert set(getattr(healthy, leave)() or {}) == (set(healthy.module.state_dict()) if leave != "close"
+                                                             else set())
+
+
+def test_close_while_an_error_is_on_its_way_checks_nothing():
+    X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
+    world = _world()
+    dp = DataParallel(LeNet().double(), world=world, options=DataParallelConfig(exchange_alone=True))
+    dp.zero_grad()
+    (F.cross_entropy(dp(X), y) * NAN).backward()
+    dp.finish_gradient_sync()
+    with pytest.raises(KeyError):  # the script's own error stays the one reported
+        with dp:
+            raise KeyError("the script's own")
+    assert dp._closed
+
+
+def test_a_world_of_one_checks_its_gradient_when_state_leaves():
+    X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
+    dp = DataParallel(LeNet().double(), world=_world())
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+    for step in range(1, 6):
+        dp.zero_grad()
+        (F.cross_entropy(dp(X), y) * (NAN if step == 2 else 1.0)).backward()
+        dp.finish_gradient_sync()
+        optimizer.step()
+    with pytest.raises(NonFinite, match=r"gradient NaN/Inf at one of steps 1-5, in conv1.weight's gradient .* found by "
+                       r"state_dict\(\) after step 5"):
+        dp.state_dict()
+    dp.close()

@@ -1,7 +1,9 @@
 """What `phalanx train` checks when it resumes (resume.py): another data set - other name, other
-size, or the same size with one byte changed - is refused in one line; lr, epochs and the device
-count may change and the resumed line names each change; running sums are one run's (rank 0
-carries them, the others start at zero); a checkpoint of the first format still loads."""
+size, or the same size with one byte changed - is refused in one line; lr, epochs, gradient
+clipping and the device count may change and the resumed line names each change; running sums
+are each rank's own on the device count that saved them (the epoch's row then adds them in an
+uninterrupted run's order), else one run's (rank 0 carries them, the others start at zero); a
+checkpoint of the first format still loads."""
 
 from dataclasses import replace
 
@@ -88,13 +90,45 @@ def test_lr_epochs_and_devices_may_change_and_the_resumed_line_names_each(tmp_pa
     start, lines = _resume(config, _data())
     assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6; changed since the checkpoint: "
                      "--lr 0.2 -> 0.05, --epochs 4 -> 6, devices 2 -> 1"]
-    assert start.earlier == {"lr": 0.2, "warmup_epochs": 0.0, "epochs": 4, "num_devices": 2, "shard": "none"}
+    assert start.earlier == {"lr": 0.2, "warmup_epochs": 0.0, "epochs": 4, "clip_grad_norm": None, "num_devices": 2,
+                             "shard": "none"}
     # The epoch that mixes the two rates says so in its row; the others do not.
     assert mixed_lr(start, config, epoch=2) == {"lr_before_resume": 0.2, "steps_before_resume": 6}
     assert mixed_lr(start, config, epoch=3) == {}
     same, lines = _resume(TrainConfig(optim=OptimizerConfig(lr=0.2), epochs=4, checkpoint=CheckpointConfig(resume=str(tmp_path))), _data(), world=_world(0, 2))
     assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6"]
     assert mixed_lr(same, TrainConfig(optim=OptimizerConfig(lr=0.2)), epoch=2) == {}
+
+
+def test_a_changed_clip_grad_norm_is_named_among_the_changes(tmp_path):
+    _save(tmp_path, TrainConfig(), _data(), num_devices=1)
+    for clip, change in ((1.0, "--clip-grad-norm none -> 1"), (None, None)):
+        config = TrainConfig(optim=OptimizerConfig(clip_grad_norm=clip),
+                             checkpoint=CheckpointConfig(resume=str(tmp_path)))
+        _, lines = _resume(config, _data())
+        assert lines == [f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 3, step 6"
+                         + (f"; changed since the checkpoint: {change}" if change else "")]
+    _save(tmp_path, TrainConfig(optim=OptimizerConfig(clip_grad_norm=0.5)), _data(), num_devices=1)
+    config = TrainConfig(optim=OptimizerConfig(clip_grad_norm=2.0), checkpoint=CheckpointConfig(resume=str(tmp_path)))
+    assert _resume(config, _data())[1][0].endswith("; changed since the checkpoint: --clip-grad-norm 0.5 -> 2")
+
+
+def test_on_the_same_device_count_each_rank_continues_its_own_sums(tmp_path):
+    state = {"format": ckpt.FORMAT, "epoch": 2, "step": 6, "rng": [None, None],
+             "epoch_totals": [9.5, 30.0, 96.0, 1.25], "rank_totals": [[4.0, 10.0, 48.0, 1.25], [5.5, 20.0, 48.0, 1.5]]}
+    model = build_model("lenet", init="pytorch", num_classes=10)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {**state, "model": model.state_dict(), "optimizer": sgd.state_dict(), "rng": [_rng(), _rng()]}
+    for rank in (0, 1):  # each its own: the row adds them up in the uninterrupted run's order
+        assert ckpt.restore(state, world=_world(rank, 2), model=model,
+                            optimizer=sgd).epoch_totals == tuple(state["rank_totals"][rank])
+    for rank, expected in ((0, (9.5, 30.0, 96.0, 1.25)), (2, (0.0, 0.0, 0.0, 1.25))):  # another count: one run's
+        assert ckpt.restore(state, world=_world(rank, 3), model=model, optimizer=sgd).epoch_totals == expected
+
+
+def _rng():
+    from phalanx.train.rng_state import rng_state
+    return rng_state()
 
 
 def test_running_sums_are_one_runs_carried_by_rank_0(tmp_path):

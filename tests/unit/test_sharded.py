@@ -175,3 +175,17 @@ def test_each_stage_runs_bf16_mixed_and_compressed_exchanges_as_the_plain_replic
         want, got = train("none", **options), train(stage, **options)
         worst = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
         assert worst < bound, (options, worst)
+
+
+def test_a_torch_optimizers_zero_grad_on_a_sharded_replica_names_dp_optimizer_as_the_fix():
+    dp = _replica("optimizer")  # stage 1 keeps whole gradient buckets, which .grad aliases
+    X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
+    optimizer = torch.optim.AdamW(dp.parameters(), lr=1e-3)  # the DDP habit
+    optimizer.zero_grad()  # set_to_none: the views into the buckets are gone
+    shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 4).backward()
+    with pytest.raises(RuntimeError) as refused:
+        dp.finish_gradient_sync()
+    message = str(refused.value)
+    assert "\n" not in message and "build the optimizer with dp.optimizer(torch.optim.AdamW, lr=...)" in message
+    assert "DataParallel.zero_grad()" not in message  # not the fix here
+    dp.close()

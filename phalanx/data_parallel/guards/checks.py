@@ -49,9 +49,16 @@ class GradientsDetached(UsageError, RuntimeError):
     """A parameter's .grad no longer aliases its gradient bucket (something set it to None)."""
 
 
-def gradients_detached(*, compiled_after_prepare: bool) -> GradientsDetached:
+def gradients_detached(*, compiled_after_prepare: bool, sharded: bool = False) -> GradientsDetached:
     """The one-line refusal, naming the likely cause: a replica compiled after prepare, whose
-    wrapper's zero_grad() is nn.Module's (it sets .grad to None), or optimizer.zero_grad()."""
+    wrapper's zero_grad() is nn.Module's (it sets .grad to None), or optimizer.zero_grad() - on a
+    sharded replica, of a torch optimizer built over dp.parameters() instead of by dp.optimizer."""
+    if sharded and not compiled_after_prepare:
+        return GradientsDetached(
+            "a parameter's .grad no longer aliases its gradient bucket: a torch optimizer built over dp.parameters() "
+            "set it to None in its zero_grad(), and on a sharded replica it would also step every parameter with "
+            "gradients summed only in this rank's range; build the optimizer with dp.optimizer(torch.optim.AdamW, "
+            "lr=...) (any element-wise torch optimizer class, with its own arguments)")
     if compiled_after_prepare:
         return GradientsDetached(
             "a parameter's .grad no longer aliases its gradient bucket: the replica was compiled after prepare, and "

@@ -18,13 +18,25 @@ replica's parameters are NaN, so nothing after it is worth computing or saving, 
 every rank the run ends in one line. `every=0` turns it off (a script whose fp16
 `torch.amp.GradScaler` skips non-finite steps by design wants that).
 
+The steps since the last check are checked again before anything leaves the replica, so a NaN
+after the last periodic check (or in a run shorter than the interval) is never saved as the
+model: `check_now` - the same comparison across ranks, a collective - runs in
+`dp.check_finite()`, which `full_state_dict()`, `phalanx.checkpoint(...)`, `close()` (unless an
+error is already on its way) and `phalanx train`'s epoch ends and saves call; `check_local`, with
+no collective, runs in `state_dict()`, which one rank may call alone (`torch.save` on rank 0):
+it reads this rank's own notes (and, where a sharded replica's notes cover only its share of the
+sum, the parameters themselves). Nothing is kept or exchanged that the periodic check did not
+already keep: a call with no steps since the last check costs nothing, one with steps costs one
+small allreduce.
+
 A world of one with nothing to exchange keeps no per-step numbers (its step stays the plain
-loop's): at check steps it sums its gradients and names the step at which it found them non-finite.
+loop's): at check steps, and when checked now, it sums its gradients and names the step at which
+it found them non-finite.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -53,6 +65,8 @@ class FiniteCheck:
         self.every, self.world = every, world
         self._mine: list[torch.Tensor] = []  # this step's own bucket sums, in launch order
         self._steps: list[torch.Tensor] = []  # per synced step since the last check: own sums, then summed
+        self._summed = 0  # how many of each step's sums are of summed buckets (the rest: this rank's own)
+        self._local_at = 0  # the step this rank's own checks last looked at (no collective)
 
     def before_sum(self, bucket: torch.Tensor) -> None:
         """Note this rank's own `bucket` as it goes on the wire (a synced step's launch)."""
@@ -66,11 +80,19 @@ class FiniteCheck:
         if not self.every or not summed:
             return
         self._steps.append(torch.stack(self._mine + [_sum(b) for b in summed]))
-        self._mine = []
-        if step % self.every:
+        self._mine, self._summed = [], len(summed)
+        if step % self.every == 0:
+            self.check_now(step=step, allreduce=allreduce)
+
+    def check_now(self, *, step: int, allreduce: Callable[[torch.Tensor], object], found: str | None = None) -> None:
+        """Compare the notes of the synced steps up to `step` since the last check across ranks,
+        now (a collective: every rank calls it at the same point; none when no step is noted -
+        ranks in lockstep all have the same number), and raise NonFinite naming the first step
+        and rank. `found`: where it was found, for the message (default: the periodic check)."""
+        if not self.every or not self._steps:
             return
-        notes = torch.stack(self._steps).isfinite().logical_not_()  # steps x (own buckets, summed buckets)
-        own, total = notes[:, :len(summed)].any(1).tolist(), notes[:, len(summed):].any(1).tolist()
+        notes = self._notes()
+        own, total = notes[:, :-self._summed].any(1).tolist(), notes[:, -self._summed:].any(1).tolist()
         k, rank, since = self.world.world_size, self.world.rank, step - len(self._steps) + 1
         self._steps = []
         firsts = torch.zeros(2 * k, dtype=torch.float64, device=notes.device)
@@ -78,7 +100,7 @@ class FiniteCheck:
         allreduce(firsts)  # every rank puts its two numbers in its own slots: the sum gathers them
         own_firsts, sum_firsts = [int(s) for s in firsts[0::2].tolist()], [int(s) for s in firsts[1::2].tolist()]
         sum_first = min((s for s in sum_firsts if s), default=0)
-        found = self._found(step)
+        found = found or self._found(step)
         first_own = min((s for s in own_firsts if s), default=0)
         if first_own and not (sum_first and sum_first < first_own):
             ranks = [r for r, s in enumerate(own_firsts) if s == first_own]
@@ -93,18 +115,62 @@ class FiniteCheck:
                             f"rank's own was finite ({found}); an fp16 exchange holds at most 65504 (grad_dtype "
                             f"bf16 has float32's range), or lower the lr; {_OFF}")
 
-    def after_local_step(self, gradients: Callable[[], Mapping[str, torch.Tensor]], *, step: int) -> None:
-        """A world of one's synced step `step`: at a check step, sum `gradients()` (by name) and
-        raise naming the first that is NaN/Inf."""
-        if not self.every or step % self.every:
+    def check_local(self, *, step: int, where: str, gradients: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+                    parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
+        """The synced steps up to `step` since the last check, on this rank alone (no collective:
+        one rank may call it by itself), once per step however often it is called: its notes, or
+        with nothing exchanged its `gradients()`, and the `parameters()` where its notes hold only
+        its share of the sum (a sharded replica). NonFinite names the first step, and whether
+        this rank's own gradient went non-finite or another's; the notes stay for the next check
+        across ranks (which only some ranks' call here must not upset)."""
+        if not self.every or step == self._local_at:
             return
+        found = self.found_by(where, step)
+        if gradients is not None:
+            return self.after_local_step(gradients, step=step, found=found)
+        self._local_at = step
+        bad = self._notes().any(1).tolist() if self._steps else []
+        if any(bad):
+            first = bad.index(True)
+            mine = bool(self._notes()[first, :-self._summed].any())
+            since = step - len(self._steps) + 1  # the notes stay: a check across ranks may still follow
+            rank, others = self.world.rank, [r for r in range(self.world.world_size) if r != self.world.rank]
+            who = (f"rank {rank}'s own gradient went non-finite" if mine else
+                   f"rank {others[0]}'s own gradient went non-finite (or the sum overflowed) while rank {rank}'s "
+                   "stayed finite" if len(others) == 1 else
+                   f"the summed gradient went non-finite while rank {rank}'s own stayed finite (another rank's "
+                   "did, or the sum overflowed; dp.check_finite() on every rank names it)")
+            raise NonFinite(f"gradient NaN/Inf at step {since + first}: {who} ({found}); look at that step's "
+                            f"loss and data, or lower the lr; {_OFF}")
+        for name, value in (parameters() if parameters is not None else ()):
+            if not bool(_sum(value).isfinite()):
+                raise NonFinite(f"parameter {name} is NaN/Inf on rank {self.world.rank} ({found}; a share another "
+                                "rank updated: dp.check_finite() on every rank names the step and rank); look at "
+                                f"the loss and data, or lower the lr; {_OFF}")
+
+    def _notes(self) -> torch.Tensor:
+        """The notes as steps x (own buckets, summed buckets): True where a sum was NaN/Inf."""
+        return torch.stack(self._steps).isfinite().logical_not_()
+
+    def after_local_step(self, gradients: Callable[[], Mapping[str, torch.Tensor]], *, step: int,
+                         found: str | None = None) -> None:
+        """A world of one's synced step `step`: at a check step (or any, given `found`: where it is
+        checked now), sum `gradients()` (by name) and raise naming the first that is NaN/Inf."""
+        if not self.every or (step % self.every if found is None else step == self._local_at):
+            return
+        self._local_at = step  # checked: a later call at the same step finds nothing new
         named = gradients()
         sums = [_sum(g) for g in named.values()]
         if sums and not bool(torch.stack(sums).isfinite().all()):
             name = next(n for n, s in zip(named, sums) if not bool(s.isfinite()))
-            when = f"step {step}" if self.every == 1 else f"one of steps {step - self.every + 1}-{step}"
+            first = step - (self.every if found is None else step % self.every or self.every) + 1
+            when = f"step {step}" if first == step else f"one of steps {max(1, first)}-{step}"
             raise NonFinite(f"gradient NaN/Inf at {when}, in {name} (the first parameter holding one; "
-                            f"{self._found(step)}); look at the loss and data, or lower the lr; {_OFF}")
+                            f"{found or self._found(step)}); look at the loss and data, or lower the lr; {_OFF}")
 
     def _found(self, step: int) -> str:
         return f"found at step {step}'s check, every {self.every} step{'s' if self.every > 1 else ''}"
+
+    def found_by(self, where: str, step: int) -> str:
+        """Where a check out of turn found it, for the message."""
+        return f"found by {where} after step {step}, before the next check every {self.every} steps"

@@ -1,0 +1,21 @@
+"""What a worker sees of its launcher, for the test that holds `phalanx run` to torchrun's contract:
+this rank's `__file__`, sys.argv[0], sys.path[0], threads and environment, as JSON in
+OUT/<rank>.json (OUT: the PROBE_OUT variable). Then it changes directory and reads its own file
+through `__file__`, as a script that chdirs and then finds its data beside itself does.
+
+    phalanx run --devices cpu:2 env_probe.py        torchrun --nproc-per-node 2 env_probe.py
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+seen = {"file": __file__, "argv0": sys.argv[0], "path0": sys.path[0], "threads": torch.get_num_threads(),
+        "env": dict(os.environ)}
+os.chdir("/")
+with open(__file__) as handle:  # found from anywhere: __file__ is absolute
+    seen["reads_itself"] = "What a worker sees" in handle.read()
+with open(os.path.join(os.environ["PROBE_OUT"], f"{os.environ['RANK']}.json"), "w") as handle:
+    json.dump(seen, handle)
