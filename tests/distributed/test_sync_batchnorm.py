@@ -118,6 +118,9 @@ class LoggingComm:
         self.log.append("bucket")
         return self.comm.allreduce_async(tensor, algorithm=algorithm, **named)
 
+    def allreduce(self, tensor, *, algorithm, **named):  # the NaN/Inf check's sum (close() makes one): not logged
+        return self.comm.allreduce(tensor, algorithm=algorithm, **named)
+
 
 def _worker(world) -> dict:
     k, rank = world.world_size, world.rank
