@@ -33,7 +33,7 @@ _OWNERS = {
     "split_batch": "phalanx.data.split",
     "PhalanxWarning": "phalanx.errors", "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",
     "clip_grad_norm_": "phalanx.data_parallel.clip",
-    "DataParallel": "phalanx.data_parallel.data_parallel",
+    "DataParallel": "phalanx.data_parallel.data_parallel", "DataParallelConfig": "phalanx.data_parallel.config",
     "prepare": "phalanx.data_parallel.prepare",
     "convert_sync_batchnorm": "phalanx.data_parallel.sync_batchnorm",
     "init": "phalanx.runtime.script",
@@ -51,9 +51,10 @@ _OWNERS = {
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed", "ShardedLoader", "UsageError",
-    "VerifyConfig", "World", "allreduce", "capture_step", "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate",
-    "evaluate_dataset", "global_batches", "init", "prepare", "progress", "rank_shard", "reduce", "resume",
+    "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed", "ShardedLoader",
+    "UsageError", "VerifyConfig", "World", "allreduce", "capture_step", "checkpoint", "clip_grad_norm_",
+    "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "global_batches", "init", "prepare", "progress",
+    "rank_shard", "reduce", "resume",
     "shard_loss", "shard_sizes", "split_batch", "train_batch",
 ]
 

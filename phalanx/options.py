@@ -17,7 +17,8 @@ flags become an `Interconnect`).
   `UsageError` (one line on stderr, exit 2).
 - `check_options(config)`: the declared checks of one config's own options, with the messages
   `{flag} {value} must be ...` / `{flag} 'x' is unknown; choose one of ...`; each config's
-  `__post_init__` calls it first, then checks what spans several options.
+  `__post_init__` calls it first, then checks what spans several options. The refusal is an
+  `OptionError`, which an API that builds a config from its keywords re-words in their names.
 - `CommandParser`: argparse whose own errors (a bad number, an unknown flag) are a `UsageError`.
 
 Standard library only: importing it costs no torch, so `phalanx --help` stays fast. tyro,
@@ -231,30 +232,52 @@ def _build(cls: type, namespace: argparse.Namespace, path: tuple[str, ...]) -> A
     return cls(**values)
 
 
+class OptionError(ValueError):
+    """A config's refusal of its own options' values, naming each option by its flag
+    (`--shard 'x' is unknown; ...`). `named(names)` is the same refusal naming them as a caller's
+    API does instead (`prepare(shard=...)`: `shard 'x' is unknown; ...`), so the check is written
+    once, where the config is made, whoever makes it. `template` holds `{field}` per option named."""
+
+    def __init__(self, template: str, *, config: Any) -> None:
+        self.template = template
+        self.flags = {f.name: _flag_name(f.name, f.metadata[_KEY]) for f in fields(config) if _KEY in f.metadata}
+        super().__init__(template.format_map(self.flags))
+
+    def named(self, names: dict[str, str] | None = None) -> ValueError:
+        """The message with each option named `names[field]`, or its field's name (a keyword)."""
+        return ValueError(self.template.format_map({f: (names or {}).get(f, f) for f in self.flags}))
+
+
+def _text(value: Any) -> str:  # a value inside an OptionError's template: braces kept literal
+    return str(value).replace("{", "{{").replace("}", "}}")
+
+
 def check_options(config: Any) -> None:
-    """Raise ValueError for the first own option of `config` whose value breaks its declaration
-    (of a list option: the first item that does, or an empty list)."""
+    """Raise OptionError (a ValueError) for the first own option of `config` whose value breaks its
+    declaration (of a list option: the first item that does, or an empty list)."""
     for f in fields(config):
         spec = f.metadata.get(_KEY)
         value = getattr(config, f.name)
         if spec is None or value is None:  # None: "not given", whatever it then means
             continue
-        name = _flag_name(f.name, spec)
         if spec.items is None:
-            _check_value(name, spec, value)
+            _check_value(f"{{{f.name}}}", spec, value, config)
             continue
         if not value:
-            raise ValueError(f"{name} is empty; give at least one value")
+            raise OptionError(f"{{{f.name}}} is empty; give at least one value", config=config)
         for item in value:
-            _check_value(name if len(value) == 1 else f"{name} {_shown(tuple(value))}:", spec, item)
+            named = f"{{{f.name}}}" if len(value) == 1 else f"{{{f.name}}} {_text(_shown(tuple(value)))}:"
+            _check_value(named, spec, item, config)
 
 
-def _check_value(name: str, spec: Option, value: Any) -> None:
+def _check_value(name: str, spec: Option, value: Any, config: Any) -> None:
+    """`name`: the option as an OptionError's template names it (`{field}`, and a list's items)."""
     if spec.choices is not None and value not in spec.choices:
-        raise ValueError(f"{name} {value!r} is unknown; choose one of {', '.join(map(str, spec.choices))}")
+        raise OptionError(f"{name} {_text(repr(value))} is unknown; choose one of "
+                          f"{_text(', '.join(map(str, spec.choices)))}", config=config)
     for rule in spec.rules:
         if not rule.ok(value):
-            raise ValueError(f"{name} {value} {rule.problem}")
+            raise OptionError(f"{name} {_text(value)} {_text(rule.problem)}", config=config)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -269,5 +292,5 @@ class CommandParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-__all__ = ["Option", "Rule", "CommandParser", "add_options", "at_least", "build", "check_options", "component",
-           "finite", "flags", "help_text", "option", "parse_list", "positive"]
+__all__ = ["Option", "OptionError", "Rule", "CommandParser", "add_options", "at_least", "build", "check_options",
+           "component", "finite", "flags", "help_text", "option", "parse_list", "positive"]

@@ -10,7 +10,7 @@ on k processes as a DDP user gets it (plain `DistributedDataParallel`, gloo, def
 thread each, no allocator setting); one plain PyTorch process with 1 thread and with every core;
 and the ceiling, k processes set up as phalanx's that train their shards with no communication
 at all; with `--finite-check-cost`, phalanx on k devices with the gradient's NaN/Inf check
-(data_parallel/finite.py; every 100 steps by default) off and at every step. How each contender
+(data_parallel/guards/finite.py; every 100 steps by default) off and at every step. How each contender
 runs and is timed is the measuring kit's (phalanx/measure/step.py: fresh processes, warm-up
 steps, a barrier, timed steps, the slowest rank's time); this module chooses the contenders,
 interleaves them round by round, prints each contender's images/s and wall time as it completes,
@@ -25,12 +25,11 @@ is in the JSON (`wall_s`), so a round on a bigger host can be budgeted from it (
 
 from __future__ import annotations
 
-import inspect
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Callable
 
-from phalanx.data_parallel import GRAD_DTYPES, DataParallel
+from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.step import StepJob, Variant, images_per_s, run_variant
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
@@ -193,6 +192,5 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
 
 
 def data_parallel_defaults() -> dict[str, Any]:
-    """The settings phalanx ran with (DataParallel's defaults), so a result names what it measured."""
-    return {name: param.default for name, param in inspect.signature(DataParallel).parameters.items()
-            if isinstance(param.default, (bool, int, float, str)) or (param.default is None and name != "comm")}
+    """The settings phalanx ran with (a replica's default options), so a result names what it measured."""
+    return {f.name: f.default for f in fields(DataParallelConfig)}

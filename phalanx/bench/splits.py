@@ -8,8 +8,8 @@ communication (the idle share: for a pipeline, its bubble plus transfers), the p
 and the peak activation memory (activation_memory.py).
 
 Every split steps through `train_step`, the one step `phalanx train` runs (train/loop.py), each
-as its `Strategy`: `data` is `phalanx.prepare`'s DataParallel with phalanx's ring allreduce
-(`--allreduce ring --no-overlap`, one flat bucket) exchanging through a counting transport, since
+as its `Strategy`: `data` is a DataParallel with phalanx's ring allreduce (`--allreduce ring
+--no-overlap`, one flat bucket) exchanging over a counting transport (`DataParallel.over`), since
 gloo's native allreduce cannot be counted. Each split's bytes per device also come from its
 formula (`expected_bytes`), written from the algorithm rather than the code; the report prints
 both, and the tests require them equal.
@@ -29,7 +29,7 @@ from phalanx.bench.activation_memory import SavedTensorMeter
 from phalanx.comm import ALLREDUCE, Handle, Tag
 from phalanx.comm.counting import CountingTransport
 from phalanx.comm.ring import allreduce_ring, chunk_sizes
-from phalanx.data_parallel import prepare
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.measure.timing import slowest_per_round
 from phalanx.model_split.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
@@ -119,7 +119,9 @@ def _strategy(split: str, config: SplitsBenchConfig, world: World):
     full = LeNet().to(DTYPES[config.dtype])
     if split == "data":
         comm = _CountingRing(world)
-        dp = prepare(full, world=world, memory_format="contiguous", algorithm="ring", overlap=False, comm=comm)
+        # One flat bucket, synchronous: prepare's --allreduce ring --no-overlap (LeNet is contiguous as made).
+        dp = DataParallel.over(comm, full, world=world,
+                               options=DataParallelConfig(allreduce="ring", overlap=False, bucket_cap_mb=None))
         return DataSplit(dp), comm.transport
     strategy = build_split(split, full, world=world, global_batch_size=config.global_batch_size,
                            micro_batches=config.micro_batches_for(world.world_size), schedule=config.schedule)

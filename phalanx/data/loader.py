@@ -12,7 +12,7 @@ the right structure, so its forward/backward/gradient exchange still pair with i
 
 torch's `DistributedSampler` is DDP's way to shard, and it pads the dataset to a multiple of the
 ranks by repeating examples (or drops the rest): `distributed_sampler_note` says so in one line,
-for the warning DataParallel's first step gives (data_parallel/first_step.py) and for a DataLoader
+for the warning DataParallel's first step gives (data_parallel/guards/first_step.py) and for a DataLoader
 handed here instead of its dataset.
 """
 

@@ -1,48 +1,23 @@
-"""What a replica runs with: the names its options are chosen by, and `Choices`, the facts behind
-the run's first log line (STYLE habit 14: which transport, bucket layout, memory format ran).
+"""What a replica runs with: `Choices`, the facts behind the run's first log line (STYLE habit 14:
+which transport, bucket layout, memory format ran).
 
 A `DataParallel` computes its own `choices` once built (`replica_choices`), from what it holds -
-its parameters, buckets, the allreduce that opened - and what it was asked for; nothing is
-assigned to it from outside. `dp.choices.describe()` says it in one line.
+its parameters, buckets, the allreduce that opened - and the options it was built with (config.py);
+nothing is assigned to it from outside. `dp.choices.describe()` says it in one line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-from phalanx.comm import check_choice, shm_applies
+from phalanx.comm import shm_applies
 from phalanx.comm.hosts import hierarchy_text
+from phalanx.data_parallel.config import GRAD_DTYPES, DataParallelConfig
 from phalanx.data_parallel.memory_format import layout_of
-from phalanx.data_parallel.sharded import SHARD_STAGES, check_shard
-from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
-
-# --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
-GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Mixed precision by name (Lightning Fabric's): the autocast dtype of forward. Only bfloat16: it
-# needs no loss scaling (float16's narrow exponent would need a GradScaler).
-PRECISIONS = {"bf16-mixed": torch.bfloat16}
-
-
-def autocast_dtype(precision: str | None) -> torch.dtype | None:
-    """The dtype forward runs in under `precision` (None: no autocast); ValueError for a bad name."""
-    if precision is not None and precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is unknown; choose one of {', '.join(PRECISIONS)} (or None)")
-    return PRECISIONS.get(precision)
-
-
-def check_replica_options(*, algorithm: str, shard: str, grad_dtype: torch.dtype | None,
-                          bucket_cap_mb: float | None, first_bucket_cap_mb: float | None) -> None:
-    """ValueError naming the valid choices for a replica's options, before any collective."""
-    check_choice(algorithm)
-    check_shard(shard)
-    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be a positive number of MB (or None), got {value}")
-    if grad_dtype is not None and grad_dtype not in GRAD_DTYPES.values():
-        raise ValueError(f"grad_dtype {grad_dtype} is not supported; use one of {', '.join(GRAD_DTYPES)}")
+from phalanx.data_parallel.sharding.stages import SHARD_STAGES
+from phalanx.data_parallel.sync_batchnorm import has_plain_batchnorm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,7 +39,7 @@ class Choices:
     precision: str | None = None  # "bf16-mixed": forward under autocast; None: the dtype throughout
     backend: str = "none"  # the world's ("gloo", "nccl"): what `native` runs
     why_not_shm: str | None = None  # why auto chose native for k > 1 (ranks span hosts, GPUs), or None
-    shard: str = "none"  # what each rank keeps a share of (sharded.py's stages), "none": everything whole
+    shard: str = "none"  # what each rank keeps a share of (sharding/stages.py), "none": everything whole
     requested_shard: str = "none"  # what was asked for (one device runs "none" whatever was asked)
     hierarchy: str | None = None  # the hosts' layout in words, where the hierarchical allreduce runs
 
@@ -116,21 +91,21 @@ class Choices:
         return f", BatchNorm {self.batchnorm} ({what})"
 
 
-def replica_choices(dp, *, requested_algorithm: str, batchnorm: str | None, precision: str | None,
-                    requested_shard: str = "none") -> Choices:
-    """The `Choices` of a built replica `dp` (a DataParallel): its own facts, and what it was asked
-    for. `batchnorm` None (built directly): sync where the model has SyncBatchNorm, else local."""
+def replica_choices(dp, options: DataParallelConfig) -> Choices:
+    """The `Choices` of a built replica `dp` (a DataParallel): its own facts, and the `options` it
+    was asked for. The BatchNorm policy is the one asked for, except "sync" on k devices over
+    layers nobody converted (a DataParallel built without prepare): those normalize locally."""
     module, world = dp.module, dp.world
     first = next(module.parameters(), None)
     wire_names = {value: name for name, value in GRAD_DTYPES.items()}
+    unapplied = world.distributed and has_plain_batchnorm(module)
     return Choices(
         dtype=str(first.dtype).removeprefix("torch.") if first is not None else "no parameters",
-        batchnorm=batchnorm or ("sync" if has_sync_batchnorm(module) else "local"),
+        batchnorm="local" if unapplied else options.batchnorm,
         has_batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()),
-        num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=requested_algorithm,
+        num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=options.allreduce,
         algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
-        precision=precision, backend=world.backend, why_not_shm=shm_applies(world) if world.distributed else None,
-        shard=dp.shard, requested_shard=requested_shard,
-        hierarchy=hierarchy_text(world) if dp.algorithm == "hierarchical" else None)
-
+        precision=options.precision, backend=world.backend,
+        why_not_shm=shm_applies(world) if world.distributed else None, shard=dp.shard,
+        requested_shard=options.shard, hierarchy=hierarchy_text(world) if dp.algorithm == "hierarchical" else None)

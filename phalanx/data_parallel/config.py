@@ -1,8 +1,13 @@
-"""The data-parallel options of a training run: how replicas are laid out and how gradients are exchanged.
+"""The replica's options as one object: how replicas are laid out and how their gradients are exchanged.
 
-`DataParallelConfig` declares each flag once (phalanx/options.py makes the parser from it): the
-allreduce algorithm, overlap and its bucket cap, compression, accumulation, the memory format,
-the BatchNorm policy and sharding. `prepare` (prepare.py) and `DataSplit` (strategy.py) take them as arguments.
+`DataParallelConfig` is what a `DataParallel` is built with, whole: `phalanx train`'s data-parallel
+flags fill one (phalanx/options.py makes the parser from its `option` fields), `prepare`'s keywords
+build one (prepare.py), and a script may hand one to `DataParallel(model, world=, options=)`. It
+checks itself once, on construction, and nothing downstream checks a value again: a bad value is
+one `ValueError` naming the option as its builder spells it - the flag (`--shard 'x' is unknown`),
+or, re-worded by prepare, its keyword (`shard 'x' is unknown`). The fields without a flag are the
+API's (mixed precision, DDP's mean, the finite check's interval, a first bucket's cap, exchanging
+on one device).
 """
 
 from __future__ import annotations
@@ -10,12 +15,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from phalanx.comm import CHOICES
-from phalanx.data_parallel.data_parallel import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES
+from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS
-from phalanx.data_parallel.sharded import SHARD_STAGES
+from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
-from phalanx.options import at_least, check_options, finite, option, positive
+from phalanx.options import OptionError, at_least, check_options, finite, option, positive
+
+# LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
+# fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
+# batch 256, 40 interleaved rounds in one process tree): the wait left in finish_gradient_sync
+# falls from 4.8 ms (synchronous, flat) to 3.9 / 2.5 / 1.8 / 1.3 ms with 1 / 2 / 3 / 5
+# overlapped buckets, while step time stays within noise for all (p10 62.8-63.8 ms) - presumably
+# because on two busy cores the communication's CPU time comes out of backward's. 3 is the
+# fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
+# gloo every call pays a ~1 ms floor (BASELINES.md), so CPU buckets stay few.
+DEFAULT_BUCKET_CAP_MB = 0.25
+# --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
+GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Mixed precision by name (Lightning Fabric's): the autocast dtype of forward. Only bfloat16: it
+# needs no loss scaling (float16's narrow exponent would need a GradScaler).
+PRECISIONS = {"bf16-mixed": torch.bfloat16}
 
 
 def bucket_cap(text: str) -> float | None:
@@ -49,7 +71,7 @@ class DataParallelConfig:
     bucket_cap_mb: float | None = bucket_cap_mb_option()
     grad_dtype: str | None = option(None, choices=tuple(GRAD_DTYPES), default_text="as computed",
                                     help="exchange gradients compressed to this dtype (half the bytes)")
-    # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs.
+    # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs (DataSplit's).
     grad_accum_steps: int = option(1, flag="--grad-accum", check=at_least(1),
                                    help="micro-batches per global batch; gradients are exchanged once per batch")
     memory_format: str = option("auto", choices=MEMORY_FORMATS,
@@ -58,12 +80,45 @@ class DataParallelConfig:
     # own (the chapter's per-device statistics), running stats averaged.
     batchnorm: str = option("sync", choices=BATCHNORM_POLICIES, help="BatchNorm models' statistics (sync: "
                             "whole-batch, k devices == 1 device; local: per-device)")
-    # ZeRO stages 1-3 (sharded.py): what each rank keeps only 1/k of.
+    # ZeRO stages 1-3 (sharding/): what each rank keeps only 1/k of.
     shard: str = option("none", choices=SHARD_STAGES, help="keep 1/k per device of the optimizer state (optimizer), "
                         "also the gradients (gradients), also the parameters (parameters)")
+    # The API's options (no flag).
+    first_bucket_cap_mb: float | None = None  # None: DDP's rule, min(cap, 1 MiB)
+    precision: str | None = None  # "bf16-mixed": forward under torch.autocast; None: the dtype throughout
+    # None: sums, and expects shard_loss (named at the first step if not); True: DDP's mean of
+    # per-rank means; False: sums and checks nothing.
+    average: bool | None = None
+    average_running_stats: bool = True  # plain BatchNorm's running statistics averaged after each synced step
+    check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY  # synced steps between NaN/Inf checks (0: off)
+    # A world of one builds its buckets, hooks and exchange all the same (its collectives return at
+    # once): the step each of k devices runs, to profile it or to capture it with static buffers.
+    exchange_alone: bool = False
 
     def __post_init__(self) -> None:
         check_options(self)
         if self.shard != "none" and self.allreduce in ("naive", "tree"):
-            raise ValueError(f"--shard {self.shard} reduce-scatters and all-gathers, which --allreduce {self.allreduce} "
-                             "cannot; use --allreduce auto, shm, hierarchical, ring or native")
+            raise OptionError(f"{{shard}} {self.shard} reduce-scatters and all-gathers, which {{allreduce}} "
+                              f"{self.allreduce} cannot; use {{allreduce}} auto, shm, hierarchical, ring or native",
+                              config=self)
+        if self.first_bucket_cap_mb is not None and not self.first_bucket_cap_mb > 0:
+            raise ValueError(f"first_bucket_cap_mb must be a positive number of MB (or None), "
+                             f"got {self.first_bucket_cap_mb}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)} "
+                             "(or None)")
+        if self.average not in (None, True, False):
+            raise ValueError(f"average must be None, True or False, got {self.average!r}")
+        every = self.check_finite_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"check_finite_every must be 0 (off) or a number of steps, got {every!r}")
+
+    @property
+    def wire_dtype(self) -> torch.dtype | None:
+        """The dtype each bucket is exchanged in (None: the gradients' own)."""
+        return None if self.grad_dtype is None else GRAD_DTYPES[self.grad_dtype]
+
+    @property
+    def forward_dtype(self) -> torch.dtype | None:
+        """The dtype forward runs in under `precision` (None: no autocast)."""
+        return PRECISIONS.get(self.precision)

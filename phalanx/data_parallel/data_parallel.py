@@ -5,8 +5,8 @@ rank 0's parameters and buffers are broadcast at construction so replicas start 
 gradients live in flat buckets (buckets.py) summed across ranks with the chosen allreduce;
 `no_sync()` skips the exchange for gradient accumulation. Averaging is the caller's loss scale
 (sum over the shard / global batch size), which keeps the update exactly the 1-device update
-even when the last batch splits unevenly across ranks. `shard=` keeps only this rank's share
-of the optimizer state, gradients or parameters (ZeRO; sharded.py): each bucket's allreduce
+even when the last batch splits unevenly across ranks. `shard` keeps only this rank's share
+of the optimizer state, gradients or parameters (ZeRO; sharding/): each bucket's allreduce
 becomes a reduce-scatter, and the optimizer comes from `dp.optimizer(cls, ...)`.
 
 One send path, two schedules, the same result: every bucket goes out through `_launch` (wire
@@ -17,16 +17,19 @@ lands, so its exchange runs while backward computes the earlier layers; with `ov
 zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
 (comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
-optimizer step (guards.UnsyncedGradientGuard). Every `check_finite_every` synced steps the
-gradient is checked for NaN/Inf, naming the first step and rank (finite.py), and the steps since
-then again before state leaves the replica (`check_finite`: state_dict, full_state_dict, close).
+optimizer step (guards/checks.py's UnsyncedGradientGuard). Every `check_finite_every` synced
+steps the gradient is checked for NaN/Inf, naming the first step and rank (guards/finite.py), and
+the steps since then again before state leaves the replica (`check_finite`: state_dict,
+full_state_dict, close).
 
-A world of one with no `comm` handed in has nothing to exchange, so it builds nothing: no
-buckets, hooks, thread or collectives; the step is the plain PyTorch loop's (issue 11). A
-`comm` handed in keeps the whole machinery, which is how a single process tests it. A
-`DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
-users do by habit is made right or named after each synced exchange (step_extras.py). What it
-runs with is `dp.choices` (choices.py), computed by the replica itself.
+Its options come as one object, `DataParallelConfig` (config.py), checked where it was made. A
+world of one has nothing to exchange, so it builds nothing: no buckets, hooks, thread or
+collectives; the step is the plain PyTorch loop's (issue 11). `exchange_alone=True` builds the
+whole exchange on one device all the same (the step each of k devices runs), and
+`DataParallel.over(comm, ...)` exchanges over a comm of the caller's (one that counts bytes).
+A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
+users do by habit is made right or named after each synced exchange (guards/step_extras.py).
+What it runs with is `dp.choices` (choices.py), computed by the replica itself.
 """
 
 from __future__ import annotations
@@ -42,91 +45,80 @@ from phalanx.comm import AsyncComm, Tag, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
                                            grads_are_bucket_views, mb_to_bytes, wire_of)
-from phalanx.data_parallel.choices import GRAD_DTYPES, autocast_dtype, check_replica_options, replica_choices
-from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY, FiniteCheck
-from phalanx.data_parallel.guards import UnsyncedGradientGuard, gradients_detached
+from phalanx.data_parallel.choices import replica_choices
+from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached
+from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
-from phalanx.data_parallel.sharded import MAX_IN_FLIGHT, Sharding
-from phalanx.data_parallel.sharded_optim import make_optimizer
-from phalanx.data_parallel.step_extras import StepExtras
+from phalanx.data_parallel.sharding.optim import make_optimizer
+from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel"]
-
-# LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
-# fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
-# batch 256, 40 interleaved rounds in one process tree): the wait left in finish_gradient_sync
-# falls from 4.8 ms (synchronous, flat) to 3.9 / 2.5 / 1.8 / 1.3 ms with 1 / 2 / 3 / 5
-# overlapped buckets, while step time stays within noise for all (p10 62.8-63.8 ms) - presumably
-# because on two busy cores the communication's CPU time comes out of backward's. 3 is the
-# fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
-# gloo every call pays a ~1 ms floor (BASELINES.md), so CPU buckets stay few.
-DEFAULT_BUCKET_CAP_MB = 0.25
+__all__ = ["DataParallel"]
 
 
 class DataParallel(ReplicaModule):
     """A replica plus its gradient exchange, as an nn.Module. Construct it at the same point on
     every rank (the broadcast and AsyncComm's group or segment are collectives)."""
 
-    def __init__(self, module: nn.Module, *, world: World, algorithm: str = "auto",
-                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, first_bucket_cap_mb: float | None = None,
-                 overlap: bool = True, comm: AsyncComm | None = None, grad_dtype: torch.dtype | None = None,
-                 average: bool | None = None, average_running_stats: bool = True, precision: str | None = None,
-                 batchnorm: str | None = None, tracer: Tracer | None = None, shard: str = "none",
-                 check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> None:
-        """`algorithm`: auto (shm for CPU workers on one host, hierarchical for CPU workers on
-        several hosts of several workers, else native) or any of comm's.
-        `bucket_cap_mb=None`: one flat bucket. `first_bucket_cap_mb=None`: DDP's rule,
-        min(cap, 1 MiB). `comm`: an AsyncComm to launch with (default: one of its own).
-        `grad_dtype` (bfloat16 / float16): exchange each bucket in that dtype (compression: half
-        the bytes on the wire, the sum rounded to its precision); None: the parameters' dtype.
-        `average`: None sums and expects `shard_loss` (named at the first step if not), True is
-        DDP's mean of per-rank means, False sums and checks nothing; `average_running_stats`
-        and `batchnorm` (the policy prepare applied; None: a notice for plain BatchNorm): see
-        step_extras.py. `precision="bf16-mixed"`: forward under torch.autocast (as prepare's).
-        `tracer`: a phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off).
-        `shard`: none, optimizer, gradients or parameters - ZeRO's stages 1-3 (sharded.py); build
-        the optimizer with `dp.optimizer(cls, ...)`. On one device there is nothing to shard.
-        `check_finite_every`: synced steps between NaN/Inf checks of the gradient (finite.py; 0: off)."""
-        # ValueErrors naming the valid choices, before any collective.
-        check_replica_options(algorithm=algorithm, shard=shard, grad_dtype=grad_dtype, bucket_cap_mb=bucket_cap_mb,
-                              first_bucket_cap_mb=first_bucket_cap_mb)
-        forward_dtype = autocast_dtype(precision)
+    def __init__(self, module: nn.Module, *, world: World, options: DataParallelConfig | None = None,
+                 tracer: Tracer | None = None) -> None:
+        """`module` as a replica on `world.device`, exchanging as `options` say (a
+        DataParallelConfig, config.py, whose fields say what each does; None: its defaults). Under
+        `shard`, build the optimizer with `dp.optimizer(cls, ...)`. `tracer`: a
+        phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off)."""
         super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
-        self._finite = FiniteCheck(every=check_finite_every, world=world)  # ValueError before any collective
+        self._build(module, world=world, options=options or DataParallelConfig(), tracer=tracer, comm=None)
+
+    @classmethod
+    def over(cls, comm: AsyncComm, module: nn.Module, *, world: World, options: DataParallelConfig | None = None,
+             tracer: Tracer | None = None) -> DataParallel:
+        """A replica whose buckets go out over `comm`, an AsyncComm or any object with its
+        methods (a transport that counts the bytes, say): the caller's, who closes it after
+        `close()`. It exchanges even in a world of one, where its calls come back at once."""
+        replica = cls.__new__(cls)
+        ReplicaModule.__init__(replica)
+        replica._build(module, world=world, options=options or DataParallelConfig(), tracer=tracer, comm=comm)
+        return replica
+
+    def _build(self, module: nn.Module, *, world: World, options: DataParallelConfig, tracer: Tracer | None,
+               comm: AsyncComm | None) -> None:
+        self.options, self.world = options, world
+        self._finite = FiniteCheck(every=options.check_finite_every, world=world)
         self.exchanging = False
+        forward_dtype = options.forward_dtype
         self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)
-        self.world = world
         # Refuses an algorithm that cannot carry this world's tensors before the module moves.
-        self.algorithm = resolve_algorithm(algorithm, world)
+        self.algorithm = resolve_algorithm(options.allreduce, world)
         self.fallback_reason: str | None = None  # why auto did not get shm where it usually would
-        self.grad_dtype, self.overlap, self.tracer = grad_dtype, overlap, tracer
+        self.grad_dtype, self.overlap, self.tracer = options.wire_dtype, options.overlap, tracer
         self.module = module.to(world.device)
         broadcast_state_(self.module, world=world, src=0)
-        # False: a world of one with no comm to launch on (see the module docstring).
-        self.exchanging = world.distributed or comm is not None
-        cap_bytes = mb_to_bytes(bucket_cap_mb)
-        first_cap = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
+        # False: a world of one with nothing to exchange (see the module docstring).
+        self.exchanging = world.distributed or options.exchange_alone or comm is not None
+        cap_bytes = mb_to_bytes(options.bucket_cap_mb)
+        first_cap = default_first_cap_bytes(cap_bytes) if options.first_bucket_cap_mb is None else \
+            mb_to_bytes(options.first_bucket_cap_mb)
         self.buckets: list[Bucket] = build_buckets(
             list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap,
-            gradient_views=shard in ("none", "optimizer")) if self.exchanging else []
+            gradient_views=options.shard in ("none", "optimizer")) if self.exchanging else []
         self._sync_enabled, self._closed = True, False
         self._capturing = False  # a CUDA graph is recording the step (capturing())
         self._synced_steps = 0  # the step in each bucket's tag
-        self.average = average
-        self._extras = StepExtras(self.module, world=world, average=average, batchnorm=batchnorm,
-                                  average_running_stats=average_running_stats)
-        self._owns_comm = comm is None and world.distributed
+        self.average = options.average
+        self._extras = StepExtras(self.module, world=world, average=options.average, batchnorm=options.batchnorm,
+                                  average_running_stats=options.average_running_stats)
+        self._owns_comm = comm is None and self.exchanging
         if self._owns_comm:  # it owns the shm segment or the private group
-            comm, self.algorithm, self.fallback_reason = open_comm(world, algorithm)
+            comm, self.algorithm, self.fallback_reason = open_comm(world, options.allreduce)
         self._comm: AsyncComm | None = comm
-        self.shard = shard if self.exchanging else "none"  # one device: nothing to shard
+        self.shard = options.shard if self.exchanging else "none"  # one device: nothing to shard
         # Chosen before sharding empties stage 3's parameters (their layout names the memory format).
-        self.choices = replica_choices(self, requested_algorithm=algorithm, batchnorm=batchnorm, precision=precision,
-                                       requested_shard=shard)
-        self.sharding = Sharding(stage=shard, module=self.module, buckets=self.buckets, rank=world.rank,
+        self.choices = replica_choices(self, options)
+        self.sharding = Sharding(stage=self.shard, module=self.module, buckets=self.buckets, rank=world.rank,
                                  world_size=world.world_size, comm=comm, algorithm=self.algorithm,
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
         window = None if self.sharding is None or self.sharding.keeps_gradients else MAX_IN_FLIGHT
@@ -134,8 +126,8 @@ class DataParallel(ReplicaModule):
                                            max_in_flight=window) if self.exchanging else None
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
-        self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if overlap else self._on_backward,
-                                           every_parameter=overlap)
+        self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if options.overlap else self._on_backward,
+                                           every_parameter=options.overlap)
         # What zero_grad clears with nothing to exchange: the parameters the replica was built
         # with, listed once (as an optimizer holds its param_groups; walking the modules for them
         # every step cost LeNet ~40 us of host time on the 2-core machine).
@@ -200,7 +192,7 @@ class DataParallel(ReplicaModule):
 
     @property
     def first_step_pending(self) -> bool:
-        """True until rank 0's one-time look at the first synced step is done (step_extras.py):
+        """True until rank 0's one-time look at the first synced step is done (guards/step_extras.py):
         only then must a loss come through `shard_loss` to be recognised."""
         return self._extras.first_step is not None
 
@@ -274,7 +266,7 @@ class DataParallel(ReplicaModule):
 
     def optimizer(self, cls: type, params=None, *, elementwise: bool | None = None, **defaults) -> torch.optim.Optimizer:
         """`cls(params or this replica's parameters, **defaults)`; with `shard=`, over this rank's
-        share of them (sharded_optim.py: any element-wise torch optimizer, param groups as torch's)."""
+        share of them (sharding/optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
     def _allreduce_now(self, flat: torch.Tensor) -> None:

@@ -9,7 +9,7 @@ carry no `module.` prefix - `dp.state_dict()` and `dp.named_parameters()` are th
 `torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
 how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones.
 What leaves it - `state_dict()`, `full_state_dict()`, `check_finite()` - first checks the
-gradients of the steps since the last NaN/Inf check (finite.py), so nothing non-finite is saved.
+gradients of the steps since the last NaN/Inf check (guards/finite.py), so nothing non-finite is saved.
 
 Refused, because the gradients live as views in the exchange's buckets: moving, casting or
 re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from phalanx.comm import broadcast_
-from phalanx.data_parallel.finite import FiniteCheck
+from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.runtime.world import World
 
 DDP_PREFIX = "module."
@@ -41,9 +41,9 @@ class ReplicaModule(nn.Module):
 
     module: nn.Module
     exchanging: bool  # True once gradient buckets hold the parameters' .grad
-    sharding: Any = None  # sharded.py's Sharding under shard=..., else None
+    sharding: Any = None  # sharding/stages.py's Sharding under shard=..., else None
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
-    _finite: FiniteCheck  # the gradient's NaN/Inf watch, checked before state leaves (finite.py)
+    _finite: FiniteCheck  # the gradient's NaN/Inf watch, checked before state leaves (guards/finite.py)
     _synced_steps: int  # synced steps so far
     _closed: bool
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
@@ -64,7 +64,7 @@ class ReplicaModule(nn.Module):
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The model's own state dict: no `module.` prefix (load it into the plain model). First
-        this rank's own NaN/Inf notes since the last check (finite.py's check_local: no
+        this rank's own NaN/Inf notes since the last check (guards/finite.py's check_local: no
         collective, so rank 0 may call it alone; a sharded replica's notes hold only its share of
         the sum, so its parameters are read too)."""
         if not self._closed:

@@ -6,10 +6,10 @@ summed across ranks the update is the 1-device update on the whole global batch 
 uneven last batch, where averaging per-rank means would weight the small shards too heavily.
 
 Gradient accumulation composes with that rule unchanged: a rank cuts *its* shard into N
-micro-batches (`micro_batches`), runs the first N-1 under `no_sync()` so their gradients only
-add up in the buckets, and syncs on the last. Each micro-batch still contributes its loss sum /
-global batch size, so the summed gradient - and the update - equals the 1-device update on the
-whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
+micro-batches (`micro_batches`) and runs them through `dp.accumulate` (accumulate.py): the first
+N-1 under `no_sync()`, so their gradients only add up in the buckets, the last synced. Each
+micro-batch still contributes its loss sum / global batch size, so the summed gradient - and the
+update - equals the 1-device update on the whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
 smaller global batches first) keeps every rank on exactly the examples `rank_shard` gives it.
 """
 
@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from phalanx.data import split_batch
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.data_parallel.first_step import mark_shard_loss
-from phalanx.data_parallel.gather_hooks import collective_forward
+from phalanx.data_parallel.guards.first_step import mark_shard_loss
+from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.sync_batchnorm import has_sync_batchnorm
 from phalanx.telemetry import Tracer, span
 
@@ -35,7 +35,7 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     After the ranks' gradients are summed this is exactly the 1-device gradient of the mean loss
     over the global batch, for any split (even or not). For a loss over tokens, pass the global
     number of tokens. The result is marked, so a replica's first step can tell a backward that
-    came through here from a per-rank mean's (data_parallel/first_step.py)."""
+    came through here from a per-rank mean's (data_parallel/guards/first_step.py)."""
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
     scaled = loss_sum / global_batch_size
@@ -85,10 +85,10 @@ def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, glob
         return loss_sum.detach(), (logits.argmax(dim=1) == y).sum()
     pieces = micro_batches(X, y, grad_accum_steps)
     loss_sum = correct = None
-    for index, (X_micro, y_micro) in enumerate(pieces):
-        last = index == len(pieces) - 1
-        # The last micro-batch runs with sync on: its hooks launch the buckets (overlap).
-        with contextlib.nullcontext() if last else dp.no_sync():
+    # dp.accumulate: every piece but the last under no_sync, the last with sync on, so its hooks
+    # launch the buckets (overlap). Closed on the way out, so an error in a piece restores sync.
+    with contextlib.closing(dp.accumulate(pieces)) as synced_last:
+        for X_micro, y_micro in synced_last:
             # An empty piece (a tiny last batch) runs no backward; the rank still joins every
             # allreduce in finish_gradient_sync, which launches the buckets no hook launched.
             # With synchronized BatchNorm, or parameters gathered per layer (shard="parameters"),

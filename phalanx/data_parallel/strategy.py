@@ -15,7 +15,7 @@ from torch import nn
 from phalanx.data import shard_bounds
 from phalanx.data_parallel.clip import clip_grad_norm_
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.data_parallel.guards import check_replicas
+from phalanx.data_parallel.guards.checks import check_replicas
 from phalanx.data_parallel.step import forward_backward
 from phalanx.telemetry import Tracer
 

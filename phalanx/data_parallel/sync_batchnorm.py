@@ -33,7 +33,7 @@ catches a collective paired with a foreign one instead of returning wrong number
 
 Policy `local` keeps plain BatchNorm layers. Parameters stay identical (gradients are summed),
 but each replica's running statistics follow its own shards; `DataParallel` averages them across
-ranks after every synced step (running_stats.py: one small allreduce), so the replicas are one
+ranks after every synced step (guards/running_stats.py: one small allreduce), so the replicas are one
 model at every point - before evaluation and saving included.
 """
 
@@ -229,3 +229,9 @@ def convert_sync_batchnorm(module: nn.Module, world: World, *, group: dist.Proce
 def has_sync_batchnorm(module: nn.Module) -> bool:
     """True when `module` communicates in forward/backward, so every rank must run both each step."""
     return any(isinstance(m, SyncBatchNorm) for m in module.modules())
+
+
+def has_plain_batchnorm(module: nn.Module) -> bool:
+    """True when `module` has a BatchNorm layer that normalizes with its own device's shard only."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
+               for m in module.modules())

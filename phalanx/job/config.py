@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from phalanx.data.config import DataConfig
 from phalanx.data_parallel.config import DataParallelConfig
-from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
+from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.job.checkpointing import CheckpointConfig, RestartConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.model_split.config import SplitConfig
@@ -55,7 +55,7 @@ class TrainConfig:
                                          "(default: refuse)")
     progress: bool = option(True, flag="--no-progress", help="no progress bar")
     # Every check_every steps: replicas compared bitwise, gradients checked finite (0: never); the
-    # data split's replicas take it as their own check_finite_every (data_parallel/finite.py).
+    # data split's replicas take it as their own check_finite_every (data_parallel/guards/finite.py).
     check_every: int = option(DEFAULT_CHECK_FINITE_EVERY, metavar="STEPS",
                               check=at_least(0, problem="must be 0 (off) or a number of steps"),
                               help="steps between replica-identity and finite-gradient checks; 0: off")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,8 +23,8 @@ import torch
 from phalanx.runtime.binding import describe as describe_cores
 from phalanx.data import load_dataset, steps_per_epoch
 from phalanx.models import build_model
-from phalanx.data_parallel.guards import model_fingerprint, preflight_check
-from phalanx.data_parallel.prepare import prepare
+from phalanx.data_parallel.guards.checks import model_fingerprint, preflight_check
+from phalanx.data_parallel.prepare import prepare_replica
 from phalanx.model_split.splits import build_split
 from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span
 from phalanx.train import checkpoint as ckpt
@@ -75,10 +76,9 @@ def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World,
         return build_split(split.kind, model.to(getattr(torch, config.dtype)), world=world,
                            global_batch_size=config.global_batch_size, micro_batches=split.micro_batches,
                            schedule=split.schedule, num_classes=num_classes)
-    dp = prepare(model, world=world, dtype=config.dtype, batchnorm=options.batchnorm,
-                 memory_format=options.memory_format, algorithm=options.allreduce, overlap=options.overlap,
-                 bucket_cap_mb=options.bucket_cap_mb, grad_dtype=options.grad_dtype, tracer=tracer, shard=options.shard,
-                 check_finite_every=config.check_every)  # the gradient's check: the replica's own
+    # --check-every sets the gradient's NaN/Inf check too: the replica's own.
+    dp = prepare_replica(model, replace(options, check_finite_every=config.check_every), world=world,
+                         dtype=config.dtype, tracer=tracer)
     return DataSplit(dp, grad_accum_steps=options.grad_accum_steps, max_grad_norm=config.optim.clip_grad_norm)
 
 

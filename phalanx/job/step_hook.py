@@ -6,8 +6,8 @@ warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps a
 last, a model split's gradients and the replicas), and save a mid-epoch checkpoint every `--checkpoint-every` steps.
 One place, so the data split and the layer/channel splits cannot drift apart in what they guard.
 The data split's gradient is not read here: its replica checks it at the same interval
-(data_parallel/finite.py, which can tell the rank whose share went NaN/Inf first), and the job
-has it check the steps since then at each epoch's end and before each checkpoint.
+(data_parallel/guards/finite.py, which can tell the rank whose share went NaN/Inf first), and the
+job has it check the steps since then at each epoch's end and before each checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, Mapping
 import torch
 
 from phalanx.runtime.launch import report_progress
-from phalanx.data_parallel.guards import check_finite
+from phalanx.data_parallel.guards.checks import check_finite
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.schedule import lr_at, set_lr

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from phalanx.data import split_batch
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
-from phalanx.data_parallel.finite import DEFAULT_CHECK_FINITE_EVERY
+from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.measure.load import busy_window
 from phalanx.measure.memory import MemoryProbe, held_bytes, replica_held_bytes
 from phalanx.measure.mlp import build_bench_model

@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from phalanx.measure.load import busy_window, others_busy_cores
 from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
-from phalanx.comm import AsyncComm
 from phalanx.data import shard_sizes
-from phalanx.data_parallel import DataParallel, prepare
+from phalanx.data_parallel import DataParallel, DataParallelConfig, prepare_replica
 from phalanx.predict.timeline import DeviceProfile
 from phalanx.runtime.world import World
 
@@ -83,10 +82,10 @@ def phase_for(world_size: int, global_batch_size: int, cores: int, *, shares_hos
 def _replica(job: ProfileJob) -> DataParallel:
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                   backend="none", timeout_s=60.0)  # a device alone: DataParallel exchanges nothing
-    # The comm handed in keeps the buckets and hooks a world of one otherwise leaves out: the
-    # step profiled is the one each of k > 1 devices runs (its allreduces return at once here).
-    return prepare(build_bench_model(job.model), world=world, bucket_cap_mb=job.bucket_cap_mb,
-                   comm=AsyncComm(world=world))
+    # exchange_alone keeps the buckets and hooks a world of one otherwise leaves out: the step
+    # profiled is the one each of k > 1 devices runs (its allreduces return at once here).
+    return prepare_replica(build_bench_model(job.model),
+                           DataParallelConfig(bucket_cap_mb=job.bucket_cap_mb, exchange_alone=True), world=world)
 
 
 class _StepClock:

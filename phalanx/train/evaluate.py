@@ -31,8 +31,8 @@ from torch.utils.data._utils.collate import default_collate
 from phalanx.comm import Tag, all_reduce_sum_, native
 from phalanx.data import shard_bounds, to_float
 from phalanx.data.loader import ShardCollate, refuse_loader
-from phalanx.data_parallel.gather_hooks import collective_forward
-from phalanx.data_parallel.guards import check_replicas
+from phalanx.data_parallel.sharding.gather_hooks import collective_forward
+from phalanx.data_parallel.guards.checks import check_replicas
 from phalanx.runtime.world import World
 
 EVALUATION = Tag("evaluation")  # what the board calls the sums below

@@ -2,7 +2,7 @@
 
 A replica built with `shard=` holds 1/k of the parameters' values (stage 3) and of the optimizer
 state, so no rank can write a whole checkpoint without gathering it. Instead each rank writes its
-share (data_parallel/sharded_state.py: its ranges of the one flat order, with values, optimizer
+share (data_parallel/sharding/state.py: its ranges of the one flat order, with values, optimizer
 state and scalars) to `checkpoint.shard-<r>-of-<k>.<serial>.pt`, atomically; once every rank has
 written, rank 0 writes the manifest `checkpoint.pt` - position, fingerprint, RNG states, the
 epoch's sums, the model's buffers, the flat layout, each share's file and ranges, the optimizer's
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import Tag, collective
-from phalanx.data_parallel.flat_layout import Slot
-from phalanx.data_parallel.sharded_state import RangesReader, WholeReader, load_shard, rank_state, trainable_names, \
+from phalanx.data_parallel.sharding.flat_layout import Slot
+from phalanx.data_parallel.sharding.state import RangesReader, WholeReader, load_shard, rank_state, trainable_names, \
     whole_state
 from phalanx.atomic import atomic_write_bytes
 from phalanx.runtime.world import World

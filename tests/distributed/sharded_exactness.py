@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from phalanx.data_parallel.flat_layout import Slot
-from phalanx.data_parallel.sharded_state import whole_state
+from phalanx.data_parallel.sharding.flat_layout import Slot
+from phalanx.data_parallel.sharding.state import whole_state
 from phalanx.models import build_model
 from phalanx.train.sharded_checkpoint import FORMAT_SHARDED, reader_of
 

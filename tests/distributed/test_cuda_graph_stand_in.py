@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from phalanx.data_parallel import prepare
-from phalanx.data_parallel.guards import NonFinite
+from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.models import LeNet
 from phalanx.runtime.world import World

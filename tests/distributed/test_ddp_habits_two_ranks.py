@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import phalanx
 from phalanx.data import split_batch
 from phalanx.errors import RunFailed
-from phalanx.data_parallel.guards import check_replicas
+from phalanx.data_parallel.guards.checks import check_replicas
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -82,7 +82,7 @@ def _loss_cases(world, out: dict) -> None:
     for name, mean_loss, average in (("mean", True, None), ("shard_loss", False, None), ("ddp-mean", True, True)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with phalanx.DataParallel(_mlp(), world=world, average=average) as dp:
+            with phalanx.DataParallel(_mlp(), world=world, options=phalanx.DataParallelConfig(average=average)) as dp:
                 _train(dp, world, _batches(3), mean_loss=mean_loss)
                 out[f"{name}-state"] = _state(dp)
         out[f"{name}-warnings"] = _phalanx_warnings(caught)
@@ -116,7 +116,8 @@ def _batchnorm_cases(world, out: dict) -> None:
     for name, averaged in (("bn-averaged", True), ("bn-drifting", False)):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            dp = phalanx.DataParallel(_bn_net(), world=world, average_running_stats=averaged)
+            dp = phalanx.DataParallel(_bn_net(), world=world,
+                                      options=phalanx.DataParallelConfig(average_running_stats=averaged))
             _train(dp, world, _batches(4), mean_loss=False, uneven=True)
         out[f"{name}-warnings"] = _phalanx_warnings(caught)
         out[f"{name}-state"] = _state(dp)
@@ -149,7 +150,7 @@ def _helper_cases(world, out: dict) -> None:
                      phalanx.reduce(torch.tensor(world.rank + 1.0), world=world),
                      phalanx.reduce(torch.tensor([world.rank, 1.0]), op="sum", world=world).tolist())
     X, y = _batches(1)[0]
-    with phalanx.DataParallel(_mlp(), world=world, bucket_cap_mb=0.0005) as dp:
+    with phalanx.DataParallel(_mlp(), world=world, options=phalanx.DataParallelConfig(bucket_cap_mb=0.0005)) as dp:
         dp.tracer = tracer = _CountingTracer()
         X_shard, y_shard = _shard(X, y, world, uneven=True)
         dp.zero_grad()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from phalanx.data import rank_shard
 from phalanx.models import LeNet
-from phalanx.data_parallel import GRAD_DTYPES, DataParallel
+from phalanx.data_parallel import GRAD_DTYPES, DataParallel, DataParallelConfig, prepare
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -61,8 +61,8 @@ def _worker(world) -> dict:
     shard = rank_shard(torch.arange(BATCH), rank=world.rank, world_size=world.world_size)
     out = {"local": _local_grad(world.rank, world.world_size)}  # same threads as the exchange's
     for name, algorithm, overlap in CASES:
-        dp = DataParallel(_model(), world=world, algorithm=algorithm, overlap=overlap,
-                          grad_dtype=GRAD_DTYPES[name])
+        dp = DataParallel(_model(), world=world, options=DataParallelConfig(allreduce=algorithm, overlap=overlap,
+                                                                           grad_dtype=name))
         dp.tracer = WireBytes()
         try:
             dp.zero_grad()
@@ -106,4 +106,4 @@ def test_compression_error_is_bounded(results, name, bound):
 
 def test_unknown_grad_dtype_is_refused():
     with pytest.raises(ValueError, match="grad_dtype"):
-        DataParallel(_model(), world=None, grad_dtype=torch.int8)  # refused before the world is touched
+        prepare(_model(), world=None, grad_dtype=torch.int8)  # refused before the world is touched

@@ -7,7 +7,7 @@ import torch
 
 from phalanx.models import LeNet
 from phalanx.errors import RunFailed
-from phalanx.data_parallel.guards import check_finite, check_replicas, preflight_check
+from phalanx.data_parallel.guards.checks import check_finite, check_replicas, preflight_check
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed

@@ -20,7 +20,7 @@ from torch import nn
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.data import rank_shard
 from phalanx.models import LeNet
-from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers
 
@@ -29,16 +29,16 @@ pytestmark = pytest.mark.distributed
 GLOBAL_BATCH = 37  # 19/18 on 2 ranks, 13/12/12 on 3: uneven on purpose
 TOL = dict(rtol=1e-10, atol=1e-13)
 
-# name -> DataParallel options; cap 0.25 MB gives 3 buckets of float64 LeNet, 0.05 MB gives 5.
+# name -> the replica's options (DataParallelConfig); cap 0.25 MB gives 3 buckets of float64 LeNet, 0.05 MB gives 5.
 CONFIGS = {
     "sync-flat": dict(overlap=False, bucket_cap_mb=None),  # the default algorithm: auto (shm here)
     "sync-3": dict(overlap=False, bucket_cap_mb=0.25),
-    "sync-native-3": dict(overlap=False, algorithm="native", bucket_cap_mb=0.25),
+    "sync-native-3": dict(overlap=False, allreduce="native", bucket_cap_mb=0.25),
     "overlap-native-1": dict(bucket_cap_mb=None),
     "overlap-native-first": dict(bucket_cap_mb=0.5, first_bucket_cap_mb=1e-4),  # fc2.bias alone
-    **{f"overlap-{a}-{n}": dict(algorithm=a, bucket_cap_mb=cap)
+    **{f"overlap-{a}-{n}": dict(allreduce=a, bucket_cap_mb=cap)
        for a in ("native", "shm", "ring", "tree") for n, cap in ((3, 0.25), (5, 0.05))},
-    "overlap-naive-3": dict(algorithm="naive", bucket_cap_mb=0.25),
+    "overlap-naive-3": dict(allreduce="naive", bucket_cap_mb=0.25),
 }
 
 
@@ -95,7 +95,7 @@ def _worker(world) -> dict:
     with AsyncComm(world=world, algorithms=ALGORITHMS) as async_comm:
         def make(kind="lenet", **options):
             comm = CountingComm(async_comm)
-            return DataParallel(_model(kind), world=world, comm=comm, **options), comm
+            return DataParallel.over(comm, _model(kind), world=world, options=DataParallelConfig(**options)), comm
 
         for name, options in CONFIGS.items():
             dp, comm = make(**options)
@@ -108,7 +108,7 @@ def _worker(world) -> dict:
 
         # Rank 0 alone uses the extra head: bucket 0 never completes elsewhere.
         for algorithm in ("native", "ring", "shm"):
-            dp, comm = make("extra", algorithm=algorithm, first_bucket_cap_mb=880 / 2**20)
+            dp, comm = make("extra", allreduce=algorithm, first_bucket_cap_mb=880 / 2**20)
             dp.zero_grad()
             (F.cross_entropy(dp(Xs, world.rank == 0), ys, reduction="sum") / GLOBAL_BATCH).backward()
             launched_in_backward = comm.launched
@@ -119,7 +119,7 @@ def _worker(world) -> dict:
         # Only the first world_size - 1 examples: the last rank's shard is empty (no backward).
         tiny = rank_shard(torch.arange(world.world_size - 1), rank=world.rank, world_size=world.world_size)
         for algorithm in ("native", "tree", "shm"):
-            dp, comm = make(algorithm=algorithm)
+            dp, comm = make(allreduce=algorithm)
             train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), X[tiny], y[tiny],
                         global_batch_size=world.world_size - 1)
             out[f"empty-{algorithm}"] = (_grads(dp.module), len(tiny), comm.launched)
@@ -127,7 +127,7 @@ def _worker(world) -> dict:
 
         for algorithm, overlap in ACCUM_CASES:
             for steps in (1, 3):
-                dp, comm = make(algorithm=algorithm, overlap=overlap)
+                dp, comm = make(allreduce=algorithm, overlap=overlap)
                 train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), Xs, ys,
                             global_batch_size=GLOBAL_BATCH, grad_accum_steps=steps)
                 out[f"accum-{algorithm}-{overlap}-{steps}"] = (_grads(dp.module), comm.launched)
@@ -136,7 +136,7 @@ def _worker(world) -> dict:
         # One send path: the same buckets launched by hooks during backward or all at the finish.
         for algorithm in ALGORITHMS:
             for overlap in (True, False):
-                dp, _ = make(algorithm=algorithm, overlap=overlap, bucket_cap_mb=0.25)
+                dp, _ = make(allreduce=algorithm, overlap=overlap, bucket_cap_mb=0.25)
                 dp.zero_grad()
                 (F.cross_entropy(dp(Xs), ys, reduction="sum") / GLOBAL_BATCH).backward()
                 dp.finish_gradient_sync()

@@ -5,7 +5,7 @@ the same seed, each rank on its `split_batch` shard of the same global batches o
 5, 4, 4: uneven), with `dp.optimizer(...)`: SGD, momentum SGD (with weight decay), Adam and AdamW
 (weight decay), gradient clipping by the global norm on, for every stage. Parameters must end
 within 1e-9 relative of the 1-device run and of `shard="none"`, bitwise identical on every rank;
-the optimizer state, reassembled from the 3 ranks' shares (sharded_state.py: the very ranges a
+the optimizer state, reassembled from the 3 ranks' shares (data_parallel/sharding/state.py: the very ranges a
 checkpoint holds), within 1e-9 of the plain optimizer's. A small MLP adds a model whose buckets
 hold whole Linear weights; LeNet-BN adds BatchNorm (sync) running statistics. The ring's and
 the backend's (gloo) reduce-scatter and all-gather take LeNet with AdamW through every stage too.
@@ -22,7 +22,7 @@ from phalanx.data import split_batch
 from phalanx.data_parallel import prepare
 from phalanx.data_parallel.clip import clip_grad_norm_
 from phalanx.data_parallel.step import shard_loss
-from phalanx.data_parallel.sharded_state import RangesReader, rank_state, trainable_names, whole_state
+from phalanx.data_parallel.sharding.state import RangesReader, rank_state, trainable_names, whole_state
 from phalanx.models import build_model
 from tests.distributed.harness import run_workers
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from phalanx.data_parallel.flat_layout import Slot
-from phalanx.data_parallel.sharded_state import whole_state
+from phalanx.data_parallel.sharding.flat_layout import Slot
+from phalanx.data_parallel.sharding.state import whole_state
 from phalanx.models import LeNet
 from phalanx.train.sharded_checkpoint import reader_of
 from tests.distributed.runs import assert_same_rows, crash_script, finished_run, metrics_rows, relative_difference, run_phalanx

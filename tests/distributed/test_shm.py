@@ -93,7 +93,7 @@ def test_a_peer_that_never_arrives_fails_at_the_timeout():
 def _full_dev_shm(world) -> dict:
     import phalanx.comm.shm as shm
     from phalanx.models import LeNet
-    from phalanx.data_parallel import DataParallel
+    from phalanx.data_parallel import DataParallel, DataParallelConfig
 
     shm.create_segment = lambda path, size: (None, "cannot reserve 9.0 MiB in /dev/shm (No space left on device)")
     with DataParallel(LeNet(), world=world) as dp:  # auto: falls back, on every rank alike
@@ -103,7 +103,7 @@ def _full_dev_shm(world) -> dict:
         summed = dp.buckets[0].buffer.clone()
         result = {"algorithm": dp.algorithm, "reason": dp.fallback_reason, "sum": float(summed[0])}
     try:
-        DataParallel(LeNet(), world=world, algorithm="shm")  # named explicitly: no fallback
+        DataParallel(LeNet(), world=world, options=DataParallelConfig(allreduce="shm"))  # named explicitly: no fallback
     except ShmError as exc:
         result["explicit"] = str(exc)
     return result

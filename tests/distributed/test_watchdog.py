@@ -39,7 +39,8 @@ SHORT_BY_ONE = textwrap.dedent("""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
-    dp = phalanx.DataParallel(model, world=world, algorithm=algorithm, overlap=overlap, bucket_cap_mb=0.0005)
+    options = phalanx.DataParallelConfig(allreduce=algorithm, overlap=overlap, bucket_cap_mb=0.0005)
+    dp = phalanx.DataParallel(model, world=world, options=options)
     optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
     loader = phalanx.ShardedLoader(data, world=world, global_batch_size=8, seed=0)
     for step, ((X, y), global_size) in enumerate(loader.epoch(0)):
@@ -139,10 +140,10 @@ def test_a_rank_that_finished_normally_while_another_waits_is_reported_as_such(t
 
 def _forgets_finish_gradient_sync(world) -> list[float]:
     from phalanx.models import LeNet
-    from phalanx.data_parallel import DataParallel
+    from phalanx.data_parallel import DataParallel, DataParallelConfig
 
     torch.manual_seed(0)
-    with DataParallel(LeNet().double(), world=world, overlap=False) as dp:
+    with DataParallel(LeNet().double(), world=world, options=DataParallelConfig(overlap=False)) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
         X = torch.rand(4, 1, 28, 28, dtype=torch.float64, generator=torch.Generator().manual_seed(world.rank))
         dp.zero_grad()

@@ -73,12 +73,12 @@ def collectives_worker(world: World) -> dict:
     torch.manual_seed(100 + world.rank)  # different on each rank: the broadcast must fix that
     # (No overlap here: closing a replica right after construction can tear down its private gloo
     # group while the peer is still connecting to it.)
-    with DataParallel(LeNet().double(), world=world, overlap=False) as dp:
+    with DataParallel(LeNet().double(), world=world, options=DataParallelConfig(overlap=False)) as dp:
         out["broadcast"] = _cpu(dp.module)
     X, y = _data(world.device)
     for name, options in STEP_VARIANTS.items():
         torch.manual_seed(0)
-        with DataParallel(LeNet().double(), world=world, **options) as dp:
+        with DataParallel(LeNet().double(), world=world, options=DataParallelConfig(**options)) as dp:
             optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
             stream = torch.cuda.Stream() if "side stream" in name else torch.cuda.current_stream()
             with torch.cuda.stream(stream):

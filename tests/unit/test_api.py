@@ -74,7 +74,7 @@ def test_shard_loss_of_uneven_shards_sums_to_the_global_mean():
 
 def test_clip_grad_norm_refuses_partial_gradients_and_clips_the_summed_one():
     torch.manual_seed(0)
-    dp = phalanx.DataParallel(nn.Linear(4, 3), world=world(0, 1), overlap=False)
+    dp = phalanx.DataParallel(nn.Linear(4, 3), world=world(0, 1), options=phalanx.DataParallelConfig(overlap=False))
     X, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
     with dp.no_sync():
         F.cross_entropy(dp(X), y).backward()

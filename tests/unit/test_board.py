@@ -9,13 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.comm import AsyncComm, CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
+from phalanx.comm import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
 from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
                                    Ticket)
 from phalanx.runtime.tags import Tag, describe, phase_code
 from phalanx.comm.watchdog import check, check_pairing, pairing_error
 from phalanx.models import LeNet
-from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.runtime.world import World
 
 
@@ -218,7 +218,8 @@ def _lenet_step(dp: DataParallel, optimizer, *, sync: bool) -> None:
 def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overlap):
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                   backend="none", timeout_s=5.0)
-    with AsyncComm(world=world) as comm, DataParallel(LeNet(), world=world, comm=comm, overlap=overlap) as dp:
+    options = DataParallelConfig(overlap=overlap, exchange_alone=True)
+    with DataParallel(LeNet(), world=world, options=options) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
         other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
         _lenet_step(dp, optimizer, sync=True)  # the right order passes

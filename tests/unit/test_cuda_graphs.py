@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.job.config import TrainConfig
 from phalanx.runtime.world import World
 from phalanx.train.graph_plan import StepFacts, plan, refusal
@@ -203,9 +203,8 @@ def test_capturing_keeps_the_replicas_count_and_checks_off_and_refuses_an_exchan
     assert step.dp._synced_steps == 1
     with pytest.raises(ValueError, match="warmup_steps must be at least 1"):
         step.captured(RecordedGraph(), warmup_steps=0)
-    from phalanx.comm import AsyncComm
-
-    with AsyncComm(world=WORLD1) as comm, DataParallel(nn.Linear(2, 2), world=WORLD1, comm=comm) as dp:
+    alone = DataParallelConfig(exchange_alone=True)  # buckets and an exchange, as on each of k devices
+    with DataParallel(nn.Linear(2, 2), world=WORLD1, options=alone) as dp:
         with pytest.raises(RuntimeError, match="capturing a replica that exchanges gradients is not supported"):
             with dp.capturing():
                 pass

@@ -18,12 +18,13 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import phalanx
-from phalanx.comm import AsyncComm, shm_applies
+from phalanx.comm import shm_applies
 from phalanx.errors import UsageError
-from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
-from phalanx.data_parallel.prepare import Choices
-from phalanx.data_parallel.running_stats import RunningStats, drifting_norm_layers
-from phalanx.data_parallel.step_extras import StepExtras
+from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.data_parallel.prepare import Choices, prepare_replica
+from phalanx.data_parallel.guards.running_stats import RunningStats, drifting_norm_layers
+from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.telemetry.metrics import read_metrics
 from phalanx.runtime.world import World
 
@@ -91,7 +92,7 @@ def test_load_state_dict_takes_the_models_keys_and_ddps_prefixed_ones():
 
 
 def test_moving_the_parameters_after_bucketing_is_refused_before_anything_moves():
-    with AsyncComm(world=world()) as comm, phalanx.DataParallel(nn.Linear(3, 2), world=world(), comm=comm) as dp:
+    with phalanx.DataParallel(nn.Linear(3, 2), world=world(), options=DataParallelConfig(exchange_alone=True)) as dp:
         weight = dp.module.weight
         assert dp.to(torch.float32) is dp and dp.cpu() is dp
         for convert in (lambda: dp.double(), lambda: dp.to(torch.float16), lambda: dp.half()):
@@ -230,9 +231,9 @@ def test_sync_layers_and_norms_without_statistics_are_left_alone():
     assert drifting_norm_layers(model) == [model[0], model[3]]
 
 
-def test_a_batchnorm_model_without_a_stated_policy_gets_one_notice_naming_the_choices():
-    with pytest.warns(phalanx.PhalanxWarning) as caught:
-        StepExtras(bn_net(), world=world(0, 2), average=None, average_running_stats=True, batchnorm=None).close()
+def test_batchnorm_layers_the_sync_policy_never_converted_get_one_notice_naming_the_choices():
+    with pytest.warns(phalanx.PhalanxWarning) as caught:  # a replica built without prepare, which converts them
+        StepExtras(bn_net(), world=world(0, 2), average=None, average_running_stats=True, batchnorm="sync").close()
     assert [str(w.message) for w in caught] == [
         "1 BatchNorm layer(s) normalize with each of the 2 devices' own shard (policy local; their running statistics "
         "are averaged across ranks after every step); for the whole global batch's statistics build the replica "
@@ -240,11 +241,13 @@ def test_a_batchnorm_model_without_a_stated_policy_gets_one_notice_naming_the_ch
         "silence the notice"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for rank, stated in ((0, "local"), (1, None)):  # a stated policy, or another rank: silent
+        for rank, policy in ((0, "local"), (1, "sync")):  # local asked for, or another rank: silent
             StepExtras(bn_net(), world=world(rank, 2), average=None, average_running_stats=True,
-                       batchnorm=stated).close()
+                       batchnorm=policy).close()
+        converted = phalanx.convert_sync_batchnorm(bn_net(), world(0, 2))  # prepare's sync: nothing to say
+        StepExtras(converted, world=world(0, 2), average=None, average_running_stats=True, batchnorm="sync").close()
     with pytest.raises(ValueError, match="average must be None, True or False, got 'mean'"):
-        StepExtras(bn_net(), world=world(0, 2), average="mean", average_running_stats=True, batchnorm=None)
+        DataParallelConfig(average="mean")
 
 
 # --- case 9: accumulate, bf16-mixed --------------------------------------------------------------
@@ -254,8 +257,8 @@ def test_accumulate_syncs_only_the_last_micro_batch_and_sums_to_the_whole_batch_
     X, y = torch.randn(10, 4, dtype=torch.float64), torch.randint(0, 3, (10,))
     whole = nn.Linear(4, 3).double()
     phalanx.shard_loss(F.cross_entropy(whole(X), y, reduction="sum"), 10).backward()
-    with AsyncComm(world=world()) as comm:
-        dp = phalanx.DataParallel(nn.Linear(4, 3).double(), world=world(), comm=comm)
+    alone = DataParallelConfig(exchange_alone=True)  # the buckets, as on each of k devices
+    with phalanx.DataParallel(nn.Linear(4, 3).double(), world=world(), options=alone) as dp:
         dp.load_state_dict(whole.state_dict())
         dp.zero_grad()
         synced = []
@@ -272,7 +275,6 @@ def test_accumulate_syncs_only_the_last_micro_batch_and_sums_to_the_whole_batch_
         assert dp.sync_enabled
         with pytest.raises(ValueError, match="accumulate\\(0\\): the number of micro-batches must be at least 1"):
             dp.accumulate(0)
-        dp.close()
 
 
 def test_bf16_mixed_runs_forward_in_bfloat16_and_keeps_weights_gradients_and_exchange_float32():
@@ -283,8 +285,7 @@ def test_bf16_mixed_runs_forward_in_bfloat16_and_keeps_weights_gradients_and_exc
     reference = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     reference.load_state_dict(model.state_dict())
     X, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    with AsyncComm(world=world()) as comm, phalanx.prepare(model, world=world(), comm=comm,
-                                                           precision="bf16-mixed") as dp:
+    with prepare_replica(model, DataParallelConfig(precision="bf16-mixed", exchange_alone=True), world=world()) as dp:
         out = dp(X)
         assert seen == [torch.bfloat16] and out.dtype == torch.float32  # widened for the loss
         phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 32).backward()

@@ -1,4 +1,4 @@
-"""DataParallel's NaN/Inf check of the gradient (data_parallel/finite.py), in one process: the step
+"""DataParallel's NaN/Inf check of the gradient (data_parallel/guards/finite.py), in one process: the step
 and rank it names (the other ranks stood in for by what their slots of the check's allreduce hold),
 the exchange's own overflow, a world of one naming the parameter, the off switch, no host read
 between check steps, and the steps since the last check checked before state leaves the replica
@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.comm import AsyncComm
-from phalanx.data_parallel import DataParallel
-from phalanx.data_parallel.finite import FiniteCheck
-from phalanx.data_parallel.guards import NonFinite
+from phalanx.data_parallel import DataParallel, DataParallelConfig
+from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.models import LeNet
 from phalanx.runtime.world import World
 
@@ -45,10 +44,10 @@ def _steps(check: FiniteCheck, own: list[float], summed: list[float], *, others=
                         allreduce=others or _others({}))
 
 
-def test_the_interval_is_validated():
+def test_the_interval_is_validated_where_the_replica_options_are_made():
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="check_finite_every must be 0 \\(off\\) or a number of steps"):
-            FiniteCheck(every=bad, world=_world())
+            DataParallelConfig(check_finite_every=bad)
 
 
 def test_names_the_first_step_and_the_rank_whose_own_gradient_went_non_finite():
@@ -78,8 +77,8 @@ def test_a_bucketed_replica_stops_within_the_interval_and_names_the_step():
     torch.manual_seed(0)
     world = _world()
     X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
-    with AsyncComm(world=world) as comm, DataParallel(LeNet().double(), world=world, comm=comm,
-                                                      check_finite_every=3) as dp:
+    options = DataParallelConfig(check_finite_every=3, exchange_alone=True)
+    with DataParallel(LeNet().double(), world=world, options=options) as dp:
         assert len(dp.buckets) == 3  # the exchanging path, as each of k ranks runs it
         optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
         with pytest.raises(NonFinite, match="at step 5: rank 0's own gradient went non-finite first .found at step "
@@ -96,7 +95,7 @@ def test_a_bucketed_replica_stops_within_the_interval_and_names_the_step():
 def test_a_world_of_one_names_the_parameter_and_the_steps_it_went_non_finite_in():
     X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
     for every, when in ((1, "step 2"), (4, "one of steps 1-4")):
-        with DataParallel(LeNet().double(), world=_world(), check_finite_every=every) as dp:
+        with DataParallel(LeNet().double(), world=_world(), options=DataParallelConfig(check_finite_every=every)) as dp:
             assert not dp.exchanging
             optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
             with pytest.raises(NonFinite, match=f"gradient NaN/Inf at {when}, in conv1.weight's gradient"):
@@ -182,24 +181,24 @@ def test_state_leaving_a_replica_is_checked_first_and_nothing_non_finite_leaves(
     state_dict(), full_state_dict() and close() - each naming the step."""
     X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
     world = _world()
+    alone = DataParallelConfig(exchange_alone=True)  # buckets and an exchange, as on each of k devices
     for leave in ("state_dict", "full_state_dict", "close"):
-        with AsyncComm(world=world) as comm:
-            dp = DataParallel(LeNet().double(), world=world, comm=comm)  # the default: a check every 100 steps
-            optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
-            for step in range(1, 8):
-                dp.zero_grad()
-                (F.cross_entropy(dp(X), y) * (NAN if step == 3 else 1.0)).backward()
-                dp.finish_gradient_sync()
-                optimizer.step()
-            with pytest.raises(NonFinite, match=f"^gradient NaN/Inf at step 3: rank 0's own gradient went non-finite.*"
-                               f"found by {leave}\\(\\) after step 7, before the next check every 100 steps"):
-                getattr(dp, leave)()
-            # Checked across ranks already: closes without a second error. One rank's state_dict()
-            # keeps the notes for the check every rank makes, which close() then makes.
-            with pytest.raises(NonFinite) if leave == "state_dict" else contextlib.nullcontext():
-                dp.close()
-            assert dp._closed
-        with AsyncComm(world=world) as comm, DataParallel(LeNet().double(), world=world, comm=comm) as healthy:
+        dp = DataParallel(LeNet().double(), world=world, options=alone)  # the default: a check every 100 steps
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+        for step in range(1, 8):
+            dp.zero_grad()
+            (F.cross_entropy(dp(X), y) * (NAN if step == 3 else 1.0)).backward()
+            dp.finish_gradient_sync()
+            optimizer.step()
+        with pytest.raises(NonFinite, match=f"^gradient NaN/Inf at step 3: rank 0's own gradient went non-finite.*"
+                           f"found by {leave}\\(\\) after step 7, before the next check every 100 steps"):
+            getattr(dp, leave)()
+        # Checked across ranks already: closes without a second error. One rank's state_dict()
+        # keeps the notes for the check every rank makes, which close() then makes.
+        with pytest.raises(NonFinite) if leave == "state_dict" else contextlib.nullcontext():
+            dp.close()
+        assert dp._closed
+        with DataParallel(LeNet().double(), world=world, options=alone) as healthy:
             healthy.zero_grad()
             F.cross_entropy(healthy(X), y).backward()
             healthy.finish_gradient_sync()
@@ -210,15 +209,14 @@ def test_state_leaving_a_replica_is_checked_first_and_nothing_non_finite_leaves(
 def test_close_while_an_error_is_on_its_way_checks_nothing():
     X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
     world = _world()
-    with AsyncComm(world=world) as comm:
-        dp = DataParallel(LeNet().double(), world=world, comm=comm)
-        dp.zero_grad()
-        (F.cross_entropy(dp(X), y) * NAN).backward()
-        dp.finish_gradient_sync()
-        with pytest.raises(KeyError):  # the script's own error stays the one reported
-            with dp:
-                raise KeyError("the script's own")
-        assert dp._closed
+    dp = DataParallel(LeNet().double(), world=world, options=DataParallelConfig(exchange_alone=True))
+    dp.zero_grad()
+    (F.cross_entropy(dp(X), y) * NAN).backward()
+    dp.finish_gradient_sync()
+    with pytest.raises(KeyError):  # the script's own error stays the one reported
+        with dp:
+            raise KeyError("the script's own")
+    assert dp._closed
 
 
 def test_a_world_of_one_checks_its_gradient_when_state_leaves():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.models import LeNet
-from phalanx.data_parallel import DataParallel, apply_memory_format, resolve_memory_format
+from phalanx.data_parallel import DataParallel, DataParallelConfig, apply_memory_format, resolve_memory_format
 from phalanx.data_parallel.buckets import build_buckets, grad_view, grads_are_bucket_views
 from phalanx.train import train_batch
 from phalanx.runtime.world import World
@@ -68,7 +68,7 @@ def test_channels_last_training_equals_the_default_layout():
     results = []
     for memory_format in (torch.contiguous_format, torch.channels_last):
         model = apply_memory_format(copy.deepcopy(base), memory_format)
-        with DataParallel(model, world=WORLD1, overlap=False) as dp:
+        with DataParallel(model, world=WORLD1, options=DataParallelConfig(overlap=False)) as dp:
             optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
             for step in range(3):
                 gen = torch.Generator().manual_seed(step)

@@ -58,9 +58,13 @@ class FakeComm:
     def launches(self) -> list[int]:
         return [entry[1] for entry in self.log if entry[0] == "launch"]
 
+    def allreduce(self, tensor: torch.Tensor, *, algorithm: str = "native", tag=None) -> torch.Tensor:
+        """The NaN/Inf check's synchronous sum (close() makes one): a world of one's is its own."""
+        return tensor
 
-def _dp(model: nn.Module, comm: FakeComm, **kwargs) -> DataParallel:
-    dp = DataParallel(model, world=WORLD1, comm=comm, **kwargs)
+
+def _dp(model: nn.Module, comm: FakeComm, **options) -> DataParallel:
+    dp = DataParallel.over(comm, model, world=WORLD1, options=DataParallelConfig(**options))
     comm.buffers = [b.buffer for b in dp.buckets]
     return dp
 
@@ -111,10 +115,12 @@ def test_ddp_first_bucket_rule():
 def test_dataparallel_bucket_options():
     assert len(_dp(LeNet(), FakeComm(), bucket_cap_mb=None).buckets) == 1
     assert len(_dp(LeNet(), FakeComm()).buckets) == 3
-    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
-        DataParallel(LeNet(), world=WORLD1, bucket_cap_mb=0, overlap=False)
-    with pytest.raises(ValueError, match="unknown allreduce .carrier-pigeon.; choose one of auto, native, shm"):
-        DataParallel(LeNet(), world=WORLD1, algorithm="carrier-pigeon", overlap=False)
+    with pytest.raises(ValueError, match="--bucket-cap-mb 0 must be a positive"):
+        DataParallelConfig(bucket_cap_mb=0, overlap=False)
+    with pytest.raises(ValueError, match="--allreduce .carrier-pigeon. is unknown; choose one of auto, native, shm"):
+        DataParallelConfig(allreduce="carrier-pigeon", overlap=False)
+    with pytest.raises(ValueError, match="first_bucket_cap_mb must be a positive number of MB .or None., got 0"):
+        DataParallelConfig(first_bucket_cap_mb=0)
 
 
 # --- the scheduler alone -------------------------------------------------------------------

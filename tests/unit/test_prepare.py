@@ -6,15 +6,16 @@ tests/distributed/test_prepare_equals_one_rank.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import phalanx
-from phalanx.comm import AsyncComm
 from phalanx.models import LeNet, build_model
-from phalanx.data_parallel import SyncBatchNorm, apply_memory_format
+from phalanx.data_parallel import DataParallelConfig, SyncBatchNorm, apply_memory_format, prepare_replica
 from phalanx.train import train_batch
 from phalanx.runtime.world import World
 
@@ -73,23 +74,33 @@ def test_a_world_of_one_is_the_plain_loop_step_for_step():
 
 
 def test_the_exchange_options_reach_the_replica():
-    with AsyncComm(world=WORLD1) as comm:  # a comm handed in keeps the buckets a world of one leaves out
-        with phalanx.prepare(LeNet(), world=WORLD1, comm=comm, grad_dtype="bf16") as dp:
-            assert len(dp.buckets) == 3 and dp.grad_dtype is torch.bfloat16
-            assert dp.choices.describe().startswith("allreduce native (auto), overlapped gradient exchange in 3 "
-                                                    "bucket(s) of [5.5, 400.0, 98.6] KB sent as bf16, channels_last")
-        # Without overlap one flat bucket, whatever the cap: nothing overlaps, so one call is fastest.
-        with phalanx.prepare(LeNet(), world=WORLD1, comm=comm, overlap=False, bucket_cap_mb=0.01) as dp:
-            assert len(dp.buckets) == 1 and dp.choices.describe().startswith(
-                "allreduce native (auto), synchronous gradient exchange in 1 bucket(s)")
-        with phalanx.prepare(LeNet(), world=WORLD1, comm=comm, algorithm="ring") as dp:
-            assert dp.choices.describe().startswith("allreduce ring, ")
+    # prepare's keywords build the replica's options, one object (a torch wire dtype by its name).
+    with phalanx.prepare(LeNet(), world=WORLD1, grad_dtype=torch.bfloat16, algorithm="ring", shard="optimizer",
+                         check_finite_every=7) as dp:
+        assert dp.options == DataParallelConfig(grad_dtype="bf16", allreduce="ring", shard="optimizer",
+                                                check_finite_every=7)
+    # exchange_alone keeps the buckets a world of one leaves out, as on each of k devices.
+    alone = DataParallelConfig(exchange_alone=True)
+    with prepare_replica(LeNet(), replace(alone, grad_dtype="bf16"), world=WORLD1) as dp:
+        assert len(dp.buckets) == 3 and dp.grad_dtype is torch.bfloat16
+        assert dp.choices.describe().startswith("allreduce native (auto), overlapped gradient exchange in 3 "
+                                                "bucket(s) of [5.5, 400.0, 98.6] KB sent as bf16, channels_last")
+    # Without overlap one flat bucket, whatever the cap: nothing overlaps, so one call is fastest.
+    with prepare_replica(LeNet(), replace(alone, overlap=False, bucket_cap_mb=0.01), world=WORLD1) as dp:
+        assert len(dp.buckets) == 1 and dp.options.bucket_cap_mb is None and dp.choices.describe().startswith(
+            "allreduce native (auto), synchronous gradient exchange in 1 bucket(s)")
+    with prepare_replica(LeNet(), replace(alone, allreduce="ring"), world=WORLD1) as dp:
+        assert dp.choices.describe().startswith("allreduce ring, ")
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"algorithm": "butterfly"}, "unknown allreduce 'butterfly'; choose one of auto, native, shm"),
+    ({"algorithm": "butterfly"}, "algorithm 'butterfly' is unknown; choose one of auto, native, shm"),
     ({"batchnorm": "global"}, "batchnorm 'global' is unknown; choose one of sync, local"),
-    ({"memory_format": "nhwc"}, "unknown memory format 'nhwc'"),
+    ({"memory_format": "nhwc"}, "memory_format 'nhwc' is unknown; choose one of auto, channels_last, contiguous"),
+    ({"bucket_cap_mb": 0}, "bucket_cap_mb 0 must be a positive number of MB"),
+    ({"shard": "optimizer", "algorithm": "tree"},
+     "shard optimizer reduce-scatters and all-gathers, which algorithm tree cannot; use algorithm auto, shm, "
+     "hierarchical, ring or native"),
     ({"dtype": "float8"}, "dtype 'float8' is unknown; choose one of float32, float64"),
     ({"grad_dtype": "int8"}, "grad_dtype 'int8' is unknown; choose one of bf16, fp16"),
     ({"grad_dtype": torch.float64}, "grad_dtype torch.float64 is not supported; use one of bf16, fp16"),
@@ -120,15 +131,15 @@ def _compiled_steps(dp, model_zero_grad) -> None:
 def test_compile_before_prepare_works_and_after_prepare_is_refused_naming_the_fix():
     # backend="eager": dynamo traces as torch.compile does (what the check sees) without
     # inductor's code generation, which takes minutes on a busy 2-core machine.
-    with AsyncComm(world=WORLD1) as comm:
-        with phalanx.prepare(torch.compile(_mlp(), backend="eager"), world=WORLD1, comm=comm) as dp:
-            assert dp.exchanging
-            _compiled_steps(dp, dp.zero_grad)
-            assert not dp.compiled_after_prepare
-        with phalanx.prepare(_mlp(), world=WORLD1, comm=comm) as dp:
-            compiled = torch.compile(dp, backend="eager")
-            with pytest.raises(phalanx.UsageError, match=r"the replica was compiled after prepare, and the compiled "
-                               r"wrapper's zero_grad\(\) is nn.Module's, which drops the buckets; compile the model "
-                               r"before prepare: dp = phalanx.prepare\(torch.compile\(model\), world=world\)$"):
-                _compiled_steps(compiled, compiled.zero_grad)  # nn.Module's zero_grad, not the replica's
+    alone = DataParallelConfig(exchange_alone=True)  # the buckets, as on each of k devices
+    with prepare_replica(torch.compile(_mlp(), backend="eager"), alone, world=WORLD1) as dp:
+        assert dp.exchanging
+        _compiled_steps(dp, dp.zero_grad)
+        assert not dp.compiled_after_prepare
+    with prepare_replica(_mlp(), alone, world=WORLD1) as dp:
+        compiled = torch.compile(dp, backend="eager")
+        with pytest.raises(phalanx.UsageError, match=r"the replica was compiled after prepare, and the compiled "
+                           r"wrapper's zero_grad\(\) is nn.Module's, which drops the buckets; compile the model "
+                           r"before prepare: dp = phalanx.prepare\(torch.compile\(model\), world=world\)$"):
+            _compiled_steps(compiled, compiled.zero_grad)  # nn.Module's zero_grad, not the replica's
     torch._dynamo.reset()

@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.comm import AsyncComm
-from phalanx.data_parallel import build_buckets, prepare
-from phalanx.data_parallel.flat_layout import FlatLayout, parameter_names
-from phalanx.data_parallel.sharded_optim import check_elementwise
+from phalanx.data_parallel import DataParallelConfig, build_buckets, prepare, prepare_replica
+from phalanx.data_parallel.sharding.flat_layout import FlatLayout, parameter_names
+from phalanx.data_parallel.sharding.optim import check_elementwise
 from phalanx.data_parallel.step import shard_loss
 from phalanx.models import LeNet
 from phalanx.runtime.world import World
@@ -72,10 +71,11 @@ def test_optimizers_that_need_a_whole_tensor_are_refused_and_elementwise_ones_pa
     check_elementwise(MyOptimizer, True)
 
 
-def _replica(shard: str, model: nn.Module | None = None, **kwargs):
+def _replica(shard: str, model: nn.Module | None = None, **options):
+    """A replica sharded on one device: exchange_alone builds the buckets and the sharded exchange."""
     torch.manual_seed(0)
-    comm = AsyncComm(world=WORLD1, algorithms=("native",))
-    return prepare(model or LeNet(), world=WORLD1, dtype="float64", comm=comm, shard=shard, **kwargs)
+    return prepare_replica(model or LeNet(), DataParallelConfig(shard=shard, exchange_alone=True, **options),
+                           world=WORLD1, dtype="float64")
 
 
 def _train(dp, optimizer, steps: int = 3, micro: int = 1) -> None:
@@ -158,8 +158,7 @@ def test_an_unknown_stage_is_one_line():
 def test_each_stage_runs_bf16_mixed_and_compressed_exchanges_as_the_plain_replica(stage):
     def train(shard: str, **options) -> dict:
         torch.manual_seed(0)
-        comm = AsyncComm(world=WORLD1, algorithms=("native",))
-        dp = prepare(LeNet(), world=WORLD1, comm=comm, shard=shard, **options)
+        dp = prepare_replica(LeNet(), DataParallelConfig(shard=shard, exchange_alone=True, **options), world=WORLD1)
         optimizer = dp.optimizer(torch.optim.Adam, lr=1e-3)
         generator = torch.Generator().manual_seed(3)
         for _ in range(3):

@@ -11,7 +11,7 @@ import torch
 
 from phalanx.errors import UsageError
 from phalanx.models import LeNet
-from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.runtime.world import RANKS_SHARE_GPU_VAR, World, ranks_share_gpu
 
 PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
@@ -38,4 +38,4 @@ def test_point_to_point_algorithms_are_refused_for_cuda_tensors_over_gloo(algori
                   backend="gloo", timeout_s=10.0)
     refusal = f"allreduce '{algorithm}' sends CUDA tensors point to point, which gloo cannot"
     with pytest.raises(ValueError, match=refusal):
-        DataParallel(LeNet(), world=world, algorithm=algorithm)
+        DataParallel(LeNet(), world=world, options=DataParallelConfig(allreduce=algorithm))

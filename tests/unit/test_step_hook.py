@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phalanx.data_parallel.guards import NonFinite
+from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.job.checkpointing import CheckpointConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig

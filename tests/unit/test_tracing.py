@@ -10,9 +10,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
-from phalanx.data_parallel import DataParallel
+from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.telemetry import Tracer, span
 from phalanx.telemetry.tracing import BUCKET_TID_BASE, MAIN_TID, _Comm, format_summary
 from phalanx.data_parallel.strategy import DataSplit
@@ -28,11 +27,10 @@ def _traced_epoch(tmp_path, *, steps_per_epoch=3, overlap=True, num_examples=80,
     images = torch.randint(0, 256, (num_examples, 1, 28, 28), dtype=torch.uint8)
     labels = torch.randint(0, 10, (num_examples,))
     tracer = Tracer(rank=0, world_size=1, steps_per_epoch=steps_per_epoch)
-    # A comm handed in keeps the buckets and hooks in a world of one (without it there is
-    # nothing to exchange and nothing to draw), so the bucket tracks are exercised here.
-    with AsyncComm(world=WORLD1) as comm, DataParallel(LeNet(), world=WORLD1, bucket_cap_mb=0.25, overlap=overlap,
-                                                       comm=comm) as dp:
-        dp.tracer = tracer
+    # exchange_alone keeps the buckets and hooks in a world of one (without it there is nothing
+    # to exchange and nothing to draw), so the bucket tracks are exercised here.
+    options = DataParallelConfig(bucket_cap_mb=0.25, overlap=overlap, exchange_alone=True)
+    with DataParallel(LeNet(), world=WORLD1, options=options, tracer=tracer) as dp:
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
         train_epoch(DataSplit(dp), optimizer, images, labels, world=WORLD1, global_batch_size=batch, seed=0, epoch=0,
                     tracer=tracer)

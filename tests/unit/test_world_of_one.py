@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phalanx.comm import AsyncComm
 from phalanx.models import LeNet
-from phalanx.data_parallel import DataParallel
-from phalanx.data_parallel.guards import check_finite
+from phalanx.data_parallel import DataParallel, DataParallelConfig
+from phalanx.data_parallel.guards.checks import check_finite
 from phalanx.train import train_batch
 from phalanx.data_parallel.strategy import DataSplit
 from phalanx.train.loop import _on_device, train_epoch
@@ -38,7 +37,7 @@ def _hooks(param: torch.nn.Parameter) -> int:
 @pytest.mark.parametrize("overlap", [True, False])
 def test_a_world_of_one_builds_no_exchange_machinery(overlap):
     threads_before = {t.name for t in threading.enumerate()}
-    with DataParallel(LeNet().double(), world=WORLD1, overlap=overlap) as dp:
+    with DataParallel(LeNet().double(), world=WORLD1, options=DataParallelConfig(overlap=overlap)) as dp:
         assert not dp.exchanging and dp.buckets == [] and dp._comm is None and dp._scheduler is None
         assert all(_hooks(p) == 0 for p in dp.module.parameters())
         X, y = _batches()[0]
@@ -47,10 +46,11 @@ def test_a_world_of_one_builds_no_exchange_machinery(overlap):
         assert set(dp.named_gradients()) == {f"{n}'s gradient" for n, _ in dp.module.named_parameters()}
         dp.zero_grad()
         assert all(p.grad is None for p in dp.module.parameters())  # as optimizer.zero_grad() leaves them
-    # Handing in a comm keeps the machinery: that is how one process tests the overlap code.
-    with AsyncComm(world=WORLD1) as comm, DataParallel(LeNet(), world=WORLD1, overlap=True, comm=comm) as dp:
-        assert dp.exchanging and len(dp.buckets) == 3
+    # exchange_alone keeps the machinery (its collectives return at once), closed with the replica.
+    with DataParallel(LeNet(), world=WORLD1, options=DataParallelConfig(overlap=True, exchange_alone=True)) as dp:
+        assert dp.exchanging and len(dp.buckets) == 3 and dp._comm is not None
         assert all(_hooks(p) == 1 for p in dp.module.parameters())
+    assert dp._comm is None
 
 
 @pytest.mark.parametrize("grad_accum_steps", [1, 3])
@@ -61,25 +61,24 @@ def test_a_world_of_one_trains_bitwise_like_the_plain_loop_and_the_bucketed_repl
     plain.load_state_dict(base.state_dict())
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
     models = {}
-    with AsyncComm(world=WORLD1) as comm:
-        for name, kwargs in (("one", {}), ("bucketed", {"comm": comm})):
-            model = LeNet().double()
-            model.load_state_dict(base.state_dict())
-            models[name] = DataParallel(model, world=WORLD1, **kwargs)
-        optimizers = {name: torch.optim.SGD(dp.module.parameters(), lr=0.1) for name, dp in models.items()}
-        for X, y in _batches():
-            plain_opt.zero_grad()
-            plain_loss = F.cross_entropy(plain(X), y, reduction="sum")
-            (plain_loss / X.shape[0]).backward()
-            plain_opt.step()
-            for name, dp in models.items():
-                loss_sum, correct = train_batch(dp, optimizers[name], X, y, global_batch_size=X.shape[0],
-                                                grad_accum_steps=grad_accum_steps)
-                assert loss_sum.dtype == torch.float64 and correct.dtype == torch.long
-                if grad_accum_steps == 1:
-                    assert torch.equal(loss_sum, plain_loss.detach().double())
-        for dp in models.values():
-            dp.close()
+    for name, options in (("one", DataParallelConfig()), ("bucketed", DataParallelConfig(exchange_alone=True))):
+        model = LeNet().double()
+        model.load_state_dict(base.state_dict())
+        models[name] = DataParallel(model, world=WORLD1, options=options)
+    optimizers = {name: torch.optim.SGD(dp.module.parameters(), lr=0.1) for name, dp in models.items()}
+    for X, y in _batches():
+        plain_opt.zero_grad()
+        plain_loss = F.cross_entropy(plain(X), y, reduction="sum")
+        (plain_loss / X.shape[0]).backward()
+        plain_opt.step()
+        for name, dp in models.items():
+            loss_sum, correct = train_batch(dp, optimizers[name], X, y, global_batch_size=X.shape[0],
+                                            grad_accum_steps=grad_accum_steps)
+            assert loss_sum.dtype == torch.float64 and correct.dtype == torch.long
+            if grad_accum_steps == 1:
+                assert torch.equal(loss_sum, plain_loss.detach().double())
+    for dp in models.values():
+        dp.close()
     for name, dp in models.items():
         for (key, a), b in zip(dp.module.state_dict().items(), plain.state_dict().values()):
             if grad_accum_steps == 1:

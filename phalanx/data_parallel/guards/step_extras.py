@@ -7,8 +7,8 @@ what the replica was built to do beyond the sum, in this order:
    that is a per-rank mean (exact only when every rank's shard is equally large; phalanx's own
    rule, `shard_loss`, is exact for any split).
 2. Plain BatchNorm running statistics, averaged across ranks (running_stats.py), so the
-   replicas stay one model; a model built without a stated BatchNorm policy gets a one-line
-   notice naming the choices at construction.
+   replicas stay one model; plain BatchNorm layers under the `sync` policy (a replica built
+   without prepare, which converts them) get a one-line notice naming the choices at construction.
 3. Rank 0's one-time look at the first synced step (first_step.py): a loss that bypassed
    `shard_loss`, a padding DistributedSampler.
 
@@ -25,28 +25,27 @@ import torch
 from torch import nn
 
 from phalanx.errors import PhalanxWarning
-from phalanx.data_parallel.first_step import FirstStepCheck, caller_frame
-from phalanx.data_parallel.running_stats import running_stats_of
+from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.guards.running_stats import running_stats_of
+from phalanx.data_parallel.sync_batchnorm import has_plain_batchnorm
 from phalanx.runtime.world import World
-
-BATCHNORM_STATED = (None, "sync", "local")
 
 
 class StepExtras:
-    """The after-the-sum parts of one replica's synced step; see the module docstring."""
+    """The after-the-sum parts of one replica's synced step; see the module docstring. `average`,
+    `average_running_stats` and `batchnorm` (the policy: sync or local) are the replica's options,
+    checked where they were made (config.py)."""
 
     def __init__(self, module: nn.Module, *, world: World, average: bool | None, average_running_stats: bool,
-                 batchnorm: str | None) -> None:
-        if average not in (None, True, False):
-            raise ValueError(f"average must be None, True or False, got {average!r}")
-        if batchnorm not in BATCHNORM_STATED:
-            raise ValueError(f"batchnorm {batchnorm!r} is unknown; choose one of sync, local (or None)")
+                 batchnorm: str) -> None:
         self.world = world
         self.divide_by = world.world_size if average and world.distributed else None
         self.running_stats = running_stats_of(module) if average_running_stats and world.distributed else None
-        if self.running_stats is not None and batchnorm is None and world.is_main:
+        unapplied = batchnorm == "sync" and has_plain_batchnorm(module)  # layers no one made SyncBatchNorm
+        if self.running_stats is not None and unapplied and world.is_main:
+            # Named at the caller's line: here <- DataParallel._build <- DataParallel() or .over <- the caller.
             warnings.warn(batchnorm_notice(self.running_stats.num_layers, world.world_size), PhalanxWarning,
-                          stacklevel=3)
+                          stacklevel=4)
         # Rank 0 looks at the first synced step; the other ranks would find the same and stay quiet.
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
                                          check_loss=average is None) if world.distributed and world.is_main else None

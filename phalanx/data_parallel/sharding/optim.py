@@ -1,7 +1,7 @@
 """`dp.optimizer(torch.optim.AdamW, lr=...)`: any element-wise torch optimizer, over this rank's shard.
 
 A replica built with `shard=` hands its optimizer not the model's parameters but this rank's
-*pieces* of them (sharded.py's `Sharding.piece`: 1-D views of the rank's range, each with the
+*pieces* of them (stages.py's `Sharding.piece`: 1-D views of the rank's range, each with the
 matching range of the summed gradient as its `.grad`). The optimizer is the user's own class,
 unchanged - a real `torch.optim.AdamW`, so learning-rate schedulers, `param_groups` and
 `state_dict()` work as always - and keeps state only for those pieces: 1/k of it. Its step
@@ -112,7 +112,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
 
 @dataclass(frozen=True)
 class ShardedOptimizerRecord:
-    """A sharded optimizer's pieces, each with where it lies (sharded.py's OwnedPiece), and the
+    """A sharded optimizer's pieces, each with where it lies (stages.py's OwnedPiece), and the
     parameter names of each of its groups (all of them, also those other ranks own)."""
 
     pieces: list

@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from phalanx.data_parallel.flat_layout import intersect, laid_out_like, memory_order_of
+from phalanx.data_parallel.sharding.flat_layout import intersect, laid_out_like, memory_order_of
 
 PARAMETERS = "parameters"  # the key of the parameters' own values among the state keys
 

@@ -5,10 +5,10 @@ its share - one contiguous range of the flat order (flat_layout.py) - of, respec
 optimizer state; that and the summed gradients; all of that and the parameters at rest
 (Rajbhandari et al. 2020, "ZeRO"). The update stays the 1-device update: gradients are still
 summed over every rank, only each rank's sum covers its own range, and an element-wise optimizer
-(sharded_optim.py) updates that range as it would update the whole. Per bucket, as backward
+(optim.py) updates that range as it would update the whole. Per bucket, as backward
 fills it, the exchange is a reduce-scatter instead of an allreduce (a ring allreduce's first
 half); the updated ranges are all-gathered back after the optimizer step (stages 1, 2) or just
-before each layer runs (stage 3) - sharded_params.py and gather_hooks.py.
+before each layer runs (stage 3) - params.py and gather_hooks.py.
 
 - Stage 1: gradients as unsharded, views into each bucket's gradient buffer; the bucket's
   reduce-scatter runs in place, so this rank's range of it is its summed shard gradient.
@@ -30,25 +30,17 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data_parallel.buckets import Bucket, grad_view
-from phalanx.data_parallel.flat_layout import (FlatLayout, Slot, free_storage, memory_order, parameter_names,
+from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, Slot, free_storage, memory_order, parameter_names,
                                                refill_storage)
-from phalanx.data_parallel.gather_hooks import GatherHooks
-from phalanx.data_parallel.sharded_optim import WholeOptimizerGuard
-from phalanx.data_parallel.sharded_params import ShardedParameters
+from phalanx.data_parallel.sharding.gather_hooks import GatherHooks
+from phalanx.data_parallel.sharding.optim import WholeOptimizerGuard
+from phalanx.data_parallel.sharding.params import ShardedParameters
 from phalanx.runtime.binding import give_back_freed_memory
 
 SHARD_STAGES = ("none", "optimizer", "gradients", "parameters")
 # Stages 2 and 3: buckets whose whole gradient buffer may be alive at once (launched, not yet
 # waited); a launch beyond it waits the oldest first. Two keeps one in flight while the next fills.
 MAX_IN_FLIGHT = 2
-
-
-def check_shard(stage: str, *, flag: str | None = None) -> str:
-    """`stage` if it is a sharding stage; ValueError naming the valid ones otherwise."""
-    if stage not in SHARD_STAGES:
-        named = f"{flag} {stage!r}" if flag else f"shard {stage!r}"
-        raise ValueError(f"{named} is unknown; choose one of {', '.join(SHARD_STAGES)}")
-    return stage
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,14 +83,13 @@ class ShardedHandle:
 
 
 class Sharding:
-    """A replica's sharded state and its collectives, built by DataParallel over its buckets.
-    `comm`/`algorithm` carry the reduce-scatters and all-gathers, tagged like the allreduces;
-    `steps()` is the replica's synced steps so far (the step in a gather's tag)."""
+    """A replica's sharded state and its collectives, built by DataParallel over its buckets for
+    a sharded `stage` (its options checked the name). `comm`/`algorithm` carry the
+    reduce-scatters and all-gathers, tagged like the allreduces; `steps()` is the replica's
+    synced steps so far (the step in a gather's tag)."""
 
     def __init__(self, *, stage: str, module: nn.Module, buckets: Sequence[Bucket], rank: int, world_size: int,
                  comm: AsyncComm, algorithm: str, steps: Callable[[], int]) -> None:
-        if check_shard(stage) == "none":
-            raise ValueError("Sharding is for the sharded stages; shard='none' builds none")
         self.stage, self.buckets = stage, list(buckets)
         self._comm, self._algorithm = comm, algorithm
         self.keeps_gradients = stage == "optimizer"

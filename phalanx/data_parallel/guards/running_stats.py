@@ -21,7 +21,7 @@ collective before forward, and on one host it is the shared-memory allreduce, te
 Summed in float64, so float32 statistics that already agree come back bitwise unchanged.
 Layers that are already identical on every rank (phalanx's SyncBatchNorm) are left out; a model
 without running statistics gets no `RunningStats` at all, so LeNet's step is unchanged. Other
-buffers are broadcast once at construction and covered by the replica check (guards.py).
+buffers are broadcast once at construction and covered by the replica check (checks.py).
 """
 
 from __future__ import annotations

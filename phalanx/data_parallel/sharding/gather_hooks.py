@@ -1,6 +1,6 @@
 """Stage 3 (`shard="parameters"`): a layer's parameters gathered just before it runs, freed after.
 
-At rest each rank holds only its range of the flat order (sharded_params.py); a bucket's
+At rest each rank holds only its range of the flat order (params.py); a bucket's
 parameters are whole only while a layer that owns some of them computes. `GatherHooks` hooks
 every module that owns parameters directly:
 
@@ -14,7 +14,7 @@ every module that owns parameters directly:
   (that gradient arrives before the module's backward runs, which reads the weights) and
   starts the next bucket's gather in backward's order;
 - **after backward**: a bucket is freed once its gradients have all landed and its
-  reduce-scatter launches (sharded.py's `fill`).
+  reduce-scatter launches (stages.py's `fill`).
 
 So a step gathers most buckets twice (forward, backward) and holds at most the buckets in use:
 FSDP's `reshard_after_forward=True`. Every gather is a collective that every rank must reach in
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.data_parallel.sharded_params import ShardedParameters
+from phalanx.data_parallel.sharding.params import ShardedParameters
 
 _COLLECTIVE_FORWARD = "_phalanx_collective_forward"
 

@@ -40,7 +40,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from phalanx.data_parallel.guards import NonFinite
+from phalanx.data_parallel.guards.checks import NonFinite
 from phalanx.runtime.world import World
 
 DEFAULT_CHECK_FINITE_EVERY = 100  # as `phalanx train --check-every`, which sets it for its replicas
@@ -58,11 +58,10 @@ def _first(bad: list[bool], since: int) -> int:
 
 
 class FiniteCheck:
-    """One replica's NaN/Inf watch; see the module docstring. `every`: synced steps between checks."""
+    """One replica's NaN/Inf watch; see the module docstring. `every`: synced steps between checks
+    (the replica's `check_finite_every`, checked where its options were made: config.py)."""
 
     def __init__(self, *, every: int, world: World) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise ValueError(f"check_finite_every must be 0 (off) or a number of steps, got {every!r}")
         self.every, self.world = every, world
         self._mine: list[torch.Tensor] = []  # this step's own bucket sums, in launch order
         self._steps: list[torch.Tensor] = []  # per synced step since the last check: own sums, then summed

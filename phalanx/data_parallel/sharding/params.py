@@ -2,7 +2,7 @@
 
 Every stage makes each bucket's parameters views into one flat buffer laid out as the bucket's
 gradients (flat_layout.py), so this rank's range of a bucket is one slice, and the optimizer's
-pieces (sharded_optim.py) are views of it. Stages 1 and 2 keep the buffers whole, as slices of
+pieces (optim.py) are views of it. Stages 1 and 2 keep the buffers whole, as slices of
 one buffer of the whole flat order: after each optimizer step `gather_after_step` all-gathers it
 once, so each replica holds the updated whole. Stage 3 (`shard="parameters"`) keeps only a copy
 of this rank's range (`shard`); a bucket is whole only between `ensure_gathered` (an all-gather
@@ -29,7 +29,7 @@ from torch import nn
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data.split import shard_sizes
 from phalanx.data_parallel.buckets import Bucket
-from phalanx.data_parallel.flat_layout import (FlatLayout, flatten_parameters, free_storage, memory_order_of,
+from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, flatten_parameters, free_storage, memory_order_of,
                                                refill_storage)
 
 

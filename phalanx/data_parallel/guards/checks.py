@@ -91,11 +91,6 @@ def preflight_check(world: World, fields: dict[str, Any]) -> None:
                     "model, settings and data")
 
 
-def parameter_checksums(module: torch.nn.Module) -> torch.Tensor:
-    """One float64 sum per parameter, plus an index-weighted sum that catches permutations."""
-    return tensor_checksums(list(module.parameters()))
-
-
 def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per tensor: the float64 sum and an index-weighted sum (catches permutations)."""
     sums = []
