@@ -194,12 +194,15 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
     if chosen is None or lines[chosen] is None:
         return PeerStalled(f"{waited}, past the {timeout_s:g} s timeout; raise --timeout if a step can really take that long")
     line, state = lines[chosen], states[chosen]
-    if line.state == WAITING and line.block is not None and chosen in lacking:
-        return _mismatch(board, line.rank, line.block, ticket)
     word = _STATE_WORDS.get(state or "", state or "unknown")
     text = f"worker rank {line.rank} stopped responding (state: {word}){_after(line)}; {waited}"
     if state in ("T", "t"):
+        # Before the mismatch rule: a rank stopped inside a wait still shows the collective it was
+        # in, which its peers may have completed and left (shm: rank 0 sums bucket 1 while stopped
+        # rank 1 never read bucket 0's result). The stop is the cause, not the order of calls.
         return PeerStalled(f"{text} (SIGSTOP, Ctrl-Z or a debugger?)", culprit=line.rank)
+    if line.state == WAITING and line.block is not None and chosen in lacking:
+        return _mismatch(board, line.rank, line.block, ticket)
     return PeerStalled(f"{text}: rank {line.rank} did not arrive within the {timeout_s:g} s timeout; "
                        "raise --timeout if a step can really take that long", culprit=line.rank)
 

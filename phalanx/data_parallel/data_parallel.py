@@ -256,7 +256,7 @@ class DataParallel(ReplicaModule):
             raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare,
                                      sharded=self.sharding is not None)
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
-        self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._allreduce_now)
+        self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
         self._extras.after_exchange(summed, self._allreduce_now)
 
     def check_synced(self, what: str) -> None:
@@ -269,8 +269,8 @@ class DataParallel(ReplicaModule):
         share of them (sharding/optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
-    def _allreduce_now(self, flat: torch.Tensor) -> None:
-        self._comm.allreduce(flat, algorithm=self.algorithm)
+    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = Tag()) -> None:
+        self._comm.allreduce(flat, algorithm=self.algorithm, tag=tag)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each

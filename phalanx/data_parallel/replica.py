@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from phalanx.comm import broadcast_
+from phalanx.comm import Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.runtime.world import World
 
@@ -82,7 +82,7 @@ class ReplicaModule(nn.Module):
         found = self._finite.found_by(where, self._synced_steps)
         if not self.exchanging:
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps, found=found)
-        self._finite.check_now(step=self._synced_steps, allreduce=self._allreduce_now, found=found)
+        self._finite.check_now(step=self._synced_steps, allreduce=self._finite_check_sum, found=found)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, detached copies: under shard="parameters" its
@@ -112,8 +112,12 @@ class ReplicaModule(nn.Module):
     def named_gradients(self) -> dict[str, torch.Tensor]:  # DataParallel's: what the NaN/Inf check reads
         raise NotImplementedError
 
-    def _allreduce_now(self, flat: torch.Tensor) -> None:  # DataParallel's: a small sum over the ranks
+    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = Tag()) -> None:  # DataParallel's: a small sum
         raise NotImplementedError
+
+    def _finite_check_sum(self, flat: torch.Tensor) -> None:
+        """The NaN/Inf check's sum, tagged so that a peer in another collective names it."""
+        self._allreduce_now(flat, tag=Tag("NaN/Inf check", step=self._synced_steps))
 
     def __enter__(self):
         return self

@@ -63,14 +63,14 @@ def test_the_nan_check_runs_between_replays():
         _train(True, check_every=2, poison_at=5)
 
 
-def test_the_job_names_the_capture_in_its_first_line_and_trains_as_eagerly(tmp_path, sample_dir, capsys, monkeypatch):
+def test_the_job_names_the_capture_in_its_first_line_and_trains_as_eagerly(tmp_path, idx_dir, capsys, monkeypatch):
     from phalanx.cli import main
     from phalanx.job.config import TrainConfig
     from phalanx.telemetry.metrics import read_metrics
     from phalanx.train.graph_plan import GraphPlan
 
     # 3,000 images in batches of 512: 5 full ones (3 warm-up, 1 checked, 1 replayed) and one of 440.
-    args = ["train", "--devices", "cpu:1", "--data-dir", str(sample_dir), "--epochs", "1", "--no-progress",
+    args = ["train", "--devices", "cpu:1", "--data-dir", str(idx_dir), "--epochs", "1", "--no-progress",
             "--batch-size", "512"]
     assert main([*args, "--out", str(tmp_path / "eager")]) == 0
     eager_line = capsys.readouterr().out.splitlines()[0]

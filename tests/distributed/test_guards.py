@@ -86,3 +86,28 @@ def test_a_diverging_run_stops_with_one_line_naming_step_and_rank(tmp_path):
     assert len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith("phalanx: run stopped: loss is nan at step ")
     assert lines[0].endswith("; lower --lr or check the data")
+
+
+def test_a_sharded_run_checked_every_step_passes(tmp_path):
+    """Under --shard parameters the replica check compares the buffers: between steps each rank
+    holds only its own range of the parameters, whatever the rest of their memory reads (it once
+    named "rank 0's conv1.weight differs from rank 0's")."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:2", "--dataset", "synthetic",
+                           "--shard", "parameters", "--check-every", "1", "--epochs", "1", "--no-progress",
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _nan_alike(world) -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))  # the same NaN bits on every rank
+    return _outcome(lambda: check_replicas(world, model, step=1))
+
+
+def test_the_same_nan_on_every_rank_is_no_divergence():
+    assert run_workers(_nan_alike, 2, timeout_s=60) == ["ok", "ok"]

@@ -70,7 +70,7 @@ def test_a_dead_peer_is_named_within_a_second():
         run_workers(_dead_peer, 2, timeout_s=60)
     assert time.monotonic() - started < 20  # start-up, 0.5 s to notice, teardown; not rank 1's 30 s
     first = str(info.value).splitlines()[0]
-    assert "worker rank 0 failed: ShmError: shm allreduce: rank 1 (pid" in first, str(info.value)[-2000:]
+    assert "worker rank 0 failed: ShmPeerGone: shm allreduce: rank 1 (pid" in first, str(info.value)[-2000:]
     assert "died while rank 0 waited for it" in first
 
 

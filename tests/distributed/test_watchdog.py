@@ -39,7 +39,10 @@ SHORT_BY_ONE = textwrap.dedent("""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
-    options = phalanx.DataParallelConfig(allreduce=algorithm, overlap=overlap, bucket_cap_mb=0.0005)
+    # "return": every step's gradient is checked as it is summed, so close() has nothing left to
+    # check and no collective to make; "close": close() checks the steps since the last check.
+    options = phalanx.DataParallelConfig(allreduce=algorithm, overlap=overlap, bucket_cap_mb=0.0005,
+                                         check_finite_every=1 if then == "return" else 100)
     dp = phalanx.DataParallel(model, world=world, options=options)
     optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
     loader = phalanx.ShardedLoader(data, world=world, global_batch_size=8, seed=0)
@@ -136,6 +139,16 @@ def test_a_rank_that_finished_normally_while_another_waits_is_reported_as_such(t
     assert ("phalanx: run stopped: rank 1 finished its work normally after step 7 while rank 0 waits for it in step "
             "8's gradient bucket 0 (524 B)") in first, stderr[-3000:]
     assert "died" not in stderr
+
+
+def test_a_rank_closing_while_another_waits_names_the_finite_check_it_is_in(tmp_path):
+    returncode, stderr, elapsed_s = phalanx_run_short_by_one(tmp_path, "close", "shm", "overlap")
+    first = launcher_line(stderr)
+    assert returncode == 1, stderr[-3000:]
+    sides = {"rank 1 is in NaN/Inf check after step 7 (32 B); rank 0 in step 8's gradient bucket 0",
+             "rank 0 is in step 8's gradient bucket 0 (524 B); rank 1 in NaN/Inf check after step 7"}
+    assert any(side in first for side in sides), first
+    assert elapsed_s < 60, f"{elapsed_s:.0f} s: the 60 s timeout ran out instead"
 
 
 def _forgets_finish_gradient_sync(world) -> list[float]:

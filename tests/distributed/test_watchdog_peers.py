@@ -54,3 +54,17 @@ def test_at_the_deadline_the_stopped_peer_is_named(stopped_process):
         check(world_of(a), mine, waited_s=20.2, timeout_s=20)
     assert str(info.value).startswith("worker rank 1 stopped responding (state: stopped) after step 57; rank 0 waited "
                                       "20 s in step 58's gradient bucket 0 (64 B)")
+
+
+def test_a_peer_stopped_inside_a_collective_its_peers_completed_is_named_stopped_not_mismatched(stopped_process):
+    """shm: both ranks entered bucket 0 and rank 0 read the sum and went on to bucket 1, while rank 1
+    was stopped before it saw the result; its board still says it waits in bucket 0. That is a stop,
+    not two ranks calling collectives in different orders."""
+    a, b = boards(2, pids=[None, stopped_process])
+    theirs = b.enter(COMM, Tag("gradient", 0, step=6), 64)
+    b.block(theirs)  # rank 1 waits in bucket 0 when SIGSTOP arrives
+    a.settled(a.enter(COMM, Tag("gradient", 0, step=6), 64))
+    mine = a.enter(COMM, Tag("gradient", 1, step=6), 128)
+    with pytest.raises(PeerStalled) as info:
+        check(world_of(a), mine, waited_s=5.2, timeout_s=5)
+    assert str(info.value).startswith("worker rank 1 stopped responding (state: stopped)"), str(info.value)

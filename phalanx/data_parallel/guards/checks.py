@@ -119,7 +119,9 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, b
         dist.all_gather(gathered, mine)
     when = f"at step {step}" if step is not None else "before evaluation"
     for rank, theirs in enumerate(gathered):
-        differs = (theirs != gathered[0]).nonzero().flatten().tolist()
+        # Bit patterns, not values: a NaN checksum on every rank alike is not a divergence (the
+        # NaN/Inf check names it), and NaN != NaN would call a rank different from itself.
+        differs = (theirs.view(torch.int64) != gathered[0].view(torch.int64)).nonzero().flatten().tolist()
         if differs:
             name, kind = named[differs[0] // 2]
             cause = ("a buffer the forward updates from each rank's own data (running statistics?); keep DataParallel's "
