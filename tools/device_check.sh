@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The measurements that need a machine this project is not built on (one GPU, 16 CPU cores), as
+# one script that fits a lent device's session: `tools/device_check.sh gpu` or `... cpu`, each
+# under 8 minutes, every log and JSON under $OUT (default: runs/device-check). Each step has its
+# own deadline and a failed step does not stop the next. Data: SAMPLE (IDX files) tiled to 60,000
+# training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
+# depend on what the pixels show).
+#   tools/device_check.sh gpu [SAMPLE]   # tests/gpu, bench gpu, float64 graphs vs eager
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, bench scaling 1,8, allreduce 2,8, threads
+set -uo pipefail
+mode="${1:?usage: tools/device_check.sh gpu|cpu [SAMPLE_DIR]}"
+sample="${2:-}"
+out="${OUT:-runs/device-check}"
+mkdir -p "$out"
+py="${PYTHON:-python3}"
+step() {  # step NAME SECONDS CMD...: run with a deadline, log to $out/NAME.log, note its exit code
+    local name="$1" limit="$2"; shift 2
+    local began=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc $((SECONDS - began))s" | tee -a "$out/steps.txt"
+}
+
+"$py" -m pip install --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
+nproc >"$out/host.txt"; "$py" -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$out/host.txt"
+command -v nvidia-smi >/dev/null && nvidia-smi >>"$out/host.txt" 2>&1
+data="$out/fashion-mnist-60k"
+step data 120 "$py" - "$sample" "$data" <<'EOF'
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from phalanx.data import load_digits_dataset, write_idx
+from phalanx.data.idx import read_idx
+
+sample, target = sys.argv[1], Path(sys.argv[2])
+target.mkdir(parents=True, exist_ok=True)
+sizes = {"train": 60_000, "t10k": 10_000}
+for prefix, n in sizes.items():
+    if sample:
+        def find(name):  # the sample's files, compressed or not
+            return next(p for p in (Path(sample) / f"{name}.gz", Path(sample) / name) if p.exists())
+        images = np.asarray(read_idx(find(f"{prefix}-images-idx3-ubyte")))
+        labels = np.asarray(read_idx(find(f"{prefix}-labels-idx1-ubyte")))
+    else:
+        digits = load_digits_dataset()
+        images = torch.cat([digits.train_images, digits.test_images])[:, 0].numpy()
+        labels = torch.cat([digits.train_labels, digits.test_labels]).numpy().astype(np.uint8)
+    pick = np.arange(n) % images.shape[0]
+    write_idx(target / f"{prefix}-images-idx3-ubyte", images[pick], gzip=False)
+    write_idx(target / f"{prefix}-labels-idx1-ubyte", labels[pick], gzip=False)
+print("wrote", target)
+EOF
+
+case "$mode" in
+    gpu)
+        step tests-gpu 240 "$py" -m pytest tests/gpu -q -p no:cacheprovider
+        step bench-gpu 200 "$py" -m phalanx bench gpu --out "$out/bench-gpu"
+        for graphs in on off; do
+            step "float64-graphs-$graphs" 60 "$py" -m phalanx train --devices cuda:0 --data-dir "$data" --dtype float64 \
+                --epochs 2 --cuda-graphs "$graphs" --no-progress --out "$out/float64-graphs-$graphs"
+        done
+        "$py" - "$out" >"$out/float64-graphs-vs-eager.txt" 2>&1 <<'EOF'
+import sys
+import torch
+a = torch.load(f"{sys.argv[1]}/float64-graphs-on/model.pt", map_location="cpu")
+b = torch.load(f"{sys.argv[1]}/float64-graphs-off/model.pt", map_location="cpu")
+worst = max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-300)).item() for k in b if b[k].is_floating_point())
+print(f"graphs vs eager, float64, 2 epochs: worst relative difference {worst:.3g}")
+EOF
+        ;;
+    cpu)
+        for k in 1 2 4 8; do
+            step "train-cpu$k" 90 "$py" -m phalanx train --devices "cpu:$k" --data-dir "$data" --epochs 2 --no-progress \
+                --out "$out/train-cpu$k"
+        done
+        step threads 120 "$py" -m pytest tests/distributed/test_threads.py -q -p no:cacheprovider
+        step allreduce 90 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4K,512K,16M \
+            --rounds 3 --out "$out/bench-allreduce"
+        step scaling 150 "$py" -m phalanx bench scaling --devices 1,8 --rounds 1 --out "$out/bench-scaling"
+        ;;
+    *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu or cpu" >&2; exit 2 ;;
+esac
+cat "$out/steps.txt"
