@@ -31,7 +31,7 @@ from phalanx.runtime.world import World
 
 _MB = 1024 * 1024
 # Sizes at which the two parts take similar time: a 512 matmul is ~3.4 ms on one core, a 64 MB
-# gloo allreduce ~53 ms (BASELINES.md). GPU: D2L's 4000 x 4000 matmuls; ten fp32 ones on an
+# gloo allreduce ~53 ms (2 processes, loopback). GPU: D2L's 4000 x 4000 matmuls; ten fp32 ones on an
 # H100-class GPU take ~30 ms, about a 512 MB copy to pinned memory at ~25 GB/s (estimates).
 _DEFAULTS = {"cpu": {"matrix_size": 512, "matmuls": 16, "transfer_mb": 64.0},
              "cuda": {"matrix_size": 4096, "matmuls": 10, "transfer_mb": 512.0}}

@@ -1,6 +1,6 @@
 """`phalanx bench memory`: what each rank holds and how fast it steps, phalanx's ZeRO stages beside PyTorch's.
 
-Contenders (issue 27), each k fresh processes training a model with Adam on one fixed synthetic
+Contenders, each k fresh processes training a model with Adam on one fixed synthetic
 batch: torch DDP; DDP with `ZeroRedundancyOptimizer` (ZeRO-1: each rank the Adam state of
 whole parameters it is assigned); FSDP2 (`fully_shard` per layer, then the root: ZeRO-3); and
 phalanx with `shard="none" | "optimizer" | "gradients" | "parameters"`. How each runs, is timed

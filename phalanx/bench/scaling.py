@@ -54,7 +54,7 @@ class ScalingBenchConfig:
     warmup_steps: int = option(2, check=at_least(0), help="untimed steps first")
     steps: int = option(6, check=at_least(1), help="timed steps per configuration")
     rounds: int = option(3, check=at_least(1), help="interleaved rounds, fresh processes each")
-    lr: float = 0.2  # BASELINES.md's setting; the update's size does not change its cost
+    lr: float = 0.2  # the book's SGD lr, as `phalanx train`'s; the update's size does not change its cost
     seed: int = 0
     timeout_s: float = 120.0  # bound on one collective
     deadline_s: float = 600.0  # bound on one configuration's processes

@@ -21,8 +21,8 @@ the default says only "allreduce"). One launch path serves every algorithm and c
 with its tag, and waited and settled the same way for every transport (calls.py); a
 reduce-scatter or all-gather brings only its native launch and its job (shards.py).
 
-One deadline, whatever is in flight (issue 21). Once a job on the thread fails, the jobs queued
-behind it fail at once instead of each waiting out its own timeout (27 queued buckets took 27
+One deadline, whatever is in flight. Once a job on the thread fails, the jobs queued behind it
+fail at once instead of each waiting out its own timeout (27 queued buckets would take 27
 timeouts), and `close()` cancels what is queued and tells a wait in progress on the shared
 segment to give up, so teardown after a failure takes at most a poll interval. `open_comm`
 opens the AsyncComm a replica exchanges through and says what runs and why: `auto` falls back

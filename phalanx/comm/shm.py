@@ -2,7 +2,7 @@
 allreduce" where every rank can read every other rank's memory.
 
 gloo has no shared-memory path (pytorch/gloo#455): on one host each call still goes through
-loopback TCP and pays ~0.3-1.3 ms however small (BASELINES.md), while an MPI or DeepSpeed
+loopback TCP and pays ~0.3-1.3 ms however small (docs/benchmarks.md), while an MPI or DeepSpeed
 shared-memory allreduce on the same host costs tens of microseconds (deepspeedai/DeepSpeed#5391).
 `ShmGroup` maps one segment into every local rank and sums through it:
 

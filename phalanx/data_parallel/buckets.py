@@ -1,7 +1,7 @@
 """Gradient buckets: flat buffers that the parameters' `.grad` tensors live inside as views.
 
 One collective per bucket instead of one per tensor: on gloo every call pays a ~0.6-1.2 ms floor
-(BASELINES.md), so LeNet's 8 gradient tensors cost ~15 ms as 8 calls and ~3.6 ms as one.
+(loopback TCP, however small), so LeNet's 8 gradient tensors cost ~15 ms as 8 calls and ~3.6 ms as one.
 Parameters are packed in *reverse* registration order - the order autograd produces their
 gradients - so that overlap.py can launch a bucket as soon as its last gradient
 lands (the choice torch DDP makes in `_compute_bucket_assignment_by_size`). With

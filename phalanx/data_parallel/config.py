@@ -31,7 +31,7 @@ from phalanx.options import OptionError, at_least, check_options, finite, option
 # overlapped buckets, while step time stays within noise for all (p10 62.8-63.8 ms) - presumably
 # because on two busy cores the communication's CPU time comes out of backward's. 3 is the
 # fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
-# gloo every call pays a ~1 ms floor (BASELINES.md), so CPU buckets stay few.
+# gloo every call pays a ~1 ms floor on loopback TCP, so CPU buckets stay few.
 DEFAULT_BUCKET_CAP_MB = 0.25
 # --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -24,7 +24,7 @@ full_state_dict, close).
 
 Its options come as one object, `DataParallelConfig` (config.py), checked where it was made. A
 world of one has nothing to exchange, so it builds nothing: no buckets, hooks, thread or
-collectives; the step is the plain PyTorch loop's (issue 11). `exchange_alone=True` builds the
+collectives; the step is the plain PyTorch loop's. `exchange_alone=True` builds the
 whole exchange on one device all the same (the step each of k devices runs), and
 `DataParallel.over(comm, ...)` exchanges over a comm of the caller's (one that counts bytes).
 A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP

@@ -1,11 +1,11 @@
 """The `nn.Module` face of a data-parallel replica: what lets `DataParallel` stand where the model stood.
 
 Code written for torch DDP, or for the plain model, calls `.train()`, `.eval()`, `.parameters()`,
-`.state_dict()`, `.to()` and `model(x)` on the wrapper (issue 22, case 5: the port needed
-`.module` in 6 places). `ReplicaModule` gives them, over the wrapped model held as the submodule
-`module` (DDP's name, so `dp.module` keeps working), broadcast from rank 0 at construction
-(`broadcast_state_`). One deliberate difference from DDP: names
-carry no `module.` prefix - `dp.state_dict()` and `dp.named_parameters()` are the model's own, so
+`.state_dict()`, `.to()` and `model(x)` on the wrapper; without them a ported script needs
+`.module` wherever it touches the model. `ReplicaModule` gives them, over the wrapped model held
+as the submodule `module` (DDP's name, so `dp.module` keeps working), broadcast from rank 0 at
+construction (`broadcast_state_`). One deliberate difference from DDP: names carry no `module.`
+prefix - `dp.state_dict()` and `dp.named_parameters()` are the model's own, so
 `torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
 how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones.
 What leaves it - `state_dict()`, `full_state_dict()`, `check_finite()` - first checks the

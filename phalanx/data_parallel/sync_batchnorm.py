@@ -125,7 +125,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             # save_mean / save_invstd must be *defined* tensors; empty ones mean "not saved: use the
             # running statistics" (our global ones). None works on the CPU, and on CUDA only where
             # the fused kernel runs: CUDA's other path (a 2-D BatchNorm1d input, channels_last, or
-            # no input gradient) asserts `save_mean->defined()` (issue 11; aten/src/ATen/native/
+            # no input gradient) asserts `save_mean->defined()` (aten/src/ATen/native/
             # cuda/Normalization.cu, batch_norm_backward_cuda).
             not_saved = x.new_empty(0)
             dx_fixed_stats, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(

@@ -1,6 +1,6 @@
 """What a training worker holds in memory: the bytes of its tensors, and its resident set.
 
-Two measurements, both read in the worker itself (`bench memory`, issue 27):
+Two measurements, both read in the worker itself (`bench memory`):
 
 - **Held bytes** of parameters, gradients and optimizer state, from the tensors a rank really
   holds after its steps, never from a formula: every distinct storage reached from them counted

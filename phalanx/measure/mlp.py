@@ -1,13 +1,13 @@
 """The benchmark models by name: LeNet, the MLPs and the ResNet, all built by `phalanx.models`.
 
-LeNet's gradient is 504 KB, so on gloo its allreduce is latency-bound (BASELINES.md); the MLP
+LeNet's gradient is 504 KB, so on gloo its allreduce is latency-bound (~1.5 ms, as for 4 KB); the MLP
 784 -> 2048 -> 2048 -> 10 (`phalanx.models.mlp.WideMLP`, 5.8 M parameters, a 23 MB gradient)
 has about 2.6x LeNet's FLOPs per image, so bandwidth and overlap decide its scaling. `bench
 scaling` and `predict` time those two (`BENCH_MODELS`). `bench memory` adds `mlp-wide`, the MLP
 784 -> 4 x 4096 -> 10 (53.6 M parameters: 214 MB of float32 weights, 858 MB with gradients and
 Adam's two moments, so the model's state outweighs the process's own ~300 MB; its largest
-layer holds 31% of them, as a many-layer model's does, where one 7168 x 7168 layer held 90% and
-any sharding had that one whole gradient to hold at once), and the reduced ResNet-18, whose
+layer holds 31% of them, as a many-layer model's does; one 7168 x 7168 layer holding 90% would
+leave any sharding that one whole gradient to hold at once), and the reduced ResNet-18, whose
 BatchNorm every contender runs on its own rank's batch.
 """
 

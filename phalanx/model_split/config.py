@@ -16,7 +16,7 @@ from phalanx.options import check_options, option
 
 @dataclass(frozen=True, kw_only=True)
 class SplitConfig:
-    """model split: how the work is spread over the devices (issue 13)"""
+    """model split: how the work is spread over the devices"""
 
     kind: str = option("data", flag="--split", choices=SPLITS,
                        help="data (replicas), layers (a pipeline of LeNet's layers) or channels (every layer's "

@@ -1,6 +1,6 @@
 """The wide MLP 784 -> 2048 -> 2048 -> 10: a model whose gradient is big enough for bandwidth to matter.
 
-LeNet's gradient is 504 KB, so on gloo its allreduce is latency-bound (BASELINES.md); this MLP
+LeNet's gradient is 504 KB, so on gloo its allreduce is latency-bound (~1.5 ms, as for 4 KB); this MLP
 has 5.8 M parameters (a 23 MB gradient) for about 2.6x LeNet's FLOPs per image, so bandwidth and
 overlap decide its scaling. The benchmarks use it (`phalanx.measure.mlp`); it is registered as
 `build_model("mlp")` so training, `verify` and `predict` can name it too.

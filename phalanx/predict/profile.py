@@ -9,8 +9,8 @@ A device is profiled as it will run at k: with its share of the batch (the large
 ceil(B/k): the slowest rank sets the pace) and, when the k devices are processes sharing this
 host (loopback), with the thread count each worker gets (cores // k, at least 1) *and* with as
 many copies running at the same time as it will have, up to twice the cores - co-running
-processes slow each other down (memory bandwidth, caches: ~18% for two LeNet workers,
-BASELINES.md), and time-sliced ones more than the arithmetic share (context switches; with only
+processes slow each other down (memory bandwidth, caches: ~18% for two LeNet
+workers), and time-sliced ones more than the arithmetic share (context switches; with only
 as many copies as cores the k = 3 prediction on 2 cores read +26%, with all three -2%), which a
 lone process would not show. Beyond twice the cores the time-slicing is arithmetic
 (timeline.py), from the cores other programs kept busy meanwhile (/proc/stat's busy time minus

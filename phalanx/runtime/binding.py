@@ -198,7 +198,7 @@ def too_many_workers(local_workers: int, cores: int | None = None) -> str | None
     """A one-line warning when more CPU workers share this host than it has cores, else None.
 
     Each worker then runs part of the time, and a lockstep step waits for the one that ran least:
-    one synthetic epoch took 56 s wall on cpu:16 against 6 s on cpu:2, on 2 cores (issue 28)."""
+    on 2 cores one synthetic epoch takes 56 s wall on cpu:16 against 6 s on cpu:2."""
     cores = available_cores() if cores is None else cores
     if local_workers <= cores:
         return None
@@ -235,8 +235,8 @@ def give_back_freed_memory() -> bool:
 def keep_freed_memory_mapped() -> bool:
     """phalanx's one allocator setting for CPU workers: glibc keeps large freed blocks on the heap
     instead of returning them with munmap/trim, so the next step's activations do not page-fault
-    in again (BASELINES.md: 6-13% of a batch-256 step, up to 1.5x at 1024; a one-device `phalanx
-    train` measured 0.7-0.8 against 0.5 s/epoch with it).
+    in again (those faults cost 6-13% of a batch-256 step, up to 1.5x at 1024; a one-device
+    `phalanx train` epoch takes 0.7-0.8 s without the setting, 0.5 s with it).
 
     Made with `mallopt` inside the process, not with MALLOC_* variables at spawn: glibc reads those
     once at process start, so they reach only processes phalanx starts itself, while mallopt also

@@ -6,10 +6,10 @@ results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the
 `phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
 
 Each worker sends one report (its result, or its error) through its own pipe *before* its
-`teardown` callbacks leave the process group, so a gloo abort at process exit
-(BASELINES.md: ~1 in 80 runs, SIGABRT after destroy_process_group) cannot lose a finished
-result. A group phalanx opens no longer hits it (runtime/world.py, `_import_group_defaults`,
-says why it happened); a contender or a user's script that opens its own group still may. The
+`teardown` callbacks leave the process group, so a gloo abort at process exit (SIGABRT after
+destroy_process_group, ~1 run in 80 where the group outlives it) cannot lose a finished result.
+A group phalanx opens does not hit it (runtime/world.py's `_import_group_defaults` says why); a
+contender or a user's script that opens its own group may. The
 first failure takes every worker down, with whatever each started (its process group: SIGTERM,
 then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank that
 broke first, with its traceback; a rank that only stopped because of it (its collective lost a

@@ -163,25 +163,17 @@ def start_world(
 
 
 def _import_group_defaults() -> None:
-    """Import torch.distributed.nn.functional before the group phalanx opens exists, so that
-    leaving the world frees the group and ends gloo's threads.
+    """Import torch.distributed.nn.functional before phalanx opens its group, so that leaving the
+    world frees the group and ends gloo's threads.
 
-    That module takes `group=group.WORLD` as default arguments, evaluated when it is first
-    imported; every torch optimizer's constructor imports torch._dynamo, which imports it.
-    Imported after init_process_group, those defaults hold the default group for good:
-    destroy_process_group cannot free it, gloo's worker threads outlive it into interpreter exit,
-    and one still releasing its last allreduce there needs the GIL and aborts the process
-    ("terminate called without an active exception", SIGABRT; 4 in 30 two-node torchrun runs
-    here, where it failed the node and the other node's agent waited out its exit barrier).
-    Imported first, the defaults are None, and stop_world's destroy_process_group frees the group
-    (its Python holder ends gloo's threads with the GIL released).
-
-    Only for the group phalanx opens: a script that opens its own group keeps torch's behaviour
-    (under `phalanx run` as under torchrun). Freed early, a group whose last holder is torch
-    DDP's Reducer - a script that destroys the group while its DDP model lives - is joined with
-    the GIL held, and deadlocks against a gloo thread that needs it (seen in 2 of 6 runs of
-    tests/distributed/scripts/torchrun_style.py); held to the end, it can only abort at exit,
-    which the launcher tolerates once the results are in.
+    That module's functions take `group=group.WORLD` as default arguments, evaluated at its first
+    import (any torch optimizer's constructor imports it, through torch._dynamo). Imported after
+    init_process_group, the defaults hold the default group for good: destroy_process_group cannot
+    free it, gloo's threads live on into interpreter exit, and one that needs the GIL there aborts
+    the process (SIGABRT). Imported first, the defaults are None and stop_world frees the group.
+    Only the group phalanx opens gets this: freeing a group early deadlocks a script that destroys
+    it while its torch DDP model lives, so a script's own group keeps torch's behaviour - held to
+    the end, it can at worst abort at exit, after the results are in (docs/how-it-works.md, Launcher).
     """
     import torch.distributed.nn.functional  # noqa: F401
 
@@ -192,8 +184,8 @@ def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size
     torchrun's agent, or phalanx's launcher, hosts the store at MASTER_PORT
     (TORCHELASTIC_USE_AGENT_STORE=True; otherwise rank 0 hosts it, as `env://` would). After a
     restart (`--max-restarts`) the new workers can find the previous attempt's keys in it - gloo's
-    peer addresses among them - and connect to a dead peer until the timeout; measured here as a
-    flaky "connectFullMesh ... Connection refused" or a hang in `new_group` (cf.
+    peer addresses among them - and connect to a dead peer until the timeout, which shows as an
+    intermittent "connectFullMesh ... Connection refused" or a hang in `new_group` (cf.
     pytorch/pytorch#167288). Prefixing every key with the run id and restart count makes each
     attempt's rendezvous its own.
     """

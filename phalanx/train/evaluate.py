@@ -10,7 +10,7 @@ the model's floating dtype, as `evaluate` casts its images (a float64 model from
 "float64")` takes a float32 Dataset; Lightning's precision plugins convert a batch the same way).
 It first checks that the replicas' buffers agree (one small all-gather): each rank evaluates
 its shard with its own replica, so replicas whose running statistics drifted apart would be
-mixed into one number without a word (issue 22). Where forward is itself a collective (a
+mixed into one number without a word. Where forward is itself a collective (a
 replica with `shard="parameters"` gathers each layer's weights), every rank runs as many
 batches as the rank with the most, padding with empty ones (`lockstep_batches`). Its default metric, `classification_sums`, is for a classifier returning logits and refuses
 anything else (probabilities, one output column, float labels) with the fix: a `sums=` of yours.

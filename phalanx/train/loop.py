@@ -35,7 +35,7 @@ class EpochStats:
 
 
 class Strategy(Protocol):
-    """How this rank takes part in training, whichever way the work is split (issue 19).
+    """How this rank takes part in training, whichever way the work is split.
 
     `train_epoch` and the job drive data parallelism (data_parallel/strategy.py's `DataSplit`) and
     the model splits (model_split/: pipeline, channels) through these alone: the loop reads rows
@@ -122,7 +122,8 @@ def train_epoch(
     device = images.device
     batches = _on_device(global_batches(images.shape[0], global_batch_size, seed=seed, epoch=epoch), device)
     # Running sums stay on the device (torch.full writes a scalar, no host copy); the example
-    # count is host arithmetic. Nothing inside the loop reads a device value (issue 11).
+    # count is host arithmetic. Nothing inside the loop reads a device value: on a GPU each read would
+    # make the host wait for the device.
     earlier = list(start_totals[:3]) if len(start_totals) == 4 else [0.0, 0, 0]
     loss_total = torch.full((), float(earlier[0]), dtype=torch.float64, device=world.device)
     correct_total = torch.full((), int(earlier[1]), dtype=torch.long, device=world.device)

@@ -1,8 +1,8 @@
 """`reduce`: one value a user's loop wants to log, summed or averaged over the ranks.
 
-Once a script runs on k ranks every number it prints is one rank's (issue 22, case 7): with
+Once a script runs on k ranks every number it prints is one rank's: with
 `shard_loss` the loss a rank backpropagates is its shard's sum / the *global* batch size, about
-the mean / k, so `loss.item()` printed 1.148 where the 1-device script printed 2.31. The
+the mean / k, so `loss.item()` prints, say, 1.148 where the 1-device script prints 2.31. The
 global batch's mean loss is the *sum* of those shares over the ranks:
 
     world.print(f"loss {phalanx.reduce(loss, op='sum', world=world):.4f}")   # the 1-device number

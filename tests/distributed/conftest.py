@@ -1,8 +1,8 @@
 """Fixtures for the distributed tests alone: `smoke_sized_cores`, for the benchmark smoke tests.
 
 The benchmarks size themselves from the cores they may use (threads per process, the "torch N
-threads" contenders, autopar's lanes); a smoke test must not grow with the machine (issue 11: the
-scaling smoke took 95 s on 16 cores). A module opts in with
+threads" contenders, autopar's lanes); a smoke test must not grow with the machine (on 16 cores
+the scaling smoke would take 95 s). A module opts in with
 `pytestmark = pytest.mark.usefixtures("smoke_sized_cores")`; a test that checks the sizing asks
 for the fixture by name and gets the core count it was held to.
 """

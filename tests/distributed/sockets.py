@@ -1,5 +1,5 @@
 """The TCP addresses a process listens on, read from Linux /proc: for the tests that a run's
-rendezvous store and gloo's pairs listen on loopback only (issue 21)."""
+rendezvous store and gloo's pairs listen on loopback only."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every python block of docs/api.md runs (issue 28 item 7): the complete script with its
+"""Every python block of docs/api.md runs: the complete script with its
 continuing snippets (accumulation, logging, saving on rank 0, a barrier, gathered predictions, a
 script's own checkpoint) under `phalanx run --devices cpu:2`, twice - the second run resumes what
 the first saved - and every other script on the page as it stands (torch.compile's in one

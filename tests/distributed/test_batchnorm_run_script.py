@@ -1,4 +1,4 @@
-"""A BatchNorm model in a user's `phalanx run` script (issue 22, case 1 and the habits around it),
+"""A BatchNorm model in a user's `phalanx run` script (and the DDP habits around it),
 tests/distributed/ddp_habits_script.py on 1 and 2 workers, float64, 2 epochs of uneven batches:
 
 - phalanx's way (`prepare`: SyncBatchNorm): 2 workers end within 1e-9 relative of 1 worker

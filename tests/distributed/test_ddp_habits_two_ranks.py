@@ -1,4 +1,4 @@
-"""A DDP user's habits on 2 gloo ranks (issue 22), one spawn for all of them:
+"""A DDP user's habits on 2 gloo ranks, one spawn for all of them:
 
 - a mean loss is named in one warning on rank 0 at the first step (and never again, nor on rank 1);
   through `shard_loss` nothing is said; `average=True` is DDP's mean of per-rank means and ends

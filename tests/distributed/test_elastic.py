@@ -36,7 +36,7 @@ RESTART = (r"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\)[^;]*; res
 
 
 def _said(stderr: str) -> list[str]:
-    """The launcher's own lines but the oversubscription warning (3 workers on a 2-core host, issue 28 item 5)."""
+    """The launcher's own lines but the oversubscription warning (3 workers on a 2-core host)."""
     return [line for line in stderr.splitlines() if line.startswith("phalanx: ") and
             not line.startswith("phalanx: warning: ")]
 

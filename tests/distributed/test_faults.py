@@ -92,7 +92,7 @@ def test_a_killed_worker_stops_every_process_fast_naming_rank_and_step(tmp_path,
     returncode, stderr, elapsed_s, workers = kill_a_worker_mid_run(argv, tmp_path / "run", devices, victim)
     assert returncode != 0
     assert elapsed_s < 30, f"took {elapsed_s:.1f} s to stop"
-    # The first line but the oversubscription warning (3 workers on a 2-core host: issue 28 item 5).
+    # The first line but the oversubscription warning (3 workers on a 2-core host).
     first = next(line for line in stderr.splitlines() if not line.startswith("phalanx: warning: "))
     assert f"worker rank {victim} failed: died (signal SIGKILL) after step" in first, stderr[-2000:]
     assert_all_gone(workers)

@@ -1,4 +1,4 @@
-"""A NaN on one rank under `phalanx run` (issue 28 item 4): the allreduce spreads it to every
+"""A NaN on one rank under `phalanx run`: the allreduce spreads it to every
 replica, and DataParallel's finite check stops the run within its interval in one line naming
 the step and the rank it came from - sharded too (each rank then sums its own range only); with
 the check off the script ends 0 and saves NaN weights. A NaN after the last periodic check (or in

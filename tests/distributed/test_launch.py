@@ -55,8 +55,8 @@ def start_a_child(world, pid_dir, fail: bool):
 @pytest.mark.distributed
 @pytest.mark.parametrize("fail", [True, False])
 def test_what_a_worker_started_ends_with_the_run(tmp_path, fail):
-    # Was: a worker's children (DataLoader workers, a resource tracker) were left running,
-    # reparented to init, after a failed run (issue 28).
+    # A worker's children (DataLoader workers, a resource tracker) end with the run, failed or not,
+    # instead of running on, reparented to init.
     if fail:
         with pytest.raises(WorkerFailed, match="rank 0 gives up"):
             launch(start_a_child, tmp_path, fail, spec=_spec(2))

@@ -1,4 +1,4 @@
-"""The launcher's endings, probed from outside (issue 21): a run that delivered its results has
+"""The launcher's endings, probed from outside: a run that delivered its results has
 succeeded however long its workers take to tear down; two SIGTERMs in quick succession, or a
 stop while torch is still loading, end in the one "stopped" or "interrupted" line with 128 +
 the signal's number and nothing left behind; every line a worker printed reaches the terminal,
@@ -44,8 +44,8 @@ def deliver_then_linger(world, linger_s: float) -> tuple[int, int]:
 
 
 def test_a_teardown_slower_than_the_collective_timeout_is_still_a_success():
-    # Was: "worker rank 0 failed: delivered its result but did not exit in time (hung in
-    # teardown?)": the wait for workers to exit was bounded by timeout_s, which is about collectives.
+    # The wait for workers to exit is bounded by teardown_s, not by timeout_s (which is about collectives):
+    # under timeout_s this run would end "worker rank 0 failed: delivered its result but did not exit in time".
     results = launch(deliver_then_linger, 8.0, spec=_spec(2, timeout_s=5.0))
     assert [rank for rank, _ in results] == [0, 1]
 
@@ -74,8 +74,8 @@ def _leftovers(tmp_path: Path) -> list[str]:
     (signal.SIGINT, 0.02, 130, "phalanx: interrupted"),
 ])
 def test_a_second_stop_signal_while_stopping_is_absorbed(tmp_path, signum, gap_s, code, line):
-    # Was (SIGTERM twice, as a scheduler escalating): the launcher died of the second one, exit
-    # -15, no "stopped" line, $TMPDIR/phalanx-rendezvous-* left behind with its store file.
+    # SIGTERM twice, as a scheduler escalating: unabsorbed, the second kills the launcher (exit -15, no
+    # "stopped" line, $TMPDIR/phalanx-rendezvous-* left behind with its store file).
     out = tmp_path / "run"
     proc = _start([*TRAIN, "--epochs", "200", "--out", str(out)], tmp_path)
     try:
@@ -122,7 +122,7 @@ def _wait_until_torch_loads(pid: int, timeout_s: float = 60.0) -> None:
     (signal.SIGTERM, 143, "phalanx: stopped by SIGTERM; every worker was stopped"),
 ])
 def test_a_stop_while_torch_is_loading_is_one_line(tmp_path, entry, signum, code, line):
-    # Was: a 41-line KeyboardInterrupt traceback (SIGTERM: killed by it, no line at all).
+    # Unhandled, SIGINT here is a 41-line KeyboardInterrupt traceback, and SIGTERM kills without a line.
     command = PHALANX if entry.startswith("python") else _console_script()
     proc = _start([*TRAIN, "--epochs", "1"], tmp_path, command=command)
     try:
@@ -153,9 +153,9 @@ FLOOD_LINES = 19_000  # ~1.1 MB per rank
 
 @pytest.mark.parametrize("stdout_to, unbuffered", [("file", False), ("pipe", True)])
 def test_every_line_reaches_the_terminal_whole_when_a_run_fails(tmp_path, stdout_to, unbuffered):
-    # Was: block-buffered (a file, PYTHONUNBUFFERED unset), the last ~60 lines of each rank were
-    # lost, the stopped rank's and the failing rank's own; unbuffered, ~1,000 of 38,000 lines
-    # were torn (print wrote text and newline separately, and two ranks' writes interleaved).
+    # Block-buffered (a file, PYTHONUNBUFFERED unset), a rank stopped or failing loses its last ~60 lines
+    # unless it flushes first; unbuffered, print writes text and newline separately and two ranks' writes
+    # interleave (~1,000 of 38,000 lines torn) unless each line is written in one piece.
     script = tmp_path / "flood.py"
     script.write_text(FLOOD.format(lines=FLOOD_LINES))
     env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
@@ -180,7 +180,7 @@ def test_every_line_reaches_the_terminal_whole_when_a_run_fails(tmp_path, stdout
 
 
 def test_a_worker_that_exits_0_has_succeeded(tmp_path):
-    # Was: "worker rank 0 failed: exited with code 0 without a result", exit 1.
+    # Exit 0 is success even without a result, not "worker rank 0 failed: exited with code 0 without a result".
     script = tmp_path / "early_exit.py"
     script.write_text("import os, phalanx\nworld = phalanx.init()\nprint(f'rank {world.rank} done')\n"
                       "if world.rank == 0:\n    os._exit(0)\n")
@@ -211,7 +211,7 @@ def _file_size_limit(limit_bytes: int):
 
 @pytest.mark.parametrize("devices", ["1", "cpu:2"])
 def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, devices):
-    # Was: a 20-line traceback that named the temporary file, or nothing.
+    # One line naming the file: not a 20-line traceback naming the temporary file, nor silence.
     out = tmp_path / "run"
     proc = subprocess.run([*PHALANX, "train", "--devices", devices, "--dataset", "synthetic", "--epochs", "1",
                            "--no-progress", "--allreduce", "native", "--out", str(out)],

@@ -47,7 +47,7 @@ def test_a_global_batch_larger_than_the_training_set_gets_a_one_line_note(capsys
 
 
 def test_the_command_offline_prints_one_line_then_tries_no_more(tmp_path, monkeypatch, capsys):
-    # Was: two "downloading http://..." lines and a ~330-character line on every run, and an empty cache.
+    # Not two "downloading http://..." lines and a ~330-character line on every run, nor an empty cache.
     offline = Offline()
     monkeypatch.setattr(fashion_mnist, "fetch_url", offline)
     monkeypatch.setenv("PHALANX_DATA_DIR", str(tmp_path / "cache"))

@@ -1,5 +1,5 @@
-"""Case 3 of issue 21 end to end: two runs started 0.5 s apart on one --out no longer both "succeed"
-with one's files silently replacing the other's. The second stops in one line naming the first's
+"""Two runs started 0.5 s apart on one --out, end to end: they must not both "succeed" with one's
+files silently replacing the other's. The second stops in one line naming the first's
 pid (exit 2) and writes nothing; the first finishes whole. A later plain run on that --out is
 refused (it would overwrite a finished run); `--resume auto` continues the first run and says
 what changed; `--overwrite` starts afresh. The model.pt of a run whose disk is full (the atomic

@@ -1,7 +1,7 @@
 """A torchrun script whose DataLoader has worker processes, and no `__main__` guard, under
-`phalanx run` (issue 28, item 1): its loader workers start as under torchrun (the platform's
-start method, not the launcher's spawn, which re-ran the script in every loader worker and had
-each call `phalanx.init()`), so every pipeline ends bitwise equal to num_workers=0; and when a
+`phalanx run`: its loader workers start as under torchrun (the platform's start method, not
+the launcher's spawn, which would re-run the script in every loader worker and have each call
+`phalanx.init()`), so every pipeline ends bitwise equal to num_workers=0; and when a
 loader worker raises, the run ends in seconds and nothing it started outlives it - no process
 (loader workers, a resource tracker) and no segment in /dev/shm.
 """

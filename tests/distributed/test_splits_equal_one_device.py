@@ -1,4 +1,4 @@
-"""--split layers and --split channels compute the 1-device update (issue 13), and keep the job's contract.
+"""--split layers and --split channels compute the 1-device update, and keep the job's contract.
 
 Real runs through the real launcher and job on k spawned gloo workers, float64, 2 epochs of a
 small generated dataset (uneven last batch): the final parameters of every split at k = 2 and

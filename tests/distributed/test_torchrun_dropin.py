@@ -1,4 +1,4 @@
-"""`phalanx run` takes a script written for torchrun unchanged (issue 22): every worker gets
+"""`phalanx run` takes a script written for torchrun unchanged: every worker gets
 torchrun's environment, no process group is opened for it, its own `init_process_group("gloo")`
 (env://) joins phalanx's rendezvous, and it ends with the same model as under torchrun; it also
 gets phalanx's one-line failures and `--timeout` on the group it opened. `phalanx.init()` after
@@ -47,8 +47,8 @@ def test_a_torchrun_script_runs_unchanged_and_ends_as_under_torchrun(tmp_path):
     under_phalanx.mkdir()
     ran = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(SCRIPT), "--out", str(under_torchrun)],
                          capture_output=True, text=True, timeout=300, env=_env())
-    # torchrun fails a job whose worker hit gloo's known exit-time abort (BASELINES.md, Traps:
-    # SIGABRT after destroy_process_group, ~1 in 80 runs); everything was written by then.
+    # torchrun fails a job whose worker hit gloo's known exit-time abort (SIGABRT after
+    # destroy_process_group, ~1 run in 80 for a group the script opens); everything was written by then.
     exit_time_abort = "exitcode  : -6" in ran.stderr and all(
         (under_torchrun / name).exists() for name in ("model.pt", "rank0.json", "rank1.json"))
     assert ran.returncode == 0 or exit_time_abort, ran.stderr[-3000:]
@@ -100,7 +100,7 @@ def test_a_failing_torchrun_script_is_one_line_naming_the_rank(tmp_path):
     assert ran.returncode == 1
     assert ran.stderr.splitlines()[0] == "phalanx: worker rank 1 failed: ValueError: rank 1 found bad data"
     # Rank 1's traceback from the script down, as `python script.py` prints it; rank 0, whose
-    # barrier lost its peer, is one line at most (issue 28 item 10: it was a second traceback).
+    # barrier lost its peer, is one line at most, not a second traceback.
     lines = ran.stderr.splitlines()
     assert lines[1:5] == ["--- rank 1 ---", "Traceback (most recent call last):",
                           f'  File "{script}", line 5, in <module>', '    raise ValueError("rank 1 found bad data")']
@@ -144,7 +144,7 @@ def _on_one_core() -> None:
 
 
 def test_more_workers_than_cores_is_one_warning_line(tmp_path):
-    # Was silent: --devices cpu:16 on 2 cores ran one epoch in 56 s against 6 s on cpu:2 (issue 28).
+    # Oversubscription is named: on 2 cores --devices cpu:16 runs an epoch in 56 s against 6 s on cpu:2.
     script = _script(tmp_path, "")
     ran = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--quiet", str(script)],
                          capture_output=True, text=True, timeout=300, env=_env(), preexec_fn=_on_one_core)

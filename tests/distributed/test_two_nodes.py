@@ -1,4 +1,4 @@
-"""Several machines, tested on one: a 2-node torchrun job on this host (issue 22).
+"""Several machines, tested on one: a 2-node torchrun job on this host.
 
 Two torchrun agents, as two machines would start them (`--nnodes 2 --node-rank 0|1
 --nproc-per-node 1`, static rendezvous at 127.0.0.1 on a free port: loopback only), run

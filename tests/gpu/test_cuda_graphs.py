@@ -35,9 +35,9 @@ CUDA = torch.device("cuda", 0)
 WORLD = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=CUDA, backend="none", timeout_s=30.0)
 
 
-def _train(tmp_path, sample_dir, name: str, *extra: str) -> tuple[dict, str]:
+def _train(tmp_path, idx_dir, name: str, *extra: str) -> tuple[dict, str]:
     out = tmp_path / name
-    code = main(["train", "--data-dir", str(sample_dir), "--epochs", "2", "--dtype", "float64", "--no-progress",
+    code = main(["train", "--data-dir", str(idx_dir), "--epochs", "2", "--dtype", "float64", "--no-progress",
                  "--out", str(out), *extra])
     assert code == 0
     return torch.load(out / "model.pt", weights_only=True), str(out)
@@ -48,13 +48,13 @@ def _relative(a: dict, b: dict) -> float:
                if b[k].is_floating_point())
 
 
-def test_float64_graphs_equal_eager_and_cpu_within_1e_9(tmp_path, sample_dir, capsys):
-    graphs, _ = _train(tmp_path, sample_dir, "graphs", "--devices", "cuda:0", "--cuda-graphs", "on")
+def test_float64_graphs_equal_eager_and_cpu_within_1e_9(tmp_path, idx_dir, capsys):
+    graphs, _ = _train(tmp_path, idx_dir, "graphs", "--devices", "cuda:0", "--cuda-graphs", "on")
     first = capsys.readouterr().out.splitlines()[0]
     assert "step captured as one CUDA graph" in first
-    eager, _ = _train(tmp_path, sample_dir, "eager", "--devices", "cuda:0", "--cuda-graphs", "off")
+    eager, _ = _train(tmp_path, idx_dir, "eager", "--devices", "cuda:0", "--cuda-graphs", "off")
     assert "eager step (--cuda-graphs off)" in capsys.readouterr().out.splitlines()[0]
-    cpu, _ = _train(tmp_path, sample_dir, "cpu", "--devices", "cpu:1")
+    cpu, _ = _train(tmp_path, idx_dir, "cpu", "--devices", "cpu:1")
     out = capsys.readouterr().out
     assert "abandoned" not in out
     # 3,000 images at 256: 11 full batches (3 warm-up, 1 checked, 7 replayed in epoch 1) and one of 184.
@@ -125,8 +125,8 @@ def test_a_capture_that_raises_runs_eagerly_and_says_so():
 
 
 @pytest.mark.parametrize("extra", [["--model", "lenet-bn"], ["--optimizer", "adam"], ["--momentum", "0.9"]])
-def test_batchnorm_adam_and_momentum_are_captured(tmp_path, sample_dir, capsys, extra):
-    code = main(["train", "--devices", "cuda:0", "--data-dir", str(sample_dir), "--epochs", "1", "--no-progress",
+def test_batchnorm_adam_and_momentum_are_captured(tmp_path, idx_dir, capsys, extra):
+    code = main(["train", "--devices", "cuda:0", "--data-dir", str(idx_dir), "--epochs", "1", "--no-progress",
                  "--cuda-graphs", "on", *extra])
     out = capsys.readouterr().out
     assert code == 0 and "step captured as one CUDA graph" in out.splitlines()[0] and "abandoned" not in out
@@ -137,8 +137,8 @@ def test_batchnorm_adam_and_momentum_are_captured(tmp_path, sample_dir, capsys, 
     (["--warmup-epochs", "0.5"], "eager step (lr warmup changes the lr every step"),
     (["--cuda-graphs", "off"], "eager step (--cuda-graphs off)"),
 ])
-def test_refusals_are_named_in_the_first_line(tmp_path, sample_dir, capsys, extra, words):
-    code = main(["train", "--devices", "cuda:0", "--data-dir", str(sample_dir), "--epochs", "1", "--no-progress",
+def test_refusals_are_named_in_the_first_line(tmp_path, idx_dir, capsys, extra, words):
+    code = main(["train", "--devices", "cuda:0", "--data-dir", str(idx_dir), "--epochs", "1", "--no-progress",
                  *extra])
     assert code == 0 and words in capsys.readouterr().out.splitlines()[0]
 

@@ -1,4 +1,4 @@
-"""One GPU, one process (issue 11): an epoch never synchronises the host with the GPU, and the
+"""One GPU, one process: an epoch never synchronises the host with the GPU, and the
 BatchNorm model trains. Skipped where no GPU is present; tests/unit/test_world_of_one.py checks
 on the CPU what can be checked there (no host read of a tensor inside an epoch)."""
 

@@ -1,4 +1,4 @@
-"""The multi-process CUDA path on a machine with one GPU (issue 11): two ranks share cuda:0 and
+"""The multi-process CUDA path on a machine with one GPU: two ranks share cuda:0 and
 talk over gloo (PHALANX_RANKS_SHARE_GPU, read in runtime/world.py), so broadcast,
 bucketed and overlapped gradient exchange (hooks on autograd's CUDA thread, a side stream
 included), evaluation, training, sync BatchNorm, checkpoint/resume and `phalanx verify` all run

@@ -100,8 +100,8 @@ def test_evaluate_dataset_counts_every_example_once():
 
 
 def test_evaluate_dataset_follows_a_float64_models_dtype():
-    # Was: "RNN input dtype (torch.float32) does not match weight dtype (torch.float64)" from inside
-    # evaluate_dataset, while the internal evaluate cast its images.
+    # Uncast, a float32 batch fails inside evaluate_dataset with "RNN input dtype (torch.float32) does not
+    # match weight dtype (torch.float64)"; it is cast as the internal evaluate casts its images.
     torch.manual_seed(0)
 
     class Tagger(nn.Module):  # a GRU over the sequence, then logits from its last state

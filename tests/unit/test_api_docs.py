@@ -1,4 +1,4 @@
-"""docs/api.md and the README agree and lead with `prepare` (issue 28 item 7): the same complete
+"""docs/api.md and the README agree and lead with `prepare`: the same complete
 script, an API table that starts with init and prepare and names every public name, and snippets
 that form one script (tests/distributed/test_api_doc.py runs them)."""
 

@@ -327,8 +327,8 @@ def test_crossover_is_where_concurrency_stops_winning(speedups, want):
 
 
 def test_the_sweep_verdict_follows_the_numbers_of_the_h200():
-    """Exercise 2 on an H200 (2026-11-27): 1.14x at n=32 and 1.26x at n=1024, 0.95-1.03x elsewhere. It
-    once read "concurrency wins below n=2048 (at least 1.10x faster, except at n=64, 128, 256, 512)"."""
+    """Exercise 2 on an H200 (2026-11-27): 1.14x at n=32 and 1.26x at n=1024, 0.95-1.03x elsewhere:
+    two isolated wins, not "concurrency wins below n=2048 (at least 1.10x faster, except at n=64, 128, 256, 512)"."""
     sizes, speedups = [32, 64, 128, 256, 512, 1024, 2048], [1.14, 0.97, 0.95, 0.98, 0.98, 1.26, 1.03]
     cross = autopar_report.crossover(sizes, speedups)
     assert cross["kind"] == "isolated" and cross["wins"] == [32, 1024] and cross["size"] is None

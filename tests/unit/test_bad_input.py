@@ -1,4 +1,4 @@
-"""The bad-input catalogue (issue 4), each entry a `phalanx train` run that must be refused cleanly.
+"""The bad-input catalogue, each entry a `phalanx train` run that must be refused cleanly.
 
 Every entry runs the real command in this process (`phalanx.cli.main`) and asserts the contract:
 exit code 2, exactly one line on stderr, `phalanx: error: <problem>; <fix>` (the row's problem
@@ -256,7 +256,7 @@ def test_checksum_mismatch_on_download(wrong_mirror, tmp_path, capsys):
     assert len(re.findall(r"MD5 [0-9a-f]{32} != official 8d4fb7e6c68d591d4c3dfef9ec88bf0d", message)) == 2
     assert message.endswith(f"; put the four official .gz files in {cache} or pass --data-dir DIR")
     assert [url.rsplit("/", 1)[-1] for url in wrong_mirror] == [f"{IMAGES}.gz"] * 2  # both mirrors tried
-    assert not cache.exists()  # nothing unverified kept, not even an empty cache directory (issue 28)
+    assert not cache.exists()  # nothing unverified kept, not even an empty cache directory
 
 
 def test_infinite_lr(tmp_path, capsys):

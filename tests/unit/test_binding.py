@@ -85,7 +85,7 @@ def _warned(monkeypatch, capsys, cores: int, devices: str, threads: int | None =
 
 
 def test_workers_times_threads_above_the_cores_is_one_warning_line(monkeypatch, capsys):
-    # Was silent unless --threads-per-device was given: --devices cpu:16 on 2 cores ran 10x slower.
+    # Warned whether or not --threads-per-device is given: --devices cpu:16 on 2 cores runs 10x slower.
     assert _warned(monkeypatch, capsys, 2, "cpu:16") == [
         "phalanx: warning: 16 CPU workers on this host, 1 thread each, on 2 cores: they take turns and training "
         "can be many times slower; use at most 2 CPU devices here"]

@@ -1,4 +1,4 @@
-"""Checkpoints kept two deep and read back only whole (issue 28): a save keeps the checkpoint it
+"""Checkpoints kept two deep and read back only whole: a save keeps the checkpoint it
 replaces as checkpoint.previous.pt; a byte flipped inside a tensor record - which torch.load
 itself loads without a word - is refused in one line naming the file and the record; a
 directory's damaged newest checkpoint gives way to the one before it, saying so, and is set aside

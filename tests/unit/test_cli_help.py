@@ -1,5 +1,5 @@
-"""What `phalanx --help`, `--version`, `phalanx run --help`, `phalanx train --help` and every --timeout say
-(issue 28, item 8). The top-level help in a fresh interpreter (it lists every command and loads no
+"""What `phalanx --help`, `--version`, `phalanx run --help`, `phalanx train --help` and every --timeout say.
+The top-level help in a fresh interpreter (it lists every command and loads no
 torch) is tests/distributed/test_cli.py's."""
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def test_download_with_wrong_bytes_leaves_nothing(tmp_path, mirror):
     with pytest.raises(UsageError, match=r"cannot download Fashion-MNIST \(.*MD5 .* != official .*pass --data-dir DIR"):
         load_dataset("fashion-mnist", None, cache_dir=cache, fetch=lambda url: b"not the file",
                      mirrors=["https://a.invalid/", "https://b.invalid/"], log=lambda _: None)
-    assert not cache.exists()  # not even an empty cache directory (issue 28)
+    assert not cache.exists()  # not even an empty cache directory
 
 
 def test_bad_first_mirror_falls_through_to_second(tmp_path, mirror):

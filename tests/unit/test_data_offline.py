@@ -1,4 +1,4 @@
-"""A first run offline (issue 28, item 11): one line about the missing download and no empty cache
+"""A first run offline: one line about the missing download and no empty cache
 directory; the failure is remembered for an hour, so later default runs fall back at once without
 trying the mirrors, unless --dataset fashion-mnist is named; a download that succeeds forgets it;
 a slow download says what it is doing, once. The network is simulated (tests/unit/test_data_*.py);

@@ -1,4 +1,4 @@
-"""What a DDP user does by habit, without processes (issue 22): `DataParallel` as an nn.Module
+"""What a DDP user does by habit, without processes: `DataParallel` as an nn.Module
 (state_dict without `module.`, DDP's keys accepted, moves after bucketing refused), the first
 step's warnings (a loss that bypassed shard_loss, a padding DistributedSampler), running
 statistics averaged bitwise-stably, `accumulate`, bf16-mixed precision, `evaluate_dataset`'s

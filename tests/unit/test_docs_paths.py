@@ -1,4 +1,4 @@
-"""A user's docs run in a user's clone (issue 28, item 12): README.md and docs/*.md name no path of
+"""A user's docs run in a user's clone: README.md and docs/*.md name no path of
 this project's development layout (../shared, where the development sample and notes live), which
 a fresh clone does not have. Pages that report figures say they were measured on the development
 sample, without its path."""

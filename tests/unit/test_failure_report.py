@@ -1,4 +1,4 @@
-"""What the launcher prints when a run fails (issue 28, item 10): the failing rank's traceback,
+"""What the launcher prints when a run fails: the failing rank's traceback,
 from the user's code down (not the launcher's frames above it); one line, "stopped too", for each
 rank that only stopped because of it - a peer-died or abort error of phalanx's own, or gloo's lost
 connection - and one line, "failed too", for a rank that failed on its own with the same error; a

@@ -55,8 +55,8 @@ READ_OVERHEAD_BYTES = 32 * 1024
 # zlib 1.2.13; 16 KiB leaves room for zlib-ng's, allocated aligned) and its 32 KiB window, and the
 # gzip module's two buffers of READ_BUFFER_SIZE (its BufferedReader's, and each read of the
 # compressed file): 128 KiB since Python 3.12, io.DEFAULT_BUFFER_SIZE (8 KiB) before. Measured
-# peaks for a 31-byte .gz: 63 KB on 3.10/3.11, 154 KB on 3.12/3.13 (issue 11: a fixed bound
-# failed on 3.12 for a 25-byte file).
+# peaks for a 31-byte .gz: 63 KB on 3.10/3.11, 154 KB on 3.12/3.13, so the bound is computed
+# from the running Python's READ_BUFFER_SIZE, not fixed.
 GZIP_READER_BYTES = 16 * 1024 + (1 << zlib.MAX_WBITS) + 2 * getattr(gzip, "READ_BUFFER_SIZE", io.DEFAULT_BUFFER_SIZE)
 
 

@@ -163,7 +163,7 @@ def test_one_process_sync_batchnorm_equals_batchnorm(shape, dtype, device):
 
 # The inputs for which CUDA's batch_norm_backward skips its fused kernel (a 2-D or length-1 input
 # counts as channels-last there, and the fused kernel needs an input gradient); that other path
-# asserted `save_mean->defined()` when SyncBatchNorm passed None (issue 11).
+# asserts `save_mean->defined()`, so SyncBatchNorm must pass empty tensors there, not None.
 UNFUSED_ON_CUDA = {"2-D": ((9, 4), torch.contiguous_format, True),
                    "length 1": ((9, 4, 1), torch.contiguous_format, True),
                    "channels_last": ((8, 5, 6, 7), torch.channels_last, True),

@@ -1,4 +1,4 @@
-"""One step (issue 26): `phalanx train`'s epochs and `train_batch` - what verify, bench and predict
+"""One step: `phalanx train`'s epochs and `train_batch` - what verify, bench and predict
 measure - run the same step function, `train_step`, once per optimizer step; and a step through
 `train_batch` equals the epoch's step on the same rows, bitwise."""
 

@@ -1,4 +1,4 @@
-"""Paths and writes a run cannot use end in one line (issue 21, item 8): a name over the
+"""Paths and writes a run cannot use end in one line: a name over the
 filesystem's limit or a path over PATH_MAX in --out, --checkpoint-dir, --trace or --data-dir is
 bad input (exit 2, nothing created), an output write that fails is `WriteFailed` naming the file
 (no temporary file left), and oversubscribed threads are named with the number that fits."""
@@ -32,7 +32,7 @@ def _one_line(capsys, argv) -> str:
 @pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir", "--trace", "--data-dir"])
 @pytest.mark.parametrize("kind", ["name", "path"])
 def test_a_path_the_system_cannot_name_is_one_line(tmp_path, capsys, flag, kind):
-    # Was: OSError: [Errno 36] File name too long, a traceback and exit 1.
+    # Left to the OS, this is a traceback of OSError: [Errno 36] File name too long, and exit 1.
     target = tmp_path / (LONG_NAME if kind == "name" else LONG_PATH)
     argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, str(target)]
     if flag != "--out":
@@ -104,7 +104,7 @@ def _links(tmp_path):
 @pytest.mark.parametrize("link", ["dangling", "loop"])
 @pytest.mark.parametrize("below", [False, True])
 def test_a_symlink_leading_nowhere_is_one_line_before_training(tmp_path, capsys, flag, link, below):
-    # Was: a 23-line traceback ending FileExistsError from the directory lock; --trace trained to the end first.
+    # Left to the directory lock, this is a 23-line traceback ending FileExistsError (--trace after training).
     what = _links(tmp_path)[link]
     target = tmp_path / link / "run" if below else tmp_path / link
     argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, str(target)]
@@ -128,7 +128,7 @@ def test_a_dangling_default_checkpoint_dir_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize("flag", ["--out", "--checkpoint-dir", "--trace"])
 def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch, flag):
-    # Was: --out "" trained and wrote nothing (and with --checkpoint-every, checkpoints went to /checkpoints).
+    # Taken as is, --out "" trains and writes nothing (with --checkpoint-every, checkpoints go to /checkpoints).
     monkeypatch.chdir(tmp_path)
     argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, ""]
     argv += ["--checkpoint-every", "5"] if flag == "--checkpoint-dir" else []

@@ -339,7 +339,7 @@ def test_table_and_png(tmp_path):
 def test_a_disturbed_profile_and_an_efficiency_above_100_percent_are_each_said_in_a_line():
     quiet = report_prediction(_payload(False))
     assert "profile disturbed" not in quiet and "above 100%" not in quiet and "%*" not in quiet
-    # Issue 28 item 13: k = 1 profiled beside another program's load (1.2 of 2 cores), k = 2 alone.
+    # k = 1 profiled beside another program's load (1.2 of 2 cores), k = 2 alone.
     busy_one = report_prediction(_payload(False, lambda k, scale: {
         "step_samples_s": (0.2 if k == 1 else 0.04,) * 4, "others_busy_cores": 1.2 if k == 1 else 0.05}))
     lines = busy_one.splitlines()

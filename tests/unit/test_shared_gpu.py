@@ -1,4 +1,4 @@
-"""The way to run k ranks on one GPU (issue 11; PHALANX_RANKS_SHARE_GPU, documented in docs/command.md), the
+"""The way to run k ranks on one GPU (PHALANX_RANKS_SHARE_GPU, documented in docs/command.md), the
 parts a CPU can check: runtime/world.py reads the switch (and nothing else does), and the one algorithm family gloo cannot carry with
 CUDA tensors is refused before any device or collective is touched. tests/gpu runs the mode."""
 

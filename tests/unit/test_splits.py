@@ -1,7 +1,8 @@
 """The model-parallel splits' pieces that need no processes: placement, slicing, and refused input.
 
-Bad input for `--split` ends like every other bad input (issue 4's contract): exit 2, one line
-`phalanx: error: <problem>; <fix>` naming the numbers, nothing written, no worker started.
+Bad input for `--split` ends like every other bad input (tests/unit/test_bad_input.py's contract):
+exit 2, one line `phalanx: error: <problem>; <fix>` naming the numbers, nothing written, no worker
+started.
 """
 
 import pytest

@@ -1,7 +1,7 @@
-"""A world of one pays nothing for data parallelism, and an epoch reads no device value until it ends
-(issue 11). Both are checked here on the CPU: the machinery DataParallel builds (none), the
+"""A world of one pays nothing for data parallelism, and an epoch reads no device value until it ends.
+Both are checked here on the CPU: the machinery DataParallel builds (none), the
 numbers it produces (the plain loop's, bitwise), and every host read of a tensor during an epoch
-(counted by patching the methods that read one). tests/gpu/test_cuda_sync.py runs the same epoch
+(counted by patching the methods that read one). tests/gpu/test_one_gpu.py runs the same epoch
 under `torch.cuda.set_sync_debug_mode("error")`, where such a read would raise."""
 
 from __future__ import annotations

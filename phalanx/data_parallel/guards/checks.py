@@ -9,14 +9,14 @@
   difference is a bug (a rank that skipped an update, a non-deterministic reduction) or a buffer
   that follows each rank's own data (running statistics nobody averages), caught at the step it
   shows instead of at the end of training - or, with `buffers_only`, before an evaluation that
-  would otherwise mix diverged replicas (issue 22).
+  would otherwise mix diverged replicas.
 - `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
   its step and rank instead of silently poisoning every replica.
 - `gradients_detached`: the refusal when a `.grad` no longer aliases its bucket, naming the
   cause (a replica compiled after `prepare`, or `optimizer.zero_grad(set_to_none=True)`).
 - `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
   `finish_gradient_sync()`, silent with overlap=False) is refused at `zero_grad()` or at the
-  optimizer's step, naming the fix (issue 22).
+  optimizer's step, naming the fix.
 
 Every rank sees the same gathered data, so every rank raises the same error at the same point.
 """

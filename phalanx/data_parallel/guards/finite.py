@@ -1,8 +1,8 @@
 """The summed gradient's NaN/Inf check: at which step, and on which rank, a gradient first went non-finite.
 
 One rank's NaN or Inf reaches every replica through the allreduce, and the optimizer step then
-makes every parameter NaN: a script runs on and saves a NaN state dict with exit code 0 (issue 28
-item 4; torch DDP says nothing either). `FiniteCheck` is DataParallel's watch over it, on by
+makes every parameter NaN: a script runs on and saves a NaN state dict with exit code 0 (torch
+DDP says nothing either). `FiniteCheck` is DataParallel's watch over it, on by
 default. At every synced step it keeps, on the device and without reading anything back, one
 number per bucket from this rank's own gradient just before the bucket goes on the wire
 (`before_sum`) and one from the summed bucket after the wait (`after_sum`): the bucket's sum,

@@ -1,6 +1,6 @@
 """The first synced step looks at how the user's loop is written and names two DDP habits, once.
 
-Habits that train wrong without an error (issue 22, cases 2 and 3), each caught on rank 0 at the
+Habits that train wrong without an error, each caught on rank 0 at the
 first synced step in which it ran a backward, and named in one `PhalanxWarning` with its fix:
 
 - **A loss that did not come through `phalanx.shard_loss`.** phalanx *sums* gradients across

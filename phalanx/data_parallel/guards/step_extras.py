@@ -1,4 +1,4 @@
-"""What a synced step does once the gradients are summed, for the habits DDP users bring (issue 22).
+"""What a synced step does once the gradients are summed, for the habits DDP users bring.
 
 `DataParallel.finish_gradient_sync()` sums every bucket; `StepExtras.after_exchange` then does
 what the replica was built to do beyond the sum, in this order:
