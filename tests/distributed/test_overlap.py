@@ -81,9 +81,9 @@ class CountingComm:
         self.launched += 1
         return self.comm.allreduce_async(tensor, algorithm=algorithm, **named)
 
-    def allreduce(self, tensor, *, algorithm):  # the synchronous exchange (overlap=False)
+    def allreduce(self, tensor, *, algorithm, **named):  # the synchronous exchange (overlap=False); named: the tag
         self.launched += 1
-        return self.comm.allreduce(tensor, algorithm=algorithm)
+        return self.comm.allreduce(tensor, algorithm=algorithm, **named)
 
 
 def _worker(world) -> dict:
