@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from phalanx.comm import AsyncComm, Tag, open_comm, resolve_algorithm
+from phalanx.comm import ALLREDUCE, AsyncComm, Tag, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
                                            grads_are_bucket_views, mb_to_bytes, wire_of)
@@ -269,7 +269,7 @@ class DataParallel(ReplicaModule):
         share of them (sharding/optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
-    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = Tag()) -> None:
+    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:
         self._comm.allreduce(flat, algorithm=self.algorithm, tag=tag)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from phalanx.comm import Tag, broadcast_
+from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.runtime.world import World
 
@@ -112,7 +112,7 @@ class ReplicaModule(nn.Module):
     def named_gradients(self) -> dict[str, torch.Tensor]:  # DataParallel's: what the NaN/Inf check reads
         raise NotImplementedError
 
-    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = Tag()) -> None:  # DataParallel's: a small sum
+    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:  # DataParallel's: a small sum
         raise NotImplementedError
 
     def _finite_check_sum(self, flat: torch.Tensor) -> None:
