@@ -77,8 +77,8 @@ EOF
                 --out "$out/train-cpu$k"
         done
         step threads 120 "$py" -m pytest tests/distributed/test_threads.py -q -p no:cacheprovider
-        step allreduce 90 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
-            --rounds 3 --out "$out/bench-allreduce"
+        step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
+            --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"
         step scaling 180 "$py" -m phalanx bench scaling --devices 1,8 --rounds 1 --out "$out/bench-scaling"
         ;;
     *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu or cpu" >&2; exit 2 ;;

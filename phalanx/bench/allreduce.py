@@ -43,11 +43,23 @@ MEMCPY_MAX_CALLS = 10_000
 COLLECTIVES = ("allreduce", REDUCE_SCATTER, ALL_GATHER)
 
 
+PYTHON_ROUNDS = "shm-python"  # the shm algorithm with its rounds in Python, timed beside the compiled ones
+SHM_ROUNDS = ("compiled", "python")
+
+
+def contenders(config: "AllreduceBenchConfig") -> list[str]:
+    """The algorithms as timed: shm once for each of --shm-rounds ("shm", PYTHON_ROUNDS)."""
+    named = {"compiled": "shm", "python": PYTHON_ROUNDS}
+    return [variant for algo in config.algorithms
+            for variant in ([named[r] for r in config.shm_rounds] if algo == "shm" else [algo])]
+
+
 def timed(config: "AllreduceBenchConfig") -> list[tuple[int, str, str]]:
     """(size, collective, algorithm) of every measurement, in the order they run and print:
     reduce-scatter and all-gather only for the algorithms that have them."""
     return [(size, collective, algo) for size in config.sizes_bytes for collective in config.collectives
-            for algo in config.algorithms if collective == "allreduce" or algo in SHARDED_ALGORITHMS]
+            for algo in contenders(config)
+            if collective == "allreduce" or algo.removesuffix("-python") in SHARDED_ALGORITHMS]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +80,10 @@ class AllreduceBenchConfig:
     collectives: tuple[str, ...] = option(
         COLLECTIVES, items=str, choices=COLLECTIVES,
         help=f"collectives timed (reduce-scatter and all-gather: {', '.join(SHARDED_ALGORITHMS)})")
+    shm_rounds: tuple[str, ...] = option(
+        ("compiled",), items=str, choices=SHM_ROUNDS,
+        help=f"how shm's rounds run, each timed as its own contender: compiled (C, where a compiler is), "
+             f"python ({PYTHON_ROUNDS})")
     rounds: int = option(5, check=at_least(1), help="interleaved timed rounds")
     warmup_calls: int = 2
     target_batch_s: float = TARGET_BATCH_S  # a timed batch repeats a call until about this long
@@ -80,6 +96,9 @@ class AllreduceBenchConfig:
         if not timed(self):
             raise ValueError(f"{', '.join(self.collectives)} run on {', '.join(SHARDED_ALGORITHMS)} only, "
                              f"not on {', '.join(self.algorithms)}; add one of those to --algorithms")
+        if "shm" not in self.algorithms and self.shm_rounds != ("compiled",):
+            raise ValueError(f"--shm-rounds {','.join(self.shm_rounds)} times shm's rounds, and --algorithms "
+                             f"{','.join(self.algorithms)} has no shm; add shm to --algorithms")
         if self.max_calls < 1:
             raise ValueError(f"max_calls must be at least 1, got {self.max_calls}")
         if self.warmup_calls < 0:
@@ -92,18 +111,27 @@ def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
     buffers = {size: torch.zeros(size // _FLOAT_BYTES) for size in config.sizes_bytes}
     # Blocking calls on this thread; the comm owns shm's segment and the p2p algorithms' group.
     comm = AsyncComm(world=world, algorithms=config.algorithms)
+    python = (AsyncComm(world=world, algorithms=("shm",), compiled_rounds=False)
+              if PYTHON_ROUNDS in contenders(config) else None)
     counts = {size: chunk_sizes(size // _FLOAT_BYTES, world.world_size) for size in config.sizes_bytes}
-    calls = {"allreduce": lambda b, n, a: comm.allreduce(b, algorithm=a),
-             REDUCE_SCATTER: lambda b, n, a: comm.reduce_scatter(b, counts=n, algorithm=a),
-             ALL_GATHER: lambda b, n, a: comm.all_gather(b, counts=n, algorithm=a)}
+    calls = {"allreduce": lambda c, b, n, a: c.allreduce(b, algorithm=a),
+             REDUCE_SCATTER: lambda c, b, n, a: c.reduce_scatter(b, counts=n, algorithm=a),
+             ALL_GATHER: lambda c, b, n, a: c.all_gather(b, counts=n, algorithm=a)}
+
+    def call(key):
+        size, collective, algo = key
+        on, algo = (python, "shm") if algo == PYTHON_ROUNDS else (comm, algo)
+        return lambda: calls[collective](on, buffers[size], counts[size], algo)
+
     try:
-        return time_collectives(
-            {key: (lambda b=buffers[key[0]], n=counts[key[0]], c=calls[key[1]], a=key[2]: c(b, n, a))
-             for key in timed(config)},
-            rounds=config.rounds, warmup_calls=config.warmup_calls, target_batch_s=config.target_batch_s,
-            max_calls=config.max_calls)
+        timings = time_collectives({key: call(key) for key in timed(config)}, rounds=config.rounds,
+                                   warmup_calls=config.warmup_calls, target_batch_s=config.target_batch_s,
+                                   max_calls=config.max_calls)
+        return {**timings, "shm_rounds": comm.shm_rounds}
     finally:
         comm.close()
+        if python is not None:
+            python.close()
 
 
 def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
@@ -124,11 +152,14 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
     """Measure everything; return the JSON payload (times in s, bandwidths in GB/s = 1e9 B/s)."""
     memcpy = memcpy_reference(config)
     results, ratios, halves = [], [], []
+    shm_rounds: dict[int, str] = {}  # how "shm" ran its rounds, by world size: "compiled" or "Python (why)"
     keys = timed(config)
     for world_size in config.world_sizes:
         spec = LaunchSpec(plan=parse_devices(f"cpu:{world_size}", cuda_count=0), timeout_s=config.timeout_s,
                           deadline_s=config.deadline_s)
         by_rank = launch(_worker, config, spec=spec)
+        if by_rank[0]["shm_rounds"] is not None:
+            shm_rounds[world_size] = by_rank[0]["shm_rounds"]
         times = {key: slowest_per_round([rank["samples"][key] for rank in by_rank]) for key in keys}
         for (size, collective, algo), per_round in times.items():
             algbw = Spread.of([size / t / 1e9 for t in per_round])
@@ -142,6 +173,9 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
             if algo != "native" and native is not None:  # busbw ratio = native time / own time, paired per round
                 ratio = paired_ratio(native, times[(size, collective, algo)])
                 ratios.append({**where, "busbw_vs_native": ratio.to_dict()})
+            if algo == PYTHON_ROUNDS and (size, collective, "shm") in times:  # what compiling the rounds buys
+                ratio = paired_ratio(times[(size, collective, algo)], times[(size, collective, "shm")])
+                ratios.append({**where, "python_rounds_vs_compiled": ratio.to_dict()})
             allreduce = times.get((size, "allreduce", algo))
             if collective != "allreduce" and allreduce is not None:  # the per-byte comparison
                 halves.append({**where, "time_vs_allreduce": paired_ratio(times[(size, collective, algo)],
@@ -156,6 +190,7 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
         "results": results,
         "ratios": ratios,
         "halves": halves,
+        "shm_rounds": shm_rounds,
     }
 
 
@@ -175,17 +210,31 @@ def report_allreduce(payload: dict[str, Any]) -> str:
         lines.append(f"{', '.join(collectives)} on {world_size} CPU processes, median (min-max) of "
                      f"{payload['config']['rounds']} interleaved rounds:")
         lines += [format_table(["size", "collective", "algorithm", "time ms", "algbw GB/s", "busbw GB/s", "calls"],
-                               rows), ""]
+                               rows)]
+        rounds = {str(k): v for k, v in payload.get("shm_rounds", {}).items()}.get(str(world_size))
+        if rounds is not None:
+            lines.append(f"shm's rounds ran {'compiled (shm_kernel.c)' if rounds == 'compiled' else 'in ' + rounds}"
+                         + (f"; {PYTHON_ROUNDS}: the same algorithm, rounds in Python" if PYTHON_ROUNDS in
+                            [r['algorithm'] for r in payload['results']] else ""))
+        lines.append("")
         for key, text in (("ratios", "{algo} / native busbw, {collective}, on {k} processes (>1: {algo} faster): "),
                           ("halves", "{algo} {collective} time / {algo} allreduce time on {k} processes: ")):
             for collective in collectives:
-                for algo in payload["config"]["algorithms"]:
+                for algo in dict.fromkeys(r["algorithm"] for r in payload["results"]):
                     own = [r for r in payload[key] if r["world_size"] == world_size and r["algorithm"] == algo
-                           and r["collective"] == collective]
+                           and r["collective"] == collective and "python_rounds_vs_compiled" not in r]
                     if own:
                         value = "busbw_vs_native" if key == "ratios" else "time_vs_allreduce"
                         lines.append(text.format(algo=algo, collective=collective, k=world_size) + ", ".join(
                             f"{format_size(r['size_bytes'])} {Spread.from_dict(r[value]).fmt(2)}" for r in own))
+        for collective in collectives:
+            compiled = [r for r in payload["ratios"] if r["world_size"] == world_size and r["collective"] == collective
+                        and "python_rounds_vs_compiled" in r]
+            if compiled:
+                lines.append(f"{PYTHON_ROUNDS} time / shm time, {collective}, on {world_size} processes (>1: compiled "
+                             "rounds faster): " + ", ".join(f"{format_size(r['size_bytes'])} "
+                                                            f"{Spread.from_dict(r['python_rounds_vs_compiled']).fmt(2)}"
+                                                            for r in compiled))
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -199,7 +248,7 @@ def plot_allreduce(payload: dict[str, Any]):
     memcpy_bw = [m["algbw_GBps"]["median"] for m in payload["memcpy"]]
     panels = [(collective, world_size) for collective in collectives for world_size in world_sizes]
     for ax, (collective, world_size) in zip(axes, panels):
-        for algo in payload["config"]["algorithms"]:
+        for algo in dict.fromkeys(r["algorithm"] for r in payload["results"]):
             rows = [r for r in payload["results"] if r["world_size"] == world_size and r["algorithm"] == algo
                     and r["collective"] == collective]
             if not rows:

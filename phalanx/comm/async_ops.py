@@ -82,7 +82,8 @@ class AsyncComm:
     collective.
     """
 
-    def __init__(self, *, world: World, algorithms=None) -> None:
+    def __init__(self, *, world: World, algorithms=None, compiled_rounds: bool = True) -> None:
+        """`compiled_rounds`: False runs the shm segment's rounds in Python (ShmGroup's `compiled`)."""
         self.world = world
         self.algorithms = (tuple(a for a in ALGORITHMS if a not in ("shm", "hierarchical")) if algorithms is None
                            else tuple(algorithms))
@@ -102,7 +103,7 @@ class AsyncComm:
                     self._group = dist.new_group(backend=world.backend,
                                                  timeout=datetime.timedelta(seconds=world.timeout_s))
             if "shm" in self.algorithms:
-                self.shm = ShmGroup(world=world)
+                self.shm = ShmGroup(world=world, compiled=compiled_rounds)
             if "hierarchical" in self.algorithms:
                 self.hierarchy = Hierarchy(world=world)
             if any(a != "native" for a in self.algorithms):
@@ -111,6 +112,12 @@ class AsyncComm:
                 torch.get_num_threads()
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=COMM_THREAD,
                                                     initializer=_start_comm_thread)
+
+    @property
+    def shm_rounds(self) -> str | None:
+        """How this comm's shared segment runs its rounds ("compiled", or "Python (why)"); None: no segment."""
+        segment = self.shm if self.shm is not None else getattr(self.hierarchy, "shm", None)
+        return None if segment is None else segment.rounds
 
     def _transport(self, algorithm: str):
         if algorithm not in self.algorithms:

@@ -21,12 +21,16 @@ shared-memory allreduce on the same host costs tens of microseconds (deepspeedai
 - Reduce-scatter and all-gather run on the same rounds, counted by the same group in call order
   (shm_ops.py: how each uses a round, and why the argument above still holds for them).
 
-Waiting spins briefly (a peer that is running arrives within microseconds), then sleeps in the
-kernel on the flag's futex, which the publishing rank wakes right after its store: a waiter
-costs no CPU, so k workers on fewer cores (or a comm thread beside backward) do not starve each
-other, and wakes up within a context switch. Sleeps are bounded: after each, a peer that died is
-named, and the watchdog reads the collective board (watchdog.py), so a peer that never arrives
-ends the wait within the timeout, named with what its process is doing; `abort()` ends a wait.
+Waiting (shm_flags.py) spins briefly, then sleeps on the flag's futex, which the publishing rank
+wakes: a waiter costs no CPU, so k workers on fewer cores (or a comm thread beside backward) do
+not starve each other. Sleeps are bounded: after each, a peer that died is named, and the
+watchdog reads the collective board (watchdog.py), so a peer that never arrives ends the wait
+within the timeout, named with what its process is doing; `abort()` ends a wait.
+
+Rounds run compiled where the host has a C compiler (shm_kernel.c: a whole small round in one
+call, the GIL released; the spins, publishes and chunk sums of large ones) and in Python
+otherwise, to the same bits: both add in rank order in the element's type. The first line of a
+run says when rounds run in Python, and why.
 
 The ranks open the segment together (`share_segment`): in /dev/shm, mode 0600, named for the
 run, unlinked once every rank has mapped it, so nothing is left on disk however a process ends
@@ -40,26 +44,22 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
+from phalanx.comm import shm_kernel
 from phalanx.comm.calls import collective
-from phalanx.comm.watchdog import CommError, check
-from phalanx.errors import PeerLost
+from phalanx.comm.shm_flags import ARRIVED, LINE, LIVENESS_EVERY_S, REDUCED, SPIN_S, Flags, ShmError, ShmPeerGone
 from phalanx.runtime.binding import available_cores
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.tags import Tag
-from phalanx.runtime.procs import process_alive
-from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, Futex, create_segment, free_bytes, remove_segments_of,
+from phalanx.runtime.segment import (NAME_PREFIX, SHM_DIR, create_segment, free_bytes, remove_segments_of,
                                      share_segment, shm_applies, shm_supported)
 from phalanx.runtime.world import World
 
-__all__ = ["NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "create_segment", "remove_segments_of", "shm_applies",
-           "shm_supported", "sum_into"]
-_LINE = 64  # bytes per flag line: each rank writes only its own, so no false sharing
-_ARRIVED, _REDUCED = 0, 1  # int64 fields in a rank's flag line
+__all__ = ["LIVENESS_EVERY_S", "NAME_PREFIX", "SHM_DIR", "ShmError", "ShmGroup", "ShmPeerGone", "create_segment",
+           "remove_segments_of", "shm_applies", "shm_supported", "sum_into"]
 _HEADER = 4096  # pids (int64 per rank), then the flag lines
 SLOT_BYTES = 4 << 20  # per rank per half; larger tensors stream through in rounds
 _VIEW_CACHE_ENTRIES = 64  # (half, bytes, dtype) -> views; a training run uses a handful
@@ -69,17 +69,7 @@ MIN_SLOT_BYTES = 64 << 10
 # more than the chunked one (4 bytes moved per byte vs 3.5), so there every round is summed
 # whole: each wait can cost a wake-up, ms when the host is busy (seen in `train --trace`).
 SMALL_BYTES = 32 << 10
-SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
-LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
 _SET_UP = Tag("set-up")
-
-
-class ShmError(CommError):
-    """The segment could not be set up, or a peer died or timed out inside a collective."""
-
-
-class ShmPeerGone(ShmError, PeerLost):
-    """A peer died, or this rank is shutting down, inside a collective: an echo of another failure."""
 
 
 def _slot_bytes_for(world_size: int, wanted: int) -> int:
@@ -87,7 +77,7 @@ def _slot_bytes_for(world_size: int, wanted: int) -> int:
     free = free_bytes()
     if free is None:
         return wanted
-    fits = (free // 4) // (2 * (world_size + 1)) // _LINE * _LINE  # at most a quarter of what is free
+    fits = (free // 4) // (2 * (world_size + 1)) // LINE * LINE  # at most a quarter of what is free
     return min(wanted, max(fits, MIN_SLOT_BYTES))
 
 
@@ -96,14 +86,16 @@ class ShmGroup:
     every rank. Its members are numbered 0..k-1 in segment order (`rank`: this one's index)."""
 
     def __init__(self, *, world: World, slot_bytes: int = SLOT_BYTES, small_bytes: int | None = None,
-                 host: tuple[int, ...] | None = None) -> None:
+                 host: tuple[int, ...] | None = None, compiled: bool = True) -> None:
         """`slot_bytes`: each rank's input slot (a multiple of 64; larger tensors take several
         rounds); `small_bytes`: rounds up to this size are summed whole by every rank (None:
         every round with two ranks, SMALL_BYTES with more). `host`: the global ranks that share
         this rank's host, when each host opens a segment of its own (the hierarchical
-        collectives); default: every rank of the world, all on this host."""
-        if slot_bytes < _LINE or slot_bytes % _LINE:
-            raise ValueError(f"slot_bytes {slot_bytes} must be a positive multiple of {_LINE}")
+        collectives); default: every rank of the world, all on this host. `compiled`: run rounds
+        through the compiled kernel where it loads (shm_kernel.py); False: in Python (the same bits;
+        what tests and benchmarks compare it with)."""
+        if slot_bytes < LINE or slot_bytes % LINE:
+            raise ValueError(f"slot_bytes {slot_bytes} must be a positive multiple of {LINE}")
         reason = shm_applies(world, host=host)
         if reason is not None:
             raise ShmError(f"{reason}; use --allreduce native")
@@ -111,23 +103,25 @@ class ShmGroup:
         self.members = tuple(range(world.world_size)) if host is None else tuple(host)
         self.k = len(self.members)
         self.rank = self.members.index(world.rank)
-        self.timeout_s = world.timeout_s
         self.round = 0  # rounds done; the same on every rank, as every rank makes the same calls
-        self._aborted = False
         if small_bytes is None:
             small_bytes = slot_bytes if self.k == 2 else SMALL_BYTES
         self.small_bytes = small_bytes
         self.slot_bytes = _slot_bytes_for(self.k, slot_bytes) if self.rank == 0 else 0
         self._mmap: mmap.mmap | None = None  # the segment, mapped by _open
+        self._flags: Flags | None = None  # its flag lines (shm_flags.py), once mapped
         # Spinning helps only while every worker has a core of its own; past that it takes the
         # CPU a late peer needs, so oversubscribed workers go straight to the futex.
         self.spin_s = SPIN_S if world.local_world_size <= available_cores() else 0.0
-        self._futex = Futex()
+        self._compiled: shm_kernel.Rounds | None = None
+        self.compiled_reason: str | None = "not asked for" if not compiled else None  # why rounds run in Python
         self._open()
+        if compiled:
+            self._bind_kernel()
 
     def _open(self) -> None:
         k, rank = self.k, self.rank
-        data0 = -(-(_HEADER + k * _LINE) // 4096) * 4096  # the slots start on the page after the header
+        data0 = -(-(_HEADER + k * LINE) // 4096) * 4096  # the slots start on the page after the header
         size = data0 + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
         # Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike.
         shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
@@ -140,11 +134,12 @@ class ShmGroup:
             raise ShmError(f"shared-memory segment unusable on rank {r}: {e}; use --allreduce native")
         buf = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._bytes = buf
-        self._flags = memoryview(self._mmap)[_HEADER:_HEADER + k * _LINE].cast("q")
         pids = memoryview(self._mmap)[:8 * k].cast("q")
         pids[rank] = os.getpid()
         self._pids_view = pids
-        self._flags_addr = buf.data_ptr() + _HEADER  # futex words: the low half of each int64 flag
+        # futex words: the low half of each int64 flag
+        self._flags = Flags(memoryview(self._mmap)[_HEADER:_HEADER + k * LINE].cast("q"), buf.data_ptr() + _HEADER,
+                            pids, world=self.world, members=self.members, rank=rank, spin_s=self.spin_s)
         self._view_cache: dict = {}
         half = (k + 1) * self.slot_bytes
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
@@ -153,10 +148,35 @@ class ShmGroup:
         with collective(self.world, _SET_UP):
             dist.barrier()  # every pid is written before anyone may need to name a dead peer
 
+    def _bind_kernel(self) -> None:
+        library, self.compiled_reason = shm_kernel.load()
+        if library is not None:
+            self._flags.compiled = self._compiled = shm_kernel.Rounds(
+                library, flags_addr=self._flags.address, slots=(self._slot[0][0].data_ptr(), self._slot[1][0].data_ptr()),
+                results=(self._slot[0][self.k].data_ptr(), self._slot[1][self.k].data_ptr()),
+                slot_stride=self.slot_bytes, spin_s=self.spin_s, k=self.k, rank=self.rank)
+
+    @property
+    def timeout_s(self) -> float:
+        """How long a wait lasts before it fails naming the late peer (the world's, unless set)."""
+        return self._flags.timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        self._flags.timeout_s = seconds
+
+    @property
+    def rounds(self) -> str:
+        """How rounds run here, as the first line says it: "compiled" or "Python (why)"."""
+        return "compiled" if self._compiled is not None else f"Python ({self.compiled_reason})"
+
     def close(self) -> None:
         """Unmap the segment (its file is long gone); safe to call twice."""
         if self._mmap is not None:
-            self._flags = self._pids_view = self._slot = self._bytes = None  # drop every export first
+            if self._flags is not None:  # drop every export first
+                self._flags.words = self._flags.pids = None
+            self._flags = self._pids_view = self._slot = self._bytes = None
+            self._compiled = None  # its addresses point into the mapping
             self._view_cache = {}
             try:
                 self._mmap.close()
@@ -166,7 +186,8 @@ class ShmGroup:
 
     def abort(self) -> None:
         """Make a wait in progress (on another thread) raise at its next wake-up: teardown."""
-        self._aborted = True
+        if self._flags is not None:
+            self._flags.aborted = True
 
     def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
         """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
@@ -194,8 +215,8 @@ class ShmGroup:
 
     def arrive(self, g: int, ticket: Ticket | None) -> None:
         """Publish that this rank's part of round `g` is in place; return once every rank's is."""
-        self._publish(_ARRIVED, g)
-        self._wait(_ARRIVED, g, ticket)
+        self._flags.publish(ARRIVED, g)
+        self._flags.wait(ARRIVED, g, ticket)
 
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
@@ -211,60 +232,31 @@ class ShmGroup:
         return views
 
     def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> None:
+        compiled = self._compiled if piece.dtype in shm_kernel.DTYPES else None
+        small = piece.numel() * piece.element_size() <= self.small_bytes
+        if compiled is not None and small:  # the common case in one call (shm_kernel.c)
+            self.round += 1
+            g = self.round
+            if compiled.small_round(g % 2, g, piece):
+                return
+            self._flags.wait(ARRIVED, g, ticket)  # a late peer: sleep for it here, with the liveness checks
+            compiled.sum_slots(piece, g % 2)
+            return
         g, inputs, result = self.begin(piece.numel(), piece.dtype)
         inputs[self.rank].copy_(piece)
         self.arrive(g, ticket)
-        if piece.numel() * piece.element_size() <= self.small_bytes:
+        if small:
             sum_into(piece, inputs)
             return
         lo, hi = _chunk(piece.numel(), self.k, self.rank, piece.element_size())
         if hi > lo:
-            sum_into(result[lo:hi], [x[lo:hi] for x in inputs])
-        self._publish(_REDUCED, g)
-        self._wait(_REDUCED, g, ticket)
+            if compiled is not None:
+                compiled.sum_slots(result[lo:hi], g % 2, offset_bytes=lo * piece.element_size())
+            else:
+                sum_into(result[lo:hi], [x[lo:hi] for x in inputs])
+        self._flags.publish(REDUCED, g)
+        self._flags.wait(REDUCED, g, ticket)
         piece.copy_(result)
-
-    def _publish(self, field: int, value: int) -> None:
-        # One aligned 8-byte store, issued after the data copies above it (program order), then
-        # wake whoever sleeps on it (the kernel pairs this with a FUTEX_WAIT that saw the old value).
-        index = self.rank * (_LINE // 8) + field
-        self._flags[index] = value
-        self._futex.wake(self._flags_addr + 8 * index)
-
-    def _wait(self, field: int, value: int, ticket: Ticket | None) -> None:
-        """Return once every rank's `field` is >= value; spin, then sleep; raise on death/timeout."""
-        flags, stride = self._flags, _LINE // 8
-        pending = [r for r in range(self.k) if r != self.rank]
-        start = time.perf_counter()
-        spin_until = start + self.spin_s
-        while True:
-            pending = [r for r in pending if flags[r * stride + field] < value]
-            if not pending or time.perf_counter() > spin_until:
-                break
-        for r in pending:
-            index = r * stride + field
-            while (seen := flags[index]) < value:
-                # Sleeps only while the flag still holds `seen`: a store in between returns at once.
-                self._futex.wait(self._flags_addr + 8 * index, seen, LIVENESS_EVERY_S)
-                if flags[index] < value:
-                    self._check_peers([r], time.perf_counter() - start, ticket)
-
-    def _check_peers(self, pending: list[int], waited_s: float, ticket: Ticket | None) -> None:
-        """Raise if a pending peer died, the call cannot complete (watchdog.check) or timed out
-        (after a futex wake-up or its bounded sleep: cheap next to the sleep)."""
-        for r in pending:
-            pid = self._pids_view[r]
-            if not process_alive(pid):
-                raise ShmPeerGone(f"shm allreduce: rank {self.members[r]} (pid {pid}) died while rank "
-                                  f"{self.world.rank} waited for it in round {self.round}")
-        if self._aborted:
-            raise ShmPeerGone(f"shm allreduce abandoned in round {self.round}: this rank is shutting down")
-        if ticket is not None:
-            check(self.world, ticket, waited_s=waited_s, timeout_s=self.timeout_s,
-                  pending=[self.members[r] for r in pending])
-        elif waited_s > self.timeout_s:
-            raise ShmError(f"shm allreduce: rank {self.members[pending[0]]} did not arrive within the {self.timeout_s:g} s timeout "
-                           f"(round {self.round}); raise --timeout if a step can really take that long")
 
     def __enter__(self) -> "ShmGroup":
         return self
@@ -286,7 +278,7 @@ def sum_into(out: torch.Tensor, parts: list[torch.Tensor], scratch: torch.Tensor
 
 def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:
     """[lo, hi) of chunk `index`: near-equal chunks whose bounds fall on 64-byte lines."""
-    per_line = max(1, _LINE // element_size)
+    per_line = max(1, LINE // element_size)
     lines = math.ceil(numel / per_line)
     base, extra = divmod(lines, parts)
     lo_line = index * base + min(index, extra)

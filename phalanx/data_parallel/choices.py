@@ -42,6 +42,7 @@ class Choices:
     shard: str = "none"  # what each rank keeps a share of (sharding/stages.py), "none": everything whole
     requested_shard: str = "none"  # what was asked for (one device runs "none" whatever was asked)
     hierarchy: str | None = None  # the hosts' layout in words, where the hierarchical allreduce runs
+    shm_rounds: str | None = None  # how the shared segment's rounds run: "compiled", "Python (why)"; None: no segment
 
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
@@ -59,6 +60,12 @@ class Choices:
         return f", sharded (ZeRO-{stage}): each rank keeps 1/{self.num_devices} of the {kept}"
 
     def _algorithm_text(self) -> str:
+        text = self._chosen_text()
+        if self.shm_rounds is not None and self.shm_rounds != "compiled":  # the slower path is named
+            text += f", rounds in {self.shm_rounds}"
+        return text
+
+    def _chosen_text(self) -> str:
         if self.algorithm == "hierarchical" and self.hierarchy is not None:
             why = (f" (auto: {self.num_devices} ranks span hosts, and memory is shared within a host only)"
                    if self.requested_algorithm == "auto" else "")
@@ -108,4 +115,5 @@ def replica_choices(dp, options: DataParallelConfig) -> Choices:
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
         precision=options.precision, backend=world.backend,
         why_not_shm=shm_applies(world) if world.distributed else None, shard=dp.shard,
-        requested_shard=options.shard, hierarchy=hierarchy_text(world) if dp.algorithm == "hierarchical" else None)
+        requested_shard=options.shard, hierarchy=hierarchy_text(world) if dp.algorithm == "hierarchical" else None,
+        shm_rounds=dp.shm_rounds)

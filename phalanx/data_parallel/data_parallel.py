@@ -115,6 +115,8 @@ class DataParallel(ReplicaModule):
         if self._owns_comm:  # it owns the shm segment or the private group
             comm, self.algorithm, self.fallback_reason = open_comm(world, options.allreduce)
         self._comm: AsyncComm | None = comm
+        # How the shared segment sums, when one does: "compiled" or "Python (why)" (comm/shm_kernel.py).
+        self.shm_rounds = getattr(comm, "shm_rounds", None) if self.algorithm in ("shm", "hierarchical") else None
         self.shard = options.shard if self.exchanging else "none"  # one device: nothing to shard
         # Chosen before sharding empties stage 3's parameters (their layout names the memory format).
         self.choices = replica_choices(self, options)

@@ -9,6 +9,7 @@ compares them.
 from __future__ import annotations
 
 import itertools
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -63,9 +64,11 @@ ASYNC_CASES = [c for c in CASES if c.name in ("float64-4099", "bfloat16-7", "flo
 
 # shm twice over: with small slots (65537 float64s stream through 128 rounds, each summed whole
 # by every rank) and with the chunked large-piece path forced for every size (1, 2, 3 elements
-# on 4 ranks leave chunks empty; 65537 float64s take 8 rounds of a 64 KB slot).
+# on 4 ranks leave chunks empty; 65537 float64s take 8 rounds of a 64 KB slot); each with its
+# rounds compiled (where the host has a C compiler) and in Python, which must give the same bits.
 SHM_VARIANTS = {"shm": dict(slot_bytes=4096), "shm-chunked": dict(slot_bytes=64 << 10, small_bytes=0)}
-NAMES = (*ALGORITHMS, "shm-chunked")
+SHM_VARIANTS |= {f"{name}-python": dict(options, compiled=False) for name, options in SHM_VARIANTS.items()}
+NAMES = (*ALGORITHMS, "shm-chunked", "shm-python", "shm-chunked-python")
 
 
 def allreduce_every_case(world) -> dict:
@@ -84,12 +87,14 @@ def allreduce_every_case(world) -> dict:
             tensor = case.view(base)
             stride = tensor.stride()
             transport = groups.get(algorithm)
-            returned = allreduce(tensor, world=world, algorithm=algorithm.removesuffix("-chunked"), transport=transport)
+            returned = allreduce(tensor, world=world, algorithm=algorithm.removesuffix("-python").removesuffix("-chunked"),
+                                 transport=transport)
             assert returned is tensor and tensor.stride() == stride, f"{algorithm} {case.name}: not in place"
             if case.strided_view:  # the skipped columns of the base tensor stay untouched
                 assert torch.equal(base[:, 1::2], case.base(world.rank)[:, 1::2]), f"{algorithm} wrote outside the view"
             per_algorithm[algorithm] = tensor.clone()
         results[case.name] = per_algorithm
+    results["shm rounds"] = groups["shm"].rounds
     for group in groups.values():
         group.close()
 
@@ -113,6 +118,10 @@ def allreduce_every_case(world) -> dict:
             assert handle.wait() is tensor and handle.waited
             results[f"async {case_name} {algorithm}"] = tensor.clone()
     return results
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if tensor.dim() else _bits(tensor.view(1))
 
 
 def error_bound(case: Case, world_size: int) -> torch.Tensor:
@@ -150,6 +159,13 @@ def test_allreduce_algorithms_match_native_and_exact_sum(world_size):
                 assert bool(((out.double() - reference).abs() <= 2 * bound).all()), f"{name}, {case.name}"
             else:
                 torch.testing.assert_close(out, results[0][case.name]["reference"], msg=lambda m: f"{name}: {m}")
+
+    for case in CASES:  # compiled rounds add in the same order as Python's: the same bits, zeros' signs too
+        for name in ("shm", "shm-chunked"):
+            compiled, python = results[0][case.name][name], results[0][case.name][f"{name}-python"]
+            assert _bits(compiled) == _bits(python), f"{name} {case.name}: compiled rounds differ from Python's"
+    if shutil.which("cc") is not None:
+        assert results[0]["shm rounds"] == "compiled", results[0]["shm rounds"]
 
     src = world_size - 1
     for rank in range(world_size):

@@ -146,3 +146,16 @@ def test_the_hierarchical_exchange_pays_its_latency_per_window():
     assert allreduce_time_s("hierarchical", two_and_a_bit, 8, alpha_s=1.0, beta_Bps=1e30, hosts=4) == \
         pytest.approx(3 * 2 * 3)
     assert allreduce_time_s("native", two_and_a_bit, 8, alpha_s=1.0, beta_Bps=1e30, hosts=4) == pytest.approx(14)
+
+
+def test_the_first_line_names_shm_rounds_that_run_in_python_and_why():
+    from phalanx.data_parallel.choices import Choices
+
+    facts = dict(dtype="float32", batchnorm="local", has_batchnorm=False, num_devices=2, memory_format="contiguous",
+                 fallback_reason=None, exchanging=True, overlap=True, bucket_kb=(88.0,), grad_dtype=None,
+                 backend="gloo")
+    compiled = Choices(requested_algorithm="auto", algorithm="shm", shm_rounds="compiled", **facts).describe()
+    assert compiled.startswith("allreduce shm (auto: CPU workers on one host share memory), overlapped")
+    python = Choices(requested_algorithm="shm", algorithm="shm", shm_rounds="Python (no C compiler (cc) on PATH)",
+                     **facts).describe()
+    assert python.startswith("allreduce shm, rounds in Python (no C compiler (cc) on PATH), overlapped")

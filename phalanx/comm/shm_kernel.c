@@ -1,0 +1,108 @@
+/* The shm allreduce's inner loop in C (shm_kernel.py compiles and loads it; shm.py says the
+ * protocol). Python pays 2-5 us per ATen call and per flag poll, and a round of a 4 KB piece at
+ * 8 ranks made ~12 of them (a copy in, a store, a futex wake, the spin, k - 1 adds): this does a
+ * whole round in one call, with the GIL released.
+ *
+ * - Sums keep shm.py's order and bits: out = p0 + p1, then out += p2, ... in rank order, each an
+ *   IEEE add in the element's type (float32 or float64), as torch.add and add_ do. Vectorising
+ *   across elements changes no element's order; no -ffast-math, no contraction (adds only).
+ * - Flags are int64 stores and loads on x86-64 (TSO: a store is seen after the stores before it).
+ *   A publish is a sequentially consistent store (a full fence), then a read of the peers'
+ *   sleep marks: a waiter writes its mark before it sleeps, and the kernel reads the flag under
+ *   a lock (a full fence too), so either the waiter sees the new value and does not sleep, or
+ *   the publisher sees the mark and wakes it (Dekker's pairing). Nobody asleep: no syscall.
+ * - A wait spins at most `spin_ns`; past it the caller (Python) sleeps on the futex with its
+ *   liveness and timeout checks, so nothing here can hang.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#include <linux/futex.h>
+#include <limits.h>
+
+#define LINE_WORDS 8  /* int64 words per rank's flag line (64 bytes) */
+#define MARK 2        /* word of a rank's own line: 1 + the flag word index it sleeps on, 0 awake */
+
+enum { F32 = 0, F64 = 1 };
+
+/* What a segment's rounds need, filled once by shm_kernel.py (field order matters). */
+typedef struct {
+    int64_t *flags;       /* the k flag lines */
+    char *slots[2];       /* each half's rank-0 input slot; rank r's is at + r * slot_stride */
+    char *results[2];     /* each half's result area */
+    int64_t slot_stride;  /* bytes from one rank's input slot to the next */
+    int64_t spin_ns;      /* how long a wait spins before it returns to sleep in Python */
+    int32_t k;
+    int32_t rank;
+} phx_group;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* out[i] = rows[0][i] + rows[1][i] + ... + rows[k-1][i], added in row order; row r starts
+ * r * stride bytes after `first`. `out` overlaps no row (restrict: the loops vectorise). */
+#define SUM_ROWS(T)                                                                               \
+    do {                                                                                          \
+        T *restrict o = (T *)out;                                                                 \
+        const T *restrict a = (const T *)first, *restrict b = (const T *)(first + stride);      \
+        for (int64_t i = 0; i < n; i++) o[i] = a[i] + b[i];                                       \
+        for (int32_t r = 2; r < k; r++) {                                                         \
+            const T *restrict p = (const T *)(first + r * stride);                               \
+            for (int64_t i = 0; i < n; i++) o[i] += p[i];                                         \
+        }                                                                                         \
+    } while (0)
+
+/* One build serves any x86-64: the loader picks the widest vectors this CPU has (an ifunc). */
+__attribute__((target_clones("avx2", "avx", "default")))
+void phx_sum_rows(void *out, const char *first, int64_t stride, int32_t k, int64_t n, int32_t dtype) {
+    if (dtype == F32)
+        SUM_ROWS(float);
+    else
+        SUM_ROWS(double);
+}
+
+/* Set this rank's `field` to `value`; wake the peers that sleep on it (only those that marked). */
+void phx_publish(const phx_group *g, int32_t field, int64_t value) {
+    int64_t index = (int64_t)g->rank * LINE_WORDS + field;
+    int64_t *word = &g->flags[index];
+    __atomic_store_n(word, value, __ATOMIC_SEQ_CST);
+    for (int32_t r = 0; r < g->k; r++) {
+        if (r != g->rank && __atomic_load_n(&g->flags[(int64_t)r * LINE_WORDS + MARK], __ATOMIC_SEQ_CST) == index + 1) {
+            syscall(SYS_futex, (void *)word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);  /* wakes every sleeper */
+            return;
+        }
+    }
+}
+
+/* 1 once every peer's `field` is >= value, 0 if `spin_ns` passed first. */
+int32_t phx_spin(const phx_group *g, int32_t field, int64_t value) {
+    int64_t deadline = -1;
+    for (int32_t r = 0; r < g->k; r++) {
+        const int64_t *word = &g->flags[(int64_t)r * LINE_WORDS + field];
+        while (__atomic_load_n(word, __ATOMIC_ACQUIRE) < value) {
+            int64_t t = now_ns();
+            if (deadline < 0) deadline = t + g->spin_ns;
+            if (t >= deadline) return 0;
+            __builtin_ia32_pause();
+        }
+    }
+    return 1;
+}
+
+/* One round of a piece summed whole by every rank (shm.py's small pieces): copy in, publish
+ * arrival, spin, sum every slot in rank order into the piece. 1: done; 0: a peer is late, the
+ * caller sleeps until all arrived, then calls phx_sum_rows itself. */
+int32_t phx_small_round(const phx_group *g, int32_t parity, int64_t round, void *piece, int64_t numel,
+                        int32_t dtype) {
+    int64_t nbytes = numel * (dtype == F32 ? 4 : 8);
+    memcpy(g->slots[parity] + (int64_t)g->rank * g->slot_stride, piece, (size_t)nbytes);
+    phx_publish(g, 0, round);
+    if (!phx_spin(g, 0, round)) return 0;
+    phx_sum_rows(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype);
+    return 1;
+}

@@ -1,0 +1,132 @@
+"""The shm allreduce's compiled rounds (phalanx/comm/shm_kernel.c): the same bits as the Python
+rounds, a sleeping peer woken at once by a publisher that skips the syscall when nobody sleeps,
+compiled and Python ranks in one group, and a host without a usable compiler falling back named.
+
+In the distributed tier: building the kernel runs the C compiler (a child process), and the
+rounds need a group of processes. The sums against torch's own allreduce, every algorithm and
+dtype, are in test_comm_allreduce.py (which runs both kinds of rounds).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from phalanx.comm import shm_kernel
+from phalanx.comm.shm import LIVENESS_EVERY_S, ShmGroup, shm_supported, sum_into
+from tests.distributed.harness import run_workers
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(shm_supported() is not None, reason=f"no shm allreduce here: {shm_supported()}")]
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the rounds run in Python here")
+
+
+def _bits(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_sum_adds_in_rank_order_to_the_same_bits(dtype):
+    library, reason = shm_kernel.load()
+    assert library is not None, reason
+    g = torch.Generator().manual_seed(7)
+    for k in range(2, 10):
+        for n in (1, 3, 8, 17, 255, 4099):
+            stride = n + 5  # elements between rows, as slots are apart in the segment
+            rows = torch.randn(k * stride, generator=g, dtype=torch.float64)
+            rows *= torch.exp(4 * torch.randn(k * stride, generator=g, dtype=torch.float64))  # orders of magnitude apart
+            rows = rows.to(dtype)
+            specials = torch.tensor([-0.0, 0.0, float("inf"), float("nan"), torch.finfo(dtype).tiny / 4], dtype=dtype)
+            rows[:len(specials)] = specials  # row 0's first values: -0 + -0 stays -0 only in order
+            rows[stride:stride + 1] = -0.0
+            view = rows.as_strided((k, n), (stride, 1))
+            expected = torch.empty(n, dtype=dtype)
+            sum_into(expected, [view[r] for r in range(k)])
+            got = torch.full((n,), 123.0, dtype=dtype)
+            library.phx_sum_rows(got.data_ptr(), rows.data_ptr(), stride * rows.element_size(), k, n,
+                                 shm_kernel.DTYPES[dtype])
+            assert _bits(got) == _bits(expected), f"k={k} n={n}"
+
+
+def _late_peers(world, compiled_by_rank: tuple[bool, ...], small_bytes) -> dict:
+    """Each rank in turn arrives 0.15 s late; the others' waits (spin, then futex) are timed."""
+    group = ShmGroup(world=world, compiled=compiled_by_rank[world.rank], small_bytes=small_bytes)
+    waits, sums = [], []
+    for call in range(4):
+        late = call % world.world_size
+        flat = torch.full((1000,), float(world.rank + 1), dtype=torch.float64)
+        if world.rank == late:
+            time.sleep(0.15)
+        start = time.perf_counter()
+        group.allreduce(flat)
+        if world.rank != late:
+            waits.append(time.perf_counter() - start)
+        sums.append(flat[0].item())
+    rounds = group.rounds
+    group.close()
+    return dict(waits=waits, sums=sums, rounds=rounds)
+
+
+@needs_cc
+@pytest.mark.parametrize("compiled_by_rank,small_bytes", [
+    ((True, True), None),  # every piece summed whole (one wait a round)
+    ((True, True, True), 0),  # the chunked path: a second wait on the reduced flags
+    ((True, False), None),  # a compiled rank and a Python one in one group
+], ids=["compiled", "compiled-chunked", "mixed"])
+def test_a_peer_asleep_on_the_futex_is_woken_when_the_late_rank_publishes(compiled_by_rank, small_bytes):
+    k = len(compiled_by_rank)
+    results = run_workers(_late_peers, k, compiled_by_rank, small_bytes, timeout_s=90)
+    for rank, result in enumerate(results):
+        assert result["sums"] == [k * (k + 1) / 2] * 4, f"rank {rank}"
+        assert result["rounds"] == ("compiled" if compiled_by_rank[rank] else "Python (not asked for)")
+        # A missed wake-up sleeps out the futex's bound (LIVENESS_EVERY_S) before it sees the flag.
+        assert max(result["waits"]) < 0.15 + LIVENESS_EVERY_S / 2, f"rank {rank} woke late: {result['waits']}"
+
+
+def _build(monkeypatch, tmp_path, **env) -> shm_kernel.Loaded:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return shm_kernel.load.__wrapped__()  # not this process's cached result
+
+
+def test_a_compiler_that_fails_leaves_python_rounds_and_says_why(monkeypatch, tmp_path):
+    library, reason = _build(monkeypatch, tmp_path, CC="/bin/false")
+    assert library is None and reason == "the C compiler failed: no message"
+    library, reason = _build(monkeypatch, tmp_path, CC=str(tmp_path / "no-such-cc"))
+    assert library is None and reason.startswith("the C compiler could not run:")
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()], "a failed build left a file"
+
+
+@needs_cc
+def test_the_kernel_is_built_once_and_then_taken_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    library, reason = _build(monkeypatch, tmp_path)
+    assert library is not None, reason
+    built = [p.name for p in (tmp_path / "cache" / "phalanx" / "kernels").iterdir()]
+    assert len(built) == 1 and built[0].startswith("shm_kernel-") and built[0].endswith(".so"), built
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled again although the cache holds the kernel")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    library, reason = _build(monkeypatch, tmp_path)
+    assert library is not None, reason
+
+
+@needs_cc
+def test_an_unwritable_cache_builds_privately(monkeypatch, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    library, reason = shm_kernel.load.__wrapped__()
+    assert library is not None, reason
+    assert blocked.read_text().startswith("a file"), "the cache's place was overwritten"
+    assert os.path.isfile(blocked)
