@@ -123,15 +123,7 @@ class ShmGroup:
         k, rank = self.k, self.rank
         data0 = -(-(_HEADER + k * LINE) // 4096) * 4096  # the slots start on the page after the header
         size = data0 + 2 * (k + 1) * self.slot_bytes  # rank 0's, which creates it
-        # Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike.
-        shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
-                               facts=(self.slot_bytes, self.small_bytes),
-                               around=lambda: collective(self.world, _SET_UP), host=self.members)
-        self._mmap = shared.mapping
-        self.slot_bytes, self.small_bytes = shared.facts
-        if shared.failed is not None:
-            r, e = shared.failed
-            raise ShmError(f"shared-memory segment unusable on rank {r}: {e}; use --allreduce native")
+        self._mmap = self._share(size)
         buf = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self._bytes = buf
         pids = memoryview(self._mmap)[:8 * k].cast("q")
@@ -145,6 +137,23 @@ class ShmGroup:
         # self._slot[p][r]: rank r's input slot in half p; self._slot[p][k]: half p's result area.
         self._slot = [[buf[data0 + p * half + i * self.slot_bytes: data0 + p * half + (i + 1) * self.slot_bytes]
                        for i in range(k + 1)] for p in range(2)]
+        self._opened()
+
+    def _share(self, size: int) -> mmap.mmap:
+        """The segment, mapped by every member (a collective: rank 0 creates, the others attach).
+        Rank 0's sizes rule (its slot size follows its free space), so every rank cuts alike."""
+        shared = share_segment(self.world, label="", create=lambda path: create_segment(path, size),
+                               facts=(self.slot_bytes, self.small_bytes),
+                               around=lambda: collective(self.world, _SET_UP), host=self.members)
+        self.slot_bytes, self.small_bytes = shared.facts
+        if shared.failed is not None:
+            if shared.mapping is not None:
+                shared.mapping.close()
+            r, e = shared.failed
+            raise ShmError(f"shared-memory segment unusable on rank {r}: {e}; use --allreduce native")
+        return shared.mapping
+
+    def _opened(self) -> None:
         with collective(self.world, _SET_UP):
             dist.barrier()  # every pid is written before anyone may need to name a dead peer
 

@@ -10,9 +10,11 @@ dtype, are in test_comm_allreduce.py (which runs both kinds of rounds).
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +132,12 @@ def test_an_unwritable_cache_builds_privately(monkeypatch, tmp_path):
     assert library is not None, reason
     assert blocked.read_text().startswith("a file"), "the cache's place was overwritten"
     assert os.path.isfile(blocked)
+
+
+@needs_cc
+def test_the_round_cost_tool_times_both_kinds_of_rounds(capsys):
+    tool = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "shm_round_cost.py"))
+    rows = tool["main"](["--sizes", "4096,65536", "--ranks", "2,3", "--calls", "20", "--rounds", "1"])
+    assert [(r["size_bytes"], r["ranks"]) for r in rows] == [(4096, 2), (4096, 3), (65536, 2), (65536, 3)]
+    assert all(r["compiled_rounds"] == "compiled" and r["python_us"] > 0 and r["compiled_us"] > 0 for r in rows)
+    assert "4 KB, k = 3: Python" in capsys.readouterr().out
