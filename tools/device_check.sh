@@ -6,7 +6,8 @@
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu, bench gpu, float64 graphs vs eager
-#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, bench scaling 1,8, allreduce 2,8, threads
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, threads, allreduce 2,8, bench scaling 1,8,
+#                                        # then (time left) cpu:2 and cpu:8 with a core left per worker
 set -uo pipefail
 mode="${1:?usage: tools/device_check.sh gpu|cpu [SAMPLE_DIR]}"
 sample="${2:-}"
@@ -80,6 +81,16 @@ EOF
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
             --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"
         step scaling 180 "$py" -m phalanx bench scaling --devices 1,8 --rounds 1 --out "$out/bench-scaling"
+        # The placement question, while the 8 minutes last: one core per worker left to its
+        # communication thread and the host (threads = cores/k - 1) against the default cores/k.
+        cores=$(nproc)
+        for k in 2 8; do
+            if (( SECONDS < 390 )); then
+                step "train-cpu$k-leave-a-core" 60 "$py" -m phalanx train --devices "cpu:$k" --data-dir "$data" \
+                    --epochs 2 --threads-per-device $((cores / k - 1 > 0 ? cores / k - 1 : 1)) --no-progress \
+                    --out "$out/train-cpu$k-leave-a-core"
+            fi
+        done
         ;;
     *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu or cpu" >&2; exit 2 ;;
 esac
