@@ -80,6 +80,7 @@ EOF
         step threads 120 "$py" -m pytest tests/distributed/test_threads.py -q -p no:cacheprovider
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
             --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"
+        step round-cost 60 "$py" tools/shm_round_cost.py --ranks 2,8 --calls 3000 --rounds 3
         step scaling 180 "$py" -m phalanx bench scaling --devices 1,8 --rounds 1 --out "$out/bench-scaling"
         # The placement question, while the 8 minutes last: one core per worker left to its
         # communication thread and the host (threads = cores/k - 1) against the default cores/k.
