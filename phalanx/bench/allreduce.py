@@ -151,7 +151,7 @@ def memcpy_reference(config: AllreduceBenchConfig) -> dict[int, Spread]:
 def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
     """Measure everything; return the JSON payload (times in s, bandwidths in GB/s = 1e9 B/s)."""
     memcpy = memcpy_reference(config)
-    results, ratios, halves = [], [], []
+    results, ratios, halves, python_rounds = [], [], [], []
     shm_rounds: dict[int, str] = {}  # how "shm" ran its rounds, by world size: "compiled" or "Python (why)"
     keys = timed(config)
     for world_size in config.world_sizes:
@@ -175,7 +175,7 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
                 ratios.append({**where, "busbw_vs_native": ratio.to_dict()})
             if algo == PYTHON_ROUNDS and (size, collective, "shm") in times:  # what compiling the rounds buys
                 ratio = paired_ratio(times[(size, collective, algo)], times[(size, collective, "shm")])
-                ratios.append({**where, "python_rounds_vs_compiled": ratio.to_dict()})
+                python_rounds.append({**where, "python_rounds_vs_compiled": ratio.to_dict()})
             allreduce = times.get((size, "allreduce", algo))
             if collective != "allreduce" and allreduce is not None:  # the per-byte comparison
                 halves.append({**where, "time_vs_allreduce": paired_ratio(times[(size, collective, algo)],
@@ -190,6 +190,7 @@ def run_allreduce_bench(config: AllreduceBenchConfig) -> dict[str, Any]:
         "results": results,
         "ratios": ratios,
         "halves": halves,
+        "python_rounds": python_rounds,
         "shm_rounds": shm_rounds,
     }
 
@@ -222,14 +223,14 @@ def report_allreduce(payload: dict[str, Any]) -> str:
             for collective in collectives:
                 for algo in dict.fromkeys(r["algorithm"] for r in payload["results"]):
                     own = [r for r in payload[key] if r["world_size"] == world_size and r["algorithm"] == algo
-                           and r["collective"] == collective and "python_rounds_vs_compiled" not in r]
+                           and r["collective"] == collective]
                     if own:
                         value = "busbw_vs_native" if key == "ratios" else "time_vs_allreduce"
                         lines.append(text.format(algo=algo, collective=collective, k=world_size) + ", ".join(
                             f"{format_size(r['size_bytes'])} {Spread.from_dict(r[value]).fmt(2)}" for r in own))
         for collective in collectives:
-            compiled = [r for r in payload["ratios"] if r["world_size"] == world_size and r["collective"] == collective
-                        and "python_rounds_vs_compiled" in r]
+            compiled = [r for r in payload.get("python_rounds", []) if r["world_size"] == world_size
+                        and r["collective"] == collective]
             if compiled:
                 lines.append(f"{PYTHON_ROUNDS} time / shm time, {collective}, on {world_size} processes (>1: compiled "
                              "rounds faster): " + ", ".join(f"{format_size(r['size_bytes'])} "

@@ -113,7 +113,6 @@ class ShmGroup:
         # Spinning helps only while every worker has a core of its own; past that it takes the
         # CPU a late peer needs, so oversubscribed workers go straight to the futex.
         self.spin_s = SPIN_S if world.local_world_size <= available_cores() else 0.0
-        self._compiled: shm_kernel.Rounds | None = None
         self.compiled_reason: str | None = "not asked for" if not compiled else None  # why rounds run in Python
         self._open()
         if compiled:
@@ -160,9 +159,8 @@ class ShmGroup:
     def _bind_kernel(self) -> None:
         library, self.compiled_reason = shm_kernel.load()
         if library is not None:
-            self._flags.compiled = self._compiled = shm_kernel.Rounds(
+            self._flags.compiled = shm_kernel.Rounds(
                 library, flags_addr=self._flags.address, slots=(self._slot[0][0].data_ptr(), self._slot[1][0].data_ptr()),
-                results=(self._slot[0][self.k].data_ptr(), self._slot[1][self.k].data_ptr()),
                 slot_stride=self.slot_bytes, spin_s=self.spin_s, k=self.k, rank=self.rank)
 
     @property
@@ -177,15 +175,14 @@ class ShmGroup:
     @property
     def rounds(self) -> str:
         """How rounds run here, as the first line says it: "compiled" or "Python (why)"."""
-        return "compiled" if self._compiled is not None else f"Python ({self.compiled_reason})"
+        return "compiled" if self.compiled_reason is None else f"Python ({self.compiled_reason})"
 
     def close(self) -> None:
         """Unmap the segment (its file is long gone); safe to call twice."""
         if self._mmap is not None:
-            if self._flags is not None:  # drop every export first
-                self._flags.words = self._flags.pids = None
+            if self._flags is not None:  # drop every export first, and the compiled calls' addresses into it
+                self._flags.words = self._flags.pids = self._flags.compiled = None
             self._flags = self._pids_view = self._slot = self._bytes = None
-            self._compiled = None  # its addresses point into the mapping
             self._view_cache = {}
             try:
                 self._mmap.close()
@@ -241,14 +238,14 @@ class ShmGroup:
         return views
 
     def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> None:
-        compiled = self._compiled if piece.dtype in shm_kernel.DTYPES else None
+        compiled = self._flags.compiled if piece.dtype in shm_kernel.DTYPES else None
         small = piece.numel() * piece.element_size() <= self.small_bytes
         if compiled is not None and small:  # the common case in one call (shm_kernel.c)
             self.round += 1
             g = self.round
             if compiled.small_round(g % 2, g, piece):
                 return
-            self._flags.wait(ARRIVED, g, ticket)  # a late peer: sleep for it here, with the liveness checks
+            self._flags.wait(ARRIVED, g, ticket, spun=True)  # a late peer: sleep for it, with the liveness checks
             compiled.sum_slots(piece, g % 2)
             return
         g, inputs, result = self.begin(piece.numel(), piece.dtype)

@@ -60,15 +60,16 @@ class Flags:
         self.words[index] = value
         self._futex.wake(self.address + 8 * index)
 
-    def wait(self, field: int, value: int, ticket: Ticket | None) -> None:
-        """Return once every rank's `field` is >= value (the round); raise on death or timeout."""
+    def wait(self, field: int, value: int, ticket: Ticket | None, *, spun: bool = False) -> None:
+        """Return once every rank's `field` is >= value (the round); raise on death or timeout.
+        `spun`: the caller has spun already (a compiled small round): go straight to sleep."""
         flags, stride = self.words, LINE // 8
         start = time.perf_counter()
         pending = [r for r in range(self.k) if r != self.rank]
-        if self.compiled is not None:
+        if not spun and self.compiled is not None:
             if self.compiled.spin(field, value):  # the spin, GIL released
                 return
-        else:
+        elif not spun:
             spin_until = start + self.spin_s
             while True:
                 pending = [r for r in pending if flags[r * stride + field] < value]

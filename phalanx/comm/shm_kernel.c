@@ -31,7 +31,6 @@ enum { F32 = 0, F64 = 1 };
 typedef struct {
     int64_t *flags;       /* the k flag lines */
     char *slots[2];       /* each half's rank-0 input slot; rank r's is at + r * slot_stride */
-    char *results[2];     /* each half's result area */
     int64_t slot_stride;  /* bytes from one rank's input slot to the next */
     int64_t spin_ns;      /* how long a wait spins before it returns to sleep in Python */
     int32_t k;

@@ -37,8 +37,7 @@ DTYPES = {torch.float32: 0, torch.float64: 1}  # the kernel's codes; other dtype
 class _Group(ctypes.Structure):
     """shm_kernel.c's phx_group, field for field."""
 
-    _fields_ = [("flags", ctypes.c_void_p), ("slots", ctypes.c_void_p * 2), ("results", ctypes.c_void_p * 2),
-                ("slot_stride", ctypes.c_int64), ("spin_ns", ctypes.c_int64), ("k", ctypes.c_int32),
+    _fields_ = [("flags", ctypes.c_void_p), ("slots", ctypes.c_void_p * 2), ("slot_stride", ctypes.c_int64), ("spin_ns", ctypes.c_int64), ("k", ctypes.c_int32),
                 ("rank", ctypes.c_int32)]
 
 
@@ -127,10 +126,9 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
 class Rounds:
     """The compiled calls bound to one segment (ShmGroup): what a round needs, passed once."""
 
-    def __init__(self, library: ctypes.CDLL, *, flags_addr: int, slots: tuple[int, int], results: tuple[int, int],
-                 slot_stride: int, spin_s: float, k: int, rank: int) -> None:
-        self._group = _Group(flags_addr, (ctypes.c_void_p * 2)(*slots), (ctypes.c_void_p * 2)(*results),
-                             slot_stride, int(spin_s * 1e9), k, rank)
+    def __init__(self, library: ctypes.CDLL, *, flags_addr: int, slots: tuple[int, int], slot_stride: int,
+                 spin_s: float, k: int, rank: int) -> None:
+        self._group = _Group(flags_addr, (ctypes.c_void_p * 2)(*slots), slot_stride, int(spin_s * 1e9), k, rank)
         self._ref = ctypes.byref(self._group)
         self._slots, self._stride, self._k = slots, slot_stride, k
         self._small_round = library.phx_small_round
