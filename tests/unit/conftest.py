@@ -21,6 +21,12 @@ try:
 except ImportError:  # not a POSIX system
     _posixsubprocess = None
 
+
+# matplotlib builds its font cache on first import where it has none (a fresh install, an empty
+# $XDG_CACHE_HOME), running `fc-list`: the machine's set-up, not a test's, so it happens here, as
+# this file is collected, before the rule below is on for any test that draws a PNG.
+from matplotlib import font_manager  # noqa: E402,F401  (the import builds and saves the cache)
+
 RULE = ("tests/unit starts no processes, and this test called {call}; a test that needs a child process "
         "belongs in tests/distributed (docs/tests.md)")
 
