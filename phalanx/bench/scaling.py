@@ -9,7 +9,10 @@ devices with each worker bound to its own cores (`--bind-cores`, when k <= cores
 on k processes as a DDP user gets it (plain `DistributedDataParallel`, gloo, default buckets, 1
 thread each, no allocator setting); one plain PyTorch process with 1 thread and with every core;
 and the ceiling, k processes set up as phalanx's that train their shards with no communication
-at all; with `--finite-check-cost`, phalanx on k devices with the gradient's NaN/Inf check
+at all, and the same ceiling in lockstep, its ranks meeting at every step through a 4-byte
+allreduce (phalanx ÷ lockstep ceiling is what the exchange costs; lockstep ÷ ceiling what waiting
+for the slowest rank at every step costs on this host, which no exchange can avoid); with
+`--finite-check-cost`, phalanx on k devices with the gradient's NaN/Inf check
 (data_parallel/guards/finite.py; every 100 steps by default) off and at every step. How each contender
 runs and is timed is the measuring kit's (phalanx/measure/step.py: fresh processes, warm-up
 steps, a barrier, timed steps, the slowest rank's time); this module chooses the contenders,
@@ -17,10 +20,11 @@ interleaves them round by round, prints each contender's images/s and wall time 
 and forms the ratios, each the median of per-round ratios. Scaling efficiency is images/s on j
 devices / (j x images/s on 1).
 
-A round costs, per batch size, one fresh start of every contender: with n device counts (1
-included) n + 8 of them (n + 7 where k exceeds the cores: no bound run). Each start pays process
-spawn, `import torch` and a rendezvous before its warm-up and timed steps; every run's wall time
-is in the JSON (`wall_s`), so a round on a bigger host can be budgeted from it (docs/benchmarks.md).
+A round costs one fresh start of every contender, which runs every batch size in turn: with n
+device counts (1 included) n + 9 starts (n + 8 where k exceeds the cores: no bound run). Each
+start pays process spawn, `import torch` and a rendezvous before its warm-up and timed steps;
+every start's wall time is in the JSON (`wall_s`, the same for each of its batch sizes), so a
+round on a bigger host can be budgeted from it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any, Callable
 
 from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
-from phalanx.measure.step import StepJob, Variant, images_per_s, run_variant
+from phalanx.measure.step import StepJob, Variant, images_per_s, run_jobs
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
 from phalanx.options import at_least, check_options, option
 from phalanx.runtime.binding import available_cores
@@ -109,6 +113,8 @@ def variants(device_counts: tuple[int, ...], cores: int, *, grad_dtype: str | No
                 memory_format="auto"),
         Variant(name=f"ceiling/{k}", kind="ceiling", num_procs=k, threads_per_proc=per_proc, allocator_env=True,
                 memory_format="auto"),
+        Variant(name=f"ceiling/{k} lockstep", kind="lockstep", num_procs=k, threads_per_proc=per_proc,
+                allocator_env=True, memory_format="auto"),
         Variant(name="torch 1 thread", kind="torch", num_procs=1, threads_per_proc=1, allocator_env=False),
     ]
     if cores > 1:  # what a CPU user runs instead of k processes: one process on every core
@@ -125,25 +131,26 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
     cores = available_cores()
     contenders = variants(config.device_counts, cores, grad_dtype=config.grad_dtype,
                           finite_check_cost=config.finite_check_cost)
+    jobs = tuple(StepJob(model=config.model, global_batch_size=batch, warmup_steps=config.warmup_steps,
+                         steps=config.steps, lr=config.lr, seed=config.seed) for batch in config.global_batch_sizes)
     runs, done, wall_s = {}, [0], {}
-    total = config.rounds * len(config.global_batch_sizes) * len(contenders)
-    for batch in config.global_batch_sizes:
-        job = StepJob(model=config.model, global_batch_size=batch, warmup_steps=config.warmup_steps,
-                      steps=config.steps, lr=config.lr, seed=config.seed)
-        for variant in contenders:
-            def run(variant=variant, job=job) -> float:
-                start_s = time.perf_counter()
-                speed = images_per_s(job, run_variant(variant, job, timeout_s=config.timeout_s,
-                                                      deadline_s=config.deadline_s))
-                seconds = time.perf_counter() - start_s
-                wall_s.setdefault(f"{job.global_batch_size}|{variant.name}", []).append(seconds)
-                done[0] += 1
-                if on_run is not None:  # each contender's row as it completes: a long run shows progress
-                    on_run(f"[{done[0]}/{total}] {variant.name}, global batch {job.global_batch_size}: "
-                           f"{speed:.0f} images/s ({seconds:.1f} s)")
-                return speed
-            runs[f"{batch}|{variant.name}"] = run
-    samples = run_interleaved(runs, rounds=config.rounds, warmup_rounds=0)  # warm-up: steps in each process
+    total = config.rounds * len(contenders)
+    for variant in contenders:
+        def run(variant=variant) -> dict[int, float]:
+            start_s = time.perf_counter()
+            records = run_jobs(variant, jobs, timeout_s=config.timeout_s, deadline_s=config.deadline_s)
+            seconds = time.perf_counter() - start_s
+            speeds = {job.global_batch_size: images_per_s(job, windows) for job, windows in zip(jobs, records)}
+            wall_s.setdefault(variant.name, []).append(seconds)
+            done[0] += 1
+            if on_run is not None:  # each contender's row as it completes: a long run shows progress
+                rates = ", ".join(f"global batch {batch}: {speed:.0f} images/s" for batch, speed in speeds.items())
+                on_run(f"[{done[0]}/{total}] {variant.name}, {rates} ({seconds:.1f} s)")
+            return speeds
+        runs[variant.name] = run
+    by_start = run_interleaved(runs, rounds=config.rounds, warmup_rounds=0)  # warm-up: steps in each process
+    samples = {f"{batch}|{name}": [speeds[batch] for speeds in starts]
+               for name, starts in by_start.items() for batch in config.global_batch_sizes}
     results, ratios = [], []
     k = config.num_devices
     for batch in config.global_batch_sizes:
@@ -151,7 +158,7 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
         for variant in contenders:
             results.append({"global_batch_size": batch, "variant": variant.name,
                             "images_per_s": Spread.of(per[variant.name]).to_dict(),
-                            "wall_s": Spread.of(wall_s[f"{batch}|{variant.name}"]).to_dict()})
+                            "wall_s": Spread.of(wall_s[variant.name]).to_dict()})
         def best(names: list[str]) -> str:
             return max(names, key=lambda name: Spread.of(per[name]).median)
 
@@ -163,11 +170,15 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
                    ("phalanx_vs_best_single_process", k, plain),
                    ("phalanx_vs_best_single_process_same_setup", k, tuned),
                    ("phalanx_vs_ceiling", k, f"ceiling/{k}"),
+                   ("phalanx_vs_lockstep_ceiling", k, f"ceiling/{k} lockstep"),
                    ("phalanx_1_device_vs_plain_loop_same_setup", 1, tuned)]
         if f"phalanx/{k} bound" in per:
             ratios.append({"global_batch_size": batch, "metric": "bound_cores_vs_unbound", "num_devices": k,
                            "against": f"phalanx/{k}", "numerator": f"phalanx/{k} bound",
                            "ratio": paired_ratio(per[f"phalanx/{k} bound"], per[f"phalanx/{k}"]).to_dict()})
+        ratios.append({"global_batch_size": batch, "metric": "lockstep_vs_ceiling", "num_devices": k,
+                       "against": f"ceiling/{k}", "numerator": f"ceiling/{k} lockstep",
+                       "ratio": paired_ratio(per[f"ceiling/{k} lockstep"], per[f"ceiling/{k}"]).to_dict()})
         for metric, j, against in compare:
             ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": j, "against": against,
                            "ratio": paired_ratio(per[f"phalanx/{j}"], per[against]).to_dict()})

@@ -2,23 +2,28 @@
 
 One configuration (a `Variant`: which program, how many processes, threads each, the allocator
 setting, memory format, exchange, ZeRO stage) runs a `StepJob` (model, batch, steps, optimizer)
-in fresh processes. Every rank draws the same fixed random global batch (data time is zero for
-all), takes its `split_batch` shard, runs the warm-up steps, meets the others at a barrier and
-times `steps` steps in a `busy_window` (wall time, its own CPU time, the host's busy time); it
-also reports its resident set around the run and the bytes of parameters, gradients and
-optimizer state it holds after it (memory.py). The kinds:
+in fresh processes; `run_jobs` runs several jobs (bench scaling's batch sizes) one after the
+other in one start of those processes, each job with a model and replica of its own. Every rank
+draws the same fixed random global batch (data time is zero for all), takes its `split_batch`
+shard, runs the warm-up steps, meets the others at a barrier and times `steps` steps in a
+`busy_window` (wall time, its own CPU time, the host's busy time); it also reports its resident
+set around the run and the bytes of parameters, gradients and optimizer state it holds after it
+(memory.py). The kinds:
 
 - `phalanx`: `phalanx.prepare` (with `shard=`) and `train_batch`, the step training runs, started
   by `phalanx.runtime.launch` (its allocator setting, threads, core binding); one device runs
   in a fresh process of its own that launches it, as `phalanx train --devices 1` would;
 - `ceiling`: phalanx's worker set-up, shard and scaled loss with no exchange at all;
+- `lockstep`: the ceiling whose ranks meet at every step, after backward where phalanx's ranks
+  exchange, through a 4-byte allreduce of the algorithm phalanx's auto picks: what waiting for
+  the slowest rank at every step costs on this host, the exchange's bytes left out;
 - `ddp`: torch DDP as its tutorial runs it (gloo, default buckets, mean loss), via procs.py;
   `zero`: the same with `ZeroRedundancyOptimizer`; `fsdp2`: FSDP2's `fully_shard` per layer;
 - `torch`: the plain PyTorch loop in one process.
 
 BatchNorm, where a model has it, computes each rank's own batch statistics in every kind
 (phalanx's `batchnorm="local"`), so a timing compares the exchange, not the BatchNorm policy.
-`run_variant` returns every rank's record; `images_per_s` counts the slowest rank's time. bench
+`run_jobs` returns every job's list of every rank's record (`run_variant` one job's); `images_per_s` counts the slowest rank's time. bench
 scaling fields the kinds but zero and fsdp2, bench memory phalanx's stages and ddp, zero and
 fsdp2; predict --validate measures the `phalanx` one, so its check is bench scaling's number by
 construction.
@@ -26,13 +31,15 @@ construction.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from phalanx.comm import open_comm
 from phalanx.data import split_batch
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
@@ -45,7 +52,7 @@ from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 from phalanx.train.loop import train_batch
 
-KINDS = ("phalanx", "ddp", "zero", "fsdp2", "torch", "ceiling")
+KINDS = ("phalanx", "ddp", "zero", "fsdp2", "torch", "ceiling", "lockstep")
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
 
 
@@ -128,7 +135,11 @@ def _barrier(world: World) -> Callable[[], object]:
     return dist.barrier if world.distributed else (lambda: None)
 
 
-def _phalanx_worker(world: World, job: StepJob) -> dict:
+def _phalanx_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
+    return [_phalanx_job(world, job) for job in jobs]
+
+
+def _phalanx_job(world: World, job: StepJob) -> dict:
     probe = MemoryProbe()
     torch.manual_seed(job.seed)
     X, y = _shard(job, world.rank)
@@ -144,61 +155,87 @@ def _phalanx_worker(world: World, job: StepJob) -> dict:
         return _timed_steps(step, job, _barrier(world), probe=probe, held=lambda: replica_held_bytes(dp, optimizer))
 
 
-def _phalanx_single(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
+def _phalanx_single(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
     # One device runs in the launcher's own process; this fresh process stands in for it.
-    spec = LaunchSpec(plan=parse_devices("cpu:1", cuda_count=0), threads_per_device=job.threads_per_device)
+    spec = LaunchSpec(plan=parse_devices("cpu:1", cuda_count=0), threads_per_device=job[0].threads_per_device)
     return launch(_phalanx_worker, job, spec=spec)[0]
 
 
 def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int,
-                 mean_loss: bool, barrier: Callable[[], object], probe: MemoryProbe) -> dict:
+                 mean_loss: bool, barrier: Callable[[], object], probe: MemoryProbe,
+                 meet: Callable[[], object] | None = None) -> dict:
     """`_timed_steps` of the plain PyTorch step on this rank's shard: the loss summed over the
-    global batch (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's)."""
+    global batch (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's);
+    `meet()`, if given, after backward (the lockstep ceiling's meeting)."""
     X, y = _shard(job, rank)
     scale = X.shape[0] if mean_loss else job.global_batch_size
 
     def step() -> None:
         optimizer.zero_grad()
         (F.cross_entropy(model(X), y, reduction="sum") / scale).backward()
+        if meet is not None:
+            meet()
         optimizer.step()
 
     return _timed_steps(step, job, barrier, probe=probe, held=lambda: held_bytes(model.parameters(), optimizer))
 
 
-def _ceiling_worker(world: World, job: StepJob) -> dict:
-    """phalanx's worker set-up, its shard, the same scaled loss: everything but the allreduce."""
-    probe = MemoryProbe()
-    torch.manual_seed(job.seed)
-    model = _build(job)
-    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=False,
-                        barrier=_barrier(world), probe=probe)
+def _ceiling_worker(world: World, jobs: tuple[StepJob, ...], *, lockstep: bool = False) -> list[dict]:
+    """phalanx's worker set-up, its shard, the same scaled loss: everything but the allreduce;
+    `lockstep`: with the ranks meeting at every step (a 4-byte allreduce, phalanx's auto one)."""
+    with contextlib.ExitStack() as stack:
+        meet = None
+        if lockstep:
+            opened = open_comm(world, "auto")
+            stack.callback(opened.comm.close)
+            token = torch.zeros(1)
+
+            def meet() -> None:
+                opened.comm.allreduce(token, algorithm=opened.algorithm)
+
+        records = []
+        for job in jobs:
+            probe = MemoryProbe()
+            torch.manual_seed(job.seed)
+            model = _build(job)
+            records.append(_plain_steps(model, _optimizer(model.parameters(), job), job, rank=world.rank,
+                                        mean_loss=False, barrier=_barrier(world), probe=probe, meet=meet))
+        return records
+
+
+def _lockstep_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
+    return _ceiling_worker(world, jobs, lockstep=True)
 
 
 def _join(rank: int, num_procs: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_procs)
 
 
-def _ddp_worker(*, rank: int, num_procs: int, port: int, job: StepJob, zero: bool = False) -> dict:
+def _ddp_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...], zero: bool = False) -> list[dict]:
     """What the PyTorch tutorial does: gloo process group, DDP with its defaults, mean loss;
     `zero`: its optimizer a ZeroRedundancyOptimizer (each rank the state of its parameters)."""
     # Imported here, not above: importing torch.distributed.optim jit-scripts its functional
     # optimizers, 66 DeprecationWarnings in every process that would import this module.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    probe = MemoryProbe()
     _join(rank, num_procs, port)
-    torch.manual_seed(job.seed)
-    model = torch.nn.parallel.DistributedDataParallel(_build(job))
-    optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[job.optimizer], lr=job.lr)
-                 if zero else _optimizer(model.parameters(), job))
-    return _plain_steps(model, optimizer, job, rank=rank, mean_loss=True, barrier=dist.barrier, probe=probe)
+    records = []
+    for one in job:
+        probe = MemoryProbe()
+        torch.manual_seed(one.seed)
+        model = torch.nn.parallel.DistributedDataParallel(_build(one))
+        optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[one.optimizer], lr=one.lr)
+                     if zero else _optimizer(model.parameters(), one))
+        records.append(_plain_steps(model, optimizer, one, rank=rank, mean_loss=True, barrier=dist.barrier,
+                                    probe=probe))
+    return records
 
 
-def _zero_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
+def _zero_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
     return _ddp_worker(rank=rank, num_procs=num_procs, port=port, job=job, zero=True)
 
 
-def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
+def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
     """FSDP2 as its docs set it up: `fully_shard` on each layer that holds parameters, then on the
     root, over a 1-D CPU mesh (gloo); the optimizer over the sharded (DTensor) parameters."""
     # Imported here, not above: DTensor's package takes 0.4 s to import, in every fresh process
@@ -206,42 +243,58 @@ def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    probe = MemoryProbe()
     _join(rank, num_procs, port)
-    torch.manual_seed(job.seed)
-    model = _build(job)
     mesh = init_device_mesh("cpu", (num_procs,))
-    for layer in [m for m in model.modules() if m is not model and next(m.parameters(recurse=False), None) is not None]:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=True,
-                        barrier=dist.barrier, probe=probe)
+    records = []
+    for one in job:
+        probe = MemoryProbe()
+        torch.manual_seed(one.seed)
+        model = _build(one)
+        for layer in [m for m in model.modules()
+                      if m is not model and next(m.parameters(recurse=False), None) is not None]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        records.append(_plain_steps(model, _optimizer(model.parameters(), one), one, rank=rank, mean_loss=True,
+                                    barrier=dist.barrier, probe=probe))
+    return records
 
 
-def _torch_worker(*, rank: int, num_procs: int, port: int, job: StepJob) -> dict:
-    probe = MemoryProbe()
-    torch.manual_seed(job.seed)
-    model = _build(job)
-    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=False,
-                        barrier=lambda: None, probe=probe)
+def _torch_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
+    records = []
+    for one in job:
+        probe = MemoryProbe()
+        torch.manual_seed(one.seed)
+        model = _build(one)
+        records.append(_plain_steps(model, _optimizer(model.parameters(), one), one, rank=rank, mean_loss=False,
+                                    barrier=lambda: None, probe=probe))
+    return records
 
 
-def run_variant(variant: Variant, job: StepJob, *, timeout_s: float, deadline_s: float) -> list[dict]:
-    """Run `job` as `variant` in fresh processes; every rank's record: its busy_window (wall_s,
-    cpu_s, host_busy_s) and its memory (memory.MemoryProbe's: resident set, bytes held)."""
-    job = replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
-                  memory_format=variant.memory_format, grad_dtype=variant.grad_dtype, algorithm=variant.algorithm,
-                  check_finite_every=variant.check_finite_every, shard=variant.shard)
-    if variant.kind in ("phalanx", "ceiling") and variant.num_procs > 1:
-        fn = _phalanx_worker if variant.kind == "phalanx" else _ceiling_worker
+def run_jobs(variant: Variant, jobs: Sequence[StepJob], *, timeout_s: float, deadline_s: float) -> list[list[dict]]:
+    """Run `jobs` one after the other as `variant`, in one start of fresh processes; for each job,
+    every rank's record: its busy_window (wall_s, cpu_s, host_busy_s) and its memory
+    (memory.MemoryProbe's: resident set, bytes held)."""
+    jobs = tuple(replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
+                         memory_format=variant.memory_format, grad_dtype=variant.grad_dtype,
+                         algorithm=variant.algorithm, check_finite_every=variant.check_finite_every,
+                         shard=variant.shard) for job in jobs)
+    if variant.kind in ("phalanx", "ceiling", "lockstep") and variant.num_procs > 1:
+        fn = {"phalanx": _phalanx_worker, "ceiling": _ceiling_worker, "lockstep": _lockstep_worker}[variant.kind]
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),
                           threads_per_device=variant.threads_per_proc, timeout_s=timeout_s,
                           deadline_s=deadline_s, bind_cores=variant.bind_cores)
-        return launch(fn, job, spec=spec)
-    fn = {"phalanx": _phalanx_single, "ddp": _ddp_worker, "zero": _zero_worker, "fsdp2": _fsdp2_worker,
-          "torch": _torch_worker, "ceiling": _torch_worker}[variant.kind]
-    return run_fresh(fn, job, num_procs=variant.num_procs, threads=variant.threads_per_proc,
-                     tune_allocator=variant.allocator_env, deadline_s=deadline_s, name=variant.name)
+        by_rank = launch(fn, jobs, spec=spec)
+    else:
+        fn = {"phalanx": _phalanx_single, "ddp": _ddp_worker, "zero": _zero_worker, "fsdp2": _fsdp2_worker,
+              "torch": _torch_worker, "ceiling": _torch_worker, "lockstep": _torch_worker}[variant.kind]
+        by_rank = run_fresh(fn, jobs, num_procs=variant.num_procs, threads=variant.threads_per_proc,
+                            tune_allocator=variant.allocator_env, deadline_s=deadline_s, name=variant.name)
+    return [[records[i] for records in by_rank] for i in range(len(jobs))]
+
+
+def run_variant(variant: Variant, job: StepJob, *, timeout_s: float, deadline_s: float) -> list[dict]:
+    """`run_jobs` of one job: every rank's record."""
+    return run_jobs(variant, (job,), timeout_s=timeout_s, deadline_s=deadline_s)[0]
 
 
 def images_per_s(job: StepJob, windows: list[dict]) -> float:

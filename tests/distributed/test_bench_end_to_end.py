@@ -84,36 +84,73 @@ def test_overlap_bench_smoke(tmp_path, capsys):
 
 @pytest.mark.distributed
 def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
-    payload, _ = _run(["bench", "scaling", "--batch-sizes", "8", "--devices", "2", "--steps", "1",
+    payload, _ = _run(["bench", "scaling", "--batch-sizes", "8,12", "--devices", "2", "--steps", "1",
                        "--warmup-steps", "1", "--rounds", "1"], tmp_path)
     assert payload["cores"] <= smoke_sized_cores
     assert all(v["threads_per_proc"] <= smoke_sized_cores for v in payload["variants"])
     names = [v["name"] for v in payload["variants"]]
     bound = ["phalanx/2 bound"] if payload["cores"] >= 2 else []  # --bind-cores needs a core per worker
-    assert names[:6 + len(bound)] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", *bound, "ddp/2", "ddp/2 tuned",
-                                      "ceiling/2"]
+    assert names[:7 + len(bound)] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", *bound, "ddp/2", "ddp/2 tuned",
+                                      "ceiling/2", "ceiling/2 lockstep"]
     assert "torch 1 thread" in names
-    assert [r["variant"] for r in payload["results"]] == names
-    assert all(r["global_batch_size"] == 8 and r["images_per_s"]["median"] > 0 for r in payload["results"])
-    assert {r["metric"] for r in payload["ratios"]} == {
-        "phalanx_vs_gloo_exchange", "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process",
-        "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
-        "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency",
-        *(["bound_cores_vs_unbound"] if bound else [])}
-    per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"]}
-    efficiency = next(r for r in payload["ratios"] if r["metric"] == "scaling_efficiency")
-    assert efficiency["ratio"]["median"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))
-    vs_ddp = next(r for r in payload["ratios"] if r["metric"] == "phalanx_vs_ddp")
-    assert vs_ddp["ratio"]["median"] == pytest.approx(per["phalanx/2"] / per["ddp/2"])
+    assert [(r["global_batch_size"], r["variant"]) for r in payload["results"]] == [
+        (batch, name) for batch in (8, 12) for name in names]
+    assert all(r["images_per_s"]["median"] > 0 for r in payload["results"])
+    for batch in (8, 12):
+        assert {r["metric"] for r in payload["ratios"] if r["global_batch_size"] == batch} == {
+            "phalanx_vs_gloo_exchange", "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup",
+            "phalanx_vs_best_single_process", "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
+            "phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling", "phalanx_1_device_vs_plain_loop_same_setup",
+            "scaling_efficiency", *(["bound_cores_vs_unbound"] if bound else [])}
+    per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"] if r["global_batch_size"] == 8}
+    ratio = {r["metric"]: r["ratio"]["median"] for r in payload["ratios"] if r["global_batch_size"] == 8}
+    assert ratio["scaling_efficiency"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))
+    assert ratio["phalanx_vs_ddp"] == pytest.approx(per["phalanx/2"] / per["ddp/2"])
+    # The ceiling ratio is the product of what the exchange costs and what lockstep costs.
+    assert ratio["phalanx_vs_lockstep_ceiling"] * ratio["lockstep_vs_ceiling"] == pytest.approx(
+        ratio["phalanx_vs_ceiling"])
     one = next(r for r in payload["ratios"] if r["metric"] == "phalanx_1_device_vs_plain_loop_same_setup")
     assert one["against"].endswith("tuned") and one["ratio"]["median"] == pytest.approx(
         per["phalanx/1"] / per[one["against"]])
-    assert all(r["wall_s"]["median"] > 0 for r in payload["results"])
+    # One start per contender runs both batch sizes: the same start's wall time for each.
+    wall = {(r["global_batch_size"], r["variant"]): r["wall_s"]["samples"] for r in payload["results"]}
+    assert all(wall[8, name] == wall[12, name] and wall[8, name][0] > 0 for name in names)
     captured = capsys.readouterr()
     assert "phalanx_vs_ddp" in captured.out
-    # Each contender's row on stderr as it completes, before the table.
+    # Each contender's row on stderr as it completes (both batch sizes in it), before the table.
     rows = [line for line in captured.err.splitlines() if "images/s (" in line]
-    assert len(rows) == len(names) and rows[0].startswith("phalanx bench: [1/") and "phalanx/1, global batch 8: " in rows[0]
+    assert len(rows) == len(names) and rows[0].startswith("phalanx bench: [1/")
+    assert "phalanx/1, global batch 8: " in rows[0] and ", global batch 12: " in rows[0]
+
+
+def count_lockstep_meetings(world, jobs, lockstep):
+    """The ceiling's worker with AsyncComm.allreduce counted: (tensor sizes it summed, records)."""
+    from phalanx.comm import AsyncComm
+    from phalanx.measure import step
+
+    sizes, allreduce = [], AsyncComm.allreduce
+
+    def counted(self, tensor, **kwargs):
+        sizes.append(tensor.numel())
+        return allreduce(self, tensor, **kwargs)
+
+    AsyncComm.allreduce = counted
+    return sizes, step._ceiling_worker(world, jobs, lockstep=lockstep)
+
+
+@pytest.mark.distributed
+def test_the_lockstep_ceiling_meets_at_every_step_and_the_ceiling_never():
+    from phalanx.measure.step import StepJob
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec, launch
+
+    jobs = tuple(StepJob(model="lenet", global_batch_size=batch, warmup_steps=2, steps=3, lr=0.2, seed=0,
+                         num_shards=2, threads_per_device=1) for batch in (8, 12))
+    spec = LaunchSpec(plan=parse_devices("cpu:2", cuda_count=0), threads_per_device=1, timeout_s=60, deadline_s=120)
+    for lockstep, meetings in ((True, 2 * (2 + 3)), (False, 0)):
+        for sizes, records in launch(count_lockstep_meetings, jobs, lockstep, spec=spec):
+            assert sizes == [1] * meetings  # one 1-element allreduce per step, warm-up included
+            assert len(records) == 2 and all(record["wall_s"] > 0 for record in records)
 
 
 def report_setup(*, rank, num_procs, port, job):

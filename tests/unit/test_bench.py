@@ -156,7 +156,7 @@ def test_configs_reject_bad_numbers_by_name(make, words):
 def test_contenders_are_set_up_as_each_user_would_get_them():
     by_name = {v.name: v for v in variants((1, 2, 3), cores=4)}
     assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "phalanx/3 gloo", "phalanx/3 bound", "ddp/3", "ddp/3 tuned", "ceiling/3",
-                             "torch 1 thread", "torch 4 threads", "torch 4 threads tuned"]
+                             "ceiling/3 lockstep", "torch 1 thread", "torch 4 threads", "torch 4 threads tuned"]
     assert [(by_name[f"phalanx/{j}"].num_procs, by_name[f"phalanx/{j}"].threads_per_proc) for j in (1, 2, 3)] == [
         (1, 4), (2, 2), (3, 1)]
     assert all(by_name[f"phalanx/{j}"].allocator_env for j in (1, 2, 3))
@@ -164,10 +164,12 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     assert (ddp.num_procs, ddp.threads_per_proc, ddp.allocator_env) == (3, 1, False)
     ceiling = by_name["ceiling/3"]  # phalanx's worker set-up, minus the communication
     assert (ceiling.num_procs, ceiling.threads_per_proc, ceiling.allocator_env) == (3, 1, True)
+    lockstep = by_name["ceiling/3 lockstep"]  # the same ceiling, its ranks meeting at every step
+    assert (lockstep.kind, lockstep.num_procs, lockstep.threads_per_proc) == ("lockstep", 3, 1)
     assert not by_name["torch 1 thread"].allocator_env and by_name["torch 4 threads"].threads_per_proc == 4
     assert [v.name for v in variants((2,), cores=1)][-2:] == ["torch 1 thread", "torch 1 thread tuned"]  # no duplicate
     # "tuned" = phalanx's CPU set-up (allocator env, auto memory format), nothing else changed.
-    for name in ("ddp/3 tuned", "torch 4 threads tuned", "phalanx/2", "ceiling/3"):
+    for name in ("ddp/3 tuned", "torch 4 threads tuned", "phalanx/2", "ceiling/3", "ceiling/3 lockstep"):
         assert (by_name[name].allocator_env, by_name[name].memory_format) == (True, "auto"), name
     for name in ("ddp/3", "torch 1 thread", "torch 4 threads"):
         assert (by_name[name].allocator_env, by_name[name].memory_format) == (False, "contiguous"), name
@@ -188,11 +190,11 @@ def test_devices_picks_the_counts_phalanx_runs_on_and_one_always_runs():
     assert [n for n in names if n.startswith("phalanx/")] == ["phalanx/1", "phalanx/2", "phalanx/8", "phalanx/8 gloo",
                                                              "phalanx/8 bound"]
     assert {"ddp/8", "ceiling/8", "torch 16 threads"} <= set(names) and "ddp/2" not in names
-    assert len(variants((8,), cores=16)) == 2 + 8  # a round at k in {1, 8}: 10 starts per batch size
+    assert len(variants((8,), cores=16)) == 2 + 9  # a round at k in {1, 8}: 11 starts, each every batch size
 
 
 def test_a_contender_of_unknown_kind_is_refused_by_name():
-    with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, zero, fsdp2, torch, ceiling"):
+    with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, zero, fsdp2, torch, ceiling, lockstep"):
         Variant(name="jax/2", kind="jax", num_procs=2, threads_per_proc=1, allocator_env=False)
 
 
