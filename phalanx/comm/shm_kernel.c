@@ -1,7 +1,7 @@
 /* The shm allreduce's inner loop in C (shm_kernel.py compiles and loads it; shm.py says the
  * protocol). Python pays 2-5 us per ATen call and per flag poll, and a round of a 4 KB piece at
  * 8 ranks made ~12 of them (a copy in, a store, a futex wake, the spin, k - 1 adds): this does a
- * whole round in one call, with the GIL released.
+ * whole round in one call, with the GIL released, and a reduce-scatter's k - 1 adds in one.
  *
  * - Sums keep shm.py's order and bits: out = p0 + p1, then out += p2, ... in rank order, each an
  *   IEEE add in the element's type (float32 or float64), as torch.add and add_ do. Vectorising
@@ -65,6 +65,38 @@ void phx_sum_rows(void *out, const char *first, int64_t stride, int32_t k, int64
         SUM_ROWS(double);
 }
 
+/* out[i] = row 0 + row 1 + ... + row k-1, added in row order, where row `own` is `out` itself (a
+ * reduce-scatter's own part, never copied into its slot) and row r != own starts r * stride bytes
+ * after `first`. The partial sums wait in a block on the stack, so `out`'s own values are read
+ * before they are overwritten; the adds are the same as phx_sum_rows', in the same order. */
+#define SUM_OWN_BLOCK 512
+#define SUM_OWN(T)                                                                                \
+    do {                                                                                          \
+        T *o = (T *)out;                                                                          \
+        T acc[SUM_OWN_BLOCK];                                                                     \
+        for (int64_t lo = 0; lo < n; lo += SUM_OWN_BLOCK) {                                       \
+            int64_t m = n - lo < SUM_OWN_BLOCK ? n - lo : SUM_OWN_BLOCK;                          \
+            { /* only reads of the rows in here (restrict); `out` is written after it */          \
+                const T *restrict a = (own == 0 ? o : (const T *)first) + lo;                     \
+                const T *restrict b = (own == 1 ? o : (const T *)(first + stride)) + lo;          \
+                for (int64_t i = 0; i < m; i++) acc[i] = a[i] + b[i];                             \
+                for (int32_t r = 2; r < k; r++) {                                                 \
+                    const T *restrict p = (r == own ? o : (const T *)(first + r * stride)) + lo;  \
+                    for (int64_t i = 0; i < m; i++) acc[i] += p[i];                               \
+                }                                                                                 \
+            }                                                                                     \
+            memcpy(o + lo, acc, (size_t)m * sizeof(T));                                           \
+        }                                                                                         \
+    } while (0)
+
+__attribute__((target_clones("avx2", "avx", "default")))
+void phx_sum_own(void *out, const char *first, int64_t stride, int32_t k, int32_t own, int64_t n, int32_t dtype) {
+    if (dtype == F32)
+        SUM_OWN(float);
+    else
+        SUM_OWN(double);
+}
+
 /* Set this rank's `field` to `value`; wake the peers that sleep on it (only those that marked). */
 void phx_publish(const phx_group *g, int32_t field, int64_t value) {
     int64_t index = (int64_t)g->rank * LINE_WORDS + field;
@@ -103,5 +135,27 @@ int32_t phx_small_round(const phx_group *g, int32_t parity, int64_t round, void 
     phx_publish(g, 0, round);
     if (!phx_spin(g, 0, round)) return 0;
     phx_sum_rows(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype);
+    return 1;
+}
+
+/* One round of a reduce-scatter (shm_ops.py): copy the window [start, stop) of `flat` but this
+ * rank's part [lo, hi) into its slot, publish arrival, spin, then sum its part from every slot,
+ * its own values read in place. 1: done; 0: a peer is late, the caller sleeps until all
+ * arrived, then calls phx_sum_own itself. An empty part (hi <= lo) copies the whole window. */
+int32_t phx_reduce_scatter_round(const phx_group *g, int32_t parity, int64_t round, void *flat, int64_t start,
+                                 int64_t lo, int64_t hi, int64_t stop, int32_t dtype) {
+    int64_t size = dtype == F32 ? 4 : 8;
+    char *slot = g->slots[parity] + (int64_t)g->rank * g->slot_stride, *data = (char *)flat;
+    if (hi > lo) {
+        memcpy(slot, data + start * size, (size_t)((lo - start) * size));
+        memcpy(slot + (hi - start) * size, data + hi * size, (size_t)((stop - hi) * size));
+    } else {
+        memcpy(slot, data + start * size, (size_t)((stop - start) * size));
+    }
+    phx_publish(g, 0, round);
+    if (!phx_spin(g, 0, round)) return 0;
+    if (hi > lo)
+        phx_sum_own(data + lo * size, g->slots[parity] + (lo - start) * size, g->slot_stride, g->k, g->rank, hi - lo,
+                    dtype);
     return 1;
 }

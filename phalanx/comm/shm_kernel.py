@@ -114,6 +114,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     group, i32, i64, ptr = ctypes.POINTER(_Group), ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     library.phx_sum_rows.argtypes = [ptr, ptr, i64, i32, i64, i32]
     library.phx_sum_rows.restype = None
+    library.phx_sum_own.argtypes = [ptr, ptr, i64, i32, i32, i64, i32]
+    library.phx_sum_own.restype = None
+    library.phx_reduce_scatter_round.argtypes = [group, i32, i64, ptr, i64, i64, i64, i64, i32]
+    library.phx_reduce_scatter_round.restype = i32
     library.phx_publish.argtypes = [group, i32, i64]
     library.phx_publish.restype = None
     library.phx_spin.argtypes = [group, i32, i64]
@@ -135,6 +139,9 @@ class Rounds:
         self._publish = library.phx_publish
         self._spin = library.phx_spin
         self._sum_rows = library.phx_sum_rows
+        self._sum_own = library.phx_sum_own
+        self._reduce_scatter_round = library.phx_reduce_scatter_round
+        self._rank = rank
 
     def small_round(self, parity: int, g: int, piece: torch.Tensor) -> bool:
         """Copy in, publish, spin, sum whole into `piece`: True when done; False when a peer is
@@ -152,3 +159,17 @@ class Rounds:
         """out = the k input slots of half `parity` (from `offset_bytes` on, out's length), in rank order."""
         self._sum_rows(out.data_ptr(), self._slots[parity] + offset_bytes, self._stride, self._k, out.numel(),
                        DTYPES[out.dtype])
+
+    def sum_with_own(self, own: torch.Tensor, parity: int, offset_bytes: int) -> None:
+        """own = the k input slots of half `parity` (from `offset_bytes` on, own's length) in rank
+        order, this rank's row being `own` itself (a reduce-scatter's own part, never in its slot)."""
+        self._sum_own(own.data_ptr(), self._slots[parity] + offset_bytes, self._stride, self._k, self._rank,
+                      own.numel(), DTYPES[own.dtype])
+
+    def reduce_scatter_round(self, parity: int, g: int, flat: torch.Tensor, start: int, lo: int, hi: int,
+                             stop: int) -> bool:
+        """Copy the window [start, stop) of `flat` but this rank's part [lo, hi) in, publish, spin,
+        sum the part: True when done; False when a peer is late (the caller sleeps, then calls
+        `sum_with_own`)."""
+        return bool(self._reduce_scatter_round(self._ref, parity, g, flat.data_ptr(), start, lo, hi, stop,
+                                               DTYPES[flat.dtype]))

@@ -14,9 +14,9 @@ collectives (hierarchical.py).
   `arrived = g`, waits for all, then sums its own part from every slot, its own values read in
   place, in rank order 0..k-1 straight into its own tensor (the partial sums wait in its slot's
   unused part, so its own values are read before they are overwritten): one wait per round, as
-  allreduce's small pieces; a rank whose part is empty only copies in. Each range is summed
-  once, by its owner, in a fixed order: deterministic, and the same bits as the small-piece
-  allreduce gives that range. Skipping the own part is what makes it as cheap per byte as the
+  allreduce's small pieces (the sum compiled where the rounds are: one call, shm_kernel.c); a
+  rank whose part is empty only copies in. Each range is summed once, by its owner, in a fixed
+  order: deterministic, and the same bits as the small-piece allreduce gives that range. Skipping the own part is what makes it as cheap per byte as the
   allreduce: with two ranks it moves half the allreduce's bytes through memory.
 - All-gather, round g on half p: each rank copies its part into half p's result area at its
   place in the window, publishes, waits for all, and copies the rest of the window out. With one
@@ -35,7 +35,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 from phalanx.comm.counts import own_range
-from phalanx.comm.shm import ShmGroup, sum_into
+from phalanx.comm.shm import ShmGroup
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.world import World
 
@@ -53,13 +53,13 @@ def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: Worl
     """Sum over all ranks, into this rank's range of `flat` (counts[rank] elements after the
     counts before it), that range of every rank's `flat`; the rest of `flat` is left as it was."""
     for r in _rounds("reduce-scatter", flat, counts, world, transport):
+        if r.group.compiled_reduce_scatter_round(flat, r.g, (r.start, r.stop), (r.lo, r.hi), ticket):
+            continue  # the round below in one call (shm_kernel.c)
         mine = r.inputs[r.group.rank]
         _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
         r.group.arrive(r.g, ticket)
-        if r.hi > r.lo:
-            own, part = flat[r.lo:r.hi], slice(r.lo - r.start, r.hi - r.start)
-            parts = [own if index == r.group.rank else x[part] for index, x in enumerate(r.inputs)]
-            sum_into(own, parts, scratch=mine[part])  # its own slot's part: copied in by none, read by none
+        if r.hi > r.lo:  # its own part from every slot but its own (copied in by none, read by none)
+            r.group.sum_with_own(flat[r.lo:r.hi], r.g, r.inputs, slice(r.lo - r.start, r.hi - r.start))
 
 
 def all_gather_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,

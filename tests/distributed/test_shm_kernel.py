@@ -56,6 +56,65 @@ def test_the_compiled_sum_adds_in_rank_order_to_the_same_bits(dtype):
             assert _bits(got) == _bits(expected), f"k={k} n={n}"
 
 
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_reduce_scatter_sum_reads_its_own_part_in_place_to_the_same_bits(dtype):
+    library, reason = shm_kernel.load()
+    assert library is not None, reason
+    g = torch.Generator().manual_seed(11)
+    for k in range(2, 10):
+        for own in sorted({0, 1, k // 2, k - 1}):
+            for n in (1, 3, 511, 512, 513, 1500):  # about the kernel's 512-element blocks
+                stride = n + 3
+                rows = torch.randn(k * stride, generator=g, dtype=torch.float64)
+                rows *= torch.exp(4 * torch.randn(k * stride, generator=g, dtype=torch.float64))
+                rows = rows.to(dtype)
+                rows[:5] = torch.tensor([-0.0, 0.0, float("inf"), float("nan"), torch.finfo(dtype).tiny / 4],
+                                        dtype=dtype)
+                mine = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+                mine[:1] = -0.0
+                view = rows.as_strided((k, n), (stride, 1))
+                expected = mine.clone()
+                scratch = torch.empty(n, dtype=dtype)  # shm_ops' Python rounds: partial sums in a scratch
+                sum_into(expected, [expected if r == own else view[r] for r in range(k)], scratch=scratch)
+                got = mine.clone()
+                library.phx_sum_own(got.data_ptr(), rows.data_ptr(), stride * rows.element_size(), k, own, n,
+                                    shm_kernel.DTYPES[dtype])
+                assert _bits(got) == _bits(expected), f"k={k} own={own} n={n}"
+
+
+def _reduce_scatters(world, compiled: bool) -> list[torch.Tensor]:
+    """Reduce-scatters of uneven counts (one rank's empty), one window and several, both dtypes."""
+    from phalanx.comm.shm_ops import reduce_scatter_shm
+
+    out = []
+    for slot_bytes in (1 << 20, 256):  # 256 bytes: a tensor streams through many rounds
+        group = ShmGroup(world=world, compiled=compiled, slot_bytes=slot_bytes)
+        for dtype in (torch.float32, torch.float64):
+            g = torch.Generator().manual_seed(100 + world.rank)
+            flat = (torch.randn(1001, generator=g, dtype=torch.float64)
+                    * torch.exp(4 * torch.randn(1001, generator=g, dtype=torch.float64))).to(dtype)
+            flat[world.rank] = float("nan") if world.rank == 1 else -0.0
+            counts = [700, 0, 301][:world.world_size - 1] + [1001 - sum([700, 0, 301][:world.world_size - 1])]
+            reduce_scatter_shm(flat, counts=counts, world=world, transport=group)
+            out.append(flat)
+        out.append(group.rounds)
+        group.close()
+    return out
+
+
+@needs_cc
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_compiled_reduce_scatter_gives_the_python_rounds_bits(world_size):
+    compiled = run_workers(_reduce_scatters, world_size, True, timeout_s=90)
+    python = run_workers(_reduce_scatters, world_size, False, timeout_s=90)
+    for rank in range(world_size):
+        assert compiled[rank][2] == compiled[rank][5] == "compiled"
+        assert python[rank][2] == "Python (not asked for)"
+        for index in (0, 1, 3, 4):
+            assert _bits(compiled[rank][index]) == _bits(python[rank][index]), f"rank {rank} result {index}"
+
+
 def _late_peers(world, compiled_by_rank: tuple[bool, ...], small_bytes) -> dict:
     """Each rank in turn arrives 0.15 s late; the others' waits (spin, then futex) are timed."""
     group = ShmGroup(world=world, compiled=compiled_by_rank[world.rank], small_bytes=small_bytes)
