@@ -238,17 +238,6 @@ class ShmGroup:
                 compiled.sum_with_own(flat[lo:hi], g % 2, offset_bytes=(lo - start) * flat.element_size())
         return True
 
-    def sum_with_own(self, own: torch.Tensor, g: int, inputs: list[torch.Tensor], part: slice) -> None:
-        """own = the k inputs' `part` of round `g`, added in rank order, this rank's being `own`
-        itself (a reduce-scatter's own part, which its slot never holds): compiled, or in Python
-        with the partial sums in this rank's unused slot part."""
-        compiled = self._flags.compiled if own.dtype in shm_kernel.DTYPES else None
-        if compiled is not None:
-            compiled.sum_with_own(own, g % 2, offset_bytes=part.start * own.element_size())
-            return
-        parts = [own if index == self.rank else x[part] for index, x in enumerate(inputs)]
-        sum_into(own, parts, scratch=inputs[self.rank][part])
-
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
         making k views costs microseconds, as much as summing a small bucket)."""

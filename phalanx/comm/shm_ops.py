@@ -35,7 +35,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 from phalanx.comm.counts import own_range
-from phalanx.comm.shm import ShmGroup
+from phalanx.comm.shm import ShmGroup, sum_into
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.world import World
 
@@ -58,8 +58,10 @@ def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: Worl
         mine = r.inputs[r.group.rank]
         _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
         r.group.arrive(r.g, ticket)
-        if r.hi > r.lo:  # its own part from every slot but its own (copied in by none, read by none)
-            r.group.sum_with_own(flat[r.lo:r.hi], r.g, r.inputs, slice(r.lo - r.start, r.hi - r.start))
+        if r.hi > r.lo:
+            own, part = flat[r.lo:r.hi], slice(r.lo - r.start, r.hi - r.start)
+            parts = [own if index == r.group.rank else x[part] for index, x in enumerate(r.inputs)]
+            sum_into(own, parts, scratch=mine[part])  # its own slot's part: copied in by none, read by none
 
 
 def all_gather_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,
