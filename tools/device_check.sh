@@ -7,7 +7,8 @@
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu, bench gpu, float64 graphs vs eager
 #   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, threads, allreduce 2,8, bench scaling 1,8,
-#                                        # then (time left) cpu:2 and cpu:8 with a core left per worker
+#                                        # then (time left) cpu:2 and cpu:8 with a core left per worker,
+#                                        # and cpu:8 with --no-overlap
 set -uo pipefail
 mode="${1:?usage: tools/device_check.sh gpu|cpu [SAMPLE_DIR]}"
 sample="${2:-}"
@@ -92,6 +93,11 @@ EOF
                     --out "$out/train-cpu$k-leave-a-core"
             fi
         done
+        # Whether the communication thread beside backward pays where the workers fill every core.
+        if (( SECONDS < 420 )); then
+            step train-cpu8-no-overlap 60 "$py" -m phalanx train --devices cpu:8 --data-dir "$data" --epochs 2 \
+                --no-overlap --no-progress --out "$out/train-cpu8-no-overlap"
+        fi
         ;;
     *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu or cpu" >&2; exit 2 ;;
 esac
