@@ -184,10 +184,12 @@ class AsyncComm:
         """`all_gather_async`, run now on this thread: returns `flat`."""
         return self._sharded(ALL_GATHER, flat, counts, algorithm, tag, now=True)
 
-    @torch.no_grad()
     def _sharded(self, op: str, flat: torch.Tensor, counts: Sequence[int], algorithm: str, tag: Tag, *,
                  on_done: Callable[[], None] | None = None, now: bool = False):
         """A reduce-scatter or all-gather through the one launch path: its result now, or its Handle."""
+        if flat.requires_grad:  # results written in place must not be recorded by autograd
+            with torch.no_grad():
+                return self._sharded(op, flat.detach(), counts, algorithm, tag, on_done=on_done, now=now)
         call = prepare(op, flat, counts=counts, world=self.world, algorithm=algorithm, tag=tag)
         if not self.world.distributed:
             if on_done is not None:
