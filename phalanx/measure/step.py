@@ -23,10 +23,10 @@ set around the run and the bytes of parameters, gradients and optimizer state it
 
 BatchNorm, where a model has it, computes each rank's own batch statistics in every kind
 (phalanx's `batchnorm="local"`), so a timing compares the exchange, not the BatchNorm policy.
-`run_jobs` returns every job's list of every rank's record (`run_variant` one job's); `images_per_s` counts the slowest rank's time. bench
-scaling fields the kinds but zero and fsdp2, bench memory phalanx's stages and ddp, zero and
-fsdp2; predict --validate measures the `phalanx` one, so its check is bench scaling's number by
-construction.
+`run_jobs` returns every job's list of every rank's record (`run_variant` one job's);
+`images_per_s` counts the slowest rank's time. bench scaling fields the kinds but zero and fsdp2,
+bench memory phalanx's stages and ddp, zero and fsdp2; predict --validate measures the `phalanx`
+one, so its check is bench scaling's number by construction.
 """
 
 from __future__ import annotations
@@ -135,24 +135,34 @@ def _barrier(world: World) -> Callable[[], object]:
     return dist.barrier if world.distributed else (lambda: None)
 
 
+def _each_job(jobs: Sequence[StepJob], run_one: Callable[[StepJob, MemoryProbe], dict], *,
+              probe: MemoryProbe) -> list[dict]:
+    """`run_one(job, probe)` for each job in turn, the torch seed set to the job's first: the first
+    job with `probe` (made first thing in the worker, before any group or model), each later one
+    with a probe of its own made as it begins."""
+    records = []
+    for index, job in enumerate(jobs):
+        torch.manual_seed(job.seed)
+        records.append(run_one(job, probe if index == 0 else MemoryProbe()))
+    return records
+
+
 def _phalanx_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
-    return [_phalanx_job(world, job) for job in jobs]
+    def one(job: StepJob, probe: MemoryProbe) -> dict:
+        X, y = _shard(job, world.rank)
+        # BatchNorm "local": each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them.
+        with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
+                     grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
+                     shard=job.shard, check_finite_every=job.check_finite_every) as dp:
+            optimizer = dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr)
 
+            def step() -> None:
+                train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
 
-def _phalanx_job(world: World, job: StepJob) -> dict:
-    probe = MemoryProbe()
-    torch.manual_seed(job.seed)
-    X, y = _shard(job, world.rank)
-    # BatchNorm "local": each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them.
-    with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
-                 grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
-                 shard=job.shard, check_finite_every=job.check_finite_every) as dp:
-        optimizer = dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr)
+            return _timed_steps(step, job, _barrier(world), probe=probe,
+                                held=lambda: replica_held_bytes(dp, optimizer))
 
-        def step() -> None:
-            train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
-
-        return _timed_steps(step, job, _barrier(world), probe=probe, held=lambda: replica_held_bytes(dp, optimizer))
+    return _each_job(jobs, one, probe=MemoryProbe())
 
 
 def _phalanx_single(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
@@ -180,9 +190,18 @@ def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: 
     return _timed_steps(step, job, barrier, probe=probe, held=lambda: held_bytes(model.parameters(), optimizer))
 
 
+def _plain_model_steps(job: StepJob, probe: MemoryProbe, *, rank: int, barrier: Callable[[], object],
+                       meet: Callable[[], object] | None = None) -> dict:
+    """`_plain_steps` of a fresh model with its own optimizer, the loss scaled as phalanx's."""
+    model = _build(job)
+    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=False,
+                        barrier=barrier, probe=probe, meet=meet)
+
+
 def _ceiling_worker(world: World, jobs: tuple[StepJob, ...], *, lockstep: bool = False) -> list[dict]:
     """phalanx's worker set-up, its shard, the same scaled loss: everything but the allreduce;
     `lockstep`: with the ranks meeting at every step (a 4-byte allreduce, phalanx's auto one)."""
+    probe = MemoryProbe()
     with contextlib.ExitStack() as stack:
         meet = None
         if lockstep:
@@ -193,14 +212,9 @@ def _ceiling_worker(world: World, jobs: tuple[StepJob, ...], *, lockstep: bool =
             def meet() -> None:
                 opened.comm.allreduce(token, algorithm=opened.algorithm)
 
-        records = []
-        for job in jobs:
-            probe = MemoryProbe()
-            torch.manual_seed(job.seed)
-            model = _build(job)
-            records.append(_plain_steps(model, _optimizer(model.parameters(), job), job, rank=world.rank,
-                                        mean_loss=False, barrier=_barrier(world), probe=probe, meet=meet))
-        return records
+        return _each_job(jobs, lambda job, job_probe: _plain_model_steps(job, job_probe, rank=world.rank,
+                                                                         barrier=_barrier(world), meet=meet),
+                         probe=probe)
 
 
 def _lockstep_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
@@ -218,17 +232,16 @@ def _ddp_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...
     # optimizers, 66 DeprecationWarnings in every process that would import this module.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    probe = MemoryProbe()
     _join(rank, num_procs, port)
-    records = []
-    for one in job:
-        probe = MemoryProbe()
-        torch.manual_seed(one.seed)
-        model = torch.nn.parallel.DistributedDataParallel(_build(one))
-        optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[one.optimizer], lr=one.lr)
-                     if zero else _optimizer(model.parameters(), one))
-        records.append(_plain_steps(model, optimizer, one, rank=rank, mean_loss=True, barrier=dist.barrier,
-                                    probe=probe))
-    return records
+
+    def one(job: StepJob, probe: MemoryProbe) -> dict:
+        model = torch.nn.parallel.DistributedDataParallel(_build(job))
+        optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[job.optimizer], lr=job.lr)
+                     if zero else _optimizer(model.parameters(), job))
+        return _plain_steps(model, optimizer, job, rank=rank, mean_loss=True, barrier=dist.barrier, probe=probe)
+
+    return _each_job(job, one, probe=probe)
 
 
 def _zero_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
@@ -243,31 +256,25 @@ def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, .
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    probe = MemoryProbe()
     _join(rank, num_procs, port)
     mesh = init_device_mesh("cpu", (num_procs,))
-    records = []
-    for one in job:
-        probe = MemoryProbe()
-        torch.manual_seed(one.seed)
-        model = _build(one)
+
+    def one(job: StepJob, probe: MemoryProbe) -> dict:
+        model = _build(job)
         for layer in [m for m in model.modules()
                       if m is not model and next(m.parameters(recurse=False), None) is not None]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        records.append(_plain_steps(model, _optimizer(model.parameters(), one), one, rank=rank, mean_loss=True,
-                                    barrier=dist.barrier, probe=probe))
-    return records
+        return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=True,
+                            barrier=dist.barrier, probe=probe)
+
+    return _each_job(job, one, probe=probe)
 
 
 def _torch_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...]) -> list[dict]:
-    records = []
-    for one in job:
-        probe = MemoryProbe()
-        torch.manual_seed(one.seed)
-        model = _build(one)
-        records.append(_plain_steps(model, _optimizer(model.parameters(), one), one, rank=rank, mean_loss=False,
-                                    barrier=lambda: None, probe=probe))
-    return records
+    return _each_job(job, lambda one, probe: _plain_model_steps(one, probe, rank=rank, barrier=lambda: None),
+                     probe=MemoryProbe())
 
 
 def run_jobs(variant: Variant, jobs: Sequence[StepJob], *, timeout_s: float, deadline_s: float) -> list[list[dict]]:
