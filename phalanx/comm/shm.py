@@ -159,9 +159,10 @@ class ShmGroup:
     def _bind_kernel(self) -> None:
         library, self.compiled_reason = shm_kernel.load()
         if library is not None:
-            self._flags.compiled = shm_kernel.Rounds(
-                library, flags_addr=self._flags.address, slots=(self._slot[0][0].data_ptr(), self._slot[1][0].data_ptr()),
-                slot_stride=self.slot_bytes, spin_s=self.spin_s, k=self.k, rank=self.rank)
+            slots = (self._slot[0][0].data_ptr(), self._slot[1][0].data_ptr())
+            self._flags.compiled = shm_kernel.Rounds(library, flags_addr=self._flags.address, slots=slots,
+                                                     slot_stride=self.slot_bytes, spin_s=self.spin_s, k=self.k,
+                                                     rank=self.rank)
 
     @property
     def timeout_s(self) -> float:

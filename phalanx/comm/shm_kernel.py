@@ -7,10 +7,11 @@ a flag store, a futex wake syscall, a spin on the flags), 20-30 µs a rank at 8 
 work of a 4 KB round is a microsecond. One ctypes call does the round with the GIL released.
 
 Built once per host and source: `cc -O3 -shared -fPIC` (no -march: a cache on a shared home may
-serve other CPUs; the sum picks AVX2, AVX or SSE2 at load) into $XDG_CACHE_HOME/phalanx/kernels (else ~/.cache/phalanx/kernels), named by
-the hash of the source and the command, written under a temporary name and renamed, so ranks
-that compile at once never load half a file. A cache that cannot be written: compiled into a
-temporary directory for this process alone. No compiler, or a failed build: Python rounds.
+serve other CPUs; the sum picks AVX2, AVX or SSE2 at load) into $XDG_CACHE_HOME/phalanx/kernels
+(else ~/.cache/phalanx/kernels), named by the hash of the source and the command, written under
+a temporary name and renamed, so ranks that compile at once never load half a file. A cache
+that cannot be written: compiled into a temporary directory for this process alone. No
+compiler, or a failed build: Python rounds.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ DTYPES = {torch.float32: 0, torch.float64: 1}  # the kernel's codes; other dtype
 class _Group(ctypes.Structure):
     """shm_kernel.c's phx_group, field for field."""
 
-    _fields_ = [("flags", ctypes.c_void_p), ("slots", ctypes.c_void_p * 2), ("slot_stride", ctypes.c_int64), ("spin_ns", ctypes.c_int64), ("k", ctypes.c_int32),
-                ("rank", ctypes.c_int32)]
+    _fields_ = [("flags", ctypes.c_void_p), ("slots", ctypes.c_void_p * 2), ("slot_stride", ctypes.c_int64),
+                ("spin_ns", ctypes.c_int64), ("k", ctypes.c_int32), ("rank", ctypes.c_int32)]
 
 
 class Loaded(NamedTuple):

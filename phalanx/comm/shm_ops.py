@@ -16,8 +16,9 @@ collectives (hierarchical.py).
   unused part, so its own values are read before they are overwritten): one wait per round, as
   allreduce's small pieces (the sum compiled where the rounds are: one call, shm_kernel.c); a
   rank whose part is empty only copies in. Each range is summed once, by its owner, in a fixed
-  order: deterministic, and the same bits as the small-piece allreduce gives that range. Skipping the own part is what makes it as cheap per byte as the
-  allreduce: with two ranks it moves half the allreduce's bytes through memory.
+  order: deterministic, and the same bits as the small-piece allreduce gives that range.
+  Skipping the own part is what makes it as cheap per byte as the allreduce: with two ranks it
+  moves half the allreduce's bytes through memory.
 - All-gather, round g on half p: each rank copies its part into half p's result area at its
   place in the window, publishes, waits for all, and copies the rest of the window out. With one
   owner this is a broadcast through memory: the owner copies in, every other rank copies out.

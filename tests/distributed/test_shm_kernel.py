@@ -32,6 +32,17 @@ def _bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
+def _rows(numel: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Values orders of magnitude apart, the first ones -0, 0, inf, NaN and a subnormal: what a
+    sum in another order, or a sign of zero lost, would change the bits of."""
+    rows = torch.randn(numel, generator=g, dtype=torch.float64)
+    rows *= torch.exp(4 * torch.randn(numel, generator=g, dtype=torch.float64))
+    rows = rows.to(dtype)
+    specials = torch.tensor([-0.0, 0.0, float("inf"), float("nan"), torch.finfo(dtype).tiny / 4], dtype=dtype)
+    rows[:len(specials)] = specials  # row 0's first values: -0 + -0 stays -0 only in order
+    return rows
+
+
 @needs_cc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_compiled_sum_adds_in_rank_order_to_the_same_bits(dtype):
@@ -41,11 +52,7 @@ def test_the_compiled_sum_adds_in_rank_order_to_the_same_bits(dtype):
     for k in range(2, 10):
         for n in (1, 3, 8, 17, 255, 4099):
             stride = n + 5  # elements between rows, as slots are apart in the segment
-            rows = torch.randn(k * stride, generator=g, dtype=torch.float64)
-            rows *= torch.exp(4 * torch.randn(k * stride, generator=g, dtype=torch.float64))  # orders of magnitude apart
-            rows = rows.to(dtype)
-            specials = torch.tensor([-0.0, 0.0, float("inf"), float("nan"), torch.finfo(dtype).tiny / 4], dtype=dtype)
-            rows[:len(specials)] = specials  # row 0's first values: -0 + -0 stays -0 only in order
+            rows = _rows(k * stride, dtype, g)
             rows[stride:stride + 1] = -0.0
             view = rows.as_strided((k, n), (stride, 1))
             expected = torch.empty(n, dtype=dtype)
@@ -66,11 +73,7 @@ def test_the_compiled_reduce_scatter_sum_reads_its_own_part_in_place_to_the_same
         for own in sorted({0, 1, k // 2, k - 1}):
             for n in (1, 3, 511, 512, 513, 1500):  # about the kernel's 512-element blocks
                 stride = n + 3
-                rows = torch.randn(k * stride, generator=g, dtype=torch.float64)
-                rows *= torch.exp(4 * torch.randn(k * stride, generator=g, dtype=torch.float64))
-                rows = rows.to(dtype)
-                rows[:5] = torch.tensor([-0.0, 0.0, float("inf"), float("nan"), torch.finfo(dtype).tiny / 4],
-                                        dtype=dtype)
+                rows = _rows(k * stride, dtype, g)
                 mine = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
                 mine[:1] = -0.0
                 view = rows.as_strided((k, n), (stride, 1))
