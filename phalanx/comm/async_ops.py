@@ -71,7 +71,7 @@ class CollectiveAborted(CommError, PeerLost):
 
 
 # A job: the algorithm's work on a transport, told its ticket (a transport that polls reads it).
-Job = Callable[[object, Ticket | None], None]
+Job = Callable[[object, Ticket | None], "bool | None"]  # True: its transport compared the peers' tags (calls.py)
 
 
 class AsyncComm:
@@ -233,8 +233,9 @@ class AsyncComm:
         run_now(self.world, COMM, tag, flat.numel() * flat.element_size(),
                 lambda ticket: self._run(job, flat.device, transport, ticket))
 
-    def _run(self, job: Job, device: torch.device, transport, ticket: Ticket | None) -> None:
-        """One job (on the thread, or inline for a synchronous call): refused once one has failed."""
+    def _run(self, job: Job, device: torch.device, transport, ticket: Ticket | None) -> bool | None:
+        """One job (on the thread, or inline for a synchronous call): refused once one has failed;
+        its result (True: its transport compared the peers' tags, calls.py)."""
         if self._failure is not None:
             first = (str(self._failure).splitlines() or [""])[0]
             raise CollectiveAborted(f"not run: an earlier collective on the communication thread failed "
@@ -243,9 +244,8 @@ class AsyncComm:
             # Grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread).
             if device.type == "cuda":
                 with torch.cuda.device(device):  # the current CUDA device is per thread: the tensor's
-                    job(transport, ticket)
-            else:
-                job(transport, ticket)
+                    return job(transport, ticket)
+            return job(transport, ticket)
         except BaseException as exc:
             if self._failure is None:
                 self._failure = exc

@@ -13,7 +13,10 @@ tree and naive (async_ops.py), launched now and waited later or run on the calle
   backend error turned into the board's diagnosis - and, once the wait returns, `settle`.
 - `settle` is the one place that checks, after a call completed, that every peer that entered
   its number entered the same collective (gloo sums two unrelated tensors of one size without a
-  word), and lets the board record a settled gradient exchange's step ("after step N").
+  word), and lets the board record a settled gradient exchange's step ("after step N"). A job
+  whose transport compared every rank's tag inside the collective itself (the shm segment's
+  small round, shm_flags.TAGS) returns True, and the board's check is skipped: it reads every
+  peer's line, which costs a few microseconds per call where the peers are writing theirs.
 """
 
 from __future__ import annotations
@@ -39,27 +42,31 @@ def enter(world: World, channel: int, tag: Tag, size_bytes: int) -> Ticket | Non
     return None if board is None else board.enter(channel, tag, size_bytes)
 
 
-def settle(world: World, ticket: Ticket | None) -> None:
+def settle(world: World, ticket: Ticket | None, *, paired: bool = False) -> None:
     """After `ticket`'s collective completed: raise if a peer entered its number as another
-    collective; otherwise the board records it (a gradient exchange's step is now synced)."""
+    collective (`paired`: the transport saw every peer's call carry this tag already); otherwise
+    the board records it (a gradient exchange's step is now synced)."""
     if ticket is not None and world.board is not None:
-        check_pairing(world, ticket)
+        if not paired:
+            check_pairing(world, ticket)
         world.board.settled(ticket)
 
 
 class waiting:
     """`with waiting(world, ticket) as poll:` around every wait. Publish that this thread waits for
     `ticket`; `poll()` checks with the time waited; a backend error raised inside becomes the
-    diagnosis when the board has one; once the body returned, the collective is settled.
+    diagnosis when the board has one; once the body returned, the collective is settled (the body
+    sets `paired` when the job's transport compared the peers' tags itself).
 
     A class rather than a generator context manager: it runs on every collective, and a 4 KB shm
     allreduce costs tens of microseconds in all, of which contextlib's machinery took a few."""
 
-    __slots__ = ("world", "ticket", "started")
+    __slots__ = ("world", "ticket", "started", "paired")
 
     def __init__(self, world: World, ticket: Ticket | None) -> None:
         self.world, self.ticket = world, ticket
         self.started = 0.0
+        self.paired = False
 
     def __enter__(self) -> Callable[[], None]:
         self.started = time.monotonic()
@@ -75,7 +82,7 @@ class waiting:
         if world.board is not None and ticket is not None:
             world.board.unblock()
         if exc is None:
-            settle(world, ticket)
+            settle(world, ticket, paired=self.paired)
             return
         if isinstance(exc, (RunFailed, CommError)) or not isinstance(exc, Exception):
             return  # propagates as it is
@@ -84,16 +91,19 @@ class waiting:
             raise found from exc
 
 
-def run_now(world: World, channel: int, tag: Tag, size_bytes: int, job: Callable[[Ticket | None], None]) -> None:
+def run_now(world: World, channel: int, tag: Tag, size_bytes: int,
+            job: Callable[[Ticket | None], bool | None]) -> None:
     """Run a collective to its end on this thread: `job(ticket)` does the work (a transport that
-    polls, as shm does, reads the ticket to name whom it waits for)."""
+    polls, as shm does, reads the ticket to name whom it waits for) and returns True when its
+    transport compared every peer's tag itself."""
     ticket = enter(world, channel, tag, size_bytes)
-    with waiting(world, ticket):
-        job(ticket)
+    call = waiting(world, ticket)
+    with call:
+        call.paired = job(ticket) is True
 
 
 def run_collective(world: World, algorithm: str, tag: Tag, flat, *, start: Callable[[], object],
-                   job: Callable[[object, Ticket | None], None], transport=None) -> None:
+                   job: Callable[[object, Ticket | None], bool | None], transport=None) -> None:
     """One collective of any kind to its end on this thread, outside AsyncComm: `native` through
     `start()` (the backend's async op on the default group), any other algorithm as
     `job(transport, ticket)`. Without a transport it runs on the default group and pairs with the
@@ -121,13 +131,16 @@ def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
             poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
 
 
-def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None):
+def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None) -> None:
     """Wait for a job on AsyncComm's thread with the board watched from this thread too, so a
-    deadlock is seen wherever the ranks are blocked."""
-    with waiting(world, ticket) as poll:
+    deadlock is seen wherever the ranks are blocked; the job's result True: its transport
+    compared every peer's tag itself."""
+    call = waiting(world, ticket)
+    with call as poll:
         while True:
             try:
-                return future.result(timeout=POLL_S)
+                call.paired = future.result(timeout=POLL_S) is True
+                return
             except concurrent.futures.TimeoutError:
                 pass
             poll()

@@ -50,7 +50,8 @@ import torch.distributed as dist
 
 from phalanx.comm import shm_kernel
 from phalanx.comm.calls import collective
-from phalanx.comm.shm_flags import ARRIVED, LINE, LIVENESS_EVERY_S, REDUCED, SPIN_S, Flags, ShmError, ShmPeerGone
+from phalanx.comm.shm_flags import (ARRIVED, LINE, LIVENESS_EVERY_S, REDUCED, SPIN_S, Flags, ShmError, ShmPeerGone,
+                                   round_key)
 from phalanx.runtime.binding import available_cores
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.tags import Tag
@@ -196,15 +197,17 @@ class ShmGroup:
         if self._flags is not None:
             self._flags.aborted = True
 
-    def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> None:
+    def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> bool:
         """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
-        board entry (calls.py), which waits read to name whom they wait for; None: lives and time."""
+        board entry (calls.py), which waits read to name whom they wait for; None: lives and time.
+        True when the round itself saw every rank's call carry `ticket`'s tag and size (a call of
+        one small round): the board's pairing check is then made (calls.py: settle)."""
         if flat.numel() * flat.element_size() <= self.slot_bytes and self._mmap is not None \
                 and flat.device.type == "cpu":
-            self._round(flat, ticket)  # one round, the common case: no windows to cut
-            return
+            return self._round(flat, ticket)  # one round, the common case: no windows to cut
         for lo, hi in self.windows(flat):
             self._round(flat[lo:hi], ticket)
+        return False
 
     def windows(self, flat: torch.Tensor) -> list[tuple[int, int]]:
         """[lo, hi) of each round `flat` streams through: a slot's worth each, for every collective."""
@@ -252,23 +255,33 @@ class ShmGroup:
                                              half[self.k][:nbytes].view(dtype))
         return views
 
-    def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> None:
+    def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> bool:
+        """One round of `piece`; a small one also compares every rank's tag (shm_flags.TAGS): True
+        when they all carried `ticket`'s."""
         compiled = self._flags.compiled if piece.dtype in shm_kernel.DTYPES else None
-        small = piece.numel() * piece.element_size() <= self.small_bytes
+        nbytes = piece.numel() * piece.element_size()
+        small = nbytes <= self.small_bytes
+        if small:
+            code, size = (0, nbytes) if ticket is None else (ticket.code, ticket.size_bytes)
         if compiled is not None and small:  # the common case in one call (shm_kernel.c)
             self.round += 1
             g = self.round
-            if compiled.small_round(g % 2, g, piece):
-                return
-            self._flags.wait(ARRIVED, g, ticket, spun=True)  # a late peer: sleep for it, with the liveness checks
-            compiled.sum_slots(piece, g % 2)
-            return
+            key = round_key(g, size)
+            done = compiled.small_round(g % 2, g, piece, code, key)
+            if done == shm_kernel.SMALL_LATE:
+                self._flags.wait(ARRIVED, g, ticket, spun=True)  # a late peer: sleep for it, with the liveness checks
+                compiled.sum_slots(piece, g % 2)
+                return ticket is not None and compiled.tags_agree(g % 2, code, key)
+            return ticket is not None and done == shm_kernel.SMALL_AGREED
         g, inputs, result = self.begin(piece.numel(), piece.dtype)
         inputs[self.rank].copy_(piece)
+        if small:
+            key = round_key(g, size)
+            self._flags.write_tags(g % 2, code, key)
         self.arrive(g, ticket)
         if small:
             sum_into(piece, inputs)
-            return
+            return ticket is not None and self._flags.tags_agree(g % 2, code, key)
         lo, hi = _chunk(piece.numel(), self.k, self.rank, piece.element_size())
         if hi > lo:
             if compiled is not None:
@@ -278,6 +291,7 @@ class ShmGroup:
         self._flags.publish(REDUCED, g)
         self._flags.wait(REDUCED, g, ticket)
         piece.copy_(result)
+        return False
 
     def __enter__(self) -> "ShmGroup":
         return self

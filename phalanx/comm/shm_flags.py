@@ -2,7 +2,10 @@
 for each other's (shm.py says what a round is; shm_kernel.c does the same compiled).
 
 Each rank owns one 64-byte line of int64 words, written by it alone (no false sharing): ARRIVED
-and REDUCED hold the last round it reached in each phase, MARK which flag word it sleeps on.
+and REDUCED hold the last round it reached in each phase, MARK which flag word it sleeps on, and
+TAGS, per buffer half, the tag code and key (`round_key`: round and size) of the small round
+that used it last. A small round compares every rank's there once all arrived: the collective
+board's pairing check (watchdog.py), made on lines the flags' cache traffic brings anyway.
 
 - Publish: one aligned 8-byte store after the data copies before it (x86-64 keeps stores in
   program order), then a futex wake for whoever sleeps on that word. Compiled, the store is a full
@@ -28,8 +31,15 @@ from phalanx.runtime.world import World
 
 LINE = 64  # bytes per rank's line
 ARRIVED, REDUCED, MARK = 0, 1, 2  # int64 words of a line; MARK: 1 + the flag word slept on, 0 awake
+TAGS = 3  # words TAGS + 2 * parity and + 1: half parity's last small round's tag code and key
 SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
 LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
+
+
+def round_key(g: int, size_bytes: int) -> int:
+    """A small round's key beside its tag code: the round number and the piece's size in one int64
+    word, so a half's words left from round g - 2, or a peer's call of another size, never agree."""
+    return ((g & 0x7FFFFFFF) << 32) | (size_bytes & 0xFFFFFFFF)
 
 
 class ShmError(CommError):
@@ -59,6 +69,20 @@ class Flags:
         index = self.rank * (LINE // 8) + field
         self.words[index] = value
         self._futex.wake(self.address + 8 * index)
+
+    def write_tags(self, parity: int, code: int, key: int) -> None:
+        """This rank's small round in half `parity` carries `code` and `key` (before it publishes arrival)."""
+        index = self.rank * (LINE // 8) + TAGS + 2 * parity
+        self.words[index], self.words[index + 1] = code, key
+
+    def tags_agree(self, parity: int, code: int, key: int) -> bool:
+        """True when every rank's tag words of half `parity` hold `code` and `key` (once all arrived)."""
+        if self.compiled is not None:
+            return self.compiled.tags_agree(parity, code, key)
+        stride, first = LINE // 8, TAGS + 2 * parity
+        codes = self.words[first:first + self.k * stride:stride].tolist()
+        keys = self.words[first + 1:first + 1 + self.k * stride:stride].tolist()
+        return codes.count(code) == self.k and keys.count(key) == self.k
 
     def wait(self, field: int, value: int, ticket: Ticket | None, *, spun: bool = False) -> None:
         """Return once every rank's `field` is >= value (the round); raise on death or timeout.

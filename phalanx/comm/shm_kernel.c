@@ -24,6 +24,7 @@
 
 #define LINE_WORDS 8  /* int64 words per rank's flag line (64 bytes) */
 #define MARK 2        /* word of a rank's own line: 1 + the flag word index it sleeps on, 0 awake */
+#define TAGS 3        /* words TAGS + 2 * parity, + 1: the tag code and key of a small round of that half */
 
 enum { F32 = 0, F64 = 1 };
 
@@ -125,17 +126,34 @@ int32_t phx_spin(const phx_group *g, int32_t field, int64_t value) {
     return 1;
 }
 
-/* One round of a piece summed whole by every rank (shm.py's small pieces): copy in, publish
- * arrival, spin, sum every slot in rank order into the piece. 1: done; 0: a peer is late, the
- * caller sleeps until all arrived, then calls phx_sum_rows itself. */
+/* 1 if every rank's tag words of half `parity` hold `code` and `key` (read after every rank
+ * arrived in the round: a peer rewrites them only two rounds on, after this rank arrives in the next). */
+int32_t phx_tags_agree(const phx_group *g, int32_t parity, int64_t code, int64_t key) {
+    for (int32_t r = 0; r < g->k; r++) {
+        const int64_t *words = &g->flags[(int64_t)r * LINE_WORDS + TAGS + 2 * parity];
+        if (__atomic_load_n(&words[0], __ATOMIC_ACQUIRE) != code || __atomic_load_n(&words[1], __ATOMIC_ACQUIRE) != key)
+            return 0;
+    }
+    return 1;
+}
+
+/* One round of a piece summed whole by every rank (shm.py's small pieces): copy in, write this
+ * call's tag code and key beside the flags, publish arrival, spin, sum every slot in rank order
+ * into the piece, compare every rank's tag. 1: done, every rank's call carried the same tag;
+ * 2: done, a tag differs (the caller asks the collective board whether that is a mismatch);
+ * 0: a peer is late, the caller sleeps until all arrived, then calls phx_sum_rows and
+ * phx_tags_agree itself. */
 int32_t phx_small_round(const phx_group *g, int32_t parity, int64_t round, void *piece, int64_t numel,
-                        int32_t dtype) {
+                        int32_t dtype, int64_t code, int64_t key) {
     int64_t nbytes = numel * (dtype == F32 ? 4 : 8);
+    int64_t *tags = &g->flags[(int64_t)g->rank * LINE_WORDS + TAGS + 2 * parity];
     memcpy(g->slots[parity] + (int64_t)g->rank * g->slot_stride, piece, (size_t)nbytes);
+    __atomic_store_n(&tags[0], code, __ATOMIC_RELAXED);  /* seen before the arrival: the publish fences */
+    __atomic_store_n(&tags[1], key, __ATOMIC_RELAXED);
     phx_publish(g, 0, round);
     if (!phx_spin(g, 0, round)) return 0;
     phx_sum_rows(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype);
-    return 1;
+    return phx_tags_agree(g, parity, code, key) ? 1 : 2;
 }
 
 /* One round of a reduce-scatter (shm_ops.py): copy the window [start, stop) of `flat` but this

@@ -33,6 +33,7 @@ SOURCE = Path(__file__).with_name("shm_kernel.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")  # -O3: the sums vectorise
 COMPILE_TIMEOUT_S = 60.0
 DTYPES = {torch.float32: 0, torch.float64: 1}  # the kernel's codes; other dtypes take the Python rounds
+SMALL_LATE, SMALL_AGREED, SMALL_DIFFER = 0, 1, 2  # what phx_small_round returns
 
 
 class _Group(ctypes.Structure):
@@ -123,8 +124,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.phx_publish.restype = None
     library.phx_spin.argtypes = [group, i32, i64]
     library.phx_spin.restype = i32
-    library.phx_small_round.argtypes = [group, i32, i64, ptr, i64, i32]
+    library.phx_small_round.argtypes = [group, i32, i64, ptr, i64, i32, i64, i64]
     library.phx_small_round.restype = i32
+    library.phx_tags_agree.argtypes = [group, i32, i64, i64]
+    library.phx_tags_agree.restype = i32
     return library
 
 
@@ -137,6 +140,7 @@ class Rounds:
         self._ref = ctypes.byref(self._group)
         self._slots, self._stride, self._k = slots, slot_stride, k
         self._small_round = library.phx_small_round
+        self._tags_agree = library.phx_tags_agree
         self._publish = library.phx_publish
         self._spin = library.phx_spin
         self._sum_rows = library.phx_sum_rows
@@ -144,10 +148,17 @@ class Rounds:
         self._reduce_scatter_round = library.phx_reduce_scatter_round
         self._rank = rank
 
-    def small_round(self, parity: int, g: int, piece: torch.Tensor) -> bool:
-        """Copy in, publish, spin, sum whole into `piece`: True when done; False when a peer is
-        late (the caller sleeps until every rank arrived, then calls `sum_slots`)."""
-        return bool(self._small_round(self._ref, parity, g, piece.data_ptr(), piece.numel(), DTYPES[piece.dtype]))
+    def small_round(self, parity: int, g: int, piece: torch.Tensor, code: int, key: int) -> int:
+        """Copy in, write the call's tag `code` and `key` (shm_flags.TAGS), publish, spin, sum whole
+        into `piece`, compare every rank's tag: SMALL_AGREED or SMALL_DIFFER when done; SMALL_LATE
+        when a peer is late (the caller sleeps until every rank arrived, then calls `sum_slots`
+        and `tags_agree`)."""
+        return self._small_round(self._ref, parity, g, piece.data_ptr(), piece.numel(), DTYPES[piece.dtype], code,
+                                 key)
+
+    def tags_agree(self, parity: int, code: int, key: int) -> bool:
+        """True when every rank's tag words of half `parity` hold `code` and `key`."""
+        return bool(self._tags_agree(self._ref, parity, code, key))
 
     def publish(self, field: int, value: int) -> None:
         self._publish(self._ref, field, value)

@@ -42,11 +42,11 @@ from phalanx.runtime.world import World
 
 
 def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None,
-                  ticket: Ticket | None = None) -> None:
+                  ticket: Ticket | None = None) -> bool:
     """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup);
-    `ticket`: the call's entry on the collective board, when the caller made one."""
-    if world.distributed:
-        segment_of(transport, "allreduce").allreduce(flat, ticket=ticket)
+    `ticket`: the call's entry on the collective board, when the caller made one. True when the
+    segment itself saw every rank's call carry the ticket's tag (calls.py: settle skips the board's check)."""
+    return world.distributed and segment_of(transport, "allreduce").allreduce(flat, ticket=ticket)
 
 
 def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,

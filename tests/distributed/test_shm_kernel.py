@@ -21,6 +21,7 @@ import torch
 
 from phalanx.comm import shm_kernel
 from phalanx.comm.shm import LIVENESS_EVERY_S, ShmGroup, shm_supported, sum_into
+from phalanx.runtime.board import COMM, Ticket
 from tests.distributed.harness import run_workers
 
 pytestmark = [pytest.mark.distributed,
@@ -151,6 +152,36 @@ def test_a_peer_asleep_on_the_futex_is_woken_when_the_late_rank_publishes(compil
         assert result["rounds"] == ("compiled" if compiled_by_rank[rank] else "Python (not asked for)")
         # A missed wake-up sleeps out the futex's bound (LIVENESS_EVERY_S) before it sees the flag.
         assert max(result["waits"]) < 0.15 + LIVENESS_EVERY_S / 2, f"rank {rank} woke late: {result['waits']}"
+
+
+def _tags_in_rounds(world, compiled_by_rank: tuple[bool, ...]) -> list:
+    """Small rounds whose tickets agree, differ in code or in size, or are absent; a peer arrives
+    late in some (the sleeping path compares the tags after the wait): what each round said."""
+    group = ShmGroup(world=world, compiled=compiled_by_rank[world.rank])
+    said = []
+    for call, tag in enumerate([(7, 32), (7, 32), (7 + world.rank, 32), (9, 32 + world.rank), (9, 32), None,
+                                (11, 32)]):
+        if call % 3 == 1 and world.rank == call % world.world_size:
+            time.sleep(0.05)  # the others sleep on the futex for this rank
+        ticket = None if tag is None else Ticket(COMM, call + 1, *tag)
+        flat = torch.full((8,), float(world.rank + 1), dtype=torch.float32)
+        said.append((group.allreduce(flat, ticket=ticket), flat[0].item()))
+    said.append(group.rounds)
+    group.close()
+    return said
+
+
+@pytest.mark.parametrize("compiled_by_rank", [(True, True), (False, False), (True, False, True)],
+                         ids=["compiled", "python", "mixed"])
+def test_a_small_round_says_whether_every_rank_carried_the_same_tag(compiled_by_rank):
+    if any(compiled_by_rank) and shutil.which("cc") is None:
+        pytest.skip("no C compiler: the rounds run in Python here")
+    k = len(compiled_by_rank)
+    total = k * (k + 1) / 2
+    for rank, said in enumerate(run_workers(_tags_in_rounds, k, compiled_by_rank, timeout_s=90)):
+        assert said[:-1] == [(True, total), (True, total), (False, total), (False, total), (True, total),
+                             (False, total), (True, total)], f"rank {rank}"
+        assert said[-1] == ("compiled" if compiled_by_rank[rank] else "Python (not asked for)")
 
 
 def _build(monkeypatch, tmp_path, **env) -> shm_kernel.Loaded:

@@ -2,8 +2,9 @@
 whatever the number of buckets in flight, named with its state; ranks in different collectives
 fail at once naming both; a rank that finished normally while another waits is reported as
 such; a forgotten finish_gradient_sync() with overlap=False is refused instead of letting the
-replicas drift apart; and the tag a caller passes (shm and native, every entry point) is what
-its peer's mismatch error names."""
+replicas drift apart; the tag a caller passes (shm and native, every entry point) is what
+its peer's mismatch error names; and a small shm call whose round compared the peers' tags
+itself skips the board's pairing check, which every other call still makes."""
 
 import os
 import signal
@@ -213,3 +214,50 @@ def test_the_tag_a_caller_passes_is_what_its_peer_names(mismatched, algorithm):
         for name in ("async", "sync", "comm.allreduce"):
             message = result[(algorithm, name)]
             assert message.startswith(f"ranks are in different collectives: {NAMED[rank]}"), (rank, name, message)
+
+
+def _pairing_checks(world, compiled: bool) -> dict:
+    """Per kind of call, how many of three completed calls read the peers' board lines for their
+    pairing (calls.check_pairing), and what each call raised."""
+    import phalanx.comm.calls as calls
+
+    real, counted, out = calls.check_pairing, [0], {}
+
+    def counting(world, ticket) -> None:
+        counted[0] += 1
+        real(world, ticket)
+
+    calls.check_pairing = counting
+    try:
+        with AsyncComm(world=world, algorithms=("native", "shm"), compiled_rounds=compiled) as comm:
+            many = comm.shm.slot_bytes // 4 + 1  # floats: two rounds
+            cases = {
+                "shm": lambda: comm.allreduce(torch.ones(8), algorithm="shm", tag=Tag("evaluation")),
+                "shm async": lambda: comm.allreduce_async(torch.ones(8), algorithm="shm",
+                                                          tag=Tag("gradient", 1, step=0)).wait(),
+                "shm, two rounds": lambda: comm.allreduce(torch.ones(many), algorithm="shm"),
+                "native": lambda: comm.allreduce(torch.ones(8), algorithm="native"),
+                # A generic tag pairs with a named one of the same size and kind: the round sees the
+                # codes differ, the board says that is no mismatch.
+                "shm, generic beside named": lambda: comm.allreduce(
+                    torch.ones(8), algorithm="shm", tag=Tag() if world.rank == 0 else Tag("metrics")),
+            }
+            for name, call in cases.items():
+                counted[0] = 0
+                try:
+                    for _ in range(3):
+                        call()
+                    out[name] = (counted[0], "no error")
+                except CollectiveMismatch as exc:
+                    out[name] = (counted[0], str(exc))
+    finally:
+        calls.check_pairing = real
+    return out
+
+
+@pytest.mark.skipif(shm_supported() is not None, reason=f"no shm allreduce here: {shm_supported()}")
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python-rounds"])
+def test_a_small_shm_call_is_paired_in_its_round_and_every_other_call_on_the_board(compiled):
+    for rank, result in enumerate(run_workers(_pairing_checks, 2, compiled, timeout_s=120)):
+        assert result == {"shm": (0, "no error"), "shm async": (0, "no error"), "shm, two rounds": (3, "no error"),
+                          "native": (3, "no error"), "shm, generic beside named": (3, "no error")}, rank
