@@ -74,6 +74,11 @@ class CollectiveAborted(CommError, PeerLost):
 Job = Callable[[object, Ticket | None], "bool | None"]  # True: its transport compared the peers' tags (calls.py)
 
 
+def _cuda_of(flat: torch.Tensor) -> torch.device | None:
+    """The CUDA device `flat` is on (a job runs with it current), None for a CPU tensor: `.device`
+    builds an object, a tenth of a small shm call's Python, so a CPU tensor skips it."""
+    return flat.device if flat.is_cuda else None
+
 class AsyncComm:
     """Background thread, private group and shared segment for allreduces; close before stop_world.
 
@@ -217,7 +222,7 @@ class AsyncComm:
             return functools.partial(wait_work, work, world=self.world, ticket=ticket)
         transport = self._transport(algorithm)
         ticket = enter(self.world, COMM, tag, size_bytes)
-        future: Future = self._executor.submit(self._run, job, flat.device, transport, ticket)
+        future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         return functools.partial(wait_future, future, world=self.world, ticket=ticket)
@@ -231,9 +236,9 @@ class AsyncComm:
             raise RuntimeError("AsyncComm is closed")
         transport = self._transport(algorithm)
         run_now(self.world, COMM, tag, flat.numel() * flat.element_size(),
-                lambda ticket: self._run(job, flat.device, transport, ticket))
+                lambda ticket: self._run(job, _cuda_of(flat), transport, ticket))
 
-    def _run(self, job: Job, device: torch.device, transport, ticket: Ticket | None) -> bool | None:
+    def _run(self, job: Job, cuda: torch.device | None, transport, ticket: Ticket | None) -> bool | None:
         """One job (on the thread, or inline for a synchronous call): refused once one has failed;
         its result (True: its transport compared the peers' tags, calls.py)."""
         if self._failure is not None:
@@ -242,8 +247,8 @@ class AsyncComm:
                                     f"({type(self._failure).__name__}: {first})")
         try:
             # Grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread).
-            if device.type == "cuda":
-                with torch.cuda.device(device):  # the current CUDA device is per thread: the tensor's
+            if cuda is not None:
+                with torch.cuda.device(cuda):  # the current CUDA device is per thread: the tensor's
                     return job(transport, ticket)
             return job(transport, ticket)
         except BaseException as exc:

@@ -203,7 +203,7 @@ class ShmGroup:
         True when the round itself saw every rank's call carry `ticket`'s tag and size (a call of
         one small round): the board's pairing check is then made (calls.py: settle)."""
         if flat.numel() * flat.element_size() <= self.slot_bytes and self._mmap is not None \
-                and flat.device.type == "cpu":
+                and flat.is_cpu:
             return self._round(flat, ticket)  # one round, the common case: no windows to cut
         for lo, hi in self.windows(flat):
             self._round(flat[lo:hi], ticket)
