@@ -6,7 +6,8 @@
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu, bench gpu, float64 graphs vs eager
-#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, threads, allreduce 2,8, bench scaling 1,8,
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, threads, allreduce 2,8, bench scaling 1,8
+#                                        # (fresh starts, and at 8 side by side),
 #                                        # then (time left) cpu:2 and cpu:8 with a core left per worker,
 #                                        # and cpu:8 with --no-overlap
 set -uo pipefail
@@ -83,6 +84,9 @@ EOF
             --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"
         step round-cost 60 "$py" tools/shm_round_cost.py --ranks 2,8 --calls 3000 --rounds 3
         step scaling 180 "$py" -m phalanx bench scaling --devices 1,8 --rounds 1 --out "$out/bench-scaling"
+        # The same-set-up ratios again, side by side in shared starts (blocks, not fresh processes).
+        step scaling-side-by-side 90 "$py" -m phalanx bench scaling --devices 8 --side-by-side --rounds 2 --blocks 5 \
+            --out "$out/bench-scaling-side-by-side"
         # The placement question, while the 8 minutes last: one core per worker left to its
         # communication thread and the host (threads = cores/k - 1) against the default cores/k.
         cores=$(nproc)

@@ -20,6 +20,13 @@ interleaves them round by round, prints each contender's images/s and wall time 
 and forms the ratios, each the median of per-round ratios. Scaling efficiency is images/s on j
 devices / (j x images/s on 1).
 
+With `--side-by-side` only the contenders that share phalanx's set-up run - phalanx/k, ceiling/k,
+the lockstep ceiling and DDP tuned in one start of k workers; phalanx/1 and the tuned plain loop
+in one start of one process - each start's contenders taking turns in `--blocks` blocks of
+`--steps` steps, the order rotated each block (phalanx/measure/side_by_side.py); a round is one
+start of each, and every ratio is the median of per-block ratios: both sides ran seconds apart
+on the same cores, where fresh starts of one program differ by 10-25% on a shared host.
+
 A round costs one fresh start of every contender, which runs every batch size in turn: with n
 device counts (1 included) n + 9 starts (n + 8 where k exceeds the cores: no bound run). Each
 start pays process spawn, `import torch` and a rendezvous before its warm-up and timed steps;
@@ -35,6 +42,7 @@ from typing import Any, Callable
 
 from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
+from phalanx.measure.side_by_side import run_side_by_side
 from phalanx.measure.step import StepJob, Variant, images_per_s, run_jobs
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
 from phalanx.options import at_least, check_options, option
@@ -66,12 +74,24 @@ class ScalingBenchConfig:
                                     help="also time phalanx/k exchanging gradients compressed to this dtype")
     finite_check_cost: bool = option(False, help="also time phalanx/k with the gradient's NaN/Inf check off and "
                                                  "at every step")
+    side_by_side: bool = option(False, help="time only the contenders with phalanx's set-up, inside one start "
+                                            "each of k workers and of one process, taking turns in blocks")
+    blocks: int = option(10, check=at_least(1), help="with --side-by-side: blocks of --steps steps per contender "
+                                                     "in each start (a round)")
 
     def __post_init__(self) -> None:
         check_options(self)
         if self.num_devices < 2:
             raise ValueError(f"--devices {','.join(map(str, self.device_counts))}: the largest count must be at "
                              "least 2 to compare scaling")
+        if self.side_by_side:
+            extra = [str(j) for j in self.device_counts if j not in (1, self.num_devices)]
+            if extra:
+                raise ValueError(f"--side-by-side times phalanx on k = {self.num_devices} and 1 only; drop "
+                                 f"{','.join(extra)} from --devices (or run without --side-by-side)")
+            if self.grad_dtype is not None or self.finite_check_cost:
+                raise ValueError("--side-by-side times the contenders with phalanx's set-up only; run --grad-dtype "
+                                 "and --finite-check-cost without it")
         small = [b for b in self.global_batch_sizes if b < self.num_devices]
         if small:
             raise ValueError(f"--batch-sizes {','.join(map(str, self.global_batch_sizes))}: every global batch size "
@@ -127,12 +147,67 @@ def variants(device_counts: tuple[int, ...], cores: int, *, grad_dtype: str | No
 
 
 def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measure every (batch size, contender) once per round, interleaved; return the JSON payload."""
+    """Measure every (batch size, contender) once per round, interleaved (`--side-by-side`: in
+    blocks inside shared starts); return the JSON payload."""
     cores = available_cores()
     contenders = variants(config.device_counts, cores, grad_dtype=config.grad_dtype,
                           finite_check_cost=config.finite_check_cost)
     jobs = tuple(StepJob(model=config.model, global_batch_size=batch, warmup_steps=config.warmup_steps,
                          steps=config.steps, lr=config.lr, seed=config.seed) for batch in config.global_batch_sizes)
+    if config.side_by_side:
+        contenders, samples, wall_s = _side_by_side(config, contenders, jobs, on_run)
+    else:
+        samples, wall_s = _fresh_starts(config, contenders, jobs, on_run)
+    return _payload(config, cores, contenders, samples, wall_s)
+
+
+# --side-by-side: the contenders that share phalanx's set-up, by name, and the kind each runs as
+# in side_by_side.py; the names are variants()' own, so the table shows each one's set-up.
+def side_by_side_sets(k: int, cores: int) -> list[tuple[str, dict[str, str]]]:
+    tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
+    return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"ceiling/{k}": "ceiling",
+                              f"ceiling/{k} lockstep": "lockstep", f"ddp/{k} tuned": "ddp"}),
+            ("phalanx/1", {"phalanx/1": "phalanx", tuned: "torch"})]
+
+
+def _side_by_side(config: ScalingBenchConfig, contenders: list[Variant], jobs: tuple[StepJob, ...],
+                  on_run: Callable[[str], None] | None):
+    """Each round, one start per set of contenders sharing a set-up; images/s of every block."""
+    by_name = {v.name: v for v in contenders}
+    sets = side_by_side_sets(config.num_devices, available_cores())
+    samples = {f"{job.global_batch_size}|{name}": [] for job in jobs for _, kinds in sets for name in kinds}
+    wall_s: dict[str, list[float]] = {name: [] for _, kinds in sets for name in kinds}
+    total = config.rounds * len(sets)
+    for index in range(total):
+        lead, kinds = sets[index % len(sets)]
+        variant = by_name[lead]
+        set_jobs = tuple(replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
+                                 memory_format=variant.memory_format, algorithm=variant.algorithm,
+                                 check_finite_every=variant.check_finite_every, shard=variant.shard) for job in jobs)
+        start_s = time.perf_counter()
+        seconds = run_side_by_side(set_jobs, list(kinds.values()), num_procs=variant.num_procs,
+                                   threads_per_proc=variant.threads_per_proc, blocks=config.blocks,
+                                   timeout_s=config.timeout_s, deadline_s=config.deadline_s)
+        elapsed_s = time.perf_counter() - start_s
+        rates = []
+        for job, by_kind in zip(set_jobs, seconds):
+            for name, kind in kinds.items():
+                speeds = [job.global_batch_size * job.steps / s for s in by_kind[kind]]
+                samples[f"{job.global_batch_size}|{name}"] += speeds
+                rates.append(f"{name} {Spread.of(speeds).median:.0f}")
+            rates[-len(kinds)] = f"global batch {job.global_batch_size}: {rates[-len(kinds)]}"
+        for name in kinds:
+            wall_s[name].append(elapsed_s)
+        if on_run is not None:
+            on_run(f"[{index + 1}/{total}] side by side on {variant.num_procs} x {variant.threads_per_proc} threads, "
+                   f"images/s (median of {config.blocks} blocks): {', '.join(rates)} ({elapsed_s:.1f} s)")
+    names = [name for _, kinds in sets for name in kinds]
+    return [by_name[name] for name in names], samples, wall_s
+
+
+def _fresh_starts(config: ScalingBenchConfig, contenders: list[Variant], jobs: tuple[StepJob, ...],
+                  on_run: Callable[[str], None] | None):
+    """Each round, one fresh start per contender, running every batch size; images/s of each."""
     runs, done, wall_s = {}, [0], {}
     total = config.rounds * len(contenders)
     for variant in contenders:
@@ -151,6 +226,12 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
     by_start = run_interleaved(runs, rounds=config.rounds, warmup_rounds=0)  # warm-up: steps in each process
     samples = {f"{batch}|{name}": [speeds[batch] for speeds in starts]
                for name, starts in by_start.items() for batch in config.global_batch_sizes}
+    return samples, wall_s
+
+
+def _payload(config: ScalingBenchConfig, cores: int, contenders: list[Variant], samples: dict[str, list[float]],
+             wall_s: dict[str, list[float]]) -> dict[str, Any]:
+    """Every contender's images/s and every ratio phalanx is judged by, from whichever of them ran."""
     results, ratios = [], []
     k = config.num_devices
     for batch in config.global_batch_sizes:
@@ -159,8 +240,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
             results.append({"global_batch_size": batch, "variant": variant.name,
                             "images_per_s": Spread.of(per[variant.name]).to_dict(),
                             "wall_s": Spread.of(wall_s[variant.name]).to_dict()})
-        def best(names: list[str]) -> str:
-            return max(names, key=lambda name: Spread.of(per[name]).median)
+        def best(names: list[str]) -> str | None:
+            return max(names, key=lambda name: Spread.of(per[name]).median, default=None)
 
         plain = best([v.name for v in contenders if v.kind == "torch" and v.memory_format == "contiguous"])
         tuned = best([v.name for v in contenders if v.kind == "torch" and v.memory_format != "contiguous"])
@@ -179,7 +260,7 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
         ratios.append({"global_batch_size": batch, "metric": "lockstep_vs_ceiling", "num_devices": k,
                        "against": f"ceiling/{k}", "numerator": f"ceiling/{k} lockstep",
                        "ratio": paired_ratio(per[f"ceiling/{k} lockstep"], per[f"ceiling/{k}"]).to_dict()})
-        for metric, j, against in compare:
+        for metric, j, against in ((m, j, a) for m, j, a in compare if a in per):  # those that ran
             ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": j, "against": against,
                            "ratio": paired_ratio(per[f"phalanx/{j}"], per[against]).to_dict()})
         if config.grad_dtype is not None:
@@ -197,7 +278,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
             ratios.append({"global_batch_size": batch, "metric": "scaling_efficiency", "num_devices": j,
                            "against": f"{j} x phalanx/1",
                            "ratio": paired_ratio(per[f"phalanx/{j}"], [j * s for s in per["phalanx/1"]]).to_dict()})
-    return {"bench": "scaling", "config": asdict(config), "cores": cores,
+    method = "side by side" if config.side_by_side else "fresh starts"
+    return {"bench": "scaling", "config": asdict(config), "cores": cores, "method": method,
             "phalanx_data_parallel": data_parallel_defaults(),
             "variants": [asdict(v) for v in contenders], "results": results, "ratios": ratios}
 

@@ -1,12 +1,14 @@
 """The terminal table and the chart of `phalanx bench scaling` (the measurement is scaling.py).
 
-Per global batch size: images/s of every contender (median, min-max over interleaved rounds)
-with its process set-up, then each ratio phalanx is judged by (median of per-round ratios); the
-chart draws the same images/s as bars with min-max whiskers, phalanx's in blue.
+Per global batch size: images/s of every contender (median, min-max over interleaved rounds, or
+over every block of a side-by-side run) with its process set-up, then each ratio phalanx is
+judged by (median of per-round, or per-block, ratios); the chart draws the same images/s as bars
+with min-max whiskers, phalanx's in blue.
 """
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from phalanx.measure.outputs import format_table, median_whiskers, panels_by_batch, rows_by_batch
@@ -24,14 +26,30 @@ def report_scaling(payload: dict[str, Any]) -> str:
             setup = f"{v['num_procs']} x {v['threads_per_proc']} thr" + (", alloc env" if v["allocator_env"] else "")
             setup += ", NHWC" if v.get("memory_format", "contiguous") != "contiguous" and payload["config"]["model"] != "mlp" else ""
             rows.append((r["variant"], setup, Spread.from_dict(r["images_per_s"]).fmt(0)))
-        lines.append(f"{payload['config']['model']}, global batch {batch}: images/s, median (min-max) of "
-                     f"{payload['config']['rounds']} interleaved rounds, {payload['config']['steps']} timed steps each")
+        config = payload["config"]
+        if payload.get("method") == "side by side":
+            starts = f"{config['rounds']} start{'s' if config['rounds'] != 1 else ''}"
+            how = (f"{starts} x {config['blocks']} blocks side by side, {config['steps']} timed "
+                   "steps each; ratios: median (quartiles) of per-block ratios")
+        else:
+            how = f"{config['rounds']} interleaved rounds, {config['steps']} timed steps each"
+        lines.append(f"{config['model']}, global batch {batch}: images/s, median (min-max) of {how}")
         lines += [format_table(["configuration", "processes", "images/s"], rows), ""]
         for r in (r for r in payload["ratios"] if r["global_batch_size"] == batch):
             label = f"{r.get('numerator', 'phalanx/' + str(r['num_devices']))} / {r['against']}"
-            lines.append(f"  {r['metric']:<42} {label:<36} {Spread.from_dict(r['ratio']).fmt(2)}")
+            lines.append(f"  {r['metric']:<42} {label:<36} {_ratio_text(r['ratio'], payload.get('method'))}")
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def _ratio_text(ratio: dict[str, Any], method: str | None) -> str:
+    """A ratio as the table prints it: median (min-max) over rounds; side by side, where a ratio
+    has a sample per block, median (first-third quartile), which one odd block does not move."""
+    spread = Spread.from_dict(ratio)
+    if method != "side by side" or len(spread.samples) < 2:
+        return spread.fmt(2)
+    q1, _, q3 = statistics.quantiles(spread.samples, n=4)
+    return f"{spread.median:.2f} ({q1:.2f}-{q3:.2f})"
 
 
 def plot_scaling(payload: dict[str, Any]):

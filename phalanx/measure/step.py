@@ -100,12 +100,12 @@ class StepJob:
             raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def _build(job: StepJob) -> torch.nn.Module:
+def build_model(job: StepJob) -> torch.nn.Module:
     model = build_bench_model(job.model)
     return apply_memory_format(model, resolve_memory_format(job.memory_format, model, torch.device("cpu")))
 
 
-def _shard(job: StepJob, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def shard_batch(job: StepJob, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(job.seed)  # every rank draws the same global batch
     X = torch.randn(job.global_batch_size, 1, 28, 28, generator=generator)
     y = torch.randint(0, 10, (job.global_batch_size,), generator=generator)
@@ -147,19 +147,29 @@ def _each_job(jobs: Sequence[StepJob], run_one: Callable[[StepJob, MemoryProbe],
     return records
 
 
+def prepare_replica(job: StepJob, world: World):
+    """The job's model as phalanx's replica (`prepare`) with the job's settings; BatchNorm "local":
+    each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them."""
+    return prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
+                   grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
+                   shard=job.shard, check_finite_every=job.check_finite_every)
+
+
+def phalanx_step(dp, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int) -> Callable[[], None]:
+    """phalanx's training step (`train_batch`, as `phalanx train` runs it) on this rank's shard."""
+    X, y = shard_batch(job, rank)
+
+    def step() -> None:
+        train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
+
+    return step
+
+
 def _phalanx_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
     def one(job: StepJob, probe: MemoryProbe) -> dict:
-        X, y = _shard(job, world.rank)
-        # BatchNorm "local": each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them.
-        with prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
-                     grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
-                     shard=job.shard, check_finite_every=job.check_finite_every) as dp:
+        with prepare_replica(job, world) as dp:
             optimizer = dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr)
-
-            def step() -> None:
-                train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
-
-            return _timed_steps(step, job, _barrier(world), probe=probe,
+            return _timed_steps(phalanx_step(dp, optimizer, job, rank=world.rank), job, _barrier(world), probe=probe,
                                 held=lambda: replica_held_bytes(dp, optimizer))
 
     return _each_job(jobs, one, probe=MemoryProbe())
@@ -177,7 +187,16 @@ def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: 
     """`_timed_steps` of the plain PyTorch step on this rank's shard: the loss summed over the
     global batch (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's);
     `meet()`, if given, after backward (the lockstep ceiling's meeting)."""
-    X, y = _shard(job, rank)
+    step = plain_step(model, optimizer, job, rank=rank, mean_loss=mean_loss, meet=meet)
+    return _timed_steps(step, job, barrier, probe=probe, held=lambda: held_bytes(model.parameters(), optimizer))
+
+
+def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int,
+               mean_loss: bool, meet: Callable[[], object] | None = None) -> Callable[[], None]:
+    """The plain PyTorch step on this rank's shard: the loss summed over the global batch
+    (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's); `meet()`, if
+    given, after backward (the lockstep ceiling's meeting)."""
+    X, y = shard_batch(job, rank)
     scale = X.shape[0] if mean_loss else job.global_batch_size
 
     def step() -> None:
@@ -187,13 +206,13 @@ def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: 
             meet()
         optimizer.step()
 
-    return _timed_steps(step, job, barrier, probe=probe, held=lambda: held_bytes(model.parameters(), optimizer))
+    return step
 
 
 def _plain_model_steps(job: StepJob, probe: MemoryProbe, *, rank: int, barrier: Callable[[], object],
                        meet: Callable[[], object] | None = None) -> dict:
     """`_plain_steps` of a fresh model with its own optimizer, the loss scaled as phalanx's."""
-    model = _build(job)
+    model = build_model(job)
     return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=False,
                         barrier=barrier, probe=probe, meet=meet)
 
@@ -236,7 +255,7 @@ def _ddp_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...
     _join(rank, num_procs, port)
 
     def one(job: StepJob, probe: MemoryProbe) -> dict:
-        model = torch.nn.parallel.DistributedDataParallel(_build(job))
+        model = torch.nn.parallel.DistributedDataParallel(build_model(job))
         optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[job.optimizer], lr=job.lr)
                      if zero else _optimizer(model.parameters(), job))
         return _plain_steps(model, optimizer, job, rank=rank, mean_loss=True, barrier=dist.barrier, probe=probe)
@@ -261,7 +280,7 @@ def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, .
     mesh = init_device_mesh("cpu", (num_procs,))
 
     def one(job: StepJob, probe: MemoryProbe) -> dict:
-        model = _build(job)
+        model = build_model(job)
         for layer in [m for m in model.modules()
                       if m is not model and next(m.parameters(recurse=False), None) is not None]:
             fully_shard(layer, mesh=mesh)

@@ -123,6 +123,38 @@ def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     assert "phalanx/1, global batch 8: " in rows[0] and ", global batch 12: " in rows[0]
 
 
+@pytest.mark.distributed
+def test_scaling_bench_side_by_side_smoke(tmp_path, capsys, smoke_sized_cores):
+    payload, _ = _run(["bench", "scaling", "--side-by-side", "--batch-sizes", "8,12", "--devices", "2", "--steps", "1",
+                       "--warmup-steps", "1", "--rounds", "1", "--blocks", "3"], tmp_path)
+    cores = payload["cores"]
+    tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
+    names = [v["name"] for v in payload["variants"]]
+    assert payload["method"] == "side by side"
+    assert names == ["phalanx/2", "ceiling/2", "ceiling/2 lockstep", "ddp/2 tuned", "phalanx/1", tuned]
+    for batch in (8, 12):
+        samples = {r["variant"]: r["images_per_s"]["samples"] for r in payload["results"]
+                   if r["global_batch_size"] == batch}
+        assert {name: len(s) for name, s in samples.items()} == {name: 3 for name in names}  # a sample a block
+        ratios = {r["metric"]: r for r in payload["ratios"] if r["global_batch_size"] == batch}
+        assert set(ratios) == {"phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process_same_setup",
+                               "phalanx_vs_ceiling", "phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling",
+                               "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency"}
+        # Per-block ratios: each block of phalanx against the same block of its yardstick.
+        for metric, a, b in (("phalanx_vs_ceiling", "phalanx/2", "ceiling/2"),
+                             ("phalanx_vs_ddp_same_setup", "phalanx/2", "ddp/2 tuned"),
+                             ("phalanx_1_device_vs_plain_loop_same_setup", "phalanx/1", tuned)):
+            assert ratios[metric]["ratio"]["samples"] == pytest.approx([x / y for x, y in zip(samples[a], samples[b])])
+        exchange, lockstep = (ratios[m]["ratio"]["samples"] for m in ("phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling"))
+        assert [x * y for x, y in zip(exchange, lockstep)] == pytest.approx(ratios["phalanx_vs_ceiling"]["ratio"]["samples"])
+    # Two starts, each running every batch size: one row each on stderr as it completes.
+    captured = capsys.readouterr()
+    rows = [line for line in captured.err.splitlines() if "side by side on" in line]
+    assert len(rows) == 2 and rows[0].startswith("phalanx bench: [1/2] side by side on 2 x ")
+    assert "global batch 8: phalanx/2 " in rows[0] and "global batch 12: phalanx/2 " in rows[0]
+    assert "3 blocks side by side" in captured.out and "phalanx_vs_lockstep_ceiling" in captured.out
+
+
 def count_lockstep_meetings(world, jobs, lockstep):
     """The ceiling's worker with AsyncComm.allreduce counted: (tensor sizes it summed, records)."""
     from phalanx.comm import AsyncComm

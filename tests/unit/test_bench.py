@@ -13,10 +13,11 @@ from phalanx.cli import build_parser
 from phalanx.bench.allreduce import AllreduceBenchConfig, timed
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
-from phalanx.bench.scaling import ScalingBenchConfig, variants
+from phalanx.bench.scaling import ScalingBenchConfig, side_by_side_sets, variants
 from phalanx.measure.flags import format_size, parse_size
 from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
-from phalanx.measure.step import Variant
+from phalanx.measure.side_by_side import take_turns
+from phalanx.measure.step import StepJob, Variant
 from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
                                     slowest_per_round)
 from phalanx.errors import UsageError
@@ -193,6 +194,33 @@ def test_devices_picks_the_counts_phalanx_runs_on_and_one_always_runs():
     assert len(variants((8,), cores=16)) == 2 + 9  # a round at k in {1, 8}: 11 starts, each every batch size
 
 
+@pytest.mark.parametrize("k, cores", [(2, 1), (2, 2), (4, 16), (8, 16)])
+def test_side_by_side_runs_the_contenders_of_phalanxs_set_up_under_their_own_names(k, cores):
+    by_name = {v.name: v for v in variants((k,), cores=cores)}
+    sets = side_by_side_sets(k, cores)
+    assert [lead for lead, _ in sets] == [f"phalanx/{k}", "phalanx/1"]
+    for lead, kinds in sets:
+        assert list(kinds.values())[0] == "phalanx" and next(iter(kinds)) == lead
+        for name in kinds:  # every one of them shares the start's processes, threads and set-up
+            v, first = by_name[name], by_name[lead]
+            assert (v.num_procs, v.threads_per_proc, v.allocator_env, v.memory_format) == (
+                first.num_procs, first.threads_per_proc, True, "auto"), name
+    assert set(sets[0][1].values()) == {"phalanx", "ceiling", "lockstep", "ddp"}
+    assert set(sets[1][1].values()) == {"phalanx", "torch"}
+
+
+def test_side_by_side_contenders_take_turns_in_blocks_rotated_after_each_warms_up():
+    log = []
+    steppers = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
+    job = StepJob(model="lenet", global_batch_size=8, warmup_steps=2, steps=3, lr=0.1, seed=0)
+    seconds = take_turns(steppers, job, 4, barrier=lambda: log.append("|"))
+    warm, timed = log[:6], "".join(log[6:])
+    assert warm == ["a", "a", "b", "b", "c", "c"]
+    assert timed.split("|")[1:] == ["aaa", "bbb", "ccc", "bbb", "ccc", "aaa", "ccc", "aaa", "bbb", "aaa", "bbb", "ccc"]
+    assert {name: len(s) for name, s in seconds.items()} == {"a": 4, "b": 4, "c": 4}
+    assert all(t >= 0 for s in seconds.values() for t in s)
+
+
 def test_a_contender_of_unknown_kind_is_refused_by_name():
     with pytest.raises(ValueError, match="kind 'jax' is unknown; choose one of phalanx, ddp, zero, fsdp2, torch, ceiling, lockstep"):
         Variant(name="jax/2", kind="jax", num_procs=2, threads_per_proc=1, allocator_env=False)
@@ -247,6 +275,8 @@ def test_bench_flags_build_each_benchmarks_config():
     (["bench", "allreduce", "--world-sizes", "1"], "--world-sizes 1"),
     (["bench", "allreduce", "--sizes", "4QB"], "4QB"),
     (["bench", "scaling", "--batch-sizes", "1", "--devices", "2"], "global batch"),
+    (["bench", "scaling", "--side-by-side", "--devices", "2,4"], "drop 2 from --devices"),
+    (["bench", "scaling", "--side-by-side", "--grad-dtype", "bf16"], "run --grad-dtype"),
     (["bench", "overlap", "--algorithm", "gossip"], "gossip"),
 ])
 def test_bad_bench_input_is_a_usage_error_before_any_work(argv, words, tmp_path):

@@ -1,0 +1,123 @@
+"""Contenders with one set-up timed side by side: all of them in the same processes, taking turns.
+
+bench scaling's default starts every contender in fresh processes of its own, round after round;
+on a shared host two starts of the same program differ by 10-25% (where the scheduler put the
+workers, what else ran), more than the few percent between phalanx and its ceiling. Contenders
+that share phalanx's set-up - the same processes, threads, allocator setting, memory format and
+shard - can instead run inside one start: each rank builds every contender (phalanx's replica,
+the ceiling's plain model, the lockstep ceiling's, DDP's), warms each up, then they take turns
+in blocks of `steps` steps, the order rotated every block, every rank meeting at a barrier before
+each block. A block's time is its slowest rank's, as a lockstep step's is; the ratio of two
+contenders is the median of their per-block ratios, so both sides of a ratio ran within seconds
+of each other on the same cores.
+
+Kinds: `phalanx` (prepare + train_batch), `ceiling` (the plain step, phalanx's scaled loss, no
+exchange), `lockstep` (the ceiling meeting at every step through a 4-byte allreduce of phalanx's
+auto algorithm), `ddp` (torch DDP over the world's default gloo group, mean loss), `torch` (the
+plain step in one process: the ceiling of one). What one process's contenders share - the
+allocator, caches, the communication thread phalanx's replica keeps (asleep on a futex while the
+others run) - they share alike; the JSON says the method (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm import open_comm
+from phalanx.measure.procs import run_fresh
+from phalanx.measure.step import (OPTIMIZERS, StepJob, build_model, phalanx_step, plain_step, prepare_replica)
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.runtime.world import World
+
+SIDE_BY_SIDE_KINDS = ("phalanx", "ceiling", "lockstep", "ddp", "torch")
+
+
+def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
+             meet: Callable[[], Callable[[], object]]) -> Callable[[], None]:
+    """One contender's step on this rank, its model and optimizer built fresh from the job's seed."""
+    torch.manual_seed(job.seed)
+    if kind == "phalanx":
+        dp = stack.enter_context(prepare_replica(job, world))
+        return phalanx_step(dp, dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr), job, rank=world.rank)
+    model = build_model(job)
+    if kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = OPTIMIZERS[job.optimizer](model.parameters(), lr=job.lr)
+    return plain_step(model, optimizer, job, rank=world.rank, mean_loss=kind == "ddp",
+                      meet=meet() if kind == "lockstep" else None)
+
+
+def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: int,
+            barrier: Callable[[], object]) -> dict[str, list[float]]:
+    """Warm-up steps of each, then `blocks` blocks of `job.steps` steps of each in turn, the order
+    rotated every block: this rank's seconds per block, by kind."""
+    for step in steppers.values():
+        for _ in range(job.warmup_steps):
+            step()
+    kinds = list(steppers)
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for block in range(blocks):
+        shift = block % len(kinds)
+        for kind in kinds[shift:] + kinds[:shift]:
+            barrier()  # every rank starts the block together
+            start = time.perf_counter()
+            for _ in range(job.steps):
+                steppers[kind]()
+            seconds[kind].append(time.perf_counter() - start)
+    return seconds
+
+
+def _worker(world: World, jobs: tuple[StepJob, ...], kinds: tuple[str, ...], blocks: int) -> list[dict]:
+    """Every job in turn (a batch size each): its contenders built, warmed up and timed in blocks."""
+    barrier = dist.barrier if world.distributed else (lambda: None)
+    out = []
+    with contextlib.ExitStack() as comms:
+        opened = []
+
+        def meet() -> Callable[[], object]:
+            if not opened:  # one 4-byte meeting channel for every job's lockstep ceiling
+                opened.append(open_comm(world, "auto"))
+                comms.callback(opened[0].comm.close)
+            token, channel = torch.zeros(1), opened[0]
+            return lambda: channel.comm.allreduce(token, algorithm=channel.algorithm)
+
+        for job in jobs:
+            with contextlib.ExitStack() as stack:  # each job's replicas closed before the next's
+                steppers = {kind: _stepper(kind, job, world, stack, meet) for kind in kinds}
+                out.append(take_turns(steppers, job, blocks, barrier))
+    return out
+
+
+def _single(*, rank: int, num_procs: int, port: int, job: tuple) -> list[dict]:
+    # One device runs in the launcher's own process; this fresh process stands in for it.
+    jobs, kinds, blocks = job
+    spec = LaunchSpec(plan=parse_devices("cpu:1", cuda_count=0), threads_per_device=jobs[0].threads_per_device)
+    return launch(_worker, jobs, kinds, blocks, spec=spec)[0]
+
+
+def run_side_by_side(jobs: Sequence[StepJob], kinds: Sequence[str], *, num_procs: int, threads_per_proc: int,
+                     blocks: int, timeout_s: float, deadline_s: float) -> list[dict[str, list[float]]]:
+    """One start of `num_procs` workers (phalanx's launcher: its allocator setting, threads, the
+    jobs' memory format) running `kinds` side by side for each job; per job, per kind, the
+    slowest rank's seconds of each block."""
+    unknown = [kind for kind in kinds if kind not in SIDE_BY_SIDE_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"side-by-side kinds {list(kinds)}: choose from {', '.join(SIDE_BY_SIDE_KINDS)}")
+    if num_procs == 1 and {"ddp", "lockstep"} & set(kinds):
+        raise ValueError("ddp and lockstep contenders need at least 2 processes")
+    jobs = tuple(jobs)
+    if num_procs == 1:
+        by_rank = run_fresh(_single, (jobs, tuple(kinds), blocks), num_procs=1, threads=threads_per_proc,
+                            tune_allocator=True, deadline_s=deadline_s, name="side-by-side/1")
+    else:
+        spec = LaunchSpec(plan=parse_devices(f"cpu:{num_procs}", cuda_count=0), threads_per_device=threads_per_proc,
+                          timeout_s=timeout_s, deadline_s=deadline_s)
+        by_rank = launch(_worker, jobs, tuple(kinds), blocks, spec=spec)
+    return [{kind: [max(records[i][kind][b] for records in by_rank) for b in range(blocks)] for kind in kinds}
+            for i in range(len(jobs))]
