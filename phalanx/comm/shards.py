@@ -60,7 +60,8 @@ SHARDED_ALGORITHMS = ("native", "shm", "hierarchical", "ring")
 # torch's one-tensor all-gather: its current name where this torch has it, its older one else.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-# Every entry: fn(flat, *, counts, world, transport=None, ticket=None) -> None. Native is the
+# Every entry: fn(flat, *, counts, world, transport=None, ticket=None) -> True when its transport
+# compared every rank's tag itself (shm's one-round calls), else None or False. Native is the
 # backend's op, started by `_native_start`.
 _FNS: dict[str, dict[str, Callable[..., None]]] = {
     REDUCE_SCATTER: {"shm": reduce_scatter_shm, "hierarchical": reduce_scatter_hierarchical,
@@ -77,7 +78,7 @@ class Call(NamedTuple):
     result: torch.Tensor
     tag: Tag
     start: Callable[[], object]
-    job: Callable[[object, Ticket | None], None]
+    job: Callable[[object, Ticket | None], bool | None]  # True: the transport paired the call (calls.py)
 
 
 def sharded_fn(op: str, algorithm: str) -> Callable[..., None] | None:
@@ -96,8 +97,8 @@ def prepare(op: str, flat: torch.Tensor, *, counts: Sequence[int], world: World,
     counts = check_counts(flat, counts, world.world_size, op=op)
     lo, hi = own_range(counts, world.rank)
 
-    def job(transport, ticket: Ticket | None) -> None:
-        fn(flat, counts=counts, world=world, transport=transport, ticket=ticket)
+    def job(transport, ticket: Ticket | None) -> bool | None:
+        return fn(flat, counts=counts, world=world, transport=transport, ticket=ticket)
 
     return Call(flat[lo:hi] if op == REDUCE_SCATTER else flat, tag.doing(op), _native_start(op, flat, counts, world),
                 job)

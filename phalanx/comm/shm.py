@@ -228,19 +228,52 @@ class ShmGroup:
         self._flags.publish(ARRIVED, g)
         self._flags.wait(ARRIVED, g, ticket)
 
+    def call_tags(self, ticket: Ticket | None, g: int) -> tuple[int, int]:
+        """What round `g` of the call `ticket` writes beside its flags: the tag code, and a key of
+        the round and the call's size (shm_flags.TAGS); without a ticket, a code of 0."""
+        return (0, round_key(g, 0)) if ticket is None else (ticket.code, round_key(g, ticket.size_bytes))
+
+    def write_tags(self, g: int, tags: tuple[int, int]) -> None:
+        """Round `g`'s tag words, written by a Python round before it publishes arrival."""
+        self._flags.write_tags(g % 2, *tags)
+
+    def tags_agree(self, g: int, tags: tuple[int, int]) -> bool:
+        """True when every rank's round `g` carried `tags` (read once all arrived)."""
+        return self._flags.tags_agree(g % 2, *tags)
+
     def compiled_reduce_scatter_round(self, flat: torch.Tensor, g: int, window: tuple[int, int],
-                                      part: tuple[int, int], ticket: Ticket | None) -> bool:
+                                      part: tuple[int, int], ticket: Ticket | None) -> bool | None:
         """Round `g` of a reduce-scatter of `flat` (its `window`, this rank's `part` of it) in one
-        compiled call, sleeping for a late peer as every wait does; False: rounds run in Python."""
+        compiled call, sleeping for a late peer as every wait does: whether every rank's tag
+        agreed; None: rounds run in Python."""
         compiled = self._flags.compiled if flat.dtype in shm_kernel.DTYPES and flat.is_contiguous() else None
         if compiled is None:
-            return False
+            return None
         (start, stop), (lo, hi) = window, part
-        if not compiled.reduce_scatter_round(g % 2, g, flat, start, lo, hi, stop):
+        tags = self.call_tags(ticket, g)
+        done = compiled.reduce_scatter_round(g % 2, g, flat, start, lo, hi, stop, *tags)
+        if done == shm_kernel.SMALL_LATE:
             self._flags.wait(ARRIVED, g, ticket, spun=True)
             if hi > lo:
                 compiled.sum_with_own(flat[lo:hi], g % 2, offset_bytes=(lo - start) * flat.element_size())
-        return True
+            return compiled.tags_agree(g % 2, *tags)
+        return done == shm_kernel.SMALL_AGREED
+
+    def compiled_all_gather_round(self, flat: torch.Tensor, g: int, window: tuple[int, int],
+                                  part: tuple[int, int], ticket: Ticket | None) -> bool | None:
+        """Round `g` of an all-gather of `flat` (its `window`, this rank's `part` of it) in one
+        compiled call, as `compiled_reduce_scatter_round`; a copy, so any dtype."""
+        compiled = self._flags.compiled if flat.is_contiguous() else None
+        if compiled is None:
+            return None
+        (start, stop), (lo, hi) = window, part
+        tags = self.call_tags(ticket, g)
+        done = compiled.all_gather_round(g % 2, g, flat, start, lo, hi, stop, *tags)
+        if done == shm_kernel.SMALL_LATE:
+            self._flags.wait(ARRIVED, g, ticket, spun=True)
+            compiled.gather_out(g % 2, flat, start, lo, hi, stop)
+            return compiled.tags_agree(g % 2, *tags)
+        return done == shm_kernel.SMALL_AGREED
 
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
@@ -259,29 +292,26 @@ class ShmGroup:
         """One round of `piece`; a small one also compares every rank's tag (shm_flags.TAGS): True
         when they all carried `ticket`'s."""
         compiled = self._flags.compiled if piece.dtype in shm_kernel.DTYPES else None
-        nbytes = piece.numel() * piece.element_size()
-        small = nbytes <= self.small_bytes
-        if small:
-            code, size = (0, nbytes) if ticket is None else (ticket.code, ticket.size_bytes)
+        small = piece.numel() * piece.element_size() <= self.small_bytes
         if compiled is not None and small:  # the common case in one call (shm_kernel.c)
             self.round += 1
             g = self.round
-            key = round_key(g, size)
-            done = compiled.small_round(g % 2, g, piece, code, key)
+            tags = self.call_tags(ticket, g)
+            done = compiled.small_round(g % 2, g, piece, *tags)
             if done == shm_kernel.SMALL_LATE:
                 self._flags.wait(ARRIVED, g, ticket, spun=True)  # a late peer: sleep for it, with the liveness checks
                 compiled.sum_slots(piece, g % 2)
-                return ticket is not None and compiled.tags_agree(g % 2, code, key)
+                return ticket is not None and compiled.tags_agree(g % 2, *tags)
             return ticket is not None and done == shm_kernel.SMALL_AGREED
         g, inputs, result = self.begin(piece.numel(), piece.dtype)
         inputs[self.rank].copy_(piece)
         if small:
-            key = round_key(g, size)
-            self._flags.write_tags(g % 2, code, key)
+            tags = self.call_tags(ticket, g)
+            self.write_tags(g, tags)
         self.arrive(g, ticket)
         if small:
             sum_into(piece, inputs)
-            return ticket is not None and self._flags.tags_agree(g % 2, code, key)
+            return ticket is not None and self.tags_agree(g, tags)
         lo, hi = _chunk(piece.numel(), self.k, self.rank, piece.element_size())
         if hi > lo:
             if compiled is not None:

@@ -137,6 +137,14 @@ int32_t phx_tags_agree(const phx_group *g, int32_t parity, int64_t code, int64_t
     return 1;
 }
 
+/* This rank's call in half `parity` carries `code` and `key`: stored before the round's arrival
+ * is published, whose sequentially consistent store orders them before it. */
+static void write_tags(const phx_group *g, int32_t parity, int64_t code, int64_t key) {
+    int64_t *tags = &g->flags[(int64_t)g->rank * LINE_WORDS + TAGS + 2 * parity];
+    __atomic_store_n(&tags[0], code, __ATOMIC_RELAXED);
+    __atomic_store_n(&tags[1], key, __ATOMIC_RELAXED);
+}
+
 /* One round of a piece summed whole by every rank (shm.py's small pieces): copy in, write this
  * call's tag code and key beside the flags, publish arrival, spin, sum every slot in rank order
  * into the piece, compare every rank's tag. 1: done, every rank's call carried the same tag;
@@ -146,10 +154,8 @@ int32_t phx_tags_agree(const phx_group *g, int32_t parity, int64_t code, int64_t
 int32_t phx_small_round(const phx_group *g, int32_t parity, int64_t round, void *piece, int64_t numel,
                         int32_t dtype, int64_t code, int64_t key) {
     int64_t nbytes = numel * (dtype == F32 ? 4 : 8);
-    int64_t *tags = &g->flags[(int64_t)g->rank * LINE_WORDS + TAGS + 2 * parity];
     memcpy(g->slots[parity] + (int64_t)g->rank * g->slot_stride, piece, (size_t)nbytes);
-    __atomic_store_n(&tags[0], code, __ATOMIC_RELAXED);  /* seen before the arrival: the publish fences */
-    __atomic_store_n(&tags[1], key, __ATOMIC_RELAXED);
+    write_tags(g, parity, code, key);
     phx_publish(g, 0, round);
     if (!phx_spin(g, 0, round)) return 0;
     phx_sum_rows(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype);
@@ -157,11 +163,13 @@ int32_t phx_small_round(const phx_group *g, int32_t parity, int64_t round, void 
 }
 
 /* One round of a reduce-scatter (shm_ops.py): copy the window [start, stop) of `flat` but this
- * rank's part [lo, hi) into its slot, publish arrival, spin, then sum its part from every slot,
- * its own values read in place. 1: done; 0: a peer is late, the caller sleeps until all
- * arrived, then calls phx_sum_own itself. An empty part (hi <= lo) copies the whole window. */
+ * rank's part [lo, hi) into its slot, write the call's tag, publish arrival, spin, then sum its
+ * part from every slot, its own values read in place, and compare every rank's tag. 1: done,
+ * the tags agree; 2: done, a tag differs; 0: a peer is late, the caller sleeps until all
+ * arrived, then calls phx_sum_own and phx_tags_agree itself. An empty part (hi <= lo) copies the
+ * whole window. */
 int32_t phx_reduce_scatter_round(const phx_group *g, int32_t parity, int64_t round, void *flat, int64_t start,
-                                 int64_t lo, int64_t hi, int64_t stop, int32_t dtype) {
+                                 int64_t lo, int64_t hi, int64_t stop, int32_t dtype, int64_t code, int64_t key) {
     int64_t size = dtype == F32 ? 4 : 8;
     char *slot = g->slots[parity] + (int64_t)g->rank * g->slot_stride, *data = (char *)flat;
     if (hi > lo) {
@@ -170,10 +178,42 @@ int32_t phx_reduce_scatter_round(const phx_group *g, int32_t parity, int64_t rou
     } else {
         memcpy(slot, data + start * size, (size_t)((stop - start) * size));
     }
+    write_tags(g, parity, code, key);
     phx_publish(g, 0, round);
     if (!phx_spin(g, 0, round)) return 0;
     if (hi > lo)
         phx_sum_own(data + lo * size, g->slots[parity] + (lo - start) * size, g->slot_stride, g->k, g->rank, hi - lo,
                     dtype);
-    return 1;
+    return phx_tags_agree(g, parity, code, key) ? 1 : 2;
+}
+
+/* The window [start, stop) of `flat` but this rank's part [lo, hi), copied out of half `parity`'s
+ * result area (an all-gather round's second half; the whole window for an empty part). */
+void phx_gather_out(const phx_group *g, int32_t parity, void *flat, int64_t start, int64_t lo, int64_t hi,
+                    int64_t stop, int64_t size) {
+    const char *result = g->slots[parity] + (int64_t)g->k * g->slot_stride;
+    char *data = (char *)flat;
+    if (hi > lo) {
+        memcpy(data + start * size, result, (size_t)((lo - start) * size));
+        memcpy(data + hi * size, result + (hi - start) * size, (size_t)((stop - hi) * size));
+    } else {
+        memcpy(data + start * size, result, (size_t)((stop - start) * size));
+    }
+}
+
+/* One round of an all-gather (shm_ops.py): copy this rank's part [lo, hi) of `flat` into its place
+ * in half `parity`'s result area (the k + 1-th slot, which every rank fills a part of), write the
+ * call's tag, publish arrival, spin, copy the rest of the window out, compare every rank's tag.
+ * Bytes of `size` each: a copy, whatever the dtype. Returns as phx_reduce_scatter_round; when a
+ * peer is late the caller sleeps, then calls phx_gather_out and phx_tags_agree itself. */
+int32_t phx_all_gather_round(const phx_group *g, int32_t parity, int64_t round, void *flat, int64_t start,
+                             int64_t lo, int64_t hi, int64_t stop, int64_t size, int64_t code, int64_t key) {
+    char *result = g->slots[parity] + (int64_t)g->k * g->slot_stride;
+    if (hi > lo)
+        memcpy(result + (lo - start) * size, (char *)flat + lo * size, (size_t)((hi - lo) * size));
+    write_tags(g, parity, code, key);
+    phx_publish(g, 0, round);
+    if (!phx_spin(g, 0, round)) return 0;
+    phx_gather_out(g, parity, flat, start, lo, hi, stop, size);
+    return phx_tags_agree(g, parity, code, key) ? 1 : 2;
 }

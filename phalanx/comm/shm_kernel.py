@@ -118,8 +118,12 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.phx_sum_rows.restype = None
     library.phx_sum_own.argtypes = [ptr, ptr, i64, i32, i32, i64, i32]
     library.phx_sum_own.restype = None
-    library.phx_reduce_scatter_round.argtypes = [group, i32, i64, ptr, i64, i64, i64, i64, i32]
+    library.phx_reduce_scatter_round.argtypes = [group, i32, i64, ptr, i64, i64, i64, i64, i32, i64, i64]
     library.phx_reduce_scatter_round.restype = i32
+    library.phx_all_gather_round.argtypes = [group, i32, i64, ptr, i64, i64, i64, i64, i64, i64, i64]
+    library.phx_all_gather_round.restype = i32
+    library.phx_gather_out.argtypes = [group, i32, ptr, i64, i64, i64, i64, i64]
+    library.phx_gather_out.restype = None
     library.phx_publish.argtypes = [group, i32, i64]
     library.phx_publish.restype = None
     library.phx_spin.argtypes = [group, i32, i64]
@@ -146,6 +150,8 @@ class Rounds:
         self._sum_rows = library.phx_sum_rows
         self._sum_own = library.phx_sum_own
         self._reduce_scatter_round = library.phx_reduce_scatter_round
+        self._all_gather_round = library.phx_all_gather_round
+        self._gather_out = library.phx_gather_out
         self._rank = rank
 
     def small_round(self, parity: int, g: int, piece: torch.Tensor, code: int, key: int) -> int:
@@ -179,9 +185,21 @@ class Rounds:
                       own.numel(), DTYPES[own.dtype])
 
     def reduce_scatter_round(self, parity: int, g: int, flat: torch.Tensor, start: int, lo: int, hi: int,
-                             stop: int) -> bool:
-        """Copy the window [start, stop) of `flat` but this rank's part [lo, hi) in, publish, spin,
-        sum the part: True when done; False when a peer is late (the caller sleeps, then calls
-        `sum_with_own`)."""
-        return bool(self._reduce_scatter_round(self._ref, parity, g, flat.data_ptr(), start, lo, hi, stop,
-                                               DTYPES[flat.dtype]))
+                             stop: int, code: int, key: int) -> int:
+        """Copy the window [start, stop) of `flat` but this rank's part [lo, hi) in, write the tag,
+        publish, spin, sum the part, compare the tags: SMALL_AGREED or SMALL_DIFFER when done;
+        SMALL_LATE when a peer is late (the caller sleeps, then calls `sum_with_own`, `tags_agree`)."""
+        return self._reduce_scatter_round(self._ref, parity, g, flat.data_ptr(), start, lo, hi, stop,
+                                          DTYPES[flat.dtype], code, key)
+
+    def all_gather_round(self, parity: int, g: int, flat: torch.Tensor, start: int, lo: int, hi: int, stop: int,
+                         code: int, key: int) -> int:
+        """Copy this rank's part [lo, hi) of `flat` into the result area, write the tag, publish,
+        spin, copy the rest of the window [start, stop) out, compare the tags: as
+        `reduce_scatter_round` (late: the caller sleeps, then calls `gather_out`, `tags_agree`)."""
+        return self._all_gather_round(self._ref, parity, g, flat.data_ptr(), start, lo, hi, stop,
+                                      flat.element_size(), code, key)
+
+    def gather_out(self, parity: int, flat: torch.Tensor, start: int, lo: int, hi: int, stop: int) -> None:
+        """The window [start, stop) of `flat` but [lo, hi), copied out of half `parity`'s result area."""
+        self._gather_out(self._ref, parity, flat.data_ptr(), start, lo, hi, stop, flat.element_size())

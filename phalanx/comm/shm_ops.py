@@ -50,30 +50,45 @@ def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | Non
 
 
 def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,
-                       ticket: Ticket | None = None) -> None:
+                       ticket: Ticket | None = None) -> bool:
     """Sum over all ranks, into this rank's range of `flat` (counts[rank] elements after the
-    counts before it), that range of every rank's `flat`; the rest of `flat` is left as it was."""
+    counts before it), that range of every rank's `flat`; the rest of `flat` is left as it was.
+    True when the call was one round and every rank's carried the ticket's tag (allreduce_shm's)."""
+    agreed = []
     for r in _rounds("reduce-scatter", flat, counts, world, transport):
-        if r.group.compiled_reduce_scatter_round(flat, r.g, (r.start, r.stop), (r.lo, r.hi), ticket):
-            continue  # the round below in one call (shm_kernel.c)
-        mine = r.inputs[r.group.rank]
-        _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
-        r.group.arrive(r.g, ticket)
-        if r.hi > r.lo:
-            own, part = flat[r.lo:r.hi], slice(r.lo - r.start, r.hi - r.start)
-            parts = [own if index == r.group.rank else x[part] for index, x in enumerate(r.inputs)]
-            sum_into(own, parts, scratch=mine[part])  # its own slot's part: copied in by none, read by none
+        done = r.group.compiled_reduce_scatter_round(flat, r.g, (r.start, r.stop), (r.lo, r.hi), ticket)
+        if done is None:  # the round in Python (shm_kernel.c does it in one call)
+            tags = r.group.call_tags(ticket, r.g)
+            mine = r.inputs[r.group.rank]
+            _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
+            r.group.write_tags(r.g, tags)
+            r.group.arrive(r.g, ticket)
+            if r.hi > r.lo:
+                own, part = flat[r.lo:r.hi], slice(r.lo - r.start, r.hi - r.start)
+                parts = [own if index == r.group.rank else x[part] for index, x in enumerate(r.inputs)]
+                sum_into(own, parts, scratch=mine[part])  # its own slot's part: copied in by none, read by none
+            done = r.group.tags_agree(r.g, tags)
+        agreed.append(done)
+    return ticket is not None and agreed == [True]
 
 
 def all_gather_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,
-                   ticket: Ticket | None = None) -> None:
+                   ticket: Ticket | None = None) -> bool:
     """Fill every rank's range of `flat` with that rank's piece (rank r's range: counts[r]
-    elements after the counts before it), on every rank alike."""
+    elements after the counts before it), on every rank alike. True as reduce_scatter_shm's."""
+    agreed = []
     for r in _rounds("all-gather", flat, counts, world, transport):
-        if r.hi > r.lo:
-            r.result[r.lo - r.start:r.hi - r.start].copy_(flat[r.lo:r.hi])
-        r.group.arrive(r.g, ticket)
-        _around_own(r, lambda a, b: flat[a:b].copy_(r.result[a - r.start:b - r.start]))
+        done = r.group.compiled_all_gather_round(flat, r.g, (r.start, r.stop), (r.lo, r.hi), ticket)
+        if done is None:  # the round in Python
+            tags = r.group.call_tags(ticket, r.g)
+            if r.hi > r.lo:
+                r.result[r.lo - r.start:r.hi - r.start].copy_(flat[r.lo:r.hi])
+            r.group.write_tags(r.g, tags)
+            r.group.arrive(r.g, ticket)
+            _around_own(r, lambda a, b: flat[a:b].copy_(r.result[a - r.start:b - r.start]))
+            done = r.group.tags_agree(r.g, tags)
+        agreed.append(done)
+    return ticket is not None and agreed == [True]
 
 
 def _around_own(r: "_Round", copy) -> None:

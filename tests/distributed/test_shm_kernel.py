@@ -119,6 +119,42 @@ def test_a_compiled_reduce_scatter_gives_the_python_rounds_bits(world_size):
             assert _bits(compiled[rank][index]) == _bits(python[rank][index]), f"rank {rank} result {index}"
 
 
+def _all_gathers(world, compiled: bool) -> list:
+    """All-gathers of uneven counts (one rank's empty), one window and several, four dtypes (a
+    copy: any dtype), a rank late in some (the others copy out after their sleep)."""
+    from phalanx.comm.shm_ops import all_gather_shm
+
+    out = []
+    for slot_bytes in (1 << 20, 256):  # 256 bytes: a tensor streams through many rounds
+        group = ShmGroup(world=world, compiled=compiled, slot_bytes=slot_bytes)
+        for call, dtype in enumerate((torch.float32, torch.float64, torch.bfloat16, torch.int64)):
+            counts = [700, 0, 301][:world.world_size - 1] + [1001 - sum([700, 0, 301][:world.world_size - 1])]
+            flat = torch.full((1001,), -7, dtype=dtype)  # what a rank's own range does not hold is overwritten
+            lo = sum(counts[:world.rank])
+            flat[lo:lo + counts[world.rank]] = torch.arange(lo, lo + counts[world.rank]).to(dtype)
+            if world.rank == call % world.world_size:
+                time.sleep(0.02)
+            all_gather_shm(flat, counts=counts, world=world, transport=group)
+            out.append(flat)
+        out.append(group.rounds)
+        group.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_compiled_all_gather_gives_every_rank_every_piece_as_the_python_rounds(world_size):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler: the rounds run in Python here")
+    compiled = run_workers(_all_gathers, world_size, True, timeout_s=90)
+    python = run_workers(_all_gathers, world_size, False, timeout_s=90)
+    for rank in range(world_size):
+        assert compiled[rank][4] == compiled[rank][9] == "compiled" and python[rank][4] == "Python (not asked for)"
+        for index in (0, 1, 2, 3, 5, 6, 7, 8):
+            expected = torch.arange(1001).to(compiled[rank][index].dtype)
+            assert _bits(compiled[rank][index]) == _bits(expected), f"rank {rank} result {index}"
+            assert _bits(python[rank][index]) == _bits(expected), f"rank {rank} result {index}"
+
+
 def _late_peers(world, compiled_by_rank: tuple[bool, ...], small_bytes) -> dict:
     """Each rank in turn arrives 0.15 s late; the others' waits (spin, then futex) are timed."""
     group = ShmGroup(world=world, compiled=compiled_by_rank[world.rank], small_bytes=small_bytes)

@@ -236,11 +236,19 @@ def _pairing_checks(world, compiled: bool) -> dict:
                 "shm async": lambda: comm.allreduce_async(torch.ones(8), algorithm="shm",
                                                           tag=Tag("gradient", 1, step=0)).wait(),
                 "shm, two rounds": lambda: comm.allreduce(torch.ones(many), algorithm="shm"),
+                "shm reduce-scatter": lambda: comm.reduce_scatter(torch.ones(8), counts=[3, 5], algorithm="shm"),
+                "shm all-gather": lambda: comm.all_gather_async(torch.ones(8), counts=[8, 0], algorithm="shm").wait(),
+                "shm all-gather, two rounds": lambda: comm.all_gather(torch.ones(many), counts=[many - 1, 1],
+                                                                      algorithm="shm"),
                 "native": lambda: comm.allreduce(torch.ones(8), algorithm="native"),
                 # A generic tag pairs with a named one of the same size and kind: the round sees the
                 # codes differ, the board says that is no mismatch.
                 "shm, generic beside named": lambda: comm.allreduce(
                     torch.ones(8), algorithm="shm", tag=Tag() if world.rank == 0 else Tag("metrics")),
+                # Named differently: the round sees it, the board names it (and the first call raises).
+                "shm reduce-scatter, mismatched": lambda: comm.reduce_scatter(
+                    torch.ones(8), counts=[4, 4], algorithm="shm", tag=Tag("gradient", 1, step=0) if world.rank == 0
+                    else Tag("parameters", 1, step=0)),
             }
             for name, call in cases.items():
                 counted[0] = 0
@@ -259,5 +267,9 @@ def _pairing_checks(world, compiled: bool) -> dict:
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python-rounds"])
 def test_a_small_shm_call_is_paired_in_its_round_and_every_other_call_on_the_board(compiled):
     for rank, result in enumerate(run_workers(_pairing_checks, 2, compiled, timeout_s=120)):
+        mismatch = result.pop("shm reduce-scatter, mismatched")
         assert result == {"shm": (0, "no error"), "shm async": (0, "no error"), "shm, two rounds": (3, "no error"),
-                          "native": (3, "no error"), "shm, generic beside named": (3, "no error")}, rank
+                          "shm reduce-scatter": (0, "no error"), "shm all-gather": (0, "no error"),
+                          "shm all-gather, two rounds": (3, "no error"), "native": (3, "no error"),
+                          "shm, generic beside named": (3, "no error")}, rank
+        assert mismatch[0] == 1 and mismatch[1].startswith("ranks are in different collectives: "), (rank, mismatch)
