@@ -29,7 +29,8 @@ import torch
 
 from phalanx.measure.memory import HELD
 from phalanx.measure.mlp import MEMORY_MODELS, build_bench_model
-from phalanx.measure.step import StepJob, Variant, run_variant
+from phalanx.measure.job_steps import StepJob
+from phalanx.measure.step import Variant, run_variant
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
 from phalanx.options import at_least, check_options, option
 from phalanx.runtime.binding import available_cores, users_allocator_setting

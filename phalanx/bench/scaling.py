@@ -43,7 +43,8 @@ from typing import Any, Callable
 from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.measure.side_by_side import run_side_by_side
-from phalanx.measure.step import StepJob, Variant, images_per_s, run_jobs
+from phalanx.measure.job_steps import StepJob
+from phalanx.measure.step import Variant, images_per_s, run_jobs
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
 from phalanx.options import at_least, check_options, option
 from phalanx.runtime.binding import available_cores

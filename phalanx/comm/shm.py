@@ -51,7 +51,7 @@ import torch.distributed as dist
 from phalanx.comm import shm_kernel
 from phalanx.comm.calls import collective
 from phalanx.comm.shm_flags import (ARRIVED, LINE, LIVENESS_EVERY_S, REDUCED, SPIN_S, Flags, ShmError, ShmPeerGone,
-                                   round_key)
+                                   call_tags)
 from phalanx.runtime.binding import available_cores
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.tags import Tag
@@ -201,9 +201,8 @@ class ShmGroup:
         """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
         board entry (calls.py), which waits read to name whom they wait for; None: lives and time.
         True when the round itself saw every rank's call carry `ticket`'s tag and size (a call of
-        one small round): the board's pairing check is then made (calls.py: settle)."""
-        if flat.numel() * flat.element_size() <= self.slot_bytes and self._mmap is not None \
-                and flat.is_cpu:
+        one small round): settle (calls.py) then skips the board's pairing check."""
+        if flat.numel() * flat.element_size() <= self.slot_bytes and self._mmap is not None and flat.is_cpu:
             return self._round(flat, ticket)  # one round, the common case: no windows to cut
         for lo, hi in self.windows(flat):
             self._round(flat[lo:hi], ticket)
@@ -228,52 +227,22 @@ class ShmGroup:
         self._flags.publish(ARRIVED, g)
         self._flags.wait(ARRIVED, g, ticket)
 
-    def call_tags(self, ticket: Ticket | None, g: int) -> tuple[int, int]:
-        """What round `g` of the call `ticket` writes beside its flags: the tag code, and a key of
-        the round and the call's size (shm_flags.TAGS); without a ticket, a code of 0."""
-        return (0, round_key(g, 0)) if ticket is None else (ticket.code, round_key(g, ticket.size_bytes))
+    @property
+    def kernel(self):
+        """The compiled rounds bound to this segment (shm_kernel.Rounds), None where rounds run in Python."""
+        return self._flags.compiled
+
+    def sleep_until_arrived(self, g: int, ticket: Ticket | None) -> None:
+        """After a compiled round's spin ran out: sleep until every rank arrived in round `g`."""
+        self._flags.wait(ARRIVED, g, ticket, spun=True)
 
     def write_tags(self, g: int, tags: tuple[int, int]) -> None:
-        """Round `g`'s tag words, written by a Python round before it publishes arrival."""
+        """Round `g`'s tag words (shm_flags.call_tags), written by a Python round before it publishes arrival."""
         self._flags.write_tags(g % 2, *tags)
 
     def tags_agree(self, g: int, tags: tuple[int, int]) -> bool:
         """True when every rank's round `g` carried `tags` (read once all arrived)."""
         return self._flags.tags_agree(g % 2, *tags)
-
-    def compiled_reduce_scatter_round(self, flat: torch.Tensor, g: int, window: tuple[int, int],
-                                      part: tuple[int, int], ticket: Ticket | None) -> bool | None:
-        """Round `g` of a reduce-scatter of `flat` (its `window`, this rank's `part` of it) in one
-        compiled call, sleeping for a late peer as every wait does: whether every rank's tag
-        agreed; None: rounds run in Python."""
-        compiled = self._flags.compiled if flat.dtype in shm_kernel.DTYPES and flat.is_contiguous() else None
-        if compiled is None:
-            return None
-        (start, stop), (lo, hi) = window, part
-        tags = self.call_tags(ticket, g)
-        done = compiled.reduce_scatter_round(g % 2, g, flat, start, lo, hi, stop, *tags)
-        if done == shm_kernel.SMALL_LATE:
-            self._flags.wait(ARRIVED, g, ticket, spun=True)
-            if hi > lo:
-                compiled.sum_with_own(flat[lo:hi], g % 2, offset_bytes=(lo - start) * flat.element_size())
-            return compiled.tags_agree(g % 2, *tags)
-        return done == shm_kernel.SMALL_AGREED
-
-    def compiled_all_gather_round(self, flat: torch.Tensor, g: int, window: tuple[int, int],
-                                  part: tuple[int, int], ticket: Ticket | None) -> bool | None:
-        """Round `g` of an all-gather of `flat` (its `window`, this rank's `part` of it) in one
-        compiled call, as `compiled_reduce_scatter_round`; a copy, so any dtype."""
-        compiled = self._flags.compiled if flat.is_contiguous() else None
-        if compiled is None:
-            return None
-        (start, stop), (lo, hi) = window, part
-        tags = self.call_tags(ticket, g)
-        done = compiled.all_gather_round(g % 2, g, flat, start, lo, hi, stop, *tags)
-        if done == shm_kernel.SMALL_LATE:
-            self._flags.wait(ARRIVED, g, ticket, spun=True)
-            compiled.gather_out(g % 2, flat, start, lo, hi, stop)
-            return compiled.tags_agree(g % 2, *tags)
-        return done == shm_kernel.SMALL_AGREED
 
     def _views(self, parity: int, nbytes: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Half `parity`'s input slots and result area as `dtype` tensors of `nbytes` (cached:
@@ -296,7 +265,7 @@ class ShmGroup:
         if compiled is not None and small:  # the common case in one call (shm_kernel.c)
             self.round += 1
             g = self.round
-            tags = self.call_tags(ticket, g)
+            tags = call_tags(ticket, g)
             done = compiled.small_round(g % 2, g, piece, *tags)
             if done == shm_kernel.SMALL_LATE:
                 self._flags.wait(ARRIVED, g, ticket, spun=True)  # a late peer: sleep for it, with the liveness checks
@@ -306,7 +275,7 @@ class ShmGroup:
         g, inputs, result = self.begin(piece.numel(), piece.dtype)
         inputs[self.rank].copy_(piece)
         if small:
-            tags = self.call_tags(ticket, g)
+            tags = call_tags(ticket, g)
             self.write_tags(g, tags)
         self.arrive(g, ticket)
         if small:

@@ -42,6 +42,12 @@ def round_key(g: int, size_bytes: int) -> int:
     return ((g & 0x7FFFFFFF) << 32) | (size_bytes & 0xFFFFFFFF)
 
 
+def call_tags(ticket: Ticket | None, g: int) -> tuple[int, int]:
+    """What round `g` of the call `ticket` writes beside its flags: the tag code, and a key of the
+    round and the call's size; without a ticket, a code of 0."""
+    return (0, round_key(g, 0)) if ticket is None else (ticket.code, round_key(g, ticket.size_bytes))
+
+
 class ShmError(CommError):
     """The segment could not be set up, or a peer died or timed out inside a collective."""
 

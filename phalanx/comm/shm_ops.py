@@ -36,7 +36,9 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 
 from phalanx.comm.counts import own_range
+from phalanx.comm import shm_kernel
 from phalanx.comm.shm import ShmGroup, sum_into
+from phalanx.comm.shm_flags import call_tags
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.world import World
 
@@ -56,9 +58,9 @@ def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: Worl
     True when the call was one round and every rank's carried the ticket's tag (allreduce_shm's)."""
     agreed = []
     for r in _rounds("reduce-scatter", flat, counts, world, transport):
-        done = r.group.compiled_reduce_scatter_round(flat, r.g, (r.start, r.stop), (r.lo, r.hi), ticket)
+        tags = call_tags(ticket, r.g)
+        done = _compiled_reduce_scatter_round(r, flat, tags, ticket)
         if done is None:  # the round in Python (shm_kernel.c does it in one call)
-            tags = r.group.call_tags(ticket, r.g)
             mine = r.inputs[r.group.rank]
             _around_own(r, lambda a, b: mine[a - r.start:b - r.start].copy_(flat[a:b]))
             r.group.write_tags(r.g, tags)
@@ -78,9 +80,9 @@ def all_gather_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, t
     elements after the counts before it), on every rank alike. True as reduce_scatter_shm's."""
     agreed = []
     for r in _rounds("all-gather", flat, counts, world, transport):
-        done = r.group.compiled_all_gather_round(flat, r.g, (r.start, r.stop), (r.lo, r.hi), ticket)
+        tags = call_tags(ticket, r.g)
+        done = _compiled_all_gather_round(r, flat, tags, ticket)
         if done is None:  # the round in Python
-            tags = r.group.call_tags(ticket, r.g)
             if r.hi > r.lo:
                 r.result[r.lo - r.start:r.hi - r.start].copy_(flat[r.lo:r.hi])
             r.group.write_tags(r.g, tags)
@@ -89,6 +91,36 @@ def all_gather_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, t
             done = r.group.tags_agree(r.g, tags)
         agreed.append(done)
     return ticket is not None and agreed == [True]
+
+
+def _compiled_reduce_scatter_round(r: "_Round", flat: torch.Tensor, tags: tuple[int, int],
+                                   ticket: Ticket | None) -> bool | None:
+    """Round `r` of a reduce-scatter of `flat` in one compiled call, sleeping for a late peer as
+    every wait does: whether every rank's tag agreed; None: the round runs in Python."""
+    kernel = r.group.kernel if flat.dtype in shm_kernel.DTYPES and flat.is_contiguous() else None
+    if kernel is None:
+        return None
+    done = kernel.reduce_scatter_round(r.g % 2, r.g, flat, r.start, r.lo, r.hi, r.stop, *tags)
+    if done != shm_kernel.SMALL_LATE:
+        return done == shm_kernel.SMALL_AGREED
+    r.group.sleep_until_arrived(r.g, ticket)
+    if r.hi > r.lo:
+        kernel.sum_with_own(flat[r.lo:r.hi], r.g % 2, offset_bytes=(r.lo - r.start) * flat.element_size())
+    return kernel.tags_agree(r.g % 2, *tags)
+
+
+def _compiled_all_gather_round(r: "_Round", flat: torch.Tensor, tags: tuple[int, int],
+                               ticket: Ticket | None) -> bool | None:
+    """Round `r` of an all-gather of `flat` in one compiled call (a copy: any dtype), as above."""
+    kernel = r.group.kernel if flat.is_contiguous() else None
+    if kernel is None:
+        return None
+    done = kernel.all_gather_round(r.g % 2, r.g, flat, r.start, r.lo, r.hi, r.stop, *tags)
+    if done != shm_kernel.SMALL_LATE:
+        return done == shm_kernel.SMALL_AGREED
+    r.group.sleep_until_arrived(r.g, ticket)
+    kernel.gather_out(r.g % 2, flat, r.start, r.lo, r.hi, r.stop)
+    return kernel.tags_agree(r.g % 2, *tags)
 
 
 def _around_own(r: "_Round", copy) -> None:

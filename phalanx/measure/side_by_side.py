@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from phalanx.comm import open_comm
 from phalanx.measure.procs import run_fresh
-from phalanx.measure.step import (OPTIMIZERS, StepJob, build_model, phalanx_step, plain_step, prepare_replica)
+from phalanx.measure.job_steps import OPTIMIZERS, StepJob, build_model, phalanx_step, plain_step, prepare_replica
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World

@@ -1,7 +1,7 @@
 """The scaling and memory worker: phalanx's training step timed on synthetic data, and what it is judged against.
 
 One configuration (a `Variant`: which program, how many processes, threads each, the allocator
-setting, memory format, exchange, ZeRO stage) runs a `StepJob` (model, batch, steps, optimizer)
+setting, memory format, exchange, ZeRO stage) runs a `StepJob` (job_steps.py: model, batch, steps, optimizer)
 in fresh processes; `run_jobs` runs several jobs (bench scaling's batch sizes) one after the
 other in one start of those processes, each job with a model and replica of its own. Every rank
 draws the same fixed random global batch (data time is zero for all), takes its `split_batch`
@@ -37,23 +37,19 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from phalanx.comm import open_comm
-from phalanx.data import split_batch
-from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
+from phalanx.measure.job_steps import OPTIMIZERS, StepJob, build_model, phalanx_step, plain_step, prepare_replica
 from phalanx.measure.load import busy_window
 from phalanx.measure.memory import MemoryProbe, held_bytes, replica_held_bytes
-from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
-from phalanx.train.loop import train_batch
 
 KINDS = ("phalanx", "ddp", "zero", "fsdp2", "torch", "ceiling", "lockstep")
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
+
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,44 +69,6 @@ class Variant:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind {self.kind!r} is unknown; choose one of {', '.join(KINDS)}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepJob:
-    """What one configuration's processes run: picklable, the same for every rank."""
-
-    model: str
-    global_batch_size: int
-    warmup_steps: int
-    steps: int
-    lr: float
-    seed: int
-    num_shards: int = 1  # run_variant sets this and the fields below from the Variant
-    threads_per_device: int | None = None
-    memory_format: str = "contiguous"
-    grad_dtype: str | None = None
-    algorithm: str = "auto"
-    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
-    check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY
-    shard: str = "none"
-    optimizer: str = "sgd"  # a key of OPTIMIZERS
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r} is unknown; choose one of {', '.join(OPTIMIZERS)}")
-
-
-def build_model(job: StepJob) -> torch.nn.Module:
-    model = build_bench_model(job.model)
-    return apply_memory_format(model, resolve_memory_format(job.memory_format, model, torch.device("cpu")))
-
-
-def shard_batch(job: StepJob, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(job.seed)  # every rank draws the same global batch
-    X = torch.randn(job.global_batch_size, 1, 28, 28, generator=generator)
-    y = torch.randint(0, 10, (job.global_batch_size,), generator=generator)
-    X_shard, y_shard = split_batch(X, y, job.num_shards)[rank]
-    return X_shard.contiguous(), y_shard.contiguous()
 
 
 def _optimizer(params, job: StepJob) -> torch.optim.Optimizer:
@@ -147,24 +105,6 @@ def _each_job(jobs: Sequence[StepJob], run_one: Callable[[StepJob, MemoryProbe],
     return records
 
 
-def prepare_replica(job: StepJob, world: World):
-    """The job's model as phalanx's replica (`prepare`) with the job's settings; BatchNorm "local":
-    each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them."""
-    return prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
-                   grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
-                   shard=job.shard, check_finite_every=job.check_finite_every)
-
-
-def phalanx_step(dp, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int) -> Callable[[], None]:
-    """phalanx's training step (`train_batch`, as `phalanx train` runs it) on this rank's shard."""
-    X, y = shard_batch(job, rank)
-
-    def step() -> None:
-        train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
-
-    return step
-
-
 def _phalanx_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
     def one(job: StepJob, probe: MemoryProbe) -> dict:
         with prepare_replica(job, world) as dp:
@@ -189,24 +129,6 @@ def _plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: 
     `meet()`, if given, after backward (the lockstep ceiling's meeting)."""
     step = plain_step(model, optimizer, job, rank=rank, mean_loss=mean_loss, meet=meet)
     return _timed_steps(step, job, barrier, probe=probe, held=lambda: held_bytes(model.parameters(), optimizer))
-
-
-def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int,
-               mean_loss: bool, meet: Callable[[], object] | None = None) -> Callable[[], None]:
-    """The plain PyTorch step on this rank's shard: the loss summed over the global batch
-    (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's); `meet()`, if
-    given, after backward (the lockstep ceiling's meeting)."""
-    X, y = shard_batch(job, rank)
-    scale = X.shape[0] if mean_loss else job.global_batch_size
-
-    def step() -> None:
-        optimizer.zero_grad()
-        (F.cross_entropy(model(X), y, reduction="sum") / scale).backward()
-        if meet is not None:
-            meet()
-        optimizer.step()
-
-    return step
 
 
 def _plain_model_steps(job: StepJob, probe: MemoryProbe, *, rank: int, barrier: Callable[[], object],

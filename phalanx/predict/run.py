@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from phalanx.measure.step import StepJob
+from phalanx.measure.job_steps import StepJob
 from phalanx.measure.timing import Spread
 from phalanx.runtime.binding import available_cores
 from phalanx.predict.config import PredictConfig

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.measure.load import others_busy_cores
-from phalanx.measure.step import StepJob, Variant, images_per_s, run_variant
+from phalanx.measure.job_steps import StepJob
+from phalanx.measure.step import Variant, images_per_s, run_variant
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,8 +145,10 @@ def test_scaling_bench_side_by_side_smoke(tmp_path, capsys, smoke_sized_cores):
                              ("phalanx_vs_ddp_same_setup", "phalanx/2", "ddp/2 tuned"),
                              ("phalanx_1_device_vs_plain_loop_same_setup", "phalanx/1", tuned)):
             assert ratios[metric]["ratio"]["samples"] == pytest.approx([x / y for x, y in zip(samples[a], samples[b])])
-        exchange, lockstep = (ratios[m]["ratio"]["samples"] for m in ("phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling"))
-        assert [x * y for x, y in zip(exchange, lockstep)] == pytest.approx(ratios["phalanx_vs_ceiling"]["ratio"]["samples"])
+        exchange, lockstep = (ratios[m]["ratio"]["samples"]
+                              for m in ("phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling"))
+        assert [x * y for x, y in zip(exchange, lockstep)] == pytest.approx(
+            ratios["phalanx_vs_ceiling"]["ratio"]["samples"])
     # Two starts, each running every batch size: one row each on stderr as it completes.
     captured = capsys.readouterr()
     rows = [line for line in captured.err.splitlines() if "side by side on" in line]
@@ -172,7 +174,7 @@ def count_lockstep_meetings(world, jobs, lockstep):
 
 @pytest.mark.distributed
 def test_the_lockstep_ceiling_meets_at_every_step_and_the_ceiling_never():
-    from phalanx.measure.step import StepJob
+    from phalanx.measure.job_steps import StepJob
     from phalanx.runtime.devices import parse_devices
     from phalanx.runtime.launch import LaunchSpec, launch
 

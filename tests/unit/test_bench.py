@@ -17,7 +17,8 @@ from phalanx.bench.scaling import ScalingBenchConfig, side_by_side_sets, variant
 from phalanx.measure.flags import format_size, parse_size
 from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
 from phalanx.measure.side_by_side import take_turns
-from phalanx.measure.step import StepJob, Variant
+from phalanx.measure.job_steps import StepJob
+from phalanx.measure.step import Variant
 from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
                                     slowest_per_round)
 from phalanx.errors import UsageError

@@ -16,7 +16,7 @@ from phalanx.bench.memory_report import plot_memory, report_memory
 from phalanx.measure.memory import (HELD, MemoryProbe, held_bytes, peak_rss_bytes, reset_peak_rss, rss_bytes,
                                     storage_bytes)
 from phalanx.measure.mlp import MEMORY_MODELS, build_bench_model
-from phalanx.measure.step import StepJob
+from phalanx.measure.job_steps import StepJob
 from phalanx.models import WideMLP
 
 LINUX = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status is Linux's")

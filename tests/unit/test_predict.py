@@ -198,7 +198,7 @@ def test_validation_measures_bench_scalings_own_phalanx_contender(monkeypatch):
     # predict --validate's number is bench scaling's phalanx/k line: the same Variant, run by the
     # same worker (measure/step.py); its load from the kit's windows (rank 0's host time).
     from phalanx.bench.scaling import variants
-    from phalanx.measure.step import StepJob
+    from phalanx.measure.job_steps import StepJob
     from phalanx.predict import validate
 
     ran = []
