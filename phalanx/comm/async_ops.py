@@ -79,6 +79,7 @@ def _cuda_of(flat: torch.Tensor) -> torch.device | None:
     builds an object, a tenth of a small shm call's Python, so a CPU tensor skips it."""
     return flat.device if flat.is_cuda else None
 
+
 class AsyncComm:
     """Background thread, private group and shared segment for allreduces; close before stop_world.
 

@@ -14,8 +14,8 @@ tree and naive (async_ops.py), launched now and waited later or run on the calle
 - `settle` is the one place that checks, after a call completed, that every peer that entered
   its number entered the same collective (gloo sums two unrelated tensors of one size without a
   word), and lets the board record a settled gradient exchange's step ("after step N"). A job
-  whose transport compared every rank's tag inside the collective itself (the shm segment's
-  small round, shm_flags.TAGS) returns True, and the board's check is skipped: it reads every
+  whose transport compared every rank's tag inside the collective itself (an shm call of one
+  round, shm_flags.TAGS) returns True, and the board's check is skipped: it reads every
   peer's line, which costs a few microseconds per call where the peers are writing theirs.
 """
 

@@ -3,9 +3,10 @@ for each other's (shm.py says what a round is; shm_kernel.c does the same compil
 
 Each rank owns one 64-byte line of int64 words, written by it alone (no false sharing): ARRIVED
 and REDUCED hold the last round it reached in each phase, MARK which flag word it sleeps on, and
-TAGS, per buffer half, the tag code and key (`round_key`: round and size) of the small round
-that used it last. A small round compares every rank's there once all arrived: the collective
-board's pairing check (watchdog.py), made on lines the flags' cache traffic brings anyway.
+TAGS, per buffer half, the tag code and key (`round_key`: round and size) of the last round
+that wrote them (a small allreduce's, a reduce-scatter's or an all-gather's). Such a round
+compares every rank's there once all arrived: for a call of one round, the collective board's
+pairing check (watchdog.py), made on lines the flags' cache traffic brings anyway.
 
 - Publish: one aligned 8-byte store after the data copies before it (x86-64 keeps stores in
   program order), then a futex wake for whoever sleeps on that word. Compiled, the store is a full
@@ -31,14 +32,14 @@ from phalanx.runtime.world import World
 
 LINE = 64  # bytes per rank's line
 ARRIVED, REDUCED, MARK = 0, 1, 2  # int64 words of a line; MARK: 1 + the flag word slept on, 0 awake
-TAGS = 3  # words TAGS + 2 * parity and + 1: half parity's last small round's tag code and key
+TAGS = 3  # words TAGS + 2 * parity and + 1: the tag code and key of the last round in half parity that wrote them
 SPIN_S = 50e-6  # busy-wait this long before sleeping (measured: a running peer arrives within it)
 LIVENESS_EVERY_S = 0.5  # a futex sleep lasts at most this long: then check peers and the timeout
 
 
 def round_key(g: int, size_bytes: int) -> int:
-    """A small round's key beside its tag code: the round number and the piece's size in one int64
-    word, so a half's words left from round g - 2, or a peer's call of another size, never agree."""
+    """A round's key beside its tag code: the round number and the call's size in one int64 word,
+    so a half's words left from round g - 2, or a peer's call of another size, never agree."""
     return ((g & 0x7FFFFFFF) << 32) | (size_bytes & 0xFFFFFFFF)
 
 
@@ -77,7 +78,7 @@ class Flags:
         self._futex.wake(self.address + 8 * index)
 
     def write_tags(self, parity: int, code: int, key: int) -> None:
-        """This rank's small round in half `parity` carries `code` and `key` (before it publishes arrival)."""
+        """This rank's round in half `parity` carries `code` and `key` (before it publishes arrival)."""
         index = self.rank * (LINE // 8) + TAGS + 2 * parity
         self.words[index], self.words[index + 1] = code, key
 

@@ -22,6 +22,10 @@ collectives (hierarchical.py).
 - All-gather, round g on half p: each rank copies its part into half p's result area at its
   place in the window, publishes, waits for all, and copies the rest of the window out. With one
   owner this is a broadcast through memory: the owner copies in, every other rank copies out.
+  Compiled, the round is one call (a copy, so any dtype).
+- Every round of either writes the call's tag beside its flags before it publishes arrival and
+  compares every rank's after the wait (shm_flags.TAGS); a call of one round whose tags agreed
+  returns True, and settle (calls.py) skips the board's pairing check.
 - Why half p may be written again in round g+2 (the allreduce's argument, unchanged): a rank
   begins round g+2 only after its wait in round g+1 saw every peer arrive there, and each peer
   publishes that arrival only after its reads of round g (the sums or the copy out) are done, in
@@ -35,8 +39,8 @@ from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
-from phalanx.comm.counts import own_range
 from phalanx.comm import shm_kernel
+from phalanx.comm.counts import own_range
 from phalanx.comm.shm import ShmGroup, sum_into
 from phalanx.comm.shm_flags import call_tags
 from phalanx.runtime.board import Ticket
