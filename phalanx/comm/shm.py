@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -232,9 +233,10 @@ class ShmGroup:
         """The compiled rounds bound to this segment (shm_kernel.Rounds), None where rounds run in Python."""
         return self._flags.compiled
 
-    def sleep_until_arrived(self, g: int, ticket: Ticket | None) -> None:
-        """After a compiled round's spin ran out: sleep until every rank arrived in round `g`."""
-        self._flags.wait(ARRIVED, g, ticket, spun=True)
+    def compiled_round_done(self, g: int, done: int, tags: tuple[int, int], ticket: Ticket | None,
+                            rest: Callable[[], None]) -> bool:
+        """Flags.compiled_round_done of this segment's round `g`."""
+        return self._flags.compiled_round_done(g, done, tags, ticket, rest)
 
     def write_tags(self, g: int, tags: tuple[int, int]) -> None:
         """Round `g`'s tag words (shm_flags.call_tags), written by a Python round before it publishes arrival."""
@@ -267,11 +269,8 @@ class ShmGroup:
             g = self.round
             tags = call_tags(ticket, g)
             done = compiled.small_round(g % 2, g, piece, *tags)
-            if done == shm_kernel.SMALL_LATE:
-                self._flags.wait(ARRIVED, g, ticket, spun=True)  # a late peer: sleep for it, with the liveness checks
-                compiled.sum_slots(piece, g % 2)
-                return ticket is not None and compiled.tags_agree(g % 2, *tags)
-            return ticket is not None and done == shm_kernel.SMALL_AGREED
+            agreed = self.compiled_round_done(g, done, tags, ticket, rest=lambda: compiled.sum_slots(piece, g % 2))
+            return ticket is not None and agreed
         g, inputs, result = self.begin(piece.numel(), piece.dtype)
         inputs[self.rank].copy_(piece)
         if small:

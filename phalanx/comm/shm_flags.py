@@ -22,7 +22,9 @@ pairing check (watchdog.py), made on lines the flags' cache traffic brings anywa
 from __future__ import annotations
 
 import time
+from typing import Callable
 
+from phalanx.comm.shm_kernel import SMALL_AGREED, SMALL_LATE
 from phalanx.comm.watchdog import CommError, check
 from phalanx.errors import PeerLost
 from phalanx.runtime.board import Ticket
@@ -90,6 +92,17 @@ class Flags:
         codes = self.words[first:first + self.k * stride:stride].tolist()
         keys = self.words[first + 1:first + 1 + self.k * stride:stride].tolist()
         return codes.count(code) == self.k and keys.count(key) == self.k
+
+    def compiled_round_done(self, g: int, done: int, tags: tuple[int, int], ticket: Ticket | None,
+                            rest: Callable[[], None]) -> bool:
+        """What compiled round `g` returned (`done`: shm_kernel's SMALL_*): whether every rank's tag
+        agreed. For a late peer (the spin ran out) it sleeps first, with the liveness checks; then
+        `rest()` does the round's part after the wait (the sum, the copy out) and the tags are compared."""
+        if done != SMALL_LATE:
+            return done == SMALL_AGREED
+        self.wait(ARRIVED, g, ticket, spun=True)
+        rest()
+        return self.tags_agree(g % 2, *tags)
 
     def wait(self, field: int, value: int, ticket: Ticket | None, *, spun: bool = False) -> None:
         """Return once every rank's `field` is >= value (the round); raise on death or timeout.

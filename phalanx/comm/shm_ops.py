@@ -104,13 +104,13 @@ def _compiled_reduce_scatter_round(r: "_Round", flat: torch.Tensor, tags: tuple[
     kernel = r.group.kernel if flat.dtype in shm_kernel.DTYPES and flat.is_contiguous() else None
     if kernel is None:
         return None
+
+    def own_sum() -> None:
+        if r.hi > r.lo:
+            kernel.sum_with_own(flat[r.lo:r.hi], r.g % 2, offset_bytes=(r.lo - r.start) * flat.element_size())
+
     done = kernel.reduce_scatter_round(r.g % 2, r.g, flat, r.start, r.lo, r.hi, r.stop, *tags)
-    if done != shm_kernel.SMALL_LATE:
-        return done == shm_kernel.SMALL_AGREED
-    r.group.sleep_until_arrived(r.g, ticket)
-    if r.hi > r.lo:
-        kernel.sum_with_own(flat[r.lo:r.hi], r.g % 2, offset_bytes=(r.lo - r.start) * flat.element_size())
-    return kernel.tags_agree(r.g % 2, *tags)
+    return r.group.compiled_round_done(r.g, done, tags, ticket, rest=own_sum)
 
 
 def _compiled_all_gather_round(r: "_Round", flat: torch.Tensor, tags: tuple[int, int],
@@ -120,11 +120,8 @@ def _compiled_all_gather_round(r: "_Round", flat: torch.Tensor, tags: tuple[int,
     if kernel is None:
         return None
     done = kernel.all_gather_round(r.g % 2, r.g, flat, r.start, r.lo, r.hi, r.stop, *tags)
-    if done != shm_kernel.SMALL_LATE:
-        return done == shm_kernel.SMALL_AGREED
-    r.group.sleep_until_arrived(r.g, ticket)
-    kernel.gather_out(r.g % 2, flat, r.start, r.lo, r.hi, r.stop)
-    return kernel.tags_agree(r.g % 2, *tags)
+    return r.group.compiled_round_done(r.g, done, tags, ticket,
+                                       rest=lambda: kernel.gather_out(r.g % 2, flat, r.start, r.lo, r.hi, r.stop))
 
 
 def _around_own(r: "_Round", copy) -> None:
