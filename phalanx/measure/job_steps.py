@@ -5,17 +5,22 @@ A `StepJob` is a model, a global batch, the steps to time and the settings of ph
 every rank draws the same fixed random global batch from the job's seed and takes its
 `split_batch` shard (`shard_batch`), so data time is zero for every contender. `prepare_replica`
 and `phalanx_step` are phalanx's (`prepare`, `train_batch`); `plain_step` is the PyTorch step the
-ceilings, DDP and single processes take (`build_model`: the job's model in its memory format).
+ceilings, DDP and single processes take (`build_model`: the job's model in its memory format;
+`plain_optimizer`: its optimizer), the lockstep ceiling's meeting after backward its
+`lockstep_meeting`; `world_barrier` is where every rank starts the clock together.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
+from phalanx.comm import open_comm
 from phalanx.data import split_batch
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
@@ -98,3 +103,22 @@ def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: St
         optimizer.step()
 
     return step
+
+
+def plain_optimizer(params, job: StepJob) -> torch.optim.Optimizer:
+    """The job's optimizer (OPTIMIZERS) over `params`, at its lr."""
+    return OPTIMIZERS[job.optimizer](params, lr=job.lr)
+
+
+def world_barrier(world: World) -> Callable[[], object]:
+    """Every rank meets here (a world of one: nothing to meet)."""
+    return dist.barrier if world.distributed else (lambda: None)
+
+
+def lockstep_meeting(world: World, stack: contextlib.ExitStack) -> Callable[[], None]:
+    """The lockstep ceiling's meeting, once a step after backward: a 4-byte allreduce of the
+    algorithm phalanx's auto picks, on a comm `stack` closes."""
+    opened = open_comm(world, "auto")
+    stack.callback(opened.comm.close)
+    token = torch.zeros(1)
+    return lambda: opened.comm.allreduce(token, algorithm=opened.algorithm)

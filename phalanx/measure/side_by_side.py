@@ -26,11 +26,10 @@ import time
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from phalanx.comm import open_comm
+from phalanx.measure.job_steps import (OPTIMIZERS, StepJob, build_model, lockstep_meeting, phalanx_step,
+                                       plain_optimizer, plain_step, prepare_replica, world_barrier)
 from phalanx.measure.procs import run_fresh
-from phalanx.measure.job_steps import OPTIMIZERS, StepJob, build_model, phalanx_step, plain_step, prepare_replica
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
@@ -39,7 +38,7 @@ SIDE_BY_SIDE_KINDS = ("phalanx", "ceiling", "lockstep", "ddp", "torch")
 
 
 def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
-             meet: Callable[[], Callable[[], object]]) -> Callable[[], None]:
+             meet: Callable[[], object] | None) -> Callable[[], None]:
     """One contender's step on this rank, its model and optimizer built fresh from the job's seed."""
     torch.manual_seed(job.seed)
     if kind == "phalanx":
@@ -48,13 +47,12 @@ def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
     model = build_model(job)
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = OPTIMIZERS[job.optimizer](model.parameters(), lr=job.lr)
-    return plain_step(model, optimizer, job, rank=world.rank, mean_loss=kind == "ddp",
-                      meet=meet() if kind == "lockstep" else None)
+    return plain_step(model, plain_optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=kind == "ddp",
+                      meet=meet if kind == "lockstep" else None)
 
 
 def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: int,
-            barrier: Callable[[], object]) -> dict[str, list[float]]:
+               barrier: Callable[[], object]) -> dict[str, list[float]]:
     """Warm-up steps of each, then `blocks` blocks of `job.steps` steps of each in turn, the order
     rotated every block: this rank's seconds per block, by kind."""
     for step in steppers.values():
@@ -75,22 +73,13 @@ def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: in
 
 def _worker(world: World, jobs: tuple[StepJob, ...], kinds: tuple[str, ...], blocks: int) -> list[dict]:
     """Every job in turn (a batch size each): its contenders built, warmed up and timed in blocks."""
-    barrier = dist.barrier if world.distributed else (lambda: None)
     out = []
     with contextlib.ExitStack() as comms:
-        opened = []
-
-        def meet() -> Callable[[], object]:
-            if not opened:  # one 4-byte meeting channel for every job's lockstep ceiling
-                opened.append(open_comm(world, "auto"))
-                comms.callback(opened[0].comm.close)
-            token, channel = torch.zeros(1), opened[0]
-            return lambda: channel.comm.allreduce(token, algorithm=channel.algorithm)
-
+        meet = lockstep_meeting(world, comms) if "lockstep" in kinds else None  # one for every job
         for job in jobs:
             with contextlib.ExitStack() as stack:  # each job's replicas closed before the next's
                 steppers = {kind: _stepper(kind, job, world, stack, meet) for kind in kinds}
-                out.append(take_turns(steppers, job, blocks, barrier))
+                out.append(take_turns(steppers, job, blocks, world_barrier(world)))
     return out
 
 

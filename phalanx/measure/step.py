@@ -38,9 +38,9 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import open_comm
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
-from phalanx.measure.job_steps import OPTIMIZERS, StepJob, build_model, phalanx_step, plain_step, prepare_replica
+from phalanx.measure.job_steps import (OPTIMIZERS, StepJob, build_model, lockstep_meeting, phalanx_step,
+                                       plain_optimizer, plain_step, prepare_replica, world_barrier)
 from phalanx.measure.load import busy_window
 from phalanx.measure.memory import MemoryProbe, held_bytes, replica_held_bytes
 from phalanx.measure.procs import run_fresh
@@ -71,10 +71,6 @@ class Variant:
             raise ValueError(f"kind {self.kind!r} is unknown; choose one of {', '.join(KINDS)}")
 
 
-def _optimizer(params, job: StepJob) -> torch.optim.Optimizer:
-    return OPTIMIZERS[job.optimizer](params, lr=job.lr)
-
-
 def _timed_steps(step: Callable[[], object], job: StepJob, barrier: Callable[[], object], *, probe: MemoryProbe,
                  held: Callable[[], dict]) -> dict:
     """Warm-up, a barrier, the timed steps: this rank's busy_window, its resident set around
@@ -87,10 +83,6 @@ def _timed_steps(step: Callable[[], object], job: StepJob, barrier: Callable[[],
         for _ in range(job.steps):
             step()
     return {**window, **probe.finished(held())}
-
-
-def _barrier(world: World) -> Callable[[], object]:
-    return dist.barrier if world.distributed else (lambda: None)
 
 
 def _each_job(jobs: Sequence[StepJob], run_one: Callable[[StepJob, MemoryProbe], dict], *,
@@ -109,8 +101,8 @@ def _phalanx_worker(world: World, jobs: tuple[StepJob, ...]) -> list[dict]:
     def one(job: StepJob, probe: MemoryProbe) -> dict:
         with prepare_replica(job, world) as dp:
             optimizer = dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr)
-            return _timed_steps(phalanx_step(dp, optimizer, job, rank=world.rank), job, _barrier(world), probe=probe,
-                                held=lambda: replica_held_bytes(dp, optimizer))
+            return _timed_steps(phalanx_step(dp, optimizer, job, rank=world.rank), job, world_barrier(world),
+                                probe=probe, held=lambda: replica_held_bytes(dp, optimizer))
 
     return _each_job(jobs, one, probe=MemoryProbe())
 
@@ -135,7 +127,7 @@ def _plain_model_steps(job: StepJob, probe: MemoryProbe, *, rank: int, barrier: 
                        meet: Callable[[], object] | None = None) -> dict:
     """`_plain_steps` of a fresh model with its own optimizer, the loss scaled as phalanx's."""
     model = build_model(job)
-    return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=False,
+    return _plain_steps(model, plain_optimizer(model.parameters(), job), job, rank=rank, mean_loss=False,
                         barrier=barrier, probe=probe, meet=meet)
 
 
@@ -144,17 +136,9 @@ def _ceiling_worker(world: World, jobs: tuple[StepJob, ...], *, lockstep: bool =
     `lockstep`: with the ranks meeting at every step (a 4-byte allreduce, phalanx's auto one)."""
     probe = MemoryProbe()
     with contextlib.ExitStack() as stack:
-        meet = None
-        if lockstep:
-            opened = open_comm(world, "auto")
-            stack.callback(opened.comm.close)
-            token = torch.zeros(1)
-
-            def meet() -> None:
-                opened.comm.allreduce(token, algorithm=opened.algorithm)
-
+        meet = lockstep_meeting(world, stack) if lockstep else None
         return _each_job(jobs, lambda job, job_probe: _plain_model_steps(job, job_probe, rank=world.rank,
-                                                                         barrier=_barrier(world), meet=meet),
+                                                                         barrier=world_barrier(world), meet=meet),
                          probe=probe)
 
 
@@ -179,7 +163,7 @@ def _ddp_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, ...
     def one(job: StepJob, probe: MemoryProbe) -> dict:
         model = torch.nn.parallel.DistributedDataParallel(build_model(job))
         optimizer = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=OPTIMIZERS[job.optimizer], lr=job.lr)
-                     if zero else _optimizer(model.parameters(), job))
+                     if zero else plain_optimizer(model.parameters(), job))
         return _plain_steps(model, optimizer, job, rank=rank, mean_loss=True, barrier=dist.barrier, probe=probe)
 
     return _each_job(job, one, probe=probe)
@@ -207,7 +191,7 @@ def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, .
                       if m is not model and next(m.parameters(recurse=False), None) is not None]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return _plain_steps(model, _optimizer(model.parameters(), job), job, rank=rank, mean_loss=True,
+        return _plain_steps(model, plain_optimizer(model.parameters(), job), job, rank=rank, mean_loss=True,
                             barrier=dist.barrier, probe=probe)
 
     return _each_job(job, one, probe=probe)
