@@ -192,11 +192,12 @@ def _side_by_side(config: ScalingBenchConfig, contenders: list[Variant], jobs: t
         elapsed_s = time.perf_counter() - start_s
         rates = []
         for job, by_kind in zip(set_jobs, seconds):
+            medians = []
             for name, kind in kinds.items():
                 speeds = [job.global_batch_size * job.steps / s for s in by_kind[kind]]
                 samples[f"{job.global_batch_size}|{name}"] += speeds
-                rates.append(f"{name} {Spread.of(speeds).median:.0f}")
-            rates[-len(kinds)] = f"global batch {job.global_batch_size}: {rates[-len(kinds)]}"
+                medians.append(f"{name} {Spread.of(speeds).median:.0f}")
+            rates.append(f"global batch {job.global_batch_size}: {', '.join(medians)}")
         for name in kinds:
             wall_s[name].append(elapsed_s)
         if on_run is not None:
