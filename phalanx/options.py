@@ -89,7 +89,8 @@ def option(default: Any, *, help: str, flag: str | None = None, metavar: str | N
            check: Rule | Sequence[Rule] = (), parse: Callable[[str], Any] | None = None,
            items: Callable[[str], Any] | None = None) -> Any:
     """A config field that is a flag. A bool is a switch: default False turns on with `--name`,
-    default True turns off with `--no-name` (its `flag`). `items=int`: a list flag (`2,3,4`)
+    default True turns off with `--no-name` (its `flag`), default None (decided later, as its
+    `default_text` says) is `--name` / `--no-name`. `items=int`: a list flag (`2,3,4`)
     whose field holds a tuple; `choices` and `check` then apply to each item."""
     if parse is not None and items is not None:
         raise TypeError("an option reads its text with parse= or, for a list, items=; not both")
@@ -164,7 +165,7 @@ def _shown(value: Any) -> str:
 def help_text(flag: _Flag) -> str:
     """The flag's help with its default: `(default: 0.2)`, a list's as `2,3,4`; a switch shows
     none (it is off until given)."""
-    if flag.kind is bool:
+    if flag.kind is bool and flag.default is not None:
         return flag.spec.help.replace("%", "%%")
     shown = flag.spec.default_text if flag.spec.default_text is not None else flag.default
     if shown is None:
@@ -201,7 +202,11 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             title = (flag.group.__doc__ or flag.group.__name__).strip().splitlines()[0].split(":")[0]
             groups[flag.group] = parser.add_argument_group(title)
         target, help_ = groups[flag.group], help_text(flag)
-        # The two add_argument calls below are the only ones a generated parser makes.
+        # The three add_argument calls below are the only ones a generated parser makes.
+        if flag.kind is bool and flag.default is None:  # three states: --name, --no-name, neither
+            target.add_argument(flag.name, dest=flag.dest, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_)
+            continue
         if flag.kind is bool:
             if flag.default and not flag.name.startswith("--no-"):
                 raise TypeError(f"switch {flag.name} is on by default; name it --no-... to turn it off")

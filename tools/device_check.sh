@@ -9,7 +9,7 @@
 #   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, threads, allreduce 2,8, bench scaling 1,8
 #                                        # (fresh starts, and at 8 side by side),
 #                                        # then (time left) cpu:2 and cpu:8 with a core left per worker,
-#                                        # and cpu:8 with --no-overlap
+#                                        # and cpu:8 with --overlap (auto: off at 8 x 2 threads)
 set -uo pipefail
 mode="${1:?usage: tools/device_check.sh gpu|cpu [SAMPLE_DIR]}"
 sample="${2:-}"
@@ -97,10 +97,11 @@ EOF
                     --out "$out/train-cpu$k-leave-a-core"
             fi
         done
-        # Whether the communication thread beside backward pays where the workers fill every core.
+        # Whether the communication thread beside backward pays where the workers fill every core
+        # (auto turns it off there; with a core left per worker, above, auto keeps it).
         if (( SECONDS < 420 )); then
-            step train-cpu8-no-overlap 60 "$py" -m phalanx train --devices cpu:8 --data-dir "$data" --epochs 2 \
-                --no-overlap --no-progress --out "$out/train-cpu8-no-overlap"
+            step train-cpu8-overlap 60 "$py" -m phalanx train --devices cpu:8 --data-dir "$data" --epochs 2 \
+                --overlap --no-progress --out "$out/train-cpu8-overlap"
         fi
         ;;
     *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu or cpu" >&2; exit 2 ;;

@@ -121,6 +121,7 @@ def variants(device_counts: tuple[int, ...], cores: int, *, grad_dtype: str | No
                        allocator_env=True, memory_format="auto") for j in counts]
     at_k = phalanx[-1]
     phalanx.append(replace(at_k, name=f"phalanx/{k} gloo", algorithm="native"))
+    phalanx.append(replace(at_k, name=f"phalanx/{k} overlapped", overlap=True))  # what auto turns off on full cores
     if k <= cores:  # --bind-cores: where the workers run, priced beside the default
         phalanx.append(replace(at_k, name=f"phalanx/{k} bound", bind_cores=True))
     if grad_dtype is not None:
@@ -166,8 +167,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
 # in side_by_side.py; the names are variants()' own, so the table shows each one's set-up.
 def side_by_side_sets(k: int, cores: int) -> list[tuple[str, dict[str, str]]]:
     tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
-    return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"ceiling/{k}": "ceiling",
-                              f"ceiling/{k} lockstep": "lockstep", f"ddp/{k} tuned": "ddp"}),
+    return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"phalanx/{k} overlapped": "overlapped",
+                              f"ceiling/{k}": "ceiling", f"ceiling/{k} lockstep": "lockstep", f"ddp/{k} tuned": "ddp"}),
             ("phalanx/1", {"phalanx/1": "phalanx", tuned: "torch"})]
 
 
@@ -184,7 +185,8 @@ def _side_by_side(config: ScalingBenchConfig, contenders: list[Variant], jobs: t
         variant = by_name[lead]
         set_jobs = tuple(replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
                                  memory_format=variant.memory_format, algorithm=variant.algorithm,
-                                 check_finite_every=variant.check_finite_every, shard=variant.shard) for job in jobs)
+                                 check_finite_every=variant.check_finite_every, shard=variant.shard,
+                                 overlap=variant.overlap) for job in jobs)
         start_s = time.perf_counter()
         seconds = run_side_by_side(set_jobs, list(kinds.values()), num_procs=variant.num_procs,
                                    threads_per_proc=variant.threads_per_proc, blocks=config.blocks,
@@ -259,6 +261,9 @@ def _payload(config: ScalingBenchConfig, cores: int, contenders: list[Variant], 
             ratios.append({"global_batch_size": batch, "metric": "bound_cores_vs_unbound", "num_devices": k,
                            "against": f"phalanx/{k}", "numerator": f"phalanx/{k} bound",
                            "ratio": paired_ratio(per[f"phalanx/{k} bound"], per[f"phalanx/{k}"]).to_dict()})
+        ratios.append({"global_batch_size": batch, "metric": "overlapped_vs_default", "num_devices": k,
+                       "against": f"phalanx/{k}", "numerator": f"phalanx/{k} overlapped",
+                       "ratio": paired_ratio(per[f"phalanx/{k} overlapped"], per[f"phalanx/{k}"]).to_dict()})
         ratios.append({"global_batch_size": batch, "metric": "lockstep_vs_ceiling", "num_devices": k,
                        "against": f"ceiling/{k}", "numerator": f"ceiling/{k} lockstep",
                        "ratio": paired_ratio(per[f"ceiling/{k} lockstep"], per[f"ceiling/{k}"]).to_dict()})

@@ -10,7 +10,8 @@ It launches allreduce, reduce-scatter and all-gather (`*_async`); `allreduce()`,
 
 Ordering is what keeps ranks matched: every rank must launch the same collectives in the same
 order (as DDP launches buckets in the same order). Native launches go straight to the backend
-in call order; the other algorithms run one at a time on the single thread, in launch order.
+in call order; the other algorithms run one at a time on the single thread, in launch order -
+or, opened `threaded=False`, to their end as they are launched, on the caller's thread.
 
 A `Handle` (handle.py) belongs to whoever launched it and is waited exactly once.
 What this does not own: bucketing and deciding when to launch (`phalanx.data_parallel`).
@@ -75,8 +76,8 @@ Job = Callable[[object, Ticket | None], "bool | None"]  # True: its transport co
 
 
 def _cuda_of(flat: torch.Tensor) -> torch.device | None:
-    """The CUDA device `flat` is on (a job runs with it current), None for a CPU tensor: `.device`
-    builds an object, a tenth of a small shm call's Python, so a CPU tensor skips it."""
+    """The CUDA device a job on `flat` runs with current; None for a CPU tensor, which skips
+    building `.device` (a tenth of a small shm call's Python)."""
     return flat.device if flat.is_cuda else None
 
 
@@ -85,11 +86,12 @@ class AsyncComm:
 
     `algorithms`: the ones this will be asked to run (default: all but shm and hierarchical, which
     map segments). Construct it at the same point on every rank: opening a group or a segment is a
-    collective.
+    collective. `compiled_rounds`: False runs the shm segment's rounds in Python (ShmGroup's).
+    `threaded`: False starts no thread; a launch but a native one runs to its end on the caller's
+    thread (where no core is free for a thread, handing it work only adds wake-ups to each call).
     """
 
-    def __init__(self, *, world: World, algorithms=None, compiled_rounds: bool = True) -> None:
-        """`compiled_rounds`: False runs the shm segment's rounds in Python (ShmGroup's `compiled`)."""
+    def __init__(self, *, world: World, algorithms=None, compiled_rounds: bool = True, threaded: bool = True) -> None:
         self.world = world
         self.algorithms = (tuple(a for a in ALGORITHMS if a not in ("shm", "hierarchical")) if algorithms is None
                            else tuple(algorithms))
@@ -112,7 +114,7 @@ class AsyncComm:
                 self.shm = ShmGroup(world=world, compiled=compiled_rounds)
             if "hierarchical" in self.algorithms:
                 self.hierarchy = Hierarchy(world=world)
-            if any(a != "native" for a in self.algorithms):
+            if threaded and any(a != "native" for a in self.algorithms):
                 # The thread sums and copies buckets beside backward, single-threaded (binding.py says
                 # why); this thread's own team is fixed first, before the new one changes torch's default.
                 torch.get_num_threads()
@@ -221,6 +223,12 @@ class AsyncComm:
             if on_done is not None:
                 work.get_future().add_done_callback(lambda _: on_done())
             return functools.partial(wait_work, work, world=self.world, ticket=ticket)
+        if self._executor is None:  # no thread (`threaded=False`): the call runs now, on this one,
+            with torch.no_grad():  # and grad mode off, as the thread's is (sums are written in place)
+                self._now(algorithm, tag, flat, start=start, job=job)
+            if on_done is not None:
+                on_done()
+            return done  # nothing left to wait for
         transport = self._transport(algorithm)
         ticket = enter(self.world, COMM, tag, size_bytes)
         future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket)
@@ -246,8 +254,7 @@ class AsyncComm:
             first = (str(self._failure).splitlines() or [""])[0]
             raise CollectiveAborted(f"not run: an earlier collective on the communication thread failed "
                                     f"({type(self._failure).__name__}: {first})")
-        try:
-            # Grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread).
+        try:  # grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread)
             if cuda is not None:
                 with torch.cuda.device(cuda):  # the current CUDA device is per thread: the tensor's
                     return job(transport, ticket)
@@ -256,6 +263,7 @@ class AsyncComm:
             if self._failure is None:
                 self._failure = exc
             raise
+
     def close(self) -> None:
         """Stop the thread, leave the private group, unmap; safe to call twice.
 
@@ -295,16 +303,16 @@ class OpenedComm(NamedTuple):
     fallback_reason: str | None
 
 
-def open_comm(world: World, choice: str) -> OpenedComm:
+def open_comm(world: World, choice: str, *, threaded: bool = True) -> OpenedComm:
     """The AsyncComm that runs allreduce `choice` (auto or a name) on `world`: a collective, so
     call it at the same point on every rank. `auto` means the fastest that works here: where the
     shared segment cannot be set up (a full /dev/shm, say) it falls back to native, and every
     rank alike, since each learned the same failure (the segment's set-up all-gathers it, as
-    the hosts' layout is)."""
+    the hosts' layout is). `threaded`: AsyncComm's (False: calls run on the caller's thread)."""
     algorithm = resolve_algorithm(choice, world)
     try:
-        return OpenedComm(AsyncComm(world=world, algorithms=(algorithm,)), algorithm, None)
+        return OpenedComm(AsyncComm(world=world, algorithms=(algorithm,), threaded=threaded), algorithm, None)
     except (ShmError, LayoutError) as exc:
         if choice != "auto":
             raise
-        return OpenedComm(AsyncComm(world=world, algorithms=("native",)), "native", str(exc))
+        return OpenedComm(AsyncComm(world=world, algorithms=("native",), threaded=threaded), "native", str(exc))

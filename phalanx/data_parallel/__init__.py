@@ -15,7 +15,7 @@ from phalanx.data_parallel.prepare import prepare, prepare_replica
 from phalanx.data_parallel.guards.running_stats import average_running_stats
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES, SyncBatchNorm, convert_sync_batchnorm, has_sync_batchnorm
 
-__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel", "DataParallelConfig",
-           "OverlapScheduler", "MEMORY_FORMATS", "Choices", "prepare", "prepare_replica",
+__all__ = ["Bucket", "build_buckets", "DEFAULT_BUCKET_CAP_MB", "GRAD_DTYPES", "DataParallel",
+           "DataParallelConfig", "OverlapScheduler", "MEMORY_FORMATS", "Choices", "prepare", "prepare_replica",
            "apply_memory_format", "format_name", "resolve_memory_format", "BATCHNORM_POLICIES", "SyncBatchNorm",
            "average_running_stats", "convert_sync_batchnorm", "has_sync_batchnorm"]

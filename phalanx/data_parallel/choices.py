@@ -43,6 +43,7 @@ class Choices:
     requested_shard: str = "none"  # what was asked for (one device runs "none" whatever was asked)
     hierarchy: str | None = None  # the hosts' layout in words, where the hierarchical allreduce runs
     shm_rounds: str | None = None  # how the shared segment's rounds run: "compiled", "Python (why)"; None: no segment
+    overlap_reason: str | None = None  # what overlap "auto" saw (config.resolve_overlap); None: it was given
 
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
@@ -87,7 +88,8 @@ class Choices:
         wire = f" sent as {self.grad_dtype}" if self.grad_dtype else ""
         mode = "overlapped" if self.overlap else "synchronous"
         what = "gradient exchange" if self.shard == "none" else "gradient reduce-scatter"
-        return f"{mode} {what} in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{wire}"
+        why = f" (auto: {self.overlap_reason})" if self.overlap_reason else ""
+        return f"{mode} {what}{why} in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{wire}"
 
     def _batchnorm_text(self) -> str:
         if not self.has_batchnorm:
@@ -112,6 +114,7 @@ def replica_choices(dp, options: DataParallelConfig) -> Choices:
         has_batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()),
         num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=options.allreduce,
         algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
+        overlap_reason=dp.overlap_reason if dp.exchanging else None,
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
         precision=options.precision, backend=world.backend,
         why_not_shm=shm_applies(world) if world.distributed else None, shard=dp.shard,

@@ -23,6 +23,7 @@ from phalanx.data_parallel.memory_format import MEMORY_FORMATS
 from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
 from phalanx.options import OptionError, at_least, check_options, finite, option, positive
+from phalanx.runtime.binding import available_cores, core_left_for_comm, workers_sharing_cores
 
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
 # fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
@@ -64,10 +65,12 @@ class DataParallelConfig:
     # several workers, the backend's own (NCCL, gloo) elsewhere.
     allreduce: str = option("auto", choices=CHOICES, help="allreduce algorithm (auto: shm for CPU workers on one "
                             "host, hierarchical across hosts of several workers, else native)")
-    # Overlap each bucket's allreduce with backward (False: one synchronous flat allreduce after
-    # backward). bucket_cap_mb applies with overlap only; None = one bucket.
-    overlap: bool = option(True, flag="--no-overlap", help="exchange gradients in one synchronous allreduce after "
-                           "backward (default: bucketed allreduces overlapped with backward)")
+    # True: each bucket's exchange launched as backward fills it, run beside backward (on a thread of
+    # its own unless native); False: one synchronous exchange after backward, on the training
+    # thread; None (auto): False where that thread would find no free core (resolve_overlap).
+    overlap: bool | None = option(None, default_text="auto: off for the shm allreduce when the workers' threads fill "
+                                  "the cores", help="exchange gradients beside backward, bucket by bucket "
+                                  "(--overlap), or after it on the training thread (--no-overlap)")
     bucket_cap_mb: float | None = bucket_cap_mb_option()
     grad_dtype: str | None = option(None, choices=tuple(GRAD_DTYPES), default_text="as computed",
                                     help="exchange gradients compressed to this dtype (half the bytes)")
@@ -122,3 +125,26 @@ class DataParallelConfig:
     def forward_dtype(self) -> torch.dtype | None:
         """The dtype forward runs in under `precision` (None: no autocast)."""
         return PRECISIONS.get(self.precision)
+
+
+def resolve_overlap(overlap: bool | None, *, algorithm: str, local_workers: int) -> tuple[bool, str | None]:
+    """Whether a replica's exchange overlaps backward (`overlap`: True, False, or None for auto),
+    and what auto saw (None where it was given).
+
+    auto: off for the shm allreduce when no core is left for the communication thread
+    (binding.core_left_for_comm). The shm sums and copies are CPU work on the training cores
+    either way; a thread beside backward only takes a core from it and adds a hand-off and two
+    wake-ups per bucket, and its buckets make the ranks meet several times a step. Side by side on
+    2 workers x 1 thread (2 cores), one exchange on the training thread after backward ran LeNet's
+    step 2-8% faster than the threaded overlap and an MLP's 4% (docs/benchmarks.md). On otherwise:
+    the backend's own async ops (NCCL on a GPU) and the network algorithms' waits cost the cores
+    nothing while they hide the wire's time."""
+    if overlap is not None:
+        return overlap, None
+    if algorithm != "shm":
+        return True, None
+    workers, threads, cores = workers_sharing_cores(local_workers), torch.get_num_threads(), available_cores()
+    layout = f"{workers} worker{'s' * (workers > 1)} x {threads} thread{'s' * (threads > 1)} on {cores} cores"
+    if core_left_for_comm(local_workers):
+        return True, f"{layout} leave a core per worker for a communication thread"
+    return False, f"{layout} leave no core for a communication thread"

@@ -11,9 +11,11 @@ becomes a reduce-scatter, and the optimizer comes from `dp.optimizer(cls, ...)`.
 
 One send path, two schedules, the same result: every bucket goes out through `_launch` (wire
 dtype, trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With
-`overlap=True` (the default) a gradient hook launches each bucket the moment its last gradient
-lands, so its exchange runs while backward computes the earlier layers; with `overlap=False`
-`finish_gradient_sync()` launches every bucket, then waits. Either way the caller's step is:
+overlap a gradient hook launches each bucket the moment its last gradient lands, so its exchange
+runs (on the comm's thread) while backward computes the earlier layers; without it
+`finish_gradient_sync()` runs every bucket's exchange on the calling thread (the comm opened
+without a thread), then returns. `overlap=None` (the default) chooses per host (config.py's
+`resolve_overlap`). Either way the caller's step is:
 zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
 (comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
@@ -46,7 +48,7 @@ from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
                                            grads_are_bucket_views, mb_to_bytes, wire_of)
 from phalanx.data_parallel.choices import replica_choices
-from phalanx.data_parallel.config import DataParallelConfig
+from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
@@ -94,7 +96,10 @@ class DataParallel(ReplicaModule):
         # Refuses an algorithm that cannot carry this world's tensors before the module moves.
         self.algorithm = resolve_algorithm(options.allreduce, world)
         self.fallback_reason: str | None = None  # why auto did not get shm where it usually would
-        self.grad_dtype, self.overlap, self.tracer = options.wire_dtype, options.overlap, tracer
+        self.grad_dtype, self.tracer = options.wire_dtype, tracer
+        # Whether buckets go out beside backward, and what auto saw (config.py's resolve_overlap).
+        self.overlap, self.overlap_reason = resolve_overlap(options.overlap, algorithm=self.algorithm,
+                                                            local_workers=world.local_world_size)
         self.module = module.to(world.device)
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with nothing to exchange (see the module docstring).
@@ -113,7 +118,7 @@ class DataParallel(ReplicaModule):
                                   average_running_stats=options.average_running_stats)
         self._owns_comm = comm is None and self.exchanging
         if self._owns_comm:  # it owns the shm segment or the private group
-            comm, self.algorithm, self.fallback_reason = open_comm(world, options.allreduce)
+            comm, self.algorithm, self.fallback_reason = open_comm(world, options.allreduce, threaded=self.overlap)
         self._comm: AsyncComm | None = comm
         # How the shared segment sums, when one does: "compiled" or "Python (why)" (comm/shm_kernel.py).
         self.shm_rounds = getattr(comm, "shm_rounds", None) if self.algorithm in ("shm", "hierarchical") else None
@@ -128,8 +133,8 @@ class DataParallel(ReplicaModule):
                                            max_in_flight=window) if self.exchanging else None
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
-        self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if options.overlap else self._on_backward,
-                                           every_parameter=options.overlap)
+        self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if self.overlap else self._on_backward,
+                                           every_parameter=self.overlap)
         # What zero_grad clears with nothing to exchange: the parameters the replica was built
         # with, listed once (as an optimizer holds its param_groups; walking the modules for them
         # every step cost LeNet ~40 us of host time on the 2-core machine).

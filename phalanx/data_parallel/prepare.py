@@ -24,8 +24,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from phalanx.comm import resolve_algorithm
 from phalanx.data_parallel.choices import Choices
-from phalanx.data_parallel.config import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, DataParallelConfig
+from phalanx.data_parallel.config import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
@@ -39,7 +40,7 @@ __all__ = ["Choices", "prepare", "prepare_replica"]  # Choices: what the replica
 
 
 def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None = None, batchnorm: str = "sync",
-            memory_format: str = "auto", algorithm: str = "auto", overlap: bool = True,
+            memory_format: str = "auto", algorithm: str = "auto", overlap: bool | None = None,
             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
             precision: str | None = None, average: bool | None = None, tracer: Tracer | None = None,
             shard: str = "none", check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> DataParallel:
@@ -50,7 +51,9 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
     `batchnorm`: `sync` or `local` (no effect without BatchNorm layers, nor on one device).
     `memory_format`: `auto`, `channels_last` or `contiguous`. `algorithm`: the allreduce (auto,
     native, shm, ring, tree, naive). `grad_dtype`: "bf16", "fp16" (or the torch dtype), the
-    exchange's wire dtype. `bucket_cap_mb` applies with `overlap`; without it the exchange is
+    exchange's wire dtype. `overlap`: True sends each bucket beside backward, False exchanges
+    after backward on the calling thread, None decides per host (DataParallelConfig's).
+    `bucket_cap_mb` applies with overlap; without it the exchange is
     one flat bucket (every gloo call pays a ~1 ms floor, so when nothing overlaps, one call is
     fastest). `precision="bf16-mixed"`: forward under torch.autocast(bfloat16), outputs widened
     to float32, float32 weights and exchange (None: the dtype throughout). `average`: None
@@ -97,6 +100,8 @@ def prepare_replica(model: nn.Module, options: DataParallelConfig, *, world: Wor
     if options.batchnorm == "sync" and world.distributed:
         model = convert_sync_batchnorm(model, world)
     model = apply_memory_format(model, layout)
-    if not options.overlap:
+    overlap, _ = resolve_overlap(options.overlap, algorithm=resolve_algorithm(options.allreduce, world),
+                                 local_workers=world.local_world_size)
+    if not overlap:  # nothing goes out before backward ends: one call is cheapest
         options = replace(options, bucket_cap_mb=None)
     return DataParallel(model, world=world, options=options, tracer=tracer)

@@ -49,6 +49,7 @@ class StepJob:
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
     check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY
     shard: str = "none"
+    overlap: bool | None = None  # the exchange beside backward (None: auto, DataParallelConfig's)
     optimizer: str = "sgd"  # a key of OPTIMIZERS
 
     def __post_init__(self) -> None:
@@ -74,7 +75,7 @@ def prepare_replica(job: StepJob, world: World):
     each rank's own batch statistics, as DDP's and FSDP's BatchNorm computes them."""
     return prepare(build_bench_model(job.model), world=world, memory_format=job.memory_format, batchnorm="local",
                    grad_dtype=job.grad_dtype, algorithm=job.algorithm, bucket_cap_mb=job.bucket_cap_mb,
-                   shard=job.shard, check_finite_every=job.check_finite_every)
+                   shard=job.shard, check_finite_every=job.check_finite_every, overlap=job.overlap)
 
 
 def phalanx_step(dp, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int) -> Callable[[], None]:

@@ -11,7 +11,8 @@ each block. A block's time is its slowest rank's, as a lockstep step's is; the r
 contenders is the median of their per-block ratios, so both sides of a ratio ran within seconds
 of each other on the same cores.
 
-Kinds: `phalanx` (prepare + train_batch), `ceiling` (the plain step, phalanx's scaled loss, no
+Kinds: `phalanx` (prepare + train_batch), `overlapped` (the same with overlap=True, which auto
+turns off for shm where the workers' threads fill the cores), `ceiling` (the plain step, phalanx's scaled loss, no
 exchange), `lockstep` (the ceiling meeting at every step through a 4-byte allreduce of phalanx's
 auto algorithm), `ddp` (torch DDP over the world's default gloo group, mean loss), `torch` (the
 plain step in one process: the ceiling of one). What one process's contenders share - the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -34,15 +36,15 @@ from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 
-SIDE_BY_SIDE_KINDS = ("phalanx", "ceiling", "lockstep", "ddp", "torch")
+SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "ceiling", "lockstep", "ddp", "torch")
 
 
 def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
              meet: Callable[[], object] | None) -> Callable[[], None]:
     """One contender's step on this rank, its model and optimizer built fresh from the job's seed."""
     torch.manual_seed(job.seed)
-    if kind == "phalanx":
-        dp = stack.enter_context(prepare_replica(job, world))
+    if kind in ("phalanx", "overlapped"):
+        dp = stack.enter_context(prepare_replica(replace(job, overlap=True) if kind == "overlapped" else job, world))
         return phalanx_step(dp, dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr), job, rank=world.rank)
     model = build_model(job)
     if kind == "ddp":

@@ -65,6 +65,7 @@ class Variant:
     bind_cores: bool = False  # phalanx's runs: each worker pinned to its own cores (--bind-cores)
     check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY  # phalanx's runs: the gradient's NaN/Inf check (0: off)
     shard: str = "none"  # phalanx's runs: the ZeRO stage (none, optimizer, gradients, parameters)
+    overlap: bool | None = None  # phalanx's runs: the exchange beside backward (None: auto)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -209,7 +210,7 @@ def run_jobs(variant: Variant, jobs: Sequence[StepJob], *, timeout_s: float, dea
     jobs = tuple(replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
                          memory_format=variant.memory_format, grad_dtype=variant.grad_dtype,
                          algorithm=variant.algorithm, check_finite_every=variant.check_finite_every,
-                         shard=variant.shard) for job in jobs)
+                         shard=variant.shard, overlap=variant.overlap) for job in jobs)
     if variant.kind in ("phalanx", "ceiling", "lockstep") and variant.num_procs > 1:
         fn = {"phalanx": _phalanx_worker, "ceiling": _ceiling_worker, "lockstep": _lockstep_worker}[variant.kind]
         spec = LaunchSpec(plan=parse_devices(f"cpu:{variant.num_procs}", cuda_count=0),

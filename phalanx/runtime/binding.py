@@ -88,11 +88,16 @@ def check_bindable(local_world_size: int, num_cores: int) -> None:
                          f"{num_cores} cores available; use at most {num_cores} devices or drop --bind-cores")
 
 
+_bound = False  # bind_to_cores narrowed this process to its own share of the host
+
+
 def bind_to_cores(local_rank: int, local_world_size: int) -> list[int]:
     """Pin this process to its slice; return the slice (its length is the thread count to use)."""
+    global _bound
     mine = cores_for(local_rank, local_world_size)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, mine)
+        _bound = True
     return mine
 
 
@@ -109,6 +114,20 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def workers_sharing_cores(local_workers: int) -> int:
+    """How many of this host's `local_workers` run on the cores this process may use: itself alone
+    once --bind-cores gave it its own share, else all of them."""
+    return 1 if _bound else max(1, local_workers)
+
+
+def core_left_for_comm(local_workers: int) -> bool:
+    """Whether a communication thread of this worker would find a core that no training thread
+    uses: the cores this process may run on, less the intra-op threads (this thread's team) of the
+    workers sharing them, must leave one per worker."""
+    sharing = workers_sharing_cores(local_workers)
+    return available_cores() - sharing * torch.get_num_threads() >= sharing
 
 
 def default_threads(local_workers: int) -> int:

@@ -63,7 +63,8 @@ class VerifyConfig:
                                                             for dtype, tol in DEFAULT_TOLERANCE.items()),
                                      help="relative difference allowed per tensor")
     algorithm: str = option("auto", flag="--allreduce", choices=CHOICES, help="the k-device runs' allreduce")
-    overlap: bool = option(True, flag="--no-overlap", help="one synchronous allreduce after backward")
+    overlap: bool | None = option(None, default_text="auto, as phalanx train's", help="the k-device runs' exchange "
+                                  "beside backward (--overlap) or after it (--no-overlap)")
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB  # with overlap; None: one bucket
     # the k-device runs' BatchNorm policy (the reference is plain BatchNorm)
     batchnorm: str = option("sync", choices=BATCHNORM_POLICIES, help="BatchNorm models' statistics")

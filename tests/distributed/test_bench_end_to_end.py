@@ -90,8 +90,8 @@ def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     assert all(v["threads_per_proc"] <= smoke_sized_cores for v in payload["variants"])
     names = [v["name"] for v in payload["variants"]]
     bound = ["phalanx/2 bound"] if payload["cores"] >= 2 else []  # --bind-cores needs a core per worker
-    assert names[:7 + len(bound)] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", *bound, "ddp/2", "ddp/2 tuned",
-                                      "ceiling/2", "ceiling/2 lockstep"]
+    assert names[:8 + len(bound)] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "phalanx/2 overlapped", *bound,
+                                      "ddp/2", "ddp/2 tuned", "ceiling/2", "ceiling/2 lockstep"]
     assert "torch 1 thread" in names
     assert [(r["global_batch_size"], r["variant"]) for r in payload["results"]] == [
         (batch, name) for batch in (8, 12) for name in names]
@@ -101,7 +101,7 @@ def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
             "phalanx_vs_gloo_exchange", "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup",
             "phalanx_vs_best_single_process", "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
             "phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling", "phalanx_1_device_vs_plain_loop_same_setup",
-            "scaling_efficiency", *(["bound_cores_vs_unbound"] if bound else [])}
+            "scaling_efficiency", "overlapped_vs_default", *(["bound_cores_vs_unbound"] if bound else [])}
     per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"] if r["global_batch_size"] == 8}
     ratio = {r["metric"]: r["ratio"]["median"] for r in payload["ratios"] if r["global_batch_size"] == 8}
     assert ratio["scaling_efficiency"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))
@@ -131,7 +131,8 @@ def test_scaling_bench_side_by_side_smoke(tmp_path, capsys, smoke_sized_cores):
     tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
     names = [v["name"] for v in payload["variants"]]
     assert payload["method"] == "side by side"
-    assert names == ["phalanx/2", "ceiling/2", "ceiling/2 lockstep", "ddp/2 tuned", "phalanx/1", tuned]
+    assert names == ["phalanx/2", "phalanx/2 overlapped", "ceiling/2", "ceiling/2 lockstep", "ddp/2 tuned", "phalanx/1",
+                     tuned]
     for batch in (8, 12):
         samples = {r["variant"]: r["images_per_s"]["samples"] for r in payload["results"]
                    if r["global_batch_size"] == batch}
@@ -139,10 +140,12 @@ def test_scaling_bench_side_by_side_smoke(tmp_path, capsys, smoke_sized_cores):
         ratios = {r["metric"]: r for r in payload["ratios"] if r["global_batch_size"] == batch}
         assert set(ratios) == {"phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process_same_setup",
                                "phalanx_vs_ceiling", "phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling",
-                               "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency"}
+                               "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency",
+                               "overlapped_vs_default"}
         # Per-block ratios: each block of phalanx against the same block of its yardstick.
         for metric, a, b in (("phalanx_vs_ceiling", "phalanx/2", "ceiling/2"),
                              ("phalanx_vs_ddp_same_setup", "phalanx/2", "ddp/2 tuned"),
+                             ("overlapped_vs_default", "phalanx/2 overlapped", "phalanx/2"),
                              ("phalanx_1_device_vs_plain_loop_same_setup", "phalanx/1", tuned)):
             assert ratios[metric]["ratio"]["samples"] == pytest.approx([x / y for x, y in zip(samples[a], samples[b])])
         exchange, lockstep = (ratios[m]["ratio"]["samples"]

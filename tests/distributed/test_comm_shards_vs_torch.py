@@ -12,12 +12,14 @@ on one AsyncComm, async and sync. The parent checks the sums against the bounds 
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from phalanx.comm import AsyncComm, CollectiveMismatch, ShmGroup, all_gather, all_reduce_sum_, allreduce, reduce_scatter
+from phalanx.comm.async_ops import COMM_THREAD
 from phalanx.comm.counts import own_range
 from phalanx.comm.shm import shm_supported
 from tests.distributed.harness import run_workers
@@ -88,7 +90,15 @@ def shards_every_case(world) -> dict:
     # One comm, one order: reduce-scatter, allreduce, all-gather, all three in flight at once for
     # every algorithm (shm and ring queue on the comm's thread, native on the default group, a
     # main-thread collective in between); then the same calls synchronously. Same bits as above.
-    with AsyncComm(world=world, algorithms=ALGORITHMS) as comm:
+    # Then again on a comm without a thread (threaded=False: every launch but native's runs at once).
+    for threaded in (True, False):
+        _one_order(world, results, threaded)
+    return results
+
+
+def _one_order(world, results: dict, threaded: bool) -> None:
+    k, mode = world.world_size, "" if threaded else "no thread, "
+    with AsyncComm(world=world, algorithms=ALGORITHMS, threaded=threaded) as comm:
         for case in ASYNC_CASES:
             counts = counts_like(k, case[1], case[2])
             for algorithm in ALGORITHMS:
@@ -98,17 +108,18 @@ def shards_every_case(world) -> dict:
                 gathered = _gathered(case, world, algorithm, lambda f, c, a: comm.all_gather_async(
                     f, counts=c, algorithm=a).wait())
                 all_reduce_sum_(torch.ones(3), world=world)
-                results[("async", case, algorithm)] = (handles[0].wait().clone(), handles[1].wait().clone())
+                results[(mode + "async", case, algorithm)] = (handles[0].wait().clone(), handles[1].wait().clone())
                 scattered, summed = make_input(case, world.rank), make_input(case, world.rank)
                 sync = comm.reduce_scatter(scattered, counts=counts, algorithm=algorithm).clone()
                 comm.allreduce(summed, algorithm=algorithm)
                 _gathered(case, world, algorithm, lambda f, c, a: comm.all_gather(f, counts=c, algorithm=a))
-                results[("sync", case, algorithm)] = (sync, summed)
-                results[("allreduce", case, algorithm)] = allreduce(make_input(case, world.rank), world=world,
-                                                                    algorithm=algorithm,
-                                                                    transport=comm.shm if algorithm == "shm" else None)
+                results[(mode + "sync", case, algorithm)] = (sync, summed)
+                results[(mode + "allreduce", case, algorithm)] = allreduce(
+                    make_input(case, world.rank), world=world, algorithm=algorithm,
+                    transport=comm.shm if algorithm == "shm" else None)
                 assert gathered.numel() == case[1]
-    return results
+        threads = [t.name for t in threading.enumerate() if t.name.startswith(COMM_THREAD)]
+        assert len(threads) == threaded, threads  # the executor's one thread, once it was given work
 
 
 def bound(case, world_size: int, lo: int, hi: int) -> torch.Tensor:
@@ -136,13 +147,14 @@ def test_reduce_scatter_and_all_gather_match_torch_and_the_exact_sum(world_size)
                     assert bool(((out.double() - reference.double()).abs() <= 2 * limit).all()), where
                 else:
                     torch.testing.assert_close(out, reference, msg=lambda m: f"{where}: {m}")
-    for rank, case, algorithm in itertools.product(range(world_size), ASYNC_CASES, ALGORITHMS):
-        sync_scattered, sync_summed = results[rank][("sync", case, algorithm)]
-        async_scattered, async_summed = results[rank][("async", case, algorithm)]
-        where = f"{algorithm} {case} rank {rank}"
+    for rank, case, algorithm, mode in itertools.product(range(world_size), ASYNC_CASES, ALGORITHMS,
+                                                         ("", "no thread, ")):
+        sync_scattered, sync_summed = results[rank][(mode + "sync", case, algorithm)]
+        async_scattered, async_summed = results[rank][(mode + "async", case, algorithm)]
+        where = f"{mode}{algorithm} {case} rank {rank}"
         assert torch.equal(async_scattered, results[rank][case][algorithm]), f"async reduce-scatter {where}"
         assert torch.equal(sync_scattered, results[rank][case][algorithm]), f"sync reduce-scatter {where}"
-        plain = results[rank][("allreduce", case, algorithm)]
+        plain = results[rank][(mode + "allreduce", case, algorithm)]
         assert torch.equal(async_summed, plain) and torch.equal(sync_summed, plain), f"allreduce between, {where}"
         assert torch.equal(plain, results[0][("allreduce", case, algorithm)]), f"allreduce differs from rank 0, {where}"
 

@@ -34,11 +34,12 @@ CONFIGS = {
     "sync-flat": dict(overlap=False, bucket_cap_mb=None),  # the default algorithm: auto (shm here)
     "sync-3": dict(overlap=False, bucket_cap_mb=0.25),
     "sync-native-3": dict(overlap=False, allreduce="native", bucket_cap_mb=0.25),
-    "overlap-native-1": dict(bucket_cap_mb=None),
-    "overlap-native-first": dict(bucket_cap_mb=0.5, first_bucket_cap_mb=1e-4),  # fc2.bias alone
-    **{f"overlap-{a}-{n}": dict(allreduce=a, bucket_cap_mb=cap)
+    # overlap=True: auto would turn shm's off where the workers' threads fill the cores (2 here).
+    "overlap-native-1": dict(overlap=True, bucket_cap_mb=None),
+    "overlap-native-first": dict(overlap=True, bucket_cap_mb=0.5, first_bucket_cap_mb=1e-4),  # fc2.bias alone
+    **{f"overlap-{a}-{n}": dict(overlap=True, allreduce=a, bucket_cap_mb=cap)
        for a in ("native", "shm", "ring", "tree") for n, cap in ((3, 0.25), (5, 0.05))},
-    "overlap-naive-3": dict(allreduce="naive", bucket_cap_mb=0.25),
+    "overlap-naive-3": dict(overlap=True, allreduce="naive", bucket_cap_mb=0.25),
 }
 
 
@@ -108,7 +109,7 @@ def _worker(world) -> dict:
 
         # Rank 0 alone uses the extra head: bucket 0 never completes elsewhere.
         for algorithm in ("native", "ring", "shm"):
-            dp, comm = make("extra", allreduce=algorithm, first_bucket_cap_mb=880 / 2**20)
+            dp, comm = make("extra", allreduce=algorithm, overlap=True, first_bucket_cap_mb=880 / 2**20)
             dp.zero_grad()
             (F.cross_entropy(dp(Xs, world.rank == 0), ys, reduction="sum") / GLOBAL_BATCH).backward()
             launched_in_backward = comm.launched
@@ -119,7 +120,7 @@ def _worker(world) -> dict:
         # Only the first world_size - 1 examples: the last rank's shard is empty (no backward).
         tiny = rank_shard(torch.arange(world.world_size - 1), rank=world.rank, world_size=world.world_size)
         for algorithm in ("native", "tree", "shm"):
-            dp, comm = make(allreduce=algorithm)
+            dp, comm = make(allreduce=algorithm, overlap=True)
             train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), X[tiny], y[tiny],
                         global_batch_size=world.world_size - 1)
             out[f"empty-{algorithm}"] = (_grads(dp.module), len(tiny), comm.launched)

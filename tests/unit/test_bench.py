@@ -157,7 +157,8 @@ def test_configs_reject_bad_numbers_by_name(make, words):
 
 def test_contenders_are_set_up_as_each_user_would_get_them():
     by_name = {v.name: v for v in variants((1, 2, 3), cores=4)}
-    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "phalanx/3 gloo", "phalanx/3 bound", "ddp/3", "ddp/3 tuned", "ceiling/3",
+    assert list(by_name) == ["phalanx/1", "phalanx/2", "phalanx/3", "phalanx/3 gloo", "phalanx/3 overlapped",
+                             "phalanx/3 bound", "ddp/3", "ddp/3 tuned", "ceiling/3",
                              "ceiling/3 lockstep", "torch 1 thread", "torch 4 threads", "torch 4 threads tuned"]
     assert [(by_name[f"phalanx/{j}"].num_procs, by_name[f"phalanx/{j}"].threads_per_proc) for j in (1, 2, 3)] == [
         (1, 4), (2, 2), (3, 1)]
@@ -180,6 +181,9 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
     # phalanx's default exchange (auto: shm on one host) against the same run over gloo.
     assert [by_name[n].algorithm for n in ("phalanx/1", "phalanx/3", "phalanx/3 gloo")] == ["auto", "auto", "native"]
     assert (by_name["phalanx/3 gloo"].num_procs, by_name["phalanx/3 gloo"].threads_per_proc) == (3, 1)
+    # The exchange beside backward on a thread, which auto turns off where the workers fill the cores.
+    assert by_name["phalanx/3 overlapped"].overlap is True
+    assert [n for n, v in by_name.items() if v.overlap is not None] == ["phalanx/3 overlapped"]
     # --bind-cores priced beside the default: the same run, each worker on its own cores.
     bound = by_name["phalanx/3 bound"]
     assert (bound.bind_cores, bound.algorithm, bound.num_procs) == (True, "auto", 3)
@@ -190,9 +194,9 @@ def test_contenders_are_set_up_as_each_user_would_get_them():
 def test_devices_picks_the_counts_phalanx_runs_on_and_one_always_runs():
     names = [v.name for v in variants((8, 2), cores=16)]
     assert [n for n in names if n.startswith("phalanx/")] == ["phalanx/1", "phalanx/2", "phalanx/8", "phalanx/8 gloo",
-                                                             "phalanx/8 bound"]
+                                                             "phalanx/8 overlapped", "phalanx/8 bound"]
     assert {"ddp/8", "ceiling/8", "torch 16 threads"} <= set(names) and "ddp/2" not in names
-    assert len(variants((8,), cores=16)) == 2 + 9  # a round at k in {1, 8}: 11 starts, each every batch size
+    assert len(variants((8,), cores=16)) == 2 + 10  # a round at k in {1, 8}: 12 starts, each every batch size
 
 
 @pytest.mark.parametrize("k, cores", [(2, 1), (2, 2), (4, 16), (8, 16)])
@@ -206,7 +210,7 @@ def test_side_by_side_runs_the_contenders_of_phalanxs_set_up_under_their_own_nam
             v, first = by_name[name], by_name[lead]
             assert (v.num_procs, v.threads_per_proc, v.allocator_env, v.memory_format) == (
                 first.num_procs, first.threads_per_proc, True, "auto"), name
-    assert set(sets[0][1].values()) == {"phalanx", "ceiling", "lockstep", "ddp"}
+    assert set(sets[0][1].values()) == {"phalanx", "overlapped", "ceiling", "lockstep", "ddp"}
     assert set(sets[1][1].values()) == {"phalanx", "torch"}
 
 
@@ -229,7 +233,8 @@ def test_a_contender_of_unknown_kind_is_refused_by_name():
 
 def test_grad_dtype_adds_one_compressed_phalanx_contender_at_k():
     names = [v.name for v in variants((2,), cores=2, grad_dtype="bf16")]
-    assert names[:5] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "phalanx/2 bound", "phalanx/2 bf16"]
+    assert names[:6] == ["phalanx/1", "phalanx/2", "phalanx/2 gloo", "phalanx/2 overlapped", "phalanx/2 bound",
+                         "phalanx/2 bf16"]
     compressed = {v.name: v for v in variants((2,), cores=2, grad_dtype="bf16")}["phalanx/2 bf16"]
     assert (compressed.num_procs, compressed.threads_per_proc, compressed.grad_dtype, compressed.algorithm,
             compressed.bind_cores) == (2, 1, "bf16", "auto", False)

@@ -125,3 +125,21 @@ def test_a_users_malloc_variable_wins_over_phalanxs_allocator_setting(monkeypatc
     monkeypatch.setenv("MALLOC_PERTURB_", "0")  # glibc's own default value: glibc's allocator as it comes
     assert binding.users_allocator_setting() == "MALLOC_PERTURB_"
     assert binding.keep_freed_memory_mapped() is False  # nothing changed in this process
+
+
+@pytest.mark.parametrize("cores, workers, threads, bound, free", [
+    (2, 2, 1, False, False),  # the 2-core machine: 2 workers x 1 thread fill it
+    (16, 8, 2, False, False),  # 16 cores, 8 workers x 2 threads: full
+    (16, 8, 1, False, True),  # a core left per worker (Placement.core_for_comm)
+    (16, 2, 7, False, True),
+    (16, 2, 8, False, False),
+    (2, 1, 2, True, False),  # --bind-cores: its own 2 cores, 2 threads
+    (3, 1, 2, True, True),
+])
+def test_a_core_is_left_for_the_communication_thread_only_beside_the_training_threads(monkeypatch, cores, workers,
+                                                                                      threads, bound, free):
+    monkeypatch.setattr(binding, "available_cores", lambda: cores)
+    monkeypatch.setattr(binding.torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(binding, "_bound", bound)
+    assert binding.core_left_for_comm(workers) is free
+    assert binding.workers_sharing_cores(workers) == (1 if bound else workers)

@@ -207,3 +207,21 @@ def test_a_new_field_of_a_commands_config_is_a_flag_with_no_other_edit(monkeypat
         assert shown in " ".join(capsys.readouterr().out.split())
     with pytest.raises(UsageError, match="--knob-mb -1.0 must be at least 0"):
         build(WithKnob, build_parser(["bench"]).parse_args(["bench", "allreduce", "--knob-mb", "-1"]))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Switches:
+    """switches"""
+
+    fused: bool | None = option(None, default_text="decided per host", help="fuse the exchange")
+
+
+def test_a_switch_defaulting_to_none_has_three_states():
+    parser = CommandParser(prog="job")
+    add_options(parser, Switches)
+    assert [build(Switches, parser.parse_args(argv)).fused for argv in ([], ["--fused"], ["--no-fused"])] == \
+        [None, True, False]
+    assert [flag.name for flag in flags(Switches)] == ["--fused"]
+    assert "--fused, --no-fused" in parser.format_help() and "(default: decided per host)" in parser.format_help()
+    with pytest.raises(UsageError, match="ignored explicit argument 'yes'"):
+        parser.parse_args(["--no-fused=yes"])

@@ -340,7 +340,7 @@ def test_grad_accum_three_equals_one_and_syncs_once(overlap):
 
 def test_config_and_cli_flags():
     config = TrainConfig().data_parallel
-    assert config.overlap and config.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and config.grad_accum_steps == 1
+    assert config.overlap is None and config.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and config.grad_accum_steps == 1
     for kwargs, fragment in [({"grad_accum_steps": 0}, "--grad-accum 0"), ({"bucket_cap_mb": -1.0}, "--bucket-cap-mb -1.0")]:
         with pytest.raises(ValueError, match=fragment):
             DataParallelConfig(**kwargs)
@@ -348,4 +348,39 @@ def test_config_and_cli_flags():
     config = build(TrainConfig, args).data_parallel
     assert (config.overlap, config.bucket_cap_mb, config.grad_accum_steps) == (False, None, 4)
     config = build(TrainConfig, build_parser().parse_args(["train", "--bucket-cap-mb", "0.1"])).data_parallel
-    assert (config.overlap, config.bucket_cap_mb) == (True, 0.1)
+    assert (config.overlap, config.bucket_cap_mb) == (None, 0.1)  # auto
+    config = build(TrainConfig, build_parser().parse_args(["train", "--overlap"])).data_parallel
+    assert config.overlap is True
+
+
+def test_overlap_auto_is_off_for_shm_only_where_no_core_is_left_for_the_thread(monkeypatch):
+    from phalanx.data_parallel import config as dp_config
+    from phalanx.data_parallel.config import resolve_overlap
+
+    full = {"value": False}
+    monkeypatch.setattr(dp_config, "core_left_for_comm", lambda workers: full["value"])
+    monkeypatch.setattr(dp_config, "available_cores", lambda: 2)
+    monkeypatch.setattr(dp_config.torch, "get_num_threads", lambda: 1)
+    overlap, why = resolve_overlap(None, algorithm="shm", local_workers=2)
+    assert (overlap, why) == (False, "2 workers x 1 thread on 2 cores leave no core for a communication thread")
+    full["value"] = True
+    assert resolve_overlap(None, algorithm="shm", local_workers=2)[0] is True
+    full["value"] = False
+    for algorithm in ("native", "hierarchical", "ring", "tree", "naive"):  # waits the thread hides cost no core
+        assert resolve_overlap(None, algorithm=algorithm, local_workers=2) == (True, None)
+    assert resolve_overlap(True, algorithm="shm", local_workers=2) == (True, None)  # given: as given
+    assert resolve_overlap(False, algorithm="native", local_workers=2) == (False, None)
+
+
+def test_the_first_line_says_what_overlap_auto_saw(monkeypatch):
+    from phalanx.data_parallel import config as dp_config
+
+    monkeypatch.setattr(dp_config, "core_left_for_comm", lambda workers: False)
+    # A world of one exchanging alone builds the k-device replica's buckets and choices.
+    for overlap, algorithm, expected in ((None, "shm", False), (None, "native", True), (True, "shm", True)):
+        options = DataParallelConfig(overlap=overlap, allreduce=algorithm, exchange_alone=True)
+        with DataParallel(LeNet(), world=WORLD1, options=options) as dp:
+            assert dp.overlap is expected and dp.choices.overlap is expected
+            line = dp.choices.describe()
+            said = "synchronous gradient exchange (auto: 1 worker x " if not expected else "overlapped gradient exchange in"
+            assert said in line, line

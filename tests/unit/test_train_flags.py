@@ -54,8 +54,15 @@ def test_the_record_covers_every_old_flag():
     assert len(OLD_FLAGS) == 35 and [row["flag"] for row in ROWS] == OLD_FLAGS
 
 
+# Defaults changed on purpose since the record, and what they are now. --no-overlap still turns
+# overlap off; left out, overlap is None (auto: off for the shm allreduce where the workers'
+# threads fill the cores, on elsewhere), where it was on (docs/benchmarks.md says why).
+DEFAULT_NOW = {"--no-overlap": None}
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[row["flag"] for row in ROWS])
 def test_an_old_flag_fills_the_same_value_as_before(row):
+    row = {**row, "default": DEFAULT_NOW.get(row["flag"], row["default"])}
     assert _value(_config(row["argv"] + row["companions"]), row["field"]) == row["value"]
     assert _value(_config(row["companions"]), row["field"]) == row["default"]  # and its default is the same
 
@@ -63,10 +70,10 @@ def test_an_old_flag_fills_the_same_value_as_before(row):
 def test_every_flag_with_a_value_shows_its_default_in_help():
     parser = build_parser(["train"])
     train = parser._subparsers._group_actions[0].choices["train"]
-    helps = {action.option_strings[0]: action for action in train._actions if action.option_strings}
+    helps = {name: action for action in train._actions for name in action.option_strings}  # --overlap, --no-overlap
     switches = {flag.name for flag in flags(TrainConfig) if flag.kind is bool}
     assert set(OLD_FLAGS) <= set(helps)
-    for name in set(helps) - {"-h"} - switches:
+    for name in set(helps) - {"-h", "--help"} - switches:
         assert "(default: " in helps[name].help, f"{name}: {helps[name].help}"
     text = train.format_help()
     for shown in ("--epochs EPOCHS       passes over the training set (default: 10)", "(default: 256)",

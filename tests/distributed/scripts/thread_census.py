@@ -1,8 +1,9 @@
 """A worker's threads while it trains, for the thread-discipline test: a few steps of an MLP whose
 gradient buckets exceed ATen's parallel grain (32,768 elements, so a sum or copy of one opens an
-intra-op team on the thread that runs it), exchanged through phalanx's default (the shm
-allreduce, overlapped with backward on the communication thread); then, while that thread
-lives, the worker's OS threads (/proc/self/task) and their names, written to DIR/rank<r>.json.
+intra-op team on the thread that runs it), exchanged through the shm allreduce overlapped with
+backward on the communication thread (`overlap=True`: auto turns it off where the workers'
+threads fill the cores); then, while that thread lives, the worker's OS threads
+(/proc/self/task) and their names, written to DIR/rank<r>.json.
 
     phalanx run --devices cpu:2 --threads-per-device 3 thread_census.py DIR
 """
@@ -34,7 +35,7 @@ def main() -> None:
     world = phalanx.init()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
-    dp = phalanx.prepare(model, world=world)
+    dp = phalanx.prepare(model, world=world, overlap=True)
     optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.01)
     X, y = torch.randn(512, 256), torch.randint(0, 10, (512,))
     for _ in range(5):
