@@ -44,3 +44,5 @@ def test_an_extra_intra_op_thread_adds_one_os_thread_to_a_worker(tmp_path):
         assert len(b["threads"]) - len(a["threads"]) == 2, (a["threads"], b["threads"])
         # The communication thread is named, and opens no team (whose members would inherit its name).
         assert b["threads"].count("phalanx-comm") == 1, b["threads"]
+        # Without overlap the exchange runs on the training thread: no communication thread at all.
+        assert "phalanx-comm" not in a["threads_without_overlap"] + b["threads_without_overlap"]

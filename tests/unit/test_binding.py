@@ -131,6 +131,7 @@ def test_a_users_malloc_variable_wins_over_phalanxs_allocator_setting(monkeypatc
     (2, 2, 1, False, False),  # the 2-core machine: 2 workers x 1 thread fill it
     (16, 8, 2, False, False),  # 16 cores, 8 workers x 2 threads: full
     (16, 8, 1, False, True),  # a core left per worker (Placement.core_for_comm)
+    (12, 8, 1, False, False),  # 4 cores left for 8 communication threads: not one each
     (16, 2, 7, False, True),
     (16, 2, 8, False, False),
     (2, 1, 2, True, False),  # --bind-cores: its own 2 cores, 2 threads

@@ -3,7 +3,8 @@ gradient buckets exceed ATen's parallel grain (32,768 elements, so a sum or copy
 intra-op team on the thread that runs it), exchanged through the shm allreduce overlapped with
 backward on the communication thread (`overlap=True`: auto turns it off where the workers'
 threads fill the cores); then, while that thread lives, the worker's OS threads
-(/proc/self/task) and their names, written to DIR/rank<r>.json.
+(/proc/self/task) and their names, written to DIR/rank<r>.json; then the same after two steps of
+a replica with overlap=False, which starts no communication thread.
 
     phalanx run --devices cpu:2 --threads-per-device 3 thread_census.py DIR
 """
@@ -45,8 +46,16 @@ def main() -> None:
         optimizer.step()
     record = {"rank": world.rank, "algorithm": dp.choices.algorithm, "intra_op_threads": torch.get_num_threads(),
               "threads": threads()}
-    (out / f"rank{world.rank}.json").write_text(json.dumps(record))
     dp.close()
+    # Without overlap the exchange runs on this thread: the replica's comm starts no thread at all.
+    dp = phalanx.prepare(model, world=world, overlap=False)
+    for _ in range(2):
+        dp.zero_grad()
+        phalanx.shard_loss(nn.functional.cross_entropy(dp(X), y, reduction="sum"), 512 * world.world_size).backward()
+        dp.finish_gradient_sync()
+    record["threads_without_overlap"] = threads()
+    dp.close()
+    (out / f"rank{world.rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":
