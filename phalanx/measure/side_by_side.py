@@ -12,12 +12,13 @@ contenders is the median of their per-block ratios, so both sides of a ratio ran
 of each other on the same cores.
 
 Kinds: `phalanx` (prepare + train_batch), `overlapped` (the same with overlap=True, which auto
-turns off for shm where the workers' threads fill the cores), `ceiling` (the plain step, phalanx's scaled loss, no
-exchange), `lockstep` (the ceiling meeting at every step through a 4-byte allreduce of phalanx's
-auto algorithm), `ddp` (torch DDP over the world's default gloo group, mean loss), `torch` (the
-plain step in one process: the ceiling of one). What one process's contenders share - the
-allocator, caches, the communication thread phalanx's replica keeps (asleep on a futex while the
-others run) - they share alike; the JSON says the method (docs/benchmarks.md).
+turns off for shm where the workers' threads fill the cores), `ceiling` (the plain step,
+phalanx's scaled loss, no exchange), `lockstep` (the ceiling meeting at every step through a
+4-byte allreduce of phalanx's auto algorithm), `ddp` (torch DDP over the world's default gloo
+group, mean loss), `torch` (the plain step in one process: the ceiling of one). What one
+process's contenders share - the allocator, caches, the communication thread an overlapped
+replica keeps (asleep on a futex while the others run) - they share alike; the JSON says the
+method (docs/benchmarks.md).
 """
 
 from __future__ import annotations
