@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from phalanx.caches import cache_root
+
 SOURCE = Path(__file__).with_name("shm_kernel.c")
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")  # -O3: the sums vectorise
 COMPILE_TIMEOUT_S = 60.0
@@ -82,8 +84,7 @@ class _BuildFailed(Exception):
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "phalanx" / "kernels"
+    return cache_root() / "kernels"
 
 
 def _built(compiler: str, name: str, directory: Path) -> Path:

@@ -2,7 +2,7 @@
 
 Two sources, two trust levels. A directory the user names (`--data-dir`) is read as it is: any
 subset or re-split is fine, so only the format and the label/image agreement are checked. The
-cache (PHALANX_DATA_DIR or ~/.cache/phalanx/fashion-mnist) holds exactly the official `.gz` files:
+cache (PHALANX_DATA_DIR, else phalanx's cache/fashion-mnist: caches.py) holds exactly the official `.gz` files:
 each is checked against Zalando's published MD5 once, the result remembered in a marker file
 keyed by size and mtime, and a file that fails is deleted and fetched again. Downloads try the
 mirrors in order, verify before anything is written, and write atomically; the cache directory
@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from phalanx.atomic import atomic_write_bytes
+from phalanx.caches import cache_root
 from phalanx.outdir import check_path_length
 from phalanx.data.idx import read_idx
 from phalanx.data.image_dataset import ImageDataset
@@ -78,9 +79,10 @@ def fetch_url(url: str, *, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
 
 
 def cache_dir_for(cache_dir: str | os.PathLike | None) -> Path:
-    """The cache directory: the argument, else $PHALANX_DATA_DIR, else ~/.cache/phalanx/fashion-mnist."""
-    chosen = cache_dir or os.environ.get(CACHE_ENV_VAR) or "~/.cache/phalanx/fashion-mnist"
-    return Path(chosen).expanduser()
+    """The cache directory: the argument, else $PHALANX_DATA_DIR, else phalanx's cache
+    (caches.py: $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx) / fashion-mnist."""
+    chosen = cache_dir or os.environ.get(CACHE_ENV_VAR)
+    return Path(chosen).expanduser() if chosen else cache_root() / "fashion-mnist"
 
 
 def _md5_of(path: Path) -> str:

@@ -87,3 +87,17 @@ def test_a_slow_download_says_so_once(tmp_path, mirror, monkeypatch):  # noqa: F
     logged = []
     load_dataset(None, None, cache_dir=tmp_path / "cache", fetch=slow, log=logged.append)
     assert logged == [f"downloading Fashion-MNIST (4 of 4 files) into {tmp_path / 'cache'}"]
+
+
+def test_every_cache_follows_xdg_cache_home_and_phalanx_data_dir_wins_for_the_data(tmp_path, monkeypatch):
+    from phalanx.comm import shm_kernel
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(fashion_mnist.CACHE_ENV_VAR, raising=False)
+    assert fashion_mnist.cache_dir_for(None) == tmp_path / "xdg" / "phalanx" / "fashion-mnist"
+    assert shm_kernel._cache_dir() == tmp_path / "xdg" / "phalanx" / "kernels"
+    monkeypatch.setenv(fashion_mnist.CACHE_ENV_VAR, str(tmp_path / "data"))
+    assert fashion_mnist.cache_dir_for(None) == tmp_path / "data"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert shm_kernel._cache_dir() == tmp_path / "home" / ".cache" / "phalanx" / "kernels"
