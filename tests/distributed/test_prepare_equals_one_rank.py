@@ -16,6 +16,7 @@ import torch
 from phalanx.data import split_batch
 from phalanx.models import build_model
 from phalanx.data_parallel import SyncBatchNorm, prepare
+from phalanx.runtime.binding import core_left_for_comm
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers
 
@@ -40,7 +41,8 @@ def _worker(world) -> dict:
             results[(model_name, policy)] = {
                 "state": {k: v.detach().clone() for k, v in dp.module.state_dict().items()},
                 "sync_layers": sum(isinstance(m, SyncBatchNorm) for m in dp.module.modules()),
-                "describe": dp.choices.describe()}
+                "describe": dp.choices.describe(), "overlap": dp.overlap,
+                "core_left": core_left_for_comm(world.local_world_size)}
     return results
 
 
@@ -58,8 +60,16 @@ def test_prepare_on_two_ranks_equals_one_rank():
         torch.manual_seed(0)
         initial = build_model(case[0]).double().state_dict()
         assert _max_relative(two[0][case]["state"], initial) > 1e-4, case  # the steps moved the weights
-    lenet = two[0][("lenet", "sync")]["describe"]
-    assert "overlapped gradient exchange in 3 bucket(s)" in lenet and ", channels_last, float64" in lenet, lenet
+    lenet = two[0][("lenet", "sync")]
+    # overlap auto (shm): beside backward in 3 buckets where a core is left per worker for the
+    # communication thread, else one bucket after backward on the training thread (the 2-core CI).
+    assert lenet["overlap"] is lenet["core_left"]
+    said = ("overlapped gradient exchange (auto: 2 workers x 1 thread on ", " cores leave a core per worker for a "
+            "communication thread) in 3 bucket(s)") if lenet["overlap"] else \
+        ("synchronous gradient exchange (auto: 2 workers x 1 thread on ", " cores leave no core for a communication "
+         "thread) in 1 bucket(s)")
+    assert said[0] in lenet["describe"] and said[1] in lenet["describe"], lenet["describe"]
+    assert ", channels_last, float64" in lenet["describe"], lenet["describe"]
     assert two[0][("lenet-bn", "sync")]["sync_layers"] > 0 and one[("lenet-bn", "sync")]["sync_layers"] == 0
     assert two[0][("lenet-bn", "sync")]["describe"].endswith(
         ", BatchNorm sync (statistics of the whole global batch)")
