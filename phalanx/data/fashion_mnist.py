@@ -2,9 +2,10 @@
 
 Two sources, two trust levels. A directory the user names (`--data-dir`) is read as it is: any
 subset or re-split is fine, so only the format and the label/image agreement are checked. The
-cache (PHALANX_DATA_DIR, else phalanx's cache/fashion-mnist: caches.py) holds exactly the official `.gz` files:
-each is checked against Zalando's published MD5 once, the result remembered in a marker file
-keyed by size and mtime, and a file that fails is deleted and fetched again. Downloads try the
+cache (PHALANX_DATA_DIR, else fashion-mnist/ in phalanx's cache: caches.py) holds exactly the
+official `.gz` files: each is checked against Zalando's published MD5 once, the result
+remembered in a marker file keyed by size and mtime, and a file that fails is deleted and
+fetched again. Downloads try the
 mirrors in order, verify before anything is written, and write atomically; the cache directory
 is created with the first verified file, so a failed download leaves no empty one behind. A
 download says nothing unless it takes more than NOTICE_AFTER_S (then one line): offline, the

@@ -114,7 +114,7 @@ def replica_choices(dp, options: DataParallelConfig) -> Choices:
         has_batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()),
         num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=options.allreduce,
         algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
-        overlap_reason=dp.overlap_reason if dp.exchanging else None,
+        overlap_reason=dp.overlap_reason,
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
         precision=options.precision, backend=world.backend,
         why_not_shm=shm_applies(world) if world.distributed else None, shard=dp.shard,
