@@ -23,7 +23,7 @@ from phalanx.data_parallel.memory_format import MEMORY_FORMATS
 from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
 from phalanx.options import OptionError, at_least, check_options, finite, option, positive
-from phalanx.runtime.binding import available_cores, core_left_for_comm, workers_sharing_cores
+from phalanx.runtime.binding import available_cores, leaves_core_for_comm, workers_sharing_cores
 
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
 # fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
@@ -129,22 +129,28 @@ class DataParallelConfig:
 
 def resolve_overlap(overlap: bool | None, *, algorithm: str, local_workers: int) -> tuple[bool, str | None]:
     """Whether a replica's exchange overlaps backward (`overlap`: True, False, or None for auto),
-    and what auto saw (None where it was given).
+    and what auto saw (None where it was given): `auto_overlap` for this process's cores, threads
+    and the workers sharing them."""
+    if overlap is not None:
+        return overlap, None
+    return auto_overlap(algorithm=algorithm, workers=workers_sharing_cores(local_workers),
+                        threads=torch.get_num_threads(), cores=available_cores())
 
-    auto: off for the shm allreduce when no core is left for the communication thread
-    (binding.core_left_for_comm). The shm sums and copies are CPU work on the training cores
+
+def auto_overlap(*, algorithm: str, workers: int, threads: int, cores: int) -> tuple[bool, str | None]:
+    """overlap auto for `workers` processes of `threads` threads on `cores` cores, and why.
+
+    Off for the shm allreduce when no core is left for the communication thread
+    (binding.leaves_core_for_comm). The shm sums and copies are CPU work on the training cores
     either way; a thread beside backward only takes a core from it and adds a hand-off and two
     wake-ups per bucket, and its buckets make the ranks meet several times a step. Side by side on
     2 workers x 1 thread (2 cores), one exchange on the training thread after backward ran LeNet's
     step 2-8% faster than the threaded overlap and an MLP's 4% (docs/benchmarks.md). On otherwise:
     the backend's own async ops (NCCL on a GPU) and the network algorithms' waits cost the cores
-    nothing while they hide the wire's time."""
-    if overlap is not None:
-        return overlap, None
+    nothing while they hide the wire's time. `phalanx predict` asks the same rule for each k."""
     if algorithm != "shm":
         return True, None
-    workers, threads, cores = workers_sharing_cores(local_workers), torch.get_num_threads(), available_cores()
     layout = f"{workers} worker{'s' * (workers > 1)} x {threads} thread{'s' * (threads > 1)} on {cores} cores"
-    if core_left_for_comm(local_workers):
+    if leaves_core_for_comm(cores=cores, workers=workers, threads=threads):
         return True, f"{layout} leave a core per worker for a communication thread"
     return False, f"{layout} leave no core for a communication thread"

@@ -129,6 +129,8 @@ class PredictConfig:
     # auto: what training would pick (shm on loopback, native on a real link)
     algorithm: str = option("auto", flag="--allreduce", choices=CHOICES,
                             help="the allreduce (auto: shm on loopback, native on the other links)")
+    overlap: bool | None = option(None, default_text="auto, as phalanx train's", help="predict (and validate) the "
+                                  "exchange beside backward (--overlap) or after it (--no-overlap)")
     bucket_cap_mb: float | None = bucket_cap_mb_option()
     interconnect: Interconnect = component(LinkOptions, into=LinkOptions.resolve)
     # also measure phalanx at each k (loopback only) and report the error
@@ -180,6 +182,10 @@ class PredictConfig:
             raise ValueError(f"--hosts {_csv(self.hosts)} names a count twice; name each once")
         if self.link_gbit is None:
             raise ValueError("--hosts needs --link-gbit, the speed of each host's link (e.g. --link-gbit 10)")
+        if self.overlap is not None:
+            flag = "--overlap" if self.overlap else "--no-overlap"
+            raise ValueError(f"--hosts predicts flat against hierarchical exchanges as training runs them (beside "
+                             f"backward); drop {flag}")
         link = self.interconnect
         if link.name != "loopback" or link.beta_Bps is not None:
             raise ValueError(f"--hosts takes each host's link from --link-gbit; drop --interconnect {link.name} "

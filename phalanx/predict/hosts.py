@@ -43,8 +43,8 @@ def host_phase(hosts: int, per_host: int, batch: int, cores: int, *, simulated: 
     """How one device runs: k = hosts·per_host sharing this machine (simulated), or per_host on
     a machine like this one."""
     k = hosts * per_host
-    if simulated:
-        return phase_for(k, batch, cores, shares_host=True)
+    if simulated:  # flat and hierarchical both overlap (auto: their waits cost no core)
+        return phase_for(k, batch, cores, shares_host=True, algorithm="hierarchical")
     threads = max(1, cores // per_host)
     return Phase(batch_size_per_device=shard_sizes(batch, k)[0], threads=threads,
                  co_runners=max(1, min(per_host, OVERSUBSCRIBE_PROFILED * cores // threads)))

@@ -5,7 +5,9 @@ steps of train_batch) in a world of one, so nothing is exchanged: zero_grad, for
 finish_gradient_sync, SGD. A post-accumulate-grad hook per parameter - the event phalanx's overlap
 launches buckets from - stamps when each gradient lands; a bucket is ready when its last one has.
 
-A device is profiled as it will run at k: with its share of the batch (the largest shard,
+A device is profiled as it will run at k: with its exchange where training puts it (buckets and
+hooks where it overlaps backward, one flat bucket where overlap auto turns it off: phase_for),
+with its share of the batch (the largest shard,
 ceil(B/k): the slowest rank sets the pace) and, when the k devices are processes sharing this
 host (loopback), with the thread count each worker gets (cores // k, at least 1) *and* with as
 many copies running at the same time as it will have, up to twice the cores - co-running
@@ -35,6 +37,7 @@ from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
 from phalanx.data import shard_sizes
 from phalanx.data_parallel import DataParallel, DataParallelConfig, prepare_replica
+from phalanx.data_parallel.config import auto_overlap
 from phalanx.predict.timeline import DeviceProfile
 from phalanx.runtime.world import World
 
@@ -44,11 +47,13 @@ OVERSUBSCRIBE_PROFILED = 2  # profile up to this many processes per core as they
 
 @dataclass(frozen=True, kw_only=True)
 class Phase:
-    """One setting to profile: `co_runners` processes each run the step at once."""
+    """One setting to profile: `co_runners` processes each run the step at once, with the
+    exchange beside backward (`overlap`, buckets) or after it (one flat bucket)."""
 
     batch_size_per_device: int
     threads: int
     co_runners: int
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if min(self.batch_size_per_device, self.threads, self.co_runners) < 1:
@@ -67,25 +72,31 @@ class ProfileJob:
     seed: int
 
 
-def phase_for(world_size: int, global_batch_size: int, cores: int, *, shares_host: bool) -> Phase:
-    """How one of `world_size` devices runs: its shard, its threads, how many run beside it."""
+def phase_for(world_size: int, global_batch_size: int, cores: int, *, shares_host: bool, algorithm: str,
+              overlap: bool | None = None) -> Phase:
+    """How one of `world_size` devices runs: its shard, its threads, how many run beside it, and
+    whether its exchange overlaps backward (`overlap`; None: what training's auto picks for k
+    workers of these threads on these cores, data_parallel/config.py's auto_overlap)."""
     batch = shard_sizes(global_batch_size, world_size)[0]  # the largest shard of split_batch
+    threads = max(1, cores // world_size) if shares_host else cores
+    if overlap is None:
+        overlap, _ = auto_overlap(algorithm=algorithm, workers=world_size if shares_host else 1, threads=threads,
+                                  cores=cores)
     if not shares_host:
-        return Phase(batch_size_per_device=batch, threads=cores, co_runners=1)
-    threads = max(1, cores // world_size)
+        return Phase(batch_size_per_device=batch, threads=threads, co_runners=1, overlap=overlap)
     # Up to twice the cores, run all k copies: past the cores, time-slicing k lockstep processes
     # costs more than the arithmetic share (context switches, caches); beyond that, arithmetic.
-    return Phase(batch_size_per_device=batch, threads=threads,
+    return Phase(batch_size_per_device=batch, threads=threads, overlap=overlap,
                  co_runners=max(1, min(world_size, OVERSUBSCRIBE_PROFILED * cores // threads)))
 
 
-def _replica(job: ProfileJob) -> DataParallel:
+def _replica(job: ProfileJob, phase: Phase) -> DataParallel:
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
                   backend="none", timeout_s=60.0)  # a device alone: DataParallel exchanges nothing
     # exchange_alone keeps the buckets and hooks a world of one otherwise leaves out: the step
     # profiled is the one each of k > 1 devices runs (its allreduces return at once here).
-    return prepare_replica(build_bench_model(job.model),
-                           DataParallelConfig(bucket_cap_mb=job.bucket_cap_mb, exchange_alone=True), world=world)
+    options = DataParallelConfig(bucket_cap_mb=job.bucket_cap_mb, exchange_alone=True, overlap=phase.overlap)
+    return prepare_replica(build_bench_model(job.model), options, world=world)
 
 
 class _StepClock:
@@ -140,7 +151,7 @@ def _profile_worker(*, rank: int, num_procs: int, port: int, job: ProfileJob) ->
         barrier()
         if active:
             torch.set_num_threads(phase.threads)
-            dp = _replica(job)
+            dp = _replica(job, phase)
             clock = _StepClock(dp, job, phase.batch_size_per_device)
             for _ in range(job.warmup_steps):
                 clock.step()
@@ -169,7 +180,7 @@ def summarize(phase: Phase, per_rank: list[dict]) -> DeviceProfile:
     num_buckets = len(per_rank[0]["bucket_bytes"])
     return DeviceProfile(
         batch_size_per_device=phase.batch_size_per_device, threads=phase.threads, co_runners=phase.co_runners,
-        forward_s=median("forward_s"), backward_s=median("backward_s"), optimizer_s=median("optimizer_s"),
+        overlapped=phase.overlap, forward_s=median("forward_s"), backward_s=median("backward_s"), optimizer_s=median("optimizer_s"),
         other_s=median("other_s"), step_samples_s=tuple(r["step_s"] for r in records),
         bucket_ready_s=tuple(statistics.median(r["ready_s"][i] for r in records) for i in range(num_buckets)),
         bucket_bytes=tuple(per_rank[0]["bucket_bytes"]), others_busy_cores=others_busy_cores(windows))

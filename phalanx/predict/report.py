@@ -73,13 +73,28 @@ def _load_notes(rows: list[dict[str, Any]], base: dict[str, Any] | None, cores: 
     return above, lines
 
 
+def _exchange_line(payload: dict[str, Any]) -> str:
+    """Where each k's exchange runs, as training will run it (the profile and the timeline follow)."""
+    by_overlap: dict[bool, list[int]] = {}
+    for row in payload["summary"]:  # a row per (batch, k): each k once
+        ks = by_overlap.setdefault(row["overlap"], [])
+        if row["world_size"] not in ks:
+            ks.append(row["world_size"])
+    given = payload["predict"].get("overlap")
+    how = "as given" if given is not None else "overlap auto, as training picks it"
+    parts = [("beside backward, bucket by bucket" if overlapped else "after backward, one flat bucket")
+             + ("" if len(by_overlap) == 1 else f" at k = {', '.join(map(str, ks))}")
+             for overlapped, ks in sorted(by_overlap.items(), reverse=True)]
+    return f"exchange: {'; '.join(parts)} ({how})"
+
+
 def report_prediction(payload: dict[str, Any]) -> str:
     config = payload["predict"]
     cap = config["bucket_cap_mb"]
     lines = [f"phalanx predict: {config['model']}, {config['algorithm']} allreduce, bucket cap "
              f"{'none' if cap is None else f'{cap:g} MB'}, {payload['cores']} cores here, "
              f"median of {config['rounds']} round{'s' if config['rounds'] > 1 else ''}",
-             _link_line(payload), ""]
+             _link_line(payload), _exchange_line(payload), ""]
     for batch, rows in rows_by_batch(payload["summary"], config["global_batch_sizes"]):
         base = next((r for r in rows if r["world_size"] == 1), None)
         above, notes = _load_notes(rows, base, payload["cores"])

@@ -64,7 +64,8 @@ def run_round(config: PredictConfig, cores: int, *, on_progress: Callable[[str],
     batches = []
     shares = config.interconnect.shares_host
     for batch in config.global_batch_sizes:
-        phases = {k: phase_for(k, batch, cores, shares_host=shares) for k in config.world_sizes_sorted}
+        phases = {k: phase_for(k, batch, cores, shares_host=shares, algorithm=config.algorithm, overlap=config.overlap)
+                  for k in config.world_sizes_sorted}
         on_progress(f"profiling one device at global batch {batch} ({len(set(phases.values()))} settings)")
         job = ProfileJob(model=config.model, global_batch_size=batch, phases=tuple(dict.fromkeys(phases.values())),
                          bucket_cap_mb=config.bucket_cap_mb, warmup_steps=config.warmup_steps, steps=config.steps,
@@ -89,14 +90,14 @@ def run_round(config: PredictConfig, cores: int, *, on_progress: Callable[[str],
             profile = profiles[phase]
             row = _prediction_row(predict(k))
             row.update(batch_size_per_device=phase.batch_size_per_device, threads=phase.threads,
-                       co_runners=phase.co_runners, profile=dataclasses.asdict(profile))
+                       co_runners=phase.co_runners, overlap=phase.overlap, profile=dataclasses.asdict(profile))
             predictions.append(row)
         for k in validated_world_sizes(config, cores):
             on_progress(f"measuring phalanx on {k} device{'s' if k > 1 else ''} at global batch {batch}")
             found = measure_phalanx(StepJob(
                 model=config.model, global_batch_size=batch, bucket_cap_mb=config.bucket_cap_mb,
                 warmup_steps=config.warmup_steps, steps=config.steps, lr=config.lr, seed=config.seed),
-                world_size=k, threads_per_device=phases[k].threads, algorithm=config.algorithm,
+                world_size=k, threads_per_device=phases[k].threads, algorithm=config.algorithm, overlap=config.overlap,
                 timeout_s=config.timeout_s, deadline_s=config.deadline_s)
             # The same prediction, for the other load this measurement met (others share these cores).
             measured[str(k)] = {"images_per_s": found.images_per_s, "others_busy_cores": found.others_busy_cores,
@@ -113,7 +114,8 @@ def summarize(config: PredictConfig, rounds: list[dict[str, Any]]) -> list[dict[
             preds = [r["batches"][index]["predictions"][j] for r in rounds]
             row: dict[str, Any] = {"global_batch_size": batch, "world_size": k,
                                    "batch_size_per_device": preds[0]["batch_size_per_device"],
-                                   "threads": preds[0]["threads"], "co_runners": preds[0]["co_runners"]}
+                                   "threads": preds[0]["threads"], "co_runners": preds[0]["co_runners"],
+                                   "overlap": preds[0]["overlap"]}
             for key in PREDICTION_KEYS + ("images_per_s", "hidden_fraction"):
                 row[key] = Spread.of([p[key] for p in preds]).to_dict()
             # What other programs took while this k's device was profiled (report.py judges it).

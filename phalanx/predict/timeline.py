@@ -12,6 +12,9 @@ cores moves the bytes; with η the measured share that really hides, the step is
 
     step = compute_k + exposed + (1 - η) · hidden
 
+A replica that does not overlap (overlap auto where the workers' threads fill the cores, or
+--no-overlap) exchanges its one flat bucket after backward: r = b, nothing hides, all is exposed.
+
 Lockstep: every collective waits for the slowest rank, so compute_k is the expected maximum of
 k draws of the one-device step time, E[max_k] = Σ_i x_(i) [(i/n)^k - ((i-1)/n)^k] over the n
 sorted samples (the order statistic of the empirical distribution); backward and the ready
@@ -89,6 +92,7 @@ class DeviceProfile:
     bucket_ready_s: tuple[float, ...]  # bucket i's last gradient landed, since backward started
     bucket_bytes: tuple[int, ...]
     others_busy_cores: float = 0.0  # cores other programs kept busy while this was measured
+    overlapped: bool = True  # buckets go out beside backward; False: one exchange after it
 
     def __post_init__(self) -> None:
         if len(self.bucket_ready_s) != len(self.bucket_bytes):
@@ -120,7 +124,9 @@ class StepPrediction:
     @property
     def hidden_fraction(self) -> float:
         """Share of communication time that really hid (η · hidden / all); 1 when nothing to send."""
-        return 1.0 if self.comm_s == 0 else (self.comm_s - self.exposed_s - self.overlap_penalty_s) / self.comm_s
+        if self.comm_s == 0:
+            return 1.0
+        return max(0.0, (self.comm_s - self.exposed_s - self.overlap_penalty_s) / self.comm_s)  # not -0% from rounding
 
 
 def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: int, algorithm: str,
@@ -139,7 +145,8 @@ def predict_step(profile: DeviceProfile, *, world_size: int, global_batch_size: 
     compute = expected_max(samples, world_size)
     stretch = compute / statistics.median(samples) * timeslice  # one device's times -> the slowest rank's
     backward = profile.backward_s * stretch
-    ready = [min(r * stretch, backward) for r in profile.bucket_ready_s]
+    # Without overlap nothing goes out before backward ends: every bucket is exposed.
+    ready = [min(r * stretch, backward) if profile.overlapped else backward for r in profile.bucket_ready_s]
     comm = [allreduce_time_s(algorithm, n, world_size, alpha_s=alpha_s * comm_stretch, beta_Bps=beta_Bps, hosts=hosts)
             for n in profile.bucket_bytes]
     split = overlap(ready, comm, backward)

@@ -122,12 +122,17 @@ def workers_sharing_cores(local_workers: int) -> int:
     return 1 if _bound else max(1, local_workers)
 
 
+def leaves_core_for_comm(*, cores: int, workers: int, threads: int) -> bool:
+    """Whether `workers` processes of `threads` intra-op threads each on `cores` cores leave one
+    core per worker that no training thread uses (for its communication thread)."""
+    return cores - workers * threads >= workers
+
+
 def core_left_for_comm(local_workers: int) -> bool:
-    """Whether a communication thread of this worker would find a core that no training thread
-    uses: the cores this process may run on, less the intra-op threads (this thread's team) of the
-    workers sharing them, must leave one per worker."""
-    sharing = workers_sharing_cores(local_workers)
-    return available_cores() - sharing * torch.get_num_threads() >= sharing
+    """`leaves_core_for_comm` for this worker: the cores this process may run on, this thread's
+    team, and the workers sharing those cores."""
+    return leaves_core_for_comm(cores=available_cores(), workers=workers_sharing_cores(local_workers),
+                                threads=torch.get_num_threads())
 
 
 def default_threads(local_workers: int) -> int:

@@ -153,6 +153,8 @@ FLAG_CASES = [
     (["verify", "--no-diagnose=yes"], r"argument --no-diagnose: ignored explicit argument"),
     (["verify", "--out", f"{PROC}/v.json"], r"--out .*: directory .* does not exist"),
     (["predict", "--model", "vgg"], r"--model 'vgg' is unknown; choose one of lenet, mlp"),
+    (["predict", "--overlap", "--hosts", "2", "--link-gbit", "10"], r"--hosts predicts flat against hierarchical "
+     r"exchanges as training runs them \(beside backward\); drop --overlap"),
     (["predict", "--batch-size", "0"], r"--batch-size 0: every global batch size must be at least the largest world size"),
     (["predict", "--world-sizes", "0"], r"--world-sizes 0 must be at least 1"),
     (["predict", "--allreduce", "butterfly"], r"--allreduce 'butterfly' is unknown; choose one of"),

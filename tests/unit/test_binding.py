@@ -144,3 +144,5 @@ def test_a_core_is_left_for_the_communication_thread_only_beside_the_training_th
     monkeypatch.setattr(binding, "_bound", bound)
     assert binding.core_left_for_comm(workers) is free
     assert binding.workers_sharing_cores(workers) == (1 if bound else workers)
+    sharing = 1 if bound else workers
+    assert binding.leaves_core_for_comm(cores=cores, workers=sharing, threads=threads) is free

@@ -353,21 +353,32 @@ def test_config_and_cli_flags():
     assert config.overlap is True
 
 
-def test_overlap_auto_is_off_for_shm_only_where_no_core_is_left_for_the_thread(monkeypatch):
+def test_overlap_auto_is_off_for_shm_only_where_no_core_is_left_for_the_thread():
+    from phalanx.data_parallel.config import auto_overlap
+
+    assert auto_overlap(algorithm="shm", workers=2, threads=1, cores=2) == (
+        False, "2 workers x 1 thread on 2 cores leave no core for a communication thread")
+    assert auto_overlap(algorithm="shm", workers=8, threads=1, cores=16) == (
+        True, "8 workers x 1 thread on 16 cores leave a core per worker for a communication thread")
+    assert auto_overlap(algorithm="shm", workers=1, threads=2, cores=2)[0] is False
+    for algorithm in ("native", "hierarchical", "ring", "tree", "naive"):  # waits the thread hides cost no core
+        assert auto_overlap(algorithm=algorithm, workers=2, threads=1, cores=2) == (True, None)
+
+
+def test_resolve_overlap_asks_auto_with_this_process_s_cores_threads_and_sharers(monkeypatch):
     from phalanx.data_parallel import config as dp_config
     from phalanx.data_parallel.config import resolve_overlap
 
-    full = {"value": False}
-    monkeypatch.setattr(dp_config, "core_left_for_comm", lambda workers: full["value"])
     monkeypatch.setattr(dp_config, "available_cores", lambda: 2)
     monkeypatch.setattr(dp_config.torch, "get_num_threads", lambda: 1)
-    overlap, why = resolve_overlap(None, algorithm="shm", local_workers=2)
-    assert (overlap, why) == (False, "2 workers x 1 thread on 2 cores leave no core for a communication thread")
-    full["value"] = True
+    monkeypatch.setattr(dp_config, "workers_sharing_cores", lambda workers: workers)
+    assert resolve_overlap(None, algorithm="shm", local_workers=2) == (
+        False, "2 workers x 1 thread on 2 cores leave no core for a communication thread")
+    assert resolve_overlap(None, algorithm="shm", local_workers=1) == (
+        True, "1 worker x 1 thread on 2 cores leave a core per worker for a communication thread")
+    monkeypatch.setattr(dp_config, "workers_sharing_cores", lambda workers: 1)  # --bind-cores: its own share
     assert resolve_overlap(None, algorithm="shm", local_workers=2)[0] is True
-    full["value"] = False
-    for algorithm in ("native", "hierarchical", "ring", "tree", "naive"):  # waits the thread hides cost no core
-        assert resolve_overlap(None, algorithm=algorithm, local_workers=2) == (True, None)
+    assert resolve_overlap(None, algorithm="native", local_workers=2) == (True, None)
     assert resolve_overlap(True, algorithm="shm", local_workers=2) == (True, None)  # given: as given
     assert resolve_overlap(False, algorithm="native", local_workers=2) == (False, None)
 
@@ -375,7 +386,7 @@ def test_overlap_auto_is_off_for_shm_only_where_no_core_is_left_for_the_thread(m
 def test_the_first_line_says_what_overlap_auto_saw(monkeypatch):
     from phalanx.data_parallel import config as dp_config
 
-    monkeypatch.setattr(dp_config, "core_left_for_comm", lambda workers: False)
+    monkeypatch.setattr(dp_config, "leaves_core_for_comm", lambda **layout: False)
     # A world of one exchanging alone builds the k-device replica's buckets and choices.
     for overlap, algorithm, expected in ((None, "shm", False), (None, "native", True), (True, "shm", True)):
         options = DataParallelConfig(overlap=overlap, allreduce=algorithm, exchange_alone=True)

@@ -156,6 +156,19 @@ def test_predict_step_adds_the_exposed_wait_and_the_cost_of_hiding():
     assert (one.comm_s, one.step_s, one.hidden_fraction) == (0.0, pytest.approx(0.1), 1.0)
 
 
+def test_a_replica_that_does_not_overlap_exposes_every_bucket_after_backward():
+    # The same buckets exchanged after backward: both 3 ms allreduces exposed, nothing hidden, no penalty.
+    after = predict_step(_profile(overlapped=False), world_size=2, global_batch_size=256, algorithm="ring",
+                         alpha_s=1e-3, beta_Bps=1e9, overlap_efficiency=0.5)
+    assert (after.comm_s, after.hidden_s, after.exposed_s, after.overlap_penalty_s) == pytest.approx(
+        (0.006, 0.0, 0.006, 0.0))
+    assert after.step_s == pytest.approx(0.106) and after.hidden_fraction == pytest.approx(0.0)
+    one_bucket = predict_step(_profile(overlapped=False, bucket_ready_s=(0.002,), bucket_bytes=(2_000_000,)),
+                              world_size=2, global_batch_size=256, algorithm="ring", alpha_s=1e-3, beta_Bps=1e9,
+                              overlap_efficiency=0.5)
+    assert one_bucket.exposed_s == pytest.approx(0.004)  # one call: one latency term fewer
+
+
 def test_lockstep_waits_for_the_slowest_rank_and_time_slicing_stretches_compute():
     jittery = _profile(step_samples_s=(0.09, 0.1, 0.1, 0.11))
     p = predict_step(jittery, world_size=4, global_batch_size=256, algorithm="ring", alpha_s=0, beta_Bps=1e12,
@@ -210,7 +223,7 @@ def test_validation_measures_bench_scalings_own_phalanx_contender(monkeypatch):
     monkeypatch.setattr(validate, "run_variant", fake_run_variant)
     cores, job = 4, StepJob(model="lenet", global_batch_size=64, warmup_steps=1, steps=4, lr=0.2, seed=0)
     for k in (1, 2, 4):
-        threads = phase_for(k, 64, cores, shares_host=True).threads
+        threads = phase_for(k, 64, cores, shares_host=True, algorithm="shm").threads
         found = validate.measure_phalanx(job, world_size=k, threads_per_device=threads, algorithm="auto",
                                          timeout_s=1.0, deadline_s=1.0)
         assert ran[-1] == {v.name: v for v in variants((1, 2, 4), cores)}[f"phalanx/{k}"]
@@ -218,14 +231,23 @@ def test_validation_measures_bench_scalings_own_phalanx_contender(monkeypatch):
         assert found.others_busy_cores == pytest.approx((1.4 - 0.9) / 0.5)
 
 
-def test_each_device_is_profiled_with_its_shard_threads_and_co_runners():
-    assert phase_for(1, 256, 2, shares_host=True) == Phase(batch_size_per_device=256, threads=2, co_runners=1)
-    assert phase_for(2, 256, 2, shares_host=True) == Phase(batch_size_per_device=128, threads=1, co_runners=2)
+def test_each_device_is_profiled_with_its_shard_threads_co_runners_and_exchange():
+    def phase(k, batch, cores, *, shares_host=True, algorithm="shm", overlap=None):
+        return phase_for(k, batch, cores, shares_host=shares_host, algorithm=algorithm, overlap=overlap)
+
+    # shm on one host, cores // k threads each: the workers fill the cores, so auto exchanges after backward.
+    assert phase(1, 256, 2) == Phase(batch_size_per_device=256, threads=2, co_runners=1, overlap=False)
+    assert phase(2, 256, 2) == Phase(batch_size_per_device=128, threads=1, co_runners=2, overlap=False)
     # Past the cores every copy runs, up to twice the cores (time-slicing costs more than arithmetic).
-    assert phase_for(3, 256, 2, shares_host=True) == Phase(batch_size_per_device=86, threads=1, co_runners=3)
-    assert phase_for(8, 256, 2, shares_host=True) == Phase(batch_size_per_device=32, threads=1, co_runners=4)
-    assert phase_for(2, 256, 16, shares_host=True) == Phase(batch_size_per_device=128, threads=8, co_runners=2)
-    assert phase_for(4, 256, 2, shares_host=False) == Phase(batch_size_per_device=64, threads=2, co_runners=1)
+    assert phase(3, 256, 2) == Phase(batch_size_per_device=86, threads=1, co_runners=3, overlap=False)
+    assert phase(8, 256, 2) == Phase(batch_size_per_device=32, threads=1, co_runners=4, overlap=False)
+    assert phase(2, 256, 16) == Phase(batch_size_per_device=128, threads=8, co_runners=2, overlap=False)
+    # The network algorithms' waits cost no core: auto overlaps; a given overlap is kept.
+    assert phase(2, 256, 2, algorithm="native") == Phase(batch_size_per_device=128, threads=1, co_runners=2)
+    assert phase(2, 256, 2, overlap=True).overlap is True
+    assert phase(2, 256, 2, algorithm="native", overlap=False).overlap is False
+    assert phase(4, 256, 2, shares_host=False, algorithm="native") == Phase(batch_size_per_device=64, threads=2,
+                                                                           co_runners=1)
 
 
 # --- presets, config, flags --------------------------------------------------------------------
@@ -256,6 +278,7 @@ def test_presets():
     ({"bucket_cap_mb": math.nan}, "--bucket-cap-mb nan must be a positive number of MB"),
     ({"rounds": 0}, "--rounds 0"), ({"steps": 1}, "--steps 1 must be at least 2"), ({"warmup_steps": -1}, "--warmup-steps -1"),
     ({"validate": True, "interconnect": INTERCONNECTS["nvlink"]}, "loopback"),
+    ({"hosts": (2,), "link_gbit": 10.0, "overlap": False}, "drop --no-overlap"),
 ])
 def test_config_validates_itself(changes, words):
     with pytest.raises(ValueError, match=words):
@@ -289,18 +312,20 @@ def test_bad_flags_are_one_line_usage_errors(argv):
 
 
 # --- summary, table, chart -----------------------------------------------------------------------
-def _payload(validate: bool, profile_for=lambda k, scale: {"step_samples_s": (0.1 * scale / k,) * 4}) -> dict:
+def _payload(validate: bool, profile_for=lambda k, scale: {"step_samples_s": (0.1 * scale / k,) * 4},
+             overlap_at: dict[int, bool] | None = None) -> dict:
+    overlap_at = overlap_at or {}
     config = PredictConfig(global_batch_sizes=(256,), world_sizes=(1, 2, 4), validate=validate, rounds=2)
     rounds = []
     for scale in (1.0, 1.1):
         preds = []
-        for k, phase in ((1, phase_for(1, 256, 2, shares_host=True)), (2, phase_for(2, 256, 2, shares_host=True)),
-                         (4, phase_for(4, 256, 2, shares_host=True))):
-            profile = _profile(**profile_for(k, scale))
+        for k in (1, 2, 4):
+            phase = phase_for(k, 256, 2, shares_host=True, algorithm="shm", overlap=overlap_at.get(k))
+            profile = _profile(**profile_for(k, scale), overlapped=phase.overlap)
             row = _prediction_row(predict_step(profile, world_size=k, global_batch_size=256, algorithm="native",
                                                alpha_s=3e-4, beta_Bps=1e9, overlap_efficiency=0.5))
             row.update(batch_size_per_device=phase.batch_size_per_device, threads=phase.threads,
-                       co_runners=phase.co_runners, profile=dataclasses.asdict(profile))
+                       co_runners=phase.co_runners, overlap=phase.overlap, profile=dataclasses.asdict(profile))
             preds.append(row)
         measured = {str(k): {"images_per_s": ips, "others_busy_cores": 0.5, "predicted_images_per_s_at_its_load": ips * 1.05}
                     for k, ips in ((1, 2000.0), (2, 4000.0 * scale))} if validate else {}
@@ -331,6 +356,7 @@ def test_table_and_png(tmp_path):
         text = report_prediction(payload)
         assert "global batch 256" in text and "images/s" in text and "speedup" in text
         assert ("error" in text) == validate and "link loopback (given)" in text
+        assert "exchange: after backward, one flat bucket (overlap auto, as training picks it)" in text
         out = prepare_out_dir(tmp_path / f"v{validate}")
         json_path, png_path = write_outputs(out, "predict", payload, plot_prediction(payload))
         assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and json_path.stat().st_size > 100
@@ -373,3 +399,39 @@ def test_oversubscribed_hosts_stretch_communication_and_the_sweep_includes_the_b
     sizes = sweep_sizes((5672, 409601, 101000))
     assert set(DEFAULT_SWEEP_BYTES) <= set(sizes) and {5672, 409600, 101000} <= set(sizes)
     assert list(sizes) == sorted(sizes) and all(n % 4 == 0 for n in sizes)
+
+
+def test_the_report_says_where_each_k_exchanges():
+    mixed = report_prediction(_payload(False, overlap_at={1: False, 2: True, 4: True}))
+    assert ("exchange: beside backward, bucket by bucket at k = 2, 4; after backward, one flat bucket at k = 1 "
+            "(overlap auto, as training picks it)") in mixed.splitlines()
+    payload = _payload(False, overlap_at={1: True, 2: True, 4: True})
+    payload["predict"]["overlap"] = True
+    assert "exchange: beside backward, bucket by bucket (as given)" in report_prediction(payload).splitlines()
+
+
+def test_the_overlap_flag_reaches_the_prediction_and_its_validation(monkeypatch):
+    from phalanx.predict import run as predict_run
+    from phalanx.predict.validate import Measurement
+
+    profiled, measured = [], []
+
+    def fake_profile(job, *, deadline_s):
+        profiled.extend(job.phases)
+        return {p: _profile(batch_size_per_device=p.batch_size_per_device, threads=p.threads,
+                            co_runners=p.co_runners, overlapped=p.overlap) for p in job.phases}
+
+    def fake_measure(job, *, world_size, overlap, **kwargs):
+        measured.append(overlap)
+        return Measurement(images_per_s=1000.0, others_busy_cores=0.0)
+
+    monkeypatch.setattr(predict_run, "profile_devices", fake_profile)
+    monkeypatch.setattr(predict_run, "measure_phalanx", fake_measure)
+    for flags, expected in (((), False), (("--overlap",), True), (("--no-overlap",), False)):
+        profiled.clear(), measured.clear()
+        config = build_config("--world-sizes", "1,2", "--validate", "--alpha-us", "10", "--beta-gbps", "5",
+                              "--overlap-efficiency", "1", *flags)
+        found = predict_run.run_round(config, 2, on_progress=lambda _: None)
+        assert {p.overlap for p in profiled} == {expected}
+        assert measured == [config.overlap] * 2  # None: the measured run's own auto, as training
+        assert [row["overlap"] for row in found["batches"][0]["predictions"]] == [expected] * 2
