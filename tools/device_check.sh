@@ -6,7 +6,7 @@
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu, bench gpu, float64 graphs vs eager
-#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8, threads, allreduce 2,8, bench scaling 1,8
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and auto, threads, allreduce 2,8, bench scaling 1,8
 #                                        # (fresh starts, and at 8 side by side),
 #                                        # then (time left) cpu:2 and cpu:8 with a core left per worker,
 #                                        # and cpu:8 with --overlap (auto: off at 8 x 2 threads)
@@ -14,6 +14,7 @@ set -uo pipefail
 mode="${1:?usage: tools/device_check.sh gpu|cpu [SAMPLE_DIR]}"
 sample="${2:-}"
 out="${OUT:-runs/device-check}"
+images="${IMAGES:-60000}"  # training images tiled; a smaller IMAGES makes a smoke run of the script
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 step() {  # step NAME SECONDS CMD...: run with a deadline, log to $out/NAME.log, note its exit code
@@ -27,8 +28,8 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log to $out/NAME.log,
 "$py" -m pip install --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
 nproc >"$out/host.txt"; "$py" -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$out/host.txt"
 command -v nvidia-smi >/dev/null && nvidia-smi >>"$out/host.txt" 2>&1
-data="$out/fashion-mnist-60k"
-step data 120 "$py" - "$sample" "$data" <<'EOF'
+data="$out/fashion-mnist-$images"
+step data 120 "$py" - "$sample" "$data" "$images" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -38,9 +39,9 @@ import torch
 from phalanx.data import load_digits_dataset, write_idx
 from phalanx.data.idx import read_idx
 
-sample, target = sys.argv[1], Path(sys.argv[2])
+sample, target, images = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 target.mkdir(parents=True, exist_ok=True)
-sizes = {"train": 60_000, "t10k": 10_000}
+sizes = {"train": images, "t10k": max(1, images // 6)}
 for prefix, n in sizes.items():
     if sample:
         def find(name):  # the sample's files, compressed or not
@@ -79,6 +80,9 @@ EOF
             step "train-cpu$k" 90 "$py" -m phalanx train --devices "cpu:$k" --data-dir "$data" --epochs 2 --no-progress \
                 --out "$out/train-cpu$k"
         done
+        # What --devices auto picks on this host (its first line: the layout and the measured alternatives).
+        step train-auto 60 "$py" -m phalanx train --devices auto --data-dir "$data" --epochs 2 --no-progress \
+            --out "$out/train-auto"
         step threads 120 "$py" -m pytest tests/distributed/test_threads.py -q -p no:cacheprovider
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
             --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"
