@@ -126,8 +126,9 @@ def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
                 work.wait(_POLL)
                 break
             except RuntimeError:
-                if work.is_completed():
-                    raise  # the collective itself failed: `waiting` explains it
+                if work.is_completed():  # it failed, or completed just after this poll timed out
+                    work.wait()  # returns for the latter; raises the collective's own error, which `waiting` explains
+                    break
             poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
 
 

@@ -296,3 +296,37 @@ def test_ring_with_many_segments_equals_the_sum(world_size, numel):
         torch.testing.assert_close(out, expected)
         assert torch.equal(out, outputs[0])  # bitwise identical on every rank
     assert mailbox.steps == [2 * (world_size - 1)] * world_size  # still one exchange per step
+
+
+class _GlooWork:
+    """A gloo Work as wait_work polls it: its timed waits time out `timeouts` times, then it is
+    complete (wait() returns, or raises `failure`); `completes_at_last_timeout` makes it complete
+    right after the last timed wait timed out, the race that once read as a 30 s stall."""
+
+    def __init__(self, timeouts: int, *, failure: Exception | None = None) -> None:
+        self.timeouts, self.failure, self.waits = timeouts, failure, 0
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if timeout is not None and self.timeouts > 0:
+            self.timeouts -= 1
+            raise RuntimeError("Operation timed out!")
+        if self.failure is not None:
+            raise self.failure
+        return True
+
+    def is_completed(self) -> bool:
+        return self.timeouts == 0
+
+
+def test_a_gloo_collective_that_completes_as_a_poll_times_out_is_done_not_a_stall():
+    from phalanx.comm.calls import wait_work
+
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="gloo",
+                  timeout_s=30.0)
+    work = _GlooWork(timeouts=3)  # complete as soon as its third timed wait has timed out
+    wait_work(work, world=world, ticket=None)
+    assert work.waits == 4
+    failed = _GlooWork(timeouts=1, failure=RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):  # a real failure is still raised
+        wait_work(failed, world=world, ticket=None)
