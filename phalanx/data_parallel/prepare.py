@@ -39,7 +39,8 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 __all__ = ["Choices", "prepare", "prepare_replica"]  # Choices: what the replica prepare returns says it runs with
 
 
-def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None = None, batchnorm: str = "sync",
+def prepare(model: nn.Module, *not_the_model: object, world: World | None = None,
+            dtype: str | torch.dtype | None = None, batchnorm: str = "sync",
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool | None = None,
             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
             precision: str | None = None, average: bool | None = None, tracer: Tracer | None = None,
@@ -62,8 +63,16 @@ def prepare(model: nn.Module, *, world: World, dtype: str | torch.dtype | None =
     stages 1-3: each rank keeps 1/k of the optimizer state, then the gradients, then the
     parameters; build the optimizer with `dp.optimizer(torch.optim.AdamW, lr=...)`).
     `check_finite_every`: synced steps between the gradient's NaN/Inf checks (0: off). A bad
-    value raises ValueError before anything is converted.
+    value raises ValueError before anything is converted. Accelerate's and Fabric's habits, more
+    objects than the model and no `world`, are a TypeError naming phalanx's way.
     """
+    if not_the_model:
+        given = ", ".join(type(thing).__name__ for thing in not_the_model)
+        raise TypeError(f"prepare takes the model alone, got {given} after it (Accelerate's prepare(model, optimizer, "
+                        "loader), Fabric's setup(model, optimizer)): build the optimizer over dp.parameters() and load "
+                        "the data with phalanx.ShardedLoader(dataset, world=world, global_batch_size=...)")
+    if world is None:
+        raise TypeError("prepare needs world=: world = phalanx.init(), then phalanx.prepare(model, world=world)")
     if isinstance(grad_dtype, torch.dtype):  # the options hold the wire dtype's name
         names = {value: name for name, value in GRAD_DTYPES.items()}
         if grad_dtype not in names:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 # What a collective is for; the call site names it. The index of each name is its code (0: unset).
 PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
           "allreduce", "set-up", "reduce-scatter", "all-gather",
-          "parameters", "gradient norm", "NaN/Inf check")
+          "parameters", "gradient norm", "NaN/Inf check", "barrier")
 # parameters: a sharded bucket's all-gather; gradient norm: clipping's; NaN/Inf check: the finite
-# check's small sum (periodic, and before any state leaves the replica)
+# check's small sum (periodic, and before any state leaves the replica); barrier: phalanx.barrier
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 # What a collective does, set by the collective itself: "allreduce" stands for every collective of
 # allreduce's shape (the backend's broadcast and barrier too); the sharded two differ in kind.

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UsageError
+from phalanx.runtime.foreign_names import foreign_name_error
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT")
@@ -65,6 +66,11 @@ class World:
         """`print` on rank 0 only, flushed (k workers share one terminal); other ranks print nothing."""
         if self.is_main:
             builtins.print(*args, **{"flush": True, **kwargs})
+
+    def __getattr__(self, name: str):
+        """Only for a name World does not have: Accelerate's or Fabric's spelling gets phalanx's
+        way in the error (foreign_names.py)."""
+        raise foreign_name_error(name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -49,5 +49,5 @@ def test_the_snippets_continue_the_complete_script():
     script = continued_script(blocks)
     compile(script, "api.md", "exec")  # one valid script
     assert script.count("dp.close()") == 1 and script.rstrip().endswith("dp.close()")
-    for snippet in ("torch.distributed.barrier()", "all_gather_object", "dp.accumulate(", "checkpoint.pt"):
+    for snippet in ("phalanx.barrier(world=world)", "phalanx.gather(", "dp.accumulate(", "checkpoint.pt"):
         assert snippet in script

@@ -1,0 +1,83 @@
+"""`gather` and `barrier`: the two collectives a user's loop asks for besides the sums.
+
+`gather(tensor, world=)` returns every rank's rows, concatenated along dim 0 in rank order, on
+every rank: the predictions or labels of a global batch, for a metric that is not a sum
+(Accelerate's `gather_for_metrics`, Fabric's `all_gather` then a reshape). Ranks may hold
+different numbers of rows (the last global batch splits unevenly: `shard_sizes`), and because
+each rank's shard is its contiguous slice of the global batch (`rank_shard`), the gathered rows
+are the global batch's, in its order, as one device would have them: nothing padded, nothing
+repeated, nothing to drop. A 0-d tensor counts as one row. Two backend all-gathers: first each
+rank's shape and dtype (so a rank whose rows do not match is named on every rank, not met with
+a hang or garbage), then the rows padded to the longest shard.
+
+`barrier(world=)` returns once every rank has called it (Accelerate's `wait_for_everyone`,
+Fabric's `barrier`): e.g. rank 0 writes a file the others then read. Both wait at most the
+world's timeout, and a rank that never arrives is named, as for every collective (calls.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from phalanx.comm.calls import native
+from phalanx.runtime.tags import Tag
+from phalanx.runtime.world import World
+
+MAX_DIMS = 8  # the header holds this many sizes; a tensor with more dimensions is refused
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+
+
+def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
+    """Return once every rank of `world` has called barrier (at once in a world of one)."""
+    if world.distributed:
+        native(world, tag, lambda: dist.barrier(async_op=True), size_bytes=0)
+
+
+def _header(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[dtype index, ndim, size 0, ..., size ndim-1, 0 ...]: what each rank's peers check."""
+    if rows.dtype not in _DTYPES:
+        raise ValueError(f"gather: dtype {rows.dtype} is not supported; use one of "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in _DTYPES)}")
+    if rows.dim() > MAX_DIMS:
+        raise ValueError(f"gather: a tensor of {rows.dim()} dimensions; at most {MAX_DIMS} are gathered")
+    sizes = list(rows.shape) + [0] * (MAX_DIMS - rows.dim())
+    return torch.tensor([_DTYPES.index(rows.dtype), rows.dim(), *sizes], dtype=torch.int64, device=device)
+
+
+def _describe(header: list[int]) -> str:
+    dtype, ndim = _DTYPES[header[0]], header[1]
+    return f"{str(dtype).removeprefix('torch.')} rows of shape {tuple(header[3:2 + ndim])}"
+
+
+@torch.no_grad()
+def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0 in rank order, on every rank (a
+    collective: every rank calls it at the same point). Ranks may differ in the number of rows,
+    not in what a row is (its trailing shape and dtype): a mismatch is a ValueError on every
+    rank naming both. The caller's tensor is left as it was; the result is a new tensor on
+    `world.device` (a 0-d tensor counts as one row)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"gather takes a tensor, got {type(tensor).__name__}: wrap numbers in torch.tensor(...)")
+    rows = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
+    header = _header(rows, world.device)
+    if not world.distributed:
+        return rows.to(world.device, copy=True)
+    headers = [torch.empty_like(header) for _ in range(world.world_size)]
+    native(world, tag, lambda: dist.all_gather(headers, header, async_op=True), size_bytes=header.numel() * 8)
+    found = [h.tolist() for h in headers]
+    mine = found[world.rank]
+    for rank, theirs in enumerate(found):
+        if theirs[0] != mine[0] or theirs[1] != mine[1] or theirs[3:] != mine[3:]:
+            raise ValueError(f"gather: rank {rank} has {_describe(theirs)}, rank {world.rank} {_describe(mine)}; "
+                             "every rank's rows must have the same trailing shape and dtype")
+    counts = [theirs[2] for theirs in found]
+    wire = rows.to(world.device).view(torch.uint8) if rows.dtype == torch.bool else rows.to(world.device)
+    padded = wire.new_zeros((max(counts), *wire.shape[1:]))
+    padded[:wire.shape[0]] = wire
+    pieces = [torch.empty_like(padded) for _ in range(world.world_size)]
+    native(world, tag, lambda: dist.all_gather(pieces, padded, async_op=True),
+           size_bytes=padded.numel() * padded.element_size())
+    joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts)])
+    return joined.view(torch.bool) if rows.dtype == torch.bool else joined

@@ -1,0 +1,63 @@
+"""What Accelerate's `Accelerator` and Lightning Fabric's `Fabric` call what phalanx calls
+otherwise, for the `World` a script holds where it held one of those: a name asked of it that
+phalanx spells differently is an AttributeError naming phalanx's way in one line (docs/accelerate-fabric.md),
+not Python's bare "has no attribute". Names that already mean the same (`device`, `local_rank`,
+`world_size`, `node_rank`, `print`) are World's own and never come here.
+"""
+
+from __future__ import annotations
+
+ACCELERATE, FABRIC, _BOTH = "Accelerate's", "Fabric's", "Accelerate's and Fabric's"
+
+# name -> (whose, phalanx's way)
+FOREIGN_NAMES: dict[str, tuple[str, str]] = {
+    "is_main_process": (ACCELERATE, "world.is_main"),
+    "is_local_main_process": (ACCELERATE, "world.local_rank == 0"),
+    "is_global_zero": (FABRIC, "world.is_main"),
+    "process_index": (ACCELERATE, "world.rank"),
+    "global_rank": (FABRIC, "world.rank"),
+    "local_process_index": (ACCELERATE, "world.local_rank"),
+    "num_processes": (ACCELERATE, "world.world_size"),
+    "wait_for_everyone": (ACCELERATE, "phalanx.barrier(world=world)"),
+    "barrier": (FABRIC, "phalanx.barrier(world=world)"),
+    "gather": (ACCELERATE, "phalanx.gather(tensor, world=world): every rank's rows in rank order"),
+    "gather_for_metrics": (ACCELERATE, "phalanx.gather(tensor, world=world): no padding to drop, the rows are "
+                                       "the global batch's"),
+    "all_gather": (FABRIC, "phalanx.gather(tensor, world=world), concatenated along dim 0 (not stacked)"),
+    "reduce": (ACCELERATE, "phalanx.reduce(value, op='mean', world=world)"),
+    "all_reduce": (FABRIC, "phalanx.reduce(value, op='mean', world=world)"),
+    "broadcast": (FABRIC, "prepare broadcasts rank 0's weights; for your own tensor, torch.distributed.broadcast"),
+    "prepare": (ACCELERATE, "dp = phalanx.prepare(model, world=world); the optimizer over dp.parameters(); "
+                            "phalanx.ShardedLoader for the data"),
+    "setup": (FABRIC, "dp = phalanx.prepare(model, world=world); the optimizer over dp.parameters()"),
+    "setup_module": (FABRIC, "dp = phalanx.prepare(model, world=world)"),
+    "setup_dataloaders": (FABRIC, "phalanx.ShardedLoader(dataset, world=world, global_batch_size=...)"),
+    "prepare_data_loader": (ACCELERATE, "phalanx.ShardedLoader(dataset, world=world, global_batch_size=...)"),
+    "backward": (_BOTH, "phalanx.shard_loss(loss_sum, global_size).backward(), then dp.finish_gradient_sync()"),
+    "clip_grad_norm_": (ACCELERATE, "phalanx.clip_grad_norm_(dp, max_norm), after dp.finish_gradient_sync()"),
+    "clip_gradients": (FABRIC, "phalanx.clip_grad_norm_(dp, max_norm), after dp.finish_gradient_sync()"),
+    "accumulate": (ACCELERATE, "for piece in dp.accumulate(n): ..."),
+    "sync_gradients": (ACCELERATE, "dp.sync_enabled (inside dp.accumulate(n): true on the last piece only)"),
+    "no_sync": (ACCELERATE, "with dp.no_sync(): ..."),
+    "no_backward_sync": (FABRIC, "with dp.no_sync(): ..."),
+    "unwrap_model": (ACCELERATE, "dp.module"),
+    "autocast": (_BOTH, "phalanx.prepare(model, world=world, precision='bf16-mixed')"),
+    "save_state": (ACCELERATE, "phalanx.checkpoint(path, world=world, model=dp, optimizer=...)"),
+    "load_state": (ACCELERATE, "phalanx.resume(path, world=world, model=dp, optimizer=...)"),
+    "save": (_BOTH, "phalanx.checkpoint(path, world=world, model=dp, optimizer=...), written by rank 0 atomically"),
+    "load": (FABRIC, "phalanx.resume(path, world=world, model=dp, optimizer=...)"),
+    "log": (_BOTH, "phalanx.MetricsLogger(out_dir, world=world).log(row)"),
+    "log_dict": (FABRIC, "phalanx.MetricsLogger(out_dir, world=world).log(row)"),
+    "seed_everything": (FABRIC, "torch.manual_seed(seed) on every rank (prepare broadcasts rank 0's weights)"),
+    "to_device": (FABRIC, "tensor.to(world.device)"),
+    "launch": (FABRIC, "phalanx run --devices cpu:2 script.py starts the workers; each calls phalanx.init()"),
+    "end_training": (ACCELERATE, "dp.close()"),
+}
+
+
+def foreign_name_error(name: str) -> AttributeError:
+    """The AttributeError for `name` asked of a World: phalanx's way where it is another tool's name."""
+    if name not in FOREIGN_NAMES:
+        return AttributeError(f"'World' object has no attribute {name!r}")
+    whose, way = FOREIGN_NAMES[name]
+    return AttributeError(f"'World' object has no attribute {name!r} ({whose} name): in phalanx, {way}")

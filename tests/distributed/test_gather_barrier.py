@@ -1,0 +1,105 @@
+"""`phalanx.gather` and `phalanx.barrier` on 3 gloo processes: gather equals torch's own
+all-gather of every rank's tensor, concatenated in rank order (uneven and empty shards, every
+dtype kind, 0-d, a non-contiguous view), a ShardedLoader's shards gather into the 1-device global
+batch, a row mismatch is one ValueError on every rank naming both, and no rank leaves a barrier
+before the last has come to it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import phalanx
+from tests.distributed.harness import run_workers
+
+pytestmark = pytest.mark.distributed
+
+
+def _cases(rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return {
+        "float64 rows": torch.randn(rank + 1, 3, generator=g, dtype=torch.float64),
+        "int64 1-d": torch.randint(-9, 9, (2 * rank + 1,), generator=g),
+        "bool": torch.rand(rank + 2, 2, generator=g) > 0.5,
+        "float32 0-d": torch.tensor(float(rank) + 0.5),
+        "bfloat16 view": torch.randn(4, 6, generator=g).to(torch.bfloat16)[:, ::2],
+        "empty on rank 1": torch.randn(0 if rank == 1 else 2, 2, generator=g),
+    }
+
+
+def _torch_gather(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """torch's own answer: every rank's tensor as an object, concatenated in rank order."""
+    objects = [None] * world_size
+    dist.all_gather_object(objects, tensor)
+    return torch.cat([t.reshape(1) if t.dim() == 0 else t for t in objects])
+
+
+def _worker(world, marker_dir: str) -> dict:
+    out: dict = {}
+    for name, tensor in _cases(world.rank).items():
+        before = tensor.clone()
+        got = phalanx.gather(tensor, world=world)
+        want = _torch_gather(tensor, world.world_size)
+        out[name] = (got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+                     and torch.equal(tensor, before))
+    # A ShardedLoader's shards gather into the global batch, in its order.
+    labels = torch.arange(10)
+    dataset = torch.utils.data.TensorDataset(torch.zeros(10, 1), labels)
+    loader = phalanx.ShardedLoader(dataset, world=world, global_batch_size=4, seed=3)
+    gathered = [phalanx.gather(y, world=world) for (_, y), _ in loader.epoch(0)]
+    out["loader"] = gathered
+    # Rows that do not match: every rank raises, naming both.
+    try:
+        phalanx.gather(torch.zeros(2, 3 if world.rank == 1 else 4), world=world)
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    # The barrier: rank 2 arrives late, after writing a file; nobody leaves before it exists.
+    marker = Path(marker_dir) / "rank2-was-here"
+    if world.rank == 2:
+        time.sleep(0.5)
+        marker.write_text("x")
+    phalanx.barrier(world=world)
+    out["after barrier"] = marker.exists()
+    return out
+
+
+def test_gather_and_barrier_against_torch(tmp_path):
+    results = run_workers(_worker, 3, str(tmp_path), timeout_s=90)
+    one_device = phalanx.ShardedLoader(torch.utils.data.TensorDataset(torch.zeros(10, 1), torch.arange(10)),
+                                       world=_world_of_one(), global_batch_size=4, seed=3)
+    expected = [y for (_, y), _ in one_device.epoch(0)]
+    for rank, out in enumerate(results):
+        for name in _cases(0):
+            assert out[name], f"rank {rank}: {name}"
+        assert len(out["loader"]) == len(expected) == 3
+        for got, want in zip(out["loader"], expected):
+            assert torch.equal(got, want)
+        mismatch = out["mismatch"]  # the first rank whose rows differ from this rank's, and this rank's
+        assert mismatch.startswith("gather: rank ") and "\n" not in mismatch
+        assert "float32 rows of shape (3,)" in mismatch and "float32 rows of shape (4,)" in mismatch
+        assert mismatch.endswith("every rank's rows must have the same trailing shape and dtype")
+        assert out["after barrier"]
+    assert results[0]["mismatch"].startswith("gather: rank 1 has float32 rows of shape (3,), rank 0 float32 rows")
+
+
+def _world_of_one():
+    from phalanx.runtime.world import World
+    return World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
+                 timeout_s=5.0)
+
+
+def test_a_world_of_one_gathers_its_own_rows_and_passes_the_barrier():
+    world = _world_of_one()
+    assert torch.equal(phalanx.gather(torch.tensor(2.0), world=world), torch.tensor([2.0]))
+    rows = torch.arange(6).reshape(3, 2)
+    got = phalanx.gather(rows, world=world)
+    assert torch.equal(got, rows) and got.data_ptr() != rows.data_ptr()
+    phalanx.barrier(world=world)
+    with pytest.raises(ValueError, match="gather takes a tensor, got float"):
+        phalanx.gather(2.0, world=world)
+    with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
+        phalanx.gather(torch.zeros(2, dtype=torch.complex64), world=world)

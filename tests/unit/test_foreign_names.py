@@ -1,0 +1,65 @@
+"""Accelerate's and Fabric's habits on phalanx's objects: a name phalanx spells differently is an
+AttributeError (on the World) or a TypeError (prepare) naming phalanx's way in one line, and
+every way named exists."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx
+from phalanx.data_parallel import DataParallel
+from phalanx.runtime.foreign_names import FOREIGN_NAMES
+from phalanx.runtime.world import World
+
+WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
+               timeout_s=5.0)
+
+
+@pytest.mark.parametrize("name", sorted(FOREIGN_NAMES))
+def test_another_tool_s_name_on_the_world_names_phalanx_s_way(name):
+    whose, way = FOREIGN_NAMES[name]
+    with pytest.raises(AttributeError) as info:
+        getattr(WORLD1, name)
+    message = str(info.value)
+    assert message == f"'World' object has no attribute {name!r} ({whose} name): in phalanx, {way}"
+    assert "\n" not in message and not hasattr(WORLD1, name)
+
+
+def test_names_the_world_has_are_its_own_and_the_rest_plain():
+    for own in ("device", "local_rank", "world_size", "node_rank", "print", "rank", "is_main"):
+        assert own not in FOREIGN_NAMES and hasattr(WORLD1, own)
+    with pytest.raises(AttributeError, match=r"^'World' object has no attribute 'nonsense'$"):
+        WORLD1.nonsense
+    # What copies and pickling look up still finds nothing, and a World still travels to workers.
+    assert pickle.loads(pickle.dumps(WORLD1)) == WORLD1 and copy.deepcopy(WORLD1) == WORLD1
+
+
+def test_every_way_named_exists():
+    ways = " ".join(way for _, way in FOREIGN_NAMES.values())
+    for name in re.findall(r"phalanx\.(\w+)", ways):
+        assert name in phalanx.__all__, name
+    with DataParallel(nn.Linear(2, 2), world=WORLD1) as dp:
+        for name in re.findall(r"\bdp\.(\w+)", ways):
+            assert hasattr(dp, name), name
+    for name in re.findall(r"\bworld\.(\w+)", ways):
+        assert hasattr(WORLD1, name), name
+
+
+def test_prepare_takes_the_model_alone_and_needs_a_world():
+    model = nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError) as info:
+        phalanx.prepare(model, optimizer, world=WORLD1)
+    message = str(info.value)
+    assert message.startswith("prepare takes the model alone, got SGD after it (Accelerate's prepare(model, ")
+    assert "phalanx.ShardedLoader" in message and "\n" not in message
+    with pytest.raises(TypeError, match=r"^prepare needs world=: world = phalanx.init\(\), then "):
+        phalanx.prepare(model)
+    with phalanx.prepare(model, world=WORLD1) as dp:  # the plain call is unchanged
+        assert dp.module is model
