@@ -212,3 +212,25 @@ def test_verify_passes_with_cuda_tensors_in_two_processes():
 def test_point_to_point_allreduce_is_refused_with_cuda_tensors_over_gloo(tmp_path, base_config):
     with pytest.raises(WorkerFailed, match="allreduce 'ring' sends CUDA tensors point to point, which gloo cannot"):
         _train(tmp_path, replace(base_config, epochs=1, data_parallel=DataParallelConfig(allreduce="ring")), SHARED, "ring")
+
+
+def gather_worker(world: World) -> dict:
+    """phalanx.gather and barrier with CUDA tensors: uneven shards, a bool, a 0-d."""
+    import phalanx
+
+    rows = torch.arange(3 * (world.rank + 1), dtype=torch.float64, device=world.device).reshape(-1, 3) + world.rank
+    flags = torch.tensor([True, world.rank == 1], device=world.device)
+    out = {"rows": phalanx.gather(rows, world=world), "flags": phalanx.gather(flags, world=world),
+           "scalar": phalanx.gather(torch.tensor(float(world.rank), device=world.device), world=world)}
+    phalanx.barrier(world=world)
+    return {name: (value.device.type, value.cpu()) for name, value in out.items()}
+
+
+def test_gather_and_barrier_take_cuda_tensors():
+    expected = {"rows": torch.cat([torch.arange(3.0, dtype=torch.float64).reshape(1, 3),
+                                   torch.arange(6.0, dtype=torch.float64).reshape(2, 3) + 1]),
+                "flags": torch.tensor([True, False, True, True]), "scalar": torch.tensor([0.0, 1.0])}
+    for result in _launch(gather_worker):
+        for name, want in expected.items():
+            device_type, got = result[name]
+            assert device_type == "cuda" and torch.equal(got, want), name
