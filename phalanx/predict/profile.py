@@ -7,19 +7,17 @@ launches buckets from - stamps when each gradient lands; a bucket is ready when 
 
 A device is profiled as it will run at k: with its exchange where training puts it (buckets and
 hooks where it overlaps backward, one flat bucket where overlap auto turns it off: phase_for),
-with its share of the batch (the largest shard,
-ceil(B/k): the slowest rank sets the pace) and, when the k devices are processes sharing this
-host (loopback), with the thread count each worker gets (cores // k, at least 1) *and* with as
-many copies running at the same time as it will have, up to twice the cores - co-running
-processes slow each other down (memory bandwidth, caches: ~18% for two LeNet
-workers), and time-sliced ones more than the arithmetic share (context switches; with only
-as many copies as cores the k = 3 prediction on 2 cores read +26%, with all three -2%), which a
-lone process would not show. Beyond twice the cores the time-slicing is arithmetic
-(timeline.py), from the cores other programs kept busy meanwhile (/proc/stat's busy time minus
-the profile's own CPU time): a shared machine's other load decides how much k processes can
-take. The
-profile runs in fresh processes with phalanx's worker set-up (allocator setting, channels_last,
-synthetic in-memory batch, as `bench scaling`).
+with its share of the batch (the largest shard, ceil(B/k): the slowest rank sets the pace) and,
+when the k devices are processes sharing this host (loopback), with the thread count each worker
+gets (cores // k, at least 1) *and* with as many copies running at the same time as it will
+have, up to twice the cores - co-running processes slow each other down (memory bandwidth,
+caches: ~18% for two LeNet workers), and time-sliced ones more than the arithmetic share
+(context switches; with only as many copies as cores the k = 3 prediction on 2 cores read +26%,
+with all three -2%), which a lone process would not show. Beyond twice the cores the
+time-slicing is arithmetic (timeline.py), from the cores other programs kept busy meanwhile
+(/proc/stat's busy time minus the profile's own CPU time): a shared machine's other load decides
+how much k processes can take. The profile runs in fresh processes with phalanx's worker set-up
+(allocator setting, channels_last, synthetic in-memory batch, as `bench scaling`).
 """
 
 from __future__ import annotations
@@ -180,8 +178,9 @@ def summarize(phase: Phase, per_rank: list[dict]) -> DeviceProfile:
     num_buckets = len(per_rank[0]["bucket_bytes"])
     return DeviceProfile(
         batch_size_per_device=phase.batch_size_per_device, threads=phase.threads, co_runners=phase.co_runners,
-        overlapped=phase.overlap, forward_s=median("forward_s"), backward_s=median("backward_s"), optimizer_s=median("optimizer_s"),
-        other_s=median("other_s"), step_samples_s=tuple(r["step_s"] for r in records),
+        overlapped=phase.overlap, forward_s=median("forward_s"), backward_s=median("backward_s"),
+        optimizer_s=median("optimizer_s"), other_s=median("other_s"),
+        step_samples_s=tuple(r["step_s"] for r in records),
         bucket_ready_s=tuple(statistics.median(r["ready_s"][i] for r in records) for i in range(num_buckets)),
         bucket_bytes=tuple(per_rank[0]["bucket_bytes"]), others_busy_cores=others_busy_cores(windows))
 

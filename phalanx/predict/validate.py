@@ -31,7 +31,7 @@ def measure_phalanx(job: StepJob, *, world_size: int, threads_per_device: int, a
     """Images/s of phalanx on `world_size` CPU devices running `job` (the slowest rank's time
     counts), its exchange beside backward or after it as `overlap` says (None: auto, as training)."""
     variant = Variant(name=f"phalanx/{world_size}", kind="phalanx", num_procs=world_size,
-                      threads_per_proc=threads_per_device, allocator_env=True, memory_format="auto", algorithm=algorithm,
-                      overlap=overlap)
+                      threads_per_proc=threads_per_device, allocator_env=True, memory_format="auto",
+                      algorithm=algorithm, overlap=overlap)
     windows = run_variant(variant, job, timeout_s=timeout_s, deadline_s=deadline_s)
     return Measurement(images_per_s=images_per_s(job, windows), others_busy_cores=others_busy_cores(windows))
