@@ -71,8 +71,6 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
         raise TypeError(f"prepare takes the model alone, got {given} after it (Accelerate's prepare(model, optimizer, "
                         "loader), Fabric's setup(model, optimizer)): build the optimizer over dp.parameters() and load "
                         "the data with phalanx.ShardedLoader(dataset, world=world, global_batch_size=...)")
-    if world is None:
-        raise TypeError("prepare needs world=: world = phalanx.init(), then phalanx.prepare(model, world=world)")
     if isinstance(grad_dtype, torch.dtype):  # the options hold the wire dtype's name
         names = {value: name for name, value in GRAD_DTYPES.items()}
         if grad_dtype not in names:
@@ -85,6 +83,8 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
                                      check_finite_every=check_finite_every)
     except OptionError as exc:  # named as this function's keywords, not as the flags
         raise exc.named({"allreduce": "algorithm"}) from None
+    if world is None:  # after the values' checks, which need no world
+        raise TypeError("prepare needs world=: world = phalanx.init(), then phalanx.prepare(model, world=world)")
     return prepare_replica(model, options, world=world, dtype=dtype, tracer=tracer)
 
 
