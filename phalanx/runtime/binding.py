@@ -128,13 +128,6 @@ def leaves_core_for_comm(*, cores: int, workers: int, threads: int) -> bool:
     return cores - workers * threads >= workers
 
 
-def core_left_for_comm(local_workers: int) -> bool:
-    """`leaves_core_for_comm` for this worker: the cores this process may run on, this thread's
-    team, and the workers sharing those cores."""
-    return leaves_core_for_comm(cores=available_cores(), workers=workers_sharing_cores(local_workers),
-                                threads=torch.get_num_threads())
-
-
 def default_threads(local_workers: int) -> int:
     """The threads of each of `local_workers` unbound workers: `PLACEMENT` on an even share of the
     cores (logical CPUs / workers, at least one)."""

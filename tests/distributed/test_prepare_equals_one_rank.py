@@ -16,7 +16,7 @@ import torch
 from phalanx.data import split_batch
 from phalanx.models import build_model
 from phalanx.data_parallel import SyncBatchNorm, prepare
-from phalanx.runtime.binding import core_left_for_comm
+from phalanx.runtime.binding import available_cores, leaves_core_for_comm
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers
 
@@ -42,7 +42,8 @@ def _worker(world) -> dict:
                 "state": {k: v.detach().clone() for k, v in dp.module.state_dict().items()},
                 "sync_layers": sum(isinstance(m, SyncBatchNorm) for m in dp.module.modules()),
                 "describe": dp.choices.describe(), "overlap": dp.overlap,
-                "core_left": core_left_for_comm(world.local_world_size)}
+                "core_left": leaves_core_for_comm(cores=available_cores(), workers=world.local_world_size,
+                                                  threads=torch.get_num_threads())}
     return results
 
 

@@ -142,7 +142,7 @@ def test_a_core_is_left_for_the_communication_thread_only_beside_the_training_th
     monkeypatch.setattr(binding, "available_cores", lambda: cores)
     monkeypatch.setattr(binding.torch, "get_num_threads", lambda: threads)
     monkeypatch.setattr(binding, "_bound", bound)
-    assert binding.core_left_for_comm(workers) is free
     assert binding.workers_sharing_cores(workers) == (1 if bound else workers)
-    sharing = 1 if bound else workers
-    assert binding.leaves_core_for_comm(cores=cores, workers=sharing, threads=threads) is free
+    sharing = binding.workers_sharing_cores(workers)
+    assert binding.leaves_core_for_comm(cores=binding.available_cores(), workers=sharing,
+                                        threads=binding.torch.get_num_threads()) is free
