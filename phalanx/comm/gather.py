@@ -29,6 +29,14 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.in
            torch.int8, torch.uint8, torch.bool)
 
 
+def _all_gather(tensor: torch.Tensor, *, world: World, tag: Tag) -> list[torch.Tensor]:
+    """Every rank's `tensor` (the same shape on every rank), by rank: the backend's all-gather."""
+    pieces = [torch.empty_like(tensor) for _ in range(world.world_size)]
+    native(world, tag, lambda: dist.all_gather(pieces, tensor, async_op=True),
+           size_bytes=tensor.numel() * tensor.element_size())
+    return pieces
+
+
 def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
     """Return once every rank of `world` has called barrier (at once in a world of one)."""
     if world.distributed:
@@ -64,20 +72,17 @@ def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> 
     header = _header(rows, world.device)
     if not world.distributed:
         return rows.to(world.device, copy=True)
-    headers = [torch.empty_like(header) for _ in range(world.world_size)]
-    native(world, tag, lambda: dist.all_gather(headers, header, async_op=True), size_bytes=header.numel() * 8)
-    found = [h.tolist() for h in headers]
+    found = [h.tolist() for h in _all_gather(header, world=world, tag=tag)]
     mine = found[world.rank]
     for rank, theirs in enumerate(found):
         if theirs[0] != mine[0] or theirs[1] != mine[1] or theirs[3:] != mine[3:]:
             raise ValueError(f"gather: rank {rank} has {_describe(theirs)}, rank {world.rank} {_describe(mine)}; "
                              "every rank's rows must have the same trailing shape and dtype")
     counts = [theirs[2] for theirs in found]
-    wire = rows.to(world.device).view(torch.uint8) if rows.dtype == torch.bool else rows.to(world.device)
+    wire = rows.to(world.device)
+    wire = wire.view(torch.uint8) if wire.dtype == torch.bool else wire
     padded = wire.new_zeros((max(counts), *wire.shape[1:]))
     padded[:wire.shape[0]] = wire
-    pieces = [torch.empty_like(padded) for _ in range(world.world_size)]
-    native(world, tag, lambda: dist.all_gather(pieces, padded, async_op=True),
-           size_bytes=padded.numel() * padded.element_size())
+    pieces = _all_gather(padded, world=world, tag=tag)
     joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts)])
     return joined.view(torch.bool) if rows.dtype == torch.bool else joined
