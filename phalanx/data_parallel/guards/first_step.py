@@ -86,11 +86,12 @@ class FirstStepCheck:
         self.world_size, self.check_loss = world_size, check_loss
         self.through_shard_loss = 0  # backwards that passed through a shard_loss result
         self.backward_ran = False
+        params = [p for p in params if p.requires_grad]  # a frozen parameter gets no gradient, takes no hook
         self._handles = [p.register_post_accumulate_grad_hook(self._landed) for p in params]
         self._accumulators = []
         if check_loss:
             with torch.enable_grad():  # held, every graph through a parameter ends in this same node
-                self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad]
+                self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
             for node in self._accumulators:
                 node.metadata[_CHECK_KEY] = weakref.ref(self)
 
