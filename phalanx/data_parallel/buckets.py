@@ -27,6 +27,12 @@ class Bucket:
     buffer: torch.Tensor  # 1-D, holds the gradients of `params` back to back
     params: list[nn.Parameter] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # element offset of each param's grad
+    # What its allreduce sends: `buffer`, then any spare elements (the last bucket's usage flags, usage.py).
+    storage: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.storage is None:
+            self.storage = self.buffer
 
     @property
     def size_bytes(self) -> int:
@@ -76,11 +82,12 @@ def grad_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.T
 
 def build_buckets(
     params: list[nn.Parameter], *, cap_bytes: int | None = None, first_cap_bytes: int | None = None,
-    gradient_views: bool = True,
+    gradient_views: bool = True, spare: int = 0,
 ) -> list[Bucket]:
     """Group trainable params into buckets (reverse order) and make each `.grad` a view.
 
-    `first_cap_bytes` bounds the first bucket only (None: the same as `cap_bytes`). Existing
+    `first_cap_bytes` bounds the first bucket only (None: the same as `cap_bytes`). `spare`
+    elements follow the last bucket's gradients in its `storage` (zeros; not in its `buffer`). Existing
     gradient values are copied into the buffers, so this may be called on a model that has
     already run backward. `gradient_views=False` (sharded stages 2, 3: a bucket's buffer exists
     only while it is sent) lays the buckets out without touching a byte of their buffers and
@@ -110,7 +117,9 @@ def build_buckets(
     for index, group in enumerate(groups):
         total = sum(p.numel() for p in group)
         make = torch.zeros if gradient_views else torch.empty  # empty: no page of it touched
-        bucket = Bucket(index=index, buffer=make(total, dtype=group[0].dtype, device=group[0].device))
+        extra = spare if index == len(groups) - 1 else 0
+        storage = make(total + extra, dtype=group[0].dtype, device=group[0].device)
+        bucket = Bucket(index=index, buffer=storage[:total] if extra else storage, storage=storage)
         offset = 0
         for param in group:
             if gradient_views:

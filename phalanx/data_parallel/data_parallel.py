@@ -45,8 +45,7 @@ from torch import nn
 
 from phalanx.comm import ALLREDUCE, AsyncComm, Tag, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate
-from phalanx.data_parallel.buckets import (Bucket, DecompressingHandle, build_buckets, default_first_cap_bytes,
-                                           grads_are_bucket_views, mb_to_bytes, wire_of)
+from phalanx.data_parallel.buckets import Bucket, DecompressingHandle, grads_are_bucket_views, wire_of
 from phalanx.data_parallel.choices import replica_choices
 from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached
@@ -56,6 +55,7 @@ from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
+from phalanx.data_parallel.layout import BucketLayout
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
@@ -104,12 +104,10 @@ class DataParallel(ReplicaModule):
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with nothing to exchange (see the module docstring).
         self.exchanging = world.distributed or options.exchange_alone or comm is not None
-        cap_bytes = mb_to_bytes(options.bucket_cap_mb)
-        first_cap = default_first_cap_bytes(cap_bytes) if options.first_bucket_cap_mb is None else \
-            mb_to_bytes(options.first_bucket_cap_mb)
-        self.buckets: list[Bucket] = build_buckets(
-            list(self.module.parameters()), cap_bytes=cap_bytes, first_cap_bytes=first_cap,
-            gradient_views=options.shard in ("none", "optimizer")) if self.exchanging else []
+        # The buckets for the parameters that train now (layout.py), with usage flags unless sharded (usage.py).
+        self._layout = BucketLayout(self.module, bucket_cap_mb=options.bucket_cap_mb, shard=options.shard,
+                                    first_bucket_cap_mb=options.first_bucket_cap_mb) if self.exchanging else None
+        self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
         self._sync_enabled, self._closed = True, False
         self._capturing = False  # a CUDA graph is recording the step (capturing())
         self._synced_steps = 0  # the step in each bucket's tag
@@ -128,17 +126,32 @@ class DataParallel(ReplicaModule):
         self.sharding = Sharding(stage=self.shard, module=self.module, buckets=self.buckets, rank=world.rank,
                                  world_size=world.world_size, comm=comm, algorithm=self.algorithm,
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
+        # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
+        self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
+        self._wire_buckets()
+        # What zero_grad clears with nothing to exchange: the parameters, listed once (as an
+        # optimizer holds its param_groups; walking the modules every step cost LeNet ~40 us).
+        self._params = list(self.module.parameters())
+
+    def _wire_buckets(self) -> None:
+        """The scheduler, the usage flags (usage.py: not sharded) and the landing hooks of the
+        buckets as laid out now: every parameter hooked to overlap or to note what it used."""
         window = None if self.sharding is None or self.sharding.keeps_gradients else MAX_IN_FLIGHT
         self._scheduler = OverlapScheduler(self.buckets, launch=self._launch,
                                            max_in_flight=window) if self.exchanging else None
-        # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
-        self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
+        self._usage = self._layout.usage if self._layout is not None else None
         self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if self.overlap else self._on_backward,
                                            every_parameter=self.overlap)
-        # What zero_grad clears with nothing to exchange: the parameters the replica was built
-        # with, listed once (as an optimizer holds its param_groups; walking the modules for them
-        # every step cost LeNet ~40 us of host time on the 2-core machine).
-        self._params = list(self.module.parameters())
+        if self._usage is not None and not self.overlap:  # usage.landed itself: one Python frame (~1 us) per gradient
+            self._hook_handles += landing_hooks(self.buckets, self._usage.landed, every_parameter=True)
+
+    def _rewire(self) -> None:
+        """The layout changed with `requires_grad` (layout.py): its new buckets take the hooks."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self.buckets = self._layout.buckets
+        self._wire_buckets()
+        self.choices = replica_choices(self, self.options)
 
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
@@ -156,6 +169,8 @@ class DataParallel(ReplicaModule):
                 raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
             self._scheduler.reset()  # drop gradients marked by a backward that never finished
         self._unsynced.check("zero_grad()")
+        if self._layout.before_step():  # requires_grad changed since the buckets were laid out
+            self._rewire()
         if self.sharding is not None and not self.sharding.keeps_gradients:
             self.sharding.zero_grad()  # its buckets hold nothing between steps
             return
@@ -178,20 +193,6 @@ class DataParallel(ReplicaModule):
         finally:
             self._sync_enabled = previous
 
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        """While a CUDA graph records a step of a replica with nothing to exchange: the recording
-        is not a step, so finish_gradient_sync counts nothing and reads nothing on the host (its
-        periodic NaN/Inf check would); whoever replays the graph calls it after each replay."""
-        if self.exchanging:
-            raise RuntimeError("capturing a replica that exchanges gradients is not supported; "
-                               "capture a one-device replica's step")
-        self._capturing = True
-        try:
-            yield
-        finally:
-            self._capturing = False
-
     def accumulate(self, micro_batches: int | Iterable) -> Iterator:
         """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:
         gradient accumulation as a loop (accumulate.py); then finish_gradient_sync and step."""
@@ -213,6 +214,8 @@ class DataParallel(ReplicaModule):
         return self._scheduler is not None and self._scheduler.in_flight
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if self._usage is not None:
+            self._usage.landed(param)
         if self._sync_enabled:
             self._unsynced.pending = True
             self._scheduler.mark_ready(param)
@@ -224,7 +227,9 @@ class DataParallel(ReplicaModule):
         """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
         in its wire dtype, traced, tagged."""
         # Sharded stages 2-3 send the gradients autograd made (fill): in the bucket, or as they are.
-        sent = bucket.buffer if self.sharding is None else self.sharding.fill(bucket)
+        sent = bucket.storage if self.sharding is None else self.sharding.fill(bucket)
+        if self._usage is not None and bucket is self.buckets[-1]:
+            self._usage.write_flags()  # every gradient of this rank's has landed by now (usage.py)
         self._finite.before_sum(sent)  # this rank's own gradient, before the sum spreads it
         wire = wire_of(sent, self.grad_dtype)
         on_done = None
@@ -236,7 +241,7 @@ class DataParallel(ReplicaModule):
         if self.sharding is not None:
             return self.sharding.reduce_scatter(bucket, sent, wire, tag=tag, on_done=on_done)
         handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, tag=tag, on_done=on_done)
-        return handle if wire is bucket.buffer else DecompressingHandle(handle, wire, bucket.buffer)
+        return handle if wire is sent else DecompressingHandle(handle, wire, sent)
 
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
@@ -255,13 +260,19 @@ class DataParallel(ReplicaModule):
                 return
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
+        if self._usage is not None:
+            self._usage.restore()  # gradients dropped at the last sync and never used since
         self._scheduler.finish()
         self._unsynced.pending = False
-        self._synced_steps += 1
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
             raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare,
                                      sharded=self.sharding is not None)
+        # What no rank used has no gradient, as on one device; what was unfrozen in the step is summed apart.
+        if self._layout.after_sum(lambda flat: self._allreduce_now(
+                flat, Tag("gradient", len(self.buckets), step=self._synced_steps))):
+            self._rewire()
+        self._synced_steps += 1
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
         self._extras.after_exchange(summed, self._allreduce_now)
@@ -278,16 +289,6 @@ class DataParallel(ReplicaModule):
 
     def _allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:
         self._comm.allreduce(flat, algorithm=self.algorithm, tag=tag)
-
-    def named_gradients(self) -> dict[str, torch.Tensor]:
-        """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
-        parameter's own gradient, by a name an error message can use."""
-        if self.sharding is not None:
-            return self.sharding.named_gradients()
-        if self.exchanging:
-            return {f"gradient bucket {bucket.index}": bucket.buffer for bucket in self.buckets}
-        return {f"{name}'s gradient": param.grad for name, param in self.module.named_parameters()
-                if param.grad is not None}
 
     def close(self) -> None:
         """Check the steps since the last NaN/Inf check (every rank: unless an error is already on

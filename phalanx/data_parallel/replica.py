@@ -17,10 +17,13 @@ would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, w
 replace them. `forward` optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`,
 as Lightning Fabric and Accelerate do): the weights, their gradients and the exchange stay
 float32, and floating outputs come back as float32 so the loss is computed in full precision.
+While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
+`finish_gradient_sync` counts no step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
@@ -46,6 +49,8 @@ class ReplicaModule(nn.Module):
     _finite: FiniteCheck  # the gradient's NaN/Inf watch, checked before state leaves (guards/finite.py)
     _synced_steps: int  # synced steps so far
     _closed: bool
+    _capturing: bool  # a CUDA graph is recording the step (capturing())
+    buckets: list  # the gradient buckets (buckets.py), empty with nothing to exchange
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
     # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
     compiled_after_prepare = False
@@ -61,6 +66,30 @@ class ReplicaModule(nn.Module):
         with torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=cache):
             out = self.module(*args, **kwargs)
         return _widen(out)
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """While a CUDA graph records a step of a replica with nothing to exchange: the recording
+        is not a step, so finish_gradient_sync counts nothing and reads nothing on the host (its
+        periodic NaN/Inf check would); whoever replays the graph calls it after each replay."""
+        if self.exchanging:
+            raise RuntimeError("capturing a replica that exchanges gradients is not supported; "
+                               "capture a one-device replica's step")
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def named_gradients(self) -> dict[str, torch.Tensor]:
+        """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
+        parameter's own gradient, by a name an error message can use."""
+        if self.sharding is not None:
+            return self.sharding.named_gradients()
+        if self.exchanging:
+            return {f"gradient bucket {bucket.index}": bucket.buffer for bucket in self.buckets}
+        return {f"{name}'s gradient": param.grad for name, param in self.module.named_parameters()
+                if param.grad is not None}
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The model's own state dict: no `module.` prefix (load it into the plain model). First
@@ -107,9 +136,6 @@ class ReplicaModule(nn.Module):
         return self.sharding.load_state_dict(self.module, state, strict=strict)
 
     def close(self) -> None:  # DataParallel's: its hooks, its communication
-        raise NotImplementedError
-
-    def named_gradients(self) -> dict[str, torch.Tensor]:  # DataParallel's: what the NaN/Inf check reads
         raise NotImplementedError
 
     def _allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:  # DataParallel's: a small sum

@@ -26,7 +26,8 @@ def test_trace_per_rank_and_summary(tmp_path, mode):
     assert summary["world_size"] == 2 and summary["traced_steps"] == 4
     num_buckets = 1 if "--no-overlap" in mode else 3  # LeNet at the default 0.25 MB cap
     assert len(summary["buckets"]) == num_buckets
-    assert sum(b["bytes"] for b in summary["buckets"]) == 129_068 * 4  # every float32 gradient, once
+    # every float32 gradient once, and the usage flags: one per parameter tensor (8), in the last bucket
+    assert sum(b["bytes"] for b in summary["buckets"]) == (129_068 + 8) * 4
     for b in summary["buckets"]:
         assert b["count"] == 4 and b["time_ms"]["median"] > 0
         assert b["busbw_gbs"] == pytest.approx(b["algbw_gbs"])  # 2(k-1)/k = 1 at k = 2

@@ -257,7 +257,12 @@ def test_unused_parameter_bucket_launches_at_finish_and_later_buckets_wait_for_i
     assert comm.launches() == []  # every other bucket is ready but must not overtake bucket 0
     dp.finish_gradient_sync()
     assert comm.launches() == list(range(len(dp.buckets)))
-    assert torch.count_nonzero(dp.module.extra.weight.grad) == 0  # zeros, still summed
+    # Summed all the same (zeros), but no rank used it: no gradient, as on one device (usage.py).
+    assert torch.count_nonzero(dp.buckets[0].buffer) == 0
+    assert dp.module.extra.weight.grad is None and dp.module.extra.bias.grad is None
+    assert dp.module.lenet.conv1.weight.grad is not None
+    dp.zero_grad()  # a bucket view again, for the next backward
+    assert dp.module.extra.weight.grad.data_ptr() == dp.buckets[0].buffer.data_ptr() + 10 * 8
 
 
 def test_empty_shard_still_launches_every_bucket():

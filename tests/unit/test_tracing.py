@@ -36,7 +36,8 @@ def _traced_epoch(tmp_path, *, steps_per_epoch=3, overlap=True, num_examples=80,
                     tracer=tracer)
         with span(tracer, "evaluate"):
             pass
-        buckets = [(b.index, b.size_bytes) for b in dp.buckets]
+        # What goes on the wire: the last bucket also carries a usage flag per parameter (usage.py).
+        buckets = [(b.index, b.storage.numel() * b.storage.element_size()) for b in dp.buckets]
     paths = tracer.write(tmp_path)
     return tracer, buckets, paths
 

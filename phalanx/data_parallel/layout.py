@@ -1,0 +1,122 @@
+"""The gradient buckets, laid out for the parameters that train now, and again when that changes.
+
+Fine-tuning freezes layers and unfreezes them later (gradual unfreezing), or freezes a head after
+a warm-up. DDP lays its buckets out once, at construction: a parameter unfrozen later is never
+summed, so each rank trains its own copy of it, and one frozen later is waited for until the
+"expected to have finished reduction" error (unless `find_unused_parameters=True`). Here the
+replica compares each parameter's `requires_grad` with the layout's at `zero_grad()` and after
+each sync, and lays the buckets out again for the new set:
+
+- a parameter frozen since loses its gradient as `optimizer.zero_grad()` would drop it on one
+  device (frozen inside a step, after its backward: it keeps a copy of the summed one);
+- a parameter unfrozen after this step's `zero_grad()` already holds a gradient no bucket
+  summed: `sum_newly_trainable` sums it in one allreduce of its own (with a used-flag each, so
+  what no rank reached stays None, as usage.py does for the buckets), then the new layout
+  takes it in.
+
+Every rank flips `requires_grad` at the same point of its loop (the script is the same), so
+every rank lays out the same buckets; a rank that does not issues a different collective, which
+the call board names. Sharded replicas lay out their shards once and refuse the change.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from phalanx.data_parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, mb_to_bytes
+from phalanx.data_parallel.usage import ParameterUsage, usage_elements
+from phalanx.errors import UsageError
+
+
+class BucketLayout:
+    """`module`'s trainable parameters in buckets (buckets.py) of at most `bucket_cap_mb` (the
+    first: `first_bucket_cap_mb`, None: DDP's rule), and unless `shard` the `usage` flags after the
+    last one (usage.py); laid out again for the parameters that train now when that changes."""
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None,
+                 shard: str) -> None:
+        self.module, self.params, self._shard = module, list(module.parameters()), shard
+        cap_bytes = mb_to_bytes(bucket_cap_mb)
+        first = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
+        self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
+        self.buckets = self._lay_out()
+
+    def _lay_out(self) -> list[Bucket]:
+        self.laid_out = [param.requires_grad for param in self.params]
+        flags = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
+        self.buckets = build_buckets(self.params, **self._caps, gradient_views=self._shard in ("none", "optimizer"),
+                                     spare=usage_elements(self.params) if flags else 0)
+        self.usage = ParameterUsage(self.buckets) if flags and self.buckets else None
+        return self.buckets
+
+    def before_step(self) -> bool:
+        """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket
+        view again; True when laid out again (the caller wires the new buckets)."""
+        again = self.changed
+        if again:
+            self.again(in_step=False)
+        if self.usage is not None:
+            self.usage.restore()
+            self.usage.forget()
+        return again
+
+    def after_sum(self, allreduce: Callable[[torch.Tensor], object]) -> bool:
+        """After every bucket's sum: drop what no rank used; parameters unfrozen since the step's
+        zero_grad summed by `allreduce`, then laid out again (True: the caller wires the new buckets)."""
+        if self.usage is not None:
+            self.usage.after_sum()
+        if not self.changed:
+            return False
+        self.sum_newly_trainable(allreduce)
+        self.again(in_step=True)
+        return True
+
+    @property
+    def changed(self) -> bool:
+        """Whether some parameter's `requires_grad` differs from the layout's (a loop over the parameters)."""
+        return [param.requires_grad for param in self.params] != self.laid_out
+
+    def first_change(self) -> str:
+        """The name of the first parameter whose `requires_grad` changed, for an error message."""
+        return next(name for (name, param), was in zip(self.module.named_parameters(), self.laid_out)
+                    if param.requires_grad != was)
+
+    def again(self, *, in_step: bool) -> list[Bucket]:
+        """Buckets for the parameters that train now; their gradients' values move with them, and
+        what no rank used at the last sync stays without one."""
+        if self._shard != "none":
+            raise UsageError(f"{self.first_change()}.requires_grad changed after prepare(shard={self._shard!r}), whose "
+                             "shards are laid out once; set requires_grad before prepare, or prepare without shard=")
+        dropped = self.usage.dropped if self.usage is not None else []
+        for param, was in zip(self.params, self.laid_out):
+            if was and not param.requires_grad:
+                param.grad = param.grad.clone() if in_step and param.grad is not None else None
+        self._lay_out()
+        if self.usage is not None:
+            self.usage.drop([param for param in dropped if param.requires_grad])
+        return self.buckets
+
+    def sum_newly_trainable(self, allreduce: Callable[[torch.Tensor], object]) -> None:
+        """Sum the gradients of parameters unfrozen after this step's buckets were laid out."""
+        sum_newly_trainable([p for p, was in zip(self.params, self.laid_out) if p.requires_grad and not was], allreduce)
+
+
+def sum_newly_trainable(params: Sequence[nn.Parameter], allreduce: Callable[[torch.Tensor], object]) -> None:
+    """`params`' gradients summed by one `allreduce(flat)` (float64, one used-flag per parameter at
+    its end): a parameter no rank's backward reached stays None, the rest hold the sum."""
+    if not params:
+        return
+    device = params[0].device
+    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).to(device, torch.float64)
+              for p in params]
+    used = torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64, device=device)
+    flat = torch.cat([*pieces, used])
+    allreduce(flat)
+    offset = 0
+    for param, total in zip(params, flat[-len(params):].tolist()):
+        piece = flat[offset:offset + param.numel()]
+        offset += param.numel()
+        param.grad = None if total == 0 else piece.view_as(param).to(param.dtype)

@@ -1,0 +1,101 @@
+"""Parameters a step leaves out, and parameters frozen or unfrozen mid-run: 1 device's update all the same.
+
+On one device a parameter that took no part in a step's backward keeps `.grad = None` after
+`zero_grad()`, and every torch optimizer skips it: no weight decay, no momentum, no Adam moment.
+In a replica its gradient is a view into a bucket: zero, not None, so SGD with momentum or decay
+and Adam would move it, and k devices would train another model than 1 (an auxiliary head used
+on some steps, a branch a batch does not reach, layers frozen after `prepare`). DDP has the same
+rule behind `find_unused_parameters=True` (pytorch#28294): it sums a bitmap of what each rank used.
+
+`ParameterUsage` does it without a collective of its own. Landing hooks record what this rank's
+backwards (synced or under `no_sync`) used. Just before the last bucket goes out - by then
+every gradient this rank will produce has landed: overlap launches the last bucket only once
+every bucket is complete, and otherwise `finish()` launches it after backward - each rank
+writes one flag per parameter, 1.0 where it used it, into elements that sit after the last
+bucket's gradients and ride in its allreduce. After the sum a flag of 0 means no rank used the
+parameter (a sum of non-negative numbers is 0 only if every term is, also when compressed to
+bf16/fp16). Those gradients become None on every rank alike. A rank that used every parameter
+knows without reading that none is unused globally, so the flags are read (on a GPU: one
+device-to-host copy) only on a rank that left some out. The gradients are views again at the
+next `zero_grad()`, or when the parameter lands again, or at the next sync.
+
+Parameters frozen when the replica is made have no bucket and no flag (layout.py lays the
+buckets out again when `requires_grad` changes).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from phalanx.data_parallel.buckets import Bucket, grad_view
+
+
+class ParameterUsage:
+    """What one rank's backwards used since the last sync, and the gradients dropped at it."""
+
+    def __init__(self, buckets: Sequence[Bucket]) -> None:
+        """`buckets`: laid out with one spare element per parameter after the last one's
+        gradients (`build_buckets(..., spare=usage_elements(...))`)."""
+        self.params = [param for bucket in buckets for param in bucket.params]
+        self._views = {id(param): grad_view(bucket.buffer, offset, param)
+                       for bucket in buckets for param, offset in zip(bucket.params, bucket.offsets)}
+        last = buckets[-1]
+        self.flags = last.storage[last.buffer.numel():]
+        if self.flags.numel() != len(self.params):
+            raise ValueError(f"the last bucket has {self.flags.numel()} spare elements "
+                             f"for {len(self.params)} parameters")
+        self._used: set[int] = set()  # id(param) of each parameter whose gradient landed
+        self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
+
+    def landed(self, param: nn.Parameter) -> None:
+        """A landing hook's note: `param`'s gradient accumulated. A parameter whose gradient was
+        dropped at the last sync had a fresh tensor made by autograd: it goes back into the bucket."""
+        self._used.add(id(param))
+        if self.dropped and param.grad is not None:
+            view = self._views[id(param)]
+            if param.grad.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(param.grad)  # its slot held the previous sum of zeros
+                param.grad = view
+
+    def write_flags(self) -> None:
+        """Before the last bucket's launch: 1.0 for each parameter this rank used, 0.0 for the rest."""
+        self.flags.fill_(1.0)
+        if len(self._used) < len(self.params):
+            unused = [i for i, param in enumerate(self.params) if id(param) not in self._used]
+            self.flags[unused] = 0.0
+
+    def after_sum(self) -> list[nn.Parameter]:
+        """After every bucket's sum: drop the gradient of each parameter no rank used; return them."""
+        if len(self._used) < len(self.params):
+            unused = [i for i, param in enumerate(self.params) if id(param) not in self._used]
+            summed = self.flags[unused].tolist()
+            self.drop([self.params[i] for i, total in zip(unused, summed) if total == 0])
+        self._used.clear()
+        return self.dropped
+
+    def drop(self, params: Sequence[nn.Parameter]) -> None:
+        """Set these parameters' gradients to None, as a sync that found no rank used them would."""
+        for param in params:
+            param.grad = None
+        self.dropped = list(params)
+
+    def restore(self) -> None:
+        """Every dropped gradient a view of its (zero) slot again: from zero_grad, and before a sync."""
+        for param in self.dropped:
+            if param.grad is None:
+                param.grad = self._views[id(param)]
+        self.dropped = []
+
+    def forget(self) -> None:
+        """A step given up (zero_grad without a sync): its landings count for nothing."""
+        self._used.clear()
+
+
+def usage_elements(params: Sequence[nn.Parameter]) -> int:
+    """The spare elements the last bucket carries: one flag per trainable parameter."""
+    return sum(1 for param in params if param.requires_grad)
+

@@ -1,0 +1,144 @@
+"""usage.py and layout.py in one process: the flags after the last bucket, the gradients no rank
+used dropped and given back, the layout laid out again when requires_grad changes, and the
+separate sum of parameters unfrozen inside a step (its allreduce faked: a peer's values added)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.data_parallel.buckets import build_buckets
+from phalanx.data_parallel.layout import BucketLayout, sum_newly_trainable
+from phalanx.data_parallel.usage import ParameterUsage, usage_elements
+from phalanx.errors import UsageError
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+def _usage(model: nn.Module, cap_bytes: int | None = None):
+    params = list(model.parameters())
+    buckets = build_buckets(params, cap_bytes=cap_bytes, spare=usage_elements(params))
+    return buckets, ParameterUsage(buckets)
+
+
+def test_spare_elements_follow_the_last_buckets_gradients_only():
+    model = _model()
+    buckets = build_buckets(list(model.parameters()), cap_bytes=64, spare=4)
+    *others, last = buckets
+    assert len(buckets) > 1 and all(b.storage is b.buffer for b in others)
+    assert last.storage.numel() == last.buffer.numel() + 4 and last.storage.data_ptr() == last.buffer.data_ptr()
+    assert all(p.grad.data_ptr() < last.buffer.data_ptr() + last.buffer.numel() * 8 for p in last.params)
+    assert build_buckets(list(_model().parameters()))[0].storage is not None
+
+
+def test_flags_say_what_this_rank_used():
+    model = _model()
+    buckets, usage = _usage(model, cap_bytes=64)
+    params = usage.params  # in bucket order: the last layer's first
+    for param in params[:2]:
+        usage.landed(param)
+    usage.write_flags()
+    assert usage.flags.tolist() == [1.0, 1.0, 0.0, 0.0]
+    for param in params[2:]:
+        usage.landed(param)
+    usage.write_flags()
+    assert usage.flags.tolist() == [1.0] * 4
+
+
+def test_what_no_rank_used_loses_its_gradient_and_gets_its_view_back():
+    model = _model()
+    buckets, usage = _usage(model)
+    params = usage.params
+    usage.landed(params[0])
+    usage.landed(params[1])
+    usage.write_flags()
+    usage.flags.copy_(torch.tensor([2.0, 2.0, 1.0, 0.0]))  # after the sum: a peer used params[2], nobody params[3]
+    assert usage.after_sum() == [params[3]]
+    assert params[3].grad is None and params[2].grad is not None
+    usage.restore()
+    slot = buckets[0].buffer[buckets[0].offsets[3]:]
+    assert params[3].grad is not None and params[3].grad.data_ptr() == slot.data_ptr()
+    assert usage.dropped == []
+
+
+def test_a_rank_that_used_everything_reads_no_flag():
+    model = _model()
+    _, usage = _usage(model)
+    for param in usage.params:
+        usage.landed(param)
+    usage.flags.fill_(0.0)  # what it would read, were it to read: nothing it drops all the same
+    assert usage.after_sum() == [] and all(p.grad is not None for p in usage.params)
+
+
+def test_a_dropped_gradient_landing_again_goes_back_into_its_bucket():
+    model = _model()
+    buckets, usage = _usage(model)
+    usage.after_sum()  # nothing landed, flags all zero: everything dropped
+    assert all(p.grad is None for p in model.parameters())
+    hooks = [p.register_post_accumulate_grad_hook(usage.landed) for p in model.parameters()]  # as the replica's
+    model(torch.ones(2, 3, dtype=torch.float64)).sum().backward()  # autograd makes fresh tensors
+    for hook in hooks:
+        hook.remove()
+    bucket = buckets[0]
+    for param, offset in zip(bucket.params, bucket.offsets):
+        assert param.grad.data_ptr() == bucket.buffer[offset:].data_ptr()
+    reference = _model()
+    reference(torch.ones(2, 3, dtype=torch.float64)).sum().backward()
+    assert torch.equal(bucket.buffer, torch.cat([p.grad.reshape(-1) for p in reversed(list(reference.parameters()))]))
+
+
+def test_a_layout_drops_frozen_gradients_and_lays_out_only_what_trains():
+    model = _model()
+    model[0].requires_grad_(False)
+    layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="none")
+    assert [p for b in layout.buckets for p in b.params] == [model[2].bias, model[2].weight]
+    assert layout.usage.flags.numel() == 2 and not layout.changed
+    model[0].requires_grad_(True)
+    model[2].requires_grad_(False)
+    assert layout.changed and layout.first_change() == "0.weight"
+    model[2].weight.grad.fill_(3.0)
+    assert layout.before_step()  # laid out again, gradients views of the new buckets
+    assert model[2].weight.grad is None and model[2].bias.grad is None
+    assert [p for b in layout.buckets for p in b.params] == [model[0].bias, model[0].weight]
+    assert layout.usage.flags.numel() == 2 and not layout.changed
+
+
+def test_frozen_inside_a_step_keeps_a_copy_of_its_summed_gradient():
+    model = _model()
+    layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="none")
+    for param in layout.usage.params:
+        layout.usage.landed(param)
+    model[2].weight.grad.fill_(5.0)
+    model[2].requires_grad_(False)
+    assert layout.after_sum(lambda flat: None)
+    assert torch.equal(model[2].weight.grad, torch.full((2, 4), 5.0, dtype=torch.float64))
+    assert all(model[2].weight.grad.data_ptr() != b.storage.data_ptr() for b in layout.buckets)
+
+
+def test_sum_newly_trainable_adds_a_peers_gradients_and_drops_what_nobody_used():
+    model = _model()
+    a, b = model[0].weight, model[2].bias
+    a.grad = torch.ones_like(a)
+    b.grad = None
+    peer = {"a": torch.full_like(a, 2.0), "b_used": 0.0}
+
+    def allreduce(flat: torch.Tensor) -> None:  # this rank plus a peer that used a, not b
+        n = a.numel()
+        flat[:n] += peer["a"].reshape(-1)
+        flat[-2] += 1.0
+
+    sum_newly_trainable([a, b], allreduce)
+    assert torch.equal(a.grad, torch.full_like(a, 3.0)) and b.grad is None
+
+
+def test_a_sharded_layout_refuses_a_change_in_one_line():
+    model = _model()
+    layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="optimizer")
+    assert layout.usage is None
+    model[2].requires_grad_(False)
+    with pytest.raises(UsageError, match=r"^2\.weight\.requires_grad changed after prepare\(shard='optimizer'\)"):
+        layout.before_step()
