@@ -81,6 +81,8 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
     for group in _groups(params, dp.module):
         mine, names = [], []
         for param in group["params"]:
+            if not param.requires_grad:  # frozen: no bucket, never a gradient; torch's optimizer skips it too
+                continue
             found = sharding.piece(param)
             names.append(found.slot.name if found is not None else sharding.layout.name_of(param))
             if found is None:
