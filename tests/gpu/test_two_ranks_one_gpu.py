@@ -234,3 +234,56 @@ def test_gather_and_barrier_take_cuda_tensors():
         for name, want in expected.items():
             device_type, got = result[name]
             assert device_type == "cuda" and torch.equal(got, want), name
+
+
+def unused_worker(world: World) -> dict:
+    """Usage flags and a layout laid out again with CUDA buckets: a head no rank uses on every other
+    step (its gradient None, AdamW skips it), a trunk frozen at prepare and unfrozen at step 2."""
+    import phalanx
+
+    def model():
+        torch.manual_seed(0)
+        net = torch.nn.ModuleDict({"trunk": torch.nn.Linear(4, 8), "a": torch.nn.Linear(8, 3),
+                                   "b": torch.nn.Linear(8, 3)}).double().to(world.device)
+        net["trunk"].requires_grad_(False)
+        return net
+
+    def forward(net, x, step):
+        h = torch.tanh(net["trunk"](x))
+        return net["a"](h) if step % 2 == 0 else net["b"](h)
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(10, 4, generator=gen, dtype=torch.float64).to(world.device),
+                torch.randint(0, 3, (10,), generator=gen).to(world.device)) for _ in range(5)]
+    out = {}
+    for overlap in (True, False):
+        dp = phalanx.prepare(model(), world=world, overlap=overlap)
+        optimizer = torch.optim.AdamW(dp.parameters(), lr=0.05, weight_decay=0.1)
+        for step, (X, y) in enumerate(batches):
+            if step == 2:
+                dp.module["trunk"].requires_grad_(True)
+            rows = rank_shard(torch.arange(10), rank=world.rank, world_size=world.world_size)
+            dp.zero_grad()
+            loss_sum = F.cross_entropy(forward(dp.module, X[rows], step), y[rows], reduction="sum")
+            phalanx.shard_loss(loss_sum, 10).backward()
+            dp.finish_gradient_sync()
+            optimizer.step()
+        out[overlap] = _cpu(dp.module)
+        dp.close()
+    reference = model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.1)
+    for step, (X, y) in enumerate(batches):
+        if step == 2:
+            reference["trunk"].requires_grad_(True)
+        optimizer.zero_grad()
+        F.cross_entropy(forward(reference, X, step), y).backward()
+        optimizer.step()
+    out["one device"] = _cpu(reference)
+    return out
+
+
+def test_unused_and_unfrozen_parameters_on_cuda_equal_one_device():
+    for result in _launch(unused_worker):
+        for overlap in (True, False):
+            for name, want in result["one device"].items():
+                torch.testing.assert_close(result[overlap][name], want, **TOL)
