@@ -16,7 +16,8 @@ re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()
 would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
 replace them. `forward` optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`,
 as Lightning Fabric and Accelerate do): the weights, their gradients and the exchange stay
-float32, and floating outputs come back as float32 so the loss is computed in full precision.
+float32, and floating outputs come back as float32 so the loss is computed in full precision, in
+their own containers (a Hugging Face `ModelOutput` is still read as `out.logits`).
 While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
 `finish_gradient_sync` counts no step.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
 
@@ -210,11 +212,21 @@ def without_ddp_prefix(state_dict: Mapping[str, Any], module: nn.Module) -> Mapp
 
 
 def _widen(out: Any) -> Any:
-    """Floating tensors narrower than float32 in `out` (tensor, tuple, list, dict), as float32."""
+    """Floating tensors narrower than float32 in `out` (tensor, tuple, list, dict, dataclass), as
+    float32, in containers of the same type: a dict subclass (Hugging Face's `ModelOutput`, read as
+    `out.logits`) is a shallow copy with its items replaced, a dataclass a `dataclasses.replace`."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.is_floating_point() and out.element_size() < 4 else out
-    if isinstance(out, dict):
+    if type(out) is dict:
         return {key: _widen(value) for key, value in out.items()}
+    if isinstance(out, dict):
+        widened = copy.copy(out)
+        for key, value in out.items():
+            widened[key] = _widen(value)
+        return widened
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        fields = [field.name for field in dataclasses.fields(out) if field.init]
+        return dataclasses.replace(out, **{name: _widen(getattr(out, name)) for name in fields})
     if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields positionally
         return type(out)(*(_widen(value) for value in out))
     if isinstance(out, (tuple, list)):

@@ -8,8 +8,10 @@ tests/distributed/test_ddp_habits_two_ranks.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -275,6 +277,47 @@ def test_accumulate_syncs_only_the_last_micro_batch_and_sums_to_the_whole_batch_
         assert dp.sync_enabled
         with pytest.raises(ValueError, match="accumulate\\(0\\): the number of micro-batches must be at least 1"):
             dp.accumulate(0)
+
+
+class _ModelOutput(OrderedDict):
+    """Hugging Face's ModelOutput in miniature: a dict whose items are attributes too."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    logits: torch.Tensor
+    hidden: tuple
+    note: str = "kept"
+
+
+class _Returns(nn.Module):
+    def __init__(self, wrap) -> None:
+        super().__init__()
+        self.linear, self.wrap = nn.Linear(4, 3), wrap
+
+    def forward(self, x):
+        return self.wrap(self.linear(x))
+
+
+@pytest.mark.parametrize("wrap, read", [
+    (lambda y: _ModelOutput(logits=y, loss=None), lambda out: out.logits),
+    (lambda y: _Outputs(logits=y, hidden=(y, y.argmax(1))), lambda out: out.hidden[0]),
+    (lambda y: {"logits": y}, lambda out: out["logits"]),
+], ids=["ModelOutput", "dataclass", "dict"])
+def test_bf16_mixed_widens_outputs_inside_their_own_container_type(wrap, read):
+    """Before: a dict subclass came back a plain dict (`out.logits` failed on Hugging Face's
+    outputs) and a dataclass came back unwidened, in bfloat16."""
+    with prepare_replica(_Returns(wrap), DataParallelConfig(precision="bf16-mixed", exchange_alone=True),
+                         world=world()) as dp:
+        out = dp(torch.randn(5, 4))
+        assert type(out) is type(wrap(torch.zeros(1, 3)))
+        assert read(out).dtype == torch.float32 and read(out).shape == (5, 3)
+        if isinstance(out, _Outputs):
+            assert out.hidden[1].dtype == torch.int64 and out.note == "kept"
 
 
 def test_bf16_mixed_runs_forward_in_bfloat16_and_keeps_weights_gradients_and_exchange_float32():
