@@ -39,6 +39,11 @@ from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.runtime.world import World
 
 DDP_PREFIX = "module."
+# copy.deepcopy(dp), AveragedModel(dp), torch.save(dp): a copy would share or lose this rank's
+# buckets, hooks and communication (the copy's own would be a collective no peer joins).
+NOT_COPIED = ("a DataParallel replica cannot be copied or pickled: it holds this rank's gradient buckets and "
+              "communication; copy or save the model inside it, e.g. AveragedModel(dp.module), "
+              "copy.deepcopy(dp.module), torch.save(dp.state_dict())")
 
 
 class ReplicaModule(nn.Module):
@@ -56,6 +61,12 @@ class ReplicaModule(nn.Module):
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
     # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
     compiled_after_prepare = False
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(NOT_COPIED)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(NOT_COPIED)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and not self.compiled_after_prepare:

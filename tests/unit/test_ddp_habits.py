@@ -450,3 +450,21 @@ def test_the_first_line_names_native_across_hosts_and_why():
     assert choices.describe().startswith(
         "allreduce native = gloo's own allreduce (auto: the shm allreduce serves the workers of one host; 2 ranks "
         "span hosts (1 per host)), overlapped gradient exchange")
+
+
+def test_copying_or_pickling_the_replica_is_one_line_naming_the_model_inside():
+    """AveragedModel(dp) (an EMA), copy.deepcopy(dp) and torch.save(dp) failed with "cannot pickle
+    memoryview objects"; the model inside copies and saves as ever."""
+    import copy
+    import pickle
+
+    with prepare_replica(nn.Linear(4, 2), DataParallelConfig(exchange_alone=True), world=world()) as dp:
+        for attempt in (lambda: copy.deepcopy(dp), lambda: pickle.dumps(dp), lambda: torch.save(dp, io.BytesIO()),
+                        lambda: torch.optim.swa_utils.AveragedModel(dp)):
+            with pytest.raises(TypeError, match=r"^a DataParallel replica cannot be copied or pickled: .*"
+                                                r"AveragedModel\(dp\.module\)"):
+                attempt()
+        ema = torch.optim.swa_utils.AveragedModel(dp.module)
+        ema.update_parameters(dp.module)
+        assert torch.equal(ema.module.weight, dp.module.weight)
+        assert torch.equal(pickle.loads(pickle.dumps(dp.module)).weight, dp.module.weight)
