@@ -32,6 +32,7 @@ from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from phalanx.options import OptionError
+from phalanx.runtime.foreign_names import foreign_keywords_error
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
@@ -44,7 +45,8 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool | None = None,
             bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
             precision: str | None = None, average: bool | None = None, tracer: Tracer | None = None,
-            shard: str = "none", check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY) -> DataParallel:
+            shard: str = "none", check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY,
+            **not_phalanx_options: object) -> DataParallel:
     """`model` as a replica on `world.device`, rank 0's state broadcast: a `DataParallel` whose
     `choices` say what was chosen. Call it at the same point on every rank (a collective).
 
@@ -64,8 +66,11 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
     parameters; build the optimizer with `dp.optimizer(torch.optim.AdamW, lr=...)`).
     `check_finite_every`: synced steps between the gradient's NaN/Inf checks (0: off). A bad
     value raises ValueError before anything is converted. Accelerate's and Fabric's habits, more
-    objects than the model and no `world`, are a TypeError naming phalanx's way.
+    objects than the model and no `world`, and DDP's keywords (`find_unused_parameters=`, ...) are a
+    TypeError naming phalanx's way.
     """
+    if not_phalanx_options:
+        raise foreign_keywords_error(list(not_phalanx_options))
     if not_the_model:
         given = ", ".join(type(thing).__name__ for thing in not_the_model)
         raise TypeError(f"prepare takes the model alone, got {given} after it (Accelerate's prepare(model, optimizer, "

@@ -2,7 +2,8 @@
 otherwise, for the `World` a script holds where it held one of those: a name asked of it that
 phalanx spells differently is an AttributeError naming phalanx's way in one line (docs/accelerate-fabric.md),
 not Python's bare "has no attribute". Names that already mean the same (`device`, `local_rank`,
-`world_size`, `node_rank`, `print`) are World's own and never come here.
+`world_size`, `node_rank`, `print`) are World's own and never come here. `DDP_KEYWORDS` does the
+same for what a DDP user hands `prepare` where they handed `DistributedDataParallel(...)`.
 """
 
 from __future__ import annotations
@@ -61,3 +62,28 @@ def foreign_name_error(name: str) -> AttributeError:
         return AttributeError(f"'World' object has no attribute {name!r}")
     whose, way = FOREIGN_NAMES[name]
     return AttributeError(f"'World' object has no attribute {name!r} ({whose} name): in phalanx, {way}")
+
+
+# DistributedDataParallel's keywords -> what phalanx does instead (prepare's TypeError names it).
+DDP_KEYWORDS: dict[str, str] = {
+    "find_unused_parameters": "not needed: a parameter no rank's backward reached keeps no gradient, as on one device",
+    "static_graph": "not needed: unused parameters are found every step, and a change of requires_grad lays the "
+                    "buckets out again",
+    "broadcast_buffers": "plain BatchNorm statistics are averaged across ranks after each step and other buffers "
+                         "are broadcast once here; DataParallelConfig(average_running_stats=False) turns the "
+                         "averaging off",
+    "gradient_as_bucket_view": "always: the gradients live in the buckets",
+    "device_ids": "the device is world.device, chosen by phalanx.init()",
+    "output_device": "the device is world.device, chosen by phalanx.init()",
+    "process_group": "the world's group: phalanx.init() joins or adopts it",
+    "init_sync": "prepare always broadcasts rank 0's parameters and buffers",
+    "mixed_precision": "precision='bf16-mixed'",
+}
+
+
+def foreign_keywords_error(names: list[str], *, call: str = "prepare") -> TypeError:
+    """The TypeError for keywords `call` does not take: DDP's named with phalanx's way, in one line."""
+    known = [name for name in names if name in DDP_KEYWORDS]
+    if not known:
+        return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
+    return TypeError(f"{call}() takes no {known[0]}= (DistributedDataParallel's keyword): {DDP_KEYWORDS[known[0]]}")

@@ -14,7 +14,7 @@ from torch import nn
 
 import phalanx
 from phalanx.data_parallel import DataParallel
-from phalanx.runtime.foreign_names import FOREIGN_NAMES
+from phalanx.runtime.foreign_names import DDP_KEYWORDS, FOREIGN_NAMES
 from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
@@ -63,3 +63,21 @@ def test_prepare_takes_the_model_alone_and_needs_a_world():
         phalanx.prepare(model)
     with phalanx.prepare(model, world=WORLD1) as dp:  # the plain call is unchanged
         assert dp.module is model
+
+
+@pytest.mark.parametrize("keyword", sorted(DDP_KEYWORDS))
+def test_a_ddp_keyword_handed_to_prepare_names_phalanx_s_way(keyword):
+    with pytest.raises(TypeError) as info:
+        phalanx.prepare(nn.Linear(2, 2), world=WORLD1, **{keyword: True})
+    message = str(info.value)
+    assert message == f"prepare() takes no {keyword}= (DistributedDataParallel's keyword): {DDP_KEYWORDS[keyword]}"
+    assert "\n" not in message
+
+
+def test_another_unknown_keyword_is_python_s_own_error_and_every_ddp_way_exists():
+    with pytest.raises(TypeError, match=r"^prepare\(\) got an unexpected keyword argument 'lr'$"):
+        phalanx.prepare(nn.Linear(2, 2), world=WORLD1, lr=0.1)
+    fields = set(phalanx.DataParallelConfig.__dataclass_fields__)
+    for way in DDP_KEYWORDS.values():
+        for name in re.findall(r"(\w+)=", way):
+            assert name in fields or name == "precision", name
