@@ -228,7 +228,7 @@ class DataParallel(ReplicaModule):
         in its wire dtype, traced, tagged."""
         # Sharded stages 2-3 send the gradients autograd made (fill): in the bucket, or as they are.
         sent = bucket.storage if self.sharding is None else self.sharding.fill(bucket)
-        if self._usage is not None and bucket is self.buckets[-1]:
+        if self._usage is not None and self._usage.rides and bucket is self.buckets[-1]:
             self._usage.write_flags()  # every gradient of this rank's has landed by now (usage.py)
         self._finite.before_sum(sent)  # this rank's own gradient, before the sum spreads it
         wire = wire_of(sent, self.grad_dtype)
@@ -268,7 +268,7 @@ class DataParallel(ReplicaModule):
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
             raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare,
                                      sharded=self.sharding is not None)
-        # What no rank used has no gradient, as on one device; what was unfrozen in the step is summed apart.
+        # What no rank used loses its gradient, as on one device; small sums apart if need be (layout.py).
         if self._layout.after_sum(lambda flat: self._allreduce_now(
                 flat, Tag("gradient", len(self.buckets), step=self._synced_steps))):
             self._rewire()
@@ -276,6 +276,11 @@ class DataParallel(ReplicaModule):
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
         self._extras.after_exchange(summed, self._allreduce_now)
+
+    @property
+    def unused_at_last_sync(self) -> set[int]:
+        """id() of each parameter no rank's backward reached before the last sync (usage.py)."""
+        return self._usage.unused if self._usage is not None else set()
 
     def check_synced(self, what: str) -> None:
         """Raise, naming `what`, if a synced backward's gradients were never exchanged."""

@@ -33,8 +33,8 @@ from phalanx.errors import UsageError
 
 class BucketLayout:
     """`module`'s trainable parameters in buckets (buckets.py) of at most `bucket_cap_mb` (the
-    first: `first_bucket_cap_mb`, None: DDP's rule), and unless `shard` the `usage` flags after the
-    last one (usage.py); laid out again for the parameters that train now when that changes."""
+    first: `first_bucket_cap_mb`, None: DDP's rule), and the `usage` flags (usage.py: after the
+    last one, or apart under `shard`); laid out again for the parameters that train now when that changes."""
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None,
                  shard: str) -> None:
@@ -46,10 +46,10 @@ class BucketLayout:
 
     def _lay_out(self) -> list[Bucket]:
         self.laid_out = [param.requires_grad for param in self.params]
-        flags = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
+        rides = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
         self.buckets = build_buckets(self.params, **self._caps, gradient_views=self._shard in ("none", "optimizer"),
-                                     spare=usage_elements(self.params) if flags else 0)
-        self.usage = ParameterUsage(self.buckets) if flags and self.buckets else None
+                                     spare=usage_elements(self.params) if rides else 0)
+        self.usage = ParameterUsage(self.buckets, rides=rides) if self.buckets else None
         return self.buckets
 
     def before_step(self) -> bool:
@@ -65,11 +65,16 @@ class BucketLayout:
 
     def after_sum(self, allreduce: Callable[[torch.Tensor], object]) -> bool:
         """After every bucket's sum: drop what no rank used; parameters unfrozen since the step's
-        zero_grad summed by `allreduce`, then laid out again (True: the caller wires the new buckets)."""
+        zero_grad summed by `allreduce`, then laid out again (True: the caller wires the new buckets).
+        Sharded, the usage flags are summed by `allreduce` too: they rode in no bucket."""
         if self.usage is not None:
+            if not self.usage.rides:
+                self.usage.write_flags()
+                allreduce(self.usage.flags)
             self.usage.after_sum()
         if not self.changed:
             return False
+        self._refuse_if_sharded()
         self.sum_newly_trainable(allreduce)
         self.again(in_step=True)
         return True
@@ -79,6 +84,11 @@ class BucketLayout:
         """Whether some parameter's `requires_grad` differs from the layout's (a loop over the parameters)."""
         return [param.requires_grad for param in self.params] != self.laid_out
 
+    def _refuse_if_sharded(self) -> None:
+        if self._shard != "none":
+            raise UsageError(f"{self.first_change()}.requires_grad changed after prepare(shard={self._shard!r}), whose "
+                             "shards are laid out once; set requires_grad before prepare, or prepare without shard=")
+
     def first_change(self) -> str:
         """The name of the first parameter whose `requires_grad` changed, for an error message."""
         return next(name for (name, param), was in zip(self.module.named_parameters(), self.laid_out)
@@ -87,10 +97,8 @@ class BucketLayout:
     def again(self, *, in_step: bool) -> list[Bucket]:
         """Buckets for the parameters that train now; their gradients' values move with them, and
         what no rank used at the last sync stays without one."""
-        if self._shard != "none":
-            raise UsageError(f"{self.first_change()}.requires_grad changed after prepare(shard={self._shard!r}), whose "
-                             "shards are laid out once; set requires_grad before prepare, or prepare without shard=")
-        dropped = self.usage.dropped if self.usage is not None else []
+        self._refuse_if_sharded()
+        dropped = self.usage.dropped if self.usage is not None else []  # (sharded: refused above)
         for param, was in zip(self.params, self.laid_out):
             if was and not param.requires_grad:
                 param.grad = param.grad.clone() if in_step and param.grad is not None else None

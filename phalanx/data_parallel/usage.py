@@ -36,14 +36,20 @@ from phalanx.data_parallel.buckets import Bucket, grad_view
 class ParameterUsage:
     """What one rank's backwards used since the last sync, and the gradients dropped at it."""
 
-    def __init__(self, buckets: Sequence[Bucket]) -> None:
-        """`buckets`: laid out with one spare element per parameter after the last one's
-        gradients (`build_buckets(..., spare=usage_elements(...))`)."""
+    def __init__(self, buckets: Sequence[Bucket], *, rides: bool = True) -> None:
+        """`rides`: `buckets` were laid out with one spare element per parameter after the last
+        one's gradients (`build_buckets(..., spare=usage_elements(...))`), where the flags ride.
+        Otherwise (sharded: a reduce-scatter leaves no rank every flag) the flags are a tensor of
+        their own that the replica allreduces after the buckets, and no gradient is dropped here:
+        `unused` tells the sharded optimizer which pieces to skip."""
         self.params = [param for bucket in buckets for param in bucket.params]
-        self._views = {id(param): grad_view(bucket.buffer, offset, param)
-                       for bucket in buckets for param, offset in zip(bucket.params, bucket.offsets)}
+        self.rides = rides
         last = buckets[-1]
-        self.flags = last.storage[last.buffer.numel():]
+        self._views = {id(param): grad_view(bucket.buffer, offset, param) for bucket in buckets
+                       for param, offset in zip(bucket.params, bucket.offsets)} if rides else {}
+        self.flags = last.storage[last.buffer.numel():] if rides else \
+            torch.ones(len(self.params), dtype=last.buffer.dtype, device=last.buffer.device)
+        self.unused: set[int] = set()  # id(param) of each parameter no rank used at the last sync
         if self.flags.numel() != len(self.params):
             raise ValueError(f"the last bucket has {self.flags.numel()} spare elements "
                              f"for {len(self.params)} parameters")
@@ -69,13 +75,18 @@ class ParameterUsage:
             self.flags[unused] = 0.0
 
     def after_sum(self) -> list[nn.Parameter]:
-        """After every bucket's sum: drop the gradient of each parameter no rank used; return them."""
+        """After every bucket's sum (and the flags'): each parameter no rank used, its gradient
+        dropped where the flags rode (else only noted in `unused`); return them."""
+        nobody = []
         if len(self._used) < len(self.params):
             unused = [i for i, param in enumerate(self.params) if id(param) not in self._used]
             summed = self.flags[unused].tolist()
-            self.drop([self.params[i] for i, total in zip(unused, summed) if total == 0])
+            nobody = [self.params[i] for i, total in zip(unused, summed) if total == 0]
+        self.unused = set(map(id, nobody))
+        if self.rides and nobody:
+            self.drop(nobody)
         self._used.clear()
-        return self.dropped
+        return nobody
 
     def drop(self, params: Sequence[nn.Parameter]) -> None:
         """Set these parameters' gradients to None, as a sync that found no rank used them would."""

@@ -114,14 +114,15 @@ def _k_ranks(world, case: dict) -> dict:
     return state
 
 
-def _sharded(world, stage: str) -> dict:
-    """A frozen trunk under ZeRO: it gets no shard and no gradient, and the optimizer skips it."""
-    dp = phalanx.prepare(_model(dict(frozen=True)), world=world, shard=stage)
+def _sharded(world, stage: str, case: dict) -> dict:
+    """Under ZeRO: a frozen trunk gets no shard and no gradient; a head no rank used keeps a zero
+    shard gradient, and the sharded optimizer skips its pieces. Either way the optimizer skips it."""
+    dp = phalanx.prepare(_model(case), world=world, shard=stage)
     optimizer = dp.optimizer(torch.optim.AdamW, lr=0.05, weight_decay=0.1)  # over dp's parameters, frozen too
     for step, (X, y) in enumerate(_batches()):
         X, y = X[ROWS[world.rank]], y[ROWS[world.rank]]
         dp.zero_grad()
-        phalanx.shard_loss(F.cross_entropy(dp(X, step, "both"), y, reduction="sum"), GLOBAL).backward()
+        phalanx.shard_loss(F.cross_entropy(dp(X, step, case["routing"]), y, reduction="sum"), GLOBAL).backward()
         dp.finish_gradient_sync()
         optimizer.step()
     state = dp.full_state_dict()
@@ -165,6 +166,7 @@ CASES = {
 
 
 SHARDED = ("optimizer", "gradients", "parameters")
+SHARDED_CASES = {"frozen trunk": dict(routing="both", frozen=True), "alternating heads": dict(routing="alternate")}
 
 
 def _worker(world) -> dict:
@@ -172,7 +174,8 @@ def _worker(world) -> dict:
     for name, case in CASES.items():
         out[name] = _k_ranks(world, case)
     for stage in SHARDED:
-        out[f"sharded {stage}"] = _sharded(world, stage)
+        for name, case in SHARDED_CASES.items():
+            out[f"sharded {stage}, {name}"] = _sharded(world, stage, case)
     compressed = dict(routing="alternate", grad_dtype="bf16")  # flags summed in bf16 still read 0 exactly
     out["bf16"] = _k_ranks(world, compressed)
     dp = phalanx.prepare(_model(dict(frozen=True)), world=world, shard="optimizer")
@@ -204,11 +207,12 @@ def test_k_ranks_end_where_one_device_ends(results, name):
     assert _max_diff(results[0][name], results[1][name]) == 0 and _max_diff(results[0][name], results[2][name]) == 0
 
 
+@pytest.mark.parametrize("name", list(SHARDED_CASES))
 @pytest.mark.parametrize("stage", SHARDED)
-def test_a_frozen_trunk_under_zero_ends_where_one_device_ends(results, stage):
-    reference = _one_device(dict(routing="both", frozen=True))
+def test_under_zero_k_ranks_end_where_one_device_ends(results, stage, name):
+    reference = _one_device(SHARDED_CASES[name])
     for rank in results:
-        assert _max_diff(rank[f"sharded {stage}"], reference) < 1e-12
+        assert _max_diff(rank[f"sharded {stage}, {name}"], reference) < 1e-12
 
 
 def test_a_head_no_rank_used_is_not_moved_with_compressed_gradients(results):

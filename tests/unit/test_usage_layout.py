@@ -138,7 +138,21 @@ def test_sum_newly_trainable_adds_a_peers_gradients_and_drops_what_nobody_used()
 def test_a_sharded_layout_refuses_a_change_in_one_line():
     model = _model()
     layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="optimizer")
-    assert layout.usage is None
+    assert not layout.usage.rides and all(b.storage is b.buffer for b in layout.buckets)  # flags apart
     model[2].requires_grad_(False)
     with pytest.raises(UsageError, match=r"^2\.weight\.requires_grad changed after prepare\(shard='optimizer'\)"):
         layout.before_step()
+
+
+def test_sharded_flags_are_summed_apart_and_only_noted():
+    """Under shard= the flags ride in no bucket: after_sum sums them with the allreduce it is
+    given, and a parameter nobody used keeps its gradient (the sharded optimizer skips its piece)."""
+    model = _model()
+    layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="optimizer")
+    usage, sums = layout.usage, []
+    for param in usage.params[:2]:
+        usage.landed(param)
+    assert not layout.after_sum(lambda flat: sums.append(flat.tolist()))
+    assert sums == [[1.0, 1.0, 0.0, 0.0]]  # this rank's flags, as sent; the fake peer adds nothing
+    assert usage.unused == {id(p) for p in usage.params[2:]}
+    assert all(p.grad is not None for p in usage.params)

@@ -77,7 +77,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
             optimizer.zero_grad = lambda set_to_none=True: dp.zero_grad()
         return optimizer
     check_elementwise(cls, elementwise)
-    groups, owned, group_names = [], [], []
+    groups, owned, group_names, params_of = [], [], [], []
     for group in _groups(params, dp.module):
         mine, names = [], []
         for param in group["params"]:
@@ -91,12 +91,14 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
             piece.grad = found.grad
             mine.append(piece)
             owned.append((piece, found))
+            params_of.append(param)
         groups.append({**group, "params": mine})
         group_names.append(names)
     optimizer = cls(groups, **defaults)
     # What the sharded checkpoint needs: each piece and where it lies, each group's parameter names.
     sharding.optimizers[optimizer] = ShardedOptimizerRecord(pieces=owned, group_names=group_names)
-    sharded = ShardedOptimizerHooks(dp, [(piece, found.grad) for piece, found in owned])
+    sharded = ShardedOptimizerHooks(dp, [(piece, found.grad, param)
+                                         for (piece, found), param in zip(owned, params_of)])
     optimizer.register_step_pre_hook(sharded.before_step)
     optimizer.register_step_post_hook(sharded.after_step)
     # Stage 1 keeps whole gradient buckets that backward adds into: zeroing only this rank's
@@ -127,7 +129,7 @@ class ShardedOptimizerHooks:
 
     def __init__(self, dp, pieces: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         self._dp = weakref.ref(dp)
-        self._pieces = pieces  # (piece, its summed shard gradient)
+        self._pieces = pieces  # (piece, its summed shard gradient, its parameter)
 
     def before_step(self, optimizer, args, kwargs) -> None:
         dp = self._dp()
@@ -137,8 +139,11 @@ class ShardedOptimizerHooks:
             raise RuntimeError("optimizer.step() while gradient reduce-scatters are in flight; call "
                                "dp.finish_gradient_sync() first")
         dp.check_synced("optimizer.step()")
-        for piece, grad in self._pieces:
-            if piece.grad is None:
+        unused = dp.unused_at_last_sync  # no rank used them: skipped, as torch skips a gradient of None
+        for piece, grad, param in self._pieces:
+            if id(param) in unused:
+                piece.grad = None
+            elif piece.grad is None:
                 piece.grad = grad
 
     def after_step(self, optimizer, args, kwargs) -> None:
