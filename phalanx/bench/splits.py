@@ -77,7 +77,8 @@ def expected_bytes(split: str, *, k: int, rank: int, batch: int, element_size: i
     shapes = unit_shapes(10)
     per_channel = {name: shape[1] * shape[2] if len(shape) == 3 else 1 for name, shape in shapes.items()}
     if split == "data":  # ring: reduce-scatter sends every chunk but (r+1)'s, all-gather every one but (r+2)'s
-        chunks = chunk_sizes(sum(p.numel() for p in LeNet().parameters()), k)
+        params = list(LeNet().parameters())  # every gradient, and a usage flag per tensor (data_parallel/usage.py)
+        chunks = chunk_sizes(sum(p.numel() for p in params) + len(params), k)
         return element_size * (2 * sum(chunks) - chunks[(rank + 1) % k] - chunks[(rank + 2) % k])
     if split == "layers":  # the stage's output forward, its input's gradient back (micro-batches sum to the batch)
         plan = stage_plan(k)

@@ -41,7 +41,8 @@ def test_memory_bench_smoke(tmp_path, capsys):
     assert held["parameters"]["parameters"] <= 0.55 * held["none"]["parameters"]
     whole = 4 * 129_068  # float32: every rank of an unsharded contender holds all of it
     adam_steps = 4 * 8  # Adam's step count: a float32 scalar per tensor, LeNet's 8
-    assert {part: held["none"][part] for part in HELD} == {"parameters": whole, "gradients": whole,
+    flags = 4 * 8  # the usage flags after the last bucket: a float32 per tensor (data_parallel/usage.py)
+    assert {part: held["none"][part] for part in HELD} == {"parameters": whole, "gradients": whole + flags,
                                                            "optimizer_state": 2 * whole + adam_steps}
     assert held["ddp"]["parameters"] == whole and held["fsdp2"]["parameters"] <= 0.55 * whole
     ratio = next(r for r in payload["ratios"]

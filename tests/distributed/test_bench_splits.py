@@ -37,9 +37,11 @@ def test_counted_bytes_equal_each_splits_formula():
 
 
 def test_formulas_reduce_to_the_textbook_ones_on_even_splits():
-    # Ring allreduce: 2(k-1)/k of the gradient; LeNet's 129,068 parameters split evenly over 2 and 4.
+    # Ring allreduce: 2(k-1)/k of the gradient, and of the 8 usage flags (one per tensor) riding with
+    # it; LeNet's 129,068 parameters and 8 flags split evenly over 2 and 4.
     for k in (2, 4):
-        assert expected_bytes("data", k=k, rank=0, batch=256, element_size=4) == 2 * (k - 1) * PARAMETERS * 4 // k
+        sent = 2 * (k - 1) * (PARAMETERS + 8) * 4 // k
+        assert expected_bytes("data", k=k, rank=0, batch=256, element_size=4) == sent
     # A 4-stage pipeline's middle stage sends its output forward and its input's gradient back.
     assert expected_bytes("layers", k=4, rank=1, batch=10, element_size=4) == 4 * 10 * (800 + 20 * 13 * 13)
     # Channels at k = 2: per gathered layer, half of it forward and half of it back (not the logits back).
