@@ -51,11 +51,11 @@ from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
+from phalanx.data_parallel.layout import BucketLayout
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
-from phalanx.data_parallel.layout import BucketLayout
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
@@ -104,7 +104,7 @@ class DataParallel(ReplicaModule):
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with nothing to exchange (see the module docstring).
         self.exchanging = world.distributed or options.exchange_alone or comm is not None
-        # The buckets for the parameters that train now (layout.py), with usage flags unless sharded (usage.py).
+        # The buckets for the parameters that train now (layout.py), and what each step used (usage.py).
         self._layout = BucketLayout(self.module, bucket_cap_mb=options.bucket_cap_mb, shard=options.shard,
                                     first_bucket_cap_mb=options.first_bucket_cap_mb) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
@@ -134,8 +134,8 @@ class DataParallel(ReplicaModule):
         self._params = list(self.module.parameters())
 
     def _wire_buckets(self) -> None:
-        """The scheduler, the usage flags (usage.py: not sharded) and the landing hooks of the
-        buckets as laid out now: every parameter hooked to overlap or to note what it used."""
+        """The scheduler, the usage flags (usage.py) and the landing hooks of the buckets as laid
+        out now: every parameter hooked to overlap or to note what it used."""
         window = None if self.sharding is None or self.sharding.keeps_gradients else MAX_IN_FLIGHT
         self._scheduler = OverlapScheduler(self.buckets, launch=self._launch,
                                            max_in_flight=window) if self.exchanging else None
