@@ -40,6 +40,7 @@ SHORT_BY_ONE = textwrap.dedent("""
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
     model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    # One bucket of 131 float32s (524 B) and its 4 usage flags: 540 B on the wire.
     # "return": every step's gradient is checked as it is summed, so close() has nothing left to
     # check and no collective to make; "close": close() checks the steps since the last check.
     options = phalanx.DataParallelConfig(allreduce=algorithm, overlap=overlap, bucket_cap_mb=0.0005,
@@ -127,7 +128,7 @@ def test_ranks_in_different_collectives_fail_at_once_naming_both(tmp_path, algor
     assert returncode == 1, stderr[-3000:]
     assert first.startswith("phalanx: run stopped: ranks are in different collectives: "), stderr[-3000:]
     sides = {"rank 1 is in evaluation after step 7 (24 B); rank 0 in step 8's gradient bucket 0",
-             "rank 0 is in step 8's gradient bucket 0 (524 B); rank 1 in evaluation after step 7"}
+             "rank 0 is in step 8's gradient bucket 0 (540 B); rank 1 in evaluation after step 7"}
     assert any(side in first for side in sides), first
     assert elapsed_s < 60, f"{elapsed_s:.0f} s: the 60 s timeout ran out instead"  # not a timeout: at once
 
@@ -138,7 +139,7 @@ def test_a_rank_that_finished_normally_while_another_waits_is_reported_as_such(t
     first = launcher_line(stderr)
     assert returncode == 1, stderr[-3000:]
     assert ("phalanx: run stopped: rank 1 finished its work normally after step 7 while rank 0 waits for it in step "
-            "8's gradient bucket 0 (524 B)") in first, stderr[-3000:]
+            "8's gradient bucket 0 (540 B)") in first, stderr[-3000:]
     assert "died" not in stderr
 
 
@@ -147,7 +148,7 @@ def test_a_rank_closing_while_another_waits_names_the_finite_check_it_is_in(tmp_
     first = launcher_line(stderr)
     assert returncode == 1, stderr[-3000:]
     sides = {"rank 1 is in NaN/Inf check after step 7 (32 B); rank 0 in step 8's gradient bucket 0",
-             "rank 0 is in step 8's gradient bucket 0 (524 B); rank 1 in NaN/Inf check after step 7"}
+             "rank 0 is in step 8's gradient bucket 0 (540 B); rank 1 in NaN/Inf check after step 7"}
     assert any(side in first for side in sides), first
     assert elapsed_s < 60, f"{elapsed_s:.0f} s: the 60 s timeout ran out instead"
 
