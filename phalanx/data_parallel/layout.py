@@ -96,15 +96,15 @@ class BucketLayout:
 
     def again(self, *, in_step: bool) -> list[Bucket]:
         """Buckets for the parameters that train now; their gradients' values move with them, and
-        what no rank used at the last sync stays without one."""
+        one that has none (no rank used it, or it was unfrozen and nobody reached it) stays without."""
         self._refuse_if_sharded()
-        dropped = self.usage.dropped if self.usage is not None else []  # (sharded: refused above)
         for param, was in zip(self.params, self.laid_out):
             if was and not param.requires_grad:
                 param.grad = param.grad.clone() if in_step and param.grad is not None else None
-        self._lay_out()
+        without = [param for param in self.params if param.requires_grad and param.grad is None]
+        self._lay_out()  # (every trainable parameter's gradient a view of the new buckets)
         if self.usage is not None:
-            self.usage.drop([param for param in dropped if param.requires_grad])
+            self.usage.drop(without)
         return self.buckets
 
     def sum_newly_trainable(self, allreduce: Callable[[torch.Tensor], object]) -> None:

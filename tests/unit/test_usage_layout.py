@@ -156,3 +156,21 @@ def test_sharded_flags_are_summed_apart_and_only_noted():
     assert sums == [[1.0, 1.0, 0.0, 0.0]]  # this rank's flags, as sent; the fake peer adds nothing
     assert usage.unused == {id(p) for p in usage.params[2:]}
     assert all(p.grad is not None for p in usage.params)
+
+
+def test_unfrozen_inside_a_step_and_reached_by_nobody_stays_without_a_gradient():
+    model = _model()
+    model[0].requires_grad_(False)
+    layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="none")
+    for param in layout.usage.params:
+        layout.usage.landed(param)
+    model[0].requires_grad_(True)  # after zero_grad; no backward reached it
+
+    def allreduce(flat: torch.Tensor) -> None:  # one peer, which did not reach it either
+        pass
+
+    assert layout.after_sum(allreduce)
+    assert model[0].weight.grad is None and model[0].bias.grad is None  # as on one device: the optimizer skips it
+    assert model[2].weight.grad is not None
+    layout.before_step()  # the next zero_grad: views again, for the next backward
+    assert model[0].weight.grad is not None and not model[0].weight.grad.any()
