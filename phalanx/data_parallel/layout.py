@@ -42,15 +42,15 @@ class BucketLayout:
         cap_bytes = mb_to_bytes(bucket_cap_mb)
         first = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
-        self.buckets = self._lay_out()
+        self._lay_out()
 
-    def _lay_out(self) -> list[Bucket]:
+    def _lay_out(self) -> None:
+        """`buckets`, `usage` and `laid_out` for the parameters that train now."""
         self.laid_out = [param.requires_grad for param in self.params]
         rides = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
         self.buckets = build_buckets(self.params, **self._caps, gradient_views=self._shard in ("none", "optimizer"),
                                      spare=usage_elements(self.params) if rides else 0)
         self.usage = ParameterUsage(self.buckets, rides=rides) if self.buckets else None
-        return self.buckets
 
     def before_step(self) -> bool:
         """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket

@@ -228,8 +228,6 @@ def _widen(out: Any) -> Any:
     `out.logits`) is a shallow copy with its items replaced, a dataclass a `dataclasses.replace`."""
     if isinstance(out, torch.Tensor):
         return out.float() if out.is_floating_point() and out.element_size() < 4 else out
-    if type(out) is dict:
-        return {key: _widen(value) for key, value in out.items()}
     if isinstance(out, dict):
         widened = copy.copy(out)
         for key, value in out.items():

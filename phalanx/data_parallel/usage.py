@@ -67,19 +67,25 @@ class ParameterUsage:
                     view.copy_(param.grad)  # its slot held the previous sum of zeros
                 param.grad = view
 
+    def _not_landed(self) -> list[int]:
+        """Positions of the parameters whose gradient did not land on this rank (none: no loop)."""
+        if len(self._used) == len(self.params):
+            return []
+        return [i for i, param in enumerate(self.params) if id(param) not in self._used]
+
     def write_flags(self) -> None:
         """Before the last bucket's launch: 1.0 for each parameter this rank used, 0.0 for the rest."""
         self.flags.fill_(1.0)
-        if len(self._used) < len(self.params):
-            unused = [i for i, param in enumerate(self.params) if id(param) not in self._used]
+        unused = self._not_landed()
+        if unused:
             self.flags[unused] = 0.0
 
     def after_sum(self) -> list[nn.Parameter]:
         """After every bucket's sum (and the flags'): each parameter no rank used, its gradient
         dropped where the flags rode (else only noted in `unused`); return them."""
         nobody = []
-        if len(self._used) < len(self.params):
-            unused = [i for i, param in enumerate(self.params) if id(param) not in self._used]
+        unused = self._not_landed()
+        if unused:
             summed = self.flags[unused].tolist()
             nobody = [self.params[i] for i, total in zip(unused, summed) if total == 0]
         self.unused = set(map(id, nobody))
