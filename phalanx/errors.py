@@ -54,6 +54,20 @@ class PhalanxWarning(UserWarning):
     """A run that trains, but not as written means (silence with warnings.filterwarnings)."""
 
 
+def warn_at_caller(message: str) -> None:
+    """A PhalanxWarning pointing at the first frame outside phalanx: the script's line that led
+    here, however many of phalanx's own calls (prepare, DataParallel(...)) lie between."""
+    import os
+    import sys
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    level, frame = 2, sys._getframe(1)  # stacklevel 1 is this function, 2 its caller
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, PhalanxWarning, stacklevel=level)
+
+
 class Stopped(BaseException):
     """The launcher was told to stop (SIGTERM from `timeout`, a scheduler, a container stop, or
     SIGHUP); its workers have been taken down. A BaseException, like KeyboardInterrupt, so no

@@ -20,6 +20,9 @@ float32, and floating outputs come back as float32 so the loss is computed in fu
 their own containers (a Hugging Face `ModelOutput` is still read as `out.logits`).
 While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
 `finish_gradient_sync` counts no step.
+DDP's own face, where its habits carry over: `require_backward_grad_sync`, which nanoGPT-style
+loops set per micro-batch, is the switch `no_sync()` turns; DDP's methods that phalanx has no use
+for (`register_comm_hook`, `join`, ...) are one AttributeError naming phalanx's way.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.runtime.foreign_names import DDP_METHODS, ddp_method_error
 from phalanx.runtime.world import World
 
 DDP_PREFIX = "module."
@@ -57,6 +61,8 @@ class ReplicaModule(nn.Module):
     _synced_steps: int  # synced steps so far
     _closed: bool
     _capturing: bool  # a CUDA graph is recording the step (capturing())
+    _sync_enabled: bool  # False inside no_sync(): backward's gradients accumulate locally
+    exchange_in_flight: bool  # a bucket was launched and finish_gradient_sync() has not returned
     buckets: list  # the gradient buckets (buckets.py), empty with nothing to exchange
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
     # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
@@ -67,6 +73,27 @@ class ReplicaModule(nn.Module):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(NOT_COPIED)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules (`module`)
+        except AttributeError:
+            if name in DDP_METHODS:
+                raise ddp_method_error(type(self).__name__, name) from None
+            raise
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch, as nanoGPT sets it per micro-batch: False accumulates the next backwards'
+        gradients locally, as inside `no_sync()`; True exchanges the next synced backward's sum."""
+        return self._sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, sync: bool) -> None:
+        if not sync and self.exchange_in_flight:
+            raise RuntimeError("require_backward_grad_sync = False set while gradient allreduces are in flight; "
+                               "call finish_gradient_sync() first")
+        self._sync_enabled = bool(sync)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling() and not self.compiled_after_prepare:

@@ -3,7 +3,8 @@ otherwise, for the `World` a script holds where it held one of those: a name ask
 phalanx spells differently is an AttributeError naming phalanx's way in one line (docs/accelerate-fabric.md),
 not Python's bare "has no attribute". Names that already mean the same (`device`, `local_rank`,
 `world_size`, `node_rank`, `print`) are World's own and never come here. `DDP_KEYWORDS` does the
-same for what a DDP user hands `prepare` where they handed `DistributedDataParallel(...)`.
+same for what a DDP user hands `prepare` where they handed `DistributedDataParallel(...)`, and
+`DDP_METHODS` for what they call on the replica where they called it on DDP's wrapper.
 """
 
 from __future__ import annotations
@@ -87,3 +88,23 @@ def foreign_keywords_error(names: list[str], *, call: str = "prepare") -> TypeEr
     if not known:
         return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
     return TypeError(f"{call}() takes no {known[0]}= (DistributedDataParallel's keyword): {DDP_KEYWORDS[known[0]]}")
+
+
+# DistributedDataParallel's methods -> what phalanx does instead (asked of a replica, an AttributeError names it).
+DDP_METHODS: dict[str, str] = {
+    "register_comm_hook": "the exchange takes no hook: prepare(model, world=world, grad_dtype='bf16') sends the "
+                          "gradients compressed, as DDP's bf16_compress_hook / fp16_compress_hook do, and allreduce= "
+                          "picks the algorithm",
+    "join": "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches; ranks "
+            "that run different numbers of steps fail at once, naming both call sites",
+    "join_hook": "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches",
+    "_set_static_graph": DDP_KEYWORDS["static_graph"],
+}
+
+
+def ddp_method_error(owner: str, name: str) -> AttributeError:
+    """The AttributeError for `name` asked of `owner` (a replica): phalanx's way where it is DDP's method."""
+    if name not in DDP_METHODS:
+        return AttributeError(f"'{owner}' object has no attribute {name!r}")
+    return AttributeError(f"'{owner}' object has no attribute {name!r} (DistributedDataParallel's method): "
+                          f"in phalanx, {DDP_METHODS[name]}")

@@ -9,7 +9,11 @@
   and the replica check and `evaluate_dataset` then name the buffer on every rank;
 - DDP's `module.`-prefixed state_dict loads into a DataParallel, and the replica's loads back;
 - `reduce` sums and averages; `accumulate` sends one exchange per step and gives the 1-device
-  gradient; `precision="bf16-mixed"` keeps float32 buckets and identical replicas.
+  gradient; `precision="bf16-mixed"` keeps float32 buckets and identical replicas;
+- nanoGPT's accumulation, `dp.require_backward_grad_sync = (last micro-batch)`, overlapped: one
+  exchange per step and the 1-device gradient; set False with buckets in flight, one line;
+- an embedding with `sparse=True`: named once on rank 0 at the script's line, summed dense, and
+  SGD with momentum ends where one device's sparse gradients end.
 """
 
 from __future__ import annotations
@@ -165,12 +169,65 @@ def _helper_cases(world, out: dict) -> None:
         out["bf16"] = (_state(dp), {b.buffer.dtype for b in dp.buckets}, dp.choices.describe())
 
 
+def _nanogpt_case(world, out: dict) -> None:
+    """nanoGPT's loop: DDP's flag set before each micro-batch, no no_sync(), overlap forced on."""
+    X, y = _batches(1)[0]
+    options = phalanx.DataParallelConfig(bucket_cap_mb=0.0005, overlap=True)
+    with phalanx.DataParallel(_mlp(), world=world, options=options) as dp:
+        dp.tracer = tracer = _CountingTracer()
+        X_shard, y_shard = _shard(X, y, world, uneven=True)
+        dp.zero_grad()
+        micro_batches = list(zip(X_shard.split(3), y_shard.split(3)))
+        for index, (X_micro, y_micro) in enumerate(micro_batches):
+            dp.require_backward_grad_sync = index == len(micro_batches) - 1
+            phalanx.shard_loss(F.cross_entropy(dp(X_micro), y_micro, reduction="sum"), GLOBAL).backward()
+        in_flight = dp.exchange_in_flight
+        try:
+            dp.require_backward_grad_sync = False
+            refused = ""
+        except RuntimeError as error:
+            refused = str(error)
+        dp.finish_gradient_sync()
+        out["nanogpt"] = ([p.grad.clone() for p in dp.parameters()], tracer.launched, len(dp.buckets), in_flight,
+                          refused, dp.require_backward_grad_sync)
+
+
+def _embedding_bag() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.EmbeddingBag(20, 4, mode="sum", sparse=True), nn.Linear(4, 3)).double()
+
+
+def _sparse_case(world, out: dict) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dp = phalanx.prepare(_embedding_bag(), world=world)
+    out["sparse-warnings"] = [(str(w.message), w.filename) for w in caught
+                              if issubclass(w.category, phalanx.PhalanxWarning)]
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    with dp:
+        for X, y in _sparse_batches():
+            X, y = _shard(X, y, world, uneven=True)
+            dp.zero_grad()
+            phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), GLOBAL).backward()
+            dp.finish_gradient_sync()
+            optimizer.step()
+        out["sparse-state"] = _state(dp)
+
+
+def _sparse_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(0, 20, (GLOBAL, 3), generator=g), torch.randint(0, 3, (GLOBAL,), generator=g))
+            for _ in range(3)]
+
+
 def _worker(world) -> dict:
     out: dict = {}
     _loss_cases(world, out)
     _sampler_case(world, out)
     _batchnorm_cases(world, out)
     _helper_cases(world, out)
+    _nanogpt_case(world, out)
+    _sparse_case(world, out)
     return out
 
 
@@ -224,6 +281,36 @@ def test_plain_batchnorm_replicas_stay_bitwise_identical_and_drift_is_caught_oth
             "forward updates from each rank's own data (running statistics?); keep DataParallel's "
             "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself")
         assert rank["bn-drifting-evaluate"].startswith("replicas diverged before evaluation: rank 1's 1.running_mean")
+
+
+def test_nanogpt_s_require_backward_grad_sync_accumulates_as_no_sync_does(results):
+    X, y = _batches(1)[0]
+    reference = _mlp()
+    phalanx.shard_loss(F.cross_entropy(reference(X), y, reduction="sum"), GLOBAL).backward()
+    for rank in results:
+        grads, launched, num_buckets, in_flight, refused, flag = rank["nanogpt"]
+        assert num_buckets > 1 and launched == num_buckets and in_flight  # overlapped, once per step
+        for got, want in zip(grads, reference.parameters()):
+            torch.testing.assert_close(got, want.grad, rtol=1e-12, atol=1e-15)
+        assert refused == ("require_backward_grad_sync = False set while gradient allreduces are in flight; "
+                           "call finish_gradient_sync() first")
+        assert flag is True
+
+
+def test_a_sparse_embedding_is_named_once_and_summed_dense_exactly(results):
+    (message, filename), = results[0]["sparse-warnings"]
+    assert message.startswith("embedding '0' has sparse=True: its gradient is summed dense in the gradient buckets")
+    assert filename == __file__  # the script's line, not one inside phalanx
+    assert results[1]["sparse-warnings"] == []
+    reference = _embedding_bag()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for X, y in _sparse_batches():
+        optimizer.zero_grad()
+        phalanx.shard_loss(F.cross_entropy(reference(X), y, reduction="sum"), GLOBAL).backward()
+        assert reference[0].weight.grad.is_sparse  # one device steps sparse gradients
+        optimizer.step()
+    for rank in results:
+        assert _max_diff(rank["sparse-state"], _state(reference)) < 1e-13
 
 
 def test_reduce_accumulate_and_bf16_mixed_on_two_ranks(results):

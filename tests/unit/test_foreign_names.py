@@ -14,7 +14,7 @@ from torch import nn
 
 import phalanx
 from phalanx.data_parallel import DataParallel
-from phalanx.runtime.foreign_names import DDP_KEYWORDS, FOREIGN_NAMES
+from phalanx.runtime.foreign_names import DDP_KEYWORDS, DDP_METHODS, FOREIGN_NAMES
 from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
@@ -81,3 +81,27 @@ def test_another_unknown_keyword_is_python_s_own_error_and_every_ddp_way_exists(
     for way in DDP_KEYWORDS.values():
         for name in re.findall(r"(\w+)=", way):
             assert name in fields or name == "precision", name
+
+
+@pytest.mark.parametrize("name", sorted(DDP_METHODS))
+def test_a_ddp_method_asked_of_the_replica_names_phalanx_s_way(name):
+    with phalanx.prepare(nn.Linear(2, 2), world=WORLD1) as dp:
+        with pytest.raises(AttributeError) as info:
+            getattr(dp, name)
+        assert str(info.value) == (f"'DataParallel' object has no attribute {name!r} (DistributedDataParallel's "
+                                   f"method): in phalanx, {DDP_METHODS[name]}")
+        assert not hasattr(dp, name) and "\n" not in str(info.value)
+        with pytest.raises(AttributeError, match=r"^'DataParallel' object has no attribute 'reducer'$"):
+            dp.reducer  # another missing name: torch's own message
+        assert dp.module.weight is dp.module.weight  # submodules and parameters as before
+
+
+def test_require_backward_grad_sync_is_the_switch_no_sync_turns():
+    with phalanx.prepare(nn.Linear(2, 2), world=WORLD1) as dp:
+        assert dp.require_backward_grad_sync is True and dp.sync_enabled
+        with dp.no_sync():
+            assert dp.require_backward_grad_sync is False
+        dp.require_backward_grad_sync = False
+        assert not dp.sync_enabled and "require_backward_grad_sync" not in dp.__dict__
+        dp.require_backward_grad_sync = 1
+        assert dp.require_backward_grad_sync is True
