@@ -38,6 +38,11 @@ class Bucket:
     def size_bytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    @property
+    def sent_bytes(self) -> int:
+        """What its allreduce carries in the gradients' dtype: the buffer, then any spare elements."""
+        return self.storage.numel() * self.storage.element_size()
+
 
 # DDP's first-bucket size (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024

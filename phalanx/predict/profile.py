@@ -162,7 +162,7 @@ def _profile_worker(*, rank: int, num_procs: int, port: int, job: ProfileJob) ->
             clock.close()
             clock.dp.close()
         results.append({"records": records, "window": window,
-                        "bucket_bytes": [] if clock is None else [b.size_bytes for b in clock.dp.buckets]})
+                        "bucket_bytes": [] if clock is None else [b.sent_bytes for b in clock.dp.buckets]})
     return results
 
 

@@ -44,7 +44,8 @@ def test_predict_measures_the_link_predicts_and_validates(tmp_path):
         profile = row["profile"]
         assert len(profile["step_samples_s"]) == 2 * profile["co_runners"]  # every co-runner's steps
         assert profile["bucket_bytes"] and len(profile["bucket_ready_s"]) == len(profile["bucket_bytes"])
-        assert sum(profile["bucket_bytes"]) == 129_068 * 4  # LeNet's 504 KB of float32 gradients
+        # LeNet's 504 KB of float32 gradients, and one usage flag per parameter tensor (8) riding with them
+        assert sum(profile["bucket_bytes"]) == 129_068 * 4 + 8 * 4
         assert all(0 <= r <= profile["backward_s"] * 1.5 for r in profile["bucket_ready_s"])
         assert row["step_s"] == pytest.approx(row["compute_s"] + row["exposed_s"] + row["overlap_penalty_s"])
         assert row["hidden_s"] + row["exposed_s"] == pytest.approx(row["comm_s"])
