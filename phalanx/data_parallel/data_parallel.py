@@ -18,8 +18,8 @@ without a thread), then returns. `overlap=None` (the default) chooses per host (
 `resolve_overlap`). Either way the caller's step is:
 zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
 tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
-(comm/watchdog.py); a synced backward never exchanged is refused at the next zero_grad() or
-optimizer step (guards/checks.py's UnsyncedGradientGuard). Every `check_finite_every` synced
+(comm/watchdog.py); a synced backward never exchanged is refused at an optimizer step or update
+that reads it, and summed then zeroed by zero_grad() if none did (guards/checks.py). Every `check_finite_every` synced
 steps the gradient is checked for NaN/Inf, naming the first step and rank (guards/finite.py), and
 the steps since then again before state leaves the replica (`check_finite`: state_dict,
 full_state_dict, close).
@@ -164,11 +164,12 @@ class DataParallel(ReplicaModule):
             for param in self._params:
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
             return
+        # Unsummed gradients no update read (a GAN's D under G's loss): summed as DDP sums every
+        # backward (every rank ran it; buckets may be on the wire), then zeroed. Read: refused.
+        if self._unsynced.take_unread("zero_grad()") and not self._closed:
+            self.finish_gradient_sync()
         if self._scheduler is not None:  # None once closed
-            if self._scheduler.in_flight:
-                raise RuntimeError("gradient allreduces are in flight; call finish_gradient_sync() before zero_grad()")
             self._scheduler.reset()  # drop gradients marked by a backward that never finished
-        self._unsynced.check("zero_grad()")
         if self._layout.before_step():  # requires_grad changed since the buckets were laid out
             self._rewire()
         if self.sharding is not None and not self.sharding.keeps_gradients:
@@ -205,10 +206,6 @@ class DataParallel(ReplicaModule):
         return self._extras.first_step is not None
 
     @property
-    def sync_enabled(self) -> bool:
-        return self._sync_enabled
-
-    @property
     def exchange_in_flight(self) -> bool:
         """True from a bucket's launch during backward until finish_gradient_sync() returns."""
         return self._scheduler is not None and self._scheduler.in_flight
@@ -217,11 +214,13 @@ class DataParallel(ReplicaModule):
         if self._usage is not None:
             self._usage.landed(param)
         if self._sync_enabled:
-            self._unsynced.pending = True
+            if not self._unsynced.pending:
+                self._unsynced.mark()
             self._scheduler.mark_ready(param)
 
     def _on_backward(self, param: nn.Parameter) -> None:
-        self._unsynced.pending = self._unsynced.pending or self._sync_enabled
+        if self._sync_enabled and not self._unsynced.pending:
+            self._unsynced.mark()
 
     def _launch(self, bucket: Bucket):
         """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire

@@ -71,7 +71,8 @@ class OverlapScheduler:
             # would race with the allreduce, so refuse loudly (DDP: "marked ready twice").
             raise RuntimeError(
                 f"a gradient landed twice in bucket {index} during one synced step (backward ran "
-                "twice before finish_gradient_sync?); accumulate micro-batches under no_sync()"
+                "twice before finish_gradient_sync?); accumulate micro-batches under no_sync(), or add the "
+                "losses and call backward once"
             )
         landed.add(id(param))
         if len(landed) == len(self.buckets[index].params):

@@ -83,6 +83,11 @@ class ReplicaModule(nn.Module):
             raise
 
     @property
+    def sync_enabled(self) -> bool:
+        """False inside `no_sync()` (or after `require_backward_grad_sync = False`)."""
+        return self._sync_enabled
+
+    @property
     def require_backward_grad_sync(self) -> bool:
         """DDP's switch, as nanoGPT sets it per micro-batch: False accumulates the next backwards'
         gradients locally, as inside `no_sync()`; True exchanges the next synced backward's sum."""

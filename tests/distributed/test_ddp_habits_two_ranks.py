@@ -12,6 +12,9 @@
   gradient; `precision="bf16-mixed"` keeps float32 buckets and identical replicas;
 - nanoGPT's accumulation, `dp.require_backward_grad_sync = (last micro-batch)`, overlapped: one
   exchange per step and the 1-device gradient; set False with buckets in flight, one line;
+- DCGAN's loop (pytorch/examples): the generator's loss backpropagates through the discriminator,
+  whose gradients no step uses and whose zero_grad sums, then zeroes them, overlapped and not and
+  under ZeRO stage 3, against one device;
 - an embedding with `sparse=True`: named once on rank 0 at the script's line, summed dense, and
   SGD with momentum ends where one device's sparse gradients end.
 """
@@ -192,6 +195,57 @@ def _nanogpt_case(world, out: dict) -> None:
                           refused, dp.require_backward_grad_sync)
 
 
+def _gan() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4)).double(),
+            nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double())
+
+
+def _gan_steps(G, D, step_G, step_D, zero_G, zero_D, rows, *, one_backward: bool, optimizers=None) -> None:
+    """DCGAN's step: D on real and fake.detach(), then G through D (D's gradients left unused)."""
+    g = torch.Generator().manual_seed(7)
+    optimizer_G, optimizer_D = optimizers or (torch.optim.Adam(G.parameters(), lr=0.01),
+                                              torch.optim.Adam(D.parameters(), lr=0.01))
+
+    def bce(out, target):
+        return phalanx.shard_loss(F.binary_cross_entropy_with_logits(out, torch.full_like(out, target),
+                                                                     reduction="sum"), GLOBAL)
+    for _ in range(3):
+        real, noise = torch.randn(GLOBAL, 4, generator=g, dtype=torch.float64)[rows], torch.randn(
+            GLOBAL, 3, generator=g, dtype=torch.float64)[rows]
+        zero_D()
+        fake = G(noise)
+        if one_backward:
+            (bce(D(real), 1.0) + bce(D(fake.detach()), 0.0)).backward()
+        else:  # DCGAN's two backwards, summed by the one exchange after backward
+            bce(D(real), 1.0).backward()
+            bce(D(fake.detach()), 0.0).backward()
+        step_D()
+        optimizer_D.step()
+        zero_G()
+        bce(D(fake), 1.0).backward()  # lands gradients in D too: zero_D sums and zeroes them at the next step
+        step_G()
+        optimizer_G.step()
+
+
+def _gan_case(world, out: dict) -> None:
+    rows = slice(0, 7) if world.rank == 0 else slice(7, GLOBAL)
+    for overlap in (False, True):
+        G, D = _gan()
+        with phalanx.prepare(G, world=world, overlap=overlap) as dG, phalanx.prepare(D, world=world,
+                                                                                    overlap=overlap) as dD:
+            _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad, rows,
+                       one_backward=overlap)
+            out[f"gan-{overlap}"] = (_state(dG), _state(dD))
+    G, D = _gan()  # ZeRO stage 3, overlapped: the dropped gradients were reduce-scattered
+    sharded = dict(world=world, shard="parameters", overlap=True)
+    with phalanx.prepare(G, **sharded) as dG, phalanx.prepare(D, **sharded) as dD:
+        optimizers = dG.optimizer(torch.optim.Adam, lr=0.01), dD.optimizer(torch.optim.Adam, lr=0.01)
+        _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad, rows,
+                   one_backward=True, optimizers=optimizers)
+        out["gan-sharded"] = (dG.full_state_dict(), dD.full_state_dict())
+
+
 def _embedding_bag() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.EmbeddingBag(20, 4, mode="sum", sparse=True), nn.Linear(4, 3)).double()
@@ -228,6 +282,7 @@ def _worker(world) -> dict:
     _helper_cases(world, out)
     _nanogpt_case(world, out)
     _sparse_case(world, out)
+    _gan_case(world, out)
     return out
 
 
@@ -311,6 +366,18 @@ def test_a_sparse_embedding_is_named_once_and_summed_dense_exactly(results):
         optimizer.step()
     for rank in results:
         assert _max_diff(rank["sparse-state"], _state(reference)) < 1e-13
+
+
+@pytest.mark.parametrize("case", ["False", "True", "sharded"])
+def test_dcgans_loop_drops_the_discriminators_unused_gradients_as_one_device_does(results, case):
+    G, D = _gan()
+    no_op = lambda: None  # noqa: E731 - one device: nothing to sum
+    _gan_steps(G, D, no_op, no_op, lambda: G.zero_grad(), lambda: D.zero_grad(), slice(0, GLOBAL),
+               one_backward=case != "False")
+    for rank in results:
+        state_G, state_D = rank[f"gan-{case}"]
+        assert _max_diff(state_G, _state(G)) < 1e-12 and _max_diff(state_D, _state(D)) < 1e-12
+    assert all(torch.equal(results[0][f"gan-{case}"][1][k], v) for k, v in results[1][f"gan-{case}"][1].items())
 
 
 def test_reduce_accumulate_and_bf16_mixed_on_two_ranks(results):

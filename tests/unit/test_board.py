@@ -229,9 +229,18 @@ def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overl
             _lenet_step(dp, optimizer, sync=False)
         assert all(torch.equal(a, b) for a, b in zip(before, dp.module.parameters()))  # refused before the update
         other.step()  # an optimizer that does not step this replica is none of its business
-        with pytest.raises(RuntimeError, match="zero_grad\\(\\) after a backward|in flight"):
+        with torch.no_grad():  # an update by hand (the book's sgd) reads the unsummed gradient
+            for param in dp.module.parameters():
+                param -= 0.1 * param.grad
+        with pytest.raises(RuntimeError, match="^zero_grad\\(\\) after a backward whose gradients were never summed"):
             dp.zero_grad()
         dp.finish_gradient_sync()
+        # A backward whose gradients nothing used (this replica under another model's loss, as a GAN's
+        # discriminator under its generator's) is summed, then zeroed at zero_grad, as on one device.
+        F.cross_entropy(dp(torch.rand(2, 1, 28, 28)), torch.tensor([0, 1]), reduction="sum").backward()
+        dp.zero_grad()
+        assert all(not p.grad.any() for p in dp.module.parameters()) and not dp.exchange_in_flight
+        _lenet_step(dp, optimizer, sync=True)  # and the next step runs as ever
         with dp.no_sync():  # accumulating locally on purpose is not a forgotten sync
             dp.zero_grad()
             F.cross_entropy(dp(torch.rand(2, 1, 28, 28)), torch.tensor([0, 1]), reduction="sum").backward()

@@ -151,23 +151,48 @@ def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] |
 class UnsyncedGradientGuard:
     """Refuses to use gradients of a synced backward that were never exchanged.
 
-    Its owner sets `pending` when a backward lands gradients with sync on and clears it once they
-    are summed. `check()` (from zero_grad) and a step pre-hook on every optimizer that steps the
-    module then raise, naming the fix. The hook is process-wide (torch has no per-module one) but
-    costs a flag test while nothing is pending; it holds the guard weakly, so a dropped replica
-    is not kept alive, and `close()` removes it."""
+    Its owner calls `mark()` when a backward lands gradients with sync on, and clears `pending`
+    once they are summed. A step pre-hook on every optimizer that steps the module then raises,
+    naming the fix. `take_unread()` (from zero_grad) raises too if the parameters were written
+    since the gradients landed (an update by hand read them unsummed); if nothing wrote them, the
+    gradients were never used - a backward through this replica for another model's loss, as a
+    GAN's generator step runs through its discriminator or an actor's through its critic - and
+    zero_grad sums them (every rank ran that backward, and with overlap some buckets are on the
+    wire already: DDP sums every backward too), then zeroes them, as on one device. "Written" is the parameters' version
+    counters, noted once per step at the first landing (about 0.06 us a tensor); an update through
+    `.data` bypasses them. The hook is process-wide (torch has no per-module one) but costs a
+    flag test while nothing is pending; it holds the guard weakly, so a dropped replica is not
+    kept alive, and `close()` removes it."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.pending = False
         self._module = module
+        self._params = list(module.parameters())
+        self._versions: list[int] = []  # the parameters' version counters when `pending` was set
         self._steps_module: dict[int, bool] = {}  # id(optimizer) -> does it hold the module's parameters?
         self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
+
+    def mark(self) -> None:
+        """A synced backward landed gradients here (the owner calls it only while not pending)."""
+        self.pending = True
+        self._versions = [p._version for p in self._params]
+
+    def written_since_marked(self) -> bool:
+        return self.pending and [p._version for p in self._params] != self._versions
 
     def check(self, what: str) -> None:
         if self.pending:
             raise RuntimeError(f"{what} after a backward whose gradients were never summed across ranks: call "
                                "dp.finish_gradient_sync() between loss.backward() and optimizer.step(), or the "
                                "replicas drift apart")
+
+    def take_unread(self, what: str) -> bool:
+        """At zero_grad: raise if an update wrote the parameters since unsummed gradients landed;
+        else forget them, returning whether there were any (see the class docstring)."""
+        if self.written_since_marked():
+            self.check(what)
+        pending, self.pending = self.pending, False
+        return pending
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
         mine = self._steps_module.get(id(optimizer))
