@@ -260,7 +260,7 @@ class DataParallel(ReplicaModule):
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         if self._usage is not None:
-            self._usage.restore()  # gradients dropped at the last sync and never used since
+            self._usage.take_back()  # gradients dropped at the last sync, or by optimizer.zero_grad(), back
         self._scheduler.finish()
         self._unsynced.pending = False
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.

@@ -64,8 +64,9 @@ class ReplicaModule(nn.Module):
     _sync_enabled: bool  # False inside no_sync(): backward's gradients accumulate locally
     exchange_in_flight: bool  # a bucket was launched and finish_gradient_sync() has not returned
     buckets: list  # the gradient buckets (buckets.py), empty with nothing to exchange
-    # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which drops the gradient buckets;
-    # noted here, where the compiler traces, so the error that follows can say "compile before prepare".
+    # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which sets .grad to None; taken back
+    # into the buckets at the next landing (usage.py), except on a sharded replica, whose refusal names
+    # this (noted here, where the compiler traces).
     compiled_after_prepare = False
 
     def __deepcopy__(self, memo: dict) -> Any:

@@ -47,6 +47,10 @@ class ParameterUsage:
         last = buckets[-1]
         self._views = {id(param): grad_view(bucket.buffer, offset, param) for bucket in buckets
                        for param, offset in zip(bucket.params, bucket.offsets)} if rides else {}
+        self._pairs = [(param, self._views[id(param)]) for param in self.params] if rides else []
+        for param, view in self._pairs:  # .grad *is* the view from now on: one identity test per landing
+            if param.grad is not None and param.grad.data_ptr() == view.data_ptr():
+                param.grad = view
         self.flags = last.storage[last.buffer.numel():] if rides else \
             torch.ones(len(self.params), dtype=last.buffer.dtype, device=last.buffer.device)
         self.unused: set[int] = set()  # id(param) of each parameter no rank used at the last sync
@@ -57,15 +61,13 @@ class ParameterUsage:
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
 
     def landed(self, param: nn.Parameter) -> None:
-        """A landing hook's note: `param`'s gradient accumulated. A parameter whose gradient was
-        dropped at the last sync had a fresh tensor made by autograd: it goes back into the bucket."""
+        """A landing hook's note: `param`'s gradient accumulated. Where its .grad was None (dropped at
+        the last sync, or set so by `optimizer.zero_grad()`), autograd made a fresh tensor: it goes
+        into the bucket, over whatever the slot held."""
         self._used.add(id(param))
-        if self.dropped and param.grad is not None:
-            view = self._views[id(param)]
-            if param.grad.data_ptr() != view.data_ptr():
-                with torch.no_grad():
-                    view.copy_(param.grad)  # its slot held the previous sum of zeros
-                param.grad = view
+        view = self._views.get(id(param))
+        if view is not None and param.grad is not view:
+            _take_back(param, view)
 
     def _not_landed(self) -> list[int]:
         """Positions of the parameters whose gradient did not land on this rank (none: no loop)."""
@@ -101,15 +103,37 @@ class ParameterUsage:
         self.dropped = list(params)
 
     def restore(self) -> None:
-        """Every dropped gradient a view of its (zero) slot again: from zero_grad, and before a sync."""
+        """Every dropped gradient a view of its (zero) slot again: from zero_grad."""
         for param in self.dropped:
             if param.grad is None:
                 param.grad = self._views[id(param)]
         self.dropped = []
 
+    def take_back(self) -> None:
+        """Before a sync: each gradient that did not land since the last one (a landing takes its
+        own back) a view of its slot again - None (dropped at the last sync, or set so by
+        `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; another tensor put there
+        copied in. A parameter frozen since keeps what it has. Nothing to do when all landed."""
+        for index in self._not_landed() if self.rides else ():
+            param, view = self._pairs[index]
+            if param.grad is not view and param.requires_grad:
+                _take_back(param, view)
+        self.dropped = []
+
     def forget(self) -> None:
         """A step given up (zero_grad without a sync): its landings count for nothing."""
         self._used.clear()
+
+
+@torch.no_grad()
+def _take_back(param: nn.Parameter, view: torch.Tensor) -> None:
+    """`param`'s gradient into its bucket slot `view`, and `.grad` that view: None is a zero slot."""
+    grad = param.grad
+    if grad is None:
+        view.zero_()
+    elif grad.data_ptr() != view.data_ptr():
+        view.copy_(grad)
+    param.grad = view
 
 
 def usage_elements(params: Sequence[nn.Parameter]) -> int:

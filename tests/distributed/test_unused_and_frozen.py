@@ -6,7 +6,8 @@ On one device a parameter no backward reached keeps `.grad = None` and the optim
 and compares the weights (float64). Before usage.py the alternating heads ended 0.17 apart with
 AdamW, a model with a frozen layer failed in `prepare`, a layer unfrozen after `prepare` left
 each rank with its own weights, and `dp.optimizer` under ZeRO refused a frozen layer as "not
-the replica's".
+the replica's". The cases named `optimizer.zero_grad()` zero with the torch optimizer instead of
+`dp.zero_grad()`: every `.grad` None, each taken back into its bucket as it lands (refused before).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def _k_ranks(world, case: dict) -> dict:
         X, y = X[ROWS[world.rank]], y[ROWS[world.rank]]
         if case.get("when") != "after zero_grad":
             _flip(dp.module, step, case)
-        dp.zero_grad()
+        if case.get("zero") == "optimizer":  # set_to_none: each gradient taken back into its bucket
+            optimizer.zero_grad()
+        else:
+            dp.zero_grad()
         if case.get("when") == "after zero_grad":
             _flip(dp.module, step, case)
         if case.get("accumulate"):  # two micro-batches; head b only reachable in the first
@@ -162,6 +166,11 @@ CASES = {
     "head a frozen at step 2": dict(routing="rows", flip="freeze"),
     "head a frozen after zero_grad": dict(routing="alternate", flip="freeze", when="after zero_grad"),
     "accumulated, head b in one micro-batch": dict(routing="alternate", accumulate=True),
+    "optimizer.zero_grad(), rows routed": dict(routing="rows", zero="optimizer"),
+    "optimizer.zero_grad(), alternating, overlapped": dict(routing="alternate", zero="optimizer", overlap=True),
+    "optimizer.zero_grad(), trunk unfrozen at step 2": dict(routing="alternate", frozen=True, flip="unfreeze",
+                                                            zero="optimizer"),
+    "optimizer.zero_grad(), accumulated": dict(routing="alternate", accumulate=True, zero="optimizer"),
 }
 
 

@@ -290,9 +290,15 @@ def test_misuse_is_refused():
             pass
     dp.finish_gradient_sync()
     dp.zero_grad()
-    dp.module.fc1.weight.grad = torch.zeros_like(dp.module.fc1.weight)  # breaks the view
-    with pytest.raises(RuntimeError, match="no longer aliases"):
-        dp.finish_gradient_sync()
+    F.cross_entropy(dp(X), y).backward()
+    dp.finish_gradient_sync()
+    alone = dp.module.fc1.weight.grad.clone()
+    dp.zero_grad()
+    dp.module.fc1.weight.grad = torch.full_like(dp.module.fc1.weight, 2.0)  # a tensor of the user's in its place
+    F.cross_entropy(dp(X), y).backward()
+    dp.finish_gradient_sync()  # taken back into the bucket, as one device would have added to it
+    assert dp.module.fc1.weight.grad.data_ptr() == dp.buckets[1].buffer[dp.buckets[1].offsets[0]:].data_ptr()
+    torch.testing.assert_close(dp.module.fc1.weight.grad, alone + 2.0, rtol=0, atol=1e-15)
     dp.close()
     assert comm.handles and all(h.waited for h in comm.handles)
     with pytest.raises(RuntimeError, match="closed"):

@@ -120,26 +120,34 @@ def _mlp() -> nn.Module:  # no convolutions: inductor's conv gradients are wrong
     return nn.Sequential(nn.Linear(2, 16), nn.GELU(), nn.Linear(16, 3)).double()
 
 
-def _compiled_steps(dp, model_zero_grad) -> None:
+def _compiled_steps(dp, model, model_zero_grad) -> list[torch.Tensor]:
     X, y = torch.randn(8, 2, dtype=torch.float64), torch.randint(0, 3, (8,))
+    optimizer = torch.optim.AdamW(dp.parameters(), lr=0.01)
     for _ in range(2):
         model_zero_grad()
-        F.cross_entropy(dp(X), y).backward()
+        F.cross_entropy(model(X), y).backward()
         dp.finish_gradient_sync()
+        optimizer.step()
+    return [p.detach().clone() for p in dp.parameters()]
 
 
-def test_compile_before_prepare_works_and_after_prepare_is_refused_naming_the_fix():
+def test_compile_before_or_after_prepare_trains_alike_and_a_sharded_one_compiled_after_is_refused():
     # backend="eager": dynamo traces as torch.compile does (what the check sees) without
     # inductor's code generation, which takes minutes on a busy 2-core machine.
     alone = DataParallelConfig(exchange_alone=True)  # the buckets, as on each of k devices
     with prepare_replica(torch.compile(_mlp(), backend="eager"), alone, world=WORLD1) as dp:
         assert dp.exchanging
-        _compiled_steps(dp, dp.zero_grad)
+        before = _compiled_steps(dp, dp, dp.zero_grad)
         assert not dp.compiled_after_prepare
     with prepare_replica(_mlp(), alone, world=WORLD1) as dp:
+        compiled = torch.compile(dp, backend="eager")
+        # nn.Module's zero_grad sets .grad to None: each gradient is taken back into its bucket as it lands
+        after = _compiled_steps(dp, compiled, compiled.zero_grad)
+        assert dp.compiled_after_prepare and all(torch.equal(a, b) for a, b in zip(before, after))
+    with prepare_replica(_mlp(), replace(alone, shard="optimizer"), world=WORLD1) as dp:
         compiled = torch.compile(dp, backend="eager")
         with pytest.raises(phalanx.UsageError, match=r"the replica was compiled after prepare, and the compiled "
                            r"wrapper's zero_grad\(\) is nn.Module's, which drops the buckets; compile the model "
                            r"before prepare: dp = phalanx.prepare\(torch.compile\(model\), world=world\)$"):
-            _compiled_steps(compiled, compiled.zero_grad)  # nn.Module's zero_grad, not the replica's
+            _compiled_steps(dp, compiled, compiled.zero_grad)
     torch._dynamo.reset()

@@ -12,11 +12,12 @@
   would otherwise mix diverged replicas.
 - `check_finite`: the loss and the summed gradients must be finite; a NaN/Inf stops the run at
   its step and rank instead of silently poisoning every replica.
-- `gradients_detached`: the refusal when a `.grad` no longer aliases its bucket, naming the
-  cause (a replica compiled after `prepare`, or `optimizer.zero_grad(set_to_none=True)`).
+- `gradients_detached`: the refusal when a `.grad` no longer aliases its bucket at a sync of a
+  sharded replica, naming the cause (a torch optimizer's `zero_grad(set_to_none=True)`, or a
+  replica compiled after `prepare`); an unsharded one takes such gradients back (usage.py).
 - `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
-  `finish_gradient_sync()`, silent with overlap=False) is refused at `zero_grad()` or at the
-  optimizer's step, naming the fix.
+  `finish_gradient_sync()`, silent with overlap=False) is refused at the optimizer's step, or at
+  `zero_grad()` after an update by hand, naming the fix.
 
 Every rank sees the same gathered data, so every rank raises the same error at the same point.
 """
