@@ -89,7 +89,7 @@ class DataParallel(ReplicaModule):
     def _build(self, module: nn.Module, *, world: World, options: DataParallelConfig, tracer: Tracer | None,
                comm: AsyncComm | None) -> None:
         self.options, self.world = options, world
-        self._finite = FiniteCheck(every=options.check_finite_every, world=world)
+        self._finite = FiniteCheck(every=options.check_finite_every, world=world, weights=self.held_weights)
         self.exchanging = False
         forward_dtype = options.forward_dtype
         self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)

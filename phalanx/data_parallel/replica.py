@@ -127,6 +127,13 @@ class ReplicaModule(nn.Module):
         finally:
             self._capturing = False
 
+    def held_weights(self) -> list[torch.Tensor]:
+        """What this rank holds of the weights: the parameters, or under shard="parameters" its shards
+        (what the NaN/Inf check reads to tell a skipped non-finite step from an applied one)."""
+        if self.sharding is not None and not self.sharding.keeps_parameters:
+            return list(self.sharding.params.shard)
+        return list(self.module.parameters())
+
     def named_gradients(self) -> dict[str, torch.Tensor]:
         """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
         parameter's own gradient, by a name an error message can use."""

@@ -7,6 +7,7 @@ between check steps, and the steps since the last check checked before state lea
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from phalanx.data_parallel import DataParallel, DataParallelConfig
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.checks import NonFinite
+from phalanx.errors import PhalanxWarning
 from phalanx.models import LeNet
 from phalanx.runtime.world import World
 
@@ -29,6 +31,8 @@ def _world(rank: int = 0, world_size: int = 1) -> World:
 def _others(slots: dict[int, tuple[int, int]]):
     """An allreduce as the other ranks would make it: their (own, summed) first bad steps added in."""
     def allreduce(firsts: torch.Tensor) -> None:
+        if firsts.numel() == 1:  # the weights' verdict: the other ranks' weights are finite
+            return
         for rank, (own, summed) in slots.items():
             firsts[2 * rank] += own
             firsts[2 * rank + 1] += summed
@@ -232,3 +236,81 @@ def test_a_world_of_one_checks_its_gradient_when_state_leaves():
                        r"state_dict\(\) after step 5"):
         dp.state_dict()
     dp.close()
+
+
+def test_non_finite_steps_that_never_reached_the_weights_were_skipped_and_are_said_once():
+    """torch.amp's GradScaler skips the steps whose scaled gradient overflowed: the weights stay finite."""
+    weights = [torch.ones(3)]
+    sums: list[torch.Tensor] = []
+    check = FiniteCheck(every=4, world=_world(rank=0, world_size=2), weights=lambda: weights)
+
+    def others(firsts: torch.Tensor) -> None:  # rank 1 went non-finite at step 2 too; the verdict's sum
+        sums.append(firsts.clone())
+        if firsts.numel() == 4:
+            firsts[2] += 2
+            firsts[3] += 2
+    with pytest.warns(PhalanxWarning, match=r"^gradient NaN/Inf at step 2: every rank's own gradient went non-finite "
+                      r"first and the allreduce spread it to every replica, but no update applied it: the weights are "
+                      r"finite \(the step was skipped, as torch.amp.GradScaler"):
+        _steps(check, [1.0, NAN, 1.0, 1.0], [1.0, NAN, 1.0, 1.0], others=others)
+    assert [s.numel() for s in sums] == [4, 1]  # the check's sum, then the weights' verdict
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        _steps(check, [NAN, 1.0, 1.0, 1.0], [NAN, 1.0, 1.0, 1.0], first=5, others=_others({1: (5, 5)}))
+    weights[0][1] = NAN  # an update applied one: the run stops, naming the gradient's step
+    with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 10: rank 0's own gradient went non-finite"):
+        _steps(check, [1.0, NAN, 1.0, 1.0], [1.0, NAN, 1.0, 1.0], first=9, others=_others({}))
+
+
+def test_a_non_finite_gradient_at_the_checking_step_is_decided_after_its_update():
+    for applied, raised in ((False, False), (True, True)):
+        weights = [torch.ones(2)]
+        check = FiniteCheck(every=2, world=_world(), weights=lambda: weights)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PhalanxWarning)
+            _steps(check, [1.0, NAN], [1.0, NAN])  # step 2 checks itself: its update is yet to come
+            assert check._deferred is not None
+            if applied:
+                weights[0][0] = INF
+            with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 2: ") if raised else \
+                    contextlib.nullcontext():
+                _steps(check, [1.0], [1.0], first=3)
+            assert check._deferred is None
+
+
+def test_one_rank_alone_passes_a_skipped_step_whose_weights_are_finite():
+    weights = [torch.ones(2)]
+    check = FiniteCheck(every=100, world=_world(rank=0, world_size=2), weights=lambda: weights)
+    _steps(check, [1.0, NAN, 1.0], [1.0, NAN, 1.0])
+    check.check_local(step=3, where="state_dict()")  # skipped: nothing to stop
+    weights[0][0] = NAN
+    check._local_at = 0
+    with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 2: rank 0's own gradient went non-finite"):
+        check.check_local(step=3, where="state_dict()")
+
+
+def test_the_amp_recipe_trains_through_its_skipped_overflow_steps():
+    """fp16 autocast and a GradScaler whose first scales overflow: skipped steps, finite weights, no stop."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    for alone in (True, False):  # the exchanging path, and a world of one's plain loop
+        options = DataParallelConfig(check_finite_every=2, exchange_alone=alone)
+        with DataParallel(model, world=_world(), options=options) as dp, warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 60)
+            g = torch.Generator().manual_seed(1)
+            for _ in range(8):
+                X, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+                dp.zero_grad()
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(dp(X), y)
+                scaler.scale(loss).backward()
+                dp.finish_gradient_sync()
+                scaler.step(optimizer)
+                scaler.update()
+            assert scaler.get_scale() < 2.0 ** 60  # it did skip overflowing steps
+            assert all(bool(p.isfinite().all()) for p in dp.parameters())
+            dp.state_dict()  # checked as it leaves: skipped steps are not a NaN in the model
+        assert [str(w.message) for w in said if w.category is PhalanxWarning][0].endswith(
+            "a NaN/Inf that reaches the weights still stops it")

@@ -15,8 +15,15 @@ reaches the same verdict by construction (not by trusting the summed buckets to 
 everywhere, which a compressed wire or a sharded exchange need not keep) and raises the same
 `NonFinite`, naming the first step and rank. An error, not a warning: from that step on every
 replica's parameters are NaN, so nothing after it is worth computing or saving, and raised on
-every rank the run ends in one line. `every=0` turns it off (a script whose fp16
-`torch.amp.GradScaler` skips non-finite steps by design wants that).
+every rank the run ends in one line. `every=0` turns it off.
+
+A non-finite gradient that no update applied is no failure: torch.amp's fp16 `GradScaler` makes
+them by design (its first scales overflow) and skips those steps. So where a check finds one, the
+ranks look at what they hold of the weights (`weights`: the parameters, or a ZeRO-3 rank's
+shards) in one more small sum: finite, the steps were skipped, and rank 0 says so once; a NaN/Inf
+there stops the run, naming the gradient's step. The periodic check runs before the step's
+update, so when that step's own gradient is the non-finite one, the verdict waits one synced
+step (`_deferred`), when the update has been applied or skipped.
 
 The steps since the last check are checked again before anything leaves the replica, so a NaN
 after the last periodic check (or in a run shorter than the interval) is never saved as the
@@ -41,6 +48,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from phalanx.data_parallel.guards.checks import NonFinite
+from phalanx.errors import warn_at_caller
 from phalanx.runtime.world import World
 
 DEFAULT_CHECK_FINITE_EVERY = 100  # as `phalanx train --check-every`, which sets it for its replicas
@@ -61,8 +69,12 @@ class FiniteCheck:
     """One replica's NaN/Inf watch; see the module docstring. `every`: synced steps between checks
     (the replica's `check_finite_every`, checked where its options were made: config.py)."""
 
-    def __init__(self, *, every: int, world: World) -> None:
-        self.every, self.world = every, world
+    def __init__(self, *, every: int, world: World, weights: Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
+        """`weights`: what this rank holds of the weights, read only where a check found a non-finite
+        gradient (None: every non-finite gradient stops the run)."""
+        self.every, self.world, self._weights = every, world, weights
+        self._deferred: str | None = None  # a verdict waiting for the update of the step that checked
+        self._skipped_said = False  # rank 0 said once that non-finite steps never reached the weights
         self._mine: list[torch.Tensor] = []  # this step's own bucket sums, in launch order
         self._steps: list[torch.Tensor] = []  # per synced step since the last check: own sums, then summed
         self._summed = 0  # how many of each step's sums are of summed buckets (the rest: this rank's own)
@@ -79,6 +91,8 @@ class FiniteCheck:
         (`allreduce` sums a small float64 tensor in place on every rank) and raise if any was NaN/Inf."""
         if not self.every or not summed:
             return
+        if self._deferred is not None:  # the step that checked has been applied, or skipped, since
+            self._decide(self._deferred, allreduce=allreduce, applied=True)
         self._steps.append(torch.stack(self._mine + [_sum(b) for b in summed]))
         self._mine, self._summed = [], len(summed)
         if step % self.every == 0:
@@ -89,8 +103,12 @@ class FiniteCheck:
         now (a collective: every rank calls it at the same point; none when no step is noted -
         ranks in lockstep all have the same number), and raise NonFinite naming the first step
         and rank. `found`: where it was found, for the message (default: the periodic check)."""
-        if not self.every or not self._steps:
+        if not self.every or (not self._steps and self._deferred is None):
             return
+        if self._deferred is not None:
+            self._decide(self._deferred, allreduce=allreduce, applied=True)
+            if not self._steps:
+                return
         notes = self._notes()
         own, total = notes[:, :-self._summed].any(1).tolist(), notes[:, -self._summed:].any(1).tolist()
         k, rank, since = self.world.world_size, self.world.rank, step - len(self._steps) + 1
@@ -100,20 +118,51 @@ class FiniteCheck:
         allreduce(firsts)  # every rank puts its two numbers in its own slots: the sum gathers them
         own_firsts, sum_firsts = [int(s) for s in firsts[0::2].tolist()], [int(s) for s in firsts[1::2].tolist()]
         sum_first = min((s for s in sum_firsts if s), default=0)
-        found = found or self._found(step)
+        periodic, found = found is None, found or self._found(step)
         first_own = min((s for s in own_firsts if s), default=0)
+        message = None
         if first_own and not (sum_first and sum_first < first_own):
             ranks = [r for r, s in enumerate(own_firsts) if s == first_own]
             who = ("every rank's own gradient" if len(ranks) == k > 1 else
                    f"rank {ranks[0]}'s own gradient" if len(ranks) == 1 else
                    " and ".join(f"rank {r}'s" for r in ranks) + " own gradients")
-            raise NonFinite(f"gradient NaN/Inf at step {first_own}: {who} went non-finite first"
-                            f"{' and the allreduce spread it to every replica' if k > 1 else ''} ({found}); "
-                            f"look at that step's loss and data, or lower the lr; {_OFF}")
-        if sum_first:
-            raise NonFinite(f"gradient NaN/Inf at step {sum_first}: the summed gradient overflowed although every "
-                            f"rank's own was finite ({found}); an fp16 exchange holds at most 65504 (grad_dtype "
-                            f"bf16 has float32's range), or lower the lr; {_OFF}")
+            message = (f"gradient NaN/Inf at step {first_own}: {who} went non-finite first"
+                       f"{' and the allreduce spread it to every replica' if k > 1 else ''} ({found}); "
+                       f"look at that step's loss and data, or lower the lr; {_OFF}")
+        elif sum_first:
+            message = (f"gradient NaN/Inf at step {sum_first}: the summed gradient overflowed although every "
+                       f"rank's own was finite ({found}); an fp16 exchange holds at most 65504 (grad_dtype "
+                       f"bf16 has float32's range), or lower the lr; {_OFF}")
+        if message is not None:  # every rank has the same message: the sums above made it so
+            # The periodic check runs before its step's update: a bad last step is decided after it.
+            self._decide(message, allreduce=allreduce, applied=not periodic or not bool(notes[-1].any()))
+
+    def _decide(self, message: str, *, allreduce: Callable[[torch.Tensor], object] | None, applied: bool) -> None:
+        """A check found a non-finite gradient (`message`): stop the run if it reached what any
+        rank holds of the weights; if they are finite, the updates skipped it, unless the step
+        that checked is yet to be applied (`applied` False): then decide after it."""
+        self._deferred = None
+        if self._weights is None:
+            raise NonFinite(message)
+        bad = torch.tensor([float(self._weights_bad())], dtype=torch.float64)
+        if allreduce is not None and self.world.world_size > 1:
+            allreduce(bad)  # on every rank at the same point: the verdict that led here is the same
+        if bad.item():
+            raise NonFinite(message)
+        if not applied:
+            self._deferred = message
+        elif not self._skipped_said and self.world.is_main:
+            self._skipped_said = True
+            warn_at_caller(f"{message.split(' (', 1)[0]}, but no update applied it: the weights are finite (the "
+                           "step was skipped, as torch.amp.GradScaler skips steps whose scaled gradient overflowed); "
+                           "training goes on, and a NaN/Inf that reaches the weights still stops it")
+
+    def _weights_bad(self) -> bool:
+        """Whether what this rank holds of the weights has a NaN/Inf (True without `weights`)."""
+        if self._weights is None:
+            return True
+        weights = list(self._weights())
+        return bool(weights) and not bool(torch.stack([_sum(w) for w in weights]).isfinite().all())
 
     def check_local(self, *, step: int, where: str, gradients: Callable[[], Mapping[str, torch.Tensor]] | None = None,
                     parameters: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None) -> None:
@@ -140,8 +189,9 @@ class FiniteCheck:
                    "stayed finite" if len(others) == 1 else
                    f"the summed gradient went non-finite while rank {rank}'s own stayed finite (another rank's "
                    "did, or the sum overflowed; dp.check_finite() on every rank names it)")
-            raise NonFinite(f"gradient NaN/Inf at step {since + first}: {who} ({found}); look at that step's "
-                            f"loss and data, or lower the lr; {_OFF}")
+            if self._weights_bad():  # else no update applied it (a GradScaler skip): see the module docstring
+                raise NonFinite(f"gradient NaN/Inf at step {since + first}: {who} ({found}); look at that step's "
+                                f"loss and data, or lower the lr; {_OFF}")
         for name, value in (parameters() if parameters is not None else ()):
             if not bool(_sum(value).isfinite()):
                 raise NonFinite(f"parameter {name} is NaN/Inf on rank {self.world.rank} ({found}; a share another "
@@ -156,6 +206,12 @@ class FiniteCheck:
                          found: str | None = None) -> None:
         """A world of one's synced step `step`: at a check step (or any, given `found`: where it is
         checked now), sum `gradients()` (by name) and raise naming the first that is NaN/Inf."""
+        if self._deferred is not None and found is None:  # the step that checked was applied, or skipped
+            try:
+                self._decide(self._deferred, allreduce=None, applied=True)
+            except NonFinite:
+                self._local_at = step  # named: a check as state leaves finds nothing new at this step
+                raise
         if not self.every or (step % self.every if found is None else step == self._local_at):
             return
         self._local_at = step  # checked: a later call at the same step finds nothing new
@@ -165,8 +221,9 @@ class FiniteCheck:
             name = next(n for n, s in zip(named, sums) if not bool(s.isfinite()))
             first = step - (self.every if found is None else step % self.every or self.every) + 1
             when = f"step {step}" if first == step else f"one of steps {max(1, first)}-{step}"
-            raise NonFinite(f"gradient NaN/Inf at {when}, in {name} (the first parameter holding one; "
-                            f"{found or self._found(step)}); look at the loss and data, or lower the lr; {_OFF}")
+            self._decide(f"gradient NaN/Inf at {when}, in {name} (the first parameter holding one; "
+                         f"{found or self._found(step)}); look at the loss and data, or lower the lr; {_OFF}",
+                         allreduce=None, applied=found is not None)
 
     def _found(self, step: int) -> str:
         return f"found at step {step}'s check, every {self.every} step{'s' if self.every > 1 else ''}"
