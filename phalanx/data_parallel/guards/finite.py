@@ -69,7 +69,8 @@ class FiniteCheck:
     """One replica's NaN/Inf watch; see the module docstring. `every`: synced steps between checks
     (the replica's `check_finite_every`, checked where its options were made: config.py)."""
 
-    def __init__(self, *, every: int, world: World, weights: Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
+    def __init__(self, *, every: int, world: World,
+                 weights: Callable[[], Sequence[torch.Tensor]] | None = None) -> None:
         """`weights`: what this rank holds of the weights, read only where a check found a non-finite
         gradient (None: every non-finite gradient stops the run)."""
         self.every, self.world, self._weights = every, world, weights
@@ -144,7 +145,7 @@ class FiniteCheck:
         self._deferred = None
         if self._weights is None:
             raise NonFinite(message)
-        bad = torch.tensor([float(self._weights_bad())], dtype=torch.float64)
+        bad = torch.full((1,), float(self._weights_bad()), dtype=torch.float64, device=self.world.device)
         if allreduce is not None and self.world.world_size > 1:
             allreduce(bad)  # on every rank at the same point: the verdict that led here is the same
         if bad.item():
