@@ -287,3 +287,43 @@ def test_unused_and_unfrozen_parameters_on_cuda_equal_one_device():
         for overlap in (True, False):
             for name, want in result["one device"].items():
                 torch.testing.assert_close(result[overlap][name], want, **TOL)
+
+
+def amp_worker(world: World) -> dict:
+    """torch.amp's fp16 recipe on CUDA buckets: a GradScaler whose first scales overflow (those steps
+    skipped), `optimizer.zero_grad()` instead of the replica's (each gradient taken back into its
+    bucket as it lands), the NaN/Inf check every 3 steps: it trains on, with finite weights."""
+    import warnings
+
+    import phalanx
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)).to(world.device)
+    dp = phalanx.prepare(model, world=world, overlap=True, check_finite_every=3)
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(world.device.type, init_scale=2.0 ** 60)
+    gen = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            X, y = torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+            rows = rank_shard(torch.arange(16), rank=world.rank, world_size=world.world_size)
+            optimizer.zero_grad()
+            with torch.autocast(world.device.type, dtype=torch.float16):
+                loss_sum = F.cross_entropy(dp(X[rows].to(world.device)), y[rows].to(world.device), reduction="sum")
+            scaler.scale(phalanx.shard_loss(loss_sum, 16)).backward()
+            dp.finish_gradient_sync()
+            scaler.step(optimizer)
+            scaler.update()
+    out = {"scale": scaler.get_scale(), "weights": _cpu(dp.module),
+           "notices": [str(w.message) for w in said if issubclass(w.category, phalanx.PhalanxWarning)]}
+    dp.close()
+    return out
+
+
+def test_the_fp16_grad_scaler_recipe_trains_through_its_skipped_steps_on_cuda():
+    first, second = _launch(amp_worker)
+    assert first["scale"] < 2.0 ** 60 and first["scale"] == second["scale"]  # it skipped overflowing steps
+    for name, value in first["weights"].items():
+        assert bool(value.isfinite().all()) and torch.equal(value, second["weights"][name]), name
+    assert len(first["notices"]) == 1 and "no update applied it" in first["notices"][0] and second["notices"] == []
