@@ -15,6 +15,9 @@
 - DCGAN's loop (pytorch/examples): the generator's loss backpropagates through the discriminator,
   whose gradients no step uses and whose zero_grad sums, then zeroes them, overlapped and not and
   under ZeRO stage 3, against one device;
+- WGAN-GP's critic step, whose gradient penalty differentiates through the replica
+  (`torch.autograd.grad(..., create_graph=True)`), then a siamese loss of two forwards and one
+  backward, overlapped and not, against one device;
 - an embedding with `sparse=True`: named once on rank 0 at the script's line, summed dense, and
   SGD with momentum ends where one device's sparse gradients end.
 """
@@ -246,6 +249,38 @@ def _gan_case(world, out: dict) -> None:
         out["gan-sharded"] = (dG.full_state_dict(), dD.full_state_dict())
 
 
+def _critic() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def _critic_steps(D, step, zero, rows) -> None:
+    """WGAN-GP's critic loss (a penalty on the input gradient's norm), then a siamese loss."""
+    g = torch.Generator().manual_seed(9)
+    optimizer = torch.optim.Adam(D.parameters(), lr=0.01)
+    for _ in range(3):
+        real, fake, alpha, a, b = (torch.randn(GLOBAL, 4, generator=g, dtype=torch.float64)[rows] for _ in range(5))
+        zero()
+        mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
+        grads, = torch.autograd.grad(D(mixed).sum(), mixed, create_graph=True)
+        penalty = ((grads.norm(2, dim=1) - 1) ** 2).sum()
+        phalanx.shard_loss(D(fake).sum() - D(real).sum() + 10 * penalty, GLOBAL).backward()
+        step()
+        optimizer.step()
+        zero()
+        phalanx.shard_loss((D(a) - D(b)).pow(2).sum(), GLOBAL).backward()
+        step()
+        optimizer.step()
+
+
+def _critic_case(world, out: dict) -> None:
+    rows = slice(0, 7) if world.rank == 0 else slice(7, GLOBAL)
+    for overlap in (False, True):
+        with phalanx.prepare(_critic(), world=world, overlap=overlap) as dD:
+            _critic_steps(dD, dD.finish_gradient_sync, dD.zero_grad, rows)
+            out[f"critic-{overlap}"] = _state(dD)
+
+
 def _embedding_bag() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.EmbeddingBag(20, 4, mode="sum", sparse=True), nn.Linear(4, 3)).double()
@@ -283,6 +318,7 @@ def _worker(world) -> dict:
     _nanogpt_case(world, out)
     _sparse_case(world, out)
     _gan_case(world, out)
+    _critic_case(world, out)
     return out
 
 
@@ -378,6 +414,14 @@ def test_dcgans_loop_drops_the_discriminators_unused_gradients_as_one_device_doe
         state_G, state_D = rank[f"gan-{case}"]
         assert _max_diff(state_G, _state(G)) < 1e-12 and _max_diff(state_D, _state(D)) < 1e-12
     assert all(torch.equal(results[0][f"gan-{case}"][1][k], v) for k, v in results[1][f"gan-{case}"][1].items())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gradient_penalty_and_a_siamese_loss_through_the_replica_equal_one_device(results, overlap):
+    D = _critic()
+    _critic_steps(D, lambda: None, lambda: D.zero_grad(), slice(0, GLOBAL))
+    for rank in results:
+        assert _max_diff(rank[f"critic-{overlap}"], _state(D)) < 1e-12
 
 
 def test_reduce_accumulate_and_bf16_mixed_on_two_ranks(results):
