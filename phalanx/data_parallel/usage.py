@@ -47,8 +47,8 @@ class ParameterUsage:
         last = buckets[-1]
         self._views = {id(param): grad_view(bucket.buffer, offset, param) for bucket in buckets
                        for param, offset in zip(bucket.params, bucket.offsets)} if rides else {}
-        self._pairs = [(param, self._views[id(param)]) for param in self.params] if rides else []
-        for param, view in self._pairs:  # .grad *is* the view from now on: one identity test per landing
+        for param in self.params if rides else ():  # .grad *is* the view from now on: one identity test a landing
+            view = self._views[id(param)]
             if param.grad is not None and param.grad.data_ptr() == view.data_ptr():
                 param.grad = view
         self.flags = last.storage[last.buffer.numel():] if rides else \
@@ -115,7 +115,8 @@ class ParameterUsage:
         `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; another tensor put there
         copied in. A parameter frozen since keeps what it has. Nothing to do when all landed."""
         for index in self._not_landed() if self.rides else ():
-            param, view = self._pairs[index]
+            param = self.params[index]
+            view = self._views[id(param)]
             if param.grad is not view and param.requires_grad:
                 _take_back(param, view)
         self.dropped = []

@@ -92,8 +92,7 @@ class FiniteCheck:
         (`allreduce` sums a small float64 tensor in place on every rank) and raise if any was NaN/Inf."""
         if not self.every or not summed:
             return
-        if self._deferred is not None:  # the step that checked has been applied, or skipped, since
-            self._decide(self._deferred, allreduce=allreduce, applied=True)
+        self._settle(allreduce)
         self._steps.append(torch.stack(self._mine + [_sum(b) for b in summed]))
         self._mine, self._summed = [], len(summed)
         if step % self.every == 0:
@@ -104,12 +103,11 @@ class FiniteCheck:
         now (a collective: every rank calls it at the same point; none when no step is noted -
         ranks in lockstep all have the same number), and raise NonFinite naming the first step
         and rank. `found`: where it was found, for the message (default: the periodic check)."""
-        if not self.every or (not self._steps and self._deferred is None):
+        if not self.every:
             return
-        if self._deferred is not None:
-            self._decide(self._deferred, allreduce=allreduce, applied=True)
-            if not self._steps:
-                return
+        self._settle(allreduce)
+        if not self._steps:
+            return
         notes = self._notes()
         own, total = notes[:, :-self._summed].any(1).tolist(), notes[:, -self._summed:].any(1).tolist()
         k, rank, since = self.world.world_size, self.world.rank, step - len(self._steps) + 1
@@ -137,6 +135,12 @@ class FiniteCheck:
         if message is not None:  # every rank has the same message: the sums above made it so
             # The periodic check runs before its step's update: a bad last step is decided after it.
             self._decide(message, allreduce=allreduce, applied=not periodic or not bool(notes[-1].any()))
+
+    def _settle(self, allreduce: Callable[[torch.Tensor], object] | None) -> None:
+        """Decide a verdict left waiting for the update of the step that checked: by now it was
+        applied, or skipped (a collective where `allreduce` is given and a verdict waits)."""
+        if self._deferred is not None:
+            self._decide(self._deferred, allreduce=allreduce, applied=True)
 
     def _decide(self, message: str, *, allreduce: Callable[[torch.Tensor], object] | None, applied: bool) -> None:
         """A check found a non-finite gradient (`message`): stop the run if it reached what any
@@ -207,9 +211,9 @@ class FiniteCheck:
                          found: str | None = None) -> None:
         """A world of one's synced step `step`: at a check step (or any, given `found`: where it is
         checked now), sum `gradients()` (by name) and raise naming the first that is NaN/Inf."""
-        if self._deferred is not None and found is None:  # the step that checked was applied, or skipped
+        if found is None:
             try:
-                self._decide(self._deferred, allreduce=None, applied=True)
+                self._settle(None)
             except NonFinite:
                 self._local_at = step  # named: a check as state leaves finds nothing new at this step
                 raise

@@ -47,8 +47,8 @@ class StepExtras:
         unapplied = batchnorm == "sync" and has_plain_batchnorm(module)  # layers no one made SyncBatchNorm
         if self.running_stats is not None and unapplied and world.is_main:
             warn_at_caller(batchnorm_notice(self.running_stats.num_layers, world.world_size))
-        sparse = sparse_embeddings(module)
-        if sparse and world.distributed and world.is_main:
+        sparse = sparse_embeddings(module) if world.distributed and world.is_main else []
+        if sparse:
             warn_at_caller(sparse_notice(sparse))
         # Rank 0 looks at the first synced step; the other ranks would find the same and stay quiet.
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
