@@ -11,6 +11,15 @@ handle exactly once. It knows nothing about processes: `launch` is any callable 
 allreduce of a bucket and returns a handle (`AsyncComm.allreduce_async` in training, a fake in
 unit tests), and whether to sync at all (`no_sync`) is decided by the caller.
 
+A second backward in one synced step, each through its own forward (DCGAN's discriminator on real,
+then on fake images), would land gradients in buckets already on the wire. The replica calls
+`settle()` at the second forward: every bucket is summed now, the sums set aside and the buckets
+zeroed, so the next backward's gradients go out on their own, and `finish()` adds the sums back.
+DDP waits every bucket at the end of each backward and averages again, which works for its mean
+of means; a sum of sums would count the first backward k times, so phalanx keeps it apart. A
+second backward through the same forward (`retain_graph=True`) has no forward to settle at and
+stays refused.
+
 Hooks run on autograd's engine thread for the parameters' device; with one device per process
 that is one thread, so this class needs no lock.
 """
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
 
+import torch
 from torch import nn
 
 from phalanx.data_parallel.buckets import Bucket
@@ -56,6 +66,14 @@ class OverlapScheduler:
         self._handles: list[PendingHandle | None] = [None] * len(self.buckets)
         self._next_launch = 0  # buckets [0, _next_launch) have launched in this step
         self._next_wait = 0  # buckets [0, _next_wait) have been waited in this step
+        self._started = False  # a gradient landed in this step
+        self._carried: list | None = None  # the sums of this step's settled backwards, set aside (settle())
+        self._carry_kept: list = []  # their buffers, kept from step to step once a loop settles
+
+    @property
+    def started(self) -> bool:
+        """True once a gradient landed in this step, until `finish()` or `reset()`."""
+        return self._started
 
     @property
     def in_flight(self) -> bool:
@@ -70,10 +88,11 @@ class OverlapScheduler:
             # The bucket's buffer is (or is about to be) on the wire: a second gradient for it
             # would race with the allreduce, so refuse loudly (DDP: "marked ready twice").
             raise RuntimeError(
-                f"a gradient landed twice in bucket {index} during one synced step (backward ran "
-                "twice before finish_gradient_sync?); accumulate micro-batches under no_sync(), or add the "
-                "losses and call backward once"
+                f"a gradient landed twice in bucket {index} during one synced step (two backwards through one "
+                "forward, or two backwards of a sharded replica, before finish_gradient_sync); add the losses "
+                "and call backward once, or accumulate micro-batches under no_sync()"
             )
+        self._started = True
         landed.add(id(param))
         if len(landed) == len(self.buckets[index].params):
             self._launch_ready_in_order()
@@ -102,19 +121,51 @@ class OverlapScheduler:
         self._next_launch += 1
 
     def finish(self) -> None:
-        """Launch every bucket still unlaunched (in order), then wait each handle exactly once.
+        """Launch every bucket still unlaunched (in order), then wait each handle exactly once;
+        then add back the sums `settle()` set aside.
 
         A bucket whose parameters got no gradient this backward still holds what zero_grad and
         any no_sync micro-batches left in it (zeros for a rank that ran no backward); it is
         summed all the same, so every rank issues the same collectives in the same order.
         """
-        while self._next_launch < len(self.buckets):
-            self._launch(self._next_launch)
         try:
-            while self._next_wait < len(self.buckets):
-                self._wait(self._next_wait)
+            self._sum_all()
+            for bucket, carried in zip(self.buckets, self._carried or ()):
+                bucket.buffer.add_(carried)
         finally:
             self.reset()
+
+    def settle(self) -> None:
+        """Sum this step's backwards so far (as `finish()`, every bucket in order) and set the sums
+        aside, the buckets zeroed for the next backward; `finish()` adds them back. On every rank
+        at the same point (a collective): the replica calls it from a forward after a synced
+        backward's gradients began landing."""
+        try:
+            self._sum_all()
+        except BaseException:
+            self.reset()
+            raise
+        if self._carried is None:
+            if len(self._carry_kept) != len(self.buckets):
+                self._carry_kept = [torch.empty_like(bucket.buffer) for bucket in self.buckets]
+            self._carried = self._carry_kept
+            for kept, bucket in zip(self._carried, self.buckets):
+                kept.copy_(bucket.buffer)
+        else:  # a third backward, or more
+            for kept, bucket in zip(self._carried, self.buckets):
+                kept.add_(bucket.buffer)
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        carried = self._carried
+        self.reset()
+        self._carried = carried
+
+    def _sum_all(self) -> None:
+        """Launch what has not launched, in order, and wait every handle once."""
+        while self._next_launch < len(self.buckets):
+            self._launch(self._next_launch)
+        while self._next_wait < len(self.buckets):
+            self._wait(self._next_wait)
 
     def _wait(self, index: int) -> None:
         """Wait bucket `index`'s handle, the one wait of each (buckets are waited in order)."""
@@ -132,6 +183,7 @@ class OverlapScheduler:
             landed.clear()
         self._handles = [None] * len(self.buckets)
         self._next_launch = self._next_wait = 0
+        self._started, self._carried = False, None
 
 
 def landing_hooks(buckets: Sequence[Bucket], on_landed: Callable[[nn.Parameter], None], *,

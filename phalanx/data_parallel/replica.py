@@ -64,6 +64,7 @@ class ReplicaModule(nn.Module):
     _sync_enabled: bool  # False inside no_sync(): backward's gradients accumulate locally
     exchange_in_flight: bool  # a bucket was launched and finish_gradient_sync() has not returned
     buckets: list  # the gradient buckets (buckets.py), empty with nothing to exchange
+    _scheduler: Any = None  # overlap.py's OverlapScheduler while exchanging, else None
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which sets .grad to None; taken back
     # into the buckets at the next landing (usage.py), except on a sharded replica, whose refusal names
     # this (noted here, where the compiler traces).
@@ -102,8 +103,15 @@ class ReplicaModule(nn.Module):
         self._sync_enabled = bool(sync)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() and not self.compiled_after_prepare:
-            self.compiled_after_prepare = True
+        if torch.compiler.is_compiling():
+            if not self.compiled_after_prepare:
+                self.compiled_after_prepare = True
+        elif self._scheduler is not None and self._scheduler.started and self.sharding is None:
+            # Another backward of this step follows a forward (DCGAN's D on real, then on fake):
+            # what has landed is summed now and set aside (overlap.py's settle), so its gradients
+            # can land in buckets no longer on the wire.
+            self._scheduler.settle()
+            self._finite.another_backward()
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast

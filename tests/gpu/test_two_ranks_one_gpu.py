@@ -327,3 +327,55 @@ def test_the_fp16_grad_scaler_recipe_trains_through_its_skipped_steps_on_cuda():
     for name, value in first["weights"].items():
         assert bool(value.isfinite().all()) and torch.equal(value, second["weights"][name]), name
     assert len(first["notices"]) == 1 and "no update applied it" in first["notices"][0] and second["notices"] == []
+
+
+def gan_worker(world: World) -> dict:
+    """pytorch/examples' DCGAN step on CUDA buckets, overlapped over several buckets: D's two
+    backwards (real, then fake; the second forward sums the first's buckets apart), then G's loss
+    through D, whose gradients no step reads (summed, then zeroed at D's next zero_grad)."""
+    import phalanx
+
+    def models():
+        torch.manual_seed(0)
+        return (torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)),
+                torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+
+    def steps(G, D, rows, finish):
+        gen = torch.Generator().manual_seed(3)
+        opt_G, opt_D = torch.optim.Adam(G.parameters(), lr=0.01), torch.optim.Adam(D.parameters(), lr=0.01)
+
+        def bce(out, target):
+            loss = F.binary_cross_entropy_with_logits(out, torch.full_like(out, target), reduction="sum")
+            return phalanx.shard_loss(loss, 12)
+        for _ in range(3):
+            real = torch.randn(12, 4, generator=gen, dtype=torch.float64)[rows].to(world.device)
+            noise = torch.randn(12, 3, generator=gen, dtype=torch.float64)[rows].to(world.device)
+            D.zero_grad()
+            fake = G(noise)
+            bce(D(real), 1.0).backward()
+            bce(D(fake.detach()), 0.0).backward()
+            finish(D)
+            opt_D.step()
+            G.zero_grad()
+            bce(D(fake), 1.0).backward()
+            finish(G)
+            opt_G.step()
+
+    rows = rank_shard(torch.arange(12), rank=world.rank, world_size=world.world_size)
+    G, D = (m.double().to(world.device) for m in models())
+    options = dict(world=world, overlap=True, bucket_cap_mb=0.0001)
+    with phalanx.prepare(G, **options) as dG, phalanx.prepare(D, **options) as dD:
+        steps(dG, dD, rows, lambda dp: dp.finish_gradient_sync())
+        out = {"G": _cpu(dG.module), "D": _cpu(dD.module), "buckets": len(dD.buckets)}
+    G, D = (m.double().to(world.device) for m in models())
+    steps(G, D, slice(0, 12), lambda model: None)
+    out["one device"] = {"G": _cpu(G), "D": _cpu(D)}
+    return out
+
+
+def test_dcgans_two_discriminator_backwards_overlapped_on_cuda_equal_one_device():
+    for result in _launch(gan_worker):
+        assert result["buckets"] >= 2
+        for model in ("G", "D"):
+            for name, want in result["one device"][model].items():
+                torch.testing.assert_close(result[model][name], want, **TOL)

@@ -70,6 +70,28 @@ def test_names_the_first_step_and_the_rank_whose_own_gradient_went_non_finite():
                    others=_others(others))
 
 
+def test_a_step_whose_buckets_go_out_twice_keeps_one_note_per_bucket_and_names_either_backward():
+    """DCGAN's two backwards overlapped: the first's buckets summed and set aside (overlap.py's settle)."""
+    for bad_backward in (0, 1):
+        check = FiniteCheck(every=2, world=_world(rank=0, world_size=2))
+        _steps(check, [1.0], [1.0])
+        for backward in (0, 1):
+            check.before_sum(torch.ones(3))
+            check.before_sum(torch.tensor([1.0, NAN if backward == bad_backward else 1.0]))
+            if backward == 0:
+                check.another_backward()
+        with pytest.raises(NonFinite, match="at step 2: rank 0's own gradient went non-finite first"):
+            check.after_sum([torch.ones(3), torch.tensor([2.0, NAN])], step=2, allreduce=_others({}))
+    check = FiniteCheck(every=2, world=_world(rank=0, world_size=2))
+    for step in (1, 2):  # finite: rows of one shape, whatever the number of backwards
+        for backward in range(step):
+            check.before_sum(torch.ones(3))
+            check.before_sum(torch.ones(2))
+            if backward < step - 1:
+                check.another_backward()
+        check.after_sum([torch.ones(3), torch.ones(2)], step=step, allreduce=_others({}))
+
+
 def test_a_sum_that_overflows_although_every_rank_was_finite_is_named_as_such():
     check = FiniteCheck(every=2, world=_world(rank=1, world_size=2))
     with pytest.raises(NonFinite, match="at step 1: the summed gradient overflowed although every rank's own was "

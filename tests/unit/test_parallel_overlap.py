@@ -173,6 +173,51 @@ def test_a_gradient_landing_twice_is_refused():
         scheduler.mark_ready(groups[1][0])
 
 
+class DoublingHandle(FakeHandle):
+    """Two ranks holding the same gradient: the sum is twice this rank's buffer."""
+
+    def __init__(self, log: list, name, buffer: torch.Tensor) -> None:
+        super().__init__(log, name)
+        self._buffer = buffer
+
+    def wait(self):
+        super().wait()
+        self._buffer.mul_(2)
+
+
+def test_settle_sums_what_landed_sets_it_aside_and_finish_adds_it_back():
+    scheduler, groups, comm = _scheduler()
+    handles = []
+
+    def launch(bucket):
+        handles.append(DoublingHandle(comm.log, bucket.index, bucket.buffer))
+        comm.log.append(("launch", bucket.index, None))
+        return handles[-1]
+    scheduler._launch_fn = launch
+    params = [p for group in groups for p in group]
+    for value, param in enumerate(params, start=1):  # the first backward: gradients 1, 2, 3, 4
+        param.grad += value
+    scheduler.mark_ready(groups[0][0])  # bucket 0 on the wire; 1 half landed; 2 not yet
+    scheduler.mark_ready(groups[1][0])
+    assert scheduler.started and comm.launches() == [0]
+    scheduler.settle()  # a second forward: every bucket summed now, in order, and set aside
+    assert comm.launches() == [0, 1, 2] and all(h.waited for h in handles)
+    assert not scheduler.in_flight and not scheduler.started
+    assert all(float(p.grad) == 0.0 for p in params)  # the buckets are zeroed for the next backward
+    for param in params:  # the second backward: gradient 10 everywhere, landing in buckets off the wire
+        param.grad += 10
+        scheduler.mark_ready(param)
+    assert comm.launches() == [0, 1, 2, 0, 1, 2]
+    scheduler.finish()
+    # Sum of the sums, 2 x first + 2 x second: a sum of the first sum again would give 4 x first + 2 x second.
+    assert [float(p.grad) for p in params] == [2 * v + 20 for v in (1, 2, 3, 4)]
+    for param in params:  # the next step owes nothing to the last one's carried sums
+        param.grad.zero_()
+    scheduler.mark_ready(groups[0][0])
+    scheduler.finish()
+    assert [float(p.grad) for p in params] == [0.0] * 4
+
+
 def test_a_handle_already_waited_trips_the_assertion():
     scheduler, groups, comm = _scheduler()
     scheduler.mark_ready(groups[0][0])
@@ -204,6 +249,35 @@ def test_hooks_launch_each_bucket_during_backward_in_order():
     (F.cross_entropy(reference(X), y, reduction="sum") / 8).backward()
     for p, q in zip(dp.module.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_two_forwards_and_backwards_in_one_step_are_summed_apart_as_dcgans_discriminator():
+    torch.manual_seed(0)
+    model = LeNet().double()
+    reference = LeNet().double()
+    reference.load_state_dict(model.state_dict())
+    comm = FakeComm()
+    dp = _dp(model, comm, overlap=True)
+    (X, y), (X2, y2) = _batch(seed=1), _batch(seed=2)
+    for step in range(2):
+        dp.zero_grad()
+        F.cross_entropy(dp(X), y, reduction="sum").backward()  # D on real images: buckets go out
+        assert comm.launches()[-3:] == [0, 1, 2] and dp.exchange_in_flight
+        F.cross_entropy(dp(X2), y2, reduction="sum").backward()  # D on fakes: a forward settled the first
+        dp.finish_gradient_sync()
+        assert comm.launches() == [0, 1, 2] * 2 * (step + 1) and all(h.waited for h in comm.handles)
+    reference.zero_grad()
+    F.cross_entropy(reference(X), y, reduction="sum").backward()
+    F.cross_entropy(reference(X2), y2, reduction="sum").backward()
+    for p, q in zip(dp.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-15, atol=1e-15)
+    dp.zero_grad()  # two backwards through one forward have no forward to settle at: still one line
+    loss = F.cross_entropy(dp(X), y, reduction="sum")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="landed twice in bucket .*two backwards through one forward"):
+        loss.backward()
+    dp.zero_grad()
+    dp.close()
 
 
 def test_no_sync_launches_nothing_accumulates_and_restores_on_error():

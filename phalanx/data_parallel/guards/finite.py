@@ -77,6 +77,7 @@ class FiniteCheck:
         self._deferred: str | None = None  # a verdict waiting for the update of the step that checked
         self._skipped_said = False  # rank 0 said once that non-finite steps never reached the weights
         self._mine: list[torch.Tensor] = []  # this step's own bucket sums, in launch order
+        self._earlier: list[torch.Tensor] | None = None  # those of the step's backwards summed before (another_backward)
         self._steps: list[torch.Tensor] = []  # per synced step since the last check: own sums, then summed
         self._summed = 0  # how many of each step's sums are of summed buckets (the rest: this rank's own)
         self._local_at = 0  # the step this rank's own checks last looked at (no collective)
@@ -86,6 +87,19 @@ class FiniteCheck:
         if self.every:
             self._mine.append(_sum(bucket))
 
+    def another_backward(self) -> None:
+        """This step's buckets were summed and go out again for another backward (overlap.py's
+        settle): the own sums of their next launches add to those noted, so a step keeps one note
+        per bucket (a NaN/Inf in either stays one)."""
+        if self.every:
+            self._earlier, self._mine = self._own(), []
+
+    def _own(self) -> list[torch.Tensor]:
+        """This step's own bucket sums, those of its earlier backwards added in."""
+        if self._earlier is None:
+            return self._mine
+        return [earlier + mine for earlier, mine in zip(self._earlier, self._mine)]
+
     def after_sum(self, summed: Sequence[torch.Tensor], *, step: int,
                   allreduce: Callable[[torch.Tensor], object]) -> None:
         """Note synced step `step`'s summed buckets; at a check step, compare notes across ranks
@@ -93,8 +107,8 @@ class FiniteCheck:
         if not self.every or not summed:
             return
         self._settle(allreduce)
-        self._steps.append(torch.stack(self._mine + [_sum(b) for b in summed]))
-        self._mine, self._summed = [], len(summed)
+        self._steps.append(torch.stack(self._own() + [_sum(b) for b in summed]))
+        self._mine, self._earlier, self._summed = [], None, len(summed)
         if step % self.every == 0:
             self.check_now(step=step, allreduce=allreduce)
 
