@@ -167,6 +167,26 @@ def test_shard_loss_is_seen_below_a_longer_loss_and_mixed_precision_casts():
         check.close()
 
 
+def test_a_generator_s_loss_through_its_discriminator_is_seen_coming_through_shard_loss():
+    """DCGAN: G's loss reaches G's parameters only through D's whole graph, whose are the nearest."""
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4))
+    D = nn.Sequential(*[layer for _ in range(12) for layer in (nn.Linear(4, 4), nn.Tanh())], nn.Linear(4, 1))
+    check_G = FirstStepCheck(list(G.parameters()), world_size=2, check_loss=True)
+    check_D = FirstStepCheck(list(D.parameters()), world_size=2, check_loss=True)
+    fake = G(torch.randn(8, 3))
+    phalanx.shard_loss(D(fake.detach()).sum(), 8).backward()  # D's step: G not reached
+    assert check_D.through_shard_loss == 1 and not check_G.backward_ran
+    check_D.close()  # D's first synced step is done
+    phalanx.shard_loss(D(fake).sum(), 8).backward()  # G's step, through D
+    assert check_G.backward_ran and check_G.through_shard_loss == 1
+    check_G.close()
+    mean_G = FirstStepCheck(list(G.parameters()), world_size=2, check_loss=True)
+    D(G(torch.randn(8, 3))).mean().backward()  # a mean loss through D: still named
+    assert mean_G.backward_ran and mean_G.through_shard_loss == 0
+    mean_G.close()
+
+
 # --- case 3: torch's DistributedSampler -----------------------------------------------------------
 
 def test_a_padding_distributed_sampler_in_the_loop_is_named():

@@ -5,12 +5,13 @@ first synced step in which it ran a backward, and named in one `PhalanxWarning` 
 
 - **A loss that did not come through `phalanx.shard_loss`.** phalanx *sums* gradients across
   ranks, so a per-rank mean loss (`F.cross_entropy(out, y)`, DDP's habit) gives k times the
-  1-device gradient. While the check waits, it holds its parameters' gradient accumulators (the
-  autograd nodes every backward through them ends in, as DDP holds them) with itself in their
-  `Node.metadata`; `shard_loss` looks a few nodes down its loss's graph (`mark_shard_loss`) and,
-  where it meets one, hooks the tensor it returns to the check: the hook runs during backward
-  iff the backward passed through it. None passed since the replica was built, but a backward
-  ran: the warning. No process-wide record: the loss's own graph leads to the check.
+  1-device gradient. While a check waits, `shard_loss` hooks the tensor it returns
+  (`mark_shard_loss`): the hook runs during backward iff the backward passes through it, and
+  tells every waiting check that backward's autograd task. Each check notes the tasks in which
+  its parameters' gradients landed; none of them passed a `shard_loss`, but a backward ran: the
+  warning. Matching by task, not by searching the loss's graph for the nearest parameters,
+  keeps a GAN's generator right: its loss reaches it only through the discriminator's whole
+  graph, and the discriminator's parameters are the nearest.
 - **torch's `DistributedSampler`** in the frames of the loop that called
   `finish_gradient_sync()` (its locals, and the script's globals): it pads the dataset to a
   multiple of the ranks by repeating examples (or drops some), so an epoch is not the 1-device
@@ -23,7 +24,6 @@ Nothing here communicates: rank 0 checks alone, the other ranks build no check a
 
 from __future__ import annotations
 
-import collections
 import sys
 import warnings
 import weakref
@@ -40,36 +40,22 @@ from phalanx.errors import PhalanxWarning
 _FRAMES_SEARCHED = 8
 
 
-_CHECK_KEY = "phalanx.first_step"  # in a gradient accumulator's Node.metadata: a weakref to its check
-# A bound on the autograd nodes shard_loss looks at below its loss. The parameters nearest a
-# loss are its model's last layer's: 4 nodes under a cross-entropy sum, 16 with label smoothing
-# and bf16-mixed's casts (prepare's models); 64 leaves room for a user's longer loss.
-_NODES_SEARCHED = 64
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+# The checks that wait to see a backward through shard_loss (rank 0's, until its first synced step).
+_WAITING: weakref.WeakSet = weakref.WeakSet()
 
 
-def pending_check(loss: torch.Tensor) -> FirstStepCheck | None:
-    """The first-step check waiting on the parameters `loss` is computed from, or None. Breadth
-    first from `loss`, to the first parameter's gradient accumulator: a check marks every one of
-    its replica's, so the nearest tells; once no check is pending, a step pays only the few nodes
-    between its loss and its last layer (microseconds)."""
-    queue, seen = collections.deque([loss.grad_fn] if loss.grad_fn is not None else []), 0
-    while queue and seen < _NODES_SEARCHED:
-        node = queue.popleft()
-        seen += 1
-        if type(node) is _ACCUMULATE_GRAD:
-            ref = node.metadata.get(_CHECK_KEY)
-            return None if ref is None else ref()
-        queue.extend([child for child, _ in node.next_functions if child is not None])
-    return None
+def mark_shard_loss(scaled: torch.Tensor) -> None:
+    """Called by shard_loss with its result: while a check waits, a backward through
+    `scaled` tells it in which autograd task it ran. No check waiting: nothing (one test)."""
+    if _WAITING and scaled.requires_grad:
+        scaled.register_hook(_passed)
 
 
-def mark_shard_loss(loss_sum: torch.Tensor, scaled: torch.Tensor) -> None:
-    """Called by shard_loss with its input and result: where a check waits on the parameters the
-    loss comes from, a backward through `scaled` tells it so."""
-    check = pending_check(loss_sum)
-    if check is not None:
-        scaled.register_hook(check.passed)
+def _passed(grad: torch.Tensor) -> None:
+    """Gradient hook shard_loss puts on its result: this backward came through it."""
+    task = torch._C._current_graph_task_id()
+    for check in list(_WAITING):
+        check.shard_loss_tasks.add(task)
 
 
 def loss_scale_message(world_size: int) -> str:
@@ -84,23 +70,24 @@ class FirstStepCheck:
 
     def __init__(self, params: list[nn.Parameter], *, world_size: int, check_loss: bool) -> None:
         self.world_size, self.check_loss = world_size, check_loss
-        self.through_shard_loss = 0  # backwards that passed through a shard_loss result
-        self.backward_ran = False
+        self.shard_loss_tasks: set[int] = set()  # autograd tasks (backwards) that passed a shard_loss result
+        self.landed_tasks: set[int] = set()  # those in which a gradient of these parameters landed
         params = [p for p in params if p.requires_grad]  # a frozen parameter gets no gradient, takes no hook
         self._handles = [p.register_post_accumulate_grad_hook(self._landed) for p in params]
-        self._accumulators = []
         if check_loss:
-            with torch.enable_grad():  # held, every graph through a parameter ends in this same node
-                self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
-            for node in self._accumulators:
-                node.metadata[_CHECK_KEY] = weakref.ref(self)
+            _WAITING.add(self)
 
-    def passed(self, grad: torch.Tensor) -> None:
-        """Gradient hook shard_loss puts on its result: this backward came through it."""
-        self.through_shard_loss += 1
+    @property
+    def backward_ran(self) -> bool:
+        return bool(self.landed_tasks)
+
+    @property
+    def through_shard_loss(self) -> int:
+        """How many backwards that reached these parameters passed through a shard_loss result."""
+        return len(self.landed_tasks & self.shard_loss_tasks)
 
     def _landed(self, param: nn.Parameter) -> None:
-        self.backward_ran = True
+        self.landed_tasks.add(torch._C._current_graph_task_id())
 
     def after_sync(self, caller: FrameType | None) -> bool:
         """Warn about what the step shows; True when the check is done (a backward ran)."""
@@ -121,9 +108,7 @@ class FirstStepCheck:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for node in self._accumulators:
-            node.metadata.pop(_CHECK_KEY, None)
-        self._accumulators = []
+        _WAITING.discard(self)
 
 
 def _sampler_in_frames(frame: FrameType | None) -> str | None:
