@@ -12,9 +12,10 @@
   gradient; `precision="bf16-mixed"` keeps float32 buckets and identical replicas;
 - nanoGPT's accumulation, `dp.require_backward_grad_sync = (last micro-batch)`, overlapped: one
   exchange per step and the 1-device gradient; set False with buckets in flight, one line;
-- DCGAN's loop (pytorch/examples): the generator's loss backpropagates through the discriminator,
-  whose gradients no step uses and whose zero_grad sums, then zeroes them, overlapped and not and
-  under ZeRO stage 3, against one device;
+- DCGAN's loop (pytorch/examples): the discriminator's two backwards (real, then fake), overlapped
+  over several buckets and not; the generator's loss backpropagates through the discriminator,
+  whose gradients no step uses and whose zero_grad sums, then zeroes them, also under ZeRO stage
+  3, against one device; no mean-loss warning for the generator's shard_loss through D;
 - WGAN-GP's critic step, whose gradient penalty differentiates through the replica
   (`torch.autograd.grad(..., create_graph=True)`), then a siamese loss of two forwards and one
   backward, overlapped and not, against one device;
@@ -220,7 +221,7 @@ def _gan_steps(G, D, step_G, step_D, zero_G, zero_D, rows, *, one_backward: bool
         fake = G(noise)
         if one_backward:
             (bce(D(real), 1.0) + bce(D(fake.detach()), 0.0)).backward()
-        else:  # DCGAN's two backwards, summed by the one exchange after backward
+        else:  # DCGAN's two backwards: the second forward sums the first apart when buckets went out
             bce(D(real), 1.0).backward()
             bce(D(fake.detach()), 0.0).backward()
         step_D()
@@ -233,13 +234,19 @@ def _gan_steps(G, D, step_G, step_D, zero_G, zero_D, rows, *, one_backward: bool
 
 def _gan_case(world, out: dict) -> None:
     rows = slice(0, 7) if world.rank == 0 else slice(7, GLOBAL)
-    for overlap in (False, True):
-        G, D = _gan()
-        with phalanx.prepare(G, world=world, overlap=overlap) as dG, phalanx.prepare(D, world=world,
-                                                                                    overlap=overlap) as dD:
-            _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad, rows,
-                       one_backward=overlap)
-            out[f"gan-{overlap}"] = (_state(dG), _state(dD))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # DCGAN's two backwards: after backward; overlapped over several buckets (a forward between
+        # them sums the first apart); overlapped with one backward of the two losses added.
+        for case, overlap, one_backward in (("False", False, False), ("True", True, False), ("True-one", True, True)):
+            G, D = _gan()
+            options = dict(world=world, overlap=overlap, bucket_cap_mb=0.0001)
+            with phalanx.prepare(G, **options) as dG, phalanx.prepare(D, **options) as dD:
+                _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad,
+                           rows, one_backward=one_backward)
+                out[f"gan-{case}"] = (_state(dG), _state(dD))
+                out[f"gan-{case}-buckets"] = len(dD.buckets)
+    out["gan-warnings"] = _phalanx_warnings(caught)  # G's shard_loss runs through D's graph: nothing to name
     G, D = _gan()  # ZeRO stage 3, overlapped: the dropped gradients were reduce-scattered
     sharded = dict(world=world, shard="parameters", overlap=True)
     with phalanx.prepare(G, **sharded) as dG, phalanx.prepare(D, **sharded) as dD:
@@ -404,16 +411,18 @@ def test_a_sparse_embedding_is_named_once_and_summed_dense_exactly(results):
         assert _max_diff(rank["sparse-state"], _state(reference)) < 1e-13
 
 
-@pytest.mark.parametrize("case", ["False", "True", "sharded"])
+@pytest.mark.parametrize("case", ["False", "True", "True-one", "sharded"])
 def test_dcgans_loop_drops_the_discriminators_unused_gradients_as_one_device_does(results, case):
     G, D = _gan()
     no_op = lambda: None  # noqa: E731 - one device: nothing to sum
     _gan_steps(G, D, no_op, no_op, lambda: G.zero_grad(), lambda: D.zero_grad(), slice(0, GLOBAL),
-               one_backward=case != "False")
+               one_backward=case in ("True-one", "sharded"))
     for rank in results:
         state_G, state_D = rank[f"gan-{case}"]
         assert _max_diff(state_G, _state(G)) < 1e-12 and _max_diff(state_D, _state(D)) < 1e-12
+        assert not case.startswith("True") or rank[f"gan-{case}-buckets"] >= 2  # overlapped: several buckets
     assert all(torch.equal(results[0][f"gan-{case}"][1][k], v) for k, v in results[1][f"gan-{case}"][1].items())
+    assert results[0]["gan-warnings"] == []  # before 2026-11-29 G's loss through D was named a mean loss
 
 
 @pytest.mark.parametrize("overlap", [False, True])
