@@ -93,8 +93,8 @@ def foreign_keywords_error(names: list[str], *, call: str = "prepare") -> TypeEr
 # DistributedDataParallel's methods -> what phalanx does instead (asked of a replica, an AttributeError names it).
 DDP_METHODS: dict[str, str] = {
     "register_comm_hook": "the exchange takes no hook: prepare(model, world=world, grad_dtype='bf16') sends the "
-                          "gradients compressed, as DDP's bf16_compress_hook / fp16_compress_hook do, and allreduce= "
-                          "picks the algorithm",
+                          "gradients compressed, as DDP's bf16_compress_hook / fp16_compress_hook do, and algorithm= "
+                          "picks the allreduce",
     "join": "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches; ranks "
             "that run different numbers of steps fail at once, naming both call sites",
     "join_hook": "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches",

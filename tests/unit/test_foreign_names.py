@@ -5,6 +5,7 @@ every way named exists."""
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import re
 
@@ -78,9 +79,10 @@ def test_another_unknown_keyword_is_python_s_own_error_and_every_ddp_way_exists(
     with pytest.raises(TypeError, match=r"^prepare\(\) got an unexpected keyword argument 'lr'$"):
         phalanx.prepare(nn.Linear(2, 2), world=WORLD1, lr=0.1)
     fields = set(phalanx.DataParallelConfig.__dataclass_fields__)
-    for way in DDP_KEYWORDS.values():
-        for name in re.findall(r"(\w+)=", way):
-            assert name in fields or name == "precision", name
+    keywords = set(inspect.signature(phalanx.prepare).parameters)
+    for way in [*DDP_KEYWORDS.values(), *DDP_METHODS.values()]:  # a keyword named is one its call takes
+        for config, name in re.findall(r"(DataParallelConfig\()?(\w+)=", way):
+            assert name in (fields if config else keywords), name
 
 
 @pytest.mark.parametrize("name", sorted(DDP_METHODS))
