@@ -1,37 +1,36 @@
 """Data parallelism as in D2L 13.5: every rank holds a full replica and sums gradients.
 
-`DataParallel` owns the replica's synchronisation contract, the one torch DDP established:
-rank 0's parameters and buffers are broadcast at construction so replicas start identical;
-gradients live in flat buckets (buckets.py) summed across ranks with the chosen allreduce;
-`no_sync()` skips the exchange for gradient accumulation. Averaging is the caller's loss scale
-(sum over the shard / global batch size), which keeps the update exactly the 1-device update
-even when the last batch splits unevenly across ranks. `shard` keeps only this rank's share
-of the optimizer state, gradients or parameters (ZeRO; sharding/): each bucket's allreduce
-becomes a reduce-scatter, and the optimizer comes from `dp.optimizer(cls, ...)`.
+`DataParallel` owns the replica's synchronisation contract, the one torch DDP established: rank 0's
+parameters and buffers are broadcast at construction so replicas start identical; gradients live in
+flat buckets (buckets.py) summed across ranks with the chosen allreduce; `no_sync()` skips the
+exchange for gradient accumulation. Averaging is the caller's loss scale (sum over the shard /
+global batch size), which keeps the update exactly the 1-device update even when the last batch
+splits unevenly across ranks. `shard` keeps only this rank's share of the optimizer state, gradients
+or parameters (ZeRO; sharding/): each bucket's allreduce becomes a reduce-scatter, and the optimizer
+comes from `dp.optimizer(cls, ...)`.
 
-One send path, two schedules, the same result: every bucket goes out through `_launch` (wire
-dtype, trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With
-overlap a gradient hook launches each bucket the moment its last gradient lands, so its exchange
-runs (on the comm's thread) while backward computes the earlier layers; without it
-`finish_gradient_sync()` runs every bucket's exchange on the calling thread (the comm opened
-without a thread), then returns. `overlap=None` (the default) chooses per host (config.py's
-`resolve_overlap`). Either way the caller's step is:
-zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange is
-tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
-(comm/watchdog.py); a synced backward never exchanged is refused at an optimizer step or update
-that reads it, and summed then zeroed by zero_grad() if none did (guards/checks.py). Every `check_finite_every` synced
-steps the gradient is checked for NaN/Inf, naming the first step and rank (guards/finite.py), and
-the steps since then again before state leaves the replica (`check_finite`: state_dict,
-full_state_dict, close).
+One send path, two schedules, the same result: every bucket goes out through `_launch` (wire dtype,
+trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With overlap a
+gradient hook launches each bucket the moment its last gradient lands, so its exchange runs (on the
+comm's thread) while backward computes the earlier layers; without it `finish_gradient_sync()` runs
+every bucket's exchange on the calling thread (the comm opened without a thread), then returns.
+`overlap=None` (the default) chooses per host (config.py's `resolve_overlap`). Either way the
+caller's step is: zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's
+exchange is tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at
+once (comm/watchdog.py); a synced backward never exchanged is refused at an optimizer step or update
+that reads it, and summed then zeroed by zero_grad() if none did (guards/checks.py). Every
+`check_finite_every` synced steps the gradient is checked for NaN/Inf, naming the first step and
+rank (guards/finite.py), and the steps since then again before state leaves the replica
+(`check_finite`: state_dict, full_state_dict, close).
 
-Its options come as one object, `DataParallelConfig` (config.py), checked where it was made. A
-world of one has nothing to exchange, so it builds nothing: no buckets, hooks, thread or
-collectives; the step is the plain PyTorch loop's. `exchange_alone=True` builds the
-whole exchange on one device all the same (the step each of k devices runs), and
-`DataParallel.over(comm, ...)` exchanges over a comm of the caller's (one that counts bytes).
-A `DataParallel` is an `nn.Module` (replica.py), so code written for DDP works on it; what DDP
-users do by habit is made right or named after each synced exchange (guards/step_extras.py).
-What it runs with is `dp.choices` (choices.py), computed by the replica itself.
+Its options come as one object, `DataParallelConfig` (config.py), checked where it was made. A world
+of one has nothing to exchange, so it builds nothing: no buckets, hooks, thread or collectives; the
+step is the plain PyTorch loop's. `exchange_alone=True` builds the whole exchange on one device all
+the same (the step each of k devices runs), and `DataParallel.over(comm, ...)` exchanges over a comm
+of the caller's (one that counts bytes). A `DataParallel` is an `nn.Module` (replica.py), so code
+written for DDP works on it; what DDP users do by habit is made right or named after each synced
+exchange (guards/step_extras.py). What it runs with is `dp.choices` (choices.py), computed by the
+replica itself.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import Bucket, DecompressingHandle, grads_are_bucket_views, wire_of
 from phalanx.data_parallel.choices import replica_choices
 from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
-from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached
+from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached, gradients_written
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.data_parallel.layout import BucketLayout
@@ -153,10 +152,6 @@ class DataParallel(ReplicaModule):
         self._wire_buckets()
         self.choices = replica_choices(self, self.options)
 
-    def broadcast_state(self, *, src: int = 0) -> None:
-        """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
-        broadcast_state_(self.module, world=self.world, src=src)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the bucket buffers (never set .grad to None: the views must survive); with
         nothing to exchange, set every .grad to None (or zero it) as `optimizer.zero_grad()` does."""
@@ -226,9 +221,12 @@ class DataParallel(ReplicaModule):
         """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
         in its wire dtype, traced, tagged."""
         # Sharded stages 2-3 send the gradients autograd made (fill): in the bucket, or as they are.
-        sent = bucket.storage if self.sharding is None else self.sharding.fill(bucket)
-        if self._usage is not None and self._usage.rides and bucket is self.buckets[-1]:
-            self._usage.write_flags()  # every gradient of this rank's has landed by now (usage.py)
+        # An alias with a version counter of its own: the sum moves no counter the usage notes watch (usage.py).
+        sent = bucket.storage.data if self.sharding is None else self.sharding.fill(bucket)
+        if self._usage is not None and self._usage.rides:
+            if bucket is self.buckets[-1]:
+                self._usage.write_flags()  # every gradient of this rank's has landed by now (usage.py)
+            self._usage.noted(bucket.index)
         self._finite.before_sum(sent)  # this rank's own gradient, before the sum spreads it
         wire = wire_of(sent, self.grad_dtype)
         on_done = None
@@ -259,6 +257,7 @@ class DataParallel(ReplicaModule):
                 return
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
+        written = self._usage.written() if self._usage is not None else []  # by the script since landing
         if self._usage is not None:
             self._usage.take_back()  # gradients dropped at the last sync, or by optimizer.zero_grad(), back
         self._scheduler.finish()
@@ -275,6 +274,8 @@ class DataParallel(ReplicaModule):
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
         self._extras.after_exchange(summed, self._allreduce_now)
+        if written:  # raised last: this rank has joined every collective of the sync
+            raise gradients_written(written, self.module)
 
     @property
     def unused_at_last_sync(self) -> set[int]:

@@ -64,7 +64,9 @@ class ReplicaModule(nn.Module):
     _sync_enabled: bool  # False inside no_sync(): backward's gradients accumulate locally
     exchange_in_flight: bool  # a bucket was launched and finish_gradient_sync() has not returned
     buckets: list  # the gradient buckets (buckets.py), empty with nothing to exchange
+    world: World
     _scheduler: Any = None  # overlap.py's OverlapScheduler while exchanging, else None
+    _usage: Any = None  # usage.py's ParameterUsage while exchanging, else None
     # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which sets .grad to None; taken back
     # into the buckets at the next landing (usage.py), except on a sharded replica, whose refusal names
     # this (noted here, where the compiler traces).
@@ -83,6 +85,10 @@ class ReplicaModule(nn.Module):
             if name in DDP_METHODS:
                 raise ddp_method_error(type(self).__name__, name) from None
             raise
+
+    def broadcast_state(self, *, src: int = 0) -> None:
+        """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
+        broadcast_state_(self.module, world=self.world, src=src)
 
     @property
     def sync_enabled(self) -> bool:
@@ -112,6 +118,7 @@ class ReplicaModule(nn.Module):
             # can land in buckets no longer on the wire.
             self._scheduler.settle()
             self._finite.another_backward()
+            self._usage.noted()  # the zeroed buckets, written by the replica itself
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast

@@ -21,6 +21,14 @@ next `zero_grad()`, or when the parameter lands again, or at the next sync.
 
 Parameters frozen when the replica is made have no bucket and no flag (layout.py lays the
 buckets out again when `requires_grad` changes).
+
+The landing is also where a write into the gradients before their sum is seen. Each bucket's
+version counter (torch bumps it at every in-place write through any of its views) is noted at
+its last landing, and at its launch after the flags are written. The exchange sends an alias
+with a counter of its own, so no sum moves it. At the sync, a counter moved since then means
+the script wrote into unsummed gradients: `torch.nn.utils.clip_grad_norm_` before
+`finish_gradient_sync()` clips each rank's share by its own norm, which is not the clip of the
+sum (and races the wire where buckets went out beside backward). `written()` names such buckets.
 """
 
 from __future__ import annotations
@@ -59,6 +67,9 @@ class ParameterUsage:
                              f"for {len(self.params)} parameters")
         self._used: set[int] = set()  # id(param) of each parameter whose gradient landed
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
+        self._buffers = [bucket.buffer for bucket in buckets] if rides else []
+        self._bucket_at = {id(param): bucket.index for bucket in buckets for param in bucket.params} if rides else {}
+        self._versions: list[int | None] = [None] * len(self._buffers)  # each bucket's counter when last written here
 
     def landed(self, param: nn.Parameter) -> None:
         """A landing hook's note: `param`'s gradient accumulated. Where its .grad was None (dropped at
@@ -66,8 +77,23 @@ class ParameterUsage:
         into the bucket, over whatever the slot held."""
         self._used.add(id(param))
         view = self._views.get(id(param))
-        if view is not None and param.grad is not view:
-            _take_back(param, view)
+        if view is not None:
+            if param.grad is not view:
+                _take_back(param, view)
+            self._versions[self._bucket_at[id(param)]] = view._version
+
+    def noted(self, index: int | None = None) -> None:
+        """Bucket `index` (None: every bucket) written by the replica itself: its counter as it is now."""
+        for i in range(len(self._buffers)) if index is None else (index,) if self._buffers else ():
+            self._versions[i] = self._buffers[i]._version
+
+    def written(self) -> list[nn.Parameter]:
+        """At the sync: the parameters of each bucket written since its last landing or launch (see
+        the module docstring), then nothing noted until the next landing."""
+        moved = [i for i, (buffer, seen) in enumerate(zip(self._buffers, self._versions))
+                 if seen is not None and buffer._version != seen]
+        self._versions = [None] * len(self._buffers)
+        return [param for param in self.params if self._bucket_at[id(param)] in moved] if moved else []
 
     def _not_landed(self) -> list[int]:
         """Positions of the parameters whose gradient did not land on this rank (none: no loop)."""
@@ -124,6 +150,7 @@ class ParameterUsage:
     def forget(self) -> None:
         """A step given up (zero_grad without a sync): its landings count for nothing."""
         self._used.clear()
+        self._versions = [None] * len(self._buffers)
 
 
 @torch.no_grad()

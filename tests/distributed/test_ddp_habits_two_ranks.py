@@ -20,7 +20,9 @@
   (`torch.autograd.grad(..., create_graph=True)`), then a siamese loss of two forwards and one
   backward, overlapped and not, against one device;
 - an embedding with `sparse=True`: named once on rank 0 at the script's line, summed dense, and
-  SGD with momentum ends where one device's sparse gradients end.
+  SGD with momentum ends where one device's sparse gradients end;
+- torch's `clip_grad_norm_` before `finish_gradient_sync()`, overlapped and not: refused on every
+  rank once summed; clipped after the sync, the 1-device clipped gradient.
 """
 
 from __future__ import annotations
@@ -316,6 +318,25 @@ def _sparse_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(3)]
 
 
+def _clip_case(world, out: dict) -> None:
+    """torch's clip_grad_norm_ before finish_gradient_sync(), overlapped and not: refused on every rank."""
+    X, y = _batches(1)[0]
+    X, y = _shard(X, y, world, uneven=True)
+    for overlap in (False, True):
+        with phalanx.prepare(_mlp(), world=world, overlap=overlap, bucket_cap_mb=0.0005) as dp:
+            phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), GLOBAL).backward()
+            torch.nn.utils.clip_grad_norm_(dp.parameters(), 1e-3)
+            try:
+                dp.finish_gradient_sync()
+            except phalanx.UsageError as error:
+                out[f"clip-{overlap}"] = str(error)
+            dp.zero_grad()  # and on: the next step, clipped after the sum, is the replica's as usual
+            phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), GLOBAL).backward()
+            dp.finish_gradient_sync()
+            torch.nn.utils.clip_grad_norm_(dp.parameters(), 1e-3)
+            out[f"clip-{overlap}-grads"] = [p.grad.clone() for p in dp.parameters()]
+
+
 def _worker(world) -> dict:
     out: dict = {}
     _loss_cases(world, out)
@@ -326,6 +347,7 @@ def _worker(world) -> dict:
     _sparse_case(world, out)
     _gan_case(world, out)
     _critic_case(world, out)
+    _clip_case(world, out)
     return out
 
 
@@ -448,3 +470,17 @@ def test_reduce_accumulate_and_bf16_mixed_on_two_ranks(results):
     assert dtypes == {torch.float32} and "bf16-mixed (autocast forward" in describe
     for key, value in state0.items():
         assert value.dtype == torch.float32 and torch.equal(value, results[1]["bf16"][0][key]), key
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_clipping_before_the_sync_is_refused_on_every_rank_and_after_it_equals_one_device(results, overlap):
+    for rank in results:
+        assert rank[f"clip-{overlap}"].startswith("the gradients of ") and "were written in place between backward " \
+            "and finish_gradient_sync() (torch.nn.utils.clip_grad_norm_ before the sync?)" in rank[f"clip-{overlap}"]
+    X, y = _batches(1)[0]
+    reference = _mlp()
+    phalanx.shard_loss(F.cross_entropy(reference(X), y, reduction="sum"), GLOBAL).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3)
+    for rank in results:
+        for got, want in zip(rank[f"clip-{overlap}-grads"], reference.parameters()):
+            torch.testing.assert_close(got, want.grad, rtol=1e-12, atol=1e-15)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.cli import build_parser
+from phalanx.errors import UsageError
 from phalanx.models import LeNet
 from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, DataParallel, OverlapScheduler
 from phalanx.data_parallel.buckets import DDP_FIRST_BUCKET_BYTES, build_buckets, default_first_cap_bytes
@@ -377,6 +378,42 @@ def test_misuse_is_refused():
     assert comm.handles and all(h.waited for h in comm.handles)
     with pytest.raises(RuntimeError, match="closed"):
         dp.finish_gradient_sync()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_written_before_their_sum_are_refused_once_summed_and_written_after_it_are_fine(overlap):
+    """torch's clip_grad_norm_ before finish_gradient_sync() clips each rank's share by its own norm."""
+    torch.manual_seed(0)
+    comm = FakeComm()
+    dp = _dp(LeNet().double(), comm, overlap=overlap)
+    X, y = _batch()
+    for clip_first in (False, True, False):
+        dp.zero_grad()
+        F.cross_entropy(dp(X), y, reduction="sum").backward()
+        if not clip_first:
+            dp.finish_gradient_sync()
+            torch.nn.utils.clip_grad_norm_(dp.parameters(), 1e-3)  # after the sum: the clip of the sum
+            continue
+        torch.nn.utils.clip_grad_norm_(dp.parameters(), 1e-3)
+        with pytest.raises(UsageError, match=r"^the gradients of fc2.bias and 7 more were written in place between "
+                           r"backward and finish_gradient_sync\(\) \(torch.nn.utils.clip_grad_norm_ before the sync\?\): "
+                           r"each rank changed its own unsummed share, .* call dp.finish_gradient_sync\(\) right after "
+                           r"backward, then clip and step$"):
+            dp.finish_gradient_sync()
+        assert all(h.waited for h in comm.handles) and not dp.exchange_in_flight  # refused once every sum is done
+    dp.zero_grad()
+    F.cross_entropy(dp(X), y, reduction="sum").backward()
+    dp.module.conv1.weight.grad.mul_(0.5)  # a write into the conv bucket only: its parameters are named
+    with pytest.raises(UsageError, match="^the gradients of conv2.bias and 3 more were written"):
+        dp.finish_gradient_sync()
+    dp.zero_grad()
+    with dp.no_sync():  # accumulation, a second forward, a take-back: the replica's own writes are no script's
+        F.cross_entropy(dp(X), y, reduction="sum").backward()
+    dp.module.fc1.weight.grad = None
+    F.cross_entropy(dp(X), y, reduction="sum").backward()
+    F.cross_entropy(dp(X), y, reduction="sum").backward() if not overlap else None
+    dp.finish_gradient_sync()
+    dp.close()
 
 
 def test_close_removes_the_hooks():

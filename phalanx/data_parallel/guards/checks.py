@@ -15,6 +15,9 @@
 - `gradients_detached`: the refusal when a `.grad` no longer aliases its bucket at a sync of a
   sharded replica, naming the cause (a torch optimizer's `zero_grad(set_to_none=True)`, or a
   replica compiled after `prepare`); an unsharded one takes such gradients back (usage.py).
+- `gradients_written`: the refusal when the script wrote into gradients between backward and
+  their sum (`clip_grad_norm_` before `finish_gradient_sync()`; usage.py sees it by the buckets'
+  version counters).
 - `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
   `finish_gradient_sync()`, silent with overlap=False) is refused at the optimizer's step, or at
   `zero_grad()` after an update by hand, naming the fix.
@@ -67,6 +70,21 @@ def gradients_detached(*, compiled_after_prepare: bool, sharded: bool = False) -
             "prepare: dp = phalanx.prepare(torch.compile(model), world=world)")
     return GradientsDetached("a parameter's .grad no longer aliases its gradient bucket; use DataParallel.zero_grad() "
                              "instead of optimizer.zero_grad(set_to_none=True)")
+
+
+class GradientsWritten(UsageError, RuntimeError):
+    """Unsummed gradients were written in place before the sync (a clip by each rank's own norm)."""
+
+
+def gradients_written(params: Sequence[torch.nn.Parameter], module: torch.nn.Module) -> GradientsWritten:
+    """The one-line refusal naming the first of `params`, whose gradients were written before their sum."""
+    names = {id(param): name for name, param in module.named_parameters()}
+    more = f" and {len(params) - 1} more" if len(params) > 1 else ""
+    return GradientsWritten(
+        f"the gradients of {names.get(id(params[0]), 'a parameter')}{more} were written in place between backward "
+        "and finish_gradient_sync() (torch.nn.utils.clip_grad_norm_ before the sync?): each rank changed its own "
+        "unsummed share, and a clip by each rank's own norm is not the clip of the sum; call "
+        "dp.finish_gradient_sync() right after backward, then clip and step")
 
 
 def model_fingerprint(module: torch.nn.Module) -> str:
