@@ -118,7 +118,8 @@ class ReplicaModule(nn.Module):
             # can land in buckets no longer on the wire.
             self._scheduler.settle()
             self._finite.another_backward()
-            self._usage.noted()  # the zeroed buckets, written by the replica itself
+            if self._usage is not None:
+                self._usage.noted()  # the zeroed buckets, written by the replica itself
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast

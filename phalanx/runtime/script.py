@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
-from phalanx.errors import RunFailed, UsageError
+from phalanx.errors import RunFailed, UsageError, warn_at_caller
 from phalanx.options import add_options, build, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
                                    torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
-from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, stop_world
+from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.board import mark_exit, open_board
 
 
@@ -78,7 +78,11 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
     if use_cuda and not torch.cuda.is_available():
         raise UsageError("init(device='cuda') but torch sees no CUDA device; use device='cpu'")
     env = launcher_env()
+    if env is None and dist.is_initialized():  # a group the script opened with no launcher: mp.spawn's children
+        env = open_group_env()
     if env is None:
+        if multiprocessing.parent_process() is not None:
+            warn_at_caller(ALONE_IN_A_CHILD)
         world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, backend="none", timeout_s=timeout_s,
                       device=torch.device("cuda:0" if use_cuda else "cpu"))
     else:
@@ -95,6 +99,14 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
         world = open_board(world)  # the collective board: a failure names the rank and collective
     _current = world
     return world
+
+
+# torch's DDP tutorial starts its workers with torch.multiprocessing.spawn; with neither a launcher's
+# variables nor a group the script opened, each child would train alone, silently.
+ALONE_IN_A_CHILD = ("phalanx.init() in a child process found no RANK/WORLD_SIZE and no process group, so this "
+                    "process is a world of one and trains alone; start the script with `phalanx run --devices cpu:K "
+                    "script.py` (or torchrun) instead of torch.multiprocessing.spawn, or call "
+                    "torch.distributed.init_process_group(...) before phalanx.init()")
 
 
 def script_worker(script: str, args: tuple[str, ...], *, rank: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import datetime
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -106,6 +107,25 @@ def launcher_env(environ: Mapping[str, str] | None = None) -> LauncherEnv | None
         )
     except ValueError as exc:
         raise UsageError(f"launcher environment is malformed ({exc}); fix RANK/WORLD_SIZE/LOCAL_RANK") from None
+
+
+def open_group_env() -> LauncherEnv:
+    """What a launcher would have said, for a default process group the script opened itself with
+    no launcher's environment (torch.multiprocessing.spawn, then init_process_group with a rank of
+    its own): rank and size from the group; which ranks share a host from their hostnames, the one
+    place phalanx compares them, since nothing else says so here (a collective, over gloo)."""
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if group is not None:
+        dist.destroy_process_group(group)
+    rank, mine = dist.get_rank(), socket.gethostname()
+    local = [r for r, host in enumerate(hosts) if host == mine]
+    port = os.environ.get("MASTER_PORT", "")
+    return LauncherEnv(rank=rank, world_size=len(hosts), local_rank=local.index(rank), local_world_size=len(local),
+                       master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                       master_port=int(port) if port.isdigit() else 29500,
+                       node_rank=list(dict.fromkeys(hosts)).index(mine))
 
 
 def ranks_share_gpu(environ: Mapping[str, str] | None = None) -> bool:

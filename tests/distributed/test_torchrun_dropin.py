@@ -88,6 +88,49 @@ def test_phalanx_init_adopts_the_group_the_script_opened(tmp_path):
     assert sorted(ran.stdout.splitlines()) == ["0 2 gloo 3", "1 2 gloo 3"]
 
 
+def test_torch_s_ddp_tutorial_start_with_mp_spawn_is_adopted_and_without_a_group_is_said(tmp_path):
+    """The DDP tutorial's way: torch.multiprocessing.spawn, then init_process_group with the child's
+    own rank; before 2026-11-29 phalanx.init() there made each child a world of one, silently."""
+    script = _script(tmp_path, """
+        import os, socket, sys, warnings
+        import torch, torch.distributed as dist, torch.multiprocessing as mp, torch.nn.functional as F
+        import phalanx
+
+        def demo(rank, world_size, port, open_group):
+            if open_group:
+                os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                world = phalanx.init()
+            torch.manual_seed(0)
+            with phalanx.prepare(torch.nn.Linear(3, 1).double(), world=world) as dp:
+                X = torch.arange(12.0, dtype=torch.float64).reshape(4, 3)[rank::world_size]
+                phalanx.shard_loss(dp(X).sum(), 4).backward()
+                dp.finish_gradient_sync()
+                grad = dp.module.weight.grad.sum().item()
+            alone = [str(w.message).split(",")[0] for w in said if issubclass(w.category, phalanx.PhalanxWarning)]
+            print(open_group, world.rank, world.world_size, world.local_rank, world.local_world_size, grad, alone,
+                  flush=True)
+            if open_group:
+                dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]; sock.close()
+            for open_group in (True, False):
+                mp.spawn(demo, args=(2, port, open_group), nprocs=2, join=True)
+    """)
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=_env())
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    whole = sum(range(12)) / 4  # the 1-device gradient's sum: every row, summed over both ranks
+    assert sorted(ran.stdout.splitlines()) == sorted([
+        f"False 0 1 0 1 {sum(range(0, 3)) / 4 + sum(range(6, 9)) / 4} "
+        "['phalanx.init() in a child process found no RANK/WORLD_SIZE and no process group']",
+        f"False 0 1 0 1 {sum(range(3, 6)) / 4 + sum(range(9, 12)) / 4} "
+        "['phalanx.init() in a child process found no RANK/WORLD_SIZE and no process group']",
+        f"True 0 2 0 2 {whole} []", f"True 1 2 1 2 {whole} []"])
+
+
 def test_a_failing_torchrun_script_is_one_line_naming_the_rank(tmp_path):
     script = _script(tmp_path, """
         import torch.distributed as dist
