@@ -18,7 +18,7 @@ every bucket's exchange on the calling thread (the comm opened without a thread)
 caller's step is: zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's
 exchange is tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at
 once (comm/watchdog.py); a synced backward never exchanged is refused at an optimizer step or update
-that reads it, and summed then zeroed by zero_grad() if none did (guards/checks.py). Every
+that reads it, and zeroed by zero_grad() if none did (guards/checks.py). Every
 `check_finite_every` synced steps the gradient is checked for NaN/Inf, naming the first step and
 rank (guards/finite.py), and the steps since then again before state leaves the replica
 (`check_finite`: state_dict, full_state_dict, close).
@@ -159,9 +159,9 @@ class DataParallel(ReplicaModule):
             for param in self._params:
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
             return
-        # Unsummed gradients no update read (a GAN's D under G's loss): summed as DDP sums every
-        # backward (every rank ran it; buckets may be on the wire), then zeroed. Read: refused.
-        if self._unsynced.take_unread("zero_grad()") and not self._closed:
+        # Unsummed gradients no update read (a GAN's D under G's loss) are zeroed unsummed where nothing
+        # went out (every rank skips alike); with overlap buckets may be on the wire: summed first. Read: refused.
+        if self._unsynced.take_unread("zero_grad()") and not self._closed and self.overlap:
             self.finish_gradient_sync()
         if self._scheduler is not None:  # None once closed
             self._scheduler.reset()  # drop gradients marked by a backward that never finished

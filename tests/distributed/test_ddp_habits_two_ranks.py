@@ -244,18 +244,22 @@ def _gan_case(world, out: dict) -> None:
             G, D = _gan()
             options = dict(world=world, overlap=overlap, bucket_cap_mb=0.0001)
             with phalanx.prepare(G, **options) as dG, phalanx.prepare(D, **options) as dD:
+                dD.tracer = tracer = _CountingTracer()
                 _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad,
                            rows, one_backward=one_backward)
                 out[f"gan-{case}"] = (_state(dG), _state(dD))
-                out[f"gan-{case}-buckets"] = len(dD.buckets)
+                out[f"gan-{case}-buckets"], out[f"gan-{case}-launched"] = len(dD.buckets), tracer.launched
     out["gan-warnings"] = _phalanx_warnings(caught)  # G's shard_loss runs through D's graph: nothing to name
-    G, D = _gan()  # ZeRO stage 3, overlapped: the dropped gradients were reduce-scattered
-    sharded = dict(world=world, shard="parameters", overlap=True)
-    with phalanx.prepare(G, **sharded) as dG, phalanx.prepare(D, **sharded) as dD:
-        optimizers = dG.optimizer(torch.optim.Adam, lr=0.01), dD.optimizer(torch.optim.Adam, lr=0.01)
-        _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad, rows,
-                   one_backward=True, optimizers=optimizers)
-        out["gan-sharded"] = (dG.full_state_dict(), dD.full_state_dict())
+    for case, overlap in (("sharded", True), ("sharded-False", False)):  # ZeRO stage 3
+        G, D = _gan()
+        sharded = dict(world=world, shard="parameters", overlap=overlap)
+        with phalanx.prepare(G, **sharded) as dG, phalanx.prepare(D, **sharded) as dD:
+            dD.tracer = tracer = _CountingTracer()
+            optimizers = dG.optimizer(torch.optim.Adam, lr=0.01), dD.optimizer(torch.optim.Adam, lr=0.01)
+            _gan_steps(dG, dD, dG.finish_gradient_sync, dD.finish_gradient_sync, dG.zero_grad, dD.zero_grad, rows,
+                       one_backward=True, optimizers=optimizers)
+            out[f"gan-{case}"] = (dG.full_state_dict(), dD.full_state_dict())
+            out[f"gan-{case}-launched"] = tracer.launched
 
 
 def _critic() -> nn.Module:
@@ -433,16 +437,18 @@ def test_a_sparse_embedding_is_named_once_and_summed_dense_exactly(results):
         assert _max_diff(rank["sparse-state"], _state(reference)) < 1e-13
 
 
-@pytest.mark.parametrize("case", ["False", "True", "True-one", "sharded"])
+@pytest.mark.parametrize("case", ["False", "True", "True-one", "sharded", "sharded-False"])
 def test_dcgans_loop_drops_the_discriminators_unused_gradients_as_one_device_does(results, case):
     G, D = _gan()
     no_op = lambda: None  # noqa: E731 - one device: nothing to sum
     _gan_steps(G, D, no_op, no_op, lambda: G.zero_grad(), lambda: D.zero_grad(), slice(0, GLOBAL),
-               one_backward=case in ("True-one", "sharded"))
+               one_backward=case not in ("False", "True"))
     for rank in results:
         state_G, state_D = rank[f"gan-{case}"]
         assert _max_diff(state_G, _state(G)) < 1e-12 and _max_diff(state_D, _state(D)) < 1e-12
         assert not case.startswith("True") or rank[f"gan-{case}-buckets"] >= 2  # overlapped: several buckets
+        if case.endswith("False"):  # exchanged after backward: G's backward through D costs D no exchange
+            assert rank[f"gan-{case}-launched"] == 3  # one per D step, of one bucket (2 more before 2026-11-29)
     assert all(torch.equal(results[0][f"gan-{case}"][1][k], v) for k, v in results[1][f"gan-{case}"][1].items())
     assert results[0]["gan-warnings"] == []  # before 2026-11-29 G's loss through D was named a mean loss
 

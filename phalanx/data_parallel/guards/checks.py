@@ -176,8 +176,9 @@ class UnsyncedGradientGuard:
     since the gradients landed (an update by hand read them unsummed); if nothing wrote them, the
     gradients were never used - a backward through this replica for another model's loss, as a
     GAN's generator step runs through its discriminator or an actor's through its critic - and
-    zero_grad sums them (every rank ran that backward, and with overlap some buckets are on the
-    wire already: DDP sums every backward too), then zeroes them, as on one device. "Written" is
+    zero_grad zeroes them, as on one device: unsummed where nothing went out yet (every rank
+    skips the exchange alike; DDP pays it), summed first where overlap put buckets on the wire
+    during that backward. "Written" is
     the parameters' version counters, noted once per step at the first landing (about 0.06 us a
     tensor); an update through `.data` bypasses them. The hook is process-wide (torch has no per-module one) but costs a
     flag test while nothing is pending; it holds the guard weakly, so a dropped replica is not
