@@ -1,6 +1,6 @@
 """Collectives for data parallelism: the book's `allreduce`, with a choice of algorithm, and its
 two halves for sharded data parallelism, `reduce_scatter` and `all_gather` (shards.py); and for
-a user's loop, `gather` (every rank's rows, concatenated) and `barrier` (gather.py).
+a user's loop, `gather` (every rank's rows, concatenated), `barrier` and `broadcast` (gather.py).
 
 `allreduce(tensor, world=..., algorithm=...)` sums a tensor in place across all ranks. The
 algorithms are written from scratch over point-to-point messages (`transport.py`), one module
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
 from phalanx.comm.calls import collective, native, run_collective
-from phalanx.comm.gather import barrier, gather
+from phalanx.comm.gather import barrier, broadcast, gather
 from phalanx.comm.handle import Handle
 from phalanx.comm.hierarchical import Hierarchy, allreduce_hierarchical
 from phalanx.comm.hosts import HostLayout, hierarchy_applies
@@ -74,6 +74,7 @@ __all__ = [
     "allreduce_tree",
     "all_gather",
     "barrier",
+    "broadcast",
     "broadcast_",
     "check_choice",
     "collective",

@@ -11,11 +11,18 @@ rank's shape and dtype (so a rank whose rows do not match is named on every rank
 a hang or garbage), then the rows padded to the longest shard.
 
 `barrier(world=)` returns once every rank has called it (Accelerate's `wait_for_everyone`,
-Fabric's `barrier`): e.g. rank 0 writes a file the others then read. Both wait at most the
-world's timeout, and a rank that never arrives is named, as for every collective (calls.py).
+Fabric's `barrier`): e.g. rank 0 writes a file the others then read. `broadcast(obj, world=)`
+gives every rank rank `src`'s object (Fabric's `broadcast`, Accelerate's `broadcast_object_list`):
+a run name, a seed, a tensor; pickled by torch.save on `src` (tensors arrive on the world's
+device), two backend broadcasts (the length, then the bytes). In a world of one each returns at
+once. All wait at most the world's timeout, and a rank that never arrives is named, as for every
+collective (calls.py).
 """
 
 from __future__ import annotations
+
+import io
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,3 +93,28 @@ def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> 
     pieces = _all_gather(padded, world=world, tag=tag)
     joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts)])
     return joined.view(torch.bool) if rows.dtype == torch.bool else joined
+
+
+@torch.no_grad()
+def broadcast(obj: Any, *, src: int = 0, world: World, tag: Tag = Tag("broadcast")) -> Any:
+    """Rank `src`'s `obj` on every rank (a collective: every rank calls it at the same point, the
+    other ranks with any placeholder, e.g. None): any object torch.save can pickle; tensors in it
+    arrive on `world.device`. Rank `src` gets its own `obj` back."""
+    if not isinstance(src, int) or not 0 <= src < world.world_size:
+        raise ValueError(f"broadcast: src={src!r} is not a rank of this world of {world.world_size}; "
+                         f"use 0..{world.world_size - 1}")
+    if not world.distributed:
+        return obj
+    payload = None
+    if world.rank == src:
+        saved = io.BytesIO()
+        torch.save(obj, saved)
+        payload = torch.frombuffer(bytearray(saved.getvalue()), dtype=torch.uint8).to(world.device)
+    size = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64, device=world.device)
+    native(world, tag, lambda: dist.broadcast(size, src, async_op=True), size_bytes=8)
+    if payload is None:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=world.device)
+    native(world, tag, lambda: dist.broadcast(payload, src, async_op=True), size_bytes=payload.numel())
+    if world.rank == src:
+        return obj
+    return torch.load(io.BytesIO(payload.cpu().numpy().tobytes()), map_location=world.device, weights_only=False)

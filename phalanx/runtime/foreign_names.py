@@ -28,7 +28,7 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "all_gather": (FABRIC, "phalanx.gather(tensor, world=world), concatenated along dim 0 (not stacked)"),
     "reduce": (ACCELERATE, "phalanx.reduce(value, op='mean', world=world)"),
     "all_reduce": (FABRIC, "phalanx.reduce(value, op='mean', world=world)"),
-    "broadcast": (FABRIC, "prepare broadcasts rank 0's weights; for your own tensor, torch.distributed.broadcast"),
+    "broadcast": (FABRIC, "phalanx.broadcast(obj, src=0, world=world) (prepare broadcasts rank 0's weights itself)"),
     "prepare": (ACCELERATE, "dp = phalanx.prepare(model, world=world); the optimizer over dp.parameters(); "
                             "phalanx.ShardedLoader for the data"),
     "setup": (FABRIC, "dp = phalanx.prepare(model, world=world); the optimizer over dp.parameters()"),

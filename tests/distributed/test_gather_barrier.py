@@ -1,8 +1,10 @@
-"""`phalanx.gather` and `phalanx.barrier` on 3 gloo processes: gather equals torch's own
-all-gather of every rank's tensor, concatenated in rank order (uneven and empty shards, every
-dtype kind, 0-d, a non-contiguous view), a ShardedLoader's shards gather into the 1-device global
-batch, a row mismatch is one ValueError on every rank naming both, and no rank leaves a barrier
-before the last has come to it."""
+"""`phalanx.gather`, `phalanx.barrier` and `phalanx.broadcast` on 3 gloo processes: gather equals
+torch's own all-gather of every rank's tensor, concatenated in rank order (uneven and empty shards,
+every dtype kind, 0-d, a non-contiguous view), a ShardedLoader's shards gather into the 1-device
+global batch, a row mismatch is one ValueError on every rank naming both, and no rank leaves a
+barrier before the last has come to it; broadcast gives every rank what torch's
+broadcast_object_list gives (a dict of a string, a number and tensors, from rank 1; a bare tensor
+from rank 2)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,13 @@ def _worker(world, marker_dir: str) -> dict:
         marker.write_text("x")
     phalanx.barrier(world=world)
     out["after barrier"] = marker.exists()
+    for src, sent in ((1, {"run": "exp-7", "seed": 1234, "weights": torch.arange(6.0).reshape(2, 3),
+                           "mask": torch.tensor([True, False])}), (2, torch.randn(5, dtype=torch.float64))):
+        mine = sent if world.rank == src else None
+        got = phalanx.broadcast(mine, src=src, world=world)
+        torchs = [mine]
+        dist.broadcast_object_list(torchs, src=src)
+        out[f"broadcast from {src}"] = (got, torchs[0], got is mine)
     return out
 
 
@@ -83,6 +92,14 @@ def test_gather_and_barrier_against_torch(tmp_path):
         assert "float32 rows of shape (3,)" in mismatch and "float32 rows of shape (4,)" in mismatch
         assert mismatch.endswith("every rank's rows must have the same trailing shape and dtype")
         assert out["after barrier"]
+        for src in (1, 2):
+            got, torchs, own = out[f"broadcast from {src}"]
+            assert own == (rank == src)  # the sender gets its object back
+            if isinstance(torchs, dict):
+                assert got.keys() == torchs.keys() and got["run"] == "exp-7" and got["seed"] == 1234
+                assert all(torch.equal(got[k], torchs[k]) for k in ("weights", "mask"))
+            else:
+                assert torch.equal(got, torchs) and got.dtype == torch.float64
     assert results[0]["mismatch"].startswith("gather: rank 1 has float32 rows of shape (3,), rank 0 float32 rows")
 
 
@@ -103,3 +120,7 @@ def test_a_world_of_one_gathers_its_own_rows_and_passes_the_barrier():
         phalanx.gather(2.0, world=world)
     with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
         phalanx.gather(torch.zeros(2, dtype=torch.complex64), world=world)
+    thing = {"run": "exp-7"}
+    assert phalanx.broadcast(thing, world=world) is thing
+    with pytest.raises(ValueError, match=r"^broadcast: src=1 is not a rank of this world of 1; use 0..0$"):
+        phalanx.broadcast(thing, src=1, world=world)
