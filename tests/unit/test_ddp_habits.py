@@ -187,6 +187,24 @@ def test_a_generator_s_loss_through_its_discriminator_is_seen_coming_through_sha
     mean_G.close()
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_checkpointed_model_s_backward_through_shard_loss_is_seen(reentrant):
+    """checkpoint(model, x, use_reentrant=True) lands every gradient in a backward nested in the loss's."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    X, y = torch.randn(6, 4, requires_grad=True), torch.randint(0, 3, (6,))
+    for through_shard_loss in (True, False):
+        check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True)
+        try:
+            loss_sum = F.cross_entropy(checkpoint(model, X, use_reentrant=reentrant), y, reduction="sum")
+            (phalanx.shard_loss(loss_sum, 12) if through_shard_loss else loss_sum / 6).backward()
+            assert check.backward_ran and check.through_shard_loss == int(through_shard_loss)
+        finally:
+            check.close()  # a check left waiting would hook every later test's shard_loss
+
+
 # --- case 3: torch's DistributedSampler -----------------------------------------------------------
 
 def test_a_padding_distributed_sampler_in_the_loop_is_named():

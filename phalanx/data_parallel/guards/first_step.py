@@ -11,7 +11,10 @@ first synced step in which it ran a backward, and named in one `PhalanxWarning` 
   its parameters' gradients landed; none of them passed a `shard_loss`, but a backward ran: the
   warning. Matching by task, not by searching the loss's graph for the nearest parameters,
   keeps a GAN's generator right: its loss reaches it only through the discriminator's whole
-  graph, and the discriminator's parameters are the nearest.
+  graph, and the discriminator's parameters are the nearest. A backward nested inside one that
+  passed a `shard_loss` (reentrant activation checkpointing: `checkpoint(model, x,
+  use_reentrant=True)`) counts as passed: the hook keeps a count of such backwards under way
+  until autograd's end-of-backward callback.
 - **torch's `DistributedSampler`** in the frames of the loop that called
   `finish_gradient_sync()` (its locals, and the script's globals): it pads the dataset to a
   multiple of the ranks by repeating examples (or drops some), so an epoch is not the 1-device
@@ -42,6 +45,7 @@ _FRAMES_SEARCHED = 8
 
 # The checks that wait to see a backward through shard_loss (rank 0's, until its first synced step).
 _WAITING: weakref.WeakSet = weakref.WeakSet()
+_UNDER_WAY = [0]  # backwards that passed a shard_loss result and have not ended (nested ones run inside)
 
 
 def mark_shard_loss(scaled: torch.Tensor) -> None:
@@ -56,6 +60,12 @@ def _passed(grad: torch.Tensor) -> None:
     task = torch._C._current_graph_task_id()
     for check in list(_WAITING):
         check.shard_loss_tasks.add(task)
+    _UNDER_WAY[0] += 1
+    torch.autograd.Variable._execution_engine.queue_callback(_ended)
+
+
+def _ended() -> None:
+    _UNDER_WAY[0] -= 1
 
 
 def loss_scale_message(world_size: int) -> str:
@@ -87,7 +97,10 @@ class FirstStepCheck:
         return len(self.landed_tasks & self.shard_loss_tasks)
 
     def _landed(self, param: nn.Parameter) -> None:
-        self.landed_tasks.add(torch._C._current_graph_task_id())
+        task = torch._C._current_graph_task_id()
+        self.landed_tasks.add(task)
+        if _UNDER_WAY[0]:  # a backward nested in one through shard_loss (reentrant checkpointing)
+            self.shard_loss_tasks.add(task)
 
     def after_sync(self, caller: FrameType | None) -> bool:
         """Warn about what the step shows; True when the check is done (a backward ran)."""
