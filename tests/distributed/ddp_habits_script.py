@@ -8,7 +8,8 @@ tests/distributed/test_batchnorm_run_script.py and test_two_nodes.py:
 The default is phalanx's way: `phalanx.prepare` (SyncBatchNorm on k > 1 devices), ShardedLoader,
 `shard_loss`, `reduce` for the logged loss, MetricsLogger and progress. Three flags switch on
 DDP's habits instead: `--plain` (a DataParallel built directly: plain BatchNorm), `--mean-loss`
-(F.cross_entropy's mean), `--distributed-sampler` (torch's, with set_epoch). Writes
+(F.cross_entropy's mean), `--distributed-sampler` (torch's, with set_epoch); `--two-heads` gives
+the model a second head used on odd steps only, so every other step leaves parameters out. Writes
 `DIR/rank<r>.pt` (every rank's state_dict) and, on rank 0, `DIR/metrics.jsonl`.
 """
 
@@ -35,6 +36,18 @@ def model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
 
 
+class TwoHeads(nn.Module):
+    """model()'s layers with a second head, which the loop uses on every other step only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU())
+        self.heads = nn.ModuleList([nn.Linear(16, 3), nn.Linear(16, 3)])
+
+    def forward(self, x: torch.Tensor, head: int = 0) -> torch.Tensor:
+        return self.heads[head](self.trunk(x))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=2)
@@ -44,14 +57,16 @@ def main() -> None:
     p.add_argument("--plain", action="store_true", help="phalanx.DataParallel(model) instead of phalanx.prepare")
     p.add_argument("--mean-loss", action="store_true", help="F.cross_entropy's mean instead of shard_loss")
     p.add_argument("--distributed-sampler", action="store_true", help="torch's DistributedSampler")
+    p.add_argument("--two-heads", action="store_true", help="a second head, used on odd steps only (unused on even)")
     args = p.parse_args()
 
     world = phalanx.init()
     torch.manual_seed(0)
+    net = TwoHeads() if args.two_heads else model()
     if args.plain:
-        dp = phalanx.DataParallel(model().double(), world=world)
+        dp = phalanx.DataParallel(net.double(), world=world)
     else:
-        dp = phalanx.prepare(model(), world=world, dtype="float64")
+        dp = phalanx.prepare(net, world=world, dtype="float64")
         world.print(f"replica: {dp.choices.describe()}")
     optimizer = torch.optim.SGD(dp.parameters(), lr=0.05, momentum=0.9)
     train, test = blobs(args.examples, seed=1), blobs(101, seed=2)
@@ -69,10 +84,11 @@ def main() -> None:
                 steps = sharded.epoch(epoch)
             loss_total = torch.zeros((), dtype=torch.float64)
             dp.train()
-            for (X, y), global_size in phalanx.progress(steps, world=world, label=f"epoch {epoch + 1}",
-                                                        total=len(loader) if args.distributed_sampler else len(sharded)):
+            for step, ((X, y), global_size) in enumerate(phalanx.progress(
+                    steps, world=world, label=f"epoch {epoch + 1}",
+                    total=len(loader) if args.distributed_sampler else len(sharded))):
                 dp.zero_grad()
-                out = dp(X.to(world.device))
+                out = dp(X.to(world.device), head=step % 2) if args.two_heads else dp(X.to(world.device))
                 y = y.to(world.device)
                 loss = F.cross_entropy(out, y) if args.mean_loss else phalanx.shard_loss(
                     F.cross_entropy(out, y, reduction="sum"), global_size)
