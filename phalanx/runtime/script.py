@@ -9,7 +9,9 @@ script that changes its thread count is named once on rank 0; torch's SyncBatchN
 refuses on CPU workers, is refused in one line naming phalanx's own.
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
-- so one script runs unchanged under `phalanx run`, under torchrun and under plain python. A
+- so one script runs unchanged under `phalanx run`, under torchrun and under plain python.
+Without a launcher's variables, a group the script opened itself (torch's DDP tutorial: children
+of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line. A
 group the script opens without `timeout=` waits at most `--timeout` (not torch's 30 minutes), and
 one it forgets to destroy is destroyed after its result is reported.
 
