@@ -84,7 +84,7 @@ class ParameterUsage:
 
     def noted(self, index: int | None = None) -> None:
         """Bucket `index` (None: every bucket) written by the replica itself: its counter as it is now."""
-        for i in range(len(self._buffers)) if index is None else (index,) if self._buffers else ():
+        for i in range(len(self._buffers)) if index is None else (index,):
             self._versions[i] = self._buffers[i]._version
 
     def written(self) -> list[nn.Parameter]:

@@ -114,12 +114,12 @@ def open_group_env() -> LauncherEnv:
     no launcher's environment (torch.multiprocessing.spawn, then init_process_group with a rank of
     its own): rank and size from the group; which ranks share a host from their hostnames, the one
     place phalanx compares them, since nothing else says so here (a collective, over gloo)."""
+    rank, mine = dist.get_rank(), socket.gethostname()
     group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     hosts: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    dist.all_gather_object(hosts, mine, group=group)
     if group is not None:
         dist.destroy_process_group(group)
-    rank, mine = dist.get_rank(), socket.gethostname()
     local = [r for r, host in enumerate(hosts) if host == mine]
     port = os.environ.get("MASTER_PORT", "")
     return LauncherEnv(rank=rank, world_size=len(hosts), local_rank=local.index(rank), local_world_size=len(local),
