@@ -122,6 +122,16 @@ def pairing_error(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
     return None
 
 
+def finished_error(world: World, rank: int, ticket: Ticket | None) -> PeerFinished | None:
+    """PeerFinished if `rank`'s board line says its work ended normally, else None: a waiter that
+    found the peer's process gone asks before calling it a death (the exit may beat its poll)."""
+    board = world.board
+    index = None if board is None or ticket is None else board.local_index(rank)
+    line = None if index is None else board.lines()[index]
+    error = None if line is None or line.state != FINISHED else _gone(board, line, ticket)
+    return error if isinstance(error, PeerFinished) else None
+
+
 def diagnose(world: World, ticket: Ticket | None, exc: BaseException, *, waited_s: float,
              timeout_s: float) -> BaseException | None:
     """The error that explains a backend's failure (a timeout, a closed connection), or None."""

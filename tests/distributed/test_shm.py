@@ -74,6 +74,37 @@ def test_a_dead_peer_is_named_within_a_second():
     assert "died while rank 0 waited for it" in first
 
 
+def _finished_peer(world) -> str:
+    from phalanx.comm.calls import enter
+    from phalanx.runtime.board import COMM, FINISHED, mark_exit, open_board
+    from phalanx.runtime.tags import Tag
+
+    world = open_board(world)
+    group = ShmGroup(world=world)
+    if world.rank == 1:
+        mark_exit(world, ok=True)  # its work returned; it exits before rank 0's first look
+        time.sleep(30)
+        return "slept"
+    deadline = time.monotonic() + 20
+    while world.board.line(1).state != FINISHED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    child = subprocess.Popen(["true"])
+    child.wait()
+    group._pids_view[1] = child.pid  # gone, as a process that exited after finishing is
+    group.allreduce(torch.ones(8), ticket=enter(world, COMM, Tag("gradient", 0, step=3), 32))
+    return "no error"
+
+
+def test_a_peer_that_finished_and_exited_is_named_as_finished_not_dead():
+    """The exit can beat the waiter's first look: the board's word decides, not the missing pid."""
+    with pytest.raises(WorkersFailed) as info:
+        run_workers(_finished_peer, 2, timeout_s=60)
+    first = str(info.value).splitlines()[0]
+    assert "rank 1 finished its work normally while rank 0 waits for it in step 4's gradient bucket 0" in first, \
+        str(info.value)[-2000:]
+    assert "died" not in first
+
+
 def _late_peer(world) -> str:
     group = ShmGroup(world=world)
     group.timeout_s = 1.0
