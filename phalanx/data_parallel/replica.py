@@ -14,7 +14,8 @@ gradients of the steps since the last NaN/Inf check (guards/finite.py), so nothi
 Refused, because the gradients live as views in the exchange's buckets: moving, casting or
 re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
 would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
-replace them. `forward` optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`,
+replace them; and a lazy module (`nn.LazyLinear`) before its first forward, whose parameters
+have no shape to broadcast (`refuse_uninitialized`). `forward` optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`,
 as Lightning Fabric and Accelerate do): the weights, their gradients and the exchange stay
 float32, and floating outputs come back as float32 so the loss is computed in full precision, in
 their own containers (a Hugging Face `ModelOutput` is still read as `out.logits`).
@@ -247,9 +248,21 @@ class ReplicaModule(nn.Module):
         return super()._apply(fn, recurse)
 
 
+def refuse_uninitialized(module: nn.Module) -> None:
+    """A lazy module's parameters have no shape until its first forward: nothing to broadcast or
+    to lay out in buckets. Refused on every world size alike, so a script fails on one device
+    where it would on k, with the fix (DDP refuses them too)."""
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if nn.parameter.is_lazy(tensor):
+            owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
+            raise ValueError(f"{name} is not initialized yet ({owner} infers its shape at the first forward): run "
+                             "one forward with a batch of your data before phalanx.prepare, on every rank, then prepare")
+
+
 @torch.no_grad()
 def broadcast_state_(module: nn.Module, *, world: World, src: int = 0) -> None:
     """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast per dtype)."""
+    refuse_uninitialized(module)
     if not world.distributed:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

@@ -1,11 +1,12 @@
 """`phalanx.prepare` without processes: what it chooses for a CPU conv net and for an MLP, the
 BatchNorm policy on one device, the one line that says so, that a world of one gets the plain
-loop (its step bitwise the plain PyTorch step), the exchange options it passes on, and that bad
-names are refused before the model is touched. The k-rank behaviour is
+loop (its step bitwise the plain PyTorch step), the exchange options it passes on, that bad
+names are refused before the model is touched, and a lazy module before its first forward too. The k-rank behaviour is
 tests/distributed/test_prepare_equals_one_rank.py."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -151,3 +152,31 @@ def test_compile_before_or_after_prepare_trains_alike_and_a_sharded_one_compiled
                            r"before prepare: dp = phalanx.prepare\(torch.compile\(model\), world=world\)$"):
             _compiled_steps(dp, compiled, compiled.zero_grad)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("lazy, name, owner", [
+    (lambda: nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3)), "0.weight", "LazyLinear"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.LazyConv1d(2, 1)), "1.weight", "LazyConv1d"),
+    (lambda: nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d()), "1.weight", "LazyBatchNorm1d"),
+])
+def test_a_lazy_module_before_its_first_forward_is_refused_naming_it_and_the_fix(lazy, name, owner):
+    """DDP refuses them too; phalanx on every world size, so one device fails where k would."""
+    message = rf"{name} is not initialized yet \({owner} infers its shape at the first forward\): run one forward"
+    with pytest.raises(ValueError, match=message):
+        phalanx.prepare(lazy(), world=WORLD1)
+    with pytest.raises(ValueError, match=message):
+        phalanx.DataParallel(lazy(), world=WORLD1)
+
+
+def test_a_lazy_module_after_a_dummy_forward_trains_as_the_plain_loop():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3)).double()
+    X, y = torch.randn(6, 5, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+    model(X[:1])  # the fix the refusal names
+    plain = copy.deepcopy(model)
+    with phalanx.prepare(model, world=WORLD1) as dp:
+        for replica in (dp, plain):
+            F.cross_entropy(replica(X), y, reduction="sum").backward()
+        dp.finish_gradient_sync()
+        for got, want in zip(dp.parameters(), plain.parameters()):
+            assert torch.equal(got.grad, want.grad)
