@@ -11,7 +11,8 @@ No process group is opened for it: `init()` joins phalanx's world, and a script 
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
 - so one script runs unchanged under `phalanx run`, under torchrun and under plain python.
 Without a launcher's variables, a group the script opened itself (torch's DDP tutorial: children
-of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line. A
+of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line.
+Such a spawn under `phalanx run` is refused at the call (nested_launch.py: its children would hang). A
 group the script opens without `timeout=` waits at most `--timeout` (not torch's 30 minutes), and
 one it forgets to destroy is destroyed after its result is reported.
 
@@ -47,6 +48,7 @@ from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worke
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.board import mark_exit, open_board
+from phalanx.runtime.nested_launch import refusing_nested_launch
 
 
 @dataclass(kw_only=True)
@@ -162,6 +164,7 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
     _platform_start_method()
     _context = _RunContext(device=device, timeout_s=spec.timeout_s, threads=torch.get_num_threads(), rank=env.rank)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
+    teardown.enter_context(refusing_nested_launch(device_type=device.type, script=script))
     try:
         script_worker(script, args, rank=env.rank)
     except BaseException as exc:

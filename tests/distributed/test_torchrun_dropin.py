@@ -131,6 +131,40 @@ def test_torch_s_ddp_tutorial_start_with_mp_spawn_is_adopted_and_without_a_group
         f"True 0 2 0 2 {whole} []", f"True 1 2 1 2 {whole} []"])
 
 
+@pytest.mark.parametrize("devices, starter", [("cpu:2", "mp.spawn"), ("cpu:1", "start_processes")])
+def test_a_script_that_spawns_its_own_workers_under_phalanx_run_is_refused_not_left_hanging(tmp_path, devices,
+                                                                                          starter):
+    """The DDP tutorial under `phalanx run`: its children inherit torchrun's agent-store environment
+    and wait for a store no one hosts (torch's 30 minutes); before 2026-11-29 the run hung."""
+    script = _script(tmp_path, f"""
+        import os, torch.distributed as dist, torch.multiprocessing as mp
+        from torch.multiprocessing.spawn import start_processes
+
+        def demo(rank, world_size):
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", "29431"
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            dist.destroy_process_group()
+
+        if __name__ == "__main__":
+            {starter}(demo, args=(3,), nprocs=3, join=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--devices", devices, "--timeout", "20",
+                             str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)  # the hung children share the launcher's session
+    name = "spawn" if starter == "mp.spawn" else "start_processes"
+    assert proc.returncode == 2, stderr[-3000:]
+    assert stderr.splitlines()[-1] == (
+        f"phalanx: error: script.py calls torch.multiprocessing.{name} to start 3 workers of its own, under phalanx "
+        "run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
+        "`python script.py` (phalanx.init() in each child joins the group it opens), or drop the spawn and run "
+        "`phalanx run --devices cpu:3 script.py`"), stderr[-3000:]
+
+
 def test_a_failing_torchrun_script_is_one_line_naming_the_rank(tmp_path):
     script = _script(tmp_path, """
         import torch.distributed as dist

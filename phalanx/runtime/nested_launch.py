@@ -1,0 +1,57 @@
+"""A script under `phalanx run` that starts workers of its own, refused at the call in one line.
+
+torch's DDP tutorial starts its ranks with `torch.multiprocessing.spawn`, each child opening its
+group with `init_process_group(rank=rank, world_size=n)` on a MASTER_PORT of the script's choosing.
+Under `phalanx run` those children inherit torchrun's environment, whose
+TORCHELASTIC_USE_AGENT_STORE makes every rank a client of a store on that port that no one hosts:
+they wait torch's 30 minutes (fresh interpreters, which `--timeout` does not reach), and with k > 1
+workers every worker spawns its own set besides. Before this refusal such a run hung until it was
+killed, on one worker as on two (under torchrun it hangs alike). `python script.py` runs it, and
+phalanx.init() in each child joins the group it opens.
+
+Both of torch's entry points are held, in the package and in its `spawn` module (where `spawn`
+calls `start_processes`): `mp.spawn(...)`, `from torch.multiprocessing import start_processes`,
+and the launchers built on them (Accelerate's `notebook_launcher`) all meet the refusal, while
+the script runs; a worker's own processes (DataLoader workers, multiprocessing pools) do not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch.multiprocessing
+
+from phalanx.errors import UsageError
+
+ENTRY_POINTS = ("spawn", "start_processes")
+
+
+def nested_launch_message(name: str, *, nprocs: int, device_type: str, script: str) -> str:
+    shown = Path(script).name
+    return (f"{shown} calls torch.multiprocessing.{name} to start {nprocs} workers of its own, under phalanx run, "
+            "which starts the workers itself (its children would wait forever for a rendezvous): run it as "
+            f"`python {shown}` (phalanx.init() in each child joins the group it opens), or drop the spawn and run "
+            f"`phalanx run --devices {device_type}:{nprocs} {shown}`")
+
+
+@contextlib.contextmanager
+def refusing_nested_launch(*, device_type: str, script: str) -> Iterator[None]:
+    """While the script runs, torch's process starters raise UsageError."""
+    holders = [torch.multiprocessing, sys.modules["torch.multiprocessing.spawn"]]
+    saved = [(holder, name, getattr(holder, name)) for holder in holders for name in ENTRY_POINTS]
+
+    def refusal(name: str) -> Callable[..., None]:
+        def refuse(fn: object, args: object = (), nprocs: int = 1, *rest: object, **kwargs: object) -> None:
+            raise UsageError(nested_launch_message(name, nprocs=nprocs, device_type=device_type, script=script))
+        return refuse
+
+    for holder, name, _ in saved:
+        setattr(holder, name, refusal(name))
+    try:
+        yield
+    finally:
+        for holder, name, original in saved:
+            setattr(holder, name, original)
