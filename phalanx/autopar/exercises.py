@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.autopar import report
+from phalanx.autopar.trace import every_thread
 from phalanx.measure.load import cpu_taken_by_others
 from phalanx.measure.timing import Spread, device_and_sizes, paired_ratio, per_device
 from phalanx.options import Rule, at_least, check_options, finite, option, positive
@@ -84,6 +85,8 @@ class AutoparBenchConfig:
         check_options(self)
         if 4 in self.experiments:
             raise ValueError("experiment 4 is the profiler: add --trace DIR to trace experiments 1, 2, 3 and 5")
+        if self.trace_dir is not None:
+            every_thread()  # before any experiment runs: an older torch's profiler cannot trace the lanes
         unknown = sorted(set(self.experiments) - set(EXPERIMENTS))
         if unknown or len(set(self.experiments)) != len(self.experiments):
             raise ValueError(f"--experiments {_csv(self.experiments)}: choose distinct ones of 1, 2, 3, 5")

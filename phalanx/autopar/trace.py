@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from phalanx.atomic import atomic_write_bytes
@@ -32,18 +33,28 @@ def label(name: str):
     return record_function(name)
 
 
+def every_thread():
+    """The profiler's setting that records every thread: without it only the thread that starts
+    the profiler is recorded, and the point is to see the other threads (lanes) work beside it.
+    torch added it in 2.7; an older torch is a ValueError naming that and the way out."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    try:
+        return _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        raise ValueError(f"--trace needs a torch whose profiler records every thread (profile_all_threads, torch 2.7 "
+                         f"or later), and this is torch {torch.__version__}: upgrade torch, or run without "
+                         "--trace") from None
+
+
 @contextlib.contextmanager
 def profiled(trace_dir: str | None, name: str, *, cuda: bool = False) -> Iterator[None]:
     """Profile the block into `trace_dir/name.json` (and its picture `name.png`); nothing if None."""
     if trace_dir is None:
         yield
         return
-    from torch._C._profiler import _ExperimentalConfig
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    # Without profile_all_threads only the thread that starts the profiler is recorded, and the
-    # point is to see the other threads (lanes) work beside it.
-    with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+    with profile(activities=activities, experimental_config=every_thread()) as prof:
         yield
     path = Path(trace_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

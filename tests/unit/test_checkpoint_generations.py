@@ -132,6 +132,8 @@ def test_a_missing_newest_checkpoint_gives_way_too(tmp_path):
                                                                                           "before it")
 
 
+@pytest.mark.skipif(not hasattr(torch.serialization, "set_crc32_options"),
+                    reason="this torch (before 2.6) always writes the CRCs: nothing to turn off")
 def test_crcs_are_written_even_where_the_process_turned_them_off(tmp_path):
     torch.serialization.set_crc32_options(False)
     try:
