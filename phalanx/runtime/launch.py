@@ -164,8 +164,7 @@ def loopback_store(world_size: int, *, timeout_s: float) -> Iterator[int]:
             sock.bind(("127.0.0.1", 0))
             sock.listen(max(128, world_size))
             port = sock.getsockname()[1]
-            store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=sock.fileno())
+            store = _store_on(sock, port, world_size, timeout_s=timeout_s)
         except BaseException:
             sock.close()
             raise
@@ -175,6 +174,19 @@ def loopback_store(world_size: int, *, timeout_s: float) -> Iterator[int]:
     finally:
         with signals_deferred():
             del store
+
+
+def _store_on(sock: socket.socket, port: int, world_size: int, *, timeout_s: float) -> dist.TCPStore:
+    """A master TCPStore listening on `sock`. torch's libuv store (the default since 2.4) takes a
+    listening socket only from 2.8 on (pytorch#150215); before, its legacy store does."""
+    kwargs = dict(is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
+                  master_listen_fd=sock.fileno())
+    if torch.__version__ >= (2, 8):  # TorchVersion compares with a tuple
+        try:
+            return dist.TCPStore("127.0.0.1", port, world_size, **kwargs)
+        except NotImplementedError:  # a build whose libuv store still lacks it
+            pass
+    return dist.TCPStore("127.0.0.1", port, world_size, use_libuv=False, **kwargs)
 
 
 def _world_body(rank: int, payload, teardown: contextlib.ExitStack) -> Any:
