@@ -15,10 +15,11 @@ Refused, because the gradients live as views in the exchange's buckets: moving, 
 re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
 would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
 replace them; and a lazy module (`nn.LazyLinear`) before its first forward, whose parameters
-have no shape to broadcast (`refuse_uninitialized`). `forward` optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`,
-as Lightning Fabric and Accelerate do): the weights, their gradients and the exchange stay
-float32, and floating outputs come back as float32 so the loss is computed in full precision, in
-their own containers (a Hugging Face `ModelOutput` is still read as `out.logits`).
+have no shape to broadcast (`refuse_uninitialized`). `forward` optionally runs under
+`torch.autocast` (`prepare(precision="bf16-mixed")`, as Lightning Fabric and Accelerate do): the
+weights, their gradients and the exchange stay float32, and floating outputs come back as float32
+so the loss is computed in full precision, in their own containers (a Hugging Face
+`ModelOutput` is still read as `out.logits`).
 While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
 `finish_gradient_sync` counts no step.
 DDP's own face, where its habits carry over: `require_backward_grad_sync`, which nanoGPT-style
@@ -255,8 +256,9 @@ def refuse_uninitialized(module: nn.Module) -> None:
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         if nn.parameter.is_lazy(tensor):
             owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
-            raise ValueError(f"{name} is not initialized yet ({owner} infers its shape at the first forward): run "
-                             "one forward with a batch of your data before phalanx.prepare, on every rank, then prepare")
+            raise ValueError(f"{name} is not initialized yet ({owner} infers its shape at the first forward): "
+                             "run one forward with a batch of your data before phalanx.prepare, on every rank, "
+                             "then prepare")
 
 
 @torch.no_grad()

@@ -10,9 +10,9 @@ killed, on one worker as on two (under torchrun it hangs alike). `python script.
 phalanx.init() in each child joins the group it opens.
 
 Both of torch's entry points are held, in the package and in its `spawn` module (where `spawn`
-calls `start_processes`): `mp.spawn(...)`, `from torch.multiprocessing import start_processes`,
-and the launchers built on them (Accelerate's `notebook_launcher`) all meet the refusal, while
-the script runs; a worker's own processes (DataLoader workers, multiprocessing pools) do not.
+calls `start_processes`): `mp.spawn(...)` and `from torch.multiprocessing.spawn import
+start_processes` (both tested), and a launcher that imports them while the script runs, meet the
+refusal; a worker's own processes (DataLoader workers, multiprocessing pools) do not.
 """
 
 from __future__ import annotations
