@@ -21,7 +21,9 @@ chunks) and `native`, the backend's own:
 
 - reduce-scatter: `dist.reduce_scatter` into this rank's range from the list of every rank's
   ranges. gloo takes uneven lists (it copies them into one buffer before it sums, so the
-  output may be one of them); ProcessGroupNCCL runs equal sizes as one ncclReduceScatter and
+  output may be one of them) from torch 2.8 on (pytorch#149869); before, where gloo has no
+  reduce_scatter, it is one allreduce of `flat` (the whole sum, this rank's range read from
+  it; tested on torch 2.4.1); ProcessGroupNCCL runs equal sizes as one ncclReduceScatter and
   uneven ones as one ncclReduce per rank (in place for the root: NCCL allows it).
 - all-gather: one `dist.broadcast` from each rank that owns elements, all in flight at once, so
   a bucket with one owner is a single broadcast. gloo's all_gather refuses uneven sizes, and
@@ -135,6 +137,8 @@ def _native_start(op: str, flat: torch.Tensor, counts: tuple[int, ...], world: W
 
     def start():
         lo, hi = own_range(counts, world.rank)
+        if op == REDUCE_SCATTER and world.backend == "gloo" and not torch.__version__ >= (2, 8):
+            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)  # the rest is unspecified
         if op == REDUCE_SCATTER:
             return dist.reduce_scatter(flat[lo:hi], list(flat.split(counts)), op=dist.ReduceOp.SUM, async_op=True)
         if world.backend == "nccl" and len(set(counts)) == 1:

@@ -184,3 +184,27 @@ def test_a_reduce_scatter_against_a_peers_allreduce_of_one_size_is_named():
                                            f"rank 0 in {name} (32 B)"), results[0][name]
         assert results[1][name].startswith(f"ranks are in different collectives: rank 0 is in {name} (32 B); "
                                            f"rank 1 in allreduce (32 B)"), results[1][name]
+
+
+def _on_a_gloo_without_reduce_scatter(world) -> list[torch.Tensor]:
+    """torch before 2.8, as the worker sees it: its version, and gloo refusing reduce_scatter."""
+    from torch.torch_version import TorchVersion
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("ProcessGroupGloo does not support reduce_scatter")
+
+    torch.__version__, dist.reduce_scatter = TorchVersion("2.4.1"), refused
+    out = []
+    for case in [(torch.float64, 4099, "uneven"), (torch.float32, 7, "owner")]:
+        counts = counts_like(world.world_size, case[1], case[2])
+        lo, hi = own_range(counts, world.rank)
+        reference = make_input(case, world.rank)
+        dist.all_reduce(reference)
+        view = reduce_scatter(make_input(case, world.rank), counts=counts, world=world, algorithm="native")
+        out.append(torch.equal(view, reference[lo:hi]))
+    return out
+
+
+def test_native_reduce_scatter_on_a_gloo_without_one_is_the_allreduces_range():
+    """pyproject accepts torch >= 2.4; gloo's reduce_scatter came in 2.8, and ZeRO on 2.4.1 failed."""
+    assert run_workers(_on_a_gloo_without_reduce_scatter, 3, timeout_s=60) == [[True, True]] * 3
