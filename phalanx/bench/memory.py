@@ -45,6 +45,10 @@ CONTENDERS = {
     "gradients": ("phalanx gradients (ZeRO-2)", "phalanx", "gradients"),
     "parameters": ("phalanx parameters (ZeRO-3)", "phalanx", "parameters"),
 }
+# FSDP2 makes CUDA streams in torch 2.4 and 2.5 (pytorch#136843 made them per device): on CPU
+# workers it runs from 2.6, and before it is left out of the default contenders and refused by name.
+FSDP2_ON_CPU = torch.__version__ >= (2, 6)
+DEFAULT_CONTENDERS = tuple(key for key in CONTENDERS if key != "fsdp2" or FSDP2_ON_CPU)
 # (numerator, denominator, held bytes compared): what each stage divides, and what ZeRO-1 / FSDP2 do.
 BYTE_RATIOS = (("optimizer", "none", "optimizer_state"), ("gradients", "none", "gradients"),
                ("parameters", "none", "parameters"), ("zero", "ddp", "optimizer_state"),
@@ -70,7 +74,7 @@ class MemoryBenchConfig:
     warmup_steps: int = option(2, check=at_least(0), help="untimed steps first")
     steps: int = option(5, check=at_least(1), help="timed steps per contender")
     rounds: int = option(3, check=at_least(1), help="interleaved rounds, fresh processes each")
-    contenders: tuple[str, ...] = option(tuple(CONTENDERS), items=str, choices=tuple(CONTENDERS),
+    contenders: tuple[str, ...] = option(DEFAULT_CONTENDERS, items=str, choices=tuple(CONTENDERS),
                                          help="ddp, zero (DDP + ZeroRedundancyOptimizer), fsdp2, and phalanx's none, "
                                               "optimizer, gradients, parameters")
     optimizer: str = "adam"
@@ -83,6 +87,9 @@ class MemoryBenchConfig:
         check_options(self)
         if len(set(self.contenders)) < len(self.contenders):
             raise ValueError(f"--contenders {','.join(self.contenders)} names one twice; name each once")
+        if "fsdp2" in self.contenders and not FSDP2_ON_CPU:
+            raise ValueError(f"--contenders fsdp2 cannot run on CPU workers with torch {torch.__version__}, whose "
+                             "FSDP2 makes CUDA streams (torch 2.6 runs it on CPU): leave fsdp2 out, or upgrade torch")
         if self.global_batch_size < self.num_devices:
             raise ValueError(f"--batch-size {self.global_batch_size} is smaller than {self.num_devices} devices "
                              "(one example per device at least)")

@@ -75,9 +75,13 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2's parameters and state), any other tensor as it is. DTensor's
-    package is looked up, not imported (0.4 s): where nothing imported it, no DTensor exists."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
+    package is looked up, not imported (0.4 s): where nothing imported it, no DTensor exists. It is
+    torch.distributed.tensor's from torch 2.5, and torch.distributed._tensor's in 2.4."""
+    for package in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        dtensor = getattr(sys.modules.get(package), "DTensor", None)
+        if dtensor is not None and isinstance(tensor, dtensor):
+            return tensor.to_local()
+    return tensor
 
 
 def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,

@@ -180,7 +180,10 @@ def _fsdp2_worker(*, rank: int, num_procs: int, port: int, job: tuple[StepJob, .
     # Imported here, not above: DTensor's package takes 0.4 s to import, in every fresh process
     # of bench scaling and predict that imports this module and never runs FSDP2.
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4 and 2.5 keep it in the composable APIs
+        from torch.distributed._composable.fsdp import fully_shard
 
     probe = MemoryProbe()
     _join(rank, num_procs, port)

@@ -13,6 +13,7 @@ import torch
 from phalanx.bench.cli import run_bench
 from phalanx.cli import build_parser
 from phalanx.autopar.pipeline import PipelineJob, pipeline_bound_s, reference_accumulator, run_cpu_pipeline
+from tests.unit.test_autopar import EVERY_THREAD
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("smoke_sized_cores")]  # tests/distributed/conftest.py
 
@@ -32,6 +33,7 @@ def test_pipeline_bound_is_fill_drain_plus_the_slowest_stage():
     assert pipeline_bound_s({"compute": 2.0, "transfer": 1.0, "reduce": 0.5}, 4) == 3.5 + 3 * 2.0
 
 
+@EVERY_THREAD  # both trace: torch 2.7's profiler records every thread, an older one refuses --trace
 def test_two_process_pipeline_matches_in_sequence_and_the_reference(tmp_path):
     job = PipelineJob(chunks=5, chunk_rows=16, width=8, rounds=2, dtype="float64", trace_dir=str(tmp_path))
     m = run_cpu_pipeline(job, timeout_s=30, deadline_s=120)
@@ -54,6 +56,7 @@ def _run(argv, out_dir):
     return run_bench(parser.parse_args(argv + ["--out", str(out_dir)]))
 
 
+@EVERY_THREAD
 def test_autopar_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     trace = tmp_path / "trace"
     code = _run(["bench", "autopar", "--device", "cpu", "--rounds", "2", "--matrix-size", "16", "--matmuls", "4",

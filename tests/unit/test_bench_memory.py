@@ -79,6 +79,20 @@ def test_the_models_include_one_whose_state_outweighs_the_process():
         StepJob(model="mlp", global_batch_size=8, warmup_steps=0, steps=1, lr=0.1, seed=0, optimizer="lamb")
 
 
+def test_fsdp2_on_a_torch_that_cannot_run_it_on_cpu_is_refused_by_name_and_left_out_by_default(monkeypatch):
+    """Found on torch 2.4.1 (pyproject accepts 2.4): its FSDP2 made CUDA streams in a CPU worker,
+    and bench memory with its defaults failed there after the other contenders ran."""
+    from phalanx.bench import memory
+
+    assert ("fsdp2" in memory.DEFAULT_CONTENDERS) == memory.FSDP2_ON_CPU
+    assert MemoryBenchConfig().contenders == memory.DEFAULT_CONTENDERS
+    monkeypatch.setattr(memory, "FSDP2_ON_CPU", False)
+    with pytest.raises(ValueError, match=r"^--contenders fsdp2 cannot run on CPU workers with torch .*: leave fsdp2 "
+                                         r"out, or upgrade torch$"):
+        MemoryBenchConfig(contenders=("ddp", "fsdp2"))
+    assert MemoryBenchConfig(contenders=("ddp", "none")).contenders == ("ddp", "none")
+
+
 def test_every_contender_gets_the_same_set_up():
     variants = contender_variants(tuple(CONTENDERS), 2, cores=2)
     assert [v.kind for v in variants.values()] == ["ddp", "zero", "fsdp2", "phalanx", "phalanx", "phalanx", "phalanx"]
