@@ -59,6 +59,9 @@ REDUCE_SCATTER, ALL_GATHER = "reduce-scatter", "all-gather"
 REDUCE_SCATTER_TAG = Tag(REDUCE_SCATTER, op=REDUCE_SCATTER)  # a call that says nothing else of itself
 ALL_GATHER_TAG = Tag(ALL_GATHER, op=ALL_GATHER)
 SHARDED_ALGORITHMS = ("native", "shm", "hierarchical", "ring")
+# gloo's reduce_scatter came with torch 2.8 (pytorch#149869). Read once: comparing TorchVersion
+# costs ~10 us, and the check runs on every bucket's launch.
+GLOO_REDUCE_SCATTER = torch.__version__ >= (2, 8)
 # torch's one-tensor all-gather: its current name where this torch has it, its older one else.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -137,7 +140,7 @@ def _native_start(op: str, flat: torch.Tensor, counts: tuple[int, ...], world: W
 
     def start():
         lo, hi = own_range(counts, world.rank)
-        if op == REDUCE_SCATTER and world.backend == "gloo" and not torch.__version__ >= (2, 8):
+        if op == REDUCE_SCATTER and world.backend == "gloo" and not GLOO_REDUCE_SCATTER:
             return dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)  # the rest is unspecified
         if op == REDUCE_SCATTER:
             return dist.reduce_scatter(flat[lo:hi], list(flat.split(counts)), op=dist.ReduceOp.SUM, async_op=True)

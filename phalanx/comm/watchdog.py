@@ -127,7 +127,7 @@ def finished_error(world: World, rank: int, ticket: Ticket | None) -> PeerFinish
     found the peer's process gone asks before calling it a death (the exit may beat its poll)."""
     board = world.board
     index = None if board is None or ticket is None else board.local_index(rank)
-    line = None if index is None else board.lines()[index]
+    line = None if index is None else board.line(index)
     error = None if line is None or line.state != FINISHED else _gone(board, line, ticket)
     return error if isinstance(error, PeerFinished) else None
 
