@@ -19,33 +19,32 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from pathlib import Path
 from typing import Callable, Iterator
 
 import torch.multiprocessing
 
 from phalanx.errors import UsageError
+from phalanx.runtime.main_module import Target
 
 ENTRY_POINTS = ("spawn", "start_processes")
 
 
-def nested_launch_message(name: str, *, nprocs: int, device_type: str, script: str) -> str:
-    shown = Path(script).name
-    return (f"{shown} calls torch.multiprocessing.{name} to start {nprocs} workers of its own, under phalanx run, "
-            "which starts the workers itself (its children would wait forever for a rendezvous): run it as "
-            f"`python {shown}` (phalanx.init() in each child joins the group it opens), or drop the spawn and run "
-            f"`phalanx run --devices {device_type}:{nprocs} {shown}`")
+def nested_launch_message(name: str, *, nprocs: int, device_type: str, target: Target) -> str:
+    return (f"{target.shown} calls torch.multiprocessing.{name} to start {nprocs} workers of its own, under phalanx "
+            "run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
+            f"`python {target.command}` (phalanx.init() in each child joins the group it opens), or drop the spawn "
+            f"and run `phalanx run --devices {device_type}:{nprocs} {target.command}`")
 
 
 @contextlib.contextmanager
-def refusing_nested_launch(*, device_type: str, script: str) -> Iterator[None]:
+def refusing_nested_launch(*, device_type: str, target: Target) -> Iterator[None]:
     """While the script runs, torch's process starters raise UsageError."""
     holders = [torch.multiprocessing, sys.modules["torch.multiprocessing.spawn"]]
     saved = [(holder, name, getattr(holder, name)) for holder in holders for name in ENTRY_POINTS]
 
     def refusal(name: str) -> Callable[..., None]:
         def refuse(fn: object, args: object = (), nprocs: int = 1, *rest: object, **kwargs: object) -> None:
-            raise UsageError(nested_launch_message(name, nprocs=nprocs, device_type=device_type, script=script))
+            raise UsageError(nested_launch_message(name, nprocs=nprocs, device_type=device_type, target=target))
         return refuse
 
     for holder, name, _ in saved:

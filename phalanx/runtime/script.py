@@ -4,7 +4,8 @@
 launcher as `phalanx train` (supervision, one-line failures naming the rank), as torchrun would:
 each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
 TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
-runs the script as `__main__` with `sys.argv = [script, *args]` and an absolute `__file__`. A
+runs the script (or with `-m`, a module) as `__main__`, as python would (main_module.py); torchrun's
+own launcher flags are named with phalanx run's way (torchrun_flags.py). A
 script that changes its thread count is named once on rank 0; torch's SyncBatchNorm, which torch
 refuses on CPU workers, is refused in one line naming phalanx's own.
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
@@ -26,29 +27,26 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import builtins
 import contextlib
 import datetime
-import importlib.machinery
 import multiprocessing
-import os
 import sys
-import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
-from phalanx.errors import RunFailed, UsageError, warn_at_caller
+from phalanx.errors import UsageError, warn_at_caller
 from phalanx.options import add_options, build, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
                                    torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.board import mark_exit, open_board
+from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
+from phalanx.runtime.torchrun_flags import add_torchrun_flags
 
 
 @dataclass(kw_only=True)
@@ -113,48 +111,13 @@ ALONE_IN_A_CHILD = ("phalanx.init() in a child process found no RANK/WORLD_SIZE 
                     "torch.distributed.init_process_group(...) before phalanx.init()")
 
 
-def script_worker(script: str, args: tuple[str, ...], *, rank: int) -> None:
-    """Run `script` as __main__ in this worker, as `python script.py args` would: sys.argv[0] as
-    given, `__file__` and sys.path[0] absolute (what a torchrun worker sees too), so a script that
-    changes directory still finds itself."""
-    saved_argv, saved_path = sys.argv[:], sys.path[:]
-    sys.argv = [script, *args]
-    sys.path.insert(0, str(Path(script).resolve().parent))  # python's own: symbolic links resolved
-    try:
-        _run_as_main(os.path.abspath(script))
-    except SystemExit as exc:  # sys.exit() / argparse in the script: 0 is success, else a failure
-        if exc.code not in (None, 0):
-            detail = f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
-            raise RunFailed(f"{Path(script).name} exited with {detail} on rank {rank}") from None
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
-
-
-def _run_as_main(path: str) -> None:
-    """Run the Python file at `path` (absolute) as `python path` runs it: in a fresh `__main__`
-    module whose `__file__` is `path`, sys.argv left as it is (runpy.run_path would set argv[0]
-    to `path` too, where python and torchrun keep it as given); the previous `__main__` is back
-    afterwards."""
-    code = compile(Path(path).read_bytes(), path, "exec")
-    module = types.ModuleType("__main__")
-    module.__dict__.update(__file__=path, __cached__=None, __package__=None, __spec__=None, __builtins__=builtins,
-                           __loader__=importlib.machinery.SourceFileLoader("__main__", path))
-    saved = sys.modules.get("__main__")
-    sys.modules["__main__"] = module
-    try:
-        exec(code, module.__dict__)
-    finally:
-        if saved is not None:
-            sys.modules["__main__"] = saved
-
-
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
     """One spawned worker of `phalanx run`."""
-    script, args, spec = payload
-    _run_script(script, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown)
+    target, args, spec = payload
+    _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown)
 
 
-def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
+def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
                 teardown: contextlib.ExitStack) -> None:
     global _context, _current
     env = launcher_env()
@@ -164,9 +127,9 @@ def _run_script(script: str, args: tuple[str, ...], *, spec: LaunchSpec, device:
     _platform_start_method()
     _context = _RunContext(device=device, timeout_s=spec.timeout_s, threads=torch.get_num_threads(), rank=env.rank)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
-    teardown.enter_context(refusing_nested_launch(device_type=device.type, script=script))
+    teardown.enter_context(refusing_nested_launch(device_type=device.type, target=target))
     try:
-        script_worker(script, args, rank=env.rank)
+        run_as_main(target, args, rank=env.rank)
     except BaseException as exc:
         mark_exit(_current, ok=False)
         if device.type == "cpu" and _torch_sync_batchnorm_refused(exc):
@@ -264,18 +227,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, RunOptions)
     # The script and what follows it are positional, which options.py's flags are not: the two
     # hand-written arguments of a generated parser.
-    parser.add_argument("script", help="the Python file to run on every worker")
+    parser.add_argument("-m", "--module", action="store_true",
+                        help="script is a module's name, run as python -m runs it (torchrun's -m)")
+    parser.add_argument("script", help="the Python file to run on every worker (with -m: the module)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    add_torchrun_flags(parser)
 
 
 def run_run(args: argparse.Namespace) -> int:
     """`phalanx run`: check what can be checked here, then start the script on every worker."""
-    script = Path(args.script)
-    if not script.is_file():
-        raise UsageError(f"script {args.script} {'is a directory' if script.is_dir() else 'does not exist'}; "
-                         "name a Python file, e.g. phalanx run --devices cpu:2 train.py")
-    if not os.access(script, os.R_OK):
-        raise UsageError(f"script {args.script} is not readable; check its permissions")
+    target = Target(args.script, module=args.module)
+    target.check()
     launch_config, quiet = build(LaunchConfig, args), build(RunOptions, args).quiet
     spec = launch_config.spec(parse_devices(launch_config.devices))
     env = launcher_env()
@@ -287,14 +249,14 @@ def run_run(args: argparse.Namespace) -> int:
             warn_if_oversubscribed(spec, local_workers=env.local_world_size)
         device = torchrun_device(spec, env)
         with contextlib.ExitStack() as teardown:
-            _run_script(str(script), tuple(args.args), spec=spec, device=device, teardown=teardown)
+            _run_script(target, tuple(args.args), spec=spec, device=device, teardown=teardown)
         return 0
     k = spec.plan.num_devices
     announce = None if quiet else (
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
-    spawn_workers(_script_body, (str(script), tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
+    spawn_workers(_script_body, (target, tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
                   announce=announce)
     return 0
 

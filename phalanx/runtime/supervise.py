@@ -50,7 +50,8 @@ ERROR_GRACE_S = 1.0
 # and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
 TEARDOWN_S = 30.0
 # The launcher's own frames, above the user's code in every worker's traceback (left out of reports).
-_PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script", "runpy")
+_PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script",
+             "phalanx.runtime.main_module", "runpy")
 
 # Set in a spawned worker: (shared array of every rank's last finished step, this rank).
 _PROGRESS: tuple[Any, int] | None = None

@@ -5,6 +5,8 @@
   (it still reads itself after a chdir), sys.argv[0] as given, sys.path[0], OMP_NUM_THREADS=1 (and
   MKL_NUM_THREADS, with torch's thread count) and a TORCHELASTIC_ERROR_FILE of each worker's own;
   every variable torchrun's agent gives a worker, phalanx gives too.
+- The same probe as a module (`-m env_probe --lr 0.1`), under both: the same `__file__`,
+  sys.argv, sys.path[0] (the working directory), `__name__` and `__spec__`.
 - A script that calls torch.set_num_threads(3) is named once, on rank 0, with the count it runs on.
 - Two ranks that raise each on their own are both failures ("failed too"), not "stopped too".
 - A script whose torch `@record` entry point wrote its error file and then exited with a code:
@@ -76,6 +78,21 @@ def test_a_phalanx_run_worker_sees_what_a_torchrun_worker_sees(tmp_path):
         assert agent_gives - set(p["env"]) == set(), f"torchrun gives {agent_gives - set(p['env'])}, phalanx not"
     assert ours[0]["env"]["TORCHELASTIC_ERROR_FILE"] != ours[1]["env"]["TORCHELASTIC_ERROR_FILE"]
     assert not Path(ours[0]["env"]["TORCHELASTIC_ERROR_FILE"]).parents[1].exists()  # removed with the run
+
+
+def test_a_module_under_phalanx_run_sees_what_it_sees_under_torchrun(tmp_path):
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    theirs = _probe(tmp_path / "torchrun", [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "env_probe",
+                                            "--lr", "0.1"])
+    ours = _probe(tmp_path / "phalanx", [sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--quiet", "-m",
+                                         "env_probe", "--lr", "0.1"])
+    for rank in (0, 1):
+        t, p = theirs[rank], ours[rank]
+        assert p["file"] == t["file"] == p["argv0"] == t["argv0"] == str(SCRIPTS / "env_probe.py")
+        assert p["args"] == t["args"] == ["--lr", "0.1"]
+        assert p["path0"] == t["path0"] == str(SCRIPTS)
+        assert (p["name"], p["spec"]) == (t["name"], t["spec"]) == ("__main__", "env_probe")
+        assert p["reads_itself"] and t["reads_itself"]
 
 
 def test_a_script_that_sets_its_own_threads_is_named_once_with_its_count(tmp_path):

@@ -207,8 +207,36 @@ FLAG_CASES = [
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
     (["run"], r"the following arguments are required: script"),
+    (["run", "-m", "nowhere_pkg.train"], r"module nowhere_pkg\.train is not found \(python -m nowhere_pkg\.train would "
+                                         r"say 'No module named nowhere_pkg\.train'\): check its name"),
+    (["run", "--module", "train-2"], r"-m 'train-2' is not a module name; name it as python -m takes it"),
     (["--version=1"], r"argument --version: ignored explicit argument '1'"),
 ]
+# torchrun's own flags before the script: each named with phalanx run's way (runtime/torchrun_flags.py).
+FLAG_CASES += [
+    (["run", "--nproc-per-node", "4", "train.py"],
+     r"^phalanx: error: torchrun's --nproc-per-node 4 is --devices in phalanx run: .*e\.g\. phalanx run --devices 4 "),
+    (["run", "--nproc_per_node=gpu", "train.py"], r"torchrun's --nproc-per-node gpu is --devices in phalanx run"),
+    (["run", "--standalone", "train.py"], r"phalanx run is standalone already .*: drop --standalone$"),
+    (["run", "--max-restarts", "3", "train.py"],
+     r"phalanx run restarts no worker: .*torchrun --max-restarts N itself, where phalanx\.init\(\) joins its world"),
+    (["run", "--no-python", "train.py"], r"phalanx run runs a Python file, or a module with -m"),
+    (["run", "--run-path", "train.py"], r"phalanx run already runs the script in each worker's own interpreter"),
+    (["run", "--numa-binding", "node", "train.py"], r"phalanx run takes no --numa-binding: --bind-cores pins each worker"),
+]
+FLAG_CASES += [(["run", flag, "1", "train.py"],
+                rf"phalanx run starts the workers of this host, .* takes no {flag}; for many hosts start the script with "
+                r"torchrun itself \(torchrun --nnodes 2 .* script\.py\), where phalanx\.init\(\) joins torchrun's world")
+               for flag in ("--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--role",
+                            "--node-rank", "--master-addr", "--master-port", "--local-addr")]
+FLAG_CASES += [(["run", flag, "0", "train.py"], rf"phalanx run takes no {flag}: every worker writes to this console")
+               for flag in ("--log-dir", "-r", "-t", "--local-ranks-filter", "--duplicate-stdout-filters",
+                            "--duplicate-stderr-filters", "--logs-specs")]
+FLAG_CASES += [([*argv, "train.py"], rf"torchrun's {argv[1]} has no counterpart in phalanx run, .*drop it, or start the "
+                                     "script with torchrun itself")
+               for argv in (["run", "--monitor-interval", "1"], ["run", "--start-method", "fork"],
+                            ["run", "--event-log-handler", "null"], ["run", "--signals-to-handle", "SIGTERM"],
+                            ["run", "--shutdown-timeout", "5"], ["run", "--virtual-local-rank"])]
 
 FLAG_CASES += [(["bench", "step", flag, value], pattern) for flag, value, pattern in (
     ("--device", "tpu", r"--device 'tpu' is unknown; choose one of cpu, cuda"),

@@ -81,8 +81,8 @@ def test_every_command_and_benchmark_shows_each_options_default_in_its_help():
     for path, parser in found.items():
         text = parser.format_help()
         for action in parser._actions:
-            if not action.option_strings or action.nargs == 0:  # positionals, switches (off until given), -h
-                continue
+            if not action.option_strings or action.nargs == 0 or action.help == argparse.SUPPRESS:
+                continue  # positionals, switches (off until given), -h, hidden (torchrun's flags at phalanx run)
             entry = re.search(rf"^  {re.escape(action.option_strings[0])}\b.*?(?=^  -|^\S|\Z)", text,
                               re.MULTILINE | re.DOTALL)  # the flag's help, over however many lines
             shown = " ".join(entry.group(0).split()) if entry else ""  # argparse wraps lines anywhere

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from phalanx.runtime import supervise
 from phalanx.runtime.worker_errors import is_echo, recorded
-from phalanx.runtime.script import script_worker
+from phalanx.runtime.main_module import Target, run_as_main
 
 ROOT_TB = "Traceback (most recent call last):\n  File \"train.py\", line 9\nValueError: bad batch\n"
 ECHO_TB = "Traceback (most recent call last):\n  File \"torch/distributed/...\"\nRuntimeError: Connection closed\n"
@@ -97,8 +97,8 @@ def test_the_traceback_starts_at_the_users_code(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("def step():\n    raise ValueError('bad batch')\n\nstep()\n")
     with pytest.raises(ValueError) as failure:
-        script_worker(str(script), (), rank=0)
-    exc = failure.value.with_traceback(failure.value.__traceback__.tb_next)  # from script_worker's frame down
+        run_as_main(Target(str(script)), (), rank=0)
+    exc = failure.value.with_traceback(failure.value.__traceback__.tb_next)  # from run_as_main's frame down
     lines = supervise._traceback(exc).splitlines()
     assert lines[:2] == ["Traceback (most recent call last):", f'  File "{script}", line 4, in <module>']
     assert lines[-1] == "ValueError: bad batch" and "runpy" not in "\n".join(lines)

@@ -1,9 +1,10 @@
 """What a worker sees of its launcher, for the test that holds `phalanx run` to torchrun's contract:
-this rank's `__file__`, sys.argv[0], sys.path[0], threads and environment, as JSON in
+this rank's `__file__`, sys.argv, sys.path[0], `__name__`, `__spec__`, threads and environment, as JSON in
 OUT/<rank>.json (OUT: the PROBE_OUT variable). Then it changes directory and reads its own file
 through `__file__`, as a script that chdirs and then finds its data beside itself does.
 
     phalanx run --devices cpu:2 env_probe.py        torchrun --nproc-per-node 2 env_probe.py
+    phalanx run --devices cpu:2 -m env_probe        torchrun --nproc-per-node 2 -m env_probe
 """
 
 import json
@@ -12,8 +13,8 @@ import sys
 
 import torch
 
-seen = {"file": __file__, "argv0": sys.argv[0], "path0": sys.path[0], "threads": torch.get_num_threads(),
-        "env": dict(os.environ)}
+seen = {"file": __file__, "argv0": sys.argv[0], "args": sys.argv[1:], "path0": sys.path[0], "name": __name__,
+        "spec": None if __spec__ is None else __spec__.name, "threads": torch.get_num_threads(), "env": dict(os.environ)}
 os.chdir("/")
 with open(__file__) as handle:  # found from anywhere: __file__ is absolute
     seen["reads_itself"] = "What a worker sees" in handle.read()
