@@ -5,9 +5,9 @@ launcher as `phalanx train` (supervision, one-line failures naming the rank), as
 each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
 TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
 runs the script (or with `-m`, a module) as `__main__`, as python would (main_module.py); torchrun's
-own launcher flags are named with phalanx run's way (torchrun_flags.py). A
-script that changes its thread count is named once on rank 0; torch's SyncBatchNorm, which torch
-refuses on CPU workers, is refused in one line naming phalanx's own.
+own launcher flags are named with phalanx run's way (torchrun_flags.py). A script that changes its
+thread count is named once on rank 0; torch errors that name no fix (SyncBatchNorm or NCCL on CPU
+workers, a group opened after phalanx.init()) are one line naming it (script_errors.py).
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
 - so one script runs unchanged under `phalanx run`, under torchrun and under plain python.
@@ -46,6 +46,7 @@ from phalanx.runtime.world import World, adopt_world, launcher_env, leave_defaul
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
+from phalanx.runtime.script_errors import reworded
 from phalanx.runtime.torchrun_flags import add_torchrun_flags
 
 
@@ -132,35 +133,15 @@ def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, devi
         run_as_main(target, args, rank=env.rank)
     except BaseException as exc:
         mark_exit(_current, ok=False)
-        if device.type == "cpu" and _torch_sync_batchnorm_refused(exc):
-            raise UsageError(CPU_SYNC_BATCHNORM) from None
+        line = reworded(exc, device_type=device.type, init_ran=_current is not None)
+        if line is not None:
+            raise UsageError(line) from None
         raise
     else:  # peers still waiting in a collective learn at once that this rank's script ended
         mark_exit(_current, ok=True)
     finally:
         _say_if_threads_changed(_context)
         _context = _current = None
-
-
-# torch.nn.SyncBatchNorm runs on GPUs only: DDP's constructor refuses it for a CPU module, and its
-# forward refuses CPU input once a group is open. Making it work here would mean replacing a private
-# DDP method and SyncBatchNorm.forward in the user's process, and the script would then work under
-# `phalanx run` only, not under torchrun; phalanx's own sync BatchNorm is one call away instead.
-CPU_SYNC_BATCHNORM = ("torch.nn.SyncBatchNorm runs on GPUs only (torch refuses it for CPU workers, under torchrun "
-                      "too); on CPU workers wrap the model with phalanx.prepare(model, batchnorm=\"sync\") instead of "
-                      "DistributedDataParallel: it normalizes with the whole global batch's statistics, torch's "
-                      "SyncBatchNorm layers included")
-
-
-def _torch_sync_batchnorm_refused(exc: BaseException) -> bool:
-    """Whether `exc` is torch's refusal of SyncBatchNorm on the CPU (DDP's constructor, or the
-    layer's forward), told by where it was raised, not by its wording alone."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    where = tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
-    return (isinstance(exc, ValueError) and "SyncBatchNorm" in str(exc)
-            and where in ("torch.nn.parallel.distributed", "torch.nn.modules.batchnorm"))
 
 
 def _say_if_threads_changed(context: _RunContext) -> None:

@@ -11,6 +11,7 @@
 - Two ranks that raise each on their own are both failures ("failed too"), not "stopped too".
 - A script whose torch `@record` entry point wrote its error file and then exited with a code:
   the failure line carries what it recorded.
+- A DDP script opening its group with backend "nccl" on CPU workers is told, in one line, to use gloo.
 - torch.nn.SyncBatchNorm in an unchanged DDP script on CPU workers is refused in one line naming
   `phalanx.prepare(model, batchnorm="sync")`, and that fix, with the script's
   `convert_sync_batchnorm` kept, trains as one device on the full batch within 1e-12 (float64).
@@ -207,3 +208,18 @@ def test_torch_sync_batchnorm_on_cpu_workers_is_refused_in_one_line_naming_prepa
     worst = max(((got[k].double() - want[k].double()).abs().max()
                  / want[k].double().abs().max().clamp_min(1e-300)).item() for k in want)
     assert worst <= 1e-12, f"{worst:.3g} (relative) from one device's full-batch BatchNorm"
+
+
+def test_a_ddp_script_opening_nccl_on_cpu_workers_is_told_to_use_gloo(tmp_path):
+    script = _script(tmp_path, """\
+        import torch.distributed as dist
+        if __name__ == "__main__":
+            dist.init_process_group(backend="nccl")  # the DDP tutorials' line, on CPU workers
+        """)
+    refused = _phalanx_run(script)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("phalanx")]
+    assert lines == ["phalanx: error: the script's process group uses backend \"nccl\", which runs on GPUs only, and "
+                     "these workers are CPU workers (--devices cpu:N): open it with init_process_group(\"gloo\") on "
+                     "CPU, or call phalanx.init(), which picks gloo on CPU and NCCL on GPUs"], refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr

@@ -1,0 +1,61 @@
+"""torch's own errors that a script under `phalanx run` meets for want of one change, re-worded as one line naming it.
+
+A torch error reaches the user as `phalanx: worker rank R failed: <its message>` and a traceback;
+for three that a DDP script ported to CPU workers meets first, the message names no fix, so
+`reworded` turns each into the line a `UsageError` carries (exit 2), told by the exception's type,
+by where in torch it was raised and by what this worker is, not by its wording alone:
+
+- torch.nn.SyncBatchNorm on CPU workers, which torch refuses (DDP's constructor, the layer's
+  forward), under torchrun too: phalanx's own sync BatchNorm is one call away.
+- A group opened with backend "nccl" on CPU workers (the DDP tutorials' line): NCCL runs on GPUs
+  only; a CPU build of torch has none, a CUDA build fails at the first collective on CPU tensors.
+- `init_process_group` after `phalanx.init()`, which opened the default group already.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+# Making torch's SyncBatchNorm work here would mean replacing a private DDP method and
+# SyncBatchNorm.forward in the user's process, and the script would then work under `phalanx run`
+# only, not under torchrun; phalanx's own sync BatchNorm is one call away instead.
+CPU_SYNC_BATCHNORM = ("torch.nn.SyncBatchNorm runs on GPUs only (torch refuses it for CPU workers, under torchrun "
+                      "too); on CPU workers wrap the model with phalanx.prepare(model, batchnorm=\"sync\") instead of "
+                      "DistributedDataParallel: it normalizes with the whole global batch's statistics, torch's "
+                      "SyncBatchNorm layers included")
+NCCL_ON_CPU = ("the script's process group uses backend \"nccl\", which runs on GPUs only, and these workers are CPU "
+               "workers (--devices cpu:N): open it with init_process_group(\"gloo\") on CPU, or call phalanx.init(), "
+               "which picks gloo on CPU and NCCL on GPUs")
+GROUP_AFTER_INIT = ("the script calls torch.distributed.init_process_group after phalanx.init(), which opened the "
+                    "process group already: drop the script's own call (phalanx.init() joined the same world), or make "
+                    "it before phalanx.init(), which then adopts the group the script opened")
+
+# What torch says where NCCL cannot serve CPU workers: a CPU build, a CUDA build on a host without
+# a GPU, and a CUDA build's NCCL group handed CPU tensors.
+_NCCL_MISSING = ("doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs")
+_NO_CPU_BACKEND = "No backend type associated with device type cpu"
+
+
+def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | None:
+    """The one line for `exc` (raised by the script on a worker of `device_type`; `init_ran`:
+    phalanx.init() made this process's world), or None to report it as it is."""
+    where, text = _raised_in(exc), str(exc)
+    if device_type == "cpu" and isinstance(exc, ValueError) and "SyncBatchNorm" in text \
+            and where in ("torch.nn.parallel.distributed", "torch.nn.modules.batchnorm"):
+        return CPU_SYNC_BATCHNORM
+    if device_type == "cpu" and isinstance(exc, RuntimeError) and where.startswith("torch.") and (
+            any(said in text for said in _NCCL_MISSING)
+            or (_NO_CPU_BACKEND in text and dist.is_initialized() and dist.get_backend() == "nccl")):
+        return NCCL_ON_CPU
+    if init_ran and isinstance(exc, ValueError) and "default process group twice" in text \
+            and where == "torch.distributed.distributed_c10d":
+        return GROUP_AFTER_INIT
+    return None
+
+
+def _raised_in(exc: BaseException) -> str:
+    """The module of the innermost Python frame of `exc`'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
