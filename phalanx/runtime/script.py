@@ -4,10 +4,11 @@
 launcher as `phalanx train` (supervision, one-line failures naming the rank), as torchrun would:
 each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
 TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
-runs the script (or with `-m`, a module) as `__main__`, as python would (main_module.py); torchrun's
-own launcher flags are named with phalanx run's way (torchrun_flags.py). A script that changes its
-thread count is named once on rank 0; torch errors that name no fix (SyncBatchNorm or NCCL on CPU
-workers, a group opened after phalanx.init()) are one line naming it (script_errors.py).
+runs the script (or with `-m`, a module) as `__main__`, as python would (main_module.py); the flags
+of torchrun, accelerate launch and fabric run are named with phalanx run's way (launcher_flags.py).
+A script that changes its thread count is named once on rank 0; torch errors that name no fix
+(SyncBatchNorm or NCCL on CPU workers, a group opened after phalanx.init()) are one line naming it
+(script_errors.py).
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
 - so one script runs unchanged under `phalanx run`, under torchrun and under plain python.
@@ -47,7 +48,7 @@ from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.script_errors import reworded
-from phalanx.runtime.torchrun_flags import add_torchrun_flags
+from phalanx.runtime.launcher_flags import add_launcher_flags
 
 
 @dataclass(kw_only=True)
@@ -212,7 +213,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="script is a module's name, run as python -m runs it (torchrun's -m)")
     parser.add_argument("script", help="the Python file to run on every worker (with -m: the module)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
-    add_torchrun_flags(parser)
+    add_launcher_flags(parser)
 
 
 def run_run(args: argparse.Namespace) -> int:

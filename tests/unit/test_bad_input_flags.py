@@ -212,11 +212,11 @@ FLAG_CASES = [
     (["run", "--module", "train-2"], r"-m 'train-2' is not a module name; name it as python -m takes it"),
     (["--version=1"], r"argument --version: ignored explicit argument '1'"),
 ]
-# torchrun's own flags before the script: each named with phalanx run's way (runtime/torchrun_flags.py).
+# Other launchers' flags before the script: each named with phalanx run's way (runtime/launcher_flags.py).
 FLAG_CASES += [
     (["run", "--nproc-per-node", "4", "train.py"],
      r"^phalanx: error: torchrun's --nproc-per-node 4 is --devices in phalanx run: .*e\.g\. phalanx run --devices 4 "),
-    (["run", "--nproc_per_node=gpu", "train.py"], r"torchrun's --nproc-per-node gpu is --devices in phalanx run"),
+    (["run", "--nproc_per_node=gpu", "train.py"], r"torchrun's --nproc_per_node gpu is --devices in phalanx run"),
     (["run", "--standalone", "train.py"], r"phalanx run is standalone already .*: drop --standalone$"),
     (["run", "--max-restarts", "3", "train.py"],
      r"phalanx run restarts no worker: .*torchrun --max-restarts N itself, where phalanx\.init\(\) joins its world"),
@@ -237,6 +237,40 @@ FLAG_CASES += [([*argv, "train.py"], rf"torchrun's {argv[1]} has no counterpart 
                for argv in (["run", "--monitor-interval", "1"], ["run", "--start-method", "fork"],
                             ["run", "--event-log-handler", "null"], ["run", "--signals-to-handle", "SIGTERM"],
                             ["run", "--shutdown-timeout", "5"], ["run", "--virtual-local-rank"])]
+FLAG_CASES += [(["run", "--debug", "train.py"], r"accelerate launch's --debug has no counterpart in phalanx run")]
+# accelerate launch's and fabric run's, each spelling (Accelerate takes --num_processes and --num-processes)
+FLAG_CASES += [(["run", spelling, *values, "train.py"], pattern) for flags, values, pattern in (
+    (("--num_processes", "--num-processes"), ["3"],
+     r"^phalanx: error: accelerate launch's --num[_-]processes 3 is --devices in phalanx run: .*--devices 3 script"),
+    (("--cpu",), [], r"phalanx run names CPU workers in --devices: --devices cpu:N \(N workers\); it takes no --cpu$"),
+    (("--multi_gpu", "--multi-gpu"), [], r"phalanx run names its devices in --devices: --devices cuda:0,1 .*; it takes "
+                                         r"no --multi[_-]gpu$"),
+    (("--gpu_ids", "--gpu-ids"), ["0,1"], r"phalanx run names its devices in --devices: .*; it takes no --gpu[_-]ids$"),
+    (("--num_cpu_threads_per_process", "--num-cpu-threads-per-process"), ["4"],
+     r"phalanx run's threads per CPU worker are --threads-per-device N"),
+    (("--enable_cpu_affinity", "--enable-cpu-affinity"), [], r"pins each worker to its own equal share of the cores "
+                                                             r"with --bind-cores; it takes no --enable"),
+    (("--num_machines", "--num-machines", "--machine_rank", "--machine-rank", "--main_process_ip", "--main-process-ip",
+      "--main_process_port", "--main-process-port", "--num-nodes", "--num_nodes", "--main-address", "--main_address",
+      "--main-port", "--main_port"), ["1"], r"phalanx run starts the workers of this host, .*for many hosts start the "
+                                           r"script with torchrun itself"),
+    (("--same_network", "--same-network"), [], r"takes no --same[_-]network; for many hosts"),
+    (("--mixed_precision", "--mixed-precision", "--precision"), ["bf16"],
+     r"takes no --(mixed[_-])?precision: mixed precision is set in the script, phalanx\.prepare\(model, world=world, "
+     r"precision=\"bf16-mixed\"\)$"),
+    (("--dynamo_backend", "--dynamo-backend"), ["inductor"], r"compilation is set in the script, torch\.compile\(model\) "
+                                                             r"before phalanx\.prepare$"),
+    (("--use_deepspeed", "--use-deepspeed", "--use_fsdp", "--use-fsdp"), [],
+     r"sharding \(ZeRO stages 1-3, FSDP's kind\) is set in the script, phalanx\.prepare\(model, world=world, shard="),
+    (("--zero_stage", "--zero-stage"), ["2"], r"takes no --zero[_-]stage: sharding .* is set in the script"),
+    (("--gradient_accumulation_steps", "--gradient-accumulation-steps"), ["4"],
+     r"accumulation is set in the script, for piece in dp\.accumulate\(n\)"),
+    (("--gradient_clipping", "--gradient-clipping"), ["1.0"], r"clipping is set in the script, phalanx\.clip_grad_norm_"),
+    (("--config_file", "--config-file"), ["cfg.yaml"], r"phalanx run reads no config file: its flags are --devices"),
+    (("--accelerator",), ["cpu"], r"phalanx run names the kind of device in --devices: --devices cpu:N \(CPU workers\)"),
+    (("--strategy",), ["ddp"], r"phalanx run is data parallel, DDP's strategy, always: drop --strategy"),
+) for spelling in flags]
+
 
 FLAG_CASES += [(["bench", "step", flag, value], pattern) for flag, value, pattern in (
     ("--device", "tpu", r"--device 'tpu' is unknown; choose one of cpu, cuda"),

@@ -1,6 +1,7 @@
 """What `phalanx run` starts, a file or a module (`-m`), and torchrun's launcher flags given to it.
 
-- Every option torchrun's own parser has is one `phalanx run` takes (`-m`) or names in one line.
+- Every option torchrun's own parser has is one `phalanx run` takes (`-m`) or names in one line
+  (accelerate launch's and fabric run's: tests/unit/test_bad_input_flags.py).
 - `Target.check` finds a module as python -m would without running the user's code: a package
   whose `__init__` raises passes the check, and is not imported by it; a package without
   `__main__` is refused naming the fix.
@@ -19,16 +20,18 @@ from torch.distributed.run import get_args_parser
 
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.main_module import Target, run_as_main
-from phalanx.runtime.torchrun_flags import TORCHRUN_FLAGS
+from phalanx.runtime.launcher_flags import LAUNCHER_FLAGS
 
 
 def test_every_torchrun_flag_is_taken_or_named():
-    named = {spelling for spellings, _, _ in TORCHRUN_FLAGS for spelling in spellings}
+    # accelerate launch's and fabric run's entries were checked against accelerate 1.15 and Lightning 2.6.6
+    # (not installed here): every spelling is theirs, with their nargs
+    named = {spelling for _, spellings, _, _ in LAUNCHER_FLAGS for spelling in spellings}
     ours = {"-h", "--help", "-m", "--module"}
     theirs = {flag for action in get_args_parser()._actions for flag in action.option_strings}
     assert theirs - named - ours == set(), "torchrun flags phalanx run neither takes nor names"
-    for spellings, takes_value, _ in TORCHRUN_FLAGS:  # a flag torchrun has, spelled and valued as torchrun's
-        if set(spellings) <= theirs:
+    for launcher, spellings, takes_value, _ in LAUNCHER_FLAGS:  # spelled and valued as torchrun's
+        if launcher == "torchrun" and set(spellings) <= theirs:
             action = next(a for a in get_args_parser()._actions if spellings[0] in a.option_strings)
             assert set(action.option_strings) == set(spellings) and (action.nargs != 0) == takes_value, spellings
 

@@ -1,0 +1,149 @@
+"""Other launchers' flags given to `phalanx run` (torchrun's, `accelerate launch`'s, `fabric run`'s): each named in one line.
+
+Someone coming from torchrun types `phalanx run --nproc-per-node 2 train.py`, from Accelerate
+`--num_processes 2 --mixed_precision bf16`, from Fabric `--accelerator cpu --strategy ddp`, where
+argparse alone answers "unrecognized arguments". Every flag of torchrun's parser (torch 2.13) is
+here, and those of accelerate launch (1.15, both its spellings) and fabric run (Lightning 2.6)
+that a single-host data-parallel run sets; hidden from `--help`, each given before the script
+stops the command with a `UsageError` saying what phalanx does instead: `--devices`,
+`--threads-per-device` or `--bind-cores`; one host with a store of its own (many hosts and
+restarts through torchrun itself); output on this console; precision, compilation, sharding,
+accumulation and clipping set in the script. `-m/--module` is phalanx run's own, as torchrun's,
+`--devices` and `--quiet` too (Fabric's and Accelerate's words, phalanx's meaning). The same flags
+after the script are the script's, as under those launchers.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from phalanx.errors import UsageError
+
+_COUNT = ("{launcher}'s {flag} {value} is --devices in phalanx run: --devices N (the GPUs when present, else N CPU "
+          "workers), cpu:N, cuda:0,1 or auto (every GPU), e.g. phalanx run --devices {example} script.py")
+_MANY_HOSTS = ("phalanx run starts the workers of this host, with a store of its own on a free port, so it takes no "
+               "{flag}; for many hosts start the script with torchrun itself (torchrun --nnodes 2 --node-rank R "
+               "--nproc-per-node N --master-addr A --master-port P script.py), where phalanx.init() joins torchrun's "
+               "world: docs/many-hosts.md")
+_OUTPUT = ("phalanx run takes no {flag}: every worker writes to this console as it runs (torchrun's default); print on "
+           "rank 0 alone with world.print(...), and keep a log by redirecting the command (phalanx run ... > run.log "
+           "2>&1)")
+_OTHER = ("{launcher}'s {flag} has no counterpart in phalanx run, whose launcher supervises its workers itself "
+          "(--timeout bounds every wait); drop it, or start the script with torchrun itself, where phalanx.init() "
+          "joins its world")
+_RESTARTS = ("phalanx run restarts no worker: a failure ends the run in one line naming the rank; for restarts start the "
+             "script with torchrun --max-restarts N itself, where phalanx.init() joins its world and phalanx.resume(...) "
+             "continues from the script's last phalanx.checkpoint(...)")
+_IN_THE_SCRIPT = "phalanx run takes no {flag}: {what} is set in the script, {how}"
+_PRECISION = _IN_THE_SCRIPT.format(flag="{flag}", what="mixed precision",
+                                   how="phalanx.prepare(model, world=world, precision=\"bf16-mixed\")")
+_SHARDING = _IN_THE_SCRIPT.format(flag="{flag}", what="sharding (ZeRO stages 1-3, FSDP's kind)",
+                                  how="phalanx.prepare(model, world=world, shard=\"optimizer\" | \"gradients\" | "
+                                      "\"parameters\"): docs/sharding.md")
+_COMPILE = _IN_THE_SCRIPT.format(flag="{flag}", what="compilation", how="torch.compile(model) before phalanx.prepare")
+_GPUS = ("phalanx run names its devices in --devices: --devices cuda:0,1 (these GPUs), N (N GPUs when present) or auto "
+         "(every GPU); it takes no {flag}")
+_CPUS = "phalanx run names CPU workers in --devices: --devices cpu:N (N workers); it takes no {flag}"
+
+
+def _both(name: str) -> tuple[str, ...]:
+    """A flag in Accelerate's two spellings (`--num_processes`, `--num-processes`)."""
+    return (name, name.replace("_", "-")) if "_" in name else (name,)
+
+
+# (launcher, spellings, whether it takes a value, the line); torchrun's in its --help order.
+LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
+    ("torchrun", ("--nnodes",), True, _MANY_HOSTS),
+    ("torchrun", ("--nproc-per-node", "--nproc_per_node"), True, _COUNT),
+    ("torchrun", ("--rdzv-backend", "--rdzv_backend"), True, _MANY_HOSTS),
+    ("torchrun", ("--rdzv-endpoint", "--rdzv_endpoint"), True, _MANY_HOSTS),
+    ("torchrun", ("--rdzv-id", "--rdzv_id"), True, _MANY_HOSTS),
+    ("torchrun", ("--rdzv-conf", "--rdzv_conf"), True, _MANY_HOSTS),
+    ("torchrun", ("--standalone",), False,
+     "phalanx run is standalone already (one host, a store of its own on a free port): drop --standalone"),
+    ("torchrun", ("--max-restarts", "--max_restarts"), True, _RESTARTS),
+    ("torchrun", ("--monitor-interval", "--monitor_interval"), True, _OTHER),
+    ("torchrun", ("--start-method", "--start_method"), True, _OTHER),
+    ("torchrun", ("--event-log-handler", "--event_log_handler"), True, _OTHER),
+    ("torchrun", ("--role",), True, _MANY_HOSTS),
+    ("torchrun", ("--no-python", "--no_python"), False,
+     "phalanx run runs a Python file, or a module with -m; start any other program with torchrun --no-python"),
+    ("torchrun", ("--run-path", "--run_path"), False,
+     "phalanx run already runs the script in each worker's own interpreter, as torchrun's --run-path does: drop it"),
+    ("torchrun", ("--log-dir", "--log_dir"), True, _OUTPUT),
+    ("torchrun", ("-r", "--redirects"), True, _OUTPUT),
+    ("torchrun", ("-t", "--tee"), True, _OUTPUT),
+    ("torchrun", ("--local-ranks-filter", "--local_ranks_filter"), True, _OUTPUT),
+    ("torchrun", ("--duplicate-stdout-filters", "--duplicate_stdout_filters"), True, _OUTPUT),
+    ("torchrun", ("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True, _OUTPUT),
+    ("torchrun", ("--node-rank", "--node_rank"), True, _MANY_HOSTS),
+    ("torchrun", ("--master-addr", "--master_addr"), True, _MANY_HOSTS),
+    ("torchrun", ("--master-port", "--master_port"), True, _MANY_HOSTS),
+    ("torchrun", ("--local-addr", "--local_addr"), True, _MANY_HOSTS),
+    ("torchrun", ("--logs-specs", "--logs_specs"), True, _OUTPUT),
+    ("torchrun", ("--numa-binding", "--numa_binding"), True,
+     "phalanx run takes no --numa-binding: --bind-cores pins each worker to its own equal share of the cores"),
+    ("torchrun", ("--signals-to-handle", "--signals_to_handle"), True, _OTHER),
+    ("torchrun", ("--shutdown-timeout", "--shutdown_timeout"), True, _OTHER),
+    ("torchrun", ("--virtual-local-rank", "--virtual_local_rank"), False, _OTHER),
+    # accelerate launch's own (its flags shared with torchrun are torchrun's above)
+    ("accelerate launch", _both("--num_processes"), True, _COUNT),
+    ("accelerate launch", ("--cpu",), False, _CPUS),
+    ("accelerate launch", _both("--multi_gpu"), False, _GPUS),
+    ("accelerate launch", _both("--gpu_ids"), True, _GPUS),
+    ("accelerate launch", _both("--num_cpu_threads_per_process"), True,
+     "phalanx run's threads per CPU worker are --threads-per-device N (default: the cores / the workers); it takes "
+     "no {flag}"),
+    ("accelerate launch", _both("--enable_cpu_affinity"), False,
+     "phalanx run pins each worker to its own equal share of the cores with --bind-cores; it takes no {flag}"),
+    ("accelerate launch", _both("--num_machines"), True, _MANY_HOSTS),
+    ("accelerate launch", _both("--machine_rank"), True, _MANY_HOSTS),
+    ("accelerate launch", _both("--main_process_ip"), True, _MANY_HOSTS),
+    ("accelerate launch", _both("--main_process_port"), True, _MANY_HOSTS),
+    ("accelerate launch", _both("--same_network"), False, _MANY_HOSTS),
+    ("accelerate launch", _both("--mixed_precision"), True, _PRECISION),
+    ("accelerate launch", _both("--dynamo_backend"), True, _COMPILE),
+    ("accelerate launch", _both("--use_deepspeed"), False, _SHARDING),
+    ("accelerate launch", _both("--use_fsdp"), False, _SHARDING),
+    ("accelerate launch", _both("--zero_stage"), True, _SHARDING),
+    ("accelerate launch", _both("--gradient_accumulation_steps"), True,
+     _IN_THE_SCRIPT.format(flag="{flag}", what="accumulation", how="for piece in dp.accumulate(n): ...")),
+    ("accelerate launch", _both("--gradient_clipping"), True,
+     _IN_THE_SCRIPT.format(flag="{flag}", what="clipping", how="phalanx.clip_grad_norm_(dp, max_norm) before the step")),
+    ("accelerate launch", _both("--config_file"), True,
+     "phalanx run reads no config file: its flags are --devices, --threads-per-device, --bind-cores, --timeout, "
+     "--quiet and -m, and the rest is set in the script (phalanx.prepare's keywords): drop {flag}"),
+    ("accelerate launch", ("--debug",), False, _OTHER),
+    # fabric run's own (its --devices is phalanx run's: N, cpu:N, cuda:0,1 or auto)
+    ("fabric run", ("--accelerator",), True,
+     "phalanx run names the kind of device in --devices: --devices cpu:N (CPU workers) or cuda:0,1 (GPUs); it takes "
+     "no --accelerator"),
+    ("fabric run", ("--strategy",), True,
+     "phalanx run is data parallel, DDP's strategy, always: drop --strategy (for FSDP's or DeepSpeed's, "
+     "phalanx.prepare(model, world=world, shard=...) in the script: docs/sharding.md)"),
+    ("fabric run", ("--num-nodes", "--num_nodes"), True, _MANY_HOSTS),
+    ("fabric run", ("--main-address", "--main_address"), True, _MANY_HOSTS),
+    ("fabric run", ("--main-port", "--main_port"), True, _MANY_HOSTS),
+    ("fabric run", ("--precision",), True, _PRECISION),
+)
+
+
+class _LauncherFlag(argparse.Action):
+    """Another launcher's flag met before the script: the line saying phalanx run's way, as a UsageError."""
+
+    def __init__(self, option_strings, dest, *, launcher: str, line: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.launcher, self.line = launcher, line
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        value = values if isinstance(values, str) else ""
+        example = value if value.isdigit() else "2"
+        raise UsageError(self.line.format(launcher=self.launcher, flag=option_string, value=value, example=example))
+
+
+def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """Every flag of torchrun, accelerate launch and fabric run above, hidden from --help, named at use."""
+    for launcher, spellings, takes_value, line in LAUNCHER_FLAGS:
+        parser.add_argument(*spellings, action=_LauncherFlag, launcher=launcher, line=line,
+                            nargs=None if takes_value else 0, metavar="VALUE", default=argparse.SUPPRESS,
+                            help=argparse.SUPPRESS)
