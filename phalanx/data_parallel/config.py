@@ -39,6 +39,18 @@ GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Mixed precision by name (Lightning Fabric's): the autocast dtype of forward. Only bfloat16: it
 # needs no loss scaling (float16's narrow exponent would need a GradScaler).
 PRECISIONS = {"bf16-mixed": torch.bfloat16}
+# Fabric's other precision names (and Accelerate's mixed_precision values), each named with phalanx's way:
+# "true" precisions are a cast (prepare's dtype=), float16 autocast needs a GradScaler.
+_WHOLE = "the model in {dtype} throughout: in phalanx, dtype={dtype!r} with precision unset (prepare casts the model)"
+_FP16 = ("float16 autocast, which needs loss scaling that prepare does not do: use precision='bf16-mixed', or "
+         "torch.autocast('cpu'|'cuda', dtype=torch.float16) and torch.amp.GradScaler in the script, as on one device")
+FOREIGN_PRECISIONS = {
+    "32-true": _WHOLE.format(dtype="float32"), "32": _WHOLE.format(dtype="float32"),
+    "no": _WHOLE.format(dtype="float32"), "64-true": _WHOLE.format(dtype="float64"),
+    "64": _WHOLE.format(dtype="float64"), "bf16-true": _WHOLE.format(dtype="bfloat16"),
+    "16-true": _WHOLE.format(dtype="float16"), "16-mixed": _FP16, "16": _FP16, "fp16": _FP16,
+    "bf16": "bfloat16 autocast, which is precision='bf16-mixed' here (Fabric's full name)",
+}
 
 
 def bucket_cap(text: str) -> float | None:
@@ -107,6 +119,8 @@ class DataParallelConfig:
         if self.first_bucket_cap_mb is not None and not self.first_bucket_cap_mb > 0:
             raise ValueError(f"first_bucket_cap_mb must be a positive number of MB (or None), "
                              f"got {self.first_bucket_cap_mb}")
+        if str(self.precision) in FOREIGN_PRECISIONS:  # Fabric's precision=16 is an int
+            raise ValueError(f"precision {self.precision!r} is {FOREIGN_PRECISIONS[str(self.precision)]}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is unknown; choose one of {', '.join(PRECISIONS)} "
                              "(or None)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 import warnings
 from collections import OrderedDict
 
@@ -406,6 +407,12 @@ def test_bf16_mixed_runs_forward_in_bfloat16_and_keeps_weights_gradients_and_exc
         phalanx.prepare(model, world=world(), dtype="float64", precision="bf16-mixed")
     with pytest.raises(ValueError, match="precision 'fp8' is unknown; choose one of bf16-mixed"):
         phalanx.prepare(model, world=world(), precision="fp8")
+    for theirs, ours in (("16-mixed", "use precision='bf16-mixed', or torch.autocast"), (16, "float16 autocast"),
+                         ("bf16", "is precision='bf16-mixed' here"), ("64-true", "dtype='float64' with precision unset"),
+                         ("32-true", "dtype='float32' with precision unset"), ("no", "dtype='float32'"),
+                         ("bf16-true", "dtype='bfloat16'"), ("16-true", "dtype='float16'")):  # Fabric's, Accelerate's
+        with pytest.raises(ValueError, match=rf"^precision {theirs!r} is .*{re.escape(ours)}"):
+            phalanx.prepare(model, world=world(), precision=theirs)
     assert all(torch.equal(v, before[k]) and v.dtype == torch.float32 for k, v in model.state_dict().items())
 
 
