@@ -10,6 +10,15 @@ as usual) and the size of the *global* batch it belongs to, which the loss needs
 (`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
 the right structure, so its forward/backward/gradient exchange still pair with its peers'.
 
+A stream (`torch.utils.data.IterableDataset`: webdataset, a Hugging Face streaming dataset, a
+generator over files) has no indices to permute: its global batches are its own order, B items
+at a time as `DataLoader(stream, batch_size=None, num_workers=n)` yields them, and every rank
+reads the whole stream and keeps its contiguous slice of each (Accelerate's IterableDatasetShard
+and Hugging Face's split_dataset_by_node read it the same way), so the stream must yield the same
+items in the same order on every rank: seed its shuffle; `set_epoch(e)` is called at each epoch
+where the dataset has one. The stream decides where an epoch ends, so such a loader has no
+length, and `shuffle=True` is refused (the stream orders itself).
+
 torch's `DistributedSampler` is DDP's way to shard, and it pads the dataset to a multiple of the
 ranks by repeating examples (or drops the rest): `distributed_sampler_note` says so in one line,
 for the warning DataParallel's first step gives (data_parallel/guards/first_step.py) and for a DataLoader
@@ -18,13 +27,14 @@ handed here instead of its dataset.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from phalanx.data.split import global_batches, rank_shard, steps_per_epoch
+from phalanx.data.split import global_batches, rank_shard, shard_bounds, steps_per_epoch
 
 
 class Ranked(Protocol):
@@ -100,11 +110,12 @@ class ShardedLoader:
     """This rank's shards of a dataset's global batches; see the module docstring."""
 
     def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
-                 shuffle: bool = True, collate_fn: Callable | None = None, num_workers: int = 0,
+                 shuffle: bool | None = None, collate_fn: Callable | None = None, num_workers: int = 0,
                  **loader_kwargs: Any) -> None:
         """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching and
         order are this class's, so `batch_size`, `sampler` and `drop_last` are refused (`shuffle`,
-        as DataLoader's: False keeps the dataset's order, every epoch the same)."""
+        as DataLoader's: False keeps the dataset's order, every epoch the same; None: True, but a
+        stream's own order for an IterableDataset)."""
         refuse_loader(dataset, "ShardedLoader")
         taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
         if taken:
@@ -117,20 +128,33 @@ class ShardedLoader:
                              f"use {world.world_size} or more")
         if seed < 0:
             raise ValueError(f"seed {seed} must be >= 0")
-        self.num_examples = len(dataset)
+        self.streams = isinstance(dataset, IterableDataset)
+        if self.streams and shuffle:
+            raise ValueError("ShardedLoader reads an IterableDataset in its own order, as every rank must read it; "
+                             "drop shuffle=True and shuffle inside the stream with a fixed seed (set_epoch(e) is "
+                             "called every epoch where the dataset has one)")
+        self.num_examples = None if self.streams else len(dataset)
         if self.num_examples == 0:
             raise ValueError("the dataset has 0 examples; nothing to train on")
         self.dataset, self.world = dataset, world
-        self.global_batch_size, self.seed, self.shuffle = global_batch_size, seed, shuffle
+        self.global_batch_size, self.seed = global_batch_size, seed
+        self.shuffle = not self.streams and shuffle is not False  # a stream orders itself
         self.num_workers, self.loader_kwargs = num_workers, loader_kwargs
-        self.collate = ShardCollate(dataset, collate_fn or default_collate)
+        self.collate_fn = collate_fn or default_collate
+        self.collate = None if self.streams else ShardCollate(dataset, self.collate_fn)
 
     def __len__(self) -> int:
         """Steps per epoch (the last, smaller global batch counts)."""
+        if self.streams:
+            raise TypeError("a ShardedLoader over an IterableDataset has no length: the stream decides where an epoch "
+                            "ends (count the steps of loader.epoch(e) as they come)")
         return steps_per_epoch(self.num_examples, self.global_batch_size)
 
     def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
         """Yield (this rank's batch, global batch size) for every step of `epoch`."""
+        if self.streams:
+            yield from self._stream_epoch(epoch)
+            return
         batches = global_batches(self.num_examples, self.global_batch_size, seed=self.seed, epoch=epoch,
                                  shuffle=self.shuffle)
         shards = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist() for b in batches]
@@ -138,3 +162,28 @@ class ShardedLoader:
                             num_workers=self.num_workers, **self.loader_kwargs)
         for batch, indices in zip(loader, batches):
             yield batch, indices.numel()
+
+    def _stream_epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
+                                 num_workers=self.num_workers, **self.loader_kwargs)
+
+
+def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate_fn: Callable = default_collate,
+                  num_workers: int = 0, **loader_kwargs: Any) -> Iterator[tuple[Any, int]]:
+    """A stream's items in order, `chunk` at a time (the last chunk what is left): this rank's
+    contiguous slice of each, collated, and the chunk's size. Every rank reads every item; an
+    empty slice is the chunk's first item collated and cut to 0 rows."""
+    items = iter(DataLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=num_workers, **loader_kwargs))
+    while batch := list(itertools.islice(items, chunk)):
+        start, stop = shard_bounds(len(batch), world.world_size, world.rank)
+        mine = collate_fn(batch[start:stop]) if stop > start else empty_batch_like(collate_fn(batch[:1]))
+        yield mine, len(batch)
+
+
+def _as_is(item: Any) -> Any:
+    """A stream's item as the dataset yields it (DataLoader's collate for batch_size=None would
+    convert it); module-level, so loader workers can pickle it."""
+    return item

@@ -5,7 +5,7 @@ counts its correct predictions and the counts are summed, so every test image is
 once and every rank gets the same accuracy. `evaluate` does this for tensors in memory (the
 CLI's datasets; `count_accuracy` also for a model split, whose ranks each read every test image
 and where those holding the output count); `evaluate_dataset` for any torch Dataset and any
-summed metric (a user's); it moves each batch to the model's device and its floating tensors to
+summed metric (a user's), a stream (IterableDataset) too; it moves each batch to the model's device and its floating tensors to
 the model's floating dtype, as `evaluate` casts its images (a float64 model from `prepare(dtype=
 "float64")` takes a float32 Dataset; Lightning's precision plugins convert a batch the same way).
 It first checks that the replicas' buffers agree (one small all-gather): each rank evaluates
@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset
 from torch.utils.data._utils.collate import default_collate
 
 from phalanx.comm import Tag, all_reduce_sum_, native
 from phalanx.data import shard_bounds, to_float
-from phalanx.data.loader import ShardCollate, refuse_loader
+from phalanx.data.loader import ShardCollate, refuse_loader, stream_shards
 from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.guards.checks import check_replicas
 from phalanx.runtime.world import World
@@ -120,15 +120,23 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     sums are added across ranks in one allreduce. Returns every rank the same dict of global
     sums plus "count" (= len(dataset), checked); divide by it for means. A rank with an empty
     shard evaluates an empty batch, so the names are the same everywhere. `model`: the replica
-    (a DataParallel) or its module; its buffers must agree across ranks (checked first).
+    (a DataParallel) or its module; its buffers must agree across ranks (checked first). A stream
+    (IterableDataset) is read whole by every rank, which evaluates its slice of each
+    `batch_size` x k items; "count" is then checked against the items each rank read.
     """
     refuse_loader(dataset, "evaluate_dataset")
     check_replicas(world, model, step=None, buffers_only=True)
-    start, stop = shard_bounds(len(dataset), world.world_size, world.rank)
-    collate = ShardCollate(dataset, collate_fn or default_collate)
-    loader = DataLoader(Subset(dataset, range(start, stop)), batch_size=batch_size, collate_fn=collate)
-    empty = max(1, lockstep_batches(len(loader), model, world=world)) - len(loader)
-    batches = itertools.chain(iter(loader), (collate([]) for _ in range(empty)))
+    if isinstance(dataset, IterableDataset):  # a stream: every rank reads it, evaluating its slice of each chunk
+        read = [0, 0]  # items this rank read (every rank must read the same), and of them its own
+        batches = _counted(stream_shards(dataset, batch_size * world.world_size, world=world,
+                                         collate_fn=collate_fn or default_collate), read, world=world)
+    else:
+        start, stop = shard_bounds(len(dataset), world.world_size, world.rank)
+        collate = ShardCollate(dataset, collate_fn or default_collate)
+        loader = DataLoader(Subset(dataset, range(start, stop)), batch_size=batch_size, collate_fn=collate)
+        empty = max(1, lockstep_batches(len(loader), model, world=world)) - len(loader)
+        batches = itertools.chain(iter(loader), (collate([]) for _ in range(empty)))
+        read = [len(dataset), stop - start]
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     was_training = model.training
     model.eval()
@@ -140,14 +148,25 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
                 totals[name] = totals.get(name, 0) + value
     model.train(was_training)
     names = sorted(totals)
-    flat = torch.stack([totals[n] for n in names] + [torch.tensor(float(stop - start), dtype=torch.float64,
+    flat = torch.stack([totals[n] for n in names] + [torch.tensor(float(read[1]), dtype=torch.float64,
                                                                    device=world.device)])
     all_reduce_sum_(flat, world=world, tag=EVALUATION)
     result = dict(zip(names, flat[:-1].tolist()))
     result["count"] = flat[-1].item()
-    if int(result["count"]) != len(dataset):  # a sharding bug would silently skew the metric
-        raise RuntimeError(f"evaluation saw {int(result['count'])} examples, expected {len(dataset)}")
+    expected = read[0]
+    if int(result["count"]) != expected:  # a sharding bug, or a stream that differs between ranks, would skew it
+        stream = (f"; rank {world.rank} read {expected} items of the stream, which must yield the same items in the "
+                  "same order on every rank (seed its shuffle)") if isinstance(dataset, IterableDataset) else ""
+        raise RuntimeError(f"evaluation saw {int(result['count'])} examples, expected {expected}{stream}")
     return result
+
+
+def _counted(shards, read: list[int], *, world: World):
+    """`stream_shards`' batches, counting the items read (read[0]) and this rank's of them (read[1])."""
+    for batch, size in shards:
+        start, stop = shard_bounds(size, world.world_size, world.rank)
+        read[0], read[1] = read[0] + size, read[1] + stop - start
+        yield batch
 
 
 def lockstep_batches(count: int, module: nn.Module, *, world: World) -> int:

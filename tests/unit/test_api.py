@@ -131,3 +131,54 @@ def test_init_outside_any_launcher_is_a_world_of_one(monkeypatch):
     monkeypatch.setattr(script, "_current", None)
     with pytest.raises(phalanx.UsageError, match="not understood"):
         phalanx.init(device="tpu")
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """n items (x, label) in a fixed order whose labels `set_epoch` changes; with loader workers,
+    each yields every `num_workers`-th item, as a stream split by get_worker_info does."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.epochs = n, []
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epochs.append(epoch)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        shift = self.epochs[-1] if self.epochs else 0
+        for i in range(start, self.n, step):
+            yield torch.full((3,), float(i), dtype=torch.float64), (i + shift) % 5
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_sharded_loader_over_a_stream_splits_one_devices_batches(k, workers=0):  # with workers: tests/distributed
+    n, batch = 41, 20  # last global batch: 1 item, so k - 1 ranks get an empty shard
+    reference = _Stream(n)
+    reference.set_epoch(4)
+    one = list(torch.utils.data.DataLoader(reference, batch_size=None, num_workers=workers))  # one device's items
+    streams = [_Stream(n) for _ in range(k)]
+    ranks = [list(phalanx.ShardedLoader(streams[r], world=world(r, k), global_batch_size=batch,
+                                        num_workers=workers).epoch(4)) for r in range(k)]
+    assert all(s.epochs == [4] for s in streams)  # set_epoch, as DistributedSampler's
+    assert [[g for _, g in steps] for steps in ranks] == [[20, 20, 1]] * k
+    for step in range(3):
+        X = torch.cat([ranks[r][step][0][0] for r in range(k)])
+        y = torch.cat([ranks[r][step][0][1] for r in range(k)])
+        want = one[step * batch:(step + 1) * batch]
+        assert torch.equal(X, torch.stack([x for x, _ in want])) and y.tolist() == [label for _, label in want]
+    assert [tuple(ranks[r][-1][0][0].shape) for r in range(k)] == [(1, 3)] + [(0, 3)] * (k - 1)
+    with pytest.raises(TypeError, match="over an IterableDataset has no length: the stream decides"):
+        len(phalanx.ShardedLoader(_Stream(n), world=world(0, k), global_batch_size=batch))
+    with pytest.raises(ValueError, match="reads an IterableDataset in its own order, .*drop shuffle=True"):
+        phalanx.ShardedLoader(_Stream(n), world=world(0, k), global_batch_size=batch, shuffle=True)
+
+
+def test_evaluate_dataset_over_a_stream_counts_every_item_once():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 5).double()
+    stream, items = _Stream(23), TensorDataset(*[torch.stack(t) if i == 0 else torch.tensor(t)
+                                                 for i, t in enumerate(zip(*_Stream(23)))])
+    want = phalanx.evaluate_dataset(model, items, world=world(0, 1), batch_size=4)
+    got = phalanx.evaluate_dataset(model, stream, world=world(0, 1), batch_size=4)
+    assert got == want and got["count"] == 23
