@@ -10,6 +10,11 @@ as usual) and the size of the *global* batch it belongs to, which the loss needs
 (`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
 the right structure, so its forward/backward/gradient exchange still pair with its peers'.
 
+A sampler of the user's (`sampler=`: a WeightedRandomSampler for imbalanced classes, a subset)
+gives the epoch's order instead of the permutation, cut into global batches the same way; one
+that draws from a `generator` gets one seeded by (seed, epoch) before each epoch, so every rank
+draws the same order however its own RNG was used.
+
 A stream (`torch.utils.data.IterableDataset`: webdataset, a Hugging Face streaming dataset, a
 generator over files) has no indices to permute: its global batches are its own order, B items
 at a time as `DataLoader(stream, batch_size=None, num_workers=n)` yields them, and every rank
@@ -31,10 +36,10 @@ import itertools
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from phalanx.data.split import global_batches, rank_shard, shard_bounds, steps_per_epoch
+from phalanx.data.split import epoch_seed, global_batches, rank_shard, shard_bounds, steps_per_epoch
 
 
 class Ranked(Protocol):
@@ -110,14 +115,17 @@ class ShardedLoader:
     """This rank's shards of a dataset's global batches; see the module docstring."""
 
     def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
-                 shuffle: bool | None = None, collate_fn: Callable | None = None, num_workers: int = 0,
-                 **loader_kwargs: Any) -> None:
-        """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching and
-        order are this class's, so `batch_size`, `sampler` and `drop_last` are refused (`shuffle`,
-        as DataLoader's: False keeps the dataset's order, every epoch the same; None: True, but a
-        stream's own order for an IterableDataset)."""
+                 shuffle: bool | None = None, sampler: Sampler | None = None, collate_fn: Callable | None = None,
+                 num_workers: int = 0, **loader_kwargs: Any) -> None:
+        """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching is this
+        class's, so `batch_size`, `batch_sampler` and `drop_last` are refused (`shuffle`, as
+        DataLoader's: False keeps the dataset's order, every epoch the same; None: True, but a
+        stream's own order for an IterableDataset). `sampler` (a WeightedRandomSampler, ...): its
+        order each epoch, cut into global batches; one that draws from a `generator` is given one
+        seeded by (seed, epoch), so every rank draws the same order, and one with `set_epoch` is told
+        the epoch."""
         refuse_loader(dataset, "ShardedLoader")
-        taken = sorted({"batch_size", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
+        taken = sorted({"batch_size", "batch_sampler", "drop_last"} & set(loader_kwargs))
         if taken:
             per_rank = (" (global_batch_size is the batch of all ranks together; DDP's batch_size is per rank: "
                         "global = batch_size x world size)" if "batch_size" in taken else "")
@@ -133,7 +141,14 @@ class ShardedLoader:
             raise ValueError("ShardedLoader reads an IterableDataset in its own order, as every rank must read it; "
                              "drop shuffle=True and shuffle inside the stream with a fixed seed (set_epoch(e) is "
                              "called every epoch where the dataset has one)")
-        self.num_examples = None if self.streams else len(dataset)
+        if sampler is not None:
+            if self.streams or shuffle or _sampler_of(sampler) is not None:
+                why = ("a stream orders itself" if self.streams else "shuffle=True is the sampler's own order"
+                       if shuffle else "torch's DistributedSampler shards by itself, padding or dropping examples")
+                raise ValueError(f"ShardedLoader cannot take this sampler: {why}; drop "
+                                 f"{'shuffle=True' if shuffle and not self.streams else 'the sampler'}")
+        self.sampler = sampler
+        self.num_examples = None if self.streams else len(sampler if sampler is not None else dataset)
         if self.num_examples == 0:
             raise ValueError("the dataset has 0 examples; nothing to train on")
         self.dataset, self.world = dataset, world
@@ -155,13 +170,30 @@ class ShardedLoader:
         if self.streams:
             yield from self._stream_epoch(epoch)
             return
-        batches = global_batches(self.num_examples, self.global_batch_size, seed=self.seed, epoch=epoch,
-                                 shuffle=self.shuffle)
+        if self.sampler is None:
+            batches = global_batches(self.num_examples, self.global_batch_size, seed=self.seed, epoch=epoch,
+                                     shuffle=self.shuffle)
+        else:
+            batches = list(torch.split(self._sampler_order(epoch), self.global_batch_size))
         shards = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist() for b in batches]
         loader = DataLoader(self.dataset, batch_sampler=shards, collate_fn=self.collate,
                             num_workers=self.num_workers, **self.loader_kwargs)
         for batch, indices in zip(loader, batches):
             yield batch, indices.numel()
+
+    def _sampler_order(self, epoch: int) -> torch.Tensor:
+        """The user's sampler's order for `epoch`, the same on every rank where its draws are seeded
+        here (a `generator`) or by its `set_epoch`; its length is checked, as DataLoader trusts it."""
+        if hasattr(self.sampler, "generator"):  # RandomSampler, WeightedRandomSampler, SubsetRandomSampler
+            self.sampler.generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        order = torch.as_tensor(list(iter(self.sampler)), dtype=torch.int64)
+        if order.numel() != self.num_examples:
+            raise ValueError(f"the sampler gave {order.numel()} indices in epoch {epoch}, but its len() is "
+                             f"{self.num_examples}; make its __len__ match what it yields")
+        return order
 
     def _stream_epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
         set_epoch = getattr(self.dataset, "set_epoch", None)

@@ -88,7 +88,7 @@ def global_batches(
     if seed < 0 or epoch < 0:
         raise ValueError(f"global_batches: seed and epoch must be >= 0, got seed={seed}, epoch={epoch}")
     if shuffle:
-        generator = torch.Generator().manual_seed(seed * _EPOCH_SEED_STRIDE + epoch)
+        generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
         order = torch.randperm(num_examples, generator=generator)
     else:
         order = torch.arange(num_examples)
@@ -96,6 +96,11 @@ def global_batches(
     batches = list(torch.split(order, global_batch_size)) if num_examples else []
     assert len(batches) == steps, (len(batches), steps)
     return batches
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The generator seed of epoch `epoch` of a run seeded `seed`: a pure function of the two."""
+    return seed * _EPOCH_SEED_STRIDE + epoch
 
 
 def rank_shard(batch_indices: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:

@@ -182,3 +182,49 @@ def test_evaluate_dataset_over_a_stream_counts_every_item_once():
     want = phalanx.evaluate_dataset(model, items, world=world(0, 1), batch_size=4)
     got = phalanx.evaluate_dataset(model, stream, world=world(0, 1), batch_size=4)
     assert got == want and got["count"] == 23
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_sharded_loader_with_a_weighted_sampler_draws_one_order_on_every_rank(k):
+    n, batch = 40, 16
+    data = TensorDataset(torch.arange(n, dtype=torch.float64).unsqueeze(1), torch.arange(n))
+    weights = torch.linspace(0.1, 1.0, n, dtype=torch.float64)
+
+    def loader(rank: int, world_size: int) -> phalanx.ShardedLoader:
+        sampler = torch.utils.data.WeightedRandomSampler(weights, num_samples=35, replacement=True)  # no generator
+        return phalanx.ShardedLoader(data, world=world(rank, world_size), global_batch_size=batch, seed=3,
+                                     sampler=sampler)
+
+    one = list(loader(0, 1).epoch(1))
+    ranks = []
+    for r in range(k):
+        torch.manual_seed(100 + r)  # each rank's global RNG elsewhere: the sampler's draws must not depend on it
+        ranks.append(list(loader(r, k).epoch(1)))
+    assert len(loader(0, k)) == 3 and [g for _, g in one] == [16, 16, 3]
+    for step, ((_, y), global_size) in enumerate(one):
+        assert all(ranks[r][step][1] == global_size for r in range(k))
+        assert torch.equal(torch.cat([ranks[r][step][0][1] for r in range(k)]), y)
+    drawn = torch.cat([y for (_, y), _ in one])
+    assert drawn.float().mean() > (n - 1) / 2  # weighted toward the heavy end, with repeats
+    assert not torch.equal(drawn, torch.cat([y for (_, y), _ in loader(0, 1).epoch(2)]))  # a new draw each epoch
+
+
+def test_sharded_loader_refuses_samplers_it_cannot_honour():
+    data = TensorDataset(torch.zeros(8, 1), torch.zeros(8))
+    with pytest.raises(ValueError, match="DistributedSampler shards by itself, padding or dropping examples; drop the "
+                                         "sampler"):
+        phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=4,
+                              sampler=torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0))
+    with pytest.raises(ValueError, match="shuffle=True is the sampler's own order; drop shuffle=True"):
+        phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=4, shuffle=True,
+                              sampler=torch.utils.data.SequentialSampler(data))
+    with pytest.raises(ValueError, match="a stream orders itself; drop the sampler"):
+        phalanx.ShardedLoader(_Stream(8), world=world(0, 2), global_batch_size=4,
+                              sampler=torch.utils.data.SequentialSampler(data))
+
+    class Liar(torch.utils.data.SequentialSampler):
+        def __len__(self) -> int:
+            return 9
+
+    with pytest.raises(ValueError, match="the sampler gave 8 indices in epoch 0, but its len\\(\\) is 9"):
+        list(phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=4, sampler=Liar(data)).epoch(0))
