@@ -49,13 +49,23 @@ class Ranked(Protocol):
     world_size: int
 
 
+_LEAVES = (str, bytes, int, float, bool, type(None))
+
+
 def empty_batch_like(batch: Any) -> Any:
-    """`batch` with every tensor cut to 0 rows (same dtypes, trailing shapes and nesting)."""
+    """`batch` (one example collated) with every batch dimension cut to 0: each tensor to 0 rows
+    (same dtypes, trailing shapes), a list or tuple of plain values (a batch of strings, as
+    default_collate gives a text field) to none; dicts, named tuples and lists of fields keep
+    their structure."""
     if isinstance(batch, torch.Tensor):
         return batch[:0]
     if isinstance(batch, dict):
         return {key: empty_batch_like(value) for key, value in batch.items()}
     if isinstance(batch, (tuple, list)):
+        if hasattr(batch, "_fields"):  # a named tuple, as default_collate keeps it
+            return type(batch)(*(empty_batch_like(value) for value in batch))
+        if batch and all(isinstance(value, _LEAVES) for value in batch):
+            return type(batch)()  # the example's own values, not a structure: none of them here
         return type(batch)(empty_batch_like(value) for value in batch)
     return batch
 

@@ -3,6 +3,7 @@ semantics against one device's batches, shard_loss, clip_grad_norm_'s refusals, 
 init() outside any launcher. The k-process behaviour is tests/distributed/test_run_script.py."""
 
 import importlib
+import typing
 
 import pytest
 import torch
@@ -228,3 +229,30 @@ def test_sharded_loader_refuses_samplers_it_cannot_honour():
 
     with pytest.raises(ValueError, match="the sampler gave 8 indices in epoch 0, but its len\\(\\) is 9"):
         list(phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=4, sampler=Liar(data)).epoch(0))
+
+
+class _Example(typing.NamedTuple):
+    text: str
+    ids: torch.Tensor
+
+
+class _Texts(torch.utils.data.Dataset):
+    """Examples as a text field, its ids and a label: what a tokenizing pipeline's dataset returns."""
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i: int) -> dict:
+        return {"text": f"example {i}", "label": i, "pair": (f"a{i}", f"b{i}"),
+                "named": _Example(text=f"n{i}", ids=torch.tensor([i, i]))}
+
+
+def test_an_empty_shard_of_a_text_batch_holds_no_phantom_example():
+    # 5 examples in batches of 4 over 3 ranks: the last batch has 1 example, so ranks 1 and 2 get none
+    for rank in (1, 2):
+        (*_, (last, global_size)) = phalanx.ShardedLoader(_Texts(), world=world(rank, 3), global_batch_size=4).epoch(0)
+        assert global_size == 1
+        assert last["text"] == [] and last["pair"] == [(), ()] and last["label"].shape == (0,)
+        assert isinstance(last["named"], _Example) and last["named"].text == () and last["named"].ids.shape == (0, 2)
+    (*_, (last, _)) = phalanx.ShardedLoader(_Texts(), world=world(0, 3), global_batch_size=4).epoch(0)
+    assert len(last["text"]) == 1 and last["named"].ids.shape == (1, 2)  # the rank that holds it
