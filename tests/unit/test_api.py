@@ -2,9 +2,12 @@
 semantics against one device's batches, shard_loss, clip_grad_norm_'s refusals, evaluate_dataset,
 init() outside any launcher. The k-process behaviour is tests/distributed/test_run_script.py."""
 
+import collections
+import dataclasses
 import importlib
 import typing
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -256,3 +259,27 @@ def test_an_empty_shard_of_a_text_batch_holds_no_phantom_example():
         assert isinstance(last["named"], _Example) and last["named"].text == () and last["named"].ids.shape == (0, 2)
     (*_, (last, _)) = phalanx.ShardedLoader(_Texts(), world=world(0, 3), global_batch_size=4).epoch(0)
     assert len(last["text"]) == 1 and last["named"].ids.shape == (1, 2)  # the rank that holds it
+
+
+@dataclasses.dataclass
+class _Batch:
+    ids: torch.Tensor
+    texts: list
+
+
+class _Encoding(collections.UserDict):
+    """A mapping that is no dict, as Hugging Face's BatchEncoding (what DataCollatorWithPadding returns)."""
+
+
+def test_empty_batches_of_other_collated_structures():
+    from phalanx.data.loader import empty_batch_like
+
+    cut = empty_batch_like(_Batch(ids=torch.ones(1, 3), texts=["one"]))
+    assert isinstance(cut, _Batch) and cut.ids.shape == (0, 3) and cut.texts == []
+    cut = empty_batch_like(_Encoding({"input_ids": torch.ones(1, 7, dtype=torch.int64), "num_items": 1}))
+    assert isinstance(cut, _Encoding) and cut["input_ids"].shape == (0, 7) and cut["num_items"] == 1
+    assert empty_batch_like(numpy.ones((1, 4))).shape == (0, 4)
+    assert empty_batch_like([object(), object()]) == []  # a batch of objects (images, records): none
+    with pytest.raises(TypeError, match="holds a value of type object, which phalanx cannot cut to no examples; have "
+                                        "collate_fn return tensors"):
+        empty_batch_like({"x": torch.ones(1), "record": object()})
