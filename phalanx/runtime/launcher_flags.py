@@ -1,4 +1,4 @@
-"""Other launchers' flags given to `phalanx run` (torchrun's, `accelerate launch`'s, `fabric run`'s): each named in one line.
+"""Other launchers' flags given to `phalanx run` (torchrun's, accelerate launch's, fabric run's), each named.
 
 Someone coming from torchrun types `phalanx run --nproc-per-node 2 train.py`, from Accelerate
 `--num_processes 2 --mixed_precision bf16`, from Fabric `--accelerator cpu --strategy ddp`, where
@@ -31,9 +31,9 @@ _OUTPUT = ("phalanx run takes no {flag}: every worker writes to this console as 
 _OTHER = ("{launcher}'s {flag} has no counterpart in phalanx run, whose launcher supervises its workers itself "
           "(--timeout bounds every wait); drop it, or start the script with torchrun itself, where phalanx.init() "
           "joins its world")
-_RESTARTS = ("phalanx run restarts no worker: a failure ends the run in one line naming the rank; for restarts start the "
-             "script with torchrun --max-restarts N itself, where phalanx.init() joins its world and phalanx.resume(...) "
-             "continues from the script's last phalanx.checkpoint(...)")
+_RESTARTS = ("phalanx run restarts no worker: a failure ends the run in one line naming the rank; for restarts start "
+             "the script with torchrun --max-restarts N itself, where phalanx.init() joins its world and "
+             "phalanx.resume(...) continues from the script's last phalanx.checkpoint(...)")
 _IN_THE_SCRIPT = "phalanx run takes no {flag}: {what} is set in the script, {how}"
 _PRECISION = _IN_THE_SCRIPT.format(flag="{flag}", what="mixed precision",
                                    how="phalanx.prepare(model, world=world, precision=\"bf16-mixed\")")
@@ -109,7 +109,8 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("accelerate launch", _both("--gradient_accumulation_steps"), True,
      _IN_THE_SCRIPT.format(flag="{flag}", what="accumulation", how="for piece in dp.accumulate(n): ...")),
     ("accelerate launch", _both("--gradient_clipping"), True,
-     _IN_THE_SCRIPT.format(flag="{flag}", what="clipping", how="phalanx.clip_grad_norm_(dp, max_norm) before the step")),
+     _IN_THE_SCRIPT.format(flag="{flag}", what="clipping",
+                           how="phalanx.clip_grad_norm_(dp, max_norm) before the step")),
     ("accelerate launch", _both("--config_file"), True,
      "phalanx run reads no config file: its flags are --devices, --threads-per-device, --bind-cores, --timeout, "
      "--quiet and -m, and the rest is set in the script (phalanx.prepare's keywords): drop {flag}"),

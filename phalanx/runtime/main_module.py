@@ -49,7 +49,8 @@ class Target:
         path = Path(self.name)
         if not path.is_file():
             raise UsageError(f"script {self.name} {'is a directory' if path.is_dir() else 'does not exist'}; "
-                             "name a Python file, e.g. phalanx run --devices cpu:2 train.py (or a module: -m pkg.train)")
+                             "name a Python file, e.g. phalanx run --devices cpu:2 train.py (or a module: "
+                             "-m pkg.train)")
         if not os.access(path, os.R_OK):
             raise UsageError(f"script {self.name} is not readable; check its permissions")
 

@@ -31,6 +31,7 @@ import atexit
 import contextlib
 import datetime
 import multiprocessing
+import os
 import sys
 from dataclasses import dataclass
 
@@ -116,7 +117,21 @@ ALONE_IN_A_CHILD = ("phalanx.init() in a child process found no RANK/WORLD_SIZE 
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
     """One spawned worker of `phalanx run`."""
     target, args, spec = payload
+    _inherit_launcher_stdin()
     _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown)
+
+
+def _inherit_launcher_stdin() -> None:
+    """sys.stdin: fd 0, the launcher's stdin, which a spawned worker inherits but for which
+    multiprocessing gave Python /dev/null; a torchrun worker reads its agent's. So `breakpoint()`
+    (pdb) and `input()` read the terminal, as under torchrun and plain python, instead of ending
+    the run with BdbQuit / EOFError at once (torch.distributed.breakpoint() opens /dev/stdin and
+    worked either way)."""
+    try:
+        os.fstat(0)
+    except OSError:  # closed: /dev/null stays
+        return
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
 
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,

@@ -132,7 +132,8 @@ def ranks_share_gpu(environ: Mapping[str, str] | None = None) -> bool:
     """True when RANKS_SHARE_GPU_VAR asks every CUDA rank onto cuda:0 over gloo."""
     value = (os.environ if environ is None else environ).get(RANKS_SHARE_GPU_VAR, "")
     if value not in ("", "0", "1"):
-        raise UsageError(f"{RANKS_SHARE_GPU_VAR}={value!r} is not understood; set it to 1 (ranks share cuda:0 over gloo) or unset it")
+        raise UsageError(f"{RANKS_SHARE_GPU_VAR}={value!r} is not understood; set it to 1 (ranks share cuda:0 over "
+                         "gloo) or unset it")
     return value == "1"
 
 

@@ -4,16 +4,18 @@ The test set is cut into contiguous shards, one per rank (sizes differ by at mos
 counts its correct predictions and the counts are summed, so every test image is counted exactly
 once and every rank gets the same accuracy. `evaluate` does this for tensors in memory (the
 CLI's datasets; `count_accuracy` also for a model split, whose ranks each read every test image
-and where those holding the output count); `evaluate_dataset` for any torch Dataset and any
-summed metric (a user's), a stream (IterableDataset) too; it moves each batch to the model's device and its floating tensors to
-the model's floating dtype, as `evaluate` casts its images (a float64 model from `prepare(dtype=
-"float64")` takes a float32 Dataset; Lightning's precision plugins convert a batch the same way).
+and where those holding the output count); `evaluate_dataset` for any torch Dataset (a stream
+too) and any summed metric (a user's); it moves each batch to the model's device and its
+floating tensors to the model's floating dtype, as `evaluate` casts its images (a float64 model
+from `prepare(dtype="float64")` takes a float32 Dataset; Lightning's precision plugins convert a
+batch the same way).
 It first checks that the replicas' buffers agree (one small all-gather): each rank evaluates
 its shard with its own replica, so replicas whose running statistics drifted apart would be
 mixed into one number without a word. Where forward is itself a collective (a
 replica with `shard="parameters"` gathers each layer's weights), every rank runs as many
-batches as the rank with the most, padding with empty ones (`lockstep_batches`). Its default metric, `classification_sums`, is for a classifier returning logits and refuses
-anything else (probabilities, one output column, float labels) with the fix: a `sums=` of yours.
+batches as the rank with the most, padding with empty ones (`lockstep_batches`). Its default
+metric, `classification_sums`, is for a classifier returning logits and refuses anything else
+(probabilities, one output column, float labels) with the fix: a `sums=` of yours.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@
   (it still reads itself after a chdir), sys.argv[0] as given, sys.path[0], OMP_NUM_THREADS=1 (and
   MKL_NUM_THREADS, with torch's thread count) and a TORCHELASTIC_ERROR_FILE of each worker's own;
   every variable torchrun's agent gives a worker, phalanx gives too.
+- Their sys.stdin: the launcher's, under both (multiprocessing gives a spawned worker's Python
+  /dev/null), so `breakpoint()` on rank 0 takes pdb commands from it, as under torchrun, as does
+  `torch.distributed.breakpoint()`.
 - The same probe as a module (`-m env_probe --lr 0.1`), under both: the same `__file__`,
   sys.argv, sys.path[0] (the working directory), `__name__` and `__spec__`.
 - A script that calls torch.set_num_threads(3) is named once, on rank 0, with the count it runs on.
@@ -51,10 +54,10 @@ def _script(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def _probe(out: Path, command: list[str]) -> dict:
+def _probe(out: Path, command: list[str], stdin: int | None = None) -> dict:
     out.mkdir()
     env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPTS,
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=SCRIPTS, stdin=stdin,
                           env={**env, "PROBE_OUT": str(out)})
     assert done.returncode == 0, done.stderr[-3000:]
     return {rank: json.loads((out / f"{rank}.json").read_text()) for rank in (0, 1)}
@@ -63,11 +66,14 @@ def _probe(out: Path, command: list[str]) -> dict:
 def test_a_phalanx_run_worker_sees_what_a_torchrun_worker_sees(tmp_path):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
     assert torchrun, "torchrun ships with torch"
-    theirs = _probe(tmp_path / "torchrun", [torchrun, "--standalone", "--nproc-per-node", "2", "env_probe.py"])
+    given, keep = os.pipe()  # both launchers' stdin: their workers read the same pipe
+    theirs = _probe(tmp_path / "torchrun", [torchrun, "--standalone", "--nproc-per-node", "2", "env_probe.py"], given)
     ours = _probe(tmp_path / "phalanx", [sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2",
-                                         "--threads-per-device", "1", "--quiet", "env_probe.py"])
+                                         "--threads-per-device", "1", "--quiet", "env_probe.py"], given)
+    os.close(given), os.close(keep)
     for rank in (0, 1):
         t, p = theirs[rank], ours[rank]
+        assert p["stdin"] == t["stdin"] and t["stdin"].startswith("pipe:"), (p["stdin"], t["stdin"])  # not /dev/null
         assert p["file"] == t["file"] == str(SCRIPTS / "env_probe.py")  # absolute, as python's own
         assert p["argv0"] == t["argv0"] == "env_probe.py"  # as given
         assert p["path0"] == t["path0"] and p["reads_itself"] and t["reads_itself"]
@@ -94,6 +100,22 @@ def test_a_module_under_phalanx_run_sees_what_it_sees_under_torchrun(tmp_path):
         assert p["path0"] == t["path0"] == str(SCRIPTS)
         assert (p["name"], p["spec"]) == (t["name"], t["spec"]) == ("__main__", "env_probe")
         assert p["reads_itself"] and t["reads_itself"]
+
+
+# breakpoint() on rank 0 alone, the others waiting in a barrier; dist.breakpoint() on every rank (it barriers itself)
+@pytest.mark.parametrize("stop", ["if world.rank == 0:\n        breakpoint()\n    dist.barrier()",
+                                  "dist.breakpoint(rank=0)"], ids=["breakpoint", "dist.breakpoint"])
+def test_pdb_on_rank_0_reads_the_terminal_as_under_torchrun(tmp_path, stop):
+    script = tmp_path / "script.py"
+    script.write_text("import torch.distributed as dist\nimport phalanx\nif __name__ == '__main__':\n"
+                      f"    world = phalanx.init()\n    x = 41 + world.rank\n    {stop}\n"
+                      "    print('after', world.rank)\n")
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--quiet", str(script)],
+                          input=("up\n" if "dist.breakpoint" in stop else "") + "p x\nc\n", capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(Pdb) 41\n" in done.stdout and sorted(done.stdout.split("(Pdb) ")[-1].split("\n")[:2]) == [
+        "after 0", "after 1"], done.stdout
 
 
 def test_a_script_that_sets_its_own_threads_is_named_once_with_its_count(tmp_path):

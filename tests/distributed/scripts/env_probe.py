@@ -1,5 +1,6 @@
 """What a worker sees of its launcher, for the test that holds `phalanx run` to torchrun's contract:
-this rank's `__file__`, sys.argv, sys.path[0], `__name__`, `__spec__`, threads and environment, as JSON in
+this rank's `__file__`, sys.argv, sys.path[0], `__name__`, `__spec__`, threads, environment and what its
+stdin is, as JSON in
 OUT/<rank>.json (OUT: the PROBE_OUT variable). Then it changes directory and reads its own file
 through `__file__`, as a script that chdirs and then finds its data beside itself does.
 
@@ -14,7 +15,8 @@ import sys
 import torch
 
 seen = {"file": __file__, "argv0": sys.argv[0], "args": sys.argv[1:], "path0": sys.path[0], "name": __name__,
-        "spec": None if __spec__ is None else __spec__.name, "threads": torch.get_num_threads(), "env": dict(os.environ)}
+        "spec": None if __spec__ is None else __spec__.name, "threads": torch.get_num_threads(),
+        "env": dict(os.environ), "stdin": os.readlink(f"/proc/self/fd/{sys.stdin.fileno()}")}
 os.chdir("/")
 with open(__file__) as handle:  # found from anywhere: __file__ is absolute
     seen["reads_itself"] = "What a worker sees" in handle.read()
