@@ -52,7 +52,7 @@ from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.data_parallel.layout import BucketLayout
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
-from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_
+from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_, placed
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
 from phalanx.runtime.world import World
@@ -99,7 +99,7 @@ class DataParallel(ReplicaModule):
         # Whether buckets go out beside backward, and what auto saw (config.py's resolve_overlap).
         self.overlap, self.overlap_reason = resolve_overlap(options.overlap, algorithm=self.algorithm,
                                                             local_workers=world.local_world_size)
-        self.module = module.to(world.device)
+        self.module = placed(module, world.device)
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with nothing to exchange (see the module docstring).
         self.exchanging = world.distributed or options.exchange_alone or comm is not None

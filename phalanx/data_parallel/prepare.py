@@ -30,7 +30,7 @@ from phalanx.data_parallel.config import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, Dat
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
-from phalanx.data_parallel.replica import refuse_uninitialized
+from phalanx.data_parallel.uninitialized import refuse_uninitialized
 from phalanx.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from phalanx.options import OptionError
 from phalanx.runtime.foreign_names import foreign_keywords_error

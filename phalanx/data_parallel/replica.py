@@ -14,8 +14,7 @@ gradients of the steps since the last NaN/Inf check (guards/finite.py), so nothi
 Refused, because the gradients live as views in the exchange's buckets: moving, casting or
 re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
 would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
-replace them; and a lazy module (`nn.LazyLinear`) before its first forward, whose parameters
-have no shape to broadcast (`refuse_uninitialized`). `forward` optionally runs under
+replace them; and a lazy module before its first forward or a meta one (uninitialized.py). `forward` optionally runs under
 `torch.autocast` (`prepare(precision="bf16-mixed")`, as Lightning Fabric and Accelerate do): the
 weights, their gradients and the exchange stay float32, and floating outputs come back as float32
 so the loss is computed in full precision, in their own containers (a Hugging Face
@@ -41,6 +40,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.data_parallel.uninitialized import placed, refuse_uninitialized  # placed: DataParallel's
 from phalanx.runtime.foreign_names import DDP_METHODS, ddp_method_error
 from phalanx.runtime.world import World
 
@@ -247,18 +247,6 @@ class ReplicaModule(nn.Module):
                         "model before wrapping it (phalanx.prepare(model, world=world, dtype=..., memory_format=...) "
                         "also puts it on world.device)")
         return super()._apply(fn, recurse)
-
-
-def refuse_uninitialized(module: nn.Module) -> None:
-    """A lazy module's parameters have no shape until its first forward: nothing to broadcast or
-    to lay out in buckets. Refused on every world size alike, so a script fails on one device
-    where it would on k, with the fix (DDP refuses them too)."""
-    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if nn.parameter.is_lazy(tensor):
-            owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
-            raise ValueError(f"{name} is not initialized yet ({owner} infers its shape at the first forward): "
-                             "run one forward with a batch of your data before phalanx.prepare, on every rank, "
-                             "then prepare")
 
 
 @torch.no_grad()

@@ -168,6 +168,22 @@ def test_a_lazy_module_before_its_first_forward_is_refused_naming_it_and_the_fix
         phalanx.DataParallel(lazy(), world=WORLD1)
 
 
+def test_a_module_on_the_meta_device_is_refused_and_trains_once_materialized():
+    with torch.device("meta"):  # deferred initialization, as torchtitan builds a model
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    for build in (phalanx.prepare, phalanx.DataParallel):
+        with pytest.raises(ValueError, match=r"^0\.weight \(Linear\) is on the meta device and holds no values: "
+                                             r"materialize the model before phalanx\.prepare, model\.to_empty"):
+            build(model, world=WORLD1)
+    model.to_empty(device="cpu")  # the fix the refusal names
+    for layer in model:
+        layer.reset_parameters()
+    with phalanx.prepare(model, world=WORLD1) as dp:
+        F.cross_entropy(dp(torch.randn(5, 4)), torch.tensor([0, 1, 2, 0, 1]), reduction="sum").backward()
+        dp.finish_gradient_sync()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in dp.parameters())
+
+
 def test_a_lazy_module_after_a_dummy_forward_trains_as_the_plain_loop():
     torch.manual_seed(0)
     model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 3)).double()
