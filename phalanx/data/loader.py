@@ -175,8 +175,9 @@ class ShardedLoader:
                              "called every epoch where the dataset has one)")
         if sampler is not None:
             if self.streams or shuffle or _sampler_of(sampler) is not None:
-                why = ("a stream orders itself" if self.streams else "shuffle=True is the sampler's own order"
-                       if shuffle else "torch's DistributedSampler shards by itself, padding or dropping examples")
+                why = ("a stream orders itself" if self.streams else "the order is the sampler's, which shuffle=True "
+                       "would override" if shuffle else "torch's DistributedSampler shards by itself, padding or "
+                       "dropping examples")
                 raise ValueError(f"ShardedLoader cannot take this sampler: {why}; drop "
                                  f"{'shuffle=True' if shuffle and not self.streams else 'the sampler'}")
         self.sampler = sampler

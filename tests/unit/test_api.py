@@ -219,7 +219,8 @@ def test_sharded_loader_refuses_samplers_it_cannot_honour():
                                          "sampler"):
         phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=4,
                               sampler=torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0))
-    with pytest.raises(ValueError, match="shuffle=True is the sampler's own order; drop shuffle=True"):
+    with pytest.raises(ValueError, match="the order is the sampler's, which shuffle=True would override; drop "
+                                         "shuffle=True"):
         phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=4, shuffle=True,
                               sampler=torch.utils.data.SequentialSampler(data))
     with pytest.raises(ValueError, match="a stream orders itself; drop the sampler"):
