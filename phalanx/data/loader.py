@@ -6,7 +6,7 @@ by (seed, epoch) alone, identical on every rank, so there is no `set_epoch` to f
 shard is `rank_shard`'s contiguous slice, so k ranks together read exactly the batches one
 device reads, the smaller last batch included. `loader.epoch(e)` yields `(batch, global_size)`:
 the batch as a plain `DataLoader` collates it (any Dataset, lazy ones included, `num_workers`
-as usual) and the size of the *global* batch it belongs to, which the loss needs
+as usual: one DataLoader serves every epoch, so `persistent_workers=True` keeps its workers) and the size of the *global* batch it belongs to, which the loss needs
 (`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
 the right structure, so its forward/backward/gradient exchange still pair with its peers'.
 
@@ -190,6 +190,7 @@ class ShardedLoader:
         self.num_workers, self.loader_kwargs = num_workers, loader_kwargs
         self.collate_fn = collate_fn or default_collate
         self.collate = None if self.streams else ShardCollate(dataset, self.collate_fn)
+        self._shards, self._loader = _EpochShards(), None
 
     def __len__(self) -> int:
         """Steps per epoch (the last, smaller global batch counts)."""
@@ -208,10 +209,12 @@ class ShardedLoader:
                                      shuffle=self.shuffle)
         else:
             batches = list(torch.split(self._sampler_order(epoch), self.global_batch_size))
-        shards = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist() for b in batches]
-        loader = DataLoader(self.dataset, batch_sampler=shards, collate_fn=self.collate,
-                            num_workers=self.num_workers, **self.loader_kwargs)
-        for batch, indices in zip(loader, batches):
+        self._shards.now = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist()
+                            for b in batches]
+        if self._loader is None:  # one DataLoader for every epoch: persistent_workers=True keeps its workers
+            self._loader = DataLoader(self.dataset, batch_sampler=self._shards, collate_fn=self.collate,
+                                      num_workers=self.num_workers, **self.loader_kwargs)
+        for batch, indices in zip(self._loader, batches):
             yield batch, indices.numel()
 
     def _sampler_order(self, epoch: int) -> torch.Tensor:
@@ -234,6 +237,21 @@ class ShardedLoader:
             set_epoch(epoch)
         yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
                                  num_workers=self.num_workers, **self.loader_kwargs)
+
+
+class _EpochShards:
+    """The batch sampler of a ShardedLoader's one DataLoader: this rank's shards of the epoch that
+    `epoch()` set last, read each time the DataLoader starts an epoch (its workers, persistent or
+    not, only ever see indices)."""
+
+    def __init__(self) -> None:
+        self.now: list[list[int]] = []
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.now)
+
+    def __len__(self) -> int:
+        return len(self.now)
 
 
 def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate_fn: Callable = default_collate,
