@@ -30,7 +30,7 @@ from phalanx.data_parallel.config import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, Dat
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
-from phalanx.data_parallel.uninitialized import refuse_uninitialized
+from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from phalanx.options import OptionError
 from phalanx.runtime.foreign_names import foreign_keywords_error
@@ -99,7 +99,7 @@ def prepare_replica(model: nn.Module, options: DataParallelConfig, *, world: Wor
     """`prepare` with the replica's options as one object: `model` cast to `dtype`, its BatchNorm
     and memory format as `options` say, then the `DataParallel` built with them (`bucket_cap_mb`
     applying with `overlap` only: without it, one flat bucket)."""
-    refuse_uninitialized(model)  # before any conversion touches a lazy module's parameters
+    refuse_unfit(model)  # before any conversion touches a lazy module's parameters
     layout = resolve_memory_format(options.memory_format, model, world.device)  # the layers decide, not their dtype
     if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(_DTYPES)}")

@@ -7,12 +7,15 @@ tests/distributed/test_prepare_equals_one_rank.py."""
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import phalanx
 from phalanx.models import LeNet, build_model
@@ -182,6 +185,23 @@ def test_a_module_on_the_meta_device_is_refused_and_trains_once_materialized():
         F.cross_entropy(dp(torch.randn(5, 4)), torch.tensor([0, 1, 2, 0, 1]), reduction="sum").backward()
         dp.finish_gradient_sync()
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in dp.parameters())
+
+
+def test_a_model_already_in_a_data_parallel_wrapper_is_refused_naming_the_model_inside():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # DDP needs a group
+    try:
+        cases = [(DDP(nn.Linear(4, 2)), "the model is already wrapped in torch's DistributedDataParallel", "module"),
+                 (nn.DataParallel(nn.Linear(4, 2)), "the model is already wrapped in torch.nn.DataParallel", "module"),
+                 (phalanx.prepare(nn.Linear(4, 2), world=WORLD1), "wrapped in a phalanx replica", "module"),
+                 (nn.Sequential(nn.ReLU(), nn.DataParallel(nn.Linear(4, 2))),
+                  "its submodule 1 is already wrapped in torch.nn.DataParallel", "1.module")]
+        for wrapped, said, inside in cases:
+            for build in (phalanx.prepare, phalanx.DataParallel):
+                with pytest.raises(ValueError, match=rf"{re.escape(said)}.*pass the model itself "
+                                                     rf"\({re.escape(inside)} of this one\) to phalanx\.prepare, once"):
+                    build(wrapped, world=WORLD1)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_lazy_module_after_a_dummy_forward_trains_as_the_plain_loop():

@@ -1,0 +1,59 @@
+"""Modules a replica cannot be built from, refused where one is built, in one line naming the fix.
+
+A lazy module (`nn.LazyLinear`) has no shapes until its first forward; one built on the meta
+device (deferred initialization, as torchtitan builds a model) has no values until it is
+materialized. Neither can be broadcast from rank 0 or laid out in buckets, and either would die
+inside torch (`UninitializedParameter`, "Cannot copy out of meta tensor"). A model already inside
+a data-parallel wrapper (torch's DDP, FSDP or `nn.DataParallel`, the book's one-process split over
+GPUs, or a phalanx replica) would have its gradients exchanged twice, once by each. `prepare`
+refuses them before converting anything, and `DataParallel` before it moves the module
+(`placed`), on every world size alike, so a script fails on one device where it would on k.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def refuse_unfit(module: nn.Module) -> None:
+    """ValueError naming the fix for a lazy or meta parameter, or a data-parallel wrapper, in `module`."""
+    for name, inner in module.named_modules():
+        wrapper = _wrapper(inner)
+        if wrapper is not None:
+            where = f"its submodule {name}" if name else "the model"
+            raise ValueError(f"{where} is already wrapped in {wrapper}, whose gradient exchange phalanx's would "
+                             f"repeat; pass the model itself ({'.'.join(filter(None, [name, 'module']))} of this one) "
+                             "to phalanx.prepare, once")
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
+        if nn.parameter.is_lazy(tensor):  # DDP refuses them too
+            raise ValueError(f"{name} is not initialized yet ({owner} infers its shape at the first forward): "
+                             "run one forward with a batch of your data before phalanx.prepare, on every rank, "
+                             "then prepare")
+        if tensor.is_meta:
+            raise ValueError(f"{name} ({owner}) is on the meta device and holds no values: materialize the model "
+                             "before phalanx.prepare, model.to_empty(device=world.device) then initialize it (each "
+                             "module's reset_parameters(), or your init; prepare broadcasts rank 0's values)")
+
+
+def placed(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` moved to `device`, once `refuse_unfit` found nothing to refuse."""
+    refuse_unfit(module)
+    return module.to(device)
+
+
+def _wrapper(module: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper `module` is, or None."""
+    from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return "torch's DistributedDataParallel"
+    if isinstance(module, OneProcess):
+        return "torch.nn.DataParallel (one process splitting each batch over its GPUs; phalanx runs one per device)"
+    kind = type(module).__name__
+    if kind in ("FullyShardedDataParallel",) or kind.startswith("FSDP"):  # FSDP1, and FSDP2's FSDP<Model> classes
+        return f"torch's FSDP ({kind}; phalanx's own sharding: prepare(model, shard=...))"
+    if hasattr(module, "finish_gradient_sync") and hasattr(module, "buckets"):
+        return "a phalanx replica (DataParallel)"
+    return None
