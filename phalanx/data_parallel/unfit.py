@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
 
 
 def refuse_unfit(module: nn.Module) -> None:
@@ -45,8 +46,6 @@ def placed(module: nn.Module, device: torch.device) -> nn.Module:
 
 def _wrapper(module: nn.Module) -> str | None:
     """The name of the data-parallel wrapper `module` is, or None."""
-    from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
-
     if isinstance(module, DistributedDataParallel):
         return "torch's DistributedDataParallel"
     if isinstance(module, OneProcess):
