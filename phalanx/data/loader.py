@@ -6,8 +6,8 @@ by (seed, epoch) alone, identical on every rank, so there is no `set_epoch` to f
 shard is `rank_shard`'s contiguous slice, so k ranks together read exactly the batches one
 device reads, the smaller last batch included. `loader.epoch(e)` yields `(batch, global_size)`:
 the batch as a plain `DataLoader` collates it (any Dataset, lazy ones included, `num_workers`
-as usual: one DataLoader serves every epoch, so `persistent_workers=True` keeps its workers) and the size of the *global* batch it belongs to, which the loss needs
-(`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
+as usual: one DataLoader serves every epoch, so `persistent_workers=True` keeps its workers)
+and the size of the *global* batch it belongs to, which the loss needs (`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
 the right structure, so its forward/backward/gradient exchange still pair with its peers'.
 
 A sampler of the user's (`sampler=`: a WeightedRandomSampler for imbalanced classes, a subset)
