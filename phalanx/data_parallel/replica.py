@@ -14,7 +14,8 @@ gradients of the steps since the last NaN/Inf check (guards/finite.py), so nothi
 Refused, because the gradients live as views in the exchange's buckets: moving, casting or
 re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
 would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
-replace them; and a lazy module before its first forward, a meta one, or one inside a DDP wrapper (unfit.py). `forward` optionally runs under
+replace them; and a lazy module before its first forward, a meta one, or one inside a DDP wrapper
+(unfit.py: `placed` checks before it moves the module). `forward` optionally runs under
 `torch.autocast` (`prepare(precision="bf16-mixed")`, as Lightning Fabric and Accelerate do): the
 weights, their gradients and the exchange stay float32, and floating outputs come back as float32
 so the loss is computed in full precision, in their own containers (a Hugging Face
@@ -40,7 +41,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
-from phalanx.data_parallel.unfit import placed, refuse_unfit  # placed: DataParallel's
+from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.runtime.foreign_names import DDP_METHODS, ddp_method_error
 from phalanx.runtime.world import World
 
@@ -249,10 +250,16 @@ class ReplicaModule(nn.Module):
         return super()._apply(fn, recurse)
 
 
+def placed(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` moved to `device`, once `refuse_unfit` found nothing to refuse (a meta module
+    cannot even move): a replica's first step, before `broadcast_state_`."""
+    refuse_unfit(module)
+    return module.to(device)
+
+
 @torch.no_grad()
 def broadcast_state_(module: nn.Module, *, world: World, src: int = 0) -> None:
     """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast per dtype)."""
-    refuse_unfit(module)
     if not world.distributed:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

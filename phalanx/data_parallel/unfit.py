@@ -7,12 +7,11 @@ inside torch (`UninitializedParameter`, "Cannot copy out of meta tensor"). A mod
 a data-parallel wrapper (torch's DDP, FSDP or `nn.DataParallel`, the book's one-process split over
 GPUs, or a phalanx replica) would have its gradients exchanged twice, once by each. `prepare`
 refuses them before converting anything, and `DataParallel` before it moves the module
-(`placed`), on every world size alike, so a script fails on one device where it would on k.
+(replica.py's `placed`), on every world size alike, so a script fails on one device where it would on k.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
 
@@ -36,12 +35,6 @@ def refuse_unfit(module: nn.Module) -> None:
             raise ValueError(f"{name} ({owner}) is on the meta device and holds no values: materialize the model "
                              "before phalanx.prepare, model.to_empty(device=world.device) then initialize it (each "
                              "module's reset_parameters(), or your init; prepare broadcasts rank 0's values)")
-
-
-def placed(module: nn.Module, device: torch.device) -> nn.Module:
-    """`module` moved to `device`, once `refuse_unfit` found nothing to refuse."""
-    refuse_unfit(module)
-    return module.to(device)
 
 
 def _wrapper(module: nn.Module) -> str | None:

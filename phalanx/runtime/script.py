@@ -46,10 +46,10 @@ from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worke
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.board import mark_exit, open_board
+from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.script_errors import reworded
-from phalanx.runtime.launcher_flags import add_launcher_flags
 
 
 @dataclass(kw_only=True)
