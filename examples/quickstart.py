@@ -5,11 +5,13 @@
     python examples/quickstart.py                                       # one device
 
 A 3-class spiral (generated, so nothing to download) learned by an MLP with GELU that phalanx
-does not ship, with Adam and global-norm gradient clipping. k workers compute the 1-device run:
+does not ship, with Adam, a linear learning-rate warm-up and global-norm gradient clipping. k
+workers compute the 1-device run:
 same initial weights (rank 0's, broadcast), same global batches (ShardedLoader), the loss sum
 over each shard divided by the global batch size (shard_loss), the summed gradient on every
 rank, clipped by its global norm. `--out DIR` writes each rank's parameters and Adam state
-(rank<r>.pt); `--checkpoint-dir DIR` saves every epoch and resumes from there.
+(rank<r>.pt); `--checkpoint-dir DIR` saves every epoch and resumes from there (the warm-up's
+place too: `extras=`).
 """
 
 import argparse
@@ -50,6 +52,7 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=1201)
     p.add_argument("--batch-size", type=int, default=64, help="the global batch, split over the workers")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--warmup-steps", type=int, default=10, help="steps over which the lr rises linearly to --lr")
     p.add_argument("--max-norm", type=float, default=1.0, help="clip the summed gradient's global norm to this")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
@@ -65,10 +68,12 @@ def main() -> None:
     train = Spiral(args.examples, seed=1, dtype=dtype)
     test = Spiral(args.examples // 4 + 1, seed=2, dtype=dtype)
     loader = phalanx.ShardedLoader(train, world=world, global_batch_size=args.batch_size, seed=args.seed)
+    warmup = args.warmup_steps  # the learning rate rises linearly over the first steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     start = phalanx.Position(epoch=0, step=0)
     if args.checkpoint_dir:
         start = phalanx.resume(args.checkpoint_dir, world=world, model=dp, optimizer=optimizer,
-                               global_batch_size=args.batch_size, seed=args.seed)
+                               global_batch_size=args.batch_size, seed=args.seed, extras={"schedule": schedule})
     clipped = steps = 0
     for epoch in range(start.epoch, args.epochs):
         for step, ((X, y), global_size) in enumerate(loader.epoch(epoch)):
@@ -82,13 +87,14 @@ def main() -> None:
             norm = phalanx.clip_grad_norm_(dp, args.max_norm)
             clipped, steps = clipped + int(norm > args.max_norm), steps + 1
             optimizer.step()
+            schedule.step()
         sums = phalanx.evaluate_dataset(dp.module, test, world=world)  # every test point once
         if world.rank == 0:
             print(f"epoch {epoch + 1}  test loss {sums['loss'] / sums['count']:.4f}  "
                   f"test acc {sums['correct'] / sums['count']:.3f}", flush=True)
         if args.checkpoint_dir:
             phalanx.checkpoint(args.checkpoint_dir, world=world, model=dp, optimizer=optimizer, epoch=epoch + 1,
-                               global_batch_size=args.batch_size, seed=args.seed)
+                               global_batch_size=args.batch_size, seed=args.seed, extras={"schedule": schedule})
     if world.rank == 0:
         print(f"{world.world_size} worker(s), {steps} steps, clipped {clipped}", flush=True)
     if args.out:

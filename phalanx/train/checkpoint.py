@@ -6,7 +6,8 @@ a kill during a save leaves the previous checkpoint whole), and the one it repla
 anything is loaded). It holds the model's and optimizer's
 state, where the run stands (epoch, steps done in that epoch, and the epoch's running sums
 reduced over every rank, so a run resumed on any device count reports the same epoch metrics),
-every rank's RNG states (torch, numpy, python), a fingerprint of what produced it (model,
+every rank's RNG states (torch, numpy, python), a script's `extras` (its learning-rate
+scheduler, GradScaler, EMA: checkpoint_extras.py), a fingerprint of what produced it (model,
 parameter names and shapes, global batch size, seed, dtype, and for `phalanx train` the data
 set's name, sizes and a hash of the training set's bytes) and the settings that may change on
 resume (lr, warm-up, epochs, device count: a resumed run says which did). The data position
@@ -42,6 +43,7 @@ from phalanx.comm import Tag, collective
 from phalanx.errors import PhalanxWarning, UsageError
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.runtime.world import World
+from phalanx.train.checkpoint_extras import check_extra_names, checked_extras, extra_states, load_extras
 from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
     set_aside, write_generation
 from phalanx.train.rng_state import rng_state, set_rng_state
@@ -99,10 +101,12 @@ def has_checkpoint(location: str | Path) -> bool:
 
 
 def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    position: Position, fingerprint: dict, settings: dict | None = None, dp=None) -> Path | None:
+                    position: Position, fingerprint: dict, settings: dict | None = None, dp=None,
+                    extras: dict | None = None) -> Path | None:
     """Every rank calls this (RNG states and running sums are gathered); rank 0 writes. Returns
     the path on rank 0. `settings`: `run_settings`' record, for the resumed run's log line. `dp`:
-    a sharded replica (`shard=`) whose ranks each write their share (sharded_checkpoint.py)."""
+    a sharded replica (`shard=`) whose ranks each write their share (sharded_checkpoint.py).
+    `extras`: `extra_states`' record of a script's scheduler, scaler, ... (checkpoint_extras.py)."""
     mine = {"rng": rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
@@ -113,7 +117,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     if dp is not None and dp.sharding is not None:
         run_state = {"epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
                      "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
-                     "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {})}
+                     "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
+                     "extras": dict(extras or {})}
         return save_sharded(checkpoint_path(directory), world=world, dp=dp, optimizer=optimizer, run_state=run_state,
                             every=every)
     if not world.is_main:
@@ -122,7 +127,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
              "optimizer": optimizer.state_dict(), "rng": [r["rng"] for r in every],
              "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
-             "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {})}
+             "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
+             "extras": dict(extras or {})}
     path = checkpoint_path(directory)
     write_generation(path, serialize(state))
     return path
@@ -208,10 +214,13 @@ def _describe_data(identity: dict) -> str:
 
 
 def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            dp=None, path: str | Path | None = None) -> Position:
+            dp=None, path: str | Path | None = None, extras: dict | None = None) -> Position:
     """Apply a checked checkpoint on this rank; return where to continue. `dp`: a sharded replica
     (`model` its module, `optimizer` its `dp.optimizer(...)`); whole and sharded checkpoints
-    load into either (`path`: the sharded checkpoint's manifest, beside its shares)."""
+    load into either (`path`: the sharded checkpoint's manifest, beside its shares). `extras`: a
+    script's objects whose saved states are loaded into them (checkpoint_extras.py)."""
+    where = path if path is not None else "(in memory)"
+    check_extra_names(state.get("extras"), extras, path=where)  # before anything is applied
     own = {**{n: p for n, p in model.named_parameters()}, **dict(model.named_buffers())}
     for key, value in state["model"].items():
         if key in own and own[key].shape != value.shape:
@@ -221,6 +230,7 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
         restore_any(state, path=Path(path) if path is not None else Path("."), module=model, optimizer=optimizer, dp=dp)
     except (ValueError, KeyError) as exc:
         raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the same optimizer settings") from None
+    load_extras(state.get("extras"), extras, path=where)
     rng = state["rng"]
     set_rng_state(rng[world.rank] if world.rank < len(rng) else rng[0])
     totals = state.get("epoch_totals") or []
@@ -252,32 +262,36 @@ def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed
 
 
 def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
-               step: int = 0, global_batch_size: int, seed: int) -> Path | None:
+               step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None) -> Path | None:
     """A user script's checkpoint: `step` steps of `epoch` (0-based) are done. Every rank calls it.
 
     Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
     plus a fingerprint of the model class, parameter shapes, global batch size, seed and dtype
     that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
     NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
-    Rank 0 writes, atomically.
+    `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
+    each object's `state_dict()` (rank 0's: they are replicated like the model). Rank 0 writes, atomically.
     """
+    states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
                            fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
-                           dp=_sharded(model))
+                           dp=_sharded(model), extras=states)
 
 
 def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
-           seed: int) -> Position:
+           seed: int, extras: dict | None = None) -> Position:
     """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).
 
-    Restores weights, optimizer state and this rank's RNG states after checking the checkpoint
-    fits (a one-line UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the
-    returned position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
+    Restores weights, optimizer state, `extras`' states (the objects `checkpoint` was given, by
+    the same names) and this rank's RNG states after checking the checkpoint fits (a one-line
+    UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the returned
+    position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
     """
+    checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
     if not has_checkpoint(location):
         return Position(epoch=0, step=0)
     module = _replica(model)
@@ -286,4 +300,5 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
         kept = set_aside_passed_over(location, path, world=world)
         warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
     check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path)
-    return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path)
+    return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,
+                   extras=extras)

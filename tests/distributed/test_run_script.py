@@ -1,6 +1,7 @@
 """`phalanx run` and the library API end to end: a user's own script (examples/quickstart.py: an
-MLP phalanx does not ship, Adam, global-norm clipping, a torch Dataset) on 1, 2 and 3 workers and
-under torchrun ends with the 1-device parameters and optimizer state (float64, 1e-9 relative)."""
+MLP phalanx does not ship, Adam, a learning-rate warm-up, global-norm clipping, a torch Dataset)
+on 1, 2 and 3 workers and under torchrun ends with the 1-device parameters and optimizer state
+(float64, 1e-9 relative); stopped mid-warm-up and resumed (the schedule through `extras=`), too."""
 
 import os
 import shutil
