@@ -28,7 +28,7 @@ import importlib
 # SIGTERM handlers before torch's second of importing, and a Ctrl-C then is one line.
 _OWNERS = {
     "allreduce": "phalanx.comm", "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
-    "gather": "phalanx.comm.gather",
+    "gather": "phalanx.comm.gather", "main_first": "phalanx.comm.gather",
     "ShardedLoader": "phalanx.data.loader",
     "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
     "split_batch": "phalanx.data.split",
@@ -52,10 +52,11 @@ _OWNERS = {
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed", "ShardedLoader",
-    "UsageError", "VerifyConfig", "World", "allreduce", "barrier", "broadcast", "capture_step", "checkpoint",
-    "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather", "global_batches", "init",
-    "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss", "shard_sizes", "split_batch", "train_batch",
+    "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed",
+    "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce", "barrier", "broadcast", "capture_step",
+    "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather",
+    "global_batches", "init", "main_first", "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss",
+    "shard_sizes", "split_batch", "train_batch",
 ]
 
 

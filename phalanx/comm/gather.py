@@ -11,7 +11,10 @@ rank's shape and dtype (so a rank whose rows do not match is named on every rank
 a hang or garbage), then the rows padded to the longest shard.
 
 `barrier(world=)` returns once every rank has called it (Accelerate's `wait_for_everyone`,
-Fabric's `barrier`): e.g. rank 0 writes a file the others then read. `broadcast(obj, world=)`
+Fabric's `barrier`): e.g. rank 0 writes a file the others then read. `with main_first(world=):`
+runs its block on rank 0 (or each host's first rank) before the others (Accelerate's
+`main_process_first`, Fabric's `rank_zero_first`): a download or a cache one rank fills and the
+rest then read, instead of k ranks writing the same files at once. `broadcast(obj, world=)`
 gives every rank rank `src`'s object (Fabric's `broadcast`, Accelerate's `broadcast_object_list`):
 a run name, a seed, a tensor; pickled by torch.save on `src` (tensors arrive on the world's
 device), two backend broadcasts (the length, then the bytes). In a world of one each returns at
@@ -21,8 +24,9 @@ collective (calls.py).
 
 from __future__ import annotations
 
+import contextlib
 import io
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -48,6 +52,21 @@ def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
     """Return once every rank of `world` has called barrier (at once in a world of one)."""
     if world.distributed:
         native(world, tag, lambda: dist.barrier(async_op=True), size_bytes=0)
+
+
+@contextlib.contextmanager
+def main_first(*, world: World, per_host: bool = False) -> Iterator[None]:
+    """Run the block on rank 0 first (`per_host`: on each host's local rank 0, for files on
+    each host's own disk), then on every other rank: one barrier, which the first ranks reach
+    after the block and the others before it. A first rank whose block raises never reaches it:
+    it fails, and the others, waiting there, are stopped with the run (or by the world's timeout,
+    which a block longer than it needs raised: `--timeout`)."""
+    first = world.local_rank == 0 if per_host else world.is_main
+    if not first:
+        barrier(world=world)
+    yield
+    if first:
+        barrier(world=world)
 
 
 def _header(rows: torch.Tensor, device: torch.device) -> torch.Tensor:

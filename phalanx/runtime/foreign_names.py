@@ -54,6 +54,55 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "to_device": (FABRIC, "tensor.to(world.device)"),
     "launch": (FABRIC, "phalanx run --devices cpu:2 script.py starts the workers; each calls phalanx.init()"),
     "end_training": (ACCELERATE, "dp.close()"),
+    "main_process_first": (ACCELERATE, "with phalanx.main_first(world=world): ..."),
+    "local_main_process_first": (ACCELERATE, "with phalanx.main_first(world=world, per_host=True): ..."),
+    "rank_zero_first": (FABRIC, "with phalanx.main_first(world=world): ... (local=True: per_host=True)"),
+    "split_between_processes": (ACCELERATE, "items[i] for i in phalanx.rank_shard(torch.arange(len(items)), "
+                                            "rank=world.rank, world_size=world.world_size): this rank's contiguous "
+                                            "slice, which phalanx.gather puts back in order"),
+    "use_distributed": (ACCELERATE, "world.distributed"),
+    "distributed_type": (ACCELERATE, "world.backend: 'gloo' for CPU workers, 'nccl' for GPUs, 'none' alone"),
+    "is_last_process": (ACCELERATE, "world.rank == world.world_size - 1"),
+    "on_main_process": (ACCELERATE, "if world.is_main: ... (no decorator)"),
+    "on_local_main_process": (ACCELERATE, "if world.local_rank == 0: ... (no decorator)"),
+    "on_last_process": (ACCELERATE, "if world.rank == world.world_size - 1: ... (no decorator)"),
+    "on_process": (ACCELERATE, "if world.rank == r: ... (no decorator)"),
+    "on_local_process": (ACCELERATE, "if world.local_rank == r: ... (no decorator)"),
+    "mixed_precision": (ACCELERATE, "phalanx.prepare(model, world=world, precision='bf16-mixed'); "
+                                    "dp.choices.describe() says what runs"),
+    "gradient_accumulation_steps": (ACCELERATE, "the n of dp.accumulate(n)"),
+    "join_uneven_inputs": (ACCELERATE, "not needed with phalanx.ShardedLoader, which gives every rank the same "
+                                       "number of batches"),
+    "even_batches": (ACCELERATE, "not needed: phalanx.ShardedLoader splits the last batch unevenly and exactly, "
+                                 "nothing repeated"),
+    "prepare_model": (ACCELERATE, "dp = phalanx.prepare(model, world=world)"),
+    "prepare_optimizer": (ACCELERATE, "the optimizer over dp.parameters(), as it is (with shard=: "
+                                      "dp.optimizer(cls, ...))"),
+    "setup_optimizers": (FABRIC, "the optimizer over dp.parameters(), as it is (with shard=: dp.optimizer(cls, ...))"),
+    "prepare_scheduler": (ACCELERATE, "the scheduler as it is (every rank steps the same optimizer); "
+                                      "phalanx.checkpoint(..., extras={'scheduler': scheduler}) saves it"),
+    "register_for_checkpointing": (ACCELERATE, "phalanx.checkpoint(..., extras={'scheduler': scheduler}) and "
+                                               "phalanx.resume(..., extras={'scheduler': scheduler})"),
+    "unscale_gradients": (ACCELERATE, "scaler.unscale_(optimizer) after dp.finish_gradient_sync(), with "
+                                      "torch.amp.GradScaler as on one device"),
+    "clip_grad_value_": (ACCELERATE, "torch.nn.utils.clip_grad_value_(dp.parameters(), value), after "
+                                     "dp.finish_gradient_sync()"),
+    "pad_across_processes": (ACCELERATE, "phalanx.gather(tensor, world=world) takes different row counts unpadded"),
+    "init_trackers": (ACCELERATE, "phalanx.MetricsLogger(out_dir, world=world)"),
+    "get_tracker": (ACCELERATE, "phalanx.MetricsLogger(out_dir, world=world)"),
+    "loggers": (FABRIC, "phalanx.MetricsLogger(out_dir, world=world)"),
+    "logger": (FABRIC, "phalanx.MetricsLogger(out_dir, world=world)"),
+    "save_model": (ACCELERATE, "torch.save(dp.state_dict(), path) on rank 0 (world.is_main): no module. prefix"),
+    "get_state_dict": (ACCELERATE, "dp.state_dict() (a sharded replica's whole: dp.full_state_dict())"),
+    "free_memory": (ACCELERATE, "dp.close(), then drop the references"),
+    "skip_first_batches": (ACCELERATE, "itertools.islice(loader.epoch(e), position.step, None), position being "
+                                       "phalanx.resume's"),
+    "set_trigger": (ACCELERATE, "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"),
+    "check_trigger": (ACCELERATE, "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"),
+    "strategy": (FABRIC, "dp = phalanx.prepare(model, world=world) is data parallel; prepare(..., shard='optimizer' | "
+                         "'gradients' | 'parameters') for ZeRO's stages"),
+    "init_module": (FABRIC, "build the model as on one device: phalanx.prepare(model, world=world) moves it to "
+                            "world.device and broadcasts rank 0's weights"),
 }
 
 

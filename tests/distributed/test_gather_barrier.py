@@ -2,7 +2,8 @@
 torch's own all-gather of every rank's tensor, concatenated in rank order (uneven and empty shards,
 every dtype kind, 0-d, a non-contiguous view), a ShardedLoader's shards gather into the 1-device
 global batch, a row mismatch is one ValueError on every rank naming both, and no rank leaves a
-barrier before the last has come to it; broadcast gives every rank what torch's
+barrier before the last has come to it, and main_first's block ends on rank 0 before another
+rank's begins (per_host too, on one host); broadcast gives every rank what torch's
 broadcast_object_list gives (a dict of a string, a number and tensors, from rank 1; a bare tensor
 from rank 2)."""
 
@@ -66,6 +67,16 @@ def _worker(world, marker_dir: str) -> dict:
         marker.write_text("x")
     phalanx.barrier(world=world)
     out["after barrier"] = marker.exists()
+    # main_first: the first rank's block (filling a cache slowly) ends before any other's begins;
+    # per_host on one host: the same first rank. CLOCK_MONOTONIC is one clock for every process.
+    for per_host in (False, True):
+        cache = Path(marker_dir) / f"cache-{per_host}"
+        with phalanx.main_first(world=world, per_host=per_host):
+            began = time.monotonic()
+            if world.rank == 0:
+                time.sleep(0.3)
+                cache.write_text("filled")
+            out[f"main_first {per_host}"] = (cache.exists(), began, time.monotonic())
     for src, sent in ((1, {"run": "exp-7", "seed": 1234, "weights": torch.arange(6.0).reshape(2, 3),
                            "mask": torch.tensor([True, False])}), (2, torch.randn(5, dtype=torch.float64))):
         mine = sent if world.rank == src else None
@@ -92,6 +103,9 @@ def test_gather_and_barrier_against_torch(tmp_path):
         assert "float32 rows of shape (3,)" in mismatch and "float32 rows of shape (4,)" in mismatch
         assert mismatch.endswith("every rank's rows must have the same trailing shape and dtype")
         assert out["after barrier"]
+        for per_host in (False, True):
+            saw, began, _ = out[f"main_first {per_host}"]
+            assert saw and (rank == 0 or began >= results[0][f"main_first {per_host}"][2]), (rank, per_host)
         for src in (1, 2):
             got, torchs, own = out[f"broadcast from {src}"]
             assert own == (rank == src)  # the sender gets its object back
@@ -116,6 +130,9 @@ def test_a_world_of_one_gathers_its_own_rows_and_passes_the_barrier():
     got = phalanx.gather(rows, world=world)
     assert torch.equal(got, rows) and got.data_ptr() != rows.data_ptr()
     phalanx.barrier(world=world)
+    with phalanx.main_first(world=world), phalanx.main_first(world=world, per_host=True):
+        ran = True
+    assert ran
     with pytest.raises(ValueError, match="gather takes a tensor, got float"):
         phalanx.gather(2.0, world=world)
     with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
