@@ -29,7 +29,7 @@ import importlib
 _OWNERS = {
     "allreduce": "phalanx.comm", "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
     "gather": "phalanx.comm.gather", "main_first": "phalanx.comm.gather",
-    "ShardedLoader": "phalanx.data.loader",
+    "ShardedLoader": "phalanx.train.sharded_loader",
     "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
     "split_batch": "phalanx.data.split",
     "PhalanxWarning": "phalanx.errors", "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",

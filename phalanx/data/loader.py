@@ -21,7 +21,8 @@ at a time as `DataLoader(stream, batch_size=None, num_workers=n)` yields them, a
 reads the whole stream and keeps its contiguous slice of each (Accelerate's IterableDatasetShard
 and Hugging Face's split_dataset_by_node read it the same way), so the stream must yield the same
 items in the same order on every rank: seed its shuffle; `set_epoch(e)` is called at each epoch
-where the dataset has one. The stream decides where an epoch ends, so such a loader has no
+where the dataset has one (`phalanx.ShardedLoader`, train/sharded_loader.py, compares the ranks'
+first global batch of each epoch). The stream decides where an epoch ends, so such a loader has no
 length, and `shuffle=True` is refused (the stream orders itself).
 
 torch's `DistributedSampler` is DDP's way to shard, and it pads the dataset to a multiple of the
@@ -236,7 +237,13 @@ class ShardedLoader:
         if callable(set_epoch):
             set_epoch(epoch)
         yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
-                                 num_workers=self.num_workers, **self.loader_kwargs)
+                                 num_workers=self.num_workers, first_chunk=lambda items: self._first_chunk(epoch, items),
+                                 **self.loader_kwargs)
+
+    def _first_chunk(self, epoch: int, items: list) -> None:
+        """Called with the items of a stream's first global batch each epoch, before any rank
+        trains on it; nothing here (phalanx.ShardedLoader compares the ranks' items:
+        train/sharded_loader.py)."""
 
 
 class _EpochShards:
@@ -255,12 +262,18 @@ class _EpochShards:
 
 
 def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate_fn: Callable = default_collate,
-                  num_workers: int = 0, **loader_kwargs: Any) -> Iterator[tuple[Any, int]]:
+                  num_workers: int = 0, first_chunk: Callable[[list], None] | None = None,
+                  **loader_kwargs: Any) -> Iterator[tuple[Any, int]]:
     """A stream's items in order, `chunk` at a time (the last chunk what is left): this rank's
     contiguous slice of each, collated, and the chunk's size. Every rank reads every item; an
-    empty slice is the chunk's first item collated and cut to 0 rows."""
+    empty slice is the chunk's first item collated and cut to 0 rows. `first_chunk` sees the
+    first chunk's items before anything of it is yielded."""
     items = iter(DataLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=num_workers, **loader_kwargs))
+    first = True
     while batch := list(itertools.islice(items, chunk)):
+        if first and first_chunk is not None:
+            first_chunk(batch)
+        first = False
         start, stop = shard_bounds(len(batch), world.world_size, world.rank)
         mine = collate_fn(batch[start:stop]) if stop > start else empty_batch_like(collate_fn(batch[:1]))
         yield mine, len(batch)

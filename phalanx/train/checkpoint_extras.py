@@ -1,4 +1,5 @@
-"""The rest of a script's training state in its checkpoint: a learning-rate scheduler, a GradScaler, an EMA.
+"""The rest of a script's training state in its checkpoint: a learning-rate scheduler, a
+GradScaler, an EMA.
 
 `phalanx.checkpoint(..., extras={"scheduler": scheduler, "scaler": scaler})` saves each object's
 `state_dict()` beside the weights and the optimizer; `phalanx.resume(..., extras=...)` hands each

@@ -26,7 +26,7 @@ def world(rank: int, world_size: int) -> World:
 
 
 def test_front_door_reexports_the_owners_objects():
-    owners = {"DataParallel": "phalanx.data_parallel.data_parallel", "ShardedLoader": "phalanx.data.loader",
+    owners = {"DataParallel": "phalanx.data_parallel.data_parallel", "ShardedLoader": "phalanx.train.sharded_loader",
               "shard_loss": "phalanx.data_parallel.step", "clip_grad_norm_": "phalanx.data_parallel.clip",
               "evaluate_dataset": "phalanx.train.evaluate", "init": "phalanx.runtime.script",
               "checkpoint": "phalanx.train.checkpoint", "resume": "phalanx.train.checkpoint",
