@@ -128,6 +128,19 @@ DDP_KEYWORDS: dict[str, str] = {
     "process_group": "the world's group: phalanx.init() joins or adopts it",
     "init_sync": "prepare always broadcasts rank 0's parameters and buffers",
     "mixed_precision": "precision='bf16-mixed'",
+    "dim": "the batch is cut along dim 0, by phalanx.ShardedLoader or phalanx.split_batch, before the forward",
+    "check_reduction": "not needed: a parameter no rank's backward reached keeps no gradient, as on one device",
+    "skip_all_reduce_unused_params": "not needed: what no rank used is found in the last bucket's own allreduce, "
+                                     "and its gradient stays None, as on one device",
+    "bucket_cap_mb_list": "bucket_cap_mb= sets one cap (the first bucket is smaller, DDP's min(cap, 1 MiB))",
+    "delay_all_reduce_named_params": "the buckets go out in backward's order; overlap=False exchanges all of them "
+                                     "after backward",
+    "param_to_hook_all_reduce": "the buckets go out in backward's order; overlap=False exchanges all of them after "
+                                "backward",
+    "device_mesh": "the world's group: phalanx.init() joins or adopts it",
+    "batched_grad_copy": "always: the gradients live in the buckets, so nothing is copied into them",
+    "forward_sync_buffers": "plain BatchNorm statistics are averaged across ranks after each step and other buffers "
+                            "are broadcast once here",
 }
 
 

@@ -85,6 +85,14 @@ def test_another_unknown_keyword_is_python_s_own_error_and_every_ddp_way_exists(
             assert name in (fields if config else keywords), name
 
 
+def test_every_keyword_of_torch_s_ddp_is_prepare_s_own_or_named():
+    """What this torch's DistributedDataParallel takes, handed to prepare, is never Python's bare
+    "unexpected keyword argument": prepare takes it, or one line names phalanx's way."""
+    ddp = set(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters) - {"self", "module"}
+    missing = sorted(ddp - set(inspect.signature(phalanx.prepare).parameters) - set(DDP_KEYWORDS))
+    assert not missing, f"DDP keywords neither prepare's nor in DDP_KEYWORDS: {missing}"
+
+
 @pytest.mark.parametrize("name", sorted(DDP_METHODS))
 def test_a_ddp_method_asked_of_the_replica_names_phalanx_s_way(name):
     with phalanx.prepare(nn.Linear(2, 2), world=WORLD1) as dp:
