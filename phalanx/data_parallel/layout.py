@@ -50,7 +50,8 @@ class BucketLayout:
         rides = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
         self.buckets = build_buckets(self.params, **self._caps, gradient_views=self._shard in ("none", "optimizer"),
                                      spare=usage_elements(self.params) if rides else 0)
-        self.usage = ParameterUsage(self.buckets, rides=rides) if self.buckets else None
+        self.usage = ParameterUsage(self.buckets, rides=rides, views=self._shard in ("none", "optimizer")) \
+            if self.buckets else None
 
     def before_step(self) -> bool:
         """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket

@@ -44,17 +44,18 @@ from phalanx.data_parallel.buckets import Bucket, grad_view
 class ParameterUsage:
     """What one rank's backwards used since the last sync, and the gradients dropped at it."""
 
-    def __init__(self, buckets: Sequence[Bucket], *, rides: bool = True) -> None:
+    def __init__(self, buckets: Sequence[Bucket], *, rides: bool = True, views: bool = True) -> None:
         """`rides`: `buckets` were laid out with one spare element per parameter after the last
         one's gradients (`build_buckets(..., spare=usage_elements(...))`), where the flags ride.
         Otherwise (sharded: a reduce-scatter leaves no rank every flag) the flags are a tensor of
         their own that the replica allreduces after the buckets, and no gradient is dropped here:
-        `unused` tells the sharded optimizer which pieces to skip."""
+        `unused` tells the sharded optimizer which pieces to skip. `views`: the gradients are
+        views of the buckets (not under sharding's stages 2 and 3, which copy them in at launch)."""
         self.params = [param for bucket in buckets for param in bucket.params]
         self.rides = rides
         last = buckets[-1]
         self._views = {id(param): grad_view(bucket.buffer, offset, param) for bucket in buckets
-                       for param, offset in zip(bucket.params, bucket.offsets)} if rides else {}
+                       for param, offset in zip(bucket.params, bucket.offsets)} if rides or views else {}
         for param in self.params if rides else ():  # .grad *is* the view from now on: one identity test a landing
             view = self._views[id(param)]
             if param.grad is not None and param.grad.data_ptr() == view.data_ptr():
@@ -76,7 +77,7 @@ class ParameterUsage:
         the last sync, or set so by `optimizer.zero_grad()`), autograd made a fresh tensor: it goes
         into the bucket, over whatever the slot held."""
         self._used.add(id(param))
-        view = self._views.get(id(param))
+        view = self._views.get(id(param)) if self.rides else None  # (sharded: refused at the sync instead)
         if view is not None:
             if param.grad is not view:
                 _take_back(param, view)
@@ -136,14 +137,25 @@ class ParameterUsage:
         self.dropped = []
 
     def take_back(self) -> None:
-        """Before a sync: each gradient that did not land since the last one (a landing takes its
-        own back) a view of its slot again - None (dropped at the last sync, or set so by
-        `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; another tensor put there
-        copied in. A parameter frozen since keeps what it has. Nothing to do when all landed."""
-        for index in self._not_landed() if self.rides else ():
+        """Before a sync (after `written`): each gradient that did not land since the last one (a
+        landing takes its own back) a view of its slot again - None (dropped at the last sync, or
+        set so by `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; another tensor
+        put there (the script's `p.grad = g`, from `torch.autograd.grad`) copied in and counted as
+        used, as one device's optimizer would step it. Sharded, the script's tensor counts as used
+        too (stage 1 copies it into its bucket; stages 2 and 3 send `.grad` as it is), and a None
+        stays (a torch optimizer's zero_grad over a sharded replica: refused at the sync). A
+        parameter frozen since keeps what it has. Nothing to do when all landed."""
+        for index in self._not_landed():
             param = self.params[index]
-            view = self._views[id(param)]
-            if param.grad is not view and param.requires_grad:
+            view = self._views.get(id(param))
+            if not param.requires_grad or param.grad is view or (  # (sharded: .grad is another view of the slot)
+                    view is not None and param.grad is not None and param.grad.data_ptr() == view.data_ptr()):
+                continue
+            if param.grad is not None:
+                self._used.add(id(param))
+            elif not self.rides:
+                continue
+            if view is not None:
                 _take_back(param, view)
         self.dropped = []
 

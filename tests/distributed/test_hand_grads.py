@@ -1,0 +1,73 @@
+"""Gradients a script sets by hand are summed like autograd's, on 2 gloo workers against one device
+(float64): `grads = torch.autograd.grad(loss, params)` then `p.grad = g` (meta-learning, a
+functional loss, an RL update written out), then `finish_gradient_sync()` and the step. No
+landing hook sees such a gradient, so the replica took its parameters for unused: every rank
+dropped them and the optimizer skipped them, and k workers trained nothing while one device
+trained (5% off after 3 SGD steps), silently. Every stage of sharding, with and without overlap,
+and a step mixing both kinds (backward for one layer, a hand-set gradient for the other).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import phalanx
+from tests.distributed.harness import run_workers
+
+pytestmark = pytest.mark.distributed
+
+BATCH, STEPS = 12, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (BATCH,), generator=g)
+
+
+def _train(model_call, params, optimizer, *, rows: torch.Tensor, mixed: bool, finish=lambda: None) -> None:
+    for step in range(STEPS):
+        X, y = _batch(step)
+        optimizer.zero_grad()
+        loss = phalanx.shard_loss(F.cross_entropy(model_call(X[rows]), y[rows], reduction="sum"), BATCH)
+        if mixed:  # the first layer by backward, the last by hand
+            last = params[2:]
+            grads = torch.autograd.grad(loss, last, retain_graph=True)
+            loss.backward(inputs=params[:2])
+            for p, g in zip(last, grads):
+                p.grad = g
+        else:
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad = g
+        finish()
+        optimizer.step()
+
+
+def _worker(world, shard: str, overlap: bool, mixed: bool) -> float:
+    reference = _model()
+    params = list(reference.parameters())
+    _train(reference, params, torch.optim.SGD(params, lr=0.1, momentum=0.9), rows=torch.arange(BATCH), mixed=mixed)
+    dp = phalanx.prepare(_model(), world=world, shard=shard, overlap=overlap)
+    mine = phalanx.rank_shard(torch.arange(BATCH), rank=world.rank, world_size=world.world_size)
+    kwargs = dict(lr=0.1, momentum=0.9)
+    optimizer = torch.optim.SGD(dp.parameters(), **kwargs) if shard == "none" else dp.optimizer(torch.optim.SGD, **kwargs)
+    _train(dp, list(dp.module.parameters()), optimizer, rows=mine, mixed=mixed, finish=dp.finish_gradient_sync)
+    got = dp.full_state_dict() if shard != "none" else dp.state_dict()
+    dp.close()
+    want = reference.state_dict()
+    return max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+
+
+@pytest.mark.parametrize("shard, overlap, mixed", [
+    ("none", False, False), ("none", True, False), ("none", True, True), ("none", False, True),
+    ("optimizer", True, False), ("gradients", False, True), ("parameters", True, False)])
+def test_gradients_set_by_hand_are_summed_as_one_device_s(shard, overlap, mixed):
+    worst = run_workers(_worker, 2, shard, overlap, mixed, timeout_s=90)
+    assert max(worst) <= 1e-12, worst
