@@ -170,8 +170,7 @@ class DataParallel(ReplicaModule):
         if self.sharding is not None and not self.sharding.keeps_gradients:
             self.sharding.zero_grad()  # its buckets hold nothing between steps
             return
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
+        self._layout.zero()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

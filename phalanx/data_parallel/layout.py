@@ -64,6 +64,13 @@ class BucketLayout:
             self.usage.forget()
         return again
 
+    def zero(self) -> None:
+        """Zero every bucket (the replica's zero_grad), the usage notes told."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        if self.usage is not None:
+            self.usage.zeroed()
+
     def after_sum(self, allreduce: Callable[[torch.Tensor], object]) -> bool:
         """After every bucket's sum: drop what no rank used; parameters unfrozen since the step's
         zero_grad summed by `allreduce`, then laid out again (True: the caller wires the new buckets).

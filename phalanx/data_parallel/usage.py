@@ -68,9 +68,11 @@ class ParameterUsage:
                              f"for {len(self.params)} parameters")
         self._used: set[int] = set()  # id(param) of each parameter whose gradient landed
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
-        self._buffers = [bucket.buffer for bucket in buckets] if rides else []
-        self._bucket_at = {id(param): bucket.index for bucket in buckets for param in bucket.params} if rides else {}
+        self._buffers = [bucket.buffer for bucket in buckets] if rides or views else []
+        self._bucket_at = {id(param): bucket.index for bucket in buckets for param in bucket.params} \
+            if rides or views else {}
         self._versions: list[int | None] = [None] * len(self._buffers)  # each bucket's counter when last written here
+        self._zeroed: list[int | None] = [None] * len(self._buffers)  # each bucket's counter after zero_grad zeroed it
 
     def landed(self, param: nn.Parameter) -> None:
         """A landing hook's note: `param`'s gradient accumulated. Where its .grad was None (dropped at
@@ -82,6 +84,11 @@ class ParameterUsage:
             if param.grad is not view:
                 _take_back(param, view)
             self._versions[self._bucket_at[id(param)]] = view._version
+
+    def zeroed(self) -> None:
+        """After zero_grad zeroed every bucket: their counters, so a write into a slot whose
+        gradient never lands (`p.grad.copy_(g)`) is told from a slot nothing touched."""
+        self._zeroed = [buffer._version for buffer in self._buffers]
 
     def noted(self, index: int | None = None) -> None:
         """Bucket `index` (None: every bucket) written by the replica itself: its counter as it is now."""
@@ -139,17 +146,25 @@ class ParameterUsage:
     def take_back(self) -> None:
         """Before a sync (after `written`): each gradient that did not land since the last one (a
         landing takes its own back) a view of its slot again - None (dropped at the last sync, or
-        set so by `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; another tensor
-        put there (the script's `p.grad = g`, from `torch.autograd.grad`) copied in and counted as
-        used, as one device's optimizer would step it. Sharded, the script's tensor counts as used
-        too (stage 1 copies it into its bucket; stages 2 and 3 send `.grad` as it is), and a None
-        stays (a torch optimizer's zero_grad over a sharded replica: refused at the sync). A
-        parameter frozen since keeps what it has. Nothing to do when all landed."""
+        set so by `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; a gradient the
+        script set by hand counted as used, as one device's optimizer would step it: another
+        tensor put there (`p.grad = g`, from `torch.autograd.grad`) copied in, or its slot written
+        in place since zero_grad zeroed it (`p.grad.copy_(g)`: read only where that bucket's
+        counter moved, and a slot left all zero counts as unused). Sharded, the script's tensor
+        counts as used too (stage 1 copies it into its bucket; stages 2 and 3 send `.grad` as it
+        is), and a None stays (a torch optimizer's zero_grad over a sharded replica: refused at the
+        sync). A parameter frozen since keeps what it has. Nothing to do when all landed."""
+        in_place = []  # slots of gradients that did not land, in buckets written since zero_grad
         for index in self._not_landed():
             param = self.params[index]
             view = self._views.get(id(param))
-            if not param.requires_grad or param.grad is view or (  # (sharded: .grad is another view of the slot)
-                    view is not None and param.grad is not None and param.grad.data_ptr() == view.data_ptr()):
+            if not param.requires_grad:
+                continue
+            if view is not None and param.grad is not None and (  # its slot (sharded: another view of it)
+                    param.grad is view or param.grad.data_ptr() == view.data_ptr()):
+                at = self._bucket_at[id(param)]
+                if self._buffers[at]._version != self._zeroed[at]:
+                    in_place.append((param, view))
                 continue
             if param.grad is not None:
                 self._used.add(id(param))
@@ -157,6 +172,9 @@ class ParameterUsage:
                 continue
             if view is not None:
                 _take_back(param, view)
+        if in_place:  # one read for all of them (on a GPU, one device-to-host copy)
+            written = torch.stack([view.any() for _, view in in_place]).tolist()
+            self._used.update(id(param) for (param, _), wrote in zip(in_place, written) if wrote)
         self.dropped = []
 
     def forget(self) -> None:

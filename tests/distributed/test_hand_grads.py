@@ -1,6 +1,7 @@
 """Gradients a script sets by hand are summed like autograd's, on 2 gloo workers against one device
 (float64): `grads = torch.autograd.grad(loss, params)` then `p.grad = g` (meta-learning, a
-functional loss, an RL update written out), then `finish_gradient_sync()` and the step. No
+functional loss, an RL update written out), or `p.grad.copy_(g)` into the slots `dp.zero_grad()`
+left, then `finish_gradient_sync()` and the step. No
 landing hook sees such a gradient, so the replica took its parameters for unused: every rank
 dropped them and the optimizer skipped them, and k workers trained nothing while one device
 trained (5% off after 3 SGD steps), silently. Every stage of sharding, with and without overlap,
@@ -32,10 +33,11 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 3, generator=g, dtype=torch.float64), torch.randint(0, 2, (BATCH,), generator=g)
 
 
-def _train(model_call, params, optimizer, *, rows: torch.Tensor, mixed: bool, finish=lambda: None) -> None:
+def _train(model_call, params, optimizer, *, rows: torch.Tensor, mixed: bool, in_place: bool = False,
+           finish=lambda: None) -> None:
     for step in range(STEPS):
         X, y = _batch(step)
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=not in_place)
         loss = phalanx.shard_loss(F.cross_entropy(model_call(X[rows]), y[rows], reduction="sum"), BATCH)
         if mixed:  # the first layer by backward, the last by hand
             last = params[2:]
@@ -43,6 +45,9 @@ def _train(model_call, params, optimizer, *, rows: torch.Tensor, mixed: bool, fi
             loss.backward(inputs=params[:2])
             for p, g in zip(last, grads):
                 p.grad = g
+        elif in_place:  # into the gradients zero_grad left: the replica's bucket slots
+            for p, g in zip(params, torch.autograd.grad(loss, params)):
+                p.grad.copy_(g)
         else:
             for p, g in zip(params, torch.autograd.grad(loss, params)):
                 p.grad = g
@@ -50,15 +55,35 @@ def _train(model_call, params, optimizer, *, rows: torch.Tensor, mixed: bool, fi
         optimizer.step()
 
 
-def _worker(world, shard: str, overlap: bool, mixed: bool) -> float:
+class _ZeroingByReplica:
+    """The optimizer with the replica's zero_grad, which keeps the gradients as bucket slots."""
+
+    def __init__(self, optimizer, dp) -> None:
+        self.optimizer, self.dp = optimizer, dp
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dp.zero_grad()
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+def _worker(world, shard: str, overlap: bool, mixed: bool, in_place: bool = False) -> float:
     reference = _model()
     params = list(reference.parameters())
-    _train(reference, params, torch.optim.SGD(params, lr=0.1, momentum=0.9), rows=torch.arange(BATCH), mixed=mixed)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    _train(reference, params, torch.optim.SGD(params, lr=0.1, momentum=0.9), rows=torch.arange(BATCH), mixed=mixed,
+           in_place=in_place)
     dp = phalanx.prepare(_model(), world=world, shard=shard, overlap=overlap)
     mine = phalanx.rank_shard(torch.arange(BATCH), rank=world.rank, world_size=world.world_size)
     kwargs = dict(lr=0.1, momentum=0.9)
     optimizer = torch.optim.SGD(dp.parameters(), **kwargs) if shard == "none" else dp.optimizer(torch.optim.SGD, **kwargs)
-    _train(dp, list(dp.module.parameters()), optimizer, rows=mine, mixed=mixed, finish=dp.finish_gradient_sync)
+    if in_place:
+        dp.zero_grad()  # every gradient a zeroed bucket slot, as the script then writes into it
+        optimizer = _ZeroingByReplica(optimizer, dp)
+    _train(dp, list(dp.module.parameters()), optimizer, rows=mine, mixed=mixed, in_place=in_place,
+           finish=dp.finish_gradient_sync)
     got = dp.full_state_dict() if shard != "none" else dp.state_dict()
     dp.close()
     want = reference.state_dict()
@@ -70,4 +95,11 @@ def _worker(world, shard: str, overlap: bool, mixed: bool) -> float:
     ("optimizer", True, False), ("gradients", False, True), ("parameters", True, False)])
 def test_gradients_set_by_hand_are_summed_as_one_device_s(shard, overlap, mixed):
     worst = run_workers(_worker, 2, shard, overlap, mixed, timeout_s=90)
+    assert max(worst) <= 1e-12, worst
+
+
+@pytest.mark.parametrize("shard, overlap", [("none", False), ("none", True), ("optimizer", True)])
+def test_gradients_written_by_hand_into_the_zeroed_slots_are_summed_as_one_device_s(shard, overlap):
+    """`dp.zero_grad()` keeps every gradient a zeroed bucket slot; `p.grad.copy_(g)` writes there."""
+    worst = run_workers(_worker, 2, shard, overlap, False, True, timeout_s=90)
     assert max(worst) <= 1e-12, worst
