@@ -47,7 +47,7 @@ from phalanx.data_parallel.accumulate import accumulate
 from phalanx.data_parallel.buckets import Bucket, DecompressingHandle, grads_are_bucket_views, wire_of
 from phalanx.data_parallel.choices import replica_choices
 from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
-from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, gradients_detached, gradients_written
+from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, check_gradients_aliased, gradients_written
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.data_parallel.layout import BucketLayout
@@ -263,8 +263,8 @@ class DataParallel(ReplicaModule):
         self._unsynced.pending = False
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
-            raise gradients_detached(compiled_after_prepare=self.compiled_after_prepare,
-                                     sharded=self.sharding is not None)
+            check_gradients_aliased(self._usage, self.module, compiled_after_prepare=self.compiled_after_prepare,
+                                    sharded=self.sharding is not None)
         # What no rank used loses its gradient, as on one device; small sums apart if need be (layout.py).
         if self._layout.after_sum(lambda flat: self._allreduce_now(
                 flat, Tag("gradient", len(self.buckets), step=self._synced_steps))):

@@ -68,6 +68,7 @@ class ParameterUsage:
                              f"for {len(self.params)} parameters")
         self._used: set[int] = set()  # id(param) of each parameter whose gradient landed
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
+        self._script_dropped: list[nn.Parameter] = []  # set to None by the script after landing: dropped after the sum
         self._buffers = [bucket.buffer for bucket in buckets] if rides or views else []
         self._bucket_at = {id(param): bucket.index for bucket in buckets for param in bucket.params} \
             if rides or views else {}
@@ -125,8 +126,9 @@ class ParameterUsage:
             summed = self.flags[unused].tolist()
             nobody = [self.params[i] for i, total in zip(unused, summed) if total == 0]
         self.unused = set(map(id, nobody))
-        if self.rides and nobody:
-            self.drop(nobody)
+        if self.rides and (nobody or self._script_dropped):
+            self.drop([*nobody, *self._script_dropped])
+        self._script_dropped = []
         self._used.clear()
         return nobody
 
@@ -176,6 +178,25 @@ class ParameterUsage:
             written = torch.stack([view.any() for _, view in in_place]).tolist()
             self._used.update(id(param) for (param, _), wrote in zip(in_place, written) if wrote)
         self.dropped = []
+
+    def unaliased(self) -> nn.Parameter | None:
+        """After the exchange, where some gradient is no longer its slot: one the script set to None
+        after it landed (to skip it this step) is its slot again until the sum is done, then
+        dropped (`after_sum`), as one device's optimizer skips it; returns the first parameter whose
+        gradient is some other tensor (replaced after its bucket was sent), or None. Sharded
+        replicas explain nothing here: their first parameter not aliasing its slot."""
+        replaced = None
+        for param in self.params:
+            view = self._views.get(id(param))
+            if view is None or param.grad is view or not param.requires_grad or (
+                    param.grad is not None and param.grad.data_ptr() == view.data_ptr()):
+                continue
+            if param.grad is None and self.rides:
+                param.grad = view
+                self._script_dropped.append(param)
+            elif replaced is None:
+                replaced = param
+        return replaced
 
     def forget(self) -> None:
         """A step given up (zero_grad without a sync): its landings count for nothing."""

@@ -103,3 +103,46 @@ def test_gradients_written_by_hand_into_the_zeroed_slots_are_summed_as_one_devic
     """`dp.zero_grad()` keeps every gradient a zeroed bucket slot; `p.grad.copy_(g)` writes there."""
     worst = run_workers(_worker, 2, shard, overlap, False, True, timeout_s=90)
     assert max(worst) <= 1e-12, worst
+
+
+def _skip_or_replace(world, overlap: bool) -> dict:
+    """`p.grad = None` after backward skips that parameter's update, as on one device; `p.grad =
+    p.grad * 2` after backward (its bucket went out already) is refused, naming it."""
+    X, y = _batch(0)
+    rows = phalanx.rank_shard(torch.arange(BATCH), rank=world.rank, world_size=world.world_size)
+    reference = _model()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        phalanx.shard_loss(F.cross_entropy(reference(X), y, reduction="sum"), BATCH).backward()
+        reference[0].weight.grad = None
+        optimizer.step()
+    dp = phalanx.prepare(_model(), world=world, overlap=overlap)
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(STEPS):
+        dp.zero_grad()
+        phalanx.shard_loss(F.cross_entropy(dp(X[rows]), y[rows], reduction="sum"), BATCH).backward()
+        dp.module[0].weight.grad = None
+        dp.finish_gradient_sync()
+        optimizer.step()
+    got, want = dp.state_dict(), reference.state_dict()
+    worst = max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+    dp.zero_grad()
+    phalanx.shard_loss(F.cross_entropy(dp(X[rows]), y[rows], reduction="sum"), BATCH).backward()
+    dp.module[2].bias.grad = dp.module[2].bias.grad * 2
+    try:
+        dp.finish_gradient_sync()
+        said = None
+    except phalanx.UsageError as exc:
+        said = str(exc)
+    dp.close()
+    return {"worst": worst, "said": said}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gradient_set_to_none_after_backward_is_skipped_and_one_replaced_is_named(overlap):
+    for found in run_workers(_skip_or_replace, 2, overlap, timeout_s=90):
+        assert found["worst"] <= 1e-12, found
+        assert found["said"] is not None and found["said"].startswith(
+            "the gradient of 2.bias was replaced between backward and finish_gradient_sync() (p.grad = ...): the "
+            "exchange summed the gradient backward left in its bucket, not the new tensor"), found

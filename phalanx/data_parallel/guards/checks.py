@@ -14,7 +14,8 @@
   its step and rank instead of silently poisoning every replica.
 - `gradients_detached`: the refusal when a `.grad` no longer aliases its bucket at a sync of a
   sharded replica, naming the cause (a torch optimizer's `zero_grad(set_to_none=True)`, or a
-  replica compiled after `prepare`); an unsharded one takes such gradients back (usage.py).
+  replica compiled after `prepare`); an unsharded one takes such gradients back (usage.py), and
+  refuses only one the script replaced after its bucket went out, naming it.
 - `gradients_written`: the refusal when the script wrote into gradients between backward and
   their sum (`clip_grad_norm_` before `finish_gradient_sync()`; usage.py sees it by the buckets'
   version counters).
@@ -53,10 +54,22 @@ class GradientsDetached(UsageError, RuntimeError):
     """A parameter's .grad no longer aliases its gradient bucket (something set it to None)."""
 
 
-def gradients_detached(*, compiled_after_prepare: bool, sharded: bool = False) -> GradientsDetached:
+def check_gradients_aliased(usage, module: torch.nn.Module, *, compiled_after_prepare: bool, sharded: bool) -> None:
+    """At a sync whose gradients are not all their bucket slots (`usage`, usage.py, explains a
+    gradient the script set to None after it landed): `gradients_detached` for the rest."""
+    replaced = usage.unaliased() if usage is not None else None
+    if usage is not None and replaced is None and not sharded:
+        return
+    name = next((n for n, p in module.named_parameters() if p is replaced), None) if replaced is not None else None
+    raise gradients_detached(compiled_after_prepare=compiled_after_prepare, sharded=sharded, replaced=name)
+
+
+def gradients_detached(*, compiled_after_prepare: bool, sharded: bool = False,
+                       replaced: str | None = None) -> GradientsDetached:
     """The one-line refusal, naming the likely cause: a replica compiled after prepare, whose
     wrapper's zero_grad() is nn.Module's (it sets .grad to None), or optimizer.zero_grad() - on a
-    sharded replica, of a torch optimizer built over dp.parameters() instead of by dp.optimizer."""
+    sharded replica, of a torch optimizer built over dp.parameters() instead of by dp.optimizer;
+    unsharded, a gradient the script replaced (`replaced`, its name) after its bucket was sent."""
     if sharded and not compiled_after_prepare:
         return GradientsDetached(
             "a parameter's .grad no longer aliases its gradient bucket: a torch optimizer built over dp.parameters() "
@@ -68,6 +81,11 @@ def gradients_detached(*, compiled_after_prepare: bool, sharded: bool = False) -
             "a parameter's .grad no longer aliases its gradient bucket: the replica was compiled after prepare, and "
             "the compiled wrapper's zero_grad() is nn.Module's, which drops the buckets; compile the model before "
             "prepare: dp = phalanx.prepare(torch.compile(model), world=world)")
+    if replaced is not None:
+        return GradientsDetached(
+            f"the gradient of {replaced} was replaced between backward and finish_gradient_sync() (p.grad = ...): the "
+            "exchange summed the gradient backward left in its bucket, not the new tensor; change gradients after the "
+            "sync, where p.grad is the sum (or set p.grad from torch.autograd.grad instead of calling backward)")
     return GradientsDetached("a parameter's .grad no longer aliases its gradient bucket; use DataParallel.zero_grad() "
                              "instead of optimizer.zero_grad(set_to_none=True)")
 
