@@ -110,8 +110,11 @@ def test_torch_s_ddp_tutorial_start_with_mp_spawn_is_adopted_and_without_a_group
                 dp.finish_gradient_sync()
                 grad = dp.module.weight.grad.sum().item()
             alone = [str(w.message).split(",")[0] for w in said if issubclass(w.category, phalanx.PhalanxWarning)]
-            print(open_group, world.rank, world.world_size, world.local_rank, world.local_world_size, grad, alone,
-                  flush=True)
+            # One write per line: with PYTHONUNBUFFERED, print writes text and newline apart, and the
+            # two children's lines tore into each other on the shared pipe.
+            fields = (open_group, world.rank, world.world_size, world.local_rank, world.local_world_size, grad, alone)
+            sys.stdout.write(" ".join(map(str, fields)) + "\\n")
+            sys.stdout.flush()
             if open_group:
                 dist.destroy_process_group()
 
