@@ -7,8 +7,9 @@ shard is `rank_shard`'s contiguous slice, so k ranks together read exactly the b
 device reads, the smaller last batch included. `loader.epoch(e)` yields `(batch, global_size)`:
 the batch as a plain `DataLoader` collates it (any Dataset, lazy ones included, `num_workers`
 as usual: one DataLoader serves every epoch, so `persistent_workers=True` keeps its workers)
-and the size of the *global* batch it belongs to, which the loss needs (`phalanx.shard_loss`). A rank whose share of a tiny last batch is empty gets an empty batch of
-the right structure, so its forward/backward/gradient exchange still pair with its peers'.
+and the size of the *global* batch it belongs to, which the loss needs (`phalanx.shard_loss`).
+A rank whose share of a tiny last batch is empty gets an empty batch of the right structure, so
+its forward/backward/gradient exchange still pair with its peers'.
 
 A sampler of the user's (`sampler=`: a WeightedRandomSampler for imbalanced classes, a subset)
 gives the epoch's order instead of the permutation, cut into global batches the same way; one
@@ -237,8 +238,8 @@ class ShardedLoader:
         if callable(set_epoch):
             set_epoch(epoch)
         yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
-                                 num_workers=self.num_workers, first_chunk=lambda items: self._first_chunk(epoch, items),
-                                 **self.loader_kwargs)
+                                 num_workers=self.num_workers,
+                                 first_chunk=lambda items: self._first_chunk(epoch, items), **self.loader_kwargs)
 
     def _first_chunk(self, epoch: int, items: list) -> None:
         """Called with the items of a stream's first global batch each epoch, before any rank

@@ -48,10 +48,10 @@ class BucketLayout:
         """`buckets`, `usage` and `laid_out` for the parameters that train now."""
         self.laid_out = [param.requires_grad for param in self.params]
         rides = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
-        self.buckets = build_buckets(self.params, **self._caps, gradient_views=self._shard in ("none", "optimizer"),
+        views = self._shard in ("none", "optimizer")  # stages 2 and 3 copy the gradients in at launch
+        self.buckets = build_buckets(self.params, **self._caps, gradient_views=views,
                                      spare=usage_elements(self.params) if rides else 0)
-        self.usage = ParameterUsage(self.buckets, rides=rides, views=self._shard in ("none", "optimizer")) \
-            if self.buckets else None
+        self.usage = ParameterUsage(self.buckets, rides=rides, views=views) if self.buckets else None
 
     def before_step(self) -> bool:
         """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket

@@ -53,9 +53,10 @@ class ParameterUsage:
         views of the buckets (not under sharding's stages 2 and 3, which copy them in at launch)."""
         self.params = [param for bucket in buckets for param in bucket.params]
         self.rides = rides
+        slots = rides or views  # each gradient has a slot in a bucket: its view, version and zeroing noted
         last = buckets[-1]
         self._views = {id(param): grad_view(bucket.buffer, offset, param) for bucket in buckets
-                       for param, offset in zip(bucket.params, bucket.offsets)} if rides or views else {}
+                       for param, offset in zip(bucket.params, bucket.offsets)} if slots else {}
         for param in self.params if rides else ():  # .grad *is* the view from now on: one identity test a landing
             view = self._views[id(param)]
             if param.grad is not None and param.grad.data_ptr() == view.data_ptr():
@@ -69,9 +70,8 @@ class ParameterUsage:
         self._used: set[int] = set()  # id(param) of each parameter whose gradient landed
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
         self._script_dropped: list[nn.Parameter] = []  # set to None by the script after landing: dropped after the sum
-        self._buffers = [bucket.buffer for bucket in buckets] if rides or views else []
-        self._bucket_at = {id(param): bucket.index for bucket in buckets for param in bucket.params} \
-            if rides or views else {}
+        self._buffers = [bucket.buffer for bucket in buckets] if slots else []
+        self._bucket_at = {id(param): bucket.index for bucket in buckets for param in bucket.params} if slots else {}
         self._versions: list[int | None] = [None] * len(self._buffers)  # each bucket's counter when last written here
         self._zeroed: list[int | None] = [None] * len(self._buffers)  # each bucket's counter after zero_grad zeroed it
 
@@ -162,8 +162,7 @@ class ParameterUsage:
             view = self._views.get(id(param))
             if not param.requires_grad:
                 continue
-            if view is not None and param.grad is not None and (  # its slot (sharded: another view of it)
-                    param.grad is view or param.grad.data_ptr() == view.data_ptr()):
+            if _in_slot(param.grad, view):
                 at = self._bucket_at[id(param)]
                 if self._buffers[at]._version != self._zeroed[at]:
                     in_place.append((param, view))
@@ -188,8 +187,7 @@ class ParameterUsage:
         replaced = None
         for param in self.params:
             view = self._views.get(id(param))
-            if view is None or param.grad is view or not param.requires_grad or (
-                    param.grad is not None and param.grad.data_ptr() == view.data_ptr()):
+            if view is None or not param.requires_grad or _in_slot(param.grad, view):
                 continue
             if param.grad is None and self.rides:
                 param.grad = view
@@ -202,6 +200,11 @@ class ParameterUsage:
         """A step given up (zero_grad without a sync): its landings count for nothing."""
         self._used.clear()
         self._versions = [None] * len(self._buffers)
+
+
+def _in_slot(grad: torch.Tensor | None, view: torch.Tensor | None) -> bool:
+    """Whether `grad` is its bucket slot `view`: the view itself, or (sharded) another view of it."""
+    return view is not None and grad is not None and (grad is view or grad.data_ptr() == view.data_ptr())
 
 
 @torch.no_grad()

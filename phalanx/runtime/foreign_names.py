@@ -11,6 +11,15 @@ from __future__ import annotations
 
 ACCELERATE, FABRIC, _BOTH = "Accelerate's", "Fabric's", "Accelerate's and Fabric's"
 
+# Ways more than one name is given.
+_TRACKER = "phalanx.MetricsLogger(out_dir, world=world)"
+_OPTIMIZER_AS_IS = "the optimizer over dp.parameters(), as it is (with shard=: dp.optimizer(cls, ...))"
+_TRIGGER = "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"
+_SAME_BATCH_COUNT = "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches"
+_UNUSED_FOUND = "not needed: a parameter no rank's backward reached keeps no gradient, as on one device"
+_WORLD_GROUP = "the world's group: phalanx.init() joins or adopts it"
+_BACKWARD_ORDER = "the buckets go out in backward's order; overlap=False exchanges all of them after backward"
+
 # name -> (whose, phalanx's way)
 FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "is_main_process": (ACCELERATE, "world.is_main"),
@@ -71,14 +80,12 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "mixed_precision": (ACCELERATE, "phalanx.prepare(model, world=world, precision='bf16-mixed'); "
                                     "dp.choices.describe() says what runs"),
     "gradient_accumulation_steps": (ACCELERATE, "the n of dp.accumulate(n)"),
-    "join_uneven_inputs": (ACCELERATE, "not needed with phalanx.ShardedLoader, which gives every rank the same "
-                                       "number of batches"),
+    "join_uneven_inputs": (ACCELERATE, _SAME_BATCH_COUNT),
     "even_batches": (ACCELERATE, "not needed: phalanx.ShardedLoader splits the last batch unevenly and exactly, "
                                  "nothing repeated"),
     "prepare_model": (ACCELERATE, "dp = phalanx.prepare(model, world=world)"),
-    "prepare_optimizer": (ACCELERATE, "the optimizer over dp.parameters(), as it is (with shard=: "
-                                      "dp.optimizer(cls, ...))"),
-    "setup_optimizers": (FABRIC, "the optimizer over dp.parameters(), as it is (with shard=: dp.optimizer(cls, ...))"),
+    "prepare_optimizer": (ACCELERATE, _OPTIMIZER_AS_IS),
+    "setup_optimizers": (FABRIC, _OPTIMIZER_AS_IS),
     "prepare_scheduler": (ACCELERATE, "the scheduler as it is (every rank steps the same optimizer); "
                                       "phalanx.checkpoint(..., extras={'scheduler': scheduler}) saves it"),
     "register_for_checkpointing": (ACCELERATE, "phalanx.checkpoint(..., extras={'scheduler': scheduler}) and "
@@ -88,17 +95,17 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "clip_grad_value_": (ACCELERATE, "torch.nn.utils.clip_grad_value_(dp.parameters(), value), after "
                                      "dp.finish_gradient_sync()"),
     "pad_across_processes": (ACCELERATE, "phalanx.gather(tensor, world=world) takes different row counts unpadded"),
-    "init_trackers": (ACCELERATE, "phalanx.MetricsLogger(out_dir, world=world)"),
-    "get_tracker": (ACCELERATE, "phalanx.MetricsLogger(out_dir, world=world)"),
-    "loggers": (FABRIC, "phalanx.MetricsLogger(out_dir, world=world)"),
-    "logger": (FABRIC, "phalanx.MetricsLogger(out_dir, world=world)"),
+    "init_trackers": (ACCELERATE, _TRACKER),
+    "get_tracker": (ACCELERATE, _TRACKER),
+    "loggers": (FABRIC, _TRACKER),
+    "logger": (FABRIC, _TRACKER),
     "save_model": (ACCELERATE, "torch.save(dp.state_dict(), path) on rank 0 (world.is_main): no module. prefix"),
     "get_state_dict": (ACCELERATE, "dp.state_dict() (a sharded replica's whole: dp.full_state_dict())"),
     "free_memory": (ACCELERATE, "dp.close(), then drop the references"),
     "skip_first_batches": (ACCELERATE, "itertools.islice(loader.epoch(e), position.step, None), position being "
                                        "phalanx.resume's"),
-    "set_trigger": (ACCELERATE, "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"),
-    "check_trigger": (ACCELERATE, "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"),
+    "set_trigger": (ACCELERATE, _TRIGGER),
+    "check_trigger": (ACCELERATE, _TRIGGER),
     "strategy": (FABRIC, "dp = phalanx.prepare(model, world=world) is data parallel; prepare(..., shard='optimizer' | "
                          "'gradients' | 'parameters') for ZeRO's stages"),
     "init_module": (FABRIC, "build the model as on one device: phalanx.prepare(model, world=world) moves it to "
@@ -116,7 +123,7 @@ def foreign_name_error(name: str) -> AttributeError:
 
 # DistributedDataParallel's keywords -> what phalanx does instead (prepare's TypeError names it).
 DDP_KEYWORDS: dict[str, str] = {
-    "find_unused_parameters": "not needed: a parameter no rank's backward reached keeps no gradient, as on one device",
+    "find_unused_parameters": _UNUSED_FOUND,
     "static_graph": "not needed: unused parameters are found every step, and a change of requires_grad lays the "
                     "buckets out again",
     "broadcast_buffers": "plain BatchNorm statistics are averaged across ranks after each step and other buffers "
@@ -125,19 +132,17 @@ DDP_KEYWORDS: dict[str, str] = {
     "gradient_as_bucket_view": "always: the gradients live in the buckets",
     "device_ids": "the device is world.device, chosen by phalanx.init()",
     "output_device": "the device is world.device, chosen by phalanx.init()",
-    "process_group": "the world's group: phalanx.init() joins or adopts it",
+    "process_group": _WORLD_GROUP,
     "init_sync": "prepare always broadcasts rank 0's parameters and buffers",
     "mixed_precision": "precision='bf16-mixed'",
     "dim": "the batch is cut along dim 0, by phalanx.ShardedLoader or phalanx.split_batch, before the forward",
-    "check_reduction": "not needed: a parameter no rank's backward reached keeps no gradient, as on one device",
+    "check_reduction": _UNUSED_FOUND,
     "skip_all_reduce_unused_params": "not needed: what no rank used is found in the last bucket's own allreduce, "
                                      "and its gradient stays None, as on one device",
     "bucket_cap_mb_list": "bucket_cap_mb= sets one cap (the first bucket is smaller, DDP's min(cap, 1 MiB))",
-    "delay_all_reduce_named_params": "the buckets go out in backward's order; overlap=False exchanges all of them "
-                                     "after backward",
-    "param_to_hook_all_reduce": "the buckets go out in backward's order; overlap=False exchanges all of them after "
-                                "backward",
-    "device_mesh": "the world's group: phalanx.init() joins or adopts it",
+    "delay_all_reduce_named_params": _BACKWARD_ORDER,
+    "param_to_hook_all_reduce": _BACKWARD_ORDER,
+    "device_mesh": _WORLD_GROUP,
     "batched_grad_copy": "always: the gradients live in the buckets, so nothing is copied into them",
     "forward_sync_buffers": "plain BatchNorm statistics are averaged across ranks after each step and other buffers "
                             "are broadcast once here",
@@ -157,9 +162,8 @@ DDP_METHODS: dict[str, str] = {
     "register_comm_hook": "the exchange takes no hook: prepare(model, world=world, grad_dtype='bf16') sends the "
                           "gradients compressed, as DDP's bf16_compress_hook / fp16_compress_hook do, and algorithm= "
                           "picks the allreduce",
-    "join": "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches; ranks "
-            "that run different numbers of steps fail at once, naming both call sites",
-    "join_hook": "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches",
+    "join": f"{_SAME_BATCH_COUNT}; ranks that run different numbers of steps fail at once, naming both call sites",
+    "join_hook": _SAME_BATCH_COUNT,
     "_set_static_graph": DDP_KEYWORDS["static_graph"],
 }
 

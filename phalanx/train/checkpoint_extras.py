@@ -50,7 +50,8 @@ def extra_states(extras: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def check_extra_names(saved: Mapping[str, Any] | None, extras: Mapping[str, Any] | None, *, path: str | Path) -> None:
     """UsageError unless the checkpoint's extras (`saved`) and the resume's have the same names."""
-    missing, unsaved = sorted(set(saved or {}) - set(checked_extras(extras))), sorted(set(extras or {}) - set(saved or {}))
+    given, kept = set(checked_extras(extras)), set(saved or {})
+    missing, unsaved = sorted(kept - given), sorted(given - kept)
     if missing:
         raise UsageError(f"checkpoint {path} holds the state of extras {_names(missing)}, which this resume was not "
                          f"given; pass phalanx.resume the extras phalanx.checkpoint was given "
@@ -63,8 +64,8 @@ def check_extra_names(saved: Mapping[str, Any] | None, extras: Mapping[str, Any]
 
 
 def load_extras(saved: Mapping[str, Any] | None, extras: Mapping[str, Any] | None, *, path: str | Path) -> None:
-    """Hand each saved state to the same name's `load_state_dict()` (names checked first)."""
-    check_extra_names(saved, extras, path=path)
+    """Hand each saved state to the same name's `load_state_dict()`; `check_extra_names` passed
+    already (restore checks them before it applies anything)."""
     for name, state in (saved or {}).items():
         obj = extras[name]
         try:
