@@ -37,7 +37,7 @@ _OWNERS = {
     "DataParallel": "phalanx.data_parallel.data_parallel", "DataParallelConfig": "phalanx.data_parallel.config",
     "prepare": "phalanx.data_parallel.prepare",
     "convert_sync_batchnorm": "phalanx.data_parallel.sync_batchnorm",
-    "init": "phalanx.runtime.script",
+    "init": "phalanx.runtime.script", "launch": "phalanx.runtime.function_launch",
     "MetricsLogger": "phalanx.telemetry.run_log", "progress": "phalanx.telemetry.run_log",
     "Position": "phalanx.train.checkpoint", "checkpoint": "phalanx.train.checkpoint",
     "resume": "phalanx.train.checkpoint",
@@ -55,7 +55,7 @@ __all__ = [
     "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed",
     "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce", "barrier", "broadcast", "capture_step",
     "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather",
-    "global_batches", "init", "main_first", "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss",
+    "global_batches", "init", "launch", "main_first", "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss",
     "shard_sizes", "split_batch", "train_batch",
 ]
 

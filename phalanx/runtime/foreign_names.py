@@ -61,7 +61,8 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "log_dict": (FABRIC, "phalanx.MetricsLogger(out_dir, world=world).log(row)"),
     "seed_everything": (FABRIC, "torch.manual_seed(seed) on every rank (prepare broadcasts rank 0's weights)"),
     "to_device": (FABRIC, "tensor.to(world.device)"),
-    "launch": (FABRIC, "phalanx run --devices cpu:2 script.py starts the workers; each calls phalanx.init()"),
+    "launch": (FABRIC, "phalanx.launch(train, devices='cpu:2') runs a function on the workers (a script: phalanx "
+                       "run --devices cpu:2 script.py); each calls phalanx.init()"),
     "end_training": (ACCELERATE, "dp.close()"),
     "main_process_first": (ACCELERATE, "with phalanx.main_first(world=world): ..."),
     "local_main_process_first": (ACCELERATE, "with phalanx.main_first(world=world, per_host=True): ..."),

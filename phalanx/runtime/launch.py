@@ -109,9 +109,11 @@ def join_launcher_world(env: LauncherEnv, *, device: torch.device, timeout_s: fl
 
 
 def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload: Any, *, spec: LaunchSpec,
-                  exit_zero_is_success: bool = False, announce: Callable[[str], None] | None = None) -> list[Any]:
+                  exit_zero_is_success: bool = False, announce: Callable[[str], None] | None = None,
+                  start_method: str = "spawn") -> list[Any]:
     """Spawn one process per device of the plan with torchrun's environment, this launcher hosting
-    the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise).
+    the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise; `start_method`
+    "fork" copies this process instead: runtime/forked.py).
     `announce(store_address)` is called once the store listens, before any worker starts."""
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
         check_bindable(spec.plan.num_devices, len(allowed_cores()))
@@ -123,7 +125,8 @@ def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload
         run_id = f"phalanx-{os.getpid()}-{secrets.token_hex(4)}"
         envs = [torchrun_env(rank=rank, world_size=k, master_port=port, run_id=run_id) for rank in range(k)]
         return run_workers(WorkerSet(body=body, payload=payload, num_procs=k, env=envs, deadline_s=spec.deadline_s,
-                                     teardown_s=spec.teardown_s, exit_zero_is_success=exit_zero_is_success))
+                                     teardown_s=spec.teardown_s, exit_zero_is_success=exit_zero_is_success,
+                                     start_method=start_method))
 
 
 def torchrun_env(*, rank: int, world_size: int, master_port: int, run_id: str) -> dict[str, str]:

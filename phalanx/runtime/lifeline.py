@@ -174,10 +174,39 @@ def line_buffered_output() -> None:
     Block-buffered (a file or pipe) the last lines wait in memory and die with a killed worker;
     unbuffered (PYTHONUNBUFFERED) `print` writes text and newline separately, so two ranks' lines
     tear into each other. One write per line is whole on a pipe up to PIPE_BUF (4 KiB) and on
-    a terminal or file in practice, and costs one system call per line."""
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError, OSError):  # replaced or closed streams
-            stream.reconfigure(line_buffering=True, write_through=False)
+    a terminal or file in practice, and costs one system call per line. A stream that cannot be
+    reconfigured (a notebook's, in a worker phalanx.launch forked) is wrapped to the same end:
+    ipykernel's sent text and newline as two messages, and two ranks' lines tore."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):  # a closed stream
+                stream.reconfigure(line_buffering=True, write_through=False)
+        elif stream is not None and not isinstance(stream, _WholeLines):
+            setattr(sys, name, _WholeLines(stream))
+
+
+class _WholeLines:
+    """A text stream's stand-in that hands it whole lines, each in one write; the rest of a line
+    waits for its newline or a flush. Anything else is the stream's own."""
+
+    def __init__(self, stream) -> None:
+        self._stream, self._partial = stream, ""
+
+    def write(self, text: str) -> int:
+        lines, newline, self._partial = (self._partial + text).rpartition("\n")
+        if newline:
+            self._stream.write(lines + newline)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._stream.write(self._partial)
+            self._partial = ""
+        self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def describe_signal(signum: int) -> str:

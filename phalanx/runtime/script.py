@@ -34,6 +34,7 @@ import multiprocessing
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -136,25 +137,37 @@ def _inherit_launcher_stdin() -> None:
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
                 teardown: contextlib.ExitStack) -> None:
+    run_in_worker(lambda: run_as_main(target, args, rank=launcher_env().rank), spec=spec, device=device,
+                  teardown=teardown, guard=refusing_nested_launch(device_type=device.type, target=target))
+
+
+def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.device, teardown: contextlib.ExitStack,
+                  guard: contextlib.AbstractContextManager | None = None) -> Any:
+    """`call()` (a script run as __main__, or phalanx.launch's function) in this worker, set up as
+    `phalanx run` sets up each of its workers; `init()` inside it takes this worker's device and
+    timeout. `guard` is held while it runs; its errors torch names no fix for become one line."""
     global _context, _current
     env = launcher_env()
     setup_worker(device, local_rank=env.local_rank, local_world_size=env.local_world_size,
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
     _bound_default_group_timeout(spec.timeout_s)
     _platform_start_method()
+    _current = None  # a forked worker's copy of its launcher's world is not its own
     _context = _RunContext(device=device, timeout_s=spec.timeout_s, threads=torch.get_num_threads(), rank=env.rank)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
-    teardown.enter_context(refusing_nested_launch(device_type=device.type, target=target))
+    if guard is not None:
+        teardown.enter_context(guard)
     try:
-        run_as_main(target, args, rank=env.rank)
+        result = call()
     except BaseException as exc:
         mark_exit(_current, ok=False)
         line = reworded(exc, device_type=device.type, init_ran=_current is not None)
         if line is not None:
             raise UsageError(line) from None
         raise
-    else:  # peers still waiting in a collective learn at once that this rank's script ended
+    else:  # peers still waiting in a collective learn at once that this rank's work ended
         mark_exit(_current, ok=True)
+        return result
     finally:
         _say_if_threads_changed(_context)
         _context = _current = None
@@ -258,15 +271,16 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def first_line(spec: LaunchSpec, *, workers: int, local_workers: int, store: str, launcher: str) -> str:
-    """`phalanx run`'s first line on stderr, as `phalanx train`'s names its devices and threads:
-    how many workers, each one's threads, and where they meet (`--quiet` drops it)."""
+def first_line(spec: LaunchSpec, *, workers: int, local_workers: int, store: str, launcher: str,
+               command: str = "phalanx run") -> str:
+    """`phalanx run`'s (and phalanx.launch's) first line on stderr, as `phalanx train`'s names its
+    devices and threads: how many workers, each one's threads, and where they meet (`--quiet` drops it)."""
     threads = threads_per_worker(spec, local_workers=local_workers)
     # torchrun's CUDA workers drive cuda:LOCAL_RANK whatever --devices lists; phalanx's, its list
     where = ", ".join(spec.plan.names) if spec.plan.kind == "cuda" and launcher == "phalanx" else spec.plan.kind
     here = "" if local_workers == workers else f" ({local_workers} on this host)"
     each = "torch's default threads" if threads is None else f"{threads} thread{'s' * (threads > 1)} each"
-    return (f"phalanx run: {workers} worker{'s' * (workers > 1)} on {where}{here}, {each}; "
+    return (f"{command}: {workers} worker{'s' * (workers > 1)} on {where}{here}, {each}; "
             f"rendezvous env:// through {launcher}'s store at {store}")
 
 

@@ -1,8 +1,8 @@
 """Run a set of fresh worker processes and watch over them: the one way phalanx starts processes.
 
-`run_workers(WorkerSet(...))` starts `num_procs` fresh interpreters (`spawn`), each running
-`body(rank, payload, teardown)` with `env[rank]` added to its environment, and returns their
-results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
+`run_workers(WorkerSet(...))` starts `num_procs` fresh interpreters (`spawn`; or copies of this
+process, `fork`, for phalanx.launch: runtime/forked.py), each running `body(rank, payload, teardown)`
+with `env[rank]` added to its environment, and returns their results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
 `phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
 
 Each worker sends one report (its result, or its error) through its own pipe *before* its
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Sequence
 
+from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of
 from phalanx.runtime.worker_errors import ERROR_FILE_VAR, error_files, is_echo, recorded
 from phalanx.errors import RunFailed, UsageError
@@ -51,7 +52,7 @@ ERROR_GRACE_S = 1.0
 TEARDOWN_S = 30.0
 # The launcher's own frames, above the user's code in every worker's traceback (left out of reports).
 _PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script",
-             "phalanx.runtime.main_module", "runpy")
+             "phalanx.runtime.main_module", "phalanx.runtime.function_launch", "runpy")
 
 # Set in a spawned worker: (shared array of every rank's last finished step, this rank).
 _PROGRESS: tuple[Any, int] | None = None
@@ -80,7 +81,8 @@ class WorkerFailed(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerSet:
-    """What to start and how long to wait. `body` must be module-level (spawn pickles it by name)."""
+    """What to start and how long to wait. `body` must be module-level (spawn pickles it by name;
+    fork copies it, and runs it on a fresh thread of the worker: runtime/forked.py)."""
 
     body: Callable[[int, Any, contextlib.ExitStack], Any]  # runs in worker `rank`; returns its result
     payload: Any
@@ -90,6 +92,7 @@ class WorkerSet:
     deadline_s: float | None = None  # bound on results arriving; None: the body bounds its own waits
     teardown_s: float = TEARDOWN_S
     exit_zero_is_success: bool = False  # a worker that exits 0 without a report succeeded (result None)
+    start_method: str = "spawn"  # or "fork"
 
     def __post_init__(self) -> None:
         if self.num_procs < 1:
@@ -100,6 +103,8 @@ class WorkerSet:
             raise ValueError(f"deadline_s {self.deadline_s} must be positive seconds or None")
         if not self.teardown_s > 0:
             raise ValueError(f"teardown_s {self.teardown_s} must be positive seconds")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"start_method {self.start_method!r} is not one of {START_METHODS}")
 
 
 def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str) -> None:
@@ -113,6 +118,17 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
         os.environ.update(workers.env[rank])
     os.environ[ERROR_FILE_VAR] = error_file  # as torchrun's agent gives each worker one of its own
     _PROGRESS = None if progress is None else (progress, rank)
+    if workers.start_method == "fork":
+        reset_signals()
+        exit_code = on_fresh_thread(_report_then_teardown, rank, workers, conn)
+    else:
+        exit_code = _report_then_teardown(rank, workers, conn)
+    if exit_code:
+        raise SystemExit(exit_code)
+
+
+def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
+    """Run the body, send its one report, then tear down; the worker's exit code."""
     exit_code = 0
     with contextlib.ExitStack() as teardown:
         try:
@@ -136,19 +152,21 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
             conn.close()
         except OSError:
             pass  # the parent is gone (interrupted): nobody is left to tell
-    if exit_code:
-        raise SystemExit(exit_code)
+    return exit_code
 
 
 def run_workers(workers: WorkerSet) -> list[Any]:
     """Start the worker set, supervise it, and return the results by rank (or raise)."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(workers.start_method)
     procs, conns = [], []
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
             progress = _progress_array(ctx, workers.num_procs)
             for rank in range(workers.num_procs):
-                with signals_deferred():  # a stop lands after the new worker is on the list
+                # A stop lands after the new worker is on the list; Python 3.12+ warns of any fork
+                # in a process with threads (the store's): forked.py says what a copy undoes.
+                with signals_deferred(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
                     parent_end, child_end = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker_main, name=f"{workers.name}-{rank}",
                                        args=(rank, workers, child_end, progress, os.getpid(), errors[rank]))

@@ -1,0 +1,71 @@
+"""Workers started by fork: what a forked worker must not take over from the process it copies.
+
+`phalanx.launch(fn, ...)` forks its workers by default on Linux (runtime/function_launch.py says
+why: a function defined in a notebook cannot be imported by a fresh interpreter). A forked worker
+is a copy of the launching process at the fork, with one thread. Three things of that process
+would break it, and are dealt with here:
+
+- OpenMP. GNU libgomp (PyTorch's Linux wheels ship it) keeps its thread pool in the state of the
+  thread that opened it, and a fork copies that state but not the pool's threads. The first
+  parallel region the worker's main thread then opens with more than one thread waits for them
+  forever: measured, 2 forked workers with 2 threads each hung at their first matmul once the
+  launching process had run one (with 1 thread each they ran). A thread started in the worker has
+  no pool yet and opens its own: the worker's whole body runs on one (`on_fresh_thread`).
+- The launcher's signal handlers (a stop raises an exception meant for the launcher): the worker
+  gets Python's defaults back (`reset_signals`), as a fresh interpreter has them.
+- A CUDA context or a process group open in the launching process cannot be used by a copy:
+  refused before anything is forked, in one line naming the fix (`check_forkable`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import UsageError
+
+START_METHODS = ("fork", "spawn")
+
+
+def check_forkable(*, device_kind: str) -> None:
+    """Refuse, before any fork, a launching process whose copies could not run the workers."""
+    if dist.is_available() and dist.is_initialized():
+        raise UsageError("launch() forks this process, which has a torch.distributed process group open that its "
+                         "copies cannot use; call torch.distributed.destroy_process_group() first (each worker "
+                         "joins its own through phalanx.init()), or pass start_method='spawn'")
+    if device_kind == "cuda" and torch.cuda.is_initialized():
+        raise UsageError("launch() on GPUs forks this process, in which CUDA is already initialized (something was "
+                         "put on a GPU here), and a forked worker cannot use CUDA then; restart the interpreter (the "
+                         "notebook's kernel) and create every CUDA tensor inside the function, or define the "
+                         "function in a module and pass start_method='spawn'")
+
+
+def reset_signals() -> None:
+    """Python's own handlers for the stop signals, in place of those the launcher had installed."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def on_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on a thread started here, waited for; its result, or its exception re-raised.
+
+    The main thread stays in `join`, where a signal still reaches its handlers (SIGTERM's flush,
+    runtime/lifeline.py). The thread is not a daemon: the worker exits once it has returned."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="phalanx-worker-main")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
