@@ -1,4 +1,4 @@
-"""`phalanx.launch(fn, *args, devices=...)`: a function on k workers, from a notebook or any Python code.
+"""`phalanx.launch(fn, *args, devices=..., **kwargs)`: a function on k workers, from a notebook or any Python code.
 
 The function is a script's body: it calls `phalanx.init()` and trains as a script under `phalanx
 run` does, on workers started and supervised by the same launcher (`timeout_s` on every
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import sys
 from multiprocessing.reduction import ForkingPickler
@@ -47,25 +48,27 @@ from phalanx.runtime.world import launcher_env
 
 def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads_per_device: int | None = None,
            bind_cores: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None,
-           quiet: bool = False) -> list[Any]:
-    """Run `fn(*args)` on every device of `devices` ("cpu:4", "cuda:0,1", N); its results by rank.
+           quiet: bool = False, **kwargs: Any) -> list[Any]:
+    """Run `fn(*args, **kwargs)` on every device of `devices` ("cpu:4", "cuda:0,1", N); its results by rank.
 
     Inside `fn`, `phalanx.init()` is this worker's world. `threads_per_device`, `bind_cores` and
     `timeout_s` are `phalanx run`'s `--threads-per-device`, `--bind-cores` and `--timeout`;
     `start_method` is "fork" or "spawn" (default: fork on Linux, see above); `quiet` drops the
-    first line (on stderr: the workers, their threads, how they started).
+    first line (on stderr: the workers, their threads, how they started). Every other keyword is
+    `fn`'s; arguments `fn` does not take are refused here, not in each worker.
     """
     if not callable(fn):
         raise UsageError(f"launch() takes the function to run first, not a {type(fn).__name__}; "
                          "write phalanx.launch(train, *args, devices='cpu:2')")
+    _check_call(fn, args, kwargs)
     try:
         config = LaunchConfig(devices=str(devices), threads_per_device=threads_per_device, bind_cores=bind_cores,
                               timeout_s=timeout_s)
     except OptionError as exc:  # named as this function's keywords, not as phalanx run's flags
         raise UsageError(str(exc.named())) from None
     if launcher_env() is not None:  # torchrun's or phalanx run's worker already: this rank's part is fn, here
-        return [fn(*args)]
-    method = _start_method(fn, args, start_method)
+        return [fn(*args, **kwargs)]
+    method = _start_method(fn, (args, kwargs), start_method)
     spec = config.spec(_plan(config.devices, method))
     if method == "fork":
         check_forkable(device_kind=spec.plan.kind)
@@ -73,7 +76,25 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
     announce = None if quiet else (lambda store: print(first_line(
         spec, workers=k, local_workers=k, store=store, launcher="phalanx", command=f"phalanx.launch ({method})"),
         file=sys.stderr, flush=True))
-    return spawn_workers(_function_body, (fn, args, spec), spec=spec, announce=announce, start_method=method)
+    return spawn_workers(_function_body, (fn, args, kwargs, spec), spec=spec, announce=announce, start_method=method)
+
+
+_OWN_KEYWORDS = "devices, threads_per_device, bind_cores, timeout_s, start_method, quiet"
+
+
+def _check_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+    """Refuse, before any worker starts, arguments `fn` cannot take (a misspelt launch keyword
+    lands here too, as one of fn's)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C function without one: its call will say
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise UsageError(f"launch() cannot call {name}{signature} with these arguments ({exc}); launch's own "
+                         f"keywords are {_OWN_KEYWORDS}, every other one goes to the function") from None
 
 
 def _plan(devices: str, method: str) -> DevicePlan:
@@ -93,13 +114,13 @@ def _plan(devices: str, method: str) -> DevicePlan:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
 
 
-def _start_method(fn: Callable[..., Any], args: tuple, requested: str | None) -> str:
+def _start_method(fn: Callable[..., Any], arguments: tuple[tuple, dict], requested: str | None) -> str:
     """fork or spawn: as asked, else fork on Linux; spawn only for what a fresh interpreter can load."""
     if requested is not None and requested not in START_METHODS:
         raise UsageError(f"start_method={requested!r} is not understood; use 'fork' or 'spawn' (or leave it unset)")
     method = requested or ("fork" if sys.platform == "linux" else "spawn")
     if method == "spawn":
-        problem = _unspawnable(fn, args)
+        problem = _unspawnable(fn, arguments)
         if problem is not None:
             way = " or start_method='fork'" if sys.platform == "linux" else ""
             raise UsageError(f"launch() with start_method='spawn' {problem}, and a fresh interpreter could not load "
@@ -107,13 +128,13 @@ def _start_method(fn: Callable[..., Any], args: tuple, requested: str | None) ->
     return method
 
 
-def _unspawnable(fn: Callable[..., Any], args: tuple) -> str | None:
-    """Why spawn could not hand `fn(*args)` to a fresh interpreter, or None if it can."""
+def _unspawnable(fn: Callable[..., Any], arguments: tuple[tuple, dict]) -> str | None:
+    """Why spawn could not hand `fn` and its (args, kwargs) to a fresh interpreter, or None if it can."""
     main_file = getattr(sys.modules["__main__"], "__file__", None)  # python -: "<stdin>"; a notebook: none
     if getattr(fn, "__module__", None) == "__main__" and (main_file is None or not os.path.isfile(main_file)):
         return f"gets {getattr(fn, '__qualname__', fn)!r}, defined in an interactive session (a notebook)"
     try:
-        ForkingPickler.dumps((fn, args))
+        ForkingPickler.dumps((fn, arguments))
     except Exception as exc:  # noqa: BLE001 - any reason pickling fails is the same refusal
         return f"cannot pickle the function or its arguments ({type(exc).__name__}: {exc})"
     return None
@@ -121,8 +142,8 @@ def _unspawnable(fn: Callable[..., Any], args: tuple) -> str | None:
 
 def _function_body(rank: int, payload: tuple, teardown: contextlib.ExitStack) -> Any:
     """One worker of `launch`: set up as phalanx run's are, run fn, its result on the CPU."""
-    fn, args, spec = payload
-    return on_cpu(run_in_worker(lambda: fn(*args), spec=spec, device=spec.plan.torch_device(rank),
+    fn, args, kwargs, spec = payload
+    return on_cpu(run_in_worker(lambda: fn(*args, **kwargs), spec=spec, device=spec.plan.torch_device(rank),
                                 teardown=teardown))
 
 

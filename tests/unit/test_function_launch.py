@@ -35,6 +35,19 @@ def test_bad_options_are_one_line_naming_the_keyword(kwargs, said):
     assert said in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("args, kwargs, said", [
+    ((1,), dict(device="cpu:2"), "(got an unexpected keyword argument 'device')"),
+    ((), dict(devices="cpu:2"), "(missing a required argument: 'x')"),
+    ((1, 2), dict(devices="cpu:2"), "(too many positional arguments)"),
+])
+def test_arguments_the_function_cannot_take_are_refused_before_any_worker(args, kwargs, said):
+    with pytest.raises(UsageError) as caught:
+        phalanx.launch(_module_level, *args, quiet=True, **kwargs)
+    assert str(caught.value) == (f"launch() cannot call _module_level(x) with these arguments {said}; launch's own "
+                                 "keywords are devices, threads_per_device, bind_cores, timeout_s, start_method, "
+                                 "quiet, every other one goes to the function")
+
+
 def test_a_function_comes_first():
     with pytest.raises(UsageError, match=r"launch\(\) takes the function to run first, not a str; write "
                                          r"phalanx.launch\(train, \*args, devices='cpu:2'\)"):
