@@ -21,7 +21,7 @@
   version counters).
 - `UnsyncedGradientGuard`: a backward whose gradients no exchange summed (a forgotten
   `finish_gradient_sync()`, silent with overlap=False) is refused at the optimizer's step, or at
-  `zero_grad()` after an update by hand, naming the fix.
+  `zero_grad()` after an update by hand, or at a GradScaler's `unscale_` (unscale.py), naming the fix.
 
 Every rank sees the same gathered data, so every rank raises the same error at the same point.
 """
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from phalanx.comm import Tag, collective
+from phalanx.data_parallel.guards.unscale import watch as watch_unscale
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.world import World
 
@@ -209,6 +210,7 @@ class UnsyncedGradientGuard:
         self._versions: list[int] = []  # the parameters' version counters when `pending` was set
         self._steps_module: dict[int, bool] = {}  # id(optimizer) -> does it hold the module's parameters?
         self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
+        watch_unscale(self)  # a GradScaler's unscale_ before the sum is refused too (unscale.py)
 
     def mark(self) -> None:
         """A synced backward landed gradients here (the owner calls it only while not pending)."""
@@ -232,13 +234,17 @@ class UnsyncedGradientGuard:
         pending, self.pending = self.pending, False
         return pending
 
-    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def steps_module(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether `optimizer` holds any of the module's parameters (looked up once per optimizer)."""
         mine = self._steps_module.get(id(optimizer))
-        if mine is None:  # looked up once per optimizer
+        if mine is None:
             ours = {id(p) for p in self._module.parameters()}
             mine = self._steps_module[id(optimizer)] = any(
                 id(p) in ours for group in optimizer.param_groups for p in group["params"])
-        if mine:
+        return mine
+
+    def check_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.steps_module(optimizer):
             self.check("optimizer.step()")
 
     def close(self) -> None:
