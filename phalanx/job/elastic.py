@@ -25,33 +25,16 @@ each new worker set resumes by itself from the checkpoint (resume.py), on howeve
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from phalanx.runtime.devices import DevicePlan
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.launch import LaunchSpec, WorkerFailed, launch
+from phalanx.runtime.restarts import failure_of
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.job import train_worker
-
-@dataclass(frozen=True, kw_only=True)
-class Failure:
-    rank: int
-    device: str
-    what: str  # "died (signal SIGKILL) after step 31"
-
-
-def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
-    """The rank and device a launch failure blames when a restart can get past it (a worker that
-    died, raised or stopped responding: `exc.rank`, `exc.restartable`), else None (a checked
-    condition that would repeat, such as a NaN loss, or no rank to blame)."""
-    if not exc.restartable or exc.rank is None or not 0 <= exc.rank < len(names):
-        return None
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    for prefix in (f"worker rank {exc.rank} failed: ", f"run stopped: worker rank {exc.rank} "):
-        first = first.removeprefix(prefix)
-    return Failure(rank=exc.rank, device=names[exc.rank], what=first.strip())
 
 
 def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: LaunchSpec,

@@ -42,20 +42,23 @@ from phalanx.runtime.devices import DevicePlan, parse_devices
 from phalanx.runtime.forked import START_METHODS, check_forkable
 from phalanx.runtime.launch import LaunchSpec, spawn_workers
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
+from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script import first_line, run_in_worker
 from phalanx.runtime.world import launcher_env
 
 
 def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads_per_device: int | None = None,
            bind_cores: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, start_method: str | None = None,
-           quiet: bool = False, **kwargs: Any) -> list[Any]:
+           max_restarts: int = 0, quiet: bool = False, **kwargs: Any) -> list[Any]:
     """Run `fn(*args, **kwargs)` on every device of `devices` ("cpu:4", "cuda:0,1", N); its results by rank.
 
     Inside `fn`, `phalanx.init()` is this worker's world. `threads_per_device`, `bind_cores` and
     `timeout_s` are `phalanx run`'s `--threads-per-device`, `--bind-cores` and `--timeout`;
-    `start_method` is "fork" or "spawn" (default: fork on Linux, see above); `quiet` drops the
-    first line (on stderr: the workers, their threads, how they started). Every other keyword is
-    `fn`'s; arguments `fn` does not take are refused here, not in each worker.
+    `start_method` is "fork" or "spawn" (default: fork on Linux, see above); `max_restarts` is
+    `phalanx run`'s `--max-restarts` (every worker starts `fn` again after one fails, up to N
+    times: runtime/restarts.py); `quiet` drops the first line (on stderr: the workers, their
+    threads, how they started). Every other keyword is `fn`'s; arguments `fn` does not take are
+    refused here, not in each worker.
     """
     if not callable(fn):
         raise UsageError(f"launch() takes the function to run first, not a {type(fn).__name__}; "
@@ -66,6 +69,8 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
                               timeout_s=timeout_s)
     except OptionError as exc:  # named as this function's keywords, not as phalanx run's flags
         raise UsageError(str(exc.named())) from None
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise UsageError(f"max_restarts {max_restarts!r} must be 0 (no restarts) or more")
     if launcher_env() is not None:  # torchrun's or phalanx run's worker already: this rank's part is fn, here
         return [fn(*args, **kwargs)]
     method = _start_method(fn, (args, kwargs), start_method)
@@ -76,10 +81,14 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
     announce = None if quiet else (lambda store: print(first_line(
         spec, workers=k, local_workers=k, store=store, launcher="phalanx", command=f"phalanx.launch ({method})"),
         file=sys.stderr, flush=True))
-    return spawn_workers(_function_body, (fn, args, kwargs, spec), spec=spec, announce=announce, start_method=method)
+    return with_restarts(lambda restart: spawn_workers(
+        _function_body, (fn, args, kwargs, spec), spec=spec, announce=announce if restart == 0 else None,
+        start_method=method, restart_count=restart, max_restarts=max_restarts),
+        max_restarts=max_restarts, names=spec.plan.names,
+        say=lambda line: print(f"phalanx.launch: {line}", file=sys.stderr, flush=True))
 
 
-_OWN_KEYWORDS = "devices, threads_per_device, bind_cores, timeout_s, start_method, quiet"
+_OWN_KEYWORDS = "devices, threads_per_device, bind_cores, timeout_s, start_method, max_restarts, quiet"
 
 
 def _check_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:

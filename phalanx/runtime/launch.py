@@ -110,10 +110,11 @@ def join_launcher_world(env: LauncherEnv, *, device: torch.device, timeout_s: fl
 
 def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload: Any, *, spec: LaunchSpec,
                   exit_zero_is_success: bool = False, announce: Callable[[str], None] | None = None,
-                  start_method: str = "spawn") -> list[Any]:
+                  start_method: str = "spawn", restart_count: int = 0, max_restarts: int = 0) -> list[Any]:
     """Spawn one process per device of the plan with torchrun's environment, this launcher hosting
     the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise; `start_method`
-    "fork" copies this process instead: runtime/forked.py).
+    "fork" copies this process instead: runtime/forked.py; `restart_count` of `max_restarts`: which
+    attempt this is, as torchrun tells its workers: runtime/restarts.py).
     `announce(store_address)` is called once the store listens, before any worker starts."""
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
         check_bindable(spec.plan.num_devices, len(allowed_cores()))
@@ -123,13 +124,15 @@ def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload
             announce(f"127.0.0.1:{port}")
         warn_if_oversubscribed(spec, local_workers=k)
         run_id = f"phalanx-{os.getpid()}-{secrets.token_hex(4)}"
-        envs = [torchrun_env(rank=rank, world_size=k, master_port=port, run_id=run_id) for rank in range(k)]
+        envs = [torchrun_env(rank=rank, world_size=k, master_port=port, run_id=run_id, restart_count=restart_count,
+                             max_restarts=max_restarts) for rank in range(k)]
         return run_workers(WorkerSet(body=body, payload=payload, num_procs=k, env=envs, deadline_s=spec.deadline_s,
                                      teardown_s=spec.teardown_s, exit_zero_is_success=exit_zero_is_success,
                                      start_method=start_method))
 
 
-def torchrun_env(*, rank: int, world_size: int, master_port: int, run_id: str) -> dict[str, str]:
+def torchrun_env(*, rank: int, world_size: int, master_port: int, run_id: str, restart_count: int = 0,
+                 max_restarts: int = 0) -> dict[str, str]:
     """What torchrun's agent puts in a worker's environment (torch.distributed.elastic's
     LocalElasticAgent), for local rank `rank` of a one-host job whose agent hosts the store on
     127.0.0.1:`master_port`; plus the loopback pins for gloo and NCCL (a user's own setting wins).
@@ -140,7 +143,8 @@ def torchrun_env(*, rank: int, world_size: int, master_port: int, run_id: str) -
         "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_NAME": "default",
         "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "GROUP_WORLD_SIZE": "1",
         "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # every rank connects to our store; none hosts one
         # What torchrun's agent sets in its own environment (the signals it forwards), so its workers have it too.
         "TORCHELASTIC_SIGNALS_TO_HANDLE": os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE",

@@ -31,9 +31,6 @@ _OUTPUT = ("phalanx run takes no {flag}: every worker writes to this console as 
 _OTHER = ("{launcher}'s {flag} has no counterpart in phalanx run, whose launcher supervises its workers itself "
           "(--timeout bounds every wait); drop it, or start the script with torchrun itself, where phalanx.init() "
           "joins its world")
-_RESTARTS = ("phalanx run restarts no worker: a failure ends the run in one line naming the rank; for restarts start "
-             "the script with torchrun --max-restarts N itself, where phalanx.init() joins its world and "
-             "phalanx.resume(...) continues from the script's last phalanx.checkpoint(...)")
 _IN_THE_SCRIPT = "phalanx run takes no {flag}: {what} is set in the script, {how}"
 _PRECISION = _IN_THE_SCRIPT.format(flag="{flag}", what="mixed precision",
                                    how="phalanx.prepare(model, world=world, precision=\"bf16-mixed\")")
@@ -61,7 +58,7 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("--rdzv-conf", "--rdzv_conf"), True, _MANY_HOSTS),
     ("torchrun", ("--standalone",), False,
      "phalanx run is standalone already (one host, a store of its own on a free port): drop --standalone"),
-    ("torchrun", ("--max-restarts", "--max_restarts"), True, _RESTARTS),
+    ("torchrun", ("--max_restarts",), True, "phalanx run spells it --max-restarts N (torchrun takes {flag} too)"),
     ("torchrun", ("--monitor-interval", "--monitor_interval"), True, _OTHER),
     ("torchrun", ("--start-method", "--start_method"), True, _OTHER),
     ("torchrun", ("--event-log-handler", "--event_log_handler"), True, _OTHER),

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import UsageError, warn_at_caller
-from phalanx.options import add_options, build, option
+from phalanx.options import add_options, at_least, build, check_options, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
                                    torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
@@ -50,6 +50,7 @@ from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
+from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script_errors import reworded
 
 
@@ -228,6 +229,13 @@ class RunOptions:
     """phalanx run's own options, beside the launch's (LaunchConfig)"""
 
     quiet: bool = option(False, help="no first line on stderr (workers, threads, rendezvous)")
+    max_restarts: int = option(0, metavar="N", check=at_least(0, problem="must be 0 (no restarts) or more"),
+                               help="after a worker fails, start every worker again, up to N times, as torchrun "
+                                    "--max-restarts does (TORCHELASTIC_RESTART_COUNT says which attempt; the script "
+                                    "resumes from its last phalanx.checkpoint with phalanx.resume)")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -248,9 +256,12 @@ def run_run(args: argparse.Namespace) -> int:
     """`phalanx run`: check what can be checked here, then start the script on every worker."""
     target = Target(args.script, module=args.module)
     target.check()
-    launch_config, quiet = build(LaunchConfig, args), build(RunOptions, args).quiet
+    launch_config, options = build(LaunchConfig, args), build(RunOptions, args)
+    quiet = options.quiet
     spec = launch_config.spec(parse_devices(launch_config.devices))
     env = launcher_env()
+    if env is not None and options.max_restarts:
+        raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, not to phalanx run")
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
         if env.rank == 0 and not quiet:
             _say(first_line(spec, workers=env.world_size, local_workers=env.local_world_size,
@@ -266,8 +277,10 @@ def run_run(args: argparse.Namespace) -> int:
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
-    spawn_workers(_script_body, (target, tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
-                  announce=announce)
+    with_restarts(lambda restart: spawn_workers(
+        _script_body, (target, tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
+        announce=announce if restart == 0 else None, restart_count=restart, max_restarts=options.max_restarts),
+        max_restarts=options.max_restarts, names=spec.plan.names, say=lambda line: _say(f"phalanx run: {line}"))
     return 0
 
 

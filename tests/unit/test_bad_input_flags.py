@@ -204,6 +204,7 @@ FLAG_CASES = [
     (["run", "--threads-per-device", "0", "train.py"], r"--threads-per-device 0 must be at least 1"),
     (["run", "--bind-cores", "--devices", TOO_MANY, "train.py"], r"--bind-cores needs a core per worker"),
     (["run", "--quiet=yes", "train.py"], r"argument --quiet: ignored explicit argument 'yes'"),
+    (["run", "--max-restarts", "-1", "train.py"], r"--max-restarts -1 must be 0 \(no restarts\) or more"),
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
     (["run"], r"the following arguments are required: script"),
@@ -218,8 +219,8 @@ FLAG_CASES += [
      r"^phalanx: error: torchrun's --nproc-per-node 4 is --devices in phalanx run: .*e\.g\. phalanx run --devices 4 "),
     (["run", "--nproc_per_node=gpu", "train.py"], r"torchrun's --nproc_per_node gpu is --devices in phalanx run"),
     (["run", "--standalone", "train.py"], r"phalanx run is standalone already .*: drop --standalone$"),
-    (["run", "--max-restarts", "3", "train.py"],
-     r"phalanx run restarts no worker: .*torchrun --max-restarts N itself, where phalanx\.init\(\) joins its world"),
+    (["run", "--max_restarts", "3", "train.py"], r"phalanx run spells it --max-restarts N \(torchrun takes --max_restarts "
+                                                 r"too\)$"),
     (["run", "--no-python", "train.py"], r"phalanx run runs a Python file, or a module with -m"),
     (["run", "--run-path", "train.py"], r"phalanx run already runs the script in each worker's own interpreter"),
     (["run", "--numa-binding", "node", "train.py"], r"phalanx run takes no --numa-binding: --bind-cores pins each worker"),

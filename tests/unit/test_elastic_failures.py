@@ -3,7 +3,7 @@
 from phalanx.comm.watchdog import CollectiveMismatch, PeerStalled
 from phalanx.errors import RunFailed
 from phalanx.runtime.supervise import WorkerFailed
-from phalanx.job.elastic import failure_of
+from phalanx.runtime.restarts import failure_of
 
 NAMES = ("cpu:0", "cpu:1", "cpu:2")
 

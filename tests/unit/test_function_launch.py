@@ -26,6 +26,7 @@ def _module_level(x):
     (dict(devices="gpu"), "devices='gpu' is not understood; use devices=N, cpu:N or cuda:0,1"),
     (dict(devices="cpu:2", timeout_s=0), "timeout_s 0 must be a positive number of seconds"),
     (dict(devices="cpu:2", threads_per_device=0), "threads_per_device 0 must be at least 1"),
+    (dict(devices="cpu:2", max_restarts=-1), "max_restarts -1 must be 0 (no restarts) or more"),
     (dict(devices="cpu:2", start_method="forkserver"), "start_method='forkserver' is not understood; use 'fork' or "
                                                         "'spawn'"),
 ])
@@ -45,7 +46,7 @@ def test_arguments_the_function_cannot_take_are_refused_before_any_worker(args, 
         phalanx.launch(_module_level, *args, quiet=True, **kwargs)
     assert str(caught.value) == (f"launch() cannot call _module_level(x) with these arguments {said}; launch's own "
                                  "keywords are devices, threads_per_device, bind_cores, timeout_s, start_method, "
-                                 "quiet, every other one goes to the function")
+                                 "max_restarts, quiet, every other one goes to the function")
 
 
 def test_a_function_comes_first():

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -21,19 +22,22 @@ from torch.distributed.run import get_args_parser
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.launcher_flags import LAUNCHER_FLAGS
+from phalanx.runtime.script import add_run_arguments
 
 
 def test_every_torchrun_flag_is_taken_or_named():
     # accelerate launch's and fabric run's entries were checked against accelerate 1.15 and Lightning 2.6.6
     # (not installed here): every spelling is theirs, with their nargs
     named = {spelling for _, spellings, _, _ in LAUNCHER_FLAGS for spelling in spellings}
-    ours = {"-h", "--help", "-m", "--module"}
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    ours = {flag for action in parser._actions for flag in action.option_strings} - named  # taken (--max-restarts)
     theirs = {flag for action in get_args_parser()._actions for flag in action.option_strings}
     assert theirs - named - ours == set(), "torchrun flags phalanx run neither takes nor names"
     for launcher, spellings, takes_value, _ in LAUNCHER_FLAGS:  # spelled and valued as torchrun's
         if launcher == "torchrun" and set(spellings) <= theirs:
             action = next(a for a in get_args_parser()._actions if spellings[0] in a.option_strings)
-            assert set(action.option_strings) == set(spellings) and (action.nargs != 0) == takes_value, spellings
+            assert set(action.option_strings) - ours == set(spellings) and (action.nargs != 0) == takes_value, spellings
 
 
 def _package(root, name: str, *, init: str = "", main: str | None = None) -> None:
