@@ -87,9 +87,9 @@ class DataParallel(ReplicaModule):
 
     def _build(self, module: nn.Module, *, world: World, options: DataParallelConfig, tracer: Tracer | None,
                comm: AsyncComm | None) -> None:
-        self.options, self.world = options, world
+        world.check_here("phalanx.prepare (DataParallel)")
+        self.options, self.world, self.exchanging = options, world, False
         self._finite = FiniteCheck(every=options.check_finite_every, world=world, weights=self.held_weights)
-        self.exchanging = False
         forward_dtype = options.forward_dtype
         self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)
         # Refuses an algorithm that cannot carry this world's tensors before the module moves.
@@ -254,6 +254,7 @@ class DataParallel(ReplicaModule):
         if not self.exchanging:  # nothing to sum, but a gradient to check all the same
             if self._capturing:
                 return
+            self.world.check_here("this replica")  # one prepared before phalanx.launch forked this worker
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         written = self._usage.written() if self._usage is not None else []  # by the script since landing

@@ -46,6 +46,8 @@ class World:
     # The collective board (phalanx.runtime.board.Board) this rank shares with its local peers, or
     # None: what lets a wait name the rank and the collective at fault. Set by the launcher.
     board: object | None = field(default=None, compare=False, repr=False)
+    # The process that made this world (`check_here`); `dataclasses.replace` keeps it.
+    pid: int = field(default_factory=os.getpid, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -62,6 +64,17 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def check_here(self, what: str) -> None:
+        """Refuse a world another process made: a function phalanx.launch forked onto its workers
+        keeps what it captured from the launching process (a notebook's `world = phalanx.init()`,
+        a world of one), and with it each worker would train alone, silently."""
+        if self.pid != os.getpid():
+            raise UsageError(f"{what} uses a world made in another process (pid {self.pid}; this is {os.getpid()}), a "
+                             f"world of {self.world_size} that is not this worker's: one from before phalanx.launch "
+                             "forked this worker (the notebook's phalanx.init()) trains alone in every worker; call "
+                             "phalanx.init() inside the function, and prepare the model and loader with the world it "
+                             "returns")
 
     def print(self, *args, **kwargs) -> None:
         """`print` on rank 0 only, flushed (k workers share one terminal); other ranks print nothing."""

@@ -34,6 +34,11 @@ class ShardedLoader(LocalShardedLoader):
 
     _said = False  # whether this loader warned already: once is enough
 
+    def __init__(self, dataset, *, world, **kwargs) -> None:
+        if isinstance(world, World):  # tests hand data/loader.py stand-ins for the world
+            world.check_here("phalanx.ShardedLoader")
+        super().__init__(dataset, world=world, **kwargs)
+
     def _first_chunk(self, epoch: int, items: list) -> None:
         """Compare the ranks' first global batch of `epoch` (module docstring)."""
         world = self.world

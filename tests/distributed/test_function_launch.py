@@ -3,8 +3,9 @@ does and returns each rank's result; forked (the default) and spawned, 2 workers
 1e-12 of 1 worker (float64). From an interactive session (a notebook: no `__file__`) whose
 OpenMP pool is already open, a forked function - a closure over a dataset in memory - runs with
 2 threads per worker: forked workers that ran on their main thread hung there. A failure is
-raised naming the rank; a UsageError stays one line; under `phalanx run` the function runs once
-per worker, in it."""
+raised naming the rank; a UsageError stays one line; the notebook's own world (or a replica or
+loader made with it) used in a forked worker is one line, not k workers each training alone; under
+`phalanx run` the function runs once per worker, in it."""
 
 from __future__ import annotations
 
@@ -105,6 +106,26 @@ NOTEBOOK = textwrap.dedent("""\
         phalanx.launch(in_a_cell, 1.0, devices="cpu:2", start_method="spawn")
     except phalanx.UsageError as exc:
         print("spawn:", exc, flush=True)
+
+    world = phalanx.init()                           # a cell tried things out on one device first
+    early = phalanx.prepare(torch.nn.Linear(300, 1), world=world)
+
+    def with_the_cells_world():
+        phalanx.init()                               # the worker's own world, then the cell's
+        return phalanx.prepare(torch.nn.Linear(300, 1), world=world)
+
+    def with_the_cells_loader():
+        return phalanx.ShardedLoader(data, world=world, global_batch_size=8)
+
+    def with_the_cells_replica():
+        early(data[:8]).sum().backward()
+        early.finish_gradient_sync()
+
+    for stale in (with_the_cells_world, with_the_cells_loader, with_the_cells_replica):
+        try:
+            phalanx.launch(stale, devices="cpu:2", quiet=True)
+        except phalanx.UsageError as exc:
+            print("stale:", str(exc).split(" uses a world made in another process")[0], flush=True)
 """)
 
 
@@ -116,6 +137,9 @@ def test_a_notebook_function_forks_and_runs_with_two_threads_each():
     assert "phalanx.launch (fork): 2 workers on cpu, 2 threads each; rendezvous env://" in proc.stderr
     assert ("spawn: launch() with start_method='spawn' gets 'in_a_cell', defined in an interactive session "
             "(a notebook)") in proc.stdout
+    # The notebook's own world (of one) captured by a forked function: each worker would train alone.
+    assert [line for line in proc.stdout.splitlines() if line.startswith("stale:")] == [
+        "stale: phalanx.prepare (DataParallel)", "stale: phalanx.ShardedLoader", "stale: this replica"], proc.stdout
 
 
 def test_under_phalanx_run_the_function_runs_in_each_worker(tmp_path):
