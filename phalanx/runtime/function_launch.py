@@ -43,7 +43,7 @@ from phalanx.runtime.forked import START_METHODS, check_forkable
 from phalanx.runtime.launch import LaunchSpec, spawn_workers
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.restarts import with_restarts
-from phalanx.runtime.script import first_line, run_in_worker
+from phalanx.runtime.script import RunOptions, first_line, run_in_worker
 from phalanx.runtime.world import launcher_env
 
 
@@ -64,13 +64,12 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
         raise UsageError(f"launch() takes the function to run first, not a {type(fn).__name__}; "
                          "write phalanx.launch(train, *args, devices='cpu:2')")
     _check_call(fn, args, kwargs)
-    try:
+    try:  # phalanx run's options, checked where they are declared
         config = LaunchConfig(devices=str(devices), threads_per_device=threads_per_device, bind_cores=bind_cores,
                               timeout_s=timeout_s)
+        RunOptions(quiet=quiet, max_restarts=max_restarts)
     except OptionError as exc:  # named as this function's keywords, not as phalanx run's flags
         raise UsageError(str(exc.named())) from None
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise UsageError(f"max_restarts {max_restarts!r} must be 0 (no restarts) or more")
     if launcher_env() is not None:  # torchrun's or phalanx run's worker already: this rank's part is fn, here
         return [fn(*args, **kwargs)]
     method = _start_method(fn, (args, kwargs), start_method)
