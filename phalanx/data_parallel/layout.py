@@ -17,6 +17,12 @@ each sync, and lays the buckets out again for the new set:
 Every rank flips `requires_grad` at the same point of its loop (the script is the same), so
 every rank lays out the same buckets; a rank that does not issues a different collective, which
 the call board names. Sharded replicas lay out their shards once and refuse the change.
+
+A parameter added to the model after prepare (a head appended, a layer replaced) has no bucket:
+each rank would train its own copy, silently (DDP's too). It is refused at the next `zero_grad()`
+or sync, naming it and the fix (prepare again). Seeing it costs nothing per step: torch's global
+registration hooks count every parameter and submodule registered in the process, and only
+when the count moved are the module's parameters compared with the layout's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
 
 from phalanx.data_parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, mb_to_bytes
 from phalanx.data_parallel.usage import ParameterUsage, usage_elements
@@ -38,7 +47,9 @@ class BucketLayout:
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None,
                  shard: str) -> None:
+        _count_registrations()
         self.module, self.params, self._shard = module, list(module.parameters()), shard
+        self._registrations = _REGISTRATIONS[0]
         cap_bytes = mb_to_bytes(bucket_cap_mb)
         first = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
@@ -53,9 +64,23 @@ class BucketLayout:
                                      spare=usage_elements(self.params) if rides else 0)
         self.usage = ParameterUsage(self.buckets, rides=rides, views=views) if self.buckets else None
 
+    def check_added(self) -> None:
+        """Refuse a parameter the module gained since prepare (module docstring)."""
+        if _REGISTRATIONS[0] == self._registrations:
+            return
+        self._registrations = _REGISTRATIONS[0]
+        known = {id(param) for param in self.params}
+        added = next((name for name, param in self.module.named_parameters() if id(param) not in known), None)
+        if added is not None:
+            raise UsageError(f"parameter {added} was added to the model after prepare: no gradient bucket holds it, "
+                             "so each rank would train its own copy; prepare again once the model has it (dp.close(); "
+                             "dp = phalanx.prepare(dp.module, world=world)) and build the optimizer over its "
+                             "parameters")
+
     def before_step(self) -> bool:
         """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket
         view again; True when laid out again (the caller wires the new buckets)."""
+        self.check_added()
         again = self.changed
         if again:
             self.again(in_step=False)
@@ -75,6 +100,7 @@ class BucketLayout:
         """After every bucket's sum: drop what no rank used; parameters unfrozen since the step's
         zero_grad summed by `allreduce`, then laid out again (True: the caller wires the new buckets).
         Sharded, the usage flags are summed by `allreduce` too: they rode in no bucket."""
+        self.check_added()
         if self.usage is not None:
             if not self.usage.rides:
                 self.usage.write_flags()
@@ -136,3 +162,19 @@ def sum_newly_trainable(params: Sequence[nn.Parameter], allreduce: Callable[[tor
         piece = flat[offset:offset + param.numel()]
         offset += param.numel()
         param.grad = None if total == 0 else piece.view_as(param).to(param.dtype)
+
+
+_REGISTRATIONS = [0]  # parameters and submodules registered on any module of this process, counted
+_COUNTING: list = []  # the two global hooks' handles, once installed
+
+
+def _count_registrations() -> None:
+    """Install, once, torch's global hooks that count registrations (`check_added`)."""
+    if _COUNTING:
+        return
+
+    def count(*_) -> None:
+        _REGISTRATIONS[0] += 1
+
+    _COUNTING.extend([register_module_parameter_registration_hook(count),
+                      register_module_module_registration_hook(count)])

@@ -2,7 +2,8 @@
 
 `run_workers(WorkerSet(...))` starts `num_procs` fresh interpreters (`spawn`; or copies of this
 process, `fork`, for phalanx.launch: runtime/forked.py), each running `body(rank, payload, teardown)`
-with `env[rank]` added to its environment, and returns their results by rank. `phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
+with `env[rank]` added to its environment, and returns their results by rank.
+`phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
 `phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
 
 Each worker sends one report (its result, or its error) through its own pipe *before* its

@@ -2,8 +2,8 @@
 
 `checks.py`: ranks agree before the first step (`preflight_check`), replicas stay identical
 (`check_replicas`), the loss is finite, and a synced backward is exchanged before it is used
-(`UnsyncedGradientGuard`; a GradScaler's `unscale_` before the sum: `unscale.py`); `finite.py`: the summed gradient's periodic NaN/Inf check, naming the
-step and the rank that went non-finite first; `step_extras.py`: what a synced step does after the
-sum (DDP's mean, running statistics averaged by `running_stats.py`, and the first step's look at the
-loop, `first_step.py`). Imported from the module that owns each name (nothing is re-exported here).
+(`UnsyncedGradientGuard`; a GradScaler's `unscale_` before the sum: `unscale.py`); `finite.py`:
+the summed gradient's periodic NaN/Inf check, naming the step and the rank that went non-finite
+first; `step_extras.py`: what a synced step does after the sum (DDP's mean, running statistics
+averaged by `running_stats.py`, and the first step's look at the loop, `first_step.py`). Imported from the module that owns each name (nothing is re-exported here).
 """

@@ -1,0 +1,52 @@
+"""A parameter added to the model after its buckets were laid out is named (layout.py's
+`check_added`): appended, or put in place of a layer; a model made elsewhere (an EMA copy), a
+parameter removed (weights tied) and a replica compiled after prepare are not. One process: the
+layout alone (tests/distributed/test_added_parameters.py: 2 workers, and prepare again)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.data_parallel.layout import BucketLayout
+from phalanx.errors import UsageError
+
+
+def _layout(module: nn.Module) -> BucketLayout:
+    return BucketLayout(module, bucket_cap_mb=25.0, first_bucket_cap_mb=None, shard="none")
+
+
+def test_a_parameter_added_after_the_layout_is_named():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+    layout = _layout(model)
+    layout.check_added()
+    copy.deepcopy(model)  # registrations elsewhere: looked at, nothing new here
+    nn.Linear(3, 3)
+    layout.check_added()
+    model[2].weight = model[2].weight  # registered again, the same parameter
+    layout.check_added()
+    model.append(nn.Linear(8, 3))
+    with pytest.raises(UsageError, match=r"^parameter 3.weight was added to the model after prepare: no gradient "
+                                         r"bucket holds it, so each rank would train its own copy; prepare again"):
+        layout.check_added()
+
+
+def test_a_replaced_layer_is_named_and_a_removed_parameter_is_not():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8, bias=False))
+    layout = _layout(model)
+    del model[2].weight  # a parameter gone: its slot keeps no gradient, nothing to refuse
+    layout.check_added()
+    model[2].weight = nn.Parameter(torch.zeros(8, 8))  # and another in its place
+    with pytest.raises(UsageError, match=r"^parameter 2.weight was added"):
+        layout.check_added()
+
+
+def test_compiling_the_replica_registers_nothing_in_it():
+    model = nn.Sequential(nn.Linear(4, 8))
+    layout = _layout(model)
+    wrapper = nn.Module()
+    wrapper.inner = model  # what torch.compile's OptimizedModule does with the module it wraps
+    layout.check_added()
