@@ -72,8 +72,9 @@ class BucketLayout:
         known = {id(param) for param in self.params}
         added = next((name for name, param in self.module.named_parameters() if id(param) not in known), None)
         if added is not None:
-            raise UsageError(f"parameter {added} was added to the model after prepare: no gradient bucket holds it, "
-                             "so each rank would train its own copy; prepare again once the model has it (dp.close(); "
+            raise UsageError(f"parameter {added} was added to the model after prepare (a layer appended or replaced, "
+                             "load_state_dict(assign=True)): no gradient bucket holds it, so each rank would train "
+                             "its own copy; prepare again once the model has it (dp.close(); "
                              "dp = phalanx.prepare(dp.module, world=world)) and build the optimizer over its "
                              "parameters")
 

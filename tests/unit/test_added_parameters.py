@@ -29,7 +29,8 @@ def test_a_parameter_added_after_the_layout_is_named():
     model[2].weight = model[2].weight  # registered again, the same parameter
     layout.check_added()
     model.append(nn.Linear(8, 3))
-    with pytest.raises(UsageError, match=r"^parameter 3.weight was added to the model after prepare: no gradient "
+    with pytest.raises(UsageError, match=r"^parameter 3.weight was added to the model after prepare \(a layer "
+                                         r"appended or replaced, load_state_dict\(assign=True\)\): no gradient "
                                          r"bucket holds it, so each rank would train its own copy; prepare again"):
         layout.check_added()
 
@@ -50,3 +51,13 @@ def test_compiling_the_replica_registers_nothing_in_it():
     wrapper = nn.Module()
     wrapper.inner = model  # what torch.compile's OptimizedModule does with the module it wraps
     layout.check_added()
+
+
+def test_parameters_loaded_with_assign_are_named():
+    model = nn.Sequential(nn.Linear(4, 8))
+    layout = _layout(model)
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # copied in place: the same
+    layout.check_added()
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(UsageError, match=r"^parameter 0.weight was added"):
+        layout.check_added()
