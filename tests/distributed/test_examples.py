@@ -1,7 +1,8 @@
 """examples/ at tiny sizes, each on 1 and 2 workers through `phalanx run`, checked against what
 the maths says: LeNet, the char transformer without dropout and the lazy-file MLP end with the
 1-device parameters (float64, 1e-9 relative); with dropout the two replicas stay identical; the
-lazy Dataset opens each file once per pass, split between the ranks."""
+lazy Dataset opens each file once per pass, split between the ranks; the notebook runs as a kernel would
+run it, its function on 2 forked workers."""
 
 import math
 import os
@@ -73,3 +74,20 @@ def test_lazy_files_each_rank_reads_only_its_shards(tmp_path):
     k1 = torch.load(tmp_path / "k1" / "rank0.pt", weights_only=True)
     for rank in (0, 1):
         assert max_rel(torch.load(tmp_path / "k2" / f"rank{rank}.pt", weights_only=True), k1) < RTOL
+
+
+def test_the_notebook_runs_its_cells_in_one_interactive_session():
+    """examples/notebook.ipynb's code cells in order in one interpreter reading stdin (as a kernel
+    runs them: no `__file__`), so its model class and function reach the workers by fork alone."""
+    import json
+
+    cells = json.loads((EXAMPLES / "notebook.ipynb").read_text())["cells"]
+    assert all(cell.get("outputs", []) == [] for cell in cells)  # kept without outputs
+    code = "\n\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+    proc = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}, cwd=EXAMPLES.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "the replicas ended identical: True" in lines, proc.stdout
+    assert lines[-1].startswith("trained in the workers, evaluated here: test acc "), proc.stdout
+    assert float(lines[-1].split()[-1]) > 0.8
