@@ -82,7 +82,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
         file=sys.stderr, flush=True))
     return with_restarts(lambda restart: spawn_workers(
         _function_body, (fn, args, kwargs, spec), spec=spec, announce=announce if restart == 0 else None,
-        start_method=method, restart_count=restart, max_restarts=max_restarts),
+        start_method=method, restart_count=restart, max_restarts=max_restarts, for_launch=True),
         max_restarts=max_restarts, names=spec.plan.names,
         say=lambda line: print(f"phalanx.launch: {line}", file=sys.stderr, flush=True))
 

@@ -110,11 +110,13 @@ def join_launcher_world(env: LauncherEnv, *, device: torch.device, timeout_s: fl
 
 def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload: Any, *, spec: LaunchSpec,
                   exit_zero_is_success: bool = False, announce: Callable[[str], None] | None = None,
-                  start_method: str = "spawn", restart_count: int = 0, max_restarts: int = 0) -> list[Any]:
+                  start_method: str = "spawn", restart_count: int = 0, max_restarts: int = 0,
+                  for_launch: bool = False) -> list[Any]:
     """Spawn one process per device of the plan with torchrun's environment, this launcher hosting
     the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise; `start_method`
     "fork" copies this process instead: runtime/forked.py; `restart_count` of `max_restarts`: which
-    attempt this is, as torchrun tells its workers: runtime/restarts.py).
+    attempt this is, as torchrun tells its workers: runtime/restarts.py; `for_launch`: warnings
+    name phalanx.launch's keywords).
     `announce(store_address)` is called once the store listens, before any worker starts."""
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
         check_bindable(spec.plan.num_devices, len(allowed_cores()))
@@ -122,7 +124,7 @@ def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload
     with stop_on_signals(), loopback_store(k, timeout_s=spec.timeout_s) as port:
         if announce is not None:
             announce(f"127.0.0.1:{port}")
-        warn_if_oversubscribed(spec, local_workers=k)
+        warn_if_oversubscribed(spec, local_workers=k, for_launch=for_launch)
         run_id = f"phalanx-{os.getpid()}-{secrets.token_hex(4)}"
         envs = [torchrun_env(rank=rank, world_size=k, master_port=port, run_id=run_id, restart_count=restart_count,
                              max_restarts=max_restarts) for rank in range(k)]
@@ -239,14 +241,18 @@ def threads_per_worker(spec: LaunchSpec, *, local_workers: int) -> int | None:
     return worker_threads(local_workers, bind_cores=spec.bind_cores, threads=spec.threads_per_device)
 
 
-def warn_if_oversubscribed(spec: LaunchSpec, *, local_workers: int) -> None:
+def warn_if_oversubscribed(spec: LaunchSpec, *, local_workers: int, for_launch: bool = False) -> None:
     """One line on stderr when this host's CPU workers x their threads exceed its cores: too many
-    threads each (--threads-per-device), or more workers than cores."""
+    threads each (--threads-per-device), or more workers than cores. `for_launch`: said as
+    phalanx.launch's, naming its keyword (threads_per_device=)."""
     threads = threads_per_worker(spec, local_workers=local_workers)
     if threads is None:
         return
     message = oversubscription(threads, local_workers) or too_many_workers(local_workers)
-    if message is not None:
+    if message is not None and for_launch:
+        print(f"phalanx.launch: warning: {message.replace('--threads-per-device ', 'threads_per_device=')}",
+              file=sys.stderr, flush=True)
+    elif message is not None:
         print(f"phalanx: warning: {message}", file=sys.stderr, flush=True)
 
 

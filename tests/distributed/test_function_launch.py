@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
+from phalanx.runtime.binding import available_cores
 from phalanx.runtime.supervise import WorkerFailed
 
 pytestmark = pytest.mark.distributed
@@ -135,6 +136,8 @@ def test_a_notebook_function_forks_and_runs_with_two_threads_each():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ranks [0, 1] threads [2, 2] same True" in proc.stdout, proc.stdout + proc.stderr
     assert "phalanx.launch (fork): 2 workers on cpu, 2 threads each; rendezvous env://" in proc.stderr
+    if available_cores() < 4:  # 2 workers x 2 threads oversubscribe: said with launch's keyword
+        assert "phalanx.launch: warning: threads_per_device=2 x 2 local worker(s) = 4 threads on" in proc.stderr
     assert ("spawn: launch() with start_method='spawn' gets 'in_a_cell', defined in an interactive session "
             "(a notebook)") in proc.stdout
     # The notebook's own world (of one) captured by a forked function: each worker would train alone.
