@@ -65,7 +65,7 @@ def _usage() -> None:
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_two_workers_return_by_rank_and_equal_one(method):
     one = phalanx.launch(_train, 5, lr=0.2, devices="cpu:1", start_method=method, timeout_s=60, quiet=True)
-    two = phalanx.launch(_train, 5, lr=0.2, devices=2, start_method=method, timeout_s=60, quiet=True)
+    two = phalanx.launch(_train, 5, lr=0.2, devices="cpu:2", start_method=method, timeout_s=60, quiet=True)
     assert [(r["rank"], r["world_size"]) for r in two] == [(0, 2), (1, 2)] and one[0]["world_size"] == 1
     for key, want in one[0]["state"].items():
         assert torch.equal(two[0]["state"][key], two[1]["state"][key]), key
