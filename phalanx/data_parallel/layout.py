@@ -31,7 +31,6 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-
 from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 

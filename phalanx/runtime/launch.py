@@ -249,11 +249,11 @@ def warn_if_oversubscribed(spec: LaunchSpec, *, local_workers: int, for_launch: 
     if threads is None:
         return
     message = oversubscription(threads, local_workers) or too_many_workers(local_workers)
-    if message is not None and for_launch:
-        print(f"phalanx.launch: warning: {message.replace('--threads-per-device ', 'threads_per_device=')}",
-              file=sys.stderr, flush=True)
-    elif message is not None:
-        print(f"phalanx: warning: {message}", file=sys.stderr, flush=True)
+    if message is None:
+        return
+    if for_launch:
+        message = message.replace("--threads-per-device ", "threads_per_device=")
+    print(f"{'phalanx.launch' if for_launch else 'phalanx'}: warning: {message}", file=sys.stderr, flush=True)
 
 
 def loopback_interface() -> str | None:

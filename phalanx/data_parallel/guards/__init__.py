@@ -5,5 +5,6 @@
 (`UnsyncedGradientGuard`; a GradScaler's `unscale_` before the sum: `unscale.py`); `finite.py`:
 the summed gradient's periodic NaN/Inf check, naming the step and the rank that went non-finite
 first; `step_extras.py`: what a synced step does after the sum (DDP's mean, running statistics
-averaged by `running_stats.py`, and the first step's look at the loop, `first_step.py`). Imported from the module that owns each name (nothing is re-exported here).
+averaged by `running_stats.py`, and the first step's look at the loop, `first_step.py`). Imported
+from the module that owns each name (nothing is re-exported here).
 """
