@@ -62,8 +62,9 @@ __all__ = [
 
 def __getattr__(name: str):
     owner = _OWNERS.get(name)
-    if owner is None:
-        raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+    if owner is None:  # Horovod's `hvd.rank()`, DeepSpeed's `deepspeed.initialize`: phalanx's way, in one line
+        from phalanx.runtime.horovod_deepspeed import module_name_error
+        raise module_name_error(name)
     value = getattr(importlib.import_module(owner), name)
     globals()[name] = value  # later lookups skip this function
     return value

@@ -42,7 +42,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.unfit import refuse_unfit
-from phalanx.runtime.foreign_names import DDP_METHODS, ddp_method_error
+from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
 
 DDP_PREFIX = "module."
@@ -85,8 +85,8 @@ class ReplicaModule(nn.Module):
         try:
             return super().__getattr__(name)  # parameters, buffers and submodules (`module`)
         except AttributeError:
-            if name in DDP_METHODS:
-                raise ddp_method_error(type(self).__name__, name) from None
+            if name in REPLICA_NAMES:  # DDP's method, DeepSpeed engine's: phalanx's way in one line
+                raise replica_name_error(type(self).__name__, name) from None
             raise
 
     def broadcast_state(self, *, src: int = 0) -> None:

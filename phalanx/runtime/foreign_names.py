@@ -4,10 +4,14 @@ phalanx spells differently is an AttributeError naming phalanx's way in one line
 not Python's bare "has no attribute". Names that already mean the same (`device`, `local_rank`,
 `world_size`, `node_rank`, `print`) are World's own and never come here. `DDP_KEYWORDS` does the
 same for what a DDP user hands `prepare` where they handed `DistributedDataParallel(...)`, and
-`DDP_METHODS` for what they call on the replica where they called it on DDP's wrapper.
+`DDP_METHODS` for what they call on the replica where they called it on DDP's wrapper; with
+Horovod's and DeepSpeed's (horovod_deepspeed.py) they make prepare's TypeError and the replica's
+AttributeError.
 """
 
 from __future__ import annotations
+
+from phalanx.runtime.horovod_deepspeed import ENGINE_METHODS, KEYWORDS as ENGINE_KEYWORDS
 
 ACCELERATE, FABRIC, _BOTH = "Accelerate's", "Fabric's", "Accelerate's and Fabric's"
 
@@ -151,11 +155,14 @@ DDP_KEYWORDS: dict[str, str] = {
 
 
 def foreign_keywords_error(names: list[str], *, call: str = "prepare") -> TypeError:
-    """The TypeError for keywords `call` does not take: DDP's named with phalanx's way, in one line."""
-    known = [name for name in names if name in DDP_KEYWORDS]
-    if not known:
+    """The TypeError for keywords `call` does not take: DDP's, DeepSpeed initialize's and Horovod
+    DistributedOptimizer's named with phalanx's way, in one line."""
+    known = {name: ("DistributedDataParallel's", way) for name, way in DDP_KEYWORDS.items()} | ENGINE_KEYWORDS
+    name = next((name for name in names if name in known), None)
+    if name is None:
         return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
-    return TypeError(f"{call}() takes no {known[0]}= (DistributedDataParallel's keyword): {DDP_KEYWORDS[known[0]]}")
+    whose, way = known[name]
+    return TypeError(f"{call}() takes no {name}= ({whose} keyword): {way}")
 
 
 # DistributedDataParallel's methods -> what phalanx does instead (asked of a replica, an AttributeError names it).
@@ -169,9 +176,17 @@ DDP_METHODS: dict[str, str] = {
 }
 
 
-def ddp_method_error(owner: str, name: str) -> AttributeError:
-    """The AttributeError for `name` asked of `owner` (a replica): phalanx's way where it is DDP's method."""
-    if name not in DDP_METHODS:
+# What a replica is asked where the script held DDP's wrapper or DeepSpeed's engine: name -> (whose, way).
+REPLICA_NAMES: dict[str, tuple[str, str]] = {
+    **{name: ("DistributedDataParallel's method", way) for name, way in DDP_METHODS.items()},
+    **{name: ("DeepSpeed engine's name", way) for name, way in ENGINE_METHODS.items()},
+}
+
+
+def replica_name_error(owner: str, name: str) -> AttributeError:
+    """The AttributeError for `name` asked of `owner` (a replica): phalanx's way where it is DDP's
+    method or DeepSpeed's engine's."""
+    if name not in REPLICA_NAMES:
         return AttributeError(f"'{owner}' object has no attribute {name!r}")
-    return AttributeError(f"'{owner}' object has no attribute {name!r} (DistributedDataParallel's method): "
-                          f"in phalanx, {DDP_METHODS[name]}")
+    whose, way = REPLICA_NAMES[name]
+    return AttributeError(f"'{owner}' object has no attribute {name!r} ({whose}): in phalanx, {way}")

@@ -1,10 +1,12 @@
-"""Other launchers' flags given to `phalanx run` (torchrun's, accelerate launch's, fabric run's), each named.
+"""Other launchers' flags given to `phalanx run` (torchrun's, accelerate launch's, fabric run's,
+horovodrun's, deepspeed's), each named.
 
 Someone coming from torchrun types `phalanx run --nproc-per-node 2 train.py`, from Accelerate
-`--num_processes 2 --mixed_precision bf16`, from Fabric `--accelerator cpu --strategy ddp`, where
-argparse alone answers "unrecognized arguments". Every flag of torchrun's parser (torch 2.13) is
-here, and those of accelerate launch (1.15, both its spellings) and fabric run (Lightning 2.6)
-that a single-host data-parallel run sets; hidden from `--help`, each given before the script
+`--num_processes 2 --mixed_precision bf16`, from Fabric `--accelerator cpu --strategy ddp`, from
+Horovod `-np 2`, from DeepSpeed `--num_gpus 2`, where argparse alone answers "unrecognized
+arguments". Every flag of torchrun's parser (torch 2.13) is here, and those of accelerate launch
+(1.15, both its spellings), fabric run (Lightning 2.6), horovodrun and deepspeed that a
+single-host data-parallel run sets; hidden from `--help`, each given before the script
 stops the command with a `UsageError` saying what phalanx does instead: `--devices`,
 `--threads-per-device` or `--bind-cores`; one host with a store of its own (many hosts and
 restarts through torchrun itself); output on this console; precision, compilation, sharding,
@@ -41,6 +43,17 @@ _COMPILE = _IN_THE_SCRIPT.format(flag="{flag}", what="compilation", how="torch.c
 _GPUS = ("phalanx run names its devices in --devices: --devices cuda:0,1 (these GPUs), N (N GPUs when present) or auto "
          "(every GPU); it takes no {flag}")
 _CPUS = "phalanx run names CPU workers in --devices: --devices cpu:N (N workers); it takes no {flag}"
+_BIND = "phalanx run pins each worker to its own equal share of the cores with --bind-cores; it takes no {flag}"
+_HOST_DEVICES = ("phalanx run starts the workers of this host on the devices --devices names (cuda:0,2: these GPUs); "
+                 "it takes no {flag} (many hosts: torchrun itself, docs/many-hosts.md)")
+_ELASTIC = ("phalanx run takes no {flag}: --max-restarts N starts its workers again after a failure, and the script "
+            "goes on from its last phalanx.checkpoint with phalanx.resume (a worker count that varies: torchrun "
+            "--nnodes MIN:MAX itself)")
+_TRANSPORT = ("phalanx run's workers meet through its own store and exchange through shared memory (CPU workers) or "
+              "NCCL (GPUs); it takes no {flag}")
+_WAITS = "phalanx run bounds every wait with --timeout SECONDS (the start and each collective); it takes no {flag}"
+_STALLS = ("phalanx run names a rank that does not reach a collective within --timeout SECONDS and stops every "
+           "worker; it takes no {flag}")
 
 
 def _both(name: str) -> tuple[str, ...]:
@@ -92,7 +105,7 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
      "phalanx run's threads per CPU worker are --threads-per-device N (default: the cores / the workers); it takes "
      "no {flag}"),
     ("accelerate launch", _both("--enable_cpu_affinity"), False,
-     "phalanx run pins each worker to its own equal share of the cores with --bind-cores; it takes no {flag}"),
+     _BIND),
     ("accelerate launch", _both("--num_machines"), True, _MANY_HOSTS),
     ("accelerate launch", _both("--machine_rank"), True, _MANY_HOSTS),
     ("accelerate launch", _both("--main_process_ip"), True, _MANY_HOSTS),
@@ -123,6 +136,68 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("fabric run", ("--main-address", "--main_address"), True, _MANY_HOSTS),
     ("fabric run", ("--main-port", "--main_port"), True, _MANY_HOSTS),
     ("fabric run", ("--precision",), True, _PRECISION),
+    # horovodrun's (Horovod 0.28; -hostfile and -cb only in their long spellings)
+    ("horovodrun", ("-np", "--num-proc"), True, _COUNT),
+    ("horovodrun", ("-H", "--hosts"), True, _MANY_HOSTS),
+    ("horovodrun", ("--hostfile",), True, _MANY_HOSTS),
+    ("horovodrun", ("--host-discovery-script",), True, _MANY_HOSTS),
+    ("horovodrun", ("-p", "--ssh-port"), True, _MANY_HOSTS),
+    ("horovodrun", ("--ssh-identity-file",), True, _MANY_HOSTS),
+    ("horovodrun", ("--network-interface",), True, _MANY_HOSTS),
+    ("horovodrun", ("--min-np",), True, _ELASTIC),
+    ("horovodrun", ("--max-np",), True, _ELASTIC),
+    ("horovodrun", ("--slots-per-host",), True, _ELASTIC),
+    ("horovodrun", ("--elastic-timeout",), True, _ELASTIC),
+    ("horovodrun", ("--reset-limit",), True, _ELASTIC),
+    ("horovodrun", ("--gloo",), False, _TRANSPORT),
+    ("horovodrun", ("--mpi",), False, _TRANSPORT),
+    ("horovodrun", ("--jsrun",), False, _TRANSPORT),
+    ("horovodrun", ("--tcp",), False, _TRANSPORT),
+    ("horovodrun", ("--start-timeout",), True, _WAITS),
+    ("horovodrun", ("--gloo-timeout-seconds",), True, _WAITS),
+    ("horovodrun", ("--no-stall-check",), False, _STALLS),
+    ("horovodrun", ("--stall-check-warning-time-seconds",), True, _STALLS),
+    ("horovodrun", ("--stall-check-shutdown-time-seconds",), True, _STALLS),
+    ("horovodrun", ("--output-filename",), True, _OUTPUT),
+    ("horovodrun", ("--log-level",), True, _OUTPUT),
+    ("horovodrun", ("--fusion-threshold-mb",), True,
+     _IN_THE_SCRIPT.format(flag="{flag}", what="the gradient bucket's size",
+                           how="phalanx.prepare(model, world=world, bucket_cap_mb=25)")),
+    ("horovodrun", ("--hierarchical-allreduce",), False,
+     "phalanx takes the hierarchical exchange itself where the ranks span hosts (docs/many-hosts.md); phalanx run "
+     "takes no {flag}"),
+    ("horovodrun", ("--timeline-filename",), True,
+     "phalanx run takes no {flag}: phalanx train --trace DIR writes each rank's timeline of backward and bucket "
+     "exchanges (docs/tracing.md); a script's own, torch.profiler"),
+    ("horovodrun", ("--binding-args",), True, _BIND),
+    ("horovodrun", ("--thread-affinity",), True, _BIND),
+    ("horovodrun", ("--cycle-time-ms",), True, _OTHER),
+    ("horovodrun", ("--cache-capacity",), True, _OTHER),
+    ("horovodrun", ("--autotune",), False, _OTHER),
+    ("horovodrun", ("--mpi-args",), True, _OTHER),
+    ("horovodrun", ("--verbose",), False, _OTHER),
+    ("horovodrun", ("--check-build",), False, _OTHER),
+    ("horovodrun", ("--disable-cache",), False, _OTHER),
+    # deepspeed's (DeepSpeed 0.18; its -H/--hostfile, --num_nodes, --master_port/--master_addr and
+    # --no_python are above, --module is phalanx run's own, as -m)
+    ("deepspeed", ("--num_gpus", "--num_accelerators"), True, _COUNT),
+    ("deepspeed", ("-i", "--include"), True, _HOST_DEVICES),
+    ("deepspeed", ("-e", "--exclude"), True, _HOST_DEVICES),
+    ("deepspeed", ("--launcher",), True, _MANY_HOSTS),
+    ("deepspeed", ("--launcher_args",), True, _MANY_HOSTS),
+    ("deepspeed", ("--no_ssh_check",), False, _MANY_HOSTS),
+    ("deepspeed", ("--force_multi",), False, _MANY_HOSTS),
+    ("deepspeed", ("--elastic_training",), False, _ELASTIC),
+    ("deepspeed", ("--min_elastic_nodes",), True, _ELASTIC),
+    ("deepspeed", ("--max_elastic_nodes",), True, _ELASTIC),
+    ("deepspeed", ("--no_local_rank",), False,
+     "phalanx run hands the script no --local_rank argument (torchrun's way: LOCAL_RANK in the environment, "
+     "world.local_rank in phalanx): drop {flag}"),
+    ("deepspeed", ("--enable_each_rank_log",), True, _OUTPUT),
+    ("deepspeed", ("--bind_cores_to_rank",), False, _BIND),
+    ("deepspeed", ("--bind_core_list",), True, _BIND),
+    ("deepspeed", ("--save_pid",), False, _OTHER),
+    ("deepspeed", ("--autotuning",), True, _OTHER),
 )
 
 

@@ -271,6 +271,45 @@ FLAG_CASES += [(["run", spelling, *values, "train.py"], pattern) for flags, valu
     (("--accelerator",), ["cpu"], r"phalanx run names the kind of device in --devices: --devices cpu:N \(CPU workers\)"),
     (("--strategy",), ["ddp"], r"phalanx run is data parallel, DDP's strategy, always: drop --strategy"),
 ) for spelling in flags]
+# horovodrun's and deepspeed's, each spelling
+FLAG_CASES += [(["run", spelling, *values, "train.py"], pattern) for flags, values, pattern in (
+    (("-np", "--num-proc"), ["4"], r"^phalanx: error: horovodrun's (-np|--num-proc) 4 is --devices in phalanx run: "
+                                   r".*e\.g\. phalanx run --devices 4 script\.py$"),
+    (("--num_gpus", "--num_accelerators"), ["2"], r"^phalanx: error: deepspeed's --num_(gpus|accelerators) 2 is "
+                                                  r"--devices in phalanx run"),
+    (("-H", "--hosts", "--hostfile", "--host-discovery-script", "-p", "--ssh-port", "--ssh-identity-file",
+      "--network-interface", "--launcher", "--launcher_args"), ["x"],
+     r"phalanx run starts the workers of this host, .*for many hosts start the script with torchrun itself"),
+    (("--no_ssh_check", "--force_multi"), [], r"takes no --(no_ssh_check|force_multi); for many hosts"),
+    (("-i", "--include", "-e", "--exclude"), ["localhost:0,2"],
+     r"phalanx run starts the workers of this host on the devices --devices names \(cuda:0,2: these GPUs\); it "
+     r"takes no (-i|--include|-e|--exclude) \(many hosts: torchrun itself"),
+    (("--min-np", "--max-np", "--slots-per-host", "--elastic-timeout", "--reset-limit", "--min_elastic_nodes",
+      "--max_elastic_nodes"), ["2"], r"phalanx run takes no --[a-z_-]+: --max-restarts N starts its workers again "
+                                     r"after a failure, .*phalanx\.resume"),
+    (("--elastic_training",), [], r"phalanx run takes no --elastic_training: --max-restarts N"),
+    (("--gloo", "--mpi", "--jsrun", "--tcp"), [], r"phalanx run's workers meet through its own store and exchange "
+                                                  r"through shared memory \(CPU workers\) or NCCL \(GPUs\); it takes "
+                                                  r"no --(gloo|mpi|jsrun|tcp)$"),
+    (("--start-timeout", "--gloo-timeout-seconds"), ["30"], r"phalanx run bounds every wait with --timeout SECONDS"),
+    (("--no-stall-check",), [], r"phalanx run names a rank that does not reach a collective within --timeout"),
+    (("--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds"), ["60"],
+     r"phalanx run names a rank that does not reach a collective"),
+    (("--output-filename", "--log-level", "--enable_each_rank_log"), ["logs"],
+     r"takes no --[a-z_-]+: every worker writes to this console"),
+    (("--fusion-threshold-mb",), ["64"], r"the gradient bucket's size is set in the script, phalanx\.prepare\(model, "
+                                         r"world=world, bucket_cap_mb=25\)$"),
+    (("--hierarchical-allreduce",), [], r"phalanx takes the hierarchical exchange itself where the ranks span hosts"),
+    (("--timeline-filename",), ["t.json"], r"phalanx train --trace DIR writes each rank's timeline"),
+    (("--binding-args", "--thread-affinity", "--bind_core_list"), ["0-3"],
+     r"pins each worker to its own equal share of the cores with --bind-cores; it takes no --"),
+    (("--bind_cores_to_rank",), [], r"with --bind-cores; it takes no --bind_cores_to_rank$"),
+    (("--no_local_rank",), [], r"phalanx run hands the script no --local_rank argument \(torchrun's way: LOCAL_RANK"),
+    (("--cycle-time-ms", "--cache-capacity", "--mpi-args", "--autotuning"), ["5"],
+     r"^phalanx: error: (horovodrun|deepspeed)'s --[a-z_-]+ has no counterpart in phalanx run"),
+    (("--autotune", "--verbose", "--check-build", "--disable-cache", "--save_pid"), [],
+     r"^phalanx: error: (horovodrun|deepspeed)'s --[a-z_-]+ has no counterpart in phalanx run"),
+) for spelling in flags]
 
 
 FLAG_CASES += [(["bench", "step", flag, value], pattern) for flag, value, pattern in (
