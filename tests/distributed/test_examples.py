@@ -1,6 +1,7 @@
 """examples/ at tiny sizes, each on 1 and 2 workers through `phalanx run`, checked against what
-the maths says: LeNet, the char transformer without dropout and the lazy-file MLP end with the
-1-device parameters (float64, 1e-9 relative); with dropout the two replicas stay identical; the
+the maths says: LeNet, the char transformer without dropout, the lazy-file MLP, and Horovod's and
+DeepSpeed's examples as ported (each ZeRO stage) end with the 1-device parameters (float64, 1e-9
+relative); with dropout the two replicas stay identical; the
 lazy Dataset opens each file once per pass, split between the ranks; the notebook runs as a kernel would
 run it, its function on 2 forked workers."""
 
@@ -60,6 +61,33 @@ def test_char_transformer_with_dropout_keeps_replicas_identical(tmp_path):
     run_example("char_transformer.py", "cpu:2", *TINY_LM, "--dropout", "0.2", "--out", str(tmp_path))
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert max_rel(rank1, rank0) == 0.0  # same summed gradient, same update, bitwise
+
+
+def test_horovod_s_mnist_example_ported_equals_one_device(idx_dir, tmp_path):
+    """Horovod's pytorch_mnist.py as ported: without dropout, 2 workers end with the 1-device
+    weights; with its fp16 compression of the exchange the replicas stay bitwise identical."""
+    args = ["--data-dir", str(idx_dir), "--epochs", "1", "--dtype", "float64", "--batch-size", "64"]
+    one = run_example("horovod_mnist.py", "cpu:1", *args, "--dropout", "0", "--out", str(tmp_path / "k1.pt"))
+    two = run_example("horovod_mnist.py", "cpu:2", *args, "--dropout", "0", "--out", str(tmp_path / "k2.pt"))
+    assert one.splitlines()[-1].startswith("epoch 1  test loss") and one.splitlines()[-1] == two.splitlines()[-1]
+    k1, k2 = (torch.load(tmp_path / f"k{k}.pt", weights_only=True) for k in (1, 2))
+    assert max_rel(k2, k1) < RTOL
+    fp16 = run_example("horovod_mnist.py", "cpu:2", *args, "--fp16-allreduce", "--out", str(tmp_path / "fp16.pt"))
+    assert "sent as fp16" in fp16 and float(fp16.split("accuracy ")[-1].rstrip("%\n")) > 10  # dropout and fp16
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_deepspeed_s_cifar_example_ported_equals_one_device_at_each_zero_stage(idx_dir, tmp_path, stage):
+    """DeepSpeed's CIFAR tutorial as ported, its config's Adam, warm-up, clipping and 2-step
+    accumulation: each ZeRO stage on 2 workers ends with the 1-device weights."""
+    args = ["--data-dir", str(idx_dir), "--epochs", "1", "--dtype", "float64", "--gradient-accumulation-steps", "2",
+            "--warmup-num-steps", "20"]
+    one = run_example("deepspeed_cifar.py", "cpu:1", *args, "--out", str(tmp_path / "k1.pt"))
+    two = run_example("deepspeed_cifar.py", "cpu:2", *args, "--zero-stage", str(stage), "--out", str(tmp_path / "k2.pt"))
+    assert f"ZeRO-{stage}" in two if stage else "sharded" not in two
+    k1, k2 = (torch.load(tmp_path / f"k{k}.pt", weights_only=True) for k in (1, 2))
+    assert max_rel(k2, k1) < RTOL
+    assert one.splitlines()[-1].startswith("epoch 1  test loss")
 
 
 def test_lazy_files_each_rank_reads_only_its_shards(tmp_path):
