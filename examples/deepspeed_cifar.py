@@ -10,7 +10,7 @@ digits). What each DeepSpeed piece became:
 
     deepspeed.init_distributed()                -> world = phalanx.init()
     "train_batch_size": 16                      -> phalanx.ShardedLoader(global_batch_size=16): the same meaning
-    "gradient_accumulation_steps": n            -> for piece in dp.accumulate(n): each piece's global batch
+    "gradient_accumulation_steps": n            -> for piece in dp.accumulate(n): n batches of train_batch_size / n
     "zero_optimization": {"stage": s}           -> phalanx.prepare(shard="none" | "optimizer" | "gradients" | "parameters")
     "bf16": {"enabled": true}                   -> phalanx.prepare(precision="bf16-mixed")
     "optimizer": {"type": "Adam", ...}          -> dp.optimizer(torch.optim.Adam, lr=..., ...): a torch optimizer
@@ -69,6 +69,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--out", default=None, help="rank 0 writes the final state_dict here")
     args = p.parse_args()
+    n = args.gradient_accumulation_steps
+    if n < 1 or args.train_batch_size % n:
+        p.error(f"--train-batch-size {args.train_batch_size} is n micro-batches a step: it must be a multiple of "
+                f"--gradient-accumulation-steps {n} (at least 1)")
     dtype = getattr(torch, args.dtype)
 
     world = phalanx.init()
@@ -87,8 +91,8 @@ def main() -> None:
     # DeepSpeed's default warm-up is log-shaped, log(step + 1) / log(n), then flat
     warmup = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min(1.0, math.log(step + 1) / math.log(args.warmup_num_steps)))
-    loader = phalanx.ShardedLoader(trainset, world=world, global_batch_size=args.train_batch_size, seed=0)
-    n = args.gradient_accumulation_steps
+    # DeepSpeed's train_batch_size is a step's: n micro-batches of train_batch_size / n, split over the ranks
+    loader = phalanx.ShardedLoader(trainset, world=world, global_batch_size=args.train_batch_size // n, seed=0)
     for epoch in range(args.epochs):
         batches = loader.epoch(epoch)
         for step_batches in zip(*[batches] * n):  # n micro-batches a step, as DeepSpeed's engine steps
