@@ -22,6 +22,7 @@ each name below is re-exported from the module that owns it.
 """
 
 import importlib
+import sys
 
 # Each public name and the module that owns it, imported on first use (PEP 562): `import phalanx`
 # then loads no torch, so the `phalanx` command (phalanx/__main__.py) installs its Ctrl-C and
@@ -64,7 +65,7 @@ def __getattr__(name: str):
     owner = _OWNERS.get(name)
     if owner is None:  # Horovod's `hvd.rank()`, DeepSpeed's `deepspeed.initialize`: phalanx's way, in one line
         from phalanx.runtime.horovod_deepspeed import module_name_error
-        raise module_name_error(name)
+        raise module_name_error(name, asker=sys._getframe(1))
     value = getattr(importlib.import_module(owner), name)
     globals()[name] = value  # later lookups skip this function
     return value

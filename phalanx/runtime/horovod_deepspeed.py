@@ -10,6 +10,8 @@ tables: `import phalanx` reads them without loading torch.
 
 from __future__ import annotations
 
+from types import FrameType
+
 HOROVOD, DEEPSPEED = "Horovod's", "DeepSpeed's"
 
 _WORLD = "world = phalanx.init(), then world.{}"
@@ -135,9 +137,23 @@ KEYWORDS: dict[str, tuple[str, str]] = {
 }
 
 
-def module_name_error(name: str) -> AttributeError:
-    """The AttributeError for `name` asked of the phalanx module: phalanx's way where it is Horovod's or DeepSpeed's."""
+def module_name_error(name: str, *, asker: FrameType | None = None) -> AttributeError | ImportError:
+    """The AttributeError for `name` asked of the phalanx module: phalanx's way where it is Horovod's
+    or DeepSpeed's. Asked by `from phalanx import DistributedOptimizer` (`asker`, the frame that
+    asked, is at an IMPORT_FROM), the ImportError that statement raises, with the way in it:
+    Python replaces an AttributeError there by its bare "cannot import name"."""
     if name not in MODULE_NAMES:
         return AttributeError(f"module 'phalanx' has no attribute {name!r}")
     whose, way = MODULE_NAMES[name]
+    if asker is not None and _importing_from(asker):
+        return ImportError(f"cannot import name {name!r} from 'phalanx' ({whose} name): in phalanx, {way}",
+                           name="phalanx")
     return AttributeError(f"module 'phalanx' has no attribute {name!r} ({whose} name): in phalanx, {way}")
+
+
+def _importing_from(frame: FrameType) -> bool:
+    """Whether `frame` is running a `from ... import name` statement's IMPORT_FROM (Python 3.10-3.13)."""
+    import dis
+
+    code = frame.f_code.co_code
+    return 0 <= frame.f_lasti < len(code) and dis.opname[code[frame.f_lasti]] == "IMPORT_FROM"

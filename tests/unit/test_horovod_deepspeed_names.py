@@ -29,6 +29,20 @@ def test_a_horovod_or_deepspeed_name_asked_of_phalanx_names_phalanx_s_way(name):
     assert "\n" not in str(info.value) and not hasattr(phalanx, name)
 
 
+def test_a_horovod_name_imported_from_phalanx_names_phalanx_s_way_in_the_import_error():
+    with pytest.raises(ImportError) as info:
+        from phalanx import DistributedOptimizer  # noqa: F401
+    whose, way = MODULE_NAMES["DistributedOptimizer"]
+    assert str(info.value) == f"cannot import name 'DistributedOptimizer' from 'phalanx' ({whose} name): in phalanx, {way}"
+    namespace: dict = {}
+    with pytest.raises(ImportError, match=r"^cannot import name 'rank' from 'phalanx' \(Horovod's name\): in phalanx, "
+                                          r"world = phalanx\.init\(\), then world\.rank$"):
+        exec("from phalanx import init, rank", namespace)
+    assert namespace["init"] is phalanx.init  # the names before it were imported, as Python does
+    with pytest.raises(ImportError, match=r"^cannot import name 'nonsense' from 'phalanx'"):
+        exec("from phalanx import nonsense", {})  # not another tool's: Python's own message
+
+
 def test_other_missing_names_of_phalanx_keep_python_s_message_and_its_own_names_resolve():
     with pytest.raises(AttributeError, match=r"^module 'phalanx' has no attribute 'nonsense'$"):
         phalanx.nonsense
