@@ -125,6 +125,9 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "args": ("DeepSpeed initialize's", "phalanx reads no command line: prepare's keywords are set in the script"),
     "mpu": ("DeepSpeed initialize's", "phalanx is data parallel over the whole world; no model-parallel unit"),
     "dist_init_required": ("DeepSpeed initialize's", "world = phalanx.init() opens or adopts the group, once"),
+    "distributed_port": ("DeepSpeed initialize's", "phalanx run's store takes a free port itself (under torchrun: "
+                                                   "its --master-port)"),
+    "mesh_param": ("DeepSpeed initialize's", "phalanx is data parallel over the whole world; no device mesh"),
     "named_parameters": ("Horovod DistributedOptimizer's", "not needed: prepare finds the model's parameters"),
     "compression": ("Horovod DistributedOptimizer's", "grad_dtype='fp16' | 'bf16'"),
     "backward_passes_per_step": ("Horovod DistributedOptimizer's", "for piece in dp.accumulate(n): ..."),

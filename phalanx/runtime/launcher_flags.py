@@ -136,7 +136,7 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("fabric run", ("--main-address", "--main_address"), True, _MANY_HOSTS),
     ("fabric run", ("--main-port", "--main_port"), True, _MANY_HOSTS),
     ("fabric run", ("--precision",), True, _PRECISION),
-    # horovodrun's (Horovod 0.28; -hostfile and -cb only in their long spellings)
+    # horovodrun's (Horovod 0.28.1; -hostfile and -cb only in their long spellings)
     ("horovodrun", ("-np", "--num-proc"), True, _COUNT),
     ("horovodrun", ("-H", "--hosts"), True, _MANY_HOSTS),
     ("horovodrun", ("--hostfile",), True, _MANY_HOSTS),
@@ -178,14 +178,20 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("horovodrun", ("--verbose",), False, _OTHER),
     ("horovodrun", ("--check-build",), False, _OTHER),
     ("horovodrun", ("--disable-cache",), False, _OTHER),
-    # deepspeed's (DeepSpeed 0.18; its -H/--hostfile, --num_nodes, --master_port/--master_addr and
-    # --no_python are above, --module is phalanx run's own, as -m)
+    # deepspeed's (DeepSpeed 0.19.8, and the elastic ones of earlier releases; its -H/--hostfile,
+    # --num_nodes, --node_rank, --master_port/--master_addr and --no_python are above; --module and
+    # --quiet are phalanx run's own)
     ("deepspeed", ("--num_gpus", "--num_accelerators"), True, _COUNT),
     ("deepspeed", ("-i", "--include"), True, _HOST_DEVICES),
     ("deepspeed", ("-e", "--exclude"), True, _HOST_DEVICES),
     ("deepspeed", ("--launcher",), True, _MANY_HOSTS),
     ("deepspeed", ("--launcher_args",), True, _MANY_HOSTS),
     ("deepspeed", ("--no_ssh_check",), False, _MANY_HOSTS),
+    ("deepspeed", ("--no_ssh",), False, _MANY_HOSTS),
+    ("deepspeed", ("--ssh_port",), True, _MANY_HOSTS),
+    ("deepspeed", ("--venv_script",), True, _MANY_HOSTS),
+    ("deepspeed", ("--log_level",), True, _OUTPUT),
+    ("deepspeed", ("-q",), False, "phalanx run spells it --quiet (no first line on stderr)"),
     ("deepspeed", ("--force_multi",), False, _MANY_HOSTS),
     ("deepspeed", ("--elastic_training",), False, _ELASTIC),
     ("deepspeed", ("--min_elastic_nodes",), True, _ELASTIC),

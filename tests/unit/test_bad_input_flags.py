@@ -278,9 +278,11 @@ FLAG_CASES += [(["run", spelling, *values, "train.py"], pattern) for flags, valu
     (("--num_gpus", "--num_accelerators"), ["2"], r"^phalanx: error: deepspeed's --num_(gpus|accelerators) 2 is "
                                                   r"--devices in phalanx run"),
     (("-H", "--hosts", "--hostfile", "--host-discovery-script", "-p", "--ssh-port", "--ssh-identity-file",
-      "--network-interface", "--launcher", "--launcher_args"), ["x"],
+      "--network-interface", "--launcher", "--launcher_args", "--ssh_port", "--venv_script"), ["x"],
      r"phalanx run starts the workers of this host, .*for many hosts start the script with torchrun itself"),
-    (("--no_ssh_check", "--force_multi"), [], r"takes no --(no_ssh_check|force_multi); for many hosts"),
+    (("--no_ssh_check", "--force_multi", "--no_ssh"), [], r"takes no --(no_ssh_check|force_multi|no_ssh); for many "
+                                                          r"hosts"),
+    (("-q",), [], r"phalanx run spells it --quiet \(no first line on stderr\)$"),
     (("-i", "--include", "-e", "--exclude"), ["localhost:0,2"],
      r"phalanx run starts the workers of this host on the devices --devices names \(cuda:0,2: these GPUs\); it "
      r"takes no (-i|--include|-e|--exclude) \(many hosts: torchrun itself"),
@@ -295,7 +297,7 @@ FLAG_CASES += [(["run", spelling, *values, "train.py"], pattern) for flags, valu
     (("--no-stall-check",), [], r"phalanx run names a rank that does not reach a collective within --timeout"),
     (("--stall-check-warning-time-seconds", "--stall-check-shutdown-time-seconds"), ["60"],
      r"phalanx run names a rank that does not reach a collective"),
-    (("--output-filename", "--log-level", "--enable_each_rank_log"), ["logs"],
+    (("--output-filename", "--log-level", "--enable_each_rank_log", "--log_level"), ["logs"],
      r"takes no --[a-z_-]+: every worker writes to this console"),
     (("--fusion-threshold-mb",), ["64"], r"the gradient bucket's size is set in the script, phalanx\.prepare\(model, "
                                          r"world=world, bucket_cap_mb=25\)$"),

@@ -74,12 +74,12 @@ def test_a_deepspeed_or_horovod_keyword_handed_to_prepare_names_phalanx_s_way(ke
 
 
 def test_deepspeed_s_initialize_keywords_are_taken_or_named():
-    """deepspeed.initialize(args, model, optimizer, model_parameters, training_data, lr_scheduler,
-    mpu, dist_init_required, collate_fn, config, config_params, ...) (DeepSpeed 0.18, not installed
-    here): `model=` is prepare's own, the rest is named."""
+    """deepspeed.initialize's keywords (DeepSpeed 0.19.8, checked by hand; not installed here):
+    `model=` is prepare's own, the rest is named."""
     taken = set(inspect.signature(phalanx.prepare).parameters)
-    for keyword in ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "mpu",
-                    "dist_init_required", "collate_fn", "config", "config_params"):
+    for keyword in ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                    "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                    "config_params"):
         assert keyword in taken or keyword in KEYWORDS, keyword
 
 
