@@ -79,8 +79,13 @@ def grad_view(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.T
     A gradient laid out like its parameter is what autograd accumulates into without a layout
     change (DDP's "gradient layout contract"): a channels_last conv weight gets a channels_last
     gradient view. Parameters with gaps or overlaps in memory get a contiguous view.
+    The strides are the parameter's own even where `is_contiguous()` calls both layouts the same:
+    a channels_last conv weight of one input channel, (6, 1, 5, 5) with strides (25, 1, 5, 1), is
+    contiguous too, but a sharded replica's parameter becomes this view, and with (25, 25, 5, 1)
+    the convolution took the contiguous format and every activation after it was converted back
+    to channels_last (ZeRO-1 and 2 steps 1-2 ms slower on a 2-core host, measured 2026-12-02).
     """
-    if param.is_contiguous() or not _dense_strides(param):
+    if not _dense_strides(param):
         return buffer[offset : offset + param.numel()].view_as(param)
     return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
 

@@ -267,13 +267,13 @@ class DataParallel(ReplicaModule):
             check_gradients_aliased(self._usage, self.module, compiled_after_prepare=self.compiled_after_prepare,
                                     sharded=self.sharding is not None)
         # What no rank used loses its gradient, as on one device; small sums apart if need be (layout.py).
-        if self._layout.after_sum(lambda flat: self._allreduce_now(
+        if self._layout.after_sum(lambda flat: self.allreduce_now(
                 flat, Tag("gradient", len(self.buckets), step=self._synced_steps))):
             self._rewire()
         self._synced_steps += 1
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
-        self._extras.after_exchange(summed, self._allreduce_now)
+        self._extras.after_exchange(summed, self.allreduce_now)
         if written:  # raised last: this rank has joined every collective of the sync
             raise gradients_written(written, self.module)
 
@@ -292,7 +292,7 @@ class DataParallel(ReplicaModule):
         share of them (sharding/optim.py: any element-wise torch optimizer, param groups as torch's)."""
         return make_optimizer(self, cls, params, elementwise=elementwise, **defaults)
 
-    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:
+    def allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:
         self._comm.allreduce(flat, algorithm=self.algorithm, tag=tag)
 
     def close(self) -> None:

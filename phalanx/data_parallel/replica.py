@@ -210,12 +210,14 @@ class ReplicaModule(nn.Module):
     def close(self) -> None:  # DataParallel's: its hooks, its communication
         raise NotImplementedError
 
-    def _allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:  # DataParallel's: a small sum
+    def allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:
+        """`flat` summed in place on every rank now, on this thread, through this replica's own
+        exchange (shared memory between CPU workers): the small sums beside the buckets' (DataParallel's)."""
         raise NotImplementedError
 
     def _finite_check_sum(self, flat: torch.Tensor) -> None:
         """The NaN/Inf check's sum, tagged so that a peer in another collective names it."""
-        self._allreduce_now(flat, tag=Tag("NaN/Inf check", step=self._synced_steps))
+        self.allreduce_now(flat, tag=Tag("NaN/Inf check", step=self._synced_steps))
 
     def __enter__(self):
         return self

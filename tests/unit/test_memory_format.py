@@ -78,3 +78,17 @@ def test_channels_last_training_equals_the_default_layout():
         results.append({k: v.contiguous() for k, v in model.state_dict().items()})
     for key in results[0]:
         torch.testing.assert_close(results[1][key], results[0][key], rtol=1e-9, atol=1e-11, msg=key)
+
+
+def test_grad_view_keeps_the_stride_of_a_size_one_dimension():
+    """conv1's weight with one input channel in channels_last, (6, 1, 5, 5) with strides (25, 1, 5, 1),
+    is contiguous too, but the stride of its one channel decides the format a convolution takes:
+    a view with contiguous strides (25, 25, 5, 1) made conv1's output contiguous, and every layer
+    after it converted activations back (a sharded replica's parameters become these views)."""
+    weight = torch.empty(6, 1, 5, 5).to(memory_format=torch.channels_last)
+    assert weight.stride() == (25, 1, 5, 1) and weight.is_contiguous()
+    view = grad_view(torch.zeros(weight.numel()), 0, weight)
+    assert view.stride() == weight.stride()
+    out = F.conv2d(torch.randn(2, 1, 28, 28), view)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not out.is_contiguous()
+
