@@ -23,14 +23,12 @@ that reads it, and zeroed by zero_grad() if none did (guards/checks.py). Every
 rank (guards/finite.py), and the steps since then again before state leaves the replica
 (`check_finite`: state_dict, full_state_dict, close).
 
-Its options come as one object, `DataParallelConfig` (config.py), checked where it was made. A world
-of one has nothing to exchange, so it builds nothing: no buckets, hooks, thread or collectives; the
-step is the plain PyTorch loop's. `exchange_alone=True` builds the whole exchange on one device all
-the same (the step each of k devices runs), and `DataParallel.over(comm, ...)` exchanges over a comm
-of the caller's (one that counts bytes). A `DataParallel` is an `nn.Module` (replica.py), so code
-written for DDP works on it; what DDP users do by habit is made right or named after each synced
-exchange (guards/step_extras.py). What it runs with is `dp.choices` (choices.py), computed by the
-replica itself.
+Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one
+builds nothing (no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone`
+builds the exchange on one device all the same, and `DataParallel.over(comm, ...)` exchanges over
+the caller's comm (one that counts bytes). A `DataParallel` is an `nn.Module` (replica.py); DDP
+users' habits are made right or named after each synced exchange (guards/step_extras.py). What it
+runs with is `dp.choices` (choices.py); its SyncBatchNorm layers sum through its exchange.
 """
 
 from __future__ import annotations
@@ -55,6 +53,7 @@ from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_, placed
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
+from phalanx.data_parallel.sync_batchnorm import route_sync_batchnorm
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
@@ -119,6 +118,7 @@ class DataParallel(ReplicaModule):
         self._comm: AsyncComm | None = comm
         # How the shared segment sums, when one does: "compiled" or "Python (why)" (comm/shm_kernel.py).
         self.shm_rounds = getattr(comm, "shm_rounds", None) if self.algorithm in ("shm", "hierarchical") else None
+        self._routes_bn = self.algorithm != "native" and route_sync_batchnorm(self.module, comm, self.algorithm) > 0
         self.shard = options.shard if self.exchanging else "none"  # one device: nothing to shard
         # Chosen before sharding empties stage 3's parameters (their layout names the memory format).
         self.choices = replica_choices(self, options)
@@ -313,8 +313,8 @@ class DataParallel(ReplicaModule):
         self._extras.close()
         if self.sharding is not None:
             self.sharding.close()
+        if self._routes_bn:
+            route_sync_batchnorm(self.module, None)
         if self._comm is not None and self._owns_comm:
             self._comm.close()
-        self._comm = None
-        self._scheduler = None
-        self._closed = True
+        self._comm, self._scheduler, self._closed = None, None, True

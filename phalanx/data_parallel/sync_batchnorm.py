@@ -19,6 +19,10 @@ Horovod's is CUDA-only; this one is an `autograd.Function` over `phalanx.comm`'s
 - running statistics use the global mean and the global unbiased variance (as torch), from the
   same allreduced numbers on every rank, so they stay identical on all replicas.
 - eval mode uses the running statistics and communicates nothing.
+- a replica routes its layers' two sums to its own exchange (`route_sync_batchnorm`), queued in
+  launch order behind the buckets in flight: between CPU workers the shared-memory allreduce
+  instead of gloo's loopback one (LeNet-BN, 2 workers: 0.72 -> 0.50 s an epoch, measured
+  2026-12-02 on 2 cores). Outside a replica, and on GPUs (native), the backend's allreduce.
 
 Ordering contract (the one every collective has): every rank runs forward and backward through
 the same BatchNorm layers in the same order - also a rank whose shard is empty (it runs them on
@@ -39,28 +43,59 @@ model at every point - before evaluation and saving included.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from phalanx.comm import allreduce_native
+from phalanx.comm import Tag, allreduce_native
 from phalanx.runtime.world import World
 
 BATCHNORM_POLICIES = ("sync", "local")
 _INPUT_DIMS = {nn.BatchNorm1d: (2, 3), nn.BatchNorm2d: (4,), nn.BatchNorm3d: (5,)}
 
 
-class _Reducer:
-    """Sums a packed float64 tensor over the ranks of `group` (default: the whole world)."""
+# The exchange of the replica holding a layer (route_sync_batchnorm), by layer; weakly keyed, so a
+# copy of the model (an EMA's deepcopy) or a layer outside any replica sums with the backend's.
+_EXCHANGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, world: World, group: dist.ProcessGroup | None) -> None:
-        self.world, self.group = world, group
+
+def route_sync_batchnorm(module: nn.Module, comm=None, algorithm: str | None = None) -> int:
+    """Sum the statistics of `module`'s SyncBatchNorm layers on the world's default group through
+    `comm` (a replica's AsyncComm) with `algorithm`, queued in its launch order behind any bucket
+    in flight: shared memory between CPU workers, ~15 us a call where gloo's loopback allreduce
+    took ~2 ms, every layer twice a step. `comm=None` gives them back to the backend's allreduce.
+    Returns how many layers it routed."""
+    layers = [m for m in module.modules() if isinstance(m, SyncBatchNorm) and m.group is None]
+    for layer in layers:
+        if comm is None:
+            _EXCHANGES.pop(layer, None)
+        else:
+            _EXCHANGES[layer] = functools.partial(_sum_through, comm, algorithm)
+    return len(layers)
+
+
+def _sum_through(comm, algorithm: str, packed: torch.Tensor, what: str) -> None:
+    comm.allreduce_async(packed, algorithm=algorithm, tag=Tag(f"SyncBatchNorm {what}")).wait()
+
+
+class _Reducer:
+    """Sums a packed float64 tensor over the ranks of `group` (default: the whole world), through
+    `exchange` where a replica routed the layer to its own."""
+
+    def __init__(self, world: World, group: dist.ProcessGroup | None, exchange=None) -> None:
+        self.world, self.group, self.exchange = world, group, exchange
 
     def __call__(self, packed: torch.Tensor, what: str) -> torch.Tensor:
         packed[0] = 1.0  # the "ranks" slot
         if self.world.distributed:
-            allreduce_native(packed, world=self.world, group=self.group)
+            if self.exchange is not None:
+                self.exchange(packed, what)
+            else:
+                allreduce_native(packed, world=self.world, group=self.group)
             expected = self.world.world_size if self.group is None else dist.get_world_size(self.group)
             if packed[0].item() != expected:
                 raise RuntimeError(
@@ -185,7 +220,7 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         if not self.training:  # running statistics (or, without them, this shard's own): no communication
             return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                             self.running_mean is None, factor, self.eps)
-        reduce = _Reducer(self.world, self.group)
+        reduce = _Reducer(self.world, self.group, _EXCHANGES.get(self))
         mean, var, count = global_batch_stats(x.detach(), reduce)
         if self.track_running_stats:
             with torch.no_grad():  # torch's rule: biased variance normalizes, unbiased is tracked

@@ -2,7 +2,7 @@
 collective it is (allreduce, reduce-scatter, all-gather), packed into the one int64 word the
 collective board stores per call (board.py), and read back in words for an error message.
 
-A code: op (bits 60-61), phase (56-59), bucket index (40-55), step (0-39). Peers compare codes
+A code: op (bits 60-61), phase (55-59), bucket index (40-54), step (0-39). Peers compare codes
 to tell whether the n-th collective of each is the same one (comm/watchdog.py).
 """
 
@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 # What a collective is for; the call site names it. The index of each name is its code (0: unset).
 PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
           "allreduce", "set-up", "reduce-scatter", "all-gather",
-          "parameters", "gradient norm", "NaN/Inf check", "barrier")
+          "parameters", "gradient norm", "NaN/Inf check", "barrier", "SyncBatchNorm forward",
+          "SyncBatchNorm backward")
 # parameters: a sharded bucket's all-gather; gradient norm: clipping's; NaN/Inf check: the finite
-# check's small sum (periodic, and before any state leaves the replica); barrier: phalanx.barrier
+# check's small sum (periodic, and before any state leaves the replica); barrier: phalanx.barrier;
+# SyncBatchNorm's: a layer's global statistics, and its backward's two sums, through a replica's exchange
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 # What a collective does, set by the collective itself: "allreduce" stands for every collective of
 # allreduce's shape (the backend's broadcast and barrier too); the sharded two differ in kind.
 OPS = ("allreduce", "reduce-scatter", "all-gather")
 _OP_CODE = {name: code for code, name in enumerate(OPS)}
-_OP_SHIFT, _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK, _PHASE_MASK = 60, 56, 40, (1 << 40) - 1, (1 << 16) - 1, 15
+_OP_SHIFT, _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK, _PHASE_MASK = 60, 55, 40, (1 << 40) - 1, (1 << 15) - 1, 31
 _GRADIENT = _PHASE_CODE["gradient"]
 _GENERIC = {0, _PHASE_CODE["allreduce"], _PHASE_CODE["reduce-scatter"], _PHASE_CODE["all-gather"]}
 assert len(PHASES) <= _PHASE_MASK + 1 and len(OPS) <= 4

@@ -6,8 +6,9 @@ eval - and returns its outputs, input gradients, local weight/bias gradients and
 statistics; the parent compares them with `nn.BatchNorm*` run on the whole batch in one process.
 (b) The per-device policy on the same data, which must differ measurably (so the comparison can
 fail), and `average_running_stats`. (c) DataParallel training steps of LeNet-BN and the small
-ResNet with overlapped bucket allreduces (native on the default group, ring on AsyncComm's),
-compared with 1-device training. (d) Eval mode communicates nothing, and a SyncBatchNorm
+ResNet with overlapped bucket allreduces (native on the default group, ring on AsyncComm's) and
+with the layers' sums routed through the replica's shared-memory exchange (gloo's allreduce then
+never called), compared with 1-device training. (d) Eval mode communicates nothing, and a SyncBatchNorm
 collective paired with a foreign one is refused.
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 from phalanx.comm import AsyncComm, all_reduce_sum_
 from phalanx.models import build_model
 from phalanx.data_parallel import (DataParallel, DataParallelConfig, SyncBatchNorm, apply_memory_format,
-                                   average_running_stats, convert_sync_batchnorm)
+                                   average_running_stats, convert_sync_batchnorm, sync_batchnorm)
 from phalanx.train import train_batch
 from tests.distributed.harness import run_workers
 
@@ -44,6 +45,9 @@ TRAIN = {  # name -> (model, dtype, DataParallel options, memory format, batchno
     "float32-channels-last": ("lenet-bn", torch.float32, dict(allreduce="native"), True, "sync"),
     "resnet-native-overlap": ("resnet", torch.float64, dict(allreduce="native", bucket_cap_mb=0.25), False, "sync"),
     "local-native-overlap": ("lenet-bn", torch.float64, dict(allreduce="native", bucket_cap_mb=0.05), False, "local"),
+    # the layers' sums through the replica's shared-memory exchange, queued behind the buckets in flight
+    "shm-overlap": ("lenet-bn", torch.float64, dict(allreduce="shm", overlap=True, bucket_cap_mb=0.05), False, "sync"),
+    "resnet-shm-sync": ("resnet", torch.float64, dict(allreduce="shm", overlap=False), False, "sync"),
 }
 TRAIN_SPLITS = {2: [[7, 6], [0, 5]], 3: [[5, 4, 4], [3, 0, 4]]}  # per step; step 2 has an empty shard
 
@@ -176,6 +180,10 @@ def _worker(world) -> dict:
             dp = DataParallel.over(LoggingComm(comm, log), model, world=world, options=DataParallelConfig(**options))
         else:
             dp = DataParallel(model, world=world, options=DataParallelConfig(**options))
+        backend_sum = sync_batchnorm.allreduce_native
+        if name.startswith(("shm", "resnet-shm")):  # routed through the replica's exchange: gloo's never called
+            sync_batchnorm.allreduce_native = lambda *args, **kwargs: (_ for _ in ()).throw(
+                AssertionError("SyncBatchNorm summed with gloo's allreduce"))
         optimizer = torch.optim.SGD(dp.module.parameters(), lr=0.1)
         for step, sizes in enumerate(TRAIN_SPLITS[k]):
             X, y = _train_data(step, sum(sizes), dtype)
@@ -189,6 +197,7 @@ def _worker(world) -> dict:
                 optimizer.step()
         if TRAIN[name][4] == "local":  # what the trainer does before evaluating
             average_running_stats(dp.module, world=world)
+        sync_batchnorm.allreduce_native = backend_sum
         out[("train", name)] = {k_: v.detach().clone() for k_, v in dp.module.state_dict().items()}
         out[("order", name)] = (log, len(dp.buckets))
         dp.close()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from phalanx.comm import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
 from phalanx.runtime.board import (COMM, FAILED, FINISHED, LINE_WORDS, RING_SLOTS, RUNNING, WAITING, WORLD, Board,
                                    Ticket)
-from phalanx.runtime.tags import Tag, describe, phase_code
+from phalanx.runtime.tags import PHASES, Tag, describe, phase_code
 from phalanx.comm.watchdog import check, check_pairing, pairing_error
 from phalanx.models import LeNet
 from phalanx.data_parallel import DataParallel, DataParallelConfig
@@ -64,6 +64,14 @@ def test_tags_read_as_the_collective_they_stand_for():
     assert describe(a.enter(WORLD, Tag("checkpoint"), 0).code) == "checkpoint after step 75"
     with pytest.raises(ValueError, match="unknown collective phase 'evaluate'; use one of gradient, evaluation"):
         phase_code("evaluate")
+    # every phase fits the code's five bits, and reads back as itself, beside the largest bucket index
+    for phase in PHASES[1:]:
+        code = Tag(phase, 32767, step=9).code(0)
+        assert describe(code).startswith("step 10's gradient" if phase == "gradient" else phase), phase
+        assert (code >> 40) & 32767 == 32767 and code & ((1 << 40) - 1) == 9
+    assert describe(Tag("SyncBatchNorm backward").code(75), 40) == "SyncBatchNorm backward after step 75 (40 B)"
+    with pytest.raises(ValueError, match="collective index 32768 outside 0..32767"):
+        Tag("gradient", 32768)
 
 
 def test_the_tag_a_caller_passes_names_its_call():

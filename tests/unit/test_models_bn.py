@@ -241,3 +241,40 @@ def test_gradcheck_including_the_statistics():
     images = torch.rand(4, 1, 28, 28, dtype=torch.float64)
     F.cross_entropy(model(images), torch.tensor([0, 1, 2, 3])).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _TwinComm:
+    """A replica's comm for a world of two identical ranks: every sum doubles, and each call is noted."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int]] = []
+
+    def allreduce_async(self, packed, *, algorithm, tag):
+        self.calls.append((tag.phase, algorithm, packed.numel()))
+        packed.mul_(2)
+        return type("Done", (), {"wait": lambda _self: None})()
+
+
+def test_routed_layers_sum_through_the_replica_s_exchange_and_copies_do_not(monkeypatch):
+    """DataParallel routes its SyncBatchNorm layers to its own exchange (route_sync_batchnorm): both
+    sums of a step go through it, tagged, in order; a deepcopy of the model (an EMA's) and a layer
+    given back with None sum with the backend's allreduce again."""
+    from phalanx.data_parallel import sync_batchnorm
+    world2 = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"),
+                   backend="gloo", timeout_s=10.0)
+    backend: list[int] = []
+    monkeypatch.setattr(sync_batchnorm, "allreduce_native",
+                        lambda packed, **_: (backend.append(packed.numel()), packed.mul_(2)))
+    torch.manual_seed(0)
+    model = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3)), world2)
+    comm = _TwinComm()
+    assert sync_batchnorm.route_sync_batchnorm(model, comm, "shm") == 1
+    x = torch.randn(4, 1, 6, 6, dtype=torch.float64)
+    model.double()(x).square().sum().backward()
+    assert comm.calls == [("SyncBatchNorm forward", "shm", 8), ("SyncBatchNorm backward", "shm", 7)] and not backend
+    reference = copy.deepcopy(model)  # two identical ranks: the statistics of the doubled batch are this batch's
+    reference(x).sum().backward()
+    assert backend == [8, 7] and len(comm.calls) == 2  # the copy is not routed
+    sync_batchnorm.route_sync_batchnorm(model, None)
+    model(x)
+    assert backend == [8, 7, 8] and len(comm.calls) == 2
