@@ -21,7 +21,7 @@ Horovod's is CUDA-only; this one is an `autograd.Function` over `phalanx.comm`'s
 - eval mode uses the running statistics and communicates nothing.
 - a replica routes its layers' two sums to its own exchange (`route_sync_batchnorm`), queued in
   launch order behind the buckets in flight: between CPU workers the shared-memory allreduce
-  instead of gloo's loopback one (LeNet-BN, 2 workers: 0.72 -> 0.50 s an epoch, measured
+  instead of gloo's loopback one (LeNet-BN, 2 workers: 0.66 -> 0.51 s an epoch, measured
   2026-12-02 on 2 cores). Outside a replica, and on GPUs (native), the backend's allreduce.
 
 Ordering contract (the one every collective has): every rank runs forward and backward through
