@@ -95,7 +95,8 @@ def main() -> None:
     loader = phalanx.ShardedLoader(trainset, world=world, global_batch_size=args.train_batch_size // n, seed=0)
     for epoch in range(args.epochs):
         batches = loader.epoch(epoch)
-        for step_batches in zip(*[batches] * n):  # n micro-batches a step, as DeepSpeed's engine steps
+        # n micro-batches a step, as DeepSpeed's engine steps (zip leaves out a last group of fewer)
+        for step_batches in zip(*[batches] * n):
             optimizer.zero_grad()
             step_size = sum(global_size for _, global_size in step_batches)  # the mean over the step's n batches
             for _, ((inputs, labels), _) in zip(dp.accumulate(n), step_batches):

@@ -11,7 +11,7 @@ AttributeError.
 
 from __future__ import annotations
 
-from phalanx.runtime.horovod_deepspeed import ENGINE_METHODS, KEYWORDS as ENGINE_KEYWORDS
+from phalanx.runtime.horovod_deepspeed import ENGINE_METHODS, KEYWORDS as HOROVOD_DEEPSPEED_KEYWORDS
 
 ACCELERATE, FABRIC, _BOTH = "Accelerate's", "Fabric's", "Accelerate's and Fabric's"
 
@@ -154,14 +154,20 @@ DDP_KEYWORDS: dict[str, str] = {
 }
 
 
+# Every keyword another tool hands where phalanx's prepare stands: name -> (whose, way).
+PREPARE_KEYWORDS: dict[str, tuple[str, str]] = {
+    **{name: ("DistributedDataParallel's", way) for name, way in DDP_KEYWORDS.items()},
+    **HOROVOD_DEEPSPEED_KEYWORDS,
+}
+
+
 def foreign_keywords_error(names: list[str], *, call: str = "prepare") -> TypeError:
     """The TypeError for keywords `call` does not take: DDP's, DeepSpeed initialize's and Horovod
     DistributedOptimizer's named with phalanx's way, in one line."""
-    known = {name: ("DistributedDataParallel's", way) for name, way in DDP_KEYWORDS.items()} | ENGINE_KEYWORDS
-    name = next((name for name in names if name in known), None)
+    name = next((name for name in names if name in PREPARE_KEYWORDS), None)
     if name is None:
         return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
-    whose, way = known[name]
+    whose, way = PREPARE_KEYWORDS[name]
     return TypeError(f"{call}() takes no {name}= ({whose} keyword): {way}")
 
 
