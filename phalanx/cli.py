@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except (KeyboardInterrupt, Stopped) as exc:
         line, code = stop_message(exc)
-        print(line, file=sys.stderr)
+        if not (getattr(exc, "detail", None) and os.environ.get("RANK", "0") != "0"):  # torchrun's: once
+            print(line, file=sys.stderr)
         return code
     except Exception as exc:
         from phalanx.runtime.launch import WorkerFailed

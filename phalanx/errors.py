@@ -70,12 +70,13 @@ def warn_at_caller(message: str) -> None:
 
 class Stopped(BaseException):
     """The launcher was told to stop (SIGTERM from `timeout`, a scheduler, a container stop, or
-    SIGHUP); its workers have been taken down. A BaseException, like KeyboardInterrupt, so no
+    SIGHUP); its workers have been taken down. `detail`: where a training run stopped and what it
+    saved (runtime/stop_request.py), when it did. A BaseException, like KeyboardInterrupt, so no
     `except Exception` on the way swallows it."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, *, detail: str | None = None) -> None:
         import signal
 
-        self.signum = signum
+        self.signum, self.detail = signum, detail
         self.exit_code = 128 + signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        super().__init__(f"stopped by {signal.Signals(signum).name}" + (f" {detail}" if detail else ""))

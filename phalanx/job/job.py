@@ -39,6 +39,8 @@ from phalanx.job.outputs import Outputs
 from phalanx.job.resume import dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
 from phalanx.job.schedule import lr_at, set_lr, warmup_steps
 from phalanx.job.step_hook import after_step_hook
+from phalanx.job.stopping import stop_check
+from phalanx.runtime import stop_request
 from phalanx.runtime.world import World
 
 
@@ -55,8 +57,10 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
                                                           steps_per_epoch=config.trace_steps)
     strategy = build_strategy(config, model, world=world, num_classes=data.num_classes, tracer=tracer)
     try:
-        result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
-                      tracer=tracer)
+        # Armed where a stop can be saved: the first SIGTERM then ends the run after a step, saved there.
+        with stop_request.armed(enabled=config.checkpoint_location is not None):
+            result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
+                          tracer=tracer)
         if tracer is not None:
             tracer.write(config.trace_dir)
             if world.is_main:
@@ -99,6 +103,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     if whole is not strategy.module:  # a split: its shards take their values from the whole model
         strategy.load_full_state_dict(whole.state_dict())
     settings = run_settings(config, num_devices=world.world_size)
+    stop = stop_check(world, saved_in=config.checkpoint_location, check_every=config.check_every, replica=replica)
     graph_plan = config.graph_plan(world.device.type, world.world_size, backend=world.backend)
     _set_capturable(optimizer, graph_plan.capture)
 
@@ -137,7 +142,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
         after_step = after_step_hook(config=config, world=world, optimizer=optimizer, epoch=epoch, warmup=warmup,
                                      gradients=strategy.named_gradients, save=save,
-                                     check_replicas=strategy.check_replicas)
+                                     check_replicas=strategy.check_replicas, stop=stop)
         stats = train_epoch(strategy, optimizer, train_images, train_labels, world=world,
                             global_batch_size=config.global_batch_size, seed=config.seed, epoch=epoch,
                             on_step=bar.update, tracer=tracer, start_step=first_step,

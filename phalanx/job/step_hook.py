@@ -3,7 +3,9 @@
 `after_step_hook` builds the callback that train_epoch calls after every step, whichever
 strategy runs it (data, layers, channels): note the step for failure reports, follow the
 warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps and each epoch's
-last, a model split's gradients and the replicas), and save a mid-epoch checkpoint every `--checkpoint-every` steps.
+last, a model split's gradients and the replicas), save a mid-epoch checkpoint every
+`--checkpoint-every` steps, and stop, saved, after the step the ranks agree on when a scheduler
+asked (job/stopping.py).
 One place, so the data split and the layer/channel splits cannot drift apart in what they guard.
 The data split's gradient is not read here: its replica checks it at the same interval
 (data_parallel/guards/finite.py, which can tell the rank whose share went NaN/Inf first), and the
@@ -21,15 +23,18 @@ from phalanx.data_parallel.guards.checks import check_finite
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.schedule import lr_at, set_lr
+from phalanx.job.stopping import StopCheck
 from phalanx.runtime.world import World
 
 
 def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim.Optimizer, epoch: int,
                     warmup: int, gradients: Callable[[], Mapping[str, torch.Tensor]],
                     save: Callable[[ckpt.Position], None],
-                    check_replicas: Callable[[int], None] | None = None) -> Callable[..., None]:
+                    check_replicas: Callable[[int], None] | None = None,
+                    stop: StopCheck | None = None) -> Callable[..., None]:
     """The callback for `epoch`. `gradients()` names this rank's gradients (read only at check
-    steps and the epoch's last); `check_replicas(step)`, when given, compares the replicas at check steps."""
+    steps and the epoch's last); `check_replicas(step)`, when given, compares the replicas at check
+    steps; `stop`, when given, ends the run (raises Stopped) after saving the step it agrees on."""
 
     def after_step(done: int, total: int, loss_sum: torch.Tensor, totals: Callable[[], list[float]]) -> None:
         global_step = epoch * total + done
@@ -45,7 +50,11 @@ def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim
         if checking and check_replicas is not None:
             check_replicas(global_step)
         every = config.checkpoint.steps
-        if every and global_step % every == 0 and done < total:  # an epoch's end is saved by the job
+        saving = bool(every) and global_step % every == 0 and done < total  # an epoch's end: by the job
+        stopping = stop is not None and stop.agreed(global_step)
+        if saving or stopping:  # a stop after an epoch's last step saves it too (a resume evaluates it)
             save(ckpt.Position(epoch=epoch, step=done, epoch_totals=tuple(totals())))
+        if stopping:
+            raise stop.stopped(f"epoch {epoch + 1}, step {done} of {total}")
 
     return after_step

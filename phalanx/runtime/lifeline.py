@@ -33,6 +33,9 @@ from phalanx.runtime.procs import group_members
 
 # How long a terminated worker (and what it started) gets to exit on SIGTERM before it is killed.
 TERMINATE_GRACE_S = 3.0
+# How long a stopped launcher waits for workers that train to save where they stop
+# (runtime/stop_request.py); a scheduler's own kill (Kubernetes, Slurm: 30 s) usually comes first.
+STOP_GRACE_S = 60.0
 _GROUP_POLL_S = 0.02
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
@@ -147,7 +150,7 @@ def ignore_stops_if_stopping() -> None:
 def stop_message(exc: BaseException) -> tuple[str, int]:
     """The command's last line and exit code for a stop: Ctrl-C 130, a signal 128 + its number."""
     if isinstance(exc, Stopped):
-        return f"phalanx: {exc}; every worker was stopped", exc.exit_code
+        return f"phalanx: {exc}" + ("" if exc.detail else "; every worker was stopped"), exc.exit_code
     return "phalanx: interrupted", 128 + signal.SIGINT
 
 

@@ -21,6 +21,9 @@ that exited or died without one of its own. Once every result is in, the run
 has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
 after which a worker still tearing down is killed without a word. Workers write each output line
 in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
+A stopped launcher (SIGTERM, SIGHUP) first sends SIGTERM to each worker alone: one whose training
+is armed for it finishes its step, saves there and reports "stopped" (runtime/stop_request.py),
+one that is not dies of it; after STOP_GRACE_S every group is taken down as after a failure.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import pickle
 import signal
 import sys
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import wait
@@ -40,10 +42,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of
-from phalanx.runtime.worker_errors import ERROR_FILE_VAR, error_files, is_echo, recorded
-from phalanx.errors import RunFailed, UsageError
-from phalanx.runtime.lifeline import (describe_signal, die_with_parent, flush_on_sigterm, lead_own_group,
-                                     line_buffered_output, signals_deferred, stop_on_signals, terminate)
+from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, WorkerFailed, error_files, error_report, failure,  # noqa: F401
+                                           is_echo, read_report, recorded, user_traceback, with_recorded)
+from phalanx.errors import RunFailed, Stopped, UsageError
+from phalanx.runtime.lifeline import (STOP_GRACE_S, die_with_parent, flush_on_sigterm,
+                                     lead_own_group, line_buffered_output, signals_deferred, stop_on_signals,
+                                     terminate)
 
 # After a first failure, keep listening this long for the other ranks' reports: the first one to
 # arrive is often a secondary "connection closed" from a peer of the rank that really broke.
@@ -51,10 +55,6 @@ ERROR_GRACE_S = 1.0
 # How long finished workers may take to leave the group and exit (measured under load: 1.8, 3.1
 # and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
 TEARDOWN_S = 30.0
-# The launcher's own frames, above the user's code in every worker's traceback (left out of reports).
-_PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script",
-             "phalanx.runtime.main_module", "phalanx.runtime.function_launch", "runpy")
-
 # Set in a spawned worker: (shared array of every rank's last finished step, this rank).
 _PROGRESS: tuple[Any, int] | None = None
 
@@ -65,19 +65,6 @@ def report_progress(step: int) -> None:
     A no-op outside a spawned worker (one device in-process, torchrun): nobody collects it."""
     if _PROGRESS is not None:
         _PROGRESS[0][_PROGRESS[1]] = step
-
-
-class WorkerFailed(RuntimeError):
-    """A worker raised, died or hung; line one names the rank, then every report collected.
-
-    `rank`: the rank at fault, when one is known; `restartable`: whether starting the workers
-    again from a checkpoint can get past it (a death, an error, a worker that stopped responding:
-    yes; a checked condition that would repeat, such as a NaN loss: no). `--max-restarts` reads
-    these, never the message."""
-
-    def __init__(self, message: str, *, rank: int | None = None, restartable: bool = False) -> None:
-        super().__init__(message)
-        self.rank, self.restartable = rank, restartable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,12 +125,14 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
             report = pickle.dumps(("ok", workers.body(rank, workers.payload, teardown)))
         except UsageError as exc:
             report, exit_code = pickle.dumps(("usage", str(exc))), 2
+        except Stopped as exc:  # asked to stop, it saved where it stopped (runtime/stop_request.py)
+            report, exit_code = pickle.dumps(("stopped", exc.signum, exc.detail)), exc.exit_code
         except RunFailed as exc:  # a checked condition: the message is the whole story
             report, exit_code = pickle.dumps(("failed", str(exc).splitlines()[0], "", exc.culprit,
                                               exc.restartable)), 1
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-            report, exit_code = pickle.dumps(_error(summary, _traceback(exc), is_echo(exc))), 1
+            report, exit_code = pickle.dumps(error_report(summary, user_traceback(exc), is_echo(exc))), 1
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -176,6 +165,8 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                     procs.append(proc)
                     conns.append(parent_end)
             return _supervise(procs, conns, workers, progress=progress, errors=errors)
+        except Stopped as stop:
+            raise _stop_gently(stop, procs, conns) from None
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
             with signals_deferred():
                 started = terminate(procs)  # the workers and every process they started
@@ -198,7 +189,7 @@ def _progress_array(ctx, num_procs: int):
 
 def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str] = ()) -> list[Any]:
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
-    reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | _error(...)
+    reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...)
     first_failure: int | None = None
     give_up_at = deadline
     pending = set(range(len(procs)))
@@ -209,101 +200,46 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
         # Sentinels too: a worker whose pipe a forked grandchild still holds open gives no EOF.
         ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout))
         for rank in sorted(r for r in pending if conns[r] in ready or procs[r].sentinel in ready):
-            report = _with_recorded(_read_report(procs[rank], conns[rank], workers.exit_zero_is_success),
+            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success),
                                     recorded(errors[rank] if rank < len(errors) else None))
             pending.discard(rank)
             reports[rank] = report
             if report[0] != "ok" and first_failure is None:
-                first_failure = rank
-                grace_end = time.monotonic() + ERROR_GRACE_S
+                first_failure = rank  # the others' reports: soon after an error, after their saves for a stop
+                grace_end = time.monotonic() + (STOP_GRACE_S if report[0] == "stopped" else ERROR_GRACE_S)
                 give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
     if first_failure is None and pending:
         first_failure = min(pending)
         for rank in sorted(pending):
-            reports[rank] = _error(f"gave no result within the {workers.deadline_s:g} s deadline (hung?)")
+            reports[rank] = error_report(f"gave no result within the {workers.deadline_s:g} s deadline (hung?)")
     if first_failure is None:
         teardown_end = time.monotonic() + workers.teardown_s
         _await_exit(procs, reports, teardown_end if deadline is None else min(deadline, teardown_end))
         first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
     if first_failure is None:
         return [reports[rank][1] for rank in range(len(procs))]
-    raise _failure(reports, first_failure, progress)
+    raise failure(reports, first_failure, progress)
 
 
-def _failure(reports: dict[int, tuple], first_failure: int, progress) -> Exception:
-    usage = [report[1] for _, report in sorted(reports.items()) if report[0] == "usage"]
-    if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
-        return UsageError(usage[0])
-    checked = [report for _, report in sorted(reports.items()) if report[0] == "failed"]
-    if checked:  # every rank checks the same gathered values: one line says it all
-        _, line, _, culprit, restartable = checked[0]
-        return WorkerFailed(f"run stopped: {line}", rank=culprit, restartable=restartable)
-    failed = {rank: report for rank, report in sorted(reports.items()) if report[0] != "ok"}
-    # The root cause first: a rank that died (signal, exit without a report) explains its peers'
-    # "connection closed" errors, even when one of those reached us first; else the first report
-    # (they arrive in `reports` in order) that is not a collective's echo of a peer gone.
-    died = [rank for rank, report in failed.items() if report[1].startswith(("died", "exited with code"))]
-    own = [rank for rank, report in reports.items() if report[0] != "ok" and not report[3]]
-    first_failure = (died or own or [first_failure])[0]
-    root = reports[first_failure]
-    line = root[1]
-    if progress is not None and progress[first_failure] >= 0:
-        line = f"{line} after step {progress[first_failure]}"
-    # The root's traceback, and any other rank's that says something else; a rank that only
-    # stopped because of the root (its collective lost a peer) gets one line, and so does one
-    # that failed on its own with the root's very error.
-    sections = [f"--- rank {first_failure} ---\n{(root[2] or root[1]).rstrip()}"]
-    for rank, report in failed.items():
-        if rank != first_failure:
-            sections.append(f"rank {rank} stopped too: {report[1]}" if report[3] else
-                            f"rank {rank} failed too: {report[1]}" if report[1] == root[1] else
-                            f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
-    return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
-                        restartable=True)
-
-
-def _error(line: str, trace: str = "", echo: bool = False) -> tuple:
-    """An error report: its one line, its traceback, whether it echoes another rank's failure."""
-    return ("error", line, trace, echo)
-
-
-def _traceback(exc: BaseException) -> str:
-    """`exc`'s traceback from the first frame that is not the launcher's own (supervise, launch,
-    script, runpy above the user's code on every rank): what `python script.py` would print."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_globals.get("__name__") in _PLUMBING:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def _with_recorded(report: tuple, found: tuple[str, str] | None) -> tuple:
-    """`report` completed with what the worker recorded in its error file (`found`: message,
-    traceback): a line that lacks the message gets it, a report without a traceback takes its."""
-    if found is None or report[0] not in ("error", "failed") or found[0] in report[1]:
-        return report
-    line = f"{report[1]}: {found[0]}"
-    if report[0] == "failed":
-        return (report[0], line, *report[2:])
-    return (report[0], line, report[2] or found[1], report[3])
-
-
-def _read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
-    """This worker's report, or a report of its death (all it sent is in the pipe once it exits)."""
-    try:
-        if conn.poll(0):
-            return pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-        pass  # the pipe closed without a report: the worker is dead, or about to be
-    except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
-        return _error(f"result could not be unpickled: {type(exc).__name__}: {exc}", traceback.format_exc())
-    proc.join(1)
-    if proc.exitcode is None:
-        return _error("closed its result pipe but kept running")
-    if proc.exitcode < 0:
-        return _error(f"died ({describe_signal(-proc.exitcode)})")
-    if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun
-        return ("ok", None)
-    return _error(f"exited with code {proc.exitcode} without a result")
+def _stop_gently(stop: Stopped, procs, conns) -> Stopped:
+    """The launcher was stopped: SIGTERM to each worker itself (not its group), whose armed
+    training finishes its step, saves and reports "stopped" (runtime/stop_request.py); one that is
+    not armed dies of it at once. Waits up to STOP_GRACE_S; `stop` with the saved place, if any."""
+    if stop.detail is not None:
+        return stop
+    pending = {rank for rank, proc in enumerate(procs) if proc.exitcode is None}
+    for rank in pending:
+        with contextlib.suppress(OSError):
+            os.kill(procs[rank].pid, signal.SIGTERM)
+    give_up_at, details = time.monotonic() + STOP_GRACE_S, []
+    while pending and give_up_at > time.monotonic():
+        ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
+                         give_up_at - time.monotonic()))
+        for rank in [r for r in pending if conns[r] in ready or procs[r].sentinel in ready]:
+            pending.discard(rank)
+            report = read_report(procs[rank], conns[rank], False)
+            details += [report[2]] if report[0] == "stopped" and report[2] else []
+    return Stopped(stop.signum, detail=details[0]) if details else stop
 
 
 def _await_exit(procs, reports: dict, give_up_at: float) -> None:
@@ -316,4 +252,4 @@ def _await_exit(procs, reports: dict, give_up_at: float) -> None:
                           "gloo's exit-time abort (a process group still alive at interpreter exit); "
                           "its result is kept")
         elif proc.exitcode is not None and proc.exitcode != 0:
-            reports[rank] = _error(f"delivered its result but then exited with code {proc.exitcode}")
+            reports[rank] = error_report(f"delivered its result but then exited with code {proc.exitcode}")

@@ -1,4 +1,12 @@
-"""What a failed worker says about itself: torch elastic's error file, and whether its error echoes a peer's.
+"""What a worker reports to its launcher, and how a failed run's message reads from the reports.
+
+Each worker sends one report: ("ok", result), ("usage", line), ("failed", line, ...) for a
+checked condition, ("stopped", signal, where it saved) for a stop it saved at, or an error
+report (`error_report`: its line, the user's traceback, whether it echoes a peer's failure);
+`read_report` makes one of a worker's death too. `failure` turns the reports into the one
+exception the launcher raises: the rank at fault first, with its traceback.
+
+Also torch elastic's error file, and whether an error echoes a peer's.
 
 torchrun gives each worker a path of its own in `TORCHELASTIC_ERROR_FILE`; a script whose entry
 point is decorated with torch's `@record` (torch.distributed.elastic.multiprocessing.errors)
@@ -23,11 +31,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import tempfile
+import traceback
 from typing import Iterator
 
-from phalanx.errors import PeerLost
+from phalanx.errors import PeerLost, Stopped, UsageError
+from phalanx.runtime.lifeline import describe_signal
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 # What gloo's errors say when the peer at the other end of a collective went away.
@@ -76,3 +87,102 @@ def is_echo(exc: BaseException) -> bool:
         return True
     # gloo's are plain RuntimeErrors; an OSError of the script's own (its HTTP client's) is not one.
     return isinstance(exc, RuntimeError) and any(words in str(exc).lower() for words in _CONNECTION_LOST)
+
+
+# The launcher's own frames, above the user's code in every worker's traceback (left out of reports).
+PLUMBING = ("phalanx.runtime.supervise", "phalanx.runtime.launch", "phalanx.runtime.script",
+             "phalanx.runtime.main_module", "phalanx.runtime.function_launch", "runpy")
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised, died or hung; line one names the rank, then every report collected.
+
+    `rank`: the rank at fault, when one is known; `restartable`: whether starting the workers
+    again from a checkpoint can get past it (a death, an error, a worker that stopped responding:
+    yes; a checked condition that would repeat, such as a NaN loss: no). `--max-restarts` reads
+    these, never the message."""
+
+    def __init__(self, message: str, *, rank: int | None = None, restartable: bool = False) -> None:
+        super().__init__(message)
+        self.rank, self.restartable = rank, restartable
+
+
+def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseException:
+    """The exception a failed (or stopped) worker set ends in, from every report collected."""
+    stopped = [report for _, report in sorted(reports.items()) if report[0] == "stopped"]
+    if stopped and all(report[0] in ("ok", "stopped") for report in reports.values()):
+        # Asked to stop (a worker's SIGTERM, not the launcher's): every rank saved and stopped.
+        return Stopped(stopped[0][1], detail=stopped[0][2])
+    usage = [report[1] for _, report in sorted(reports.items()) if report[0] == "usage"]
+    if usage:  # bad input is the user's to fix: one line, whatever the other ranks then hit
+        return UsageError(usage[0])
+    checked = [report for _, report in sorted(reports.items()) if report[0] == "failed"]
+    if checked:  # every rank checks the same gathered values: one line says it all
+        _, line, _, culprit, restartable = checked[0]
+        return WorkerFailed(f"run stopped: {line}", rank=culprit, restartable=restartable)
+    failed = {rank: report for rank, report in sorted(reports.items()) if report[0] not in ("ok", "stopped")}
+    # The root cause first: a rank that died (signal, exit without a report) explains its peers'
+    # "connection closed" errors, even when one of those reached us first; else the first report
+    # (they arrive in `reports` in order) that is not a collective's echo of a peer gone.
+    died = [rank for rank, report in failed.items() if report[1].startswith(("died", "exited with code"))]
+    own = [rank for rank, report in failed.items() if not report[3]]
+    first_failure = (died or own or [first_failure if first_failure in failed else min(failed)])[0]
+    root = reports[first_failure]
+    line = root[1]
+    if progress is not None and progress[first_failure] >= 0:
+        line = f"{line} after step {progress[first_failure]}"
+    # The root's traceback, and any other rank's that says something else; a rank that only
+    # stopped because of the root (its collective lost a peer) gets one line, and so does one
+    # that failed on its own with the root's very error.
+    sections = [f"--- rank {first_failure} ---\n{(root[2] or root[1]).rstrip()}"]
+    for rank, report in failed.items():
+        if rank != first_failure:
+            sections.append(f"rank {rank} stopped too: {report[1]}" if report[3] else
+                            f"rank {rank} failed too: {report[1]}" if report[1] == root[1] else
+                            f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
+    return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
+                        restartable=True)
+
+
+def error_report(line: str, trace: str = "", echo: bool = False) -> tuple:
+    """An error report: its one line, its traceback, whether it echoes another rank's failure."""
+    return ("error", line, trace, echo)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback from the first frame that is not the launcher's own (supervise, launch,
+    script, runpy above the user's code on every rank): what `python script.py` would print."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_globals.get("__name__") in PLUMBING:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def with_recorded(report: tuple, found: tuple[str, str] | None) -> tuple:
+    """`report` completed with what the worker recorded in its error file (`found`: message,
+    traceback): a line that lacks the message gets it, a report without a traceback takes its."""
+    if found is None or report[0] not in ("error", "failed") or found[0] in report[1]:
+        return report
+    line = f"{report[1]}: {found[0]}"
+    if report[0] == "failed":
+        return (report[0], line, *report[2:])
+    return (report[0], line, report[2] or found[1], report[3])
+
+
+def read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
+    """This worker's report, or a report of its death (all it sent is in the pipe once it exits)."""
+    try:
+        if conn.poll(0):
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        pass  # the pipe closed without a report: the worker is dead, or about to be
+    except Exception as exc:  # noqa: BLE001 - a result this process cannot unpickle
+        return error_report(f"result could not be unpickled: {type(exc).__name__}: {exc}", traceback.format_exc())
+    proc.join(1)
+    if proc.exitcode is None:
+        return error_report("closed its result pipe but kept running")
+    if proc.exitcode < 0:
+        return error_report(f"died ({describe_signal(-proc.exitcode)})")
+    if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun
+        return ("ok", None)
+    return error_report(f"exited with code {proc.exitcode} without a result")

@@ -68,14 +68,18 @@ def _leftovers(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("phalanx-"))
 
 
+# A run with --out saves where a SIGTERM stops it (tests/distributed/test_stop_saves.py).
+SAVED = r"phalanx: stopped by SIGTERM after epoch \d+, step \d+ of \d+, saved in .+; run the same command with --resume auto to continue"
+
+
 @pytest.mark.parametrize("signum, gap_s, code, line", [
-    (signal.SIGTERM, 0.01, 143, "phalanx: stopped by SIGTERM; every worker was stopped"),
-    (signal.SIGTERM, 0.05, 143, "phalanx: stopped by SIGTERM; every worker was stopped"),
+    (signal.SIGTERM, 0.01, 143, SAVED),
+    (signal.SIGTERM, 0.05, 143, SAVED),
     (signal.SIGINT, 0.02, 130, "phalanx: interrupted"),
 ])
 def test_a_second_stop_signal_while_stopping_is_absorbed(tmp_path, signum, gap_s, code, line):
     # SIGTERM twice, as a scheduler escalating: unabsorbed, the second kills the launcher (exit -15, no
-    # "stopped" line, $TMPDIR/phalanx-rendezvous-* left behind with its store file).
+    # "stopped" line, $TMPDIR/phalanx-rendezvous-* left behind with its store file), or cuts its workers' save short.
     out = tmp_path / "run"
     proc = _start([*TRAIN, "--epochs", "200", "--out", str(out)], tmp_path)
     try:
@@ -92,7 +96,7 @@ def test_a_second_stop_signal_while_stopping_is_absorbed(tmp_path, signum, gap_s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == code, stderr[-2000:]
-    assert stderr.strip().splitlines()[-1] == line, stderr[-2000:]
+    assert re.fullmatch(line, stderr.strip().splitlines()[-1]), stderr[-2000:]
     assert_all_gone(workers)
     assert _leftovers(tmp_path) == []
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phalanx.runtime import supervise
+from phalanx.runtime import worker_errors
 from phalanx.runtime.worker_errors import is_echo, recorded
 from phalanx.runtime.main_module import Target, run_as_main
 
@@ -23,27 +23,27 @@ ECHO_TB = "Traceback (most recent call last):\n  File \"torch/distributed/...\"\
 
 
 def _message(reports: dict, first: int) -> list[str]:
-    return str(supervise._failure(reports, first, None)).splitlines()
+    return str(worker_errors.failure(reports, first, None)).splitlines()
 
 
 def test_the_failing_ranks_traceback_and_one_line_per_echo():
-    reports = {1: supervise._error("ValueError: bad batch", ROOT_TB),
-               0: supervise._error("RuntimeError: Connection closed", ECHO_TB, echo=True),
+    reports = {1: worker_errors.error_report("ValueError: bad batch", ROOT_TB),
+               0: worker_errors.error_report("RuntimeError: Connection closed", ECHO_TB, echo=True),
                2: ("ok", None)}
     assert _message(reports, 1) == ["worker rank 1 failed: ValueError: bad batch", "--- rank 1 ---",
                                     *ROOT_TB.rstrip().splitlines(), "rank 0 stopped too: RuntimeError: Connection closed"]
 
 
 def test_an_echo_that_arrives_first_is_not_taken_for_the_cause():
-    reports = {0: supervise._error("PeerGone: rank 1 failed while rank 0 waited", ECHO_TB, echo=True),
-               1: supervise._error("ValueError: bad batch", ROOT_TB)}
+    reports = {0: worker_errors.error_report("PeerGone: rank 1 failed while rank 0 waited", ECHO_TB, echo=True),
+               1: worker_errors.error_report("ValueError: bad batch", ROOT_TB)}
     lines = _message(reports, 0)
     assert lines[0] == "worker rank 1 failed: ValueError: bad batch"
     assert lines[-1] == "rank 0 stopped too: PeerGone: rank 1 failed while rank 0 waited"
 
 
 def test_the_same_error_on_every_rank_is_one_traceback_and_each_rank_failed_too():
-    reports = {r: supervise._error("ValueError: bad batch", ROOT_TB) for r in range(3)}
+    reports = {r: worker_errors.error_report("ValueError: bad batch", ROOT_TB) for r in range(3)}
     lines = _message(reports, 0)
     assert sum(line.startswith("Traceback") for line in lines) == 1
     # Each raised it on its own: not "stopped too", which says a rank stopped because another failed.
@@ -51,8 +51,8 @@ def test_the_same_error_on_every_rank_is_one_traceback_and_each_rank_failed_too(
 
 
 def test_a_rank_that_failed_on_its_own_keeps_its_traceback():
-    reports = {0: supervise._error("ValueError: bad batch", ROOT_TB),
-               1: supervise._error("died (signal SIGKILL)")}
+    reports = {0: worker_errors.error_report("ValueError: bad batch", ROOT_TB),
+               1: worker_errors.error_report("died (signal SIGKILL)")}
     message = "\n".join(_message(reports, 0))
     assert message.startswith("worker rank 1 failed: died (signal SIGKILL)\n--- rank 1 ---\ndied (signal SIGKILL)")
     assert "--- rank 0 ---\n" + ROOT_TB.rstrip() in message
@@ -81,12 +81,12 @@ def test_what_a_worker_recorded_completes_a_report_that_lacks_it(tmp_path):
                                               "extraInfo": {"py_callstack": ROOT_TB, "timestamp": "1"}}}))
     found = recorded(str(record))
     assert found == ("ValueError: bad batch", ROOT_TB)
-    died = supervise._with_recorded(supervise._error("exited with code 1 without a result"), found)
+    died = worker_errors.with_recorded(worker_errors.error_report("exited with code 1 without a result"), found)
     assert died == ("error", "exited with code 1 without a result: ValueError: bad batch", ROOT_TB, False)
-    exited = supervise._with_recorded(("failed", "train.py exited with code 1 on rank 0", "", None, False), found)
+    exited = worker_errors.with_recorded(("failed", "train.py exited with code 1 on rank 0", "", None, False), found)
     assert exited[1] == "train.py exited with code 1 on rank 0: ValueError: bad batch"
-    same = supervise._error("ValueError: bad batch", "Traceback ...")  # phalanx saw it itself: nothing to add
-    assert supervise._with_recorded(same, found) == same
+    same = worker_errors.error_report("ValueError: bad batch", "Traceback ...")  # phalanx saw it itself: nothing to add
+    assert worker_errors.with_recorded(same, found) == same
     record.write_text(json.dumps({"message": "RuntimeError: plain", "timestamp": 1}))  # the plain-string form
     assert recorded(str(record)) == ("RuntimeError: plain", "")
     record.write_text("{not json")
@@ -99,6 +99,6 @@ def test_the_traceback_starts_at_the_users_code(tmp_path):
     with pytest.raises(ValueError) as failure:
         run_as_main(Target(str(script)), (), rank=0)
     exc = failure.value.with_traceback(failure.value.__traceback__.tb_next)  # from run_as_main's frame down
-    lines = supervise._traceback(exc).splitlines()
+    lines = worker_errors.user_traceback(exc).splitlines()
     assert lines[:2] == ["Traceback (most recent call last):", f'  File "{script}", line 4, in <module>']
     assert lines[-1] == "ValueError: bad batch" and "runpy" not in "\n".join(lines)

@@ -1,0 +1,111 @@
+"""A scheduler's SIGTERM keeps the work: `phalanx train --out R` stopped mid-run (the launcher
+signalled, as `timeout`, Kubernetes and Slurm do; one worker alone; torchrun's agent; one device
+in-process) saves after a step every rank agrees on, says where in one line (exit 143), and
+`--resume auto` then ends bitwise equal to the run nobody stopped (float64). Before, the work
+since the last checkpoint was lost: with no --checkpoint-every, all of it. A run with nowhere to
+save stops at once, as before."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from phalanx.train.checkpoint import read_checkpoint
+from tests.distributed.test_faults import _wait_for, _workers, assert_all_gone
+
+pytestmark = pytest.mark.distributed
+
+PHALANX = [sys.executable, "-m", "phalanx"]
+TRAIN = ["train", "--dataset", "synthetic", "--dtype", "float64", "--epochs", "3", "--batch-size", "512",
+         "--seed", "5", "--no-progress"]
+SAVED = re.compile(r"phalanx: stopped by SIGTERM after epoch (\d+), step (\d+) of (\d+), saved in (.+); "
+                   r"run the same command with --resume auto to continue")
+
+
+def _launch(devices: str, out: Path, *extra: str) -> subprocess.Popen:
+    if devices.startswith("torchrun"):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", devices.split(":")[1],
+                   "-m", "phalanx", *TRAIN]
+    else:
+        command = [*PHALANX, *TRAIN, "--devices", devices]
+    return subprocess.Popen([*command, "--out", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float = 240) -> tuple[int, str]:
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, stderr
+
+
+def _model(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
+    """model.pt of the runs nobody stopped, on 1 device and on 2 (equal to rounding, not bitwise)."""
+    models = {}
+    for devices in ("1", "cpu:2"):
+        out = tmp_path_factory.mktemp(f"whole-{devices.replace(':', '')}")
+        code, stderr = _finish(_launch(devices, out))
+        assert code == 0, stderr[-3000:]
+        models[devices] = _model(out)
+    return models
+
+
+def _relaunch_command(devices: str) -> list[str]:
+    if devices.startswith("torchrun"):
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "phalanx", *TRAIN]
+    return [*PHALANX, *TRAIN, "--devices", devices]
+
+
+@pytest.mark.parametrize("devices, target", [("cpu:2", "launcher"), ("cpu:2", "worker"), ("torchrun:2", "launcher"),
+                                             ("1", "launcher")])
+def test_a_sigterm_saves_an_agreed_step_and_the_resume_is_the_uninterrupted_run(tmp_path, uninterrupted, devices,
+                                                                               target):
+    out = tmp_path / "run"
+    proc = _launch(devices, out)
+    workers = _workers(proc.pid, 2) if devices == "cpu:2" else []
+    _wait_for(out / "metrics.jsonl")  # epoch 1 is written: training is under way
+    os.kill(workers[1] if target == "worker" else proc.pid, signal.SIGTERM)  # the launcher alone, as `timeout` does
+    code, stderr = _finish(proc)
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("phalanx: stopped")]
+    assert code == (1 if devices.startswith("torchrun") else 143), stderr[-3000:]  # torchrun: its agent's own exit
+    assert len(lines) == 1, stderr[-3000:]  # once, also where every rank of torchrun raised it
+    match = SAVED.fullmatch(lines[0])
+    assert match, stderr[-3000:]
+    epoch, step, steps, saved_in = int(match[1]), int(match[2]), int(match[3]), match[4]
+    assert Path(saved_in) == out / "checkpoints" and steps == 12 and 1 <= step <= steps
+    state = read_checkpoint(saved_in)
+    assert (state["epoch"], state["step"]) == (epoch - 1, step)
+    assert_all_gone(workers)
+    resumed = subprocess.run([*_relaunch_command(devices), "--out", str(out), "--resume", "auto"], capture_output=True,
+                             text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    reference = uninterrupted["1" if devices == "1" else "cpu:2"]
+    model = _model(out)
+    assert model.keys() == reference.keys()
+    assert all(torch.equal(model[name], reference[name]) for name in reference)
+
+
+def test_a_run_with_nowhere_to_save_stops_at_once_as_before(tmp_path):
+    proc = subprocess.Popen([*PHALANX, *TRAIN, "--devices", "cpu:2", "--epochs", "200"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path)
+    workers = _workers(proc.pid, 2)
+    assert proc.stdout.readline().startswith("training ")  # under way (epoch rows follow)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, stderr = _finish(proc, timeout_s=60)
+    assert (code, stderr.strip().splitlines()[-1]) == (143, "phalanx: stopped by SIGTERM; every worker was stopped")
+    assert_all_gone(workers)
+    assert list(tmp_path.iterdir()) == []  # nothing written
