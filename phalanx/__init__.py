@@ -45,7 +45,7 @@ _OWNERS = {
     "evaluate": "phalanx.train.evaluate", "evaluate_dataset": "phalanx.train.evaluate",
     "shard_loss": "phalanx.data_parallel.step", "train_batch": "phalanx.train.loop",
     "capture_step": "phalanx.train.graphs",
-    "reduce": "phalanx.train.metrics",
+    "reduce": "phalanx.train.metrics", "stop_requested": "phalanx.train.stopping",
     "VerifyConfig": "phalanx.verify.config",
     "World": "phalanx.runtime.world",
 }
@@ -57,7 +57,7 @@ __all__ = [
     "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce", "barrier", "broadcast", "capture_step",
     "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather",
     "global_batches", "init", "launch", "main_first", "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss",
-    "shard_sizes", "split_batch", "train_batch",
+    "shard_sizes", "split_batch", "stop_requested", "train_batch",
 ]
 
 

@@ -9,7 +9,9 @@ ending a user can act on is one line on stderr, no traceback: bad input (`UsageE
 not be written (`RunFailed`) `phalanx: run stopped: ...`, exit 1; a failed worker `phalanx:
 worker rank R failed: ...` (then every rank's report), exit 1; Ctrl-C `phalanx: interrupted`,
 exit 130; SIGTERM/SIGHUP `phalanx: stopped by SIGTERM; every worker was stopped`, exit 128 + the
-signal's number.
+signal's number, or, for a training run with somewhere to save, `phalanx: stopped by SIGTERM after
+epoch E, step S of N, saved in DIR; run the same command with --resume auto to continue` (printed
+by rank 0 alone under torchrun).
 """
 
 from __future__ import annotations

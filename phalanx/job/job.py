@@ -39,7 +39,7 @@ from phalanx.job.outputs import Outputs
 from phalanx.job.resume import dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
 from phalanx.job.schedule import lr_at, set_lr, warmup_steps
 from phalanx.job.step_hook import after_step_hook
-from phalanx.job.stopping import stop_check
+from phalanx.train.stopping import stop_check
 from phalanx.runtime import stop_request
 from phalanx.runtime.world import World
 

@@ -5,7 +5,7 @@ strategy runs it (data, layers, channels): note the step for failure reports, fo
 warm-up lr schedule, check the loss for NaN/Inf (and, at `--check-every` steps and each epoch's
 last, a model split's gradients and the replicas), save a mid-epoch checkpoint every
 `--checkpoint-every` steps, and stop, saved, after the step the ranks agree on when a scheduler
-asked (job/stopping.py).
+asked (train/stopping.py).
 One place, so the data split and the layer/channel splits cannot drift apart in what they guard.
 The data split's gradient is not read here: its replica checks it at the same interval
 (data_parallel/guards/finite.py, which can tell the rank whose share went NaN/Inf first), and the
@@ -23,7 +23,7 @@ from phalanx.data_parallel.guards.checks import check_finite
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.schedule import lr_at, set_lr
-from phalanx.job.stopping import StopCheck
+from phalanx.train.stopping import StopCheck
 from phalanx.runtime.world import World
 
 

@@ -60,23 +60,32 @@ def _on_signal(signum: int, frame) -> None:
         os.kill(os.getpid(), signum)
 
 
-@contextlib.contextmanager
-def armed(enabled: bool = True) -> Iterator[bool]:
-    """While the block runs, the first SIGTERM is a request that `agreed` reads. Yields whether it
-    is armed (not when `enabled` is False, off the main thread, or already armed further out)."""
+def arm() -> bool:
+    """From now on, the first SIGTERM is a request that `agreed` reads (for a script's loop: until
+    the process ends). False where it cannot be (off the main thread); True if already armed."""
     try:
-        previous = signal.getsignal(STOP_SIGNAL) if enabled else None
-        if not enabled or previous is _on_signal:
-            yield False
-            return
+        previous = signal.getsignal(STOP_SIGNAL)
+        if previous is _on_signal:
+            return True
         signal.signal(STOP_SIGNAL, _on_signal)
     except ValueError:  # not the main thread: SIGTERM keeps its handler
+        return False
+    _REQUEST.signum, _REQUEST.previous = None, previous
+    return True
+
+
+@contextlib.contextmanager
+def armed(enabled: bool = True) -> Iterator[bool]:
+    """`arm()` while the block runs, the handler it replaced given back after, and no request left
+    pending. Yields whether it armed (not when `enabled` is False, off the main thread, or when
+    armed further out)."""
+    if not enabled or signal.getsignal(STOP_SIGNAL) is _on_signal or not arm():
         yield False
         return
-    _REQUEST.signum, _REQUEST.previous = None, previous
     try:
         yield True
     finally:
+        previous = _REQUEST.previous
         signal.signal(STOP_SIGNAL, previous if previous is not None else signal.SIG_DFL)
         _REQUEST.signum, _REQUEST.previous = None, None
 

@@ -231,7 +231,7 @@ def _stop_gently(stop: Stopped, procs, conns) -> Stopped:
     for rank in pending:
         with contextlib.suppress(OSError):
             os.kill(procs[rank].pid, signal.SIGTERM)
-    give_up_at, details = time.monotonic() + STOP_GRACE_S, []
+    give_up_at, details, ended = time.monotonic() + STOP_GRACE_S, [], []
     while pending and give_up_at > time.monotonic():
         ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
                          give_up_at - time.monotonic()))
@@ -239,6 +239,9 @@ def _stop_gently(stop: Stopped, procs, conns) -> Stopped:
             pending.discard(rank)
             report = read_report(procs[rank], conns[rank], False)
             details += [report[2]] if report[0] == "stopped" and report[2] else []
+            ended.append(report[0] == "ok")  # a script that asked phalanx.stop_requested, saved, returned
+    if not details and ended and all(ended):
+        details = ["and every worker ended its script by itself (exit 0)"]
     return Stopped(stop.signum, detail=details[0]) if details else stop
 
 

@@ -109,3 +109,48 @@ def test_a_run_with_nowhere_to_save_stops_at_once_as_before(tmp_path):
     assert (code, stderr.strip().splitlines()[-1]) == (143, "phalanx: stopped by SIGTERM; every worker was stopped")
     assert_all_gone(workers)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+SCRIPT = """
+import sys, torch, torch.nn.functional as F, phalanx
+world = phalanx.init()
+torch.manual_seed(0)
+dp = phalanx.prepare(torch.nn.Linear(10, 2), world=world)
+opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+X, y = torch.randn(64, 10), torch.randint(0, 2, (64,))
+for step in range(10**6):
+    opt.zero_grad()
+    phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 64).backward()
+    dp.finish_gradient_sync()
+    opt.step()
+    if step == 20:
+        world.print("under way", flush=True)
+    if phalanx.stop_requested(dp):
+        phalanx.checkpoint(sys.argv[1], world=world, model=dp, optimizer=opt, epoch=0, step=step + 1,
+                           global_batch_size=64, seed=0)
+        print(f"rank {world.rank} saved at step {step + 1}", flush=True)
+        break
+dp.close()
+"""
+
+
+def test_a_script_that_asks_stop_requested_saves_the_same_step_on_every_rank(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([*PHALANX, "run", "--devices", "cpu:2", "--quiet", str(script), str(tmp_path / "ckpt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    workers = _workers(proc.pid, 2)
+    assert proc.stdout.readline().strip() == "under way"
+    os.kill(proc.pid, signal.SIGTERM)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "phalanx: stopped by SIGTERM and every worker ended its script by itself (exit 0)"
+    saved = sorted(line for line in stdout.splitlines() if "saved at step" in line)
+    steps = {line.split()[-1] for line in saved}
+    assert len(saved) == 2 and len(steps) == 1, stdout  # both ranks, after the same step
+    assert read_checkpoint(tmp_path / "ckpt")["step"] == int(steps.pop())
+    assert_all_gone(workers)

@@ -18,7 +18,7 @@ from phalanx.job.checkpointing import CheckpointConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.job.step_hook import after_step_hook
-from phalanx.job.stopping import StopCheck, stop_check
+from phalanx.train.stopping import StopCheck, stop_check
 from phalanx.runtime import stop_request
 from phalanx.runtime.lifeline import stop_message
 from phalanx.runtime.worker_errors import WorkerFailed, error_report, failure
@@ -157,3 +157,26 @@ def test_reports_of_a_stop_make_one_stopped_and_an_error_beside_it_wins():
     exc = failure(mixed, 0, None)
     assert isinstance(exc, WorkerFailed) and str(exc).startswith("worker rank 1 failed: OSError: disk full")
     assert stop_message(Stopped(signal.SIGTERM)) == ("phalanx: stopped by SIGTERM; every worker was stopped", 143)
+
+
+def test_a_scripts_first_question_arms_the_process_for_good(replaced_handler):
+    import phalanx
+    from phalanx.data_parallel import DataParallel
+
+    dp = DataParallel(torch.nn.Linear(2, 1), world=WORLD1)
+    try:
+        assert not phalanx.stop_requested(dp)  # armed from here on: SIGTERM is a request
+        _sigterm_self()
+        assert phalanx.stop_requested(dp) and phalanx.stop_requested(dp)
+        with pytest.raises(Replaced):
+            _sigterm_self()  # a second one: what was there
+    finally:
+        signal.signal(signal.SIGTERM, _replaced)
+        stop_request._REQUEST.signum = stop_request._REQUEST.previous = None
+        dp.close()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(phalanx.stop_requested(dp)))
+    with pytest.warns(phalanx.PhalanxWarning, match="main thread only"):
+        thread.start()
+        thread.join()
+    assert seen == [False]

@@ -1,12 +1,13 @@
-"""Where a `phalanx train` run stops when a scheduler asks (SIGTERM): after one step, the same on
-every rank, saved there.
+"""Where a training loop stops when a scheduler asks (SIGTERM): after one step, the same on every
+rank, saved there; `phalanx train`'s (job/step_hook.py) and a script's (`stop_requested`).
 
 runtime/stop_request.py records the signal; the job asks the ranks at fixed steps whether any of
 them got one. On a CPU that is every step: one summed float over the replica's own exchange,
 ~20 us through shared memory against steps of tens of milliseconds. On a GPU it is every
 `--check-every` steps (100 by default), the steps that read the device anyway: asking every
 step would make the host wait for the device each time. A run with nowhere to save (no `--out`,
-no `--checkpoint-dir`) is not armed: SIGTERM ends it at once, as before.
+no `--checkpoint-dir`) is not armed: SIGTERM ends it at once, as before. A script asks with
+`phalanx.stop_requested(dp)` after each step, and saves (`phalanx.checkpoint`) when it says so.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import warnings
+
 import torch
 
 from phalanx.comm import Tag, all_reduce_sum_
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
-from phalanx.errors import Stopped
+from phalanx.errors import PhalanxWarning, Stopped
 from phalanx.runtime import stop_request
 from phalanx.runtime.world import World
 
@@ -62,3 +65,27 @@ def stop_check(world: World, *, saved_in: str | None, check_every: int, replica=
         return flat.tolist()
 
     return StopCheck(every, sum_over_ranks, saved_in)
+
+
+def stop_requested(dp) -> bool:
+    """Whether a SIGTERM reached any rank: the same answer on every rank of replica `dp`'s world.
+
+    A collective, for a script's own loop (under `phalanx run`, torchrun or a scheduler): every
+    rank calls it at the same point, after each step (on a GPU every N steps: it reads the device).
+    The first call arms this process: from then on its first SIGTERM no longer ends it at once but
+    makes this return True on every rank after the same step; save (`phalanx.checkpoint`) and leave
+    the loop, within the scheduler's grace period. A second SIGTERM ends the process as before.
+
+        for step, (x, y) in enumerate(loader):
+            ...
+            if phalanx.stop_requested(dp):
+                phalanx.checkpoint(path, world=world, model=dp, optimizer=opt, epoch=epoch, step=step + 1,
+                                   global_batch_size=B, seed=SEED)
+                break
+    """
+    if not stop_request.arm():
+        warnings.warn("phalanx.stop_requested: SIGTERM can be caught on the main thread only (phalanx.launch "
+                      "runs a forked worker's function on another); here it still ends the process at once",
+                      PhalanxWarning, stacklevel=2)
+    check = stop_check(dp.world, saved_in="", check_every=1, replica=dp)
+    return stop_request.agreed(check.sum_over_ranks)
