@@ -18,6 +18,11 @@ line; a class of your own whose update is element-wise passes with `elementwise=
 Param groups work as in torch (`dp.optimizer(cls, [{"params": decay}, {"params": no_decay,
 "weight_decay": 0}], lr=...)`): each group gets this rank's pieces of its parameters. Without
 sharding `dp.optimizer` is simply `cls(params or the model's parameters, **defaults)`.
+
+Its `state_dict()` is this rank's share, tagged with the share it is (`SHARE_KEY`: rank, world
+size, stage, the pieces' ranges); `load_state_dict` refuses any other in one line. A script that
+saves rank 0's `optimizer.state_dict()` and loads it on every rank (right for a whole optimizer)
+would otherwise give rank 1 rank 0's moments, silently when the shares have the same shapes.
 """
 
 from __future__ import annotations
@@ -95,8 +100,12 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
         groups.append({**group, "params": mine})
         group_names.append(names)
     optimizer = cls(groups, **defaults)
+    share = {"rank": dp.world.rank, "world_size": dp.world.world_size, "shard": dp.shard,
+             "pieces": [(found.slot.name, found.start, found.stop) for _, found in owned]}
     # What the sharded checkpoint needs: each piece and where it lies, each group's parameter names.
-    sharding.optimizers[optimizer] = ShardedOptimizerRecord(pieces=owned, group_names=group_names)
+    sharding.optimizers[optimizer] = ShardedOptimizerRecord(pieces=owned, group_names=group_names, share=share)
+    optimizer.register_state_dict_post_hook(lambda _, state: {**state, SHARE_KEY: share})
+    optimizer.register_load_state_dict_pre_hook(lambda _, state: _checked_share(state, share))
     sharded = ShardedOptimizerHooks(dp, [(piece, found.grad, param)
                                          for (piece, found), param in zip(owned, params_of)])
     optimizer.register_step_pre_hook(sharded.before_step)
@@ -116,11 +125,36 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
 
 @dataclass(frozen=True)
 class ShardedOptimizerRecord:
-    """A sharded optimizer's pieces, each with where it lies (stages.py's OwnedPiece), and the
-    parameter names of each of its groups (all of them, also those other ranks own)."""
+    """A sharded optimizer's pieces, each with where it lies (stages.py's OwnedPiece), the
+    parameter names of each of its groups (all of them, also those other ranks own), and the
+    share its state_dict is tagged with."""
 
     pieces: list
     group_names: list[list[str]]
+    share: dict
+
+
+SHARE_KEY = "phalanx_share"
+_WAYS = ("save and load with phalanx.checkpoint / phalanx.resume (they reshard across device counts), "
+         "or have each rank save and load its own optimizer.state_dict() (a file per rank)")
+
+
+def _checked_share(state: dict, share: dict) -> dict:
+    """`state` without its tag, if it is this optimizer's share; else one line naming what it is."""
+    theirs = state.get(SHARE_KEY)
+    mine = f"rank {share['rank']}'s share of the optimizer state (shard={share['shard']!r})"
+    if theirs is None:
+        raise ValueError(f"this optimizer holds {mine}, and the state_dict given has no share tag: it is a whole "
+                         f"optimizer's or another program's; {_WAYS}")
+    if (theirs["world_size"], theirs["shard"]) == (share["world_size"], share["shard"]) \
+            and theirs["rank"] != share["rank"]:
+        raise ValueError(f"this optimizer holds {mine}, but the state_dict given is rank {theirs['rank']}'s: "
+                         f"each rank's share is its own; {_WAYS}")
+    if theirs != share:
+        raise ValueError(f"this optimizer holds {mine} of {share['world_size']} rank(s), but the state_dict given "
+                         f"is a share cut for {theirs['world_size']} rank(s), shard={theirs['shard']!r}, or another "
+                         f"model; {_WAYS}")
+    return {key: value for key, value in state.items() if key != SHARE_KEY}
 
 
 class ShardedOptimizerHooks:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from phalanx.data_parallel.sharding.flat_layout import intersect, laid_out_like, memory_order_of
+from phalanx.data_parallel.sharding.optim import SHARE_KEY
 
 PARAMETERS = "parameters"  # the key of the parameters' own values among the state keys
 
@@ -165,7 +166,7 @@ def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        **{k: v for k, v in saved.items() if k != "names"},
                        "params": [index_of[id(p)] for p in group["params"]]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    optimizer.load_state_dict({"state": state, "param_groups": groups, SHARE_KEY: record.share})
 
 
 def whole_state(reader: Reader, *, slots, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
