@@ -36,6 +36,9 @@ TERMINATE_GRACE_S = 3.0
 # How long a stopped launcher waits for workers that train to save where they stop
 # (runtime/stop_request.py); a scheduler's own kill (Kubernetes, Slurm: 30 s) usually comes first.
 STOP_GRACE_S = 60.0
+# How long an interrupted launcher (Ctrl-C) waits for workers to run their own KeyboardInterrupt
+# handling (an emergency save) before taking them down; torchrun's agent waits 30 s.
+INTERRUPT_GRACE_S = 10.0
 _GROUP_POLL_S = 0.02
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 

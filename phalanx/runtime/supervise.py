@@ -23,7 +23,8 @@ after which a worker still tearing down is killed without a word. Workers write 
 in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
 A stopped launcher (SIGTERM, SIGHUP) first sends SIGTERM to each worker alone: one whose training
 is armed for it finishes its step, saves there and reports "stopped" (runtime/stop_request.py),
-one that is not dies of it; after STOP_GRACE_S every group is taken down as after a failure.
+one that is not dies of it; an interrupted one (Ctrl-C) sends SIGINT, so a script's own
+`except KeyboardInterrupt` runs, as under torchrun. After the grace every group is taken down.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from phalanx.runtime.segment import remove_segments_of
 from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, WorkerFailed, error_files, error_report, failure,  # noqa: F401
                                            is_echo, read_report, recorded, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
-from phalanx.runtime.lifeline import (STOP_GRACE_S, die_with_parent, flush_on_sigterm,
+from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signals_deferred, stop_on_signals,
                                      terminate)
 
@@ -165,8 +166,8 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                     procs.append(proc)
                     conns.append(parent_end)
             return _supervise(procs, conns, workers, progress=progress, errors=errors)
-        except Stopped as stop:
-            raise _stop_gently(stop, procs, conns) from None
+        except (Stopped, KeyboardInterrupt) as stop:
+            raise _stop_gently(stop, procs, conns, forked=workers.start_method == "fork") from None
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
             with signals_deferred():
                 started = terminate(procs)  # the workers and every process they started
@@ -221,17 +222,22 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
     raise failure(reports, first_failure, progress)
 
 
-def _stop_gently(stop: Stopped, procs, conns) -> Stopped:
-    """The launcher was stopped: SIGTERM to each worker itself (not its group), whose armed
-    training finishes its step, saves and reports "stopped" (runtime/stop_request.py); one that is
-    not armed dies of it at once. Waits up to STOP_GRACE_S; `stop` with the saved place, if any."""
-    if stop.detail is not None:
+def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> BaseException:
+    """The launcher was stopped: its signal to each worker itself (not its group) first, as a
+    terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
+    saves and reports "stopped" (runtime/stop_request.py), one not armed dies of it at once; waits
+    up to STOP_GRACE_S, and returns `stop` with the saved place, if any. Ctrl-C (SIGINT): a
+    script's `except KeyboardInterrupt` and `finally` blocks run (an emergency save); waits up
+    to INTERRUPT_GRACE_S. A forked worker runs its function off the main thread, where no
+    KeyboardInterrupt lands: not asked."""
+    interrupt = isinstance(stop, KeyboardInterrupt)
+    if (not interrupt and stop.detail is not None) or (interrupt and forked):
         return stop
     pending = {rank for rank, proc in enumerate(procs) if proc.exitcode is None}
     for rank in pending:
         with contextlib.suppress(OSError):
-            os.kill(procs[rank].pid, signal.SIGTERM)
-    give_up_at, details, ended = time.monotonic() + STOP_GRACE_S, [], []
+            os.kill(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
+    give_up_at, details, ended = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), [], []
     while pending and give_up_at > time.monotonic():
         ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
                          give_up_at - time.monotonic()))
@@ -240,6 +246,8 @@ def _stop_gently(stop: Stopped, procs, conns) -> Stopped:
             report = read_report(procs[rank], conns[rank], False)
             details += [report[2]] if report[0] == "stopped" and report[2] else []
             ended.append(report[0] == "ok")  # a script that asked phalanx.stop_requested, saved, returned
+    if interrupt:
+        return stop
     if not details and ended and all(ended):
         details = ["and every worker ended its script by itself (exit 0)"]
     return Stopped(stop.signum, detail=details[0]) if details else stop

@@ -154,3 +154,30 @@ def test_a_script_that_asks_stop_requested_saves_the_same_step_on_every_rank(tmp
     assert len(saved) == 2 and len(steps) == 1, stdout  # both ranks, after the same step
     assert read_checkpoint(tmp_path / "ckpt")["step"] == int(steps.pop())
     assert_all_gone(workers)
+
+
+INTERRUPTED = """
+import sys, time, phalanx
+world = phalanx.init()
+try:
+    print(f"rank {world.rank} under way", flush=True)
+    time.sleep(600)
+except KeyboardInterrupt:
+    open(f"{sys.argv[1]}/emergency-{world.rank}.txt", "w").write("saved")
+    raise
+"""
+
+
+def test_ctrl_c_lets_a_scripts_own_keyboardinterrupt_handling_run_on_every_rank(tmp_path):
+    # Before 2026-12-02 the workers got SIGTERM and died without running it; torchrun forwards the SIGINT.
+    script = tmp_path / "train.py"
+    script.write_text(INTERRUPTED)
+    proc = subprocess.Popen([*PHALANX, "run", "--devices", "cpu:2", "--quiet", str(script), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    workers = _workers(proc.pid, 2)
+    assert sorted(proc.stdout.readline().strip() for _ in range(2)) == ["rank 0 under way", "rank 1 under way"]
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher's group (the workers lead their own)
+    code, stderr = _finish(proc, timeout_s=60)
+    assert (code, stderr.strip().splitlines()[-1]) == (130, "phalanx: interrupted"), stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("emergency-*.txt")) == ["emergency-0.txt", "emergency-1.txt"]
+    assert_all_gone(workers)
