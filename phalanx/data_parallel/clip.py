@@ -35,6 +35,7 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0
     if dp.exchange_in_flight:
         raise RuntimeError("clip_grad_norm_ while gradient allreduces are in flight; call "
                            "dp.finish_gradient_sync() first, so the norm is the summed gradient's")
+    dp.check_synced("phalanx.clip_grad_norm_")  # a backward not yet exchanged (no overlap: nothing in flight)
     if dp.sharding is None:
         return torch.nn.utils.clip_grad_norm_(dp.module.parameters(), max_norm, norm_type=norm_type)
     return _clip_sharded(dp, float(max_norm), float(norm_type))

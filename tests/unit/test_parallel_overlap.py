@@ -519,3 +519,22 @@ def test_the_first_line_says_what_overlap_auto_saw(monkeypatch):
             line = dp.choices.describe()
             said = "synchronous gradient exchange (auto: 1 worker x " if not expected else "overlapped gradient exchange in"
             assert said in line, line
+
+
+@pytest.mark.parametrize("overlap, refusal", [(False, r"^phalanx.clip_grad_norm_ after a backward whose gradients "
+                                                      r"were never summed across ranks: call dp.finish_gradient_sync"),
+                                              (True, r"^clip_grad_norm_ while gradient allreduces are in flight")])
+def test_phalanx_clip_before_the_sync_is_refused_at_the_call(overlap, refusal):
+    """Without overlap nothing is in flight before finish_gradient_sync(): the clip used to go through
+    and the sync then blamed torch's clip_grad_norm_ (found by an outside-user trial)."""
+    from phalanx.data_parallel.clip import clip_grad_norm_
+
+    torch.manual_seed(0)
+    dp = _dp(LeNet().double(), FakeComm(), overlap=overlap)
+    X, y = _batch()
+    F.cross_entropy(dp(X), y, reduction="sum").backward()
+    with pytest.raises(RuntimeError, match=refusal):
+        clip_grad_norm_(dp, 1e-3)
+    dp.finish_gradient_sync()
+    assert clip_grad_norm_(dp, 1e-3) > 1e-3  # after the sum: the clip of the sum
+    dp.close()
