@@ -20,6 +20,7 @@ import os
 import runpy
 import sys
 import types
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,14 @@ class Target:
                              "-m pkg.train)")
         if not os.access(path, os.R_OK):
             raise UsageError(f"script {self.name} is not readable; check its permissions")
+        try:  # here, once, not in every worker after the start (and each rank's traceback)
+            with warnings.catch_warnings():  # a SyntaxWarning is the workers' to show
+                warnings.simplefilter("ignore")
+                compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:
+            where = f", line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+            raise UsageError(f"script {self.name} does not compile ({type(exc).__name__}{where}: "
+                             f"{getattr(exc, 'msg', None) or exc}); fix it and run again") from None
 
 
 def run_as_main(target: Target, args: tuple[str, ...], *, rank: int) -> None:

@@ -11,7 +11,8 @@ A script that changes its thread count is named once on rank 0; torch errors tha
 (script_errors.py).
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
-- so one script runs unchanged under `phalanx run`, under torchrun and under plain python.
+- so a script runs unchanged under `phalanx run` and under torchrun, and one that calls `init()`
+under plain python too (a world of one; torch's own init_process_group needs a launcher's RANK).
 Without a launcher's variables, a group the script opened itself (torch's DDP tutorial: children
 of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line.
 Such a spawn under `phalanx run` is refused at the call (nested_launch.py: its children would hang). A
@@ -218,8 +219,8 @@ Each worker's environment holds torchrun's variables: RANK, LOCAL_RANK, WORLD_SI
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (the launcher's store). No process group is open
 when the script starts: phalanx.init() joins the world (gloo on CPU, NCCL on cuda:LOCAL_RANK),
 and a script written for torchrun joins with its own dist.init_process_group(...), so one script
-runs unchanged under phalanx run, torchrun and plain python. A group opened without timeout=
-waits at most --timeout.
+runs unchanged under phalanx run and torchrun (one that calls phalanx.init() under plain python
+too, as a world of one). A group opened without timeout= waits at most --timeout.
 """
 RUN_EPILOG = "The API a script uses (init, prepare, ShardedLoader, shard_loss, ...): docs/api.md."
 
@@ -248,7 +249,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", "--module", action="store_true",
                         help="script is a module's name, run as python -m runs it (torchrun's -m)")
     parser.add_argument("script", help="the Python file to run on every worker (with -m: the module)")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    rest = parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    rest.required = False  # argparse calls a REMAINDER positional required: "required: script, args" without a script
     add_launcher_flags(parser)
 
 

@@ -207,7 +207,7 @@ FLAG_CASES = [
     (["run", "--max-restarts", "-1", "train.py"], r"--max-restarts -1 must be 0 \(no restarts\) or more"),
     (["run", f"{NOWHERE}/train.py"], r"script .*train\.py does not exist; name a Python file"),
     (["run", "."], r"script \. is a directory; name a Python file"),
-    (["run"], r"the following arguments are required: script"),
+    (["run"], r"the following arguments are required: script \(see"),  # not "script, args": args may be none
     (["run", "-m", "nowhere_pkg.train"], r"module nowhere_pkg\.train is not found \(python -m nowhere_pkg\.train would "
                                          r"say 'No module named nowhere_pkg\.train'\): check its name"),
     (["run", "--module", "train-2"], r"-m 'train-2' is not a module name; name it as python -m takes it"),

@@ -93,3 +93,14 @@ def test_a_module_that_exits_with_a_code_fails_naming_it(tmp_path, monkeypatch):
         run_as_main(Target("exits_three", module=True), (), rank=1)
     assert Target("exits_three", module=True).command == "-m exits_three"
     assert Target("dir/train.py").command == "train.py"
+
+
+def test_a_script_that_does_not_compile_is_one_line_before_any_worker_starts(tmp_path):
+    # Before 2026-12-02 every worker started, and each printed the SyntaxError's traceback.
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nx = (\n")
+    with pytest.raises(UsageError, match=r"^script .*train\.py does not compile \(SyntaxError, line 2: '\(' was never "
+                                         r"closed\); fix it and run again$"):
+        Target(str(script)).check()
+    script.write_text("s = '\\d'\nprint(s)\n")  # a SyntaxWarning only (an invalid escape): it runs
+    Target(str(script)).check()
