@@ -6,8 +6,9 @@ the waits) and at each poll `check` reads the board (board.py) and the peers' pr
 
 1. Pairing: a peer that entered this collective's number on this channel with another tag, kind
    or size (only size and kind, when either call is a generic "allreduce") is in a different
-   collective - fail now, naming both ("rank 1 is in evaluation after step 75 (24 B); rank 0 in
-   step 76's gradient bucket 0 (5.5 KiB)"), before the backend sums
+   collective - fail now, naming both ("rank 1 is in evaluation after step 75 (24 B), from
+   phalanx.evaluate or evaluate_dataset; rank 0 in step 76's gradient bucket 0 (5.5 KiB)": what
+   in a script issues each phase, tags.called_by), before the backend sums
    two unrelated tensors or waits for bytes that never come. Checked again once a collective
    completes (`check_pairing`, from calls.settle), since gloo pairs equal sizes without a word.
 2. A peer that has not entered it and never will: it finished its work normally (reported as
@@ -29,7 +30,7 @@ names that peer's own report as the root cause.
 from __future__ import annotations
 
 from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket
-from phalanx.runtime.tags import describe, is_generic, op_of
+from phalanx.runtime.tags import called_by, describe, is_generic, op_of
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import PeerLost, RunFailed
 from phalanx.runtime.world import World
@@ -162,8 +163,8 @@ def _gone(board: Board, line: Line | None, ticket: Ticket) -> BaseException | No
     me, mine = board.rank, describe(ticket.code, ticket.size_bytes)
     if line.state == FINISHED:
         return PeerFinished(f"rank {line.rank} finished its work normally{_after(line)} while rank {me} waits for it "
-                            f"in {mine}; every rank must make the same collective calls (did rank {line.rank} run "
-                            "fewer steps or skip a collective?)")
+                            f"in {mine}{_callers(ticket.code)}; every rank must make the same collective calls (did "
+                            f"rank {line.rank} run fewer steps or skip a collective?)")
     if line.state == FAILED:
         return PeerGone(f"rank {line.rank} failed{_after(line)} while rank {me} waited for it in {mine}")
     if line.pid and not process_alive(line.pid):
@@ -219,11 +220,17 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
 
 def _mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket, *, mine_steps: int | None = None,
               theirs_steps: int | None = None) -> CollectiveMismatch:
-    text = (f"ranks are in different collectives: rank {rank} is in {describe(theirs.code, theirs.size_bytes)}; "
-            f"rank {board.rank} in {describe(mine.code, mine.size_bytes)}")
+    text = (f"ranks are in different collectives: rank {rank} is in {describe(theirs.code, theirs.size_bytes)}"
+            f"{_callers(theirs.code)}; rank {board.rank} in {describe(mine.code, mine.size_bytes)}{_callers(mine.code)}")
     if mine_steps is not None and theirs_steps is not None and mine_steps != theirs_steps:
         text += f" (rank {board.rank} has synced {mine_steps} steps, rank {rank} {theirs_steps})"
     return CollectiveMismatch(f"{text}; every rank must make the same collective calls in the same order")
+
+
+def _callers(code: int) -> str:
+    """", from phalanx.checkpoint, ...": what in a script issues it, for a user who never called it by that name."""
+    said = called_by(code)
+    return f", from {said}" if said else ""
 
 
 def _after(line: Line) -> str:

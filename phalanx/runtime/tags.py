@@ -104,6 +104,24 @@ def describe(code: int, size_bytes: int = 0) -> str:
     return f"{text} ({format_bytes(size_bytes)})" if size_bytes else text
 
 
+# The calls of a user's script that issue each phase, for the ranks that meet in different ones:
+# the usual cause is a collective called on one rank only (under `if world.is_main:`).
+_CALLERS = {
+    "evaluation": "phalanx.evaluate or evaluate_dataset", "metrics": "phalanx.reduce",
+    "broadcast": "phalanx.broadcast", "checkpoint": "phalanx.checkpoint", "barrier": "phalanx.barrier",
+    "NaN/Inf check": "phalanx.checkpoint, dp.full_state_dict() or dp.close() (each checks the gradient first)",
+    "SyncBatchNorm forward": "a training-mode forward of a SyncBatchNorm model (dp.eval() before evaluating on "
+                             "one rank)",
+    "SyncBatchNorm backward": "a backward through SyncBatchNorm",
+}
+
+
+def called_by(code: int) -> str | None:
+    """What in a user's script issues a collective of this tag (a phrase), or None when unsaid."""
+    phase = (code >> _PHASE_SHIFT) & _PHASE_MASK
+    return _CALLERS.get(PHASES[phase]) if phase < len(PHASES) else None
+
+
 def gradient_step(code: int) -> int | None:
     """The step a gradient exchange's code names (whatever its kind); None for any other phase."""
     return code & _STEP_MASK if (code >> _PHASE_SHIFT) & _PHASE_MASK == _GRADIENT else None

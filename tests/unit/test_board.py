@@ -148,7 +148,7 @@ def test_sizes_differ_for_the_same_tag():
     a, b = boards(2)
     mine = a.enter(WORLD, Tag("metrics"), 24)
     b.enter(WORLD, Tag("metrics"), 32)
-    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(32 B\\); rank 0 in metrics \\(24 B\\)"):
+    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(32 B\\), from phalanx.reduce; rank 0 in metrics \\(24 B\\), from phalanx.reduce"):
         check_pairing(world_of(a), mine)
 
 
@@ -162,7 +162,7 @@ def test_ranks_blocked_in_collectives_the_other_never_entered_are_a_deadlock():
     b.block(evaluation)
     with pytest.raises(CollectiveMismatch) as info:
         check(world_of(a), bucket, waited_s=0.5, timeout_s=60)
-    assert "rank 1 is in evaluation after step 7 (24 B); rank 0 in step 8's gradient bucket 0 (524 B)" in str(info.value)
+    assert "rank 1 is in evaluation after step 7 (24 B), from phalanx.evaluate or evaluate_dataset; rank 0 in step 8's gradient bucket 0 (524 B)" in str(info.value)
     with pytest.raises(CollectiveMismatch, match="rank 0 is in step 8's gradient bucket 0"):
         check(world_of(b), evaluation, waited_s=0.5, timeout_s=60)
 
@@ -262,7 +262,7 @@ def test_a_generic_allreduce_is_compared_by_size_alone():
     check_pairing(world_of(a), mine)
     other = a.enter(WORLD, Tag("allreduce"), 48)
     b.enter(WORLD, Tag("metrics"), 56)
-    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(56 B\\); rank 0 in allreduce \\(48 B\\)"):
+    with pytest.raises(CollectiveMismatch, match="rank 1 is in metrics \\(56 B\\), from phalanx.reduce; rank 0 in allreduce \\(48 B\\)"):
         check_pairing(world_of(a), other)
 
 
