@@ -184,18 +184,24 @@ def set_aside_passed_over(location: str | Path, read: Path, *, world: World) -> 
     return "" if kept is None else f" (kept as {kept.name}, no longer a checkpoint)"
 
 
-def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path) -> None:
-    """Refuse a checkpoint whose fingerprint differs from this run's, naming the first field."""
+# How a mismatched field is named: `phalanx train`'s flags, or what a script passes and builds.
+CLI_NAMES = {"model": "--model {}", "global_batch_size": "--batch-size {}", "seed": "--seed {}",
+             "dtype": "--dtype {}", "optimizer": "--optimizer {}"}
+SCRIPT_NAMES = {"model": "model class {}", "global_batch_size": "global_batch_size={}", "seed": "seed={}",
+                "dtype": "parameters of dtype {}"}
+
+
+def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path, names: dict = CLI_NAMES) -> None:
+    """Refuse a checkpoint whose fingerprint differs from this run's, naming the first field as
+    `names` spells it (CLI_NAMES, or SCRIPT_NAMES for phalanx.resume)."""
     saved = state["fingerprint"]
-    flags = {"model": "--model", "global_batch_size": "--batch-size", "seed": "--seed", "dtype": "--dtype",
-             "optimizer": "--optimizer"}
-    for field, flag in flags.items():
+    for field, name in names.items():
         if field not in expected:
             continue
         theirs = saved.get(field, "sgd" if field == "optimizer" else None)  # before --optimizer: SGD
         if theirs != expected[field]:
-            raise UsageError(f"checkpoint {path} was saved with {flag} {theirs} but this run has "
-                             f"{flag} {expected[field]}; resume with the same settings")
+            raise UsageError(f"checkpoint {path} was saved with {name.format(theirs)} but this run has "
+                             f"{name.format(expected[field])}; resume with the same settings")
     if "data" in saved and "data" in expected and saved["data"] != expected["data"]:
         raise UsageError(f"checkpoint {path} was trained on {_describe_data(saved['data'])} but this run has "
                          f"{_describe_data(expected['data'])}; resume with the data set it was trained on "
@@ -299,6 +305,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     if passed_over and world.is_main:
         kept = set_aside_passed_over(location, path, world=world)
         warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
-    check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path)
+    check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path,
+                     names=SCRIPT_NAMES)
     return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,
                    extras=extras)

@@ -107,6 +107,22 @@ def test_other_settings_are_named_with_their_flag(tmp_path, field, value, flag):
         ckpt.check_compatible(state, expected, path=tmp_path)
 
 
+def test_a_scripts_resume_names_what_the_script_passes_not_phalanx_trains_flags(tmp_path):
+    # Before 2026-12-02 phalanx.resume said "--batch-size 32" to a script that has no such flag.
+    import phalanx
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    world = WORLD
+    phalanx.checkpoint(tmp_path, world=world, model=model, optimizer=optimizer, epoch=1, global_batch_size=32, seed=0)
+    with pytest.raises(UsageError, match=r"was saved with global_batch_size=32 but this run has global_batch_size=48; "
+                                         r"resume with the same settings$"):
+        phalanx.resume(tmp_path, world=world, model=model, optimizer=optimizer, global_batch_size=48, seed=0)
+    with pytest.raises(UsageError, match=r"was saved with parameters of dtype float32 but this run has parameters "
+                                         r"of dtype float64"):
+        phalanx.resume(tmp_path, world=world, model=model.double(), optimizer=optimizer, global_batch_size=32, seed=0)
+
+
 def test_another_models_checkpoint_names_the_parameter(tmp_path):
     lenet = _model("lenet")
     _save(tmp_path, lenet)
