@@ -401,9 +401,9 @@ def test_plain_batchnorm_replicas_stay_bitwise_identical_and_drift_is_caught_oth
     assert drifted.abs().max() > 1e-3  # what the averaging prevents: shards 7 and 5 give other statistics
     for rank in results:  # every rank raises the same line
         assert rank["bn-drifting-replicas"] == (
-            "replicas diverged at step 4: rank 1's 1.running_mean (a buffer) differs from rank 0's; a buffer the "
-            "forward updates from each rank's own data (running statistics?); keep DataParallel's "
-            "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself")
+            "replicas diverged at step 4: rank 1's 1.running_mean (a buffer) differs from rank 0's; a norm layer's "
+            "statistics, which the forward updates from each rank's own data; keep DataParallel's "
+            "average_running_stats=True, or use batchnorm=\"sync\"")
         assert rank["bn-drifting-evaluate"].startswith("replicas diverged before evaluation: rank 1's 1.running_mean")
 
 

@@ -162,10 +162,29 @@ def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, b
         differs = (theirs.view(torch.int64) != gathered[0].view(torch.int64)).nonzero().flatten().tolist()
         if differs:
             name, kind = named[differs[0] // 2]
-            cause = ("a buffer the forward updates from each rank's own data (running statistics?); keep DataParallel's "
-                     "average_running_stats=True, use batchnorm=\"sync\", or average it across ranks yourself" if kind else
+            cause = (_buffer_cause(module, name) if kind else
                      "the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
             raise ReplicaMismatch(f"replicas diverged {when}: rank {rank}'s {name}{kind} differs from rank 0's; {cause}")
+
+
+def _buffer_cause(module: torch.nn.Module, name: str) -> str:
+    """Why buffer `name` differs, and what to do: a norm layer's statistics have phalanx's two
+    remedies; any other buffer a forward updates (a running normalizer of one's own, an EMA
+    codebook) is the script's to keep equal."""
+    owner, path = None, name.rpartition(".")[0]
+    for root in (module, getattr(module, "module", None)):  # a DataParallel names its module's buffers unprefixed
+        try:
+            owner = root.get_submodule(path) if path else root
+            break
+        except (AttributeError, TypeError):
+            continue
+    if isinstance(owner, torch.nn.modules.batchnorm._NormBase):
+        return ("a norm layer's statistics, which the forward updates from each rank's own data; keep DataParallel's "
+                "average_running_stats=True, or use batchnorm=\"sync\"")
+    return ("a buffer the forward updates from each rank's own data, which phalanx leaves alone (it averages "
+            "BatchNorm/InstanceNorm statistics only); average it across ranks after each step yourself "
+            "(phalanx.allreduce(buffer, world=world) then divide by world.world_size), or update it from values "
+            "summed over the ranks")
 
 
 def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], step: int,
