@@ -146,6 +146,27 @@ def test_a_mean_loss_is_named_once_with_the_fix_and_shard_loss_is_not():
     assert _first_step(lambda out, y: 2 * phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 16)) == []
 
 
+def test_shard_loss_given_the_shards_own_size_is_named_once_and_the_global_size_is_not():
+    # Before 2026-12-02 shard_loss(loss_sum, len(x)) trained 2 workers 0.56 relative away from one device, silently.
+    def first_step(global_batch_size: int, rows: int = 8) -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True, module=model)
+        X, y = torch.randn(rows, 4), torch.randint(0, 3, (rows,))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            phalanx.shard_loss(F.cross_entropy(model(X), y, reduction="sum"), global_batch_size).backward()
+            assert check.after_sync(caller_frame(0))
+        return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+
+    assert first_step(8) == [
+        "phalanx.shard_loss got global_batch_size=8, the number of examples this rank's forward just saw: the "
+        "global batch size is their sum over the 2 ranks (ShardedLoader yields it beside each shard); divided by "
+        "the shard's own size the summed gradient is about 2x the 1-device gradient"]
+    assert first_step(16) == [] and first_step(15) == []
+    assert first_step(1, rows=1) == []  # fewer examples than ranks: one rank may hold them all
+
+
 def test_shard_loss_registers_a_hook_only_while_a_check_waits():
     loss = nn.Parameter(torch.ones(()))  # the parameter the check waits on, which the loss comes from
     assert phalanx.shard_loss(loss * 3, 3)._backward_hooks is None

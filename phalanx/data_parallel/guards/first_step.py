@@ -15,6 +15,10 @@ first synced step in which it ran a backward, and named in one `PhalanxWarning` 
   passed a `shard_loss` (reentrant activation checkpointing: `checkpoint(model, x,
   use_reentrant=True)`) counts as passed: the hook keeps a count of such backwards under way
   until autograd's end-of-backward callback.
+- **`shard_loss(loss_sum, len(x))`**: the shard's size where the *global* batch size belongs
+  (each rank's sum divided by its own count: the per-rank mean again, k times the gradient).
+  While a check waits, the replica notes the rows of each forward's first tensor argument and
+  `shard_loss` its `global_batch_size`: equal on rank 0 with k > 1 is the warning.
 - **torch's `DistributedSampler`** in the frames of the loop that called
   `finish_gradient_sync()` (its locals, and the script's globals): it pads the dataset to a
   multiple of the ranks by repeating examples (or drops some), so an epoch is not the 1-device
@@ -48,11 +52,14 @@ _WAITING: weakref.WeakSet = weakref.WeakSet()
 _UNDER_WAY = [0]  # backwards that passed a shard_loss result and have not ended (nested ones run inside)
 
 
-def mark_shard_loss(scaled: torch.Tensor) -> None:
+def mark_shard_loss(scaled: torch.Tensor, global_batch_size: int | None = None) -> None:
     """Called by shard_loss with its result: while a check waits, a backward through
-    `scaled` tells it in which autograd task it ran. No check waiting: nothing (one test)."""
+    `scaled` tells it in which autograd task it ran, and the size it was given is set beside the
+    rows of the last forward. No check waiting: nothing (one test)."""
     if _WAITING and scaled.requires_grad:
         scaled.register_hook(_passed)
+        for check in list(_WAITING):
+            check.sizes_given.append((global_batch_size, check.rows_forwarded))
 
 
 def _passed(grad: torch.Tensor) -> None:
@@ -68,6 +75,13 @@ def _ended() -> None:
     _UNDER_WAY[0] -= 1
 
 
+def shard_size_message(global_batch_size: int, world_size: int) -> str:
+    return (f"phalanx.shard_loss got global_batch_size={global_batch_size}, the number of examples this rank's "
+            f"forward just saw: the global batch size is their sum over the {world_size} ranks (ShardedLoader "
+            f"yields it beside each shard); divided by the shard's own size the summed gradient is about "
+            f"{world_size}x the 1-device gradient")
+
+
 def loss_scale_message(world_size: int) -> str:
     return (f"this step's backward did not come through phalanx.shard_loss: gradients are summed over the "
             f"{world_size} ranks, so a per-rank mean loss gives {world_size}x the 1-device gradient (with SGD: "
@@ -78,12 +92,17 @@ def loss_scale_message(world_size: int) -> str:
 class FirstStepCheck:
     """Rank 0's one-time look at the first synced step with a backward; see the module docstring."""
 
-    def __init__(self, params: list[nn.Parameter], *, world_size: int, check_loss: bool) -> None:
+    def __init__(self, params: list[nn.Parameter], *, world_size: int, check_loss: bool,
+                 module: nn.Module | None = None) -> None:
         self.world_size, self.check_loss = world_size, check_loss
         self.shard_loss_tasks: set[int] = set()  # autograd tasks (backwards) that passed a shard_loss result
         self.landed_tasks: set[int] = set()  # those in which a gradient of these parameters landed
+        self.rows_forwarded: int | None = None  # the first dimension of the last forward's first tensor
+        self.sizes_given: list[tuple[int | None, int | None]] = []  # shard_loss's size, the rows just before
         params = [p for p in params if p.requires_grad]  # a frozen parameter gets no gradient, takes no hook
         self._handles = [p.register_post_accumulate_grad_hook(self._landed) for p in params]
+        if module is not None and check_loss:
+            self._handles.append(module.register_forward_pre_hook(self._forwarded, with_kwargs=True))
         if check_loss:
             _WAITING.add(self)
 
@@ -95,6 +114,10 @@ class FirstStepCheck:
     def through_shard_loss(self) -> int:
         """How many backwards that reached these parameters passed through a shard_loss result."""
         return len(self.landed_tasks & self.shard_loss_tasks)
+
+    def _forwarded(self, module, args, kwargs) -> None:
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        self.rows_forwarded = first.shape[0] if first is not None and first.dim() > 0 else None
 
     def _landed(self, param: nn.Parameter) -> None:
         task = torch._C._current_graph_task_id()
@@ -109,6 +132,11 @@ class FirstStepCheck:
         messages = []
         if self.check_loss and self.through_shard_loss == 0:
             messages.append(loss_scale_message(self.world_size))
+        # Below k examples one rank may hold them all (its rows are the global size): not judged.
+        own = next((size for size, rows in self.sizes_given if size is not None and size == rows
+                    and size >= self.world_size), None)
+        if self.check_loss and self.through_shard_loss and own is not None:
+            messages.append(shard_size_message(own, self.world_size))
         sampler_note = _sampler_in_frames(caller)
         if sampler_note is not None:
             messages.append(sampler_note)

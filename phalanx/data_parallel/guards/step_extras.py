@@ -52,7 +52,8 @@ class StepExtras:
             warn_at_caller(sparse_notice(sparse))
         # Rank 0 looks at the first synced step; the other ranks would find the same and stay quiet.
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
-                                         check_loss=average is None) if world.distributed and world.is_main else None
+                                         check_loss=average is None, module=module) \
+            if world.distributed and world.is_main else None
 
     def after_exchange(self, gradients: Sequence[torch.Tensor], allreduce: Callable[[torch.Tensor], object]) -> None:
         """Called once per synced step, after the summed `gradients` (the buckets, or a sharded
