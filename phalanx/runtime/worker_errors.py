@@ -134,7 +134,8 @@ def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseExce
     # The root's traceback, and any other rank's that says something else; a rank that only
     # stopped because of the root (its collective lost a peer) gets one line, and so does one
     # that failed on its own with the root's very error.
-    sections = [f"--- rank {first_failure} ---\n{(root[2] or root[1]).rstrip()}"]
+    # (A root with no traceback, a death, is its first line alone: not said twice.)
+    sections = [f"--- rank {first_failure} ---\n{root[2].rstrip()}"] if root[2] else []
     for rank, report in failed.items():
         if rank != first_failure:
             sections.append(f"rank {rank} stopped too: {report[1]}" if report[3] else

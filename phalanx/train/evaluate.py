@@ -127,6 +127,10 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     `batch_size` x k items; "count" is then checked against the items each rank read.
     """
     refuse_loader(dataset, "evaluate_dataset")
+    if not callable(sums):  # before any collective: every rank refuses alike
+        raise TypeError(f"evaluate_dataset's sums= takes a function, got a {type(sums).__name__}; {_SUMS_FIX}, "
+                        "e.g. sums=lambda model, batch: {\"loss\": F.cross_entropy(model(batch[0]), batch[1], "
+                        "reduction=\"sum\")}")
     check_replicas(world, model, step=None, buffers_only=True)
     if isinstance(dataset, IterableDataset):  # a stream: every rank reads it, evaluating its slice of each chunk
         read = [0, 0]  # items this rank read (every rank must read the same), and of them its own

@@ -103,6 +103,13 @@ def test_evaluate_dataset_counts_every_example_once():
     assert sums["loss"] == pytest.approx(F.cross_entropy(logits, y, reduction="sum").item(), rel=1e-6)
 
 
+def test_evaluate_dataset_takes_sums_as_a_function_and_says_so_for_anything_else():
+    data = TensorDataset(torch.randn(4, 3), torch.randint(0, 2, (4,)))
+    with pytest.raises(TypeError, match=r"^evaluate_dataset's sums= takes a function, got a dict; pass "
+                                        r"sums=fn\(model, batch\) -> "):
+        phalanx.evaluate_dataset(nn.Linear(3, 2), data, world=world(0, 1), sums={"loss": 0.0})  # was "not callable"
+
+
 def test_evaluate_dataset_follows_a_float64_models_dtype():
     # Uncast, a float32 batch fails inside evaluate_dataset with "RNN input dtype (torch.float32) does not
     # match weight dtype (torch.float64)"; it is cast as the internal evaluate casts its images.

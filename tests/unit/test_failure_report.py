@@ -54,7 +54,7 @@ def test_a_rank_that_failed_on_its_own_keeps_its_traceback():
     reports = {0: worker_errors.error_report("ValueError: bad batch", ROOT_TB),
                1: worker_errors.error_report("died (signal SIGKILL)")}
     message = "\n".join(_message(reports, 0))
-    assert message.startswith("worker rank 1 failed: died (signal SIGKILL)\n--- rank 1 ---\ndied (signal SIGKILL)")
+    assert message.startswith("worker rank 1 failed: died (signal SIGKILL)\n--- rank 0 ---\n")  # the death once
     assert "--- rank 0 ---\n" + ROOT_TB.rstrip() in message
 
 
