@@ -10,6 +10,9 @@ by where in torch it was raised and by what this worker is, not by its wording a
 - A group opened with backend "nccl" on CPU workers (the DDP tutorials' line): NCCL runs on GPUs
   only; a CPU build of torch has none, a CUDA build fails at the first collective on CPU tensors.
 - `init_process_group` after `phalanx.init()`, which opened the default group already.
+
+And one the script's run stops on (`stalled`, exit 1): a collective of its own group that waited
+out `--timeout` (gloo's message names the wait, not the fix).
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
             and where == "torch.distributed.distributed_c10d":
         return GROUP_AFTER_INIT
     return None
+
+
+def stalled(exc: BaseException, *, timeout_s: float) -> str | None:
+    """The one line for a collective of the script's own group that ran out of time (gloo says
+    "Timed out waiting 20000ms for recv operation to complete", naming neither the cause nor the
+    fix), or None for any other error."""
+    text = str(exc)
+    if not (isinstance(exc, RuntimeError) and "Timed out waiting" in text and "gloo" in text):
+        return None
+    return (f"a collective of the script's own process group waited {timeout_s:g} s for another rank, the --timeout "
+            "phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another rank "
+            "was busy that long (an evaluation or a save on rank 0 alone?) or never made the call; raise --timeout, "
+            "or pass timeout= to init_process_group")
 
 
 def _raised_in(exc: BaseException) -> str:

@@ -245,3 +245,24 @@ def test_a_ddp_script_opening_nccl_on_cpu_workers_is_told_to_use_gloo(tmp_path):
                      "these workers are CPU workers (--devices cpu:N): open it with init_process_group(\"gloo\") on "
                      "CPU, or call phalanx.init(), which picks gloo on CPU and NCCL on GPUs"], refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
+
+
+def test_a_script_group_collective_past_the_timeout_is_one_line_naming_the_timeout(tmp_path):
+    # Rank 0 busy alone (an evaluation) past --timeout: gloo's own words were "worker rank 1 failed:
+    # RuntimeError: [.../unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation to complete".
+    script = _script(tmp_path, """\
+        import time
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        if dist.get_rank() == 0:
+            time.sleep(15)
+        dist.barrier()
+        """)
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--timeout", "4", "--quiet",
+                           str(script)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "phalanx: run stopped: a collective of the script's own process group waited 4 s for another rank, the "
+        "--timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another "
+        "rank was busy that long (an evaluation or a save on rank 0 alone?) or never made the call; raise "
+        "--timeout, or pass timeout= to init_process_group"), done.stderr[-3000:]

@@ -51,3 +51,13 @@ def test_a_second_group_after_phalanx_init_is_named(no_group):
     exc = _caught(lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1))
     assert reworded(exc, device_type="cpu", init_ran=True) == GROUP_AFTER_INIT
     assert reworded(exc, device_type="cpu", init_ran=False) is None  # the script's own two calls: torch's words
+
+
+def test_only_gloos_own_timeout_is_reworded_as_the_timeout():
+    from phalanx.runtime.script_errors import stalled
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms "
+                        "for recv operation to complete")
+    assert stalled(gloo, timeout_s=20.0).startswith("a collective of the script's own process group waited 20 s")
+    assert stalled(RuntimeError("Timed out waiting for my own queue"), timeout_s=20.0) is None  # the script's own
+    assert stalled(ValueError(str(gloo)), timeout_s=20.0) is None
