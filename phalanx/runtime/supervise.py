@@ -245,11 +245,11 @@ def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> 
             pending.discard(rank)
             report = read_report(procs[rank], conns[rank], False)
             details += [report[2]] if report[0] == "stopped" and report[2] else []
-            ended.append(report[0] == "ok")  # a script that asked phalanx.stop_requested, saved, returned
+            ended.append(report[0] == "ok")  # a script that asked phalanx.stop_requested and saved, or a run that was ending
     if interrupt:
         return stop
     if not details and ended and all(ended):
-        details = ["and every worker ended its script by itself (exit 0)"]
+        details = ["and every worker ended its work by itself (exit 0)"]
     return Stopped(stop.signum, detail=details[0]) if details else stop
 
 

@@ -148,7 +148,7 @@ def test_a_script_that_asks_stop_requested_saves_the_same_step_on_every_rank(tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1] == "phalanx: stopped by SIGTERM and every worker ended its script by itself (exit 0)"
+    assert stderr.strip().splitlines()[-1] == "phalanx: stopped by SIGTERM and every worker ended its work by itself (exit 0)"
     saved = sorted(line for line in stdout.splitlines() if "saved at step" in line)
     steps = {line.split()[-1] for line in saved}
     assert len(saved) == 2 and len(steps) == 1, stdout  # both ranks, after the same step
