@@ -2,10 +2,11 @@
 rank, saved there; `phalanx train`'s (job/step_hook.py) and a script's (`stop_requested`).
 
 runtime/stop_request.py records the signal; the job asks the ranks at fixed steps whether any of
-them got one. On a CPU that is every step: one summed float over the replica's own exchange,
-~20 us through shared memory against steps of tens of milliseconds. On a GPU it is every
-`--check-every` steps (100 by default), the steps that read the device anyway: asking every
-step would make the host wait for the device each time. A run with nowhere to save (no `--out`,
+them got one. On one CPU host that is every step: one summed float over the replica's own
+exchange, tens of microseconds through shared memory against steps of tens of milliseconds. On a
+GPU it is every `--check-every` steps (100 by default), the steps that read the device anyway:
+asking every step would make the host wait for the device each time; across hosts too, where
+the question crosses the network. A run with nowhere to save (no `--out`,
 no `--checkpoint-dir`) is not armed: SIGTERM ends it at once, as before. A script asks with
 `phalanx.stop_requested(dp)` after each step, and saves (`phalanx.checkpoint`) when it says so.
 """
@@ -52,7 +53,8 @@ def stop_check(world: World, *, saved_in: str | None, check_every: int, replica=
     DataParallel, whose exchange sums (a model split sums with the backend's allreduce)."""
     if saved_in is None:
         return None
-    every = 1 if world.device.type == "cpu" else (check_every or DEFAULT_CHECK_FINITE_EVERY)
+    one_host = world.local_world_size == world.world_size
+    every = 1 if world.device.type == "cpu" and one_host else (check_every or DEFAULT_CHECK_FINITE_EVERY)
     if not world.distributed:
         return StopCheck(every, None, saved_in)
 

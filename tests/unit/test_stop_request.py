@@ -146,6 +146,9 @@ def test_where_and_how_often_the_ranks_ask():
                 backend="nccl", timeout_s=10.0)
     assert stop_check(gpu, saved_in="ckpt", check_every=50).every_steps == 50  # where the device is read anyway
     assert stop_check(gpu, saved_in="ckpt", check_every=0).every_steps == 100
+    hosts = World(rank=0, world_size=4, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="gloo",
+                  timeout_s=10.0)
+    assert stop_check(hosts, saved_in="ckpt", check_every=50).every_steps == 50  # across a network: not every step
 
 
 def test_reports_of_a_stop_make_one_stopped_and_an_error_beside_it_wins():
