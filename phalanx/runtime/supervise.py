@@ -237,20 +237,26 @@ def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> 
     for rank in pending:
         with contextlib.suppress(OSError):
             os.kill(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
-    give_up_at, details, ended = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), [], []
+    give_up_at, reports = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), {}
     while pending and give_up_at > time.monotonic():
         ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
                          give_up_at - time.monotonic()))
         for rank in [r for r in pending if conns[r] in ready or procs[r].sentinel in ready]:
             pending.discard(rank)
-            report = read_report(procs[rank], conns[rank], False)
-            details += [report[2]] if report[0] == "stopped" and report[2] else []
-            ended.append(report[0] == "ok")  # a script that asked phalanx.stop_requested and saved, or a run that was ending
-    if interrupt:
+            reports[rank] = read_report(procs[rank], conns[rank], False)
+    if interrupt or not reports:
         return stop
-    if not details and ended and all(ended):
-        details = ["and every worker ended its work by itself (exit 0)"]
-    return Stopped(stop.signum, detail=details[0]) if details else stop
+    kinds = {report[0] for report in reports.values()}
+    # A worker that failed while stopping (its save could not be written): that failure, not a stop.
+    failed = [rank for rank, report in sorted(reports.items())
+              if report[0] in ("failed", "usage") or (report[0] == "error" and not report[1].startswith("died"))]
+    if failed:
+        return failure(reports, failed[0], None)
+    if "stopped" in kinds:
+        return Stopped(stop.signum, detail=next(r[2] for r in reports.values() if r[0] == "stopped"))
+    if kinds == {"ok"}:  # a script that asked phalanx.stop_requested and saved, or a run that was ending
+        return Stopped(stop.signum, detail="and every worker ended its work by itself (exit 0)")
+    return stop
 
 
 def _await_exit(procs, reports: dict, give_up_at: float) -> None:

@@ -3,8 +3,7 @@
 A checkpoint is one file, `<dir>/checkpoint.pt`, replaced atomically (temp file, fsync, rename:
 a kill during a save leaves the previous checkpoint whole), and the one it replaced is kept as
 `checkpoint.previous.pt` (checkpoint_files.py: two generations, every record CRC-checked before
-anything is loaded). It holds the model's and optimizer's
-state, where the run stands (epoch, steps done in that epoch, and the epoch's running sums
+anything is loaded). It holds the model's and optimizer's state, where the run stands (epoch, steps done in that epoch, and the epoch's running sums
 reduced over every rank, so a run resumed on any device count reports the same epoch metrics),
 every rank's RNG states (torch, numpy, python), a script's `extras` (its learning-rate
 scheduler, GradScaler, EMA: checkpoint_extras.py), a fingerprint of what produced it (model,
@@ -104,9 +103,20 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
                     position: Position, fingerprint: dict, settings: dict | None = None, dp=None,
                     extras: dict | None = None) -> Path | None:
     """Every rank calls this (RNG states and running sums are gathered); rank 0 writes. Returns
-    the path on rank 0. `settings`: `run_settings`' record, for the resumed run's log line. `dp`:
-    a sharded replica (`shard=`) whose ranks each write their share (sharded_checkpoint.py).
-    `extras`: `extra_states`' record of a script's scheduler, scaler, ... (checkpoint_extras.py)."""
+    the path on rank 0, on every rank once the checkpoint is whole on disk. `settings`: for the
+    resumed run's log line. `dp`: a sharded replica, whose ranks each write their share
+    (sharded_checkpoint.py). `extras`: a script's scheduler, scaler, ... (checkpoint_extras.py)."""
+    path = _write_checkpoint(directory, world=world, model=model, optimizer=optimizer, position=position,
+                             fingerprint=fingerprint, settings=settings, dp=dp, extras=extras)
+    if world.distributed:  # rank 0 wrote last: the others wait for it (a failed write ends rank 0, naming it)
+        with collective(world, Tag("checkpoint")):
+            dist.barrier()
+    return path
+
+
+def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer, position: Position, fingerprint: dict, settings: dict | None,
+                      dp, extras: dict | None) -> Path | None:
     mine = {"rng": rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
     if world.distributed:
         every = [None] * world.world_size
@@ -174,9 +184,8 @@ def read_newest(location: str | Path) -> tuple[Path, dict[str, Any], str]:
 
 
 def set_aside_passed_over(location: str | Path, read: Path, *, world: World) -> str:
-    """After `read_newest(location)` went back to `read`: rank 0 sets the damaged newest file
-    aside (checkpoint_files.set_aside), so it is no generation and the next save keeps `read`.
-    Returns the words for the resumed line ('' when nothing was set aside)."""
+    """After `read_newest(location)` went back to `read`: rank 0 sets the damaged newest file aside
+    (checkpoint_files.set_aside): the next save keeps `read`. The words for the resumed line, or ''."""
     newest = checkpoint_path(location)
     if not world.is_main or read == newest or not newest.is_file():
         return ""

@@ -70,6 +70,7 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
                                                          "step": run_state["step"]}}
     name = shard_name(world.rank, world.world_size, serial[0])
     data = serialize(share)
+    manifest_path.parent.mkdir(parents=True, exist_ok=True)  # every rank writes its share before rank 0's manifest
     atomic_write_bytes(manifest_path.parent / name, data)
     written = [None] * world.world_size
     with collective(world, Tag("checkpoint")):  # every share on disk before the manifest names them

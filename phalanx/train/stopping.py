@@ -42,9 +42,7 @@ class StopCheck:
         return global_step % self.every_steps == 0 and stop_request.agreed(self.sum_over_ranks)
 
     def stopped(self, where: str) -> Stopped:
-        """After the save: wait until every rank, rank 0 writing the file, has finished it."""
-        if self.sum_over_ranks is not None:
-            self.sum_over_ranks([0.0])
+        """After the save (which returns on every rank once the checkpoint is on disk)."""
         return stop_request.stopped_at(where, self.saved_in)
 
 

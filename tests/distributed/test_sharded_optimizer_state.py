@@ -2,7 +2,9 @@
 optimizer - rank 0 saves `optimizer.state_dict()`, every rank loads it - is refused in one line on
 rank 1 (before, rank 1 took rank 0's Adam moments, silently where the shares' shapes matched,
 and the resumed run ended 0.03-0.3 relative away from the uninterrupted one); each rank's own
-share loads back to the same state; a whole optimizer's state is refused too."""
+share loads back to the same state; a whole optimizer's state is refused too. And
+`phalanx.checkpoint` of a sharded replica makes its directory (each rank wrote its share into a
+directory nobody had made yet: "cannot write ... No such file or directory")."""
 
 from __future__ import annotations
 
@@ -51,6 +53,11 @@ def _save_and_load(directory: str, shard: str) -> dict:
         outcome["whole"] = "loaded"
     except ValueError as exc:
         outcome["whole"] = str(exc)
+    # phalanx.checkpoint into a directory nobody made yet: each rank writes its share there first.
+    phalanx.checkpoint(here / "new" / "checkpoints", world=world, model=dp, optimizer=optimizer, epoch=0, step=2,
+                       global_batch_size=8, seed=0)
+    outcome["resumed at"] = phalanx.resume(here / "new" / "checkpoints", world=world, model=dp, optimizer=optimizer,
+                                           global_batch_size=8, seed=0)
     dp.close()
     return outcome
 
@@ -67,3 +74,4 @@ def test_each_rank_loads_its_own_share_and_rank_0s_is_refused_on_rank_1(tmp_path
         "per rank)")
     assert zero["whole"].startswith("this optimizer holds rank 0's share of the optimizer state") \
         and "has no share tag: it is a whole optimizer's" in zero["whole"]
+    assert zero["resumed at"] == one["resumed at"] == phalanx.Position(epoch=0, step=2)

@@ -52,15 +52,18 @@ def _model(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "model.pt", map_location="cpu", weights_only=True)
 
 
+ZERO3 = ("--shard", "parameters", "--optimizer", "adamw")  # each rank writes its own share of the checkpoint
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> dict[str, dict[str, torch.Tensor]]:
-    """model.pt of the runs nobody stopped, on 1 device and on 2 (equal to rounding, not bitwise)."""
+def uninterrupted(tmp_path_factory) -> dict[tuple, dict[str, torch.Tensor]]:
+    """model.pt of the runs nobody stopped: on 1 device, on 2, on 2 with ZeRO-3 (equal to rounding, not bitwise)."""
     models = {}
-    for devices in ("1", "cpu:2"):
-        out = tmp_path_factory.mktemp(f"whole-{devices.replace(':', '')}")
-        code, stderr = _finish(_launch(devices, out))
+    for devices, extra in (("1", ()), ("cpu:2", ()), ("cpu:2", ZERO3)):
+        out = tmp_path_factory.mktemp(f"whole-{devices.replace(':', '')}{len(extra)}")
+        code, stderr = _finish(_launch(devices, out, *extra))
         assert code == 0, stderr[-3000:]
-        models[devices] = _model(out)
+        models[devices, extra] = _model(out)
     return models
 
 
@@ -70,12 +73,14 @@ def _relaunch_command(devices: str) -> list[str]:
     return [*PHALANX, *TRAIN, "--devices", devices]
 
 
-@pytest.mark.parametrize("devices, target", [("cpu:2", "launcher"), ("cpu:2", "worker"), ("torchrun:2", "launcher"),
-                                             ("1", "launcher")])
+@pytest.mark.parametrize("devices, target, extra", [
+    ("cpu:2", "launcher", ()), ("cpu:2", "worker", ()), ("torchrun:2", "launcher", ()), ("1", "launcher", ()),
+    ("cpu:2", "launcher", ZERO3),  # before 2026-12-02 its shares went to a directory nobody had made
+])
 def test_a_sigterm_saves_an_agreed_step_and_the_resume_is_the_uninterrupted_run(tmp_path, uninterrupted, devices,
-                                                                               target):
+                                                                               target, extra):
     out = tmp_path / "run"
-    proc = _launch(devices, out)
+    proc = _launch(devices, out, *extra)
     workers = _workers(proc.pid, 2) if devices == "cpu:2" else []
     _wait_for(out / "metrics.jsonl")  # epoch 1 is written: training is under way
     os.kill(workers[1] if target == "worker" else proc.pid, signal.SIGTERM)  # the launcher alone, as `timeout` does
@@ -90,10 +95,10 @@ def test_a_sigterm_saves_an_agreed_step_and_the_resume_is_the_uninterrupted_run(
     state = read_checkpoint(saved_in)
     assert (state["epoch"], state["step"]) == (epoch - 1, step)
     assert_all_gone(workers)
-    resumed = subprocess.run([*_relaunch_command(devices), "--out", str(out), "--resume", "auto"], capture_output=True,
-                             text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    resumed = subprocess.run([*_relaunch_command(devices), *extra, "--out", str(out), "--resume", "auto"],
+                             capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    reference = uninterrupted["1" if devices == "1" else "cpu:2"]
+    reference = uninterrupted["1" if devices == "1" else "cpu:2", extra]
     model = _model(out)
     assert model.keys() == reference.keys()
     assert all(torch.equal(model[name], reference[name]) for name in reference)
