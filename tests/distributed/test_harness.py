@@ -72,7 +72,7 @@ def test_raising_or_dying_worker_fails_with_its_traceback():
     assert ("rank 0 failed: ValueError: boom from rank 0" in first_line
             or "rank 1 failed: exited with code 3 without a result" in first_line), first_line
     assert "--- rank 0 ---\nTraceback" in message and "ValueError: boom from rank 0" in message
-    assert "--- rank 1 ---\nexited with code 3 without a result" in message
+    assert "exited with code 3 without a result" in message  # the first line's, or rank 1's own section
     assert not mp.active_children()
 
 
