@@ -18,7 +18,8 @@ from typing import Any, Callable
 import torch
 
 from phalanx.runtime.binding import keep_freed_memory_mapped
-from phalanx.runtime.supervise import WorkerFailed, WorkerSet, run_workers
+from phalanx.runtime.supervise import WorkerSet, run_workers
+from phalanx.runtime.worker_errors import WorkerFailed
 from phalanx.runtime.world import leave_default_group
 
 

@@ -32,7 +32,8 @@ from phalanx.runtime.binding import (allowed_cores, check_bindable, oversubscrip
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.devices import DevicePlan
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
-from phalanx.runtime.supervise import TEARDOWN_S, WorkerFailed, WorkerSet, report_progress, run_workers
+from phalanx.runtime.supervise import TEARDOWN_S, WorkerSet, report_progress, run_workers
+from phalanx.runtime.worker_errors import WorkerFailed
 from phalanx.runtime.world import LauncherEnv, World, launcher_env, start_world, stop_world
 
 __all__ = ["LaunchSpec", "WorkerFailed", "join_launcher_world", "launch", "report_progress", "setup_worker",

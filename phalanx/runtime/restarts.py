@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from phalanx.runtime.supervise import WorkerFailed
+from phalanx.runtime.worker_errors import WorkerFailed
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,8 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of
-from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, WorkerFailed, error_files, error_report, failure,  # noqa: F401
-                                           is_echo, read_report, recorded, user_traceback, with_recorded)
+from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, error_files, error_report, failure, is_echo, read_report,
+                                           recorded, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signals_deferred, stop_on_signals,

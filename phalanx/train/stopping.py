@@ -13,10 +13,10 @@ no `--checkpoint-dir`) is not armed: SIGTERM ends it at once, as before. A scrip
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from typing import Callable
-
-import warnings
 
 import torch
 
@@ -53,18 +53,22 @@ def stop_check(world: World, *, saved_in: str | None, check_every: int, replica=
         return None
     one_host = world.local_world_size == world.world_size
     every = 1 if world.device.type == "cpu" and one_host else (check_every or DEFAULT_CHECK_FINITE_EVERY)
-    if not world.distributed:
-        return StopCheck(every, None, saved_in)
+    return StopCheck(every, _summing(world, replica), saved_in)
 
-    def sum_over_ranks(values: list[float]) -> list[float]:
-        flat = torch.tensor(values, dtype=torch.float64, device=world.device)
-        if replica is not None:
-            replica.allreduce_now(flat, tag=STOP_CHECK)
-        else:
-            all_reduce_sum_(flat, world=world, tag=STOP_CHECK)
-        return flat.tolist()
 
-    return StopCheck(every, sum_over_ranks, saved_in)
+def _summing(world: World, replica) -> Callable[[list[float]], list[float]] | None:
+    """`_sum_over_ranks` bound to `world` and `replica`; None in a world of one (nothing to ask)."""
+    return functools.partial(_sum_over_ranks, world, replica) if world.distributed else None
+
+
+def _sum_over_ranks(world: World, replica, values: list[float]) -> list[float]:
+    """`values` summed over the ranks: through the replica's own exchange, else the backend's."""
+    flat = torch.tensor(values, dtype=torch.float64, device=world.device)
+    if replica is not None:
+        replica.allreduce_now(flat, tag=STOP_CHECK)
+    else:
+        all_reduce_sum_(flat, world=world, tag=STOP_CHECK)
+    return flat.tolist()
 
 
 def stop_requested(dp) -> bool:
@@ -87,5 +91,4 @@ def stop_requested(dp) -> bool:
         warnings.warn("phalanx.stop_requested: SIGTERM can be caught on the main thread only (phalanx.launch "
                       "runs a forked worker's function on another); here it still ends the process at once",
                       PhalanxWarning, stacklevel=2)
-    check = stop_check(dp.world, saved_in="", check_every=1, replica=dp)
-    return stop_request.agreed(check.sum_over_ranks)
+    return stop_request.agreed(_summing(dp.world, dp))

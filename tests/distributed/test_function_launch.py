@@ -22,7 +22,7 @@ from torch import nn
 
 import phalanx
 from phalanx.runtime.binding import available_cores
-from phalanx.runtime.supervise import WorkerFailed
+from phalanx.runtime.worker_errors import WorkerFailed
 
 pytestmark = pytest.mark.distributed
 

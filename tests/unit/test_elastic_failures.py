@@ -2,7 +2,7 @@
 
 from phalanx.comm.watchdog import CollectiveMismatch, PeerStalled
 from phalanx.errors import RunFailed
-from phalanx.runtime.supervise import WorkerFailed
+from phalanx.runtime.worker_errors import WorkerFailed
 from phalanx.runtime.restarts import failure_of
 
 NAMES = ("cpu:0", "cpu:1", "cpu:2")
