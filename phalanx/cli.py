@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except (KeyboardInterrupt, Stopped) as exc:
         line, code = stop_message(exc)
-        if not (getattr(exc, "detail", None) and os.environ.get("RANK", "0") != "0"):  # torchrun's: once
+        if not _a_torchrun_peer_saw_it(exc):
             print(line, file=sys.stderr)
         return code
     except Exception as exc:
@@ -96,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"phalanx: {exc}", file=sys.stderr)
             return 1
         raise
+
+
+def _a_torchrun_peer_saw_it(exc: BaseException) -> bool:
+    """A saved stop under torchrun, on a rank other than 0: every rank raised it, rank 0 says it."""
+    if not getattr(exc, "detail", None):
+        return False
+    from phalanx.runtime.world import launcher_env  # World reads the launcher's variables, nobody else
+
+    env = launcher_env()
+    return env is not None and env.rank != 0
 
 
 def _run_command(argv: list[str]) -> int:
