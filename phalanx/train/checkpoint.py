@@ -46,7 +46,7 @@ from phalanx.train.checkpoint_extras import check_extra_names, checked_extras, e
 from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
     set_aside, write_generation
 from phalanx.train.rng_state import rng_state, set_rng_state
-from phalanx.train.sharded_checkpoint import FORMAT_SHARDED, check_shares, restore_any, save_sharded
+from phalanx.train.sharded_checkpoint import FORMAT_SHARDED, check_shares, optimizer_names, restore_any, save_sharded
 
 FORMAT = "phalanx-checkpoint-2"
 # Still read: the first format kept each rank's running sums and no data identity.
@@ -58,11 +58,10 @@ FILENAME = "checkpoint.pt"
 class Position:
     """Where a run stands: `step` steps of epoch `epoch` (0-based) are done.
 
-    `epoch_totals`: running sums over those steps (loss sum, correct, examples, seconds) - this
-    rank's when saving; when restored on the device count that saved them, this rank's own (the
-    epoch's row is then bitwise an uninterrupted run's), on another count rank 0 holds every
-    rank's sums and the others zeros (the epoch's metrics add them up over the ranks: the same
-    row up to the rounding of another order of additions).
+    `epoch_totals`: running sums over those steps (loss sum, correct, examples, seconds), this
+    rank's when saving; restored on the device count that saved them, this rank's own (the epoch's
+    row is bitwise an uninterrupted run's), on another rank 0 holds every rank's sums and the others
+    zeros (the epoch's metrics add them up: the same row up to another order of additions).
     """
 
     epoch: int
@@ -135,7 +134,8 @@ def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Mo
         return None
     state = {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
              "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-             "optimizer": optimizer.state_dict(), "rng": [r["rng"] for r in every],
+             "optimizer": optimizer.state_dict(), "optimizer_names": optimizer_names(model, optimizer),
+             "rng": [r["rng"] for r in every],
              "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
              "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
              "extras": dict(extras or {})}

@@ -182,18 +182,57 @@ def restore_any(state: dict, *, path: Path, module: torch.nn.Module, optimizer: 
             return
         slots = [Slot.of(record) for record in state["layout"]]
         params, optimizer_state = whole_state(reader, slots=slots, names=trainable_names(module))
+        params.update({alias: params[name] for alias, name in tied_aliases(module).items() if name in params})
         module.load_state_dict({**state["model"], **params})
         optimizer.load_state_dict(optimizer_state)
         return
     if sharded_target:
-        reader = WholeReader(state["model"], state["optimizer"], names=trainable_names(module),
+        reader = WholeReader(state["model"], state["optimizer"], names=whole_optimizer_order(state, module),
                              slots=dp.sharding.layout.slots)
         load_shard(dp, optimizer, reader)
         names = {slot.name for slot in dp.sharding.layout.slots}
-        module.load_state_dict({k: v for k, v in state["model"].items() if k not in names}, strict=False)
+        aliases = tied_aliases(module)  # a tied weight's other names: its slot holds it already
+        module.load_state_dict({k: v for k, v in state["model"].items()
+                                if k not in names and aliases.get(k) not in names}, strict=False)
         return
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+
+
+def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str | None]]:
+    """Each param group's parameter names in the order the optimizer holds them, which is how a
+    whole optimizer's state_dict numbers its state: saved beside it, so a sharded run reads that
+    state by name (None: a parameter the model does not hold)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    return [[name_of.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def whole_optimizer_order(state: dict, module: torch.nn.Module) -> list[str | None]:
+    """The parameter name behind each index of a whole checkpoint's optimizer state: as saved
+    (`optimizer_names`), or for a checkpoint saved before those were kept, the module's order,
+    which is right only for one group over all its parameters (ValueError for any other)."""
+    saved = state.get("optimizer_names")
+    if saved is not None:
+        return [name for group in saved for name in group]
+    groups, names = state["optimizer"].get("param_groups", []), trainable_names(module)
+    if len(groups) <= 1 and sum(len(g["params"]) for g in groups) == len(names):
+        return names
+    raise ValueError(f"its {len(groups)} param groups were saved before phalanx kept their parameters' names, so "
+                     "a sharded run cannot tell which state is whose; resume it with shard=\"none\", save again, "
+                     "then resume that with shard=")
+
+
+def tied_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """A tied parameter's other names (`head.weight` = `embedding.weight`) -> the name
+    `named_parameters()` gives it, which the flat layout and sharded checkpoints use."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
 
 
 def optimizer_groups(state: dict) -> list[dict[str, Any]]:

@@ -117,10 +117,19 @@ class WholeReader:
     parameter indices follow `names` (the order the optimizer was given the parameters in);
     `slots` is the flat layout (FlatLayout.slots) to read ranges through."""
 
-    def __init__(self, model_state: dict, optimizer_state: dict, *, names: list[str], slots) -> None:
+    def __init__(self, model_state: dict, optimizer_state: dict, *, names: list[str | None], slots) -> None:
         self._model, self._slots = model_state, list(slots)
         self._state = {names[int(i)]: s for i, s in optimizer_state.get("state", {}).items()}
-        self.groups = [{**{k: v for k, v in g.items() if k != "params"}, "names": [names[int(i)] for i in g["params"]]}
+        for name, entry in self._state.items():  # a state read as another parameter's would not fit it
+            for key, value in entry.items():
+                whole = model_state.get(name)
+                if isinstance(value, torch.Tensor) and value.dim() >= 1 and whole is not None \
+                        and value.shape != whole.shape:
+                    raise ValueError(f"its {key!r} of {name} has shape {tuple(value.shape)}, the parameter "
+                                     f"{tuple(whole.shape)}: build the optimizer's param groups as the saving run did")
+        trained = {slot.name for slot in self._slots}  # a frozen parameter has no slot, as in a sharded group
+        self.groups = [{**{k: v for k, v in g.items() if k != "params"},
+                        "names": [names[int(i)] for i in g["params"] if names[int(i)] in trained]}
                        for g in optimizer_state.get("param_groups", [])]
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
@@ -163,6 +172,10 @@ def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
     groups = []
     for group, names in zip(optimizer.param_groups, record.group_names):
         saved = saved_groups.get(tuple(names), {})
+        if reader.groups and not saved:  # its lr and the rest would be the constructor's, silently
+            shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
+            raise ValueError(f"no saved param group holds exactly {shown}: build the optimizer's param groups as "
+                             "the saving run did")
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        **{k: v for k, v in saved.items() if k != "names"},
                        "params": [index_of[id(p)] for p in group["params"]]})
