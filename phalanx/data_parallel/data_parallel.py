@@ -207,14 +207,12 @@ class DataParallel(ReplicaModule):
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if self._usage is not None:
             self._usage.landed(param)
+        self._unsynced.landed(synced=self._sync_enabled)
         if self._sync_enabled:
-            if not self._unsynced.pending:
-                self._unsynced.mark()
             self._scheduler.mark_ready(param)
 
     def _on_backward(self, param: nn.Parameter) -> None:
-        if self._sync_enabled and not self._unsynced.pending:
-            self._unsynced.mark()
+        self._unsynced.landed(synced=self._sync_enabled)
 
     def _launch(self, bucket: Bucket):
         """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
@@ -261,7 +259,7 @@ class DataParallel(ReplicaModule):
         if self._usage is not None:
             self._usage.take_back()  # gradients dropped at the last sync, or by optimizer.zero_grad(), back
         self._scheduler.finish()
-        self._unsynced.pending = False
+        self._unsynced.pending = self._unsynced.accumulating = False
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
             check_gradients_aliased(self._usage, self.module, compiled_after_prepare=self.compiled_after_prepare,

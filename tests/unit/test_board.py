@@ -249,9 +249,12 @@ def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overl
         dp.zero_grad()
         assert all(not p.grad.any() for p in dp.module.parameters()) and not dp.exchange_in_flight
         _lenet_step(dp, optimizer, sync=True)  # and the next step runs as ever
-        with dp.no_sync():  # accumulating locally on purpose is not a forgotten sync
+        with dp.no_sync():  # accumulating locally: summed by the next sync, which a step must wait for
             dp.zero_grad()
             F.cross_entropy(dp(torch.rand(2, 1, 28, 28)), torch.tensor([0, 1]), reduction="sum").backward()
+        with pytest.raises(RuntimeError, match="^optimizer.step\\(\\) on gradients accumulated inside dp.no_sync"):
+            optimizer.step()
+        dp.finish_gradient_sync()
         optimizer.step()
 
 

@@ -538,3 +538,41 @@ def test_phalanx_clip_before_the_sync_is_refused_at_the_call(overlap, refusal):
     dp.finish_gradient_sync()
     assert clip_grad_norm_(dp, 1e-3) > 1e-3  # after the sum: the clip of the sum
     dp.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("way", ["accumulate", "no_sync", "require_backward_grad_sync"])
+def test_a_step_on_gradients_accumulated_unsummed_is_refused(overlap, way):
+    """Accelerate's `accumulate` block ported as it is steps on every micro-batch (its optimizer
+    skips the steps before the last; torch's does not): each rank stepped on its own unsummed
+    gradient and the replicas drifted apart silently (found by an outside-user trial)."""
+    torch.manual_seed(0)
+    dp = _dp(LeNet().double(), FakeComm(), overlap=overlap)
+    optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+    X, y = _batch()
+    refusal = r"^optimizer\.step\(\) on gradients accumulated inside dp\.no_sync\(\) \(or before dp\.accumulate\(\)'s last"
+    with pytest.raises(RuntimeError, match=refusal):
+        if way == "accumulate":
+            for piece in dp.accumulate(2):
+                F.cross_entropy(dp(X[piece::2]), y[piece::2], reduction="sum").backward()
+                optimizer.step()
+        elif way == "no_sync":
+            with dp.no_sync():
+                F.cross_entropy(dp(X), y, reduction="sum").backward()
+                optimizer.step()
+        else:
+            dp.require_backward_grad_sync = False
+            F.cross_entropy(dp(X), y, reduction="sum").backward()
+            optimizer.step()
+    dp.require_backward_grad_sync = True
+    dp.zero_grad()  # the micro-batches so far dropped: nothing unsummed is left to refuse
+    optimizer.step()
+    for piece in dp.accumulate(2):  # the way: step once, after the last micro-batch's sync
+        F.cross_entropy(dp(X[piece::2]), y[piece::2], reduction="sum").backward()
+    dp.finish_gradient_sync()
+    optimizer.step()
+    with dp.no_sync():  # a no_sync() backward summed by the sync after it
+        F.cross_entropy(dp(X), y, reduction="sum").backward()
+    dp.finish_gradient_sync()
+    optimizer.step()
+    dp.close()

@@ -208,9 +208,11 @@ def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] |
 class UnsyncedGradientGuard:
     """Refuses to use gradients of a synced backward that were never exchanged.
 
-    Its owner calls `mark()` when a backward lands gradients with sync on, and clears `pending`
-    once they are summed. A step pre-hook on every optimizer that steps the module then raises,
-    naming the fix. `take_unread()` (from zero_grad) raises too if the parameters were written
+    Its owner calls `landed()` as a backward lands gradients, and clears `pending` (sync on) and
+    `accumulating` (under no_sync()) once they are summed. A step pre-hook on every optimizer that
+    steps the module raises while either is set, naming the fix: a step inside no_sync() (an
+    Accelerate `accumulate` block ported as it is, whose optimizer skips such steps) reads each
+    rank's own accumulated gradient. `take_unread()` (from zero_grad) raises too if the parameters were written
     since the gradients landed (an update by hand read them unsummed); if nothing wrote them, the
     gradients were never used - a backward through this replica for another model's loss, as a
     GAN's generator step runs through its discriminator or an actor's through its critic - and
@@ -224,6 +226,7 @@ class UnsyncedGradientGuard:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.pending = False
+        self.accumulating = False  # a backward under no_sync() landed this rank's own, unsummed gradients
         self._module = module
         self._params = list(module.parameters())
         self._versions: list[int] = []  # the parameters' version counters when `pending` was set
@@ -231,10 +234,14 @@ class UnsyncedGradientGuard:
         self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
         watch_unscale(self)  # a GradScaler's unscale_ before the sum is refused too (unscale.py)
 
-    def mark(self) -> None:
-        """A synced backward landed gradients here (the owner calls it only while not pending)."""
-        self.pending = True
-        self._versions = [p._version for p in self._params]
+    def landed(self, *, synced: bool) -> None:
+        """A gradient landed: with sync on, the step's gradients are pending (noted once); under
+        no_sync() they accumulate unsummed, which a step must not read."""
+        if not synced:
+            self.accumulating = True
+        elif not self.pending:
+            self.pending = True
+            self._versions = [p._version for p in self._params]
 
     def written_since_marked(self) -> bool:
         return self.pending and [p._version for p in self._params] != self._versions
@@ -250,7 +257,7 @@ class UnsyncedGradientGuard:
         else forget them, returning whether there were any (see the class docstring)."""
         if self.written_since_marked():
             self.check(what)
-        pending, self.pending = self.pending, False
+        pending, self.pending, self.accumulating = self.pending, False, False
         return pending
 
     def steps_module(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -263,8 +270,15 @@ class UnsyncedGradientGuard:
         return mine
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.steps_module(optimizer):
-            self.check("optimizer.step()")
+        if not self.steps_module(optimizer):
+            return
+        self.check("optimizer.step()")
+        if self.accumulating:  # Accelerate's optimizer skips a step inside accumulate(); torch's does not
+            raise RuntimeError("optimizer.step() on gradients accumulated inside dp.no_sync() (or before "
+                               "dp.accumulate()'s last micro-batch) and never summed across ranks: each rank would "
+                               "step on its own and the replicas drift apart; step once per step, after "
+                               "dp.finish_gradient_sync() (in dp.accumulate(n): after the last micro-batch, when "
+                               "dp.sync_enabled is True)")
 
     def close(self) -> None:
         self._handle.remove()
@@ -273,7 +287,7 @@ class UnsyncedGradientGuard:
 def _step_hook(guard: "weakref.ref[UnsyncedGradientGuard]"):
     def hook(optimizer, args, kwargs) -> None:
         target = guard()
-        if target is not None and target.pending:
+        if target is not None and (target.pending or target.accumulating):
             target.check_step(optimizer)
 
     return hook
