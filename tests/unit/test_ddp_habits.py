@@ -167,6 +167,28 @@ def test_shard_loss_given_the_shards_own_size_is_named_once_and_the_global_size_
     assert first_step(1, rows=1) == []  # fewer examples than ranks: one rank may hold them all
 
 
+def test_shard_loss_given_this_ranks_own_token_count_is_named_once():
+    """A language model's `shard_loss(loss_sum, ids.numel())`: the shard's own tokens, k times the gradient."""
+    def first_step(global_batch_size: int, length: int = 6) -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11))
+        check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True, module=model)
+        ids = torch.randint(0, 11, (4, length))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_sum = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="sum")
+            phalanx.shard_loss(loss_sum, global_batch_size).backward()
+            assert check.after_sync(caller_frame(0))
+        return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+
+    assert first_step(24) == [
+        "phalanx.shard_loss got global_batch_size=24, the number of tokens this rank's forward just saw: the global "
+        "batch size is their sum over the 2 ranks (phalanx.reduce(this rank's count, world=world) sums it); divided "
+        "by the shard's own size the summed gradient is about 2x the 1-device gradient"]
+    assert first_step(48) == [] and first_step(8) == []  # the global tokens; the global examples
+    assert first_step(8, length=2) == []  # 2 tokens a row on 2 ranks: 8 is also the global examples, not judged
+
+
 def test_shard_loss_registers_a_hook_only_while_a_check_waits():
     loss = nn.Parameter(torch.ones(()))  # the parameter the check waits on, which the loss comes from
     assert phalanx.shard_loss(loss * 3, 3)._backward_hooks is None

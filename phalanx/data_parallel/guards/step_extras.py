@@ -10,7 +10,8 @@ what the replica was built to do beyond the sum, in this order:
    replicas stay one model; plain BatchNorm layers under the `sync` policy (a replica built
    without prepare, which converts them) get a one-line notice naming the choices at construction.
 3. Rank 0's one-time look at the first synced step (first_step.py): a loss that bypassed
-   `shard_loss`, a padding DistributedSampler.
+   `shard_loss`, a shard's own size given to it, a padding DistributedSampler; and, on every
+   rank once, the sizes shard_loss got compared across the ranks (one small sum).
 
 At construction rank 0 also names, once, the embeddings built with `sparse=True`: their
 gradients are summed dense in the buckets (DDP sums sparse tensors on gloo), exact for a dense
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import warn_at_caller
-from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.guards.first_step import FirstStepCheck, SizesAcrossRanks, caller_frame
 from phalanx.data_parallel.guards.running_stats import running_stats_of
 from phalanx.data_parallel.sync_batchnorm import has_plain_batchnorm
 from phalanx.runtime.world import World
@@ -54,6 +55,7 @@ class StepExtras:
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
                                          check_loss=average is None, module=module) \
             if world.distributed and world.is_main else None
+        self.sizes = SizesAcrossRanks() if world.distributed and average is None else None
 
     def after_exchange(self, gradients: Sequence[torch.Tensor], allreduce: Callable[[torch.Tensor], object]) -> None:
         """Called once per synced step, after the summed `gradients` (the buckets, or a sharded
@@ -65,8 +67,16 @@ class StepExtras:
             self.running_stats.average(allreduce, self.world.world_size)
         if self.first_step is not None and self.first_step.after_sync(caller_frame(2)):
             self.first_step = None
+        if self.sizes is not None:  # once, on every rank: the first synced step
+            sizes, self.sizes, world = self.sizes, None, self.world
+            message = sizes.compare(allreduce, rank=world.rank, world_size=world.world_size, device=world.device)
+            if message is not None and world.is_main:  # every rank reached the same verdict
+                warn_at_caller(message)
 
     def close(self) -> None:
+        if self.sizes is not None:
+            self.sizes.close()
+            self.sizes = None
         if self.first_step is not None:
             self.first_step.close()
             self.first_step = None
