@@ -104,3 +104,14 @@ def test_a_script_that_does_not_compile_is_one_line_before_any_worker_starts(tmp
         Target(str(script)).check()
     script.write_text("s = '\\d'\nprint(s)\n")  # a SyntaxWarning only (an invalid escape): it runs
     Target(str(script)).check()
+
+
+@pytest.mark.parametrize("after", [["--n", "5"], ["--b", "1", "--e", "2", "--s", "3", "--co", "--sa", "--nproc"],
+                                   ["--devices", "cpu:9", "-m", "--dev", "x", "--quiet"]])
+def test_the_scripts_own_options_after_its_name_are_the_scripts(after):
+    """argparse matched prefixes of phalanx's flags anywhere: the script's `--n 5` was "ambiguous
+    option: --n could match --nnodes, --nproc-per-node" (found by an outside-user trial)."""
+    from phalanx.cli import build_parser
+
+    args = build_parser().parse_args(["run", "--devices", "cpu:2", "train.py", *after])
+    assert args.script == "train.py" and args.args == after and args.devices == "cpu:2" and not args.quiet
