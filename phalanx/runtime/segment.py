@@ -6,7 +6,10 @@ of a full tmpfs is a SIGBUS, not an error), then mapped. Names start with `phala
 the creator's pid, so a launcher can remove what a worker it spawned left behind. The ranks of
 one host open one together with `share_segment` (the host's first rank creates, names it to the
 others, they attach, every rank learns who failed, the creator unlinks): the shm allreduce's
-segment (one per host for the hierarchical one) and, under torchrun, the collective board's. A
+segment (one per host for the hierarchical one) and, under torchrun, the collective board's.
+A name lives on disk only for those seconds of start-up; a creator killed inside them with its
+launcher (SIGKILL: no clean-up runs) leaves it, so each creator first removes the names of
+creators that are gone and older than `STALE_AFTER_S` (`remove_stale_segments`). A
 futex is Linux's sleep-until-this-word-changes: `futex_wait` returns at once if the word no
 longer holds the value the caller saw, so a store followed by `futex_wake` is never missed.
 """
@@ -19,6 +22,7 @@ import mmap
 import os
 import platform
 import secrets
+import time
 from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
 import torch.distributed as dist
@@ -27,6 +31,9 @@ from phalanx.runtime.world import World
 
 SHM_DIR = "/dev/shm"
 NAME_PREFIX = "phalanx-shm-"
+# A name older than this whose creator is gone is a leftover: no start-up waits this long, and
+# the age spares a live start-up in another pid namespace that shares /dev/shm (its pids look gone).
+STALE_AFTER_S = 600.0
 _SYS_FUTEX_X86_64, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1
 
 
@@ -117,6 +124,7 @@ def share_segment(world: World, *, label: str, create: Callable[[str], tuple[mma
     creator = host[0]
     mapping, error, offer = None, None, None
     if world.rank == creator:
+        remove_stale_segments()
         path = os.path.join(SHM_DIR, f"{NAME_PREFIX}{os.getpid()}-{label}{secrets.token_hex(6)}")
         mapping, error = create(path)
         offer = (path, tuple(facts), error)
@@ -148,6 +156,37 @@ def remove_segments_of(pids) -> list[str]:
     for name in names:
         unlink_quietly(os.path.join(SHM_DIR, name))
     return names
+
+
+def remove_stale_segments(now: float | None = None) -> list[str]:
+    """Unlink each segment whose creator (the pid in its name) no longer runs here and which is
+    older than STALE_AFTER_S; return the names (see the module docstring)."""
+    names = stale_leftovers(SHM_DIR, NAME_PREFIX, now=now)
+    for name in names:
+        unlink_quietly(os.path.join(SHM_DIR, name))
+    return names
+
+
+def stale_leftovers(directory: str, prefix: str, *, now: float | None = None) -> list[str]:
+    """The names in `directory` that start with `prefix` then a pid of a process no longer running
+    here, older than STALE_AFTER_S: what a process killed outright left behind."""
+    now = time.time() if now is None else now
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return []
+    stale = []
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or now - os.stat(os.path.join(directory, name)).st_mtime < STALE_AFTER_S:
+                continue
+            os.kill(int(pid), 0)  # raises when no such process runs (in this pid namespace)
+        except ProcessLookupError:
+            stale.append(name)
+        except OSError:  # gone already, or another user's process: not ours to judge
+            continue
+    return stale
 
 
 class _Timespec(ctypes.Structure):

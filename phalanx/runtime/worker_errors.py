@@ -39,8 +39,10 @@ from typing import Iterator
 
 from phalanx.errors import PeerLost, Stopped, UsageError
 from phalanx.runtime.lifeline import describe_signal
+from phalanx.runtime.segment import stale_leftovers
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
+ERRORS_PREFIX = "phalanx-errors-"  # then the launcher's pid: the directory of its workers' error files
 # What gloo's errors say when the peer at the other end of a collective went away.
 _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer")
 
@@ -48,8 +50,11 @@ _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer")
 @contextlib.contextmanager
 def error_files(num_procs: int) -> Iterator[list[str]]:
     """One error file path per rank in a fresh private directory (the files themselves are the
-    workers' to write); the directory goes when the block ends."""
-    directory = tempfile.mkdtemp(prefix="phalanx-errors-")
+    workers' to write); the directory goes when the block ends, and those of launchers killed
+    outright (SIGKILL: no block ends) go at the next launch."""
+    for name in stale_leftovers(tempfile.gettempdir(), ERRORS_PREFIX):
+        shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
+    directory = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
     try:
         paths = []
         for rank in range(num_procs):
