@@ -65,6 +65,14 @@ def positive(what: str) -> Rule:
     return Rule(ok=lambda value: value > 0, problem=f"must be a positive {what}")
 
 
+def wait_seconds() -> Rule:
+    """A --timeout: finite (inf overflowed the process group's timedelta) and at least 1 s (it bounds
+    the start-up's rendezvous too, which took a traceback below that)."""
+    return Rule(ok=lambda value: math.isfinite(value) and value >= 1,
+                problem="must be a finite number of seconds, at least 1 (it bounds the start-up and every "
+                        "collective wait)")
+
+
 def finite(rule: Rule) -> Rule:
     """`rule`, and refusing inf and NaN as well."""
     return Rule(ok=lambda value: math.isfinite(value) and rule.ok(value), problem=rule.problem)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from phalanx.options import at_least, check_options, option, positive
+from phalanx.options import at_least, check_options, option, wait_seconds
 from phalanx.runtime.devices import DevicePlan
 from phalanx.runtime.launch import LaunchSpec
 
@@ -30,7 +30,7 @@ class LaunchConfig:
                                           "(threads = its share)")
     timeout_s: float = option(DEFAULT_TIMEOUT_S, flag="--timeout", metavar="SECONDS",
                               help="how long any collective may wait before the run fails",
-                              check=positive("number of seconds"))
+                              check=wait_seconds())
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -19,7 +19,7 @@ from phalanx.data.config import DataConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.models import MODELS
-from phalanx.options import Rule, at_least, check_options, component, finite, option, positive
+from phalanx.options import Rule, at_least, check_options, component, finite, option, positive, wait_seconds
 from phalanx.runtime.launch_config import LaunchConfig
 
 SCALED = "scaled"
@@ -72,7 +72,8 @@ class SweepConfig:
     # One thread per device: k devices are k cores' worth of work, and OpenMP threads that
     # outnumber free cores spin (measured here under load: 1 device × 2 threads 8× slower).
     threads_per_device: int = option(1, help="CPU threads per worker")
-    timeout_s: float = option(120.0, flag="--timeout", metavar="SECONDS", help="how long any collective may wait")
+    timeout_s: float = option(120.0, flag="--timeout", metavar="SECONDS", help="how long any collective may wait",
+                              check=wait_seconds())
     out_dir: str = option("runs/sweep", flag="--out", metavar="DIR", help="directory for the outputs")
     resume: bool = option(False, help="reuse points already finished in --out with the same settings")
 

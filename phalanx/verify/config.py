@@ -21,7 +21,7 @@ import torch
 from phalanx.comm import CHOICES
 from phalanx.data_parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.data_parallel.step import shard_loss
-from phalanx.options import Rule, at_least, check_options, finite, option, positive
+from phalanx.options import Rule, at_least, check_options, finite, option, positive, wait_seconds
 
 DTYPES = ("float32", "float64")
 # Relative tolerance per tensor (compare.py: max |a - b| / max |b|, floored). float64 k-vs-1 runs
@@ -85,7 +85,7 @@ class VerifyConfig:
     shuffle_per_rank: bool = False  # planted bug: each rank draws its own batch order
     device: str = option("cpu", choices=DEVICE_KINDS, help="cpu (k worker processes) or cuda (k GPUs)")
     threads_per_device: int = 1
-    timeout_s: float = option(60.0, flag="--timeout", metavar="SECONDS", check=positive("number of seconds"),
+    timeout_s: float = option(60.0, flag="--timeout", metavar="SECONDS", check=wait_seconds(),
                               help="how long any collective may wait")
     deadline_s: float | None = None  # bound on each whole spawned run (tests); None: none
     # on failure, name the culprit (may rerun with probes)
