@@ -24,7 +24,7 @@ def _module_level(x):
 @pytest.mark.parametrize("kwargs, said", [
     (dict(devices="cpu:0"), "devices='cpu:0' is not a CPU worker count; write cpu:N with N >= 1"),
     (dict(devices="gpu"), "devices='gpu' is not understood; use devices=N, cpu:N or cuda:0,1"),
-    (dict(devices="cpu:2", timeout_s=0), "timeout_s 0 must be a positive number of seconds"),
+    (dict(devices="cpu:2", timeout_s=0), "timeout_s 0 must be a finite number of seconds, at least 1"),
     (dict(devices="cpu:2", threads_per_device=0), "threads_per_device 0 must be at least 1"),
     (dict(devices="cpu:2", max_restarts=-1), "max_restarts -1 must be 0 (no restarts) or more"),
     (dict(devices="cpu:2", start_method="forkserver"), "start_method='forkserver' is not understood; use 'fork' or "
