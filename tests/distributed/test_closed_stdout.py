@@ -1,0 +1,45 @@
+"""A run whose stdout closes under it trains on: `phalanx train | head -1`, or a `tee` that dies.
+
+Python raises BrokenPipeError at the first print after the reader went away; the worker on
+rank 0 died there, the run ended with exit 1 and lost the steps since its last checkpoint (all
+of them without --checkpoint-every), found by an outside operator's trial. Now the output ends,
+one line on stderr says so, and the run finishes with every epoch's row in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+EPOCHS = 4
+
+
+def test_a_run_whose_stdout_reader_exits_finishes_every_epoch(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:2", "--dataset", "synthetic",
+                             "--epochs", str(EPOCHS), "--no-progress", "--threads-per-device", "1", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        first = proc.stdout.readline()  # as `| head -1` reads, then exits
+        proc.stdout.close()
+        stderr = proc.stderr.read()
+        returncode = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert first.startswith("training lenet on"), first
+    assert returncode == 0, stderr[-3000:]
+    assert "phalanx: stdout was closed by its reader" in stderr and "training goes on" in stderr, stderr[-3000:]
+    assert "BrokenPipeError" not in stderr, stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
+    assert (out / "model.pt").is_file()
