@@ -94,7 +94,29 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, WorkerFailed):
             print(f"phalanx: {exc}", file=sys.stderr)
             return 1
+        lost = _peer_lost_under_torchrun(exc)
+        if lost is not None:
+            print(lost, file=sys.stderr)
+            return 1
         raise
+
+
+def _peer_lost_under_torchrun(exc: BaseException) -> str | None:
+    """One line for a torchrun worker whose collective lost its peer (gloo's "Connection reset by
+    peer" when another host's worker died); None for any other error, or outside torchrun. phalanx's
+    own launcher names the rank that failed; under torchrun each worker knows only its side."""
+    import socket
+
+    from phalanx.comm.hosts import backend_reason
+    from phalanx.runtime.worker_errors import is_echo
+    from phalanx.runtime.world import launcher_env
+
+    env = launcher_env()
+    if env is None or not is_echo(exc):
+        return None
+    return (f"phalanx: run stopped: rank {env.rank} (on {socket.gethostname()}) lost its connection to another rank "
+            f"({backend_reason(exc)}): a worker of this run stopped, or its host or the link to it failed; that "
+            "worker's own output says why, and torchrun's agent ends the rest")
 
 
 def _a_torchrun_peer_saw_it(exc: BaseException) -> bool:

@@ -158,11 +158,11 @@ def exchange_failed(layout: HostLayout, op: str, exc: BaseException) -> HostExch
     others = [r for r in layout.peers if r != layout.rank]
     named = " and ".join(layout.where(r) for r in others)
     return HostExchangeError(f"{layout.where(layout.rank)} lost its exchange with {named} in a hierarchical {op}: "
-                             f"{_backend_reason(exc)} (that host stopped, or the link to it failed)",
+                             f"{backend_reason(exc)} (that host stopped, or the link to it failed)",
                              culprit=others[0] if others else None)
 
 
-def _backend_reason(exc: BaseException) -> str:
+def backend_reason(exc: BaseException) -> str:
     """gloo's message without its source location and advice: "Read error [10.77.0.2]:8838:
     Connection reset by peer"."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
