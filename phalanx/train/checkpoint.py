@@ -83,7 +83,7 @@ def fingerprint(model: torch.nn.Module, *, model_name: str, global_batch_size: i
 def checkpoint_path(location: str | Path) -> Path:
     """A checkpoint file, or a directory holding one as checkpoint.pt."""
     path = Path(location)
-    return path / FILENAME if path.is_dir() or not path.suffix else path
+    return path / FILENAME if path.is_dir() or not (path.suffix or path.is_file()) else path
 
 
 def generation_paths(location: str | Path) -> tuple[Path, Path]:
@@ -154,8 +154,8 @@ def _global_totals(per_rank: list[list[float]]) -> list[float]:
 
 
 def read_checkpoint(location: str | Path) -> dict[str, Any]:
-    """Load a checkpoint file as weights only, its CRCs checked first (DamagedFile when it is
-    damaged or unloadable); a clear UsageError for anything else."""
+    """Load a checkpoint file as weights only, its CRCs checked first (DamagedFile when damaged or
+    unloadable); a clear UsageError for anything else."""
     path = checkpoint_path(location)
     if not path.is_file():
         raise UsageError(f"no checkpoint at {path}; pass --resume a directory holding {FILENAME} (or the file)")
@@ -164,8 +164,9 @@ def read_checkpoint(location: str | Path) -> dict[str, Any]:
     except DamagedFile:
         raise
     except Exception as exc:  # noqa: BLE001 - pickle, zip and weights-only errors alike
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DamagedFile(path, f"is not loadable as a weights-only checkpoint ({reason[:160]}); it is corrupt, "
+        said = (str(exc).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")  # its first sentence
+        reason = f"{type(exc).__name__}: {said if len(said) <= 160 else said[:157] + '...'}"
+        raise DamagedFile(path, f"is not loadable as a weights-only checkpoint ({reason}); it is corrupt, "
                                 "tampered with or not a phalanx checkpoint") from None
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, FORMAT_1, FORMAT_SHARDED):
         raise UsageError(f"{path} is not a phalanx checkpoint (format {state.get('format') if isinstance(state, dict) else None!r}); "
@@ -285,8 +286,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
     NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
     `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
-    each object's `state_dict()` (rank 0's: they are replicated like the model). Rank 0 writes, atomically.
-    """
+    each object's `state_dict()` (rank 0's: they are replicated like the model). Rank 0 writes, atomically."""
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")

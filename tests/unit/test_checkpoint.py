@@ -133,3 +133,18 @@ def test_another_models_checkpoint_names_the_parameter(tmp_path):
     # Same name, other shapes (e.g. a different --init never changes shapes; a code change does):
     with pytest.raises(UsageError, match=r"does not fit this model: parameter \S+"):
         ckpt.check_compatible(state, _fp(other), path=tmp_path)
+
+
+def test_a_file_named_without_a_suffix_is_that_file_and_its_damage_is_said_in_whole_words(tmp_path):
+    """`--resume afile` was read as a directory ("no checkpoint at afile/checkpoint.pt"), and the
+    damage's reason was torch's message cut at 160 characters ("... there is a high)")."""
+    named = tmp_path / "afile"
+    named.write_text("hello")
+    with pytest.raises(UsageError, match=r"afile is not loadable as a weights-only checkpoint \(KeyError: ") as info:
+        ckpt.read_checkpoint(named)
+    zipped = tmp_path / "zipped.pt"
+    zipped.write_bytes(b"PK\x03\x04" + bytes(200))
+    with pytest.raises(UsageError) as info:
+        ckpt.read_checkpoint(zipped)
+    reason = str(info.value).split("(", 1)[1].split("); it is corrupt", 1)[0]
+    assert ": " in reason and (reason.endswith("...") or ". " not in reason), reason
