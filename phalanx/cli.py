@@ -17,6 +17,7 @@ by rank 0 alone under torchrun).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from dataclasses import dataclass
@@ -98,7 +99,21 @@ def main(argv: list[str] | None = None) -> int:
         if lost is not None:
             print(lost, file=sys.stderr)
             return 1
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            print(f"phalanx: run stopped: {_out_of_files(exc)}", file=sys.stderr)
+            return 1
         raise
+
+
+def _out_of_files(exc: OSError) -> str:
+    """A process (or the system) out of file descriptors: the limit, and how to raise it."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if exc.errno == errno.ENFILE:
+        return "the system's table of open files is full (ENFILE); close other programs' files and run again"
+    return (f"too many open files: this process may hold {soft} (ulimit -n), and the workers, their pipes and the "
+            "shared memory need more; raise it (ulimit -n 1024) and run again")
 
 
 def _peer_lost_under_torchrun(exc: BaseException) -> str | None:

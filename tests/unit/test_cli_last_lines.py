@@ -1,13 +1,19 @@
-"""Under torchrun, a worker whose collective lost its peer ends in one line, not gloo's traceback.
+"""Errors no part of phalanx raised as its own still end the CLI in one line where they have a known cause.
+
+Under torchrun, a worker whose collective lost its peer ends in one line, not gloo's traceback.
 
 With one worker per host `auto` exchanges through gloo (native): a host that died left the other
 worker a ~100-line traceback ending in gloo's "Read error ... Connection reset by peer ...
 GLHF!" (found by an outside operator's trial). phalanx's own launcher names the failed rank;
 under torchrun each worker says its side in one line. Other errors, and the same error outside
-torchrun, are left as they are.
+torchrun, are left as they are. A launcher out of file descriptors (`ulimit -n 20`) said
+`OSError: [Errno 24] Too many open files` under a traceback from multiprocessing; now the limit
+and how to raise it.
 """
 
 from __future__ import annotations
+
+import errno
 
 import pytest
 
@@ -44,3 +50,10 @@ def test_a_lost_peer_under_torchrun_is_one_line(monkeypatch, capsys):
 def test_other_errors_and_outside_torchrun_are_left_as_they_are(monkeypatch, exc, env):
     with pytest.raises(type(exc)):
         _main_raising(monkeypatch, exc, env)
+
+
+def test_too_many_open_files_is_one_line_naming_the_limit(monkeypatch, capsys):
+    assert _main_raising(monkeypatch, OSError(errno.EMFILE, "Too many open files"), {}) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("phalanx: run stopped: too many open files: this process may hold ")
+    assert "(ulimit -n), and the workers, their pipes and the shared memory need more; raise it (ulimit -n 1024)" in err
