@@ -43,8 +43,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of
-from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, error_files, error_report, failure, is_echo, read_report,
-                                           recorded, user_traceback, with_recorded)
+from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
+                                           read_report, recorded, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signals_deferred, stop_on_signals,
@@ -209,6 +209,8 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
                 first_failure = rank  # the others' reports: soon after an error, after their saves for a stop
                 grace_end = time.monotonic() + (STOP_GRACE_S if report[0] == "stopped" else ERROR_GRACE_S)
                 give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
+    if first_failure is not None and pending:  # a start-up wait that ran out for a stopped worker: name it
+        first_failure = blame_stopped(reports, first_failure, {rank: procs[rank].pid for rank in pending})
     if first_failure is None and pending:
         first_failure = min(pending)
         for rank in sorted(pending):

@@ -39,6 +39,7 @@ from typing import Iterator
 
 from phalanx.errors import PeerLost, Stopped, UsageError
 from phalanx.runtime.lifeline import describe_signal
+from phalanx.runtime.procs import process_state
 from phalanx.runtime.segment import stale_leftovers
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
@@ -148,6 +149,28 @@ def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseExce
                             f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
     return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
                         restartable=True)
+
+
+# What a store wait that ran out says (torch's DistStoreError): start-up's rendezvous, before the
+# collectives' watchdog exists to name a peer that never came.
+_STORE_TIMEOUT = ("DistStoreError", "wait timeout", "Timed out")
+
+
+def blame_stopped(reports: dict[int, tuple], first_failure: int, pending_pids: dict[int, int]) -> int:
+    """A worker whose store wait ran out while another sits stopped (SIGSTOP, Ctrl-Z, a debugger)
+    failed because of it: the stopped one is reported as the cause, the waiter's timeout as its
+    echo. Returns the rank at fault (`first_failure` when no such case). `pending_pids`: the pids
+    of the workers that gave no report, by rank."""
+    root = reports[first_failure]
+    if root[0] != "error" or not any(words in root[1] for words in _STORE_TIMEOUT):
+        return first_failure
+    for rank, pid in sorted(pending_pids.items()):
+        if process_state(pid) in ("T", "t"):
+            reports[rank] = error_report(f"stopped responding (state: stopped) during start-up, while rank "
+                                         f"{first_failure} waited for it (SIGSTOP, Ctrl-Z or a debugger?)")
+            reports[first_failure] = (*root[:3], True)
+            return rank
+    return first_failure
 
 
 def error_report(line: str, trace: str = "", echo: bool = False) -> tuple:

@@ -102,3 +102,23 @@ def test_the_traceback_starts_at_the_users_code(tmp_path):
     lines = worker_errors.user_traceback(exc).splitlines()
     assert lines[:2] == ["Traceback (most recent call last):", f'  File "{script}", line 4, in <module>']
     assert lines[-1] == "ValueError: bad batch" and "runpy" not in "\n".join(lines)
+
+
+def test_a_start_up_wait_that_ran_out_for_a_stopped_worker_names_that_worker(monkeypatch):
+    """SIGSTOP on rank 1 in its first second: rank 0's rendezvous wait ran out and it was blamed,
+    under a DistStoreError traceback (an outside operator's trial). The stopped worker is the cause."""
+    from phalanx.runtime import worker_errors
+    from phalanx.runtime.worker_errors import blame_stopped, error_report, failure
+
+    states = {101: "S", 102: "T"}
+    monkeypatch.setattr(worker_errors, "process_state", lambda pid: states.get(pid))
+    store = "DistStoreError: wait timeout after 10000ms, keys: /phalanx/x/0//cpu//0/1"
+    reports = {0: error_report(store, "Traceback ...\n")}
+    rank = blame_stopped(reports, 0, {1: 102})
+    text = str(failure(reports, rank, None))
+    assert text == ("worker rank 1 failed: stopped responding (state: stopped) during start-up, while rank 0 waited "
+                    f"for it (SIGSTOP, Ctrl-Z or a debugger?)\nrank 0 stopped too: {store}")
+    other = {0: error_report("ValueError: bad shape", "Traceback ...\n")}  # not a wait that ran out: as it was
+    assert blame_stopped(other, 0, {1: 102}) == 0 and other[0][3] is False
+    running = {0: error_report(store, "")}  # the peer runs: no one to blame but the waiter's own line
+    assert blame_stopped(running, 0, {1: 101}) == 0
