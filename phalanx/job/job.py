@@ -12,6 +12,7 @@ device count (resume.py decides where a run starts and what must match).
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 from dataclasses import replace
@@ -70,6 +71,17 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
         return result
     finally:
         strategy.close()  # stops a replica's communication thread before the launcher's stop_world
+
+
+def run_facts(config: TrainConfig, *, dataset: str) -> dict[str, Any]:
+    """What else a metrics row says of its run, for an operator reading the file alone: what
+    trained, with which seed and threads, when the row was written (UTC) and by which versions."""
+    from phalanx import __version__
+
+    return {"model": config.model, "dataset": dataset, "optimizer": config.optim.optimizer,
+            "seed": config.seed, "threads_per_worker": torch.get_num_threads(),
+            "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "phalanx": __version__, "torch": torch.__version__}
 
 
 def build_strategy(config: TrainConfig, model: torch.nn.Module, *, world: World, num_classes: int,
@@ -160,7 +172,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                "epoch_s": stats.elapsed_s, "images_per_s": stats.num_examples / stats.elapsed_s,
                "devices": list(device_names), "global_batch_size": config.global_batch_size, "lr": config.optim.lr,
                "warmup_epochs": config.optim.warmup_epochs, "dtype": config.dtype, **strategy.facts(),
-               **mixed_lr(begin, config, epoch)}
+               **mixed_lr(begin, config, epoch), **run_facts(config, dataset=data.name)}
         history.append(row)
         mixed = (f"  (lr {row['lr_before_resume']:g} for its first {row['steps_before_resume']} steps, "
                  f"{config.optim.lr:g} after the resume)" if "lr_before_resume" in row else "")

@@ -59,6 +59,11 @@ def test_k_devices_match_one_device(tmp_path, base_config, one_device, devices, 
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[-1]["devices"] == [f"cpu:{i}" for i in range(int(devices))]
+    # What an operator reading the file alone needs of the run (an outside operator's trial).
+    facts = {key: rows[-1][key] for key in ("model", "dataset", "optimizer", "seed", "torch")}
+    assert facts == {"model": "lenet", "dataset": "fashion-mnist", "optimizer": "sgd", "seed": 3,
+                     "torch": torch.__version__}
+    assert rows[-1]["threads_per_worker"] >= 1 and rows[-1]["written_at"].endswith("+00:00")
     ref_rows = ref_results[0]["history"]
     # Metrics are reduced globally, so they agree with the 1-device run too.
     assert abs(rows[-1]["test_acc"] - ref_rows[-1]["test_acc"]) < 2e-3
