@@ -1,4 +1,4 @@
-"""One run per output directory: an advisory lock on --out and the checkpoint dir, held by the launcher.
+"""One run per output directory: an advisory lock on --out, the checkpoint dir and --trace, held by the launcher.
 
 `hold_run_directories` takes an `fcntl.flock` on each directory the run writes (creating it if
 missing) before any worker starts, and holds it until the launcher is done, however it ends: the
@@ -60,6 +60,8 @@ def _directories(config: TrainConfig) -> list[tuple[str, str]]:
     if config.checkpoint.every is not None and config.checkpoint_location:
         flag = "--checkpoint-dir" if config.checkpoint.directory is not None else "the checkpoint dir"
         found.append((flag, config.checkpoint_location))
+    if config.trace_dir:  # two runs' traces in one directory overwrote each other, silently
+        found.append(("--trace", config.trace_dir))
     unique, seen = [], set()
     for flag, directory in found:  # one lock per directory: a second flock on it would block this process
         key = os.path.realpath(directory)

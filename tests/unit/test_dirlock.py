@@ -109,3 +109,17 @@ def test_temporary_files_of_a_killed_runs_writes_are_removed_under_the_lock(tmp_
                                       resume="auto")):
         assert not [p for p in stale if p.exists()]
         assert all(p.exists() for p in kept)
+
+
+def test_a_trace_directory_is_held_as_out_is(tmp_path):
+    """Two runs with one --trace both ended 0, the second's traces over the first's (an operator's trial)."""
+    from dataclasses import replace
+
+    first = replace(_config(out_dir=str(tmp_path / "a")), trace_dir=str(tmp_path / "trace"))
+    second = replace(_config(out_dir=str(tmp_path / "b")), trace_dir=str(tmp_path / "trace"))
+    with hold_run_directories(first):
+        with pytest.raises(UsageError, match=r"^--trace .*trace is in use by another phalanx run \(pid \d+\)"):
+            with hold_run_directories(second):
+                pass
+    with hold_run_directories(second):  # free again once the first is over
+        pass
