@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,8 +60,9 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
                                                           steps_per_epoch=config.trace_steps)
     strategy = build_strategy(config, model, world=world, num_classes=data.num_classes, tracer=tracer)
     try:
-        # Armed where a stop can be saved: the first SIGTERM then ends the run after a step, saved there.
-        with stop_request.armed(enabled=config.checkpoint_location is not None):
+        # Armed where a stop can be saved: the first SIGTERM (or Ctrl-C) then ends the run after a step, saved there.
+        with stop_request.armed(enabled=config.checkpoint_location is not None,
+                                signals=(signal.SIGTERM, signal.SIGINT)):
             result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
                           tracer=tracer)
         if tracer is not None:

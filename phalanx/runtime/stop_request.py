@@ -29,11 +29,11 @@ STOP_SIGNAL = signal.SIGTERM
 
 
 class _Request:
-    """The first stop signal seen while armed (None: none), and the handler it replaced."""
+    """The first stop signal seen while armed (None: none), and the handlers arming replaced."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self.previous = None
+        self.previous: dict[int, object] = {}
 
 
 _REQUEST = _Request()
@@ -52,7 +52,7 @@ def _on_signal(signum: int, frame) -> None:
                 stream.flush()
         return
     # A second one: whatever the replaced handler did (die, or raise the launcher's Stopped).
-    previous = _REQUEST.previous
+    previous = _REQUEST.previous.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
     elif previous != signal.SIG_IGN:
@@ -60,34 +60,35 @@ def _on_signal(signum: int, frame) -> None:
         os.kill(os.getpid(), signum)
 
 
-def arm() -> bool:
-    """From now on, the first SIGTERM is a request that `agreed` reads (for a script's loop: until
-    the process ends). False where it cannot be (off the main thread); True if already armed."""
+def arm(signals: tuple[int, ...] = (STOP_SIGNAL,)) -> bool:
+    """From now on, the first of `signals` is a request that `agreed` reads (for a script's loop:
+    until the process ends). False where it cannot be (off the main thread); True if already armed."""
     try:
-        previous = signal.getsignal(STOP_SIGNAL)
-        if previous is _on_signal:
+        if signal.getsignal(signals[0]) is _on_signal:
             return True
-        signal.signal(STOP_SIGNAL, _on_signal)
-    except ValueError:  # not the main thread: SIGTERM keeps its handler
+        previous = {signum: signal.getsignal(signum) for signum in signals}
+        for signum in signals:
+            signal.signal(signum, _on_signal)
+    except ValueError:  # not the main thread: the signals keep their handlers
         return False
     _REQUEST.signum, _REQUEST.previous = None, previous
     return True
 
 
 @contextlib.contextmanager
-def armed(enabled: bool = True) -> Iterator[bool]:
-    """`arm()` while the block runs, the handler it replaced given back after, and no request left
-    pending. Yields whether it armed (not when `enabled` is False, off the main thread, or when
-    armed further out)."""
-    if not enabled or signal.getsignal(STOP_SIGNAL) is _on_signal or not arm():
+def armed(enabled: bool = True, signals: tuple[int, ...] = (STOP_SIGNAL,)) -> Iterator[bool]:
+    """`arm(signals)` while the block runs, the handlers it replaced given back after, and no
+    request left pending. Yields whether it armed (not when `enabled` is False, off the main
+    thread, or when armed further out). `phalanx train` arms SIGINT too: a Ctrl-C saves as well."""
+    if not enabled or signal.getsignal(signals[0]) is _on_signal or not arm(signals):
         yield False
         return
     try:
         yield True
     finally:
-        previous = _REQUEST.previous
-        signal.signal(STOP_SIGNAL, previous if previous is not None else signal.SIG_DFL)
-        _REQUEST.signum, _REQUEST.previous = None, None
+        for signum, previous in _REQUEST.previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        _REQUEST.signum, _REQUEST.previous = None, {}
 
 
 def agreed(sum_over_ranks: Callable[[list[float]], list[float]] | None) -> bool:
@@ -102,5 +103,5 @@ def agreed(sum_over_ranks: Callable[[list[float]], list[float]] | None) -> bool:
 
 def stopped_at(where: str, saved_in: str) -> Stopped:
     """The exception that ends a run that stopped after a step and saved it."""
-    return Stopped(STOP_SIGNAL, detail=f"after {where}, saved in {saved_in}; run the same command with "
-                                  "--resume auto to continue")
+    return Stopped(_REQUEST.signum or STOP_SIGNAL, detail=f"after {where}, saved in {saved_in}; run the same "
+                                                         "command with --resume auto to continue")

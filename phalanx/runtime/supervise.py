@@ -229,8 +229,8 @@ def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> 
     terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
     saves and reports "stopped" (runtime/stop_request.py), one not armed dies of it at once; waits
     up to STOP_GRACE_S, and returns `stop` with the saved place, if any. Ctrl-C (SIGINT): a
-    script's `except KeyboardInterrupt` and `finally` blocks run (an emergency save); waits up
-    to INTERRUPT_GRACE_S. A forked worker runs its function off the main thread, where no
+    script's `except KeyboardInterrupt` and `finally` blocks run (an emergency save), and phalanx
+    train, armed for it too, saves as for SIGTERM; waits up to INTERRUPT_GRACE_S. A forked worker runs its function off the main thread, where no
     KeyboardInterrupt lands: not asked."""
     interrupt = isinstance(stop, KeyboardInterrupt)
     if (not interrupt and stop.detail is not None) or (interrupt and forked):
@@ -246,16 +246,17 @@ def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> 
         for rank in [r for r in pending if conns[r] in ready or procs[r].sentinel in ready]:
             pending.discard(rank)
             reports[rank] = read_report(procs[rank], conns[rank], False)
-    if interrupt or not reports:
-        return stop
     kinds = {report[0] for report in reports.values()}
+    if not reports or (interrupt and "stopped" not in kinds):  # phalanx train saves on Ctrl-C too; a script not
+        return stop
     # A worker that failed while stopping (its save could not be written): that failure, not a stop.
     failed = [rank for rank, report in sorted(reports.items())
               if report[0] in ("failed", "usage") or (report[0] == "error" and not report[1].startswith("died"))]
     if failed:
         return failure(reports, failed[0], None)
     if "stopped" in kinds:
-        return Stopped(stop.signum, detail=next(r[2] for r in reports.values() if r[0] == "stopped"))
+        return Stopped(signal.SIGINT if interrupt else stop.signum,
+                       detail=next(r[2] for r in reports.values() if r[0] == "stopped"))
     if kinds == {"ok"}:  # a script that asked phalanx.stop_requested and saved, or a run that was ending
         return Stopped(stop.signum, detail="and every worker ended its work by itself (exit 0)")
     return stop

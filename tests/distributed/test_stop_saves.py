@@ -2,8 +2,8 @@
 signalled, as `timeout`, Kubernetes and Slurm do; one worker alone; torchrun's agent; one device
 in-process) saves after a step every rank agrees on, says where in one line (exit 143), and
 `--resume auto` then ends bitwise equal to the run nobody stopped (float64). Before, the work
-since the last checkpoint was lost: with no --checkpoint-every, all of it. A run with nowhere to
-save stops at once, as before."""
+since the last checkpoint was lost: with no --checkpoint-every, all of it. A Ctrl-C does the same
+(exit 130). A run with nowhere to save stops at once, as before."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.distributed
 PHALANX = [sys.executable, "-m", "phalanx"]
 TRAIN = ["train", "--dataset", "synthetic", "--dtype", "float64", "--epochs", "3", "--batch-size", "512",
          "--seed", "5", "--no-progress"]
-SAVED = re.compile(r"phalanx: stopped by SIGTERM after epoch (\d+), step (\d+) of (\d+), saved in (.+); "
+SAVED = re.compile(r"phalanx: stopped by (?:SIGTERM|SIGINT) after epoch (\d+), step (\d+) of (\d+), saved in (.+); "
                    r"run the same command with --resume auto to continue")
 
 
@@ -76,6 +76,7 @@ def _relaunch_command(devices: str) -> list[str]:
 @pytest.mark.parametrize("devices, target, extra", [
     ("cpu:2", "launcher", ()), ("cpu:2", "worker", ()), ("torchrun:2", "launcher", ()), ("1", "launcher", ()),
     ("cpu:2", "launcher", ZERO3),  # before 2026-12-02 its shares went to a directory nobody had made
+    ("cpu:2", "ctrl-c", ()), ("1", "ctrl-c", ()),  # before 2026-12-02 a Ctrl-C kept only the last checkpoint
 ])
 def test_a_sigterm_saves_an_agreed_step_and_the_resume_is_the_uninterrupted_run(tmp_path, uninterrupted, devices,
                                                                                target, extra):
@@ -83,10 +84,14 @@ def test_a_sigterm_saves_an_agreed_step_and_the_resume_is_the_uninterrupted_run(
     proc = _launch(devices, out, *extra)
     workers = _workers(proc.pid, 2) if devices == "cpu:2" else []
     _wait_for(out / "metrics.jsonl")  # epoch 1 is written: training is under way
-    os.kill(workers[1] if target == "worker" else proc.pid, signal.SIGTERM)  # the launcher alone, as `timeout` does
+    if target == "ctrl-c":  # a terminal's Ctrl-C: SIGINT to the launcher's group (the workers lead their own)
+        os.killpg(proc.pid, signal.SIGINT)
+    else:  # the launcher alone, as `timeout` does
+        os.kill(workers[1] if target == "worker" else proc.pid, signal.SIGTERM)
     code, stderr = _finish(proc)
     lines = [line for line in stderr.strip().splitlines() if line.startswith("phalanx: stopped")]
-    assert code == (1 if devices.startswith("torchrun") else 143), stderr[-3000:]  # torchrun: its agent's own exit
+    expected = 1 if devices.startswith("torchrun") else 130 if target == "ctrl-c" else 143  # torchrun: its agent's
+    assert code == expected and (f"by {'SIGINT' if target == 'ctrl-c' else 'SIGTERM'} " in lines[0]), stderr[-3000:]
     assert len(lines) == 1, stderr[-3000:]  # once, also where every rank of torchrun raised it
     match = SAVED.fullmatch(lines[0])
     assert match, stderr[-3000:]

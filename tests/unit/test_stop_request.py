@@ -175,7 +175,7 @@ def test_a_scripts_first_question_arms_the_process_for_good(replaced_handler):
             _sigterm_self()  # a second one: what was there
     finally:
         signal.signal(signal.SIGTERM, _replaced)
-        stop_request._REQUEST.signum = stop_request._REQUEST.previous = None
+        stop_request._REQUEST.signum, stop_request._REQUEST.previous = None, {}
         dp.close()
     seen = []
     thread = threading.Thread(target=lambda: seen.append(phalanx.stop_requested(dp)))
