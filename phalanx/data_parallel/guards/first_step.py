@@ -61,14 +61,18 @@ _FRAMES_SEARCHED = 8
 _WAITING: weakref.WeakSet = weakref.WeakSet()
 _UNDER_WAY = [0]  # backwards that passed a shard_loss result and have not ended (nested ones run inside)
 _NOTING: weakref.WeakSet = weakref.WeakSet()  # every rank's SizesAcrossRanks, until its first synced step
+_MAX_NOTED = 4096  # sizes a SizesAcrossRanks keeps at most: the first step's, in any real loop
 
 
 def mark_shard_loss(scaled: torch.Tensor, global_batch_size=None) -> None:
     """Called by shard_loss with its result: while a check waits, a backward through
     `scaled` tells it in which autograd task it ran, and the size it was given is set beside the
     rows of the last forward. No check waiting: nothing (one test)."""
-    for sizes in list(_NOTING):
-        sizes.given.append(float(global_batch_size))
+    if _NOTING:
+        for sizes in list(_NOTING):
+            sizes.given.append(float(global_batch_size))
+            if len(sizes.given) >= _MAX_NOTED:  # a replica that never syncs (a teacher's) stops noting
+                _NOTING.discard(sizes)
     if _WAITING and scaled.requires_grad:
         scaled.register_hook(_passed)
         for check in list(_WAITING):
