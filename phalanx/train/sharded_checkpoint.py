@@ -209,11 +209,11 @@ def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 
 def whole_optimizer_order(state: dict, module: torch.nn.Module) -> list[str | None]:
     """The parameter name behind each index of a whole checkpoint's optimizer state: as saved
-    (`optimizer_names`), or for a checkpoint saved before those were kept, the module's order,
+    (`optimizer_names`), or where those are not all known (saved before they were kept), the module's order,
     which is right only for one group over all its parameters (ValueError for any other)."""
-    saved = state.get("optimizer_names")
-    if saved is not None:
-        return [name for group in saved for name in group]
+    saved = [name for group in state.get("optimizer_names") or [] for name in group]
+    if saved and None not in saved:  # (a split's optimizer may hold copies the saved model does not name)
+        return saved
     groups, names = state["optimizer"].get("param_groups", []), trainable_names(module)
     if len(groups) <= 1 and sum(len(g["params"]) for g in groups) == len(names):
         return names
