@@ -68,14 +68,15 @@ def _leftovers(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("phalanx-"))
 
 
-# A run with --out saves where a SIGTERM stops it (tests/distributed/test_stop_saves.py).
-SAVED = r"phalanx: stopped by SIGTERM after epoch \d+, step \d+ of \d+, saved in .+; run the same command with --resume auto to continue"
+# A run with --out saves where a SIGTERM or a Ctrl-C stops it (tests/distributed/test_stop_saves.py).
+SAVED = (r"phalanx: stopped by {} after epoch \d+, step \d+ of \d+, saved in .+; run the same command with --resume "
+         r"auto to continue")
 
 
 @pytest.mark.parametrize("signum, gap_s, code, line", [
-    (signal.SIGTERM, 0.01, 143, SAVED),
-    (signal.SIGTERM, 0.05, 143, SAVED),
-    (signal.SIGINT, 0.02, 130, "phalanx: interrupted"),
+    (signal.SIGTERM, 0.01, 143, SAVED.format("SIGTERM")),
+    (signal.SIGTERM, 0.05, 143, SAVED.format("SIGTERM")),
+    (signal.SIGINT, 0.02, 130, SAVED.format("SIGINT")),  # the second Ctrl-C absorbed: the save is not cut short
 ])
 def test_a_second_stop_signal_while_stopping_is_absorbed(tmp_path, signum, gap_s, code, line):
     # SIGTERM twice, as a scheduler escalating: unabsorbed, the second kills the launcher (exit -15, no

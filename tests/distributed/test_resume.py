@@ -19,6 +19,7 @@ good generation is still there.
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,7 +143,8 @@ def test_a_fall_back_then_a_failed_first_save_still_leaves_the_good_checkpoint(r
     _assert_same_run(out, reference)
 
 
-def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
+def test_ctrl_c_stops_within_a_step_and_saves_there(tmp_path):
+    # Before 2026-12-02 it stopped at once, leaving the last periodic checkpoint (an operator's trial).
     out = tmp_path / "run"
     with started_phalanx(*COMMON, "--dtype", "float32", "--epochs", "200", "--checkpoint-every", "5",
                          "--out", str(out)) as proc:
@@ -159,11 +161,13 @@ def test_ctrl_c_stops_at_once_and_leaves_the_last_checkpoint(tmp_path):
         elapsed_s = time.monotonic() - sent
     assert proc.returncode == 130, stderr[-2000:]
     assert elapsed_s < 10
-    assert stderr.strip().splitlines()[-1].startswith("phalanx: interrupted")
+    said = re.fullmatch(r"phalanx: stopped by SIGINT after epoch (\d+), step (\d+) of \d+, saved in .+; run the "
+                        r"same command with --resume auto to continue", stderr.strip().splitlines()[-1])
+    assert said, stderr[-2000:]
     from phalanx.train import checkpoint as ckpt
 
-    state = ckpt.read_checkpoint(out / "checkpoints")  # whole and loadable
-    assert state["epoch"] >= 1
+    state = ckpt.read_checkpoint(out / "checkpoints")  # whole and loadable, where the line says
+    assert (state["epoch"] + 1, state["step"]) == (int(said[1]), int(said[2])) and state["epoch"] >= 1
     kept = ("checkpoint.pt", "checkpoint.previous.pt")  # the last checkpoint and the one before it
     assert not [p for p in (out / "checkpoints").iterdir() if p.name not in kept], "temp file left behind"
 
