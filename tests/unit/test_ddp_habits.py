@@ -146,18 +146,24 @@ def test_a_mean_loss_is_named_once_with_the_fix_and_shard_loss_is_not():
     assert _first_step(lambda out, y: 2 * phalanx.shard_loss(F.cross_entropy(out, y, reduction="sum"), 16)) == []
 
 
+def _warned_at_first_step(model: nn.Module, loss_sum, global_batch_size: int) -> list[str]:
+    """Rank 0's check of a 2-rank replica of `model` after one backward of
+    `shard_loss(loss_sum(), global_batch_size)`: the PhalanxWarnings it gave."""
+    check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True, module=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        phalanx.shard_loss(loss_sum(), global_batch_size).backward()
+        assert check.after_sync(caller_frame(0))
+    return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+
+
 def test_shard_loss_given_the_shards_own_size_is_named_once_and_the_global_size_is_not():
     # Before 2026-12-02 shard_loss(loss_sum, len(x)) trained 2 workers 0.56 relative away from one device, silently.
     def first_step(global_batch_size: int, rows: int = 8) -> list[str]:
         torch.manual_seed(0)
         model = nn.Linear(4, 3)
-        check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True, module=model)
         X, y = torch.randn(rows, 4), torch.randint(0, 3, (rows,))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            phalanx.shard_loss(F.cross_entropy(model(X), y, reduction="sum"), global_batch_size).backward()
-            assert check.after_sync(caller_frame(0))
-        return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+        return _warned_at_first_step(model, lambda: F.cross_entropy(model(X), y, reduction="sum"), global_batch_size)
 
     assert first_step(8) == [
         "phalanx.shard_loss got global_batch_size=8, the number of examples this rank's forward just saw: the "
@@ -172,14 +178,9 @@ def test_shard_loss_given_this_ranks_own_token_count_is_named_once():
     def first_step(global_batch_size: int, length: int = 6) -> list[str]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11))
-        check = FirstStepCheck(list(model.parameters()), world_size=2, check_loss=True, module=model)
         ids = torch.randint(0, 11, (4, length))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss_sum = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="sum")
-            phalanx.shard_loss(loss_sum, global_batch_size).backward()
-            assert check.after_sync(caller_frame(0))
-        return [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+        return _warned_at_first_step(
+            model, lambda: F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="sum"), global_batch_size)
 
     assert first_step(24) == [
         "phalanx.shard_loss got global_batch_size=24, the number of tokens this rank's forward just saw: the global "
