@@ -27,6 +27,7 @@ from typing import Any, Callable, ContextManager, NamedTuple, Sequence
 
 import torch.distributed as dist
 
+from phalanx.runtime.procs import process_alive
 from phalanx.runtime.world import World
 
 SHM_DIR = "/dev/shm"
@@ -179,13 +180,12 @@ def stale_leftovers(directory: str, prefix: str, *, now: float | None = None) ->
     for name in names:
         pid = name[len(prefix):].split("-", 1)[0]
         try:
-            if not pid.isdigit() or now - os.stat(os.path.join(directory, name)).st_mtime < STALE_AFTER_S:
-                continue
-            os.kill(int(pid), 0)  # raises when no such process runs (in this pid namespace)
-        except ProcessLookupError:
-            stale.append(name)
-        except OSError:  # gone already, or another user's process: not ours to judge
+            old = now - os.stat(os.path.join(directory, name)).st_mtime >= STALE_AFTER_S
+        except OSError:  # gone already
             continue
+        # Not alive in this pid namespace (another user's process counts as alive: not ours to judge).
+        if pid.isdigit() and old and not process_alive(int(pid)):
+            stale.append(name)
     return stale
 
 
