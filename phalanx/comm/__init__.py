@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
@@ -98,13 +99,24 @@ def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", 
     `transport`: what the algorithm runs over (an `ShmGroup` for shm; default group otherwise).
     `tag`: what the call is, as a failure names it (e.g. Tag("evaluation"); default "allreduce").
     """
+    if algorithm == "auto":
+        raise ValueError("phalanx.allreduce takes one algorithm, not 'auto' (prepare()'s choice, which opens "
+                         f"the transport it picks); choose one of {', '.join(ALGORITHMS)}")
     fn = allreduce_fn(algorithm)
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape)):
+        raise ValueError(f"allreduce: a tensor of shape {tuple(tensor.shape)} whose elements share memory (stride 0, "
+                         "from expand()) cannot hold a sum per element; pass tensor.clone()")
     if not world.distributed:
         return tensor
     apply_flat(tensor, lambda flat: run_collective(
         world, algorithm, tag, flat, transport=transport,
         start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
         job=lambda transport, ticket: fn(flat, world=world, transport=transport, ticket=ticket)))
+    # Every algorithm counts as an in-place write for autograd (the Python ones are; the backend's
+    # and the compiled shm kernel write through the data pointer): a tensor saved for a backward
+    # is then refused by that backward, whichever algorithm ran, instead of differentiated at
+    # the summed value on some algorithms only.
+    increment_version(tensor)
     return tensor
 
 
@@ -119,6 +131,7 @@ def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0, tag: Tag = T
     if not 0 <= src < world.world_size:
         raise ValueError(f"broadcast source rank {src} outside world of size {world.world_size}")
     if world.distributed:
+        tag = tag.sent_from(src)
         apply_flat(tensor, lambda flat: native(world, tag, lambda: dist.broadcast(flat, src=src, async_op=True),
                                                size_bytes=flat.numel() * flat.element_size()))
     return tensor

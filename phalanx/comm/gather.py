@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 from typing import Any, Iterator
 
 import torch
@@ -37,7 +38,7 @@ from phalanx.runtime.world import World
 
 MAX_DIMS = 8  # the header holds this many sizes; a tensor with more dimensions is refused
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 
 
 def _all_gather(tensor: torch.Tensor, *, world: World, tag: Tag) -> list[torch.Tensor]:
@@ -105,13 +106,17 @@ def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> 
             raise ValueError(f"gather: rank {rank} has {_describe(theirs)}, rank {world.rank} {_describe(mine)}; "
                              "every rank's rows must have the same trailing shape and dtype")
     counts = [theirs[2] for theirs in found]
-    wire = rows.to(world.device)
-    wire = wire.view(torch.uint8) if wire.dtype == torch.bool else wire
-    padded = wire.new_zeros((max(counts), *wire.shape[1:]))
+    # Rows travel as bytes, one row per line, so every dtype goes alike: gloo's all-gather has
+    # no int16 or bool, NCCL's no bool.
+    row_shape = rows.shape[1:]
+    if math.prod(row_shape) == 0:  # rows of no elements (alike on every rank): nothing to send
+        return rows.new_empty((sum(counts), *row_shape), device=world.device)
+    wire = rows.to(world.device).reshape(rows.shape[0], math.prod(row_shape)).contiguous().view(torch.uint8)
+    padded = wire.new_zeros((max(counts), wire.shape[1]))
     padded[:wire.shape[0]] = wire
     pieces = _all_gather(padded, world=world, tag=tag)
     joined = torch.cat([piece[:count] for piece, count in zip(pieces, counts)])
-    return joined.view(torch.bool) if rows.dtype == torch.bool else joined
+    return joined.view(rows.dtype).reshape(joined.shape[0], *row_shape)
 
 
 @torch.no_grad()
@@ -124,6 +129,7 @@ def broadcast(obj: Any, *, src: int = 0, world: World, tag: Tag = Tag("broadcast
                          f"use 0..{world.world_size - 1}")
     if not world.distributed:
         return obj
+    tag = tag.sent_from(src)
     payload = None
     if world.rank == src:
         saved = io.BytesIO()

@@ -1,4 +1,5 @@
-"""A launched collective's `Handle`: what `AsyncComm`'s async calls return, waited exactly once.
+"""A launched collective's `Handle`: what `AsyncComm`'s async calls return. As torch's `Work`, a
+second wait returns at once (or raises the first wait's error again).
 
 Until the wait returns, the tensor must not be read or written (picotron and DDP follow the same
 contract for their buckets). An allreduce of a non-contiguous tensor runs on a contiguous copy
@@ -21,15 +22,23 @@ class Handle:
         self._flat = flat  # a contiguous copy to write back, or None when the tensor was used as is
         self._wait_fn = wait_fn
         self._waited = False
+        self._failed: BaseException | None = None
 
     @property
     def waited(self) -> bool:
         return self._waited
 
     def wait(self) -> torch.Tensor:
-        assert not self._waited, "collective handle waited twice"
+        if self._failed is not None:
+            raise self._failed
+        if self._waited:
+            return self._tensor
         self._waited = True
-        self._wait_fn()
+        try:
+            self._wait_fn()
+        except BaseException as exc:
+            self._failed = exc
+            raise
         if self._flat is not None:
             with torch.no_grad():
                 self._tensor.copy_(self._flat.view(self._tensor.shape))

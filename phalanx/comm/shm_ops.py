@@ -156,6 +156,6 @@ def _rounds(op: str, flat: torch.Tensor, counts: Sequence[int], world: World, tr
 def segment_of(transport, op: str) -> ShmGroup:
     """`transport` if it is the ShmGroup an shm collective needs; ValueError saying how to get one."""
     if not isinstance(transport, ShmGroup):
-        raise ValueError(f"the shm {op} needs its shared segment: pass transport=ShmGroup(world=...) "
-                         "or use AsyncComm(world=..., algorithms=('shm',))")
+        raise ValueError(f"the shm {op} needs its shared segment: pass transport=phalanx.comm.ShmGroup(world=...) "
+                         "or use phalanx.comm.AsyncComm(world=..., algorithms=('shm',))")
     return transport

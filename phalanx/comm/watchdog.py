@@ -220,8 +220,10 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
 
 def _mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket, *, mine_steps: int | None = None,
               theirs_steps: int | None = None) -> CollectiveMismatch:
-    text = (f"ranks are in different collectives: rank {rank} is in {describe(theirs.code, theirs.size_bytes)}"
-            f"{_callers(theirs.code)}; rank {board.rank} in {describe(mine.code, mine.size_bytes)}{_callers(mine.code)}")
+    exact = describe(theirs.code, theirs.size_bytes) == describe(mine.code, mine.size_bytes)  # two "7.6 MiB"
+    theirs_text, mine_text = (describe(t.code, t.size_bytes, exact=exact) for t in (theirs, mine))
+    text = (f"ranks are in different collectives: rank {rank} is in {theirs_text}{_callers(theirs.code)}; "
+            f"rank {board.rank} in {mine_text}{_callers(mine.code)}")
     if mine_steps is not None and theirs_steps is not None and mine_steps != theirs_steps:
         text += f" (rank {board.rank} has synced {mine_steps} steps, rank {rank} {theirs_steps})"
     return CollectiveMismatch(f"{text}; every rank must make the same collective calls in the same order")

@@ -68,6 +68,11 @@ class Tag:
         object.__setattr__(self, "_bits", (_OP_CODE[self.op] << _OP_SHIFT) | (phase_code(self.phase) << _PHASE_SHIFT)
                            | (self.index << _INDEX_SHIFT))
 
+    def sent_from(self, src: int) -> "Tag":
+        """A broadcast's tag with its source rank as the index, so peers that disagree on the
+        source are in different collectives (the backend would wait for two senders' bytes)."""
+        return dataclasses.replace(self, index=src & _INDEX_MASK) if self.phase == "broadcast" else self
+
     def doing(self, op: str) -> "Tag":
         """This tag on a collective of kind `op`: what reduce-scatter and all-gather enter."""
         return self if op == self.op else dataclasses.replace(self, op=op)
@@ -88,21 +93,27 @@ def op_of(code: int) -> str:
     return OPS[code >> _OP_SHIFT] if code >> _OP_SHIFT < len(OPS) else "a collective"
 
 
-def describe(code: int, size_bytes: int = 0) -> str:
+def describe(code: int, size_bytes: int = 0, *, exact: bool = False) -> str:
     """A tag in words: "step 76's gradient bucket 2 (5.5 KiB)", "evaluation after step 75 (24 B)",
-    "reduce-scatter of step 3's gradient bucket 0"."""
+    "reduce-scatter of step 3's gradient bucket 0"; `exact`: the size in bytes too, "(7.6 MiB,
+    8,000,000 B)", for two sizes that round alike."""
     phase = (code >> _PHASE_SHIFT) & _PHASE_MASK
     index = (code >> _INDEX_SHIFT) & _INDEX_MASK
     steps = code & _STEP_MASK
     name = PHASES[phase] if phase < len(PHASES) and PHASES[phase] else "a collective"
     if name == "gradient":
         text = f"step {steps + 1}'s gradient bucket {index}"
+    elif name == "broadcast":
+        text = f"broadcast from rank {index}" + (f" after step {steps}" if steps else "")
     else:
         text = f"{name} after step {steps}" if steps else name
     op = op_of(code)
     if op != "allreduce" and name != op:
         text = f"{op} of {text}"
-    return f"{text} ({format_bytes(size_bytes)})" if size_bytes else text
+    if not size_bytes:
+        return text
+    rounded = format_bytes(size_bytes)
+    return f"{text} ({rounded}, {size_bytes:,} B)" if exact and not rounded.endswith(" B") else f"{text} ({rounded})"
 
 
 # The calls of a user's script that issue each phase, for the ranks that meet in different ones:

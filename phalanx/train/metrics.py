@@ -22,20 +22,26 @@ from phalanx.runtime.world import World
 REDUCE_OPS = ("mean", "sum")
 
 
-def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean") -> float | torch.Tensor:
+def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean") -> float | int | torch.Tensor:
     """`value` summed over every rank of `world` (`op="sum"`), or that sum / world size
-    (`op="mean"`), in float64. A number or a one-element tensor gives a float; a larger tensor
-    gives a float64 tensor of its shape (one collective for all its elements). The caller's
-    tensor is left as it was."""
+    (`op="mean"`). Real numbers are summed in float64; integers (an int, an integer or bool
+    tensor: counts) exactly, in int64, so `op="sum"` gives an int (past 2**53 a float64 sum would
+    round). A number or a one-element tensor gives a Python number; a larger tensor a tensor of its
+    shape (one collective for all its elements). The caller's tensor is left as it was."""
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is unknown; choose one of {', '.join(REDUCE_OPS)}")
     if isinstance(value, torch.Tensor):
-        total = value.detach().to(device=world.device, dtype=torch.float64, copy=True)
+        if value.is_complex():
+            raise ValueError("reduce takes real values, got a complex tensor; reduce torch.view_as_real(value) "
+                             "and rebuild it with torch.view_as_complex")
+        dtype = torch.float64 if value.is_floating_point() else torch.int64
+        total = value.detach().to(device=world.device, dtype=dtype, copy=True)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        total = torch.tensor(float(value), dtype=torch.float64, device=world.device)
+        dtype = torch.int64 if isinstance(value, int) else torch.float64
+        total = torch.tensor(value, dtype=dtype, device=world.device)
     else:
         raise ValueError(f"reduce takes a number or a tensor, got {type(value).__name__}")
     all_reduce_sum_(total, world=world)
     if op == "mean":
-        total /= world.world_size
+        total = total.to(torch.float64) / world.world_size
     return total.item() if total.numel() == 1 else total

@@ -1,6 +1,6 @@
 """`phalanx.gather`, `phalanx.barrier` and `phalanx.broadcast` on 3 gloo processes: gather equals
 torch's own all-gather of every rank's tensor, concatenated in rank order (uneven and empty shards,
-every dtype kind, 0-d, a non-contiguous view), a ShardedLoader's shards gather into the 1-device
+every dtype kind, int16 and complex among them, 0-d, a non-contiguous view, rows of width 0), a ShardedLoader's shards gather into the 1-device
 global batch, a row mismatch is one ValueError on every rank naming both, and no rank leaves a
 barrier before the last has come to it, and main_first's block ends on rank 0 before another
 rank's begins (per_host too, on one host); broadcast gives every rank what torch's
@@ -31,6 +31,9 @@ def _cases(rank: int) -> dict[str, torch.Tensor]:
         "float32 0-d": torch.tensor(float(rank) + 0.5),
         "bfloat16 view": torch.randn(4, 6, generator=g).to(torch.bfloat16)[:, ::2],
         "empty on rank 1": torch.randn(0 if rank == 1 else 2, 2, generator=g),
+        "int16 (gloo's all-gather has none)": torch.randint(-300, 300, (rank + 1, 2), generator=g).to(torch.int16),
+        "complex64": torch.randn(rank + 1, 2, generator=g, dtype=torch.complex64),
+        "rows of width 0": torch.zeros(rank + 1, 0, 3),
     }
 
 
@@ -135,8 +138,9 @@ def test_a_world_of_one_gathers_its_own_rows_and_passes_the_barrier():
     assert ran
     with pytest.raises(ValueError, match="gather takes a tensor, got float"):
         phalanx.gather(2.0, world=world)
-    with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
-        phalanx.gather(torch.zeros(2, dtype=torch.complex64), world=world)
+    with pytest.raises(ValueError, match="dtype torch.uint16 is not supported"):
+        phalanx.gather(torch.zeros(2, dtype=torch.uint16), world=world)
+    assert torch.equal(phalanx.gather(torch.ones(2, dtype=torch.complex64), world=world), torch.ones(2) + 0j)
     thing = {"run": "exp-7"}
     assert phalanx.broadcast(thing, world=world) is thing
     with pytest.raises(ValueError, match=r"^broadcast: src=1 is not a rank of this world of 1; use 0..0$"):

@@ -209,7 +209,7 @@ def test_at_the_deadline_a_running_peer_is_named_with_the_timeout():
     a, b = boards(2)  # rank 1's line speaks for this (running) process
     mine = a.enter(WORLD, Tag("broadcast"), 64)
     with pytest.raises(PeerStalled, match="worker rank 1 stopped responding \\(state: (running|sleeping)\\); rank 0 "
-                                          "waited 3 s in broadcast \\(64 B\\): rank 1 did not arrive within the 3 s"):
+                                          "waited 3 s in broadcast from rank 0 \\(64 B\\): rank 1 did not arrive within the 3 s"):
         check(world_of(a), mine, waited_s=3.1, timeout_s=3)
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from phalanx.comm import ALGORITHMS, AsyncComm, all_reduce_sum_, allreduce, allreduce_fn, broadcast_
+from phalanx.comm import ALGORITHMS, AsyncComm, Handle, all_reduce_sum_, allreduce, allreduce_fn, broadcast_
 from phalanx.comm.naive import allreduce_naive
 from phalanx.comm.ring import allreduce_ring, chunk_sizes, segments
 from phalanx.comm.tree import allreduce_tree, doubling_partners, fold_partner, largest_power_of_two
@@ -259,10 +259,23 @@ def test_async_on_world_of_one_completes_at_once_and_waits_once():
         handle = comm.allreduce_async(tensor, algorithm="ring")
         assert not handle.waited
         assert handle.wait() is tensor and torch.equal(tensor, torch.arange(6.0).view(2, 3).t())
-        with pytest.raises(AssertionError, match="waited twice"):
-            handle.wait()
+        assert handle.wait() is tensor and handle.waited  # again, as torch's Work: returns at once
         with pytest.raises(ValueError, match="unknown allreduce algorithm"):
             comm.allreduce_async(tensor, algorithm="bogus")
+
+
+def test_a_failed_handle_raises_its_error_again_on_a_second_wait():
+    calls = []
+
+    def fail() -> None:
+        calls.append(1)
+        raise RuntimeError("peer gone")
+
+    handle = Handle(torch.zeros(3), None, fail)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="peer gone"):
+            handle.wait()
+    assert calls == [1]  # the collective's wait ran once
 
 
 # --- the ring's segment pipeline ------------------------------------------------------------
@@ -330,3 +343,12 @@ def test_a_gloo_collective_that_completes_as_a_poll_times_out_is_done_not_a_stal
     failed = _GlooWork(timeouts=1, failure=RuntimeError("Connection closed by peer"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):  # a real failure is still raised
         wait_work(failed, world=world, ticket=None)
+
+
+def test_allreduce_refuses_auto_and_expanded_tensors_in_one_line():
+    with pytest.raises(ValueError, match="phalanx.allreduce takes one algorithm, not 'auto'.*choose one of native"):
+        allreduce(torch.ones(2), world=make_world(0, 1), algorithm="auto")
+    with pytest.raises(ValueError, match=r"shape \(4,\) whose elements share memory \(stride 0, from expand\(\)\).*"
+                                         "pass tensor.clone"):
+        allreduce(torch.ones(1).expand(4), world=make_world(0, 1))
+    allreduce(torch.ones(1).expand(1, 1), world=make_world(0, 1))  # a size-1 dimension's stride says nothing

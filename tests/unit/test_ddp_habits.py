@@ -487,6 +487,12 @@ def test_reduce_and_world_print_in_a_world_of_one(capsys):
         phalanx.reduce(1.0, op="max", world=world())
     with pytest.raises(ValueError, match="reduce takes a number or a tensor, got str"):
         phalanx.reduce("1", world=world())
+    # Counts are summed exactly (a float64 sum would make 2**53 + 1 even), and complex is refused.
+    assert phalanx.reduce(torch.tensor(2 ** 53 + 1), op="sum", world=world()) == 2 ** 53 + 1
+    assert phalanx.reduce(2 ** 53 + 1, op="sum", world=world()) == 2 ** 53 + 1
+    assert phalanx.reduce(torch.tensor([True, True, False]), op="sum", world=world()).tolist() == [1, 1, 0]
+    with pytest.raises(ValueError, match="reduce takes real values, got a complex tensor; reduce torch.view_as_real"):
+        phalanx.reduce(torch.tensor(1 + 2j), world=world())
     world(0, 2).print("from rank", 0, sep=" ")
     world(1, 2).print("from rank", 1)
     assert capsys.readouterr().out == "from rank 0\n"
