@@ -83,20 +83,31 @@ def _earlier_outputs(config: TrainConfig) -> list[Path]:
 
 def _check_earlier_outputs(config: TrainConfig) -> None:
     earlier = _earlier_outputs(config)
-    if not earlier or requested_resume(config) is not None:
-        return  # nothing to lose, or this run continues them
+    resume = requested_resume(config)
+    if not earlier:
+        return  # nothing to lose
+    shares = set(share_files(Path(config.checkpoint_location))) if config.checkpoint_location else set()
+    generations = set(generation_paths(Path(config.checkpoint_location) / CHECKPOINT_FILENAME)) \
+        if config.checkpoint_location else set()
+    can_continue = any(path in generations or path in shares for path in earlier)
+    if resume is not None and (can_continue or config.checkpoint.resume != "auto"):
+        return  # this run continues them (a torchrun restart before its first checkpoint starts over)
     if config.overwrite:
         for path in earlier:  # a fresh run's outputs must not mix with the old ones
             path.unlink(missing_ok=True)
         return
     where = config.out_dir if config.out_dir else config.checkpoint_location
     flag = "--out" if config.out_dir else "--checkpoint-dir"
-    shares = set(share_files(Path(config.checkpoint_location))) if config.checkpoint_location else set()
     named = [p for p in earlier if p not in shares  # one per checkpoint
              and not any(p in (previous_of(q), damaged_of(q)) for q in earlier)]
     names = ", ".join(str(p.relative_to(where)) if p.is_relative_to(where) else str(p) for p in named)
-    raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}); continue that run with "
-                     "--resume auto, or replace them with --overwrite")
+    if can_continue:
+        raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}); continue that run with "
+                         "--resume auto, or replace them with --overwrite")
+    # No checkpoint to continue from: --resume auto would start over and replace them.
+    found = "--resume auto found no checkpoint in it to continue from" if resume else "it saved no checkpoint"
+    raise UsageError(f"{flag} {where} holds an earlier run's outputs ({names}) and {found} (a run checkpoints "
+                     "with --checkpoint-every); replace them with --overwrite, or pick another directory")
 
 
 class _Lock:

@@ -55,6 +55,27 @@ def test_an_earlier_runs_outputs_are_kept_unless_resumed_or_overwritten(tmp_path
     assert (out / "notes.txt").read_text() == "earlier"  # not ours: never touched
 
 
+def test_outputs_with_no_checkpoint_are_not_replaced_by_a_resume_that_would_start_over(tmp_path):
+    # A finished run without --checkpoint-every: --resume auto has nothing to continue from, would
+    # train from scratch and replace its outputs; neither message may suggest it.
+    out = tmp_path / "S"
+    out.mkdir()
+    for name in ("metrics.jsonl", "model.pt"):
+        (out / name).write_text("earlier")
+    for resume, found in ((None, "it saved no checkpoint"),
+                          ("auto", "--resume auto found no checkpoint in it to continue from")):
+        with pytest.raises(UsageError) as info:
+            with hold_run_directories(_config(out_dir=str(out), resume=resume)):
+                pytest.fail("replaced an earlier run's outputs")
+        assert str(info.value) == (f"--out {out} holds an earlier run's outputs (metrics.jsonl, model.pt) and {found} "
+                                   "(a run checkpoints with --checkpoint-every); replace them with --overwrite, or "
+                                   "pick another directory")
+        assert (out / "model.pt").read_text() == "earlier"
+    (out / "checkpoint.pt").write_text("named")  # an explicit checkpoint file: that run continues
+    with hold_run_directories(_config(out_dir=str(out), resume=str(out / "checkpoint.pt"))):
+        assert (out / "model.pt").read_text() == "earlier"
+
+
 def test_a_checkpoint_left_under_out_counts_even_when_this_run_keeps_none(tmp_path):
     out = tmp_path / "S"
     (out / "checkpoints").mkdir(parents=True)
