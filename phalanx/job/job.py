@@ -187,7 +187,9 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
 
     whole = strategy.whole_model()  # every rank: a split gathers its shards
     streamed = replica is not None and replica.shard == "parameters"  # no rank holds the whole model
-    sec_per_epoch = sum(r["epoch_s"] for r in history) / len(history) if history else 0.0
+    # Seconds per epoch of this device set only: a run resumed on other devices has rows of both.
+    timed = [r for r in history if r.get("devices", list(device_names)) == list(device_names)]
+    sec_per_epoch = sum(r["epoch_s"] for r in timed) / len(timed) if timed else 0.0
     # Nothing trained in a run that found the training complete: its model's accuracy, counted again.
     final_acc = count_accuracy(strategy.module, strategy.predict, test_images, test_labels,
                                rows=strategy.rows(test_images.shape[0]), world=world,
@@ -196,12 +198,15 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         split = f", split {config.split.kind}" if config.split.kind != "data" else ""
         # The last epoch's checkpoint (if any) holds exactly this model: named if model.pt fails.
         kept = ckpt.checkpoint_path(config.checkpoint_location) if config.checkpoint.every is not None else None
-        outputs.finish(history, None if streamed else whole, title=f"{config.model} on {data.name}, {devices_text}{split}",
+        outputs.finish(history, None if streamed else whole, title=f"{config.model} on {data.name}, "
+                       f"{device_spans(history) or devices_text}{split}",
                        checkpoint=kept, write_model=(lambda path: stream_model(replica, path)) if streamed else None)
     elif streamed and config.out_dir:  # rank 0 streams model.pt: every rank gathers each bucket with it
         stream_model(replica, None)
     timing = f"{sec_per_epoch:.1f} sec/epoch" if sec_per_epoch else "no epoch trained in this run"
-    log(f"test acc: {final_acc:.2f}, {timing} on {devices_text}")
+    spans = f" (epochs on these devices: {len(timed)} of {len(history)})" if sec_per_epoch and len(timed) < len(history) \
+        else ""
+    log(f"test acc: {final_acc:.2f}, {timing} on {devices_text}{spans}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
 
 
@@ -245,3 +250,18 @@ def _placement_text(config: TrainConfig, world: World) -> str:
     if config.launch.bind_cores and hasattr(os, "sched_getaffinity"):
         text += f", each bound to its own cores (rank 0: {describe_cores(sorted(os.sched_getaffinity(0)))})"
     return text
+
+
+def device_spans(history: list[dict]) -> str:
+    """"epochs 1-3 on [cpu:0, cpu:1]; epochs 4-5 on [cpu:0]" for rows trained on more than one
+    device set (a resume on other devices), else "" (the run's own device list says it)."""
+    spans: list[list] = []  # [devices text, first epoch, last epoch]
+    for row in history:
+        names = f"[{', '.join(row.get('devices', []))}]"
+        if spans and spans[-1][0] == names:
+            spans[-1][2] = row["epoch"]
+        else:
+            spans.append([names, row["epoch"], row["epoch"]])
+    if len(spans) < 2:
+        return ""
+    return "; ".join(f"epochs {a}-{b} on {n}" if a != b else f"epoch {a} on {n}" for n, a, b in spans)

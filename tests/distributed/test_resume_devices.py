@@ -67,6 +67,8 @@ def test_resuming_mid_epoch_on_another_device_count_gives_the_uninterrupted_run(
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     counts = "2 -> 1" if before == "cpu:2" else "1 -> 2"
     assert f"at epoch 2, step 10; changed since the checkpoint: devices {counts}" in resumed.stdout, resumed.stdout
+    # The summary's seconds per epoch are this device set's alone, and say so.
+    assert resumed.stdout.strip().splitlines()[-1].endswith("(epochs on these devices: 1 of 2)"), resumed.stdout
     _assert_uninterrupted(out, reference)
 
 

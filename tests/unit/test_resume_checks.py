@@ -166,3 +166,11 @@ def test_a_resume_with_another_momentum_is_refused_before_training(tmp_path):
     with pytest.raises(UsageError, match=r"was saved with --momentum 0 but this run has --momentum 0\.9"):
         _resume(TrainConfig(optim=OptimizerConfig(momentum=0.9), checkpoint=CheckpointConfig(resume=str(tmp_path))),
                 _data())
+
+
+def test_a_resume_on_other_devices_names_each_span_of_epochs():
+    from phalanx.job.job import device_spans
+    rows = [{"epoch": e, "devices": ["cpu:0", "cpu:1"] if e <= 3 else ["cpu:0"]} for e in range(1, 6)]
+    assert device_spans(rows) == "epochs 1-3 on [cpu:0, cpu:1]; epochs 4-5 on [cpu:0]"
+    assert device_spans(rows[:4]) == "epochs 1-3 on [cpu:0, cpu:1]; epoch 4 on [cpu:0]"
+    assert device_spans(rows[:3]) == "" and device_spans([]) == ""  # one device set: the title's own list
