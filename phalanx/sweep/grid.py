@@ -88,15 +88,16 @@ class SweepConfig:
         for rule in self.lr_rules:
             if rule != SCALED and not (isinstance(rule, float) and rule > 0 and math.isfinite(rule)):
                 raise ValueError(f"--lr {rule} must be a positive finite number or 'scaled'; use e.g. --lr 0.2")
-        warmup_error = (f"--warmup-epochs {self.warmup_epochs} must be at least 0 and below --epochs "
-                        f"{self.epochs}, so the scaled lr is reached")
         if not self.warmup_epochs >= 0:
-            raise ValueError(warmup_error)
+            raise ValueError(f"--warmup-epochs {self.warmup_epochs:g} must be at least 0; use e.g. --warmup-epochs 1")
         # The training settings are TrainConfig's to judge (the same one-line messages as train's).
-        for point in expand_grid(self):
+        points = expand_grid(self)
+        for point in points:
             train_config(self, point, data=self.data)
-        if not self.warmup_epochs < self.epochs:
-            raise ValueError(warmup_error)
+        # Only a 'scaled' point whose lr exceeds base-lr warms up: a grid without one has no warmup to fit.
+        if not self.warmup_epochs < self.epochs and any(point.warmup_epochs for point in points):
+            raise ValueError(f"--warmup-epochs {self.warmup_epochs:g} must be below --epochs {self.epochs}, so the "
+                             f"scaled lr is reached; use e.g. --warmup-epochs {self.epochs / 2:g}")
 
     def to_dict(self) -> dict:
         return asdict(self)

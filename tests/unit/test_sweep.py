@@ -94,8 +94,8 @@ def test_default_grid_is_the_documented_one():
     ({"base_lr": 0.0}, "--base-lr 0.0"),
     ({"base_batch": 0}, "--base-batch 0"),
     ({"epochs": 0}, "--epochs 0"),
-    ({"warmup_epochs": -1.0}, "--warmup-epochs -1.0"),
-    ({"epochs": 3, "warmup_epochs": 3.0}, "below --epochs 3"),
+    ({"warmup_epochs": -1.0}, "--warmup-epochs -1 must be at least 0"),
+    ({"epochs": 3, "warmup_epochs": 3.0}, "below --epochs 3, so the scaled lr is reached; use e.g. --warmup-epochs 1.5"),
     ({"target_acc": 0.0}, "--target 0.0"),
     ({"target_acc": 70.0}, "--target 70.0 is not an accuracy"),
     ({"model": "vgg"}, "--model 'vgg' is unknown"),
@@ -105,6 +105,15 @@ def test_default_grid_is_the_documented_one():
 def test_config_rejects_bad_values_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         SweepConfig(**kwargs)
+
+
+def test_a_grid_with_no_warming_point_takes_any_warmup():
+    # Fixed lrs (or a 'scaled' lr that stays at base-lr) never warm up: --epochs 1 needs no
+    # --warmup-epochs 0 (it was refused for a warmup no point had).
+    SweepConfig(num_devices=(1,), batch_sizes_per_device=(64,), lr_rules=(0.2,), epochs=1)
+    SweepConfig(num_devices=(1,), batch_sizes_per_device=(32,), lr_rules=("scaled",), epochs=1)  # 32 = base batch
+    with pytest.raises(ValueError, match="below --epochs 1"):
+        SweepConfig(num_devices=(2,), batch_sizes_per_device=(32,), lr_rules=("scaled",), epochs=1)
 
 
 def test_the_data_options_are_train_s_own():
