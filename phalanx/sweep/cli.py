@@ -11,6 +11,7 @@ import argparse
 import time
 from pathlib import Path
 
+from phalanx.errors import UsageError
 from phalanx.options import add_options, build
 from phalanx.outdir import check_out_dir
 from phalanx.sweep.grid import SweepConfig, expand_grid
@@ -24,6 +25,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     """Train the grid `args` describes: table to stdout, JSON + CSV + PNG into --out. Returns 0."""
     config = build(SweepConfig, args)
     check_out_dir(config.out_dir)
+    _keep_earlier_outputs(config)
     # Imported here so the CLI's parser does not load matplotlib.
     from phalanx.measure.outputs import write_outputs
     from phalanx.runtime.binding import available_cores
@@ -50,3 +52,20 @@ def run_sweep(args: argparse.Namespace) -> int:
     print(f"\nwrote {', '.join(map(str, paths))} ({wall_s:.0f} s"
           + (f"; {reused} of {len(rows)} points reused from earlier runs)" if reused else ")"))
     return 0
+
+
+def _keep_earlier_outputs(config: SweepConfig) -> None:
+    """Refuse an --out holding an earlier sweep's outputs unless this one reuses them (--resume) or
+    replaces them (--overwrite: deleted first, so no earlier point mixes in), as `train` does."""
+    out = Path(config.out_dir)
+    earlier = [out / f"sweep.{suffix}" for suffix in ("json", "csv", "png")] + sorted((out / "points").glob("*.json"))
+    earlier = [path for path in earlier if path.is_file()]
+    if not earlier or config.resume:
+        return
+    if not config.overwrite:
+        points = sum(path.parent.name == "points" for path in earlier)
+        names = ", ".join([p.name for p in earlier if p.parent == out] + ([f"{points} points"] if points else []))
+        raise UsageError(f"--out {out} holds an earlier sweep's outputs ({names}); reuse its finished points with "
+                         "--resume, or replace them with --overwrite")
+    for path in earlier:
+        path.unlink(missing_ok=True)

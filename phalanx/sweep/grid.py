@@ -76,6 +76,7 @@ class SweepConfig:
                               check=wait_seconds())
     out_dir: str = option("runs/sweep", flag="--out", metavar="DIR", help="directory for the outputs")
     resume: bool = option(False, help="reuse points already finished in --out with the same settings")
+    overwrite: bool = option(False, help="replace an earlier sweep's outputs in --out")
 
     def __post_init__(self) -> None:
         check_options(self)

@@ -183,6 +183,23 @@ def test_bad_flags_are_one_line_usage_errors_before_anything_is_written(tmp_path
     assert not out.exists()
 
 
+def test_an_earlier_sweeps_outputs_are_kept_unless_reused_or_overwritten(tmp_path):
+    from phalanx.sweep.cli import _keep_earlier_outputs
+    out = tmp_path / "out"
+    (out / "points").mkdir(parents=True)
+    for name in ("sweep.csv", "sweep.json", "points/k1-b32-lr0.2.json", "points/k2-b32-lr0.2.json", "notes.txt"):
+        (out / name).write_text("earlier")
+    with pytest.raises(UsageError) as info:
+        run_sweep(_args("--dataset", "synthetic", "--out", str(out)))  # refused before any point trains
+    assert str(info.value) == (f"--out {out} holds an earlier sweep's outputs (sweep.json, sweep.csv, 2 points); "
+                               "reuse its finished points with --resume, or replace them with --overwrite")
+    assert (out / "sweep.csv").read_text() == "earlier"
+    _keep_earlier_outputs(build(SweepConfig, _args("--out", str(out), "--resume")))  # reuses: keeps them
+    assert len(list((out / "points").iterdir())) == 2
+    _keep_earlier_outputs(build(SweepConfig, _args("--out", str(out), "--overwrite")))
+    assert sorted(p.name for p in out.rglob("*")) == ["notes.txt", "points"]  # not ours: never touched
+
+
 def test_out_that_is_a_file_is_refused(tmp_path):
     path = tmp_path / "taken"
     path.write_text("x")
