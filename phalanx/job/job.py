@@ -204,8 +204,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     elif streamed and config.out_dir:  # rank 0 streams model.pt: every rank gathers each bucket with it
         stream_model(replica, None)
     timing = f"{sec_per_epoch:.1f} sec/epoch" if sec_per_epoch else "no epoch trained in this run"
-    spans = f" (epochs on these devices: {len(timed)} of {len(history)})" if sec_per_epoch and len(timed) < len(history) \
-        else ""
+    partial = sec_per_epoch and len(timed) < len(history)
+    spans = f" (epochs on these devices: {len(timed)} of {len(history)})" if partial else ""
     log(f"test acc: {final_acc:.2f}, {timing} on {devices_text}{spans}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
 
