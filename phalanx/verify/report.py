@@ -24,6 +24,7 @@ class WorldResult:
     comparison: Comparison
     cause: Cause | None = None
     probes: list[ProbeResult] = field(default_factory=list)
+    split: str = "data"  # how the k devices share the work: data splits each batch, the others the model
 
     @property
     def passed(self) -> bool:
@@ -73,7 +74,8 @@ def _render_world(result: WorldResult) -> list[str]:
     comparison, k = result.comparison, result.world_size
     n = comparison.batch_sizes[0] if comparison.batch_sizes else 0
     status = "PASS" if result.passed else "FAIL"
-    lines = [f"k = {k} vs 1 device (first batch {n} = {'+'.join(map(str, shard_sizes(n, k)))}): {status}, "
+    shares = "+".join(map(str, shard_sizes(n, k))) if result.split == "data" else f"whole on each of the {k} devices"
+    lines = [f"k = {k} vs 1 device (first batch {n} = {shares}): {status}, "
              f"max rel diff {comparison.max_rel:.2g}",
              "  step   grad abs   grad rel  param abs  param rel  buffer rel  worst (relative)"]
     for step in comparison.steps:

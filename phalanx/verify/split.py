@@ -80,7 +80,7 @@ def verify_split(model_fn, data, *, split: str, config: VerifyConfig, micro_batc
                           deadline_s=config.deadline_s)
         ranks = launch(split_rank_worker, model_fn, data, replace(config, world_sizes=(k,)), split, micro_batches,
                        schedule, spec=spec)
-        results.append(WorldResult(world_size=k, comparison=_compare(reference, ranks, rtol=config.rtol)))
+        results.append(WorldResult(world_size=k, comparison=_compare(reference, ranks, rtol=config.rtol), split=split))
     return VerifyReport(config=config, results=results, title=title)
 
 

@@ -22,6 +22,8 @@ def test_verify_split_passes_step_by_step(argv, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "verdict: PASS" in printed
+    k = argv[argv.index("--devices") + 1].split(",")[-1]  # no batch split: each device sees the whole batch
+    assert f"k = {k} vs 1 device (first batch 61 = whole on each of the {k} devices): PASS" in printed, printed
     report = json.loads(out.read_text())
     assert report["passed"] and all(r["passed"] for r in report["results"])
 
