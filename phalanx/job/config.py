@@ -23,7 +23,7 @@ from phalanx.job.optim import OptimizerConfig
 from phalanx.model_split.config import SplitConfig
 from phalanx.model_split.splits import check_split
 from phalanx.models import INITS, MODELS, build_model, has_batchnorm
-from phalanx.options import at_least, check_options, component, option
+from phalanx.options import at_least, check_options, component, flags, option
 from phalanx.runtime.launch_config import LaunchConfig
 from phalanx.train.graph_plan import GRAPH_MODES, GraphPlan, StepFacts, plan
 
@@ -96,17 +96,24 @@ class TrainConfig:
         if micro_batches is not None and not 1 <= micro_batches <= self.global_batch_size:
             raise ValueError(f"--micro-batches {micro_batches} must be between 1 and the global batch "
                              f"({self.global_batch_size}); use e.g. --micro-batches 4")
-        if self.split.kind != "data":
-            # --momentum, --optimizer: a split's checkpoint holds the whole model's optimizer without the
-            # shards' state; --clip-grad-norm: the global norm would need the parts' norms added up.
-            data_parallel_only = (("--grad-accum", self.data_parallel.grad_accum_steps, 1),
-                                  ("--grad-dtype", self.data_parallel.grad_dtype, None), ("--trace", self.trace_dir, None),
-                                  ("--momentum", self.optim.momentum, 0.0), ("--shard", self.data_parallel.shard, "none"),
-                                  ("--optimizer", self.optim.optimizer, "sgd"),
-                                  ("--clip-grad-norm", self.optim.clip_grad_norm, None))
-            for flag, value, default in data_parallel_only:
-                if value != default:
-                    raise ValueError(f"{flag} is a data-parallel option; drop it with --split {self.split.kind}")
+        if self.split.kind == "data":
+            return
+        # Every replica option (the exchange, buckets, overlap, memory format, BatchNorm policy,
+        # sharding): a split has no replicas, and would ignore it without a word.
+        for flag in flags(DataParallelConfig):
+            value = getattr(self.data_parallel, flag.path[-1])
+            if value != flag.default:
+                name = "--no-" + flag.name[2:] if value is False else flag.name
+                raise ValueError(f"{name} is a data-parallel option; drop it with --split {self.split.kind}")
+        if self.trace_dir is not None:
+            raise ValueError(f"--trace traces the data-parallel exchange; drop it with --split {self.split.kind}")
+        # A split's checkpoint holds the whole model's optimizer without the shards' state, and the
+        # global norm would need the parts' norms added up: the splits train with plain SGD.
+        for flag, value, default in (("--optimizer", self.optim.optimizer, "sgd"), ("--momentum", self.optim.momentum, 0.0),
+                                     ("--clip-grad-norm", self.optim.clip_grad_norm, None)):
+            if value != default:
+                raise ValueError(f"--split {self.split.kind} trains with plain SGD (no momentum, no clipping); "
+                                 f"drop {flag}")
 
     def graph_plan(self, device_type: str, num_devices: int, *, backend: str = "nccl") -> GraphPlan:
         """Whether this run's step is captured on `num_devices` devices of `device_type`;

@@ -78,5 +78,5 @@ def test_a_checkpoint_saved_with_another_momentum_is_refused_in_one_line(tmp_pat
 
 
 def test_a_split_refuses_it():
-    with pytest.raises(ValueError, match="--momentum is a data-parallel option; drop it with --split layers"):
+    with pytest.raises(ValueError, match=r"--split layers trains with plain SGD \(no momentum, no clipping\); drop --momentum"):
         TrainConfig(split=SplitConfig(kind="layers"), optim=OptimizerConfig(momentum=0.5))

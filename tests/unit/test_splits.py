@@ -38,6 +38,16 @@ def _refuse(argv, tmp_path, capsys) -> str:
     (["--split", "rows"], "--split 'rows' is unknown; choose one of data, layers, channels"),
     (["--split", "layers", "--schedule", "zigzag"], "--schedule 'zigzag' is unknown"),
     (["--split", "channels", "--grad-accum", "2"], "--grad-accum is a data-parallel option"),
+    # Each replica option a split would ignore is refused, not dropped without a word.
+    (["--split", "layers", "--allreduce", "naive"], "--allreduce is a data-parallel option; drop it with --split layers"),
+    (["--split", "layers", "--overlap"], "--overlap is a data-parallel option"),
+    (["--split", "layers", "--no-overlap"], "--no-overlap is a data-parallel option"),
+    (["--split", "layers", "--bucket-cap-mb", "1"], "--bucket-cap-mb is a data-parallel option"),
+    (["--split", "layers", "--memory-format", "channels_last"], "--memory-format is a data-parallel option"),
+    (["--split", "channels", "--allreduce", "ring"], "--allreduce is a data-parallel option; drop it with --split channels"),
+    (["--split", "channels", "--optimizer", "adam"], "--split channels trains with plain SGD (no momentum, no clipping); "
+                                                     "drop --optimizer"),
+    (["--split", "channels", "--trace", "t"], "--trace traces the data-parallel exchange; drop it with --split channels"),
 ])
 def test_bad_split_input_is_one_line(argv, expected, tmp_path, capsys):
     assert expected in _refuse(argv, tmp_path, capsys)
