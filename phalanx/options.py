@@ -115,6 +115,15 @@ def component(cls: type, *, into: Callable[[Any], Any] | None = None) -> Any:
     return field(default_factory=make, metadata={_COMPONENT: (cls, into)})
 
 
+def device_count(text: str) -> int:
+    """One item of a list of device counts (--devices 1,2,4): N, or cpu:N as `train --devices` writes it."""
+    try:
+        return int(text.removeprefix("cpu:"))
+    except ValueError:
+        raise ValueError(f"--devices item {text!r} is not a device count; give counts, e.g. --devices 2,4 "
+                         "(or cpu:2,cpu:4)") from None
+
+
 def parse_list(text: str, item: Callable[[str], T], *, flag: str) -> tuple[T, ...]:
     """A comma-separated flag value as a tuple (blank items skipped). A bad item is one line: for
     int / float, naming the flag and the type; for a parser of its own, that parser's ValueError

@@ -46,7 +46,7 @@ from phalanx.measure.side_by_side import run_side_by_side
 from phalanx.measure.job_steps import StepJob
 from phalanx.measure.step import Variant, images_per_s, run_jobs
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
-from phalanx.options import at_least, check_options, option
+from phalanx.options import at_least, device_count, check_options, option
 from phalanx.runtime.binding import available_cores
 
 
@@ -60,7 +60,7 @@ class ScalingBenchConfig:
 
     model: str = option("lenet", choices=BENCH_MODELS, help="the model (mlp: 784-2048-2048-10, 5.8 M parameters)")
     global_batch_sizes: tuple[int, ...] = option((256, 1024), flag="--batch-sizes", items=int, help="global batch sizes")
-    device_counts: tuple[int, ...] = option((2,), flag="--devices", items=int, check=at_least(1),
+    device_counts: tuple[int, ...] = option((2,), flag="--devices", items=device_count, check=at_least(1),
                                             help="the device counts phalanx runs on, e.g. 1,2,4,8 (1 always runs: "
                                                  "the yardstick of scaling efficiency); every other contender runs "
                                                  "on the largest, k")

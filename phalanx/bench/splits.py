@@ -35,7 +35,7 @@ from phalanx.measure.timing import slowest_per_round
 from phalanx.model_split.lenet_parts import UNITS, channel_counts, stage_plan, unit_shapes
 from phalanx.model_split.splits import SCHEDULES, SPLITS, build_split, check_split
 from phalanx.models import LeNet
-from phalanx.options import at_least, check_options, option
+from phalanx.options import at_least, device_count, check_options, option
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
@@ -48,7 +48,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 class SplitsBenchConfig:
     """data vs layers vs channels on LeNet: bytes, time, idle, memory"""
 
-    world_sizes: tuple[int, ...] = option((2, 4), flag="--devices", items=int, check=at_least(2),
+    world_sizes: tuple[int, ...] = option((2, 4), flag="--devices", items=device_count, check=at_least(2),
                                           help="device counts k, one spawned run each")
     global_batch_size: int = option(256, flag="--batch-size", help="global batch")
     micro_batches: int | None = option(None, default_text="2k", help="layers: micro-batches")

@@ -19,7 +19,7 @@ from phalanx.data.config import DataConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.models import MODELS
-from phalanx.options import Rule, at_least, check_options, component, finite, option, positive, wait_seconds
+from phalanx.options import Rule, at_least, device_count, check_options, component, finite, option, positive, wait_seconds
 from phalanx.runtime.launch_config import LaunchConfig
 
 SCALED = "scaled"
@@ -47,7 +47,7 @@ class SweepConfig:
     """the grid: devices x per-device batch x lr rule, each point a `phalanx train` run"""
 
     # The lists' own checks (each at least 1, none repeated) are _check_list's, below.
-    num_devices: tuple[int, ...] = option((1, 2, 4), flag="--devices", items=int, help="CPU worker counts k")
+    num_devices: tuple[int, ...] = option((1, 2, 4), flag="--devices", items=device_count, help="CPU worker counts k")
     batch_sizes_per_device: tuple[int, ...] = option((32, 128), flag="--per-device-batch", items=int,
                                                      help="batch per device b; the global batch is k*b")
     lr_rules: tuple[float | str, ...] = option((0.1, 0.2, SCALED), flag="--lr", items=parse_lr_rule,

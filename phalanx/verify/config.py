@@ -21,7 +21,7 @@ import torch
 from phalanx.comm import CHOICES
 from phalanx.data_parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.data_parallel.step import shard_loss
-from phalanx.options import Rule, at_least, check_options, finite, option, positive, wait_seconds
+from phalanx.options import Rule, at_least, device_count, check_options, finite, option, positive, wait_seconds
 
 DTYPES = ("float32", "float64")
 # Relative tolerance per tensor (compare.py: max |a - b| / max |b|, floored). float64 k-vs-1 runs
@@ -46,7 +46,7 @@ class VerifyConfig:
 
     # k values compared with 1 device, one spawned run each
     world_sizes: tuple[int, ...] = option(
-        (2, 3), flag="--devices", items=int, help="device counts k compared with 1 device",
+        (2, 3), flag="--devices", items=device_count, help="device counts k compared with 1 device",
         check=Rule(ok=lambda k: isinstance(k, int) and k >= 2,
                    problem="must list device counts of at least 2 (1 device is the reference every count is "
                            "compared with); e.g. --devices 2,3"))

@@ -99,7 +99,8 @@ FLAG_CASES = [
     (["bench", "scaling", "--model", "vgg"], r"--model 'vgg' is unknown; choose one of lenet, mlp"),
     (["bench", "scaling", "--batch-sizes", "0"], r"--batch-sizes 0: every global batch size must be at least --devices 2"),
     (["bench", "scaling", "--devices", "1"], r"--devices 1: the largest count must be at least 2 to compare scaling"),
-    (["bench", "scaling", "--devices", "2,x"], r"--devices .2,x. is not a comma-separated list of int"),
+    (["bench", "scaling", "--devices", "2,x"], r"--devices item 'x' is not a device count; give counts, e\.g\. "
+                                               r"--devices 2,4 \(or cpu:2,cpu:4\)"),
     (["bench", "scaling", "--steps", "0"], r"--steps 0 must be at least 1"),
     (["bench", "scaling", "--warmup-steps", "-1"], r"--warmup-steps -1 must be at least 0"),
     (["bench", "scaling", "--rounds", "0"], r"--rounds 0 must be at least 1"),

@@ -116,6 +116,10 @@ def test_a_grid_with_no_warming_point_takes_any_warmup():
         SweepConfig(num_devices=(2,), batch_sizes_per_device=(32,), lr_rules=("scaled",), epochs=1)
 
 
+def test_devices_take_train_s_cpu_form_too():
+    assert build(SweepConfig, _args("--devices", "cpu:1,cpu:2")).num_devices == (1, 2)
+
+
 def test_the_data_options_are_train_s_own():
     with pytest.raises(ValueError, match="--dataset 'cifar' is unknown"):
         SweepConfig(data=DataConfig(dataset="cifar"))
@@ -169,7 +173,7 @@ def test_resume_reuses_only_a_stored_point_with_the_same_settings(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--devices", "1,two"], "--devices '1,two' is not a comma-separated list of int"),
+    (["--devices", "1,two"], "--devices item 'two' is not a device count"),
     (["--per-device-batch", ","], "--per-device-batch is empty"),
     (["--lr", "0.1,fast"], "--lr item 'fast' is neither a number nor 'scaled'"),
     (["--lr", "0.1,-1"], "--lr -1.0 must be a positive finite number"),

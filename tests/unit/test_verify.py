@@ -320,7 +320,7 @@ def test_cli_flags_map_and_bad_input_is_one_line(tmp_path):
     assert build(VerifyCommand, _args("--plant", "shuffle-per-rank")).verify_config().shuffle_per_rank
     assert build(VerifyCommand, _args()).verify_config() == VerifyConfig()
     for argv, words in [(("--model", "vgg"), "--model 'vgg' is unknown"), (("--plant", "x"), "--plant 'x'"),
-                        (("--devices", "1"), "at least 2"), (("--devices", "two"), "--devices 'two'"),
+                        (("--devices", "1"), "at least 2"), (("--devices", "two"), "--devices item 'two' is not a device count"),
                         (("--grad-dtype", "int8"), "--grad-dtype 'int8'"), (("--out", str(tmp_path)), "a directory"),
                         (("--out", str(tmp_path / "no" / "r.json")), "does not exist")]:
         with pytest.raises(UsageError, match=words.replace("(", r"\(")) as info:
