@@ -153,6 +153,18 @@ def _median(values: Sequence[float]) -> float:
     return Spread.of(values).median
 
 
+DISTURBED_CORES = 0.25  # other programs' cores past which a verdict says it was measured under load
+
+
+def verdict_line(exp: dict[str, Any]) -> str:
+    """An experiment's verdict; students quote them, so one measured while other programs kept a
+    share of the cores busy carries that."""
+    others = exp.get("others_cores")
+    disturbed = f" (measured while other processes kept {others:.1f} cores busy: a quiet machine may differ)" \
+        if others is not None and others >= DISTURBED_CORES else ""
+    return f"  verdict: {exp['verdict']}{disturbed}"
+
+
 def report_autopar(payload: dict[str, Any]) -> str:
     """The terminal table: one block per experiment, its verdict and its check."""
     config = payload["config"]
@@ -174,7 +186,7 @@ def report_autopar(payload: dict[str, Any]) -> str:
         lines.append(format_table(headers, rows))
         for name, spread in exp.get("references_s", {}).items():
             lines.append(f"  {name}: {Spread.from_dict(spread).scaled(1e3).fmt(1)} ms")
-        lines.append(f"  verdict: {exp['verdict']}")
+        lines.append(verdict_line(exp))
         lines.append(f"  check: {exp['check']['what']}: {'passed' if exp['check']['passed'] else 'FAILED'}")
     if payload.get("trace_dir"):
         lines += ["", f"traces (experiment 4): {payload['trace_dir']}/exp*.json, pictures exp*.png"]

@@ -46,6 +46,7 @@ from phalanx.measure.side_by_side import run_side_by_side
 from phalanx.measure.job_steps import StepJob
 from phalanx.measure.step import Variant, images_per_s, run_jobs
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
+from phalanx.measure.load import cpu_taken_by_others
 from phalanx.options import at_least, device_count, check_options, option
 from phalanx.runtime.binding import available_cores
 
@@ -156,11 +157,13 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
                           finite_check_cost=config.finite_check_cost)
     jobs = tuple(StepJob(model=config.model, global_batch_size=batch, warmup_steps=config.warmup_steps,
                          steps=config.steps, lr=config.lr, seed=config.seed) for batch in config.global_batch_sizes)
-    if config.side_by_side:
-        contenders, samples, wall_s = _side_by_side(config, contenders, jobs, on_run)
-    else:
-        samples, wall_s = _fresh_starts(config, contenders, jobs, on_run)
-    return _payload(config, cores, contenders, samples, wall_s)
+    load: dict[str, float | None] = {}
+    with cpu_taken_by_others(load):  # on a shared machine, what no contender could have
+        if config.side_by_side:
+            contenders, samples, wall_s = _side_by_side(config, contenders, jobs, on_run)
+        else:
+            samples, wall_s = _fresh_starts(config, contenders, jobs, on_run)
+    return {**_payload(config, cores, contenders, samples, wall_s), "others_cores": load["others_cores"]}
 
 
 # --side-by-side: the contenders that share phalanx's set-up, by name, and the kind each runs as

@@ -18,7 +18,7 @@ from phalanx.measure.timing import Spread
 def report_scaling(payload: dict[str, Any]) -> str:
     variants_by_name = {v["name"]: v for v in payload["variants"]}
     settings = ", ".join(f"{k}={v}" for k, v in payload["phalanx_data_parallel"].items())
-    lines = [f"phalanx ran DataParallel({settings}); DDP its defaults", ""]
+    lines = [f"phalanx ran DataParallel({settings}); DDP its defaults", *_load_lines(payload), ""]
     for batch, results in rows_by_batch(payload["results"], payload["config"]["global_batch_sizes"]):
         rows = []
         for r in results:
@@ -40,6 +40,25 @@ def report_scaling(payload: dict[str, Any]) -> str:
             lines.append(f"  {r['metric']:<42} {label:<36} {_ratio_text(r['ratio'], payload.get('method'))}")
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+# Cores of other programs' work past which the table says its ratios carry that load.
+DISTURBED_CORES = 0.25
+
+
+def _load_lines(payload: dict[str, Any]) -> list[str]:
+    """What other programs took meanwhile (measure/load.py): on a shared machine each contender
+    lost a different share of the cores, so a ratio can be off by more than its spread - an
+    efficiency above 1, phalanx above its no-communication ceiling."""
+    others = payload.get("others_cores")
+    if others is None:
+        return []
+    line = f"other processes kept {others:.1f} of the {payload['cores']} cores busy meanwhile"
+    if others < DISTURBED_CORES:
+        return [line]
+    return [f"{line}: disturbed - each contender lost a different share of the cores to them, so a ratio may be "
+            "off by more than its spread (a scaling efficiency above 1, phalanx above its ceiling: that load, not "
+            "phalanx); rerun on a quiet machine"]
 
 
 def _ratio_text(ratio: dict[str, Any], method: str | None) -> str:

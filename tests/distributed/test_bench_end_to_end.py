@@ -117,6 +117,9 @@ def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
     assert all(wall[8, name] == wall[12, name] and wall[8, name][0] > 0 for name in names)
     captured = capsys.readouterr()
     assert "phalanx_vs_ddp" in captured.out
+    # What other programs took meanwhile is measured and said (a disturbed table says what it means).
+    assert payload["others_cores"] is not None and payload["others_cores"] >= 0
+    assert f"other processes kept {payload['others_cores']:.1f} of the {payload['cores']} cores busy" in captured.out
     # Each contender's row on stderr as it completes (both batch sizes in it), before the table.
     rows = [line for line in captured.err.splitlines() if "images/s (" in line]
     assert len(rows) == len(names) and rows[0].startswith("phalanx bench: [1/")

@@ -535,3 +535,11 @@ def test_a_failed_check_exits_1_after_writing_the_table_json_and_png(tmp_path, m
     assert json.loads((tmp_path / "autopar.json").read_text())["checks_passed"] is False
     assert (tmp_path / "autopar.png").read_bytes()[:4] == b"\x89PNG"
     assert "check: planted: FAILED" in capsys.readouterr().out
+
+
+def test_a_verdict_measured_under_load_says_so():
+    from phalanx.autopar.report import verdict_line
+    assert verdict_line({"verdict": "concurrency wins below n=64"}) == "  verdict: concurrency wins below n=64"
+    assert verdict_line({"verdict": "x", "others_cores": 0.1}) == "  verdict: x"
+    assert verdict_line({"verdict": "x", "others_cores": 1.1}) == (
+        "  verdict: x (measured while other processes kept 1.1 cores busy: a quiet machine may differ)")

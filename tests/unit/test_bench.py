@@ -306,3 +306,12 @@ def test_outputs_are_json_and_png(tmp_path):
     assert json.loads(json_path.read_text()) == {"bench": "demo", "value_s": 1.5}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo.json", "demo.png"]  # no temp files left
+
+
+def test_the_scaling_table_says_what_other_programs_took():
+    from phalanx.bench.scaling_report import _load_lines
+    assert _load_lines({"cores": 2}) == []  # an older payload, or off Linux
+    assert _load_lines({"cores": 2, "others_cores": 0.1}) == ["other processes kept 0.1 of the 2 cores busy meanwhile"]
+    disturbed = _load_lines({"cores": 2, "others_cores": 1.1})[0]
+    assert disturbed.startswith("other processes kept 1.1 of the 2 cores busy meanwhile: disturbed")
+    assert "a scaling efficiency above 1, phalanx above its ceiling: that load, not phalanx" in disturbed
