@@ -23,3 +23,6 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        if self.directory is not None and self.dataset not in (None, DEFAULT_DATASET):
+            raise ValueError(f"--data-dir holds {DEFAULT_DATASET}'s files, which --dataset {self.dataset} does not "
+                             f"read; drop --data-dir, or drop --dataset to train on {DEFAULT_DATASET}")

@@ -237,7 +237,7 @@ def _position_text(position: ckpt.Position, steps: int) -> str:
 def _schedule_text(config: TrainConfig) -> str:
     accum_steps, warmup_epochs = config.data_parallel.grad_accum_steps, config.optim.warmup_epochs
     accum = f", {accum_steps} micro-batches per step" if accum_steps > 1 else ""
-    warm = f", lr warmup over {warmup_epochs:g} epochs" if warmup_epochs else ""
+    warm = f", lr warmup over {warmup_epochs:g} epoch{'' if warmup_epochs == 1 else 's'}" if warmup_epochs else ""
     return accum + warm
 
 

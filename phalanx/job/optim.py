@@ -33,8 +33,8 @@ class OptimizerConfig:
     lr: float | None = option(None, default_text="0.2 for sgd, 0.001 for adam and adamw", help="learning rate",
                               check=finite(positive("finite number; use e.g. --lr 0.2")))
     # Linear warmup of the lr over this many epochs (fractions allowed; 0: none), per step.
-    warmup_epochs: float = option(0.0, metavar="EPOCHS", help="raise the lr linearly from lr/steps to lr over this "
-                                  "many epochs; 0: none", check=finite(at_least(0, problem="must be 0 (none) or a "
+    warmup_epochs: float = option(0.0, metavar="EPOCHS", help="raise the lr linearly from lr/W to lr over the first W "
+                                  "steps, W = this many epochs of steps; 0: none", check=finite(at_least(0, problem="must be 0 (none) or a "
                                                                                  "positive number of epochs")))
     # 0: plain SGD, exactly the book's update (torch's SGD keeps no momentum buffer then).
     momentum: float = option(0.0, help="SGD momentum; 0: plain SGD", check=Rule(

@@ -34,7 +34,8 @@ def _one_line(capsys, argv) -> str:
 def test_a_path_the_system_cannot_name_is_one_line(tmp_path, capsys, flag, kind):
     # Left to the OS, this is a traceback of OSError: [Errno 36] File name too long, and exit 1.
     target = tmp_path / (LONG_NAME if kind == "name" else LONG_PATH)
-    argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, str(target)]
+    dataset = [] if flag == "--data-dir" else ["--dataset", "synthetic"]  # only fashion-mnist reads --data-dir
+    argv = ["train", *dataset, "--epochs", "1", "--no-progress", flag, str(target)]
     if flag != "--out":
         argv += ["--out", str(tmp_path / "out")]
     err = _one_line(capsys, argv)
@@ -107,7 +108,8 @@ def test_a_symlink_leading_nowhere_is_one_line_before_training(tmp_path, capsys,
     # Left to the directory lock, this is a 23-line traceback ending FileExistsError (--trace after training).
     what = _links(tmp_path)[link]
     target = tmp_path / link / "run" if below else tmp_path / link
-    argv = ["train", "--dataset", "synthetic", "--epochs", "1", "--no-progress", flag, str(target)]
+    dataset = [] if flag == "--data-dir" else ["--dataset", "synthetic"]  # only fashion-mnist reads --data-dir
+    argv = ["train", *dataset, "--epochs", "1", "--no-progress", flag, str(target)]
     argv += ["--checkpoint-every", "5"] if flag == "--checkpoint-dir" else []
     err = _one_line(capsys, argv)
     where = f" cannot be created: {tmp_path / link}" if below else ""

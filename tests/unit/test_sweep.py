@@ -123,8 +123,11 @@ def test_devices_take_train_s_cpu_form_too():
 def test_the_data_options_are_train_s_own():
     with pytest.raises(ValueError, match="--dataset 'cifar' is unknown"):
         SweepConfig(data=DataConfig(dataset="cifar"))
-    assert build(SweepConfig, _args("--dataset", "digits", "--data-dir", "d")).data == DataConfig(dataset="digits",
-                                                                                                 directory="d")
+    assert build(SweepConfig, _args("--dataset", "fashion-mnist", "--data-dir", "d")).data == DataConfig(
+        dataset="fashion-mnist", directory="d")
+    with pytest.raises(UsageError, match="--data-dir holds fashion-mnist's files, which --dataset digits does not read; "
+                                         "drop --data-dir, or drop --dataset to train on fashion-mnist"):
+        build(SweepConfig, _args("--dataset", "digits", "--data-dir", "d"))
 
 
 def test_time_to_target_is_cumulative_training_time_to_the_first_epoch_reaching_it():
