@@ -19,6 +19,9 @@ Horovod's is CUDA-only; this one is an `autograd.Function` over `phalanx.comm`'s
 - running statistics use the global mean and the global unbiased variance (as torch), from the
   same allreduced numbers on every rank, so they stay identical on all replicas.
 - eval mode uses the running statistics and communicates nothing.
+- under autocast (CPU bf16; CUDA fp16, bf16) it does what torch's BatchNorm does there: a
+  half/bf16 input (a conv's output) beside float32 parameters is normalized with float32
+  statistics (summed in float32, combined in float64) and comes out in the input's dtype.
 - a replica routes its layers' two sums to its own exchange (`route_sync_batchnorm`), queued in
   launch order behind the buckets in flight: between CPU workers the shared-memory allreduce
   instead of gloo's loopback one (LeNet-BN, 2 workers: 0.66 -> 0.51 s an epoch, measured
@@ -106,9 +109,23 @@ class _Reducer:
         return packed
 
 
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+def _stats_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype torch's BatchNorm kernels take statistics in beside `x` and `weight`: x's own,
+    except a half/bf16 input (an autocast conv's or linear's output) with float32 or no parameters,
+    torch's mixed-precision BatchNorm: statistics and parameters float32, output in x's dtype. The
+    CPU and CUDA kernels refuse that input with a half/bf16 statistic beside a float32 weight."""
+    if x.dtype in _REDUCED and (weight is None or weight.dtype == torch.float32):
+        return torch.float32
+    return x.dtype
+
+
 def _normalize(x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, weight, bias, eps: float) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) * weight + bias per channel: torch's fused inference kernel."""
-    return nn.functional.batch_norm(x, mean.to(x.dtype), var.to(x.dtype), weight, bias, False, 0.0, eps)
+    dtype = _stats_dtype(x, weight)
+    return nn.functional.batch_norm(x, mean.to(dtype), var.to(dtype), weight, bias, False, 0.0, eps)
 
 
 @torch.no_grad()
@@ -119,7 +136,11 @@ def global_batch_stats(x: torch.Tensor, reduce: _Reducer) -> tuple[torch.Tensor,
     packed = torch.zeros(2 + 2 * channels, dtype=torch.float64, device=x.device)
     if count > 0:
         # torch's fused statistics kernel (centered, so stable; 4-5x faster than var_mean on CPU).
-        mean, var = torch.batch_norm_update_stats(x, None, None, 0.0)
+        # A half/bf16 input is summed in float32 as torch's own BatchNorm does; the kernel returns
+        # float32 statistics only beside float32 running ones (momentum 0 leaves these unchanged).
+        running = (torch.zeros(channels, device=x.device), torch.ones(channels, device=x.device)) \
+            if x.dtype in _REDUCED else (None, None)
+        mean, var = torch.batch_norm_update_stats(x, *running, 0.0)
         mean64, var64 = mean.double(), var.double()
         packed[1] = count
         packed[2 : 2 + channels] = count * mean64
@@ -155,7 +176,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, mean, var = ctx.saved_tensors
         channels = x.shape[1]
-        w = weight if weight is not None else torch.ones(channels, dtype=x.dtype, device=x.device)
+        dtype = _stats_dtype(x, weight)
+        w = weight if weight is not None else torch.ones(channels, dtype=dtype, device=x.device)
         if x.numel() > 0:
             # This rank's sum(dy * xhat) and sum(dy) alone: the kernel's reduction pass, without the
             # input gradient it would make from this shard's statistics.
@@ -164,9 +186,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
             # the fused kernel runs: CUDA's other path (a 2-D BatchNorm1d input, channels_last, or
             # no input gradient) asserts `save_mean->defined()` (aten/src/ATen/native/
             # cuda/Normalization.cu, batch_norm_backward_cuda).
-            not_saved = x.new_empty(0)
+            not_saved = x.new_empty(0, dtype=dtype)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, x, w, mean.to(x.dtype), var.to(x.dtype), not_saved, not_saved, False, ctx.eps,
+                dy, x, w, mean.to(dtype), var.to(dtype), not_saved, not_saved, False, ctx.eps,
                 [False, True, True])
         else:  # an empty shard (the CPU kernel divides by its size): no local contribution
             sum_dy_xhat = sum_dy = torch.zeros(channels, dtype=w.dtype, device=x.device)
@@ -185,8 +207,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
             shift_w = -scale * packed[1 + channels :] / ctx.count
             shift_b = -scale * packed[1 : 1 + channels] / ctx.count
             per_channel = (1, channels) + (1,) * (x.dim() - 2)
-            grad_x = _normalize(x, mean, var, shift_w.to(x.dtype), shift_b.to(x.dtype), ctx.eps).addcmul_(
-                dy, scale.to(x.dtype).view(per_channel))
+            grad_x = _normalize(x, mean, var, shift_w.to(dtype), shift_b.to(dtype), ctx.eps).addcmul_(
+                dy, scale.to(dtype).view(per_channel))
         # The parameter gradients stay this rank's sums: DataParallel sums them across ranks.
         grad_weight = sum_dy_xhat if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy if ctx.has_bias and ctx.needs_input_grad[2] else None

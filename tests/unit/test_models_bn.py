@@ -162,6 +162,35 @@ def test_one_process_sync_batchnorm_equals_batchnorm(shape, dtype, device):
         convert_sync_batchnorm(nn.BatchNorm1d(4), WORLD_1)(torch.randn(1, 4))
 
 
+@pytest.mark.parametrize("device, half", [("cpu", torch.bfloat16), pytest.param("cuda", torch.bfloat16, marks=CUDA),
+                                          pytest.param("cuda", torch.float16, marks=CUDA)])
+@pytest.mark.parametrize("shape", [(8, 5, 6, 7), (9, 4)])
+def test_under_autocast_sync_batchnorm_does_what_batchnorm_does(shape, device, half):
+    """A half/bf16 input (an autocast conv's output) beside float32 parameters: the output in the
+    input's dtype, the statistics and parameter gradients in float32, as torch's BatchNorm."""
+    torch.manual_seed(0)
+    ref = (nn.BatchNorm2d if len(shape) == 4 else nn.BatchNorm1d)(shape[1]).to(device)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.normal_()
+    sync = convert_sync_batchnorm(copy.deepcopy(ref), WORLD_1)
+    x = (torch.randn(shape, device=device) * 3 + 5).to(half)
+    g = torch.randn(shape, device=device).to(half)
+    x_ref, x_sync = (x.clone().requires_grad_() for _ in range(2))
+    with torch.autocast(device, dtype=half):
+        y_ref, y = ref(x_ref), sync(x_sync)
+        (y_ref.float() * g).sum().backward()
+        (y.float() * g).sum().backward()
+    assert y.dtype == y_ref.dtype == half and sync.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref)  # half/bf16 tolerance: a last-bit rounding may differ
+    # Near-zero entries are differences of rounded terms: an absolute bound, a bf16 ulp of dy's scale.
+    torch.testing.assert_close(x_sync.grad, x_ref.grad, rtol=1.6e-2, atol=1e-3)
+    for name in ("weight", "bias"):
+        torch.testing.assert_close(getattr(sync, name).grad, getattr(ref, name).grad, rtol=1e-2, atol=1e-2)
+    for name in ("running_mean", "running_var"):  # float32 statistics of the half/bf16 values, as torch's
+        torch.testing.assert_close(getattr(sync, name), getattr(ref, name), rtol=1e-5, atol=1e-5)
+
+
 # The inputs for which CUDA's batch_norm_backward skips its fused kernel (a 2-D or length-1 input
 # counts as channels-last there, and the fused kernel needs an input gradient); that other path
 # asserts `save_mean->defined()`, so SyncBatchNorm must pass empty tensors there, not None.
