@@ -53,6 +53,8 @@ from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_
 # After a first failure, keep listening this long for the other ranks' reports: the first one to
 # arrive is often a secondary "connection closed" from a peer of the rank that really broke.
 ERROR_GRACE_S = 1.0
+# How often a wait for reports also asks each worker whether it has exited (_ready says why).
+EXIT_POLL_S = 0.2
 # How long finished workers may take to leave the group and exit (measured under load: 1.8, 3.1
 # and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
 TEARDOWN_S = 30.0
@@ -198,9 +200,7 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
         timeout = None if give_up_at is None else give_up_at - time.monotonic()
         if timeout is not None and timeout <= 0:
             break
-        # Sentinels too: a worker whose pipe a forked grandchild still holds open gives no EOF.
-        ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout))
-        for rank in sorted(r for r in pending if conns[r] in ready or procs[r].sentinel in ready):
+        for rank in _ready(procs, conns, pending, timeout):
             report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success),
                                     recorded(errors[rank] if rank < len(errors) else None))
             pending.discard(rank)
@@ -224,6 +224,23 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
     raise failure(reports, first_failure, progress)
 
 
+def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:
+    """The pending ranks with something to read - a report, or an exit - within `timeout` s.
+
+    A worker's pipe and its process sentinel give EOF only when every process holding them has
+    closed them, and the worker's forked children (DataLoader workers) hold both until they notice
+    their parent is gone, seconds after a SIGKILL. Meanwhile a peer reports the death as its own
+    error. So the worker itself is asked too (waitpid, through `exitcode`) before waiting, and
+    again every EXIT_POLL_S: a dead worker is read as dead before its peers' echoes are judged."""
+    exited = [rank for rank in sorted(pending) if procs[rank].exitcode is not None]
+    if exited:
+        return exited
+    timeout = EXIT_POLL_S if timeout is None else min(timeout, EXIT_POLL_S)
+    ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending], timeout))
+    return sorted(r for r in pending if conns[r] in ready or procs[r].sentinel in ready
+                  or procs[r].exitcode is not None)
+
+
 def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> BaseException:
     """The launcher was stopped: its signal to each worker itself (not its group) first, as a
     terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
@@ -241,9 +258,7 @@ def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> 
             os.kill(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
     give_up_at, reports = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), {}
     while pending and give_up_at > time.monotonic():
-        ready = set(wait([conns[r] for r in pending] + [procs[r].sentinel for r in pending],
-                         give_up_at - time.monotonic()))
-        for rank in [r for r in pending if conns[r] in ready or procs[r].sentinel in ready]:
+        for rank in _ready(procs, conns, pending, give_up_at - time.monotonic()):
             pending.discard(rank)
             reports[rank] = read_report(procs[rank], conns[rank], False)
     kinds = {report[0] for report in reports.values()}

@@ -3,7 +3,9 @@
 the launcher's spawn, which would re-run the script in every loader worker and have each call
 `phalanx.init()`), so every pipeline ends bitwise equal to num_workers=0; and when a
 loader worker raises, the run ends in seconds and nothing it started outlives it - no process
-(loader workers, a resource tracker) and no segment in /dev/shm.
+(loader workers, a resource tracker) and no segment in /dev/shm. A rank SIGKILLed while its
+loader workers hold its pipe and sentinel open is named as the cause, not the peer that reported
+its death first, also by `--max-restarts`; its orphaned loader workers are ended too.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ MARK = "PHALANX_LOADER_WORKERS_MARK"  # every process the run starts inherits it
 PIPELINES = ["0", "2", "2-persistent"]
 
 
-def _run(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, str, float]:
+def _run(out: Path, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, str, float]:
     mark = secrets.token_hex(8)
     env = {**os.environ, "OMP_NUM_THREADS": "1", MARK: mark}
     started = time.monotonic()
-    ran = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", str(SCRIPT), "--out",
+    ran = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", *launcher, str(SCRIPT), "--out",
                           str(out), *extra], capture_output=True, text=True, timeout=300, env=env)
     return ran, mark, time.monotonic() - started
 
@@ -85,4 +87,25 @@ def test_a_raising_loader_worker_ends_the_run_fast_and_leaves_nothing(tmp_path):
     assert "phalanx/runtime/supervise.py" not in ran.stderr and "runpy" not in ran.stderr
     echoes = [line for line in lines if "rank 0" in line]
     assert all(line.startswith("rank 0 stopped too: ") for line in echoes) and len(echoes) <= 1, echoes
+    _assert_nothing_left(tmp_path, mark)
+
+
+def test_a_rank_killed_with_its_loader_workers_running_is_named_not_its_peer(tmp_path):
+    ran, mark, wall_s = _run(tmp_path, "--kill")
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert wall_s < 60, f"the failing run took {wall_s:.0f} s"
+    lines = ran.stderr.splitlines()
+    assert lines[1] == "phalanx: worker rank 1 failed: died (signal SIGKILL)", ran.stderr[-3000:]
+    # Rank 0 reported the death first (its allreduce lost rank 1): one line, no traceback.
+    assert lines[2:] == [line for line in lines[2:] if line.startswith("rank 0 stopped too: ")], ran.stderr[-3000:]
+    assert len(lines) == 3, ran.stderr[-3000:]
+    _assert_nothing_left(tmp_path, mark)
+
+
+def test_max_restarts_restarts_after_the_killed_rank_not_its_peer(tmp_path):
+    ran, mark, _ = _run(tmp_path, "--kill", launcher=("--max-restarts", "1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    restarts = [line for line in ran.stderr.splitlines() if "restart 1 of 1" in line]
+    assert restarts == ["phalanx run: worker rank 1 (cpu:1) died (signal SIGKILL); restart 1 of 1: every worker "
+                        "starts again (TORCHELASTIC_RESTART_COUNT=1)"], ran.stderr[-3000:]
     _assert_nothing_left(tmp_path, mark)

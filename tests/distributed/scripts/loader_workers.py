@@ -2,13 +2,15 @@
 for tests: it trains one small model per input pipeline (phalanx.ShardedLoader and a plain
 DataLoader over a DistributedSampler; 0 or 2 loader workers, persistent or not) and saves each
 rank's final parameters as `<pipeline>-rank<r>.pt`. Every process it starts records its pid in
-`pids/`. `--fail` makes a loader worker of rank 1 raise.
+`pids/`. `--fail` makes a loader worker of rank 1 raise; `--kill` has rank 1 SIGKILL itself at
+step 3, its 2 loader workers running (the first attempt only: a restart runs to the end).
 
     phalanx run --devices cpu:2 loader_workers.py --out DIR
     torchrun --nproc-per-node 2 loader_workers.py --out DIR
 """
 import argparse
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ import phalanx
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--fail", action="store_true", help="a loader worker of rank 1 raises")
+parser.add_argument("--kill", action="store_true", help="rank 1 SIGKILLs itself at step 3 of the first attempt")
 args = parser.parse_args()
 out = Path(args.out)
 (out / "pids").mkdir(parents=True, exist_ok=True)
@@ -63,16 +66,19 @@ record_pid()
 data = Waves(120)
 PIPELINES = [(kind, workers, persistent) for kind in ("sharded", "plain")
              for workers, persistent in ((0, False), (2, False), (2, True))]
-for kind, workers, persistent in PIPELINES[2:3] if args.fail else PIPELINES:
+kill = args.kill and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+for kind, workers, persistent in PIPELINES[2:3] if args.fail or args.kill else PIPELINES:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
     dp = phalanx.prepare(model, world=world)
     optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
     loaders: dict = {}
     for epoch in range(2):
-        for (X, y), global_size in batches(kind, epoch, loaders, num_workers=workers,
-                                           persistent_workers=persistent,
-                                           worker_init_fn=record_pid if workers else None):
+        for step, ((X, y), global_size) in enumerate(batches(kind, epoch, loaders, num_workers=workers,
+                                                             persistent_workers=persistent,
+                                                             worker_init_fn=record_pid if workers else None)):
+            if kill and step == 3:  # as the OOM killer does, its loader workers alive and holding its pipes
+                os.kill(os.getpid(), signal.SIGKILL)
             dp.zero_grad()
             loss = phalanx.shard_loss(((dp(X) - y) ** 2).sum(), global_size)
             loss.backward()
