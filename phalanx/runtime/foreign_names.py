@@ -186,6 +186,10 @@ DDP_METHODS: dict[str, str] = {
 REPLICA_NAMES: dict[str, tuple[str, str]] = {
     **{name: ("DistributedDataParallel's method", way) for name, way in DDP_METHODS.items()},
     **{name: ("DeepSpeed engine's name", way) for name, way in ENGINE_METHODS.items()},
+    # Fabric's and Accelerate's object's, which a port calls on the model it set up (`backward`
+    # is DeepSpeed's engine's above, with the same way).
+    **{name: (f"{FOREIGN_NAMES[name][0]} name", FOREIGN_NAMES[name][1])
+       for name in ("no_backward_sync", "clip_gradients", "clip_grad_norm_", "unwrap_model")},
 }
 
 

@@ -145,9 +145,14 @@ def module_name_error(name: str, *, asker: FrameType | None = None) -> Attribute
     or DeepSpeed's. Asked by `from phalanx import DistributedOptimizer` (`asker`, the frame that
     asked, is at an IMPORT_FROM), the ImportError that statement raises, with the way in it:
     Python replaces an AttributeError there by its bare "cannot import name"."""
-    if name not in MODULE_NAMES:
+    from phalanx.runtime.foreign_names import FOREIGN_NAMES  # here: foreign_names imports this module
+
+    # Horovod's and DeepSpeed's module names, then Accelerate's and Fabric's object's (a ported
+    # `fabric.save(...)` becomes `phalanx.save(...)` as often as `world.save(...)`).
+    found = MODULE_NAMES.get(name) or FOREIGN_NAMES.get(name)
+    if found is None:
         return AttributeError(f"module 'phalanx' has no attribute {name!r}")
-    whose, way = MODULE_NAMES[name]
+    whose, way = found
     if asker is not None and _importing_from(asker):
         return ImportError(f"cannot import name {name!r} from 'phalanx' ({whose} name): in phalanx, {way}",
                            name="phalanx")

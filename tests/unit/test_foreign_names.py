@@ -115,3 +115,23 @@ def test_require_backward_grad_sync_is_the_switch_no_sync_turns():
         assert not dp.sync_enabled and "require_backward_grad_sync" not in dp.__dict__
         dp.require_backward_grad_sync = 1
         assert dp.require_backward_grad_sync is True
+
+
+@pytest.mark.parametrize("name", ["no_backward_sync", "clip_gradients", "clip_grad_norm_", "unwrap_model"])
+def test_a_fabric_or_accelerate_name_asked_of_the_replica_names_phalanx_s_way(name):
+    whose, way = FOREIGN_NAMES[name]
+    with phalanx.prepare(nn.Linear(2, 2), world=WORLD1) as dp:
+        with pytest.raises(AttributeError) as info:
+            getattr(dp, name)
+        assert str(info.value) == f"'DataParallel' object has no attribute {name!r} ({whose} name): in phalanx, {way}"
+
+
+@pytest.mark.parametrize("name", ["save", "load", "seed_everything", "all_reduce", "all_gather", "setup", "backward"])
+def test_a_fabric_or_accelerate_name_asked_of_the_module_names_phalanx_s_way(name):
+    # A port writes `phalanx.save(...)` where it had `fabric.save(...)` as often as `world.save`.
+    whose, way = FOREIGN_NAMES[name]
+    with pytest.raises(AttributeError) as info:
+        getattr(phalanx, name)
+    assert str(info.value) == f"module 'phalanx' has no attribute {name!r} ({whose} name): in phalanx, {way}"
+    with pytest.raises(AttributeError, match=r"^module 'phalanx' has no attribute 'nothing_of_the_kind'$"):
+        phalanx.nothing_of_the_kind
