@@ -32,7 +32,7 @@ def test_counted_bytes_equal_each_splits_formula():
         assert all(0 <= share <= 1 for share in row["idle_share_per_device"])
         assert all(b > 0 for b in row["activation_bytes_per_device"])
     assert max(rows[("channels", 4)]["parameters_per_device"]) < PARAMETERS / 3  # ~1/k of the model each
-    assert "formula KB" in report_splits(payload)
+    assert "formula KB" in report_splits(payload) and "which sums through shared memory" in report_splits(payload)
     plot_splits(payload)
 
 
