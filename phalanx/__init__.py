@@ -63,9 +63,10 @@ __all__ = [
 
 def __getattr__(name: str):
     owner = _OWNERS.get(name)
-    if owner is None:  # Horovod's `hvd.rank()`, DeepSpeed's `deepspeed.initialize`: phalanx's way, in one line
+    if owner is None:  # hvd.rank(), deepspeed.initialize, fabric.save as phalanx.save: phalanx's way, in one line
+        from phalanx.runtime.foreign_names import FOREIGN_NAMES
         from phalanx.runtime.horovod_deepspeed import module_name_error
-        raise module_name_error(name, asker=sys._getframe(1))
+        raise module_name_error(name, asker=sys._getframe(1), also=FOREIGN_NAMES)
     value = getattr(importlib.import_module(owner), name)
     globals()[name] = value  # later lookups skip this function
     return value

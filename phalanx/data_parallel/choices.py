@@ -48,7 +48,8 @@ class Choices:
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
         mixed = f", {self.precision} (autocast forward, float32 weights and gradients)" if self.precision else ""
-        return f"allreduce {self._algorithm_text()}, {self._exchange_text()}{self._shard_text()}, " \
+        exchange = f"allreduce {self._algorithm_text()}, " if self.exchanging else ""  # one device sums nothing
+        return f"{exchange}{self._exchange_text()}{self._shard_text()}, " \
                f"{self.memory_format}, {self.dtype}{mixed}{self._batchnorm_text()}"
 
     def _shard_text(self) -> str:

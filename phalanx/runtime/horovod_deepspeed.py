@@ -140,16 +140,15 @@ KEYWORDS: dict[str, tuple[str, str]] = {
 }
 
 
-def module_name_error(name: str, *, asker: FrameType | None = None) -> AttributeError | ImportError:
+def module_name_error(name: str, *, asker: FrameType | None = None,
+                      also: dict[str, tuple[str, str]] | None = None) -> AttributeError | ImportError:
     """The AttributeError for `name` asked of the phalanx module: phalanx's way where it is Horovod's
     or DeepSpeed's. Asked by `from phalanx import DistributedOptimizer` (`asker`, the frame that
     asked, is at an IMPORT_FROM), the ImportError that statement raises, with the way in it:
     Python replaces an AttributeError there by its bare "cannot import name"."""
-    from phalanx.runtime.foreign_names import FOREIGN_NAMES  # here: foreign_names imports this module
-
-    # Horovod's and DeepSpeed's module names, then Accelerate's and Fabric's object's (a ported
-    # `fabric.save(...)` becomes `phalanx.save(...)` as often as `world.save(...)`).
-    found = MODULE_NAMES.get(name) or FOREIGN_NAMES.get(name)
+    # Horovod's and DeepSpeed's module names, then `also`'s (Accelerate's and Fabric's object's: a
+    # ported `fabric.save(...)` becomes `phalanx.save(...)` as often as `world.save(...)`).
+    found = MODULE_NAMES.get(name) or (also or {}).get(name)
     if found is None:
         return AttributeError(f"module 'phalanx' has no attribute {name!r}")
     whose, way = found
