@@ -23,8 +23,9 @@ reads the whole stream and keeps its contiguous slice of each (Accelerate's Iter
 and Hugging Face's split_dataset_by_node read it the same way), so the stream must yield the same
 items in the same order on every rank: seed its shuffle; `set_epoch(e)` is called at each epoch
 where the dataset has one (`phalanx.ShardedLoader`, train/sharded_loader.py, compares the ranks'
-first global batch of each epoch). The stream decides where an epoch ends, so such a loader has no
-length, and `shuffle=True` is refused (the stream orders itself).
+first global batch of each epoch, and a map-style dataset's length, order and first items once).
+The stream decides where an epoch ends, so such a loader has no length, and `shuffle=True` is
+refused (the stream orders itself).
 
 torch's `DistributedSampler` is DDP's way to shard, and it pads the dataset to a multiple of the
 ranks by repeating examples (or drops the rest): `distributed_sampler_note` says so in one line,
@@ -211,6 +212,7 @@ class ShardedLoader:
                                      shuffle=self.shuffle)
         else:
             batches = list(torch.split(self._sampler_order(epoch), self.global_batch_size))
+        self._order_made(epoch, batches)
         self._shards.now = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist()
                             for b in batches]
         if self._loader is None:  # one DataLoader for every epoch: persistent_workers=True keeps its workers
@@ -232,6 +234,10 @@ class ShardedLoader:
             raise ValueError(f"the sampler gave {order.numel()} indices in epoch {epoch}, but its len() is "
                              f"{self.num_examples}; make its __len__ match what it yields")
         return order
+
+    def _order_made(self, epoch: int, batches: list[torch.Tensor]) -> None:
+        """Called with a map-style epoch's global batches (indices), before anything is loaded;
+        nothing here (phalanx.ShardedLoader compares the ranks' first: train/sharded_loader.py)."""
 
     def _stream_epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
         set_epoch = getattr(self.dataset, "set_epoch", None)

@@ -1,5 +1,4 @@
-"""`phalanx.ShardedLoader`: data/loader.py's, plus the check that a stream yields the same items
-on every rank.
+"""`phalanx.ShardedLoader`: data/loader.py's, plus the checks that every rank reads the same data.
 
 Over a stream (an `IterableDataset`), every rank reads the whole stream and keeps its slice of
 each global batch, so the global batch is one device's only if every rank's stream yields the same
@@ -10,14 +9,25 @@ of the data is trained on twice in an epoch and some never, silently. So at the 
 of every epoch, before anything is trained on it, the ranks all-gather one small record of its
 items' identities (`identity_checksum`: strings, bytes, whole numbers, token ids; not floating
 values, which a per-rank random augmentation may change) and rank 0 warns, once, naming the first
-rank whose items differ and the fix. One gather of 3 numbers an epoch; nothing for a map-style
-dataset, whose order is a permutation of (seed, epoch) on every rank by construction, nor in a
-world of one, nor for a stand-in for the world that opened no process group (tests).
+rank whose items differ and the fix. One gather of 3 numbers an epoch.
+
+A map-style dataset's order is computed alike on every rank, unless the script made it differ: a
+dataset already cut by rank (Horovod's habit: `Subset(full, range(rank, n, k))`, files split by
+rank) trains on 1/k of the data, and a sampler drawing from unseeded numpy or Python RNG orders
+each rank's epoch differently. So at the loader's first epoch the ranks gather, once, the
+dataset's length, a CRC of the epoch's whole index order and the identities of the first global
+batch's first `PROBE_ITEMS` items (loaded with the RNG states set aside and put back, so the run's
+draws are untouched); any difference is certain, and every rank raises the same UsageError naming
+the cause and the fix before a step is trained. Neither check runs in a world of one, nor for a
+stand-in for the world that opened no process group (tests).
 """
 
 from __future__ import annotations
 
-import warnings
+import random
+import zlib
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -25,36 +35,75 @@ import torch.distributed as dist
 from phalanx.comm.gather import gather
 from phalanx.data.item_identity import identity_checksum
 from phalanx.data.loader import ShardedLoader as LocalShardedLoader
-from phalanx.errors import PhalanxWarning
+from phalanx.errors import UsageError, warn_at_caller
 from phalanx.runtime.world import World
+from phalanx.train.rng_state import rng_state, set_rng_state
+
+PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced classes all agree by chance 3e-6
 
 
 class ShardedLoader(LocalShardedLoader):
     __doc__ = LocalShardedLoader.__doc__
 
     _said = False  # whether this loader warned already: once is enough
+    _checked = False  # whether the ranks' map-style data were compared (the first epoch)
 
     def __init__(self, dataset, *, world, **kwargs) -> None:
         if isinstance(world, World):  # tests hand data/loader.py stand-ins for the world
             world.check_here("phalanx.ShardedLoader")
         super().__init__(dataset, world=world, **kwargs)
 
+    def _compares(self) -> bool:
+        world = self.world
+        return isinstance(world, World) and world.distributed and dist.is_initialized()
+
+    def _order_made(self, epoch: int, batches: list[torch.Tensor]) -> None:
+        """Compare the ranks' map-style data once (module docstring)."""
+        if self._checked or not self._compares():
+            return
+        self._checked = True
+        order = torch.cat(batches).to(torch.int64).contiguous().numpy().tobytes()
+        probe = batches[0][:PROBE_ITEMS].tolist()
+        saved = rng_state()
+        try:  # the same draws on every rank (a random label agrees too), and the run's own put back after
+            torch.default_generator.manual_seed(0)  # the CPU generator alone: a GPU's is not in rng_state()
+            np.random.seed(0)
+            random.seed(0)
+            count, checksum = identity_checksum([self.dataset[i] for i in probe])
+        finally:
+            set_rng_state(saved)
+        size = len(self.dataset) if hasattr(self.dataset, "__len__") else -1  # a sampler's dataset may have none
+        mine = torch.tensor([[size, count, checksum, zlib.crc32(order)]], dtype=torch.int64)
+        every = gather(mine, world=self.world).tolist()
+        differ = next((rank for rank, row in enumerate(every) if row != every[0]), None)
+        if differ is None:
+            return
+        theirs, first = every[differ], every[0]
+        if theirs[0] != first[0] or theirs[3] == first[3]:  # the same order: the items at its indices differ
+            what = (f"has {theirs[0]} examples, rank 0's {first[0]}" if theirs[0] != first[0]
+                    else "holds other labels or keys than rank 0's at the same indices")
+            raise UsageError(f"each rank passed a different dataset to ShardedLoader (rank {differ}'s {what}): "
+                             "pass the whole dataset on every rank; ShardedLoader shards each global batch by rank "
+                             "itself (a dataset cut by rank, e.g. Subset(data, range(rank, n, k)), trains on 1/k of it)")
+        raise UsageError(f"the sampler gives rank {differ} another order than rank 0 in epoch {epoch}, so the ranks "
+                         "cut other global batches than one device reads: make every rank draw the same order (draw "
+                         "from self.generator, which ShardedLoader seeds by (seed, epoch), not from unseeded numpy "
+                         "or Python random numbers)")
+
     def _first_chunk(self, epoch: int, items: list) -> None:
         """Compare the ranks' first global batch of `epoch` (module docstring)."""
-        world = self.world
-        if not (isinstance(world, World) and world.distributed and dist.is_initialized()):
+        if not self._compares():
             return
         count, checksum = identity_checksum(items)
         mine = torch.tensor([[len(items), count, checksum]], dtype=torch.int64)
-        every = gather(mine, world=world).tolist()
+        every = gather(mine, world=self.world).tolist()
         differ = next((rank for rank, row in enumerate(every) if row != every[0]), None)
-        if differ is None or self._said or not world.is_main:
+        if differ is None or self._said or not self.world.is_main:
             return
         self._said = True
         what = (f"{every[differ][0]} items against rank 0's {every[0][0]}" if every[differ][0] != every[0][0]
                 else "other items than rank 0's" if every[differ][1:] != every[0][1:] else "")
-        warnings.warn(f"the stream's first global batch of epoch {epoch} holds {what} on rank {differ} (its keys, "
-                      "labels or token ids differ): every rank must read the same items in the same order, or the "
-                      "ranks train on other data than one device would; seed the stream's shuffle (e.g. "
-                      "dataset.shuffle(seed=42, buffer_size=...)) and read it in a fixed order", PhalanxWarning,
-                      stacklevel=6)  # the user's loop: epoch(), _stream_epoch, stream_shards, the lambda, here
+        warn_at_caller(f"the stream's first global batch of epoch {epoch} holds {what} on rank {differ} (its keys, "
+                       "labels or token ids differ): every rank must read the same items in the same order, or the "
+                       "ranks train on other data than one device would; seed the stream's shuffle (e.g. "
+                       "dataset.shuffle(seed=42, buffer_size=...)) and read it in a fixed order")
