@@ -15,8 +15,8 @@ steps already done puts every rank exactly where it was, and a resumed run ends 
 parameters as an uninterrupted one. Checkpoints of the first format (per-rank sums, no data
 identity) still load: their sums are added up, and the data set is reported as unchecked.
 
-`phalanx train`'s own use (what it fingerprints, where it starts) is in resume.py;
-`checkpoint`/`resume` here are a user script's. Rank 0 writes; every rank reads.
+`phalanx train`'s own use (what it fingerprints, where it starts) is in resume.py; a
+script's `phalanx.checkpoint`/`phalanx.resume` in script_checkpoint.py. Rank 0 writes; every rank reads.
 Loading checks the file's CRCs, then uses `torch.load(..., weights_only=True)` - a file that needs
 arbitrary unpickling (tampered, or not a checkpoint) is refused - and compares the fingerprint
 with the current run before anything is applied, naming the first mismatch. A directory's
@@ -30,7 +30,6 @@ epoch's row is bitwise the same.
 from __future__ import annotations
 
 import io
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +38,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import Tag, collective
-from phalanx.errors import PhalanxWarning, UsageError
-from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.errors import UsageError
 from phalanx.runtime.world import World
-from phalanx.train.checkpoint_extras import check_extra_names, checked_extras, extra_states, load_extras
+from phalanx.train.checkpoint_extras import check_extra_names, load_extras
 from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
     set_aside, write_generation
 from phalanx.train.rng_state import rng_state, set_rng_state
@@ -194,11 +192,9 @@ def set_aside_passed_over(location: str | Path, read: Path, *, world: World) -> 
     return "" if kept is None else f" (kept as {kept.name}, no longer a checkpoint)"
 
 
-# How a mismatched field is named: `phalanx train`'s flags, or what a script passes and builds.
+# How a mismatched field is named: `phalanx train`'s flags (script_checkpoint.py: what a script passes).
 CLI_NAMES = {"model": "--model {}", "global_batch_size": "--batch-size {}", "seed": "--seed {}",
              "dtype": "--dtype {}", "optimizer": "--optimizer {}"}
-SCRIPT_NAMES = {"model": "model class {}", "global_batch_size": "global_batch_size={}", "seed": "seed={}",
-                "dtype": "parameters of dtype {}"}
 
 
 def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path, names: dict = CLI_NAMES) -> None:
@@ -258,63 +254,3 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
     elif totals and not world.is_main:  # rank 0 carries every rank's sums; the epoch's allreduce adds them up
         totals = [0.0, 0.0, 0.0, totals[3]]
     return Position(epoch=int(state["epoch"]), step=int(state["step"]), epoch_totals=tuple(totals))
-
-
-def _replica(model) -> torch.nn.Module:
-    """The module itself, given a module or a DataParallel around one (itself an nn.Module: the
-    fingerprint names the user's model class, not the wrapper)."""
-    return model.module if isinstance(model, DataParallel) else model
-
-
-def _sharded(model):
-    """The replica itself when `model` is a sharded DataParallel (its ranks save shares), else None."""
-    return model if isinstance(model, DataParallel) and model.sharding is not None else None
-
-
-def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed: int) -> dict:
-    dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
-    return fingerprint(module, model_name=type(module).__name__, global_batch_size=global_batch_size, seed=seed,
-                       dtype=dtype)
-
-
-def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
-               step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None) -> Path | None:
-    """A user script's checkpoint: `step` steps of `epoch` (0-based) are done. Every rank calls it.
-
-    Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
-    plus a fingerprint of the model class, parameter shapes, global batch size, seed and dtype
-    that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
-    NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
-    `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
-    each object's `state_dict()` (rank 0's: they are replicated like the model). Rank 0 writes, atomically."""
-    states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
-    if isinstance(model, DataParallel):
-        model.check_finite(where="phalanx.checkpoint()")
-    module = _replica(model)
-    return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
-                           position=Position(epoch=epoch, step=step),
-                           fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
-                           dp=_sharded(model), extras=states)
-
-
-def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
-           seed: int, extras: dict | None = None) -> Position:
-    """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).
-
-    Restores weights, optimizer state, `extras`' states (the objects `checkpoint` was given, by
-    the same names) and this rank's RNG states after checking the checkpoint fits (a one-line
-    UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the returned
-    position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
-    """
-    checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
-    if not has_checkpoint(location):
-        return Position(epoch=0, step=0)
-    module = _replica(model)
-    path, state, passed_over = read_newest(location)
-    if passed_over and world.is_main:
-        kept = set_aside_passed_over(location, path, world=world)
-        warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
-    check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path,
-                     names=SCRIPT_NAMES)
-    return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,
-                   extras=extras)

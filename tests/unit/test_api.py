@@ -29,7 +29,7 @@ def test_front_door_reexports_the_owners_objects():
     owners = {"DataParallel": "phalanx.data_parallel.data_parallel", "ShardedLoader": "phalanx.train.sharded_loader",
               "shard_loss": "phalanx.data_parallel.step", "clip_grad_norm_": "phalanx.data_parallel.clip",
               "evaluate_dataset": "phalanx.train.evaluate", "init": "phalanx.runtime.script",
-              "checkpoint": "phalanx.train.checkpoint", "resume": "phalanx.train.checkpoint",
+              "checkpoint": "phalanx.train.script_checkpoint", "resume": "phalanx.train.script_checkpoint",
               "split_batch": "phalanx.data.split", "allreduce": "phalanx.comm", "World": "phalanx.runtime.world"}
     assert set(owners) <= set(phalanx.__all__)
     for name in phalanx.__all__:

@@ -17,7 +17,7 @@ from phalanx.cli import main
 from phalanx.errors import PhalanxWarning, UsageError, WriteFailed
 from phalanx.models import build_model
 from phalanx.train import checkpoint as ckpt
-from phalanx.train import checkpoint_files
+from phalanx.train import checkpoint_files, script_checkpoint
 from phalanx.runtime.world import World
 from tests.distributed.runs import flip_record_byte
 
@@ -31,12 +31,12 @@ def _model() -> torch.nn.Module:
 
 
 def _save(directory, model, epoch: int) -> None:
-    ckpt.checkpoint(directory, world=WORLD, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    script_checkpoint.checkpoint(directory, world=WORLD, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                     epoch=epoch, global_batch_size=256, seed=0)
 
 
 def _resume(directory, model):
-    return ckpt.resume(directory, world=WORLD, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+    return script_checkpoint.resume(directory, world=WORLD, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                        global_batch_size=256, seed=0)
 
 

@@ -1,0 +1,84 @@
+"""A user script's checkpoints: `phalanx.checkpoint` and `phalanx.resume`, on checkpoint.py's format.
+
+What a script hands over by keyword is what is saved and restored: the replica (or its module),
+the optimizer and `extras` (its scheduler, GradScaler, EMA: checkpoint_extras.py). The fingerprint it checks is
+the model class, parameter shapes, global batch size, seed and dtype, named as the script spells
+them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.errors import PhalanxWarning
+from phalanx.runtime.world import World
+from phalanx.train.checkpoint import Position, check_compatible, fingerprint, has_checkpoint, read_newest, \
+    restore, save_checkpoint, set_aside_passed_over
+from phalanx.train.checkpoint_extras import checked_extras, extra_states
+
+SCRIPT_NAMES = {"model": "model class {}", "global_batch_size": "global_batch_size={}", "seed": "seed={}",
+                "dtype": "parameters of dtype {}"}
+
+
+def _replica(model) -> torch.nn.Module:
+    """The module itself, given a module or a DataParallel around one (itself an nn.Module: the
+    fingerprint names the user's model class, not the wrapper)."""
+    return model.module if isinstance(model, DataParallel) else model
+
+
+def _sharded(model):
+    """The replica itself when `model` is a sharded DataParallel (its ranks save shares), else None."""
+    return model if isinstance(model, DataParallel) and model.sharding is not None else None
+
+
+def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed: int) -> dict:
+    dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+    return fingerprint(module, model_name=type(module).__name__, global_batch_size=global_batch_size, seed=seed,
+                       dtype=dtype)
+
+
+def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
+               step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None) -> Path | None:
+    """A user script's checkpoint: `step` steps of `epoch` (0-based) are done. Every rank calls it.
+
+    Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
+    plus a fingerprint of the model class, parameter shapes, global batch size, seed and dtype
+    that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
+    NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
+    `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
+    each object's `state_dict()` (rank 0's: they are replicated like the model). Rank 0 writes, atomically."""
+    states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
+    if isinstance(model, DataParallel):
+        model.check_finite(where="phalanx.checkpoint()")
+    module = _replica(model)
+    return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
+                           position=Position(epoch=epoch, step=step),
+                           fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
+                           dp=_sharded(model), extras=states)
+
+
+def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
+           seed: int, extras: dict | None = None) -> Position:
+    """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).
+
+    Restores weights, optimizer state, `extras`' states (the objects `checkpoint` was given, by
+    the same names) and this rank's RNG states after checking the checkpoint fits (a one-line
+    UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the returned
+    position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
+    """
+    checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
+    if not has_checkpoint(location):
+        return Position(epoch=0, step=0)
+    module = _replica(model)
+    path, state, passed_over = read_newest(location)
+    if passed_over and world.is_main:
+        kept = set_aside_passed_over(location, path, world=world)
+        warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
+    check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path,
+                     names=SCRIPT_NAMES)
+    return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,
+                   extras=extras)
