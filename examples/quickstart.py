@@ -73,7 +73,8 @@ def main() -> None:
     start = phalanx.Position(epoch=0, step=0)
     if args.checkpoint_dir:
         start = phalanx.resume(args.checkpoint_dir, world=world, model=dp, optimizer=optimizer,
-                               global_batch_size=args.batch_size, seed=args.seed, extras={"schedule": schedule})
+                               global_batch_size=args.batch_size, seed=args.seed, extras={"schedule": schedule},
+                               loader=loader)
     clipped = steps = 0
     for epoch in range(start.epoch, args.epochs):
         for step, ((X, y), global_size) in enumerate(loader.epoch(epoch)):
@@ -94,7 +95,8 @@ def main() -> None:
                   f"test acc {sums['correct'] / sums['count']:.3f}", flush=True)
         if args.checkpoint_dir:
             phalanx.checkpoint(args.checkpoint_dir, world=world, model=dp, optimizer=optimizer, epoch=epoch + 1,
-                               global_batch_size=args.batch_size, seed=args.seed, extras={"schedule": schedule})
+                               global_batch_size=args.batch_size, seed=args.seed, extras={"schedule": schedule},
+                               loader=loader)
     if world.rank == 0:
         print(f"{world.world_size} worker(s), {steps} steps, clipped {clipped}", flush=True)
     if args.out:

@@ -9,10 +9,10 @@ every rank's RNG states (torch, numpy, python), a script's `extras` (its learnin
 scheduler, GradScaler, EMA: checkpoint_extras.py), a fingerprint of what produced it (model,
 parameter names and shapes, global batch size, seed, dtype, and for `phalanx train` the data
 set's name, sizes and a hash of the training set's bytes) and the settings that may change on
-resume (lr, warm-up, epochs, device count: a resumed run says which did). The data position
-needs nothing more: each epoch's order is a permutation seeded by (seed, epoch), so skipping the
-steps already done puts every rank exactly where it was, and a resumed run ends with the same
-parameters as an uninterrupted one. Checkpoints of the first format (per-rank sums, no data
+resume (lr, warm-up, epochs, device count: a resumed run says which did). The data position:
+each epoch's order is a permutation seeded by (seed, epoch), so skipping the steps already done
+puts every rank where it was; a script's loader also leaves each rank's RNG states at its epoch's
+start, for data that draws random numbers (loader_resume.py). Checkpoints of the first format (per-rank sums, no data
 identity) still load: their sums are added up, and the data set is reported as unchecked.
 
 `phalanx train`'s own use (what it fingerprints, where it starts) is in resume.py; a
@@ -43,6 +43,7 @@ from phalanx.runtime.world import World
 from phalanx.train.checkpoint_extras import check_extra_names, load_extras
 from phalanx.train.checkpoint_files import DamagedFile, newest_intact, previous_of, read_verified, serialize, \
     set_aside, write_generation
+from phalanx.train.loader_resume import of_rank
 from phalanx.train.rng_state import rng_state, set_rng_state
 from phalanx.train.sharded_checkpoint import FORMAT_SHARDED, check_shares, optimizer_names, restore_any, save_sharded
 
@@ -98,13 +99,15 @@ def has_checkpoint(location: str | Path) -> bool:
 
 def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     position: Position, fingerprint: dict, settings: dict | None = None, dp=None,
-                    extras: dict | None = None) -> Path | None:
+                    extras: dict | None = None, loader_record: dict | None = None) -> Path | None:
     """Every rank calls this (RNG states and running sums are gathered); rank 0 writes. Returns
     the path on rank 0, on every rank once the checkpoint is whole on disk. `settings`: for the
     resumed run's log line. `dp`: a sharded replica, whose ranks each write their share
-    (sharded_checkpoint.py). `extras`: a script's scheduler, scaler, ... (checkpoint_extras.py)."""
+    (sharded_checkpoint.py). `extras`: a script's scheduler, scaler, ... (checkpoint_extras.py).
+    `loader_record`: this rank's loader's epoch start (loader_resume.py)."""
     path = _write_checkpoint(directory, world=world, model=model, optimizer=optimizer, position=position,
-                             fingerprint=fingerprint, settings=settings, dp=dp, extras=extras)
+                             fingerprint=fingerprint, settings=settings, dp=dp, extras=extras,
+                             loader_record=loader_record)
     if world.distributed:  # rank 0 wrote last: the others wait for it (a failed write ends rank 0, naming it)
         with collective(world, Tag("checkpoint")):
             dist.barrier()
@@ -113,8 +116,8 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
 
 def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module,
                       optimizer: torch.optim.Optimizer, position: Position, fingerprint: dict, settings: dict | None,
-                      dp, extras: dict | None) -> Path | None:
-    mine = {"rng": rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals]}
+                      dp, extras: dict | None, loader_record: dict | None) -> Path | None:
+    mine = {"rng": rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals], "loader": loader_record}
     if world.distributed:
         every = [None] * world.world_size
         with collective(world, Tag("checkpoint")):  # on the collective board: a mismatch names this call
@@ -125,7 +128,7 @@ def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Mo
         run_state = {"epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
                      "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
                      "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
-                     "extras": dict(extras or {})}
+                     "extras": dict(extras or {}), "loader": [r["loader"] for r in every]}
         return save_sharded(checkpoint_path(directory), world=world, dp=dp, optimizer=optimizer, run_state=run_state,
                             every=every)
     if not world.is_main:
@@ -136,7 +139,7 @@ def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Mo
              "rng": [r["rng"] for r in every],
              "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
              "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
-             "extras": dict(extras or {})}
+             "extras": dict(extras or {}), "loader": [r["loader"] for r in every]}
     path = checkpoint_path(directory)
     write_generation(path, serialize(state))
     return path
@@ -243,8 +246,7 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
     except (ValueError, KeyError) as exc:
         raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the same optimizer settings") from None
     load_extras(state.get("extras"), extras, path=where)
-    rng = state["rng"]
-    set_rng_state(rng[world.rank] if world.rank < len(rng) else rng[0])
+    set_rng_state(of_rank(state["rng"], world.rank))
     totals = state.get("epoch_totals") or []
     if state["format"] == FORMAT_1:  # one list per rank of the run that saved it
         totals = _global_totals(totals) if totals else []

@@ -1,7 +1,9 @@
 """A user script's checkpoints: `phalanx.checkpoint` and `phalanx.resume`, on checkpoint.py's format.
 
 What a script hands over by keyword is what is saved and restored: the replica (or its module),
-the optimizer and `extras` (its scheduler, GradScaler, EMA: checkpoint_extras.py). The fingerprint it checks is
+the optimizer, `extras` (its scheduler, GradScaler, EMA: checkpoint_extras.py) and its
+`phalanx.ShardedLoader` (`loader=`: every rank's RNG states at its epoch's start, so a resumed
+epoch replays the skipped batches' random draws: loader_resume.py). The fingerprint it checks is
 the model class, parameter shapes, global batch size, seed and dtype, named as the script spells
 them.
 """
@@ -19,6 +21,7 @@ from phalanx.runtime.world import World
 from phalanx.train.checkpoint import Position, check_compatible, fingerprint, has_checkpoint, read_newest, \
     restore, save_checkpoint, set_aside_passed_over
 from phalanx.train.checkpoint_extras import checked_extras, extra_states
+from phalanx.train.loader_resume import hand_to_loader, loader_record
 
 SCRIPT_NAMES = {"model": "model class {}", "global_batch_size": "global_batch_size={}", "seed": "seed={}",
                 "dtype": "parameters of dtype {}"}
@@ -42,7 +45,8 @@ def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed
 
 
 def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
-               step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None) -> Path | None:
+               step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None,
+               loader=None) -> Path | None:
     """A user script's checkpoint: `step` steps of `epoch` (0-based) are done. Every rank calls it.
 
     Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
@@ -50,7 +54,9 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
     NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
     `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
-    each object's `state_dict()` (rank 0's: they are replicated like the model). Rank 0 writes, atomically."""
+    each object's `state_dict()` (rank 0's: they are replicated like the model). `loader`: the
+    `phalanx.ShardedLoader` the loop reads, whose every rank's RNG states at the epoch's start make
+    a resume at `step` exact for data that draws random numbers. Rank 0 writes, atomically."""
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")
@@ -58,17 +64,19 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
                            fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
-                           dp=_sharded(model), extras=states)
+                           dp=_sharded(model), extras=states, loader_record=loader_record(loader))
 
 
 def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
-           seed: int, extras: dict | None = None) -> Position:
+           seed: int, extras: dict | None = None, loader=None) -> Position:
     """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).
 
     Restores weights, optimizer state, `extras`' states (the objects `checkpoint` was given, by
     the same names) and this rank's RNG states after checking the checkpoint fits (a one-line
     UsageError otherwise). With a `ShardedLoader` seeded the same, skipping the returned
-    position's `step` batches of its `epoch` continues exactly as an uninterrupted run.
+    position's `step` batches of its `epoch` continues exactly as an uninterrupted run; with
+    `loader=` (passed to `checkpoint` too) also when the data draws random numbers: the loader
+    replays the skipped batches' draws (loader_resume.py).
     """
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
     if not has_checkpoint(location):
@@ -80,5 +88,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
         warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
     check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path,
                      names=SCRIPT_NAMES)
-    return restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,
-                   extras=extras)
+    position = restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,
+                       extras=extras)
+    hand_to_loader(state, loader=loader, rank=world.rank, is_main=world.is_main, path=path)
+    return position

@@ -1,4 +1,5 @@
-"""`phalanx.ShardedLoader`: data/loader.py's, plus the checks that every rank reads the same data.
+"""`phalanx.ShardedLoader`: data/loader.py's, plus the checks that every rank reads the same data,
+and the replay that makes a mid-epoch resume exact (train/loader_resume.py).
 
 Over a stream (an `IterableDataset`), every rank reads the whole stream and keeps its slice of
 each global batch, so the global batch is one device's only if every rank's stream yields the same
@@ -37,6 +38,7 @@ from phalanx.data.item_identity import identity_checksum
 from phalanx.data.loader import ShardedLoader as LocalShardedLoader
 from phalanx.errors import UsageError, warn_at_caller
 from phalanx.runtime.world import World
+from phalanx.train.loader_resume import EpochStart, Replay, replayed
 from phalanx.train.rng_state import rng_state, set_rng_state
 
 PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced classes all agree by chance 3e-6
@@ -47,11 +49,32 @@ class ShardedLoader(LocalShardedLoader):
 
     _said = False  # whether this loader warned already: once is enough
     _checked = False  # whether the ranks' map-style data were compared (the first epoch)
+    _started: EpochStart | None = None
+    _replay: Replay | None = None
 
     def __init__(self, dataset, *, world, **kwargs) -> None:
         if isinstance(world, World):  # tests hand data/loader.py stand-ins for the world
             world.check_here("phalanx.ShardedLoader")
         super().__init__(dataset, world=world, **kwargs)
+
+    def epoch(self, epoch: int):
+        """Yield (this rank's batch, global batch size) for every step of `epoch`; the epoch that
+        `phalanx.resume(..., loader=self)` stopped in replays its done steps' random draws."""
+        replay = self._replay if self._replay is not None and self._replay.epoch == epoch else None
+        if replay is not None:
+            self._replay = None
+            set_rng_state(replay.epoch_rng)
+        self._started = EpochStart(epoch=epoch, rng=rng_state())  # before the sampler or the iterator draws
+        batches = super().epoch(epoch)
+        yield from (batches if replay is None else replayed(batches, replay))
+
+    def epoch_start(self) -> EpochStart | None:
+        """This rank's RNG states when its last epoch began (for `phalanx.checkpoint(..., loader=)`)."""
+        return self._started
+
+    def replay_from(self, replay: Replay) -> None:
+        """Have epoch `replay.epoch` replay its first `replay.step` steps' draws (`phalanx.resume`)."""
+        self._replay = replay
 
     def _compares(self) -> bool:
         world = self.world
