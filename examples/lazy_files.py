@@ -6,8 +6,9 @@
 One example per file (`<index>.txt`: the label, then the features, comma-separated), found by
 listing the directory and read only in `__getitem__`, so memory holds file names, not the data:
 the shape of image folders, audio clips or documents. `ShardedLoader` hands each rank only the
-indices of its shards, so a rank never opens another rank's files (each rank prints how many
-files it read), and `--loader-workers N` reads them in N DataLoader worker processes.
+indices of its shards, so a rank opens only its own files (each rank prints how many it read),
+besides the first global batch's first 8, read once to check that every rank lists the same set;
+`--loader-workers N` reads them in N DataLoader worker processes.
 `--make-data DIR` first writes a generated set there (rank 0 writes, the others wait for it).
 """
 

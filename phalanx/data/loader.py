@@ -275,7 +275,7 @@ def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate
     contiguous slice of each, collated, and the chunk's size. Every rank reads every item; an
     empty slice is the chunk's first item collated and cut to 0 rows. `first_chunk` sees the
     first chunk's items before anything of it is yielded."""
-    items = iter(DataLoader(stream, batch_size=None, collate_fn=_as_is, num_workers=num_workers, **loader_kwargs))
+    items = iter(DataLoader(stream, batch_size=None, collate_fn=as_is, num_workers=num_workers, **loader_kwargs))
     first = True
     while batch := list(itertools.islice(items, chunk)):
         if first and first_chunk is not None:
@@ -286,7 +286,7 @@ def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate
         yield mine, len(batch)
 
 
-def _as_is(item: Any) -> Any:
-    """A stream's item as the dataset yields it (DataLoader's collate for batch_size=None would
-    convert it); module-level, so loader workers can pickle it."""
+def as_is(item: Any) -> Any:
+    """An item as the dataset yields it (DataLoader's collate for batch_size=None would convert
+    it); module-level, so loader workers can pickle it."""
     return item

@@ -17,10 +17,11 @@ dataset already cut by rank (Horovod's habit: `Subset(full, range(rank, n, k))`,
 rank) trains on 1/k of the data, and a sampler drawing from unseeded numpy or Python RNG orders
 each rank's epoch differently. So at the loader's first epoch the ranks gather, once, the
 dataset's length, a CRC of the epoch's whole index order and the identities of the first global
-batch's first `PROBE_ITEMS` items (loaded with the RNG states set aside and put back, so the run's
-draws are untouched); any difference is certain, and every rank raises the same UsageError naming
-the cause and the fix before a step is trained. Neither check runs in a world of one, nor for a
-stand-in for the world that opened no process group (tests).
+batch's first `PROBE_ITEMS` items (read where the loader reads, with the RNG states set aside and
+put back, so the run's draws are untouched: 8 reads once on each rank, outside its own shards).
+Any difference is certain, so every rank raises the same UsageError naming the cause and the fix
+before a step is trained. Neither check runs in a world of one, nor for a stand-in for the world
+that opened no process group (tests).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ import numpy as np
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from phalanx.comm.gather import gather
 from phalanx.data.item_identity import identity_checksum
-from phalanx.data.loader import ShardedLoader as LocalShardedLoader
+from phalanx.data.loader import ShardedLoader as LocalShardedLoader, as_is
 from phalanx.errors import UsageError, warn_at_caller
 from phalanx.runtime.world import World
 from phalanx.train.loader_resume import EpochStart, Replay, replayed
@@ -92,7 +94,7 @@ class ShardedLoader(LocalShardedLoader):
             torch.default_generator.manual_seed(0)  # the CPU generator alone: a GPU's is not in rng_state()
             np.random.seed(0)
             random.seed(0)
-            count, checksum = identity_checksum([self.dataset[i] for i in probe])
+            count, checksum = identity_checksum(self._read(probe))
         finally:
             set_rng_state(saved)
         size = len(self.dataset) if hasattr(self.dataset, "__len__") else -1  # a sampler's dataset may have none
@@ -112,6 +114,17 @@ class ShardedLoader(LocalShardedLoader):
                          "cut other global batches than one device reads: make every rank draw the same order (draw "
                          "from self.generator, which ShardedLoader seeds by (seed, epoch), not from unseeded numpy "
                          "or Python random numbers)")
+
+    def _read(self, indices: list[int]) -> list:
+        """The items at `indices`, read where this loader reads its batches: here, or with loader
+        workers in one worker of the same settings (a dataset that opens its files or database at
+        its first read, as HDF5 and LMDB need, must not open them in the process workers fork from)."""
+        if not self.num_workers:
+            return [self.dataset[i] for i in indices]
+        settings = {key: value for key, value in self.loader_kwargs.items()
+                    if key in ("worker_init_fn", "multiprocessing_context", "timeout")}
+        return list(DataLoader(self.dataset, batch_size=None, sampler=indices, num_workers=1, collate_fn=as_is,
+                               **settings))
 
     def _first_chunk(self, epoch: int, items: list) -> None:
         """Compare the ranks' first global batch of `epoch` (module docstring)."""

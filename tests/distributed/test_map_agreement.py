@@ -56,6 +56,7 @@ def _worker(world) -> dict:
     return {
         "whole": _first_epoch(world, full),
         "cut by rank": _first_epoch(world, Subset(full, list(range(rank, N, k)))),
+        "cut by rank, loader workers": _first_epoch(world, Subset(full, list(range(rank, N, k))), num_workers=2),
         "cut by rank, unevenly": _first_epoch(world, Subset(full, list(range(rank, N - 1, k)))),
         "numpy sampler": _first_epoch(world, full, sampler=_NumpyBalanced(y)),
         "seeded sampler": _first_epoch(world, full, sampler=WeightedRandomSampler(weights, N)),
@@ -71,6 +72,7 @@ def test_data_that_differs_between_ranks_stops_the_run_in_one_line():
                                           "other labels or keys than rank 0's at the same indices)"), said
     assert said["cut by rank, unevenly"].startswith("each rank passed a different dataset to ShardedLoader "
                                                     "(rank 1's has 47 examples, rank 0's 48)"), said
+    assert said["cut by rank, loader workers"] == said["cut by rank"]  # the items read in a worker
     for case in ("cut by rank", "cut by rank, unevenly"):
         assert "pass the whole dataset on every rank; ShardedLoader shards each global batch by rank itself" \
             in said[case]
