@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.errors import PhalanxWarning
+from phalanx.errors import PhalanxWarning, warn_at_caller
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint import Position, check_compatible, fingerprint, has_checkpoint, read_newest, \
     restore, save_checkpoint, set_aside_passed_over
 from phalanx.train.checkpoint_extras import checked_extras, extra_states
 from phalanx.train.loader_resume import hand_to_loader, loader_record
+from phalanx.train.sharded_loader import IN_EPOCH
 
 SCRIPT_NAMES = {"model": "model class {}", "global_batch_size": "global_batch_size={}", "seed": "seed={}",
                 "dtype": "parameters of dtype {}"}
@@ -58,6 +59,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     `phalanx.ShardedLoader` the loop reads, whose every rank's RNG states at the epoch's start make
     a resume at `step` exact for data that draws random numbers. Rank 0 writes, atomically."""
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
+    _name_the_loader_left_out(loader, step=step, world=world)
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")
     module = _replica(model)
@@ -65,6 +67,21 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
                            position=Position(epoch=epoch, step=step),
                            fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
                            dp=_sharded(model), extras=states, loader_record=loader_record(loader))
+
+
+_SAID = []  # the warning below, once a process
+
+
+def _name_the_loader_left_out(loader, *, step: int, world: World) -> None:
+    """Rank 0 warns, once, of a mid-epoch checkpoint without `loader=` while a ShardedLoader of
+    this process is inside an epoch: its resume would skip the done batches without replaying
+    their random draws, and drift where the data draws random numbers (augmentation)."""
+    if loader is None and step > 0 and world.is_main and IN_EPOCH and not _SAID:
+        _SAID.append(True)
+        warn_at_caller(f"phalanx.checkpoint at step {step} of an epoch without loader=: pass loader=loader (here and "
+                       "to phalanx.resume) so that a resume replays the done batches' random draws (augmentation, "
+                       "loader workers' seeds); without it a resumed run drifts off the uninterrupted one wherever "
+                       "the data draws random numbers")
 
 
 def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,

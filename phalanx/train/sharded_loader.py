@@ -27,6 +27,7 @@ that opened no process group (tests).
 from __future__ import annotations
 
 import random
+import weakref
 import zlib
 
 import numpy as np
@@ -44,6 +45,11 @@ from phalanx.train.loader_resume import EpochStart, Replay, replayed
 from phalanx.train.rng_state import rng_state, set_rng_state
 
 PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced classes all agree by chance 3e-6
+
+
+# The loaders of this process inside an epoch: a mid-epoch phalanx.checkpoint without loader=
+# names what it leaves out (script_checkpoint.py).
+IN_EPOCH: "weakref.WeakSet[ShardedLoader]" = weakref.WeakSet()
 
 
 class ShardedLoader(LocalShardedLoader):
@@ -68,7 +74,11 @@ class ShardedLoader(LocalShardedLoader):
             set_rng_state(replay.epoch_rng)
         self._started = EpochStart(epoch=epoch, rng=rng_state())  # before the sampler or the iterator draws
         batches = super().epoch(epoch)
-        yield from (batches if replay is None else replayed(batches, replay))
+        IN_EPOCH.add(self)
+        try:
+            yield from (batches if replay is None else replayed(batches, replay))
+        finally:
+            IN_EPOCH.discard(self)
 
     def epoch_start(self) -> EpochStart | None:
         """This rank's RNG states when its last epoch began (for `phalanx.checkpoint(..., loader=)`)."""

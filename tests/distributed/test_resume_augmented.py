@@ -6,7 +6,8 @@ loader=loader)`, then `continue` for the steps done) - ends bitwise where the un
 ends. Without `loader=` the skipped batches drew from the restored RNG states again and (with
 workers) the workers' seeds were drawn at the resumed step, not the epoch's start: the trial's
 BatchNorm CNN ended 3.7e-2 (2.1e-2 with 2 workers) away, silently. A checkpoint saved with
-`loader=` and resumed without it is one warning on rank 0."""
+`loader=` and resumed without it is one warning on rank 0, and so is a mid-epoch checkpoint
+without `loader=` while the loop's loader is inside its epoch."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class _Flipped(torch.utils.data.Dataset):
         return x + 0.1 * torch.randn(6, dtype=torch.float64), self.y[i]
 
 
-def _run(world, directory: str, num_workers: int, *, resume: bool, with_loader: bool = True):
+def _run(world, directory: str, num_workers: int, *, resume: bool, with_loader: bool = True,
+         save_loader: bool = True):
     """Train EPOCHS epochs (saving at STOP), or resume from `directory` and finish; the flat parameters."""
     torch.manual_seed(11 if resume else 0)  # a resumed run's own states: the checkpoint's must win
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
@@ -63,7 +65,8 @@ def _run(world, directory: str, num_workers: int, *, resume: bool, with_loader: 
             dp.finish_gradient_sync()
             optimizer.step()
             if (epoch, step + 1) == STOP and not resume:
-                phalanx.checkpoint(directory, **keys, epoch=epoch, step=step + 1, loader=loader)
+                phalanx.checkpoint(directory, **keys, epoch=epoch, step=step + 1,
+                                   loader=loader if save_loader else None)
     flat = torch.cat([v.detach().reshape(-1) for v in dp.module.state_dict().values() if v.is_floating_point()])
     dp.close()
     return flat
@@ -80,6 +83,10 @@ def _worker(world, root: str) -> dict:
         warnings.simplefilter("always")
         _run(world, f"{root}/workers0", 0, resume=True, with_loader=False)
     found["said"] = [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+    with warnings.catch_warnings(record=True) as caught:  # the checkpoint itself, mid-epoch without loader=
+        warnings.simplefilter("always")
+        _run(world, f"{root}/without", 0, resume=False, save_loader=False)
+    found["saved without"] = [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
     return found
 
 
@@ -92,3 +99,7 @@ def test_a_mid_epoch_resume_replays_the_augmentation_bitwise(tmp_path):
     said = results[0]["said"]
     assert len(said) == 1 and "pass loader=loader to phalanx.resume too" in said[0] and "\n" not in said[0], said
     assert results[1]["said"] == []
+    without = results[0]["saved without"]
+    assert len(without) == 1 and without[0].startswith("phalanx.checkpoint at step 2 of an epoch without loader=: "
+                                                       "pass loader=loader"), without
+    assert results[1]["saved without"] == []
