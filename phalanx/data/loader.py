@@ -151,16 +151,19 @@ class ShardedLoader:
 
     def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
                  shuffle: bool | None = None, sampler: Sampler | None = None, collate_fn: Callable | None = None,
-                 num_workers: int = 0, **loader_kwargs: Any) -> None:
+                 num_workers: int = 0, drop_last: bool = False, **loader_kwargs: Any) -> None:
         """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching is this
-        class's, so `batch_size`, `batch_sampler` and `drop_last` are refused (`shuffle`, as
+        class's, so `batch_size` and `batch_sampler` are refused. `drop_last=True` leaves out each
+        epoch's last global batch when it is smaller than the others (a BatchNorm model's batch of
+        one; the examples it holds sit elsewhere in the next epoch's order); default: it is trained,
+        split over the ranks as unevenly as it must be, exactly as 1 device trains it (`shuffle`, as
         DataLoader's: False keeps the dataset's order, every epoch the same; None: True, but a
         stream's own order for an IterableDataset). `sampler` (a WeightedRandomSampler, ...): its
         order each epoch, cut into global batches; one that draws from a `generator` is given one
         seeded by (seed, epoch), so every rank draws the same order, and one with `set_epoch` is told
         the epoch."""
         refuse_loader(dataset, "ShardedLoader")
-        taken = sorted({"batch_size", "batch_sampler", "drop_last"} & set(loader_kwargs))
+        taken = sorted({"batch_size", "batch_sampler"} & set(loader_kwargs))
         if taken:
             per_rank = (" (global_batch_size is the batch of all ranks together; DDP's batch_size is per rank: "
                         "global = batch_size x world size)" if "batch_size" in taken else "")
@@ -172,6 +175,9 @@ class ShardedLoader:
         if seed < 0:
             raise ValueError(f"seed {seed} must be >= 0")
         self.streams = isinstance(dataset, IterableDataset)
+        if self.streams and drop_last:
+            raise ValueError("ShardedLoader reads an IterableDataset to its end, as every rank must; drop "
+                             "drop_last=True and skip a small last batch in the loop (its global size is given)")
         if self.streams and shuffle:
             raise ValueError("ShardedLoader reads an IterableDataset in its own order, as every rank must read it; "
                              "drop shuffle=True and shuffle inside the stream with a fixed seed (set_epoch(e) is "
@@ -187,6 +193,10 @@ class ShardedLoader:
         self.num_examples = None if self.streams else len(sampler if sampler is not None else dataset)
         if self.num_examples == 0:
             raise ValueError("the dataset has 0 examples; nothing to train on")
+        if drop_last and self.num_examples < global_batch_size:
+            raise ValueError(f"drop_last=True leaves nothing of {self.num_examples} examples in global batches of "
+                             f"{global_batch_size}; use a smaller global_batch_size or drop_last=False")
+        self.drop_last = drop_last
         self.dataset, self.world = dataset, world
         self.global_batch_size, self.seed = global_batch_size, seed
         self.shuffle = not self.streams and shuffle is not False  # a stream orders itself
@@ -200,6 +210,8 @@ class ShardedLoader:
         if self.streams:
             raise TypeError("a ShardedLoader over an IterableDataset has no length: the stream decides where an epoch "
                             "ends (count the steps of loader.epoch(e) as they come)")
+        if self.drop_last:
+            return self.num_examples // self.global_batch_size
         return steps_per_epoch(self.num_examples, self.global_batch_size)
 
     def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
@@ -212,6 +224,8 @@ class ShardedLoader:
                                      shuffle=self.shuffle)
         else:
             batches = list(torch.split(self._sampler_order(epoch), self.global_batch_size))
+        if self.drop_last and batches[-1].numel() < self.global_batch_size:
+            batches = batches[:-1]
         self._order_made(epoch, batches)
         self._shards.now = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist()
                             for b in batches]

@@ -57,6 +57,21 @@ def test_sharded_loader_shards_add_up_to_one_devices_batches(k):
     assert not torch.equal(torch.cat(other_epoch), torch.cat([y for (_, y), _ in one]))  # reshuffled per epoch
 
 
+def test_drop_last_leaves_out_only_a_smaller_last_global_batch():
+    n, batch = 61, 20
+    data = TensorDataset(torch.zeros(n, 1), torch.arange(n))
+    kept = phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=batch, seed=7, drop_last=True)
+    whole = phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=batch, seed=7)
+    assert len(kept) == 3 and [g for _, g in kept.epoch(2)] == [20, 20, 20] and len(whole) == 4
+    for (a, _), (b, _) in zip(kept.epoch(2), whole.epoch(2)):  # the same order, cut the same way
+        assert torch.equal(a[1], b[1])
+    even = TensorDataset(torch.zeros(60, 1), torch.arange(60))  # nothing smaller to leave out
+    assert len(phalanx.ShardedLoader(even, world=world(0, 2), global_batch_size=batch, drop_last=True)) == 3
+    with pytest.raises(ValueError, match="drop_last=True leaves nothing of 4 examples in global batches of 8"):
+        phalanx.ShardedLoader(TensorDataset(torch.zeros(4, 1)), world=world(0, 1), global_batch_size=8,
+                              drop_last=True)
+
+
 def test_sharded_loader_refusals():
     data = TensorDataset(torch.zeros(4, 1), torch.zeros(4))
     with pytest.raises(ValueError, match="decides batch_size"):
