@@ -13,15 +13,15 @@ One send path, two schedules, the same result: every bucket goes out through `_l
 trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With overlap a
 gradient hook launches each bucket the moment its last gradient lands, so its exchange runs (on the
 comm's thread) while backward computes the earlier layers; without it `finish_gradient_sync()` runs
-every bucket's exchange on the calling thread (the comm opened without a thread), then returns.
-`overlap=None` (the default) chooses per host (config.py's `resolve_overlap`). Either way the
-caller's step is: zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's
-exchange is tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at
-once (comm/watchdog.py); a synced backward never exchanged is refused at an optimizer step or update
-that reads it, and zeroed by zero_grad() if none did (guards/checks.py). Every
-`check_finite_every` synced steps the gradient is checked for NaN/Inf, naming the first step and
-rank (guards/finite.py), and the steps since then again before state leaves the replica
-(`check_finite`: state_dict, full_state_dict, close).
+every bucket's exchange on the calling thread, then returns. `overlap=None` (the default) chooses per
+host (config.py's `resolve_overlap`). Either way the caller's step is: zero_grad, forward, backward,
+finish_gradient_sync, optimizer step. Each bucket's exchange is tagged `Tag("gradient", i, step=s)`,
+so a rank that meets another collective is named at once (comm/watchdog.py); a synced backward never
+exchanged is refused at an optimizer step or update that reads it, and zeroed by zero_grad() if none
+did (guards/checks.py). Every `check_finite_every` synced steps the gradient is checked for NaN/Inf,
+naming the first step and rank (guards/finite.py), and the replicas are compared, there and at the
+first step (guards/replicas.py); both again before state leaves the replica (`check_finite`,
+`check_replicas`: phalanx.checkpoint, close; evaluate_dataset compares them too).
 
 Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one
 builds nothing (no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone`
@@ -47,6 +47,7 @@ from phalanx.data_parallel.choices import replica_choices
 from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, check_gradients_aliased, gradients_written
 from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.data_parallel.layout import BucketLayout
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
@@ -66,19 +67,17 @@ class DataParallel(ReplicaModule):
 
     def __init__(self, module: nn.Module, *, world: World, options: DataParallelConfig | None = None,
                  tracer: Tracer | None = None) -> None:
-        """`module` as a replica on `world.device`, exchanging as `options` say (a
-        DataParallelConfig, config.py, whose fields say what each does; None: its defaults). Under
-        `shard`, build the optimizer with `dp.optimizer(cls, ...)`. `tracer`: a
-        phalanx.telemetry.Tracer each bucket's exchange is reported to (None: off)."""
+        """`module` as a replica on `world.device`, exchanging as `options` say (a DataParallelConfig,
+        config.py, whose fields say what each does; None: its defaults). Under `shard`, build the optimizer
+        with `dp.optimizer(cls, ...)`. `tracer`: a Tracer each bucket's exchange is reported to (None: off)."""
         super().__init__()  # nn.Module's bookkeeping first: every attribute below goes through it
         self._build(module, world=world, options=options or DataParallelConfig(), tracer=tracer, comm=None)
 
     @classmethod
     def over(cls, comm: AsyncComm, module: nn.Module, *, world: World, options: DataParallelConfig | None = None,
              tracer: Tracer | None = None) -> DataParallel:
-        """A replica whose buckets go out over `comm`, an AsyncComm or any object with its
-        methods (a transport that counts the bytes, say): the caller's, who closes it after
-        `close()`. It exchanges even in a world of one, where its calls come back at once."""
+        """A replica whose buckets go out over `comm`, an AsyncComm or any object with its methods (a transport
+        that counts the bytes): the caller's, who closes it after `close()`; it exchanges even in a world of one."""
         replica = cls.__new__(cls)
         ReplicaModule.__init__(replica)
         replica._build(module, world=world, options=options or DataParallelConfig(), tracer=tracer, comm=comm)
@@ -127,6 +126,8 @@ class DataParallel(ReplicaModule):
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
+        self._replicas = ReplicaCheck(every=options.check_finite_every, world=world, module=self.module,
+                                      sharding=self.sharding, guard=self._unsynced, allreduce=self.allreduce_now)
         self._wire_buckets()
         # What zero_grad clears with nothing to exchange: the parameters, listed once (as an
         # optimizer holds its param_groups; walking the modules every step cost LeNet ~40 us).
@@ -240,10 +241,9 @@ class DataParallel(ReplicaModule):
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
 
-        Launches, in bucket order, every bucket no hook launched (all of them without overlap;
-        with it, those whose gradients never all landed: unused parameters, or a rank with an
-        empty shard that ran no backward), then waits every handle once. Inside no_sync() it
-        does nothing.
+        Launches, in bucket order, every bucket no hook launched (all of them without overlap; with
+        it, those whose gradients never all landed: unused parameters, or a rank with an empty shard
+        that ran no backward), then waits every handle once. Inside no_sync() it does nothing.
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")
@@ -271,6 +271,7 @@ class DataParallel(ReplicaModule):
         self._synced_steps += 1
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
+        self._replicas.after_step(self._synced_steps)
         self._extras.after_exchange(summed, self.allreduce_now)
         if written:  # raised last: this rank has joined every collective of the sync
             raise gradients_written(written, self.module)
@@ -294,11 +295,12 @@ class DataParallel(ReplicaModule):
         self._comm.allreduce(flat, algorithm=self.algorithm, tag=tag)
 
     def close(self) -> None:
-        """Check the steps since the last NaN/Inf check (every rank: unless an error is already on
-        its way), then remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        """Check the steps since the last NaN/Inf check and compare the replicas (every rank, unless an error is
+        on its way), then remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
         try:
             if not self._closed and sys.exc_info()[1] is None:
                 self.check_finite(where="close()")
+                self.check_replicas(where="close()")
         finally:
             self._close()
 

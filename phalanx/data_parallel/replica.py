@@ -41,6 +41,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.guards.finite import FiniteCheck
+from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
@@ -61,6 +62,7 @@ class ReplicaModule(nn.Module):
     sharding: Any = None  # sharding/stages.py's Sharding under shard=..., else None
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
     _finite: FiniteCheck  # the gradient's NaN/Inf watch, checked before state leaves (guards/finite.py)
+    _replicas: ReplicaCheck  # the comparison with the other ranks' replicas (guards/replicas.py)
     _synced_steps: int  # synced steps so far
     _closed: bool
     _capturing: bool  # a CUDA graph is recording the step (capturing())
@@ -184,6 +186,13 @@ class ReplicaModule(nn.Module):
         if not self.exchanging:
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps, found=found)
         self._finite.check_now(step=self._synced_steps, allreduce=self._finite_check_sum, found=found)
+
+    def check_replicas(self, *, where: str = "dp.check_replicas()", optimizers=()) -> None:
+        """Compare the replicas' parameters and their optimizers' settings and state (those seen stepping it,
+        and `optimizers`) now, a collective: every rank calls it. ReplicaMismatch names the ranks that differ."""
+        if not self._closed:
+            self._replicas.check(step=self._synced_steps, optimizers=optimizers,
+                                 found=f"found by {where} after step {self._synced_steps}")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict, detached copies: under shard="parameters" its

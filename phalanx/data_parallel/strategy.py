@@ -59,11 +59,9 @@ class DataSplit:
         return {}
 
     def check_replicas(self, step: int) -> None:
-        """Parameters and buffers alike on every rank; under shard="parameters" the buffers only:
-        between steps each rank holds its own range of the parameters and nothing else, and the
-        all-gather before each layer gives every rank the same whole by construction."""
-        sharded = self.dp.sharding is not None and not self.dp.sharding.keeps_parameters
-        check_replicas(self.dp.world, self.module, step=step, buffers_only=sharded)
+        """Buffers alike on every rank, by name: the replica compares its parameters and optimizer itself
+        at the same steps (prepare's check_finite_every, which the job sets to --check-every)."""
+        check_replicas(self.dp.world, self.module, step=step, buffers_only=True)
 
     def whole_model(self) -> nn.Module:
         return self.module  # every rank holds all of it (under shard="parameters": gather it first)

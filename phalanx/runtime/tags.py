@@ -122,6 +122,8 @@ _CALLERS = {
     "evaluation": "phalanx.evaluate or evaluate_dataset", "metrics": "phalanx.reduce",
     "broadcast": "phalanx.broadcast", "checkpoint": "phalanx.checkpoint", "barrier": "phalanx.barrier",
     "NaN/Inf check": "phalanx.checkpoint, dp.full_state_dict() or dp.close() (each checks the gradient first)",
+    "replica check": "phalanx.checkpoint, evaluate_dataset, phalanx.evaluate or dp.close() (each compares the "
+                     "replicas first)",
     "SyncBatchNorm forward": "a training-mode forward of a SyncBatchNorm model (dp.eval() before evaluating on "
                              "one rank)",
     "SyncBatchNorm backward": "a backward through SyncBatchNorm",

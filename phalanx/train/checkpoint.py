@@ -149,9 +149,8 @@ def _global_totals(per_rank: list[list[float]]) -> list[float]:
     """Every rank's (loss sum, correct, examples, seconds) as one run's: the sums added, rank 0's
     seconds (the time the log reports). Empty when no rank kept sums."""
     kept = [t for t in per_rank if len(t) == 4]
-    if not kept:
-        return []
-    return [sum(t[i] for t in kept) for i in range(3)] + [float(per_rank[0][3] if len(per_rank[0]) == 4 else 0.0)]
+    seconds = float(per_rank[0][3]) if kept and len(per_rank[0]) == 4 else 0.0
+    return [sum(t[i] for t in kept) for i in range(3)] + [seconds] if kept else []
 
 
 def read_checkpoint(location: str | Path) -> dict[str, Any]:

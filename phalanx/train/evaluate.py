@@ -9,8 +9,9 @@ too) and any summed metric (a user's); it moves each batch to the model's device
 floating tensors to the model's floating dtype, as `evaluate` casts its images (a float64 model
 from `prepare(dtype="float64")` takes a float32 Dataset; Lightning's precision plugins convert a
 batch the same way).
-It first checks that the replicas' buffers agree (one small all-gather): each rank evaluates
-its shard with its own replica, so replicas whose running statistics drifted apart would be
+It first checks that the replicas agree (`check_agree`: their parameters and optimizers in one
+small allreduce, their buffers in one small all-gather): each rank evaluates its shard with its
+own replica, so replicas that trained apart, or whose running statistics drifted apart, would be
 mixed into one number without a word. Where forward is itself a collective (a
 replica with `shard="parameters"` gathers each layer's weights), every rank runs as many
 batches as the rank with the most, padding with empty ones (`lockstep_batches`). Its default
@@ -35,15 +36,19 @@ from phalanx.data import shard_bounds, to_float
 from phalanx.data.loader import ShardCollate, refuse_loader, stream_shards
 from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.guards.checks import check_replicas
+from phalanx.data_parallel.guards.replicas import check_replicas_agree
+from phalanx.data_parallel.replica import ReplicaModule
 from phalanx.runtime.world import World
 
 EVALUATION = Tag("evaluation")  # what the board calls the sums below
+REPLICA_CHECK = Tag("replica check")
 
 
 def evaluate(
     model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, world: World, batch_size: int = 1024
 ) -> float:
     """Test accuracy of a replica: each rank counts its contiguous shard of (images, labels)."""
+    check_agree(model, world=world, where="phalanx.evaluate()")
     rows = shard_bounds(images.shape[0], world.world_size, world.rank)
     return count_accuracy(model, model, images, labels, rows=rows, world=world, batch_size=batch_size)
 
@@ -131,7 +136,7 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
         raise TypeError(f"evaluate_dataset's sums= takes a function, got a {type(sums).__name__}; {_SUMS_FIX}, "
                         "e.g. sums=lambda model, batch: {\"loss\": F.cross_entropy(model(batch[0]), batch[1], "
                         "reduction=\"sum\")}")
-    check_replicas(world, model, step=None, buffers_only=True)
+    check_agree(model, world=world, where="evaluate_dataset()")
     if isinstance(dataset, IterableDataset):  # a stream: every rank reads it, evaluating its slice of each chunk
         read = [0, 0]  # items this rank read (every rank must read the same), and of them its own
         batches = _counted(stream_shards(dataset, batch_size * world.world_size, world=world,
@@ -165,6 +170,20 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
                   "same order on every rank (seed its shuffle)") if isinstance(dataset, IterableDataset) else ""
         raise RuntimeError(f"evaluation saw {int(result['count'])} examples, expected {expected}{stream}")
     return result
+
+
+def check_agree(model: nn.Module, *, world: World, where: str) -> None:
+    """Raise ReplicaMismatch unless every rank's `model` is the same model: a replica (a DataParallel)
+    compares its parameters and optimizers (guards/replicas.py), any other module its parameters,
+    unless its forward gathers them (a module sharded to stage 3); then the buffers, by name (checks.py).
+    `where`: the caller, for the line. A collective: every rank calls it."""
+    if isinstance(model, ReplicaModule):
+        model.check_replicas(where=where)
+    elif world.distributed and not collective_forward(model):
+        check_replicas_agree(world=world, parameters=list(model.named_parameters()), optimizers=(), whole_state=False,
+                             found=f"found by {where}", allreduce=lambda flat: all_reduce_sum_(flat, world=world,
+                                                                                              tag=REPLICA_CHECK))
+    check_replicas(world, model, step=None, buffers_only=True)
 
 
 def _counted(shards, read: list[int], *, world: World):

@@ -53,7 +53,9 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     Holds what `phalanx train`'s do (weights, optimizer state, every rank's RNG states, position)
     plus a fingerprint of the model class, parameter shapes, global batch size, seed and dtype
     that `resume` checks. `model`: the module or its DataParallel, whose gradients since its last
-    NaN/Inf check are checked first (NonFinite names step and rank: nothing non-finite is saved).
+    NaN/Inf check are checked first, and its replicas and `optimizer` compared across ranks
+    (NonFinite names step and rank, ReplicaMismatch the ranks that differ: nothing non-finite, nor
+    one rank's diverged model, is saved).
     `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
     each object's `state_dict()` (rank 0's: they are replicated like the model). `loader`: the
     `phalanx.ShardedLoader` the loop reads, whose every rank's RNG states at the epoch's start make
@@ -62,6 +64,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     _name_the_loader_left_out(loader, step=step, world=world)
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")
+        model.check_replicas(where="phalanx.checkpoint()", optimizers=[optimizer])
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
