@@ -129,7 +129,7 @@ class ReplicaCheck:
     def after_step(self, step: int) -> None:
         """Synced step `step` is summed: compare at the first and at every `every`-th."""
         if self.every and (step % self.every == 0 or step == 1):
-            self.check(step=step, found=f"found at step {step}'s check, at the first step and every {self.every}")
+            self.check(step=step, found=f"found at step {step}'s check: the first step and every {self.every} steps")
 
     def check(self, *, step: int, found: str, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
         """Compare now (a collective: every rank calls it), with `optimizers` besides those seen."""
