@@ -105,7 +105,7 @@ class DataParallelConfig:
     # per-rank means; False: sums and checks nothing.
     average: bool | None = None
     average_running_stats: bool = True  # plain BatchNorm's running statistics averaged after each synced step
-    check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY  # synced steps between NaN/Inf checks (0: off)
+    check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY  # synced steps between NaN/Inf and replica checks (0: off)
     # A world of one builds its buckets, hooks and exchange all the same (its collectives return at
     # once): the step each of k devices runs, to profile it or to capture it with static buffers.
     exchange_alone: bool = False

@@ -65,7 +65,8 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
     exchange is traced (None: off). `shard`: none, optimizer, gradients or parameters (ZeRO
     stages 1-3: each rank keeps 1/k of the optimizer state, then the gradients, then the
     parameters; build the optimizer with `dp.optimizer(torch.optim.AdamW, lr=...)`).
-    `check_finite_every`: synced steps between the gradient's NaN/Inf checks (0: off). A bad
+    `check_finite_every`: synced steps between the gradient's NaN/Inf checks and the replicas'
+    comparison (guards/replicas.py; 0: both off). A bad
     value raises ValueError before anything is converted. Accelerate's and Fabric's habits, more
     objects than the model and no `world`, and DDP's keywords (`find_unused_parameters=`, ...) are a
     TypeError naming phalanx's way.
