@@ -18,17 +18,16 @@ host (config.py's `resolve_overlap`). Either way the caller's step is: zero_grad
 finish_gradient_sync, optimizer step. Each bucket's exchange is tagged `Tag("gradient", i, step=s)`,
 so a rank that meets another collective is named at once (comm/watchdog.py); a synced backward never
 exchanged is refused at an optimizer step or update that reads it, and zeroed by zero_grad() if none
-did (guards/checks.py). Every `check_finite_every` synced steps the gradient is checked for NaN/Inf,
-naming the first step and rank (guards/finite.py), and the replicas are compared, there and at the
-first step (guards/replicas.py); both again before state leaves the replica (`check_finite`,
-`check_replicas`: phalanx.checkpoint, close; evaluate_dataset compares them too).
+did (guards/checks.py). Every `check_finite_every` synced steps the gradient is checked for NaN/Inf
+(guards/finite.py) and the replicas compared (guards/replicas.py; also at the first step), both again
+before state leaves the replica (`check_finite`, `check_replicas`: phalanx.checkpoint, close).
 
-Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one
-builds nothing (no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone`
-builds the exchange on one device all the same, and `DataParallel.over(comm, ...)` exchanges over
-the caller's comm (one that counts bytes). A `DataParallel` is an `nn.Module` (replica.py); DDP
-users' habits are made right or named after each synced exchange (guards/step_extras.py). What it
-runs with is `dp.choices` (choices.py); its SyncBatchNorm layers sum through its exchange.
+Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one builds
+nothing (no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone` builds the
+exchange on one device all the same, and `DataParallel.over(comm, ...)` exchanges over the caller's
+comm (one that counts bytes). A `DataParallel` is an `nn.Module` (replica.py); DDP users' habits are
+made right or named after each synced exchange (guards/step_extras.py). What it runs with is
+`dp.choices` (choices.py); its SyncBatchNorm layers sum through its exchange.
 """
 
 from __future__ import annotations
@@ -126,8 +125,8 @@ class DataParallel(ReplicaModule):
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
-        self._replicas = ReplicaCheck(every=options.check_finite_every, world=world, module=self.module,
-                                      sharding=self.sharding, guard=self._unsynced, allreduce=self.allreduce_now)
+        self._replicas = ReplicaCheck(every=options.check_finite_every if self.exchanging else 0, world=world,
+                                      module=self.module, sharding=self.sharding, allreduce=self.allreduce_now)
         self._wire_buckets()
         # What zero_grad clears with nothing to exchange: the parameters, listed once (as an
         # optimizer holds its param_groups; walking the modules every step cost LeNet ~40 us).
@@ -311,6 +310,7 @@ class DataParallel(ReplicaModule):
         if self._unsynced is not None:
             self._unsynced.close()
         self._extras.close()
+        self._replicas.close()
         if self.sharding is not None:
             self.sharding.close()
         if self._routes_bn:

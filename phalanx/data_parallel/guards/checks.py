@@ -221,8 +221,7 @@ class UnsyncedGradientGuard:
     during that backward. "Written" is
     the parameters' version counters, noted once per step at the first landing (about 0.06 us a
     tensor); an update through `.data` bypasses them. The hook is process-wide (torch has no per-module one) but costs a
-    dict look-up and a flag test while nothing is pending (the look-up notes which optimizers step the module, for
-    the replica check); it holds the guard weakly, so a dropped replica is not
+    flag test while nothing is pending; it holds the guard weakly, so a dropped replica is not
     kept alive, and `close()` removes it."""
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -231,8 +230,7 @@ class UnsyncedGradientGuard:
         self._module = module
         self._params = list(module.parameters())
         self._versions: list[int] = []  # the parameters' version counters when `pending` was set
-        # id(optimizer) -> (the optimizer, weakly; does it hold the module's parameters?), looked up at its first step
-        self._steps_module: dict[int, tuple[weakref.ref, bool]] = {}
+        self._steps_module: dict[int, bool] = {}  # id(optimizer) -> does it hold the module's parameters?
         self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
         watch_unscale(self)  # a GradScaler's unscale_ before the sum is refused too (unscale.py)
 
@@ -264,17 +262,12 @@ class UnsyncedGradientGuard:
 
     def steps_module(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether `optimizer` holds any of the module's parameters (looked up once per optimizer)."""
-        seen = self._steps_module.get(id(optimizer))
-        if seen is None or seen[0]() is not optimizer:  # new, or a dead optimizer's id reused
+        mine = self._steps_module.get(id(optimizer))
+        if mine is None:
             ours = {id(p) for p in self._module.parameters()}
-            seen = self._steps_module[id(optimizer)] = (weakref.ref(optimizer), any(
-                id(p) in ours for group in optimizer.param_groups for p in group["params"]))
-        return seen[1]
-
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        """The live optimizers seen stepping the module's parameters, in the order of their first step
-        (what the replica check compares: guards/replicas.py)."""
-        return [o for o in (ref() for ref, mine in self._steps_module.values() if mine) if o is not None]
+            mine = self._steps_module[id(optimizer)] = any(
+                id(p) in ours for group in optimizer.param_groups for p in group["params"])
+        return mine
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.steps_module(optimizer):
@@ -294,10 +287,7 @@ class UnsyncedGradientGuard:
 def _step_hook(guard: "weakref.ref[UnsyncedGradientGuard]"):
     def hook(optimizer, args, kwargs) -> None:
         target = guard()
-        if target is None:
-            return
-        target.steps_module(optimizer)  # noted at its first step, for the replica check (one dict look-up after)
-        if target.pending or target.accumulating:
+        if target is not None and (target.pending or target.accumulating):
             target.check_step(optimizer)
 
     return hook

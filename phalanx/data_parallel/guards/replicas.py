@@ -23,19 +23,21 @@ Not compared here: buffers (a norm layer's statistics under `average_running_sta
 each rank's data until the script averages them; the evaluation's check names a buffer that
 differs: checks.py), a sharded optimizer's state (each rank holds its share), and the
 parameters of a replica sharded to `shard="parameters"` (each rank holds its own range, and
-every forward gathers one whole). A replica's optimizers are those whose step it saw (checks.py's
-`UnsyncedGradientGuard` notes them) and those `dp.optimizer` built, plus any a caller names.
+every forward gathers one whole). A replica's optimizers are those it saw step it (`ReplicaCheck`),
+plus any a caller names.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from phalanx.comm import Tag, broadcast_, collective
-from phalanx.data_parallel.guards.checks import ReplicaMismatch, UnsyncedGradientGuard
+from phalanx.data_parallel.guards.checks import ReplicaMismatch
 from phalanx.runtime.world import World
 
 ROW = 6  # per rank: parameters, optimizer settings, optimizer state, each 64 bits as two exact 32-bit halves
@@ -117,14 +119,35 @@ def fingerprint(parameters: Sequence[torch.Tensor], optimizers: Sequence[torch.o
 class ReplicaCheck:
     """A replica's comparison with its peers: at its first synced step (a load made on one rank
     after prepare shows there, before anything trains on it), every `every` synced steps (the
-    NaN/Inf check's interval; 0: never), and when asked (`check`). `guard` notes the optimizers
-    that step `module` (None: nothing to exchange); `sharding`, the replica's (None: unsharded);
-    `allreduce(flat, tag)`, its exchange's small in-place sum."""
+    NaN/Inf check's interval; 0: never), and when asked (`check`). `sharding`: the replica's
+    (None: unsharded); `allreduce(flat, tag)`: its exchange's small in-place sum.
+
+    The optimizers compared are those that stepped the replica's parameters (or, sharded, its
+    shards: `dp.optimizer`'s) since the last check - or, where none did, those of the last check -
+    noted by a process-wide step pre-hook (a dict look-up per `optimizer.step()`, 0.4 us) and held
+    until a later check lets them go. Not the live ones by weak reference: an optimizer the
+    script dropped is collected when the garbage collector gets to it, which differs between
+    ranks, and one rank would compare an optimizer the other no longer has."""
 
     def __init__(self, *, every: int, world: World, module: torch.nn.Module, sharding,
-                 guard: UnsyncedGradientGuard | None, allreduce: Callable[[torch.Tensor, Tag], object]) -> None:
-        self.every, self.world, self._module, self._sharding = every, world, module, sharding
-        self._guard, self._allreduce = guard, allreduce
+                 allreduce: Callable[[torch.Tensor, Tag], object]) -> None:
+        self.every, self.world, self._module, self._sharding, self._allreduce = every, world, module, sharding, allreduce
+        self._stepped: dict[int, torch.optim.Optimizer] = {}  # since the last check
+        self._compared: list[torch.optim.Optimizer] = []  # at the last check
+        self._verdicts: dict[int, tuple[weakref.ref, bool]] = {}  # id(optimizer) -> (it, does it step this replica?)
+        self._hook = register_optimizer_step_pre_hook(_noting(weakref.ref(self))) if every and world.distributed \
+            else None
+
+    def noted(self, optimizer: torch.optim.Optimizer) -> None:
+        """`optimizer` is about to step: note it if it steps this replica (looked up once per optimizer)."""
+        seen = self._verdicts.get(id(optimizer))
+        if seen is None or seen[0]() is not optimizer:  # new, or a dead optimizer's id taken again
+            ours = {id(p) for p in self._module.parameters()}
+            mine = any(id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
+                self._sharding is not None and optimizer in self._sharding.optimizers)
+            seen = self._verdicts[id(optimizer)] = (weakref.ref(optimizer), mine)
+        if seen[1]:
+            self._stepped[id(optimizer)] = optimizer
 
     def after_step(self, step: int) -> None:
         """Synced step `step` is summed: compare at the first and at every `every`-th."""
@@ -132,16 +155,30 @@ class ReplicaCheck:
             self.check(step=step, found=f"found at step {step}'s check: the first step and every {self.every} steps")
 
     def check(self, *, step: int, found: str, optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
-        """Compare now (a collective: every rank calls it), with `optimizers` besides those seen."""
-        sharding = self._sharding
-        if not self.every or self._guard is None:
+        """Compare now (a collective: every rank calls it), with `optimizers` besides those noted."""
+        if not self.every or not self.world.distributed:
             return
+        if self._stepped:
+            self._compared, self._stepped = list(self._stepped.values()), {}
+        sharding = self._sharding
         whole = sharding is None or sharding.keeps_parameters  # stage 3: each rank holds its own range
-        built = list(sharding.optimizers) if sharding is not None else []
         check_replicas_agree(world=self.world, parameters=list(self._module.named_parameters()) if whole else [],
-                             optimizers=[*self._guard.optimizers(), *built, *optimizers],
-                             whole_state=sharding is None, found=found,
+                             optimizers=[*self._compared, *optimizers], whole_state=sharding is None, found=found,
                              allreduce=lambda flat: self._allreduce(flat, Tag("replica check", step=step)))
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        self._stepped, self._compared = {}, []
+
+
+def _noting(check: "weakref.ref[ReplicaCheck]"):
+    def hook(optimizer, args, kwargs) -> None:
+        target = check()
+        if target is not None:
+            target.noted(optimizer)
+
+    return hook
 
 
 def check_replicas_agree(*, world: World, parameters: Sequence[tuple[str, torch.Tensor]],
