@@ -131,10 +131,11 @@ def test_ranks_in_different_collectives_fail_at_once_naming_both(tmp_path, algor
     first = launcher_line(stderr)
     assert returncode == 1, stderr[-3000:]
     assert first.startswith("phalanx: run stopped: ranks are in different collectives: "), stderr[-3000:]
-    sides = [r"rank 1 is in evaluation after step 7 \(24 B\), from phalanx\.evaluate or evaluate_dataset; rank 0 in "
-             r"step 8's gradient bucket 0",
-             r"rank 0 is in step 8's gradient bucket 0 \(540 B\); rank 1 in evaluation after step 7 \(\d+ B\), from "
-             r"phalanx\.evaluate or evaluate_dataset"]
+    # evaluate_dataset's first collective compares the replicas (guards/replicas.py): 2 rows of 6 float64s.
+    callers = r"phalanx\.checkpoint, evaluate_dataset, phalanx\.evaluate or dp\.close\(\) \(each compares the replicas first\)"
+    sides = [rf"rank 1 is in replica check after step 7 \(96 B\), from {callers}; rank 0 in step 8's gradient bucket 0",
+             rf"rank 0 is in step 8's gradient bucket 0 \(540 B\); rank 1 in replica check after step 7 \(\d+ B\), "
+             rf"from {callers}"]
     assert any(re.search(side, first) for side in sides), first
     assert elapsed_s < 60, f"{elapsed_s:.0f} s: the 60 s timeout ran out instead"  # not a timeout: at once
 
