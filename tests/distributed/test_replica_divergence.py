@@ -133,7 +133,7 @@ LOAD = ("a checkpoint loaded (or weights changed) on some ranks only after phala
         "on rank 0 before broadcast_parameters: load on every rank, or before prepare, which broadcasts rank 0's state")
 SETTING = ("an lr scheduler stepped (or an optimizer setting changed) on some ranks only, under `if world.is_main:` "
            "or on each rank's own metric (ReduceLROnPlateau on a local validation loss): step it on every rank, on a "
-           "metric summed over the ranks (phalanx.allreduce)")
+           "metric averaged over the ranks (phalanx.reduce(value, world=world))")
 
 
 def _one_line(diverged, name) -> str:

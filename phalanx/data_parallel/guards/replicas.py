@@ -47,7 +47,7 @@ _LOAD = ("a checkpoint loaded (or weights changed) on some ranks only after phal
          "state")
 _SETTING = ("an lr scheduler stepped (or an optimizer setting changed) on some ranks only, under `if world.is_main:` or "
             "on each rank's own metric (ReduceLROnPlateau on a local validation loss): step it on every rank, on a "
-            "metric summed over the ranks (phalanx.allreduce)")
+            "metric averaged over the ranks (phalanx.reduce(value, world=world))")
 
 
 def _as_ints(tensor: torch.Tensor) -> torch.Tensor:
