@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from phalanx.data_parallel.buckets import Bucket
+from phalanx.data_parallel.replica_hook import ReplicaHook
 
 
 class PendingHandle(Protocol):
@@ -191,6 +192,7 @@ def landing_hooks(buckets: Sequence[Bucket], on_landed: Callable[[nn.Parameter],
     """Register `on_landed(param)` to run after autograd accumulated a backward's gradient of a
     bucket's parameter (torch >= 2.1's post-accumulate-grad hook): on every parameter to overlap
     (a bucket launches once all of its have landed), or on one per bucket when only the
-    forgotten-sync guard needs to see that a backward ran. Returns the handles to remove."""
-    return [param.register_post_accumulate_grad_hook(on_landed)
+    forgotten-sync guard needs to see that a backward ran. Returns the handles to remove; a deep copy
+    of the module keeps none of them (replica_hook.py)."""
+    return [param.register_post_accumulate_grad_hook(ReplicaHook(on_landed))
             for bucket in buckets for param in (bucket.params if every_parameter else bucket.params[:1])]

@@ -81,6 +81,11 @@ class World:
         if self.is_main:
             builtins.print(*args, **{"flush": True, **kwargs})
 
+    def __deepcopy__(self, memo: dict) -> "World":
+        """The world itself: this process's place among the ranks, not a value (its board maps shared
+        memory), so a copied model that holds it (a SyncBatchNorm in an EMA or teacher copy) shares it."""
+        return self
+
     def __getattr__(self, name: str):
         """Only for a name World does not have: Accelerate's or Fabric's spelling gets phalanx's
         way in the error (foreign_names.py)."""

@@ -51,6 +51,7 @@ from torch import nn
 from phalanx.comm import Tag
 from phalanx.data.loader import distributed_sampler_note
 from phalanx.errors import PhalanxWarning
+from phalanx.data_parallel.replica_hook import ReplicaHook
 
 # How many frames above finish_gradient_sync to search for a DistributedSampler: the user's loop
 # is the caller, or a few frames up when the step runs through train_batch / a helper.
@@ -128,9 +129,9 @@ class FirstStepCheck:
         self.tokens_forwarded: int | None = None  # its elements, where it holds token ids (integers, 2+ dims)
         self.sizes_given: list[tuple] = []  # shard_loss's size, the rows and tokens just before
         params = [p for p in params if p.requires_grad]  # a frozen parameter gets no gradient, takes no hook
-        self._handles = [p.register_post_accumulate_grad_hook(self._landed) for p in params]
+        self._handles = [p.register_post_accumulate_grad_hook(ReplicaHook(self._landed)) for p in params]
         if module is not None and check_loss:
-            self._handles.append(module.register_forward_pre_hook(self._forwarded, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(ReplicaHook(self._forwarded), with_kwargs=True))
         if check_loss:
             _WAITING.add(self)
 
