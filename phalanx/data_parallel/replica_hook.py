@@ -1,5 +1,6 @@
-"""`ReplicaHook`: how the replica's hooks sit on a user's module and parameters, so a copy of the
-module is not a replica.
+"""How the replica's hooks sit on what the user owns: `ReplicaHook` on the module and its
+parameters, so a copy of the module is not a replica; `on_every_optimizer_step` on torch's
+process-wide optimizer step, held weakly, so it keeps no replica alive.
 
 The replica hears of a backward through hooks on the module's parameters (a gradient landed: the
 bucket's exchange, the forgotten-sync and unused-parameter guards) and of a forward through one
@@ -15,7 +16,12 @@ replica's, and its gradients, if any, are nobody's exchange.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 
 def _ignored(*args: Any, **kwargs: Any) -> None:
@@ -28,3 +34,17 @@ class ReplicaHook(functools.partial):
 
     def __deepcopy__(self, memo: dict) -> Any:
         return _ignored
+
+
+def on_every_optimizer_step(method: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:
+    """Call the bound `method(optimizer)` before any optimizer of this process steps, while its
+    object lives: the hook is process-wide and holds the object weakly (a `WeakMethod`), so a
+    replica dropped without close() is collected and its hook does nothing. The handle removes it."""
+    weak = weakref.WeakMethod(method)
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        target = weak()
+        if target is not None:
+            target(optimizer)
+
+    return register_optimizer_step_pre_hook(hook)

@@ -34,10 +34,10 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from phalanx.comm import Tag, broadcast_, collective
 from phalanx.data_parallel.guards.checks import ReplicaMismatch
+from phalanx.data_parallel.replica_hook import on_every_optimizer_step
 from phalanx.runtime.world import World
 
 ROW = 6  # per rank: parameters, optimizer settings, optimizer state, each 64 bits as two exact 32-bit halves
@@ -134,19 +134,20 @@ class ReplicaCheck:
         self.every, self.world, self._module, self._sharding, self._allreduce = every, world, module, sharding, allreduce
         self._stepped: dict[int, torch.optim.Optimizer] = {}  # since the last check
         self._compared: list[torch.optim.Optimizer] = []  # at the last check
-        self._verdicts: dict[int, tuple[weakref.ref, bool]] = {}  # id(optimizer) -> (it, does it step this replica?)
-        self._hook = register_optimizer_step_pre_hook(_noting(weakref.ref(self))) if every and world.distributed \
-            else None
+        # Each optimizer's verdict (does it step this replica?), looked up once; held weakly: an id
+        # could be a dead optimizer's.
+        self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        self._hook = on_every_optimizer_step(self.noted) if every and world.distributed else None
 
     def noted(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer` is about to step: note it if it steps this replica (looked up once per optimizer)."""
-        seen = self._verdicts.get(id(optimizer))
-        if seen is None or seen[0]() is not optimizer:  # new, or a dead optimizer's id taken again
+        mine = self._verdicts.get(optimizer)
+        if mine is None:
             ours = {id(p) for p in self._module.parameters()}
-            mine = any(id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
+            mine = self._verdicts[optimizer] = any(
+                id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
                 self._sharding is not None and optimizer in self._sharding.optimizers)
-            seen = self._verdicts[id(optimizer)] = (weakref.ref(optimizer), mine)
-        if seen[1]:
+        if mine:
             self._stepped[id(optimizer)] = optimizer
 
     def after_step(self, step: int) -> None:
@@ -170,15 +171,6 @@ class ReplicaCheck:
         if self._hook is not None:
             self._hook.remove()
         self._stepped, self._compared = {}, []
-
-
-def _noting(check: "weakref.ref[ReplicaCheck]"):
-    def hook(optimizer, args, kwargs) -> None:
-        target = check()
-        if target is not None:
-            target.noted(optimizer)
-
-    return hook
 
 
 def check_replicas_agree(*, world: World, parameters: Sequence[tuple[str, torch.Tensor]],

@@ -33,7 +33,8 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from phalanx.data_parallel.replica_hook import on_every_optimizer_step
 
 # Element-wise updates: exact on any range of the parameters.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
@@ -189,14 +190,14 @@ class ShardedOptimizerHooks:
 class WholeOptimizerGuard:
     """Refuses a torch optimizer built over a sharded replica's own parameters (the DDP habit
     `AdamW(dp.parameters())`): it would keep whole state and step with gradients that are summed
-    only in this rank's range. Process-wide hook, looked up once per optimizer, held weakly."""
+    only in this rank's range. Process-wide hook (replica_hook.py), looked up once per optimizer."""
 
     def __init__(self, module: nn.Module, stage: str) -> None:
         self._ids = {id(p) for p in module.parameters()}
         self._stage = stage
         # Each optimizer's verdict, looked up once; held weakly: an id could be a dead optimizer's.
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._handle = register_optimizer_step_pre_hook(_guard_hook(weakref.ref(self)))
+        self._handle = on_every_optimizer_step(self.check)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         whole = self._seen.get(optimizer)
@@ -210,12 +211,3 @@ class WholeOptimizerGuard:
 
     def close(self) -> None:
         self._handle.remove()
-
-
-def _guard_hook(guard: "weakref.ref[WholeOptimizerGuard]"):
-    def hook(optimizer, args, kwargs) -> None:
-        target = guard()
-        if target is not None:
-            target.check(optimizer)
-
-    return hook
