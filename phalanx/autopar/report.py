@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from phalanx.measure.load import DISTURBED_CORES
 from phalanx.measure.outputs import format_table, new_figure
 from phalanx.measure.timing import Spread, paired_ratio
 
@@ -151,9 +152,6 @@ def verdict_graph(result: dict[str, Any], *, rounds: Sequence[dict[str, float]],
 
 def _median(values: Sequence[float]) -> float:
     return Spread.of(values).median
-
-
-DISTURBED_CORES = 0.25  # other programs' cores past which a verdict says it was measured under load
 
 
 def verdict_line(exp: dict[str, Any]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from phalanx.measure.load import DISTURBED_CORES
 from phalanx.measure.outputs import format_table, median_whiskers, panels_by_batch, rows_by_batch
 from phalanx.measure.timing import Spread
 
@@ -40,10 +41,6 @@ def report_scaling(payload: dict[str, Any]) -> str:
             lines.append(f"  {r['metric']:<42} {label:<36} {_ratio_text(r['ratio'], payload.get('method'))}")
         lines.append("")
     return "\n".join(lines).rstrip()
-
-
-# Cores of other programs' work past which the table says its ratios carry that load.
-DISTURBED_CORES = 0.25
 
 
 def _load_lines(payload: dict[str, Any]) -> list[str]:

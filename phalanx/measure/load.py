@@ -17,6 +17,11 @@ import time
 from typing import Iterator, Sequence
 
 
+# Cores other programs kept busy past which a timing says it was taken under that load (the
+# scaling table, autopar's verdicts): each contender then lost a different share of the cores.
+DISTURBED_CORES = 0.25
+
+
 def host_busy_s() -> float | None:
     """CPU seconds the whole host has spent busy since boot (Linux /proc/stat), or None."""
     try:
