@@ -206,7 +206,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     timing = f"{sec_per_epoch:.1f} sec/epoch" if sec_per_epoch else "no epoch trained in this run"
     partial = sec_per_epoch and len(timed) < len(history)
     spans = f" (epochs on these devices: {len(timed)} of {len(history)})" if partial else ""
-    log(f"test acc: {final_acc:.2f}, {timing} on {devices_text}{spans}")
+    named = f" ({data.name})" if data.name != "fashion-mnist" else ""  # the book's line is Fashion-MNIST's
+    log(f"test acc{named}: {final_acc:.2f}, {timing} on {devices_text}{spans}")
     return {"history": history, "sec_per_epoch": sec_per_epoch, "dataset": data.name}
 
 

@@ -92,6 +92,9 @@ def plot_sweep(rows: Sequence[dict[str, Any]], *, target_acc: float, epochs: int
     acc_ax.legend(fontsize=8, loc="center left")
     time_ax.set_ylabel(f"training seconds to test acc {target_acc:g}")
     time_ax.set_title(f"missing: not reached in {epochs} epochs", fontsize=8)
+    if all(r["time_to_target_s"] is None for r in rows):  # say so, not an empty frame
+        time_ax.text(0.5, 0.5, f"no point reached test acc {target_acc:g}\nin {epochs} epochs",
+                     transform=time_ax.transAxes, ha="center", va="center", color="grey")
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()

@@ -158,7 +158,7 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, stderr[-3000:]
     assert "resumed from" in stdout, stdout[-2000:]
-    assert stdout.strip().splitlines()[-1].startswith("test acc: ")
+    assert stdout.strip().splitlines()[-1].startswith("test acc (synthetic): ")  # not Fashion-MNIST: named
     rows = [line for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert len(rows) == 6  # one row per epoch, none repeated by the restart
     assert set(torch.load(out / "model.pt", weights_only=True)) >= {"conv1.weight"}

@@ -56,6 +56,7 @@ def test_the_command_offline_prints_one_line_then_tries_no_more(tmp_path, monkey
     first = capsys.readouterr()
     about = [line for line in (first.out + first.err).splitlines() if "download" in line or "fashion" in line]
     assert len(about) == 1 and about[0].startswith(FALLBACK), first
+    assert first.out.splitlines()[-1].startswith("test acc (digits): ")  # the fallback's accuracy, named
     assert len(offline.urls) == 2
     assert main(argv) == 0
     second = capsys.readouterr()

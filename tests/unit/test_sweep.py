@@ -248,3 +248,14 @@ def test_outputs_are_written_whole(tmp_path):
     assert json.loads(json_path.read_text())["results"][5]["key"] == rows[5]["key"]
     assert len(csv_path.read_text().splitlines()) == 1 + 18
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.csv", "sweep.json", "sweep.png"]  # no temp files
+
+
+def test_time_panel_says_so_when_no_point_reached_the_target():
+    config = SweepConfig(num_devices=(1, 2), batch_sizes_per_device=(32,), lr_rules=(0.1,), epochs=3)
+    rows = _rows(config, target=0.99)
+    assert all(r["time_to_target_s"] is None for r in rows)
+    fig = plot_sweep(rows, target_acc=0.99, epochs=3)
+    texts = [t.get_text() for t in fig.axes[1].texts]
+    assert texts == ["no point reached test acc 0.99\nin 3 epochs"]
+    reached = plot_sweep(_rows(config, target=0.1), target_acc=0.1, epochs=3)
+    assert len(reached.axes[1].texts) == 0
