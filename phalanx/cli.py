@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 from phalanx import __version__
 from phalanx.errors import RunFailed, Stopped, UsageError
-from phalanx.options import CommandParser
+from phalanx.command_parser import CommandParser
 from phalanx.runtime.lifeline import stop_message
 
 

@@ -19,7 +19,7 @@ flags become an `Interconnect`).
   `{flag} {value} must be ...` / `{flag} 'x' is unknown; choose one of ...`; each config's
   `__post_init__` calls it first, then checks what spans several options. The refusal is an
   `OptionError`, which an API that builds a config from its keywords re-words in their names.
-- `CommandParser`: argparse whose own errors (a bad number, an unknown flag) are a `UsageError`.
+- The parsers are `command_parser.CommandParser`s: argparse whose own errors are one line.
 
 Standard library only: importing it costs no torch, so `phalanx --help` stays fast. tyro,
 jsonargparse and simple-parsing were weighed and not taken: each names a flag after the field's
@@ -302,17 +302,5 @@ def _check_value(name: str, spec: Option, value: Any, config: Any) -> None:
             raise OptionError(f"{name} {_text(value)} {_text(rule.problem)}", config=config)
 
 
-class CommandParser(argparse.ArgumentParser):
-    """argparse whose own errors (an unknown flag, `--epochs x`) are one line: a `UsageError`; its
-    help keeps a description's lines as written (examples stay on their own lines)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str):
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-__all__ = ["Option", "OptionError", "Rule", "CommandParser", "add_options", "at_least", "build", "check_options",
+__all__ = ["Option", "OptionError", "Rule", "add_options", "at_least", "build", "check_options",
            "component", "finite", "flags", "help_text", "option", "parse_list", "positive"]

@@ -245,9 +245,8 @@ class RunOptions:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """`phalanx run`'s parser: the launch options (declared once, in LaunchConfig), the script, its args."""
     parser.description, parser.epilog = RUN_DESCRIPTION, RUN_EPILOG
-    # No prefixes of phalanx's flags: argparse matches them anywhere, and the script's own `--n 5`
-    # after its name was "ambiguous option: --n could match --nnodes, --nproc-per-node".
-    parser.allow_abbrev = False
+    # No prefixes of phalanx's flags (every CommandParser's rule): argparse matches them anywhere, and the
+    # script's own `--n 5` after its name was "ambiguous option: --n could match --nnodes, --nproc-per-node".
     add_options(parser, LaunchConfig)
     add_options(parser, RunOptions)
     # The script and what follows it are positional, which options.py's flags are not: the two

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from phalanx.command_parser import CommandParser
 from phalanx.errors import UsageError
-from phalanx.options import CommandParser, add_options, at_least, build, check_options, component, flags, option
+from phalanx.options import add_options, at_least, build, check_options, component, flags, option
 
 
 def _cap(text: str) -> float | None:
@@ -225,3 +226,33 @@ def test_a_switch_defaulting_to_none_has_three_states():
     assert "--fused, --no-fused" in parser.format_help() and "(default: decided per host)" in parser.format_help()
     with pytest.raises(UsageError, match="ignored explicit argument 'yes'"):
         parser.parse_args(["--no-fused=yes"])
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["train", "--epoch", "1"], "unrecognized arguments: --epoch 1; did you mean --epochs? (see `phalanx train --help`)"),
+    (["train", "--bach-size=8"], "unrecognized arguments: --bach-size=8; did you mean --batch-size? "
+                                  "(see `phalanx train --help`)"),
+    (["bench", "allreduce", "--world-size", "2"],
+     "unrecognized arguments: --world-size 2; did you mean --world-sizes? (see `phalanx bench allreduce --help`)"),
+    (["train", "--no-such-thing"], "unrecognized arguments: --no-such-thing (see `phalanx train --help`)"),
+])
+def test_no_prefixes_and_an_unknown_flag_names_the_closest(argv, line):
+    # argparse took `--epoch` for `--epochs` silently, so a flag added later could change what a
+    # command line meant; now it is refused, naming the flag meant, and the innermost command's help
+    from phalanx.cli import build_parser
+
+    with pytest.raises(UsageError) as info:
+        build_parser([argv[0]]).parse_args(argv)
+    assert str(info.value) == line
+
+
+def test_a_switch_is_not_offered_its_own_negation():
+    from phalanx.command_parser import closest_flag
+
+    parser = CommandParser(prog="job")
+    parser.add_argument("--no-shuffle", action="store_true")  # --shuffle is the default, not a typo of it
+    parser.add_argument("--epochs")
+    parser.add_argument("--epsilon")
+    close = closest_flag(parser)
+    assert close("--shuffle") is None and close("--no-shufle") == "--no-shuffle"
+    assert close("--epoch") == "--epochs" and close("--eps") == "--epsilon" and close("--ep") == "--epochs or --epsilon"
