@@ -134,8 +134,8 @@ def build_buckets(
         for param in group:
             if gradient_views:
                 view = grad_view(bucket.buffer, offset, param)
-                if param.grad is not None:
-                    view.copy_(param.grad)
+                if param.grad is not None:  # (a sparse one added into the zeroed slot)
+                    view.copy_(param.grad) if param.grad.layout == torch.strided else view.add_(param.grad)
                 # Autograd accumulates in place into an existing .grad, so backward writes straight
                 # into the bucket (DDP's gradient_as_bucket_view): no copy before the allreduce.
                 param.grad = view
@@ -151,7 +151,7 @@ def grads_are_bucket_views(buckets: list[Bucket]) -> bool:
     for bucket in buckets:
         for param, offset in zip(bucket.params, bucket.offsets):
             grad = param.grad
-            if grad is None or grad.data_ptr() != bucket.buffer[offset:].data_ptr():
+            if grad is None or grad.layout != torch.strided or grad.data_ptr() != bucket.buffer[offset:].data_ptr():
                 return False
     return True
 

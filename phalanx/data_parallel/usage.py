@@ -59,7 +59,7 @@ class ParameterUsage:
                        for param, offset in zip(bucket.params, bucket.offsets)} if slots else {}
         for param in self.params if rides else ():  # .grad *is* the view from now on: one identity test a landing
             view = self._views[id(param)]
-            if param.grad is not None and param.grad.data_ptr() == view.data_ptr():
+            if param.grad is not None and _is_view_of(param.grad, view):
                 param.grad = view
         self.flags = last.storage[last.buffer.numel():] if rides else \
             torch.ones(len(self.params), dtype=last.buffer.dtype, device=last.buffer.device)
@@ -204,15 +204,24 @@ class ParameterUsage:
 
 def _in_slot(grad: torch.Tensor | None, view: torch.Tensor | None) -> bool:
     """Whether `grad` is its bucket slot `view`: the view itself, or (sharded) another view of it."""
-    return view is not None and grad is not None and (grad is view or grad.data_ptr() == view.data_ptr())
+    return view is not None and grad is not None and (grad is view or _is_view_of(grad, view))
+
+
+def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether `grad` lies where `view` does; a sparse gradient (an embedding's) never does."""
+    return grad.layout == torch.strided and grad.data_ptr() == view.data_ptr()
 
 
 @torch.no_grad()
 def _take_back(param: nn.Parameter, view: torch.Tensor) -> None:
-    """`param`'s gradient into its bucket slot `view`, and `.grad` that view: None is a zero slot."""
+    """`param`'s gradient into its bucket slot `view`, and `.grad` that view: None is a zero slot,
+    a sparse gradient (an embedding's with `sparse=True`, autograd's own where `.grad` was None) is
+    added into a zeroed slot: summed dense, made sparse again after the sum (sparse.py)."""
     grad = param.grad
     if grad is None:
         view.zero_()
+    elif grad.layout != torch.strided:
+        view.zero_().add_(grad)
     elif grad.data_ptr() != view.data_ptr():
         view.copy_(grad)
     param.grad = view

@@ -126,14 +126,16 @@ class Sharding:
         for param in bucket.params:
             param.grad = None
         self.params.release(bucket.index)
-        if len(grads) == 1 and grads[0] is not None and grads[0].stride() == whole[0].stride() and \
-                grads[0].dtype == bucket.buffer.dtype:
+        if len(grads) == 1 and grads[0] is not None and grads[0].layout == torch.strided and \
+                grads[0].stride() == whole[0].stride() and grads[0].dtype == bucket.buffer.dtype:
             return memory_order(grads[0].detach())
         refill_storage(bucket.buffer)
         with torch.no_grad():
             bucket.buffer.zero_()
             for grad, offset, view in zip(grads, bucket.offsets, whole):
-                if grad is not None:
+                if grad is not None and grad.layout != torch.strided:  # a sparse embedding's: summed dense
+                    grad_view(bucket.buffer, offset, view).add_(grad)
+                elif grad is not None:
                     grad_view(bucket.buffer, offset, view).copy_(grad)
         return bucket.buffer
 
