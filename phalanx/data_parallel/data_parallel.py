@@ -143,6 +143,7 @@ class DataParallel(ReplicaModule):
                                            every_parameter=self.overlap)
         if self._usage is not None and not self.overlap:  # usage.landed itself: one Python frame (~1 us) per gradient
             self._hook_handles += landing_hooks(self.buckets, self._usage.landed, every_parameter=True)
+        self._hook_handles += self._layout.sparse_hooks() if self._layout is not None else []  # (sparse.py)
 
     def _rewire(self) -> None:
         """The layout changed with `requires_grad` (layout.py): its new buckets take the hooks."""
@@ -240,9 +241,8 @@ class DataParallel(ReplicaModule):
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
 
-        Launches, in bucket order, every bucket no hook launched (all of them without overlap; with
-        it, those whose gradients never all landed: unused parameters, or a rank with an empty shard
-        that ran no backward), then waits every handle once. Inside no_sync() it does nothing.
+        Launches, in bucket order, every bucket no hook launched (without overlap: all; with it, those
+        not complete: unused parameters, an empty shard's), then waits every handle once; under no_sync(), nothing.
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")
@@ -255,8 +255,7 @@ class DataParallel(ReplicaModule):
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         written = self._usage.written() if self._usage is not None else []  # by the script since landing
-        if self._usage is not None:
-            self._usage.take_back()  # gradients dropped at the last sync, or by optimizer.zero_grad(), back
+        self._layout.take_back()  # gradients dropped at the last sync, or by optimizer.zero_grad(), back
         self._scheduler.finish()
         self._unsynced.pending = self._unsynced.accumulating = False
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
@@ -272,6 +271,7 @@ class DataParallel(ReplicaModule):
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
         self._replicas.after_step(self._synced_steps)
         self._extras.after_exchange(summed, self.allreduce_now)
+        self._layout.sparse_again(lambda flat: self.allreduce_now(flat, Tag("sparse gradient rows")))
         if written:  # raised last: this rank has joined every collective of the sync
             raise gradients_written(written, self.module)
 

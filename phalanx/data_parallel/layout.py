@@ -35,6 +35,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from phalanx.data_parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, mb_to_bytes
+from phalanx.data_parallel.sparse import sparse_gradients
 from phalanx.data_parallel.usage import ParameterUsage, usage_elements
 from phalanx.errors import UsageError
 
@@ -62,6 +63,8 @@ class BucketLayout:
         self.buckets = build_buckets(self.params, **self._caps, gradient_views=views,
                                      spare=usage_elements(self.params) if rides else 0)
         self.usage = ParameterUsage(self.buckets, rides=rides, views=views) if self.buckets else None
+        # Sparse gradients made sparse again after the sum (sparse.py); sharded, the optimizer steps dense ranges.
+        self.sparse = sparse_gradients(self.module, self.buckets) if rides else None
 
     def check_added(self) -> None:
         """Refuse a parameter the module gained since prepare (module docstring)."""
@@ -95,6 +98,24 @@ class BucketLayout:
             bucket.buffer.zero_()
         if self.usage is not None:
             self.usage.zeroed()
+        if self.sparse is not None:
+            self.sparse.zeroed()
+
+    def sparse_hooks(self) -> list:
+        """The hooks that note the sparse gradients' rows (sparse.py), none without such gradients."""
+        return self.sparse.hooks() if self.sparse is not None else []
+
+    def sparse_again(self, allreduce: Callable[[torch.Tensor], object]) -> None:
+        """After the sum (and any averaging): each sparse gradient sparse again (sparse.py); every rank calls it."""
+        if self.sparse is not None:
+            self.sparse.after_sum(allreduce)
+
+    def take_back(self) -> None:
+        """Before a sync: every gradient its bucket slot again (usage.py), the sparse ones' rows noted first."""
+        if self.sparse is not None:
+            self.sparse.before_sum()
+        if self.usage is not None:
+            self.usage.take_back()
 
     def after_sum(self, allreduce: Callable[[torch.Tensor], object]) -> bool:
         """After every bucket's sum: drop what no rank used; parameters unfrozen since the step's
@@ -136,9 +157,12 @@ class BucketLayout:
             if was and not param.requires_grad:
                 param.grad = param.grad.clone() if in_step and param.grad is not None else None
         without = [param for param in self.params if param.requires_grad and param.grad is None]
+        sparse = self.sparse
         self._lay_out()  # (every trainable parameter's gradient a view of the new buckets)
         if self.usage is not None:
             self.usage.drop(without)
+        if self.sparse is not None:
+            self.sparse.adopt(sparse if in_step else None)
         return self.buckets
 
     def sum_newly_trainable(self, allreduce: Callable[[torch.Tensor], object]) -> None:

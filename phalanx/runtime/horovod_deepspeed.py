@@ -135,7 +135,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                                              "global_size); average=True gives a mean of the ranks' means"),
     "gradient_predivide_factor": ("Horovod DistributedOptimizer's", "not needed: phalanx.shard_loss divides each "
                                                                     "shard's loss by the global batch size"),
-    "sparse_as_dense": ("Horovod DistributedOptimizer's", "always: sparse gradients are summed dense in the buckets"),
+    "sparse_as_dense": ("Horovod DistributedOptimizer's", "always: sparse gradients are summed dense in the buckets, "
+                                                          "then handed back sparse"),
     "process_set": ("Horovod DistributedOptimizer's", "phalanx has one world; no process sets"),
 }
 

@@ -96,7 +96,9 @@ def _state_sums(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     for group in optimizer.param_groups:
         for param in group["params"]:
             for key, value in sorted(optimizer.state.get(param, {}).items()):
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and value.layout == torch.sparse_coo:  # SGD's sparse momentum
+                    sums += [bit_sum(value._indices()), bit_sum(value._values())]
+                elif isinstance(value, torch.Tensor):
                     sums.append(bit_sum(value))
                 elif isinstance(value, (bool, int, float)):
                     sums.append(bit_sum(torch.tensor(float(value), dtype=torch.float64)))

@@ -13,10 +13,6 @@ what the replica was built to do beyond the sum, in this order:
    `shard_loss`, a shard's own size given to it, a padding DistributedSampler; and, on every
    rank once, the sizes shard_loss got compared across the ranks (one small sum).
 
-At construction rank 0 also names, once, the embeddings built with `sparse=True`: their
-gradients are summed dense in the buckets (DDP sums sparse tensors on gloo), exact for a dense
-optimizer; torch's `SparseAdam` refuses them at its step, and the notice says so first.
-
 Each part exists only where it applies: LeNet under `phalanx.prepare` has no running statistics
 and, after its first step, no check, so the step costs what it did before.
 """
@@ -48,9 +44,6 @@ class StepExtras:
         unapplied = batchnorm == "sync" and has_plain_batchnorm(module)  # layers no one made SyncBatchNorm
         if self.running_stats is not None and unapplied and world.is_main:
             warn_at_caller(batchnorm_notice(self.running_stats.num_layers, world.world_size))
-        sparse = sparse_embeddings(module) if world.distributed and world.is_main else []
-        if sparse:
-            warn_at_caller(sparse_notice(sparse))
         # Rank 0 looks at the first synced step; the other ranks would find the same and stay quiet.
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
                                          check_loss=average is None, module=module) \
@@ -87,16 +80,3 @@ def batchnorm_notice(num_layers: int, world_size: int) -> str:
             "local; their running statistics are averaged across ranks after every step); for the whole global "
             "batch's statistics build the replica with phalanx.prepare(model, world=world, batchnorm=\"sync\"), "
             "or pass batchnorm=\"local\" to keep this and silence the notice")
-
-
-def sparse_embeddings(module: nn.Module) -> list[str]:
-    """The names of `module`'s embeddings that make sparse gradients (`sparse=True`) and train."""
-    return [name for name, layer in module.named_modules()
-            if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse and layer.weight.requires_grad]
-
-
-def sparse_notice(names: list[str]) -> str:
-    shown = ", ".join(repr(name) for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return (f"embedding {shown} has sparse=True: its gradient is summed dense in the gradient buckets (exact; the "
-            "whole table's bytes each step), so step it with a dense optimizer (SGD, Adam, ...): torch's SparseAdam "
-            "refuses dense gradients; nn.Embedding(..., sparse=False) silences this")
