@@ -1,7 +1,8 @@
-"""Gradient accumulation as a loop: `for piece in dp.accumulate(n): ...` (Accelerate's name).
+"""Gradient accumulation: `dp.no_sync()`, and as a loop `for piece in dp.accumulate(n): ...` (Accelerate's name).
 
 `no_sync()` is the mechanism (DDP's): backwards inside it only add into the buckets, and the
-first synced backward after it sends the sum. `accumulate` wraps it for the usual shape of a
+first synced backward after it sends the sum; it turns the replica's `require_backward_grad_sync`
+off and restores the previous value on the way out, even on error. `accumulate` wraps it for the usual shape of a
 loop over micro-batches: every item but the last is yielded inside `no_sync()`, the last
 outside, so its backward launches the exchange. The next item is fetched *before* the current
 one is yielded, which is how an iterator of unknown length learns which item is last. With
@@ -13,6 +14,19 @@ from __future__ import annotations
 
 import contextlib
 from typing import Callable, Iterable, Iterator
+
+
+@contextlib.contextmanager
+def no_sync(replica) -> Iterator[None]:
+    """`replica`'s (a DataParallel's) backwards accumulate locally inside (see the module docstring)."""
+    if replica.exchange_in_flight:
+        raise RuntimeError("no_sync() entered while gradient allreduces are in flight; finish them first")
+    previous = replica.require_backward_grad_sync
+    replica.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        replica.require_backward_grad_sync = previous
 
 
 def accumulate(no_sync: Callable[[], contextlib.AbstractContextManager], micro_batches: int | Iterable) -> Iterator:

@@ -44,13 +44,17 @@ class Choices:
     hierarchy: str | None = None  # the hosts' layout in words, where the hierarchical allreduce runs
     shm_rounds: str | None = None  # how the shared segment's rounds run: "compiled", "Python (why)"; None: no segment
     overlap_reason: str | None = None  # what overlap "auto" saw (config.resolve_overlap); None: it was given
+    memory_format_reason: str | None = None  # why "auto" ended contiguous (format_fallback.py), or None
 
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
         mixed = f", {self.precision} (autocast forward, float32 weights and gradients)" if self.precision else ""
         exchange = f"allreduce {self._algorithm_text()}, " if self.exchanging else ""  # one device sums nothing
         return f"{exchange}{self._exchange_text()}{self._shard_text()}, " \
-               f"{self.memory_format}, {self.dtype}{mixed}{self._batchnorm_text()}"
+               f"{self._format_text()}, {self.dtype}{mixed}{self._batchnorm_text()}"
+
+    def _format_text(self) -> str:
+        return f"{self.memory_format} ({self.memory_format_reason})" if self.memory_format_reason else self.memory_format
 
     def _shard_text(self) -> str:
         if self.shard == "none":
@@ -115,7 +119,7 @@ def replica_choices(dp, options: DataParallelConfig) -> Choices:
         has_batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()),
         num_devices=world.world_size, memory_format=layout_of(module), requested_algorithm=options.allreduce,
         algorithm=dp.algorithm, fallback_reason=dp.fallback_reason, exchanging=dp.exchanging, overlap=dp.overlap,
-        overlap_reason=dp.overlap_reason,
+        overlap_reason=dp.overlap_reason, memory_format_reason=dp._format.reason,
         bucket_kb=tuple(b.size_bytes / 1024 for b in dp.buckets), grad_dtype=wire_names.get(dp.grad_dtype),
         precision=options.precision, backend=world.backend,
         why_not_shm=shm_applies(world) if world.distributed else None, shard=dp.shard,

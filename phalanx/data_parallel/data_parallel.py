@@ -1,33 +1,31 @@
 """Data parallelism as in D2L 13.5: every rank holds a full replica and sums gradients.
 
-`DataParallel` owns the replica's synchronisation contract, the one torch DDP established: rank 0's
-parameters and buffers are broadcast at construction so replicas start identical; gradients live in
-flat buckets (buckets.py) summed across ranks with the chosen allreduce; `no_sync()` skips the
-exchange for gradient accumulation. Averaging is the caller's loss scale (sum over the shard /
-global batch size), which keeps the update exactly the 1-device update even when the last batch
-splits unevenly across ranks. `shard` keeps only this rank's share of the optimizer state, gradients
-or parameters (ZeRO; sharding/): each bucket's allreduce becomes a reduce-scatter, and the optimizer
-comes from `dp.optimizer(cls, ...)`.
+`DataParallel` owns the replica's synchronisation contract, the one torch DDP established: rank 0's parameters
+and buffers are broadcast at construction so replicas start identical; gradients live in flat buckets
+(buckets.py) summed across ranks with the chosen allreduce; `no_sync()` skips the exchange for gradient
+accumulation. Averaging is the caller's loss scale (sum over the shard / global batch size), which keeps the
+update exactly the 1-device update even when the last batch splits unevenly across ranks. `shard` keeps only
+this rank's share of the optimizer state, gradients or parameters (ZeRO; sharding/): each bucket's allreduce
+becomes a reduce-scatter, and the optimizer comes from `dp.optimizer(cls, ...)`.
 
-One send path, two schedules, the same result: every bucket goes out through `_launch` (wire dtype,
-trace, tag) and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With overlap a
-gradient hook launches each bucket the moment its last gradient lands, so its exchange runs (on the
-comm's thread) while backward computes the earlier layers; without it `finish_gradient_sync()` runs
-every bucket's exchange on the calling thread, then returns. `overlap=None` (the default) chooses per
-host (config.py's `resolve_overlap`). Either way the caller's step is: zero_grad, forward, backward,
-finish_gradient_sync, optimizer step. Each bucket's exchange is tagged `Tag("gradient", i, step=s)`,
-so a rank that meets another collective is named at once (comm/watchdog.py); a synced backward never
-exchanged is refused at an optimizer step or update that reads it, and zeroed by zero_grad() if none
-did (guards/checks.py). Every `check_finite_every` synced steps the gradient is checked for NaN/Inf
-(guards/finite.py) and the replicas compared (guards/replicas.py; also at the first step), both again
-before state leaves the replica (`check_finite`, `check_replicas`: phalanx.checkpoint, close).
+One send path, two schedules, the same result: every bucket goes out through `_launch` (wire dtype, trace, tag)
+and is waited once in `finish_gradient_sync()` (overlap.py's scheduler). With overlap a gradient hook launches
+each bucket the moment its last gradient lands, so its exchange runs (on the comm's thread) while backward
+computes the earlier layers; without it `finish_gradient_sync()` runs every bucket's exchange on the calling
+thread, then returns. `overlap=None` (the default) chooses per host (config.py's `resolve_overlap`). Either way
+the caller's step is: zero_grad, forward, backward, finish_gradient_sync, optimizer step. Each bucket's exchange
+is tagged `Tag("gradient", i, step=s)`, so a rank that meets another collective is named at once
+(comm/watchdog.py); a synced backward never exchanged is refused at an optimizer step or update that reads it,
+and zeroed by zero_grad() if none did (guards/checks.py). Every `check_finite_every` synced steps the gradient
+is checked for NaN/Inf (guards/finite.py) and the replicas compared (guards/replicas.py; also at the first
+step), both again before state leaves the replica (`check_finite`, `check_replicas`: phalanx.checkpoint, close).
 
-Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one builds
-nothing (no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone` builds the
-exchange on one device all the same, and `DataParallel.over(comm, ...)` exchanges over the caller's
-comm (one that counts bytes). A `DataParallel` is an `nn.Module` (replica.py); DDP users' habits are
-made right or named after each synced exchange (guards/step_extras.py). What it runs with is
-`dp.choices` (choices.py); its SyncBatchNorm layers sum through its exchange.
+Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one builds nothing
+(no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone` builds the exchange on one
+device all the same, and `DataParallel.over(comm, ...)` exchanges over the caller's comm (one that counts
+bytes). A `DataParallel` is an `nn.Module` (replica.py); DDP users' habits are made right or named after each
+synced exchange (guards/step_extras.py). What it runs with is `dp.choices` (choices.py); its SyncBatchNorm
+layers sum through its exchange.
 """
 
 from __future__ import annotations
@@ -40,10 +38,11 @@ import torch
 from torch import nn
 
 from phalanx.comm import ALLREDUCE, AsyncComm, Tag, open_comm, resolve_algorithm
-from phalanx.data_parallel.accumulate import accumulate
+from phalanx.data_parallel.accumulate import accumulate, no_sync
 from phalanx.data_parallel.buckets import Bucket, DecompressingHandle, grads_are_bucket_views, wire_of
 from phalanx.data_parallel.choices import replica_choices
 from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
+from phalanx.data_parallel.format_fallback import FormatFallback
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, check_gradients_aliased, gradients_written
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
@@ -118,6 +117,8 @@ class DataParallel(ReplicaModule):
         self.shm_rounds = getattr(comm, "shm_rounds", None) if self.algorithm in ("shm", "hierarchical") else None
         self._routes_bn = self.algorithm != "native" and route_sync_batchnorm(self.module, comm, self.algorithm) > 0
         self.shard = options.shard if self.exchanging else "none"  # one device: nothing to shard
+        self._format = FormatFallback(self.module, requested=options.memory_format, can_fall_back=self.shard == "none",
+                                      exchanging=self.exchanging, relayout=self._relayout)
         # Chosen before sharding empties stage 3's parameters (their layout names the memory format).
         self.choices = replica_choices(self, options)
         self.sharding = Sharding(stage=self.shard, module=self.module, buckets=self.buckets, rank=world.rank,
@@ -153,6 +154,13 @@ class DataParallel(ReplicaModule):
         self._wire_buckets()
         self.choices = replica_choices(self, self.options)
 
+    def _relayout(self) -> None:
+        """The parameters' strides changed (format_fallback.py): their buckets laid out again, the choices said again."""
+        if self._layout is not None:
+            self._layout.again(in_step=False)
+            self._rewire()
+        self.choices = replica_choices(self, self.options)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the bucket buffers (never set .grad to None: the views must survive); with
         nothing to exchange, set every .grad to None (or zero it) as `optimizer.zero_grad()` does."""
@@ -173,21 +181,10 @@ class DataParallel(ReplicaModule):
             return
         self._layout.zero()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the previous setting is restored even on error.
-
-        With overlap the hooks launch nothing inside; gradients keep summing into the buckets,
-        and the first synced backward after it sends the accumulated sum (as DDP's no_sync).
-        """
-        if self._scheduler is not None and self._scheduler.in_flight:
-            raise RuntimeError("no_sync() entered while gradient allreduces are in flight; finish them first")
-        previous = self._sync_enabled
-        self._sync_enabled = False
-        try:
-            yield
-        finally:
-            self._sync_enabled = previous
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Accumulate gradients locally; the previous setting is restored even on error (accumulate.py). With
+        overlap the hooks launch nothing inside; the first synced backward after it sends the sum (as DDP's)."""
+        return no_sync(self)
 
     def accumulate(self, micro_batches: int | Iterable) -> Iterator:
         """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:
@@ -258,6 +255,7 @@ class DataParallel(ReplicaModule):
         self._layout.take_back()  # gradients dropped at the last sync, or by optimizer.zero_grad(), back
         self._scheduler.finish()
         self._unsynced.pending = self._unsynced.accumulating = False
+        self._format.agree(self.allreduce_now, world_size=self.world.world_size, device=self.world.device)
         # Checked after the exchange, so a rank that fails here still matched its peers' calls.
         if (self.sharding is None or self.sharding.keeps_gradients) and not grads_are_bucket_views(self.buckets):
             check_gradients_aliased(self._usage, self.module, compiled_after_prepare=self.compiled_after_prepare,

@@ -1,29 +1,26 @@
 """The `nn.Module` face of a data-parallel replica: what lets `DataParallel` stand where the model stood.
 
 Code written for torch DDP, or for the plain model, calls `.train()`, `.eval()`, `.parameters()`,
-`.state_dict()`, `.to()` and `model(x)` on the wrapper; without them a ported script needs
-`.module` wherever it touches the model. `ReplicaModule` gives them, over the wrapped model held
-as the submodule `module` (DDP's name, so `dp.module` keeps working), broadcast from rank 0 at
-construction (`broadcast_state_`). One deliberate difference from DDP: names carry no `module.`
-prefix - `dp.state_dict()` and `dp.named_parameters()` are the model's own, so
-`torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
-how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones.
-What leaves it - `state_dict()`, `full_state_dict()`, `check_finite()` - first checks the
-gradients of the steps since the last NaN/Inf check (guards/finite.py), so nothing non-finite is saved.
+`.state_dict()`, `.to()` and `model(x)` on the wrapper; without them a ported script needs `.module` wherever it
+touches the model. `ReplicaModule` gives them, over the wrapped model held as the submodule `module` (DDP's
+name, so `dp.module` keeps working), broadcast from rank 0 at construction (`broadcast_state_`). One deliberate
+difference from DDP: names carry no `module.` prefix - `dp.state_dict()` and `dp.named_parameters()` are the
+model's own, so `torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
+how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones. What leaves it -
+`state_dict()`, `full_state_dict()`, `check_finite()` - first checks the gradients of the steps since the last
+NaN/Inf check (guards/finite.py), so nothing non-finite is saved.
 
-Refused, because the gradients live as views in the exchange's buckets: moving, casting or
-re-laying-out the parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that
-would change nothing is a no-op and fine), and `load_state_dict(assign=True)`, which would
-replace them; and a lazy module before its first forward, a meta one, or one inside a DDP wrapper
-(unfit.py: `placed` checks before it moves the module). `forward` optionally runs under
-`torch.autocast` (`prepare(precision="bf16-mixed")`, as Lightning Fabric and Accelerate do): the
-weights, their gradients and the exchange stay float32, and floating outputs come back as float32
-so the loss is computed in full precision, in their own containers (a Hugging Face
-`ModelOutput` is still read as `out.logits`).
-While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
-`finish_gradient_sync` counts no step.
-DDP's own face, where its habits carry over: `require_backward_grad_sync`, which nanoGPT-style
-loops set per micro-batch, is the switch `no_sync()` turns; DDP's methods that phalanx has no use
+Refused, because the gradients live as views in the exchange's buckets: moving, casting or re-laying-out the
+parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that would change nothing is a no-op and
+fine), and `load_state_dict(assign=True)`, which would replace them; and a lazy module before its first forward,
+a meta one, or one inside a DDP wrapper (unfit.py: `placed` checks before it moves the module). `forward`
+optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`, as Lightning Fabric and Accelerate
+do): the weights, their gradients and the exchange stay float32, and floating outputs come back as float32 so
+the loss is computed in full precision, in their own containers (a Hugging Face `ModelOutput` is still read as
+`out.logits`). While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
+`finish_gradient_sync` counts no step. The first forward under `auto`'s channels_last is a trial
+(format_fallback.py). DDP's own face, where its habits carry over: `require_backward_grad_sync`, which
+nanoGPT-style loops set per micro-batch, is the switch `no_sync()` turns; DDP's methods that phalanx has no use
 for (`register_comm_hook`, `join`, ...) are one AttributeError naming phalanx's way.
 """
 
@@ -47,8 +44,8 @@ from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
 
 DDP_PREFIX = "module."
-# copy.deepcopy(dp), AveragedModel(dp), torch.save(dp): a copy would share or lose this rank's
-# buckets, hooks and communication (the copy's own would be a collective no peer joins).
+# copy.deepcopy(dp), AveragedModel(dp), torch.save(dp): a copy would share or lose this rank's buckets,
+# hooks and communication (the copy's own would be a collective no peer joins).
 NOT_COPIED = ("a DataParallel replica cannot be copied or pickled: it holds this rank's gradient buckets and "
               "communication; copy or save the model inside it, e.g. AveragedModel(dp.module), "
               "copy.deepcopy(dp.module), torch.save(dp.state_dict())")
@@ -63,6 +60,7 @@ class ReplicaModule(nn.Module):
     autocast: tuple[str, torch.dtype] | None  # (device type, dtype) for forward, or None
     _finite: FiniteCheck  # the gradient's NaN/Inf watch, checked before state leaves (guards/finite.py)
     _replicas: ReplicaCheck  # the comparison with the other ranks' replicas (guards/replicas.py)
+    _format: Any  # format_fallback.py's FormatFallback: the first forward under auto's channels_last
     _synced_steps: int  # synced steps so far
     _closed: bool
     _capturing: bool  # a CUDA graph is recording the step (capturing())
@@ -117,14 +115,17 @@ class ReplicaModule(nn.Module):
         if torch.compiler.is_compiling():
             if not self.compiled_after_prepare:
                 self.compiled_after_prepare = True
-        elif self._scheduler is not None and self._scheduler.started and self.sharding is None:
-            # Another backward of this step follows a forward (DCGAN's D on real, then on fake):
-            # what has landed is summed now and set aside (overlap.py's settle), so its gradients
-            # can land in buckets no longer on the wire.
+            return self._forward(*args, **kwargs)
+        if self._scheduler is not None and self._scheduler.started and self.sharding is None:
+            # Another backward of this step follows a forward (DCGAN's D on real, then on fake): what has landed
+            # is summed now and set aside (overlap.py's settle), so its gradients land in buckets off the wire.
             self._scheduler.settle()
             self._finite.another_backward()
             if self._usage is not None:
                 self._usage.noted()  # the zeroed buckets, written by the replica itself
+        return self._format.forward(self._forward, *args, **kwargs)  # auto's channels_last tried (format_fallback.py)
+
+    def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast is None:
             return self.module(*args, **kwargs)
         device_type, dtype = self.autocast
@@ -247,9 +248,8 @@ class ReplicaModule(nn.Module):
         return self.module.named_buffers(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
-        # Every `.to()`, `.cuda()`, `.double()`, `.half()` ... arrives here. A conversion that
-        # changes nothing returns the tensor itself; anything else would rebind .grad away from
-        # its bucket, so it is refused before a single parameter is touched.
+        # Every `.to()`, `.cuda()`, `.double()`, `.half()` ... arrives here. A conversion that changes nothing
+        # returns the tensor itself; anything else would rebind .grad away from its bucket: refused first.
         if self.exchanging:
             for name, param in self.module.named_parameters():
                 if fn(param) is not param:
