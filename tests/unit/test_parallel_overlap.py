@@ -275,8 +275,25 @@ def test_two_forwards_and_backwards_in_one_step_are_summed_apart_as_dcgans_discr
     dp.zero_grad()  # two backwards through one forward have no forward to settle at: still one line
     loss = F.cross_entropy(dp(X), y, reduction="sum")
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="landed twice in bucket .*two backwards through one forward"):
+    with pytest.raises(RuntimeError, match=r"landed twice in bucket .*of one forward \(retain_graph=True\)"):
         loss.backward()
+    dp.zero_grad()  # a siamese pair's two forwards, then two backwards: named, with the fixes
+    a, b = dp(X), dp(X2)
+    F.cross_entropy(a, y, reduction="sum").backward()
+    with pytest.raises(RuntimeError) as caught:
+        F.cross_entropy(b, y2, reduction="sum").backward()
+    line = str(caught.value)
+    assert "\n" not in line
+    for said in ("forward a, forward b, backward a, backward b", "add the losses and call backward once",
+                 "overlap=False", "dp.no_sync()"):
+        assert said in line, line
+    dp.zero_grad()
+    with dp.no_sync():  # the fix the line names: the first backward accumulates, the second sends the sum
+        F.cross_entropy(dp(X), y, reduction="sum").backward()
+    F.cross_entropy(dp(X2), y2, reduction="sum").backward()
+    dp.finish_gradient_sync()
+    for p, q in zip(dp.module.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-15, atol=1e-15)
     dp.zero_grad()
     dp.close()
 
