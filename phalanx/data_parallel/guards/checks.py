@@ -31,13 +31,13 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from phalanx.comm import Tag, collective
+from phalanx.comm import Tag, broadcast_, collective
 from phalanx.data_parallel.guards.unscale import watch as watch_unscale
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.world import World
@@ -140,31 +140,43 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64)
 
 
-def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, buffers_only: bool = False) -> None:
+def check_replicas(world: World, module: torch.nn.Module, *, step: int | None, buffers_only: bool = False,
+                   skip: Collection[str] = (), found: str | None = None) -> None:
     """Raise ReplicaMismatch naming the first parameter or buffer whose value on some rank differs
-    from rank 0's at `step` (None: before an evaluation). `buffers_only`: parameters are skipped
-    (they stay identical by construction; buffers are what a forward can change per rank)."""
+    from rank 0's at `step` (None: before an evaluation; `found`: the words instead, "found by close()").
+    `buffers_only`: parameters are skipped (they stay identical by construction; buffers are what a
+    forward can change per rank); `skip`: buffers left out by name (statistics legitimately per rank)."""
     if not world.distributed:
         return
+    buffers = [(n, b) for n, b in module.named_buffers() if n not in skip]
     named = ([] if buffers_only else [(n, "") for n, _ in module.named_parameters()]) + \
-        [(n, " (a buffer)") for n, _ in module.named_buffers()]
+        [(n, " (a buffer)") for n, _ in buffers]
     if not named:  # every rank holds the same model, so every rank returns here alike
         return
-    tensors = ([] if buffers_only else list(module.parameters())) + list(module.buffers())
+    tensors = ([] if buffers_only else list(module.parameters())) + [b for _, b in buffers]
     mine = tensor_checksums(tensors).to(world.device)
     gathered = [torch.empty_like(mine) for _ in range(world.world_size)]
     with collective(world, Tag("replica check"), size_bytes=mine.numel() * mine.element_size()):
         dist.all_gather(gathered, mine)
-    when = f"at step {step}" if step is not None else "before evaluation"
+    when = f"({found})" if found else f"at step {step}" if step is not None else "before evaluation"
     for rank, theirs in enumerate(gathered):
         # Bit patterns, not values: a NaN checksum on every rank alike is not a divergence (the
         # NaN/Inf check names it), and NaN != NaN would call a rank different from itself.
         differs = (theirs.view(torch.int64) != gathered[0].view(torch.int64)).nonzero().flatten().tolist()
         if differs:
             name, kind = named[differs[0] // 2]
+            far = f" by up to {_distance(world, tensors[differs[0] // 2], rank):.3g}" if kind else ""
             cause = (_buffer_cause(module, name) if kind else
                      "the ranks no longer apply identical updates (a rank-dependent code path or reduction?)")
-            raise ReplicaMismatch(f"replicas diverged {when}: rank {rank}'s {name}{kind} differs from rank 0's; {cause}")
+            raise ReplicaMismatch(f"replicas diverged {when}: rank {rank}'s {name}{kind} differs from rank 0's{far}; "
+                                  f"{cause}")
+
+
+def _distance(world: World, tensor: torch.Tensor, rank: int) -> float:
+    """The largest difference between rank 0's `tensor` and rank `rank`'s, the same on every rank
+    (both broadcast: a collective, on the error's path only)."""
+    pair = [broadcast_(tensor.detach().clone(), world=world, src=src, tag=Tag("replica check")) for src in (0, rank)]
+    return (pair[0].double() - pair[1].double()).abs().max().item() if tensor.numel() else 0.0
 
 
 def _buffer_cause(module: torch.nn.Module, name: str) -> str:
@@ -182,9 +194,10 @@ def _buffer_cause(module: torch.nn.Module, name: str) -> str:
         return ("a norm layer's statistics, which the forward updates from each rank's own data; keep DataParallel's "
                 "average_running_stats=True, or use batchnorm=\"sync\"")
     return ("a buffer the forward updates from each rank's own data, which phalanx leaves alone (it averages "
-            "BatchNorm/InstanceNorm statistics only); average it across ranks after each step yourself "
-            "(phalanx.allreduce(buffer, world=world) then divide by world.world_size), or update it from values "
-            "summed over the ranks")
+            "BatchNorm/InstanceNorm statistics only; DDP broadcasts rank 0's); update it from values reduced over "
+            "the ranks (phalanx.allreduce or phalanx.reduce the statistics, e.g. an EMA codebook's counts and sums, "
+            "before the update), or average it after each step (phalanx.allreduce(buffer, world=world), then divide "
+            "by world.world_size), or broadcast rank 0's (dp.broadcast_state())")
 
 
 def check_finite(*, loss: torch.Tensor | None, buffers: Sequence[torch.Tensor] | Mapping[str, torch.Tensor], step: int,

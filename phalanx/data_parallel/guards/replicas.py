@@ -19,9 +19,11 @@ the same rows, so every rank takes this path - a second exchange measures the di
 parameter against the reference rank's, broadcast one tensor at a time; each rank's settings),
 so the one line names the ranks, how far apart, and the fix.
 
-Not compared here: buffers (a norm layer's statistics under `average_running_stats=False` follow
-each rank's data until the script averages them; the evaluation's check names a buffer that
-differs: checks.py), a sharded optimizer's state (each rank holds its share), and the
+The buffers are compared after them, by the evaluation's comparison (checks.py's `check_replicas`):
+a buffer the forward updates from each rank's own data (an EMA codebook) drifts apart silently,
+and a checkpoint would keep rank 0's. Left out: the norm layers' running statistics, which
+running_stats.py averages after the step this check runs in, or which follow each rank's data
+under `average_running_stats=False` until the script averages them. Not compared: a sharded optimizer's state (each rank holds its share), and the
 parameters of a replica sharded to `shard="parameters"` (each rank holds its own range, and
 every forward gathers one whole). A replica's optimizers are those it saw step it (`ReplicaCheck`),
 plus any a caller names.
@@ -36,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm import Tag, broadcast_, collective
-from phalanx.data_parallel.guards.checks import ReplicaMismatch
+from phalanx.data_parallel.guards.checks import ReplicaMismatch, check_replicas
+from phalanx.data_parallel.guards.running_stats import drifting_norm_layers
 from phalanx.data_parallel.replica_hook import on_every_optimizer_step
 from phalanx.runtime.world import World
 
@@ -140,6 +143,9 @@ class ReplicaCheck:
         # could be a dead optimizer's.
         self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._hook = on_every_optimizer_step(self.noted) if every and world.distributed else None
+        layers = {id(m) for m in drifting_norm_layers(module)}
+        self._local = {f"{path}.{name}".lstrip(".") for path, m in module.named_modules() if id(m) in layers
+                       for name, _ in m.named_buffers(recurse=False)}  # their statistics, by name
 
     def noted(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer` is about to step: note it if it steps this replica (looked up once per optimizer)."""
@@ -168,6 +174,9 @@ class ReplicaCheck:
         check_replicas_agree(world=self.world, parameters=list(self._module.named_parameters()) if whole else [],
                              optimizers=[*self._compared, *optimizers], whole_state=sharding is None, found=found,
                              allreduce=lambda flat: self._allreduce(flat, Tag("replica check", step=step)))
+        # The buffers, by the evaluation's comparison (checks.py), but the norm layers' statistics: running_stats.py
+        # averages them after this check's step, or (average_running_stats=False) they are each rank's own.
+        check_replicas(self.world, self._module, step=step, buffers_only=True, skip=self._local, found=found)
 
     def close(self) -> None:
         if self._hook is not None:
