@@ -95,7 +95,7 @@ class DataParallel(ReplicaModule):
         # Whether buckets go out beside backward, and what auto saw (config.py's resolve_overlap).
         self.overlap, self.overlap_reason = resolve_overlap(options.overlap, algorithm=self.algorithm,
                                                             local_workers=world.local_world_size)
-        self.module = placed(module, world.device)
+        self.module = placed(module, world.device, world_size=world.world_size)
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with nothing to exchange (see the module docstring).
         self.exchanging = world.distributed or options.exchange_alone or comm is not None

@@ -100,7 +100,7 @@ def prepare_replica(model: nn.Module, options: DataParallelConfig, *, world: Wor
     """`prepare` with the replica's options as one object: `model` cast to `dtype`, its BatchNorm
     and memory format as `options` say, then the `DataParallel` built with them (`bucket_cap_mb`
     applying with `overlap` only: without it, one flat bucket)."""
-    refuse_unfit(model)  # before any conversion touches a lazy module's parameters
+    refuse_unfit(model, world_size=world.world_size)  # before any conversion touches a lazy module's parameters
     layout = resolve_memory_format(options.memory_format, model, world.device)  # the layers decide, not their dtype
     if dtype is not None and not isinstance(dtype, torch.dtype) and dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(_DTYPES)}")

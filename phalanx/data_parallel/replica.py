@@ -261,10 +261,10 @@ class ReplicaModule(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def placed(module: nn.Module, device: torch.device) -> nn.Module:
+def placed(module: nn.Module, device: torch.device, *, world_size: int = 1) -> nn.Module:
     """`module` moved to `device`, once `refuse_unfit` found nothing to refuse (a meta module
     cannot even move): a replica's first step, before `broadcast_state_`."""
-    refuse_unfit(module)
+    refuse_unfit(module, world_size=world_size)
     return module.to(device)
 
 

@@ -8,16 +8,30 @@ a data-parallel wrapper (torch's DDP, FSDP or `nn.DataParallel`, the book's one-
 GPUs, or a phalanx replica) would have its gradients exchanged twice, once by each. `prepare`
 refuses them before converting anything, and `DataParallel` before it moves the module
 (replica.py's `placed`), on every world size alike, so a script fails on one device where it would on k.
+
+On more than one rank, also an `nn.Embedding` (or `EmbeddingBag`) with `max_norm`: its forward
+renormalizes, in place, the rows this rank's batch looks up, so each rank changes other rows and the
+replicas part (under `shard="parameters"` the write lands in a gathered copy and is lost). No
+exchange can make that the 1-device update; renormalizing after the step, on every rank, can.
 """
 
 from __future__ import annotations
 
 from torch import nn
+from torch.nn import Embedding, EmbeddingBag
 from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
 
 
-def refuse_unfit(module: nn.Module) -> None:
-    """ValueError naming the fix for a lazy or meta parameter, or a data-parallel wrapper, in `module`."""
+def refuse_unfit(module: nn.Module, *, world_size: int = 1) -> None:
+    """ValueError naming the fix for a lazy or meta parameter, or a data-parallel wrapper, in `module`;
+    on `world_size` > 1 also for an embedding with `max_norm`."""
+    for name, inner in module.named_modules() if world_size > 1 else ():
+        if isinstance(inner, (Embedding, EmbeddingBag)) and inner.max_norm is not None:
+            raise ValueError(f"{name or 'the model'} is {type(inner).__name__}(max_norm={inner.max_norm}), whose forward "
+                             f"renormalizes the rows each rank looks up, in place, so {world_size} ranks cannot equal "
+                             "1 device: pass max_norm=None and renormalize the weight after optimizer.step() on every "
+                             "rank under torch.no_grad() (shard=\"parameters\": inside `with "
+                             "dp.gathered_parameters(writeback=True):`)")
     for name, inner in module.named_modules():
         wrapper = _wrapper(inner)
         if wrapper is not None:
