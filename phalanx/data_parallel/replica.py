@@ -11,17 +11,14 @@ how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's pr
 NaN/Inf check (guards/finite.py), so nothing non-finite is saved.
 
 Refused, because the gradients live as views in the exchange's buckets: moving, casting or re-laying-out the
-parameters once the buckets exist (`to()`, `cuda()`, `double()`, ... that would change nothing is a no-op and
-fine), and `load_state_dict(assign=True)`, which would replace them; and a lazy module before its first forward,
-a meta one, or one inside a DDP wrapper (unfit.py: `placed` checks before it moves the module). `forward`
-optionally runs under `torch.autocast` (`prepare(precision="bf16-mixed")`, as Lightning Fabric and Accelerate
-do): the weights, their gradients and the exchange stay float32, and floating outputs come back as float32 so
-the loss is computed in full precision, in their own containers (a Hugging Face `ModelOutput` is still read as
-`out.logits`). While `capturing()`, a CUDA graph records a one-device step: autocast keeps no cast weights, and
-`finish_gradient_sync` counts no step. The first forward under `auto`'s channels_last is a trial
-(format_fallback.py). DDP's own face, where its habits carry over: `require_backward_grad_sync`, which
-nanoGPT-style loops set per micro-batch, is the switch `no_sync()` turns; DDP's methods that phalanx has no use
-for (`register_comm_hook`, `join`, ...) are one AttributeError naming phalanx's way.
+parameters once the buckets exist (one that changes nothing is a no-op), and `load_state_dict(assign=True)`; and a
+model unfit to be a replica (unfit.py, checked by `placed`). `forward` may run under `torch.autocast`
+(`precision="bf16-mixed"`, as Fabric and Accelerate do): weights, gradients and exchange stay float32, and
+floating outputs come back float32 in their own containers (a Hugging Face `ModelOutput` is still read as
+`out.logits`). While `capturing()`, a CUDA graph records a one-device step. The first forward under `auto`'s
+channels_last is a trial (format_fallback.py). DDP's own face carries over: `require_backward_grad_sync` (nanoGPT
+sets it per micro-batch) is `no_sync()`'s switch; DDP's methods phalanx has no use for (`register_comm_hook`,
+`join`, ...) are one AttributeError naming phalanx's way.
 """
 
 from __future__ import annotations
@@ -29,26 +26,26 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
-from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch._C import DisableTorchFunctionSubclass
 
 from phalanx.comm import ALLREDUCE, Tag, broadcast_
+from phalanx.data_parallel.ddp_keys import without_ddp_prefix
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
+from phalanx.data_parallel.sharding.gathered import gathered_parameters
 from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
 
-DDP_PREFIX = "module."
-# copy.deepcopy(dp), AveragedModel(dp), torch.save(dp): a copy would share or lose this rank's buckets,
-# hooks and communication (the copy's own would be a collective no peer joins).
+# deepcopy/AveragedModel/torch.save of dp: a copy would share or lose this rank's buckets, hooks and exchange.
 NOT_COPIED = ("a DataParallel replica cannot be copied or pickled: it holds this rank's gradient buckets and "
               "communication; copy or save the model inside it, e.g. AveragedModel(dp.module), "
-              "copy.deepcopy(dp.module), torch.save(dp.state_dict())")
+              "copy.deepcopy(dp.module) (under shard=\"parameters\", inside `with dp.gathered_parameters():`), "
+              "torch.save(dp.state_dict())")
 
 
 class ReplicaModule(nn.Module):
@@ -137,9 +134,8 @@ class ReplicaModule(nn.Module):
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
-        """While a CUDA graph records a step of a replica with nothing to exchange: the recording
-        is not a step, so finish_gradient_sync counts nothing and reads nothing on the host (its
-        periodic NaN/Inf check would); whoever replays the graph calls it after each replay."""
+        """While a CUDA graph records a step of a replica with nothing to exchange: not a step, so finish_gradient_sync
+        counts nothing and reads nothing on the host (its NaN/Inf check); call it after each replay."""
         if self.exchanging:
             raise RuntimeError("capturing a replica that exchanges gradients is not supported; "
                                "capture a one-device replica's step")
@@ -150,15 +146,13 @@ class ReplicaModule(nn.Module):
             self._capturing = False
 
     def held_weights(self) -> list[torch.Tensor]:
-        """What this rank holds of the weights: the parameters, or under shard="parameters" its shards
-        (what the NaN/Inf check reads to tell a skipped non-finite step from an applied one)."""
+        """This rank's weights: the parameters or (shard="parameters") its shards, as the NaN/Inf check reads them."""
         if self.sharding is not None and not self.sharding.keeps_parameters:
             return list(self.sharding.params.shard)
         return list(self.module.parameters())
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
-        """What the finite-gradient guard reads: each bucket, or (nothing to exchange) each
-        parameter's own gradient, by a name an error message can use."""
+        """What the finite-gradient guard reads, by a name for its line: each bucket, or each parameter's gradient."""
         if self.sharding is not None:
             return self.sharding.named_gradients()
         if self.exchanging:
@@ -167,10 +161,9 @@ class ReplicaModule(nn.Module):
                 if param.grad is not None}
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The model's own state dict: no `module.` prefix (load it into the plain model). First
-        this rank's own NaN/Inf notes since the last check (guards/finite.py's check_local: no
-        collective, so rank 0 may call it alone; a sharded replica's notes hold only its share of
-        the sum, so its parameters are read too)."""
+        """The model's own state dict: no `module.` prefix (load it into the plain model). First this rank's own
+        NaN/Inf notes since the last check (guards/finite.py's check_local: no collective, so rank 0 may call it
+        alone; a sharded replica's notes hold only its share of the sum, so its parameters are read too)."""
         if not self._closed:
             whole = self.sharding is not None and self.sharding.keeps_parameters
             self._finite.check_local(step=self._synced_steps, where="state_dict()",
@@ -217,12 +210,18 @@ class ReplicaModule(nn.Module):
             return self.module.load_state_dict(state, strict=strict, assign=assign)
         return self.sharding.load_state_dict(self.module, state, strict=strict)
 
+    def gathered_parameters(self, *, writeback: bool = False):
+        """A block in which `dp.module`'s parameters are whole on every rank, which all enter it (a no-op
+        but under shard="parameters"); `writeback=True` keeps an edit made alike on every rank (sharding/gathered.py)."""
+        tag = Tag("parameters", step=self._synced_steps)  # beside the block's gathers
+        return gathered_parameters(self.sharding, writeback=writeback, rank=self.world.rank,
+                                   world_size=self.world.world_size, allreduce=lambda f: self.allreduce_now(f, tag))
+
     def close(self) -> None:  # DataParallel's: its hooks, its communication
         raise NotImplementedError
 
     def allreduce_now(self, flat: torch.Tensor, tag: Tag = ALLREDUCE) -> None:
-        """`flat` summed in place on every rank now, on this thread, through this replica's own
-        exchange (shared memory between CPU workers): the small sums beside the buckets' (DataParallel's)."""
+        """`flat` summed in place on every rank now, on this thread, through this replica's exchange (DataParallel's)."""
         raise NotImplementedError
 
     def _finite_check_sum(self, flat: torch.Tensor) -> None:
@@ -248,17 +247,18 @@ class ReplicaModule(nn.Module):
         return self.module.named_buffers(prefix=prefix, recurse=True, remove_duplicate=remove_duplicate)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True):
-        # Every `.to()`, `.cuda()`, `.double()`, `.half()` ... arrives here. A conversion that changes nothing
-        # returns the tensor itself; anything else would rebind .grad away from its bucket: refused first.
-        if self.exchanging:
-            for name, param in self.module.named_parameters():
-                if fn(param) is not param:
-                    raise ValueError(
-                        f"moving, casting or re-laying-out the replica's parameters ({name} first) after "
-                        "DataParallel built its gradient buckets would detach them from the exchange; convert the "
-                        "model before wrapping it (phalanx.prepare(model, world=world, dtype=..., memory_format=...) "
-                        "also puts it on world.device)")
-        return super()._apply(fn, recurse)
+        # Every `.to()`, `.cuda()`, `.double()`, `.half()` ... arrives here. A conversion that
+        # changes nothing returns the tensor itself; anything else would rebind .grad away from
+        # its bucket, so it is refused before a single parameter is touched.
+        with DisableTorchFunctionSubclass():  # a stage-3 parameter at rest (at_rest.py) converts as it is
+            moved = self.exchanging and next((n for n, p in self.module.named_parameters() if fn(p) is not p), None)
+            if moved:
+                raise ValueError(
+                    f"moving, casting or re-laying-out the replica's parameters ({moved} first) after "
+                    "DataParallel built its gradient buckets would detach them from the exchange; convert the "
+                    "model before wrapping it (phalanx.prepare(model, world=world, dtype=..., memory_format=...) "
+                    "also puts it on world.device)")
+            return super()._apply(fn, recurse)
 
 
 def placed(module: nn.Module, device: torch.device, *, world_size: int = 1) -> nn.Module:
@@ -280,23 +280,6 @@ def broadcast_state_(module: nn.Module, *, world: World, src: int = 0) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         broadcast_(flat, world=world, src=src)
         torch._foreach_copy_(group, [piece.view_as(t) for piece, t in zip(torch.split(flat, [t.numel() for t in group]), group)])
-
-
-def without_ddp_prefix(state_dict: Mapping[str, Any], module: nn.Module) -> Mapping[str, Any]:
-    """`state_dict` with DDP's `module.` prefix removed when every key carries it and `module`'s
-    own keys do not (a model with a child named `module` keeps its keys as they are)."""
-    keys = list(state_dict.keys())
-    if not keys or not all(k.startswith(DDP_PREFIX) for k in keys):
-        return state_dict
-    own = [name for name, _ in module.named_parameters()] + [name for name, _ in module.named_buffers()]
-    if any(k.startswith(DDP_PREFIX) for k in own):
-        return state_dict
-    stripped = OrderedDict(state_dict)
-    metadata = getattr(state_dict, "_metadata", None)
-    if metadata is not None:  # version info of the layers (BatchNorm's), keyed by module path
-        stripped._metadata = copy.copy(metadata)
-    consume_prefix_in_state_dict_if_present(stripped, DDP_PREFIX)
-    return stripped
 
 
 def _widen(out: Any) -> Any:

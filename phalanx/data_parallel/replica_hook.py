@@ -10,7 +10,8 @@ bound method copies its object: the replica, which refuses to be copied (it hold
 buckets and communication), so the copy failed with that TypeError on every rank, the very call
 the refusal recommends. A `ReplicaHook` is a `functools.partial` (called from C: no Python frame
 of its own on the per-gradient path) whose deep copy is a no-op: the copy keeps no hook of the
-replica's, and its gradients, if any, are nobody's exchange.
+replica's, and its gradients, if any, are nobody's exchange. Pickling one (`torch.save(dp.module)`)
+is refused in one line naming what to save instead.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ class ReplicaHook(functools.partial):
 
     def __deepcopy__(self, memo: dict) -> Any:
         return _ignored
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(MODULE_NOT_PICKLED)
+
+
+MODULE_NOT_PICKLED = ("a prepared model (dp.module) cannot be pickled: it carries its replica's hooks, which hold this "
+                      "rank's buckets and communication; save its weights, torch.save(dp.state_dict()), or pickle "
+                      "copy.deepcopy(dp.module) (under shard=\"parameters\": dp.full_state_dict(), or the copy made "
+                      "inside `with dp.gathered_parameters():`, on every rank)")
 
 
 def on_every_optimizer_step(method: Callable[[torch.optim.Optimizer], None]) -> RemovableHandle:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.data_parallel.replica_hook import ReplicaHook
 from phalanx.data_parallel.sharding.params import ShardedParameters
 
 _COLLECTIVE_FORWARD = "_phalanx_collective_forward"
@@ -56,18 +57,20 @@ class GatherHooks:
             self._buckets_of[id(sub)] = mine
             for index in mine:
                 self._users[index].add(id(sub))
-            self._handles.append(sub.register_forward_pre_hook(self._before_forward))
-            self._handles.append(sub.register_forward_hook(self._after_forward))
+            # ReplicaHooks: a deep copy of the module (inside dp.gathered_parameters()) keeps none of them.
+            self._handles.append(sub.register_forward_pre_hook(ReplicaHook(self._before_forward)))
+            self._handles.append(sub.register_forward_hook(ReplicaHook(self._after_forward)))
         self._ran: dict[int, set[int]] = {index: set() for index in self._users}  # done since the gather
         self._module = module
-        setattr(module, _COLLECTIVE_FORWARD, True)
-        self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+        setattr(module, _COLLECTIVE_FORWARD, _Collective())
+        self._handles.append(module.register_state_dict_pre_hook(ReplicaHook(self._before_state_dict)))
 
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         # At rest the parameters are empty tensors: a state dict of them would save nothing, silently.
         if not all(self._params.gathered):
             raise RuntimeError("shard=\"parameters\" spreads the parameters over the ranks: call "
-                               "dp.full_state_dict() on every rank for the whole model's state dict")
+                               "dp.full_state_dict() on every rank for the whole model's state dict (or "
+                               "dp.module.state_dict() inside `with dp.gathered_parameters():`)")
 
     def _before_forward(self, sub: nn.Module, args: Any) -> None:
         mine = self._buckets_of[id(sub)]
@@ -101,6 +104,16 @@ class GatherHooks:
         self._handles = []
         if hasattr(self._module, _COLLECTIVE_FORWARD):
             delattr(self._module, _COLLECTIVE_FORWARD)
+
+
+class _Collective:
+    """The mark of a module whose forward gathers: true, and false in a deep copy (which gathers nothing)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __deepcopy__(self, memo: dict) -> bool:
+        return False
 
 
 def _tensors(output: Any):

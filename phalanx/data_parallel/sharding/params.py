@@ -9,13 +9,13 @@ of this rank's range (`shard`); a bucket is whole only between `ensure_gathered`
 into its buffer) and `release`.
 
 Memory is given back by resizing the buffer's storage to zero, and at rest each parameter is a
-stand-in of its shape holding one NaN (`release`). Both are needed: the parameters stay the same
+stand-in of its shape holding one NaN, refused if read or written (`release`, at_rest.py). Both are needed: the parameters stay the same
 `nn.Parameter` objects with their shapes (an optimizer or a hook holding one keeps a valid
 reference; reading one at rest touches no freed memory), and a view autograd saved in forward (Linear saves its weight transposed)
 points into the buffer itself, which a gather refills in place before backward reads it - FSDP
 frees the same way, for the same reason. Reading a replica's weights at rest under stage 3
-needs `whole()` (a collective), as `dp.full_state_dict()` does; `load_state_dict` copies each
-rank's range alone.
+needs `whole()` (a collective), as `dp.full_state_dict()` and `dp.gathered_parameters()` do;
+`load_state_dict` copies each rank's range alone, and `take_whole` each rank's range of an edit.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data.split import shard_sizes
 from phalanx.data_parallel.buckets import Bucket
+from phalanx.data_parallel.sharding.at_rest import make_sharded, set_at_rest, stand_in
 from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, flatten_parameters, free_storage, memory_order_of,
                                                refill_storage)
 
@@ -44,6 +45,7 @@ class ShardedParameters:
         self.counts = [layout.counts(b.index) for b in self.buckets]
         self.buffers, self.views, self.shard = [], [], []  # views: each parameter's whole, in its buffer
         self.gathered = [True] * len(self.buckets)
+        self._held = 0  # open whole() blocks: nothing is released inside one (a forward there frees nothing)
         self._prefetched: dict[int, object] = {}  # bucket -> its all-gather in flight (stage 3)
         # Stages 1 and 2 keep every bucket's buffer a slice of one flat buffer of the whole order
         # (one dtype and device): this rank's ranges are then one range, and `gather_after_step`
@@ -58,6 +60,8 @@ class ShardedParameters:
             self.buffers.append(flat)
             self.views.append(views)
             self.shard.append(flat[lo:hi] if keep_whole else flat[lo:hi].clone())
+            for param in bucket.params if not keep_whole else ():
+                make_sharded(param, layout.name_of(param))
             self.release(index)
 
     def gather_after_step(self) -> None:
@@ -83,6 +87,7 @@ class ShardedParameters:
             handle.wait()
             for param, view in zip(self.buckets[index].params, self.views[index]):
                 param.data = view
+                set_at_rest(param, False)
             self.gathered[index] = True
 
     def prefetch(self, index: int) -> None:
@@ -95,27 +100,38 @@ class ShardedParameters:
     def release(self, index: int) -> None:
         """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else.
         At rest a parameter keeps its shape but holds one NaN seen through zero strides
-        (`_at_rest`): its shape and count stay true, reading it can touch no freed memory, and
-        writing it fails ("more than one element ... refers to a single memory location")."""
-        if self.keep_whole or not self.gathered[index]:
+        (at_rest.py's `stand_in`): its shape and count stay true, reading it can touch no freed
+        memory, and reading or writing it is refused in one line naming `dp.gathered_parameters()`."""
+        if self.keep_whole or not self.gathered[index] or self._held:
             return
         for param, whole in zip(self.buckets[index].params, self.views[index]):
-            param.data = _at_rest(whole)
+            param.data = stand_in(whole)
+            set_at_rest(param, True)
         free_storage(self.buffers[index])
         self.gathered[index] = False
 
     @contextlib.contextmanager
     def whole(self) -> Iterator[None]:
-        """Every bucket whole for the block, as it was after (a collective under stage 3)."""
+        """Every bucket whole for the block, released by nothing inside it (a forward), as it
+        was after (a collective under stage 3)."""
         was = list(self.gathered)
         for index in range(len(self.buckets)):
             self.ensure_gathered(index)
+        self._held += 1
         try:
             yield
         finally:
+            self._held -= 1
             for index, kept in enumerate(was):
                 if not kept:
                     self.release(index)
+
+    def take_whole(self) -> None:
+        """Inside `whole()`: this rank's range of each bucket as the whole now holds it (an edit kept)."""
+        with torch.no_grad():
+            for index, (lo, hi) in enumerate(self.owned):
+                if not self.keep_whole:
+                    self.shard[index].copy_(self.buffers[index][lo:hi])
 
     def stream(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter whole, one bucket at a time: (name, whole parameter) for each, the
@@ -173,7 +189,3 @@ def _one_buffer(buckets: Sequence[Bucket], *, numel: int) -> torch.Tensor | None
     dtype, device = kinds.pop()
     return torch.empty(numel, dtype=dtype, device=device)
 
-
-def _at_rest(whole: torch.Tensor) -> torch.Tensor:
-    """A stand-in of `whole`'s shape that holds no memory: one NaN, expanded."""
-    return torch.full((1,), float("nan"), dtype=whole.dtype, device=whole.device).expand(whole.shape)
