@@ -29,7 +29,7 @@ from torch import nn
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data.split import shard_sizes
 from phalanx.data_parallel.buckets import Bucket
-from phalanx.data_parallel.sharding.at_rest import make_sharded, set_at_rest, stand_in
+from phalanx.data_parallel.sharding.at_rest import stand_in, to_rest, to_whole
 from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, flatten_parameters, free_storage, memory_order_of,
                                                refill_storage)
 
@@ -60,8 +60,6 @@ class ShardedParameters:
             self.buffers.append(flat)
             self.views.append(views)
             self.shard.append(flat[lo:hi] if keep_whole else flat[lo:hi].clone())
-            for param in bucket.params if not keep_whole else ():
-                make_sharded(param, layout.name_of(param))
             self.release(index)
 
     def gather_after_step(self) -> None:
@@ -87,7 +85,7 @@ class ShardedParameters:
             handle.wait()
             for param, view in zip(self.buckets[index].params, self.views[index]):
                 param.data = view
-                set_at_rest(param, False)
+                to_whole(param)
             self.gathered[index] = True
 
     def prefetch(self, index: int) -> None:
@@ -106,7 +104,7 @@ class ShardedParameters:
             return
         for param, whole in zip(self.buckets[index].params, self.views[index]):
             param.data = stand_in(whole)
-            set_at_rest(param, True)
+            to_rest(param, self.layout.name_of(param))
         free_storage(self.buffers[index])
         self.gathered[index] = False
 
