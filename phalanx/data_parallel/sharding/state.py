@@ -14,8 +14,12 @@ k devices be read at any other k, sharded or not:
   then stages 1 and 2 all-gather), and `whole_state` turns a reader into a whole model's state
   dict and a plain optimizer's state dict (for `shard="none"`, one device, or model.pt).
 
-Per-element state is told from scalars by shape: a tensor with the piece's one dimension and
-length is per element; anything else (a 0-d `step`, a number) belongs to the parameter.
+Per-element state is told from scalars by shape: in a share, a tensor with the piece's one
+dimension and length is per element; in a whole optimizer's state, a key whose tensors have
+their parameter's shape on every parameter that holds it. A 0-d parameter's moments are 0-d as
+its `step` is, so its shape alone cannot tell them apart: the key decides (`step`, the one
+counter torch's own load_state_dict tells by name, is a scalar wherever no larger parameter
+says otherwise); anything else (a 0-d `step`, a number) belongs to the parameter.
 """
 
 from __future__ import annotations
@@ -127,6 +131,7 @@ class WholeReader:
                         and value.shape != whole.shape:
                     raise ValueError(f"its {key!r} of {name} has shape {tuple(value.shape)}, the parameter "
                                      f"{tuple(whole.shape)}: build the optimizer's param groups as the saving run did")
+        self._element_keys = _element_keys(self._state, model_state)
         trained = {slot.name for slot in self._slots}  # a frozen parameter has no slot, as in a sharded group
         self.groups = [{**{k: v for k, v in g.items() if k != "params"},
                         "names": [names[int(i)] for i in g["params"] if names[int(i)] in trained]}
@@ -143,11 +148,26 @@ class WholeReader:
 
     def scalars(self, name: str) -> dict[str, Any]:
         state = self._state.get(name, {})
-        return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.dim() >= 1)}
+        return {k: v for k, v in state.items() if k not in self._element_keys}
 
     def element_keys(self, name: str) -> list[str]:
-        state = self._state.get(name, {})
-        return sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() >= 1)
+        return sorted(k for k in self._state.get(name, {}) if k in self._element_keys)
+
+
+def _element_keys(state: dict[str, dict], model_state: dict) -> set[str]:
+    """The keys of a whole optimizer's `state` (by parameter name) that hold a tensor shaped like
+    its parameter on every parameter that holds them. Where only 0-d parameters hold a key, its
+    shape says nothing (a 0-d `exp_avg` and a 0-d `step` alike): `step` is then a scalar."""
+    fits: dict[str, bool] = {}
+    decided_by_shape: set[str] = set()  # keys some parameter of at least one dimension holds
+    for name, entry in state.items():
+        whole = model_state.get(name)
+        for key, value in entry.items():
+            fits[key] = fits.get(key, True) and isinstance(value, torch.Tensor) and whole is not None \
+                and value.shape == whole.shape
+            if whole is not None and whole.dim() >= 1:
+                decided_by_shape.add(key)
+    return {key for key, fit in fits.items() if fit and (key in decided_by_shape or key != "step")}
 
 
 def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
