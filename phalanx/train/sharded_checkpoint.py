@@ -47,6 +47,7 @@ from phalanx.data_parallel.sharding.flat_layout import Slot
 from phalanx.data_parallel.sharding.state import RangesReader, WholeReader, load_shard, rank_state, trainable_names, \
     whole_state
 from phalanx.atomic import atomic_write_bytes
+from phalanx.errors import UsageError
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint_files import DamagedFile, previous_of, serialize, write_generation
 from phalanx.train.streamed_save import persistent_buffers
@@ -78,12 +79,21 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
                                          "sha256": hashlib.sha256(data).hexdigest()})
     if not world.is_main:
         return None
-    manifest = {**run_state, "format": FORMAT_SHARDED, "model": persistent_buffers(dp.module),
+    manifest = {**run_state, "format": FORMAT_SHARDED,
+                "model": {**persistent_buffers(dp.module), **frozen_parameters(dp.module, dp.sharding.layout.slots)},
                 "layout": dp.sharding.layout.describe(), "shards": written, "optimizer_groups": share["groups"],
                 "rng": [r["rng"] for r in every]}
     write_generation(manifest_path, serialize(manifest))
     _remove_unnamed_shares(manifest_path)
     return manifest_path
+
+
+def frozen_parameters(module: torch.nn.Module, slots) -> dict[str, torch.Tensor]:
+    """`module`'s parameters that no slot of the flat layout holds (requires_grad=False: no bucket,
+    whole on every rank at every stage), by state-dict key: the manifest keeps them beside the
+    buffers, so a whole model read from a sharded checkpoint is the saved one."""
+    trained = {slot.name for slot in slots}
+    return {name: param.detach().cpu().clone() for name, param in module.named_parameters() if name not in trained}
 
 
 def share_files(directory: Path) -> list[Path]:
@@ -181,9 +191,13 @@ def restore_any(state: dict, *, path: Path, module: torch.nn.Module, optimizer: 
             module.load_state_dict(state["model"], strict=False)
             return
         slots = [Slot.of(record) for record in state["layout"]]
-        params, optimizer_state = whole_state(reader, slots=slots, names=trainable_names(module))
-        params.update({alias: params[name] for alias, name in tied_aliases(module).items() if name in params})
-        module.load_state_dict({**state["model"], **params})
+        group_names = optimizer_names(module, optimizer)  # with its frozen parameters, which torch's groups keep
+        params, optimizer_state = whole_state(reader, slots=slots, names=[n for group in group_names for n in group],
+                                              group_names=group_names)
+        whole = {**state["model"], **params}
+        whole.update({alias: whole[name] for alias, name in tied_aliases(module).items() if name in whole})
+        _refuse_without_frozen(module, whole, path)
+        module.load_state_dict(whole)
         optimizer.load_state_dict(optimizer_state)
         return
     if sharded_target:
@@ -197,6 +211,17 @@ def restore_any(state: dict, *, path: Path, module: torch.nn.Module, optimizer: 
         return
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+
+
+def _refuse_without_frozen(module: torch.nn.Module, whole: dict, path: Path) -> None:
+    """A sharded checkpoint saved before its manifest kept the frozen parameters gives a whole
+    model no value for them: one line saying so, where torch's strict load would list keys."""
+    missing = [name for name, _ in module.named_parameters() if name not in whole]
+    if missing:
+        shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise UsageError(f"sharded checkpoint {path} holds no {shown}: frozen parameters (requires_grad=False), "
+                         "which sharded checkpoints written before they were kept left out; resume it with shard= "
+                         "(the frozen weights are then the model's own, as built), save, and resume that")
 
 
 def optimizer_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str | None]]:

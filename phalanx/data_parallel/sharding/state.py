@@ -193,18 +193,21 @@ def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
     for group, names in zip(optimizer.param_groups, record.group_names):
         saved = saved_groups.get(tuple(names), {})
         if reader.groups and not saved:  # its lr and the rest would be the constructor's, silently
-            shown = ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
-            raise ValueError(f"no saved param group holds exactly {shown}: build the optimizer's param groups as "
-                             "the saving run did")
+            raise ValueError(f"no saved param group holds exactly {_shown(names)}: build the optimizer's param "
+                             "groups as the saving run did")
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        **{k: v for k, v in saved.items() if k != "names"},
                        "params": [index_of[id(p)] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": groups, SHARE_KEY: record.share})
 
 
-def whole_state(reader: Reader, *, slots, names: list[str]) -> tuple[dict[str, torch.Tensor], dict]:
+def whole_state(reader: Reader, *, slots, names: list[str],
+                group_names: list[list[str]] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """A whole model's parameters (by name) and a plain torch optimizer's state dict over the
-    parameters in the order `names` gives, from any reader; `slots`: the flat layout."""
+    parameters in the order `names` gives, from any reader; `slots`: the flat layout.
+    `group_names`: the loading optimizer's groups by parameter name, frozen ones included (a
+    saved group names only what a slot holds), each given the saved group of its other names;
+    `names` is then theirs, group after group, as torch numbers them."""
     params, state = {}, {}
     for slot in slots:
         params[slot.name] = laid_out_like(reader.read(PARAMETERS, slot.offset, slot.stop), slot.shape, slot.stride)
@@ -219,9 +222,25 @@ def whole_state(reader: Reader, *, slots, names: list[str]) -> tuple[dict[str, t
         if entry:
             state[index] = entry
     position = {name: index for index, name in enumerate(names)}
-    groups = [{**{k: v for k, v in g.items() if k != "names"}, "params": [position[n] for n in g["names"]]}
-              for g in reader.groups]
+    if group_names is None:
+        groups = [{**{k: v for k, v in g.items() if k != "names"}, "params": [position[n] for n in g["names"]]}
+                  for g in reader.groups]
+        return params, {"state": state, "param_groups": groups}
+    saved_groups = {tuple(g["names"]): g for g in reader.groups}
+    groups, first = [], 0
+    for group in group_names:
+        trained = tuple(name for name in group if name in by_slot)
+        if trained not in saved_groups:
+            raise ValueError(f"no saved param group holds exactly {_shown(list(trained))}: build the optimizer's "
+                             "param groups as the saving run did")
+        groups.append({**{k: v for k, v in saved_groups[trained].items() if k != "names"},
+                       "params": list(range(first, first + len(group)))})
+        first += len(group)
     return params, {"state": state, "param_groups": groups}
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (" ..." if len(names) > 3 else "")
 
 
 def trainable_names(module: nn.Module) -> list[str]:
