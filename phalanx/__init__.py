@@ -34,7 +34,7 @@ _OWNERS = {
     "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
     "split_batch": "phalanx.data.split",
     "PhalanxWarning": "phalanx.errors", "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",
-    "clip_grad_norm_": "phalanx.data_parallel.clip",
+    "clip_grad_norm_": "phalanx.data_parallel.clip", "clip_grad_value_": "phalanx.data_parallel.clip",
     "DataParallel": "phalanx.data_parallel.data_parallel", "DataParallelConfig": "phalanx.data_parallel.config",
     "prepare": "phalanx.data_parallel.prepare",
     "convert_sync_batchnorm": "phalanx.data_parallel.sync_batchnorm",
@@ -55,7 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed",
     "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce", "barrier", "broadcast", "capture_step",
-    "checkpoint", "clip_grad_norm_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather",
+    "checkpoint", "clip_grad_norm_", "clip_grad_value_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather",
     "global_batches", "init", "launch", "main_first", "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss",
     "shard_sizes", "split_batch", "stop_requested", "train_batch",
 ]

@@ -8,7 +8,8 @@ norm computed locally is the global one, identical on every rank, and costs no c
 A sharded replica (`shard=`) holds the summed gradient only over its own range: each rank adds
 up its range's |g|^p (or takes its max), one scalar allreduce makes the global norm, identical
 on every rank (through the replica's own exchange; the inf norm's max through gloo), and each rank
-scales its range by the same factor torch's clip_grad_norm_ uses.
+scales its range by the same factor torch's clip_grad_norm_ uses. `clip_grad_value_` clamps the
+same summed values (a sharded replica: its own range; element-wise, so nothing to exchange).
 """
 
 from __future__ import annotations
@@ -29,16 +30,35 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0
     clipping (as torch's `clip_grad_norm_`, which does the arithmetic). Refused inside `no_sync()`,
     where gradients are still partial.
     """
-    if not dp.sync_enabled:
-        raise RuntimeError("clip_grad_norm_ inside no_sync(): each rank holds only its partial gradient; "
-                           "clip after the synced backward's finish_gradient_sync()")
-    if dp.exchange_in_flight:
-        raise RuntimeError("clip_grad_norm_ while gradient allreduces are in flight; call "
-                           "dp.finish_gradient_sync() first, so the norm is the summed gradient's")
-    dp.check_synced("phalanx.clip_grad_norm_")  # a backward not yet exchanged (no overlap: nothing in flight)
+    _check_synced(dp, "clip_grad_norm_")
     if dp.sharding is None:
         return torch.nn.utils.clip_grad_norm_(dp.module.parameters(), max_norm, norm_type=norm_type)
     return _clip_sharded(dp, float(max_norm), float(norm_type))
+
+
+def clip_grad_value_(dp: DataParallel, clip_value: float) -> None:
+    """Clamp the summed gradients into [-clip_value, clip_value], as torch's `clip_grad_value_`
+    does on one device. Call where `clip_grad_norm_` is called; a sharded replica clamps its own
+    range of the sum (element-wise, so no communication), torch's over `dp.parameters()` would
+    clamp unsummed values or nothing (sharding/torch_clip.py refuses it)."""
+    _check_synced(dp, "clip_grad_value_")
+    if dp.sharding is None:
+        torch.nn.utils.clip_grad_value_(dp.module.parameters(), clip_value)
+        return
+    grads = [g for g in dp.sharding.shard_grads if g.numel()]
+    if grads:
+        torch._foreach_clamp_min_(grads, -float(clip_value))
+        torch._foreach_clamp_max_(grads, float(clip_value))
+
+
+def _check_synced(dp: DataParallel, name: str) -> None:
+    if not dp.sync_enabled:
+        raise RuntimeError(f"{name} inside no_sync(): each rank holds only its partial gradient; "
+                           "clip after the synced backward's finish_gradient_sync()")
+    if dp.exchange_in_flight:
+        raise RuntimeError(f"{name} while gradient allreduces are in flight; call "
+                           "dp.finish_gradient_sync() first, so it acts on the summed gradient")
+    dp.check_synced(f"phalanx.{name}")  # a backward not yet exchanged (no overlap: nothing in flight)
 
 
 def _clip_sharded(dp: DataParallel, max_norm: float, norm_type: float) -> torch.Tensor:

@@ -97,8 +97,7 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
                                                "phalanx.resume(..., extras={'scheduler': scheduler})"),
     "unscale_gradients": (ACCELERATE, "scaler.unscale_(optimizer) after dp.finish_gradient_sync(), with "
                                       "torch.amp.GradScaler as on one device"),
-    "clip_grad_value_": (ACCELERATE, "torch.nn.utils.clip_grad_value_(dp.parameters(), value), after "
-                                     "dp.finish_gradient_sync()"),
+    "clip_grad_value_": (ACCELERATE, "phalanx.clip_grad_value_(dp, value), after dp.finish_gradient_sync()"),
     "pad_across_processes": (ACCELERATE, "phalanx.gather(tensor, world=world) takes different row counts unpadded"),
     "init_trackers": (ACCELERATE, _TRACKER),
     "get_tracker": (ACCELERATE, _TRACKER),

@@ -5,7 +5,8 @@ gradients, then of the parameters, and the update stays the 1-device update.
 under `shard=`); `flat_layout.py` the one flat order and its cut into k ranges; `params.py` the
 parameters flat per bucket, this rank's range kept; `at_rest.py` what a stage-3 parameter is between
 steps; `gathered.py` `dp.gathered_parameters()`; `gather_hooks.py` stage 3's per-layer gathers;
-`optim.py` `dp.optimizer(...)` over this rank's pieces; `state.py` a rank's share of the state as
+`optim.py` `dp.optimizer(...)` over this rank's pieces (`torch_clip.py`: torch's clipping over the
+replica's parameters refused); `state.py` a rank's share of the state as
 ranges of the flat order, for checkpoints that any k reads. Imported from the module that owns each
 name (nothing is re-exported here).
 """

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from phalanx.data_parallel.replica_hook import on_every_optimizer_step
+from phalanx.data_parallel.sharding.torch_clip import TorchClipGuard
 
 # Element-wise updates: exact on any range of the parameters.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
@@ -190,7 +191,9 @@ class ShardedOptimizerHooks:
 class WholeOptimizerGuard:
     """Refuses a torch optimizer built over a sharded replica's own parameters (the DDP habit
     `AdamW(dp.parameters())`): it would keep whole state and step with gradients that are summed
-    only in this rank's range. Process-wide hook (replica_hook.py), looked up once per optimizer."""
+    only in this rank's range. Process-wide hook (replica_hook.py), looked up once per optimizer.
+    torch's clip_grad_norm_ / clip_grad_value_ over them, wrong for the same reason, is refused
+    too (torch_clip.py)."""
 
     def __init__(self, module: nn.Module, stage: str) -> None:
         self._ids = {id(p) for p in module.parameters()}
@@ -198,6 +201,7 @@ class WholeOptimizerGuard:
         # Each optimizer's verdict, looked up once; held weakly: an id could be a dead optimizer's.
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handle = on_every_optimizer_step(self.check)
+        self._clip = TorchClipGuard(self._ids, stage)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         whole = self._seen.get(optimizer)
@@ -211,3 +215,4 @@ class WholeOptimizerGuard:
 
     def close(self) -> None:
         self._handle.remove()
+        self._clip.close()
