@@ -23,6 +23,7 @@ from phalanx.data_parallel.memory_format import MEMORY_FORMATS
 from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
 from phalanx.options import OptionError, at_least, check_options, finite, option, positive
+from phalanx.runtime.horovod_deepspeed import ZERO_STAGE_NAMES, ZERO_STAGES
 from phalanx.runtime.binding import available_cores, leaves_core_for_comm, workers_sharing_cores
 
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
@@ -51,6 +52,16 @@ FOREIGN_PRECISIONS = {
     "16-true": _WHOLE.format(dtype="float16"), "16-mixed": _FP16, "16": _FP16, "fp16": _FP16,
     "bf16": "bfloat16 autocast, which is precision='bf16-mixed' here (Fabric's full name)",
 }
+
+
+def _zero_stage(shard: Any) -> int | None:
+    """The ZeRO stage a `shard` value spells by number (2, "2", "zero2", "stage2"), or None."""
+    if isinstance(shard, bool) or not isinstance(shard, (int, str)):
+        return None
+    text = str(shard).strip().lower().replace("-", "").replace("_", "").replace(" ", "")
+    for prefix in ("zero", "stage"):
+        text = text.removeprefix(prefix)
+    return int(text) if text in ("0", "1", "2", "3") else None
 
 
 def bucket_cap(text: str) -> float | None:
@@ -111,6 +122,10 @@ class DataParallelConfig:
     exchange_alone: bool = False
 
     def __post_init__(self) -> None:
+        stage = _zero_stage(self.shard)
+        if stage is not None:  # one spelling per setting: the names say what each rank keeps 1/k of
+            raise OptionError(f"{{shard}} {self.shard!r} is ZeRO's stage {stage}, which phalanx names "
+                              f"{ZERO_STAGES[stage]!r} ({ZERO_STAGE_NAMES}: what each rank keeps 1/k of)", config=self)
         check_options(self)
         if self.shard != "none" and self.allreduce in ("naive", "tree"):
             raise OptionError(f"{{shard}} {self.shard} reduce-scatters and all-gathers, which {{allreduce}} "

@@ -107,8 +107,23 @@ ENGINE_METHODS: dict[str, str] = {
                    "dp.finish_gradient_sync(), optimizer.step()",
 }
 
+# ZeRO's stage numbers -> phalanx's shard= names (what each stage keeps 1/k of).
+ZERO_STAGES = {0: "none", 1: "optimizer", 2: "gradients", 3: "parameters"}
+ZERO_STAGE_NAMES = "stage 0 is 'none', 1 'optimizer', 2 'gradients', 3 'parameters'"
+_DS_CONFIG = "DeepSpeed config's"
+
 # Keywords handed to prepare: name -> (whose, phalanx's way).
 KEYWORDS: dict[str, tuple[str, str]] = {
+    # A ds_config.json's keys handed as keywords: each is one of prepare's, or a line of the script.
+    "zero_optimization": (_DS_CONFIG, f"shard= names ZeRO's stage ({ZERO_STAGE_NAMES})"),
+    "bf16": (_DS_CONFIG, "precision='bf16-mixed'"),
+    "fp16": (_DS_CONFIG, "torch.autocast(..., dtype=torch.float16) and torch.amp.GradScaler in the script, as on "
+                         "one device"),
+    "gradient_clipping": (_DS_CONFIG, "phalanx.clip_grad_norm_(dp, max_norm), after dp.finish_gradient_sync()"),
+    "gradient_accumulation_steps": (_DS_CONFIG, "for piece in dp.accumulate(n): ..."),
+    "train_batch_size": (_DS_CONFIG, "phalanx.ShardedLoader(dataset, world=world, global_batch_size=...)"),
+    "train_micro_batch_size_per_gpu": (_DS_CONFIG, "it follows from phalanx.ShardedLoader's global_batch_size= "
+                                                   "(phalanx.shard_sizes(global_batch_size, world.world_size))"),
     "config": ("DeepSpeed initialize's", "phalanx reads no config: its keys are prepare's keywords (shard=, "
                                          "precision=, grad_dtype=) and the script's own lines "
                                          "(docs/horovod-deepspeed.md)"),

@@ -35,7 +35,7 @@ FLAG_CASES = [
     (["train", "--optimizer", "adam", "--momentum", "0.9"], r"--momentum is SGD's; --optimizer adam has its own moments"),
     (["train", "--weight-decay", "-0.1"], r"--weight-decay -0\.1 must be 0 \(none\) or more"),
     (["train", "--clip-grad-norm", "0"], r"--clip-grad-norm 0\.0 must be a positive finite number"),
-    (["train", "--shard", "zero3"], r"--shard 'zero3' is unknown; choose one of none, optimizer, gradients, parameters"),
+    (["train", "--shard", "zero3"], r"--shard 'zero3' is ZeRO's stage 3, which phalanx names 'parameters' \(stage 0 is 'none'"),
     (["train", "--shard", "parameters", "--allreduce", "tree"],
      r"--shard parameters reduce-scatters and all-gathers, which --allreduce tree cannot; use --allreduce auto"),
     (["train", "--shard", "optimizer", "--split", "layers"], r"--shard is a data-parallel option; drop it with --split layers"),

@@ -102,3 +102,24 @@ def test_every_way_named_exists():
     for dtype in ("fp16", "bf16"):  # the wire dtypes named are prepare's
         with phalanx.prepare(nn.Linear(2, 2), world=WORLD1, grad_dtype=dtype):
             pass
+
+
+def test_a_ds_config_s_zero_optimization_handed_to_prepare_names_shard_and_its_stages():
+    with pytest.raises(TypeError) as info:
+        phalanx.prepare(nn.Linear(2, 2), world=WORLD1, zero_optimization={"stage": 2})
+    assert str(info.value) == ("prepare() takes no zero_optimization= (DeepSpeed config's keyword): shard= names "
+                               "ZeRO's stage (stage 0 is 'none', 1 'optimizer', 2 'gradients', 3 'parameters')")
+
+
+@pytest.mark.parametrize("shard, name", [(0, "none"), (1, "optimizer"), ("1", "optimizer"), (2, "gradients"),
+                                         (3, "parameters"), ("zero3", "parameters")])
+def test_a_zero_stage_number_as_shard_is_one_line_naming_phalanx_s_stage(shard, name):
+    """Refused rather than taken: shard= has one spelling, the names saying what each rank keeps
+    1/k of (the CLI's --shard too, which reads the same config)."""
+    with pytest.raises(ValueError) as info:
+        phalanx.prepare(nn.Linear(2, 2), world=WORLD1, shard=shard)
+    stage = int(str(shard)[-1])
+    assert str(info.value) == (f"shard {shard!r} is ZeRO's stage {stage}, which phalanx names {name!r} (stage 0 is "
+                               "'none', 1 'optimizer', 2 'gradients', 3 'parameters': what each rank keeps 1/k of)")
+    with pytest.raises(ValueError, match="shard True is unknown; choose one of none, optimizer"):
+        phalanx.prepare(nn.Linear(2, 2), world=WORLD1, shard=True)
