@@ -162,8 +162,8 @@ class DataParallel(ReplicaModule):
         self.choices = replica_choices(self, self.options)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the bucket buffers (never set .grad to None: the views must survive); with
-        nothing to exchange, set every .grad to None (or zero it) as `optimizer.zero_grad()` does."""
+        """Zero the bucket buffers (the views survive; with `set_to_none` they count as None until they
+        land: usage.py); with nothing to exchange, set every .grad to None (or zero it) as torch does."""
         if not self.exchanging:
             for param in self._params:
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
@@ -174,7 +174,7 @@ class DataParallel(ReplicaModule):
             self.finish_gradient_sync()
         if self._scheduler is not None:  # None once closed
             self._scheduler.reset()  # drop gradients marked by a backward that never finished
-        if self._layout.before_step():  # requires_grad changed since the buckets were laid out
+        if self._layout.before_step(set_to_none=set_to_none):  # requires_grad changed since the layout
             self._rewire()
         if self.sharding is not None and not self.sharding.keeps_gradients:
             self.sharding.zero_grad()  # its buckets hold nothing between steps

@@ -53,6 +53,7 @@ class BucketLayout:
         cap_bytes = mb_to_bytes(bucket_cap_mb)
         first = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
+        self.usage: ParameterUsage | None = None
         self._lay_out()
 
     def _lay_out(self) -> None:
@@ -60,9 +61,12 @@ class BucketLayout:
         self.laid_out = [param.requires_grad for param in self.params]
         rides = self._shard == "none"  # a sharded bucket is reduce-scattered: no rank would hold every flag
         views = self._shard in ("none", "optimizer")  # stages 2 and 3 copy the gradients in at launch
+        # Gradients None now, or counted so though views (zero_grad()): views from here on, None all the same.
+        counted = self.usage.none if self.usage is not None else set()
+        none = [param for param in self.params if param.grad is None or id(param) in counted]
         self.buckets = build_buckets(self.params, **self._caps, gradient_views=views,
                                      spare=usage_elements(self.params) if rides else 0)
-        self.usage = ParameterUsage(self.buckets, rides=rides, views=views) if self.buckets else None
+        self.usage = ParameterUsage(self.buckets, rides=rides, views=views, none=none) if self.buckets else None
         # Sparse gradients made sparse again after the sum (sparse.py); sharded, the optimizer steps dense ranges.
         self.sparse = sparse_gradients(self.module, self.buckets) if rides else None
 
@@ -80,15 +84,16 @@ class BucketLayout:
                              "dp = phalanx.prepare(dp.module, world=world)) and build the optimizer over its "
                              "parameters")
 
-    def before_step(self) -> bool:
+    def before_step(self, *, set_to_none: bool = True) -> bool:
         """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket
-        view again; True when laid out again (the caller wires the new buckets)."""
+        view again (counted as None with `set_to_none`, usage.py); True when laid out again (the
+        caller wires the new buckets)."""
         self.check_added()
         again = self.changed
         if again:
             self.again(in_step=False)
         if self.usage is not None:
-            self.usage.restore()
+            self.usage.restore(set_to_none=set_to_none)
             self.usage.forget()
         return again
 

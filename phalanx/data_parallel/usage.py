@@ -1,20 +1,27 @@
 """Parameters a step leaves out, and parameters frozen or unfrozen mid-run: 1 device's update all the same.
 
-On one device a parameter that took no part in a step's backward keeps `.grad = None` after
-`zero_grad()`, and every torch optimizer skips it: no weight decay, no momentum, no Adam moment.
-In a replica its gradient is a view into a bucket: zero, not None, so SGD with momentum or decay
-and Adam would move it, and k devices would train another model than 1 (an auxiliary head used
-on some steps, a branch a batch does not reach, layers frozen after `prepare`). DDP has the same
-rule behind `find_unused_parameters=True` (pytorch#28294): it sums a bitmap of what each rank used.
+On one device a parameter that took no part in a step's backward keeps the gradient it had:
+`.grad = None` after `zero_grad()`, and every torch optimizer skips it (no weight decay, no
+momentum, no Adam moment); a zero tensor after `zero_grad(set_to_none=False)` (or a
+`p.grad.zero_()` loop), which the optimizer steps like any other. In a replica its gradient is a
+view into a bucket: zero, not None, so SGD with momentum or decay and Adam would move it, and k
+devices would train another model than 1 (an auxiliary head used on some steps, a branch a batch
+does not reach, layers frozen after `prepare`). DDP has the same rule behind
+`find_unused_parameters=True` (pytorch#28294): it sums a bitmap of what each rank used, and
+leaves the gradient of a parameter no rank used untouched.
 
 `ParameterUsage` does it without a collective of its own. Landing hooks record what this rank's
 backwards (synced or under `no_sync`) used. Just before the last bucket goes out - by then
 every gradient this rank will produce has landed: overlap launches the last bucket only once
 every bucket is complete, and otherwise `finish()` launches it after backward - each rank
-writes one flag per parameter, 1.0 where it used it, into elements that sit after the last
-bucket's gradients and ride in its allreduce. After the sum a flag of 0 means no rank used the
-parameter (a sum of non-negative numbers is 0 only if every term is, also when compressed to
-bf16/fp16). Those gradients become None on every rank alike. A rank that used every parameter
+writes one flag per parameter, 1.0 where it used it or holds a gradient from before this
+backward (`none` tells which count as None: all after `zero_grad()`, those dropped at the last
+sync after `zero_grad(set_to_none=False)`), into elements that sit after the last bucket's
+gradients and ride in its allreduce. After the sum a flag of 0 means no rank used the parameter
+and none held a gradient for it (a sum of non-negative numbers is 0 only if every term is, also
+when compressed to bf16/fp16). Those gradients become None on every rank alike; a parameter no
+rank used but some held a gradient for keeps its slot, the sum of what the ranks held (zeros
+after `zero_grad(set_to_none=False)`), on every rank alike. A rank that used every parameter
 knows without reading that none is unused globally, so the flags are read (on a GPU: one
 device-to-host copy) only on a rank that left some out. The gradients are views again at the
 next `zero_grad()`, or when the parameter lands again, or at the next sync.
@@ -44,13 +51,15 @@ from phalanx.data_parallel.buckets import Bucket, grad_view
 class ParameterUsage:
     """What one rank's backwards used since the last sync, and the gradients dropped at it."""
 
-    def __init__(self, buckets: Sequence[Bucket], *, rides: bool = True, views: bool = True) -> None:
+    def __init__(self, buckets: Sequence[Bucket], *, rides: bool = True, views: bool = True,
+                 none: Sequence[nn.Parameter] | None = None) -> None:
         """`rides`: `buckets` were laid out with one spare element per parameter after the last
         one's gradients (`build_buckets(..., spare=usage_elements(...))`), where the flags ride.
         Otherwise (sharded: a reduce-scatter leaves no rank every flag) the flags are a tensor of
         their own that the replica allreduces after the buckets, and no gradient is dropped here:
         `unused` tells the sharded optimizer which pieces to skip. `views`: the gradients are
-        views of the buckets (not under sharding's stages 2 and 3, which copy them in at launch)."""
+        views of the buckets (not under sharding's stages 2 and 3, which copy them in at launch).
+        `none`: the parameters whose gradient was None before the buckets were laid out (None: all)."""
         self.params = [param for bucket in buckets for param in bucket.params]
         self.rides = rides
         slots = rides or views  # each gradient has a slot in a bucket: its view, version and zeroing noted
@@ -64,10 +73,13 @@ class ParameterUsage:
         self.flags = last.storage[last.buffer.numel():] if rides else \
             torch.ones(len(self.params), dtype=last.buffer.dtype, device=last.buffer.device)
         self.unused: set[int] = set()  # id(param) of each parameter no rank used at the last sync
+        # id(param) of each gradient that counts as None until it lands, though it may be a slot
+        # (zero_grad() keeps the views): the optimizer of one device would skip it.
+        self.none: set[int] = set(map(id, self.params if none is None else none))
         if self.flags.numel() != len(self.params):
             raise ValueError(f"the last bucket has {self.flags.numel()} spare elements "
                              f"for {len(self.params)} parameters")
-        self._used: set[int] = set()  # id(param) of each parameter whose gradient landed
+        self._used: set[int] = set()  # id(param) of each parameter whose gradient landed, or that holds one
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
         self._script_dropped: list[nn.Parameter] = []  # set to None by the script after landing: dropped after the sum
         self._buffers = [bucket.buffer for bucket in buckets] if slots else []
@@ -111,15 +123,17 @@ class ParameterUsage:
         return [i for i, param in enumerate(self.params) if id(param) not in self._used]
 
     def write_flags(self) -> None:
-        """Before the last bucket's launch: 1.0 for each parameter this rank used, 0.0 for the rest."""
+        """Before the last bucket's launch: 1.0 for each parameter this rank used or holds a
+        gradient for (`take_back`), 0.0 for the rest."""
         self.flags.fill_(1.0)
         unused = self._not_landed()
         if unused:
             self.flags[unused] = 0.0
 
     def after_sum(self) -> list[nn.Parameter]:
-        """After every bucket's sum (and the flags'): each parameter no rank used, its gradient
-        dropped where the flags rode (else only noted in `unused`); return them."""
+        """After every bucket's sum (and the flags'): each parameter no rank used or held a
+        gradient for, its gradient dropped where the flags rode (else only noted in `unused`);
+        return them. Until the next sync those count as None, the rest as the tensors they are."""
         nobody = []
         unused = self._not_landed()
         if unused:
@@ -128,6 +142,7 @@ class ParameterUsage:
         self.unused = set(map(id, nobody))
         if self.rides and (nobody or self._script_dropped):
             self.drop([*nobody, *self._script_dropped])
+        self.none = self.unused | set(map(id, self._script_dropped))
         self._script_dropped = []
         self._used.clear()
         return nobody
@@ -138,18 +153,23 @@ class ParameterUsage:
             param.grad = None
         self.dropped = list(params)
 
-    def restore(self) -> None:
-        """Every dropped gradient a view of its (zero) slot again: from zero_grad."""
+    def restore(self, *, set_to_none: bool = True) -> None:
+        """From zero_grad: every dropped gradient a view of its (zero) slot again, still counted as
+        None; with `set_to_none` every gradient counts as None, as torch's zero_grad() leaves it."""
         for param in self.dropped:
             if param.grad is None:
                 param.grad = self._views[id(param)]
+                self.none.add(id(param))
+        if set_to_none:
+            self.none = set(map(id, self.params))
         self.dropped = []
 
     def take_back(self) -> None:
         """Before a sync (after `written`): each gradient that did not land since the last one (a
         landing takes its own back) a view of its slot again - None (dropped at the last sync, or
-        set so by `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; a gradient the
-        script set by hand counted as used, as one device's optimizer would step it: another
+        set so by `optimizer.zero_grad()`) a zeroed slot, so no stale sum goes out; a gradient
+        held from before (not in `none`: `zero_grad(set_to_none=False)`'s zeros, or the last sum)
+        and one the script set by hand counted as used, as one device's optimizer would step it: another
         tensor put there (`p.grad = g`, from `torch.autograd.grad`) copied in, or its slot written
         in place since zero_grad zeroed it (`p.grad.copy_(g)`: read only where that bucket's
         counter moved, and a slot left all zero counts as unused). Sharded, the script's tensor
@@ -162,12 +182,15 @@ class ParameterUsage:
             view = self._views.get(id(param))
             if not param.requires_grad:
                 continue
+            held = id(param) not in self.none
             if _in_slot(param.grad, view):
                 at = self._bucket_at[id(param)]
-                if self._buffers[at]._version != self._zeroed[at]:
+                if held:
+                    self._used.add(id(param))
+                elif self._buffers[at]._version != self._zeroed[at]:
                     in_place.append((param, view))
                 continue
-            if param.grad is not None:
+            if param.grad is not None or (held and view is None):  # (stages 2, 3: the shard holds it)
                 self._used.add(id(param))
             elif not self.rides:
                 continue

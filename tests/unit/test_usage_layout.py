@@ -174,3 +174,34 @@ def test_unfrozen_inside_a_step_and_reached_by_nobody_stays_without_a_gradient()
     assert model[2].weight.grad is not None
     layout.before_step()  # the next zero_grad: views again, for the next backward
     assert model[0].weight.grad is not None and not model[0].weight.grad.any()
+
+
+def _sync(layout: BucketLayout, landed: list, *, set_to_none: bool) -> list:
+    """One step of a lone rank: zero_grad, `landed` land, the sync's take_back and sum; what was dropped."""
+    layout.before_step(set_to_none=set_to_none)
+    layout.zero()
+    for param in landed:
+        layout.usage.landed(param)
+    layout.usage.take_back()
+    if layout.usage.rides:
+        layout.usage.write_flags()  # (the sum of a lone rank's flags is its own)
+    layout.after_sum(lambda flat: None)
+    return [param for param in layout.usage.params if id(param) in layout.usage.unused]
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer"])
+def test_a_gradient_held_before_backward_is_kept_where_nobody_used_it(shard):
+    """One device's optimizer steps a zero gradient (zero_grad(set_to_none=False)) and skips None
+    (zero_grad()): a parameter no rank used is dropped (sharded: noted unused) only where it
+    counted as None, and one dropped at the last sync stays None under set_to_none=False."""
+    layout = BucketLayout(_model(), bucket_cap_mb=None, first_bucket_cap_mb=None, shard=shard)
+    params = layout.usage.params
+    head, tail = params[:2], params[2:]
+    assert _sync(layout, params, set_to_none=False) == []
+    assert _sync(layout, head, set_to_none=False) == []  # tail: zeros before backward, kept
+    assert all(p.grad is not None and not p.grad.any() for p in tail)
+    assert _sync(layout, head, set_to_none=True) == tail  # tail: None before backward
+    assert _sync(layout, head, set_to_none=False) == tail  # still None: zero_grad(set_to_none=False) keeps None
+    if shard == "none":
+        assert all(p.grad is None for p in tail)
+    assert _sync(layout, params, set_to_none=True) == []

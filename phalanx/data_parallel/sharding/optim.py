@@ -81,7 +81,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
     if sharding is None:
         optimizer = cls(params if params is not None else dp.module.parameters(), **defaults)
         if dp.exchanging:  # gradients live in the buckets: zero them there, never drop the views
-            optimizer.zero_grad = lambda set_to_none=True: dp.zero_grad()
+            optimizer.zero_grad = lambda set_to_none=True: dp.zero_grad(set_to_none=set_to_none)
         return optimizer
     check_elementwise(cls, elementwise)
     groups, owned, group_names, params_of = [], [], [], []
@@ -119,7 +119,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
 
     def zero_grad(set_to_none: bool = True) -> None:
         plain_zero_grad(set_to_none=set_to_none)
-        dp.zero_grad()
+        dp.zero_grad(set_to_none=set_to_none)
 
     optimizer.zero_grad = zero_grad
     return optimizer
