@@ -23,6 +23,7 @@ from phalanx.options import add_options, build
 from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
+from phalanx.runtime.launch import check_loopback
 from phalanx.runtime.world import launcher_env
 from phalanx.telemetry import RankZeroLog, survive_closed_stdout
 
@@ -76,6 +77,8 @@ def run_train(args: argparse.Namespace) -> int:
     if env is not None and config.restarts.max_restarts:
         raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, "
                          "not to phalanx train")
+    if env is None and plan.num_devices > 1:  # the workers meet on 127.0.0.1: refused before the data is read
+        check_loopback()
     # One run per output directory: held from here (before any worker) until the run is over.
     with hold_run_directories(config, enabled=env is None or env.rank == 0):
         if env is None and plan.num_devices > 1 and data is None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from phalanx.runtime.binding import (allowed_cores, check_bindable, oversubscription, place_worker, too_many_workers,
                                     worker_threads)
+from phalanx.errors import UsageError
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.devices import DevicePlan
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
@@ -168,17 +169,20 @@ def loopback_store(world_size: int, *, timeout_s: float) -> Iterator[int]:
     TCPStore would listen on every interface; handed a socket already bound to 127.0.0.1 (the
     store then owns and closes it) it listens there alone. The launcher outlives every worker, so
     the store survives any of them dying (a rank-0-hosted store would not)."""
+    check_loopback()
     with signals_deferred():  # a stop lands once the store is ours to close
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             sock.bind(("127.0.0.1", 0))
             sock.listen(max(128, world_size))
             port = sock.getsockname()[1]
-            store = _store_on(sock, port, world_size, timeout_s=timeout_s)
         except BaseException:
             sock.close()
             raise
-        sock.detach()  # the store closes the descriptor
+        # From here the descriptor is the store's: it closes it, also when its constructor fails
+        # (closing it again here would raise EBADF over the store's own error).
+        fd = sock.detach()
+        store = _store_on(fd, port, world_size, timeout_s=timeout_s)
     try:
         yield port
     finally:
@@ -186,11 +190,34 @@ def loopback_store(world_size: int, *, timeout_s: float) -> Iterator[int]:
             del store
 
 
-def _store_on(sock: socket.socket, port: int, world_size: int, *, timeout_s: float) -> dist.TCPStore:
-    """A master TCPStore listening on `sock`. torch's libuv store (the default since 2.4) takes a
+# A connection to our own listening socket is made (or refused) at once when loopback works;
+# the bound is for a firewall that drops packets silently rather than refusing them.
+LOOPBACK_CHECK_S = 5.0
+
+
+def check_loopback(*, timeout_s: float = LOOPBACK_CHECK_S) -> None:
+    """Refuse in one line, at once, a host where this process cannot connect to a socket of its own
+    on 127.0.0.1 (a network namespace or container whose lo is down: `unshare -n`), where the
+    store's clients would retry until the store's timeout and then fail in a c10d traceback. A
+    throwaway listener, so the store never accepts the probe's connection."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            with socket.create_connection(listener.getsockname(), timeout=timeout_s):
+                pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"cannot reach 127.0.0.1 ({reason}): the loopback interface is down in this network "
+                         "namespace or container, and the workers meet there; bring it up (ip link set lo up) "
+                         "or run where it is up") from None
+
+
+def _store_on(fd: int, port: int, world_size: int, *, timeout_s: float) -> dist.TCPStore:
+    """A master TCPStore listening on the socket `fd`. torch's libuv store (the default since 2.4) takes a
     listening socket only from 2.8 on (pytorch#150215); before, its legacy store does."""
     kwargs = dict(is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s),
-                  master_listen_fd=sock.fileno())
+                  master_listen_fd=fd)
     if torch.__version__ >= (2, 8):  # TorchVersion compares with a tuple
         try:
             return dist.TCPStore("127.0.0.1", port, world_size, **kwargs)

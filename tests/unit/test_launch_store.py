@@ -1,8 +1,12 @@
 """The launcher's TCPStore on every torch pyproject accepts (>= 2.4): torch's libuv store takes
 the launcher's listening socket only from 2.8 on; before, the launcher asks for the legacy store.
-Found on torch 2.4.1, where every run of more than one worker failed at the store."""
+Found on torch 2.4.1, where every run of more than one worker failed at the store. A store that
+fails shows its own error (the launcher closed the socket the store had closed: EBADF over it),
+and a host whose loopback is down is one line before any store is made."""
 
 import datetime
+import errno
+import os
 import socket
 
 import pytest
@@ -10,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.torch_version import TorchVersion
 
+from phalanx.errors import UsageError
 from phalanx.runtime import launch
 
 
@@ -37,5 +42,35 @@ def test_a_torch_whose_libuv_store_refuses_the_socket_gets_the_legacy_store(monk
     monkeypatch.setattr(dist, "TCPStore", _OldLibuv)
     _OldLibuv.made = []
     with socket.socket() as sock:
-        assert isinstance(launch._store_on(sock, 0, 2, timeout_s=1), _OldLibuv)
+        assert isinstance(launch._store_on(sock.fileno(), 0, 2, timeout_s=1), _OldLibuv)
     assert _OldLibuv.made == made  # 2.4: straight to the legacy one, with no error line from torch
+
+
+class _FailingStore:
+    """A store that takes the listening socket, closes it, and fails (as c10d's does when its own
+    client cannot connect)."""
+
+    def __init__(self, host, port, world_size, *, master_listen_fd, **kwargs):
+        os.close(master_listen_fd)
+        raise RuntimeError("the store's own error")
+
+
+def test_a_store_that_fails_shows_its_own_error_not_ebadf(monkeypatch):
+    monkeypatch.setattr(dist, "TCPStore", _FailingStore)
+    with pytest.raises(RuntimeError, match="the store's own error"):
+        with launch.loopback_store(2, timeout_s=1):
+            pass
+
+
+def test_a_loopback_that_is_down_is_one_line_naming_the_fix(monkeypatch):
+    def unreachable(address, timeout=None):
+        raise OSError(errno.ENETUNREACH, os.strerror(errno.ENETUNREACH))
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(dist, "TCPStore", _FailingStore)  # never reached
+    with pytest.raises(UsageError) as caught:
+        with launch.loopback_store(2, timeout_s=1):
+            pass
+    message = str(caught.value)
+    assert "cannot reach 127.0.0.1 (Network is unreachable)" in message and "ip link set lo up" in message
+    assert "\n" not in message
