@@ -15,8 +15,8 @@ pairing check (watchdog.py), made on lines the flags' cache traffic brings anywa
   mark, then sleep on its flag's futex, which returns at once if the word no longer holds the
   value seen. The kernel reads the word after a full fence of its own, so either it sees the new
   value or the publisher sees the mark (Dekker's pairing): no wake-up is lost. Sleeps last at most
-  LIVENESS_EVERY_S; after each a peer gone is named (as finished if its board line says so:
-  its exit may beat this look, and is no death), the collective board is read
+  LIVENESS_EVERY_S; after each a peer gone is named as its board line says (finished: its exit
+  may beat this look, and is no death; else its last step and the collective), the board is read
   (watchdog.py), and the timeout applies. `aborted` ends a wait at its next wake-up (teardown).
 """
 
@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 from phalanx.comm.shm_kernel import SMALL_AGREED, SMALL_LATE
-from phalanx.comm.watchdog import CommError, check, finished_error
+from phalanx.comm.watchdog import CommError, check, gone_error
 from phalanx.errors import PeerLost
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.procs import process_alive
@@ -139,9 +139,9 @@ class Flags:
         (after a futex wake-up or its bounded sleep: cheap next to the sleep)."""
         pid, timeout_s = self.pids[r], self.timeout_s
         if not process_alive(pid):
-            finished = finished_error(self.world, self.members[r], ticket)
-            if finished is not None:
-                raise finished
+            gone = gone_error(self.world, self.members[r], ticket)
+            if gone is not None:
+                raise gone
             raise ShmPeerGone(f"shm allreduce: rank {self.members[r]} (pid {pid}) died while rank "
                               f"{self.world.rank} waited for it in round {g}")
         if self.aborted:

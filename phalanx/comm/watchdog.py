@@ -123,14 +123,15 @@ def pairing_error(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
     return None
 
 
-def finished_error(world: World, rank: int, ticket: Ticket | None) -> PeerFinished | None:
-    """PeerFinished if `rank`'s board line says its work ended normally, else None: a waiter that
-    found the peer's process gone asks before calling it a death (the exit may beat its poll)."""
+def gone_error(world: World, rank: int, ticket: Ticket | None) -> BaseException | None:
+    """How `rank`'s board line says it went, for a waiter that found the peer's process gone:
+    PeerFinished if its work ended normally (the exit may beat the waiter's poll, and is no
+    death), else PeerGone naming its last step and the collective waited in; None without a
+    board line to read."""
     board = world.board
     index = None if board is None or ticket is None else board.local_index(rank)
     line = None if index is None else board.line(index)
-    error = None if line is None or line.state != FINISHED else _gone(board, line, ticket)
-    return error if isinstance(error, PeerFinished) else None
+    return None if line is None else _gone(board, line, ticket)
 
 
 def diagnose(world: World, ticket: Ticket | None, exc: BaseException, *, waited_s: float,

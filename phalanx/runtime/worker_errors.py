@@ -44,6 +44,8 @@ from phalanx.runtime.segment import stale_leftovers
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 ERRORS_PREFIX = "phalanx-errors-"  # then the launcher's pid: the directory of its workers' error files
+# The report of a worker that exited 0 without a result where that counts as success: a result of None.
+LEFT_EARLY = ("ok", None, "exited 0 without a result")
 # What gloo's errors say when the peer at the other end of a collective went away.
 _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer")
 
@@ -132,6 +134,9 @@ def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseExce
     # (they arrive in `reports` in order) that is not a collective's echo of a peer gone.
     died = [rank for rank, report in failed.items() if report[1].startswith(("died", "exited with code"))]
     own = [rank for rank, report in failed.items() if not report[3]]
+    left = [rank for rank, report in sorted(reports.items()) if report == LEFT_EARLY]
+    if left and not died and not own:  # only echoes: of the rank that left (os._exit(0)) while they waited
+        return _left_early(left[0], failed, progress)
     first_failure = (died or own or [first_failure if first_failure in failed else min(failed)])[0]
     root = reports[first_failure]
     line = root[1]
@@ -149,6 +154,21 @@ def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseExce
                             f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
     return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
                         restartable=True)
+
+
+def _left_early(rank: int, failed: dict[int, tuple], progress) -> WorkerFailed:
+    """Rank `rank` exited 0 without a result (`os._exit(0)`, which skips the board's "finished"
+    mark) while the `failed` ranks, all echoes of its going, waited for it: a success under
+    torchrun's rule only while no peer needs it, so it is the rank at fault, and as sys.exit(0)
+    mid-run (watchdog.PeerFinished) it would repeat: not restartable."""
+    after = f" after step {progress[rank]}" if progress is not None and progress[rank] >= 0 else ""
+    waiters = sorted(failed)
+    who = f"rank {waiters[0]} waits" if len(waiters) == 1 else f"ranks {', '.join(map(str, waiters))} wait"
+    lines = [f"worker rank {rank} failed: exited (code 0) without finishing its part{after} while {who} for it in a "
+             f"collective; every rank must make the same collective calls (did rank {rank} call os._exit(0), or "
+             "return before the others?)"]
+    lines += [f"rank {r} stopped too: {report[1]}" for r, report in failed.items()]
+    return WorkerFailed("\n".join(lines), rank=rank, restartable=False)
 
 
 # What a store wait that ran out says (torch's DistStoreError): start-up's rendezvous, before the
@@ -212,6 +232,6 @@ def read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
         return error_report("closed its result pipe but kept running")
     if proc.exitcode < 0:
         return error_report(f"died ({describe_signal(-proc.exitcode)})")
-    if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun
-        return ("ok", None)
+    if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun,
+        return LEFT_EARLY  # unless its peers then fail waiting for it (`failure`)
     return error_report(f"exited with code {proc.exitcode} without a result")

@@ -28,8 +28,10 @@ pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3  # --timeout of the frozen runs: the run must end within it + 5 s, not buckets x it
-# Rank 1 runs one step fewer than rank 0 (8 global batches of 8), then evaluates or returns.
+# Rank 1 runs one step fewer than rank 0 (8 global batches of 8), then evaluates, returns, or exits
+# at once with code 0.
 SHORT_BY_ONE = textwrap.dedent("""
+    import os
     import sys
     import torch
     import torch.nn.functional as F
@@ -51,6 +53,8 @@ SHORT_BY_ONE = textwrap.dedent("""
     loader = phalanx.ShardedLoader(data, world=world, global_batch_size=8, seed=0)
     for step, ((X, y), global_size) in enumerate(loader.epoch(0)):
         if world.rank == 1 and step == 7:
+            if then == "osexit0":
+                os._exit(0)  # skips everything that marks its board line finished
             break
         dp.zero_grad()
         phalanx.shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), global_size).backward()
@@ -148,6 +152,22 @@ def test_a_rank_that_finished_normally_while_another_waits_is_reported_as_such(t
     assert ("phalanx: run stopped: rank 1 finished its work normally after step 7 while rank 0 waits for it in step "
             "8's gradient bucket 0 (540 B)") in first, stderr[-3000:]
     assert "died" not in stderr
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "native"])
+def test_a_rank_that_exits_0_while_another_waits_is_the_rank_at_fault(tmp_path, algorithm):
+    # os._exit(0) leaves no "finished" mark: the launcher, which saw it exit 0, names it, and the
+    # waiter's "died" error is its echo (was: "worker rank 0 failed: ShmPeerGone ..." and a traceback).
+    returncode, stderr, _ = phalanx_run_short_by_one(tmp_path, "osexit0", algorithm, "overlap")
+    first = launcher_line(stderr)
+    assert returncode == 1, stderr[-3000:]
+    assert first.startswith("phalanx: worker rank 1 failed: exited (code 0) without finishing its part while rank 0 "
+                            "waits for it in a collective; "), stderr[-3000:]
+    assert "os._exit(0)" in first
+    echo = next((line for line in stderr.splitlines() if line.startswith("rank 0 stopped too: ")), "")
+    assert "rank 1 (pid " in echo and "after step 7 while rank 0 waited for it in step 8's gradient bucket 0" in echo, \
+        stderr[-3000:]
+    assert "Traceback" not in stderr
 
 
 def test_a_rank_closing_while_another_waits_names_the_finite_check_it_is_in(tmp_path):

@@ -122,3 +122,22 @@ def test_a_start_up_wait_that_ran_out_for_a_stopped_worker_names_that_worker(mon
     assert blame_stopped(other, 0, {1: 102}) == 0 and other[0][3] is False
     running = {0: error_report(store, "")}  # the peer runs: no one to blame but the waiter's own line
     assert blame_stopped(running, 0, {1: 101}) == 0
+
+
+def test_a_rank_that_exited_0_while_its_peers_waited_is_the_rank_at_fault():
+    # phalanx run counts an exit 0 without a result as success (torchrun's rule); but when the
+    # only failures are echoes of its going, it is the cause, not the rank that waited for it.
+    reports = {0: worker_errors.error_report("ShmPeerGone: rank 1 (pid 9) died while rank 0 waited for it",
+                                             ECHO_TB, echo=True),
+               1: worker_errors.LEFT_EARLY}
+    error = worker_errors.failure(reports, 0, [20, 14])
+    lines = str(error).splitlines()
+    assert lines[0].startswith("worker rank 1 failed: exited (code 0) without finishing its part after step 14 "
+                               "while rank 0 waits for it in a collective; "), lines
+    assert lines[1:] == ["rank 0 stopped too: ShmPeerGone: rank 1 (pid 9) died while rank 0 waited for it"]
+    assert error.rank == 1 and not error.restartable  # it would exit again: as sys.exit(0) mid-run
+
+
+def test_a_rank_that_exited_0_is_no_cause_beside_a_rank_that_failed_on_its_own():
+    reports = {0: worker_errors.error_report("ValueError: bad batch", ROOT_TB), 1: worker_errors.LEFT_EARLY}
+    assert _message(reports, 0)[0] == "worker rank 0 failed: ValueError: bad batch"
