@@ -26,6 +26,7 @@ from typing import Iterator
 from phalanx.atomic import remove_stale_temporaries
 from phalanx.errors import UsageError
 from phalanx.outdir import check_out_dir
+from phalanx.telemetry.metrics import read_metrics
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
 from phalanx.train.sharded_checkpoint import share_files
 from phalanx.train.checkpoint_files import damaged_of, previous_of
@@ -91,7 +92,12 @@ def _check_earlier_outputs(config: TrainConfig) -> None:
         if config.checkpoint_location else set()
     can_continue = any(path in generations or path in shares for path in earlier)
     if resume is not None and (can_continue or config.checkpoint.resume != "auto"):
-        return  # this run continues them (a torchrun restart before its first checkpoint starts over)
+        # This run continues them (a torchrun restart before its first checkpoint starts over); a
+        # damaged metrics file is one line now, not in rank 0 once the workers are up.
+        metrics = Outputs(out_dir=Path(config.out_dir)).metrics if config.out_dir else None
+        if metrics is not None and metrics.is_file():
+            read_metrics(metrics)
+        return
     if config.overwrite:
         for path in earlier:  # a fresh run's outputs must not mix with the old ones
             path.unlink(missing_ok=True)

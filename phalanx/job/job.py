@@ -16,6 +16,7 @@ import datetime
 import functools
 import os
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -146,7 +147,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                                 say=log) if graph_plan.capture else None
     test_images, test_labels = data.test_images.to(world.device), data.test_labels.to(world.device)
     outputs = Outputs(out_dir=Path(config.out_dir)) if config.out_dir and world.is_main else None
-    metrics, history = outputs.open_metrics(start_epoch=start.epoch) if outputs is not None else (None, [])
+    metrics, history = (outputs.open_metrics(start_epoch=start.epoch, warn=RankZeroLog(enabled=True, stream=sys.stderr))
+                        if outputs is not None else (None, []))
     warmup = warmup_steps(config.optim.warmup_epochs, steps)
     if complete:  # stopped after its last checkpoint (in evaluation, or writing model.pt): finish it
         log(f"training was complete at the checkpoint (the end of epoch {start.epoch}): evaluating and writing "

@@ -1,7 +1,7 @@
 """What a training job leaves under `--out`: metrics.jsonl, accuracy.png and model.pt (rank 0 writes).
 
 metrics.jsonl gets a row after every epoch (a resumed run keeps the finished epochs' rows and
-continues after them); at the end accuracy.png plots the curves and model.pt holds the whole
+continues after them, warning of any it lacks); at the end accuracy.png plots the curves and model.pt holds the whole
 model's `state_dict` on the CPU, loadable with weights_only=True, whichever way the work was
 split. Every write is atomic, and all of them happen before teardown so an exit-time abort
 cannot lose them. Nothing is written before training actually starts (the launcher may create
@@ -56,10 +56,20 @@ class Outputs:
         """Every file a run writes under --out (what an earlier run leaves behind)."""
         return self.metrics, self.accuracy_png, self.model
 
-    def open_metrics(self, *, start_epoch: int) -> tuple[MetricsFile, list[dict[str, Any]]]:
-        """Create --out; (the metrics file, the rows of the epochs already done before `start_epoch`)."""
+    def open_metrics(self, *, start_epoch: int, warn: Callable[[str], None]) -> tuple[MetricsFile, list[dict[str, Any]]]:
+        """Create --out; (the metrics file, the rows of the epochs already done before `start_epoch`).
+        Rows missing for some of those epochs (a deleted file or rows) are one line to `warn`: the
+        run resumes, since the checkpoint holds the training and refusing would leave only
+        --overwrite, which deletes it; the line says what the file and the plot will lack."""
         os.makedirs(self.out_dir, exist_ok=True)
         metrics = MetricsFile(self.metrics, start_epoch=start_epoch)  # the finished epochs' rows only
+        missing = metrics.missing_epochs
+        if missing:
+            span = f"epoch {missing[0]}" if len(missing) == 1 else f"{len(missing)} epochs ({_epochs_text(missing)})"
+            plot = (f"accuracy.png starts at epoch {len(missing) + 1}" if missing == list(range(1, len(missing) + 1))
+                    else "accuracy.png skips them")
+            warn(f"phalanx: warning: {self.metrics} has no row for {span} of the {start_epoch} the checkpoint "
+                 f"has trained (deleted?); training resumes from the checkpoint, those rows stay missing and {plot}")
         return metrics, [dict(r) for r in metrics.rows]
 
     def finish(self, history: list[dict[str, Any]], whole_model: torch.nn.Module | None, *, title: str,
@@ -108,3 +118,13 @@ def _reason(exc: OSError) -> str:
     if exc.strerror:
         return exc.strerror
     return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _epochs_text(epochs: list[int]) -> str:
+    """"1-3, 5": the epochs as runs of consecutive numbers."""
+    spans, start = [], epochs[0]
+    for prev, cur in zip(epochs, epochs[1:] + [None]):
+        if cur != prev + 1:
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(spans)

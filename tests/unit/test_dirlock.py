@@ -1,7 +1,7 @@
 """One run per output directory (dirlock.py): a held --out or checkpoint dir is refused in one line
 naming the holder's pid; the lock dies with its holder (even SIGKILLed); directories made only to
 be locked are removed again; an earlier run's outputs are kept unless the run resumes or says
---overwrite. Here, in one process: the rules that need no holder; tests/distributed/test_outdir_lock.py
+--overwrite; a resume refuses a damaged metrics.jsonl before any worker starts. Here, in one process: the rules that need no holder; tests/distributed/test_outdir_lock.py
 holds the lock in a real second process."""
 
 import pytest
@@ -40,6 +40,7 @@ def test_an_earlier_runs_outputs_are_kept_unless_resumed_or_overwritten(tmp_path
     (out / "checkpoints").mkdir(parents=True)
     for name in ("metrics.jsonl", "model.pt", "checkpoints/checkpoint.pt", "notes.txt"):
         (out / name).write_text("earlier")
+    (out / "metrics.jsonl").write_text('{"epoch": 1}\n')  # a resume reads it
     with pytest.raises(UsageError) as info:
         with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5")):
             pytest.fail("overwrote an earlier run")
@@ -62,6 +63,7 @@ def test_outputs_with_no_checkpoint_are_not_replaced_by_a_resume_that_would_star
     out.mkdir()
     for name in ("metrics.jsonl", "model.pt"):
         (out / name).write_text("earlier")
+    (out / "metrics.jsonl").write_text('{"epoch": 1}\n')  # a resume reads it
     for resume, found in ((None, "it saved no checkpoint"),
                           ("auto", "--resume auto found no checkpoint in it to continue from")):
         with pytest.raises(UsageError) as info:
@@ -144,3 +146,20 @@ def test_a_trace_directory_is_held_as_out_is(tmp_path):
                 pass
     with hold_run_directories(second):  # free again once the first is over
         pass
+
+
+@pytest.mark.parametrize("damage", [b'{"epoch": 1, "train_loss": 0.5}\n{"epoch": 2, "train_lo', b"\xff\xfe\n", b"[1, 2]\n"])
+def test_a_resume_refuses_a_damaged_metrics_file_in_one_line_and_leaves_it(tmp_path, damage):
+    # metrics.jsonl is rewritten whole and atomically: a torn or foreign line was made elsewhere
+    # (truncate, a copy cut short); resuming over it would rewrite it from what could be read.
+    out = tmp_path / "S"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "checkpoint.pt").write_text("earlier")
+    (out / "metrics.jsonl").write_bytes(damage)
+    with pytest.raises(UsageError) as info:
+        with hold_run_directories(_config(out_dir=str(out), checkpoint_every="5", resume="auto")):
+            pytest.fail("resumed over a damaged metrics.jsonl")
+    message = str(info.value)
+    assert message.startswith(f"{out / 'metrics.jsonl'} is damaged: line ") and "\n" not in message, message
+    assert "restore it from a copy, or delete it to resume without its rows" in message
+    assert (out / "metrics.jsonl").read_bytes() == damage
