@@ -56,12 +56,13 @@ class OwnedPiece:
 
 class ShardedHandle:
     """A bucket's pending reduce-scatter; `wait()` also copies this rank's summed range into its
-    shard gradient (widened from the wire dtype) and, in stages 2 and 3, frees the bucket."""
+    shard gradient (widened from the wire dtype; `add`: adds it, stages 2 and 3) and, in stages 2 and 3,
+    frees the bucket."""
 
     def __init__(self, handle, wire: torch.Tensor, owned: tuple[int, int], shard_grad: torch.Tensor | None,
-                 release: Callable[[], None] | None) -> None:
+                 release: Callable[[], None] | None, *, add: bool = False) -> None:
         self._handle, self._wire, self._owned = handle, wire, owned
-        self._shard_grad, self._release = shard_grad, release
+        self._shard_grad, self._release, self._add = shard_grad, release, add
         self._waited = False
 
     @property
@@ -73,7 +74,10 @@ class ShardedHandle:
         lo, hi = self._owned
         if self._shard_grad is not None and hi > lo:
             with torch.no_grad():
-                self._shard_grad.copy_(self._wire[lo:hi])
+                if self._add:
+                    self._shard_grad.add_(self._wire[lo:hi])
+                else:
+                    self._shard_grad.copy_(self._wire[lo:hi])
         if self._release is not None:
             self._release()
         # Drop every reference to the whole bucket now: the scheduler keeps this handle until the
@@ -150,7 +154,10 @@ class Sharding:
         in_place = self.keeps_gradients and wire is bucket.buffer  # stage 1: the range is the shard already
         release = None if self.keeps_gradients or sent is not bucket.buffer else \
             (lambda buffer=bucket.buffer: free_storage(buffer))  # a gradient of its own goes with its last reference
-        return ShardedHandle(handle, wire, self.owned[index], None if in_place else self.shard_grads[index], release)
+        # Stages 2 and 3 add the sum into the shard gradient, which only zero_grad zeroes: a gradient
+        # carried into the next step without zero_grad is in it once, as on one device (carry.py).
+        return ShardedHandle(handle, wire, self.owned[index], None if in_place else self.shard_grads[index], release,
+                             add=not self.keeps_gradients)
 
     def zero_grad(self) -> None:
         """Stages 2 and 3 (stage 1 zeroes its buckets): drop gradients autograd left on the
