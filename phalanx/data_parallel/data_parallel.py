@@ -101,10 +101,10 @@ class DataParallel(ReplicaModule):
         self.exchanging = world.distributed or options.exchange_alone or comm is not None
         # The buckets for the parameters that train now (layout.py), and what each step used (usage.py).
         self._layout = BucketLayout(self.module, bucket_cap_mb=options.bucket_cap_mb, shard=options.shard,
-                                    first_bucket_cap_mb=options.first_bucket_cap_mb) if self.exchanging else None
+                                    first_bucket_cap_mb=options.first_bucket_cap_mb, rank=world.rank,
+                                    average=options.average) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
-        self._sync_enabled, self._closed = True, False
-        self._capturing = False  # a CUDA graph is recording the step (capturing())
+        self._sync_enabled, self._closed, self._capturing = True, False, False  # _capturing: capturing()
         self._synced_steps = 0  # the step in each bucket's tag
         self.average = options.average
         self._extras = StepExtras(self.module, world=world, average=options.average, batchnorm=options.batchnorm,
@@ -124,6 +124,8 @@ class DataParallel(ReplicaModule):
         self.sharding = Sharding(stage=self.shard, module=self.module, buckets=self.buckets, rank=world.rank,
                                  world_size=world.world_size, comm=comm, algorithm=self.algorithm,
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
+        if self.shard == "optimizer":  # a sum carried without zero_grad: each rank keeps its own range (carry.py)
+            self._layout.carry.keep(self.sharding.owned)
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
         self._replicas = ReplicaCheck(every=options.check_finite_every if self.exchanging else 0, world=world,

@@ -35,6 +35,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
                                      register_module_parameter_registration_hook)
 
 from phalanx.data_parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, mb_to_bytes
+from phalanx.data_parallel.carry import CarriedSum
 from phalanx.data_parallel.sparse import sparse_gradients
 from phalanx.data_parallel.usage import ParameterUsage, usage_elements
 from phalanx.errors import UsageError
@@ -46,8 +47,10 @@ class BucketLayout:
     last one, or apart under `shard`); laid out again for the parameters that train now when that changes."""
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None,
-                 shard: str) -> None:
+                 shard: str, rank: int = 0, average: bool | None = None) -> None:
         _count_registrations()
+        # A sum carried into the next step without zero_grad, kept once (carry.py; stages 2, 3: sharding/stages.py).
+        self.carry = CarriedSum(rank=rank, carry=not average and shard in ("none", "optimizer"))
         self.module, self.params, self._shard = module, list(module.parameters()), shard
         self._registrations = _REGISTRATIONS[0]
         cap_bytes = mb_to_bytes(bucket_cap_mb)
@@ -89,6 +92,7 @@ class BucketLayout:
         view again (counted as None with `set_to_none`, usage.py); True when laid out again (the
         caller wires the new buckets)."""
         self.check_added()
+        self.carry.cleared()
         again = self.changed
         if again:
             self.again(in_step=False)
@@ -115,8 +119,22 @@ class BucketLayout:
         if self.sparse is not None:
             self.sparse.after_sum(allreduce)
 
+    def before_forward(self) -> None:
+        """At the replica's forward: a sum carried from the last step kept once from here (carry.py)."""
+        if self.carry.armed:
+            self.carry.before_forward([p for b in self.buckets for p in b.params], self._open_carried)
+
+    def _open_carried(self) -> None:
+        """The next backward adds into the carried sum: this rank zeroes what it does not keep (carry.py)."""
+        self.carry.zero(self.buckets)
+        if self.sparse is not None and self.carry.rank != 0:
+            self.sparse.slots_again()
+
     def take_back(self) -> None:
-        """Before a sync: every gradient its bucket slot again (usage.py), the sparse ones' rows noted first."""
+        """Before a sync: every gradient its bucket slot again (usage.py), the sparse ones' rows noted first;
+        a carried sum this rank's step never opened (no backward here) kept once (carry.py)."""
+        landed = self.usage is not None and self.usage.landed_any
+        self.carry.before_sum(landed=landed, open_=self._open_carried)
         if self.sparse is not None:
             self.sparse.before_sum()
         if self.usage is not None:
@@ -127,6 +145,7 @@ class BucketLayout:
         zero_grad summed by `allreduce`, then laid out again (True: the caller wires the new buckets).
         Sharded, the usage flags are summed by `allreduce` too: they rode in no bucket."""
         self.check_added()
+        self.carry.synced()
         if self.usage is not None:
             if not self.usage.rides:
                 self.usage.write_flags()

@@ -71,10 +71,14 @@ class SparseGradients:
 
     def zeroed(self) -> None:
         """The replica's zero_grad: each gradient its (zeroed) bucket slot again, no row touched."""
+        self.slots_again()
+        self.flat.zero_()
+
+    def slots_again(self) -> None:
+        """Each sparse gradient its bucket slot again, the rows noted kept (carry.py: a rank that zeroed its slots)."""
         for param, view in zip(self.params, self._views):
             if param.grad is not None and param.grad.layout != torch.strided:
                 param.grad = view
-        self.flat.zero_()
 
     def before_sum(self) -> None:
         """Before a sync: a gradient set to None since, and not landed again, touched no row here."""

@@ -116,6 +116,11 @@ class ParameterUsage:
         self._versions = [None] * len(self._buffers)
         return [param for param in self.params if self._bucket_at[id(param)] in moved] if moved else []
 
+    @property
+    def landed_any(self) -> bool:
+        """Whether some gradient landed on this rank since the last sync (or zero_grad)."""
+        return bool(self._used)
+
     def _not_landed(self) -> list[int]:
         """Positions of the parameters whose gradient did not land on this rank (none: no loop)."""
         if len(self._used) == len(self.params):
