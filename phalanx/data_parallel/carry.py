@@ -18,8 +18,9 @@ backward's first gradient: a loop that zeroes each step, through `dp.zero_grad()
 optimizer's `zero_grad()` that left every gradient None, registers none. Until that backward every
 rank reads the sum as it was (between the forward and the backward, or in a no_grad forward before
 the optimizer step). A rank whose step ran no backward (an empty shard) zeroes at the sync
-instead. A backward with no forward through the replica since the sync (`dp.module(x)`) cannot be
-told from the carried sum, and is refused at the sync on every rank alike.
+instead. A backward with no forward through the replica since the sync (`dp.module(x)`) that added
+onto a carried slot cannot be told from the carried sum, and is refused at the sync on every rank
+alike (gradients a torch optimizer's `zero_grad()` set to None land fresh, and are summed as ever).
 """
 
 from __future__ import annotations
@@ -85,18 +86,20 @@ class CarriedSum:
                 bucket.buffer[:lo].zero_()
                 bucket.buffer[hi:].zero_()
 
-    def before_sum(self, *, landed: bool, open_: Callable[[], None]) -> None:
-        """At the sync, before the buckets go out: still armed means no backward reached a hook here;
-        with no gradient landed either (this rank ran no backward), zero what this rank does not keep."""
+    def before_sum(self, *, landed: bool, added: bool, open_: Callable[[], None]) -> None:
+        """At the sync, before the buckets go out: still armed means no backward reached a hook here. None
+        `landed` (this rank ran no backward): zero what this rank does not keep. Each landed fresh (a torch
+        optimizer's zero_grad() had set it to None), none `added` onto its slot: nothing carried into them."""
         self._remove()
         if not self.armed:
             return
-        if landed:
+        self.armed = False
+        if not landed:
+            open_()
+        elif added:
             raise UsageError("gradients carried from the last step (no zero_grad since its sync) met a backward "
                              "with no forward through the replica (dp.module(x)?): call the replica, dp(x), or "
                              "zero_grad before each step's backward")
-        self.armed = False
-        open_()
 
     def _remove(self) -> None:
         for handle in self._hooks:

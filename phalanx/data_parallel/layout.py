@@ -133,8 +133,9 @@ class BucketLayout:
     def take_back(self) -> None:
         """Before a sync: every gradient its bucket slot again (usage.py), the sparse ones' rows noted first;
         a carried sum this rank's step never opened (no backward here) kept once (carry.py)."""
-        landed = self.usage is not None and self.usage.landed_any
-        self.carry.before_sum(landed=landed, open_=self._open_carried)
+        usage = self.usage
+        self.carry.before_sum(landed=usage is not None and usage.landed_any, added=usage is not None and usage.added,
+                              open_=self._open_carried)
         if self.sparse is not None:
             self.sparse.before_sum()
         if self.usage is not None:

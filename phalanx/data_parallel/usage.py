@@ -80,6 +80,7 @@ class ParameterUsage:
             raise ValueError(f"the last bucket has {self.flags.numel()} spare elements "
                              f"for {len(self.params)} parameters")
         self._used: set[int] = set()  # id(param) of each parameter whose gradient landed, or that holds one
+        self._added = False  # a gradient landed onto its slot's contents since the last sync (`added`)
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
         self._script_dropped: list[nn.Parameter] = []  # set to None by the script after landing: dropped after the sum
         self._buffers = [bucket.buffer for bucket in buckets] if slots else []
@@ -96,6 +97,8 @@ class ParameterUsage:
         if view is not None:
             if param.grad is not view:
                 _take_back(param, view)
+            else:
+                self._added = True
             self._versions[self._bucket_at[id(param)]] = view._version
 
     def zeroed(self) -> None:
@@ -120,6 +123,12 @@ class ParameterUsage:
     def landed_any(self) -> bool:
         """Whether some gradient landed on this rank since the last sync (or zero_grad)."""
         return bool(self._used)
+
+    @property
+    def added(self) -> bool:
+        """Whether a gradient landed since the last sync (or zero_grad) by adding onto what its slot held,
+        not as a fresh tensor (its .grad None before); sharded, whether any landed."""
+        return self._added if self.rides else bool(self._used)
 
     def _not_landed(self) -> list[int]:
         """Positions of the parameters whose gradient did not land on this rank (none: no loop)."""
@@ -150,6 +159,7 @@ class ParameterUsage:
         self.none = self.unused | set(map(id, self._script_dropped))
         self._script_dropped = []
         self._used.clear()
+        self._added = False
         return nobody
 
     def drop(self, params: Sequence[nn.Parameter]) -> None:
@@ -227,6 +237,7 @@ class ParameterUsage:
     def forget(self) -> None:
         """A step given up (zero_grad without a sync): its landings count for nothing."""
         self._used.clear()
+        self._added = False
         self._versions = [None] * len(self._buffers)
 
 

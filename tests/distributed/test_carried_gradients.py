@@ -131,9 +131,27 @@ CASES.update({
 })
 
 
+def _bypassed(world) -> str:
+    """A carried sum, then a backward through `dp.module` (not the replica's forward): refused at the sync."""
+    dp = phalanx.prepare(_model(False), world=world)
+    rows = ROWS[world.rank]
+    X, ids, Y, reach_b = _batches()[0]
+    try:
+        for _ in range(2):
+            phalanx.shard_loss(((dp.module(X[rows], ids[rows], reach_b[rows]) - Y[rows]) ** 2).sum(), GLOBAL).backward()
+            dp.finish_gradient_sync()
+    except phalanx.UsageError as error:
+        return str(error)
+    finally:
+        dp.zero_grad()
+        dp.close()
+    return "not refused"
+
+
 def _worker(world) -> dict:
-    return {case: _k_ranks(world, name, zero, shard, dict(options))
-            for case, (name, zero, shard, options) in CASES.items()}
+    out = {case: _k_ranks(world, name, zero, shard, dict(options))
+           for case, (name, zero, shard, options) in CASES.items()}
+    return {**out, "bypassed": _bypassed(world)}
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +176,8 @@ def test_carried_gradients_end_where_one_device_ends(results, case):
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12, msg=f"{case}: {key} grad")
     for key, value in results[0][case]["state"].items():
         assert torch.equal(value, results[1][case]["state"][key]), (case, key)
+
+
+def test_a_carried_sum_met_by_a_backward_not_through_the_replica_is_refused_on_every_rank(results):
+    for rank in results:
+        assert "no forward through the replica" in rank["bypassed"], rank["bypassed"]
