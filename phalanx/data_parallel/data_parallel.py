@@ -104,7 +104,7 @@ class DataParallel(ReplicaModule):
                                     first_bucket_cap_mb=options.first_bucket_cap_mb, rank=world.rank,
                                     average=options.average) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
-        self._sync_enabled, self._closed, self._capturing = True, False, False  # _capturing: capturing()
+        self._sync_enabled, self._closed, self._capturing = True, False, False  # capturing(): a CUDA graph records
         self._synced_steps = 0  # the step in each bucket's tag
         self.average = options.average
         self._extras = StepExtras(self.module, world=world, average=options.average, batchnorm=options.batchnorm,
