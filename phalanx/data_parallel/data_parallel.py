@@ -101,7 +101,7 @@ class DataParallel(ReplicaModule):
         self.exchanging = world.distributed or options.exchange_alone or comm is not None
         # The buckets for the parameters that train now (layout.py), and what each step used (usage.py).
         self._layout = BucketLayout(self.module, bucket_cap_mb=options.bucket_cap_mb, shard=options.shard,
-                                    first_bucket_cap_mb=options.first_bucket_cap_mb, rank=world.rank,
+                                    first_bucket_cap_mb=options.first_bucket_cap_mb, world=world,
                                     average=options.average) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
         self._sync_enabled, self._closed, self._capturing = True, False, False  # capturing(): a CUDA graph records

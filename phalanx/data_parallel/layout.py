@@ -39,6 +39,7 @@ from phalanx.data_parallel.carry import CarriedSum
 from phalanx.data_parallel.sparse import sparse_gradients
 from phalanx.data_parallel.usage import ParameterUsage, usage_elements
 from phalanx.errors import UsageError
+from phalanx.runtime.world import World
 
 
 class BucketLayout:
@@ -47,10 +48,13 @@ class BucketLayout:
     last one, or apart under `shard`); laid out again for the parameters that train now when that changes."""
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None,
-                 shard: str, rank: int = 0, average: bool | None = None) -> None:
+                 shard: str, world: World | None = None, average: bool | None = None) -> None:
         _count_registrations()
-        # A sum carried into the next step without zero_grad, kept once (carry.py; stages 2, 3: sharding/stages.py).
-        self.carry = CarriedSum(rank=rank, carry=not average and shard in ("none", "optimizer"))
+        # A sum carried into the next step without zero_grad, kept once over `world`'s ranks (carry.py; stages 2
+        # and 3: sharding/stages.py); one rank (or no world given) keeps all of it, with nothing to do.
+        many = world is not None and world.world_size > 1
+        self.carry = CarriedSum(rank=world.rank if many else 0,
+                                carry=many and not average and shard in ("none", "optimizer"))
         self.module, self.params, self._shard = module, list(module.parameters()), shard
         self._registrations = _REGISTRATIONS[0]
         cap_bytes = mb_to_bytes(bucket_cap_mb)
