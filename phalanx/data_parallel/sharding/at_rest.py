@@ -26,15 +26,16 @@ from torch._C import DisableTorchFunctionSubclass
 
 CONTEXT = "with dp.gathered_parameters():"
 _T = torch.Tensor
-# What a parameter at rest still answers: its description, never its values; `.data` and `.grad`
-# are set (the gathers, zero_grad), and hooks registered (the replica's own, at set-up).
+# What a parameter at rest still answers: its description and storage (what memory it holds, for
+# a memory count), never its values; `.data` and `.grad` are set (the gathers, zero_grad), and
+# hooks registered (the replica's own, at set-up).
 _METADATA = frozenset({
     _T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.requires_grad.__get__, _T.requires_grad.__set__,
     _T.grad.__get__, _T.grad.__set__, _T.is_leaf.__get__, _T.grad_fn.__get__, _T.ndim.__get__, _T.layout.__get__,
     _T.is_cuda.__get__, _T.is_sparse.__get__, _T.is_meta.__get__, _T._version.__get__,
     _T.data.__set__, _T.size, _T.dim, _T.numel, _T.nelement, _T.stride, _T.is_contiguous, _T.element_size,
     _T.is_floating_point, _T.is_complex, _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook,
-    _T.get_device, _T.__hash__, _T.data_ptr})
+    _T.get_device, _T.__hash__, _T.data_ptr, _T.untyped_storage, _T.storage_offset})
 
 
 class ShardedParameter(nn.Parameter):
