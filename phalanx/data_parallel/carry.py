@@ -4,13 +4,17 @@ On one device a backward adds into whatever `.grad` holds, so a script that does
 gradients between optimizer steps (a forgotten zero_grad, `zero_grad()` every N steps,
 accumulating across steps) steps with g_old + g_new. After a sync every rank's buckets hold the
 same summed g_old; were each rank's next backward to add its share on top, the next sum would
-count g_old once per rank (DDP's mean of per-rank means gets g_old + mean, right in its
-convention; `shard_loss`'s sum does not, so with `average=True` nothing here applies). So the
-carried sum is kept once: just before the next backward's first gradient is added into a slot (a
-tensor hook, which autograd runs before it accumulates), rank 0 keeps its buckets and every other
-rank zeroes its own; under `shard="optimizer"` each rank keeps the range its reduce-scatter
-returns to it and zeroes the rest. Stages 2 and 3 add each reduce-scatter into the shard
-gradient, which only zero_grad zeroes (sharding/stages.py). A sparse gradient (sparse.py) is its
+count g_old once per rank. So the carried sum is kept once: just before the next backward's first
+gradient is added into a slot (a tensor hook, which autograd runs before it accumulates), rank 0
+keeps its buckets and every other rank zeroes its own; under `shard="optimizer"` each rank keeps
+the range its reduce-scatter returns to it and zeroes the rest. Stages 2 and 3 add each
+reduce-scatter into the shard gradient, which only zero_grad zeroes (sharding/stages.py).
+
+With `average=True` (DDP's mean of per-rank means) one device steps with g_old + mean(new), and
+the sum is divided by k after the exchange: unsharded, every rank keeping g_old gives k g_old +
+sum(new), right, with nothing to do here; under `shard="optimizer"` each rank's kept range is
+multiplied by k (`scale`) as it opens; stages 2 and 3 divide each reduce-scatter as they add it.
+(Before 2026-12-03 the last two divided g_old by k too: 0.45 off one device after 4 SGD steps.) A sparse gradient (sparse.py) is its
 zeroed slot again on the ranks that zero; the rows noted stay, and rank 0's union covers g_old's.
 
 The hooks exist only from a forward (grad enabled) after a sync that no zero_grad followed to that
@@ -36,10 +40,11 @@ from phalanx.errors import UsageError
 
 class CarriedSum:
     """Whether the buckets hold a synced sum that no zero_grad cleared, and the zeroing that keeps it once.
-    `rank`: this rank; `carry`: False where the sum is averaged (`average=True`), which needs nothing."""
+    `rank`: this rank; `carry`: False where nothing needs doing (one rank; unsharded with `average=True`);
+    `scale`: what the kept range is multiplied by as it opens (k under `average=True`, else 1)."""
 
-    def __init__(self, *, rank: int, carry: bool = True) -> None:
-        self.rank, self._carry = rank, carry
+    def __init__(self, *, rank: int, carry: bool = True, scale: int = 1) -> None:
+        self.rank, self._carry, self._scale = rank, carry, scale
         self.armed = False  # the buckets hold the last sync's sum, not zeroed since
         self._kept: list[tuple[int, int]] | None = None  # shard="optimizer": each bucket's range this rank keeps
         self._hooks: list = []
@@ -75,7 +80,7 @@ class CarriedSum:
 
     def zero(self, buckets: Sequence[Bucket]) -> None:
         """This rank's share of the carried sum: rank 0 all of it (no zeroing), others none; sharded,
-        its own range of each bucket."""
+        its own range of each bucket (times `scale`)."""
         with torch.no_grad():
             for index, bucket in enumerate(buckets):
                 if self._kept is None:
@@ -85,6 +90,8 @@ class CarriedSum:
                 lo, hi = self._kept[index]
                 bucket.buffer[:lo].zero_()
                 bucket.buffer[hi:].zero_()
+                if self._scale != 1:  # average=True: the division after the sum leaves g_old whole
+                    bucket.buffer[lo:hi].mul_(self._scale)
 
     def before_sum(self, *, landed: bool, added: bool, open_: Callable[[], None]) -> None:
         """At the sync, before the buckets go out: still armed means no backward reached a hook here. None

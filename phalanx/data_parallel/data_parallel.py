@@ -124,8 +124,8 @@ class DataParallel(ReplicaModule):
         self.sharding = Sharding(stage=self.shard, module=self.module, buckets=self.buckets, rank=world.rank,
                                  world_size=world.world_size, comm=comm, algorithm=self.algorithm,
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
-        if self.shard == "optimizer":  # a sum carried without zero_grad: each rank keeps its own range (carry.py)
-            self._layout.carry.keep(self.sharding.owned)
+        if self.sharding is not None:  # a sum carried without zero_grad kept once; who divides it (average=True)
+            self._extras.divide_by = self.sharding.adopt(self._layout.carry, divide_by=self._extras.divide_by)
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
         self._replicas = ReplicaCheck(every=options.check_finite_every if self.exchanging else 0, world=world,

@@ -53,8 +53,8 @@ class BucketLayout:
         # A sum carried into the next step without zero_grad, kept once over `world`'s ranks (carry.py; stages 2
         # and 3: sharding/stages.py); one rank (or no world given) keeps all of it, with nothing to do.
         many = world is not None and world.world_size > 1
-        self.carry = CarriedSum(rank=world.rank if many else 0,
-                                carry=many and not average and shard in ("none", "optimizer"))
+        self.carry = CarriedSum(rank=world.rank if many else 0, scale=world.world_size if many and average else 1,
+                                carry=many and (shard == "optimizer" or shard == "none" and not average))
         self.module, self.params, self._shard = module, list(module.parameters()), shard
         self._registrations = _REGISTRATIONS[0]
         cap_bytes = mb_to_bytes(bucket_cap_mb)

@@ -9,7 +9,10 @@ optimizer's, which leaves None); SGD with momentum and AdamW; unsharded with and
 and every stage of sharding; a head used by every row at step 0, by rank 0's rows only at step 2,
 by none at steps 1 and 3 (so it steps on the gradient it carries); an embedding with
 `sparse=True`, whose sparse gradient carries its rows; micro-batches under `dp.accumulate` on top
-of a carried sum; and a rank whose shard is empty at a step (it runs no backward).
+of a carried sum; and a rank whose shard is empty at a step (it runs no backward). With
+`average=True` (each rank's mean loss, equal shards) one device steps with g_old + mean(new):
+under `shard="optimizer"` and stages 2 and 3 the carried g_old was divided by k too before
+2026-12-03 (0.45 off one device after 4 SGD steps).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.distributed
 
 GLOBAL, STEPS = 10, 4
 ROWS = {0: slice(0, 6), 1: slice(6, 10)}  # 2 ranks, uneven
+EVEN_ROWS = {0: slice(0, 5), 1: slice(5, 10)}  # average=True: DDP's mean of means is one device's mean
 HEAD_ROWS = {0: slice(0, 10), 2: slice(0, 3)}  # the rows that reach head b, by step: at step 2 only rank 0's
 
 
@@ -69,14 +73,14 @@ def _zeroes(zero: str, step: int) -> bool:
     return zero == "every 2" and step % 2 == 0 or zero == "dp every 2" and step % 2 == 1
 
 
-def _one_device(name: str, zero: str, sparse: bool) -> dict:
+def _one_device(name: str, zero: str, sparse: bool, average: bool = False) -> dict:
     model = _model(sparse)
     cls, kwargs = _optimizer_args(name)
     optimizer = cls(model.parameters(), **kwargs)
     for step, (X, ids, Y, reach_b) in enumerate(_batches()):
         if _zeroes(zero, step):
             optimizer.zero_grad()
-        ((model(X, ids, reach_b) - Y) ** 2).sum().div(GLOBAL).backward()
+        ((model(X, ids, reach_b) - Y) ** 2).sum().div(GLOBAL * (2 if average else 1)).backward()
         optimizer.step()
     return _facts(model.state_dict(), model)
 
@@ -90,10 +94,12 @@ def _k_ranks(world, name: str, zero: str, shard: str, options: dict) -> dict:
         if _zeroes(zero, step):
             (dp.zero_grad if zero.startswith("dp") else optimizer.zero_grad)()
         rows = ROWS[world.rank] if step != empty_at else (slice(0, GLOBAL) if world.rank == 0 else slice(0, 0))
+        if options.get("average"):
+            rows = EVEN_ROWS[world.rank]
         pieces = torch.arange(GLOBAL)[rows].tensor_split(micro)
         for piece in dp.accumulate([p for p in pieces if p.numel()]):  # none: this rank runs no backward
             loss = ((dp(X[piece], ids[piece], reach_b[piece]) - Y[piece]) ** 2).sum()
-            phalanx.shard_loss(loss, GLOBAL).backward()
+            (loss.div(2 * len(piece)) if options.get("average") else phalanx.shard_loss(loss, GLOBAL)).backward()
         dp.finish_gradient_sync()
         optimizer.step()
     facts = _facts(dp.full_state_dict(), dp.module if shard == "none" else None)
@@ -129,6 +135,10 @@ CASES.update({
     "adamw, optimizer, never, rank 1 empty at step 1": ("adamw", "never", "optimizer", dict(empty_at=1)),
     "sgd, gradients, never, rank 1 empty at step 1": ("sgd", "never", "gradients", dict(empty_at=1)),
 })
+CASES.update({  # average=True: each rank's mean loss over an even shard
+    f"{name}, {shard}, {zero}, average": (name, zero, shard, dict(average=True))
+    for name in ("sgd", "adamw") for shard in ("none", "optimizer", "gradients", "parameters")
+    for zero in ("never", "every 2")})
 
 
 def _bypassed(world) -> str:
@@ -162,7 +172,7 @@ def results():
 @pytest.mark.parametrize("case", list(CASES))
 def test_carried_gradients_end_where_one_device_ends(results, case):
     name, zero, shard, options = CASES[case]
-    reference = _one_device(name, zero, options.get("sparse", False))
+    reference = _one_device(name, zero, options.get("sparse", False), options.get("average", False))
     for rank in results:
         got = rank[case]
         for key, value in reference["state"].items():

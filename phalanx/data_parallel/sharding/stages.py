@@ -30,6 +30,7 @@ from torch import nn
 
 from phalanx.comm import AsyncComm, Tag
 from phalanx.data_parallel.buckets import Bucket, grad_view
+from phalanx.data_parallel.carry import CarriedSum
 from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, Slot, free_storage, memory_order, parameter_names,
                                                refill_storage)
 from phalanx.data_parallel.sharding.gather_hooks import GatherHooks
@@ -56,13 +57,13 @@ class OwnedPiece:
 
 class ShardedHandle:
     """A bucket's pending reduce-scatter; `wait()` also copies this rank's summed range into its
-    shard gradient (widened from the wire dtype; `add`: adds it, stages 2 and 3) and, in stages 2 and 3,
-    frees the bucket."""
+    shard gradient (widened from the wire dtype; `add`: adds it, stages 2 and 3, divided by `divide_by`
+    under `average=True`) and, in stages 2 and 3, frees the bucket."""
 
     def __init__(self, handle, wire: torch.Tensor, owned: tuple[int, int], shard_grad: torch.Tensor | None,
-                 release: Callable[[], None] | None, *, add: bool = False) -> None:
+                 release: Callable[[], None] | None, *, add: bool = False, divide_by: int | None = None) -> None:
         self._handle, self._wire, self._owned = handle, wire, owned
-        self._shard_grad, self._release, self._add = shard_grad, release, add
+        self._shard_grad, self._release, self._add, self._divide_by = shard_grad, release, add, divide_by
         self._waited = False
 
     @property
@@ -74,7 +75,9 @@ class ShardedHandle:
         lo, hi = self._owned
         if self._shard_grad is not None and hi > lo:
             with torch.no_grad():
-                if self._add:
+                if self._add and self._divide_by is not None:  # average=True: a carried g_old stays whole
+                    self._shard_grad.add_(self._wire[lo:hi] / self._divide_by)
+                elif self._add:
                     self._shard_grad.add_(self._wire[lo:hi])
                 else:
                     self._shard_grad.copy_(self._wire[lo:hi])
@@ -115,7 +118,19 @@ class Sharding:
         self._hooks = None if self.keeps_parameters else GatherHooks(module, self.params)
         self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dp.optimizer's records
         self._guard = WholeOptimizerGuard(module, stage)  # AdamW(dp.parameters()): refused in one line
+        self._divide_by: int | None = None  # average=True at stages 2 and 3: each sum divided as added (adopt)
         give_back_freed_memory()  # what set-up freed (whole parameters, gradient buckets) leaves the process
+
+    def adopt(self, carry: CarriedSum, *, divide_by: int | None) -> int | None:
+        """A sum carried without zero_grad kept once (carry.py), `divide_by` the world size under
+        `average=True`; returns what the replica divides after the exchange. Stage 1: each rank keeps
+        its own range; the replica divides. Stages 2 and 3 divide each reduce-scatter as they add it
+        into the shard gradient, so a carried g_old is not divided again: the replica divides nothing."""
+        if self.keeps_gradients:
+            carry.keep(self.owned)
+            return divide_by
+        self._divide_by = divide_by
+        return None
 
     def fill(self, bucket: Bucket) -> torch.Tensor:
         """The flat gradient `bucket` sends, as it launches. Stage 1: its buffer. Stages 2 and 3:
@@ -157,7 +172,7 @@ class Sharding:
         # Stages 2 and 3 add the sum into the shard gradient, which only zero_grad zeroes: a gradient
         # carried into the next step without zero_grad is in it once, as on one device (carry.py).
         return ShardedHandle(handle, wire, self.owned[index], None if in_place else self.shard_grads[index], release,
-                             add=not self.keeps_gradients)
+                             add=not self.keeps_gradients, divide_by=self._divide_by)
 
     def zero_grad(self) -> None:
         """Stages 2 and 3 (stage 1 zeroes its buckets): drop gradients autograd left on the
