@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
+from tests.distributed.resumed import resumed_relative_error, whole_state
 
 pytestmark = pytest.mark.distributed
 
@@ -76,18 +77,13 @@ def _steps(world, dp, optimizer, first: int, last: int) -> None:
         optimizer.step()
 
 
-def _whole(dp) -> dict[str, torch.Tensor]:
-    state = dp.full_state_dict() if dp.sharding is not None else dp.state_dict()
-    return {k: v.detach().clone() for k, v in state.items()}
-
-
 def _uninterrupted_and_resumed(directory: str, saved_with: str, resumed_with: str, style: str,
                                forget_names: bool) -> tuple[float, str | None]:
     torch.set_default_dtype(torch.float64)
     world = phalanx.init()
     dp, optimizer = _replica(world, "none", style)
     _steps(world, dp, optimizer, 0, STEPS)
-    reference = _whole(dp)
+    reference = whole_state(dp)
     dp.close()
 
     dp, optimizer = _replica(world, saved_with, style)
@@ -102,19 +98,9 @@ def _uninterrupted_and_resumed(directory: str, saved_with: str, resumed_with: st
         torch.save(state, where / "checkpoint.pt")
     phalanx.barrier(world=world)
 
-    dp, optimizer = _replica(world, resumed_with, style)
-    try:
-        position = phalanx.resume(where, world=world, model=dp, optimizer=optimizer, global_batch_size=ROWS, seed=0)
-    except phalanx.UsageError as exc:
-        dp.close()
-        return float("nan"), str(exc)
-    assert position.step == SAVED_AT
-    _steps(world, dp, optimizer, SAVED_AT, STEPS)
-    resumed = _whole(dp)
-    dp.close()
-    assert set(resumed) == set(reference)
-    return max(float((resumed[k] - reference[k]).norm() / reference[k].norm().clamp_min(1e-30))
-               for k in reference if reference[k].is_floating_point()), None
+    return resumed_relative_error(world, where, lambda: _replica(world, resumed_with, style),
+                                  lambda dp, optimizer: _steps(world, dp, optimizer, SAVED_AT, STEPS), reference,
+                                  saved_at=SAVED_AT, global_batch_size=ROWS)
 
 
 @pytest.mark.parametrize("saved_with, resumed_with, style", [

@@ -19,6 +19,7 @@ from torch import nn
 
 import phalanx
 from tests.distributed.harness import run_workers
+from tests.distributed.one_device import assert_ranks_end_where_one_device_ends
 
 pytestmark = pytest.mark.distributed
 
@@ -145,16 +146,10 @@ def results():
 def test_an_unused_head_ends_where_one_device_ends(results, case):
     name, zero, shard, _ = CASES[case]
     reference = _one_device(name, "default" if zero == "default" else "set_to_none=False")
-    for rank in results:
-        got = rank[case]
-        for key, value in reference["state"].items():
-            torch.testing.assert_close(got["state"][key], value, rtol=0, atol=1e-12, msg=f"{case}: {key}")
-        if shard != "none":
-            continue
-        assert got["b steps"] == reference["b steps"], case
-        for mine, theirs in zip(got["b grad"], reference["b grad"]):  # None after the default, zeros otherwise
+    assert_ranks_end_where_one_device_ends(results, case, reference["state"])
+    for rank in results if shard == "none" else []:
+        assert rank[case]["b steps"] == reference["b steps"], case
+        for mine, theirs in zip(rank[case]["b grad"], reference["b grad"]):  # None after the default, zeros otherwise
             assert (mine is None) == (theirs is None), case
             if theirs is not None:
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
-    for key, value in results[0][case]["state"].items():
-        assert torch.equal(value, results[1][case]["state"][key]), (case, key)
