@@ -14,8 +14,10 @@ With `average=True` (DDP's mean of per-rank means) one device steps with g_old +
 the sum is divided by k after the exchange: unsharded, every rank keeping g_old gives k g_old +
 sum(new), right, with nothing to do here; under `shard="optimizer"` each rank's kept range is
 multiplied by k (`scale`) as it opens; stages 2 and 3 divide each reduce-scatter as they add it.
-(Before 2026-12-03 the last two divided g_old by k too: 0.45 off one device after 4 SGD steps.) A sparse gradient (sparse.py) is its
-zeroed slot again on the ranks that zero; the rows noted stay, and rank 0's union covers g_old's.
+(Before 2026-12-02 the last two divided g_old by k too: 0.45 off one device after 4 SGD steps.)
+
+A sparse gradient (sparse.py) is its zeroed slot again on the ranks that zero; the rows noted
+stay, and rank 0's union covers g_old's.
 
 The hooks exist only from a forward (grad enabled) after a sync that no zero_grad followed to that
 backward's first gradient: a loop that zeroes each step, through `dp.zero_grad()` or a torch

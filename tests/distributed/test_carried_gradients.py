@@ -12,7 +12,7 @@ by none at steps 1 and 3 (so it steps on the gradient it carries); an embedding 
 of a carried sum; and a rank whose shard is empty at a step (it runs no backward). With
 `average=True` (each rank's mean loss, equal shards) one device steps with g_old + mean(new):
 under `shard="optimizer"` and stages 2 and 3 the carried g_old was divided by k too before
-2026-12-03 (0.45 off one device after 4 SGD steps).
+2026-12-02 (0.45 off one device after 4 SGD steps).
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class ShardedHandle:
         if self._shard_grad is not None and hi > lo:
             with torch.no_grad():
                 if self._add and self._divide_by is not None:  # average=True: a carried g_old stays whole
-                    self._shard_grad.add_(self._wire[lo:hi] / self._divide_by)
+                    # widened first: a compressed wire's sum is divided in the gradient's dtype, as before
+                    self._shard_grad.add_(self._wire[lo:hi].to(self._shard_grad.dtype) / self._divide_by)
                 elif self._add:
                     self._shard_grad.add_(self._wire[lo:hi])
                 else:
