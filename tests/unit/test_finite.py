@@ -7,6 +7,7 @@ between check steps, and the steps since the last check checked before state lea
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 
 import pytest
@@ -138,7 +139,37 @@ def test_off_keeps_nothing_and_checks_nothing():
     check = FiniteCheck(every=0, world=_world())
     _steps(check, [NAN] * 3, [NAN] * 3)
     check.after_local_step(lambda: {"w's gradient": torch.tensor([NAN])}, step=1)
-    assert check._mine == [] and check._steps == []
+    assert check._mine == [] and check.steps_noted == 0
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(issubclass(type(o), torch.Tensor) for o in gc.get_objects())
+
+
+def test_the_notes_between_checks_hold_no_more_tensors_as_steps_pass():
+    """A tensor kept per step until the check lived across steps in glibc's heap and pinned the holes the
+    step's large blocks left: a 2-worker MLP's peak RSS grew from 0.7 to 1.4-2.1 GB in 100 steps."""
+    check = FiniteCheck(every=10 ** 6, world=_world(rank=0, world_size=2))
+    _steps(check, [1.0] * 5, [1.0] * 5)
+    held = _live_tensors()
+    _steps(check, [1.0] * 295, [1.0] * 295, first=6)  # the table doubles twice on the way (128 rows first)
+    assert _live_tensors() == held and check.steps_noted == 300
+    _steps(check, [NAN], [NAN], first=301)
+    with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 301: rank 0's own gradient"):
+        check.check_now(step=301, allreduce=_others({}))
+
+
+def test_a_step_with_more_buckets_than_the_last_is_noted_as_the_others():
+    """The layout changes with requires_grad (a frozen layer thawed): the bucket count may differ between
+    steps of one interval, and the check still names the step."""
+    check = FiniteCheck(every=4, world=_world(rank=0, world_size=2))
+    _steps(check, [1.0], [1.0])
+    for bucket in (torch.ones(3), torch.ones(2), torch.tensor([1.0, NAN])):
+        check.before_sum(bucket)
+    check.after_sum([torch.ones(3), torch.ones(2), torch.tensor([2.0, NAN])], step=2, allreduce=_others({}))
+    with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 2: rank 0's own gradient"):
+        _steps(check, [1.0, 1.0], [1.0, 1.0], first=3)
 
 
 def test_steps_between_checks_read_nothing_on_the_host(monkeypatch):
@@ -153,10 +184,10 @@ def test_steps_between_checks_read_nothing_on_the_host(monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, counting)
     check = FiniteCheck(every=5, world=_world())
     _steps(check, [1.0] * 4, [1.0] * 4)
-    assert reads == [] and len(check._steps) == 4
+    assert reads == [] and check.steps_noted == 4
     _steps(check, [1.0], [1.0], first=5)
     monkeypatch.undo()
-    assert reads and check._steps == []
+    assert reads and check.steps_noted == 0
 
 
 def test_the_steps_since_the_last_check_are_checked_now_on_demand():
@@ -167,7 +198,7 @@ def test_the_steps_since_the_last_check_are_checked_now_on_demand():
     _steps(check, [1.0] * 4, [1.0] * 4)
     calls = []
     check.check_now(step=4, allreduce=lambda t: calls.append(t), found="found by close() after step 4")
-    assert len(calls) == 1 and check._steps == []  # compared and forgotten
+    assert len(calls) == 1 and check.steps_noted == 0  # compared and forgotten
     check.check_now(step=4, allreduce=lambda t: calls.append(t))
     assert len(calls) == 1  # nothing noted since: no collective (every rank alike, in lockstep)
     _steps(check, [1.0, 1.0, 1.0], [1.0, NAN, NAN], first=5)
@@ -185,7 +216,7 @@ def test_one_rank_alone_names_the_step_from_its_own_notes_and_keeps_them_for_eve
         with pytest.raises(NonFinite, match=f"^gradient NaN/Inf at step 3: {who} \\(found by state_dict\\(\\) after "
                            "step 4, before the next check every 100 steps\\)"):
             check.check_local(step=4, where="state_dict()")
-        assert len(check._steps) == 4  # a check across ranks still finds them
+        assert check.steps_noted == 4  # a check across ranks still finds them
         check.check_local(step=4, where="state_dict()")  # once per step: a second call finds nothing new
     three = FiniteCheck(every=100, world=_world(rank=0, world_size=3))
     _steps(three, [1.0], [NAN])

@@ -8,7 +8,14 @@ number per bucket from this rank's own gradient just before the bucket goes on t
 (`before_sum`) and one from the summed bucket after the wait (`after_sum`): the bucket's sum,
 which is NaN or Inf when an element is (or when finite elements sum past float32's ~3e38, which
 only a diverged run reaches). A sum is one vectorised pass: 3 µs for LeNet's 126 k gradients on
-the 2-core CPU, where `isfinite(g).all()` costs 350 µs. Every `every` synced steps the ranks sum
+the 2-core CPU, where `isfinite(g).all()` costs 350 µs. When the step's buckets are summed, its
+sums become two flags (this rank's own sums, the summed ones: any NaN/Inf) in one row of a bool
+table made once (`_flags`, `every` rows) - still on the device. The table is what keeps the
+memory flat: a stacked tensor kept per step until the check lived across steps in glibc's heap,
+where the allocator setting (runtime/binding.py) puts the step's large blocks too, and pinned
+the holes they leave; a worker's peak RSS then grew step by step (a 16.8 M-parameter MLP with
+Adam, 2 CPU workers: 0.72-0.78 GB after 5 steps, 1.2-2.4 GB after 100; with the table 0.75-0.94
+GB, as torch DDP under the same setting). Every `every` synced steps the ranks sum
 one small vector over the exchange's own transport - for each rank, the first step since the
 last check at which its own gradient, and at which the sum, was non-finite - so every rank
 reaches the same verdict by construction (not by trusting the summed buckets to be bitwise equal
@@ -60,6 +67,11 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().sum(dtype=torch.float32 if tensor.element_size() < 4 else None)
 
 
+def _any_bad(sums: list[torch.Tensor]) -> torch.Tensor | bool:
+    """Whether any of `sums` is NaN/Inf, as a bool on their device (nothing read back); False for none."""
+    return torch.stack(sums).isfinite().all().logical_not_() if sums else False
+
+
 def _first(bad: list[bool], since: int) -> int:
     """The step of the first True in `bad` (whose index 0 is step `since`), or 0 when none is."""
     return next((since + i for i, b in enumerate(bad) if b), 0)
@@ -78,8 +90,8 @@ class FiniteCheck:
         self._skipped_said = False  # rank 0 said once that non-finite steps never reached the weights
         self._mine: list[torch.Tensor] = []  # this step's own bucket sums, in launch order
         self._earlier: list[torch.Tensor] | None = None  # those of the step's backwards summed before (another_backward)
-        self._steps: list[torch.Tensor] = []  # per synced step since the last check: own sums, then summed
-        self._summed = 0  # how many of each step's sums are of summed buckets (the rest: this rank's own)
+        self._flags: torch.Tensor | None = None  # a row per synced step since the last check: own, summed NaN/Inf
+        self._noted = 0  # the rows of _flags in use
         self._local_at = 0  # the step this rank's own checks last looked at (no collective)
 
     def before_sum(self, bucket: torch.Tensor) -> None:
@@ -107,8 +119,9 @@ class FiniteCheck:
         if not self.every or not summed:
             return
         self._settle(allreduce)
-        self._steps.append(torch.stack(self._own() + [_sum(b) for b in summed]))
-        self._mine, self._earlier, self._summed = [], None, len(summed)
+        row = self._next_row(summed[0].device)
+        row[0], row[1] = _any_bad(self._own()), _any_bad([_sum(b) for b in summed])
+        self._mine, self._earlier = [], None
         if step % self.every == 0:
             self.check_now(step=step, allreduce=allreduce)
 
@@ -120,12 +133,12 @@ class FiniteCheck:
         if not self.every:
             return
         self._settle(allreduce)
-        if not self._steps:
+        if not self._noted:
             return
         notes = self._notes()
-        own, total = notes[:, :-self._summed].any(1).tolist(), notes[:, -self._summed:].any(1).tolist()
-        k, rank, since = self.world.world_size, self.world.rank, step - len(self._steps) + 1
-        self._steps = []
+        own, total = notes[:, 0].tolist(), notes[:, 1].tolist()
+        k, rank, since = self.world.world_size, self.world.rank, step - self._noted + 1
+        self._noted = 0
         firsts = torch.zeros(2 * k, dtype=torch.float64, device=notes.device)
         firsts[2 * rank], firsts[2 * rank + 1] = _first(own, since), _first(total, since)
         allreduce(firsts)  # every rank puts its two numbers in its own slots: the sum gathers them
@@ -148,7 +161,7 @@ class FiniteCheck:
                        f"bf16 has float32's range), or lower the lr; {_OFF}")
         if message is not None:  # every rank has the same message: the sums above made it so
             # The periodic check runs before its step's update: a bad last step is decided after it.
-            self._decide(message, allreduce=allreduce, applied=not periodic or not bool(notes[-1].any()))
+            self._decide(message, allreduce=allreduce, applied=not periodic or not (own[-1] or total[-1]))
 
     def _settle(self, allreduce: Callable[[torch.Tensor], object] | None) -> None:
         """Decide a verdict left waiting for the update of the step that checked: by now it was
@@ -197,11 +210,11 @@ class FiniteCheck:
         if gradients is not None:
             return self.after_local_step(gradients, step=step, found=found)
         self._local_at = step
-        bad = self._notes().any(1).tolist() if self._steps else []
+        bad = self._notes().any(1).tolist() if self._noted else []
         if any(bad):
             first = bad.index(True)
-            mine = bool(self._notes()[first, :-self._summed].any())
-            since = step - len(self._steps) + 1  # the notes stay: a check across ranks may still follow
+            mine = bool(self._notes()[first, 0])
+            since = step - self._noted + 1  # the notes stay: a check across ranks may still follow
             rank, others = self.world.rank, [r for r in range(self.world.world_size) if r != self.world.rank]
             who = (f"rank {rank}'s own gradient went non-finite" if mine else
                    f"rank {others[0]}'s own gradient went non-finite (or the sum overflowed) while rank {rank}'s "
@@ -217,9 +230,24 @@ class FiniteCheck:
                                 "rank updated: dp.check_finite() on every rank names the step and rank); look at "
                                 f"the loss and data, or lower the lr; {_OFF}")
 
+    @property
+    def steps_noted(self) -> int:
+        """The synced steps noted since the last check across ranks."""
+        return self._noted
+
+    def _next_row(self, device: torch.device) -> torch.Tensor:
+        """The row of `_flags` for the next synced step, the table made (or doubled) where it is full."""
+        if self._flags is None or self._noted == len(self._flags):
+            grown = torch.zeros(max(min(self.every, 128), 2 * self._noted), 2, dtype=torch.bool, device=device)
+            if self._noted:
+                grown[:self._noted] = self._flags
+            self._flags = grown
+        self._noted += 1
+        return self._flags[self._noted - 1]
+
     def _notes(self) -> torch.Tensor:
-        """The notes as steps x (own buckets, summed buckets): True where a sum was NaN/Inf."""
-        return torch.stack(self._steps).isfinite().logical_not_()
+        """The notes as steps x (this rank's own buckets, the summed buckets): True where a sum was NaN/Inf."""
+        return self._flags[:self._noted]
 
     def after_local_step(self, gradients: Callable[[], Mapping[str, torch.Tensor]], *, step: int,
                          found: str | None = None) -> None:
