@@ -7,17 +7,22 @@ phalanx with `shard="none" | "optimizer" | "gradients" | "parameters"`. How each
 and reports its memory is the measuring kit's (measure/step.py, measure/memory.py): per rank,
 the bytes of parameters, gradients and optimizer state it holds after its steps (counted from
 its tensors, not from a formula), its resident set before the model was built, its peak over
-the set-up and over the steps (VmHWM), and its step time. This module chooses the contenders,
+the set-up, after the first 5 steps and over all of them (VmHWM), and its step time. 20 timed
+steps after 2 untimed ones: a peak that grows with the steps (a tensor kept per step pinned
+glibc's heap: 0.7 -> 1.4-2.1 GB in 100 steps) shows as the gap between the peak after 5 steps
+and the last one, which 5 steps alone never saw. This module chooses the contenders,
 interleaves them round by round in fresh processes, and forms the comparisons: bytes of the
 fullest rank (the one that decides whether a model fits), and per-round paired ratios of peak
 RSS (the fullest rank's) and of step speed (1 / the slowest rank's step time).
 
-Every contender gets phalanx's CPU set-up (cores / k threads, its allocator setting: freed
-blocks stay on the heap), so the comparison is of the sharding, not of the set-up; and
-contiguous weights, because FSDP2 refuses channels_last parameters ("FSDP does not support
-non-contiguous parameters yet"). A MALLOC_* variable in the environment (`MALLOC_PERTURB_=0`
-is glibc's own default) leaves glibc's allocator as it comes to every contender, phalanx's
-workers included (runtime/binding.py); the payload's `allocator` says which ran.
+Every contender gets cores / k threads and contiguous weights, because FSDP2 refuses
+channels_last parameters ("FSDP does not support non-contiguous parameters yet"). phalanx's
+workers run with its allocator setting (freed blocks stay on the heap), as `phalanx run` starts
+them; DDP, ZeroRedundancyOptimizer and FSDP2 run as a user's own script does, with glibc's
+allocator as it comes, so their peak RSS is the one a user of theirs sees (the table's first
+line says so). A MALLOC_* variable in the environment (`MALLOC_PERTURB_=0` is glibc's own
+default) leaves glibc's allocator as it comes to phalanx's workers too (runtime/binding.py); the
+payload's `allocator` says which ran.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ class MemoryBenchConfig:
                               check=at_least(2, problem="must be at least 2 (sharding over one device divides nothing)"))
     global_batch_size: int = option(128, flag="--batch-size", check=at_least(1), help="global batch")
     warmup_steps: int = option(2, check=at_least(0), help="untimed steps first")
-    steps: int = option(5, check=at_least(1), help="timed steps per contender")
+    steps: int = option(20, check=at_least(1), help="timed steps per contender (the peak after 5 is reported too)")
     rounds: int = option(3, check=at_least(1), help="interleaved rounds, fresh processes each")
     contenders: tuple[str, ...] = option(DEFAULT_CONTENDERS, items=str, choices=tuple(CONTENDERS),
                                          help="ddp, zero (DDP + ZeroRedundancyOptimizer), fsdp2, and phalanx's none, "
@@ -96,10 +101,11 @@ class MemoryBenchConfig:
 
 
 def contender_variants(contenders: tuple[str, ...], num_devices: int, cores: int) -> dict[str, Variant]:
-    """The chosen contenders as the kit's Variants, all with phalanx's CPU set-up."""
+    """The chosen contenders as the kit's Variants: cores / k threads each, phalanx's allocator
+    setting in phalanx's workers only (PyTorch's contenders run as a user's script does)."""
     threads = max(1, cores // num_devices)
     return {key: Variant(name=CONTENDERS[key][0], kind=CONTENDERS[key][1], shard=CONTENDERS[key][2],
-                         num_procs=num_devices, threads_per_proc=threads, allocator_env=True,
+                         num_procs=num_devices, threads_per_proc=threads, allocator_env=CONTENDERS[key][1] == "phalanx",
                          memory_format="contiguous")
             for key in contenders}
 
@@ -134,7 +140,8 @@ def run_memory_bench(config: MemoryBenchConfig, *, on_run: Callable[[str], None]
                      "num_parameters": parameter_count(model), **per[key]} for key in variants]
         ratios += [{"model": model, **ratio} for ratio in compare(per)]
     setting = users_allocator_setting()
-    allocator = "phalanx's allocator setting" if setting is None else f"glibc's allocator ({setting} set)"
+    allocator = ("phalanx's workers with its allocator setting, PyTorch's contenders with glibc's allocator as it "
+                 "comes (as a user's script runs them)" if setting is None else f"glibc's allocator ({setting} set)")
     return {"bench": "memory", "config": asdict(config), "cores": cores, "allocator": allocator,
             "variants": {key: asdict(v) for key, v in variants.items()}, "results": results, "ratios": ratios}
 
@@ -147,13 +154,14 @@ def _worst(ranks: list[dict], key: str) -> float | None:
 def summarize(rounds: list[list[dict]], *, steps: int) -> dict[str, Any]:
     """One contender's rounds (each: every rank's record) as the payload's row: held bytes per
     rank (the most any round saw) and of the fullest rank; per round, the fullest rank's resident
-    set before the model, peak (over the set-up, over the steps, over both) and the slowest rank's
-    step time."""
+    set before the model, peak (over the set-up, after the first steps, over the steps, over
+    both) and the slowest rank's step time."""
     num_ranks = len(rounds[0])
     held = {part: [max(r[rank]["held_bytes"][part] for r in rounds) for rank in range(num_ranks)] for part in HELD}
     row: dict[str, Any] = {"held_bytes_per_rank": held,
                            "held_bytes": {part: max(values) for part, values in held.items()}}
-    for key in ("rss_before_model_bytes", "setup_peak_rss_bytes", "steps_peak_rss_bytes", "peak_rss_bytes"):
+    for key in ("rss_before_model_bytes", "setup_peak_rss_bytes", "early_steps_peak_rss_bytes", "steps_peak_rss_bytes",
+                "peak_rss_bytes"):
         per_round = [_worst(ranks, key) for ranks in rounds]
         row[key] = None if None in per_round else Spread.of(per_round).to_dict()
     row["step_s"] = Spread.of([max(r["wall_s"] for r in ranks) / steps for ranks in rounds]).to_dict()

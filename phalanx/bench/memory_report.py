@@ -1,8 +1,9 @@
 """The terminal table and the chart of `phalanx bench memory` (the measurement is memory.py).
 
 Per model: one row per contender - MB of parameters, gradients and optimizer state held by the
-fullest rank, the fullest worker's resident set before the model, its peak over the set-up and
-over the whole run (median; min-max for the whole run), and the step time (median, min-max over
+fullest rank, the fullest worker's resident set before the model, its peak over the set-up,
+after the first 5 steps and over the whole run (median; min-max for the whole run: a peak that
+grows with the steps shows as the gap between the last two), and the step time (median, min-max over
 interleaved rounds) - then the comparisons: held bytes as one number, peak RSS and step speed as
 medians (min-max) of per-round ratios. The chart stacks each contender's held MB and marks
 its peak RSS above the process's own (what the model and its training added).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.measure.memory import HELD
+from phalanx.measure.memory import EARLY_STEPS, HELD
 from phalanx.measure.outputs import format_table, new_figure
 from phalanx.measure.timing import Spread
 
@@ -46,8 +47,8 @@ def ratio_value(ratio: dict[str, Any]) -> str:
 def report_memory(payload: dict[str, Any]) -> str:
     config = payload["config"]
     threads = next(iter(payload["variants"].values()))["threads_per_proc"]
-    lines = [f"every contender: {threads} thread(s) per process, {payload['allocator']}, "
-             "contiguous weights, BatchNorm on each rank's own batch", ""]
+    lines = [f"every contender: {threads} thread(s) per process, contiguous weights, BatchNorm on each rank's own "
+             f"batch; allocator: {payload['allocator']}", ""]
     for model in config["models"]:
         rows = [r for r in payload["results"] if r["model"] == model]
         count = rows[0]["num_parameters"]
@@ -57,10 +58,12 @@ def report_memory(payload: dict[str, Any]) -> str:
                      f"{config['rounds']} interleaved rounds, {config['steps']} timed steps each")
         table = [(r["name"], *(f"{r['held_bytes'][part] / MB:.1f}" for part in HELD),
                   _mb(r["rss_before_model_bytes"]), _mb(r.get("setup_peak_rss_bytes")),
-                  _mb(r["peak_rss_bytes"], with_range=True), Spread.from_dict(r["step_s"]).scaled(1e3).fmt(0))
+                  _mb(r.get("early_steps_peak_rss_bytes")), _mb(r["peak_rss_bytes"], with_range=True),
+                  Spread.from_dict(r["step_s"]).scaled(1e3).fmt(0))
                  for r in rows]
         lines += [format_table(["contender", "params MB", "grads MB", "optim state MB", "RSS before model MB",
-                                "set-up peak MB", "peak RSS MB", "step ms"], table), ""]
+                                "set-up peak MB", f"peak after {EARLY_STEPS} steps MB", "peak RSS MB", "step ms"],
+                               table), ""]
         named = [(f"{ratio_label(r)} {WHAT[r['metric']]}:", ratio_value(r)) for r in payload["ratios"]
                  if r["model"] == model]
         width = max((len(label) for label, _ in named), default=0)

@@ -35,6 +35,7 @@ def test_memory_bench_smoke(tmp_path, capsys):
         assert all(len(per_rank) == 2 and min(per_rank) > 0 for per_rank in row["held_bytes_per_rank"].values())
         assert row["rss_before_model_bytes"]["median"] > 0 and row["step_s"]["median"] > 0
         assert row["peak_rss_bytes"]["median"] >= row["rss_before_model_bytes"]["median"]
+        assert row["early_steps_peak_rss_bytes"]["median"] <= row["peak_rss_bytes"]["median"]
         assert [len(ranks) for ranks in row["ranks"]] == [2]
     held = {key: row["held_bytes"] for key, row in rows.items()}
     assert held["optimizer"]["optimizer_state"] <= 0.55 * held["none"]["optimizer_state"]
@@ -49,6 +50,10 @@ def test_memory_bench_smoke(tmp_path, capsys):
     ratio = next(r for r in payload["ratios"]
                  if r["metric"] == "optimizer_state_bytes" and r["numerator"] == "optimizer")
     assert ratio["ratio"] == held["optimizer"]["optimizer_state"] / held["none"]["optimizer_state"]
+    # phalanx's workers with its allocator setting; PyTorch's contenders as a user's script runs them.
+    assert {key: v["allocator_env"] for key, v in payload["variants"].items()} == {
+        key: kind == "phalanx" for key, (_, kind, _) in CONTENDERS.items()}
     out = capsys.readouterr().out
+    assert "PyTorch's contenders with glibc's allocator as it comes" in out and "peak after 5 steps MB" in out
     assert "phalanx optimizer / none optimizer-state bytes:" in out and "phalanx parameters / FSDP2 peak RSS" in out
     assert all(row["name"] in out for row in rows.values())
