@@ -9,13 +9,14 @@ number per bucket from this rank's own gradient just before the bucket goes on t
 which is NaN or Inf when an element is (or when finite elements sum past float32's ~3e38, which
 only a diverged run reaches). A sum is one vectorised pass: 3 µs for LeNet's 126 k gradients on
 the 2-core CPU, where `isfinite(g).all()` costs 350 µs. When the step's buckets are summed, its
-sums become two flags (this rank's own sums, the summed ones: any NaN/Inf) in one row of a bool
-table made once (`_flags`, `every` rows) - still on the device. The table is what keeps the
-memory flat: a stacked tensor kept per step until the check lived across steps in glibc's heap,
-where the allocator setting (runtime/binding.py) puts the step's large blocks too, and pinned
-the holes they leave; a worker's peak RSS then grew step by step (a 16.8 M-parameter MLP with
-Adam, 2 CPU workers: 0.72-0.78 GB after 5 steps, 1.2-2.4 GB after 100; with the table 0.75-0.94
-GB, as torch DDP under the same setting). Every `every` synced steps the ranks sum
+sums become two flags (this rank's own sums, the summed ones: any NaN/Inf) in a row of one bool
+table, still on the device (`_flags`: min(every, 128) rows made at the first step, doubled while
+an interval needs more, then kept). The table keeps the memory flat: a stacked tensor kept per
+step until the check lived across steps in glibc's heap, where the allocator setting
+(runtime/binding.py) puts the step's large blocks too, and pinned the holes they leave; a
+worker's peak RSS then grew step by step (a 16.8 M-parameter MLP with Adam, 2 CPU workers, per
+rank: 0.78-1.07 GB after 5 steps, 1.36-2.06 GB after 100; with the table 0.75-0.85 GB, torch
+DDP under the same setting 0.83-0.96; docs/benchmarks.md). Every `every` synced steps the ranks sum
 one small vector over the exchange's own transport - for each rank, the first step since the
 last check at which its own gradient, and at which the sum, was non-finite - so every rank
 reaches the same verdict by construction (not by trusting the summed buckets to be bitwise equal
