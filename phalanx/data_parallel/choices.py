@@ -45,6 +45,8 @@ class Choices:
     shm_rounds: str | None = None  # how the shared segment's rounds run: "compiled", "Python (why)"; None: no segment
     overlap_reason: str | None = None  # what overlap "auto" saw (config.resolve_overlap); None: it was given
     memory_format_reason: str | None = None  # why "auto" ended contiguous (format_fallback.py), or None
+    bucket_cap_mb: float | None = None  # the cap the buckets were cut at (None: one bucket)
+    bucket_cap_auto: bool = False  # True: the cap is the allreduce's default (config.bucket_cap_for)
 
     def describe(self) -> str:
         """One line: allreduce, gradient exchange, memory format, dtype and (if any) BatchNorm."""
@@ -94,7 +96,12 @@ class Choices:
         mode = "overlapped" if self.overlap else "synchronous"
         what = "gradient exchange" if self.shard == "none" else "gradient reduce-scatter"
         why = f" (auto: {self.overlap_reason})" if self.overlap_reason else ""
-        return f"{mode} {what}{why} in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{wire}"
+        return f"{mode} {what}{why} in {len(self.bucket_kb)} bucket(s) of [{sizes}] KB{self._cap_text()}{wire}"
+
+    def _cap_text(self) -> str:
+        if self.bucket_cap_mb is None:  # one flat bucket, asked for or without overlap
+            return ""
+        return f" (cap {self.bucket_cap_mb:g} MB{f', auto for {self.algorithm}' if self.bucket_cap_auto else ''})"
 
     def _batchnorm_text(self) -> str:
         if not self.has_batchnorm:
@@ -124,4 +131,5 @@ def replica_choices(dp, options: DataParallelConfig) -> Choices:
         precision=options.precision, backend=world.backend,
         why_not_shm=shm_applies(world) if world.distributed else None, shard=dp.shard,
         requested_shard=options.shard, hierarchy=hierarchy_text(world) if dp.algorithm == "hierarchical" else None,
-        shm_rounds=dp.shm_rounds)
+        shm_rounds=dp.shm_rounds, bucket_cap_mb=dp._layout.bucket_cap_mb if dp._layout is not None else None,
+        bucket_cap_auto=options.bucket_cap_mb == "auto")

@@ -12,6 +12,7 @@ on one device).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,19 +23,27 @@ from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import MEMORY_FORMATS
 from phalanx.data_parallel.sharding.stages import SHARD_STAGES
 from phalanx.data_parallel.sync_batchnorm import BATCHNORM_POLICIES
-from phalanx.options import OptionError, at_least, check_options, finite, option, positive
+from phalanx.options import OptionError, Rule, at_least, check_options, option
 from phalanx.runtime.horovod_deepspeed import ZERO_STAGE_NAMES, ZERO_STAGES
 from phalanx.runtime.binding import available_cores, leaves_core_for_comm, workers_sharing_cores
 
+# bucket_cap_mb "auto" (the default) is a cap per allreduce, this table's, read in one place
+# (bucket_cap_for); a cap the user gives always wins. shm's, which the other algorithms keep:
 # LeNet's gradient is 504 KB; 0.25 MB cuts it into 3 buckets (5.5 KB fc2 + fc1.bias, 400 KB
 # fc1.weight, 99 KB conv1-2). Measured on the shared 2-core CPU box (2 gloo processes, global
 # batch 256, 40 interleaved rounds in one process tree): the wait left in finish_gradient_sync
 # falls from 4.8 ms (synchronous, flat) to 3.9 / 2.5 / 1.8 / 1.3 ms with 1 / 2 / 3 / 5
 # overlapped buckets, while step time stays within noise for all (p10 62.8-63.8 ms) - presumably
 # because on two busy cores the communication's CPU time comes out of backward's. 3 is the
-# fewest buckets that hide most of the wait. DDP's default 25 MB suits GPUs and big models; on
-# gloo every call pays a ~1 ms floor on loopback TCP, so CPU buckets stay few.
-DEFAULT_BUCKET_CAP_MB = 0.25
+# fewest buckets that hide most of the wait. native (the backend's own: gloo, NCCL): DDP's 25 MB
+# (first bucket min(cap, 1 MiB), buckets.py). Every backend call pays a fixed cost (~1 ms on
+# loopback gloo), so 0.25 MB - which puts each of a 30-layer 256-wide MLP's 60 tensors in a
+# bucket of its own - ran its step 2.1x as long as 25 MB (95 against 49 ms, 2 workers x 1
+# thread, 12 interleaved rounds); 1, 4, 25 MB and one bucket were within noise of each other
+# (43-49 ms), as were all caps on LeNet (58-67 ms). DDP's paper (Li et al., VLDB 2020, its
+# bucket-size experiments on NCCL and gloo) shows the same: tiny buckets pay per-call latency.
+BUCKET_CAP_MB_BY_ALGORITHM = {"native": 25.0}
+DEFAULT_BUCKET_CAP_MB = 0.25  # every other allreduce's
 # --grad-dtype names: the dtypes a bucket may be exchanged in (None: the gradients' own).
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Mixed precision by name (Lightning Fabric's): the autocast dtype of forward. Only bfloat16: it
@@ -64,20 +73,33 @@ def _zero_stage(shard: Any) -> int | None:
     return int(text) if text in ("0", "1", "2", "3") else None
 
 
-def bucket_cap(text: str) -> float | None:
-    """--bucket-cap-mb's text: a number of MB, or 'none' (one bucket)."""
-    if text.lower() == "none":
-        return None
+def bucket_cap_for(bucket_cap_mb: float | str | None, *, algorithm: str) -> float | None:
+    """The cap in MB (None: one bucket) that `bucket_cap_mb` means for buckets `algorithm` carries:
+    "auto" is the table's figure for it, anything else is the caller's own."""
+    if bucket_cap_mb != "auto":
+        return bucket_cap_mb
+    return BUCKET_CAP_MB_BY_ALGORITHM.get(algorithm, DEFAULT_BUCKET_CAP_MB)
+
+
+def bucket_cap(text: str) -> float | str | None:
+    """--bucket-cap-mb's text: a number of MB, 'none' (one bucket) or 'auto' (by the allreduce)."""
+    if text.lower() in ("none", "auto"):
+        return None if text.lower() == "none" else "auto"
     return float(text)  # argparse turns a ValueError into a one-line usage error
 
 
-bucket_cap.__name__ = "MB (or 'none')"  # what argparse names in "invalid ... value"
+bucket_cap.__name__ = "MB (or 'auto' or 'none')"  # what argparse names in "invalid ... value"
+_CAP_RULE = Rule(ok=lambda cap: cap == "auto" or (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+                                                  and math.isfinite(cap) and cap > 0),
+                 problem="must be a positive number of MB, 'auto', or none (one bucket)")
 
 
 def bucket_cap_mb_option() -> Any:
     """--bucket-cap-mb, declared once for the configs that take it (this one, predict's)."""
-    return option(DEFAULT_BUCKET_CAP_MB, parse=bucket_cap, metavar="MB", check=finite(positive("number of MB")),
-                  help="gradient bucket cap in MB with overlap, or 'none' for one bucket")
+    return option("auto", parse=bucket_cap, metavar="MB", check=_CAP_RULE,
+                  default_text=f"auto: {BUCKET_CAP_MB_BY_ALGORITHM['native']:g} for native, "
+                               f"{DEFAULT_BUCKET_CAP_MB:g} for the others",
+                  help="gradient bucket cap in MB with overlap, 'auto' by the allreduce, or 'none' for one bucket")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +116,7 @@ class DataParallelConfig:
     overlap: bool | None = option(None, default_text="auto: off for the shm allreduce when the workers' threads fill "
                                   "the cores", help="exchange gradients beside backward, bucket by bucket "
                                   "(--overlap), or after it on the training thread (--no-overlap)")
-    bucket_cap_mb: float | None = bucket_cap_mb_option()
+    bucket_cap_mb: float | str | None = bucket_cap_mb_option()  # auto: bucket_cap_for the allreduce
     grad_dtype: str | None = option(None, choices=tuple(GRAD_DTYPES), default_text="as computed",
                                     help="exchange gradients compressed to this dtype (half the bytes)")
     # Micro-batches per global batch; the first N-1 accumulate under no_sync, the last syncs (DataSplit's).

@@ -41,7 +41,7 @@ from phalanx.comm import ALLREDUCE, AsyncComm, Tag, open_comm, resolve_algorithm
 from phalanx.data_parallel.accumulate import accumulate, no_sync
 from phalanx.data_parallel.buckets import Bucket, DecompressingHandle, grads_are_bucket_views, wire_of
 from phalanx.data_parallel.choices import replica_choices
-from phalanx.data_parallel.config import DataParallelConfig, resolve_overlap
+from phalanx.data_parallel.config import DataParallelConfig, bucket_cap_for, resolve_overlap
 from phalanx.data_parallel.format_fallback import FormatFallback
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, check_gradients_aliased, gradients_written
 from phalanx.data_parallel.guards.finite import FiniteCheck
@@ -99,20 +99,20 @@ class DataParallel(ReplicaModule):
         broadcast_state_(self.module, world=world, src=0)
         # False: a world of one with nothing to exchange (see the module docstring).
         self.exchanging = world.distributed or options.exchange_alone or comm is not None
+        self._owns_comm = comm is None and self.exchanging  # first: a fallback to native changes the buckets' cap
+        if self._owns_comm:  # it owns the shm segment or the private group
+            comm, self.algorithm, self.fallback_reason = open_comm(world, options.allreduce, threaded=self.overlap)
+        self._comm: AsyncComm | None = comm
         # The buckets for the parameters that train now (layout.py), and what each step used (usage.py).
-        self._layout = BucketLayout(self.module, bucket_cap_mb=options.bucket_cap_mb, shard=options.shard,
-                                    first_bucket_cap_mb=options.first_bucket_cap_mb, world=world,
-                                    average=options.average) if self.exchanging else None
+        self._layout = BucketLayout(self.module, shard=options.shard, first_bucket_cap_mb=options.first_bucket_cap_mb,
+                                    bucket_cap_mb=bucket_cap_for(options.bucket_cap_mb, algorithm=self.algorithm),
+                                    world=world, average=options.average) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
         self._sync_enabled, self._closed, self._capturing = True, False, False  # capturing(): a CUDA graph records
         self._synced_steps = 0  # the step in each bucket's tag
         self.average = options.average
         self._extras = StepExtras(self.module, world=world, average=options.average, batchnorm=options.batchnorm,
                                   average_running_stats=options.average_running_stats)
-        self._owns_comm = comm is None and self.exchanging
-        if self._owns_comm:  # it owns the shm segment or the private group
-            comm, self.algorithm, self.fallback_reason = open_comm(world, options.allreduce, threaded=self.overlap)
-        self._comm: AsyncComm | None = comm
         # How the shared segment sums, when one does: "compiled" or "Python (why)" (comm/shm_kernel.py).
         self.shm_rounds = getattr(comm, "shm_rounds", None) if self.algorithm in ("shm", "hierarchical") else None
         self._routes_bn = self.algorithm != "native" and route_sync_batchnorm(self.module, comm, self.algorithm) > 0

@@ -60,6 +60,7 @@ class BucketLayout:
         cap_bytes = mb_to_bytes(bucket_cap_mb)
         first = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
+        self.bucket_cap_mb = bucket_cap_mb  # what the run's first log line names (choices.py)
         self.usage: ParameterUsage | None = None
         self._lay_out()
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from phalanx.comm import resolve_algorithm
 from phalanx.data_parallel.choices import Choices
-from phalanx.data_parallel.config import DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, DataParallelConfig, resolve_overlap
+from phalanx.data_parallel.config import GRAD_DTYPES, DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
@@ -44,7 +44,7 @@ __all__ = ["Choices", "prepare", "prepare_replica"]  # Choices: what the replica
 def prepare(model: nn.Module, *not_the_model: object, world: World | None = None,
             dtype: str | torch.dtype | None = None, batchnorm: str = "sync",
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool | None = None,
-            bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, grad_dtype: str | torch.dtype | None = None,
+            bucket_cap_mb: float | str | None = "auto", grad_dtype: str | torch.dtype | None = None,
             precision: str | None = None, average: bool | None = None, tracer: Tracer | None = None,
             shard: str = "none", check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY,
             **not_phalanx_options: object) -> DataParallel:
@@ -57,14 +57,15 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
     native, shm, ring, tree, naive). `grad_dtype`: "bf16", "fp16" (or the torch dtype), the
     exchange's wire dtype. `overlap`: True sends each bucket beside backward, False exchanges
     after backward on the calling thread, None decides per host (DataParallelConfig's).
-    `bucket_cap_mb` applies with overlap; without it the exchange is
-    one flat bucket (every gloo call pays a ~1 ms floor, so when nothing overlaps, one call is
-    fastest). `precision="bf16-mixed"`: forward under torch.autocast(bfloat16), outputs widened
-    to float32, float32 weights and exchange (None: the dtype throughout). `average`: None
-    expects `shard_loss`; True: DDP's mean of per-rank means. `tracer`: where each bucket's
-    exchange is traced (None: off). `shard`: none, optimizer, gradients or parameters (ZeRO
-    stages 1-3: each rank keeps 1/k of the optimizer state, then the gradients, then the
-    parameters; build the optimizer with `dp.optimizer(torch.optim.AdamW, lr=...)`).
+    `bucket_cap_mb` applies with overlap ("auto": 25 MB for native, 0.25 MB for the others,
+    config.py's table); without it the exchange is one flat bucket (every gloo call pays a ~1 ms
+    floor, so when nothing overlaps, one call is fastest). `precision="bf16-mixed"`: forward under
+    torch.autocast(bfloat16), outputs widened to float32, float32 weights and exchange (None: the
+    dtype throughout). `average`: None expects `shard_loss`; True: DDP's mean of per-rank means.
+    `tracer`: where each bucket's exchange is traced (None: off). `shard`: none, optimizer,
+    gradients or parameters (ZeRO stages 1-3: each rank keeps 1/k of the optimizer state, then the
+    gradients, then the parameters; build the optimizer with `dp.optimizer(torch.optim.AdamW,
+    lr=...)`).
     `check_finite_every`: synced steps between the gradient's NaN/Inf checks and the replicas'
     comparison (guards/replicas.py; 0: both off). A bad
     value raises ValueError before anything is converted. Accelerate's and Fabric's habits, more

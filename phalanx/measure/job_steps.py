@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from phalanx.comm import open_comm
 from phalanx.data import split_batch
-from phalanx.data_parallel import DEFAULT_BUCKET_CAP_MB, apply_memory_format, prepare, resolve_memory_format
+from phalanx.data_parallel import apply_memory_format, prepare, resolve_memory_format
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.measure.mlp import build_bench_model
 from phalanx.runtime.world import World
@@ -46,7 +46,7 @@ class StepJob:
     memory_format: str = "contiguous"
     grad_dtype: str | None = None
     algorithm: str = "auto"
-    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB
+    bucket_cap_mb: float | str | None = "auto"  # prepare's: by the allreduce
     check_finite_every: int = DEFAULT_CHECK_FINITE_EVERY
     shard: str = "none"
     overlap: bool | None = None  # the exchange beside backward (None: auto, DataParallelConfig's)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from phalanx.comm import CHOICES
 from phalanx.comm.shm import shm_supported
-from phalanx.data_parallel.config import bucket_cap_mb_option
+from phalanx.data_parallel.config import bucket_cap_for, bucket_cap_mb_option
 from phalanx.measure.mlp import BENCH_MODELS
 from phalanx.options import Rule, at_least, check_options, component, finite, option, positive
 
@@ -131,7 +131,7 @@ class PredictConfig:
                             help="the allreduce (auto: shm on loopback, native on the other links)")
     overlap: bool | None = option(None, default_text="auto, as phalanx train's", help="predict (and validate) the "
                                   "exchange beside backward (--overlap) or after it (--no-overlap)")
-    bucket_cap_mb: float | None = bucket_cap_mb_option()
+    bucket_cap_mb: float | str | None = bucket_cap_mb_option()  # auto: resolved below, as training's
     interconnect: Interconnect = component(LinkOptions, into=LinkOptions.resolve)
     # also measure phalanx at each k (loopback only) and report the error
     validate: bool = option(False, help="measure phalanx at each k here (loopback, k <= 2 x cores) and print the error")
@@ -159,6 +159,9 @@ class PredictConfig:
         if self.algorithm == "auto":  # as training's auto: shm for processes sharing this host
             local = self.interconnect.shares_host and shm_supported() is None
             object.__setattr__(self, "algorithm", "shm" if local else "native")
+        # auto: the cap training gives the allreduce predicted (--hosts: hierarchical's; both rows share buckets)
+        cap = bucket_cap_for(self.bucket_cap_mb, algorithm="hierarchical" if self.hosts else self.algorithm)
+        object.__setattr__(self, "bucket_cap_mb", cap)
         if self.algorithm == "shm" and not self.interconnect.shares_host:
             raise ValueError(f"the shm allreduce serves processes on one host; the {self.interconnect.name} "
                              "interconnect links separate devices: use --allreduce native")

@@ -19,7 +19,7 @@ from typing import Callable, Union
 import torch
 
 from phalanx.comm import CHOICES
-from phalanx.data_parallel import BATCHNORM_POLICIES, DEFAULT_BUCKET_CAP_MB, GRAD_DTYPES, MEMORY_FORMATS
+from phalanx.data_parallel import BATCHNORM_POLICIES, GRAD_DTYPES, MEMORY_FORMATS
 from phalanx.data_parallel.step import shard_loss
 from phalanx.options import Rule, at_least, device_count, check_options, finite, option, positive, wait_seconds
 
@@ -65,7 +65,7 @@ class VerifyConfig:
     algorithm: str = option("auto", flag="--allreduce", choices=CHOICES, help="the k-device runs' allreduce")
     overlap: bool | None = option(None, default_text="auto, as phalanx train's", help="the k-device runs' exchange "
                                   "beside backward (--overlap) or after it (--no-overlap)")
-    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB  # with overlap; None: one bucket
+    bucket_cap_mb: float | str | None = "auto"  # with overlap; None: one bucket; auto: by the allreduce (prepare's)
     # the k-device runs' BatchNorm policy (the reference is plain BatchNorm)
     batchnorm: str = option("sync", choices=BATCHNORM_POLICIES, help="BatchNorm models' statistics")
     memory_format: str = "auto"  # the k-device runs' layout, as phalanx train (the reference: contiguous)
@@ -101,7 +101,7 @@ class VerifyConfig:
         if self.global_batch_size < max(self.world_sizes):
             raise ValueError(f"--batch-size {self.global_batch_size} is smaller than {max(self.world_sizes)} devices; "
                              f"use --batch-size {max(self.world_sizes)} or more")
-        if self.bucket_cap_mb is not None and not self.bucket_cap_mb > 0:
+        if self.bucket_cap_mb not in (None, "auto") and not self.bucket_cap_mb > 0:
             raise ValueError(f"--bucket-cap-mb {self.bucket_cap_mb} must be a positive number of MB")
         if self.memory_format not in MEMORY_FORMATS:
             raise ValueError(f"memory format {self.memory_format!r} is unknown; choose one of {', '.join(MEMORY_FORMATS)}")

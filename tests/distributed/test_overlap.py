@@ -127,8 +127,8 @@ def _worker(world) -> dict:
 
         # Only the first world_size - 1 examples: the last rank's shard is empty (no backward).
         tiny = rank_shard(torch.arange(world.world_size - 1), rank=world.rank, world_size=world.world_size)
-        for algorithm in ("native", "tree", "shm"):
-            dp, comm = make(allreduce=algorithm, overlap=True)
+        for algorithm in ("native", "tree", "shm"):  # LeNet in 3 buckets each (native's own cap takes it whole)
+            dp, comm = make(allreduce=algorithm, overlap=True, bucket_cap_mb=0.25)
             train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), X[tiny], y[tiny],
                         global_batch_size=world.world_size - 1)
             out[f"empty-{algorithm}"] = (_grads(dp.module), len(tiny), comm.launched)
@@ -136,7 +136,7 @@ def _worker(world) -> dict:
 
         for algorithm, overlap in ACCUM_CASES:
             for steps in (1, 3):
-                dp, comm = make(allreduce=algorithm, overlap=overlap)
+                dp, comm = make(allreduce=algorithm, overlap=overlap, bucket_cap_mb=0.25)
                 train_batch(dp, torch.optim.SGD(dp.module.parameters(), lr=0.0), Xs, ys,
                             global_batch_size=GLOBAL_BATCH, grad_accum_steps=steps)
                 out[f"accum-{algorithm}-{overlap}-{steps}"] = (_grads(dp.module), comm.launched)

@@ -95,7 +95,7 @@ def launcher_line(stderr: str) -> str:
 
 FROZEN = {
     "lenet-3-buckets-shm": ["--model", "lenet"],
-    "lenet-3-buckets-native": ["--model", "lenet", "--allreduce", "native"],
+    "lenet-3-buckets-native": ["--model", "lenet", "--allreduce", "native", "--bucket-cap-mb", "0.25"],
     # 27 buckets queued on the communication thread: one timeout in all, not one per bucket
     # (which would be ~100 s at --timeout 5).
     "resnet-27-buckets": ["--model", "resnet", "--batchnorm", "local", "--bucket-cap-mb", "0.001"],

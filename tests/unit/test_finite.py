@@ -104,7 +104,7 @@ def test_a_bucketed_replica_stops_within_the_interval_and_names_the_step():
     torch.manual_seed(0)
     world = _world()
     X, y = torch.randn(6, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (6,))
-    options = DataParallelConfig(check_finite_every=3, exchange_alone=True)
+    options = DataParallelConfig(check_finite_every=3, exchange_alone=True, bucket_cap_mb=0.25)  # LeNet in 3
     with DataParallel(LeNet().double(), world=world, options=options) as dp:
         assert len(dp.buckets) == 3  # the exchanging path, as each of k ranks runs it
         optimizer = torch.optim.SGD(dp.parameters(), lr=0.01)

@@ -65,6 +65,7 @@ class FakeComm:
 
 
 def _dp(model: nn.Module, comm: FakeComm, **options) -> DataParallel:
+    options.setdefault("bucket_cap_mb", DEFAULT_BUCKET_CAP_MB)  # LeNet in 3 buckets (auto, native here: one)
     dp = DataParallel.over(comm, model, world=WORLD1, options=DataParallelConfig(**options))
     comm.buffers = [b.buffer for b in dp.buckets]
     return dp
@@ -481,7 +482,7 @@ def test_grad_accum_three_equals_one_and_syncs_once(overlap):
 
 def test_config_and_cli_flags():
     config = TrainConfig().data_parallel
-    assert config.overlap is None and config.bucket_cap_mb == DEFAULT_BUCKET_CAP_MB and config.grad_accum_steps == 1
+    assert config.overlap is None and config.bucket_cap_mb == "auto" and config.grad_accum_steps == 1
     for kwargs, fragment in [({"grad_accum_steps": 0}, "--grad-accum 0"), ({"bucket_cap_mb": -1.0}, "--bucket-cap-mb -1.0")]:
         with pytest.raises(ValueError, match=fragment):
             DataParallelConfig(**kwargs)

@@ -85,10 +85,11 @@ def test_the_exchange_options_reach_the_replica():
                                                 check_finite_every=7)
     # exchange_alone keeps the buckets a world of one leaves out, as on each of k devices.
     alone = DataParallelConfig(exchange_alone=True)
-    with prepare_replica(LeNet(), replace(alone, grad_dtype="bf16"), world=WORLD1) as dp:
+    with prepare_replica(LeNet(), replace(alone, grad_dtype="bf16", bucket_cap_mb=0.25), world=WORLD1) as dp:
         assert len(dp.buckets) == 3 and dp.grad_dtype is torch.bfloat16
         assert dp.choices.describe().startswith("allreduce native (auto), overlapped gradient exchange in 3 "
-                                                "bucket(s) of [5.5, 400.0, 98.6] KB sent as bf16, channels_last")
+                                                "bucket(s) of [5.5, 400.0, 98.6] KB (cap 0.25 MB) sent as bf16, "
+                                                "channels_last")
     # Without overlap one flat bucket, whatever the cap: nothing overlaps, so one call is fastest.
     with prepare_replica(LeNet(), replace(alone, overlap=False, bucket_cap_mb=0.01), world=WORLD1) as dp:
         assert len(dp.buckets) == 1 and dp.options.bucket_cap_mb is None and dp.choices.describe().startswith(

@@ -48,7 +48,7 @@ def test_a_world_of_one_builds_no_exchange_machinery(overlap):
         assert all(p.grad is None for p in dp.module.parameters())  # as optimizer.zero_grad() leaves them
     # exchange_alone keeps the machinery (its collectives return at once), closed with the replica.
     with DataParallel(LeNet(), world=WORLD1, options=DataParallelConfig(overlap=True, exchange_alone=True)) as dp:
-        assert dp.exchanging and len(dp.buckets) == 3 and dp._comm is not None
+        assert dp.exchanging and len(dp.buckets) == 1 and dp._comm is not None  # native's 25 MB: LeNet whole
         assert all(_hooks(p) == 1 for p in dp.module.parameters())
     assert dp._comm is None
 
