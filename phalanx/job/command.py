@@ -25,7 +25,7 @@ from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
 from phalanx.runtime.launch import check_loopback
 from phalanx.runtime.world import launcher_env
-from phalanx.telemetry import RankZeroLog, survive_closed_stdout
+from phalanx.telemetry import RankZeroLog, survive_lost_output
 
 DESCRIPTION = """\
 Train a model on k devices in lockstep: every device holds a replica (or, with --split, a share of
@@ -43,7 +43,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    survive_closed_stdout()  # the launcher's own lines too (the summary at the end)
+    survive_lost_output()  # the launcher's own lines too (the summary at the end)
     config = build(TrainConfig, args)
     check_out_dir(config.out_dir)
     check_out_dir(config.trace_dir, flag="--trace")

@@ -29,7 +29,7 @@ from phalanx.models import build_model
 from phalanx.data_parallel.guards.checks import model_fingerprint, preflight_check
 from phalanx.data_parallel.prepare import prepare_replica
 from phalanx.model_split.splits import build_split
-from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span, survive_closed_stdout
+from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span, survive_lost_output
 from phalanx.train import checkpoint as ckpt
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import build_optimizer, describe as describe_optimizer
@@ -48,7 +48,7 @@ from phalanx.runtime.world import World
 
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
-    survive_closed_stdout()  # `phalanx train | head`: the lines end, the training does not
+    survive_lost_output()  # `phalanx train | head`: the lines end, the training does not
     log = RankZeroLog(enabled=world.is_main)
     data = load_dataset(config.data.dataset, config.data.directory, log=log)
     num_train = data.train_images.shape[0]

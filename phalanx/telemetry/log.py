@@ -1,14 +1,18 @@
 """One logger for a run: only the main rank prints, always flushed (workers share one terminal).
 
-A run's stdout may close under it (`phalanx train | head`, a `tee` or log shipper that dies, a
-closed terminal): Python then raises BrokenPipeError at the next print, and the run died there,
-losing the steps since its last checkpoint. `survive_closed_stdout()` makes the first such error
-point file descriptor 1 at /dev/null (so every later write, Python's or C's, goes nowhere),
-says so once on stderr, and lets training go on: its rows are in metrics.jsonl all the same.
+A run's stdout or stderr may fail under it: its reader closes (`phalanx train | head`, a `tee`
+or log shipper that dies: BrokenPipeError), or the file it is redirected to cannot grow
+(`phalanx train > /full/fs/log`: ENOSPC, found by an outside trial where the run died at epoch
+47 of 80 with no checkpoint). Python raises OSError at the next print and the run died there,
+losing the steps since its last checkpoint. `survive_lost_output()` makes the first such error
+point that file descriptor at /dev/null (so every later write, Python's or C's, goes nowhere),
+says so once on stderr when stdout is the one lost (a lost stderr can tell no one) and lets
+training go on: its rows are in metrics.jsonl all the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import TextIO
@@ -25,44 +29,54 @@ class RankZeroLog:
             print(message, file=stream, flush=True)
 
 
-class _SurvivingStdout:
-    """sys.stdout, but a closed reader ends its output instead of the run (see the module docstring)."""
+class _SurvivingStream:
+    """sys.stdout or sys.stderr, but a failed write ends its output instead of the run (see above)."""
 
-    def __init__(self, stream: TextIO) -> None:
-        self._stream, self._gone = stream, False
+    def __init__(self, stream: TextIO, name: str) -> None:
+        self._stream, self._name, self._gone = stream, name, False
 
-    def _closed(self) -> None:
-        if not self._gone:
-            self._gone = True
+    def _lost(self, exc: OSError) -> None:
+        if self._gone:
+            return
+        self._gone = True
+        with contextlib.suppress(OSError, ValueError):  # no descriptor left to open: the writes stay swallowed
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
-            print(f"phalanx: stdout was closed by its reader (pid {os.getpid()}); training goes on, its lines are "
-                  "lost (metrics.jsonl keeps every epoch's row)", file=sys.stderr, flush=True)
+        if self._name == "stdout":
+            why = ("was closed by its reader" if isinstance(exc, BrokenPipeError)
+                   else f"cannot be written ({exc.strerror or exc})")
+            with contextlib.suppress(OSError, ValueError):  # stderr lost as well: nobody to tell
+                print(f"phalanx: stdout {why} (pid {os.getpid()}); training goes on, its lines are lost "
+                      "(metrics.jsonl keeps every epoch's row)", file=sys.stderr, flush=True)
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._closed()
+        except OSError as exc:
+            self._lost(exc)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._closed()
-            self._stream.flush()  # what was buffered goes to /dev/null now
+        except OSError as exc:
+            self._lost(exc)
+            with contextlib.suppress(OSError):
+                self._stream.flush()  # what was buffered goes to /dev/null now
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
 
 
-def survive_closed_stdout() -> None:
-    """From now on in this process a closed stdout ends its output, not the run (once; see above)."""
-    if not isinstance(sys.stdout, _SurvivingStdout) and sys.stdout is not None:
+def survive_lost_output() -> None:
+    """From now on in this process a failed stdout or stderr ends its output, not the run (once; see above)."""
+    for name in ("stderr", "stdout"):  # stderr first: it carries the line saying stdout is lost
+        stream = getattr(sys, name)
+        if isinstance(stream, _SurvivingStream) or stream is None:
+            continue
         try:
-            sys.stdout.fileno()
-        except (OSError, ValueError, AttributeError):  # no file descriptor (captured): nothing can close it
-            return
-        sys.stdout = _SurvivingStdout(sys.stdout)
+            stream.fileno()
+        except (OSError, ValueError, AttributeError):  # no file descriptor (captured): nothing can fail it
+            continue
+        setattr(sys, name, _SurvivingStream(stream, name))

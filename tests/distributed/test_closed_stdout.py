@@ -1,9 +1,13 @@
-"""A run whose stdout closes under it trains on: `phalanx train | head -1`, or a `tee` that dies.
+"""A run whose stdout closes or fills under it trains on: `phalanx train | head -1`, a `tee` that
+dies, or `phalanx train > /full/fs/log`.
 
 Python raises BrokenPipeError at the first print after the reader went away; the worker on
 rank 0 died there, the run ended with exit 1 and lost the steps since its last checkpoint (all
 of them without --checkpoint-every), found by an outside operator's trial. Now the output ends,
 one line on stderr says so, and the run finishes with every epoch's row in metrics.jsonl.
+A full disk under a redirected stdout (ENOSPC, /dev/full here) killed rank 0 the same way, at
+epoch 47 of 80 with no checkpoint in the same trial; stdout and stderr both on it ended the run
+with nobody told.
 """
 
 from __future__ import annotations
@@ -40,6 +44,37 @@ def test_a_run_whose_stdout_reader_exits_finishes_every_epoch(tmp_path):
     assert returncode == 0, stderr[-3000:]
     assert "phalanx: stdout was closed by its reader" in stderr and "training goes on" in stderr, stderr[-3000:]
     assert "BrokenPipeError" not in stderr, stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
+    assert (out / "model.pt").is_file()
+
+
+def _train_into(out, *, stdout, stderr, extra=()):
+    return subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:2", "--dataset", "synthetic",
+                           "--epochs", str(EPOCHS), "--no-progress", "--threads-per-device", "1", "--out", str(out),
+                           *extra], stdout=stdout, stderr=stderr, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill stdout")
+def test_a_run_whose_stdout_is_on_a_full_disk_trains_and_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    with open("/dev/full", "w") as full:
+        proc = _train_into(out, stdout=full, stderr=subprocess.PIPE, extra=("--checkpoint-every", "epoch"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "phalanx: stdout cannot be written (No space left on device)" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "OSError" not in proc.stderr, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
+    assert (out / "model.pt").is_file() and any((out / "checkpoints").iterdir())
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill stdout")
+def test_a_run_whose_stdout_and_stderr_are_on_a_full_disk_finishes_silently(tmp_path):
+    out = tmp_path / "run"
+    with open("/dev/full", "w") as full:
+        proc = _train_into(out, stdout=full, stderr=full)
+    assert proc.returncode == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
     assert (out / "model.pt").is_file()
