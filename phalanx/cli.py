@@ -102,6 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
             print(f"phalanx: run stopped: {_out_of_files(exc)}", file=sys.stderr)
             return 1
+        from phalanx.runtime.host_limits import limit_reason
+
+        limit = limit_reason(exc)  # one device trains in this process: a ulimit it meets, in one line
+        if limit is not None:
+            print(f"phalanx: run stopped: {limit}", file=sys.stderr)
+            return 1
         raise
 
 

@@ -23,6 +23,7 @@ from phalanx.options import add_options, build
 from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
+from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.launch import check_loopback
 from phalanx.runtime.world import launcher_env
 from phalanx.telemetry import RankZeroLog, survive_lost_output
@@ -49,6 +50,7 @@ def run_train(args: argparse.Namespace) -> int:
     check_out_dir(config.trace_dir, flag="--trace")
     check_out_dir(config.checkpoint.directory, flag="--checkpoint-dir")
     check_path_length(config.data.directory, flag="--data-dir")
+    check_temp_dir()  # torch itself needs one: refused before any data is read or worker started
     env = launcher_env()
     data = None
     auto = config.launch.devices.strip().lower() == AUTO
@@ -79,6 +81,7 @@ def run_train(args: argparse.Namespace) -> int:
                          "not to phalanx train")
     if env is None and plan.num_devices > 1:  # the workers meet on 127.0.0.1: refused before the data is read
         check_loopback()
+        check_limits(plan.num_devices)
     # One run per output directory: held from here (before any worker) until the run is over.
     with hold_run_directories(config, enabled=env is None or env.rank == 0):
         if env is None and plan.num_devices > 1 and data is None:

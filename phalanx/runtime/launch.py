@@ -32,6 +32,7 @@ from phalanx.runtime.binding import (allowed_cores, check_bindable, oversubscrip
 from phalanx.errors import UsageError
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.devices import DevicePlan
+from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
 from phalanx.runtime.supervise import TEARDOWN_S, WorkerSet, report_progress, run_workers
 from phalanx.runtime.worker_errors import WorkerFailed
@@ -123,6 +124,8 @@ def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
         check_bindable(spec.plan.num_devices, len(allowed_cores()))
     k = spec.plan.num_devices
+    check_limits(k)
+    check_temp_dir()
     with stop_on_signals(), loopback_store(k, timeout_s=spec.timeout_s) as port:
         if announce is not None:
             announce(f"127.0.0.1:{port}")

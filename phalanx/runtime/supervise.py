@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of
+from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
                                            read_report, recorded, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
@@ -98,7 +99,7 @@ class WorkerSet:
             raise ValueError(f"start_method {self.start_method!r} is not one of {START_METHODS}")
 
 
-def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str) -> None:
+def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str | None) -> None:
     """One spawned worker: run the body, send one report, then tear down."""
     global _PROGRESS
     die_with_parent(parent_pid)
@@ -107,7 +108,8 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
     flush_on_sigterm()
     if workers.env:
         os.environ.update(workers.env[rank])
-    os.environ[ERROR_FILE_VAR] = error_file  # as torchrun's agent gives each worker one of its own
+    if error_file is not None:  # None: no temporary directory to hold it (worker_errors.error_files)
+        os.environ[ERROR_FILE_VAR] = error_file  # as torchrun's agent gives each worker one of its own
     _PROGRESS = None if progress is None else (progress, rank)
     if workers.start_method == "fork":
         reset_signals()
@@ -135,7 +137,9 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
                                               exc.restartable)), 1
         except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
             summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
-            report, exit_code = pickle.dumps(error_report(summary, user_traceback(exc), is_echo(exc))), 1
+            limit = limit_reason(exc)  # a ulimit explains it: its line is the whole story, and it would repeat
+            report, exit_code = pickle.dumps(error_report(summary, user_traceback(exc), is_echo(exc)) if limit is None
+                                             else ("failed", limit, "", rank, False)), 1
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
@@ -190,7 +194,7 @@ def _progress_array(ctx, num_procs: int):
         return None
 
 
-def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str] = ()) -> list[Any]:
+def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str | None] = ()) -> list[Any]:
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...)
     first_failure: int | None = None

@@ -51,13 +51,23 @@ _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer")
 
 
 @contextlib.contextmanager
-def error_files(num_procs: int) -> Iterator[list[str]]:
+def error_files(num_procs: int) -> Iterator[list[str | None]]:
     """One error file path per rank in a fresh private directory (the files themselves are the
     workers' to write); the directory goes when the block ends, and those of launchers killed
-    outright (SIGKILL: no block ends) go at the next launch."""
-    for name in stale_leftovers(tempfile.gettempdir(), ERRORS_PREFIX):
-        shutil.rmtree(os.path.join(tempfile.gettempdir(), name), ignore_errors=True)
-    directory = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
+    outright (SIGKILL: no block ends) go at the next launch.
+
+    The files only add a recorded message to a failure line, so where no temporary directory can
+    be made (a read-only /tmp under `docker --read-only`, no descriptor left under `ulimit -n`)
+    every rank gets None and the run goes on without them; before, the launcher died there in a
+    47-line traceback."""
+    try:
+        temp_root = tempfile.gettempdir()
+        for name in stale_leftovers(temp_root, ERRORS_PREFIX):
+            shutil.rmtree(os.path.join(temp_root, name), ignore_errors=True)
+        directory = tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-")
+    except OSError:  # gettempdir's "No usable temporary directory" is a FileNotFoundError
+        yield [None] * num_procs
+        return
     try:
         paths = []
         for rank in range(num_procs):

@@ -1,0 +1,94 @@
+"""The host's limits a run meets before its first step: a temporary directory, file descriptors,
+threads and address space, each refused or explained in one line that names the limit and the fix.
+
+Found by an outside container trial, each was a traceback: a read-only /tmp (`docker
+--read-only`) ended in 47 lines from tempfile (torch's own import of its compiler cache needs a
+temporary directory too, so there is no going on without one); `ulimit -n 12..14` in c10d's
+retries of the store for two minutes, then ~300 lines; `ulimit -u 8..12` in a gloo
+"Resource temporarily unavailable"; `ulimit -v 1000000` in an ImportError ("failed to map
+segment") or a MemoryError. `check_temp_dir` and `check_limits` refuse before anything
+starts; `limit_reason` turns a worker's error that a finite limit explains into its one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import tempfile
+
+from phalanx.errors import UsageError
+
+# What a run of k spawned workers needs at least, measured on 2026-12-03 (cpu:k, synthetic data,
+# LeNet): descriptors: k=2 runs at 30 and fails at 28, k=4 runs at 36 and fails at 32 (below, the
+# store's clients fail with EMFILE and retry for two minutes); processes and threads: k=2 runs at
+# 16 and fails at 12 (the trial, as nobody; root is exempt); address space per process: 1.5e6 KiB runs, 1e6 KiB
+# fails in the workers' imports. Each floor leaves room for a data set's files and loader pipes.
+# (resource, its ulimit flag, the floor for k workers in ulimit's unit, what it counts)
+_FLOORS = (
+    (resource.RLIMIT_NOFILE, "-n", lambda k: 32 + 4 * k, "open files"),
+    (resource.RLIMIT_NPROC, "-u", lambda k: 8 + 4 * k, "processes and threads of this user"),
+    (resource.RLIMIT_AS, "-v", lambda k: 1_500_000, "KiB of address space per process"),
+)
+_FIX = {"-n": "ulimit -n 1024", "-u": "ulimit -u 4096", "-v": "ulimit -v unlimited"}
+
+
+def check_temp_dir() -> None:
+    """Refuse in one line a host with no writable temporary directory (tempfile tries TMPDIR,
+    /tmp, /var/tmp, /usr/tmp and the working directory)."""
+    try:
+        tempfile.gettempdir()
+    except OSError:  # "No usable temporary directory found in [...]" (FileNotFoundError)
+        raise UsageError("no writable temporary directory (TMPDIR, /tmp, /var/tmp and the working directory are "
+                         "read-only, full or missing), and torch and the workers need one; set TMPDIR to a "
+                         "writable directory (TMPDIR=$HOME/tmp, or a tmpfs mount under docker --read-only) "
+                         "and run again") from None
+
+
+def check_limits(num_workers: int) -> None:
+    """Raise a soft limit below what `num_workers` spawned workers need up to the hard limit (the
+    workers inherit it); refuse in one line, naming the limit and the fix, where the hard limit
+    itself is too low."""
+    for which, flag, floor, unit in _FLOORS:
+        if which == resource.RLIMIT_NPROC and os.geteuid() == 0:
+            continue  # Linux does not hold root to it
+        scale = 1024 if flag == "-v" else 1  # ulimit -v counts KiB, getrlimit bytes
+        need = floor(num_workers) * scale
+        soft, hard = resource.getrlimit(which)
+        if soft == resource.RLIM_INFINITY or soft >= need:
+            continue
+        if hard == resource.RLIM_INFINITY or hard >= need:
+            resource.setrlimit(which, (hard, hard))
+            continue
+        raise UsageError(f"ulimit {flag} is {soft // scale} (hard limit {hard // scale}), and {num_workers} "
+                         f"worker(s) need at least {need // scale} {unit}; raise it ({_FIX[flag]}) and run again")
+
+
+def _limited(which: int) -> int | None:
+    soft, _ = resource.getrlimit(which)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def limit_reason(exc: BaseException) -> str | None:
+    """One line for an error that a finite limit of this process explains (descriptors, threads,
+    address space), naming the limit and the fix; None for any other error."""
+    text = f"{type(exc).__name__}: {exc}"
+    if (getattr(exc, "errno", None) == errno.EMFILE or "Too many open files" in text) \
+            and _limited(resource.RLIMIT_NOFILE) is not None:
+        soft = _limited(resource.RLIMIT_NOFILE)
+        return (f"too many open files ({text.splitlines()[0][:160]}): this process may hold {soft} (ulimit -n); "
+                f"raise it ({_FIX['-n']}) and run again")
+    threads = _limited(resource.RLIMIT_NPROC)
+    if threads is not None and ("Resource temporarily unavailable" in text or "can't start new thread" in text
+                                or getattr(exc, "errno", None) == errno.EAGAIN):
+        return (f"a worker could not start a thread ({text.splitlines()[0][:160]}): this user may run only "
+                f"{threads} processes and threads (ulimit -u {threads}), and each worker starts several (torch's "
+                "intra-op pool, gloo, the store); raise it (ulimit -u 4096), or run fewer workers or "
+                "--threads-per-device 1")
+    space = _limited(resource.RLIMIT_AS)
+    if space is not None and (isinstance(exc, MemoryError) or "failed to map segment" in text
+                              or "Cannot allocate memory" in text or "bad_alloc" in text):
+        return (f"out of address space ({text.splitlines()[0][:160]}): each process may map only "
+                f"{space / 2**30:.2f} GiB (ulimit -v {space // 1024}), and torch and its libraries map more "
+                "than 1 GiB per worker (2 GiB ran LeNet in the trial); raise it (ulimit -v unlimited) and run again")
+    return None

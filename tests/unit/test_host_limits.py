@@ -1,0 +1,65 @@
+"""A worker's error that a finite ulimit explains is one line naming the limit and the fix (it was
+the error's traceback: gloo's "Resource temporarily unavailable" under `ulimit -u 8`, a
+MemoryError under `ulimit -v`); the error files a run can do without fall away where no
+temporary directory can be made."""
+
+import errno
+import resource
+import tempfile
+
+import pytest
+
+from phalanx.errors import UsageError
+from phalanx.runtime import host_limits
+from phalanx.runtime.host_limits import check_limits, check_temp_dir, limit_reason
+from phalanx.runtime.worker_errors import error_files
+
+
+def _limits(monkeypatch, **soft_by_name):
+    table = {getattr(resource, name): value for name, value in soft_by_name.items()}
+    monkeypatch.setattr(host_limits.resource, "getrlimit",
+                        lambda which: (table.get(which, resource.RLIM_INFINITY),) * 2)
+
+
+def test_a_thread_that_cannot_start_names_ulimit_u(monkeypatch):
+    _limits(monkeypatch, RLIMIT_NPROC=8)
+    line = limit_reason(RuntimeError("Resource temporarily unavailable"))
+    assert "ulimit -u 8" in line and "ulimit -u 4096" in line and "\n" not in line
+
+
+def test_out_of_address_space_names_ulimit_v(monkeypatch):
+    _limits(monkeypatch, RLIMIT_AS=1_000_000 * 1024)
+    line = limit_reason(ImportError("x.so: failed to map segment from shared object"))
+    assert "ulimit -v 1000000" in line and "ulimit -v unlimited" in line
+    assert "ulimit -v 1000000" in limit_reason(MemoryError())
+
+
+def test_too_many_open_files_names_ulimit_n(monkeypatch):
+    _limits(monkeypatch, RLIMIT_NOFILE=14)
+    assert "ulimit -n" in limit_reason(OSError(errno.EMFILE, "Too many open files"))
+
+
+def test_errors_no_limit_explains_stay_errors(monkeypatch):
+    _limits(monkeypatch)  # every limit unlimited: a MemoryError is the program's own
+    assert limit_reason(MemoryError()) is None
+    assert limit_reason(RuntimeError("Resource temporarily unavailable")) is None
+    _limits(monkeypatch, RLIMIT_NPROC=8, RLIMIT_AS=2**31, RLIMIT_NOFILE=64)
+    assert limit_reason(ValueError("bad value")) is None
+
+
+def test_a_hard_limit_below_the_floor_is_refused(monkeypatch):
+    _limits(monkeypatch, RLIMIT_NOFILE=12)
+    with pytest.raises(UsageError, match=r"ulimit -n is 12 \(hard limit 12\).*ulimit -n 1024"):
+        check_limits(2)
+
+
+def test_no_temporary_directory_is_refused_and_the_error_files_fall_away(monkeypatch):
+    def none_usable():
+        raise FileNotFoundError(errno.ENOENT, "No usable temporary directory found in ['/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", none_usable)
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda **_: none_usable())
+    with pytest.raises(UsageError, match="set TMPDIR to a writable directory"):
+        check_temp_dir()
+    with error_files(2) as paths:
+        assert paths == [None, None]
