@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, Sequence
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of
 from phalanx.runtime.host_limits import limit_reason
+from phalanx.runtime.oom import oom_kill_count, sigkill_cause
 from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
                                            read_report, recorded, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
@@ -158,6 +159,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
     procs, conns = [], []
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
+            oom_kills = oom_kill_count()  # before any worker exists: a rise is theirs (or a neighbour's)
             progress = _progress_array(ctx, workers.num_procs)
             for rank in range(workers.num_procs):
                 # A stop lands after the new worker is on the list; Python 3.12+ warns of any fork
@@ -171,7 +173,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                     child_end.close()  # keep only the child's copy, so its death reads as EOF here
                     procs.append(proc)
                     conns.append(parent_end)
-            return _supervise(procs, conns, workers, progress=progress, errors=errors)
+            return _supervise(procs, conns, workers, progress=progress, errors=errors, oom_kills=oom_kills)
         except (Stopped, KeyboardInterrupt) as stop:
             raise _stop_gently(stop, procs, conns, forked=workers.start_method == "fork") from None
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
@@ -194,7 +196,9 @@ def _progress_array(ctx, num_procs: int):
         return None
 
 
-def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str | None] = ()) -> list[Any]:
+def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str | None] = (),
+               oom_kills: int | None = None) -> list[Any]:
+    """`oom_kills`: the OOM killer's count as the workers started, to tell what a SIGKILL was (oom.py)."""
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...)
     first_failure: int | None = None
@@ -225,7 +229,7 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
         first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
     if first_failure is None:
         return [reports[rank][1] for rank in range(len(procs))]
-    raise failure(reports, first_failure, progress)
+    raise failure(reports, first_failure, progress, explain_kill=lambda: sigkill_cause(oom_kills, oom_kill_count()))
 
 
 def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:

@@ -33,9 +33,10 @@ import json
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import traceback
-from typing import Iterator
+from typing import Callable, Iterator
 
 from phalanx.errors import PeerLost, Stopped, UsageError
 from phalanx.runtime.lifeline import describe_signal
@@ -48,6 +49,7 @@ ERRORS_PREFIX = "phalanx-errors-"  # then the launcher's pid: the directory of i
 LEFT_EARLY = ("ok", None, "exited 0 without a result")
 # What gloo's errors say when the peer at the other end of a collective went away.
 _CONNECTION_LOST = ("connection closed by peer", "connection reset by peer")
+KILLED = f"died ({describe_signal(signal.SIGKILL)})"  # read_report's line for a worker SIGKILL ended
 
 
 @contextlib.contextmanager
@@ -125,8 +127,10 @@ class WorkerFailed(RuntimeError):
         self.rank, self.restartable = rank, restartable
 
 
-def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseException:
-    """The exception a failed (or stopped) worker set ends in, from every report collected."""
+def failure(reports: dict[int, tuple], first_failure: int, progress,
+            explain_kill: Callable[[], str] | None = None) -> BaseException:
+    """The exception a failed (or stopped) worker set ends in, from every report collected;
+    `explain_kill()` says what a root cause's SIGKILL most likely was (runtime/oom.py)."""
     stopped = [report for _, report in sorted(reports.items()) if report[0] == "stopped"]
     if stopped and all(report[0] in ("ok", "stopped") for report in reports.values()):
         # Asked to stop (a worker's SIGTERM, not the launcher's): every rank saved and stopped.
@@ -152,6 +156,8 @@ def failure(reports: dict[int, tuple], first_failure: int, progress) -> BaseExce
     line = root[1]
     if progress is not None and progress[first_failure] >= 0:
         line = f"{line} after step {progress[first_failure]}"
+    if explain_kill is not None and root[1] == KILLED:
+        line = f"{line}: {explain_kill()}"
     # The root's traceback, and any other rank's that says something else; a rank that only
     # stopped because of the root (its collective lost a peer) gets one line, and so does one
     # that failed on its own with the root's very error.

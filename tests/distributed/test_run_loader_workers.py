@@ -95,7 +95,8 @@ def test_a_rank_killed_with_its_loader_workers_running_is_named_not_its_peer(tmp
     assert ran.returncode == 1, ran.stderr[-3000:]
     assert wall_s < 60, f"the failing run took {wall_s:.0f} s"
     lines = ran.stderr.splitlines()
-    assert lines[1] == "phalanx: worker rank 1 failed: died (signal SIGKILL)", ran.stderr[-3000:]
+    # What the SIGKILL most likely was follows (runtime/oom.py): here no OOM kill, or a count unread.
+    assert lines[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL): "), ran.stderr[-3000:]
     # Rank 0 reported the death first (its allreduce lost rank 1): one line, no traceback.
     assert lines[2:] == [line for line in lines[2:] if line.startswith("rank 0 stopped too: ")], ran.stderr[-3000:]
     assert len(lines) == 3, ran.stderr[-3000:]
@@ -106,6 +107,7 @@ def test_max_restarts_restarts_after_the_killed_rank_not_its_peer(tmp_path):
     ran, mark, _ = _run(tmp_path, "--kill", launcher=("--max-restarts", "1"))
     assert ran.returncode == 0, ran.stderr[-3000:]
     restarts = [line for line in ran.stderr.splitlines() if "restart 1 of 1" in line]
-    assert restarts == ["phalanx run: worker rank 1 (cpu:1) died (signal SIGKILL); restart 1 of 1: every worker "
-                        "starts again (TORCHELASTIC_RESTART_COUNT=1)"], ran.stderr[-3000:]
+    assert len(restarts) == 1, ran.stderr[-3000:]
+    assert restarts[0].startswith("phalanx run: worker rank 1 (cpu:1) died (signal SIGKILL): "), restarts[0]
+    assert restarts[0].endswith("; restart 1 of 1: every worker starts again (TORCHELASTIC_RESTART_COUNT=1)"), restarts[0]
     _assert_nothing_left(tmp_path, mark)
