@@ -1,13 +1,14 @@
-"""The host's limits a run meets before its first step: a temporary directory, file descriptors,
-threads and address space, each refused or explained in one line that names the limit and the fix.
+"""The host's limits a run meets: a temporary directory, file descriptors, threads, address space
+and /dev/shm, each refused or explained in one line that names the limit and the fix.
 
 Found by an outside container trial, each was a traceback: a read-only /tmp (`docker
 --read-only`) ended in 47 lines from tempfile (torch's own import of its compiler cache needs a
 temporary directory too, so there is no going on without one); `ulimit -n 12..14` in c10d's
-retries of the store for two minutes, then ~300 lines; `ulimit -u 8..12` in a gloo
-"Resource temporarily unavailable"; `ulimit -v 1000000` in an ImportError ("failed to map
-segment") or a MemoryError. `check_temp_dir` and `check_limits` refuse before anything
-starts; `limit_reason` turns a worker's error that a finite limit explains into its one line.
+retries of the store for two minutes, then ~300 lines; `ulimit -u 8..12` in a gloo "Resource
+temporarily unavailable"; `ulimit -v 1000000` in an ImportError ("failed to map segment") or a
+MemoryError; a DataLoader worker on an 8 MiB /dev/shm in "Caught RuntimeError in DataLoader
+worker process 0", its cause 30 lines below. `check_temp_dir` and `check_limits` refuse before
+anything starts; `limit_reason` turns a worker's error that a limit explains into its one line.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def limit_reason(exc: BaseException) -> str | None:
                 f"{threads} processes and threads (ulimit -u {threads}), and each worker starts several (torch's "
                 "intra-op pool, gloo, the store); raise it (ulimit -u 4096), or run fewer workers or "
                 "--threads-per-device 1")
+    if any(words in text for words in _SHM_FULL):
+        return f"a DataLoader worker could not pass a batch through shared memory: {_shm_size()}"
     space = _limited(resource.RLIMIT_AS)
     if space is not None and (isinstance(exc, MemoryError) or "failed to map segment" in text
                               or "Cannot allocate memory" in text or "bad_alloc" in text):
@@ -92,3 +95,20 @@ def limit_reason(exc: BaseException) -> str | None:
                 f"{space / 2**30:.2f} GiB (ulimit -v {space // 1024}), and torch and its libraries map more "
                 "than 1 GiB per worker (2 GiB ran LeNet in the trial); raise it (ulimit -v unlimited) and run again")
     return None
+
+
+# What torch says when a DataLoader worker's batch does not fit in /dev/shm: the collate's
+# shared storage (ENOSPC), or the worker's SIGBUS on touching a page the tmpfs cannot back.
+_SHM_FULL = ("unable to allocate shared memory", "out of shared memory")
+
+
+def _shm_size(path: str = "/dev/shm") -> str:
+    """/dev/shm's size and room, and the fix: the rest of a shared-memory failure's line."""
+    fix = "give it more (docker run --shm-size=2g, or a larger tmpfs) or load in the worker itself (num_workers=0)"
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return f"there is no {path} (batches from num_workers > 0 pass through it); {fix}"
+    total, free = stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
+    return (f"{path} holds {total / 2**20:.0f} MiB ({free / 2**20:.0f} MiB free now; docker's default is 64 MiB) and "
+            f"every batch in flight from num_workers > 0 passes through it; {fix}")

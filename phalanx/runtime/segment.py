@@ -159,6 +159,29 @@ def remove_segments_of(pids) -> list[str]:
     return names
 
 
+def remove_torch_leftovers(since: float) -> list[str]:
+    """Unlink each of torch's own `torch_<pid>_...` files in /dev/shm made since `since` (a
+    time.time()) by a process no longer running; return the names. A DataLoader worker whose
+    batch does not fit in /dev/shm (ENOSPC) leaves its half-made file behind (three of 14 MB on
+    an 8 MiB tmpfs in the trial), filling it for the next run; the launcher calls this after a
+    failed worker set, whose DataLoader workers have exited by then and are not named anywhere."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith("torch_")]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name.split("_")[1]
+        try:
+            recent = os.stat(os.path.join(SHM_DIR, name)).st_mtime >= since
+        except OSError:  # gone already
+            continue
+        if pid.isdigit() and recent and not process_alive(int(pid)):
+            unlink_quietly(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    return removed
+
+
 def remove_stale_segments(now: float | None = None) -> list[str]:
     """Unlink each segment whose creator (the pid in its name) no longer runs here and which is
     older than STALE_AFTER_S; return the names (see the module docstring)."""

@@ -42,7 +42,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
-from phalanx.runtime.segment import remove_segments_of
+from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
 from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
@@ -156,7 +156,7 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
 def run_workers(workers: WorkerSet) -> list[Any]:
     """Start the worker set, supervise it, and return the results by rank (or raise)."""
     ctx = mp.get_context(workers.start_method)
-    procs, conns = [], []
+    procs, conns, failed, started_at = [], [], False, time.time()
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
             oom_kills = oom_kill_count()  # before any worker exists: a rise is theirs (or a neighbour's)
@@ -176,6 +176,9 @@ def run_workers(workers: WorkerSet) -> list[Any]:
             return _supervise(procs, conns, workers, progress=progress, errors=errors, oom_kills=oom_kills)
         except (Stopped, KeyboardInterrupt) as stop:
             raise _stop_gently(stop, procs, conns, forked=workers.start_method == "fork") from None
+        except BaseException:
+            failed = True
+            raise
         finally:  # success, failure, deadline, Ctrl-C, SIGTERM: take every child down and reap it
             with signals_deferred():
                 started = terminate(procs)  # the workers and every process they started
@@ -184,6 +187,8 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                 # A process killed between creating its shm segment and every rank mapping it (a
                 # few ms at start) leaves the file behind; it is named after that process's pid.
                 remove_segments_of(started)
+                if failed:  # torch's files a DataLoader worker left on a full /dev/shm (segment.py)
+                    remove_torch_leftovers(started_at)
 
 
 def _progress_array(ctx, num_procs: int):

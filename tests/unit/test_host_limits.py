@@ -63,3 +63,14 @@ def test_no_temporary_directory_is_refused_and_the_error_files_fall_away(monkeyp
         check_temp_dir()
     with error_files(2) as paths:
         assert paths == [None, None]
+
+
+def test_a_batch_that_does_not_fit_in_dev_shm_names_its_size_and_the_fix(monkeypatch):
+    monkeypatch.setattr(host_limits.os, "statvfs",
+                        lambda path: type("S", (), {"f_blocks": 2048, "f_bavail": 512, "f_frsize": 4096})())
+    exc = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback ...\nRuntimeError: "
+                       "unable to allocate shared memory(shm) for file </torch_1_2_0>: No space left on device (28)")
+    line = limit_reason(exc)
+    assert line.startswith("a DataLoader worker could not pass a batch through shared memory: /dev/shm holds 8 MiB "
+                           "(2 MiB free now"), line
+    assert "--shm-size" in line and "num_workers=0" in line and "\n" not in line
