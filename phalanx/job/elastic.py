@@ -59,7 +59,10 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
             failed = f"worker rank {failure.rank} ({failure.device}) {failure.what}"
             if config.restarts.elastic and previous == (failure.device, position) and _fits(config, plan.num_devices - 1):
                 plan = DevicePlan(names=tuple(n for n in plan.names if n != failure.device))
-                say(f"{failed} again before the run got past {where}: giving {failure.device} up (--elastic); "
+                # The death alone: what a SIGKILL most likely was (runtime/oom.py) the restart line said.
+                died = failure.what.split(": ", 1)[0] if failure.what.startswith("died (") else failure.what
+                say(f"worker rank {failure.rank} ({failure.device}) {died} again before the run got past {where}: "
+                    f"giving {failure.device} up (--elastic); "
                     f"going on from {where} on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}")
             elif restarts < config.restarts.max_restarts:
                 restarts += 1

@@ -80,8 +80,9 @@ def limit_reason(exc: BaseException) -> str | None:
         return (f"too many open files ({text.splitlines()[0][:160]}): this process may hold {soft} (ulimit -n); "
                 f"raise it ({_FIX['-n']}) and run again")
     threads = _limited(resource.RLIMIT_NPROC)
-    if threads is not None and ("Resource temporarily unavailable" in text or "can't start new thread" in text
-                                or getattr(exc, "errno", None) == errno.EAGAIN):
+    if threads is not None and not isinstance(exc, BlockingIOError) and (
+            "Resource temporarily unavailable" in text or "can't start new thread" in text
+            or getattr(exc, "errno", None) == errno.EAGAIN) and _user_tasks() >= 0.9 * threads:
         return (f"a worker could not start a thread ({text.splitlines()[0][:160]}): this user may run only "
                 f"{threads} processes and threads (ulimit -u {threads}), and each worker starts several (torch's "
                 "intra-op pool, gloo, the store); raise it (ulimit -u 4096), or run fewer workers or "
@@ -95,6 +96,23 @@ def limit_reason(exc: BaseException) -> str | None:
                 f"{space / 2**30:.2f} GiB (ulimit -v {space // 1024}), and torch and its libraries map more "
                 "than 1 GiB per worker (2 GiB ran LeNet in the trial); raise it (ulimit -v unlimited) and run again")
     return None
+
+
+def _user_tasks() -> int:
+    """The processes and threads this user runs (what `ulimit -u` counts), as far as /proc shows:
+    a finite limit explains an EAGAIN only near it (non-root users have one, ~60,000, by default)."""
+    uid, count = str(os.getuid()), 0
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as handle:
+                fields = dict(line.split(":", 1) for line in handle if ":" in line)
+        except OSError:  # gone meanwhile
+            continue
+        if fields.get("Uid", "").split()[:1] == [uid]:
+            count += int(fields.get("Threads", "1").strip() or 1)
+    return count
 
 
 # What torch says when a DataLoader worker's batch does not fit in /dev/shm: the collate's

@@ -23,6 +23,7 @@ def _limits(monkeypatch, **soft_by_name):
 
 def test_a_thread_that_cannot_start_names_ulimit_u(monkeypatch):
     _limits(monkeypatch, RLIMIT_NPROC=8)
+    monkeypatch.setattr(host_limits, "_user_tasks", lambda: 8)
     line = limit_reason(RuntimeError("Resource temporarily unavailable"))
     assert "ulimit -u 8" in line and "ulimit -u 4096" in line and "\n" not in line
 
@@ -45,6 +46,14 @@ def test_errors_no_limit_explains_stay_errors(monkeypatch):
     assert limit_reason(RuntimeError("Resource temporarily unavailable")) is None
     _limits(monkeypatch, RLIMIT_NPROC=8, RLIMIT_AS=2**31, RLIMIT_NOFILE=64)
     assert limit_reason(ValueError("bad value")) is None
+    assert limit_reason(BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")) is None
+    _limits(monkeypatch, RLIMIT_NPROC=60_000)  # the default for a user: far from it, an EAGAIN is something else
+    monkeypatch.setattr(host_limits, "_user_tasks", lambda: 300)
+    assert limit_reason(RuntimeError("Resource temporarily unavailable")) is None
+
+
+def test_this_users_threads_are_counted():
+    assert host_limits._user_tasks() >= 2  # this process, and pytest's at least one more thread or process
 
 
 def test_a_hard_limit_below_the_floor_is_refused(monkeypatch):
