@@ -59,7 +59,11 @@ def check_limits(num_workers: int) -> None:
         if soft == resource.RLIM_INFINITY or soft >= need:
             continue
         if hard == resource.RLIM_INFINITY or hard >= need:
-            resource.setrlimit(which, (hard, hard))
+            # Descriptors to 1024, the usual soft default (a process that closes every possible
+            # descriptor pays for a huge one); the others to the hard limit.
+            target = hard if which != resource.RLIMIT_NOFILE else max(need, 1024)
+            target = target if hard == resource.RLIM_INFINITY else min(target, hard)
+            resource.setrlimit(which, (target, hard))
             continue
         raise UsageError(f"ulimit {flag} is {soft // scale} (hard limit {hard // scale}), and {num_workers} "
                          f"worker(s) need at least {need // scale} {unit}; raise it ({_FIX[flag]}) and run again")

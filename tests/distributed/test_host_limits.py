@@ -1,8 +1,8 @@
 """A host's limits met before the first step are one line naming the limit and its fix, exit 2,
 nothing written to --out: a read-only /tmp (`docker --read-only`; was a 47-line tempfile
 traceback), `ulimit -n 14` (was two minutes of c10d retries, then ~300 lines), `ulimit -v 1000000`
-(was an ImportError from the workers' imports). A soft limit below the need is raised to the hard
-one and the run goes on."""
+(was an ImportError from the workers' imports). A soft limit below the need is raised within the
+hard one and the run goes on."""
 
 import os
 import resource
@@ -49,7 +49,7 @@ def test_too_little_address_space_is_one_line(tmp_path):
     _assert_refused(done, out, "ulimit -v is 1000000", "ulimit -v unlimited")
 
 
-def test_a_low_soft_limit_is_raised_to_the_hard_one(tmp_path):
+def test_a_low_soft_limit_is_raised_and_the_run_goes_on(tmp_path):
     out = tmp_path / "run"
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     done = _train(out, preexec_fn=_limited(resource.RLIMIT_NOFILE, 20, hard))

@@ -83,3 +83,12 @@ def test_a_batch_that_does_not_fit_in_dev_shm_names_its_size_and_the_fix(monkeyp
     assert line.startswith("a DataLoader worker could not pass a batch through shared memory: /dev/shm holds 8 MiB "
                            "(2 MiB free now"), line
     assert "--shm-size" in line and "num_workers=0" in line and "\n" not in line
+
+
+def test_a_soft_limit_below_the_floor_is_raised(monkeypatch):
+    set_to = {}
+    monkeypatch.setattr(host_limits.resource, "getrlimit", lambda which: (
+        (20, 4096) if which == resource.RLIMIT_NOFILE else (resource.RLIM_INFINITY, resource.RLIM_INFINITY)))
+    monkeypatch.setattr(host_limits.resource, "setrlimit", lambda which, limits: set_to.update({which: limits}))
+    check_limits(2)
+    assert set_to == {resource.RLIMIT_NOFILE: (1024, 4096)}
