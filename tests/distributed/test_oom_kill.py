@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,16 @@ def _cgroup(name: str) -> Path | None:
         return None
 
 
+def _remove(cgroup: Path) -> None:
+    """rmdir, retried: the kernel holds a cgroup busy for a moment after its last process exits."""
+    for _ in range(100):
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
 def test_a_worker_the_oom_killer_ends_is_named_as_such(tmp_path):
     cgroup = _cgroup(f"phalanx-test-oom-{os.getpid()}")
     if cgroup is None:
@@ -46,10 +57,7 @@ def test_a_worker_the_oom_killer_ends_is_named_as_such(tmp_path):
                                "-m", "phalanx", "run", "--devices", "cpu:2", str(script)], capture_output=True,
                               text=True, timeout=180, env={**os.environ, "PYTHONPATH": str(REPO)})
     finally:
-        try:
-            cgroup.rmdir()
-        except OSError:
-            pass
+        _remove(cgroup)
     failed = [line for line in done.stderr.splitlines() if "failed:" in line]
     assert done.returncode == 1 and failed, done.stderr[-3000:]
     assert failed[0].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL): the kernel's out-of-memory "
