@@ -1,6 +1,7 @@
 """Where CPU workers run and how they are set up: threads (by default a share of the cores per
 local worker; with `--bind-cores`, each of a host's k workers on its own disjoint set of cores),
-the one count of the cores this process may use (`available_cores`), a warning when threads or
+the one count of the cores this process may use (`available_cores`: its affinity mask, capped by its
+cgroup's CPU quota), a warning when threads or
 workers oversubscribe them, the thread discipline (the training thread's team is a worker's
 only one: `set_intra_op_threads`, `run_single_threaded`), and the allocator setting that keeps
 freed activations mapped (`keep_freed_memory_mapped`).
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.errors import UsageError
-from phalanx.runtime.topology import allowed_cpus, physical_cores
+from phalanx.runtime.topology import allowed_cpus, cpu_quota, physical_cores, quota_cores
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 _PR_SET_NAME = 15  # prctl option (linux/prctl.h)
@@ -109,11 +110,29 @@ def describe(cores: list[int]) -> str:
 
 
 def available_cores() -> int:
-    """The cores this process may use (its affinity mask), or the CPU count off Linux."""
+    """The cores this process may use: its affinity mask's CPUs (the CPU count off Linux), fewer
+    where its cgroup's CPU quota grants less time (0.5 CPU: 1 core). Every count of usable cores
+    in phalanx - threads, --devices auto, the oversubscription warnings - is this one."""
+    quota = quota_cores(cpu_quota())
+    cpus = _affinity_count()
+    return cpus if quota is None else min(cpus, quota)
+
+
+def _affinity_count() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def quota_note() -> str:
+    """" (a cgroup CPU quota of 0.5 CPU leaves 1 of 2 cores)" where the quota lowers the usable
+    cores below the affinity mask's, else "": for the run's first line, which names the limit."""
+    quota, cpus = cpu_quota(), _affinity_count()
+    cores = quota_cores(quota)
+    if quota is None or cores is None or cores >= cpus:
+        return ""
+    return f" (a cgroup CPU quota of {quota:g} CPU leaves {cores} of {cpus} cores)"
 
 
 def workers_sharing_cores(local_workers: int) -> int:
@@ -128,22 +147,15 @@ def leaves_core_for_comm(*, cores: int, workers: int, threads: int) -> bool:
     return cores - workers * threads >= workers
 
 
-def default_threads(local_workers: int) -> int:
-    """The threads of each of `local_workers` unbound workers: `PLACEMENT` on an even share of the
-    cores (logical CPUs / workers, at least one)."""
-    cpus = allowed_cores()
-    share = cpus[:max(1, len(cpus) // max(1, local_workers))]  # its size is what counts, not which CPUs
-    return PLACEMENT.threads(share, local_workers)
-
-
 def worker_threads(local_workers: int, *, bind_cores: bool, threads: int | None) -> int:
     """The intra-op threads of each CPU worker: `threads` when given, else `PLACEMENT` on the
-    cores it may use (its share with `bind_cores`, else an even share of the host's)."""
+    cores it may use: its share with `bind_cores`, else an even share of the host's, and never
+    more than an even share of `available_cores` (a cgroup quota counts)."""
     if threads is not None:
         return threads
-    if bind_cores:
-        return PLACEMENT.threads(cores_for(0, local_workers), local_workers)
-    return default_threads(local_workers)
+    cpus = cores_for(0, local_workers) if bind_cores else allowed_cores()
+    share = cpus[:max(1, available_cores() // max(1, local_workers))]  # its size counts, not which CPUs
+    return PLACEMENT.threads(share, local_workers)
 
 
 def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, threads: int | None,
@@ -201,13 +213,13 @@ def oversubscription(threads_per_worker: int, local_workers: int, cores: int | N
 
     Threads beyond the cores take turns on them, and in lockstep every step then waits for the
     unluckiest one: `--threads-per-device 64` on 2 cores measured 57x slower."""
-    cores = available_cores() if cores is None else cores
+    note, cores = (quota_note(), available_cores()) if cores is None else ("", cores)
     total = threads_per_worker * local_workers
     fits = max(1, cores // local_workers)
     if total <= cores or threads_per_worker <= fits:  # more workers than cores: not the threads' doing
         return None
     return (f"--threads-per-device {threads_per_worker} x {local_workers} local worker(s) = {total} threads on "
-            f"{cores} cores: they take turns and training can be many times slower; use --threads-per-device "
+            f"{cores} cores{note}: they take turns and training can be many times slower; use --threads-per-device "
             f"{fits}, or leave it unset (cores / workers)")
 
 
@@ -216,10 +228,10 @@ def too_many_workers(local_workers: int, cores: int | None = None) -> str | None
 
     Each worker then runs part of the time, and a lockstep step waits for the one that ran least:
     on 2 cores one synthetic epoch takes 56 s wall on cpu:16 against 6 s on cpu:2."""
-    cores = available_cores() if cores is None else cores
+    note, cores = (quota_note(), available_cores()) if cores is None else ("", cores)
     if local_workers <= cores:
         return None
-    return (f"{local_workers} CPU workers on this host, 1 thread each, on {cores} core{'s' * (cores > 1)}: they "
+    return (f"{local_workers} CPU workers on this host, 1 thread each, on {cores} core{'s' * (cores > 1)}{note}: they "
             f"take turns and training can be many times slower; use at most {cores} CPU device{'s' * (cores > 1)} here")
 
 

@@ -14,6 +14,13 @@ from phalanx.runtime import binding, topology
 from phalanx.errors import UsageError
 
 
+@pytest.fixture(autouse=True)
+def no_cgroup_quota(tmp_path, monkeypatch):
+    """The fake hosts below are the affinity mask alone: the build machine's own cgroup quota, if
+    any, stays out (tests/unit/test_cpu_quota.py covers quotas)."""
+    monkeypatch.setattr(topology, "CGROUP_ROOT", tmp_path / "no-cgroup")
+
+
 def test_slices_are_equal_disjoint_and_in_rank_order():
     cores = list(range(16))
     slices = [binding.cores_for(r, 4, cores) for r in range(4)]
