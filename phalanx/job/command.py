@@ -25,7 +25,7 @@ from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
 from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.launch import check_loopback
-from phalanx.runtime.world import launcher_env
+from phalanx.runtime.world import alone_in_slurm_step, launcher_env
 from phalanx.telemetry import RankZeroLog, survive_lost_output
 
 DESCRIPTION = """\
@@ -46,12 +46,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     survive_lost_output()  # the launcher's own lines too (the summary at the end)
     config = build(TrainConfig, args)
+    env = launcher_env()
+    if env is None:  # before any output path is looked at: every task would write the same ones
+        alone_in_slurm_step()
     check_out_dir(config.out_dir)
     check_out_dir(config.trace_dir, flag="--trace")
     check_out_dir(config.checkpoint.directory, flag="--checkpoint-dir")
     check_path_length(config.data.directory, flag="--data-dir")
     check_temp_dir()  # torch itself needs one: refused before any data is read or worker started
-    env = launcher_env()
     data = None
     auto = config.launch.devices.strip().lower() == AUTO
     if auto and env is None and not torch.cuda.is_available():

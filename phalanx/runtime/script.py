@@ -46,7 +46,8 @@ from phalanx.options import add_options, at_least, build, check_options, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
                                    torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
-from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
+from phalanx.runtime.world import (World, adopt_world, alone_in_slurm_step, launcher_env, leave_default_group,
+                                   open_group_env, stop_world)
 from phalanx.runtime.binding import quota_note
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
@@ -90,6 +91,11 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
     if env is None and dist.is_initialized():  # a group the script opened with no launcher: mp.spawn's children
         env = open_group_env()
     if env is None:
+        try:
+            alone_in_slurm_step()
+        except UsageError as exc:  # every task would go on alone: stop here, one line, as the CLI says it
+            print(f"phalanx: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(exc.exit_code) from None
         if multiprocessing.parent_process() is not None:
             warn_at_caller(ALONE_IN_A_CHILD)
         world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, backend="none", timeout_s=timeout_s,
@@ -268,6 +274,8 @@ def run_run(args: argparse.Namespace) -> int:
     quiet = options.quiet
     spec = launch_config.spec(parse_devices(launch_config.devices))
     env = launcher_env()
+    if env is None:  # phalanx run is the launcher: once per host, not once per Slurm task
+        alone_in_slurm_step()
     if env is not None and options.max_restarts:
         raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, not to phalanx run")
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
