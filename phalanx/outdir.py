@@ -12,6 +12,7 @@ may not write, or cannot be created at all (a virtual filesystem such as /proc a
 in the nearest existing ancestor. It creates nothing that outlives the check.
 `check_out_file` refuses a directory, a file whose directory does not exist, or one where no file
 can be written (the same kind of probe).
+`write_refusal` is the same probe for a place that is optional (a cache): the reason, or None.
 `check_path_length` refuses a path the system cannot name (a component over the filesystem's
 name limit, usually 255 bytes, or a whole path over PATH_MAX), which would otherwise surface as
 an `OSError: File name too long` traceback from deep inside a run; --data-dir is checked too.
@@ -87,6 +88,25 @@ def check_out_file(out_file: str | os.PathLike | None, *, flag: str = "--out") -
     if path.exists() and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {out_file} is not writable; pick another path")
     _probe(parent, f"{flag} {out_file}", "cannot be written", noun="path")
+
+
+def write_refusal(directory: Path) -> str | None:
+    """Why no file could be created in `directory` (where it does not exist yet, in the nearest
+    existing ancestor it would be made in), as a clause for a message; None when one could. The
+    same probe as the output checks', without their UsageError: for a cache, which is optional."""
+    try:
+        parent = directory if directory.exists() else next((p for p in directory.parents if p.exists()), Path("."))
+    except OSError as exc:  # e.g. a loop of symlinks
+        return exc.strerror or type(exc).__name__
+    if not parent.is_dir():
+        return f"{parent} is a file"
+    if not os.access(parent, os.W_OK):
+        return f"{parent} denies writing"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".phalanx-probe-", dir=parent))
+    except OSError as exc:
+        return f"{exc.strerror or type(exc).__name__} in {parent}"
+    return None
 
 
 def _probe(parent: Path, named: str, failure: str, *, noun: str) -> None:

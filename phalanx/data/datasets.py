@@ -7,6 +7,8 @@ never changes under them: failing to get it is a `UsageError` that says how to s
 failed download is remembered for RETRY_AFTER_S in the cache (FAILED_NOTE): a default run within
 that time falls back at once, in one line, instead of trying the mirrors again on every run;
 naming `--dataset fashion-mnist` always tries, and a download that succeeds forgets the failure.
+A cache that cannot be written is not downloaded into (nothing could be kept, nor the failure
+remembered): the fallback's line says so and names PHALANX_DATA_DIR.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Callable, Sequence
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.data.digits import load_digits_dataset
-from phalanx.data.fashion_mnist import MIRRORS, FashionMnistUnavailable, Fetch, cache_dir_for, load_fashion_mnist
+from phalanx.data.fashion_mnist import (CACHE_ENV_VAR, MIRRORS, CacheUnwritable, FashionMnistUnavailable, Fetch,
+                                        cache_dir_for, load_fashion_mnist)
 from phalanx.data.image_dataset import ImageDataset
 from phalanx.data.synthetic import DEFAULT_SIZES, load_synthetic_dataset
 from phalanx.errors import UsageError
@@ -65,9 +68,15 @@ def load_dataset(
         data = load_fashion_mnist(data_dir, cache_dir=cache, download=download and failed_s_ago is None,
                                   fetch=fetch, mirrors=mirrors, log=log)
     except FashionMnistUnavailable as exc:
+        unwritable = isinstance(exc, CacheUnwritable)
+        fix = f"set {CACHE_ENV_VAR} to a writable folder" if unwritable else \
+            f"put the four official .gz files in {exc.cache_dir}"
         if explicit:
-            raise UsageError(f"cannot download Fashion-MNIST ({exc.reason}); put the four official .gz files "
-                             f"in {exc.cache_dir} or pass --data-dir DIR") from None
+            raise UsageError(f"cannot download Fashion-MNIST ({exc.reason}); {fix} or pass --data-dir DIR") from None
+        if unwritable:
+            log(f"fashion-mnist is not cached and {exc.reason}; training on scikit-learn's digits instead ({fix}, or "
+                "pass --data-dir to use your own copy)")
+            return load_digits_dataset()
         if failed_s_ago is not None:
             why = (f"its download failed {_duration(failed_s_ago)} ago and is tried again after "
                    f"{_duration(RETRY_AFTER_S)}, or now with --dataset fashion-mnist")

@@ -8,19 +8,24 @@ remembered in a marker file keyed by size and mtime, and a file that fails is de
 fetched again. Downloads try the
 mirrors in order, verify before anything is written, and write atomically; the cache directory
 is created with the first verified file, so a failed download leaves no empty one behind. A
-download says nothing unless it takes more than NOTICE_AFTER_S (then one line): offline, the
-mirrors fail at once and the caller's one line is all there is. When the files cannot be had,
+cache that cannot be written is not downloaded into at all (`CacheUnwritable`): nothing fetched
+could be kept, and every run would pay the wait again. All the fetching of one call shares one
+deadline (DOWNLOAD_DEADLINE_S), and a server or proxy that stays silent fails an attempt after
+STALL_TIMEOUT_S. A download says nothing unless it takes more than NOTICE_AFTER_S (then one
+line): offline, the mirrors fail at once and the caller's one line is all there is. When the files cannot be had,
 `FashionMnistUnavailable` carries the reason; whether that means "fall back" or "error" is the
 caller's decision (`phalanx.data.datasets`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import http.client
 import json
 import os
 import threading
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -30,7 +35,7 @@ import torch
 
 from phalanx.atomic import atomic_write_bytes
 from phalanx.caches import cache_root
-from phalanx.outdir import check_path_length
+from phalanx.outdir import check_path_length, write_refusal
 from phalanx.data.idx import read_idx
 from phalanx.data.image_dataset import ImageDataset
 from phalanx.errors import UsageError
@@ -48,7 +53,12 @@ MIRRORS = (
     "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
     "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/",
 )
-FETCH_TIMEOUT_S = 30.0
+# A connection, or a response, that stays silent this long fails its attempt: a dead proxy cost
+# 30 s per mirror with a 30 s timeout (a run waited 52 s before training); a live mirror
+# answers in well under a second.
+STALL_TIMEOUT_S = 5.0
+# Every attempt of one ensure_cached shares this: the four files are 30 MB, 30 s at 1 MB/s.
+DOWNLOAD_DEADLINE_S = 120.0
 MAX_DOWNLOAD_BYTES = 64 * 1024**2  # the largest official file is 26 MB
 MARKER_NAME = ".phalanx-md5-verified.json"
 CACHE_ENV_VAR = "PHALANX_DATA_DIR"
@@ -66,17 +76,35 @@ class FashionMnistUnavailable(Exception):
         self.reason, self.cache_dir, self.brief = reason, cache_dir, brief or reason
 
 
-def fetch_url(url: str, *, timeout_s: float = FETCH_TIMEOUT_S) -> bytes:
-    """GET `url` (http, https or file) with a timeout, refusing bodies over MAX_DOWNLOAD_BYTES."""
+class CacheUnwritable(FashionMnistUnavailable):
+    """Files are missing and the cache cannot be written, so no download was tried."""
+
+
+def fetch_url(url: str, *, deadline: float | None = None) -> bytes:
+    """GET `url` (http, https or file), refusing bodies over MAX_DOWNLOAD_BYTES. An attempt fails
+    once the connection or the response is silent for STALL_TIMEOUT_S, or past `deadline` (a
+    time.monotonic() value): so it ends by the deadline plus at most one stall."""
     chunks, got = [], 0
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+    with urllib.request.urlopen(url, timeout=_stall_timeout(deadline)) as response:
         # Chunked: a single read(n) would allocate n bytes up front whatever the server sends.
         while chunk := response.read(1 << 20):
             chunks.append(chunk)
             got += len(chunk)
             if got > MAX_DOWNLOAD_BYTES:
                 raise ValueError(f"response larger than {MAX_DOWNLOAD_BYTES} bytes")
+            _stall_timeout(deadline)  # raises once the deadline has passed
     return b"".join(chunks)
+
+
+def _stall_timeout(deadline: float | None) -> float:
+    """The socket timeout for an attempt: STALL_TIMEOUT_S, less when the deadline is nearer; a
+    TimeoutError once it has passed."""
+    if deadline is None:
+        return STALL_TIMEOUT_S
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no answer within the {DOWNLOAD_DEADLINE_S:g} s the download may take")
+    return min(STALL_TIMEOUT_S, left)
 
 
 def cache_dir_for(cache_dir: str | os.PathLike | None) -> Path:
@@ -131,12 +159,17 @@ def _verify_cached(cache: Path, marker: dict, log: Callable[[str], None]) -> lis
     return missing
 
 
-def _download(fname: str, cache: Path, fetch: Fetch, mirrors: Sequence[str]) -> None:
-    """Fetch one file from the first mirror that serves the right bytes; raise with every mirror's reason."""
+def _download(fname: str, cache: Path, fetch: Fetch, mirrors: Sequence[str], deadline: float) -> None:
+    """Fetch one file from the first mirror that serves the right bytes, trying none past
+    `deadline` (time.monotonic()); raise with every mirror's reason."""
     failures = []
     for mirror in mirrors:
         url = urllib.parse.urljoin(mirror if mirror.endswith("/") else mirror + "/", fname)
         where = urllib.parse.urlsplit(url).netloc or url
+        if time.monotonic() >= deadline:  # no attempt starts past it: the rest would wait as long
+            failures.append(f"{where} and on: not tried, no answer within the {DOWNLOAD_DEADLINE_S:g} s the "
+                            "download may take")
+            break
         try:
             data = fetch(url)
         except (OSError, http.client.HTTPException, ValueError) as exc:  # URLError and timeouts are OSErrors
@@ -168,13 +201,18 @@ def ensure_cached(
     mirrors: Sequence[str] = MIRRORS,
     log: Callable[[str], None] = print,
 ) -> None:
-    """Make `cache` hold the four official .gz files, verified; raise FashionMnistUnavailable if it cannot."""
+    """Make `cache` hold the four official .gz files, verified; raise FashionMnistUnavailable if it
+    cannot (CacheUnwritable, without trying, where nothing downloaded could be saved)."""
     marker = _read_marker(cache) if cache.is_dir() else {}
     before = dict(marker)
     missing = _verify_cached(cache, marker, log) if cache.is_dir() else list(OFFICIAL_MD5)
+    deadline = time.monotonic() + DOWNLOAD_DEADLINE_S
     try:
         if missing and not download:
             raise FashionMnistUnavailable(f"downloads are off and {missing[0]} is missing", cache)
+        refusal = write_refusal(cache) if missing else None
+        if refusal is not None:
+            raise CacheUnwritable(f"its cache {cache} cannot be written ({refusal}), so no download was tried", cache)
         notice = threading.Timer(NOTICE_AFTER_S, log, args=(f"downloading Fashion-MNIST ({len(missing)} of "
                                                             f"{len(OFFICIAL_MD5)} files) into {cache}",))
         notice.daemon = True
@@ -183,7 +221,7 @@ def ensure_cached(
         try:
             for fname in missing:
                 # Stop at the first file no mirror serves: offline, the rest would fail the same way.
-                _download(fname, cache, fetch or fetch_url, mirrors)
+                _download(fname, cache, fetch or functools.partial(fetch_url, deadline=deadline), mirrors, deadline)
                 marker[fname] = _stamp(cache / fname, OFFICIAL_MD5[fname])
         finally:
             notice.cancel()
