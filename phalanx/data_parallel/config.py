@@ -184,11 +184,13 @@ def resolve_overlap(overlap: bool | None, *, algorithm: str, local_workers: int)
     and the workers sharing them."""
     if overlap is not None:
         return overlap, None
-    return auto_overlap(algorithm=algorithm, workers=workers_sharing_cores(local_workers),
-                        threads=torch.get_num_threads(), cores=available_cores())
+    sharing = workers_sharing_cores(local_workers)
+    return auto_overlap(algorithm=algorithm, workers=sharing, threads=torch.get_num_threads(), cores=available_cores(),
+                        bound_among=local_workers if sharing < local_workers else None)
 
 
-def auto_overlap(*, algorithm: str, workers: int, threads: int, cores: int) -> tuple[bool, str | None]:
+def auto_overlap(*, algorithm: str, workers: int, threads: int, cores: int,
+                 bound_among: int | None = None) -> tuple[bool, str | None]:
     """overlap auto for `workers` processes of `threads` threads on `cores` cores, and why.
 
     Off for the shm allreduce when no core is left for the communication thread
@@ -198,10 +200,17 @@ def auto_overlap(*, algorithm: str, workers: int, threads: int, cores: int) -> t
     2 workers x 1 thread (2 cores), one exchange on the training thread after backward ran LeNet's
     step 2-8% faster than the threaded overlap and an MLP's 4% (docs/benchmarks.md). On otherwise:
     the backend's own async ops (NCCL on a GPU) and the network algorithms' waits cost the cores
-    nothing while they hide the wire's time. `phalanx predict` asks the same rule for each k."""
+    nothing while they hide the wire's time. `phalanx predict` asks the same rule for each k.
+    `bound_among`: this process is one of that many workers, each bound to its own `cores`
+    (--bind-cores), which the reason says instead of "1 worker"."""
     if algorithm != "shm":
         return True, None
-    layout = f"{workers} worker{'s' * (workers > 1)} x {threads} thread{'s' * (threads > 1)} on {cores} cores"
+    on = f"{threads} thread{'s' * (threads > 1)} on {cores} core{'s' * (cores > 1)}"
+    if bound_among is not None:
+        layout, verb, per = f"each of {bound_among} workers, bound to its own share, with {on},", "leaves", ""
+    else:
+        layout = f"{workers} worker{'s' * (workers > 1)} x {on}"
+        verb, per = ("leave", " per worker") if workers > 1 else ("leaves", "")
     if leaves_core_for_comm(cores=cores, workers=workers, threads=threads):
-        return True, f"{layout} leave a core per worker for a communication thread"
-    return False, f"{layout} leave no core for a communication thread"
+        return True, f"{layout} {verb} a core{per} for a communication thread"
+    return False, f"{layout} {verb} no core for a communication thread"

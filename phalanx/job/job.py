@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from phalanx.runtime.binding import describe as describe_cores, quota_note
+from phalanx.runtime.binding import describe as describe_cores, threads_note
 from phalanx.data import load_dataset, steps_per_epoch
 from phalanx.models import build_model
 from phalanx.data_parallel.guards.checks import model_fingerprint, preflight_check
@@ -249,7 +249,8 @@ def _placement_text(config: TrainConfig, world: World) -> str:
     if world.device.type != "cpu":
         return ""
     threads = torch.get_num_threads()
-    text = f", {threads} thread{'s' if threads > 1 else ''} per worker{quota_note()}"
+    note = threads_note(threads, flag_given=config.launch.threads_per_device is not None)
+    text = f", {threads} thread{'s' if threads > 1 else ''} per worker{note}"
     if config.launch.bind_cores and hasattr(os, "sched_getaffinity"):
         text += f", each bound to its own cores (rank 0: {describe_cores(sorted(os.sched_getaffinity(0)))})"
     return text

@@ -167,9 +167,36 @@ def place_worker(local_rank: int, local_world_size: int, *, bind_cores: bool, th
         bind_to_cores(local_rank, local_world_size)
     if cpu:
         set_intra_op_threads(count)
+        global _omp_before
+        if _omp_before is None:  # the environment's own value, for the first line (`omp_replaced_note`)
+            _omp_before = (os.environ.get("OMP_NUM_THREADS"),)
         # What torchrun exports too: libraries read these (Accelerate sets 1 thread where they are unset).
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(count)
         keep_freed_memory_mapped()
+
+
+_omp_before: tuple[str | None] | None = None  # OMP_NUM_THREADS as place_worker found it in this process
+
+
+def omp_replaced_note(threads: int) -> str:
+    """" (OMP_NUM_THREADS=4 from the environment is replaced: --threads-per-device 4 keeps it)" where
+    the environment (the user's shell, or torchrun's default of 1) asked for another count than the
+    `threads` phalanx gives each worker, else "". The flag is the one way to set the count: an
+    environment variable would also carry torchrun's 1 into every worker. Read as the environment
+    was before `place_worker` exported phalanx's count in this process."""
+    given = os.environ.get("OMP_NUM_THREADS") if _omp_before is None else _omp_before[0]
+    if given is None or given.strip() == str(threads):
+        return ""
+    keep = f"--threads-per-device {given.strip()}" if given.strip().isdigit() and int(given) > 0 else \
+        "--threads-per-device N"
+    return f" (OMP_NUM_THREADS={given} from the environment is replaced: {keep} keeps it)"
+
+
+def threads_note(threads: int, *, flag_given: bool) -> str:
+    """What the first line adds to a CPU worker's `threads`: the cgroup quota that lowered them
+    (`quota_note`), and, unless --threads-per-device chose the count (`flag_given`), an
+    OMP_NUM_THREADS it replaced (`omp_replaced_note`)."""
+    return quota_note() + ("" if flag_given else omp_replaced_note(threads))
 
 
 def set_intra_op_threads(count: int) -> None:

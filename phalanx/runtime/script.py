@@ -48,7 +48,7 @@ from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worke
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import (World, adopt_world, alone_in_slurm_step, launcher_env, leave_default_group,
                                    open_group_env, stop_world)
-from phalanx.runtime.binding import quota_note
+from phalanx.runtime.binding import threads_note
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
@@ -308,7 +308,8 @@ def first_line(spec: LaunchSpec, *, workers: int, local_workers: int, store: str
     # torchrun's CUDA workers drive cuda:LOCAL_RANK whatever --devices lists; phalanx's, its list
     where = ", ".join(spec.plan.names) if spec.plan.kind == "cuda" and launcher == "phalanx" else spec.plan.kind
     here = "" if local_workers == workers else f" ({local_workers} on this host)"
-    each = "torch's default threads" if threads is None else f"{threads} thread{'s' * (threads > 1)} each{quota_note()}"
+    note = "" if threads is None else threads_note(threads, flag_given=spec.threads_per_device is not None)
+    each = "torch's default threads" if threads is None else f"{threads} thread{'s' * (threads > 1)} each{note}"
     return (f"{command}: {workers} worker{'s' * (workers > 1)} on {where}{here}, {each}; "
             f"rendezvous env:// through {launcher}'s store at {store}")
 

@@ -517,7 +517,7 @@ def test_resolve_overlap_asks_auto_with_this_process_s_cores_threads_and_sharers
     assert resolve_overlap(None, algorithm="shm", local_workers=2) == (
         False, "2 workers x 1 thread on 2 cores leave no core for a communication thread")
     assert resolve_overlap(None, algorithm="shm", local_workers=1) == (
-        True, "1 worker x 1 thread on 2 cores leave a core per worker for a communication thread")
+        True, "1 worker x 1 thread on 2 cores leaves a core for a communication thread")
     monkeypatch.setattr(dp_config, "workers_sharing_cores", lambda workers: 1)  # --bind-cores: its own share
     assert resolve_overlap(None, algorithm="shm", local_workers=2)[0] is True
     assert resolve_overlap(None, algorithm="native", local_workers=2) == (True, None)
