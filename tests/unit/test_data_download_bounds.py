@@ -55,7 +55,7 @@ def test_every_attempt_of_a_download_shares_one_deadline(tmp_path, monkeypatch):
     with pytest.raises(fashion_mnist.FashionMnistUnavailable, match="within the 0.5 s the download may take"):
         fashion_mnist.ensure_cached(tmp_path / "cache", fetch=network, mirrors=[f"http://m{i}/" for i in range(8)],
                                     log=lambda _: None)
-    assert len(network.urls) == 2 and time.monotonic() - began < 1.5  # 8 mirrors x 0.3 s before
+    assert len(network.urls) in (1, 2) and time.monotonic() - began < 2.0  # 8 mirrors x 0.3 s = 2.4 s before
 
 
 @pytest.fixture
