@@ -39,7 +39,7 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
     scaled = loss_sum / global_batch_size
-    mark_shard_loss(scaled, global_batch_size)
+    mark_shard_loss(scaled, global_batch_size, loss_sum)
     return scaled
 
 

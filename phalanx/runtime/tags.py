@@ -20,7 +20,7 @@ PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "p
 # check's small sum (periodic, and before any state leaves the replica); barrier: phalanx.barrier;
 # SyncBatchNorm's: a layer's global statistics, and its backward's two sums, through a replica's exchange;
 # stop check: whether any rank was asked to stop (runtime/stop_request.py), after a training step;
-# first-step check: the sizes shard_loss got on each rank, compared once (guards/first_step.py)
+# first-step check: the sizes shard_loss got on each rank, compared at synced steps 1, 2, 4, 8, ... (guards/sizes.py)
 # sparse gradient rows: the rows each rank's backward touched, summed after the buckets (data_parallel/sparse.py)
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 # What a collective does, set by the collective itself: "allreduce" stands for every collective of

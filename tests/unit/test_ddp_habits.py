@@ -26,6 +26,7 @@ from phalanx.errors import UsageError
 from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
 from phalanx.data_parallel.config import DataParallelConfig
 from phalanx.data_parallel.prepare import Choices, prepare_replica
+from phalanx.data_parallel.guards.sizes import SizesAcrossRanks
 from phalanx.data_parallel.guards.running_stats import RunningStats, drifting_norm_layers
 from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.telemetry.metrics import read_metrics
@@ -173,21 +174,44 @@ def test_shard_loss_given_the_shards_own_size_is_named_once_and_the_global_size_
     assert first_step(1, rows=1) == []  # fewer examples than ranks: one rank may hold them all
 
 
-def test_shard_loss_given_this_ranks_own_token_count_is_named_once():
-    """A language model's `shard_loss(loss_sum, ids.numel())`: the shard's own tokens, k times the gradient."""
-    def first_step(global_batch_size: int, length: int = 6) -> list[str]:
+def _sizes_at_step_1(model: nn.Module, forward_and_loss, global_batch_size, rank_1_row=None) -> str | None:
+    """Rank 0's SizesAcrossRanks of a 2-rank replica after one `shard_loss(forward_and_loss(), size)`
+    and its comparison; rank 1's row is rank 0's (equal shards, the same habit) unless given."""
+    sizes = SizesAcrossRanks(model, world_size=2)
+    phalanx.shard_loss(forward_and_loss(), global_batch_size).backward()
+
+    def allreduce(flat, tag):  # the sum of the two ranks' rows, each filled in its own place
+        rows = flat.view(2, -1)
+        rows[1] = rows[0] if rank_1_row is None else torch.tensor(rank_1_row, dtype=flat.dtype)
+    message, going_on = sizes.after_step(allreduce, rank=0, device=torch.device("cpu"))
+    sizes.close()
+    assert going_on == (message is None)
+    return message
+
+
+def test_shard_loss_given_every_ranks_own_token_count_is_named_once():
+    """A language model's `shard_loss(loss_sum, ids.numel())` on every rank: k times the gradient."""
+    def first_step(global_batch_size, length: int = 6, masked: int = 0, rank_1_row=None) -> str | None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11))
         ids = torch.randint(0, 11, (4, length))
-        return _warned_at_first_step(
-            model, lambda: F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="sum"), global_batch_size)
+        labels = ids.clone()
+        labels[:, :masked] = -100
+        return _sizes_at_step_1(model, lambda: F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(),
+                                                                reduction="sum"), global_batch_size, rank_1_row)
 
-    assert first_step(24) == [
-        "phalanx.shard_loss got global_batch_size=24, the number of tokens this rank's forward just saw: the global "
-        "batch size is their sum over the 2 ranks (phalanx.reduce(this rank's count, world=world) sums it); divided "
-        "by the shard's own size the summed gradient is about 2x the 1-device gradient"]
-    assert first_step(48) == [] and first_step(8) == []  # the global tokens; the global examples
-    assert first_step(8, length=2) == []  # 2 tokens a row on 2 ranks: 8 is also the global examples, not judged
+    assert first_step(24) == (
+        "phalanx.shard_loss got global_batch_size=24 at synced step 1, on every rank the number of tokens that "
+        "rank's forward just saw, all of them in the loss: the global count is their sum over the 2 ranks "
+        "(phalanx.reduce(this rank's count, world=world) sums it); divided by each rank's own count the summed "
+        "gradient is about 2x the 1-device gradient")
+    assert first_step(48) is None and first_step(8) is None  # the global tokens; the global examples
+    assert first_step(8, length=2) is None  # 2 tokens a row on 2 ranks: 8 is also the global examples, not judged
+    # Before 2026-12-03 both were named as the habit on rank 0 alone, and obeying trained wrong:
+    # an SFT loss on the second half of every sequence, 2 ranks: the global count of real tokens is 24.
+    assert first_step(torch.tensor(24), masked=3) is None
+    # One row on 2 ranks: rank 1's shard is empty (no calls of its own counted tokens), 24 is global.
+    assert first_step(24, rank_1_row=[1, 24, 24 * 24, 0, 24]) is None
 
 
 def test_shard_loss_registers_a_hook_only_while_a_check_waits():

@@ -17,16 +17,10 @@ first synced step in which it ran a backward, and named in one `PhalanxWarning` 
   until autograd's end-of-backward callback.
 - **`shard_loss(loss_sum, len(x))`**: the shard's size where the *global* batch size belongs
   (each rank's sum divided by its own count: the per-rank mean again, k times the gradient).
-  While a check waits, the replica notes the rows of each forward's first tensor argument (and,
-  for token ids, an integer tensor of 2 or more dimensions, its elements) and `shard_loss` its
-  `global_batch_size`: equal on rank 0 with k > 1 is the warning (`x.numel()`, a language
-  model's own token count, likewise; not where it is also k times the rows, as the global
-  number of examples can be).
-- **A size that differs between the ranks** (`shard_loss(loss_sum, (y != pad).sum())`: each
-  rank's own count of real tokens): the global size is one number for the whole global batch.
-  `SizesAcrossRanks`, on every rank, notes the sizes its shard_loss calls get until the first
-  synced step, then the ranks compare them in one small sum through the exchange, once, and rank
-  0 names the first rank whose sizes differ from its own. This is the one collective here.
+  While a check waits, the replica notes the rows of each forward's first tensor argument and
+  `shard_loss` its `global_batch_size`: equal on rank 0 with k > 1 is the warning. (A language
+  model's own token count, `ids.numel()`, needs every rank's view to tell from a correct global
+  count that equals it by chance; sizes.py judges it, and a size that differs between the ranks.)
 - **torch's `DistributedSampler`** in the frames of the loop that called
   `finish_gradient_sync()` (its locals, and the script's globals): it pads the dataset to a
   multiple of the ranks by repeating examples (or drops some), so an epoch is not the 1-device
@@ -34,7 +28,7 @@ first synced step in which it ran a backward, and named in one `PhalanxWarning` 
 
 Whether a backward ran is learned from gradient hooks on the parameters, registered only until
 the check is done; afterwards nothing of this runs, so the steady-state step is unchanged.
-Besides the sizes' one sum, nothing here communicates: rank 0 checks alone.
+Nothing here communicates: rank 0 checks alone.
 """
 
 from __future__ import annotations
@@ -43,15 +37,14 @@ import sys
 import warnings
 import weakref
 from types import FrameType
-from typing import Callable
 
 import torch
 from torch import nn
 
-from phalanx.comm import Tag
 from phalanx.data.loader import distributed_sampler_note
 from phalanx.errors import PhalanxWarning
 from phalanx.data_parallel.replica_hook import ReplicaHook
+from phalanx.data_parallel.guards.sizes import note_size
 
 # How many frames above finish_gradient_sync to search for a DistributedSampler: the user's loop
 # is the caller, or a few frames up when the step runs through train_batch / a helper.
@@ -61,23 +54,19 @@ _FRAMES_SEARCHED = 8
 # The checks that wait to see a backward through shard_loss (rank 0's, until its first synced step).
 _WAITING: weakref.WeakSet = weakref.WeakSet()
 _UNDER_WAY = [0]  # backwards that passed a shard_loss result and have not ended (nested ones run inside)
-_NOTING: weakref.WeakSet = weakref.WeakSet()  # every rank's SizesAcrossRanks, until its first synced step
-_MAX_NOTED = 4096  # sizes a SizesAcrossRanks keeps at most: the first step's, in any real loop
 
 
-def mark_shard_loss(scaled: torch.Tensor, global_batch_size=None) -> None:
+def mark_shard_loss(scaled: torch.Tensor, global_batch_size=None, loss_sum: torch.Tensor | None = None) -> None:
     """Called by shard_loss with its result: while a check waits, a backward through
     `scaled` tells it in which autograd task it ran, and the size it was given is set beside the
-    rows of the last forward. No check waiting: nothing (one test)."""
-    if _NOTING:
-        for sizes in list(_NOTING):
-            sizes.given.append(float(global_batch_size))
-            if len(sizes.given) >= _MAX_NOTED:  # a replica that never syncs (a teacher's) stops noting
-                _NOTING.discard(sizes)
+    rows of the last forward; during a checked step the size is noted for the ranks' comparison
+    (sizes.py). Neither: one test each."""
+    if loss_sum is not None:
+        note_size(global_batch_size, loss_sum)
     if _WAITING and scaled.requires_grad:
         scaled.register_hook(_passed)
         for check in list(_WAITING):
-            check.sizes_given.append((global_batch_size, check.rows_forwarded, check.tokens_forwarded))
+            check.sizes_given.append((global_batch_size, check.rows_forwarded))
 
 
 def _passed(grad: torch.Tensor) -> None:
@@ -93,21 +82,11 @@ def _ended() -> None:
     _UNDER_WAY[0] -= 1
 
 
-def shard_size_message(global_batch_size: int, world_size: int, counted: str = "examples") -> str:
-    source = ("ShardedLoader yields it beside each shard" if counted == "examples" else
-              "phalanx.reduce(this rank's count, world=world) sums it")
-    return (f"phalanx.shard_loss got global_batch_size={global_batch_size}, the number of {counted} this rank's "
-            f"forward just saw: the global batch size is their sum over the {world_size} ranks ({source}); "
+def shard_size_message(global_batch_size: int, world_size: int) -> str:
+    return (f"phalanx.shard_loss got global_batch_size={global_batch_size}, the number of examples this rank's "
+            f"forward just saw: the global batch size is their sum over the {world_size} ranks (ShardedLoader "
+            "yields it beside each shard); "
             f"divided by the shard's own size the summed gradient is about {world_size}x the 1-device gradient")
-
-
-def sizes_differ_message(mine: float, rank: int, theirs: float, calls: int = 1) -> str:
-    got = (f"global_batch_size={mine:g}" if calls == 1 else
-           f"global_batch_size values summing to {mine:g} over {calls} calls")
-    return (f"phalanx.shard_loss got {got} on rank 0 but {theirs:g} on rank {rank} in the first "
-            "step: the global batch size is one number for the whole global batch, the same on every rank (for a "
-            "count of tokens: each rank's count summed over the ranks, phalanx.reduce(count, world=world)); divided "
-            "by each rank's own count the summed gradient is not the 1-device gradient")
 
 
 def loss_scale_message(world_size: int) -> str:
@@ -126,8 +105,7 @@ class FirstStepCheck:
         self.shard_loss_tasks: set[int] = set()  # autograd tasks (backwards) that passed a shard_loss result
         self.landed_tasks: set[int] = set()  # those in which a gradient of these parameters landed
         self.rows_forwarded: int | None = None  # the first dimension of the last forward's first tensor
-        self.tokens_forwarded: int | None = None  # its elements, where it holds token ids (integers, 2+ dims)
-        self.sizes_given: list[tuple] = []  # shard_loss's size, the rows and tokens just before
+        self.sizes_given: list[tuple] = []  # shard_loss's size, the rows just before
         params = [p for p in params if p.requires_grad]  # a frozen parameter gets no gradient, takes no hook
         self._handles = [p.register_post_accumulate_grad_hook(ReplicaHook(self._landed)) for p in params]
         if module is not None and check_loss:
@@ -147,8 +125,6 @@ class FirstStepCheck:
     def _forwarded(self, module, args, kwargs) -> None:
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         self.rows_forwarded = first.shape[0] if first is not None and first.dim() > 0 else None
-        tokens = first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex()
-        self.tokens_forwarded = first.numel() if tokens else None
 
     def _landed(self, param: nn.Parameter) -> None:
         task = torch._C._current_graph_task_id()
@@ -165,12 +141,9 @@ class FirstStepCheck:
             messages.append(loss_scale_message(self.world_size))
         # Below k examples one rank may hold them all (its rows are the global size): not judged.
         k = self.world_size
-        own = next(((size, "examples") for size, rows, _ in self.sizes_given
-                    if size is not None and size == rows and size >= k), None) or \
-            next(((size, "tokens") for size, rows, tokens in self.sizes_given  # k x rows: the global examples
-                  if size is not None and size == tokens and size != k * rows), None)
+        own = next((size for size, rows in self.sizes_given if size is not None and size == rows and size >= k), None)
         if self.check_loss and self.through_shard_loss and own is not None:
-            messages.append(shard_size_message(own[0], k, own[1]))
+            messages.append(shard_size_message(own, k))
         sampler_note = _sampler_in_frames(caller)
         if sampler_note is not None:
             messages.append(sampler_note)
@@ -184,35 +157,6 @@ class FirstStepCheck:
             handle.remove()
         self._handles = []
         _WAITING.discard(self)
-
-
-class SizesAcrossRanks:
-    """Every rank's note of the sizes its shard_loss calls get until the first synced step,
-    compared across the ranks after it; see the module docstring."""
-
-    def __init__(self) -> None:
-        self.given: list[float] = []
-        _NOTING.add(self)
-
-    def compare(self, allreduce: Callable, *, rank: int, world_size: int, device: torch.device) -> str | None:
-        """Stop noting; every rank: sum each rank's (calls, sum, sum of squares of its sizes) in its
-        own row, a collective; the message (the same on every rank) where the ranks made as many
-        calls with different sizes, else None."""
-        _NOTING.discard(self)
-        given = self.given
-        rows = torch.zeros(world_size, 3, dtype=torch.float64)
-        rows[rank] = torch.tensor([len(given), sum(given), sum(g * g for g in given)], dtype=torch.float64)
-        flat = rows.view(-1).to(device)
-        allreduce(flat, Tag("first-step check"))
-        rows = flat.view(world_size, 3).tolist()
-        calls = int(rows[0][0])
-        if not calls or any(row[0] != calls for row in rows):
-            return None  # no calls, or as many calls on no two ranks: a loss of a rank's own, not judged
-        other = next((r for r, row in enumerate(rows) if row[1:] != rows[0][1:]), None)
-        return None if other is None else sizes_differ_message(rows[0][1], other, rows[other][1], calls)
-
-    def close(self) -> None:
-        _NOTING.discard(self)
 
 
 def _sampler_in_frames(frame: FrameType | None) -> str | None:

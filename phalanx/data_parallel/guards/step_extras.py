@@ -11,10 +11,11 @@ what the replica was built to do beyond the sum, in this order:
    without prepare, which converts them) get a one-line notice naming the choices at construction.
 3. Rank 0's one-time look at the first synced step (first_step.py): a loss that bypassed
    `shard_loss`, a shard's own size given to it, a padding DistributedSampler; and, on every
-   rank once, the sizes shard_loss got compared across the ranks (one small sum).
+   rank at synced steps 1, 2, 4, 8, ..., the sizes shard_loss got compared across the ranks
+   (one small sum each, sizes.py).
 
 Each part exists only where it applies: LeNet under `phalanx.prepare` has no running statistics
-and, after its first step, no check, so the step costs what it did before.
+and, after its first step, no check but the sizes' small sum at power-of-two steps.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from phalanx.errors import warn_at_caller
-from phalanx.data_parallel.guards.first_step import FirstStepCheck, SizesAcrossRanks, caller_frame
+from phalanx.data_parallel.guards.first_step import FirstStepCheck, caller_frame
+from phalanx.data_parallel.guards.sizes import SizesAcrossRanks
 from phalanx.data_parallel.guards.running_stats import running_stats_of
 from phalanx.data_parallel.sync_batchnorm import has_plain_batchnorm
 from phalanx.runtime.world import World
@@ -48,7 +50,8 @@ class StepExtras:
         self.first_step = FirstStepCheck(list(module.parameters()), world_size=world.world_size,
                                          check_loss=average is None, module=module) \
             if world.distributed and world.is_main else None
-        self.sizes = SizesAcrossRanks() if world.distributed and average is None else None
+        self.sizes = SizesAcrossRanks(module, world_size=world.world_size) \
+            if world.distributed and average is None else None
 
     def after_exchange(self, gradients: Sequence[torch.Tensor], allreduce: Callable[[torch.Tensor], object]) -> None:
         """Called once per synced step, after the summed `gradients` (the buckets, or a sharded
@@ -60,10 +63,11 @@ class StepExtras:
             self.running_stats.average(allreduce, self.world.world_size)
         if self.first_step is not None and self.first_step.after_sync(caller_frame(2)):
             self.first_step = None
-        if self.sizes is not None:  # once, on every rank: the first synced step
-            sizes, self.sizes, world = self.sizes, None, self.world
-            message = sizes.compare(allreduce, rank=world.rank, world_size=world.world_size, device=world.device)
-            if message is not None and world.is_main:  # every rank reached the same verdict
+        if self.sizes is not None:  # every rank; a collective at synced steps 1, 2, 4, 8, ...
+            message, going_on = self.sizes.after_step(allreduce, rank=self.world.rank, device=self.world.device)
+            if not going_on:
+                self.sizes = None
+            if message is not None and self.world.is_main:  # every rank reached the same verdict
                 warn_at_caller(message)
 
     def close(self) -> None:
