@@ -95,6 +95,9 @@ def classification_sums(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 
 
 _SUMS_FIX = "pass sums=fn(model, batch) -> {name: sum over the batch} that fits your model's output"
+# Once a user's "count" (tokens) was silently replaced by the examples evaluate_dataset counts itself.
+_RESERVED = ("evaluate_dataset's sums= returned a \"count\" key, which evaluate_dataset reserves for the number of "
+             "examples it adds itself; name yours differently (e.g. \"tokens\") and divide by result[\"tokens\"]")
 
 
 def check_logits(logits, labels) -> None:
@@ -125,7 +128,7 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     Each rank reads its contiguous shard of the dataset (sizes differ by at most one), calls
     `sums(model, batch)` -> {name: sum over the batch} in eval mode without gradients, and the
     sums are added across ranks in one allreduce. Returns every rank the same dict of global
-    sums plus "count" (= len(dataset), checked); divide by it for means. A rank with an empty
+    sums plus "count" (= len(dataset), checked; a "count" of `sums`' own is refused); divide by it for means. A rank with an empty
     shard evaluates an empty batch, so the names are the same everywhere. `model`: the replica
     (a DataParallel) or its module; its buffers must agree across ranks (checked first). A stream
     (IterableDataset) is read whole by every rank, which evaluates its slice of each
@@ -152,12 +155,16 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     was_training = model.training
     model.eval()
     totals: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for batch in batches:
-            for name, value in sums(model, _to_device(batch, world.device, dtype)).items():
-                value = torch.as_tensor(value, dtype=torch.float64, device=world.device)
-                totals[name] = totals.get(name, 0) + value
-    model.train(was_training)
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                for name, value in sums(model, _to_device(batch, world.device, dtype)).items():
+                    if name == "count":  # every rank calls sums at least once: all refuse before the sum
+                        raise ValueError(_RESERVED)
+                    value = torch.as_tensor(value, dtype=torch.float64, device=world.device)
+                    totals[name] = totals.get(name, 0) + value
+    finally:
+        model.train(was_training)
     names = sorted(totals)
     flat = torch.stack([totals[n] for n in names] + [torch.tensor(float(read[1]), dtype=torch.float64,
                                                                    device=world.device)])

@@ -125,6 +125,20 @@ def test_evaluate_dataset_takes_sums_as_a_function_and_says_so_for_anything_else
         phalanx.evaluate_dataset(nn.Linear(3, 2), data, world=world(0, 1), sums={"loss": 0.0})  # was "not callable"
 
 
+def test_evaluate_dataset_refuses_a_count_of_the_sums_own_naming_the_fix():
+    # Before 2026-12-03 a language model's {"loss": ..., "count": tokens} came back with "count" the
+    # number of sequences (10, not 60): loss / count was 6x the mean token loss, silently.
+    model = nn.Linear(3, 2)
+    data = TensorDataset(torch.randn(10, 3), torch.randint(0, 2, (10, 6)))
+    with pytest.raises(ValueError, match=r'^evaluate_dataset\'s sums= returned a "count" key, which evaluate_dataset '
+                                         r'reserves .*name yours differently \(e.g. "tokens"\)'):
+        phalanx.evaluate_dataset(model, data, world=world(0, 1), sums=lambda m, b: {"loss": m(b[0]).sum(),
+                                                                                   "count": b[1].numel()})
+    assert model.training  # put back as it was
+    sums = phalanx.evaluate_dataset(model, data, world=world(0, 1), sums=lambda m, b: {"tokens": b[1].numel()})
+    assert sums == {"tokens": 60.0, "count": 10.0}
+
+
 def test_evaluate_dataset_follows_a_float64_models_dtype():
     # Uncast, a float32 batch fails inside evaluate_dataset with "RNN input dtype (torch.float32) does not
     # match weight dtype (torch.float64)"; it is cast as the internal evaluate casts its images.
