@@ -3,7 +3,8 @@
 For each k of `config.world_sizes` it trains `config.steps` SGD steps on 1 device in this
 process (the reference) and on k spawned workers (phalanx.runtime.launch, phalanx's DataParallel and
 step), from the same seed on the same global batches, and compares them step by step
-(compare.py). On a failure it names the culprit (diagnose.py): from direct evidence, or from
+(compare.py). On a failure it names the culprit (diagnose.py): from direct evidence (the
+comparison's, or loss_fn's on the first batch: example_mean.py), or from
 reruns with one suspect removed at a time (probes). A small model's probes run in the same spawn
 as the comparison, since starting workers costs more than a few steps; a large model's in one
 more spawn, only after a failure.
@@ -32,7 +33,8 @@ from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.verify.batches import check_data
 from phalanx.verify.compare import compare_runs
 from phalanx.verify.config import VerifyConfig
-from phalanx.verify.diagnose import ProbeResult, cause_from_probes, direct_cause, plan_probes
+from phalanx.verify.diagnose import ProbeResult, cause_from_probes, direct_cause, plan_probes, token_mean_cause
+from phalanx.verify.example_mean import example_mean_gap
 from phalanx.verify.report import VerifyReport, WorldResult
 from phalanx.verify.run import RunRecord, rank_worker, reference_run
 from phalanx.runtime.world import launcher_env, ranks_share_gpu
@@ -81,6 +83,9 @@ def verify(model_fn: Callable[[], nn.Module], data: Any, *, loss_fn: Callable = 
         result = WorldResult(world_size=k, comparison=comparison)
         if not comparison.passed and config.diagnose:
             result.cause = direct_cause(comparison, config)
+            if result.cause is None:
+                gap = example_mean_gap(model_fn, loss_fn, data, config, world_size=k, device=_reference_device(config))
+                result.cause = None if gap is None else token_mean_cause(gap, k)
             if result.cause is None:
                 if probes and not eager:
                     say(f"k = {k}: differs; {len(probes)} probe{'s' if len(probes) > 1 else ''} on {k} workers")

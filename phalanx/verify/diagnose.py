@@ -3,7 +3,8 @@
 Some culprits leave direct evidence in a failed comparison: shards that are not the 1-device
 batch (data order differing per rank), replicas that disagree, or a step-1 gradient that is a
 clean multiple of the reference's (s ~ k: the ranks' mean losses summed instead of averaged;
-s ~ 1/k: averaged twice). The others are found by probes: the same comparison rerun with one
+s ~ 1/k: averaged twice), or a loss_fn whose mean is not over the examples (a token mean with
+ignore_index; example_mean.py measures it). The others are found by probes: the same comparison rerun with one
 suspect removed, and the first probe after which the runs agree names it -
 
     grad-dtype   gradients exchanged as computed         (compression error)
@@ -33,8 +34,8 @@ _MANTISSA_BITS = {"bf16": 8, "fp16": 11}  # with the implicit bit: relative roun
 
 @dataclass(frozen=True, kw_only=True)
 class Cause:
-    key: str  # data-order, replicas, loss-sum, loss-double-average, loss-scale, grad-dtype, batchnorm,
-    #           rank-mean, dropout, combined, unknown
+    key: str  # data-order, replicas, loss-sum, loss-double-average, loss-scale, token-mean, grad-dtype,
+    #           batchnorm, rank-mean, dropout, combined, unknown
     summary: str  # names the culprit, with this run's numbers
     fix: str
     evidence: str
@@ -87,6 +88,17 @@ def direct_cause(comparison: Comparison, config: VerifyConfig) -> Cause | None:
     return Cause(key="loss-scale", summary=f"the gradient is {s:.3g} x the 1-device one: the loss (or its reduction) "
                  "is scaled differently on k devices", fix="make each rank backpropagate its loss sum / global batch "
                  "size", evidence=evidence)
+
+
+def token_mean_cause(gap: float, world_size: int) -> Cause:
+    """loss_fn averages over something other than the examples (example_mean.py measured `gap`)."""
+    return Cause(key="token-mean", summary="loss_fn is not a mean over the examples (a token mean with ignore_index?): "
+                 "each rank's mean over its own non-ignored tokens, times its examples, is not its share of the "
+                 "global token mean", fix="return the loss sum (reduction=\"sum\") with loss_reduction=\"sum\"; in "
+                 "training, phalanx.shard_loss(loss_sum, global count of real tokens), the count summed over the ranks "
+                 "(phalanx.reduce(count, world=world))", evidence=f"first global batch, initial model in eval mode: "
+                 f"the gradient of loss_fn on the whole batch and its {world_size} shards' gradients weighted by "
+                 f"their examples differ by {gap:.2g} relative")
 
 
 def plan_probes(config: VerifyConfig, *, world_size: int, batch_sizes: list[int], num_batchnorm: int,

@@ -1,5 +1,6 @@
 """phalanx verify without processes: config rules, loss scaling, batches, comparison maths, diagnosis, report, CLI."""
 
+import dataclasses
 import json
 import math
 
@@ -287,6 +288,50 @@ def test_verify_runs_probes_in_the_same_spawn_for_small_models_else_after_a_fail
     assert calls == [spawns[0]]
     with pytest.raises(ValueError, match="lambda"):
         api.verify(lambda: None, _pair())
+
+
+class _TokenNet(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11))
+
+
+def _token_mean(outputs, targets):
+    """nanoGPT's loss: the mean over the tokens whose target is not -1."""
+    return torch.nn.functional.cross_entropy(outputs.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def _tokens(ignored: bool):
+    ids = torch.randint(0, 11, (9, 6), generator=torch.Generator().manual_seed(0))
+    targets = ids.roll(-1, dims=1)
+    if ignored:
+        targets[:3, :4] = -1  # padding in the first shard's sequences only
+    return ids, targets
+
+
+def test_a_token_mean_with_ignored_targets_is_named_from_its_first_gradient(monkeypatch):
+    # Before 2026-12-03 verify said "no usual culprit explains it" for nanoGPT's token mean with ignore_index.
+    from phalanx.verify import api
+    from phalanx.verify.example_mean import example_mean_gap
+
+    config = VerifyConfig(world_sizes=(2,), global_batch_size=9)
+    cpu = torch.device("cpu")
+    gap = example_mean_gap(_TokenNet, _token_mean, _tokens(True), config, world_size=2, device=cpu)
+    assert gap is not None and gap > config.rtol
+    # Every token counted: the token mean is the mean over examples / 6, a mean over examples.
+    assert example_mean_gap(_TokenNet, _token_mean, _tokens(False), config, world_size=2, device=cpu) is None
+    summed = dataclasses.replace(config, loss_reduction="sum")
+    assert example_mean_gap(_TokenNet, _token_mean, _tokens(True), summed, world_size=2, device=cpu) is None
+
+    def fake_reference(model_fn, loss_fn, data, config, *, device):
+        return _record(0, 1, [_snapshot()] * 2, BATCHES)
+
+    monkeypatch.setattr(api, "reference_run", fake_reference)
+    monkeypatch.setattr(api, "_spawn", lambda k, *args: [_run(k, [_snapshot(scale=1.05)] * 2)] * len(args[-1]))
+    cause = api.verify(_TokenNet, _tokens(True), loss_fn=_token_mean, config=config).result(2).cause
+    assert cause.key == "token-mean" and cause.summary.startswith("loss_fn is not a mean over the examples (a token "
+                                                                  "mean with ignore_index?)")
+    assert 'loss_reduction="sum"' in cause.fix and "phalanx.shard_loss(loss_sum, global count" in cause.fix
+    assert f"differ by {gap:.2g} relative" in cause.evidence
 
 
 # ---------------------------------------------------------------- report and CLI
