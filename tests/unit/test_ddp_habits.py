@@ -174,24 +174,26 @@ def test_shard_loss_given_the_shards_own_size_is_named_once_and_the_global_size_
     assert first_step(1, rows=1) == []  # fewer examples than ranks: one rank may hold them all
 
 
-def _sizes_at_step_1(model: nn.Module, forward_and_loss, global_batch_size, rank_1_row=None) -> str | None:
+def _sizes_at_step_1(model: nn.Module, forward_and_loss, global_batch_size, rank_1_row=None,
+                     same_batch: bool = False) -> list[str]:
     """Rank 0's SizesAcrossRanks of a 2-rank replica after one `shard_loss(forward_and_loss(), size)`
-    and its comparison; rank 1's row is rank 0's (equal shards, the same habit) unless given."""
+    and its comparison: its messages. Rank 1's row is rank 0's (equal shards, the same habit) but
+    for its first batch (unless `same_batch`), or `rank_1_row`."""
     sizes = SizesAcrossRanks(model, world_size=2)
     phalanx.shard_loss(forward_and_loss(), global_batch_size).backward()
 
     def allreduce(flat, tag):  # the sum of the two ranks' rows, each filled in its own place
         rows = flat.view(2, -1)
         rows[1] = rows[0] if rank_1_row is None else torch.tensor(rank_1_row, dtype=flat.dtype)
-    message, going_on = sizes.after_step(allreduce, rank=0, device=torch.device("cpu"))
+        rows[1, 6] += 0 if same_batch else 1
+    messages, going_on = sizes.after_step(allreduce, rank=0, device=torch.device("cpu"))
     sizes.close()
-    assert going_on == (message is None)
-    return message
+    return messages
 
 
 def test_shard_loss_given_every_ranks_own_token_count_is_named_once():
     """A language model's `shard_loss(loss_sum, ids.numel())` on every rank: k times the gradient."""
-    def first_step(global_batch_size, length: int = 6, masked: int = 0, rank_1_row=None) -> str | None:
+    def first_step(global_batch_size, length: int = 6, masked: int = 0, rank_1_row=None) -> list[str]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11))
         ids = torch.randint(0, 11, (4, length))
@@ -200,18 +202,34 @@ def test_shard_loss_given_every_ranks_own_token_count_is_named_once():
         return _sizes_at_step_1(model, lambda: F.cross_entropy(model(ids).flatten(0, 1), labels.flatten(),
                                                                 reduction="sum"), global_batch_size, rank_1_row)
 
-    assert first_step(24) == (
+    assert first_step(24) == [
         "phalanx.shard_loss got global_batch_size=24 at synced step 1, on every rank the number of tokens that "
         "rank's forward just saw, all of them in the loss: the global count is their sum over the 2 ranks "
         "(phalanx.reduce(this rank's count, world=world) sums it); divided by each rank's own count the summed "
-        "gradient is about 2x the 1-device gradient")
-    assert first_step(48) is None and first_step(8) is None  # the global tokens; the global examples
-    assert first_step(8, length=2) is None  # 2 tokens a row on 2 ranks: 8 is also the global examples, not judged
+        "gradient is about 2x the 1-device gradient"]
+    assert first_step(48) == [] and first_step(8) == []  # the global tokens; the global examples
+    assert first_step(8, length=2) == []  # 2 tokens a row on 2 ranks: 8 is also the global examples, not judged
     # Before 2026-12-03 both were named as the habit on rank 0 alone, and obeying trained wrong:
     # an SFT loss on the second half of every sequence, 2 ranks: the global count of real tokens is 24.
-    assert first_step(torch.tensor(24), masked=3) is None
+    assert first_step(torch.tensor(24), masked=3) == []
     # One row on 2 ranks: rank 1's shard is empty (no calls of its own counted tokens), 24 is global.
-    assert first_step(24, rank_1_row=[1, 24, 24 * 24, 0, 24]) is None
+    assert first_step(24, rank_1_row=[1, 24, 24 * 24, 0, 24, 0, 0, 0]) == []
+
+
+def test_every_rank_given_the_same_first_token_batch_is_noted_once():
+    """nanoGPT's get_batch() with one seed on every rank: k ranks train on one batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11))
+    ids = torch.randint(0, 11, (4, 6))
+
+    def loss_sum():
+        return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten(), reduction="sum")
+    assert _sizes_at_step_1(model, loss_sum, 48, same_batch=True) == [
+        "every rank's first forward got the same 24 token ids: the 2 ranks train on one batch, 1/2 of the data a "
+        "global batch holds (nanoGPT's get_batch() seeded alike on every rank); draw each rank's batch with its own "
+        "seed (torch.manual_seed(seed + world.rank)) or shard one global batch (phalanx.ShardedLoader, "
+        "phalanx.rank_shard)"]
+    assert _sizes_at_step_1(model, loss_sum, 48) == []  # a batch of each rank's own
 
 
 def test_shard_loss_registers_a_hook_only_while_a_check_waits():

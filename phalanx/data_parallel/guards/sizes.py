@@ -22,6 +22,11 @@ by chance (an SFT loss masking half of every sequence on 2 ranks; a batch of one
 where rank 1's shard is empty). It is named only when on *every* rank the size is that rank's own
 token count and the loss is a sum of cross-entropy terms over all of those tokens (nothing
 ignored): then the global count is k times the size, without doubt.
+
+The same sum carries, at step 1, a fingerprint of each rank's first token-id input (its
+elements, their sum, and their sum weighted by position): nanoGPT's `get_batch()` drawing with
+one seed on every rank (its `seed_offset = rank` left out) gives every rank the same batch, so
+k devices train on 1/k of the data the global batch should hold. Equal on every rank: a note.
 """
 
 from __future__ import annotations
@@ -84,6 +89,13 @@ def own_tokens_message(size: float, world_size: int, step: int) -> str:
             f"rank's own count the summed gradient is about {world_size}x the 1-device gradient")
 
 
+def same_batch_note(tokens: int, world_size: int) -> str:
+    return (f"every rank's first forward got the same {tokens} token ids: the {world_size} ranks train on one batch, "
+            f"1/{world_size} of the data a global batch holds (nanoGPT's get_batch() seeded alike on every rank); "
+            "draw each rank's batch with its own seed (torch.manual_seed(seed + world.rank)) or shard one global "
+            "batch (phalanx.ShardedLoader, phalanx.rank_shard)")
+
+
 class SizesAcrossRanks:
     """Every rank's note of the sizes its shard_loss calls get in a checked step, compared across
     the ranks after it; see the module docstring. `module`: whose forwards' token ids are counted."""
@@ -94,6 +106,7 @@ class SizesAcrossRanks:
         self.given: list[tuple[float, bool]] = []  # (size, whether it is this rank's own counted tokens)
         self.tokens_forwarded: int | None = None
         self.rows_forwarded: int | None = None
+        self.first_tokens: list[float] = [0.0, 0.0, 0.0]  # step 1's first token-id input: elements, sum, weighted
         self._hook = None
         self._start()
 
@@ -115,6 +128,10 @@ class SizesAcrossRanks:
         tokens = first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex()
         self.tokens_forwarded = first.numel() if tokens else None
         self.rows_forwarded = first.shape[0] if tokens else None
+        if tokens and self.steps == 0 and not self.first_tokens[0] and first.numel():
+            ids = first.detach().reshape(-1).to(torch.float64)
+            weights = torch.arange(1, ids.numel() + 1, dtype=torch.float64, device=ids.device)
+            self.first_tokens = [float(ids.numel()), float(ids.sum()), float((ids * weights).sum())]
 
     def note(self, size: float, loss_sum: torch.Tensor) -> None:
         tokens, rows = self.tokens_forwarded, self.rows_forwarded
@@ -125,43 +142,47 @@ class SizesAcrossRanks:
         if len(self.given) >= _MAX_NOTED:  # a replica that never syncs (a teacher's) stops noting
             self._stop()
 
-    def after_step(self, allreduce: Callable, *, rank: int, device: torch.device) -> tuple[str | None, bool]:
+    def after_step(self, allreduce: Callable, *, rank: int, device: torch.device) -> tuple[list[str], bool]:
         """Every rank, once per synced step: at a checked step, the comparison (a collective).
-        Returns the message (rank 0 warns it) and whether checking goes on."""
+        Returns the messages (rank 0 warns them) and whether checking goes on."""
         self.steps += 1
         checked = self.steps & (self.steps - 1) == 0  # a power of two
-        message = self.compare(allreduce, rank=rank, device=device) if checked else None
+        message, same_batch = self.compare(allreduce, rank=rank, device=device) if checked else (None, None)
+        notes = [same_batch] if same_batch is not None else []
         if message is not None:
             self.close()
-            return message, False
+            return [*notes, message], False
         nxt = self.steps + 1
         if nxt & (nxt - 1) == 0:
             self._start()
         elif checked:
             self._stop()
-        return None, True
+        return notes, True
 
-    def compare(self, allreduce: Callable, *, rank: int, device: torch.device) -> str | None:
+    def compare(self, allreduce: Callable, *, rank: int, device: torch.device) -> tuple[str | None, str | None]:
         """Every rank: sum each rank's (calls, sum, sum of squares of its sizes, calls with its own
-        counted tokens, the first size) in its own row, a collective; the message (the same on
-        every rank but for rank 0's first size) or None."""
+        counted tokens, the first size, and at step 1 its first token-id input's fingerprint) in its
+        own row, a collective. Returns the sizes' message and the same-batch note (the same on every
+        rank but for rank 0's first size), each or None."""
         k, sizes = self.world_size, [size for size, _ in self.given]
-        rows = torch.zeros(k, 5, dtype=torch.float64)
+        rows = torch.zeros(k, 8, dtype=torch.float64)
         rows[rank] = torch.tensor([len(sizes), sum(sizes), sum(s * s for s in sizes),
-                                   sum(own for _, own in self.given), sizes[0] if sizes else 0.0],
-                                  dtype=torch.float64)
+                                   sum(own for _, own in self.given), sizes[0] if sizes else 0.0,
+                                   *self.first_tokens], dtype=torch.float64)
         flat = rows.view(-1).to(device)
         allreduce(flat, Tag("first-step check"))
-        rows = flat.view(k, 5).tolist()
+        rows = flat.view(k, 8).tolist()
+        same_batch = same_batch_note(int(rows[0][5]), k) if k > 1 and self.steps == 1 and rows[0][5] and \
+            all(row[5:] == rows[0][5:] for row in rows) else None
         calls = int(rows[0][0])
         if not calls or any(row[0] != calls for row in rows):
-            return None  # no calls, or as many calls on no two ranks: a loss of a rank's own, not judged
+            return None, same_batch  # no calls, or as many calls on no two ranks: a loss of a rank's own, not judged
         other = next((r for r, row in enumerate(rows) if row[1:3] != rows[0][1:3]), None)
         if other is not None:
-            return sizes_differ_message(rows[0][1], other, rows[other][1], calls, self.steps)
+            return sizes_differ_message(rows[0][1], other, rows[other][1], calls, self.steps), same_batch
         if k > 1 and all(row[3] == calls for row in rows):
-            return own_tokens_message(rows[0][4], k, self.steps)
-        return None
+            return own_tokens_message(rows[0][4], k, self.steps), same_batch
+        return None, same_batch
 
     def close(self) -> None:
         self._stop()

@@ -64,10 +64,10 @@ class StepExtras:
         if self.first_step is not None and self.first_step.after_sync(caller_frame(2)):
             self.first_step = None
         if self.sizes is not None:  # every rank; a collective at synced steps 1, 2, 4, 8, ...
-            message, going_on = self.sizes.after_step(allreduce, rank=self.world.rank, device=self.world.device)
+            messages, going_on = self.sizes.after_step(allreduce, rank=self.world.rank, device=self.world.device)
             if not going_on:
                 self.sizes = None
-            if message is not None and self.world.is_main:  # every rank reached the same verdict
+            for message in messages if self.world.is_main else ():  # every rank reached the same verdict
                 warn_at_caller(message)
 
     def close(self) -> None:
