@@ -20,7 +20,10 @@ the waits) and at each poll `check` reads the board (board.py) and the peers' pr
    instant; with entries made only by threads that are blocked, nothing can change it.
 4. The deadline, counted once from the start of the wait whatever else is in flight (queued
    collectives behind a failed one fail at once: async_ops.py): the error names the peer that
-   never arrived and what its process is doing (/proc: a stopped process shows state T).
+   never arrived and what its process is doing (/proc: a stopped process shows state T). A live
+   peer outside every collective is named as busy, not as "stopped responding": most often
+   rank 0's own work (nanoGPT's sampling or checkpoint under `master_process`) outlasting the
+   timeout, the cause script_errors.py names for a torch collective's timeout too.
 
 Errors whose message is the whole story (a stalled, finished or mismatched peer) are `RunFailed`,
 so a launcher prints that one line; a peer that died or failed is a plain error, so the launcher
@@ -29,7 +32,7 @@ names that peer's own report as the root cause.
 
 from __future__ import annotations
 
-from phalanx.runtime.board import FAILED, FINISHED, WAITING, Board, Line, Ticket
+from phalanx.runtime.board import FAILED, FINISHED, RUNNING, WAITING, Board, Line, Ticket
 from phalanx.runtime.tags import called_by, describe, is_generic, op_of
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import PeerLost, RunFailed
@@ -215,6 +218,12 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
         return PeerStalled(f"{text} (SIGSTOP, Ctrl-Z or a debugger?)", culprit=line.rank)
     if line.state == WAITING and line.block is not None and chosen in lacking:
         return _mismatch(board, line.rank, line.block, ticket)
+    if line.state == RUNNING:  # alive, outside every collective: its own work outlasted the timeout
+        return PeerStalled(f"worker rank {line.rank} was outside any collective (state: {word}){_after(line)} while rank {me} "
+                           f"waited {waited_s:.0f} s in {mine}, past the {timeout_s:g} s timeout: work on rank "
+                           f"{line.rank} alone (sampling, an evaluation or a save on rank 0 only?) took that long, or "
+                           "it never made the call; raise --timeout, or have every rank take part in that work",
+                           culprit=line.rank)
     return PeerStalled(f"{text}: rank {line.rank} did not arrive within the {timeout_s:g} s timeout; "
                        "raise --timeout if a step can really take that long", culprit=line.rank)
 
