@@ -7,7 +7,8 @@ global batch's mean loss is the *sum* of those shares over the ranks:
 
     world.print(f"loss {phalanx.reduce(loss, op='sum', world=world):.4f}")   # the 1-device number
 
-and a per-rank quantity (a mean the rank computed itself, a time) is averaged with op="mean".
+and a per-rank quantity (a mean the rank computed itself, a time) is averaged with op="mean";
+op="max" / "min" give the largest / smallest over the ranks (the slowest rank's time).
 It is a collective: every rank calls it at the same point. It reads the result on the host,
 which waits for the device (on a GPU: log every N steps, not every step).
 """
@@ -19,12 +20,14 @@ import torch
 from phalanx.comm import all_reduce_sum_
 from phalanx.runtime.world import World
 
-REDUCE_OPS = ("mean", "sum")
+REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
 def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean") -> float | int | torch.Tensor:
     """`value` summed over every rank of `world` (`op="sum"`), or that sum / world size
-    (`op="mean"`). Real numbers are summed in float64; integers (an int, an integer or bool
+    (`op="mean"`), or its largest / smallest over the ranks (`op="max"` / `"min"`: each rank's
+    value in its own row of a k-row sum, through the same watched collective; k times the bytes,
+    nothing for a logged number). Real numbers are summed in float64; integers (an int, an integer or bool
     tensor: counts) exactly, in int64, so `op="sum"` gives an int (past 2**53 a float64 sum would
     round). A number or a one-element tensor gives a Python number; a larger tensor a tensor of its
     shape (one collective for all its elements). The caller's tensor is left as it was."""
@@ -41,6 +44,12 @@ def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean")
         total = torch.tensor(value, dtype=dtype, device=world.device)
     else:
         raise ValueError(f"reduce takes a number or a tensor, got {type(value).__name__}")
+    if op in ("max", "min"):
+        rows = torch.zeros((world.world_size, *total.shape), dtype=total.dtype, device=world.device)
+        rows[world.rank] = total
+        all_reduce_sum_(rows, world=world)
+        total = rows.amax(dim=0) if op == "max" else rows.amin(dim=0)
+        return total.item() if total.numel() == 1 else total
     all_reduce_sum_(total, world=world)
     if op == "mean":
         total = total.to(torch.float64) / world.world_size

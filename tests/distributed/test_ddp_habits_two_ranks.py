@@ -161,7 +161,11 @@ class _CountingTracer:
 def _helper_cases(world, out: dict) -> None:
     out["reduce"] = (phalanx.reduce(world.rank + 1, op="sum", world=world),
                      phalanx.reduce(torch.tensor(world.rank + 1.0), world=world),
-                     phalanx.reduce(torch.tensor([world.rank, 1.0]), op="sum", world=world).tolist())
+                     phalanx.reduce(torch.tensor([world.rank, 1.0]), op="sum", world=world).tolist(),
+                     # "max" / "min": missing before 2026-12-03 (one line naming mean, sum)
+                     phalanx.reduce(torch.tensor(world.rank + 0.5), op="max", world=world),
+                     phalanx.reduce(-7 * world.rank, op="min", world=world),
+                     phalanx.reduce(torch.tensor([world.rank, -world.rank]), op="max", world=world).tolist())
     X, y = _batches(1)[0]
     with phalanx.DataParallel(_mlp(), world=world, options=phalanx.DataParallelConfig(bucket_cap_mb=0.0005)) as dp:
         dp.tracer = tracer = _CountingTracer()
@@ -464,7 +468,7 @@ def test_a_gradient_penalty_and_a_siamese_loss_through_the_replica_equal_one_dev
 
 def test_reduce_accumulate_and_bf16_mixed_on_two_ranks(results):
     for rank in results:
-        assert rank["reduce"] == (3.0, 1.5, [1.0, 2.0])
+        assert rank["reduce"] == (3.0, 1.5, [1.0, 2.0], 1.5, -7, [1, 0])
     X, y = _batches(1)[0]
     reference = _mlp()
     phalanx.shard_loss(F.cross_entropy(reference(X), y, reduction="sum"), GLOBAL).backward()

@@ -509,8 +509,9 @@ def test_reduce_and_world_print_in_a_world_of_one(capsys):
     vector = torch.tensor([1.0, 2.0])
     reduced = phalanx.reduce(vector, world=world())
     assert reduced.dtype == torch.float64 and reduced.tolist() == [1.0, 2.0] and reduced is not vector
-    with pytest.raises(ValueError, match="reduce op 'max' is unknown; choose one of mean, sum"):
-        phalanx.reduce(1.0, op="max", world=world())
+    with pytest.raises(ValueError, match="reduce op 'avg' is unknown; choose one of mean, sum, max, min"):
+        phalanx.reduce(1.0, op="avg", world=world())
+    assert phalanx.reduce(2.5, op="max", world=world()) == 2.5 and phalanx.reduce(3, op="min", world=world()) == 3
     with pytest.raises(ValueError, match="reduce takes a number or a tensor, got str"):
         phalanx.reduce("1", world=world())
     # Counts are summed exactly (a float64 sum would make 2**53 + 1 even), and complex is refused.
