@@ -84,6 +84,11 @@ class ReplicaModule(nn.Module):
         except AttributeError:
             if name in REPLICA_NAMES:  # DDP's method, DeepSpeed engine's: phalanx's way in one line
                 raise replica_name_error(type(self).__name__, name) from None
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is not None and not name.startswith("__") and hasattr(inner, name):  # nanoGPT's generate
+                raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'; the model's own "
+                                     f"attributes live on the wrapped model: dp.module.{name} (as DDP's "
+                                     "model.module)") from None
             raise
 
     def broadcast_state(self, *, src: int = 0) -> None:

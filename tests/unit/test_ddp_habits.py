@@ -71,6 +71,24 @@ def test_data_parallel_is_the_model_as_far_as_torch_code_can_tell(tmp_path):
     dp.close()
 
 
+class _Generator(nn.Linear):
+    def generate(self, n: int) -> int:
+        return n
+
+
+def test_a_method_of_the_wrapped_model_asked_of_the_replica_names_dp_module():
+    # Before 2026-12-03 nanoGPT's dp.generate(...) gave torch's bare "has no attribute 'generate'".
+    dp = phalanx.DataParallel(_Generator(2, 2), world=world())
+    with pytest.raises(AttributeError, match=r"^'DataParallel' object has no attribute 'generate'; the model's own "
+                                             r"attributes live on the wrapped model: dp.module.generate \(as DDP's "
+                                             r"model.module\)$"):
+        dp.generate(3)
+    assert dp.module.generate(3) == 3 and not hasattr(dp, "generate")
+    with pytest.raises(AttributeError, match=r"^'DataParallel' object has no attribute 'nothing'$"):
+        dp.nothing
+    dp.close()
+
+
 def test_load_state_dict_takes_the_models_keys_and_ddps_prefixed_ones():
     torch.manual_seed(1)
     source = bn_net()
