@@ -38,6 +38,7 @@ from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.sharding.gathered import gathered_parameters
 from phalanx.data_parallel.unfit import refuse_unfit
+from phalanx.errors import UsageError
 from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
 
@@ -191,6 +192,9 @@ class ReplicaModule(nn.Module):
     def check_replicas(self, *, where: str = "dp.check_replicas()", optimizers=()) -> None:
         """Compare the replicas' parameters and their optimizers' settings and state (those seen stepping it,
         and `optimizers`) now, a collective: every rank calls it. ReplicaMismatch names the ranks that differ."""
+        if self.world.distributed and not torch.distributed.is_initialized():  # nanoGPT's ending, then close()
+            raise UsageError(f"{'dp.' if where == 'close()' else ''}{where} compares the replicas over the process group, which "
+                             "torch.distributed.destroy_process_group() already tore down: call dp.close() before it")
         if not self._closed:
             self._replicas.check(step=self._synced_steps, optimizers=optimizers,
                                  found=f"found by {where} after step {self._synced_steps}")

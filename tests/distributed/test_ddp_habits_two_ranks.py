@@ -495,3 +495,24 @@ def test_clipping_before_the_sync_is_refused_on_every_rank_and_after_it_equals_o
     for rank in results:
         for got, want in zip(rank[f"clip-{overlap}-grads"], reference.parameters()):
             torch.testing.assert_close(got, want.grad, rtol=1e-12, atol=1e-15)
+
+
+def _destroy_then_close(world) -> str:
+    import torch.distributed as dist
+    from phalanx.errors import UsageError
+    dp = phalanx.prepare(nn.Linear(4, 3), world=world)
+    F.cross_entropy(dp(torch.randn(4, 4)), torch.tensor([0, 1, 2, 0]), reduction="sum").backward()
+    dp.finish_gradient_sync()
+    dist.destroy_process_group()  # nanoGPT's ending, before the replica's own
+    try:
+        dp.close()
+    except UsageError as exc:
+        return str(exc)
+    return "closed"
+
+
+def test_close_after_destroy_process_group_is_one_line_naming_the_order():
+    # Before 2026-12-03: torch's "Default process group has not been initialized" from inside close().
+    assert run_workers(_destroy_then_close, 2, timeout_s=60) == [
+        "dp.close() compares the replicas over the process group, which torch.distributed.destroy_process_group() "
+        "already tore down: call dp.close() before it"] * 2
