@@ -6,6 +6,7 @@ identical (`check_replicas`), the loss is finite, and a synced backward is excha
 the summed gradient's periodic NaN/Inf check, naming the step and the rank that went non-finite
 first; `replicas.py`: the replicas' parameters and optimizers compared (a load or a scheduler step
 made on one rank only); `step_extras.py`: what a synced step does after the sum (DDP's mean, running statistics
-averaged by `running_stats.py`, and the first step's look at the loop, `first_step.py`). Imported
+averaged by `running_stats.py`, the first step's look at the loop, `first_step.py`, and the
+sizes shard_loss gets compared across the ranks at steps 1, 2, 4, ..., `sizes.py`). Imported
 from the module that owns each name (nothing is re-exported here).
 """
