@@ -248,6 +248,14 @@ def test_every_rank_given_the_same_first_token_batch_is_noted_once():
         "seed (torch.manual_seed(seed + world.rank)) or shard one global batch (phalanx.ShardedLoader, "
         "phalanx.rank_shard)"]
     assert _sizes_at_step_1(model, loss_sum, 48) == []  # a batch of each rank's own
+    # A prompt sampled under no_grad (the same on every rank by design) is not the training batch.
+    sizes = SizesAcrossRanks(model, world_size=2)
+    model(ids)
+    trained = list(sizes.first_tokens)
+    with torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long))
+    assert sizes.first_tokens == trained and trained[0] == 24
+    sizes.close()
 
 
 def test_shard_loss_registers_a_hook_only_while_a_check_waits():

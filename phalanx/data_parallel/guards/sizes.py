@@ -23,8 +23,9 @@ where rank 1's shard is empty). It is named only when on *every* rank the size i
 token count and the loss is a sum of cross-entropy terms over all of those tokens (nothing
 ignored): then the global count is k times the size, without doubt.
 
-The same sum carries, at step 1, a fingerprint of each rank's first token-id input (its
-elements, their sum, and their sum weighted by position): nanoGPT's `get_batch()` drawing with
+The same sum carries, at step 1, a fingerprint of each rank's last token-id input to a forward
+with autograd on (its elements, their sum, and their sum weighted by position; a prompt sampled
+under no_grad is not training data): nanoGPT's `get_batch()` drawing with
 one seed on every rank (its `seed_offset = rank` left out) gives every rank the same batch, so
 k devices train on 1/k of the data the global batch should hold. Equal on every rank: a note.
 """
@@ -89,6 +90,12 @@ def own_tokens_message(size: float, world_size: int, step: int) -> str:
             f"rank's own count the summed gradient is about {world_size}x the 1-device gradient")
 
 
+def _fingerprint(ids: torch.Tensor) -> list[float]:
+    flat = ids.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+    return [float(flat.numel()), float(flat.sum()), float((flat * weights).sum())]
+
+
 def same_batch_note(tokens: int, world_size: int) -> str:
     return (f"every rank's first forward got the same {tokens} token ids: the {world_size} ranks train on one batch, "
             f"1/{world_size} of the data a global batch holds (nanoGPT's get_batch() seeded alike on every rank); "
@@ -106,7 +113,9 @@ class SizesAcrossRanks:
         self.given: list[tuple[float, bool]] = []  # (size, whether it is this rank's own counted tokens)
         self.tokens_forwarded: int | None = None
         self.rows_forwarded: int | None = None
-        self.first_tokens: list[float] = [0.0, 0.0, 0.0]  # step 1's first token-id input: elements, sum, weighted
+        # Step 1's last token-id input with autograd on (elements, sum, sum weighted by position): the
+        # training forward, not a prompt sampled under no_grad (the same on every rank by design).
+        self.first_tokens: list[float] = [0.0, 0.0, 0.0]
         self._hook = None
         self._start()
 
@@ -128,10 +137,8 @@ class SizesAcrossRanks:
         tokens = first is not None and first.dim() >= 2 and not first.is_floating_point() and not first.is_complex()
         self.tokens_forwarded = first.numel() if tokens else None
         self.rows_forwarded = first.shape[0] if tokens else None
-        if tokens and self.steps == 0 and not self.first_tokens[0] and first.numel():
-            ids = first.detach().reshape(-1).to(torch.float64)
-            weights = torch.arange(1, ids.numel() + 1, dtype=torch.float64, device=ids.device)
-            self.first_tokens = [float(ids.numel()), float(ids.sum()), float((ids * weights).sum())]
+        if self.steps == 0 and tokens and first.numel() and torch.is_grad_enabled():
+            self.first_tokens = _fingerprint(first)
 
     def note(self, size: float, loss_sum: torch.Tensor) -> None:
         tokens, rows = self.tokens_forwarded, self.rows_forwarded
