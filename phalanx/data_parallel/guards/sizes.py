@@ -11,11 +11,12 @@ habits break that, silently:
 
 `SizesAcrossRanks`, on every rank, notes what its shard_loss calls get during a checked step
 (beside the elements of the forward's token-id input and whether the loss shows every one of
-them counted), and after that step the ranks sum one row each, a 5k-float all-reduce. Checked
+them counted), and after that step the ranks sum one row each, an 8k-float all-reduce. Checked
 are synced steps 1, 2, 4, 8, ...: a schedule every rank knows without asking, so the ranks call
 the collective together; a difference that lasts (padding that varies) is caught at the next
 power of two, and a run of n steps pays log2(n) small sums. Between checks nothing is noted and
-nothing hooked. The first finding is warned once, then checking stops.
+nothing hooked. The first size finding is warned once, then checking stops. A difference only
+at steps between the checks (an epoch's last, short batch) is not seen.
 
 The token verdict needs the whole world: a correct global count can equal rank 0's own input
 by chance (an SFT loss masking half of every sequence on 2 ranks; a batch of one row on 2 ranks,
@@ -25,9 +26,9 @@ ignored): then the global count is k times the size, without doubt.
 
 The same sum carries, at step 1, a fingerprint of each rank's last token-id input to a forward
 with autograd on (its elements, their sum, and their sum weighted by position; a prompt sampled
-under no_grad is not training data): nanoGPT's `get_batch()` drawing with
-one seed on every rank (its `seed_offset = rank` left out) gives every rank the same batch, so
-k devices train on 1/k of the data the global batch should hold. Equal on every rank: a note.
+under no_grad is not training data): nanoGPT's `get_batch()` drawing with one seed on every
+rank (its `seed_offset = rank` left out) gives every rank the same batch, so k devices train on
+1/k of the data the global batch should hold. Equal on every rank: a note.
 """
 
 from __future__ import annotations
