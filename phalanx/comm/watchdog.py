@@ -219,8 +219,8 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
     if line.state == WAITING and line.block is not None and chosen in lacking:
         return _mismatch(board, line.rank, line.block, ticket)
     if line.state == RUNNING:  # alive, outside every collective: its own work outlasted the timeout
-        return PeerStalled(f"worker rank {line.rank} was outside any collective (state: {word}){_after(line)} while rank {me} "
-                           f"waited {waited_s:.0f} s in {mine}, past the {timeout_s:g} s timeout: work on rank "
+        return PeerStalled(f"worker rank {line.rank} was outside any collective (state: {word}){_after(line)} "
+                           f"while rank {me} waited {waited_s:.0f} s in {mine}, past the {timeout_s:g} s timeout: work on rank "
                            f"{line.rank} alone (sampling, an evaluation or a save on rank 0 only?) took that long, or "
                            "it never made the call; raise --timeout, or have every rank take part in that work",
                            culprit=line.rank)

@@ -193,8 +193,8 @@ class ReplicaModule(nn.Module):
         """Compare the replicas' parameters and their optimizers' settings and state (those seen stepping it,
         and `optimizers`) now, a collective: every rank calls it. ReplicaMismatch names the ranks that differ."""
         if self.world.distributed and not torch.distributed.is_initialized():  # nanoGPT's ending, then close()
-            raise UsageError(f"{'dp.' if where == 'close()' else ''}{where} compares the replicas over the process group, which "
-                             "torch.distributed.destroy_process_group() already tore down: call dp.close() before it")
+            raise UsageError(f"{'dp.' if where == 'close()' else ''}{where} compares the replicas over the process "
+                             "group, which torch.distributed.destroy_process_group() already tore down: call dp.close() before it")
         if not self._closed:
             self._replicas.check(step=self._synced_steps, optimizers=optimizers,
                                  found=f"found by {where} after step {self._synced_steps}")

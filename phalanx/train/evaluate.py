@@ -128,10 +128,10 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     Each rank reads its contiguous shard of the dataset (sizes differ by at most one), calls
     `sums(model, batch)` -> {name: sum over the batch} in eval mode without gradients, and the
     sums are added across ranks in one allreduce. Returns every rank the same dict of global
-    sums plus "count" (= len(dataset), checked; a "count" of `sums`' own is refused); divide by it for means. A rank with an empty
-    shard evaluates an empty batch, so the names are the same everywhere. `model`: the replica
-    (a DataParallel) or its module; its buffers must agree across ranks (checked first). A stream
-    (IterableDataset) is read whole by every rank, which evaluates its slice of each
+    sums plus "count" (= len(dataset), checked; a "count" of `sums`' own is refused); divide by it
+    for means. A rank with an empty shard evaluates an empty batch, so the names are the same
+    everywhere. `model`: the replica (a DataParallel) or its module; its buffers must agree across
+    ranks (checked first). A stream (IterableDataset) is read whole by every rank, which evaluates its slice of each
     `batch_size` x k items; "count" is then checked against the items each rank read.
     """
     refuse_loader(dataset, "evaluate_dataset")
