@@ -205,7 +205,10 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                        checkpoint=kept, write_model=(lambda path: stream_model(replica, path)) if streamed else None)
     elif streamed and config.out_dir:  # rank 0 streams model.pt: every rank gathers each bucket with it
         stream_model(replica, None)
-    timing = f"{sec_per_epoch:.1f} sec/epoch" if sec_per_epoch else "no epoch trained in this run"
+    # The book prints one decimal; under a second that rounds by up to 20% (0.27 read as 0.3, which made
+    # `phalanx predict` look 30% off), so a short epoch keeps two.
+    timing = (f"{sec_per_epoch:.{2 if sec_per_epoch < 1 else 1}f} sec/epoch" if sec_per_epoch
+              else "no epoch trained in this run")
     partial = sec_per_epoch and len(timed) < len(history)
     spans = f" (epochs on these devices: {len(timed)} of {len(history)})" if partial else ""
     named = f" ({data.name})" if data.name != "fashion-mnist" else ""  # the book's line is Fashion-MNIST's

@@ -24,6 +24,8 @@ def test_train_two_devices_end_to_end(tmp_path, idx_dir):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("test acc: ") and lines[-1].endswith("sec/epoch on [cpu:0, cpu:1]"), lines
+    seconds = lines[-1].split(", ")[1].split()[0]  # a short epoch keeps two decimals: 0.27, not 0.3
+    assert len(seconds.split(".")[1]) == (2 if float(seconds) < 1 else 1), lines[-1]
     assert sum(line.startswith("epoch ") for line in lines) == 1  # rank 0 alone reports
     for name in ("metrics.jsonl", "accuracy.png", "model.pt"):
         assert (out / name).stat().st_size > 0
