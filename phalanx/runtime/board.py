@@ -36,7 +36,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from phalanx.runtime.segment import create_segment, share_segment, shm_supported
 from phalanx.runtime.tags import Tag, gradient_step
@@ -90,6 +90,7 @@ class Board:
         self._memory = memory  # keep the mapping alive as long as the view
         words[self._base + _PID] = os.getpid() if pid is None else pid
         words[self._base + _RANK] = rank
+        self.on_step: Callable[[int], None] | None = None  # told each newly synced step (settled)
 
     @property
     def covers_world(self) -> bool:
@@ -132,6 +133,8 @@ class Board:
         step = gradient_step(ticket.code)
         if step is not None:
             self._words[self._base + _STEPS] = step + 1
+            if self.on_step is not None:
+                self.on_step(step + 1)
 
     def mark(self, state: int) -> None:
         """FINISHED (the worker's work returned) or FAILED (it raised): what peers will be told."""
@@ -197,6 +200,11 @@ def mark_exit(world: World | None, *, ok: bool) -> None:
     """Tell peers this rank's work ended: normally (`ok`) or by an error."""
     if world is not None and world.board is not None:
         world.board.mark(FINISHED if ok else FAILED)
+
+
+def synced_steps(world: World | None) -> int | None:
+    """The last step whose gradient exchange this rank settled, when it has a board to say so."""
+    return None if world is None or world.board is None else int(world.board._words[world.board._base + _STEPS])
 
 
 def open_board(world: World) -> World:

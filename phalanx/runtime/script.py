@@ -43,8 +43,8 @@ import torch.distributed as dist
 from phalanx.runtime.devices import parse_devices
 from phalanx.errors import RunFailed, UsageError, warn_at_caller
 from phalanx.options import add_options, at_least, build, check_options, option
-from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, setup_worker, spawn_workers, threads_per_worker,
-                                   torchrun_device, warn_if_oversubscribed)
+from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, report_progress, setup_worker, spawn_workers,
+                                   threads_per_worker, torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import (World, adopt_world, alone_in_slurm_step, launcher_env, leave_default_group,
                                    open_group_env, stop_world)
@@ -112,6 +112,8 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
             world = join_launcher_world(env, device=torch_device, timeout_s=timeout_s, set_up=_context is None)
         atexit.register(stop_world, world)
         world = open_board(world)  # the collective board: a failure names the rank and collective
+        if _context is not None and world.board is not None:  # so the launcher's line names the step too
+            world.board.on_step = report_progress
     _current = world
     return world
 

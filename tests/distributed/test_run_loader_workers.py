@@ -5,7 +5,8 @@ the launcher's spawn, which would re-run the script in every loader worker and h
 loader worker raises, the run ends in seconds and nothing it started outlives it - no process
 (loader workers, a resource tracker) and no segment in /dev/shm. A rank SIGKILLed while its
 loader workers hold its pipe and sentinel open is named as the cause, not the peer that reported
-its death first, also by `--max-restarts`; its orphaned loader workers are ended too.
+its death first, with the last step it synced, also by `--max-restarts`; its orphaned loader
+workers are ended too; one that calls os._exit is named with its code and step.
 """
 
 from __future__ import annotations
@@ -96,10 +97,22 @@ def test_a_rank_killed_with_its_loader_workers_running_is_named_not_its_peer(tmp
     assert wall_s < 60, f"the failing run took {wall_s:.0f} s"
     lines = ran.stderr.splitlines()
     # What the SIGKILL most likely was follows (runtime/oom.py): here no OOM kill, or a count unread.
-    assert lines[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL): "), ran.stderr[-3000:]
+    # Step 3 is the last its replica synced (the board told the launcher): the peer's line says it too.
+    assert lines[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL) after step 3: "), \
+        ran.stderr[-3000:]
     # Rank 0 reported the death first (its allreduce lost rank 1): one line, no traceback.
     assert lines[2:] == [line for line in lines[2:] if line.startswith("rank 0 stopped too: ")], ran.stderr[-3000:]
     assert len(lines) == 3, ran.stderr[-3000:]
+    _assert_nothing_left(tmp_path, mark)
+
+
+def test_a_rank_that_calls_os_exit_is_named_with_its_code_and_step(tmp_path):
+    ran, mark, wall_s = _run(tmp_path, "--exit")
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert wall_s < 60, f"the failing run took {wall_s:.0f} s"
+    lines = ran.stderr.splitlines()
+    assert lines[1] == "phalanx: worker rank 1 failed: exited with code 4 without a result after step 3", ran.stderr
+    assert lines[2:] == [line for line in lines[2:] if line.startswith("rank 0 stopped too: ")], ran.stderr[-3000:]
     _assert_nothing_left(tmp_path, mark)
 
 
@@ -108,6 +121,6 @@ def test_max_restarts_restarts_after_the_killed_rank_not_its_peer(tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     restarts = [line for line in ran.stderr.splitlines() if "restart 1 of 1" in line]
     assert len(restarts) == 1, ran.stderr[-3000:]
-    assert restarts[0].startswith("phalanx run: worker rank 1 (cpu:1) died (signal SIGKILL): "), restarts[0]
+    assert restarts[0].startswith("phalanx run: worker rank 1 (cpu:1) died (signal SIGKILL) after step 3: "), restarts[0]
     assert restarts[0].endswith("; restart 1 of 1: every worker starts again (TORCHELASTIC_RESTART_COUNT=1)"), restarts[0]
     _assert_nothing_left(tmp_path, mark)

@@ -88,8 +88,8 @@ def test_a_restarted_script_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert restarted.stdout.strip() == "attempt 1 went on from epoch 2", restarted.stdout
     assert _restart_lines(restarted.stderr) == [
-        "phalanx run: worker rank 1 (cpu:1) exited with code 3 without a result; restart 1 of 2: every worker starts "
-        "again (TORCHELASTIC_RESTART_COUNT=1)"], restarted.stderr
+        "phalanx run: worker rank 1 (cpu:1) exited with code 3 without a result after step 10; restart 1 of 2: every "
+        "worker starts again (TORCHELASTIC_RESTART_COUNT=1)"], restarted.stderr
     want, got = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "restarted.pt")
     assert all(torch.equal(got[key], want[key]) for key in want)
 

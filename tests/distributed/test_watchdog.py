@@ -161,8 +161,9 @@ def test_a_rank_that_exits_0_while_another_waits_is_the_rank_at_fault(tmp_path, 
     returncode, stderr, _ = phalanx_run_short_by_one(tmp_path, "osexit0", algorithm, "overlap")
     first = launcher_line(stderr)
     assert returncode == 1, stderr[-3000:]
-    assert first.startswith("phalanx: worker rank 1 failed: exited (code 0) without finishing its part while rank 0 "
-                            "waits for it in a collective; "), stderr[-3000:]
+    # The step its replica last synced, as its waiter's line says (the board told the launcher).
+    assert first.startswith("phalanx: worker rank 1 failed: exited (code 0) without finishing its part after step 7 "
+                            "while rank 0 waits for it in a collective; "), stderr[-3000:]
     assert "os._exit(0)" in first
     echo = next((line for line in stderr.splitlines() if line.startswith("rank 0 stopped too: ")), "")
     assert "rank 1 (pid " in echo and "after step 7 while rank 0 waited for it in step 8's gradient bucket 0" in echo, \

@@ -3,7 +3,8 @@ for tests: it trains one small model per input pipeline (phalanx.ShardedLoader a
 DataLoader over a DistributedSampler; 0 or 2 loader workers, persistent or not) and saves each
 rank's final parameters as `<pipeline>-rank<r>.pt`. Every process it starts records its pid in
 `pids/`. `--fail` makes a loader worker of rank 1 raise; `--kill` has rank 1 SIGKILL itself at
-step 3, its 2 loader workers running (the first attempt only: a restart runs to the end).
+step 3, its 2 loader workers running (the first attempt only: a restart runs to the end),
+`--exit` call os._exit(4) there instead.
 
     phalanx run --devices cpu:2 loader_workers.py --out DIR
     torchrun --nproc-per-node 2 loader_workers.py --out DIR
@@ -23,6 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--fail", action="store_true", help="a loader worker of rank 1 raises")
 parser.add_argument("--kill", action="store_true", help="rank 1 SIGKILLs itself at step 3 of the first attempt")
+parser.add_argument("--exit", action="store_true", help="rank 1 calls os._exit(4) at step 3 of the first attempt")
 args = parser.parse_args()
 out = Path(args.out)
 (out / "pids").mkdir(parents=True, exist_ok=True)
@@ -66,8 +68,9 @@ record_pid()
 data = Waves(120)
 PIPELINES = [(kind, workers, persistent) for kind in ("sharded", "plain")
              for workers, persistent in ((0, False), (2, False), (2, True))]
-kill = args.kill and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-for kind, workers, persistent in PIPELINES[2:3] if args.fail or args.kill else PIPELINES:
+kill = (args.kill or args.exit) and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+one_pipeline = args.fail or args.kill or args.exit
+for kind, workers, persistent in PIPELINES[2:3] if one_pipeline else PIPELINES:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
     dp = phalanx.prepare(model, world=world)
@@ -78,7 +81,7 @@ for kind, workers, persistent in PIPELINES[2:3] if args.fail or args.kill else P
                                                              persistent_workers=persistent,
                                                              worker_init_fn=record_pid if workers else None)):
             if kill and step == 3:  # as the OOM killer does, its loader workers alive and holding its pipes
-                os.kill(os.getpid(), signal.SIGKILL)
+                os._exit(4) if args.exit else os.kill(os.getpid(), signal.SIGKILL)
             dp.zero_grad()
             loss = phalanx.shard_loss(((dp(X) - y) ** 2).sum(), global_size)
             loss.backward()
