@@ -12,6 +12,7 @@ reaches the workers as torchrun's `TORCHELASTIC_RESTART_COUNT`. A script resumes
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -34,6 +35,9 @@ def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
     first = str(exc).splitlines()[0] if str(exc) else ""
     for prefix in (f"worker rank {exc.rank} failed: ", f"run stopped: worker rank {exc.rank} "):
         first = first.removeprefix(prefix)
+    # script_errors.loader_worker_lost's line, "run stopped: rank 1's DataLoader worker (pid 5) exited ...".
+    first = re.sub(rf"^run stopped: rank {exc.rank}'s (DataLoader worker \(pid [\d, ]+\)) ", r"lost its \1, which ",
+                   first)
     return Failure(rank=exc.rank, device=names[exc.rank], what=first.strip())
 
 

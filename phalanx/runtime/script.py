@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
-from phalanx.errors import RunFailed, UsageError, warn_at_caller
+from phalanx.errors import UsageError, warn_at_caller
 from phalanx.options import add_options, at_least, build, check_options, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, report_progress, setup_worker, spawn_workers,
                                    threads_per_worker, torchrun_device, warn_if_oversubscribed)
@@ -49,12 +49,12 @@ from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import (World, adopt_world, alone_in_slurm_step, launcher_env, leave_default_group,
                                    open_group_env, stop_world)
 from phalanx.runtime.binding import threads_note
-from phalanx.runtime.board import mark_exit, open_board
+from phalanx.runtime.board import mark_exit, open_board, synced_steps
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.restarts import with_restarts
-from phalanx.runtime.script_errors import reworded, stalled
+from phalanx.runtime.script_errors import translated
 
 
 @dataclass(kw_only=True)
@@ -172,12 +172,10 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
         result = call()
     except BaseException as exc:
         mark_exit(_current, ok=False)
-        line = reworded(exc, device_type=device.type, init_ran=_current is not None)
-        if line is not None:
-            raise UsageError(line) from None
-        line = stalled(exc, timeout_s=spec.timeout_s)
-        if line is not None:
-            raise RunFailed(line) from None
+        one_line = translated(exc, device_type=device.type, init_ran=_current is not None, timeout_s=spec.timeout_s,
+                              rank=env.rank, step=synced_steps(_current))
+        if one_line is not None:
+            raise one_line from None
         raise
     else:  # peers still waiting in a collective learn at once that this rank's work ended
         mark_exit(_current, ok=True)

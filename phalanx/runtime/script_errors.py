@@ -11,13 +11,23 @@ by where in torch it was raised and by what this worker is, not by its wording a
   only; a CPU build of torch has none, a CUDA build fails at the first collective on CPU tensors.
 - `init_process_group` after `phalanx.init()`, which opened the default group already.
 
-And one the script's run stops on (`stalled`, exit 1): a collective of its own group that waited
-out `--timeout` (gloo's message names the wait, not the fix).
+And two the script's run stops on (exit 1): a collective of its own group that waited out
+`--timeout` (`stalled`: gloo's message names the wait, not the fix), and a DataLoader worker of
+the script's that exited or died (`loader_worker_lost`): torch's RuntimeError, raised wherever the
+rank's SIGCHLD lands (often inside a collective, chained to gloo's "connection reset"), named the
+pid but not the rank, and each rank's ~20-line traceback made an 80-line report.
+`translated` applies them all.
 """
 
 from __future__ import annotations
 
+import re
+import signal
+
 import torch.distributed as dist
+
+from phalanx.errors import RunFailed, UsageError
+from phalanx.runtime.host_limits import limit_reason
 
 # Making torch's SyncBatchNorm work here would mean replacing a private DDP method and
 # SyncBatchNorm.forward in the user's process, and the script would then work under `phalanx run`
@@ -69,9 +79,62 @@ def stalled(exc: BaseException, *, timeout_s: float) -> str | None:
             "or pass timeout= to init_process_group")
 
 
+def translated(exc: BaseException, *, device_type: str, init_ran: bool, timeout_s: float, rank: int,
+               step: int | None = None) -> BaseException | None:
+    """The one-line error `exc` becomes in a `phalanx run` worker (UsageError, RunFailed), or None
+    to report it as it is. `step`: the last step this rank synced, when known."""
+    line = reworded(exc, device_type=device_type, init_ran=init_ran)
+    if line is not None:
+        return UsageError(line)
+    line = stalled(exc, timeout_s=timeout_s)
+    if line is not None:
+        return RunFailed(line)
+    line = loader_worker_lost(exc, rank=rank, step=step)
+    if line is None:
+        return None
+    failed = RunFailed(line)
+    failed.culprit, failed.restartable = rank, True  # like a rank's death: a killed worker may not recur
+    return failed
+
+
+# torch's lines for a DataLoader worker gone: from its SIGCHLD handler (C++, one pid, its exit
+# code or signal) and from the loader's own check after a get timed out (pids only).
+_LOADER_LOST = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) (?:exited unexpectedly(?: with exit "
+                          r"code (-?\d+))?|is killed by signal: ([^.]+))")
+
+
+def loader_worker_lost(exc: BaseException, *, rank: int, step: int | None = None) -> str | None:
+    """The one line for a DataLoader worker of rank `rank` that exited (os._exit, sys.exit in
+    its dataset) or died, or None for any other error (and for one that /dev/shm's size explains:
+    host_limits says that)."""
+    found = _LOADER_LOST.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if found is None or not _raised_in(exc).startswith("torch.") or limit_reason(exc) is not None:
+        return None
+    pids, code, signal_name = found.group(1).strip(), found.group(2), found.group(3)
+    if code is None and signal_name is None:  # the loader's own check: its frame holds the reaped processes
+        codes = {w.exitcode for w in _innermost_locals(exc).get("failed_workers") or () if hasattr(w, "exitcode")}
+        code = str(codes.pop()) if len(codes) == 1 and None not in codes else None
+        if code is not None and int(code) < 0:
+            code, signal_name = None, signal.Signals(-int(code)).name
+    how = (f"exited with code {code}" if code is not None else f"was killed by signal {signal_name.strip()}"
+           if signal_name else "exited unexpectedly")
+    after = f" after step {step}" if step else ""
+    return (f"rank {rank}'s DataLoader worker (pid {pids}) {how}{after}: its dataset's code (__getitem__, the "
+            "collate_fn, a worker_init_fn) ended that process, whose own error is lost with it; rerun with "
+            "num_workers=0 to see it in the rank itself")
+
+
 def _raised_in(exc: BaseException) -> str:
     """The module of the innermost Python frame of `exc`'s traceback."""
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+
+
+def _innermost_locals(exc: BaseException) -> dict:
+    """The local variables of the innermost Python frame of `exc`'s traceback."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_locals if tb is not None else {}

@@ -6,13 +6,18 @@ loader worker raises, the run ends in seconds and nothing it started outlives it
 (loader workers, a resource tracker) and no segment in /dev/shm. A rank SIGKILLed while its
 loader workers hold its pipe and sentinel open is named as the cause, not the peer that reported
 its death first, with the last step it synced, also by `--max-restarts`; its orphaned loader
-workers are ended too; one that calls os._exit is named with its code and step.
+workers are ended too; one that calls os._exit is named with its code and step. A loader worker
+that exits (os._exit in the dataset) ends the run in one line naming the rank, the loader
+worker's pid and code, and num_workers=0 to see the error the worker took with it, whichever of
+torch's two checks (its SIGCHLD handler, the loader's own after a get) sees it first.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset
 
+from phalanx.runtime.script_errors import loader_worker_lost
 from phalanx.runtime.segment import NAME_PREFIX, SHM_DIR
 
 pytestmark = pytest.mark.distributed
@@ -116,6 +123,19 @@ def test_a_rank_that_calls_os_exit_is_named_with_its_code_and_step(tmp_path):
     _assert_nothing_left(tmp_path, mark)
 
 
+def test_a_loader_worker_that_exits_is_one_line_naming_rank_pid_code_and_fix(tmp_path):
+    ran, mark, wall_s = _run(tmp_path, "--loader-exit")
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert wall_s < 30, f"the failing run took {wall_s:.0f} s"
+    lines = ran.stderr.splitlines()
+    # torch's own report was ~40 lines: its RuntimeError on each rank, chained to gloo's, with tracebacks.
+    assert len(lines) == 2 and lines[0].startswith("phalanx run: 2 workers on cpu"), ran.stderr[-3000:]
+    assert re.fullmatch(r"phalanx: run stopped: rank 1's DataLoader worker \(pid \d+\) exited with code 3"
+                        r"( after step \d+)?: .*rerun with num_workers=0 to see it in the rank itself",
+                        lines[1]), lines[1]
+    _assert_nothing_left(tmp_path, mark)
+
+
 def test_max_restarts_restarts_after_the_killed_rank_not_its_peer(tmp_path):
     ran, mark, _ = _run(tmp_path, "--kill", launcher=("--max-restarts", "1"))
     assert ran.returncode == 0, ran.stderr[-3000:]
@@ -124,3 +144,48 @@ def test_max_restarts_restarts_after_the_killed_rank_not_its_peer(tmp_path):
     assert restarts[0].startswith("phalanx run: worker rank 1 (cpu:1) died (signal SIGKILL) after step 3: "), restarts[0]
     assert restarts[0].endswith("; restart 1 of 1: every worker starts again (TORCHELASTIC_RESTART_COUNT=1)"), restarts[0]
     _assert_nothing_left(tmp_path, mark)
+
+
+class _Ending(Dataset):
+    """Its loader worker ends itself at the first item: os._exit(3), or SIGKILL."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        if self.how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how, said", [("exit", "exited with code 3"), ("kill", "was killed by signal")])
+def test_torchs_error_for_a_loader_worker_that_ends_names_rank_pid_and_code(how, said):
+    try:
+        list(DataLoader(_Ending(how), num_workers=1))
+    except RuntimeError as exc:  # raised by torch, here
+        line = loader_worker_lost(exc, rank=1, step=5)
+        assert line is not None, repr(exc)
+        assert re.match(rf"rank 1's DataLoader worker \(pid \d+\) {said}.* after step 5: ", line), line
+        assert line.endswith("rerun with num_workers=0 to see it in the rank itself"), line
+        assert loader_worker_lost(RuntimeError(str(exc)), rank=1) is None  # the same words, not raised by torch
+    else:
+        raise AssertionError("the loader raised nothing")
+
+
+@pytest.mark.parametrize("message, said", [
+    ("DataLoader worker (pid 4242) exited unexpectedly with exit code 3. Details are lost due to multiprocessing. "
+     "Rerunning with num_workers=0 may give better error trace.", "exited with code 3"),
+    ("DataLoader worker (pid 4242) is killed by signal: Killed. ", "was killed by signal Killed"),
+])
+def test_torchs_sigchld_handler_error_names_rank_pid_and_code(message, said):
+    """torch's SIGCHLD handler's words (C++, as a rank under `phalanx run` met them), raised from its module."""
+    try:
+        exec("raise RuntimeError(message)", {"__name__": "torch.utils.data._utils.signal_handling", "message": message})
+    except RuntimeError as exc:
+        assert loader_worker_lost(exc, rank=0) == (
+            f"rank 0's DataLoader worker (pid 4242) {said}: its dataset's code (__getitem__, the collate_fn, a "
+            "worker_init_fn) ended that process, whose own error is lost with it; rerun with num_workers=0 to see it "
+            "in the rank itself")

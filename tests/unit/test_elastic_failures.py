@@ -15,6 +15,15 @@ def test_a_dead_worker_is_blamed_and_restartable():
     assert (failure.rank, failure.device, failure.what) == (2, "cpu:2", "died (signal SIGKILL) after step 31")
 
 
+def test_a_lost_loader_worker_is_blamed_on_its_rank_and_restartable():
+    exc = WorkerFailed("run stopped: rank 1's DataLoader worker (pid 4242) exited with code 3 after step 7: its "
+                       "dataset's code ...", rank=1, restartable=True)
+    failure = failure_of(exc, NAMES)
+    assert (failure.rank, failure.device) == (1, "cpu:1")
+    assert failure.what == ("lost its DataLoader worker (pid 4242), which exited with code 3 after step 7: its "
+                            "dataset's code ...")
+
+
 def test_a_worker_that_stopped_responding_is_blamed_by_the_watchdog_and_restartable():
     assert PeerStalled.restartable and not RunFailed.restartable and not CollectiveMismatch.restartable
     stalled = PeerStalled("worker rank 1 stopped responding (state: stopped) after step 9; rank 0 waited 5 s in step "

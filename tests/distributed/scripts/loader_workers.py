@@ -2,9 +2,9 @@
 for tests: it trains one small model per input pipeline (phalanx.ShardedLoader and a plain
 DataLoader over a DistributedSampler; 0 or 2 loader workers, persistent or not) and saves each
 rank's final parameters as `<pipeline>-rank<r>.pt`. Every process it starts records its pid in
-`pids/`. `--fail` makes a loader worker of rank 1 raise; `--kill` has rank 1 SIGKILL itself at
-step 3, its 2 loader workers running (the first attempt only: a restart runs to the end),
-`--exit` call os._exit(4) there instead.
+`pids/`. `--fail` makes a loader worker of rank 1 raise, `--loader-exit` one call os._exit(3);
+`--kill` has rank 1 SIGKILL itself at step 3, its 2 loader workers running (the first attempt
+only: a restart runs to the end), `--exit` call os._exit(4) there instead.
 
     phalanx run --devices cpu:2 loader_workers.py --out DIR
     torchrun --nproc-per-node 2 loader_workers.py --out DIR
@@ -23,6 +23,7 @@ import phalanx
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--fail", action="store_true", help="a loader worker of rank 1 raises")
+parser.add_argument("--loader-exit", action="store_true", help="a loader worker of rank 1 calls os._exit(3)")
 parser.add_argument("--kill", action="store_true", help="rank 1 SIGKILLs itself at step 3 of the first attempt")
 parser.add_argument("--exit", action="store_true", help="rank 1 calls os._exit(4) at step 3 of the first attempt")
 args = parser.parse_args()
@@ -46,6 +47,8 @@ class Waves(Dataset):
     def __getitem__(self, i: int):
         if args.fail and world.rank == 1 and i == 7:
             raise RuntimeError("a loader worker of rank 1 found bad data")
+        if args.loader_exit and world.rank == 1 and i == 7:
+            os._exit(3)
         return self.X[i], self.y[i]
 
 
@@ -69,7 +72,7 @@ data = Waves(120)
 PIPELINES = [(kind, workers, persistent) for kind in ("sharded", "plain")
              for workers, persistent in ((0, False), (2, False), (2, True))]
 kill = (args.kill or args.exit) and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-one_pipeline = args.fail or args.kill or args.exit
+one_pipeline = args.fail or args.loader_exit or args.kill or args.exit
 for kind, workers, persistent in PIPELINES[2:3] if one_pipeline else PIPELINES:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
