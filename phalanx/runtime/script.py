@@ -55,6 +55,7 @@ from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script_errors import translated
+from phalanx.telemetry.log import survive_lost_output
 
 
 @dataclass(kw_only=True)
@@ -268,18 +269,19 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_run(args: argparse.Namespace) -> int:
     """`phalanx run`: check what can be checked here, then start the script on every worker."""
+    env = launcher_env()
+    if env is None:  # the launcher's own lines (first line, restarts, the failure's) outlive a lost stdout/stderr;
+        survive_lost_output(redirect=False)  # the workers inherit the descriptors as given: their prints as python's
     target = Target(args.script, module=args.module)
     target.check()
     launch_config, options = build(LaunchConfig, args), build(RunOptions, args)
-    quiet = options.quiet
     spec = launch_config.spec(parse_devices(launch_config.devices))
-    env = launcher_env()
     if env is None:  # phalanx run is the launcher: once per host, not once per Slurm task
         alone_in_slurm_step()
     if env is not None and options.max_restarts:
         raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, not to phalanx run")
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
-        if env.rank == 0 and not quiet:
+        if env.rank == 0 and not options.quiet:
             _say(first_line(spec, workers=env.world_size, local_workers=env.local_world_size,
                             store=f"{env.master_addr}:{env.master_port}", launcher="torchrun"))
         if env.local_rank == 0:
@@ -289,7 +291,7 @@ def run_run(args: argparse.Namespace) -> int:
             _run_script(target, tuple(args.args), spec=spec, device=device, teardown=teardown)
         return 0
     k = spec.plan.num_devices
-    announce = None if quiet else (
+    announce = None if options.quiet else (
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.

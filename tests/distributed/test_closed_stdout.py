@@ -78,3 +78,47 @@ def test_a_run_whose_stdout_and_stderr_are_on_a_full_disk_finishes_silently(tmp_
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["epoch"] for row in rows] == list(range(1, EPOCHS + 1))
     assert (out / "model.pt").is_file()
+
+
+# phalanx run's launcher writes only phalanx's own lines (the first line, restarts, the failure's
+# headline), all to stderr; the script's prints are the workers'.
+RUN_SCRIPT = """\
+import sys
+import torch
+import phalanx
+
+world = phalanx.init()
+total = torch.ones(1)
+torch.distributed.all_reduce(total)
+if sys.argv[2] == "print":
+    print(f"rank {world.rank} sums {total.item()}")
+if world.rank == 0:
+    open(sys.argv[1], "w").write(str(total.item()))
+"""
+
+
+def _run_script(tmp_path, *, stdout, stderr, script="script.py", mode="quiet"):
+    (tmp_path / "script.py").write_text(RUN_SCRIPT)
+    return subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", str(tmp_path / script),
+                           str(tmp_path / "sum.txt"), mode], stdout=stdout, stderr=stderr, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill stdout")
+def test_phalanx_runs_own_lines_on_a_full_disk_end_the_output_not_the_run(tmp_path):
+    with open("/dev/full", "w") as full:
+        ran = _run_script(tmp_path, stdout=full, stderr=full)
+        # Was exit 1, the script never run: the launcher died writing its first line.
+        assert ran.returncode == 0
+        assert (tmp_path / "sum.txt").read_text() == "2.0"
+        # Bad input keeps its exit code (was 1: the error line's OSError ended the launcher).
+        assert _run_script(tmp_path, stdout=full, stderr=full, script="missing.py").returncode == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux) to fill stdout")
+def test_a_scripts_own_print_to_a_full_stdout_fails_as_under_python(tmp_path):
+    with open("/dev/full", "w") as full:
+        ran = _run_script(tmp_path, stdout=full, stderr=subprocess.PIPE, mode="print")
+    # phalanx leaves the script's own output alone: its print raises, and the headline says so.
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert "failed: OSError: [Errno 28] No space left on device" in ran.stderr.splitlines()[1], ran.stderr[-3000:]
