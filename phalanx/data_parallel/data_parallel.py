@@ -239,9 +239,9 @@ class DataParallel(ReplicaModule):
 
     def finish_gradient_sync(self) -> None:
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
-
         Launches, in bucket order, every bucket no hook launched (without overlap: all; with it, those
         not complete: unused parameters, an empty shard's), then waits every handle once; under no_sync(), nothing.
+        With no backward since the last sync it still joins the peers' collectives, and the gradient stays as it was.
         """
         if self._closed:
             raise RuntimeError("DataParallel is closed")

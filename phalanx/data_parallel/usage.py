@@ -31,7 +31,8 @@ buckets out again when `requires_grad` changes).
 
 The landing is also where a write into the gradients before their sum is seen. Each bucket's
 version counter (torch bumps it at every in-place write through any of its views) is noted at
-its last landing, and at its launch after the flags are written. The exchange sends an alias
+its last landing, and at its launch after the flags are written, and forgotten once summed (a
+write after the sum, a clip or average=True's division, is no write before it). The exchange sends an alias
 with a counter of its own, so no sum moves it. At the sync, a counter moved since then means
 the script wrote into unsummed gradients: `torch.nn.utils.clip_grad_norm_` before
 `finish_gradient_sync()` clips each rank's share by its own norm, which is not the clip of the
@@ -160,6 +161,10 @@ class ParameterUsage:
         self._script_dropped = []
         self._used.clear()
         self._added = False
+        # Summed now: a write from here on (a clip after the sync, average=True's division) is into
+        # the sum, not before it. Until a landing or launch notes a counter again, a sync with no
+        # backward since this one finds nothing written (it sums the same gradient again).
+        self._versions = [None] * len(self._buffers)
         return nobody
 
     def drop(self, params: Sequence[nn.Parameter]) -> None:
