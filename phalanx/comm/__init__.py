@@ -133,5 +133,5 @@ def broadcast_(tensor: torch.Tensor, *, world: World, src: int = 0, tag: Tag = T
     if world.distributed:
         tag = tag.sent_from(src)
         apply_flat(tensor, lambda flat: native(world, tag, lambda: dist.broadcast(flat, src=src, async_op=True),
-                                               size_bytes=flat.numel() * flat.element_size()))
+                                               size_bytes=flat.numel() * flat.element_size(), dtype=flat.dtype))
     return tensor

@@ -220,7 +220,7 @@ class AsyncComm:
             raise RuntimeError("AsyncComm is closed")
         size_bytes = flat.numel() * flat.element_size()
         if algorithm == "native":
-            ticket = enter(self.world, WORLD, tag, size_bytes)
+            ticket = enter(self.world, WORLD, tag, size_bytes, dtype=flat.dtype, check_peers=True)
             work = start()
             if on_done is not None:
                 work.get_future().add_done_callback(lambda _: on_done())
@@ -232,7 +232,7 @@ class AsyncComm:
                 on_done()
             return done  # nothing left to wait for
         transport = self._transport(algorithm)
-        ticket = enter(self.world, COMM, tag, size_bytes)
+        ticket = enter(self.world, COMM, tag, size_bytes, dtype=flat.dtype, check_peers=algorithm != "shm")
         future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
@@ -246,8 +246,8 @@ class AsyncComm:
         if self._closed:
             raise RuntimeError("AsyncComm is closed")
         transport = self._transport(algorithm)
-        run_now(self.world, COMM, tag, flat.numel() * flat.element_size(),
-                lambda ticket: self._run(job, _cuda_of(flat), transport, ticket))
+        run_now(self.world, COMM, tag, flat.numel() * flat.element_size(), lambda ticket: self._run(
+            job, _cuda_of(flat), transport, ticket), dtype=flat.dtype, check_peers=algorithm != "shm")
 
     def _run(self, job: Job, cuda: torch.device | None, transport, ticket: Ticket | None) -> bool | None:
         """One job (on the thread, or inline for a synchronous call): refused once one has failed;

@@ -45,7 +45,7 @@ def _all_gather(tensor: torch.Tensor, *, world: World, tag: Tag) -> list[torch.T
     """Every rank's `tensor` (the same shape on every rank), by rank: the backend's all-gather."""
     pieces = [torch.empty_like(tensor) for _ in range(world.world_size)]
     native(world, tag, lambda: dist.all_gather(pieces, tensor, async_op=True),
-           size_bytes=tensor.numel() * tensor.element_size())
+           size_bytes=tensor.numel() * tensor.element_size(), dtype=tensor.dtype)
     return pieces
 
 

@@ -27,4 +27,4 @@ def allreduce_native(flat: torch.Tensor, *, world: World, group: dist.ProcessGro
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         return
     native(world, tag, lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
-           size_bytes=flat.numel() * flat.element_size())
+           size_bytes=flat.numel() * flat.element_size(), dtype=flat.dtype)

@@ -4,8 +4,8 @@ Every wait for a collective polls (`POLL_S`: a blocked rank costs nothing, and a
 collective returns at once, so the normal path pays only the board's few stores; calls.py runs
 the waits) and at each poll `check` reads the board (board.py) and the peers' processes:
 
-1. Pairing: a peer that entered this collective's number on this channel with another tag, kind
-   or size (only size and kind, when either call is a generic "allreduce") is in a different
+1. Pairing: a peer that entered this collective's number on this channel with another tag, kind,
+   size or dtype (only those three, when either call is a generic "allreduce") is in a different
    collective - fail now, naming both ("rank 1 is in evaluation after step 75 (24 B), from
    phalanx.evaluate or evaluate_dataset; rank 0 in step 76's gradient bucket 0 (5.5 KiB)": what
    in a script issues each phase, tags.called_by), before the backend sums
@@ -33,7 +33,7 @@ names that peer's own report as the root cause.
 from __future__ import annotations
 
 from phalanx.runtime.board import FAILED, FINISHED, RUNNING, WAITING, Board, Line, Ticket
-from phalanx.runtime.tags import called_by, describe, is_generic, op_of
+from phalanx.runtime.tags import called_by, describe, dtype_of, is_generic, op_of, without_dtype
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import PeerLost, RunFailed
 from phalanx.runtime.world import World
@@ -118,11 +118,17 @@ def pairing_error(board: Board, ticket: Ticket) -> CollectiveMismatch | None:
         code, size = theirs
         sizes_differ = bool(size and ticket.size_bytes and size != ticket.size_bytes)
         # A generic call ("allreduce": the caller said not what it is for, e.g. SyncBatchNorm's)
-        # has no fingerprint but its size and kind (an allreduce never pairs with a reduce-scatter);
+        # has no fingerprint but its size, kind and dtype (an allreduce never pairs with a reduce-scatter);
         # named calls must agree on phase, bucket and step too.
         kinds_differ = op_of(code) != op_of(ticket.code)
-        if sizes_differ or kinds_differ or (code != ticket.code and not (is_generic(code) or is_generic(ticket.code))):
-            return _mismatch(board, board.first_rank + i, Ticket(ticket.channel, ticket.seq, code, size), ticket)
+        theirs_dtype, mine_dtype = dtype_of(code), dtype_of(ticket.code)
+        dtypes_differ = bool(theirs_dtype and mine_dtype and theirs_dtype != mine_dtype)
+        generic = is_generic(code) or is_generic(ticket.code)
+        theirs = Ticket(ticket.channel, ticket.seq, code, size)
+        if dtypes_differ and not kinds_differ and (generic or without_dtype(code) == without_dtype(ticket.code)):
+            return _dtype_mismatch(board, board.first_rank + i, theirs, ticket)
+        if sizes_differ or kinds_differ or dtypes_differ or (code != ticket.code and not generic):
+            return _mismatch(board, board.first_rank + i, theirs, ticket)
     return None
 
 
@@ -237,6 +243,16 @@ def _mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket, *, mine_ste
     if mine_steps is not None and theirs_steps is not None and mine_steps != theirs_steps:
         text += f" (rank {board.rank} has synced {mine_steps} steps, rank {rank} {theirs_steps})"
     return CollectiveMismatch(f"{text}; every rank must make the same collective calls in the same order")
+
+
+def _dtype_mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket) -> CollectiveMismatch:
+    """The same collective on tensors of two dtypes: the backend would sum bytes of one as the
+    other, or abort on a size it did not expect."""
+    a, b = dtype_of(theirs.code), dtype_of(mine.code)
+    return CollectiveMismatch(
+        f"ranks pass tensors of different dtypes to {describe(mine.code)}{_callers(mine.code)}: rank {rank} {a} "
+        f"({theirs.size_bytes:,} B), rank {board.rank} {b} ({mine.size_bytes:,} B); every rank must pass the same "
+        f"dtype: cast to one on every rank first (tensor.to(torch.{a}) or .to(torch.{b}))")
 
 
 def _callers(code: int) -> str:

@@ -39,7 +39,7 @@ import time
 from typing import Callable, NamedTuple
 
 from phalanx.runtime.segment import create_segment, share_segment, shm_supported
-from phalanx.runtime.tags import Tag, gradient_step
+from phalanx.runtime.tags import Tag, gradient_step, with_dtype
 from phalanx.runtime.world import World
 
 WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (shm / private group)
@@ -103,10 +103,11 @@ class Board:
 
     # --- writes, by the owner of the line: a few stores each, no syscalls ----------------------
 
-    def enter(self, channel: int, tag: Tag, size_bytes: int) -> Ticket:
-        """Record that this rank issues its next collective on `channel`; return its ticket."""
+    def enter(self, channel: int, tag: Tag, size_bytes: int, dtype: object = None) -> Ticket:
+        """Record that this rank issues its next collective on `channel` (carrying a tensor of
+        `dtype`, when said); return its ticket."""
         w, base = self._words, self._base
-        code = tag.code(w[base + _STEPS])
+        code = with_dtype(tag.code(w[base + _STEPS]), dtype)
         seq = w[base + _ENTERED + channel] + 1
         slot = base + _RING + (channel * RING_SLOTS + seq % RING_SLOTS) * 2
         w[slot] = code

@@ -2,8 +2,9 @@
 collective it is (allreduce, reduce-scatter, all-gather), packed into the one int64 word the
 collective board stores per call (board.py), and read back in words for an error message.
 
-A code: op (bits 60-61), phase (55-59), bucket index (40-54), step (0-39). Peers compare codes
-to tell whether the n-th collective of each is the same one (comm/watchdog.py).
+A code: op (bits 60-61), phase (55-59), bucket index (40-54), the tensor's dtype (34-39, 0: not
+said), step (0-33). Peers compare codes to tell whether the n-th collective of each is the same
+one (comm/watchdog.py); the dtype rides in the same word, so comparing it costs nothing more.
 """
 
 from __future__ import annotations
@@ -27,10 +28,32 @@ _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 # allreduce's shape (the backend's broadcast and barrier too); the sharded two differ in kind.
 OPS = ("allreduce", "reduce-scatter", "all-gather")
 _OP_CODE = {name: code for code, name in enumerate(OPS)}
-_OP_SHIFT, _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK, _PHASE_MASK = 60, 55, 40, (1 << 40) - 1, (1 << 15) - 1, 31
+_OP_SHIFT, _PHASE_SHIFT, _INDEX_SHIFT, _STEP_MASK, _INDEX_MASK, _PHASE_MASK = 60, 55, 40, (1 << 34) - 1, (1 << 15) - 1, 31
+# The dtypes a call can name (torch's names); one outside the list is not said (0), and not compared.
+DTYPES = ("", "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "int64", "int32", "int16",
+          "int8", "uint8", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+_DTYPE_CODE = {name: code for code, name in enumerate(DTYPES) if name}
+_DTYPE_SHIFT, _DTYPE_MASK = 34, 63
 _GRADIENT = _PHASE_CODE["gradient"]
 _GENERIC = {0, _PHASE_CODE["allreduce"], _PHASE_CODE["reduce-scatter"], _PHASE_CODE["all-gather"]}
-assert len(PHASES) <= _PHASE_MASK + 1 and len(OPS) <= 4
+assert len(PHASES) <= _PHASE_MASK + 1 and len(OPS) <= 4 and len(DTYPES) <= _DTYPE_MASK + 1
+
+
+def with_dtype(code: int, dtype: object) -> int:
+    """`code` naming the dtype of the tensor the call carries (a torch.dtype; None: not said)."""
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    return code | (_DTYPE_CODE.get(name, 0) << _DTYPE_SHIFT)
+
+
+def dtype_of(code: int) -> str:
+    """The dtype's name a code carries ("float32"), or "" when the call did not say."""
+    index = (code >> _DTYPE_SHIFT) & _DTYPE_MASK
+    return DTYPES[index] if index < len(DTYPES) else ""
+
+
+def without_dtype(code: int) -> int:
+    """`code` with its dtype left out: what two calls that differ only in dtype share."""
+    return code & ~(_DTYPE_MASK << _DTYPE_SHIFT)
 
 
 def phase_code(phase: str) -> int:
@@ -48,7 +71,7 @@ class Tag:
     had synced when it issued the call, so step s's gradient bucket i is `Tag("gradient", i,
     step=s - 1)` (None: the caller does not know; the board fills in the last step it recorded).
     The defaults, "allreduce", "reduce-scatter", "all-gather", are calls that say nothing of
-    themselves: peers compare only their size and kind. `op`: the kind (OPS), which the
+    themselves: peers compare only their size, kind and dtype. `op`: the kind (OPS), which the
     reduce-scatter and all-gather set on the tag they are given (`doing`), so a bucket's
     reduce-scatter never pairs with a peer's allreduce of the same bucket.
     """
@@ -85,7 +108,7 @@ class Tag:
 
 def is_generic(code: int) -> bool:
     """True for a call tagged only with its kind ("allreduce", ...): nothing to compare but its
-    size and kind."""
+    size, kind and dtype."""
     return (code >> _PHASE_SHIFT) & _PHASE_MASK in _GENERIC
 
 

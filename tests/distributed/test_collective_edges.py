@@ -49,8 +49,8 @@ def _worker(world) -> dict:
     with ShmGroup(world=world) as shm:
         for algorithm in ALGORITHMS:
             out[f"backward after {algorithm}"] = _refused_backward(world, algorithm, shm if algorithm == "shm" else None)
-        # Two sizes that round to the same "7.6 MiB": the line must tell them apart. (Over gloo's
-        # send/recv a size mismatch aborts the process in gloo's C++ before any line is read.)
+        # Two sizes that round to the same "7.6 MiB": the line must tell them apart. (Over gloo the
+        # later rank compares the sizes before it sends, calls.enter: test_collective_dtypes.py.)
         try:
             phalanx.allreduce(torch.zeros(2_000_000 + 1_000 * world.rank), world=world, algorithm="shm", transport=shm)
         except Exception as exc:  # noqa: BLE001 - what the user sees
