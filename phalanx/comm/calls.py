@@ -46,7 +46,8 @@ def enter(world: World, channel: int, tag: Tag, size_bytes: int, *, dtype=None,
     process (SIGABRT, in its own thread) when more bytes come than it expects, so of two ranks
     that disagree the later to enter raises here and never sends, and the earlier sees that
     entry at its first poll. Ranks on other hosts (no board line) are not compared. It costs
-    0.5-1.3 us a call on a 2-rank board (measured 2026-12-03), against tens for gloo's 4 KB sum."""
+    0.5-1.3 us a call on a 2-rank board, against 1.1-1.6 ms for a 4 KB gloo allreduce on the same
+    busy 2-core host (2026-12-03; an A/B of 500 calls moved by less than its own noise)."""
     board: Board | None = world.board
     if board is None:
         return None
