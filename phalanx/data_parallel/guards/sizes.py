@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import Tag
+from phalanx.data_parallel.replica_hook import ReplicaHook
 
 _NOTING: weakref.WeakSet = weakref.WeakSet()  # every rank's SizesAcrossRanks, during a checked step
 _MAX_NOTED = 4096  # sizes kept at most: a checked step's, in any real loop
@@ -125,7 +126,8 @@ class SizesAcrossRanks:
         self.tokens_forwarded = self.rows_forwarded = None
         _NOTING.add(self)
         if self.module is not None and self._hook is None:
-            self._hook = self.module.register_forward_pre_hook(self._forwarded, with_kwargs=True)
+            # ReplicaHook: a copy of the module (an EMA, a teacher) keeps no hook of the replica's
+            self._hook = self.module.register_forward_pre_hook(ReplicaHook(self._forwarded), with_kwargs=True)
 
     def _stop(self) -> None:
         _NOTING.discard(self)
