@@ -102,7 +102,11 @@ class _CountingRing:
         self.world, self.transport = world, CountingTransport()
 
     def allreduce(self, tensor: torch.Tensor, *, algorithm: str, tag: Tag = ALLREDUCE) -> torch.Tensor:
-        allreduce_ring(tensor, world=self.world, transport=self.transport)
+        """The gradient buckets, counted; the replica's own small sums beside them (its checks: the
+        shard_loss sizes at synced steps 1, 2, 4, ..., the NaN/Inf notes every 100) over the same
+        ring, not counted, since the formula is the gradient exchange's and they come at some steps only."""
+        counted = tag.phase == "gradient"
+        allreduce_ring(tensor, world=self.world, transport=self.transport if counted else self.transport.inner)
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str, tag: Tag = ALLREDUCE,
