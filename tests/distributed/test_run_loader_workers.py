@@ -46,6 +46,14 @@ def _run(out: Path, *extra: str, launcher: tuple[str, ...] = ()) -> tuple[subpro
     return ran, mark, time.monotonic() - started
 
 
+def _failed(out: Path, flag: str, *, within_s: float) -> tuple[subprocess.CompletedProcess, str, list[str]]:
+    """`_run` with `flag`, which fails the run: exit 1 within `within_s`; the run, its mark, stderr's lines."""
+    ran, mark, wall_s = _run(out, flag)
+    assert ran.returncode == 1, ran.stderr[-3000:]
+    assert wall_s < within_s, f"the failing run took {wall_s:.0f} s"
+    return ran, mark, ran.stderr.splitlines()
+
+
 def _marked(mark: str) -> list[int]:
     """Live processes whose environment carries `mark`: what the run started and left behind."""
     needle = f"{MARK}={mark}".encode()
@@ -81,10 +89,7 @@ def test_loader_workers_run_as_under_torchrun_and_equal_no_workers(tmp_path):
 
 
 def test_a_raising_loader_worker_ends_the_run_fast_and_leaves_nothing(tmp_path):
-    ran, mark, wall_s = _run(tmp_path, "--fail")  # at the default --timeout (120 s)
-    assert ran.returncode == 1, ran.stderr[-3000:]
-    assert wall_s < 30, f"the failing run took {wall_s:.0f} s"
-    lines = ran.stderr.splitlines()
+    ran, mark, lines = _failed(tmp_path, "--fail", within_s=30)  # at the default --timeout (120 s)
     assert lines[0].startswith("phalanx run: 2 workers on cpu"), lines[0]
     assert lines[1].startswith("phalanx: worker rank 1 failed: RuntimeError: Caught RuntimeError in DataLoader "
                                "worker process"), ran.stderr[-3000:]
@@ -99,10 +104,7 @@ def test_a_raising_loader_worker_ends_the_run_fast_and_leaves_nothing(tmp_path):
 
 
 def test_a_rank_killed_with_its_loader_workers_running_is_named_not_its_peer(tmp_path):
-    ran, mark, wall_s = _run(tmp_path, "--kill")
-    assert ran.returncode == 1, ran.stderr[-3000:]
-    assert wall_s < 60, f"the failing run took {wall_s:.0f} s"
-    lines = ran.stderr.splitlines()
+    ran, mark, lines = _failed(tmp_path, "--kill", within_s=60)
     # What the SIGKILL most likely was follows (runtime/oom.py): here no OOM kill, or a count unread.
     # Step 3 is the last its replica synced (the board told the launcher): the peer's line says it too.
     assert lines[1].startswith("phalanx: worker rank 1 failed: died (signal SIGKILL) after step 3: "), \
@@ -114,20 +116,14 @@ def test_a_rank_killed_with_its_loader_workers_running_is_named_not_its_peer(tmp
 
 
 def test_a_rank_that_calls_os_exit_is_named_with_its_code_and_step(tmp_path):
-    ran, mark, wall_s = _run(tmp_path, "--exit")
-    assert ran.returncode == 1, ran.stderr[-3000:]
-    assert wall_s < 60, f"the failing run took {wall_s:.0f} s"
-    lines = ran.stderr.splitlines()
+    ran, mark, lines = _failed(tmp_path, "--exit", within_s=60)
     assert lines[1] == "phalanx: worker rank 1 failed: exited with code 4 without a result after step 3", ran.stderr
     assert lines[2:] == [line for line in lines[2:] if line.startswith("rank 0 stopped too: ")], ran.stderr[-3000:]
     _assert_nothing_left(tmp_path, mark)
 
 
 def test_a_loader_worker_that_exits_is_one_line_naming_rank_pid_code_and_fix(tmp_path):
-    ran, mark, wall_s = _run(tmp_path, "--loader-exit")
-    assert ran.returncode == 1, ran.stderr[-3000:]
-    assert wall_s < 30, f"the failing run took {wall_s:.0f} s"
-    lines = ran.stderr.splitlines()
+    ran, mark, lines = _failed(tmp_path, "--loader-exit", within_s=30)
     # torch's own report was ~40 lines: its RuntimeError on each rank, chained to gloo's, with tracebacks.
     assert len(lines) == 2 and lines[0].startswith("phalanx run: 2 workers on cpu"), ran.stderr[-3000:]
     assert re.fullmatch(r"phalanx: run stopped: rank 1's DataLoader worker \(pid \d+\) exited with code 3"
