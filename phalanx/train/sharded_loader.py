@@ -26,6 +26,7 @@ that opened no process group (tests).
 
 from __future__ import annotations
 
+import functools
 import random
 import weakref
 import zlib
@@ -60,6 +61,9 @@ class ShardedLoader(LocalShardedLoader):
     _started: EpochStart | None = None
     _replay: Replay | None = None
 
+    # wraps: help() and inspect.signature show data/loader.py's keywords (global_batch_size, seed,
+    # shuffle, ...) that the docs name, not a bare **kwargs.
+    @functools.wraps(LocalShardedLoader.__init__)
     def __init__(self, dataset, *, world, **kwargs) -> None:
         if isinstance(world, World):  # tests hand data/loader.py stand-ins for the world
             world.check_here("phalanx.ShardedLoader")

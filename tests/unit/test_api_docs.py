@@ -4,6 +4,7 @@ that form one script (tests/distributed/test_api_doc.py runs them)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import phalanx
@@ -51,3 +52,45 @@ def test_the_snippets_continue_the_complete_script():
     assert script.count("dp.close()") == 1 and script.rstrip().endswith("dp.close()")
     for snippet in ("phalanx.barrier(world=world)", "phalanx.gather(", "dp.accumulate(", "checkpoint.pt"):
         assert snippet in script
+
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def _calls(text: str):
+    """(name, keywords) of every `phalanx.NAME(...)` and `prepare(...)` call in `text`'s code, the
+    keywords at the call's own depth (`f(x, a=g(b=1))` passes a= only). A `>>>` line is a session
+    showing what phalanx refuses (horovod-deepspeed.md's `prepare(..., config=...)`): left out."""
+    code = "\n".join(re.findall(r"```[^\n]*\n(.*?)```", text, re.S) +
+                     re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S)))
+    code = re.sub(r"(?m)^>>> .*$", "", code)
+    for match in re.finditer(r"(?<![\w.])(?:phalanx\.(\w+)|(prepare))\(", code):
+        depth, keywords, start = 1, [], match.end()
+        for i in range(match.end(), len(code)):
+            depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(code[i], 0)
+            if depth == 0 or (depth == 1 and code[i] == ","):
+                keyword = re.match(r"\s*(\w+)=(?!=)", code[start:i])
+                keywords += [keyword.group(1)] if keyword else []
+                start = i + 1
+            if depth == 0:
+                break
+        yield match.group(1) or match.group(2), keywords
+
+
+def test_every_keyword_the_docs_pass_to_a_phalanx_name_is_in_its_signature():
+    # help() and an editor show inspect.signature: a keyword only **kwargs takes is invisible there
+    # (ShardedLoader's global_batch_size was, before it wrapped data/loader.py's __init__).
+    wrong = []
+    for page in PAGES:
+        for name, keywords in _calls(page.read_text()):
+            if name not in phalanx.__all__ and name != "prepare":
+                continue  # phalanx.verify.verify, a module's function: not the front door's
+            parameters = inspect.signature(getattr(phalanx, name)).parameters
+            wrong += [f"{page.name}: phalanx.{name}({keyword}=)" for keyword in keywords if keyword not in parameters]
+    assert not wrong, "keywords the docs pass that the signature does not name: " + ", ".join(sorted(set(wrong)))
+
+
+def test_the_call_reader_finds_keywords_at_the_calls_own_depth():
+    text = "`phalanx.reduce(t, op=\"sum\", world=world)` and\n```python\n>>> prepare(m, config=1)\nphalanx.shard_loss(F.cross_entropy(x, y, " \
+           "reduction=\"sum\"), g)\ndp = prepare(m, world=w, shard={\"a\": 1})\n```\n"
+    assert list(_calls(text)) == [("shard_loss", []), ("prepare", ["world", "shard"]), ("reduce", ["op", "world"])]
