@@ -87,3 +87,44 @@ def test_docs_command_md_lists_exactly_the_flags_of_phalanx_train():
     table = (Path(__file__).parents[2] / "docs" / "command.md").read_text()
     documented = set(re.findall(r"^\| `(--[a-z-]+)", table, re.MULTILINE))
     assert documented == {flag.name for flag in flags(TrainConfig)}
+
+
+def _table_defaults(page: Path) -> list[tuple[str, str]]:
+    """(flag, its `backticked` default) for each flag row of `page`'s tables; a row of several flags
+    (`--batch-size`, `--lr`, `--epochs` | `256`, `0.2`, `10`) pairs them in order."""
+    found = []
+    for flags_cell, default_cell in re.findall(r"^\| ((?:`--[a-z-]+[^`]*`(?:, )?)+) \| ([^|]*) \|", page.read_text(),
+                                               re.MULTILINE):
+        names, defaults = re.findall(r"`(--[a-z-]+)", flags_cell), re.findall(r"`([^`]+)`", default_cell)
+        if len(defaults) == len(names):
+            found += zip(names, defaults)
+        elif len(defaults) >= 1 and len(names) == 1:
+            found.append((names[0], defaults[0]))  # `0.2` (sgd), `0.001` (adam, adamw): the first
+    return found
+
+
+def _same(written: str, value) -> bool:
+    try:
+        return float(written) == float(value)
+    except (TypeError, ValueError):
+        return written == str(value)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/command.md"])
+def test_the_flag_tables_defaults_are_the_parsers(page):
+    """A default written in a table (README's short one, command.md's whole one) is the parser's or
+    the one its help shows, and every flag a row starts with is phalanx train's (command.md's whole
+    list: the test above)."""
+    train = build_parser(["train"])._subparsers._group_actions[0].choices["train"]
+    actions = {name: action for action in train._actions for name in action.option_strings}
+    rows = _table_defaults(Path(__file__).parents[2] / page)
+    assert len(rows) >= (10 if page == "README.md" else 25)  # a table the regex no longer reads would pass
+    named = set(re.findall(r"^\| `(--[a-z-]+)", (Path(__file__).parents[2] / page).read_text(), re.MULTILINE))
+    assert named - set(actions) == set(), f"{page} names flags phalanx train does not have"
+    wrong = []
+    for flag, written in rows:
+        action = actions.get(flag)
+        shown = re.search(r"\(default: ([^)\s,]+)", " ".join((action.help or "").split())) if action else None
+        if action is None or not (_same(written, action.default) or (shown and _same(written, shown.group(1)))):
+            wrong.append(f"{flag} `{written}` (parser: {action and action.default!r}, help: {shown and shown.group(1)})")
+    assert not wrong, f"{page}'s flag table says another default than phalanx train: " + "; ".join(wrong)
