@@ -1,7 +1,9 @@
 """The house rules of STYLE.md that a machine can check: imports point downward, no module takes part
-in an import cycle (nor dodges one with an import inside a function), modules stay small."""
+in an import cycle (nor dodges one with an import inside a function), modules stay small, and
+docs/how-it-works.md's tree draws every part."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
@@ -162,3 +164,19 @@ def test_the_cycle_check_finds_a_cycle_and_a_dodged_one(tmp_path):
         "pkg.train.job imports pkg.train.split_job inside a function (line 4) to dodge the cycle "
         "pkg.train.job -> pkg.train.split_job -> pkg.train.job; move the shared part to a module both can import",
     ], problems
+
+
+def test_how_it_works_draws_every_part_and_example():
+    # STYLE.md: a reader of docs/how-it-works.md's tree sees every pillar; the tree is drawn by hand,
+    # so a new top-level module, sub-package or example has to be added there too.
+    page = (PACKAGE.parent / "docs" / "how-it-works.md").read_text()
+    tree = page[page.index("```\nphalanx/\n"):]
+    tree = tree[:tree.index("\n```", 4)]
+    paths = [*PACKAGE.glob("*.py"), *PACKAGE.glob("*/"), *PACKAGE.glob("*/*/")]  # modules, packages, sub-packages
+    parts = {path.relative_to(PACKAGE).as_posix() for path in paths
+             if path.name not in ("__init__.py", "__main__.py", "__pycache__")}
+    drawn = {part for part in parts if re.search(rf"(?<!\w){re.escape(part.rsplit('/', 1)[-1])}(?!\w)", tree)}
+    assert parts - drawn == set(), f"docs/how-it-works.md's tree does not draw {sorted(parts - drawn)}"
+    examples = tree[tree.index("\nexamples/"):]
+    stems = {path.stem for path in (PACKAGE.parent / "examples").iterdir() if path.suffix in (".py", ".ipynb")}
+    assert {stem for stem in stems if stem not in examples} == set(), "examples/ the tree does not name"
