@@ -99,6 +99,7 @@ def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", 
     `transport`: what the algorithm runs over (an `ShmGroup` for shm; default group otherwise).
     `tag`: what the call is, as a failure names it (e.g. Tag("evaluation"); default "allreduce").
     """
+    world.check_here("phalanx.allreduce")
     if algorithm == "auto":
         raise ValueError("phalanx.allreduce takes one algorithm, not 'auto' (prepare()'s choice, which opens "
                          f"the transport it picks); choose one of {', '.join(ALGORITHMS)}")

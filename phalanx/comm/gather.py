@@ -51,6 +51,7 @@ def _all_gather(tensor: torch.Tensor, *, world: World, tag: Tag) -> list[torch.T
 
 def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
     """Return once every rank of `world` has called barrier (at once in a world of one)."""
+    world.check_here("phalanx.barrier")
     if world.distributed:
         native(world, tag, lambda: dist.barrier(async_op=True), size_bytes=0)
 
@@ -62,6 +63,7 @@ def main_first(*, world: World, per_host: bool = False) -> Iterator[None]:
     after the block and the others before it. A first rank whose block raises never reaches it:
     it fails, and the others, waiting there, are stopped with the run (or by the world's timeout,
     which a block longer than it needs raised: `--timeout`)."""
+    world.check_here("phalanx.main_first")
     first = world.local_rank == 0 if per_host else world.is_main
     if not first:
         barrier(world=world)
@@ -93,6 +95,7 @@ def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> 
     not in what a row is (its trailing shape and dtype): a mismatch is a ValueError on every
     rank naming both. The caller's tensor is left as it was; the result is a new tensor on
     `world.device` (a 0-d tensor counts as one row)."""
+    world.check_here("phalanx.gather")
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"gather takes a tensor, got {type(tensor).__name__}: wrap numbers in torch.tensor(...)")
     rows = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
@@ -124,6 +127,7 @@ def broadcast(obj: Any, *, src: int = 0, world: World, tag: Tag = Tag("broadcast
     """Rank `src`'s `obj` on every rank (a collective: every rank calls it at the same point, the
     other ranks with any placeholder, e.g. None): any object torch.save can pickle; tensors in it
     arrive on `world.device`. Rank `src` gets its own `obj` back."""
+    world.check_here("phalanx.broadcast")
     if not isinstance(src, int) or not 0 <= src < world.world_size:
         raise ValueError(f"broadcast: src={src!r} is not a rank of this world of {world.world_size}; "
                          f"use 0..{world.world_size - 1}")

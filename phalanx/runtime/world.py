@@ -73,8 +73,8 @@ class World:
             raise UsageError(f"{what} uses a world made in another process (pid {self.pid}; this is {os.getpid()}), a "
                              f"world of {self.world_size} that is not this worker's: one from before phalanx.launch "
                              "forked this worker (the notebook's phalanx.init()) trains alone in every worker; call "
-                             "phalanx.init() inside the function, and prepare the model and loader with the world it "
-                             "returns")
+                             "phalanx.init() inside the function and pass the world it returns (to prepare, "
+                             "ShardedLoader and every collective)")
 
     def print(self, *args, **kwargs) -> None:
         """`print` on rank 0 only, flushed (k workers share one terminal); other ranks print nothing."""

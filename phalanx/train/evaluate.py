@@ -48,6 +48,7 @@ def evaluate(
     model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, world: World, batch_size: int = 1024
 ) -> float:
     """Test accuracy of a replica: each rank counts its contiguous shard of (images, labels)."""
+    world.check_here("phalanx.evaluate")
     check_agree(model, world=world, where="phalanx.evaluate()")
     rows = shard_bounds(images.shape[0], world.world_size, world.rank)
     return count_accuracy(model, model, images, labels, rows=rows, world=world, batch_size=batch_size)
@@ -134,6 +135,7 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     ranks (checked first). A stream (IterableDataset) is read whole by every rank, which evaluates its slice of each
     `batch_size` x k items; "count" is then checked against the items each rank read.
     """
+    world.check_here("phalanx.evaluate_dataset")
     refuse_loader(dataset, "evaluate_dataset")
     if not callable(sums):  # before any collective: every rank refuses alike
         raise TypeError(f"evaluate_dataset's sums= takes a function, got a {type(sums).__name__}; {_SUMS_FIX}, "

@@ -31,6 +31,7 @@ def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean")
     tensor: counts) exactly, in int64, so `op="sum"` gives an int (past 2**53 a float64 sum would
     round). A number or a one-element tensor gives a Python number; a larger tensor a tensor of its
     shape (one collective for all its elements). The caller's tensor is left as it was."""
+    world.check_here("phalanx.reduce")
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is unknown; choose one of {', '.join(REDUCE_OPS)}")
     if isinstance(value, torch.Tensor):

@@ -60,6 +60,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     each object's `state_dict()` (rank 0's: they are replicated like the model). `loader`: the
     `phalanx.ShardedLoader` the loop reads, whose every rank's RNG states at the epoch's start make
     a resume at `step` exact for data that draws random numbers. Rank 0 writes, atomically."""
+    world.check_here("phalanx.checkpoint")
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     _name_the_loader_left_out(loader, step=step, world=world)
     if isinstance(model, DataParallel):
@@ -98,6 +99,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     `loader=` (passed to `checkpoint` too) also when the data draws random numbers: the loader
     replays the skipped batches' draws (loader_resume.py).
     """
+    world.check_here("phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
     if not has_checkpoint(location):
         return Position(epoch=0, step=0)

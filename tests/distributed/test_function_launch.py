@@ -122,7 +122,11 @@ NOTEBOOK = textwrap.dedent("""\
         early(data[:8]).sum().backward()
         early.finish_gradient_sync()
 
-    for stale in (with_the_cells_world, with_the_cells_loader, with_the_cells_replica):
+    def with_the_cells_reduce():                     # each worker's own value back, before: 1.0, not 2.0
+        phalanx.init()
+        return phalanx.reduce(1.0, op="sum", world=world)
+
+    for stale in (with_the_cells_world, with_the_cells_loader, with_the_cells_replica, with_the_cells_reduce):
         try:
             phalanx.launch(stale, devices="cpu:2", quiet=True)
         except phalanx.UsageError as exc:
@@ -142,7 +146,8 @@ def test_a_notebook_function_forks_and_runs_with_two_threads_each():
             "(a notebook)") in proc.stdout
     # The notebook's own world (of one) captured by a forked function: each worker would train alone.
     assert [line for line in proc.stdout.splitlines() if line.startswith("stale:")] == [
-        "stale: phalanx.prepare (DataParallel)", "stale: phalanx.ShardedLoader", "stale: this replica"], proc.stdout
+        "stale: phalanx.prepare (DataParallel)", "stale: phalanx.ShardedLoader", "stale: this replica",
+        "stale: phalanx.reduce"], proc.stdout
 
 
 def test_under_phalanx_run_the_function_runs_in_each_worker(tmp_path):
