@@ -8,8 +8,8 @@ arguments". Every flag of torchrun's parser (torch 2.13) is here, and those of a
 (1.15, both its spellings), fabric run (Lightning 2.6), horovodrun and deepspeed that a
 single-host data-parallel run sets; hidden from `--help`, each given before the script
 stops the command with a `UsageError` saying what phalanx does instead: `--devices`,
-`--threads-per-device` or `--bind-cores`; one host with a store of its own (many hosts and
-restarts through torchrun itself); output on this console; precision, compilation, sharding,
+`--threads-per-device` or `--bind-cores`; one host with a store of its own (many hosts through
+torchrun itself; restarts with `--max-restarts`); output on this console; precision, compilation, sharding,
 accumulation and clipping set in the script. `-m/--module` is phalanx run's own, as torchrun's,
 `--devices` and `--quiet` too (Fabric's and Accelerate's words, phalanx's meaning). The same flags
 after the script are the script's, as under those launchers.
@@ -122,8 +122,8 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
      _IN_THE_SCRIPT.format(flag="{flag}", what="clipping",
                            how="phalanx.clip_grad_norm_(dp, max_norm) before the step")),
     ("accelerate launch", _both("--config_file"), True,
-     "phalanx run reads no config file: its flags are --devices, --threads-per-device, --bind-cores, --timeout, "
-     "--quiet and -m, and the rest is set in the script (phalanx.prepare's keywords): drop {flag}"),
+     "phalanx run reads no config file: its flags are {own}, and the rest is set in the script (phalanx.prepare's "
+     "keywords): drop {flag}"),
     ("accelerate launch", ("--debug",), False, _OTHER),
     # fabric run's own (its --devices is phalanx run's: N, cpu:N, cuda:0,1 or auto)
     ("fabric run", ("--accelerator",), True,
@@ -217,7 +217,10 @@ class _LauncherFlag(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         value = values if isinstance(values, str) else ""
         example = value if value.isdigit() else "2"
-        raise UsageError(self.line.format(launcher=self.launcher, flag=option_string, value=value, example=example))
+        own = [action.option_strings[0] for action in parser._actions  # what --help shows, read where it is declared
+               if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"]
+        raise UsageError(self.line.format(launcher=self.launcher, flag=option_string, value=value, example=example,
+                                          own=f"{', '.join(own[:-1])} and {own[-1]}"))
 
 
 def add_launcher_flags(parser: argparse.ArgumentParser) -> None:

@@ -398,3 +398,14 @@ def test_flag_refused_in_one_line(argv, pattern, tmp_path, monkeypatch, capsys):
     assert "Traceback" not in captured.err + captured.out
     assert sorted(p.name for p in work.iterdir()) == ["train.py"], "a refused run must write nothing"
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_config_file_names_every_flag_phalanx_run_has(capsys):
+    # The line lists phalanx run's own flags; written by hand it missed --max-restarts once run took it.
+    run = build_parser(["run"])._subparsers._group_actions[0].choices["run"]
+    own = [action.option_strings[0] for action in run._actions
+           if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"]
+    assert {"--devices", "--max-restarts", "-m"} <= set(own)
+    assert main(["run", "--config_file", "cfg.yaml", "train.py"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert f"its flags are {', '.join(own[:-1])} and {own[-1]}," in line, line
