@@ -6,8 +6,9 @@ Why compiled: a round in Python makes a dozen calls of 2-5 µs each (ATen's copy
 a flag store, a futex wake syscall, a spin on the flags), 20-30 µs a rank at 8 ranks, while the
 work of a 4 KB round is a microsecond. One ctypes call does the round with the GIL released.
 
-Built once per host and source: `cc -O3 -shared -fPIC` (no -march: a cache on a shared home may
-serve other CPUs; the sum picks AVX2, AVX or SSE2 at load) into $XDG_CACHE_HOME/phalanx/kernels
+Built once per host and source: `$CC` (a command line, as make takes it), else `cc`, else `gcc`,
+with `-O3 -shared -fPIC` (no -march: a cache on a shared home may serve other CPUs; the sum picks
+AVX2, AVX or SSE2 at load) into $XDG_CACHE_HOME/phalanx/kernels
 (else ~/.cache/phalanx/kernels), named by the hash of the source and the command, written under
 a temporary name and renamed, so ranks that compile at once never load half a file. A cache
 that cannot be written: compiled into a temporary directory for this process alone. No
@@ -21,6 +22,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -57,11 +59,17 @@ def load() -> Loaded:
     """This process's compiled kernel, built or taken from the cache on first call."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return Loaded(None, f"the compiled rounds are x86-64 only; this is {platform.machine()}")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return Loaded(None, "no C compiler (cc) on PATH")
+    try:  # $CC as make and setuptools take it: a command line ("ccache gcc", "gcc -m64"), not one path
+        compiler = shlex.split(os.environ.get("CC", ""))
+    except ValueError as exc:
+        return Loaded(None, f"$CC cannot be split into a command ({exc})")
+    if not compiler:
+        found = shutil.which("cc") or shutil.which("gcc")
+        if found is None:
+            return Loaded(None, "no C compiler (cc) on PATH")
+        compiler = [found]
     source = SOURCE.read_bytes()
-    command_key = "\0".join((compiler, *FLAGS, platform.machine())).encode()
+    command_key = "\0".join((*compiler, *FLAGS, platform.machine())).encode()
     digest = hashlib.sha256(source + b"\0" + command_key).hexdigest()[:16]
     name = f"shm_kernel-{digest}.so"
     for private in (False, True):
@@ -87,7 +95,7 @@ def _cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
-def _built(compiler: str, name: str, directory: Path) -> Path:
+def _built(compiler: list[str], name: str, directory: Path) -> Path:
     """The library's path in `directory`, compiled there first if missing."""
     path = directory / name
     if path.exists():
@@ -97,7 +105,7 @@ def _built(compiler: str, name: str, directory: Path) -> Path:
     os.close(fd)
     try:
         try:
-            done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
+            done = subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True,
                                   timeout=COMPILE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise _BuildFailed(f"the C compiler ran past {COMPILE_TIMEOUT_S:g} s") from None

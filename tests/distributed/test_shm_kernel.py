@@ -236,6 +236,16 @@ def test_a_compiler_that_fails_leaves_python_rounds_and_says_why(monkeypatch, tm
 
 
 @needs_cc
+def test_cc_naming_a_command_line_builds_as_make_would(monkeypatch, tmp_path):
+    # CC="ccache gcc" or "gcc -m64" is how make, setuptools and CMake take $CC; run as one path it
+    # failed ("No such file or directory: 'gcc -m64'") and every round ran in Python.
+    library, reason = _build(monkeypatch, tmp_path, CC=f"{shutil.which('cc')} -m64")
+    assert library is not None, reason
+    library, reason = _build(monkeypatch, tmp_path, CC="gcc 'unclosed")
+    assert library is None and reason.startswith("$CC cannot be split into a command")
+
+
+@needs_cc
 def test_the_kernel_is_built_once_and_then_taken_from_the_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("CC", raising=False)
     library, reason = _build(monkeypatch, tmp_path)
