@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 from phalanx import __version__
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.command_parser import CommandParser
+from phalanx.dependencies import API, REQUIRED, missing_reason
 from phalanx.runtime.lifeline import stop_message
 
 
@@ -35,6 +36,7 @@ class Command:
     module: str  # owns the parser and the runner; imported only when the command is named
     add: str  # module's function filling the subcommand's parser (generated from its configs)
     run: str  # module's function running it: parsed arguments -> exit code
+    needs: tuple[str, ...] = tuple(REQUIRED)  # the dependencies it may import, checked before it starts
 
 
 COMMANDS = {
@@ -51,7 +53,7 @@ COMMANDS = {
                      module="phalanx.sweep.cli", add="add_sweep_arguments", run="run_sweep"),
     "run": Command(summary="run your own training script on k workers (phalanx.init() or your own "
                            "init_process_group joins the world)", module="phalanx.runtime.script",
-                   add="add_run_arguments", run="run_run"),
+                   add="add_run_arguments", run="run_run", needs=API),
 }
 
 
@@ -153,6 +155,10 @@ def _a_torchrun_peer_saw_it(exc: BaseException) -> bool:
 def _run_command(argv: list[str]) -> int:
     # The subcommand is the first word that is not a flag (the top level's flags take no value).
     named = next((word for word in argv if not word.startswith("-")), None)
+    if named in COMMANDS:  # before the command's module imports them
+        absent = missing_reason(COMMANDS[named].needs)
+        if absent is not None:
+            raise UsageError(absent)
     parser = build_parser([named] if named in COMMANDS else [])
     args = parser.parse_args(argv)
     if args.command is None:
