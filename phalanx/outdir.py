@@ -101,7 +101,7 @@ def write_refusal(directory: Path) -> str | None:
     if not parent.is_dir():
         return f"{parent} is a file"
     if not os.access(parent, os.W_OK):
-        return f"{parent} denies writing"
+        return f"{os.path.abspath(parent)} denies writing"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".phalanx-probe-", dir=parent))
     except OSError as exc:
@@ -112,8 +112,8 @@ def write_refusal(directory: Path) -> str | None:
 def _probe(parent: Path, named: str, failure: str, *, noun: str) -> None:
     """UsageError unless this process may create an entry in `parent`: by its mode bits, then by a
     probe directory created and removed at once (/proc and its kind say "writable" and refuse)."""
-    if not os.access(parent, os.W_OK):
-        raise UsageError(f"{named} is not writable ({parent} denies writing); pick another {noun}")
+    if not os.access(parent, os.W_OK):  # absolute: "(. denies writing)" left the user to work out which "."
+        raise UsageError(f"{named} is not writable ({os.path.abspath(parent)} denies writing); pick another {noun}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".phalanx-probe-", dir=parent))
     except OSError as exc:

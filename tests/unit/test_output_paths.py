@@ -15,7 +15,7 @@ from phalanx.runtime.binding import oversubscription
 from phalanx.cli import main
 from phalanx.data import load_dataset
 from phalanx.errors import RunFailed, UsageError, WriteFailed
-from phalanx.outdir import check_out_file
+from phalanx.outdir import check_out_dir, check_out_file
 
 LONG_NAME = "n" * 300  # over the 255 bytes of a name on ext4, xfs, btrfs, tmpfs
 LONG_PATH = "/".join(["d" * 50] * 100)  # 5,099 characters of short names: over PATH_MAX (4096)
@@ -136,3 +136,12 @@ def test_an_empty_output_path_is_refused(tmp_path, capsys, monkeypatch, flag):
     argv += ["--checkpoint-every", "5"] if flag == "--checkpoint-dir" else []
     assert _one_line(capsys, argv) == f"phalanx: error: {flag} is empty; name a directory, or drop {flag}"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unwritable_working_directory_is_named_by_its_absolute_path(tmp_path, monkeypatch):
+    # Before: "--out runs/r1 is not writable (. denies writing)", from a cwd the user may not know.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as a read-only cwd says (root passes it)
+    with pytest.raises(UsageError) as info:
+        check_out_dir("runs/r1")
+    assert str(info.value) == f"--out runs/r1 is not writable ({tmp_path} denies writing); pick another directory"
