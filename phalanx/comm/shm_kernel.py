@@ -8,11 +8,11 @@ work of a 4 KB round is a microsecond. One ctypes call does the round with the G
 
 Built once per host and source: `$CC` (a command line, as make takes it), else `cc`, else `gcc`,
 with `-O3 -shared -fPIC` (no -march: a cache on a shared home may serve other CPUs; the sum picks
-AVX2, AVX or SSE2 at load) into $XDG_CACHE_HOME/phalanx/kernels
-(else ~/.cache/phalanx/kernels), named by the hash of the source and the command, written under
-a temporary name and renamed, so ranks that compile at once never load half a file. A cache
-that cannot be written: compiled into a temporary directory for this process alone. No
-compiler, or a failed build: Python rounds.
+AVX2, AVX or SSE2 at load) into $XDG_CACHE_HOME/phalanx/kernels (else ~/.cache/phalanx/kernels),
+named by the hash of the source and the command, written under a temporary name and renamed, so
+ranks that compile at once never load half a file. A cache that cannot be written, or no home to
+put one in: compiled into a temporary directory for this process alone. No compiler, or a failed
+build: Python rounds.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ def load() -> Loaded:
     digest = hashlib.sha256(source + b"\0" + command_key).hexdigest()[:16]
     name = f"shm_kernel-{digest}.so"
     for private in (False, True):
-        directory = Path(tempfile.mkdtemp(prefix="phalanx-kernel-")) if private else _cache_dir()
+        try:
+            directory = Path(tempfile.mkdtemp(prefix="phalanx-kernel-")) if private else _cache_dir()
+        except OSError:
+            continue  # no home for a cache (NoCacheHome): build privately
         try:
             library = ctypes.CDLL(str(_built(compiler, name, directory)))
         except _BuildFailed as exc:

@@ -62,9 +62,9 @@ def load_dataset(
             raise UsageError(f"synthetic dataset sizes must be at least 1, got {n_train} train / {n_test} test; "
                              "pass positive sizes")
         return load_synthetic_dataset((n_train, n_test))
-    cache = cache_dir_for(cache_dir)
-    failed_s_ago = None if explicit or data_dir is not None or not download else _recent_failure(cache)
     try:
+        cache = cache_dir_for(cache_dir) if data_dir is None else None
+        failed_s_ago = None if explicit or cache is None or not download else _recent_failure(cache)
         data = load_fashion_mnist(data_dir, cache_dir=cache, download=download and failed_s_ago is None,
                                   fetch=fetch, mirrors=mirrors, log=log)
     except FashionMnistUnavailable as exc:

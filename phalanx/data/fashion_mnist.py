@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 import torch
 
 from phalanx.atomic import atomic_write_bytes
-from phalanx.caches import cache_root
+from phalanx.caches import NoCacheHome, cache_root
 from phalanx.outdir import check_path_length, write_refusal
 from phalanx.data.idx import read_idx
 from phalanx.data.image_dataset import ImageDataset
@@ -71,7 +71,7 @@ class FashionMnistUnavailable(Exception):
     """Not cached and not downloadable; `reason` is one clause for the user's message, `brief` a
     shorter one (every mirror's same failure said once)."""
 
-    def __init__(self, reason: str, cache_dir: Path, *, brief: str | None = None):
+    def __init__(self, reason: str, cache_dir: Path | None, *, brief: str | None = None):
         super().__init__(reason)
         self.reason, self.cache_dir, self.brief = reason, cache_dir, brief or reason
 
@@ -109,9 +109,15 @@ def _stall_timeout(deadline: float | None) -> float:
 
 def cache_dir_for(cache_dir: str | os.PathLike | None) -> Path:
     """The cache directory: the argument, else $PHALANX_DATA_DIR, else phalanx's cache
-    (caches.py: $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx) / fashion-mnist."""
+    (caches.py: $XDG_CACHE_HOME/phalanx or ~/.cache/phalanx) / fashion-mnist; CacheUnwritable
+    where there is no home for that cache."""
     chosen = cache_dir or os.environ.get(CACHE_ENV_VAR)
-    return Path(chosen).expanduser() if chosen else cache_root() / "fashion-mnist"
+    if chosen:
+        return Path(chosen).expanduser()
+    try:
+        return cache_root() / "fashion-mnist"
+    except NoCacheHome as exc:
+        raise CacheUnwritable(f"there is no home to cache it in ({exc}), so no download was tried", None) from None
 
 
 def _md5_of(path: Path) -> str:

@@ -280,3 +280,15 @@ def test_the_round_cost_tool_times_both_kinds_of_rounds(capsys):
     assert [(r["size_bytes"], r["ranks"]) for r in rows] == [(4096, 2), (4096, 3), (65536, 2), (65536, 3)]
     assert all(r["compiled_rounds"] == "compiled" and r["python_us"] > 0 and r["compiled_us"] > 0 for r in rows)
     assert "4 KB, k = 3: Python" in capsys.readouterr().out
+
+
+@needs_cc
+def test_no_home_builds_privately_and_leaves_the_working_directory_alone(monkeypatch, tmp_path):
+    # Before: os.path.expanduser left "~" as it was and the kernel was cached in ./~/.cache.
+    from tests.unit.test_data_offline import _no_home
+
+    monkeypatch.delenv("CC", raising=False)
+    _no_home(monkeypatch, tmp_path)
+    library, reason = shm_kernel.load.__wrapped__()
+    assert library is not None, reason
+    assert list(tmp_path.iterdir()) == []

@@ -101,3 +101,33 @@ def test_every_cache_follows_xdg_cache_home_and_phalanx_data_dir_wins_for_the_da
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert shm_kernel._cache_dir() == tmp_path / "home" / ".cache" / "phalanx" / "kernels"
+
+
+def _no_home(monkeypatch, cwd) -> None:
+    """A process with no $HOME and no password-database entry (a container's bare numeric user):
+    os.path.expanduser("~") gives "~" back."""
+    import pwd
+
+    def no_entry(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    for name in ("HOME", "XDG_CACHE_HOME", fashion_mnist.CACHE_ENV_VAR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    monkeypatch.chdir(cwd)
+
+
+def test_no_home_falls_back_in_one_line_and_writes_nothing_where_the_run_starts(tmp_path, monkeypatch):
+    # Before: a RuntimeError traceback ("Could not determine home directory"), and the kernels
+    # cached in ./~/.cache/phalanx of the working directory.
+    _no_home(monkeypatch, tmp_path)
+    offline, logged = Offline(), []
+    data = load_dataset(None, None, fetch=offline, log=logged.append)
+    assert data.name == "digits" and offline.urls == []
+    assert logged == ["fashion-mnist is not cached and there is no home to cache it in ($HOME is unset and uid "
+                      f"{__import__('os').getuid()} has no entry in the password database), so no download was "
+                      "tried; training on scikit-learn's digits instead (set PHALANX_DATA_DIR to a writable folder, "
+                      "or pass --data-dir to use your own copy)"]
+    with pytest.raises(UsageError, match=r"^cannot download Fashion-MNIST \(there is no home to cache it in "):
+        load_dataset("fashion-mnist", None, fetch=offline, log=logged.append)
+    assert list(tmp_path.iterdir()) == []
