@@ -37,7 +37,7 @@ from torch.nn.modules.module import (register_module_module_registration_hook,
 from phalanx.data_parallel.buckets import Bucket, build_buckets, default_first_cap_bytes, mb_to_bytes
 from phalanx.data_parallel.carry import CarriedSum
 from phalanx.data_parallel.sparse import sparse_gradients
-from phalanx.data_parallel.usage import ParameterUsage, usage_elements
+from phalanx.data_parallel.usage import ParameterUsage, skipped_backward, usage_elements
 from phalanx.errors import UsageError
 from phalanx.runtime.world import World
 
@@ -62,6 +62,8 @@ class BucketLayout:
         self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
         self.bucket_cap_mb = bucket_cap_mb  # what the run's first log line names (choices.py)
         self.usage: ParameterUsage | None = None
+        self._left_out_rows = 0  # a skipped backward's examples, refused once the sync's collectives are done
+        self._rank = world.rank if world is not None else 0
         self._lay_out()
 
     def _lay_out(self) -> None:
@@ -120,12 +122,19 @@ class BucketLayout:
         return self.sparse.hooks() if self.sparse is not None else []
 
     def sparse_again(self, allreduce: Callable[[torch.Tensor], object]) -> None:
-        """After the sum (and any averaging): each sparse gradient sparse again (sparse.py); every rank calls it."""
+        """After the sum (and any averaging): each sparse gradient sparse again (sparse.py); every rank calls it.
+        The sync's last collective: then a shard this rank's skipped backward left out of the sum is refused."""
         if self.sparse is not None:
             self.sparse.after_sum(allreduce)
+        rows, self._left_out_rows = self._left_out_rows, 0
+        if rows:
+            raise skipped_backward(rows, self._rank)
 
-    def before_forward(self) -> None:
-        """At the replica's forward: a sum carried from the last step kept once from here (carry.py)."""
+    def before_forward(self, inputs: Sequence[object]) -> None:
+        """At the replica's forward (`inputs`: its arguments): the examples noted for the sync (usage.py);
+        a sum carried from the last step kept once from here (carry.py)."""
+        if self.usage is not None:
+            self.usage.forwarded(inputs)
         if self.carry.armed:
             self.carry.before_forward([p for b in self.buckets for p in b.params], self._open_carried)
 
@@ -157,6 +166,7 @@ class BucketLayout:
                 self.usage.write_flags()
                 allreduce(self.usage.flags)
             self.usage.after_sum()
+            self._left_out_rows = self.usage.left_out_rows
         if not self.changed:
             return False
         self._refuse_if_sharded()

@@ -127,7 +127,7 @@ class ReplicaModule(nn.Module):
             if self._usage is not None:
                 self._usage.noted()  # the zeroed buckets, written by the replica itself
         if self._layout is not None:
-            self._layout.before_forward()  # a sum carried without zero_grad kept once (carry.py)
+            self._layout.before_forward((*args, *kwargs.values()))  # examples noted; a sum carried without zero_grad kept once (carry.py)
         return self._format.forward(self._forward, *args, **kwargs)  # auto's channels_last tried (format_fallback.py)
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:

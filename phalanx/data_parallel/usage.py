@@ -26,6 +26,13 @@ knows without reading that none is unused globally, so the flags are read (on a 
 device-to-host copy) only on a rank that left some out. The gradients are views again at the
 next `zero_grad()`, or when the parameter lands again, or at the next sync.
 
+The same flags tell a skipped backward: a rank whose grad-enabled forward took examples since the
+last sync but whose gradients never landed (`if rank == 0: loss.backward()`) gives the sum
+nothing, and a flag above 0 says a peer's backward did. DDP hangs there; summing on would train
+on the other ranks' shards only, so `left_out_rows` has the layout refuse it after the sync's
+collectives. An empty shard's forward and a sync every rank makes without a backward are one
+device's step too, and pass.
+
 Parameters frozen when the replica is made have no bucket and no flag (layout.py lays the
 buckets out again when `requires_grad` changes).
 
@@ -47,6 +54,7 @@ import torch
 from torch import nn
 
 from phalanx.data_parallel.buckets import Bucket, grad_view
+from phalanx.errors import UsageError
 
 
 class ParameterUsage:
@@ -82,6 +90,8 @@ class ParameterUsage:
                              f"for {len(self.params)} parameters")
         self._used: set[int] = set()  # id(param) of each parameter whose gradient landed, or that holds one
         self._added = False  # a gradient landed onto its slot's contents since the last sync (`added`)
+        self._forward_rows = 0  # examples the replica's grad-enabled forwards took since the last sync
+        self.left_out_rows = 0  # set at a sum to which this rank's forward gave nothing, peers' backwards did
         self.dropped: list[nn.Parameter] = []  # gradients set to None at the last sync
         self._script_dropped: list[nn.Parameter] = []  # set to None by the script after landing: dropped after the sum
         self._buffers = [bucket.buffer for bucket in buckets] if slots else []
@@ -101,6 +111,12 @@ class ParameterUsage:
             else:
                 self._added = True
             self._versions[self._bucket_at[id(param)]] = view._version
+
+    def forwarded(self, inputs: Sequence[object]) -> None:
+        """At the replica's forward: with grad enabled, the examples it takes (the first tensor's rows)."""
+        if torch.is_grad_enabled():
+            first = next((item for item in inputs if isinstance(item, torch.Tensor)), None)
+            self._forward_rows += 1 if first is None or first.dim() == 0 else first.shape[0]
 
     def zeroed(self) -> None:
         """After zero_grad zeroed every bucket: their counters, so a write into a slot whose
@@ -155,6 +171,10 @@ class ParameterUsage:
             summed = self.flags[unused].tolist()
             nobody = [self.params[i] for i, total in zip(unused, summed) if total == 0]
         self.unused = set(map(id, nobody))
+        # A forward with examples, no gradient of this rank's in the sum, some peer's in it: a skipped
+        # backward (`if rank == 0: loss.backward()`), not an empty shard, nor a sync every rank made alike.
+        self.left_out_rows = self._forward_rows if not self._used and len(nobody) < len(self.params) else 0
+        self._forward_rows = 0
         if self.rides and (nobody or self._script_dropped):
             self.drop([*nobody, *self._script_dropped])
         self.none = self.unused | set(map(id, self._script_dropped))
@@ -275,3 +295,17 @@ def usage_elements(params: Sequence[nn.Parameter]) -> int:
     """The spare elements the last bucket carries: one flag per trainable parameter."""
     return sum(1 for param in params if param.requires_grad)
 
+
+
+class SkippedBackward(UsageError, RuntimeError):
+    """A rank's forward gave the sum nothing while its peers' backwards did (`skipped_backward`)."""
+
+
+def skipped_backward(rows: int, rank: int) -> SkippedBackward:
+    """The one-line refusal of a sync to which `rank`'s forward of `rows` examples gave no gradient."""
+    return SkippedBackward(
+        f"rank {rank}'s forward took {rows} example(s) since the last sync, but no backward reached the replica's "
+        "parameters before finish_gradient_sync() while another rank's did: its shard is left out of the sum, "
+        "which is then not one device's gradient of the global batch (DDP would hang here); call backward on "
+        "every rank, and where a rank means to skip its shard, backpropagate 0 * loss (or run that forward "
+        "under torch.no_grad())")
