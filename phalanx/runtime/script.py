@@ -49,7 +49,7 @@ from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.world import (World, adopt_world, alone_in_slurm_step, launcher_env, leave_default_group,
                                    open_group_env, stop_world)
 from phalanx.runtime.binding import threads_note
-from phalanx.runtime.board import mark_exit, open_board, synced_steps
+from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
@@ -173,8 +173,8 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
         result = call()
     except BaseException as exc:
         mark_exit(_current, ok=False)
-        one_line = translated(exc, device_type=device.type, init_ran=_current is not None, timeout_s=spec.timeout_s,
-                              rank=env.rank, step=synced_steps(_current))
+        one_line = translated(exc, device_type=device.type, timeout_s=spec.timeout_s, rank=env.rank,
+                              world=_current)
         if one_line is not None:
             raise one_line from None
         raise

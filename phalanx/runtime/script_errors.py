@@ -12,7 +12,8 @@ by where in torch it was raised and by what this worker is, not by its wording a
 - `init_process_group` after `phalanx.init()`, which opened the default group already.
 
 And two the script's run stops on (exit 1): a collective of its own group that waited out
-`--timeout` (`stalled`: gloo's message names the wait, not the fix), and a DataLoader worker of
+`--timeout` (`stalled`: gloo's message names the wait, not the fix; the line names the rank and,
+on phalanx.init()'s board, where the other local ranks were meanwhile), and a DataLoader worker of
 the script's that exited or died (`loader_worker_lost`): torch's RuntimeError, raised wherever the
 rank's SIGCHLD lands (often inside a collective, chained to gloo's "connection reset"), named the
 pid but not the rank, and each rank's ~20-line traceback made an 80-line report.
@@ -27,7 +28,10 @@ import signal
 import torch.distributed as dist
 
 from phalanx.errors import RunFailed, UsageError
+from phalanx.runtime.board import FINISHED, WAITING, Line, synced_steps
 from phalanx.runtime.host_limits import limit_reason
+from phalanx.runtime.tags import describe
+from phalanx.runtime.world import World
 
 # Making torch's SyncBatchNorm work here would mean replacing a private DDP method and
 # SyncBatchNorm.forward in the user's process, and the script would then work under `phalanx run`
@@ -66,27 +70,56 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     return None
 
 
-def stalled(exc: BaseException, *, timeout_s: float) -> str | None:
-    """The one line for a collective of the script's own group that ran out of time (gloo says
+def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, world: World | None = None) -> str | None:
+    """The one line for a collective of the script's group that ran out of time on `rank` (gloo says
     "Timed out waiting 20000ms for recv operation to complete", naming neither the cause nor the
-    fix), or None for any other error."""
+    fix), or None for any other error. `world`: the one phalanx.init() made (None: the script opened
+    the group itself); its board says where the other local ranks were meanwhile."""
     text = str(exc)
     if not (isinstance(exc, RuntimeError) and "Timed out waiting" in text and "gloo" in text):
         return None
-    return (f"a collective of the script's own process group waited {timeout_s:g} s for another rank, the --timeout "
-            "phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another rank "
-            "was busy that long (an evaluation or a save on rank 0 alone?) or never made the call; raise --timeout, "
-            "or pass timeout= to init_process_group")
+    who = f"rank {rank}" if rank is not None else "a rank"
+    if world is None:
+        waited = (f"{who} waited {timeout_s:g} s in a collective of the script's own process group for another rank, "
+                  "the --timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes)")
+        fix = "raise --timeout, or pass timeout= to init_process_group"
+    else:
+        waited = (f"{who} waited {timeout_s:g} s in a torch.distributed collective of the script's own for another "
+                  "rank, the --timeout of the process group phalanx.init() opened")
+        fix = "raise --timeout"
+    peers = _peers(world)
+    in_ours = [(peer, line) for peer, line in peers if line.state == WAITING and line.block is not None]
+    if in_ours:
+        where = ", ".join(f"rank {peer} waited in {describe(line.block.code, line.block.size_bytes)}"
+                          for peer, line in in_ours)
+        return (f"{waited}, while {where}, a collective of phalanx's: the ranks made different collective calls "
+                "(a torch.distributed call on some ranks only?); every rank must make the same collective calls in "
+                "the same order")
+    done = [peer for peer, line in peers if line.state == FINISHED]
+    if done:
+        return (f"{waited}, while rank {done[0]} had finished its work without making that call (did it run fewer "
+                "steps, or skip the call?); every rank must make the same collective calls in the same order")
+    return (f"{waited}: another rank was busy that long (an evaluation or a save on rank 0 alone?) or never made "
+            f"the call; {fix}")
 
 
-def translated(exc: BaseException, *, device_type: str, init_ran: bool, timeout_s: float, rank: int,
-               step: int | None = None) -> BaseException | None:
+def _peers(world: World | None) -> list[tuple[int, Line]]:
+    """(rank, line) of each other local rank on `world`'s board (none without one)."""
+    board = world.board if world is not None else None
+    if board is None:
+        return []
+    return [(line.rank, line) for line in board.lines() if line is not None and line.rank != board.rank]
+
+
+def translated(exc: BaseException, *, device_type: str, timeout_s: float, rank: int,
+               world: World | None = None) -> BaseException | None:
     """The one-line error `exc` becomes in a `phalanx run` worker (UsageError, RunFailed), or None
-    to report it as it is. `step`: the last step this rank synced, when known."""
-    line = reworded(exc, device_type=device_type, init_ran=init_ran)
+    to report it as it is. `world`: the one phalanx.init() made in this process, if it ran."""
+    line = reworded(exc, device_type=device_type, init_ran=world is not None)
     if line is not None:
         return UsageError(line)
-    line = stalled(exc, timeout_s=timeout_s)
+    step = synced_steps(world)  # the last step this rank synced, when its board knows
+    line = stalled(exc, timeout_s=timeout_s, rank=rank, world=world)
     if line is not None:
         return RunFailed(line)
     line = loader_worker_lost(exc, rank=rank, step=step)

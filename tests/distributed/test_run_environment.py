@@ -262,7 +262,39 @@ def test_a_script_group_collective_past_the_timeout_is_one_line_naming_the_timeo
                            str(script)], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
-        "phalanx: run stopped: a collective of the script's own process group waited 4 s for another rank, the "
-        "--timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another "
+        "phalanx: run stopped: rank 1 waited 4 s in a collective of the script's own process group for another rank, "
+        "the --timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another "
         "rank was busy that long (an evaluation or a save on rank 0 alone?) or never made the call; raise "
         "--timeout, or pass timeout= to init_process_group"), done.stderr[-3000:]
+
+
+def test_a_torch_distributed_call_on_one_rank_after_phalanx_init_names_both_ranks_calls(tmp_path):
+    # DDP's logging habit, `if rank == 0: dist.all_reduce(t)`, beside phalanx's exchange: the line said
+    # "the script's own process group ... pass timeout= to init_process_group" (a call the script never
+    # made) and named neither rank nor where the other one waited.
+    script = _script(tmp_path, """\
+        import torch, torch.distributed as dist, phalanx
+        world = phalanx.init()
+        dp = phalanx.prepare(torch.nn.Linear(3, 2), world=world)
+        for step in range(3):
+            if step == 1 and world.rank == 0:
+                dist.all_reduce(torch.ones(1))
+            dp.zero_grad()
+            phalanx.shard_loss(dp(torch.randn(4, 3)).sum(), 8).backward()
+            dp.finish_gradient_sync()
+        """)
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--timeout", "4", "--quiet",
+                           str(script)], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("phalanx: run stopped: rank ") and "waited 4 s in a " in last, done.stderr[-3000:]
+    # Whichever rank's deadline the launcher heard first: both name the other's call.
+    assert last in (
+        "phalanx: run stopped: rank 0 waited 4 s in a torch.distributed collective of the script's own for another "
+        "rank, the --timeout of the process group phalanx.init() opened, while rank 1 waited in step 2's gradient "
+        "bucket 0 (40 B), a collective of phalanx's: the ranks made different collective calls (a torch.distributed "
+        "call on some ranks only?); every rank must make the same collective calls in the same order",
+        "phalanx: run stopped: worker rank 0 was outside any collective (state: sleeping) after step 1 while rank 1 "
+        "waited 4 s in step 2's gradient bucket 0 (40 B), past the 4 s timeout: work on rank 0 alone (sampling, an "
+        "evaluation or a save on rank 0 only?) took that long, or it never made the call; raise --timeout, or have "
+        "every rank take part in that work"), done.stderr[-3000:]

@@ -58,6 +58,53 @@ def test_only_gloos_own_timeout_is_reworded_as_the_timeout():
 
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms "
                         "for recv operation to complete")
-    assert stalled(gloo, timeout_s=20.0).startswith("a collective of the script's own process group waited 20 s")
+    assert stalled(gloo, timeout_s=20.0).startswith("a rank waited 20 s in a collective of the script's own process group")
     assert stalled(RuntimeError("Timed out waiting for my own queue"), timeout_s=20.0) is None  # the script's own
     assert stalled(ValueError(str(gloo)), timeout_s=20.0) is None
+
+
+class _Board:
+    """The two local ranks' lines as a peer's timeout reads them (runtime/board.py's snapshot)."""
+
+    def __init__(self, rank: int, peer) -> None:
+        self.rank, self._lines = rank, [peer]
+
+    def lines(self):
+        return self._lines
+
+
+class _World:
+    def __init__(self, board) -> None:
+        self.board = board
+
+
+def _line(state: int, block=None):
+    from phalanx.runtime.board import Line
+
+    return Line(rank=1, pid=1, state=state, serial=2, since_ns=0, block=block, steps=9, entered=(0, 0))
+
+
+GLOO_TIMEOUT = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+                            "15000ms for recv operation to complete")
+
+
+def test_a_timeout_in_a_call_of_the_scripts_own_after_phalanx_init_names_the_rank_and_where_its_peer_was():
+    # `if rank == 0: dist.all_reduce(t)` under phalanx.init(): the line said "the script's own process group ...
+    # pass timeout= to init_process_group" (a call the script never made) and named neither rank.
+    from phalanx.runtime.board import FINISHED, RUNNING, WAITING, Ticket
+    from phalanx.runtime.script_errors import stalled
+    from phalanx.runtime.tags import Tag
+
+    bucket = Ticket(channel=1, seq=12, code=Tag("gradient", 0, step=9).code(9), size_bytes=864)
+    line = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(WAITING, bucket))))
+    assert line == ("rank 0 waited 15 s in a torch.distributed collective of the script's own for another rank, the "
+                    "--timeout of the process group phalanx.init() opened, while rank 1 waited in step 10's gradient "
+                    "bucket 0 (864 B), a collective of phalanx's: the ranks made different collective calls (a "
+                    "torch.distributed call on some ranks only?); every rank must make the same collective calls in "
+                    "the same order")
+    finished = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(FINISHED))))
+    assert ", while rank 1 had finished its work without making that call" in finished
+    busy = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(RUNNING))))
+    assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on rank 0 alone?) or "
+                         "never made the call; raise --timeout")
+    assert "init_process_group" not in busy
