@@ -3,8 +3,8 @@
 backward and goes on): its shard is left out of the sum. DDP hangs there; phalanx summed the other
 ranks' gradients and trained on, every replica alike, silently off one device. On 2 gloo workers,
 float64: the rank that skipped is refused at that sync in one line, after it joined every
-collective of the sync (its peer's sync completes), with and without overlap and under
-`shard="optimizer"`; a rank whose forward saw no examples (an empty shard) and every rank
+collective of the sync (its peer's sync completes), with and without overlap and at every stage
+of sharding; a rank whose forward saw no examples (an empty shard) and every rank
 skipping alike (one device would have no gradient either) stay allowed.
 """
 
@@ -23,7 +23,9 @@ from tests.distributed.harness import run_workers
 pytestmark = pytest.mark.distributed
 
 SETTINGS = (("overlap off", dict(overlap=False)), ("overlap on", dict(overlap=True, algorithm="native")),
-            ("shard optimizer", dict(overlap=False, shard="optimizer")))
+            ("shard optimizer", dict(overlap=False, shard="optimizer")),
+            ("shard gradients", dict(overlap=False, shard="gradients")),
+            ("shard parameters", dict(overlap=False, shard="parameters")))
 CASES = ("rank 1 skips", "empty shard skips", "every rank skips")
 
 
