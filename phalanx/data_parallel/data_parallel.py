@@ -271,7 +271,7 @@ class DataParallel(ReplicaModule):
         self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
         self._replicas.after_step(self._synced_steps)
         self._extras.after_exchange(summed, self.allreduce_now)
-        self._layout.sparse_again(lambda flat: self.allreduce_now(flat, Tag("sparse gradient rows")))
+        self._layout.end_sync(lambda flat: self.allreduce_now(flat, Tag("sparse gradient rows")))
         if written:  # raised last: this rank has joined every collective of the sync
             raise gradients_written(written, self.module)
 

@@ -121,9 +121,9 @@ class BucketLayout:
         """The hooks that note the sparse gradients' rows (sparse.py), none without such gradients."""
         return self.sparse.hooks() if self.sparse is not None else []
 
-    def sparse_again(self, allreduce: Callable[[torch.Tensor], object]) -> None:
-        """After the sum (and any averaging): each sparse gradient sparse again (sparse.py); every rank calls it.
-        The sync's last collective: then a shard this rank's skipped backward left out of the sum is refused."""
+    def end_sync(self, allreduce: Callable[[torch.Tensor], object]) -> None:
+        """The sync's last part, on every rank: after the sum (and any averaging) each sparse gradient sparse
+        again (sparse.py); then, its collectives done, a shard this rank's skipped backward left out is refused."""
         if self.sparse is not None:
             self.sparse.after_sum(allreduce)
         rows, self._left_out_rows = self._left_out_rows, 0
