@@ -99,7 +99,7 @@ def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, wo
     if done:
         return (f"{waited}, while rank {done[0]} had finished its work without making that call (did it run fewer "
                 "steps, or skip the call?); every rank must make the same collective calls in the same order")
-    return (f"{waited}: another rank was busy that long (an evaluation or a save on rank 0 alone?) or never made "
+    return (f"{waited}: another rank was busy that long (an evaluation or a save on one rank alone?) or never made "
             f"the call; {fix}")
 
 

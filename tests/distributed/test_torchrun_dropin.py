@@ -200,8 +200,9 @@ def test_the_scripts_own_group_waits_at_most_the_timeout(tmp_path):
     """)
     ran = _phalanx_run("--devices", "cpu:2", "--timeout", "5", "--quiet", str(script), timeout=120)
     assert ran.returncode == 1
-    assert ran.stderr.splitlines()[0].startswith("phalanx: run stopped: a collective of the script's own process "
-                                                 "group waited 5 s for another rank"), ran.stderr[-2000:]
+    assert ran.stderr.splitlines()[0].startswith("phalanx: run stopped: rank 0 waited 5 s in a collective of the "
+                                                 "script's own process group for another rank"), ran.stderr[-2000:]
+    assert "a save on one rank alone?" in ran.stderr  # rank 1 was the busy one: no rank named that is not known
 
 
 def test_the_first_line_names_workers_threads_and_rendezvous_and_quiet_drops_it(tmp_path):

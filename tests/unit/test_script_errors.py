@@ -105,6 +105,6 @@ def test_a_timeout_in_a_call_of_the_scripts_own_after_phalanx_init_names_the_ran
     finished = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(FINISHED))))
     assert ", while rank 1 had finished its work without making that call" in finished
     busy = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(RUNNING))))
-    assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on rank 0 alone?) or "
+    assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on one rank alone?) or "
                          "never made the call; raise --timeout")
     assert "init_process_group" not in busy
