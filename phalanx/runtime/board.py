@@ -70,6 +70,7 @@ class Line(NamedTuple):
     block: Ticket | None  # what it waits for, when state == WAITING
     steps: int  # the last step whose gradient exchange it settled
     entered: tuple[int, ...]
+    last_block: Ticket | None = None  # what it waited for last, whatever its state now
 
 
 class Board:
@@ -154,7 +155,8 @@ class Board:
             steps = w[base + _STEPS]
             if w[base + _SERIAL] == serial and w[base + _STATE] == state:
                 return Line(rank=w[base + _RANK], pid=w[base + _PID], state=state, serial=serial, since_ns=since_ns,
-                            block=block if state == WAITING else None, steps=steps, entered=entered)
+                            block=block if state == WAITING else None, steps=steps, entered=entered,
+                            last_block=block if serial else None)
         return None
 
     def lines(self) -> list[Line | None]:

@@ -15,9 +15,8 @@ torchrun joins with its own `dist.init_process_group(...)` (env://, through the 
 under plain python too (a world of one; torch's own init_process_group needs a launcher's RANK).
 Without a launcher's variables, a group the script opened itself (torch's DDP tutorial: children
 of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line.
-Such a spawn under `phalanx run` is refused at the call (nested_launch.py: its children would hang). A
-group the script opens without `timeout=` waits at most `--timeout` (not torch's 30 minutes), and
-one it forgets to destroy is destroyed after its result is reported.
+Such a spawn under `phalanx run` is refused (nested_launch.py: its children would hang). A group
+opened without `timeout=` waits at most `--timeout` (not 30 minutes); one left open is destroyed.
 
 The world a script gets lives in one process-level slot (`_current`): a script started by path
 has no other way to receive it (Accelerate's `PartialState` and Fabric keep the same kind of
@@ -172,9 +171,10 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     try:
         result = call()
     except BaseException as exc:
-        mark_exit(_current, ok=False)
+        # Peers read first: told that this rank failed, a peer stops waiting where the line names it.
         one_line = translated(exc, device_type=device.type, timeout_s=spec.timeout_s, rank=env.rank,
                               world=_current)
+        mark_exit(_current, ok=False)
         if one_line is not None:
             raise one_line from None
         raise

@@ -28,7 +28,7 @@ import signal
 import torch.distributed as dist
 
 from phalanx.errors import RunFailed, UsageError
-from phalanx.runtime.board import FINISHED, WAITING, Line, synced_steps
+from phalanx.runtime.board import FAILED, FINISHED, WAITING, Line, Ticket, synced_steps
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.tags import describe
 from phalanx.runtime.world import World
@@ -88,10 +88,10 @@ def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, wo
                   "rank, the --timeout of the process group phalanx.init() opened")
         fix = "raise --timeout"
     peers = _peers(world)
-    in_ours = [(peer, line) for peer, line in peers if line.state == WAITING and line.block is not None]
+    in_ours = _waiting_in_ours(world, peers)
     if in_ours:
-        where = ", ".join(f"rank {peer} waited in {describe(line.block.code, line.block.size_bytes)}"
-                          for peer, line in in_ours)
+        where = ", ".join(f"rank {peer} waited in {describe(ticket.code, ticket.size_bytes)}"
+                          for peer, ticket in in_ours)
         return (f"{waited}, while {where}, a collective of phalanx's: the ranks made different collective calls "
                 "(a torch.distributed call on some ranks only?); every rank must make the same collective calls in "
                 "the same order")
@@ -101,6 +101,21 @@ def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, wo
                 "steps, or skip the call?); every rank must make the same collective calls in the same order")
     return (f"{waited}: another rank was busy that long (an evaluation or a save on one rank alone?) or never made "
             f"the call; {fix}")
+
+
+def _waiting_in_ours(world: World | None, peers: list[tuple[int, Line]]) -> list[tuple[int, Ticket]]:
+    """(rank, ticket) of each peer waiting in a collective of phalanx's: one waiting now, or one
+    that failed since (its own deadline ran out as this rank's did) in a collective this rank never
+    entered, which so cannot have completed."""
+    own = world.board.line(world.board.local_rank) if peers else None
+    found = []
+    for peer, line in peers:
+        if line.state == WAITING and line.block is not None:
+            found.append((peer, line.block))
+        elif line.state == FAILED and line.last_block is not None and own is not None \
+                and line.last_block.seq > own.entered[line.last_block.channel]:
+            found.append((peer, line.last_block))
+    return found
 
 
 def _peers(world: World | None) -> list[tuple[int, Line]]:

@@ -63,25 +63,18 @@ def test_only_gloos_own_timeout_is_reworded_as_the_timeout():
     assert stalled(ValueError(str(gloo)), timeout_s=20.0) is None
 
 
-class _Board:
-    """The two local ranks' lines as a peer's timeout reads them (runtime/board.py's snapshot)."""
-
-    def __init__(self, rank: int, peer) -> None:
-        self.rank, self._lines = rank, [peer]
-
-    def lines(self):
-        return self._lines
-
-
 class _World:
     def __init__(self, board) -> None:
         self.board = board
 
 
-def _line(state: int, block=None):
-    from phalanx.runtime.board import Line
+def _two_boards():
+    """Rank 0's and rank 1's views of one board in plain memory (runtime/board.py), as two local
+    ranks share it through /dev/shm."""
+    from phalanx.runtime.board import LINE_WORDS, Board
 
-    return Line(rank=1, pid=1, state=state, serial=2, since_ns=0, block=block, steps=9, entered=(0, 0))
+    memory = bytearray(LINE_WORDS * 8 * 2)
+    return tuple(Board(memory, rank=r, local_rank=r, local_world_size=2, world_size=2, pid=100 + r) for r in (0, 1))
 
 
 GLOO_TIMEOUT = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
@@ -91,20 +84,36 @@ GLOO_TIMEOUT = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buf
 def test_a_timeout_in_a_call_of_the_scripts_own_after_phalanx_init_names_the_rank_and_where_its_peer_was():
     # `if rank == 0: dist.all_reduce(t)` under phalanx.init(): the line said "the script's own process group ...
     # pass timeout= to init_process_group" (a call the script never made) and named neither rank.
-    from phalanx.runtime.board import FINISHED, RUNNING, WAITING, Ticket
+    from phalanx.runtime.board import FAILED, FINISHED, Ticket
     from phalanx.runtime.script_errors import stalled
     from phalanx.runtime.tags import Tag
 
-    bucket = Ticket(channel=1, seq=12, code=Tag("gradient", 0, step=9).code(9), size_bytes=864)
-    line = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(WAITING, bucket))))
-    assert line == ("rank 0 waited 15 s in a torch.distributed collective of the script's own for another rank, the "
-                    "--timeout of the process group phalanx.init() opened, while rank 1 waited in step 10's gradient "
-                    "bucket 0 (864 B), a collective of phalanx's: the ranks made different collective calls (a "
-                    "torch.distributed call on some ranks only?); every rank must make the same collective calls in "
-                    "the same order")
-    finished = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(FINISHED))))
+    def said(build) -> str:
+        me, peer = _two_boards()
+        build(me, peer)
+        return stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(me))
+
+    def waits(me, peer) -> Ticket:
+        ticket = peer.enter(1, Tag("gradient", 0, step=9), 864)
+        peer.block(ticket)
+        return ticket
+
+    named = ("rank 0 waited 15 s in a torch.distributed collective of the script's own for another rank, the "
+             "--timeout of the process group phalanx.init() opened, while rank 1 waited in step 10's gradient "
+             "bucket 0 (864 B), a collective of phalanx's: the ranks made different collective calls (a "
+             "torch.distributed call on some ranks only?); every rank must make the same collective calls in "
+             "the same order")
+    assert said(waits) == named
+    # The peer's own deadline ran out first, in a collective this rank never entered: it cannot have
+    # completed, so the peer waited there (the line said "another rank was busy" in 1 of 3 runs).
+    assert said(lambda me, peer: (waits(me, peer), peer.unblock(), peer.mark(FAILED))) == named
+    finished = said(lambda me, peer: peer.mark(FINISHED))
     assert ", while rank 1 had finished its work without making that call" in finished
-    busy = stalled(GLOO_TIMEOUT, timeout_s=15.0, rank=0, world=_World(_Board(0, _line(RUNNING))))
-    assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on one rank alone?) or "
-                         "never made the call; raise --timeout")
-    assert "init_process_group" not in busy
+    busy_now = said(lambda me, peer: (waits(me, peer), peer.unblock()))
+    # Failed after a collective this rank entered too (it completed; the peer failed elsewhere).
+    failed_later = said(lambda me, peer: (me.enter(1, Tag("gradient", 0, step=9), 864), waits(me, peer),
+                                          peer.unblock(), peer.mark(FAILED)))
+    for busy in (busy_now, failed_later):
+        assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on one rank alone?) "
+                             "or never made the call; raise --timeout")
+        assert "init_process_group" not in busy
