@@ -31,6 +31,7 @@ from phalanx.data_parallel.prepare import prepare_replica
 from phalanx.model_split.splits import build_split
 from phalanx.telemetry import ProgressBar, RankZeroLog, Tracer, format_summary, span, survive_lost_output
 from phalanx.train import checkpoint as ckpt
+from phalanx.job.agreement import check_same_run
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import build_optimizer, describe as describe_optimizer
 from phalanx.train.streamed_save import stream_model
@@ -49,6 +50,7 @@ from phalanx.runtime.world import World
 
 def train_worker(world: World, config: TrainConfig, device_names: Sequence[str]) -> dict[str, Any]:
     survive_lost_output()  # `phalanx train | head`: the lines end, the training does not
+    check_same_run(world, config)  # torchrun's nodes each parse their own flags: one line if they differ
     log = RankZeroLog(enabled=world.is_main)
     data = load_dataset(config.data.dataset, config.data.directory, log=log)
     num_train = data.train_images.shape[0]

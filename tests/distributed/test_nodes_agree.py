@@ -1,0 +1,113 @@
+"""The nodes of a torchrun job given different flags, or different phalanx code, stop before the
+first step with one line naming the flag, its values and the ranks and nodes holding each
+(phalanx/job/agreement.py) - instead of training on drifting replicas until close() noticed, or
+gloo aborting a process, or a wait of --timeout.
+
+Two spawned workers stand for two nodes (each builds its own TrainConfig, as each node parses
+its own command line), and once two real torchrun agents (`--nnodes 2`) with different `--lr`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from phalanx.errors import UsageError
+from phalanx.job import agreement
+from phalanx.job.agreement import check_same_run, run_flags, source_digest
+from phalanx.job.config import TrainConfig
+from phalanx.job.optim import OptimizerConfig
+from phalanx.runtime.launch_config import LaunchConfig
+from tests.distributed.harness import run_workers
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _node_config(rank: int, lr_on_rank_1: float) -> TrainConfig:
+    # Per-node paths and settings differ on purpose: they are each node's own.
+    return TrainConfig(out_dir=f"/shared-{rank}/run", launch=LaunchConfig(timeout_s=60.0 + rank),
+                       optim=OptimizerConfig(lr=lr_on_rank_1 if rank == 1 else 0.2))
+
+
+def _check(world, lr_on_rank_1: float, code_on_rank_1: str | None) -> str:
+    if code_on_rank_1 is not None and world.rank == 1:
+        agreement.code_identity.cache_clear()
+        real = agreement.code_identity()
+        agreement.code_identity = lambda: {**real, "phalanx": code_on_rank_1}
+    check_same_run(world, _node_config(world.rank, lr_on_rank_1))
+    return "agreed"
+
+
+def test_per_node_paths_and_settings_agree():
+    assert run_workers(_check, 2, 0.2, None, timeout_s=90) == ["agreed", "agreed"]
+
+
+def test_a_different_lr_is_one_line_naming_the_flag_ranks_and_nodes():
+    with pytest.raises(UsageError) as caught:
+        run_workers(_check, 2, 0.1, None, timeout_s=90)
+    line = str(caught.value)
+    assert "the nodes were started with different flags: --lr is 0.2 on rank 0 (node 0) and 0.1 on rank 1 " \
+           "(node 0); give every node the same phalanx train command" in line, line
+    assert "\n" not in line.strip(), line
+
+
+def test_different_phalanx_sources_are_named():
+    with pytest.raises(UsageError) as caught:
+        run_workers(_check, 2, 0.2, "0.1.0 (sources 000000000000, at /elsewhere/phalanx)", timeout_s=90)
+    line = str(caught.value)
+    assert line.startswith("the nodes run different code: 0.1.0 (sources "), line
+    assert "and 0.1.0 (sources 000000000000, at /elsewhere/phalanx) on rank 1 (node 0) (phalanx); install the " \
+           "same phalanx and torch on every node" in line, line
+
+
+def test_a_changed_constant_changes_the_source_digest(tmp_path):
+    copy = tmp_path / "phalanx"
+    shutil.copytree(REPO / "phalanx", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert source_digest(copy) == source_digest(REPO / "phalanx")
+    config = copy / "job" / "optim.py"
+    config.write_text(config.read_text().replace('"sgd": 0.2,', '"sgd": 0.3,'))
+    assert source_digest(copy) != source_digest(REPO / "phalanx")
+
+
+def test_run_flags_leave_out_paths_and_keep_what_decides_the_update():
+    one, other = run_flags(_node_config(0, 0.2)), run_flags(_node_config(1, 0.2))
+    assert one == other and "--out" not in one and "--timeout" not in one
+    assert {"--lr", "--epochs", "--dtype", "--allreduce", "--momentum", "--check-every"} <= set(one)
+    assert run_flags(TrainConfig(optim=OptimizerConfig(lr=0.2)))["--lr"] == run_flags(TrainConfig())["--lr"]
+
+
+def test_two_torchrun_nodes_with_different_lr_stop_before_training(tmp_path):
+    from tests.distributed.test_two_nodes import _env, _free_port
+
+    torchrun = shutil.which("torchrun", path=str(Path(__import__("sys").executable).parent))
+    assert torchrun, "torchrun ships with torch"
+    port = _free_port()
+    common = ["-m", "phalanx", "train", "--dataset", "digits", "--epochs", "1", "--batch-size", "128",
+              "--no-progress", "--threads-per-device", "1", "--timeout", "60"]
+    started = time.monotonic()
+    agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), *common,
+                                "--lr", lr, "--out", str(tmp_path / f"node{node}")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+              for node, lr in ((0, "0.2"), (1, "0.1"))]
+    try:
+        done = [agent.communicate(timeout=180) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+    elapsed = time.monotonic() - started
+    assert [agent.returncode for agent in agents] == [1, 1]  # torchrun's own code for a failed worker
+    line = ("phalanx: error: the nodes were started with different flags: --lr is 0.2 on rank 0 (node 0) and 0.1 "
+            "on rank 1 (node 1); give every node the same phalanx train command (only torchrun's --node-rank differs)")
+    for out, err in done:
+        assert line in err.splitlines(), err[-3000:]
+        assert "epoch" not in out and "replicas diverged" not in err
+    assert not (tmp_path / "node0" / "model.pt").exists()
+    assert elapsed < 120, elapsed
