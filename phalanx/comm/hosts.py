@@ -25,7 +25,7 @@ from phalanx.comm.calls import collective
 from phalanx.comm.watchdog import CommError
 from phalanx.errors import RunFailed
 from phalanx.runtime.tags import Tag
-from phalanx.runtime.segment import shm_supported
+from phalanx.runtime.segment import per_host_text, shm_supported
 from phalanx.runtime.world import World
 
 _SET_UP = Tag("set-up")
@@ -130,8 +130,14 @@ def read_layout(world: World) -> HostLayout:
 
 
 def host_counts(world: World) -> tuple[int, int] | None:
-    """(hosts, workers per host) as the launcher's sizes give them, or None where they do not
-    divide (hosts of unequal sizes)."""
+    """(hosts, workers per host), or None for hosts of unequal sizes: from every node's size where
+    the world gathered them (torchrun across nodes), else as this node's size divides the world.
+    The node's own size alone misleads: nodes of 2 and 1 workers made node 0 find no hierarchy
+    and node 1 find "1 per host", two first lines the pre-flight check refused; nodes of 2, 1
+    and 1 would have chosen two different allreduces."""
+    if world.node_sizes is not None:
+        sizes = world.node_sizes
+        return (len(sizes), sizes[0]) if len(set(sizes)) == 1 else None
     m, k = world.local_world_size, world.world_size
     return None if k % m else (k // m, m)
 
@@ -143,8 +149,8 @@ def hierarchy_applies(world: World) -> str | None:
         return f"the hierarchical allreduce serves CPU workers; this world runs on {world.device.type}"
     counts = host_counts(world)
     if counts is None:
-        return (f"{world.world_size} ranks do not divide into hosts of {world.local_world_size} workers; "
-                "the hierarchical allreduce needs the same --nproc-per-node on every host")
+        return (f"the hosts run unequal numbers of workers ({per_host_text(world)}); the hierarchical allreduce "
+                "needs the same --nproc-per-node on every host")
     hosts, per_host = counts
     if hosts < 2:
         return "all ranks share one host"

@@ -53,9 +53,20 @@ def shm_applies(world: World, *, host: Sequence[int] | None = None) -> str | Non
     if world.device.type != "cpu":
         return f"the shm allreduce serves CPU workers; this world runs on {world.device.type}"
     if host is None and world.local_world_size != world.world_size:
+        sizes = world.node_sizes
+        unequal = ": unequal, so not the hierarchical allreduce either" if sizes and len(set(sizes)) > 1 else ""
         return (f"the shm allreduce serves the workers of one host; {world.world_size} ranks span hosts "
-                f"({world.local_world_size} per host)")
+                f"({per_host_text(world)}{unequal})")
     return shm_supported()
+
+
+def per_host_text(world: World) -> str:
+    """"2 per host", or for nodes of unequal sizes every node's, by node rank: "2, 1 per host"
+    (the same words on every rank, which the pre-flight check compares)."""
+    sizes = world.node_sizes
+    if sizes is None or len(set(sizes)) == 1:
+        return f"{sizes[0] if sizes else world.local_world_size} per host"
+    return f"{', '.join(map(str, sizes))} per host"
 
 
 def free_bytes() -> int | None:

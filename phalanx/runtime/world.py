@@ -43,6 +43,10 @@ class World:
     # rank): ranks of one node_rank share a host and its memory. Never the hostname, so hosts
     # simulated on one machine behave as real ones.
     node_rank: int = 0
+    # Workers per node, by node rank, where the ranks span nodes under torchrun (start_world
+    # gathers them); None elsewhere. What a node's own LOCAL_WORLD_SIZE cannot say: whether the
+    # others run as many, so that every rank picks the same allreduce (comm/hosts.py).
+    node_sizes: tuple[int, ...] | None = None
     # The collective board (phalanx.runtime.board.Board) this rank shares with its local peers, or
     # None: what lets a wait name the rank and the collective at fault. Set by the launcher.
     board: object | None = field(default=None, compare=False, repr=False)
@@ -232,6 +236,7 @@ def start_world(
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=device if backend == "nccl" else None,
         )
+    spans_nodes = from_launcher_env and world_size > 1 and local_world_size != world_size
     return World(
         rank=rank,
         world_size=world_size,
@@ -241,7 +246,15 @@ def start_world(
         backend=backend,
         timeout_s=timeout_s,
         node_rank=node_rank,
+        node_sizes=gather_node_sizes(node_rank, world_size) if spans_nodes else None,
     )
+
+
+def gather_node_sizes(node_rank: int, world_size: int) -> tuple[int, ...]:
+    """Every node's number of ranks, by node rank: one all-gather of each rank's node rank."""
+    nodes: list[int | None] = [None] * world_size
+    dist.all_gather_object(nodes, node_rank)
+    return tuple(nodes.count(node) for node in sorted(set(nodes)))
 
 
 def _import_group_defaults() -> None:

@@ -46,8 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(*command: str) -> list[subprocess.CompletedProcess]:
-    """Run `command` (what follows torchrun's own flags) as node 0 and node 1 of one job.
+def two_nodes(*command: str, nproc: tuple[int, int] = (1, 1)) -> list[subprocess.CompletedProcess]:
+    """Run `command` (what follows torchrun's own flags) as node 0 and node 1 of one job, with
+    `nproc` workers on each.
 
     Both agents are watched together: when one fails, the other (whose agent would wait out
     torchrun's 300 s exit barrier for it) is killed at once and the failing node's output shown."""
@@ -56,7 +57,7 @@ def two_nodes(*command: str) -> list[subprocess.CompletedProcess]:
     port = _free_port()
     with tempfile.TemporaryDirectory() as logs:
         outs = [open(Path(logs) / f"node{node}.{stream}", "w+") for node in (0, 1) for stream in ("out", "err")]
-        agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+        agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", str(nproc[node]),
                                     "--master-addr", "127.0.0.1", "--master-port", str(port), *command],
                                    stdout=outs[2 * node], stderr=outs[2 * node + 1], text=True, env=_env(),
                                    start_new_session=True)
@@ -127,3 +128,21 @@ def test_a_user_script_on_two_nodes_equals_one_device(tmp_path):
     for key in ranks[0]:  # one model on two machines: every buffer too
         assert torch.equal(ranks[0][key], ranks[1][key]), key
     assert max_rel(ranks[0], torch.load(tmp_path / "one" / "rank0.pt", weights_only=True)) < RTOL
+
+
+def test_nodes_of_unequal_sizes_fall_back_to_gloo_named_and_equal_one_device(small_idx, tmp_path):
+    """docs/many-hosts.md: hosts of unequal sizes fall back to gloo's own allreduce, named in the
+    first line. Before, each node described the fallback by its own size ("2 per host", "1 per
+    host") and the pre-flight check stopped the run on the two descriptions."""
+    common = ["--data-dir", str(small_idx), "--epochs", "1", "--batch-size", "128", "--dtype", "float64",
+              "--no-progress", "--threads-per-device", "1"]
+    one = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:1", *common,
+                          "--out", str(tmp_path / "one")], capture_output=True, text=True, timeout=DEADLINE_S,
+                         env=_env())
+    assert one.returncode == 0, one.stderr[-3000:]
+    node0, _ = two_nodes("-m", "phalanx", "train", *common, "--out", str(tmp_path / "three"), nproc=(2, 1))
+    first = node0.stdout.splitlines()[0]
+    assert ("allreduce native = gloo's own allreduce (auto: the shm allreduce serves the workers of one host; 3 ranks "
+            "span hosts (2, 1 per host: unequal, so not the hierarchical allreduce either))") in first, first
+    reference = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    assert max_rel(torch.load(tmp_path / "three" / "model.pt", weights_only=True), reference) < RTOL

@@ -159,3 +159,36 @@ def test_the_first_line_names_shm_rounds_that_run_in_python_and_why():
     python = Choices(requested_algorithm="shm", algorithm="shm", shm_rounds="Python (no C compiler (cc) on PATH)",
                      **facts).describe()
     assert python.startswith("allreduce shm, rounds in Python (no C compiler (cc) on PATH), overlapped")
+
+
+@pytest.mark.parametrize("sizes", [(2, 1), (2, 1, 1), (1, 2, 1)])
+def test_nodes_of_unequal_sizes_pick_native_alike_and_say_so_alike(sizes):
+    """Each node knows its own size only from torchrun; the sizes the world gathered make every
+    rank take the same decision and words (before: nodes of 2, 1, 1 took hierarchical on node 0
+    and native on the others)."""
+    from phalanx.comm import resolve_algorithm, shm_applies
+    from phalanx.comm.hosts import hierarchy_applies
+    from phalanx.runtime.world import World
+
+    k, worlds = sum(sizes), []
+    for node, m in enumerate(sizes):
+        first = sum(sizes[:node])
+        worlds += [World(rank=first + local, world_size=k, local_rank=local, local_world_size=m,
+                         device=torch.device("cpu"), backend="gloo", timeout_s=10.0, node_rank=node, node_sizes=sizes)
+                   for local in range(m)]
+    assert {resolve_algorithm("auto", w) for w in worlds} == {"native"}
+    assert len({shm_applies(w) for w in worlds}) == 1 and len({hierarchy_applies(w) for w in worlds}) == 1
+    named = ", ".join(map(str, sizes))
+    assert shm_applies(worlds[-1]).endswith(f"{k} ranks span hosts ({named} per host: unequal, so not the "
+                                            "hierarchical allreduce either)")
+    assert hierarchy_applies(worlds[0]).startswith(f"the hosts run unequal numbers of workers ({named} per host)")
+
+
+def test_nodes_of_equal_sizes_still_take_the_hierarchy():
+    from phalanx.comm import resolve_algorithm
+    from phalanx.runtime.segment import shm_supported
+    from phalanx.runtime.world import World
+
+    world = World(rank=3, world_size=4, local_rank=1, local_world_size=2, device=torch.device("cpu"), backend="gloo",
+                  timeout_s=10.0, node_rank=1, node_sizes=(2, 2))
+    assert resolve_algorithm("auto", world) == ("hierarchical" if shm_supported() is None else "native")
