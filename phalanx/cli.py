@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return _run_command(sys.argv[1:] if argv is None else argv)
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)
+        from phalanx.runtime.join import post_refusal
+
+        post_refusal(str(exc))  # under torchrun: the other nodes, waiting at the join, end with this line
         return 2
     except RunFailed as exc:  # one device runs in this process: its checked stops arrive here
         print(f"phalanx: run stopped: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from phalanx.errors import UsageError
 from phalanx.runtime.foreign_names import foreign_name_error
+from phalanx.runtime.join import attempt_prefix, wait_for_peers
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                  "MASTER_PORT")
@@ -226,6 +227,8 @@ def start_world(
         if from_launcher_env:
             rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
                                                     timeout_s=timeout_s)}
+            wait_for_peers(rendezvous["store"], rank=rank, world_size=world_size, node_rank=node_rank,
+                           timeout_s=timeout_s)
         else:
             rendezvous = {"init_method": f"tcp://{master_addr}:{master_port}"}
         dist.init_process_group(
@@ -287,8 +290,7 @@ def _launcher_store(master_addr: str, master_port: int, *, rank: int, world_size
     agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=not agent_hosts and rank == 0,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return dist.PrefixStore(f"phalanx/{attempt}/", store)
+    return dist.PrefixStore(attempt_prefix(), store)
 
 
 def adopt_world(*, local_rank: int, local_world_size: int, device: torch.device, timeout_s: float,
