@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from phalanx.train import checkpoint as ckpt
+from phalanx.job.agreement import check_same_start
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import check_checkpoint
 from phalanx.train.sharded_checkpoint import optimizer_groups
@@ -88,14 +89,19 @@ def resume_run(config: TrainConfig, *, world: World, model: torch.nn.Module, opt
     resumed and what changed since.
     """
     resume = requested_resume(config)
+    fresh = resume is None
     if resume == "auto":
         resume = config.checkpoint_location
-        if not ckpt.has_checkpoint(resume):
+        fresh = not ckpt.has_checkpoint(resume)
+    read = None if fresh else ckpt.read_newest(resume)
+    # Each node reads its own --out: one that cannot see the others' checkpoint would start over.
+    check_same_start(world, data=data, start=None if read is None else (
+        int(read[1]["epoch"]), int(read[1]["step"]), str(read[0])), looked_in=resume)
+    if read is None:
+        if resume is not None:
             log(f"no checkpoint in {resume} yet: starting from scratch")
-            return Start(position=ckpt.Position(epoch=0, step=0))
-    if resume is None:
         return Start(position=ckpt.Position(epoch=0, step=0))
-    path, state, passed_over = ckpt.read_newest(resume)
+    path, state, passed_over = read
     ckpt.check_compatible(state, run_fingerprint(config, model, data=data()), path=path)
     check_checkpoint(optimizer_groups(state), config.optim, path=path)
     position = ckpt.restore(state, world=world, model=model, optimizer=optimizer, dp=dp, path=path)

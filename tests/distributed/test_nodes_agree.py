@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,10 +19,11 @@ import pytest
 
 from phalanx.errors import UsageError
 from phalanx.job import agreement
-from phalanx.job.agreement import check_same_run, run_flags, source_digest
+from phalanx.job.agreement import check_same_run, check_same_start, run_flags, source_digest
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig
 from phalanx.runtime.launch_config import LaunchConfig
+from tests.conftest import write_digits_idx
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -82,28 +84,33 @@ def test_run_flags_leave_out_paths_and_keep_what_decides_the_update():
     assert run_flags(TrainConfig(optim=OptimizerConfig(lr=0.2)))["--lr"] == run_flags(TrainConfig())["--lr"]
 
 
-def test_two_torchrun_nodes_with_different_lr_stop_before_training(tmp_path):
+def _two_nodes(per_node: list[list[str]]) -> tuple[list[int], list[tuple[str, str]], float]:
+    """`phalanx train` as node 0 and node 1 of a torchrun job, each with its own extra flags."""
     from tests.distributed.test_two_nodes import _env, _free_port
 
-    torchrun = shutil.which("torchrun", path=str(Path(__import__("sys").executable).parent))
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun ships with torch"
     port = _free_port()
-    common = ["-m", "phalanx", "train", "--dataset", "digits", "--epochs", "1", "--batch-size", "128",
-              "--no-progress", "--threads-per-device", "1", "--timeout", "60"]
+    common = ["-m", "phalanx", "train", "--epochs", "1", "--batch-size", "128", "--no-progress",
+              "--threads-per-device", "1", "--timeout", "60"]
     started = time.monotonic()
     agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                                "--master-addr", "127.0.0.1", "--master-port", str(port), *common,
-                                "--lr", lr, "--out", str(tmp_path / f"node{node}")],
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), *common, *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-              for node, lr in ((0, "0.2"), (1, "0.1"))]
+              for node, extra in enumerate(per_node)]
     try:
         done = [agent.communicate(timeout=180) for agent in agents]
     finally:
         for agent in agents:
             if agent.poll() is None:
                 agent.kill()
-    elapsed = time.monotonic() - started
-    assert [agent.returncode for agent in agents] == [1, 1]  # torchrun's own code for a failed worker
+    return [agent.returncode for agent in agents], done, time.monotonic() - started
+
+
+def test_two_torchrun_nodes_with_different_lr_stop_before_training(tmp_path):
+    codes, done, elapsed = _two_nodes([["--dataset", "digits", "--lr", "0.2", "--out", str(tmp_path / "node0")],
+                                       ["--dataset", "digits", "--lr", "0.1", "--out", str(tmp_path / "node1")]])
+    assert codes == [1, 1]  # torchrun's own code for a failed worker
     line = ("phalanx: error: the nodes were started with different flags: --lr is 0.2 on rank 0 (node 0) and 0.1 "
             "on rank 1 (node 1); give every node the same phalanx train command (only torchrun's --node-rank differs)")
     for out, err in done:
@@ -111,3 +118,34 @@ def test_two_torchrun_nodes_with_different_lr_stop_before_training(tmp_path):
         assert "epoch" not in out and "replicas diverged" not in err
     assert not (tmp_path / "node0" / "model.pt").exists()
     assert elapsed < 120, elapsed
+
+
+def test_two_nodes_whose_data_dirs_hold_different_images_stop_before_training(tmp_path):
+    """Before: both trained to exit 0, each on its own data set."""
+    dirs = [write_digits_idx(tmp_path / f"idx{seed}", num_train=600, num_test=200, seed=seed) for seed in (0, 1)]
+    codes, done, _ = _two_nodes([["--data-dir", str(d)] for d in dirs])
+    assert codes == [1, 1]
+    for out, err in done:
+        lines = [line for line in err.splitlines() if line.startswith("phalanx:")]
+        assert len(lines) == 1 and lines[0].startswith("phalanx: error: the nodes read different data: fashion-mnist "
+                                                       "(600 train / 200 test images, sha256 "), err[-3000:]
+        assert lines[0].endswith("on rank 1 (node 1); give every node the same data set (the same files under "
+                                 "--data-dir, or the same --dataset)"), lines[0]
+        assert "epoch" not in out
+
+
+def _start(world, node_1_start) -> str:
+    identity = {"name": "digits", "num_train": 1, "num_test": 1, "num_classes": 10, "train_sha256": "0" * 64}
+    start = node_1_start if world.rank == 1 else (1, 0, "/shared/run/checkpoints/checkpoint.pt")
+    check_same_start(world, data=lambda: identity, start=start and tuple(start), looked_in=f"/run-{world.rank}")
+    return "agreed"
+
+
+def test_a_node_that_cannot_see_the_checkpoint_is_named_before_it_starts_over():
+    assert run_workers(_start, 2, [1, 0, "/mnt/run/checkpoints/checkpoint.pt"], timeout_s=90) == ["agreed"] * 2
+    with pytest.raises(UsageError) as caught:
+        run_workers(_start, 2, None, timeout_s=90)
+    assert str(caught.value) == (
+        "the nodes would start from different places: from epoch 2, step 0 (/shared/run/checkpoints/checkpoint.pt) on "
+        "rank 0 (node 0) and from scratch (no checkpoint in /run-1) on rank 1 (node 0); every node must read the same "
+        "checkpoint: put --out (or --checkpoint-dir) on a filesystem every node sees")
