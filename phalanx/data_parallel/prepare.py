@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from phalanx.comm import resolve_algorithm
+from phalanx.data_parallel.guards.nodes import check_same_model
 from phalanx.data_parallel.choices import Choices
 from phalanx.data_parallel.config import GRAD_DTYPES, DataParallelConfig, resolve_overlap
 from phalanx.data_parallel.data_parallel import DataParallel
@@ -122,4 +123,5 @@ def prepare_replica(model: nn.Module, options: DataParallelConfig, *, world: Wor
                                  local_workers=world.local_world_size)
     if not overlap:  # nothing goes out before backward ends: one call is cheapest
         options = replace(options, bucket_cap_mb=None)
+    check_same_model(world, model, options)  # across nodes, before the broadcast the board cannot guard there
     return DataParallel(model, world=world, options=options, tracer=tracer)

@@ -86,18 +86,23 @@ def test_run_flags_leave_out_paths_and_keep_what_decides_the_update():
 
 def _two_nodes(per_node: list[list[str]]) -> tuple[list[int], list[tuple[str, str]], float]:
     """`phalanx train` as node 0 and node 1 of a torchrun job, each with its own extra flags."""
+    common = ["-m", "phalanx", "train", "--epochs", "1", "--batch-size", "128", "--no-progress",
+              "--threads-per-device", "1", "--timeout", "60"]
+    return _torchrun_nodes([[*common, *extra] for extra in per_node])
+
+
+def _torchrun_nodes(per_node: list[list[str]]) -> tuple[list[int], list[tuple[str, str]], float]:
+    """Node n of a 2-node torchrun job runs per_node[n]; (exit codes, (stdout, stderr) each, seconds)."""
     from tests.distributed.test_two_nodes import _env, _free_port
 
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun ships with torch"
     port = _free_port()
-    common = ["-m", "phalanx", "train", "--epochs", "1", "--batch-size", "128", "--no-progress",
-              "--threads-per-device", "1", "--timeout", "60"]
     started = time.monotonic()
     agents = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
-                                "--master-addr", "127.0.0.1", "--master-port", str(port), *common, *extra],
+                                "--master-addr", "127.0.0.1", "--master-port", str(port), *argv],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
-              for node, extra in enumerate(per_node)]
+              for node, argv in enumerate(per_node)]
     try:
         done = [agent.communicate(timeout=180) for agent in agents]
     finally:
