@@ -94,9 +94,9 @@ def check_same_run(world: World, config: TrainConfig) -> None:
     code = [(row["code"]["phalanx"].split(", at ")[0], row["code"]["torch"]) for row in rows]
     if len(set(code)) > 1:
         what = "phalanx" if len({c[0] for c in code}) > 1 else "torch"
-        values = [row["code"][what] for row in rows]
-        raise UsageError(f"the nodes run different code: {_spread(values, nodes)} ({what}); install the same "
-                         "phalanx and torch on every node")
+        values = [f"{what} {row['code'][what]}" for row in rows]
+        raise UsageError(f"the nodes run different code: {_spread(values, nodes)}; install the same phalanx and "
+                         "torch on every node")
     differing = [name for name in rows[0]["flags"] if len({repr(row["flags"].get(name)) for row in rows}) > 1]
     if differing:
         name = differing[0]
