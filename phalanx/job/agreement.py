@@ -109,8 +109,9 @@ def check_same_run(world: World, config: TrainConfig) -> None:
 def check_same_start(world: World, *, data: Callable[[], dict], start: tuple[int, int, str] | None,
                      looked_in: str | None) -> None:
     """Refuse, on every rank alike, ranks that would train on different data (`data()`: this rank's
-    `dataset_identity`, ~0.03 s for Fashion-MNIST, hashed only where ranks are compared) or start from different places (`start`: the checkpoint this rank read,
-    as (epoch, step, path), None: from scratch, having `looked_in` that directory, if any)."""
+    `dataset_identity`, ~0.03 s for Fashion-MNIST, hashed only where ranks are compared) or start
+    from different places (`start`: the checkpoint this rank read, as (epoch, step, path), None:
+    from scratch, having `looked_in` that directory, if any)."""
     if not world.distributed:
         return
     mine = {"node": world.node_rank, "data": data(), "start": start, "looked_in": looked_in}
