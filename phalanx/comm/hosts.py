@@ -149,8 +149,9 @@ def hierarchy_applies(world: World) -> str | None:
         return f"the hierarchical allreduce serves CPU workers; this world runs on {world.device.type}"
     counts = host_counts(world)
     if counts is None:
-        return (f"the hosts run unequal numbers of workers ({per_host_text(world)}); the hierarchical allreduce "
-                "needs the same --nproc-per-node on every host")
+        unequal = (f"the hosts run unequal numbers of workers ({per_host_text(world)})" if world.node_sizes else
+                   f"{world.world_size} ranks do not divide into hosts of {world.local_world_size} workers")
+        return f"{unequal}; the hierarchical allreduce needs the same --nproc-per-node on every host"
     hosts, per_host = counts
     if hosts < 2:
         return "all ranks share one host"
