@@ -9,9 +9,7 @@ test_two_nodes.py starts them, each with its own command line.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_two_nodes import _env, _free_port
+from tests.distributed.test_two_nodes import _env, _free_port, stop_and_read
 
 pytestmark = pytest.mark.distributed
 
@@ -49,15 +47,7 @@ def _nodes(argvs: list[list[str]], deadline_s: float) -> tuple[list[int | None],
                         ended[node] = time.monotonic() - started
                 time.sleep(0.1)
         finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait()
-        texts = []
-        for f in errs:
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
+            texts = stop_and_read(agents, errs)
     return [agent.returncode for agent in agents], texts, ended
 
 

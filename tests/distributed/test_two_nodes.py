@@ -46,6 +46,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_and_read(agents: list[subprocess.Popen], files: list) -> list[str]:
+    """Kill each agent still running with everything it started (nothing outlives a test), then
+    the texts of the `files` their output went to, closed."""
+    for agent in agents:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return texts
+
+
 def two_nodes(*command: str, nproc: tuple[int, int] = (1, 1)) -> list[subprocess.CompletedProcess]:
     """Run `command` (what follows torchrun's own flags) as node 0 and node 1 of one job, with
     `nproc` workers on each.
@@ -68,15 +83,7 @@ def two_nodes(*command: str, nproc: tuple[int, int] = (1, 1)) -> list[subprocess
                     and all(agent.poll() in (None, 0) for agent in agents):
                 time.sleep(0.1)
         finally:
-            for agent in agents:  # the agents and their workers: nothing outlives the test
-                if agent.poll() is None:
-                    os.killpg(agent.pid, signal.SIGKILL)
-                    agent.wait()
-        texts = []
-        for f in outs:
-            f.seek(0)
-            texts.append(f.read())
-            f.close()
+            texts = stop_and_read(agents, outs)
     finished = [subprocess.CompletedProcess(agent.args, agent.returncode, texts[2 * node], texts[2 * node + 1])
                 for node, agent in enumerate(agents)]
     failed = [node for node, proc in enumerate(finished) if proc.returncode not in (0, -signal.SIGKILL)]
@@ -99,13 +106,18 @@ def small_idx(tmp_path_factory) -> Path:
     return write_digits_idx(tmp_path_factory.mktemp("idx") / "fashion-mnist-like", num_train=600, num_test=200)
 
 
-def test_phalanx_train_on_two_nodes_equals_one_device_and_names_the_allreduce(small_idx, tmp_path):
+def _train_on_one_device(small_idx: Path, out: Path) -> list[str]:
+    """Train the reference on one device into `out`; the flags the nodes then share."""
     common = ["--data-dir", str(small_idx), "--epochs", "1", "--batch-size", "128", "--dtype", "float64",
               "--no-progress", "--threads-per-device", "1"]
-    one = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:1", *common,
-                          "--out", str(tmp_path / "one")], capture_output=True, text=True, timeout=DEADLINE_S,
-                         env=_env())
+    one = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:1", *common, "--out", str(out)],
+                         capture_output=True, text=True, timeout=DEADLINE_S, env=_env())
     assert one.returncode == 0, one.stderr[-3000:]
+    return common
+
+
+def test_phalanx_train_on_two_nodes_equals_one_device_and_names_the_allreduce(small_idx, tmp_path):
+    common = _train_on_one_device(small_idx, tmp_path / "one")
     node0, node1 = two_nodes("-m", "phalanx", "train", *common, "--out", str(tmp_path / "two"))
     first = node0.stdout.splitlines()[0]
     assert first.startswith("training lenet on fashion-mnist (600 train / 200 test images)"), first
@@ -134,12 +146,7 @@ def test_nodes_of_unequal_sizes_fall_back_to_gloo_named_and_equal_one_device(sma
     """docs/many-hosts.md: hosts of unequal sizes fall back to gloo's own allreduce, named in the
     first line. Before, each node described the fallback by its own size ("2 per host", "1 per
     host") and the pre-flight check stopped the run on the two descriptions."""
-    common = ["--data-dir", str(small_idx), "--epochs", "1", "--batch-size", "128", "--dtype", "float64",
-              "--no-progress", "--threads-per-device", "1"]
-    one = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:1", *common,
-                          "--out", str(tmp_path / "one")], capture_output=True, text=True, timeout=DEADLINE_S,
-                         env=_env())
-    assert one.returncode == 0, one.stderr[-3000:]
+    common = _train_on_one_device(small_idx, tmp_path / "one")
     node0, _ = two_nodes("-m", "phalanx", "train", *common, "--out", str(tmp_path / "three"), nproc=(2, 1))
     first = node0.stdout.splitlines()[0]
     assert ("allreduce native = gloo's own allreduce (auto: the shm allreduce serves the workers of one host; 3 ranks "
