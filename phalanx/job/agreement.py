@@ -10,7 +10,12 @@ step, `--check-every`); a different `--clip-grad-norm` trained silently to exit 
 data size doesn't match expected size"); a different `--allreduce` waited out `--timeout`
 (120 s) with a line naming no flag; a different `--model` was named as its memory format.
 
-`check_same_run` is the first thing a worker of a multi-process run does: one `all_gather_object`
+Both run only where the ranks span torchrun's nodes (`World.node_sizes` set, as for
+guards/nodes.py): the ranks of one host share its files and its argv (phalanx's own launcher
+parses one command line for all), so there the gathers and the hashes would be start-up spent
+on a difference that cannot arise.
+
+`check_same_run` is the first thing such a worker does: one `all_gather_object`
 of the flags that decide the run (a few hundred bytes; paths and per-host settings left out) and
 of the code (phalanx's version and a SHA-256 of its sources, ~13 ms to hash; torch's version).
 Every rank sees the same gathered table, so every rank raises the same one-line UsageError,
@@ -45,6 +50,11 @@ from phalanx.runtime.world import World
 # the others' paths need not even be spelled alike (a shared filesystem mounted elsewhere).
 PER_NODE = frozenset({"--devices", "--threads-per-device", "--bind-cores", "--timeout", "--data-dir", "--out",
                       "--checkpoint-dir", "--trace", "--no-progress", "--overwrite", "--max-restarts", "--elastic"})
+
+
+def spans_nodes(world: World) -> bool:
+    """True where the ranks span torchrun's nodes: each node parsed its own flags, on its own disk."""
+    return world.distributed and world.node_sizes is not None
 
 
 def run_flags(config: TrainConfig) -> dict[str, Any]:
@@ -82,8 +92,8 @@ def source_digest(root: Path) -> str:
 
 
 def check_same_run(world: World, config: TrainConfig) -> None:
-    """Refuse, on every rank alike, a run whose ranks were given different flags or run different code."""
-    if not world.distributed:
+    """Refuse, on every rank alike, a run whose nodes were given different flags or run different code."""
+    if not spans_nodes(world):
         return
     mine = {"node": world.node_rank, "code": code_identity(), "flags": run_flags(config)}
     gathered: list[dict[str, Any] | None] = [None] * world.world_size
@@ -112,7 +122,7 @@ def check_same_start(world: World, *, data: Callable[[], dict], start: tuple[int
     `dataset_identity`, ~0.03 s for Fashion-MNIST, hashed only where ranks are compared) or start
     from different places (`start`: the checkpoint this rank read, as (epoch, step, path), None:
     from scratch, having `looked_in` that directory, if any)."""
-    if not world.distributed:
+    if not spans_nodes(world):
         return
     mine = {"node": world.node_rank, "data": data(), "start": start, "looked_in": looked_in}
     gathered: list[dict[str, Any] | None] = [None] * world.world_size

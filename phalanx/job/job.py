@@ -115,7 +115,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                             "world_size": world.world_size, "steps_per_epoch": steps,
                             "global_batch_size": config.global_batch_size, "dtype": config.dtype, "seed": config.seed})
     whole_optimizer = _whole_optimizer(optimizer, strategy, whole)
-    identity = functools.cache(lambda: dataset_identity(data))  # hashed by runs of several ranks, or that resume or save
+    identity = functools.cache(lambda: dataset_identity(data))  # hashed by runs across nodes, or that resume or save
     begin = resume_run(config, world=world, model=whole, optimizer=whole_optimizer, data=identity, log=log, dp=replica)
     start = begin.position
     if whole is not strategy.module:  # a split: its shards take their values from the whole model

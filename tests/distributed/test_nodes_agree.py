@@ -9,6 +9,7 @@ its own command line), and once two real torchrun agents (`--nnodes 2`) with dif
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,14 @@ def _node_config(rank: int, lr_on_rank_1: float) -> TrainConfig:
                        optim=OptimizerConfig(lr=lr_on_rank_1 if rank == 1 else 0.2))
 
 
+def _across_nodes(world):
+    """The harness's 2 local ranks as torchrun marks ranks that span nodes (World.node_sizes), which
+    is where the nodes' agreement runs; node_rank stays this host's 0."""
+    return dataclasses.replace(world, node_sizes=(1, 1))
+
+
 def _check(world, lr_on_rank_1: float, code_on_rank_1: str | None) -> str:
+    world = _across_nodes(world)
     if code_on_rank_1 is not None and world.rank == 1:
         agreement.code_identity.cache_clear()
         real = agreement.code_identity()
@@ -140,6 +148,7 @@ def test_two_nodes_whose_data_dirs_hold_different_images_stop_before_training(tm
 
 
 def _start(world, node_1_start) -> str:
+    world = _across_nodes(world)
     identity = {"name": "digits", "num_train": 1, "num_test": 1, "num_classes": 10, "train_sha256": "0" * 64}
     start = node_1_start if world.rank == 1 else (1, 0, "/shared/run/checkpoints/checkpoint.pt")
     check_same_start(world, data=lambda: identity, start=start and tuple(start), looked_in=f"/run-{world.rank}")

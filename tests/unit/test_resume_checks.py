@@ -6,7 +6,6 @@ uninterrupted run's order), else one run's (rank 0 carries them, the others star
 checkpoint of the first format still loads."""
 
 from dataclasses import replace
-from unittest import mock
 
 import pytest
 import torch
@@ -49,13 +48,9 @@ def _save(directory, config: TrainConfig, data, *, num_devices: int = 2, positio
 def _resume(config: TrainConfig, data, world: World | None = None) -> tuple[Start, list[str]]:
     lines: list[str] = []
     model = build_model(config.model, init=config.init, num_classes=10)
-    # A world of several ranks without their processes: the ranks' comparison of their starts
-    # (agreement.check_same_start, a collective; tests/distributed/test_nodes_agree.py) finds
-    # every rank alike, as it would where they share one checkpoint.
-    with mock.patch("phalanx.job.resume.check_same_start"):
-        start = resume_run(config, world=world or _world(), model=model,
-                           optimizer=torch.optim.SGD(model.parameters(), lr=config.optim.lr),
-                           data=lambda: dataset_identity(data), log=lines.append)
+    start = resume_run(config, world=world or _world(), model=model,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=config.optim.lr),
+                       data=lambda: dataset_identity(data), log=lines.append)
     return start, lines
 
 
