@@ -174,15 +174,18 @@ def loader_worker_lost(exc: BaseException, *, rank: int, step: int | None = None
 
 def _raised_in(exc: BaseException) -> str:
     """The module of the innermost Python frame of `exc`'s traceback."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb.tb_frame.f_globals.get("__name__", "") if tb is not None else ""
+    frame = _innermost_frame(exc)
+    return frame.f_globals.get("__name__", "") if frame is not None else ""
 
 
 def _innermost_locals(exc: BaseException) -> dict:
     """The local variables of the innermost Python frame of `exc`'s traceback."""
+    frame = _innermost_frame(exc)
+    return frame.f_locals if frame is not None else {}
+
+
+def _innermost_frame(exc: BaseException):
     tb = exc.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return tb.tb_frame.f_locals if tb is not None else {}
+    return tb.tb_frame if tb is not None else None
