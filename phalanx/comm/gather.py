@@ -18,7 +18,9 @@ rest then read, instead of k ranks writing the same files at once. `broadcast(ob
 gives every rank rank `src`'s object (Fabric's `broadcast`, Accelerate's `broadcast_object_list`):
 a run name, a seed, a tensor; pickled by torch.save on `src` (tensors arrive on the world's
 device), two backend broadcasts (the length, then the bytes). In a world of one each returns at
-once. All wait at most the world's timeout, and a rank that never arrives is named, as for every
+once. `gather_objects(world, obj, tag)` is phalanx's own: every rank's small picklable facts (flags,
+model shapes, replica fingerprints), which the guards compare before the ranks trust each other.
+All wait at most the world's timeout, and a rank that never arrives is named, as for every
 collective (calls.py).
 """
 
@@ -32,7 +34,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from phalanx.comm.calls import native
+from phalanx.comm.calls import collective, native
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
@@ -70,6 +72,18 @@ def main_first(*, world: World, per_host: bool = False) -> Iterator[None]:
     yield
     if first:
         barrier(world=world)
+
+
+def gather_objects(world: World, obj: Any, tag: Tag) -> list[Any]:
+    """Every rank's picklable `obj`, by rank, on every rank: one all_gather_object under
+    `collective`, for the small facts ranks compare before trusting each other (flags, shapes,
+    replica checks); `[obj]` in a world of one."""
+    if not world.distributed:
+        return [obj]
+    gathered: list[Any] = [None] * world.world_size
+    with collective(world, tag):
+        dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def _header(rows: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from phalanx.comm import Tag, collective
+from phalanx.comm import Tag, gather_objects
 from phalanx.errors import UsageError
 from phalanx.job.config import TrainConfig
 from phalanx.options import flags
@@ -96,10 +95,7 @@ def check_same_run(world: World, config: TrainConfig) -> None:
     if not spans_nodes(world):
         return
     mine = {"node": world.node_rank, "code": code_identity(), "flags": run_flags(config)}
-    gathered: list[dict[str, Any] | None] = [None] * world.world_size
-    with collective(world, Tag("pre-flight check")):
-        dist.all_gather_object(gathered, mine)
-    rows: list[dict[str, Any]] = [row for row in gathered if row is not None]
+    rows: list[dict[str, Any]] = gather_objects(world, mine, Tag("pre-flight check"))
     nodes = [row["node"] for row in rows]
     code = [(row["code"]["phalanx"].split(", at ")[0], row["code"]["torch"]) for row in rows]
     if len(set(code)) > 1:
@@ -125,10 +121,7 @@ def check_same_start(world: World, *, data: Callable[[], dict], start: tuple[int
     if not spans_nodes(world):
         return
     mine = {"node": world.node_rank, "data": data(), "start": start, "looked_in": looked_in}
-    gathered: list[dict[str, Any] | None] = [None] * world.world_size
-    with collective(world, Tag("pre-flight check")):
-        dist.all_gather_object(gathered, mine)
-    rows: list[dict[str, Any]] = [row for row in gathered if row is not None]
+    rows: list[dict[str, Any]] = gather_objects(world, mine, Tag("pre-flight check"))
     nodes = [row["node"] for row in rows]
     if len({repr(row["data"]) for row in rows}) > 1:
         values = [f"{d['name']} ({d['num_train']} train / {d['num_test']} test images, sha256 {d['train_sha256'][:12]})"

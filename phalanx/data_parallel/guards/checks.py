@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from phalanx.comm import Tag, broadcast_, collective
+from phalanx.comm import Tag, broadcast_, collective, gather_objects
 from phalanx.data_parallel.guards.unscale import watch as watch_unscale
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.world import World
@@ -116,9 +116,7 @@ def preflight_check(world: World, fields: dict[str, Any]) -> None:
     """All-gather `fields` (picklable, small) and raise if any rank's differ from rank 0's."""
     if not world.distributed:
         return
-    gathered: list[dict[str, Any] | None] = [None] * world.world_size
-    with collective(world, Tag("pre-flight check")):
-        dist.all_gather_object(gathered, fields)
+    gathered = gather_objects(world, fields, Tag("pre-flight check"))
     reference = gathered[0]
     for rank, theirs in enumerate(gathered):
         for field in sorted(set(reference) | set(theirs)):

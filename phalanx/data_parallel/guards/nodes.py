@@ -18,9 +18,8 @@ from dataclasses import fields
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from phalanx.comm import Tag, collective
+from phalanx.comm import Tag, gather_objects
 from phalanx.data_parallel.guards.checks import ReplicaMismatch
 from phalanx.runtime.world import World
 
@@ -33,9 +32,8 @@ def check_same_model(world: World, module: torch.nn.Module, options: Any) -> Non
     tensors = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                for name, t in [*module.named_parameters(), *module.named_buffers()]]
     settings = {f.name: repr(getattr(options, f.name)) for f in fields(options)}
-    gathered: list[Any] = [None] * world.world_size
-    with collective(world, Tag("pre-flight check")):
-        dist.all_gather_object(gathered, {"node": world.node_rank, "tensors": tensors, "options": settings})
+    gathered = gather_objects(world, {"node": world.node_rank, "tensors": tensors, "options": settings},
+                              Tag("pre-flight check"))
     first = gathered[0]
     reference = f"rank 0 (node {first['node']})"
     for rank, theirs in enumerate(gathered):

@@ -35,9 +35,8 @@ import weakref
 from typing import Callable, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from phalanx.comm import Tag, broadcast_, collective
+from phalanx.comm import Tag, broadcast_, gather_objects
 from phalanx.data_parallel.guards.checks import ReplicaMismatch, check_replicas
 from phalanx.data_parallel.guards.running_stats import drifting_norm_layers
 from phalanx.data_parallel.replica_hook import on_every_optimizer_step
@@ -227,10 +226,7 @@ def _measure(world: World, parameters: Sequence[tuple[str, torch.Tensor]], optim
             far = (own.double() - theirs.double()).abs().max().item() if own.numel() else 0.0
             farthest = far if far != far or far > farthest else farthest  # a NaN stays
     mine = {"far": farthest, "first": first, "count": count, "settings": settings(optimizers)}
-    gathered: list[dict | None] = [None] * world.world_size
-    with collective(world, tag):
-        dist.all_gather_object(gathered, mine)
-    return gathered
+    return gather_objects(world, mine, tag)
 
 
 def _ranks(ranks: Sequence[int]) -> str:
