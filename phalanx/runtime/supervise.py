@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, Sequence
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
+from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
 from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
                                            read_report, recorded, user_traceback, with_recorded)
@@ -164,7 +165,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
             for rank in range(workers.num_procs):
                 # A stop lands after the new worker is on the list; Python 3.12+ warns of any fork
                 # in a process with threads (the store's): forked.py says what a copy undoes.
-                with signals_deferred(), warnings.catch_warnings():
+                with signals_deferred(), warnings.catch_warnings(), shared_hash_seed(workers.start_method):
                     warnings.simplefilter("ignore", DeprecationWarning)
                     parent_end, child_end = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker_main, name=f"{workers.name}-{rank}",

@@ -5,6 +5,7 @@
   (it still reads itself after a chdir), sys.argv[0] as given, sys.path[0], OMP_NUM_THREADS=1 (and
   MKL_NUM_THREADS, with torch's thread count) and a TORCHELASTIC_ERROR_FILE of each worker's own;
   every variable torchrun's agent gives a worker, phalanx gives too.
+- Their string hashes: every rank's alike (one salt per launcher; a PYTHONHASHSEED given is kept).
 - Their sys.stdin: the launcher's, under both (multiprocessing gives a spawned worker's Python
   /dev/null), so `breakpoint()` on rank 0 takes pdb commands from it, as under torchrun, as does
   `torch.distributed.breakpoint()`.
@@ -85,6 +86,21 @@ def test_a_phalanx_run_worker_sees_what_a_torchrun_worker_sees(tmp_path):
         assert agent_gives - set(p["env"]) == set(), f"torchrun gives {agent_gives - set(p['env'])}, phalanx not"
     assert ours[0]["env"]["TORCHELASTIC_ERROR_FILE"] != ours[1]["env"]["TORCHELASTIC_ERROR_FILE"]
     assert not Path(ours[0]["env"]["TORCHELASTIC_ERROR_FILE"]).parents[1].exists()  # removed with the run
+
+
+def test_every_rank_hashes_strings_alike_and_a_given_seed_is_kept(tmp_path, monkeypatch):
+    """A set of strings iterates in one order on every rank (runtime/hash_seed.py): before, each
+    spawned worker salted hash() on its own, so `list(set(words))` gave each rank other token ids."""
+    command = [sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--threads-per-device", "1", "--quiet",
+               "env_probe.py"]
+    ours = _probe(tmp_path / "drawn", command)
+    assert ours[0]["hash"] == ours[1]["hash"]
+    assert "PYTHONHASHSEED" not in os.environ or os.environ["PYTHONHASHSEED"] == ours[0]["env"]["PYTHONHASHSEED"]
+    given = subprocess.run([sys.executable, "-c", "print(hash('phalanx'))"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": "7"}, timeout=60).stdout.strip()
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    kept = _probe(tmp_path / "given", command)
+    assert kept[0]["hash"] == kept[1]["hash"] == int(given)
 
 
 def test_a_module_under_phalanx_run_sees_what_it_sees_under_torchrun(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 seen = {"file": __file__, "argv0": sys.argv[0], "args": sys.argv[1:], "path0": sys.path[0], "name": __name__,
         "spec": None if __spec__ is None else __spec__.name, "threads": torch.get_num_threads(),
-        "env": dict(os.environ), "stdin": os.readlink(f"/proc/self/fd/{sys.stdin.fileno()}")}
+        "env": dict(os.environ), "hash": hash("phalanx"), "stdin": os.readlink(f"/proc/self/fd/{sys.stdin.fileno()}")}
 os.chdir("/")
 with open(__file__) as handle:  # found from anywhere: __file__ is absolute
     seen["reads_itself"] = "What a worker sees" in handle.read()
