@@ -19,6 +19,7 @@ no buckets or hooks) unless the options say `exchange_alone`.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import torch
@@ -94,7 +95,26 @@ def prepare(model: nn.Module, *not_the_model: object, world: World | None = None
         raise exc.named({"allreduce": "algorithm"}) from None
     if world is None:  # after the values' checks, which need no world
         raise TypeError("prepare needs world=: world = phalanx.init(), then phalanx.prepare(model, world=world)")
-    return prepare_replica(model, options, world=world, dtype=dtype, tracer=tracer)
+    dp = prepare_replica(model, options, world=world, dtype=dtype, tracer=tracer)
+    _note_python_rounds(dp, world)
+    return dp
+
+
+_NOTED_PYTHON_ROUNDS = False  # once per process: a script that prepares several models hears it once
+
+
+def _note_python_rounds(dp: DataParallel, world: World) -> None:
+    """Rank 0 says once, on stderr, that the shm allreduce runs its rounds in Python and why (no C
+    compiler: a slim container image): 3-4x the CPU of the compiled rounds per small round. `phalanx
+    train`'s first line names it; a script's run said nothing, only dp.choices.describe() did."""
+    global _NOTED_PYTHON_ROUNDS
+    rounds = dp.choices.shm_rounds
+    if _NOTED_PYTHON_ROUNDS or not world.is_main or rounds is None or rounds == "compiled":
+        return
+    _NOTED_PYTHON_ROUNDS = True
+    print(f"phalanx: note: the shm allreduce runs its rounds in {rounds}: each small round costs 3-4x the CPU "
+          "of the compiled ones; install a C compiler (e.g. apt install gcc) or set CC to one", file=sys.stderr,
+          flush=True)
 
 
 def prepare_replica(model: nn.Module, options: DataParallelConfig, *, world: World,

@@ -13,6 +13,7 @@ import os
 import runpy
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -233,6 +234,21 @@ def test_a_compiler_that_fails_leaves_python_rounds_and_says_why(monkeypatch, tm
     library, reason = _build(monkeypatch, tmp_path, CC=str(tmp_path / "no-such-cc"))
     assert library is None and reason.startswith("the C compiler could not run:")
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()], "a failed build left a file"
+
+
+def test_a_script_on_python_rounds_hears_it_once_from_rank_0(tmp_path):
+    # phalanx train's first line names the Python rounds; a script's run said nothing (only
+    # dp.choices.describe() did), so a slim container without a compiler ran 3-4x the CPU per round unawares.
+    script = tmp_path / "script.py"
+    script.write_text("import torch, phalanx\nworld = phalanx.init()\n"
+                      "for _ in range(2):\n    phalanx.prepare(torch.nn.Linear(4, 2), world=world)\n")
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--quiet", str(script)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    notes = [line for line in done.stderr.splitlines() if line.startswith("phalanx: note: the shm allreduce")]
+    assert len(notes) == 1 and "rounds in Python (the C compiler could not run" in notes[0], done.stderr[-2000:]
+    assert "install a C compiler" in notes[0]
 
 
 @needs_cc
