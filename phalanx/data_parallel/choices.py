@@ -91,7 +91,8 @@ class Choices:
     def _exchange_text(self) -> str:
         if not self.exchanging:  # one device: no buckets, hooks or thread
             return "no gradient exchange (one device)"
-        sizes = ", ".join(f"{kb:.1f}" for kb in self.bucket_kb)
+        # a bucket under 0.1 KB (a small head, a test model) keeps two digits rather than reading 0.0
+        sizes = ", ".join(f"{kb:.1f}" if kb >= 0.1 else f"{kb:.2g}" for kb in self.bucket_kb)
         wire = f" sent as {self.grad_dtype}" if self.grad_dtype else ""
         mode = "overlapped" if self.overlap else "synchronous"
         what = "gradient exchange" if self.shard == "none" else "gradient reduce-scatter"

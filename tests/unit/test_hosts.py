@@ -161,6 +161,15 @@ def test_the_first_line_names_shm_rounds_that_run_in_python_and_why():
     assert python.startswith("allreduce shm, rounds in Python (no C compiler (cc) on PATH), overlapped")
 
 
+def test_a_bucket_under_a_tenth_of_a_kb_keeps_two_digits():
+    from phalanx.data_parallel.choices import Choices
+
+    line = Choices(dtype="float32", batchnorm="local", has_batchnorm=False, num_devices=2, memory_format="contiguous",
+                   fallback_reason=None, exchanging=True, overlap=False, bucket_kb=(40 / 1024, 88.0), grad_dtype=None,
+                   requested_algorithm="shm", algorithm="shm").describe()
+    assert "2 bucket(s) of [0.039, 88.0] KB" in line, line  # was [0.0, 88.0]: a Linear(4, 2) read as empty
+
+
 @pytest.mark.parametrize("sizes", [(2, 1), (2, 1, 1), (1, 2, 1)])
 def test_nodes_of_unequal_sizes_pick_native_alike_and_say_so_alike(sizes):
     """Each node knows its own size only from torchrun; the sizes the world gathered make every
