@@ -28,7 +28,7 @@ import sys
 # then loads no torch, so the `phalanx` command (phalanx/__main__.py) installs its Ctrl-C and
 # SIGTERM handlers before torch's second of importing, and a Ctrl-C then is one line.
 _OWNERS = {
-    "allreduce": "phalanx.comm", "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
+    "allreduce": "phalanx.comm", "BatchRandom": "phalanx.data_parallel.batch_random", "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
     "gather": "phalanx.comm.gather", "main_first": "phalanx.comm.gather",
     "ShardedLoader": "phalanx.train.sharded_loader",
     "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
@@ -53,7 +53,7 @@ _OWNERS = {
 __version__ = "0.1.0"
 
 __all__ = [
-    "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed",
+    "BatchRandom", "DataParallel", "DataParallelConfig", "MetricsLogger", "PhalanxWarning", "Position", "RunFailed",
     "ShardedLoader", "UsageError", "VerifyConfig", "World", "allreduce", "barrier", "broadcast", "capture_step",
     "checkpoint", "clip_grad_norm_", "clip_grad_value_", "convert_sync_batchnorm", "evaluate", "evaluate_dataset", "gather",
     "global_batches", "init", "launch", "main_first", "prepare", "progress", "rank_shard", "reduce", "resume", "shard_loss",

@@ -169,7 +169,9 @@ def cause_from_probes(config: VerifyConfig, comparison: Comparison, results: lis
             return Cause(key=key, summary="per-rank dropout randomness: each rank draws the dropout masks for its "
                          "own shard, so they cannot be the masks 1 device draws for the whole batch",
                          fix="expected for dropout, not an exchange bug: seed each rank differently (seed + rank) "
-                             "so the masks are independent, and verify with dropout off (eval_modules=('dropout',))",
+                             "so the masks are independent, and verify with dropout off (eval_modules=('dropout',)); "
+                             "for k devices = 1 device with dropout, draw the masks through phalanx.BatchRandom "
+                             "(draws.route_dropout(model): docs/api.md)",
                          evidence=evidence)
         return Cause(key="combined", summary="several culprits together: each probe alone still differs, "
                      f"{result.probe.description} agrees", fix="fix each named part", evidence=evidence)

@@ -119,6 +119,7 @@ def test_a_users_model_and_loss_through_the_python_api():
     result = report.result(3)
     assert not report.passed and result.cause.key == "dropout", report.render()
     assert "per-rank dropout randomness" in result.cause.summary
+    assert "phalanx.BatchRandom" in result.cause.fix  # the way to k devices = 1 device with dropout
     dropout_off = next(p for p in result.probes if p.probe.key == "dropout").comparison
     assert dropout_off.passed and dropout_off.max_rel < 1e-10 and len(dropout_off.steps) == 3
 
