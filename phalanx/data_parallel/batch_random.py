@@ -86,7 +86,8 @@ class BatchRandom:
                 f"BatchRandom.{what}: {got}, but rank {self.world.rank}'s share of the global batch of "
                 f"{self._global_size} is rows {start}:{stop} ({stop - start}); draws are per sample along dim 0 of "
                 "this rank's shard: put the batch dim first (x.transpose(0, 1)) and draw for the samples, not "
-                "for tokens or pixels flattened into rows")
+                "for tokens or pixels flattened into rows; under accumulation draw for the rank's whole shard before "
+                "its micro-batches and slice, as routed dropout inside a micro-batch cannot")
         whole = make((self._global_size, *shape[1:]))
         return whole[start:stop]
 

