@@ -109,6 +109,11 @@ class BatchRandom:
     def randn_like(self, x: torch.Tensor) -> torch.Tensor:
         return self.randn(x.shape, dtype=x.dtype, device=x.device)
 
+    def __deepcopy__(self, memo: dict) -> BatchRandom:
+        # The draws are the run's, not a model's: a copied model (an EMA, a teacher) draws through
+        # the same generator inside the same `batch` block, instead of a copy no block ever opens.
+        return self
+
     def state_dict(self) -> dict:
         return {"generator": self.generator.get_state(), "seed": self.seed}
 

@@ -8,6 +8,8 @@ tests/distributed/test_batch_random.py.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,6 +63,7 @@ def test_route_dropout_swaps_every_dropout_and_refuses_attention_dropout():
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Sequential(nn.Dropout2d(0.2), nn.Dropout1d(0.3)))
     assert draws.route_dropout(model) == 3
     assert [type(m) for m in model.modules()].count(BatchDropout) == 3
+    assert copy.deepcopy(model)[1].draws is draws  # a copied model (an EMA, a teacher) draws through the same
     with pytest.raises(UsageError, match=r"model.1 is a MultiheadAttention with dropout=0.1.*set model.1.dropout = 0.0"):
         draws.route_dropout(nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2, dropout=0.1)))
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.1, batch_first=True)
