@@ -7,7 +7,9 @@ state on every rank (and on one device, seeded alike); each draw makes the *glob
 and keeps this rank's rows, the cut `shard_bounds` makes and `ShardedLoader`/`rank_shard` hand out.
 So k ranks consume the generator exactly as one device does, and every row gets one device's
 number. The price is that each rank draws all the global batch's rows of the drawn tensors (k-fold
-RNG work for those tensors only; torch's CPU generator cannot skip ahead to a rank's rows).
+RNG work for those tensors only; torch's CPU generator cannot skip ahead to a rank's rows): an
+MLP's step with two 512-wide dropouts at global batch 256 took 1.03x / 1.11x / 1.21x torch's
+dropout step at k = 2 / 4 / 8 (one thread, 15 interleaved rounds).
 
 What it cannot make exact it refuses: a draw whose dim 0 is not the rank's rows (a batch dim
 elsewhere, rows that are tokens, not samples) is one line. A draw that mixes rows (mixup's
