@@ -13,6 +13,10 @@ Dropout and k workers: each rank draws its own dropout masks (seeded by seed and
 do not repeat one another's masks), as any data-parallel run does; k workers then train on the
 same batches with different masks than 1 device, so they agree with 1 device exactly only with
 --dropout 0 (tested, 1e-9 in float64). With dropout the replicas stay identical to each other.
+--exact-dropout draws the masks through `phalanx.BatchRandom` instead (the global batch's masks
+on every rank, each keeping its rows): k workers then equal 1 device with dropout too (tested,
+1e-9 in float64); the attention weights' own dropout, drawn inside torch's attention where no
+routing reaches, is off there.
 """
 
 import argparse
@@ -77,6 +81,8 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=20)
     p.add_argument("--max-norm", type=float, default=1.0)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    p.add_argument("--exact-dropout", action="store_true",
+                   help="draw dropout masks through phalanx.BatchRandom: k workers = 1 device (attention dropout off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for rank<r>.pt (this rank's parameters)")
     args = p.parse_args()
@@ -92,8 +98,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = CharTransformer(len(vocab), block=args.block, d_model=args.d_model, heads=args.heads,
                             layers=args.layers, dropout=args.dropout)
+    draws = phalanx.BatchRandom(world=world, seed=args.seed)
+    if args.exact_dropout:
+        for layer in model.blocks.layers:
+            layer.self_attn.dropout = 0.0  # inside torch's attention: out of BatchRandom's reach
+        draws.route_dropout(model)
     dp = phalanx.prepare(model, world=world, dtype=args.dtype)
-    torch.manual_seed(args.seed * 1000 + world.rank)  # dropout: each rank its own masks
+    torch.manual_seed(args.seed * 1000 + world.rank)  # torch's dropout: each rank its own masks
     optimizer = torch.optim.AdamW(dp.module.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))
     loader = phalanx.ShardedLoader(train, world=world, global_batch_size=args.batch_size, seed=args.seed)
@@ -106,7 +117,8 @@ def main() -> None:
         for (x, y), global_size in loader.epoch(epoch):
             x, y = x.to(world.device), y.to(world.device)
             dp.zero_grad()
-            loss_sum = F.cross_entropy(dp(x).flatten(0, 1), y.flatten(), reduction="sum")
+            with draws.batch(global_size):  # routed dropout draws the global batch's masks, keeps this rank's
+                loss_sum = F.cross_entropy(dp(x).flatten(0, 1), y.flatten(), reduction="sum")
             phalanx.shard_loss(loss_sum, global_size * args.block).backward()  # per token of the global batch
             dp.finish_gradient_sync()
             phalanx.clip_grad_norm_(dp, args.max_norm)

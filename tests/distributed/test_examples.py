@@ -1,5 +1,6 @@
 """examples/ at tiny sizes, each on 1 and 2 workers through `phalanx run`, checked against what
-the maths says: LeNet, the char transformer without dropout, the lazy-file MLP, and Horovod's and
+the maths says: LeNet, the char transformer without dropout and with its dropout drawn through
+`phalanx.BatchRandom` (`--exact-dropout`), the lazy-file MLP, and Horovod's and
 DeepSpeed's examples as ported (each ZeRO stage) end with the 1-device parameters (float64, 1e-9
 relative); with dropout the two replicas stay identical; the
 lazy Dataset opens each file once per pass, split between the ranks; the notebook runs as a kernel would
@@ -54,6 +55,15 @@ def test_char_transformer_without_dropout_equals_one_device(tmp_path):
         loss = float(stdout.split("validation loss ")[1].split()[0])
         outs[devices] = torch.load(tmp_path / devices / "rank0.pt", weights_only=True)
         assert loss < math.log(80)  # below a uniform guess over any plausible character set
+    assert max_rel(outs["cpu:2"], outs["cpu:1"]) < RTOL
+
+
+def test_char_transformer_with_exact_dropout_equals_one_device(tmp_path):
+    outs = {}
+    for devices in ("cpu:1", "cpu:2"):
+        run_example("char_transformer.py", devices, *TINY_LM, "--dropout", "0.2", "--exact-dropout",
+                    "--out", str(tmp_path / devices))
+        outs[devices] = torch.load(tmp_path / devices / "rank0.pt", weights_only=True)
     assert max_rel(outs["cpu:2"], outs["cpu:1"]) < RTOL
 
 
