@@ -28,7 +28,8 @@ import sys
 # then loads no torch, so the `phalanx` command (phalanx/__main__.py) installs its Ctrl-C and
 # SIGTERM handlers before torch's second of importing, and a Ctrl-C then is one line.
 _OWNERS = {
-    "allreduce": "phalanx.comm", "BatchRandom": "phalanx.data_parallel.batch_random", "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
+    "allreduce": "phalanx.comm", "BatchRandom": "phalanx.data_parallel.batch_random",
+    "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
     "gather": "phalanx.comm.gather", "main_first": "phalanx.comm.gather",
     "ShardedLoader": "phalanx.train.sharded_loader",
     "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
