@@ -13,6 +13,15 @@ named by the hash of the source and the command, written under a temporary name 
 ranks that compile at once never load half a file. A cache that cannot be written, or no home to
 put one in: compiled into a temporary directory for this process alone. No compiler, or a failed
 build: Python rounds.
+
+A cached library runs in every process that loads it, and its name is predictable, so a cache
+another user can write is a way into this user's runs (another user's library, planted in a
+shared $XDG_CACHE_HOME or one that `su` kept, ran as root: tests/distributed/test_shm_kernel_trust.py).
+A cached file is used only when it and its directory are this user's or root's and nobody else
+can write them, checked on the descriptors it is read through, and it is loaded from a private
+copy, so no rename between the check and the load can swap it; any other cache, or a file there
+that lacks a round, is left alone and the kernel built privately, as pip disables a cache it
+does not own.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -78,15 +88,16 @@ def load() -> Loaded:
         except OSError:
             continue  # no home for a cache (NoCacheHome): build privately
         try:
-            library = ctypes.CDLL(str(_built(compiler, name, directory)))
+            built = _built(compiler, name, directory)
+            library = ctypes.CDLL(str(built)) if private else _load_copy(_read_owned(built))
+            return Loaded(_declare(library), None)
         except _BuildFailed as exc:
             return Loaded(None, str(exc))
-        except OSError:
-            continue  # an unwritable cache, or a file there that will not load: build privately
+        except (OSError, AttributeError):  # AttributeError: a library there that lacks a round
+            continue  # an unwritable or foreign cache, or a file there that will not load: build privately
         finally:
             if private:  # loaded (the mapping outlives the file) or failed: nothing is left in /tmp
                 shutil.rmtree(directory, ignore_errors=True)
-        return Loaded(_declare(library), None)
     return Loaded(None, "the compiled rounds could not be built or loaded")
 
 
@@ -101,9 +112,10 @@ def _cache_dir() -> Path:
 def _built(compiler: list[str], name: str, directory: Path) -> Path:
     """The library's path in `directory`, compiled there first if missing."""
     path = directory / name
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _check_owned(directory)  # before compiling into it: a foreign cache is not built in either
     if path.exists():
         return path
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd, partial = tempfile.mkstemp(dir=directory, prefix=".building-", suffix=".so")
     os.close(fd)
     try:
@@ -122,6 +134,53 @@ def _built(compiler: list[str], name: str, directory: Path) -> Path:
         if os.path.exists(partial):
             os.unlink(partial)
     return path
+
+
+class Foreign(OSError):
+    """A cache directory or file that a user other than this one and root owns, or can write."""
+
+
+def _owned_or_raise(fd: int, path: Path) -> os.stat_result:
+    found = os.fstat(fd)
+    if found.st_uid not in (os.geteuid(), 0) or found.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Foreign(f"{path} is owned by uid {found.st_uid} with mode {stat.filemode(found.st_mode)}")
+    return found
+
+
+def _check_owned(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _owned_or_raise(fd, directory)
+    finally:
+        os.close(fd)
+
+
+def _read_owned(path: Path) -> bytes:
+    """The regular file at `path`, read through a descriptor of its directory and one of the file
+    (not followed if a link), each checked to be this user's or root's and writable by no one else."""
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        _owned_or_raise(dir_fd, path.parent)
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(_owned_or_raise(handle.fileno(), path).st_mode):
+            raise Foreign(f"{path} is not a regular file")
+        return handle.read()
+
+
+def _load_copy(image: bytes) -> ctypes.CDLL:
+    """`image` loaded from a copy in a fresh private directory, removed once loaded. A new path
+    each time: the dynamic loader hands back an already loaded library of the same path."""
+    directory = tempfile.mkdtemp(prefix="phalanx-kernel-")
+    try:
+        copy = os.path.join(directory, "shm_kernel.so")
+        with open(copy, "wb") as handle:
+            handle.write(image)
+        return ctypes.CDLL(copy)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
