@@ -6,7 +6,9 @@ kernel drops a flock when its holder's file is closed or the holder dies (SIGKIL
 no stale lock outlives a run, and spawned workers do not inherit it. The lock is on the directory
 itself, so no lock file can be deleted or swapped under it; a small pid file beside it
 (`.phalanx-run.pid`, removed on the way out) only lets a second run name the holder: it stops in
-one line, exit 2. Holding the locks, it refuses an --out or checkpoint dir that holds an earlier
+one line, exit 2. The pid file is made afresh (O_EXCL) and read without following a link or
+waiting on a FIFO: in a directory another user can write, a link left there to one of this
+user's files had the pid written through it (the file clobbered), and a FIFO hung the run. Holding the locks, it refuses an --out or checkpoint dir that holds an earlier
 run's outputs unless this run continues them (--resume, or a torchrun restart) or replaces them
 (--overwrite deletes them). Directories it created and that stay empty are removed on the way
 out, so a refused run leaves nothing. Holding a directory, it removes the temporary files of
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Iterator
@@ -135,13 +138,13 @@ class _Lock:
             raise UsageError(f"{flag} {path} is in use by another phalanx run ({_holder(path)}); wait for it "
                              "to end or pick another directory") from None
         with contextlib.suppress(OSError):  # only informational: a full disk must not stop the run here
-            (path / PID_FILE).write_text(f"{os.getpid()}\n")
+            _write_pid(path)
         remove_stale_temporaries(path)
         return cls(path, fd, created)
 
     def release(self) -> None:
-        with contextlib.suppress(OSError):
-            if (self.path / PID_FILE).read_text().strip() == str(os.getpid()):
+        with contextlib.suppress(OSError, ValueError):
+            if _read_pid(self.path) == os.getpid():
                 (self.path / PID_FILE).unlink()
         os.close(self.fd)  # drops the flock
         _remove_empty(self.created)
@@ -164,7 +167,28 @@ def _holder(path: Path) -> str:
     deadline = time.monotonic() + PID_WAIT_S
     while True:
         with contextlib.suppress(OSError, ValueError):
-            return f"pid {int((path / PID_FILE).read_text())}"
+            return f"pid {_read_pid(path)}"
         if time.monotonic() > deadline:
             return "pid unknown"
         time.sleep(0.05)
+
+
+def _write_pid(path: Path) -> None:
+    """This process's pid in `path`'s PID_FILE, a new file: whatever holds the name (a killed run's
+    file, or a link or FIFO someone left) is removed first, never written through."""
+    pid_file = path / PID_FILE
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(pid_file)
+    fd = os.open(pid_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(f"{os.getpid()}\n")
+
+
+def _read_pid(path: Path) -> int:
+    """The pid in `path`'s PID_FILE; OSError or ValueError where there is none (a link, a FIFO or
+    anything but a regular file counts as none, read without waiting)."""
+    fd = os.open(path / PID_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{PID_FILE} is not a regular file")
+        return int(handle.read(32))

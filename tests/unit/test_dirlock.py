@@ -4,6 +4,9 @@ be locked are removed again; an earlier run's outputs are kept unless the run re
 --overwrite; a resume refuses a damaged metrics.jsonl before any worker starts. Here, in one process: the rules that need no holder; tests/distributed/test_outdir_lock.py
 holds the lock in a real second process."""
 
+import os
+import threading
+
 import pytest
 
 from phalanx.errors import UsageError
@@ -163,3 +166,40 @@ def test_a_resume_refuses_a_damaged_metrics_file_in_one_line_and_leaves_it(tmp_p
     assert message.startswith(f"{out / 'metrics.jsonl'} is damaged: line ") and "\n" not in message, message
     assert "restore it from a copy, or delete it to resume without its rows" in message
     assert (out / "metrics.jsonl").read_bytes() == damage
+
+
+def test_a_link_left_at_the_pid_files_name_is_replaced_not_written_through(tmp_path):
+    # A directory another user can write (a shared project or scratch directory): before, the pid
+    # was written through their link, clobbering the file it names with this run's pid.
+    out, victim = tmp_path / "shared", tmp_path / "victim.conf"
+    out.mkdir()
+    victim.write_text("this user's file\n")
+    (out / PID_FILE).symlink_to(victim)
+    with hold_run_directories(_config(out_dir=str(out))):
+        assert not (out / PID_FILE).is_symlink() and (out / PID_FILE).read_text() == f"{os.getpid()}\n"
+    assert victim.read_text() == "this user's file\n"
+    assert not (out / PID_FILE).exists()
+
+
+def test_a_fifo_at_the_pid_files_name_hangs_neither_the_run_nor_a_refused_one(tmp_path):
+    # Before: opening the FIFO to write the pid, or to read the holder's, waited for ever.
+    out = tmp_path / "shared"
+    out.mkdir()
+    os.mkfifo(out / PID_FILE)
+    outcome = []
+
+    def run():
+        with hold_run_directories(_config(out_dir=str(out))):
+            (out / PID_FILE).unlink()
+            os.mkfifo(out / PID_FILE)  # planted while the run holds the directory
+            with pytest.raises(UsageError) as info:
+                with hold_run_directories(_config(out_dir=str(out))):
+                    pytest.fail("a held directory was taken twice")
+            outcome.append(str(info.value))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "hung on a FIFO at the pid file's name"
+    assert outcome == [f"--out {out} is in use by another phalanx run (pid unknown); wait for it to end or "
+                       "pick another directory"]
