@@ -19,7 +19,10 @@ test can check what is left in it. `tx_bytes(host)` reads the host's
 Needs root and iproute2 (`bed_unavailable()` says why not, in one phrase). Everything it makes
 carries the prefix `phxbed-<pid>-<n>`; `close()` (or leaving the `with`) kills the processes it
 started, unmounts and removes every directory, link and namespace, however the caller ends; a
-new bed first removes what a dead process's bed left (its pid no longer runs).
+new bed first removes what a dead process's bed left (its pid no longer runs). A host's /dev/shm
+directory in /tmp gets a random suffix (mkdtemp), and the sweep unmounts only real directories of
+this user's: another user's link at a dead bed's name (`phxbed-<pid>-0-h0-shm -> /dev/shm`) had
+`umount -l` follow it and take that mount away from every process on the machine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -95,14 +99,15 @@ class HostsBed:
         self.prefix = f"{PREFIX}-{os.getpid()}-{next(_COUNTER)}"
         self._namespaces: list[str] = []
         self._mounts: list[Path] = []
+        self._shm_dirs: dict[int, Path] = {}
         self._procs: list[subprocess.Popen] = []
 
     def namespace(self, host: int) -> str:
         return f"{self.prefix}-h{host}"
 
     def shm_dir(self, host: int) -> Path:
-        """Host `host`'s /dev/shm, as seen from outside its namespace."""
-        return Path(tempfile.gettempdir()) / f"{self.namespace(host)}-shm"
+        """Host `host`'s /dev/shm, as seen from outside its namespace (made when the bed is built)."""
+        return self._shm_dirs[host]
 
     def __enter__(self) -> "HostsBed":
         remove_stale()
@@ -133,8 +138,8 @@ class HostsBed:
             if self.link_gbit is not None:
                 for where, dev in ((ns, INTERFACE), (switch, port)):
                     _run("tc", "-n", where, "qdisc", "add", "dev", dev, "root", *tbf_args(self.link_gbit))
-            shm = self.shm_dir(host)
-            shm.mkdir(mode=0o700)
+            # A fresh name: another user cannot have put a file or link there first.
+            shm = self._shm_dirs[host] = Path(tempfile.mkdtemp(prefix=f"{ns}-shm-"))
             self._mounts.append(shm)
             _run("mount", "-t", "tmpfs", "-o", f"size={SHM_MB}m,mode=1777", "tmpfs", str(shm))
 
@@ -202,9 +207,18 @@ def remove_stale() -> list[str]:
         if match and not process_alive(int(match.group(1))):
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
             removed.append(name)
-    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-shm"):
+    for path in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-shm*"):
         match = _STALE.match(path.name)
-        if match and not process_alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))) and _own_directory(path):
             _unmount(path)
             removed.append(str(path))
     return removed
+
+
+def _own_directory(path: Path) -> bool:
+    """Whether `path` itself (not what a link names) is a directory of this user's."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(found.st_mode) and found.st_uid == os.geteuid()

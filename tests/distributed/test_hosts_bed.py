@@ -89,6 +89,31 @@ def test_the_bed_removes_every_namespace_and_mount_it_made():
     assert stale not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
+
+def test_the_sweep_follows_no_link_and_a_planted_name_stops_no_bed(tmp_path):
+    # On a shared host /tmp is everyone's. Before: another user's link at a dead bed's name had
+    # `umount -l` follow it (to /dev/shm, every job's), and a file at a bed's next name ended the
+    # bed in FileExistsError.
+    target = tmp_path / "a-mount-of-this-machine"
+    target.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(target)], check=True)
+    link = Path("/tmp") / "phxbed-4194305-0-h0-shm"  # pid 2**22 + 1 cannot run: a dead bed's name
+    try:
+        link.symlink_to(target)
+        remove_stale()
+        assert target.is_mount(), "the sweep unmounted what a link at a dead bed's name pointed to"
+        bed = HostsBed(hosts=1)
+        planted = Path("/tmp") / f"{bed.namespace(0)}-shm"  # the name the bed's /dev/shm had
+        planted.write_text("planted")
+        try:
+            with bed:
+                assert bed.shm_dir(0).is_mount()
+        finally:
+            planted.unlink()
+    finally:
+        link.unlink(missing_ok=True)
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
 # (model, extra flags): the MLP and LeNet with every replica compared bitwise at every step, and
 # LeNet sharded to ZeRO-3 (the hierarchical reduce-scatter and all-gather). SGD throughout: Adam's
 # division by the root of its second moment magnifies any sum order's rounding (1.4e-12 after 2
