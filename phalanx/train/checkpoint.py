@@ -30,6 +30,7 @@ epoch's row is bitwise the same.
 from __future__ import annotations
 
 import io
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,11 @@ def read_checkpoint(location: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"no checkpoint at {path}; pass --resume a directory holding {FILENAME} (or the file)")
     try:
-        state = torch.load(io.BytesIO(read_verified(path)), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # torch's "Detected pickle protocol N" for a file torch.save did not write (a plain
+            # pickle, a file someone swapped in): the line below says it, the warning's 2 lines came first.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            state = torch.load(io.BytesIO(read_verified(path)), map_location="cpu", weights_only=True)
     except DamagedFile:
         raise
     except Exception as exc:  # noqa: BLE001 - pickle, zip and weights-only errors alike

@@ -2,7 +2,9 @@
 else (missing, corrupt, a pickle with code in it, another model's, other settings) is refused in
 one line that says what to do."""
 
+import pickle
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -89,6 +91,18 @@ def test_a_pickle_carrying_code_is_refused_not_run(tmp_path):
     with pytest.raises(UsageError, match="weights-only"):
         ckpt.read_checkpoint(tmp_path / "checkpoint.pt")
 
+
+
+def test_a_plain_pickle_swapped_in_is_refused_in_one_line_and_nothing_else(tmp_path):
+    # A checkpoint directory others can write, a file swapped in: before, torch's two-line
+    # "Detected pickle protocol 4" UserWarning came before phalanx's one line.
+    (tmp_path / "checkpoint.pt").write_bytes(pickle.dumps({"format": ckpt.FORMAT, "model": Payload()}, protocol=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(UsageError, match="is not loadable as a weights-only checkpoint") as info:
+            ckpt.read_checkpoint(tmp_path)
+    assert "\n" not in str(info.value)
+    assert [str(w.message) for w in caught] == []
 
 def test_a_plain_state_dict_is_not_a_checkpoint(tmp_path):
     torch.save(_model().state_dict(), tmp_path / "model.pt")
