@@ -29,6 +29,7 @@ import contextlib
 import copy
 import inspect
 import os
+import re
 import sys
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable
@@ -36,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from phalanx.errors import UsageError
+from phalanx.errors import Stopped, UsageError
 from phalanx.options import OptionError
 from phalanx.runtime.devices import DevicePlan, parse_devices
 from phalanx.runtime.forked import START_METHODS, check_forkable
@@ -44,6 +45,7 @@ from phalanx.runtime.launch import LaunchSpec, spawn_workers
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script import RunOptions, first_line, run_in_worker
+from phalanx.runtime.worker_errors import WorkerFailed
 from phalanx.runtime.world import launcher_env
 
 
@@ -80,11 +82,24 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
     announce = None if quiet else (lambda store: print(first_line(
         spec, workers=k, local_workers=k, store=store, launcher="phalanx", command=f"phalanx.launch ({method})"),
         file=sys.stderr, flush=True))
-    return with_restarts(lambda restart: spawn_workers(
-        _function_body, (fn, args, kwargs, spec), spec=spec, announce=announce if restart == 0 else None,
-        start_method=method, restart_count=restart, max_restarts=max_restarts, for_launch=True),
-        max_restarts=max_restarts, names=spec.plan.names,
-        say=lambda line: print(f"phalanx.launch: {line}", file=sys.stderr, flush=True))
+    try:
+        return with_restarts(lambda restart: spawn_workers(
+            _function_body, (fn, args, kwargs, spec), spec=spec, announce=announce if restart == 0 else None,
+            start_method=method, restart_count=restart, max_restarts=max_restarts, for_launch=True),
+            max_restarts=max_restarts, names=spec.plan.names,
+            say=lambda line: print(f"phalanx.launch: {line}", file=sys.stderr, flush=True))
+    except (WorkerFailed, UsageError, Stopped, KeyboardInterrupt) as exc:
+        raise _as_launchs(exc) from None
+
+
+def _as_launchs(exc: BaseException) -> BaseException:
+    """A failed or interrupted launch's exception as this call raises it: its traceback cut to here (a
+    notebook shows it under the cell, where the supervisor's frames told nothing and kept every
+    worker's process object, and its pipes, alive for as long as the notebook keeps the traceback),
+    and `phalanx run`'s flag in a worker's line (a collective's wait) named as this function's keyword."""
+    if isinstance(exc, (WorkerFailed, UsageError)) and exc.args and isinstance(exc.args[0], str):
+        exc.args = (re.sub(r"--timeout\b", "timeout_s", exc.args[0]), *exc.args[1:])
+    return exc.with_traceback(None)
 
 
 _OWN_KEYWORDS = "devices, threads_per_device, bind_cores, timeout_s, start_method, max_restarts, quiet"

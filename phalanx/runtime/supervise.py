@@ -190,6 +190,11 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                 remove_segments_of(started)
                 if failed:  # torch's files a DataLoader worker left on a full /dev/shm (segment.py)
                     remove_torch_leftovers(started_at)
+                # Each reaped worker's 2 pipes, now, not when it is collected: a notebook keeps a failed
+                # or interrupted launch's traceback, and so these frames and their descriptors, alive.
+                for proc in procs:
+                    with contextlib.suppress(ValueError):  # one still running (terminate gave up): left open
+                        proc.close()
 
 
 def _progress_array(ctx, num_procs: int):
