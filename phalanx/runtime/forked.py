@@ -15,10 +15,16 @@ would break it, and are dealt with here:
   gets Python's defaults back (`reset_signals`), as a fresh interpreter has them.
 - A CUDA context or a process group open in the launching process cannot be used by a copy:
   refused before anything is forked, in one line naming the fix (`check_forkable`).
+
+And one thing a copy should take over: the modules the function will import. A forked worker
+inherits the launching process's imports, but what it imports itself dies with it, so a module
+the launching process never loaded is imported again by every worker of every launch
+(`warm_imports` loads them here, once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from typing import Any, Callable
@@ -27,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UsageError
+from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
 
 START_METHODS = ("fork", "spawn")
 
@@ -69,3 +76,21 @@ def on_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def warm_imports() -> None:
+    """Import here, before forking, what a worker's function imports on first use: the modules behind
+    the public API (phalanx/__init__.py loads each on first use) and torch's compiler front end, which
+    the first torch.optim optimizer a process constructs imports. Each worker of each launch imported
+    them anew (torch._dynamo alone 3.1 s): a 4-step MLP launched on 2 workers from a session that had
+    made no optimizer took 4.9-7.5 s every time on 2 cores; imported here once, 0.24-0.47 s after the
+    first (3.7-4.7 s, which pays them). A Ctrl-C is held until they are whole: one that cut an import
+    short left half-made modules behind (sympy without `core`), and every later launch in the session
+    failed on them."""
+    import phalanx  # the front door's names, not a layer: runtime/ imports none of their modules
+
+    with stop_on_signals(), signals_deferred():
+        for name in phalanx.__all__:
+            getattr(phalanx, name)
+        with contextlib.suppress(ImportError):  # a torch build without it: the workers import nothing more
+            import torch._dynamo  # noqa: F401

@@ -40,7 +40,7 @@ from torch import nn
 from phalanx.errors import Stopped, UsageError
 from phalanx.options import OptionError
 from phalanx.runtime.devices import DevicePlan, parse_devices
-from phalanx.runtime.forked import START_METHODS, check_forkable
+from phalanx.runtime.forked import START_METHODS, check_forkable, warm_imports
 from phalanx.runtime.launch import LaunchSpec, spawn_workers
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.restarts import with_restarts
@@ -78,6 +78,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
     spec = config.spec(_plan(config.devices, method))
     if method == "fork":
         check_forkable(device_kind=spec.plan.kind)
+        warm_imports()
     k = spec.plan.num_devices
     announce = None if quiet else (lambda store: print(first_line(
         spec, workers=k, local_workers=k, store=store, launcher="phalanx", command=f"phalanx.launch ({method})"),
