@@ -129,7 +129,13 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
         try:
             # Pickle here, not in a queue's feeder thread, so an unpicklable result is reported as
             # this worker's error; plain pickle copies tensor data into the bytes.
-            report = pickle.dumps(("ok", workers.body(rank, workers.payload, teardown)))
+            result = workers.body(rank, workers.payload, teardown)
+            try:
+                report = pickle.dumps(("ok", result))
+            except Exception as exc:  # noqa: BLE001 - the value returned is at fault, not the work: no traceback
+                report, exit_code = pickle.dumps(error_report(
+                    f"{type(exc).__name__}: the result it returned cannot be sent back ({exc}); return tensors, "
+                    "numbers, strings, or lists, tuples and dicts of them")), 1
         except UsageError as exc:
             report, exit_code = pickle.dumps(("usage", str(exc))), 2
         except Stopped as exc:  # asked to stop, it saved where it stopped (runtime/stop_request.py)

@@ -4,7 +4,8 @@ A failed or interrupted launch whose exception the session keeps (IPython keeps 
 traceback) holds none of its workers' descriptors: before, each such launch kept 2 pipes per
 worker open for as long as its traceback lived. The exception is raised from the launch call
 (the supervisor's frames are cut), and a worker's line names launch's keyword, `timeout_s`, not
-`phalanx run`'s `--timeout`. The modules the public API loads on first use and torch's compiler
+`phalanx run`'s `--timeout`; a result pickle cannot take is named as the result, not as the
+function's failure with a traceback into the supervisor. The modules the public API loads on first use and torch's compiler
 front end (which a process's first torch.optim optimizer imports) are imported once in the
 launching process, so each worker of each launch finds them imported: before, every worker of
 every launch imported them anew (~3 s of a 4-step launch on 2 cores). A Ctrl-C that lands
@@ -104,6 +105,21 @@ def test_a_failure_is_raised_from_the_launch_call_naming_its_keyword():
     assert "past the 3 s timeout" in text and "raise timeout_s" in text and "--timeout" not in text, text
     files = [Path(frame.filename).name for frame in traceback.extract_tb(caught.value.__traceback__)]
     assert files == [Path(__file__).name, "function_launch.py"], files
+
+
+def _a_lock() -> threading.Lock:
+    phalanx.init()
+    return threading.Lock()
+
+
+def test_a_result_pickle_cannot_take_is_named_as_the_result():
+    with pytest.raises(WorkerFailed) as caught:
+        phalanx.launch(_a_lock, devices="cpu:2", timeout_s=60, quiet=True)
+    lines = str(caught.value).splitlines()
+    assert lines[0] == ("worker rank 0 failed: TypeError: the result it returned cannot be sent back (cannot pickle "
+                        "'_thread.lock' object); return tensors, numbers, strings, or lists, tuples and dicts of "
+                        "them"), lines
+    assert lines[1:] == ["rank 1 failed too: " + lines[0].removeprefix("worker rank 0 failed: ")], lines
 
 
 PROBE = textwrap.dedent("""\
