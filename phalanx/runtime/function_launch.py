@@ -146,7 +146,7 @@ def _start_method(fn: Callable[..., Any], arguments: tuple[tuple, dict], request
     if method == "spawn":
         problem = _unspawnable(fn, arguments)
         if problem is not None:
-            way = " or start_method='fork'" if sys.platform == "linux" else ""
+            way = ", or pass start_method='fork'" if sys.platform == "linux" else ""
             raise UsageError(f"launch() with start_method='spawn' {problem}, and a fresh interpreter could not load "
                              f"it; define the function at the top level of a module or script{way}")
     return method

@@ -67,7 +67,7 @@ def test_spawn_refuses_a_lambda_a_closure_and_unpicklable_arguments():
         line = str(caught.value)
         assert line.startswith("launch() with start_method='spawn' cannot pickle the function or its arguments (")
         assert line.endswith("a fresh interpreter could not load it; define the function at the top level of a "
-                             "module or script or start_method='fork'")
+                             "module or script, or pass start_method='fork'")
 
 
 def test_spawn_refuses_a_function_of_an_interactive_session(monkeypatch):
