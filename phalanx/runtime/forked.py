@@ -25,6 +25,7 @@ the launching process never loaded is imported again by every worker of every la
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import signal
 import threading
 from typing import Any, Callable
@@ -60,21 +61,35 @@ def reset_signals() -> None:
 def on_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
     """`fn(*args)` on a thread started here, waited for; its result, or its exception re-raised.
 
-    The main thread stays in `join`, where a signal still reaches its handlers (SIGTERM's flush,
-    runtime/lifeline.py). The thread is not a daemon: the worker exits once it has returned."""
+    The main thread waits for it, where a signal still reaches its handlers (SIGTERM's flush,
+    runtime/lifeline.py); a Ctrl-C, which Python raises there, is handed on to `fn`'s thread, so its
+    own `except KeyboardInterrupt:` runs (an emergency save), as on a spawned worker's main thread.
+    The thread is not a daemon: the worker exits once it has returned."""
     outcome: dict[str, Any] = {}
+    done = threading.Event()
 
     def run() -> None:
         try:
             outcome["result"] = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
             outcome["error"] = exc
+        done.set()
 
     thread = threading.Thread(target=run, name="phalanx-worker-main")
     thread.start()
+    # Waited on through the event, not `join`: Python 3.11's join, cut by a KeyboardInterrupt, can
+    # leave the thread marked dead while it runs (bpo-45274), and the worker would not wait for it.
+    while thread.is_alive() and not done.is_set():
+        try:
+            done.wait(0.5)
+        except KeyboardInterrupt:  # raised in fn's thread at its next bytecode (after a C call returns)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident),
+                                                       ctypes.py_object(KeyboardInterrupt))
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
+    if "result" not in outcome:  # the handed-on Ctrl-C landed outside fn, past its own handling
+        raise KeyboardInterrupt
     return outcome["result"]
 
 

@@ -182,7 +182,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                     conns.append(parent_end)
             return _supervise(procs, conns, workers, progress=progress, errors=errors, oom_kills=oom_kills)
         except (Stopped, KeyboardInterrupt) as stop:
-            raise _stop_gently(stop, procs, conns, forked=workers.start_method == "fork") from None
+            raise _stop_gently(stop, procs, conns) from None
         except BaseException:
             failed = True
             raise
@@ -266,16 +266,16 @@ def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:
                   or procs[r].exitcode is not None)
 
 
-def _stop_gently(stop: BaseException, procs, conns, *, forked: bool = False) -> BaseException:
+def _stop_gently(stop: BaseException, procs, conns) -> BaseException:
     """The launcher was stopped: its signal to each worker itself (not its group) first, as a
     terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
     saves and reports "stopped" (runtime/stop_request.py), one not armed dies of it at once; waits
     up to STOP_GRACE_S, and returns `stop` with the saved place, if any. Ctrl-C (SIGINT): a
     script's `except KeyboardInterrupt` and `finally` blocks run (an emergency save), and phalanx
-    train, armed for it too, saves as for SIGTERM; waits up to INTERRUPT_GRACE_S. A forked worker runs its function off the main thread, where no
-    KeyboardInterrupt lands: not asked."""
+    train, armed for it too, saves as for SIGTERM; waits up to INTERRUPT_GRACE_S (a forked worker
+    hands it to the thread running its function: forked.on_fresh_thread)."""
     interrupt = isinstance(stop, KeyboardInterrupt)
-    if (not interrupt and stop.detail is not None) or (interrupt and forked):
+    if not interrupt and stop.detail is not None:
         return stop
     pending = {rank for rank, proc in enumerate(procs) if proc.exitcode is None}
     for rank in pending:

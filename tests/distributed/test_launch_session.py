@@ -4,11 +4,13 @@ A failed or interrupted launch whose exception the session keeps (IPython keeps 
 traceback) holds none of its workers' descriptors: before, each such launch kept 2 pipes per
 worker open for as long as its traceback lived. The exception is raised from the launch call
 (the supervisor's frames are cut), and a worker's line names launch's keyword, `timeout_s`, not
-`phalanx run`'s `--timeout`; a result pickle cannot take is named as the result, not as the
-function's failure with a traceback into the supervisor. The modules the public API loads on first use and torch's compiler
-front end (which a process's first torch.optim optimizer imports) are imported once in the
-launching process, so each worker of each launch finds them imported: before, every worker of
-every launch imported them anew (~3 s of a 4-step launch on 2 cores). A Ctrl-C that lands
+`phalanx run`'s `--timeout`. A Ctrl-C reaches the function's own `except KeyboardInterrupt:` in
+each worker (an emergency save), as under `phalanx run`; before, the workers were ended without
+it. A result pickle cannot take is named as the result, not as the function's failure with a
+traceback into the supervisor. The modules the public API loads on first use and torch's
+compiler front end (which a process's first torch.optim optimizer imports) are imported once in
+the launching process, so each worker of each launch finds them imported: before, every worker
+of every launch imported them anew (~3 s of a 4-step launch on 2 cores). A Ctrl-C that lands
 during those imports waits for them to be whole: cut short, they left half-made modules that
 failed every later launch of the session."""
 
@@ -58,6 +60,17 @@ def _spin(marker: str) -> None:
         phalanx.barrier(world=world)
 
 
+def _save_on_interrupt(marker: str, saved: str) -> None:
+    world = phalanx.init()
+    try:
+        Path(f"{marker}.{world.rank}").touch()
+        while True:  # a step's Python between its C calls, where the interrupt lands
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # a script's emergency save, as under phalanx run
+        Path(f"{saved}.{world.rank}").write_text("saved")
+        raise
+
+
 def _rank_1_never_comes() -> None:
     world = phalanx.init()
     if world.rank == 0:
@@ -66,10 +79,10 @@ def _rank_1_never_comes() -> None:
         time.sleep(60)
 
 
-def _interrupt_once(marker: Path) -> None:
-    """SIGINT to this process once `marker` exists (the workers are running), as Jupyter's interrupt."""
+def _interrupt_once(*markers: Path) -> None:
+    """SIGINT to this process once `markers` exist (the workers are running), as Jupyter's interrupt."""
     give_up_at = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < give_up_at:
+    while not all(marker.exists() for marker in markers) and time.monotonic() < give_up_at:
         time.sleep(0.05)
     os.kill(os.getpid(), signal.SIGINT)
 
@@ -96,6 +109,20 @@ def test_kept_failures_and_interrupts_hold_no_descriptors(tmp_path):
     gc.collect()
     assert _open_descriptors() == before, [type(exc).__name__ for exc in kept]
     assert phalanx.launch(_rank, devices="cpu:2", timeout_s=60, quiet=True) == [0, 1]  # and the next one runs
+
+
+def test_an_interrupt_reaches_the_functions_own_handler_in_each_worker(tmp_path):
+    marker, saved = tmp_path / "running", tmp_path / "saved"
+    interrupter = threading.Thread(target=_interrupt_once, args=(tmp_path / "running.1", tmp_path / "running.0"))
+    interrupter.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            phalanx.launch(_save_on_interrupt, str(marker), str(saved), devices="cpu:2", timeout_s=60, quiet=True)
+    finally:
+        interrupter.join()
+    assert sorted(path.name for path in tmp_path.glob("saved.*")) == ["saved.0", "saved.1"]
+    assert time.monotonic() - started < 30
 
 
 def test_a_failure_is_raised_from_the_launch_call_naming_its_keyword():
