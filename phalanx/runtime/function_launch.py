@@ -76,14 +76,14 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
         return [fn(*args, **kwargs)]
     method = _start_method(fn, (args, kwargs), start_method)
     spec = config.spec(_plan(config.devices, method))
-    if method == "fork":
-        check_forkable(device_kind=spec.plan.kind)
-        warm_imports()
     k = spec.plan.num_devices
     announce = None if quiet else (lambda store: print(first_line(
         spec, workers=k, local_workers=k, store=store, launcher="phalanx", command=f"phalanx.launch ({method})"),
         file=sys.stderr, flush=True))
     try:
+        if method == "fork":
+            check_forkable(device_kind=spec.plan.kind)
+            warm_imports()
         return with_restarts(lambda restart: spawn_workers(
             _function_body, (fn, args, kwargs, spec), spec=spec, announce=announce if restart == 0 else None,
             start_method=method, restart_count=restart, max_restarts=max_restarts, for_launch=True),
