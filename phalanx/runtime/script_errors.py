@@ -8,7 +8,9 @@ by where in torch it was raised and by what this worker is, not by its wording a
 - torch.nn.SyncBatchNorm on CPU workers, which torch refuses (DDP's constructor, the layer's
   forward), under torchrun too: phalanx's own sync BatchNorm is one call away.
 - A group opened with backend "nccl" on CPU workers (the DDP tutorials' line): NCCL runs on GPUs
-  only; a CPU build of torch has none, a CUDA build fails at the first collective on CPU tensors.
+  only; a CPU build of torch has none (a RuntimeError), a CUDA build on a host without a GPU refuses
+  the group with a ValueError (PyPI's builds of 2.4.1 and 2.11.0), and one with a GPU fails at the
+  first collective on CPU tensors.
 - `init_process_group` after `phalanx.init()`, which opened the default group already.
 
 And two the script's run stops on (exit 1): a collective of its own group that waited out
@@ -47,8 +49,9 @@ GROUP_AFTER_INIT = ("the script calls torch.distributed.init_process_group after
                     "process group already: drop the script's own call (phalanx.init() joined the same world), or make "
                     "it before phalanx.init(), which then adopts the group the script opened")
 
-# What torch says where NCCL cannot serve CPU workers: a CPU build, a CUDA build on a host without
-# a GPU, and a CUDA build's NCCL group handed CPU tensors.
+# What torch says where NCCL cannot serve CPU workers: a CPU build (RuntimeError), a CUDA build on a
+# host without a GPU (ValueError, from ProcessGroupNCCL's constructor), and a CUDA build's NCCL group
+# handed CPU tensors (RuntimeError).
 _NCCL_MISSING = ("doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs")
 _NO_CPU_BACKEND = "No backend type associated with device type cpu"
 
@@ -60,7 +63,7 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     if device_type == "cpu" and isinstance(exc, ValueError) and "SyncBatchNorm" in text \
             and where in ("torch.nn.parallel.distributed", "torch.nn.modules.batchnorm"):
         return CPU_SYNC_BATCHNORM
-    if device_type == "cpu" and isinstance(exc, RuntimeError) and where.startswith("torch.") and (
+    if device_type == "cpu" and isinstance(exc, (RuntimeError, ValueError)) and where.startswith("torch.") and (
             any(said in text for said in _NCCL_MISSING)
             or (_NO_CPU_BACKEND in text and dist.is_initialized() and dist.get_backend() == "nccl")):
         return NCCL_ON_CPU

@@ -46,6 +46,31 @@ def test_nccl_on_cpu_workers_is_named_with_gloo(no_group):
                     init_ran=False) is None  # not raised by torch
 
 
+def _raised_in_torch(exc: BaseException) -> BaseException:
+    """`exc` raised from a frame of torch.distributed.distributed_c10d, where torch raises it: a build
+    this process does not have (a CUDA build on a host without a GPU) cannot make it here."""
+    import torch.distributed.distributed_c10d as c10d
+
+    try:
+        exec(compile("raise exc", c10d.__file__, "exec"), {"__name__": c10d.__name__, "exc": exc})
+    except BaseException as raised:  # noqa: BLE001 - the exception is the result
+        return raised
+    raise AssertionError("nothing raised")
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("Distributed package doesn't have NCCL built in"),          # a CPU build (CI's 2.13.0+cpu)
+    ValueError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!"),  # PyPI's 2.4.1, 2.11.0 on a CPU host
+], ids=["cpu-build", "cuda-build-no-gpu"])
+def test_nccl_refused_by_every_build_is_named_with_gloo(exc):
+    """Found on torch 2.11.0 and 2.4.1 (PyPI's CUDA builds, the usual `pip install torch`) on a CPU
+    host: their ValueError reached the user as a traceback, since only a RuntimeError was re-worded."""
+    raised = _raised_in_torch(exc)
+    assert reworded(raised, device_type="cpu", init_ran=False) == NCCL_ON_CPU
+    assert reworded(raised, device_type="cuda", init_ran=False) is None
+    assert reworded(type(exc)(str(exc)), device_type="cpu", init_ran=False) is None  # not raised by torch
+
+
 def test_a_second_group_after_phalanx_init_is_named(no_group):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     exc = _caught(lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1))
