@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.autopar.trace import every_thread
 from phalanx.bench.cli import BENCHMARKS, BenchOutput
+from phalanx.bench.memory import FSDP2_ON_CPU
 from phalanx.cli import build_parser
 from phalanx.options import build
 from phalanx.predict.config import PredictConfig
@@ -63,6 +65,22 @@ NOW = {("bench memory", "--steps"): {"default": {"steps": 20}},
        ("verify", "--no-overlap"): {"value": {"overlap": False}, "default": {"overlap": None}}}
 
 
+def _for_this_torch(row: dict) -> dict:
+    """`row` as this torch makes it: before 2.6 FSDP2 cannot run on CPU workers and `bench memory`
+    leaves it out of its default contenders (bench/memory.py); before 2.7 `bench autopar --trace` is
+    refused in one line (test_autopar.py checks it), so its settings are not made at all. Found on
+    torch 2.4.1, which pyproject accepts: both rows failed there."""
+    if (row["command"], row["flag"]) == ("bench autopar", "--trace"):
+        try:
+            every_thread()
+        except ValueError as refused:
+            pytest.skip(str(refused))
+    if row["command"] == "bench memory" and "contenders" in row["default"] and not FSDP2_ON_CPU:
+        row = {**row, "default": {**row["default"], "contenders": [name for name in row["default"]["contenders"]
+                                                                   if name != "fsdp2"]}}
+    return row
+
+
 @pytest.fixture(autouse=True)
 def _gpu_less(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # --device auto resolves to cpu, as recorded
@@ -79,7 +97,7 @@ def test_the_record_covers_every_command_and_benchmark():
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{row['command']} {row['flag']}" for row in ROWS])
 def test_an_old_flag_makes_the_same_settings_as_before(row):
-    row = {**row, **NOW.get((row["command"], row["flag"]), {})}
+    row = _for_this_torch({**row, **NOW.get((row["command"], row["flag"]), {})})
     given = _settings(row["command"], row["argv"] + row["companions"])
     assert {key: given[key] for key in row["value"]} == row["value"]
     default = _settings(row["command"], row["companions"])
