@@ -31,8 +31,8 @@ chunks) and `native`, the backend's own:
   padding every piece to the largest for `all_gather_single` moves k times a one-owner bucket;
   on gloo loopback (k = 2..4, 1-16 MB) the broadcasts took 1.3-15x less time than the padded
   gather, and 1.1-1.4x less even with equal counts. With NCCL and equal counts it is
-  `all_gather_single` in place (NCCL's own ring, bandwidth-optimal; an older torch, such as
-  the GPU machine's 2.11, may know it only as `all_gather_into_tensor`, which 2.13 deprecates).
+  `all_gather_single` in place (NCCL's own ring, bandwidth-optimal; torch 2.4.1, 2.8.0 and the
+  GPU machine's 2.11.0 know it only as `all_gather_into_tensor`, which 2.13 deprecates).
   NCCL paths: untested here (no GPU), written to the documented calls.
 
 `tree` and `naive` have no reduce-scatter or all-gather: asking for one is a ValueError.
