@@ -47,6 +47,15 @@ def every_thread():
                          "--trace") from None
 
 
+def records_every_thread() -> bool:
+    """Whether this torch's profiler can record every thread (`every_thread` answers, not refuses)."""
+    try:
+        every_thread()
+    except ValueError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def profiled(trace_dir: str | None, name: str, *, cuda: bool = False) -> Iterator[None]:
     """Profile the block into `trace_dir/name.json` (and its picture `name.png`); nothing if None."""

@@ -22,7 +22,7 @@ from phalanx.cli import build_parser
 from phalanx.autopar.exercises import AutoparBenchConfig
 from phalanx.autopar.deps import check_diamond_chain, measure_cpu_mlp
 from phalanx.autopar.graphs import DiamondChainProgram, MLPProgram
-from phalanx.autopar.trace import every_thread, profiled, render_timeline, row_name, timeline_rows
+from phalanx.autopar.trace import profiled, records_every_thread, render_timeline, row_name, timeline_rows
 from phalanx.autopar.taskgraph import (Schedule, Span, Task, TaskGraph, ThreadLanes, bounds, compare_runs, critical_path,
                                      run_in_sequence, run_on_lanes, violations)
 from phalanx.autopar.taskgraph_program import HazardCheck, Step, program_graph
@@ -31,16 +31,8 @@ from phalanx.errors import UsageError
 LANES = ("device0", "device1", "host")
 
 
-def _profiles_every_thread() -> bool:
-    try:
-        every_thread()
-    except ValueError:
-        return False
-    return True
-
-
 # torch 2.4-2.6 (which pyproject accepts) has no profile_all_threads; --trace is refused there.
-EVERY_THREAD = pytest.mark.skipif(not _profiles_every_thread(), reason="this torch's profiler records one thread")
+EVERY_THREAD = pytest.mark.skipif(not records_every_thread(), reason="this torch's profiler records one thread")
 
 
 def _noop() -> None:

@@ -14,19 +14,11 @@ import re
 
 import pytest
 
-from phalanx.autopar.trace import every_thread
+from phalanx.autopar.trace import records_every_thread
 from phalanx.runtime.binding import allowed_cores
 from phalanx.cli import build_parser, main
 
-def _profiles_every_thread() -> bool:
-    try:
-        every_thread()
-    except ValueError:
-        return False
-    return True
-
-
-_PROFILES_EVERY_THREAD = _profiles_every_thread()  # torch 2.7 and later (2.4.1 refuses --trace by its version)
+_PROFILES_EVERY_THREAD = records_every_thread()  # torch 2.7 and later (2.4.1 refuses --trace by its version)
 NOWHERE = "/nonexistent-phalanx-12"
 PROC = "/proc/phalanx-12"
 TOO_MANY = f"cpu:{len(allowed_cores()) + 1}"  # more workers than this host has cores  # a virtual filesystem: "writable" by mode bits, yet no mkdir succeeds
