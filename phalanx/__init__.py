@@ -24,32 +24,10 @@ each name below is re-exported from the module that owns it.
 import importlib
 import sys
 
-# Each public name and the module that owns it, imported on first use (PEP 562): `import phalanx`
-# then loads no torch, so the `phalanx` command (phalanx/__main__.py) installs its Ctrl-C and
-# SIGTERM handlers before torch's second of importing, and a Ctrl-C then is one line.
-_OWNERS = {
-    "allreduce": "phalanx.comm", "BatchRandom": "phalanx.data_parallel.batch_random",
-    "barrier": "phalanx.comm.gather", "broadcast": "phalanx.comm.gather",
-    "gather": "phalanx.comm.gather", "main_first": "phalanx.comm.gather",
-    "ShardedLoader": "phalanx.train.sharded_loader",
-    "global_batches": "phalanx.data.split", "rank_shard": "phalanx.data.split", "shard_sizes": "phalanx.data.split",
-    "split_batch": "phalanx.data.split",
-    "PhalanxWarning": "phalanx.errors", "RunFailed": "phalanx.errors", "UsageError": "phalanx.errors",
-    "clip_grad_norm_": "phalanx.data_parallel.clip", "clip_grad_value_": "phalanx.data_parallel.clip",
-    "DataParallel": "phalanx.data_parallel.data_parallel", "DataParallelConfig": "phalanx.data_parallel.config",
-    "prepare": "phalanx.data_parallel.prepare",
-    "convert_sync_batchnorm": "phalanx.data_parallel.sync_batchnorm",
-    "init": "phalanx.runtime.script", "launch": "phalanx.runtime.function_launch",
-    "MetricsLogger": "phalanx.telemetry.run_log", "progress": "phalanx.telemetry.run_log",
-    "Position": "phalanx.train.checkpoint", "checkpoint": "phalanx.train.script_checkpoint",
-    "resume": "phalanx.train.script_checkpoint",
-    "evaluate": "phalanx.train.evaluate", "evaluate_dataset": "phalanx.train.evaluate",
-    "shard_loss": "phalanx.data_parallel.step", "train_batch": "phalanx.train.loop",
-    "capture_step": "phalanx.train.graphs",
-    "reduce": "phalanx.train.metrics", "stop_requested": "phalanx.train.stopping",
-    "VerifyConfig": "phalanx.verify.config",
-    "World": "phalanx.runtime.world",
-}
+# Each public name's module is imported on first use (PEP 562): `import phalanx` then loads no torch,
+# so the `phalanx` command (phalanx/__main__.py) installs its Ctrl-C and SIGTERM handlers before
+# torch's second of importing, and a Ctrl-C then is one line. The table: public_names.py.
+from phalanx.public_names import OWNERS as _OWNERS
 
 __version__ = "0.1.0"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import signal
 import threading
 from typing import Any, Callable
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import UsageError
+from phalanx.public_names import OWNERS
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
 
 START_METHODS = ("fork", "spawn")
@@ -95,17 +97,15 @@ def on_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
 
 def warm_imports() -> None:
     """Import here, before forking, what a worker's function imports on first use: the modules behind
-    the public API (phalanx/__init__.py loads each on first use) and torch's compiler front end, which
+    the public API (public_names.py's table; phalanx/__init__.py loads each on first use) and torch's compiler front end, which
     the first torch.optim optimizer a process constructs imports. Each worker of each launch imported
     them anew (torch._dynamo alone 3.1 s): a 4-step MLP launched on 2 workers from a session that had
     made no optimizer took 4.9-7.5 s every time on 2 cores; imported here once, 0.24-0.47 s after the
     first (3.7-4.7 s, which pays them). A Ctrl-C is held until they are whole: one that cut an import
     short left half-made modules behind (sympy without `core`), and every later launch in the session
     failed on them."""
-    import phalanx  # the front door's names, not a layer: runtime/ imports none of their modules
-
     with stop_on_signals(), signals_deferred():
-        for name in phalanx.__all__:
-            getattr(phalanx, name)
+        for module in sorted(set(OWNERS.values())):
+            importlib.import_module(module)
         with contextlib.suppress(ImportError):  # a torch build without it: the workers import nothing more
             import torch._dynamo  # noqa: F401
