@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -55,6 +56,9 @@ COMMANDS = {
                            "init_process_group joins the world)", module="phalanx.runtime.script",
                    add="add_run_arguments", run="run_run", needs=API),
 }
+# Commands that measure or train by starting their own workers: under a several-task Slurm step
+# each task would run one beside the others (runtime/slurm.py).
+STARTS_ITS_OWN_WORKERS = ("bench", "verify", "predict", "sweep")
 
 
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -167,4 +171,8 @@ def _run_command(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if args.command in STARTS_ITS_OWN_WORKERS and "RANK" not in os.environ:
+        from phalanx.runtime.slurm import alone_in_slurm_step  # train and run check where their worlds form
+
+        alone_in_slurm_step(command=args.command)
     return _runner(args.command)(args)

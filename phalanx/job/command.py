@@ -25,7 +25,8 @@ from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
 from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.launch import check_loopback
-from phalanx.runtime.world import alone_in_slurm_step, launcher_env
+from phalanx.runtime.slurm import alone_in_slurm_step
+from phalanx.runtime.world import launcher_env
 from phalanx.telemetry import RankZeroLog, survive_lost_output
 
 DESCRIPTION = """\

@@ -36,7 +36,8 @@ from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
 from phalanx.runtime.supervise import TEARDOWN_S, WorkerSet, report_progress, run_workers
 from phalanx.runtime.worker_errors import WorkerFailed
-from phalanx.runtime.world import LauncherEnv, World, alone_in_slurm_step, launcher_env, start_world, stop_world
+from phalanx.runtime.slurm import alone_in_slurm_step
+from phalanx.runtime.world import LauncherEnv, World, launcher_env, start_world, stop_world
 
 __all__ = ["LaunchSpec", "WorkerFailed", "join_launcher_world", "launch", "report_progress", "setup_worker",
            "spawn_workers", "threads_per_worker", "torchrun_device", "torchrun_env"]

@@ -45,8 +45,8 @@ from phalanx.options import add_options, at_least, build, check_options, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, report_progress, setup_worker, spawn_workers,
                                    threads_per_worker, torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
-from phalanx.runtime.world import (World, adopt_world, alone_in_slurm_step, launcher_env, leave_default_group,
-                                   open_group_env, stop_world)
+from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
+from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.binding import threads_note
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags

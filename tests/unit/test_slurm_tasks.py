@@ -1,6 +1,7 @@
 """`srun --ntasks 2 python script.py` without torchrun: every task would be rank 0 of a world of
 one, training alone and writing the same outputs. The Slurm step's variables (faked here) make
-`phalanx train`, `phalanx run` and `phalanx.init()` stop in one line, exit 2, nothing written;
+`phalanx train`, `phalanx run`, `phalanx.init()` and the commands that start their own workers
+(bench, verify, predict, sweep) stop in one line, exit 2, nothing written;
 a batch script, a one-task step, torchrun's variables and the opt-out are accepted."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pytest
 from phalanx.cli import main
 from phalanx.errors import UsageError
 from phalanx.runtime import script
-from phalanx.runtime.world import INDEPENDENT_TASKS_VAR, alone_in_slurm_step
+from phalanx.runtime.slurm import INDEPENDENT_TASKS_VAR, alone_in_slurm_step
 
 SRUN_TASK_1 = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2",
                "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}
@@ -72,3 +73,15 @@ def test_phalanx_init_in_a_srun_task_exits_2_in_one_line(in_srun_task, monkeypat
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "each task would train alone" in err
+
+
+@pytest.mark.parametrize("argv", [["bench", "allreduce"], ["verify"], ["predict"], ["sweep"]])
+def test_a_measuring_command_in_a_several_task_step_is_refused_before_it_starts(argv, in_srun_task, capsys):
+    # Each task would start its own workers beside the other's, timing one another on the same cores
+    # and writing the same outputs; before, nothing looked at Slurm's variables for these commands.
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"Slurm task 1 of 2, so each task would run phalanx {argv[0]} beside the others" in err, err
+    assert f"srun --ntasks 1 phalanx {argv[0]}" in err and err.count("\n") == 1
+    assert os.listdir(in_srun_task) == []
+
