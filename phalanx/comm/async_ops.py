@@ -3,31 +3,27 @@
 `AsyncComm` owns what the hand-written algorithms need to run off the main thread: one
 background thread, a process group of its own for the point-to-point ones (`dist.new_group`,
 gloo on CPU), so their messages never interleave with the main thread's collectives, and the
-shared segment for `shm`. It opens only what the algorithms it is told about need. `native`
-needs none of it: it uses the backend's own async ops (`async_op=True`) on the default group.
-It launches allreduce, reduce-scatter and all-gather (`*_async`); `allreduce()`,
-`reduce_scatter()` and `all_gather()` run the same algorithms synchronously, on the caller's thread.
+shared segment for `shm`; only what its algorithms need. `native` uses the backend's own async
+ops (`async_op=True`) on the default group. It launches allreduce, reduce-scatter and all-gather
+(`*_async`); `allreduce()`, `reduce_scatter()` and `all_gather()` run them synchronously.
 
-Ordering is what keeps ranks matched: every rank must launch the same collectives in the same
-order (as DDP launches buckets in the same order). Native launches go straight to the backend
-in call order; the other algorithms run one at a time on the single thread, in launch order -
-or, opened `threaded=False`, to their end as they are launched, on the caller's thread.
+Ordering keeps ranks matched: every rank launches the same collectives in the same order (as
+DDP launches buckets). Native launches go straight to the backend; the others run one at a time
+on the thread, in launch order (opened `threaded=False`: to their end, on the caller's thread).
+A synchronous call runs on the caller's thread only while the thread is idle, and behind queued
+jobs joins the queue: both on one segment at once mixed their sums (a replica closed with
+buckets in flight compared garbage).
 
-A `Handle` (handle.py) belongs to whoever launched it and is waited exactly once.
-What this does not own: bucketing and deciding when to launch (`phalanx.data_parallel`).
+Every collective takes its identity as an argument, a `Tag` (phase, bucket, step). One launch
+path serves every algorithm and collective (`_launch`; `_now` the synchronous form): the call is
+entered on the collective board with its tag, and waited and settled alike (calls.py); a
+reduce-scatter or all-gather brings only its native launch and its job (shards.py). A `Handle`
+(handle.py) is waited once by whoever launched it; bucketing is phalanx.data_parallel's.
 
-Every collective takes its identity as an argument: a `Tag` (what it is: phase, bucket, step;
-the default says only "allreduce"). One launch path serves every algorithm and collective
-(`_launch`, and `_now` for the synchronous form): the call is entered on the collective board
-with its tag, and waited and settled the same way for every transport (calls.py); a
-reduce-scatter or all-gather brings only its native launch and its job (shards.py).
-
-One deadline, whatever is in flight. Once a job on the thread fails, the jobs queued behind it
-fail at once instead of each waiting out its own timeout (27 queued buckets would take 27
-timeouts), and `close()` cancels what is queued and tells a wait in progress on the shared
-segment to give up, so teardown after a failure takes at most a poll interval. `open_comm`
-opens the AsyncComm a replica exchanges through and says what runs and why: `auto` falls back
-to native, on every rank alike, where the shared segment cannot be set up.
+One deadline, whatever is in flight: once a job on the thread fails, those queued behind it fail
+at once (27 queued buckets would wait 27 timeouts), and `close()` cancels the queue and tells a
+wait on the shared segment to give up at its next poll. `open_comm` opens a replica's AsyncComm
+and says why `auto` fell back to native (on every rank alike) where no segment could be set up.
 """
 
 from __future__ import annotations
@@ -78,8 +74,7 @@ Job = Callable[[object, Ticket | None], "bool | None"]  # True: its transport co
 
 
 def _cuda_of(flat: torch.Tensor) -> torch.device | None:
-    """The CUDA device a job on `flat` runs with current; None for a CPU tensor, which skips
-    building `.device` (a tenth of a small shm call's Python)."""
+    """The CUDA device a job on `flat` runs with current; None for a CPU tensor (skips `.device`)."""
     return flat.device if flat.is_cuda else None
 
 
@@ -105,6 +100,7 @@ class AsyncComm:
         self.hierarchy: Hierarchy | None = None
         self._closed = False
         self._failure: BaseException | None = None  # the first job on the thread that failed
+        self._queued = self._finished = 0  # jobs handed to the thread, and those it ended (each counted by one thread)
         if world.distributed:
             if any(a in P2P_ALGORITHMS for a in self.algorithms):
                 # Same backend as the world (gloo on CPU): p2p on CUDA tensors needs NCCL.
@@ -233,14 +229,15 @@ class AsyncComm:
             return done  # nothing left to wait for
         transport = self._transport(algorithm)
         ticket = enter(self.world, COMM, tag, size_bytes, dtype=flat.dtype, check_peers=algorithm != "shm")
-        future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket)
+        self._queued += 1
+        future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket, True)
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         return functools.partial(wait_future, future, world=self.world, ticket=ticket)
 
     def _now(self, algorithm: str, tag: Tag, flat: torch.Tensor, *, start: Callable[[], object], job: Job) -> None:
         """`_launch`'s synchronous form: native through the backend, the others on this thread."""
-        if algorithm == "native":
+        if algorithm == "native" or self._finished != self._queued:  # native, or behind the thread's jobs
             self._launch(algorithm, tag, flat, start=start, job=job, on_done=None)()
             return
         if self._closed:
@@ -249,14 +246,15 @@ class AsyncComm:
         run_now(self.world, COMM, tag, flat.numel() * flat.element_size(), lambda ticket: self._run(
             job, _cuda_of(flat), transport, ticket), dtype=flat.dtype, check_peers=algorithm != "shm")
 
-    def _run(self, job: Job, cuda: torch.device | None, transport, ticket: Ticket | None) -> bool | None:
-        """One job (on the thread, or inline for a synchronous call): refused once one has failed;
-        its result (True: its transport compared the peers' tags, calls.py)."""
-        if self._failure is not None:
-            first = (str(self._failure).splitlines() or [""])[0]
-            raise CollectiveAborted(f"not run: an earlier collective on the communication thread failed "
-                                    f"({type(self._failure).__name__}: {first})")
+    def _run(self, job: Job, cuda: torch.device | None, transport, ticket: Ticket | None,
+             queued: bool = False) -> bool | None:
+        """One job (`queued`: on the thread, counted when it ends; else inline, a synchronous call):
+        refused once one has failed; its result (True: its transport compared the peers' tags, calls.py)."""
         try:  # grad mode is off: the caller's `no_grad`, or the thread's own (_start_comm_thread)
+            if self._failure is not None:
+                first = (str(self._failure).splitlines() or [""])[0]
+                raise CollectiveAborted(f"not run: an earlier collective on the communication thread failed "
+                                        f"({type(self._failure).__name__}: {first})")
             if cuda is not None:
                 with torch.cuda.device(cuda):  # the current CUDA device is per thread: the tensor's
                     return job(transport, ticket)
@@ -265,6 +263,8 @@ class AsyncComm:
             if self._failure is None:
                 self._failure = exc
             raise
+        finally:
+            self._finished += queued
 
     def close(self) -> None:
         """Stop the thread, leave the private group, unmap; safe to call twice.
