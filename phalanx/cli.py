@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -171,7 +170,7 @@ def _run_command(argv: list[str]) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if args.command in STARTS_ITS_OWN_WORKERS and "RANK" not in os.environ:
+    if args.command in STARTS_ITS_OWN_WORKERS:
         from phalanx.runtime.slurm import alone_in_slurm_step  # train and run check where their worlds form
 
         alone_in_slurm_step(command=args.command)

@@ -28,9 +28,10 @@ def alone_in_slurm_step(environ: Mapping[str, str] | None = None, *, command: st
     torch.distributed reads no SLURM variable; Lightning forms its world from SLURM_PROCID and
     SLURM_NTASKS, which needs an address every task agrees on - torchrun's rendezvous gives one.
     `command`: a command that starts its own workers (bench, verify, predict, sweep), whose tasks
-    would each run it beside the others, timing one another on the same cores."""
+    would each run it beside the others, timing one another on the same cores. A process a launcher
+    started (RANK and WORLD_SIZE set, as launcher_env reads them) passes: its world is the launcher's."""
     env = os.environ if environ is None else environ
-    if "SLURM_PROCID" not in env or env.get(INDEPENDENT_TASKS_VAR) == "1":
+    if "SLURM_PROCID" not in env or env.get(INDEPENDENT_TASKS_VAR) == "1" or ("RANK" in env and "WORLD_SIZE" in env):
         return
     if "SLURM_STEP_NUM_TASKS" in env:
         tasks_text = env["SLURM_STEP_NUM_TASKS"]

@@ -36,9 +36,11 @@ def test_a_task_of_a_several_task_step_is_refused_with_the_fix(env):
     {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"},  # the batch script: one process
     {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"},  # srun -n 1
     {**SRUN_TASK_1, INDEPENDENT_TASKS_VAR: "1"},  # each task alone on purpose (a sweep)
+    {**SRUN_TASK_1, "RANK": "1", "WORLD_SIZE": "2"},  # a launcher's worker (srun torchrun ...): its world
 ])
-def test_one_process_per_step_or_the_opt_out_is_accepted(env):
-    alone_in_slurm_step(env)
+@pytest.mark.parametrize("command", [None, "bench"])
+def test_one_process_per_step_or_the_opt_out_is_accepted(env, command):
+    alone_in_slurm_step(env, command=command)
 
 
 @pytest.fixture
