@@ -17,8 +17,12 @@ from typing import Callable, Iterable, Iterator
 
 
 @contextlib.contextmanager
-def no_sync(replica) -> Iterator[None]:
-    """`replica`'s (a DataParallel's) backwards accumulate locally inside (see the module docstring)."""
+def no_sync(replica, *, enabled: bool = True) -> Iterator[None]:
+    """`replica`'s (a DataParallel's) backwards accumulate locally inside (see the module docstring);
+    `enabled=False` (Fabric's `no_backward_sync(model, enabled=...)`): nothing changes, they sync."""
+    if not enabled:
+        yield
+        return
     if replica.exchange_in_flight:
         raise RuntimeError("no_sync() entered while gradient allreduces are in flight; finish them first")
     previous = replica.require_backward_grad_sync

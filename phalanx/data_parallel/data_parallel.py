@@ -183,10 +183,10 @@ class DataParallel(ReplicaModule):
             return
         self._layout.zero()
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        """Accumulate gradients locally; the previous setting is restored even on error (accumulate.py). With
-        overlap the hooks launch nothing inside; the first synced backward after it sends the sum (as DDP's)."""
-        return no_sync(self)
+    def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """Accumulate gradients locally (`enabled=False`, Fabric's switch: sync as usual), restored even on error
+        (accumulate.py). With overlap nothing launches inside; the next synced backward sends the sum (as DDP's)."""
+        return no_sync(self, enabled=enabled)
 
     def accumulate(self, micro_batches: int | Iterable) -> Iterator:
         """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:

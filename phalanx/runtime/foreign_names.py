@@ -54,7 +54,8 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "accumulate": (ACCELERATE, "for piece in dp.accumulate(n): ..."),
     "sync_gradients": (ACCELERATE, "dp.sync_enabled (inside dp.accumulate(n): true on the last piece only)"),
     "no_sync": (ACCELERATE, "with dp.no_sync(): ..."),
-    "no_backward_sync": (FABRIC, "with dp.no_sync(): ..."),
+    "no_backward_sync": (FABRIC, "with dp.no_sync(enabled=...): ... (each micro-batch's shard_loss takes the step's "
+                                 "global batch size)"),
     "unwrap_model": (ACCELERATE, "dp.module"),
     "autocast": (_BOTH, "phalanx.prepare(model, world=world, precision='bf16-mixed')"),
     "save_state": (ACCELERATE, "phalanx.checkpoint(path, world=world, model=dp, optimizer=...)"),
