@@ -17,6 +17,7 @@ ACCELERATE, FABRIC, _BOTH = "Accelerate's", "Fabric's", "Accelerate's and Fabric
 
 # Ways more than one name is given.
 _TRACKER = "phalanx.MetricsLogger(out_dir, world=world)"
+_CALLBACKS = "no callbacks: call the functions themselves in the loop (rank 0's alone: if world.is_main: ...)"
 _OPTIMIZER_AS_IS = "the optimizer over dp.parameters(), as it is (with shard=: dp.optimizer(cls, ...))"
 _TRIGGER = "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"
 _SAME_BATCH_COUNT = "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches"
@@ -113,6 +114,13 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "check_trigger": (ACCELERATE, _TRIGGER),
     "strategy": (FABRIC, "dp = phalanx.prepare(model, world=world) is data parallel; prepare(..., shard='optimizer' | "
                          "'gradients' | 'parameters') for ZeRO's stages"),
+    "call": (FABRIC, _CALLBACKS),
+    "callbacks": (FABRIC, _CALLBACKS),
+    "accelerator": (FABRIC, "world.device, and world.backend: 'gloo' for CPU workers, 'nccl' for GPUs"),
+    "init_tensor": (FABRIC, "with torch.device(world.device): ... (prepare(model, world=world, dtype=...) casts "
+                            "the model)"),
+    "load_raw": (FABRIC, "model.load_state_dict(torch.load(path)) before phalanx.prepare, which broadcasts rank 0's "
+                         "weights (dp.state_dict() has no module. prefix)"),
     "init_module": (FABRIC, "build the model as on one device: phalanx.prepare(model, world=world) moves it to "
                             "world.device and broadcasts rank 0's weights"),
 }

@@ -135,3 +135,20 @@ def test_a_fabric_or_accelerate_name_asked_of_the_module_names_phalanx_s_way(nam
     assert str(info.value) == f"module 'phalanx' has no attribute {name!r} ({whose} name): in phalanx, {way}"
     with pytest.raises(AttributeError, match=r"^module 'phalanx' has no attribute 'nothing_of_the_kind'$"):
         phalanx.nothing_of_the_kind
+
+
+# Fabric 2.6's public names a script calls on its `fabric` (World has device, local_rank, node_rank,
+# world_size and print itself); before 2026-12-03 call, callbacks, accelerator, init_tensor and
+# load_raw were Python's bare "has no attribute".
+FABRIC_PUBLIC = ("all_gather", "all_reduce", "autocast", "backward", "barrier", "broadcast", "call", "callbacks",
+                 "accelerator", "clip_gradients", "global_rank", "init_module", "init_tensor", "is_global_zero",
+                 "launch", "load", "load_raw", "log", "log_dict", "logger", "loggers", "no_backward_sync",
+                 "rank_zero_first", "save", "seed_everything", "setup", "setup_dataloaders", "setup_module",
+                 "setup_optimizers", "strategy", "to_device")
+
+
+@pytest.mark.parametrize("name", FABRIC_PUBLIC)
+def test_every_fabric_name_a_script_calls_is_named_on_the_world(name):
+    with pytest.raises(AttributeError, match=rf"^'World' object has no attribute '{name}' \(.*Fabric's name\): in "
+                                             r"phalanx, "):
+        getattr(WORLD1, name)
