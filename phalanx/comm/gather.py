@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.calls import collective, native
+from phalanx.runtime.foreign_names import call_keywords_error
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
@@ -59,12 +60,14 @@ def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
 
 
 @contextlib.contextmanager
-def main_first(*, world: World, per_host: bool = False) -> Iterator[None]:
+def main_first(*, world: World, per_host: bool = False, **other_tools: object) -> Iterator[None]:
     """Run the block on rank 0 first (`per_host`: on each host's local rank 0, for files on
     each host's own disk), then on every other rank: one barrier, which the first ranks reach
     after the block and the others before it. A first rank whose block raises never reaches it:
     it fails, and the others, waiting there, are stopped with the run (or by the world's timeout,
     which a block longer than it needs raised: `--timeout`)."""
+    if other_tools:  # Fabric's local=: one line naming per_host=
+        raise call_keywords_error("main_first", list(other_tools))
     world.check_here("phalanx.main_first")
     first = world.local_rank == 0 if per_host else world.is_main
     if not first:

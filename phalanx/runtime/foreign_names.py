@@ -126,6 +126,41 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
+# Keywords another tool's call takes where phalanx's own call stands: (phalanx's function, keyword) ->
+# (whose, phalanx's way); Fabric(...)'s and Accelerator(...)'s are init's, the rest their methods'.
+_DEVICES = "the devices come from phalanx run --devices cpu:2 script.py or phalanx.launch(fn, devices='cpu:2')"
+_INIT_LATER = "phalanx.prepare(model, world=world, precision='bf16-mixed') or dtype='float64'"
+CALL_KEYWORDS: dict[tuple[str, str], tuple[str, str]] = {
+    ("init", "accelerator"): ("Fabric's", f"{_DEVICES}; init(device='cpu'|'cuda') picks the kind"),
+    ("init", "devices"): ("Fabric's", _DEVICES),
+    ("init", "num_nodes"): ("Fabric's", "many hosts through torchrun --nnodes H ... script.py"),
+    ("init", "strategy"): ("Fabric's", "data parallel always: phalanx.prepare(model, world=world), with shard= "
+                                       "for ZeRO's stages"),
+    ("init", "precision"): ("Fabric's", _INIT_LATER),
+    ("init", "mixed_precision"): ("Accelerator's", _INIT_LATER),
+    ("init", "cpu"): ("Accelerator's", "init(device='cpu')"),
+    ("init", "gradient_accumulation_steps"): ("Accelerator's", "for piece in dp.accumulate(n): ..."),
+    ("init", "callbacks"): ("Fabric's", _CALLBACKS),
+    ("init", "loggers"): ("Fabric's", _TRACKER),
+    ("init", "log_with"): ("Accelerator's", _TRACKER),
+    ("init", "plugins"): ("Fabric's", "none: precision and sharding are prepare's keywords"),
+    ("reduce", "reduce_op"): ("Fabric's all_reduce", "op=: phalanx.reduce(value, op='sum', world=world) "
+                                                     "(op='mean' unless given, as Fabric's)"),
+    ("main_first", "local"): ("Fabric's rank_zero_first", "per_host=True for local=True: "
+                                                          "with phalanx.main_first(world=world, per_host=True): ..."),
+}
+
+
+def call_keywords_error(call: str, names: list[str]) -> TypeError:
+    """The TypeError for keywords `call` (init, reduce, main_first) does not take: another tool's
+    named with phalanx's way, in one line."""
+    name = next((name for name in names if (call, name) in CALL_KEYWORDS), None)
+    if name is None:
+        return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
+    whose, way = CALL_KEYWORDS[call, name]
+    return TypeError(f"{call}() takes no {name}= ({whose} keyword): in phalanx, {way}")
+
+
 def foreign_name_error(name: str) -> AttributeError:
     """The AttributeError for `name` asked of a World: phalanx's way where it is another tool's name."""
     if name not in FOREIGN_NAMES:

@@ -18,12 +18,14 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm import all_reduce_sum_
+from phalanx.runtime.foreign_names import call_keywords_error
 from phalanx.runtime.world import World
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
 
-def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean") -> float | int | torch.Tensor:
+def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean",
+           **other_tools: object) -> float | int | torch.Tensor:
     """`value` summed over every rank of `world` (`op="sum"`), or that sum / world size
     (`op="mean"`), or its largest / smallest over the ranks (`op="max"` / `"min"`: each rank's
     value in its own row of a k-row sum, through the same watched collective; k times the bytes,
@@ -31,6 +33,8 @@ def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean")
     tensor: counts) exactly, in int64, so `op="sum"` gives an int (past 2**53 a float64 sum would
     round). A number or a one-element tensor gives a Python number; a larger tensor a tensor of its
     shape (one collective for all its elements). The caller's tensor is left as it was."""
+    if other_tools:  # Fabric's reduce_op=: one line naming op=
+        raise call_keywords_error("reduce", list(other_tools))
     world.check_here("phalanx.reduce")
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is unknown; choose one of {', '.join(REDUCE_OPS)}")

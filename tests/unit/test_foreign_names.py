@@ -15,7 +15,7 @@ from torch import nn
 
 import phalanx
 from phalanx.data_parallel import DataParallel
-from phalanx.runtime.foreign_names import DDP_KEYWORDS, DDP_METHODS, FOREIGN_NAMES
+from phalanx.runtime.foreign_names import CALL_KEYWORDS, DDP_KEYWORDS, DDP_METHODS, FOREIGN_NAMES
 from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
@@ -152,3 +152,27 @@ def test_every_fabric_name_a_script_calls_is_named_on_the_world(name):
     with pytest.raises(AttributeError, match=rf"^'World' object has no attribute '{name}' \(.*Fabric's name\): in "
                                              r"phalanx, "):
         getattr(WORLD1, name)
+
+
+@pytest.mark.parametrize("call, name", sorted(CALL_KEYWORDS))
+def test_another_tool_s_keyword_on_init_reduce_or_main_first_names_phalanx_s_way(call, name):
+    # A port writes phalanx.init(accelerator="cpu", devices=2) for Fabric(...), reduce(t, reduce_op="sum")
+    # for fabric.all_reduce, main_first(local=True) for rank_zero_first: before 2026-12-03 Python's bare
+    # "got an unexpected keyword argument".
+    whose, way = CALL_KEYWORDS[call, name]
+    calls = {"init": lambda **kw: phalanx.init(**kw),
+             "reduce": lambda **kw: phalanx.reduce(torch.tensor(1.0), world=WORLD1, **kw),
+             "main_first": lambda **kw: phalanx.main_first(world=WORLD1, **kw).__enter__()}
+    with pytest.raises(TypeError) as info:
+        calls[call](**{name: 1})
+    assert str(info.value) == f"{call}() takes no {name}= ({whose} keyword): in phalanx, {way}"
+    with pytest.raises(TypeError, match=rf"^{call}\(\) got an unexpected keyword argument 'nonsense'$"):
+        calls[call](nonsense=1)
+
+
+def test_the_ways_the_keywords_name_exist():
+    ways = " ".join(way for _, way in CALL_KEYWORDS.values())
+    for name in re.findall(r"phalanx\.(\w+)", ways):
+        assert name in phalanx.__all__, name
+    assert "per_host" in inspect.signature(phalanx.main_first).parameters
+    assert "op" in inspect.signature(phalanx.reduce).parameters
