@@ -13,6 +13,7 @@ knows nothing of ranks beyond `world.is_main`, and never communicates.
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from pathlib import Path
@@ -68,9 +69,11 @@ class MetricsLogger:
         """The rows written so far (rank 0; empty elsewhere)."""
         return [] if self.metrics is None else [dict(r) for r in self.metrics.rows]
 
-    def log(self, row: Mapping[str, Any], *, step: int | None = None) -> None:
-        """Append `row` (JSON-serialisable values) to metrics.jsonl; TensorBoard gets each numeric
-        value as a scalar at `step` (default: the row's "epoch", else the number of rows)."""
+    def log(self, row: Mapping[str, Any], *not_a_row: Any, step: int | None = None) -> None:
+        """Append `row` (JSON-serialisable values; a one-element tensor or numpy value as its number, as
+        Fabric's `log` takes a loss) to metrics.jsonl; TensorBoard gets each numeric value as a scalar
+        at `step` (default: the row's "epoch", else the number of rows). Checked on every rank."""
+        row = _plain_row(row, not_a_row)
         if self.metrics is None:
             return
         self.metrics.append(row)
@@ -80,6 +83,13 @@ class MetricsLogger:
                 if isinstance(value, numbers.Real) and not isinstance(value, bool):
                     self.writer.add_scalar(key, float(value), global_step=at)
             self.writer.flush()
+
+    def __getattr__(self, name: str):
+        """Fabric's and Lightning loggers' names for `log`, named in one line."""
+        if name in ("log_dict", "log_metrics"):
+            raise AttributeError(f"'MetricsLogger' object has no attribute {name!r} (Fabric's name): in phalanx, "
+                                 "logger.log(row, step=step), row a dict of the step's values")
+        raise AttributeError(f"'MetricsLogger' object has no attribute {name!r}")
 
     def close(self) -> None:
         if self.writer is not None:
@@ -91,6 +101,30 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _plain_row(row: Any, not_a_row: tuple) -> dict[str, Any]:
+    """`row` as MetricsFile writes it: a dict whose one-element tensors and numpy values are numbers;
+    Fabric's `log(name, value)` and a value JSON cannot write are one TypeError naming the fix."""
+    if not_a_row or not isinstance(row, Mapping):
+        example = f"{{{row!r}: value}}" if isinstance(row, str) else "{'loss': value}"
+        raise TypeError(f"MetricsLogger.log takes one row, a dict: logger.log({example}, step=step) for Fabric's "
+                        "fabric.log(name, value, step=step)")
+    plain = {}
+    for key, value in row.items():
+        if hasattr(value, "item") and not isinstance(value, (bool, int, float, str)):
+            size = value.numel() if callable(getattr(value, "numel", None)) else getattr(value, "size", 1)
+            if size != 1:
+                raise TypeError(f"MetricsLogger.log: row[{key!r}] is a {type(value).__name__} of {size} values; "
+                                "log numbers (a mean over ranks: phalanx.reduce(value, op='mean', world=world))")
+            value = value.item()
+        plain[key] = value
+    try:
+        json.dumps(plain)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"MetricsLogger.log: the row cannot be written as JSON ({exc}); log numbers, strings, "
+                        "lists and dicts of them") from None
+    return plain
 
 
 def progress(iterable: Iterable, *, world: Main, label: str = "", total: int | None = None,
