@@ -36,6 +36,7 @@ from phalanx.comm import ALLREDUCE, Tag, broadcast_
 from phalanx.data_parallel.ddp_keys import without_ddp_prefix
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
+from phalanx.data_parallel.input_dtype import input_dtype_mismatch
 from phalanx.data_parallel.sharding.gathered import gathered_parameters
 from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.errors import UsageError
@@ -128,7 +129,12 @@ class ReplicaModule(nn.Module):
                 self._usage.noted()  # the zeroed buckets, written by the replica itself
         if self._layout is not None:
             self._layout.before_forward((*args, *kwargs.values()))  # examples noted; a sum carried without zero_grad kept once (carry.py)
-        return self._format.forward(self._forward, *args, **kwargs)  # auto's channels_last tried (format_fallback.py)
+        try:
+            return self._format.forward(self._forward, *args, **kwargs)  # auto's channels_last tried (format_fallback.py)
+        except RuntimeError as exc:  # a float32 batch into prepare(dtype="float64")'s model: one line (input_dtype.py)
+            if (mismatch := input_dtype_mismatch(exc, (*args, *kwargs.values()), self.module, self.autocast)) is None:
+                raise
+            raise mismatch from exc
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast is None:
