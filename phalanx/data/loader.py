@@ -214,6 +214,11 @@ class ShardedLoader:
             return self.num_examples // self.global_batch_size
         return steps_per_epoch(self.num_examples, self.global_batch_size)
 
+    def __iter__(self):
+        """Refused in one line: Fabric's and DDP's loop iterates the loader itself; this one an epoch at a time."""
+        raise TypeError("a ShardedLoader is read an epoch at a time: for batch, global_size in loader.epoch(epoch): "
+                        "... (the order is a permutation of (seed, epoch); the batch is this rank's share of it)")
+
     def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
         """Yield (this rank's batch, global batch size) for every step of `epoch`."""
         if self.streams:

@@ -176,3 +176,15 @@ def test_the_ways_the_keywords_name_exist():
         assert name in phalanx.__all__, name
     assert "per_host" in inspect.signature(phalanx.main_first).parameters
     assert "op" in inspect.signature(phalanx.reduce).parameters
+
+
+def test_a_sharded_loader_iterated_as_fabric_s_loader_names_epoch():
+    # Fabric's setup_dataloaders loader is iterated itself (`for x, y in loader:`); before 2026-12-03
+    # the ported loop met Python's bare "'ShardedLoader' object is not iterable".
+    dataset = torch.utils.data.TensorDataset(torch.randn(6, 2), torch.arange(6))
+    loader = phalanx.ShardedLoader(dataset, world=WORLD1, global_batch_size=4)
+    with pytest.raises(TypeError, match=r"^a ShardedLoader is read an epoch at a time: for batch, global_size in "
+                                        r"loader.epoch\(epoch\): "):
+        for _ in loader:
+            pass
+    assert [size for _, size in loader.epoch(0)] == [4, 2]
