@@ -87,6 +87,18 @@ def _scheduler_on_rank0(world, out, made):
         sched.step() if world.is_main else None, phalanx.evaluate_dataset(dp, _data(), world=world)))
 
 
+def _scheduler_on_rank0_module(world, out, made):
+    """The README's form, evaluate_dataset(dp.module, ...), an epoch after the lrs parted: the parameters differ
+    too, and the line names the lr (it named only a checkpoint loaded on some ranks)."""
+    dp = _prepared(made, _model(), world=world)
+    opt = torch.optim.AdamW([{"params": dp.module[0].parameters()},
+                             {"params": dp.module[2].parameters(), "weight_decay": 0.0}], lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    _steps(dp, opt, world, _data(), epochs=2, after_epoch=lambda epoch: (
+        sched.step() if world.is_main else None,
+        epoch == 1 and phalanx.evaluate_dataset(dp.module, _data(), world=world)))
+
+
 def _plateau_on_own_metric(world, out, made):
     dp = _prepared(made, _model(), world=world)
     opt = torch.optim.SGD(dp.parameters(), lr=0.05)
@@ -116,6 +128,7 @@ def _zero3_scheduler_on_rank0(world, out, made):
 
 
 DIVERGING = {"load_on_rank0": _load_on_rank0, "scheduler_on_rank0": _scheduler_on_rank0,
+             "scheduler_on_rank0_module": _scheduler_on_rank0_module,
              "plateau": _plateau_on_own_metric, "close": _weight_changed_on_one_rank,
              "zero3": _zero3_scheduler_on_rank0}
 
@@ -152,6 +165,13 @@ def test_a_scheduler_stepped_on_rank_0_is_caught_at_the_evaluation(diverged):
     assert _one_line(diverged, "scheduler_on_rank0") == (
         "replicas diverged (found by evaluate_dataset() after step 4): rank 1's optimizer's lr is 0.1 where rank "
         f"0's is 0.05 (param group 0); {SETTING}")
+
+
+def test_a_scheduler_on_rank_0_is_named_by_the_evaluation_of_dp_module(diverged):
+    assert _one_line(diverged, "scheduler_on_rank0_module") == (
+        "replicas diverged (found by evaluate_dataset() after step 8): rank 1's parameters differ from rank 0's by "
+        "up to 0.0188 (in 4 of 4 tensors, 0.weight first), and its optimizer's lr is 0.01 where rank 0's is 0.0025 "
+        f"(param group 0); {SETTING}; or {LOAD}")
 
 
 def test_a_plateau_scheduler_on_each_ranks_own_loss_is_caught_at_the_checkpoint(diverged):

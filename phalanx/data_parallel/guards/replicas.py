@@ -26,7 +26,8 @@ running_stats.py averages after the step this check runs in, or which follow eac
 under `average_running_stats=False` until the script averages them. Not compared: a sharded optimizer's state (each rank holds its share), and the
 parameters of a replica sharded to `shard="parameters"` (each rank holds its own range, and
 every forward gathers one whole). A replica's optimizers are those it saw step it (`ReplicaCheck`),
-plus any a caller names.
+plus any a caller names. `evaluate_dataset(dp.module, ...)`, the form the README's script uses,
+finds the replica's check by its module (`check_of`), so the optimizers are compared there too.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ _LOAD = ("a checkpoint loaded (or weights changed) on some ranks only after phal
 _SETTING = ("an lr scheduler stepped (or an optimizer setting changed) on some ranks only, under `if world.is_main:` or "
             "on each rank's own metric (ReduceLROnPlateau on a local validation loss): step it on every rank, on a "
             "metric averaged over the ranks (phalanx.reduce(value, world=world))")
+# Each live replica's check, by its module: evaluate_dataset(dp.module, ...) compares the optimizers too.
+_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def check_of(module: torch.nn.Module) -> ReplicaCheck | None:
+    """The comparing check of the open replica whose module is `module`, or None."""
+    found = _CHECKS.get(module)
+    return found() if found is not None else None
 
 
 def _as_ints(tensor: torch.Tensor) -> torch.Tensor:
@@ -142,6 +151,9 @@ class ReplicaCheck:
         # could be a dead optimizer's.
         self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._hook = on_every_optimizer_step(self.noted) if every and world.distributed else None
+        self.step = 0  # the last synced step
+        if self._hook is not None:
+            _CHECKS[module] = weakref.ref(self)
         layers = {id(m) for m in drifting_norm_layers(module)}
         self._local = {f"{path}.{name}".lstrip(".") for path, m in module.named_modules() if id(m) in layers
                        for name, _ in m.named_buffers(recurse=False)}  # their statistics, by name
@@ -159,6 +171,7 @@ class ReplicaCheck:
 
     def after_step(self, step: int) -> None:
         """Synced step `step` is summed: compare at the first and at every `every`-th."""
+        self.step = step
         if self.every and (step % self.every == 0 or step == 1):
             self.check(step=step, found=f"found at step {step}'s check: the first step and every {self.every} steps")
 
@@ -180,6 +193,8 @@ class ReplicaCheck:
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
+            if check_of(self._module) is self:
+                del _CHECKS[self._module]
         self._stepped, self._compared = {}, []
 
 
@@ -248,7 +263,8 @@ def _message(details: list[dict], *, apart: list[int], reference: int, differs: 
         what.append(_setting_difference(details, apart=apart, reference=reference))
     if differs[2]:
         what.append(f"optimizer state differs from {ref}")
-    causes = ([_LOAD] if differs[0] or differs[2] else []) + ([_SETTING] if differs[1] else [])
+    # A setting apart explains parameters apart (the ranks stepped with different lrs): named first.
+    causes = ([_SETTING] if differs[1] else []) + ([_LOAD] if differs[0] or differs[2] else [])
     its = ", and their " if len(apart) > 1 else ", and its "
     return f"replicas diverged ({found}): {_ranks(apart)}'s " + its.join(what) + "; " + "; or ".join(causes)
 
