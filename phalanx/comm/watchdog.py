@@ -33,7 +33,7 @@ names that peer's own report as the root cause.
 from __future__ import annotations
 
 from phalanx.runtime.board import FAILED, FINISHED, RUNNING, WAITING, Board, Line, Ticket
-from phalanx.runtime.tags import called_by, describe, dtype_of, is_generic, op_of, without_dtype
+from phalanx.runtime.tags import called_by, describe, dtype_of, gradient_step, is_generic, op_of, without_dtype
 from phalanx.runtime.procs import process_alive, process_state
 from phalanx.errors import PeerLost, RunFailed
 from phalanx.runtime.world import World
@@ -242,7 +242,20 @@ def _mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket, *, mine_ste
             f"rank {board.rank} in {mine_text}{_callers(mine.code)}")
     if mine_steps is not None and theirs_steps is not None and mine_steps != theirs_steps:
         text += f" (rank {board.rank} has synced {mine_steps} steps, rank {rank} {theirs_steps})"
-    return CollectiveMismatch(f"{text}; every rank must make the same collective calls in the same order")
+    return CollectiveMismatch(f"{text}; every rank must make the same collective calls in the same order"
+                              f"{_one_rank_call(rank, theirs, board.rank, mine)}")
+
+
+def _one_rank_call(rank: int, theirs: Ticket, me: int, mine: Ticket) -> str:
+    """Where one rank is in a call a script makes (a checkpoint, a reduce) and the other trains on into
+    its next step's gradient: the usual cause, that call under `if world.is_main:`, and its fix."""
+    callers = [(r, called_by(t.code)) for r, t in ((rank, theirs), (me, mine))]
+    calling = [(r, said) for r, said in callers if said and said.startswith("phalanx.")]
+    if len(calling) != 1 or gradient_step((mine if calling[0][0] == rank else theirs).code) is None:
+        return ""
+    (caller, said), = calling
+    saves = "; phalanx.checkpoint writes the file from rank 0 itself" if said.startswith("phalanx.checkpoint") else ""
+    return f": if rank {caller} made that call alone (under `if world.is_main:`), make it on every rank{saves}"
 
 
 def _dtype_mismatch(board: Board, rank: int, theirs: Ticket, mine: Ticket) -> CollectiveMismatch:

@@ -279,3 +279,27 @@ def test_at_the_deadline_a_collective_every_rank_entered_blames_no_peer():
     with pytest.raises(PeerStalled, match="rank 0 waited 4 s in metrics \\(8 B\\): every rank entered it, but it did "
                                           "not complete within the 4 s timeout"):
         check(world_of(a), mine, waited_s=4.2, timeout_s=4)
+
+
+def test_a_save_on_rank_0_alone_names_the_call_and_its_fix():
+    # nanoGPT's `if master_process: save` with phalanx.checkpoint inside: the line named the calls behind
+    # rank 0's NaN/Inf check but not the fix, make the call on every rank.
+    a, b = boards(2)
+    for board in (a, b):
+        synced(board, 4)
+    check_of_save = a.enter(WORLD, Tag("NaN/Inf check", step=4), 32)
+    a.block(check_of_save)
+    bucket = b.enter(COMM, Tag("gradient", step=4), 1024)
+    b.block(bucket)
+    with pytest.raises(CollectiveMismatch) as info:
+        check(world_of(b), bucket, waited_s=0.5, timeout_s=60)
+    assert str(info.value) == (
+        "ranks are in different collectives: rank 0 is in NaN/Inf check after step 4 (32 B), from phalanx.checkpoint, "
+        "dp.full_state_dict() or dp.close() (each checks the gradient first); rank 1 in step 5's gradient bucket 0 "
+        "(1.0 KiB); every rank must make the same collective calls in the same order: if rank 0 made that call alone "
+        "(under `if world.is_main:`), make it on every rank; phalanx.checkpoint writes the file from rank 0 itself")
+    c, d = boards(2)  # two calls of a script's, neither a training step: no guess which one is alone
+    mine = c.enter(WORLD, Tag("metrics", step=4), 24)
+    d.enter(WORLD, Tag("evaluation", step=4), 24)
+    error = pairing_error(c, mine)
+    assert error is not None and str(error).endswith("every rank must make the same collective calls in the same order")
