@@ -568,7 +568,10 @@ def test_a_step_on_gradients_accumulated_unsummed_is_refused(overlap, way):
     dp = _dp(LeNet().double(), FakeComm(), overlap=overlap)
     optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
     X, y = _batch()
-    refusal = r"^optimizer\.step\(\) on gradients accumulated inside dp\.no_sync\(\) \(or before dp\.accumulate\(\)'s last"
+    # Each way named, and nanoGPT's flag with its fix (the line named no_sync() and accumulate() alone).
+    refusal = (r"^optimizer\.step\(\) on gradients accumulated with the sync off \(inside dp\.no_sync\(\), after "
+               r"dp\.require_backward_grad_sync = False, or before dp\.accumulate\(\)'s last micro-batch\).*nanoGPT's "
+               r"loop: dp\.require_backward_grad_sync = True before the last micro-batch's backward")
     with pytest.raises(RuntimeError, match=refusal):
         if way == "accumulate":
             for piece in dp.accumulate(2):

@@ -285,11 +285,12 @@ class UnsyncedGradientGuard:
             return
         self.check("optimizer.step()")
         if self.accumulating:  # Accelerate's optimizer skips a step inside accumulate(); torch's does not
-            raise RuntimeError("optimizer.step() on gradients accumulated inside dp.no_sync() (or before "
-                               "dp.accumulate()'s last micro-batch) and never summed across ranks: each rank would "
-                               "step on its own and the replicas drift apart; step once per step, after "
-                               "dp.finish_gradient_sync() (in dp.accumulate(n): after the last micro-batch, when "
-                               "dp.sync_enabled is True)")
+            raise RuntimeError("optimizer.step() on gradients accumulated with the sync off (inside dp.no_sync(), "
+                               "after dp.require_backward_grad_sync = False, or before dp.accumulate()'s last "
+                               "micro-batch) and never summed across ranks: each rank would step on its own and the "
+                               "replicas drift apart; step once per step, after dp.finish_gradient_sync() (nanoGPT's "
+                               "loop: dp.require_backward_grad_sync = True before the last micro-batch's backward; in "
+                               "dp.accumulate(n): after the last micro-batch, when dp.sync_enabled is True)")
 
     def close(self) -> None:
         self._handle.remove()
