@@ -64,8 +64,11 @@ class ShardedParameters:
 
     def gather_after_step(self) -> None:
         """Stages 1 and 2, once the optimizer updated this rank's ranges: every replica whole
-        again (one all-gather of the whole order; of each bucket where dtypes differ)."""
-        if self.flat is not None:
+        again (one all-gather of the whole order; of each bucket where dtypes differ). Stage 3:
+        what was gathered before the step is stale (`outdated`)."""
+        if not self.keep_whole:
+            self.outdated()
+        elif self.flat is not None:
             self._comm.all_gather_async(self.flat, counts=self._rank_counts, algorithm=self._algorithm,
                                         tag=Tag("parameters", step=self._steps())).wait()
         elif self.keep_whole:
@@ -94,6 +97,20 @@ class ShardedParameters:
         prefetches at the same points (the hooks are the same), so the collectives stay paired."""
         if 0 <= index < len(self.buckets) and not self.gathered[index] and index not in self._prefetched:
             self._prefetched[index] = self._all_gather(index)
+
+    def outdated(self) -> None:
+        """Stage 3, once this rank's ranges changed (an optimizer step, a load): a bucket still whole
+        (a layer that did not run in the last forward kept it, as an evaluation skipping a training-only
+        head does) and a prefetch still in flight (launched for a layer that did not run) hold the values
+        before the change, and the next forward used them as they were. Each prefetch is waited (every
+        rank launched it) and dropped, each whole bucket released; the next use gathers anew, on every
+        rank alike (the hooks are the same everywhere). Inside `whole()` the buckets stay as they are."""
+        for index, handle in list(self._prefetched.items()):
+            handle.wait()
+            free_storage(self.buffers[index])
+        self._prefetched.clear()
+        for index in range(len(self.buckets)):
+            self.release(index)
 
     def release(self, index: int) -> None:
         """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else.
@@ -170,6 +187,7 @@ class ShardedParameters:
             with torch.no_grad():
                 self.shard[slot.bucket][start - lo:stop - lo].copy_(memory_order_of(
                     value, slot, device=self.shard[0].device)[start - slot.bucket_offset:stop - slot.bucket_offset])
+        self.outdated()  # a bucket whole or on its way holds the values before the load
         result = module.load_state_dict({k: v for k, v in state.items() if k not in names}, strict=False)
         missing = [k for k in result.missing_keys if k not in names] + sorted(names - set(state))
         if strict and (missing or result.unexpected_keys):
