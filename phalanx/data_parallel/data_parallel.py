@@ -129,7 +129,7 @@ class DataParallel(ReplicaModule):
         # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
         self._replicas = ReplicaCheck(every=options.check_finite_every if self.exchanging else 0, world=world,
-                                      module=self.module, sharding=self.sharding, allreduce=self.allreduce_now)
+                                      module=self.module, sharding=self.sharding, allreduce=self.allreduce_now, owner=self)
         self._wire_buckets()
         # What zero_grad clears with nothing to exchange: the parameters, listed once (as an
         # optimizer holds its param_groups; walking the modules every step cost LeNet ~40 us).

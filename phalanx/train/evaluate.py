@@ -36,7 +36,7 @@ from phalanx.data import shard_bounds, to_float
 from phalanx.data.loader import ShardCollate, refuse_loader, stream_shards
 from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.guards.checks import check_replicas
-from phalanx.data_parallel.guards.replicas import check_of, check_replicas_agree
+from phalanx.data_parallel.guards.replicas import check_replicas_agree, replica_of
 from phalanx.data_parallel.replica import ReplicaModule
 from phalanx.runtime.world import World
 
@@ -186,11 +186,9 @@ def check_agree(model: nn.Module, *, world: World, where: str) -> None:
     compares its parameters and optimizers (guards/replicas.py), any other module its parameters,
     unless its forward gathers them (a module sharded to stage 3); then the buffers, by name (checks.py).
     `where`: the caller, for the line. A collective: every rank calls it."""
-    owner = None if isinstance(model, ReplicaModule) else check_of(model)  # dp.module: its replica's check
-    if isinstance(model, ReplicaModule):
-        model.check_replicas(where=where)
-    elif owner is not None:
-        owner.check(step=owner.step, found=f"found by {where} after step {owner.step}")
+    replica = model if isinstance(model, ReplicaModule) else replica_of(model)  # dp.module: its replica's
+    if replica is not None:
+        replica.check_replicas(where=where)
     elif world.distributed and not collective_forward(model):
         check_replicas_agree(world=world, parameters=list(model.named_parameters()), optimizers=(), whole_state=False,
                              found=f"found by {where}", allreduce=lambda flat: all_reduce_sum_(flat, world=world,

@@ -27,7 +27,7 @@ under `average_running_stats=False` until the script averages them. Not compared
 parameters of a replica sharded to `shard="parameters"` (each rank holds its own range, and
 every forward gathers one whole). A replica's optimizers are those it saw step it (`ReplicaCheck`),
 plus any a caller names. `evaluate_dataset(dp.module, ...)`, the form the README's script uses,
-finds the replica's check by its module (`check_of`), so the optimizers are compared there too.
+finds the replica by its module (`replica_of`) and compares as the replica would, optimizers too.
 """
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ _LOAD = ("a checkpoint loaded (or weights changed) on some ranks only after phal
 _SETTING = ("an lr scheduler stepped (or an optimizer setting changed) on some ranks only, under `if world.is_main:` or "
             "on each rank's own metric (ReduceLROnPlateau on a local validation loss): step it on every rank, on a "
             "metric averaged over the ranks (phalanx.reduce(value, world=world))")
-# Each live replica's check, by its module: evaluate_dataset(dp.module, ...) compares the optimizers too.
-_CHECKS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+# Each live replica whose check compares, by its module: evaluate_dataset(dp.module, ...) compares as it would.
+_REPLICAS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
 
 
-def check_of(module: torch.nn.Module) -> ReplicaCheck | None:
-    """The comparing check of the open replica whose module is `module`, or None."""
-    found = _CHECKS.get(module)
+def replica_of(module: torch.nn.Module):
+    """The open replica (a ReplicaModule) whose module is `module` and whose check compares, or None."""
+    found = _REPLICAS.get(module)
     return found() if found is not None else None
 
 
@@ -133,7 +133,8 @@ class ReplicaCheck:
     """A replica's comparison with its peers: at its first synced step (a load made on one rank
     after prepare shows there, before anything trains on it), every `every` synced steps (the
     NaN/Inf check's interval; 0: never), and when asked (`check`). `sharding`: the replica's
-    (None: unsharded); `allreduce(flat, tag)`: its exchange's small in-place sum.
+    (None: unsharded); `allreduce(flat, tag)`: its exchange's small in-place sum; `owner`: the replica,
+    found by its module while open (`replica_of`).
 
     The optimizers compared are those that stepped the replica's parameters (or, sharded, its
     shards: `dp.optimizer`'s) since the last check - or, where none did, those of the last check -
@@ -143,7 +144,7 @@ class ReplicaCheck:
     ranks, and one rank would compare an optimizer the other no longer has."""
 
     def __init__(self, *, every: int, world: World, module: torch.nn.Module, sharding,
-                 allreduce: Callable[[torch.Tensor, Tag], object]) -> None:
+                 allreduce: Callable[[torch.Tensor, Tag], object], owner) -> None:
         self.every, self.world, self._module, self._sharding, self._allreduce = every, world, module, sharding, allreduce
         self._stepped: dict[int, torch.optim.Optimizer] = {}  # since the last check
         self._compared: list[torch.optim.Optimizer] = []  # at the last check
@@ -151,9 +152,9 @@ class ReplicaCheck:
         # could be a dead optimizer's.
         self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
         self._hook = on_every_optimizer_step(self.noted) if every and world.distributed else None
-        self.step = 0  # the last synced step
-        if self._hook is not None:
-            _CHECKS[module] = weakref.ref(self)
+        self._registered = weakref.ref(owner) if self._hook is not None else None
+        if self._registered is not None:
+            _REPLICAS[module] = self._registered
         layers = {id(m) for m in drifting_norm_layers(module)}
         self._local = {f"{path}.{name}".lstrip(".") for path, m in module.named_modules() if id(m) in layers
                        for name, _ in m.named_buffers(recurse=False)}  # their statistics, by name
@@ -171,7 +172,6 @@ class ReplicaCheck:
 
     def after_step(self, step: int) -> None:
         """Synced step `step` is summed: compare at the first and at every `every`-th."""
-        self.step = step
         if self.every and (step % self.every == 0 or step == 1):
             self.check(step=step, found=f"found at step {step}'s check: the first step and every {self.every} steps")
 
@@ -193,8 +193,8 @@ class ReplicaCheck:
     def close(self) -> None:
         if self._hook is not None:
             self._hook.remove()
-            if check_of(self._module) is self:
-                del _CHECKS[self._module]
+            if _REPLICAS.get(self._module) is self._registered:
+                del _REPLICAS[self._module]
         self._stepped, self._compared = {}, []
 
 
