@@ -21,8 +21,10 @@ import torch.distributed as dist
 
 from phalanx.comm import Tag, native
 from phalanx.data_parallel.data_parallel import DataParallel
+from phalanx.runtime.foreign_names import in_phalanx_order
 
 
+@in_phalanx_order(first=DataParallel)  # Fabric's clip_gradients(model, optimizer, ...): one line
 def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0) -> torch.Tensor:
     """Scale the summed gradients so their global `norm_type` norm is at most `max_norm`.
 
@@ -36,6 +38,7 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0
     return _clip_sharded(dp, float(max_norm), float(norm_type))
 
 
+@in_phalanx_order(first=DataParallel)
 def clip_grad_value_(dp: DataParallel, clip_value: float) -> None:
     """Clamp the summed gradients into [-clip_value, clip_value], as torch's `clip_grad_value_`
     does on one device. Call where `clip_grad_norm_` is called; a sharded replica clamps its own

@@ -6,10 +6,14 @@ not Python's bare "has no attribute". Names that already mean the same (`device`
 same for what a DDP user hands `prepare` where they handed `DistributedDataParallel(...)`, and
 `DDP_METHODS` for what they call on the replica where they called it on DDP's wrapper; with
 Horovod's and DeepSpeed's (horovod_deepspeed.py) they make prepare's TypeError and the replica's
-AttributeError.
+AttributeError. `CALL_ORDERS` names what another tool passes in another order where phalanx's
+function stands (`in_phalanx_order`), where Python's binding error would name only the count.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 from phalanx.runtime.horovod_deepspeed import ENGINE_METHODS, KEYWORDS as HOROVOD_DEEPSPEED_KEYWORDS
 
@@ -31,6 +35,9 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "is_local_main_process": (ACCELERATE, "world.local_rank == 0"),
     "is_global_zero": (FABRIC, "world.is_main"),
     "process_index": (ACCELERATE, "world.rank"),
+    "num_nodes": ("Lightning's and Fabric's strategy", "world.world_size // world.local_world_size hosts, where each "
+                                                      "runs world.local_world_size workers (torchrun --nnodes H "
+                                                      "--nproc-per-node N); world.node_rank is this rank's host"),
     "global_rank": (FABRIC, "world.rank"),
     "local_process_index": (ACCELERATE, "world.local_rank"),
     "num_processes": (ACCELERATE, "world.world_size"),
@@ -167,6 +174,44 @@ def foreign_name_error(name: str) -> AttributeError:
         return AttributeError(f"'World' object has no attribute {name!r}")
     whose, way = FOREIGN_NAMES[name]
     return AttributeError(f"'World' object has no attribute {name!r} ({whose} name): in phalanx, {way}")
+
+
+# Calls another tool makes with its own order of arguments where phalanx's function stands:
+# phalanx's function -> (the other tools' calls, phalanx's way).
+_PARTS = "epoch=epoch, step=step, global_batch_size=..., seed=...): each part by keyword, no state dict"
+CALL_ORDERS: dict[str, tuple[str, str]] = {
+    "clip_grad_norm_": ("Fabric's clip_gradients(model, optimizer, max_norm=...), Accelerate's "
+                        "clip_grad_norm_(parameters, max_norm)", "phalanx.clip_grad_norm_(dp, max_norm), after "
+                                                                 "dp.finish_gradient_sync(): no optimizer"),
+    "clip_grad_value_": ("Fabric's clip_gradients(model, optimizer, clip_val=...), Accelerate's "
+                         "clip_grad_value_(parameters, value)", "phalanx.clip_grad_value_(dp, value), after "
+                                                                "dp.finish_gradient_sync(): no optimizer"),
+    "checkpoint": ("Fabric's save(path, state), torch.save(state, path)",
+                   f"phalanx.checkpoint(path, world=world, model=dp, optimizer=optimizer, {_PARTS}"),
+    "resume": ("Fabric's load(path, state), torch.load(path)",
+               "position = phalanx.resume(path, world=world, model=dp, optimizer=optimizer, global_batch_size=..., "
+               "seed=...): restores each part in place"),
+}
+
+
+def in_phalanx_order(first: type | tuple[type, ...]):
+    """`fn` (a name of CALL_ORDERS) as it is, but called in another tool's order - more positional
+    arguments than it takes, a keyword that one of them already fills, or a first argument not a
+    `first` - a one-line TypeError naming phalanx's way before Python's own binding error."""
+    def wrap(fn):
+        params = inspect.signature(fn).parameters.values()
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        whose, way = CALL_ORDERS[fn.__name__]
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if (len(args) > len(positional) or not kwargs.keys().isdisjoint(positional[:len(args)])
+                    or (args and not isinstance(args[0], first))):
+                given = ", ".join([*(type(arg).__name__ for arg in args), *(f"{name}=" for name in kwargs)])
+                raise TypeError(f"{fn.__name__}({given}) is another tool's order ({whose}): in phalanx, {way}")
+            return fn(*args, **kwargs)
+        return call
+    return wrap
 
 
 # DistributedDataParallel's keywords -> what phalanx does instead (prepare's TypeError names it).

@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import PhalanxWarning, warn_at_caller
+from phalanx.runtime.foreign_names import in_phalanx_order
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint import Position, check_compatible, fingerprint, has_checkpoint, read_newest, \
     restore, save_checkpoint, set_aside_passed_over
@@ -45,6 +47,7 @@ def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed
                        dtype=dtype)
 
 
+@in_phalanx_order(first=(str, os.PathLike))  # Fabric's save(path, state): one line
 def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
                step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None,
                loader=None) -> Path | None:
@@ -91,6 +94,7 @@ def _name_the_loader_left_out(loader, *, step: int, world: World) -> None:
                        "loader takes a seed from torch's generator)")
 
 
+@in_phalanx_order(first=(str, os.PathLike))
 def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
            seed: int, extras: dict | None = None, loader=None) -> Position:
     """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).

@@ -171,7 +171,8 @@ def test_another_tool_s_keyword_on_init_reduce_or_main_first_names_phalanx_s_way
 
 
 def test_the_ways_the_keywords_name_exist():
-    ways = " ".join(way for _, way in CALL_KEYWORDS.values())
+    from phalanx.runtime.foreign_names import CALL_ORDERS
+    ways = " ".join(way for _, way in [*CALL_KEYWORDS.values(), *CALL_ORDERS.values()])
     for name in re.findall(r"phalanx\.(\w+)", ways):
         assert name in phalanx.__all__, name
     assert "per_host" in inspect.signature(phalanx.main_first).parameters
@@ -188,3 +189,53 @@ def test_a_sharded_loader_iterated_as_fabric_s_loader_names_epoch():
         for _ in loader:
             pass
     assert [size for _, size in loader.epoch(0)] == [4, 2]
+
+
+def _foreign_order_calls(dp, optimizer, path):
+    """Another tool's call made where phalanx's function stands, by the function's name."""
+    return [("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp, optimizer, max_norm=1.0), "DataParallel, SGD, max_norm="),
+            ("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp, optimizer, 1.0), "DataParallel, SGD, float"),
+            ("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp.parameters(), 1.0), "generator, float"),
+            ("clip_grad_value_", lambda: phalanx.clip_grad_value_(dp, optimizer, clip_value=0.5),
+             "DataParallel, SGD, clip_value="),
+            ("checkpoint", lambda: phalanx.checkpoint(path, {"model": dp, "optimizer": optimizer}), "str, dict"),
+            ("checkpoint", lambda: phalanx.checkpoint({"model": dp}, path), "dict, str"),
+            ("resume", lambda: phalanx.resume(path, {"model": dp}), "str, dict")]
+
+
+def test_another_tool_s_order_of_arguments_names_phalanx_s_way(tmp_path):
+    # Fabric's clip_gradients(model, optimizer, max_norm=) and save(path, state) met Python's own
+    # "got multiple values for argument 'max_norm'" / "takes 1 positional argument but 2 were given".
+    with phalanx.prepare(nn.Linear(2, 2), world=WORLD1) as dp:
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+        for name, call, given in _foreign_order_calls(dp, optimizer, str(tmp_path / "ck")):
+            with pytest.raises(TypeError) as info:
+                call()
+            assert str(info.value).startswith(f"{name}({given}) is another tool's order ("), str(info.value)
+            from phalanx.runtime.foreign_names import CALL_ORDERS
+            whose, way = CALL_ORDERS[name]
+            assert str(info.value) == f"{name}({given}) is another tool's order ({whose}): in phalanx, {way}"
+        assert not (tmp_path / "ck").exists()
+        dp.module(torch.ones(3, 2)).sum().backward()
+        dp.finish_gradient_sync()
+        assert phalanx.clip_grad_norm_(dp, 1e-3) > 1e-3  # phalanx's own order is as before
+        assert phalanx.clip_grad_norm_(dp, max_norm=1e-3, norm_type=2.0) <= 1e-3 + 1e-6
+        phalanx.checkpoint(tmp_path / "ck", world=WORLD1, model=dp, optimizer=optimizer, epoch=0,
+                           global_batch_size=3, seed=0)
+        assert phalanx.resume(tmp_path / "ck", world=WORLD1, model=dp, optimizer=optimizer, global_batch_size=3,
+                              seed=0).epoch == 0
+    for name in ("clip_grad_norm_", "clip_grad_value_", "checkpoint", "resume"):  # the signature a reader sees is the function's own
+        assert "world" in str(inspect.signature(getattr(phalanx, name))) or name.startswith("clip")
+
+
+def test_num_nodes_names_how_to_count_the_hosts():
+    # Lightning's trainer.num_nodes (Fabric's strategy.num_nodes) asked of the World was Python's
+    # bare "has no attribute": the way named counts the hosts as the allreduce's choice does.
+    from phalanx.comm.hosts import host_counts
+    with pytest.raises(AttributeError, match=r"^'World' object has no attribute 'num_nodes' \(Lightning's .*: in "
+                                             r"phalanx, world.world_size // world.local_world_size hosts"):
+        WORLD1.num_nodes
+    two_hosts = World(rank=3, world_size=4, local_rank=1, local_world_size=2, device=torch.device("cpu"),
+                      backend="gloo", timeout_s=5.0, node_rank=1)
+    for world in (WORLD1, two_hosts):
+        assert world.world_size // world.local_world_size == host_counts(world)[0]
