@@ -12,6 +12,14 @@ optimizer step in between, the layers computed with the weights before the step;
   4.4 off the unsharded run (every parameter); now they equal it exactly;
 - load_state_dict after an evaluation forward: full_state_dict gave the values before the load
   (up to 0.88 off the loaded ones: aux, first.bias, last.weight); now the loaded ones.
+
+An optimizer step, `dp.load_state_dict` or `phalanx.resume` inside `with dp.gathered_parameters():`
+changes each rank's range while the block holds the parameters whole from before it: a step there
+left the weights read 0.13 off the unsharded run's, a forward there 0.35, and a clamp kept by
+writeback=True undid the step (0.20 off at the end); a load left the reads 0.64 off (a resume
+loads the same way). Each is now refused in one line on every rank, and the ways named (step
+before the block; `dp.module.load_state_dict` inside it under writeback=True) give the unsharded
+run's values exactly.
 """
 
 from __future__ import annotations
@@ -79,15 +87,68 @@ def _loaded(world) -> tuple[list[str], dict[str, float]]:
     return sorted(wanted), {name: (got[name] - value).abs().max().item() for name, value in wanted.items()}
 
 
-def _worker(world) -> dict:
+def _refused(call) -> str:
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def _in_the_block(world, shard: str, path: str) -> dict:
+    """Each step: under stage 3 the refused habits inside the block, then the ways they name (every
+    stage); what the block read."""
+    torch.manual_seed(0)
+    dp = phalanx.DataParallel(WithAuxHead().double(), world=world, options=_options(shard))
+    optimizer = dp.optimizer(torch.optim.SGD, lr=0.5) if shard != "none" else torch.optim.SGD(dp.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(world.rank)
+    refusals, read, outputs = [], [], []
+    for _ in range(STEPS):
+        x = torch.randn(ROWS, 6, dtype=torch.float64, generator=g)
+        dp.zero_grad()
+        phalanx.shard_loss(dp(x).pow(2).sum(), 2 * ROWS).backward()
+        dp.finish_gradient_sync()
+        if shard == "parameters":  # (any other stage takes a step there: the block is a no-op)
+            with dp.gathered_parameters(writeback=True):
+                refusals.append(_refused(optimizer.step))
+        optimizer.step()  # the way named: before the block
+        with dp.gathered_parameters(writeback=True):
+            read.append({name: p.detach().clone() for name, p in dp.module.named_parameters()})
+            with torch.no_grad():
+                outputs.append(dp(x))
+            for p in dp.module.parameters():
+                p.data.clamp_(-0.3, 0.3)  # WGAN's clipping, kept
+    loaded = {name: torch.full(tuple(p.shape), 0.25, dtype=torch.float64) for name, p in dp.module.named_parameters()}
+    if shard == "parameters":
+        with dp.gathered_parameters(writeback=True):
+            refusals.append(_refused(lambda: dp.load_state_dict(loaded)))
+        phalanx.checkpoint(path, world=world, model=dp, optimizer=optimizer, epoch=1, global_batch_size=2 * ROWS, seed=0)
+        with dp.gathered_parameters(writeback=True):
+            refusals.append(_refused(lambda: phalanx.resume(path, world=world, model=dp, optimizer=optimizer,
+                                                            global_batch_size=2 * ROWS, seed=0)))
+    with dp.gathered_parameters(writeback=True):
+        dp.module.load_state_dict(loaded)  # the way named inside the block
+    final = dp.full_state_dict()
+    dp.close()
+    return {"refusals": refusals, "read": read, "outputs": outputs, "final": final,
+            "loaded_off": max((final[name] - value).abs().max().item() for name, value in loaded.items())}
+
+
+def _worker(world, path: str) -> dict:
     none, sharded = _trained(world, "none"), _trained(world, "parameters")
+    plain, third = _in_the_block(world, "none", path), _in_the_block(world, "parameters", path)
     return {"trained": {name: (none[name] - sharded[name]).abs().max().item() for name in none},
-            "loaded": _loaded(world)}
+            "loaded": _loaded(world),
+            "in_block": {"refusals": third["refusals"],
+                         "read_off": max((a[k] - b[k]).abs().max().item()
+                                         for a, b in zip(plain["read"], third["read"]) for k in a),
+                         "output_off": max((a - b).abs().max().item() for a, b in zip(plain["outputs"], third["outputs"])),
+                         "loaded_off": third["loaded_off"]}}
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_workers(_worker, 2, timeout_s=240)
+def results(tmp_path_factory):
+    return run_workers(_worker, 2, str(tmp_path_factory.mktemp("zero3") / "ck"), timeout_s=240)
 
 
 def test_a_forward_skipping_a_layer_then_a_step_trains_as_unsharded(results):
@@ -100,3 +161,16 @@ def test_load_state_dict_after_a_forward_skipping_a_layer_keeps_the_loaded_value
         names, off = rank["loaded"]
         assert "aux.weight" in names
         assert off == {name: 0.0 for name in names}
+
+
+def test_a_step_or_a_load_inside_gathered_parameters_is_refused_and_the_ways_named_are_exact(results):
+    for rank in results:
+        block = rank["in_block"]
+        *steps, load, resume = block["refusals"]
+        assert len(steps) == STEPS and all(message.startswith("optimizer.step() inside dp.gathered_parameters(): it "
+                                                              "changes each rank's range") for message in steps)
+        assert "step before the block" in steps[0] and "\n" not in steps[0]
+        assert load.startswith("dp.load_state_dict(...) inside dp.gathered_parameters(): ")
+        assert "dp.module.load_state_dict(...) under writeback=True" in load
+        assert resume.startswith("phalanx.resume(...) inside dp.gathered_parameters(): ") and "resume before" in resume
+        assert (block["read_off"], block["output_off"], block["loaded_off"]) == (0.0, 0.0, 0.0)

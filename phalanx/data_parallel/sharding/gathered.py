@@ -16,6 +16,9 @@ any rank changed them; then:
   edits differ are refused in one line. DeepSpeed's `modifier_rank=0` instead broadcasts rank 0's
   edit, which takes a random re-initialisation made with a different seed per rank without a word.
 
+An optimizer step or a load inside the block is refused (params.py, `check_outside_whole`): it
+changes each rank's range under the whole parameters the block holds.
+
 Any other stage keeps the whole parameters on every rank, so the block is a no-op there and a
 script runs unchanged at any stage. An error raised inside the block leaves it with nothing kept
 and no collective (a peer without the error would wait on it).

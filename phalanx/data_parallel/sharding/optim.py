@@ -175,6 +175,9 @@ class ShardedOptimizerHooks:
             raise RuntimeError("optimizer.step() while gradient reduce-scatters are in flight; call "
                                "dp.finish_gradient_sync() first")
         dp.check_synced("optimizer.step()")
+        if dp.sharding is not None:
+            dp.sharding.params.check_outside_whole("optimizer.step()", "step before the block, whose reads (an "
+                                                   "EMA's update, a logged norm) then see the stepped weights")
         unused = dp.unused_at_last_sync  # no rank used them: skipped, as torch skips a gradient of None
         for piece, grad, param in self._pieces:
             if id(param) in unused:

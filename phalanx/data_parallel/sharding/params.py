@@ -112,6 +112,17 @@ class ShardedParameters:
         for index in range(len(self.buckets)):
             self.release(index)
 
+    def check_outside_whole(self, what: str, way: str) -> None:
+        """Refuse `what`, which changes this rank's ranges (a step, a load), inside `whole()` under
+        stage 3: the block's whole parameters keep the values from before it, and what the block
+        reads, a forward in it and `writeback=True` would use them (2 workers, float64: a step
+        there left the weights read 0.13 and a forward 0.35 off the unsharded run, and a clamp kept
+        by writeback undid the step)."""
+        if self._held and not self.keep_whole:
+            raise RuntimeError(f"{what} inside dp.gathered_parameters(): it changes each rank's range of the "
+                               "parameters, which the block holds whole as they were before it (what it reads, a "
+                               f"forward in it and writeback=True would use the old values); {way}")
+
     def release(self, index: int) -> None:
         """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else.
         At rest a parameter keeps its shape but holds one NaN seen through zero strides
@@ -172,6 +183,8 @@ class ShardedParameters:
     def load_state_dict(self, module: nn.Module, state: Mapping[str, torch.Tensor], *, strict: bool):
         """Stage 3's load: each parameter's range of this rank copied into its shard (no
         collective), the buffers loaded as usual. Returns torch's (missing, unexpected) keys."""
+        self.check_outside_whole("dp.load_state_dict(...)", "load before the block, or inside it "
+                                 "dp.module.load_state_dict(...) under writeback=True")
         names = {slot.name for slot in self.layout.slots}
         for slot in self.layout.slots:
             if slot.name not in state:

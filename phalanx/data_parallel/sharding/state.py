@@ -174,6 +174,7 @@ def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
     """Put `reader`'s state into the sharded replica `dp` and its `dp.optimizer(...)`: each rank
     reads its own ranges; stages 1 and 2 then all-gather so every replica is whole again."""
     sharding = dp.sharding
+    sharding.params.check_outside_whole("phalanx.resume(...)", "resume before the block")
     for index, start, stop in sharding.params.owned_flat():
         with torch.no_grad():
             sharding.params.shard[index].copy_(reader.read(PARAMETERS, start, stop))
