@@ -154,8 +154,8 @@ class AsyncComm:
         """Start summing `tensor` in place across the world; the result is there after `wait()`.
 
         `tag`: what the collective is, as a failure names it (a bucket: Tag("gradient", i, step=s)).
-        `on_done()` runs as soon as the backend has finished (on its thread, before any wait):
-        how a trace learns when communication really ended."""
+        `on_done()` runs as soon as the backend has finished (on its thread, before any wait; not
+        for a job `close()` cancelled): how a trace learns when communication really ended."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             if on_done is not None:
@@ -231,8 +231,8 @@ class AsyncComm:
         ticket = enter(self.world, COMM, tag, size_bytes, dtype=flat.dtype, check_peers=algorithm != "shm")
         self._queued += 1
         future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket, True)
-        if on_done is not None:
-            future.add_done_callback(lambda _: on_done())
+        if on_done is not None:  # not for a job close() cancelled: it never ran (a trace would draw it done)
+            future.add_done_callback(lambda finished: finished.cancelled() or on_done())
         return functools.partial(wait_future, future, world=self.world, ticket=ticket)
 
     def _now(self, algorithm: str, tag: Tag, flat: torch.Tensor, *, start: Callable[[], object], job: Job) -> None:
