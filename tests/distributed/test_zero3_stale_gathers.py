@@ -122,7 +122,8 @@ def _in_the_block(world, shard: str, path: str) -> dict:
     if shard == "parameters":
         with dp.gathered_parameters(writeback=True):
             refusals.append(_refused(lambda: dp.load_state_dict(loaded)))
-        phalanx.checkpoint(path, world=world, model=dp, optimizer=optimizer, epoch=1, global_batch_size=2 * ROWS, seed=0)
+        phalanx.checkpoint(path, world=world, model=dp, optimizer=optimizer, epoch=1, global_batch_size=2 * ROWS,
+                           seed=0)
         with dp.gathered_parameters(writeback=True):
             refusals.append(_refused(lambda: phalanx.resume(path, world=world, model=dp, optimizer=optimizer,
                                                             global_batch_size=2 * ROWS, seed=0)))
@@ -142,7 +143,8 @@ def _worker(world, path: str) -> dict:
             "in_block": {"refusals": third["refusals"],
                          "read_off": max((a[k] - b[k]).abs().max().item()
                                          for a, b in zip(plain["read"], third["read"]) for k in a),
-                         "output_off": max((a - b).abs().max().item() for a, b in zip(plain["outputs"], third["outputs"])),
+                         "output_off": max((a - b).abs().max().item()
+                                           for a, b in zip(plain["outputs"], third["outputs"])),
                          "loaded_off": third["loaded_off"]}}
 
 

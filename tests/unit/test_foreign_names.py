@@ -193,7 +193,8 @@ def test_a_sharded_loader_iterated_as_fabric_s_loader_names_epoch():
 
 def _foreign_order_calls(dp, optimizer, path):
     """Another tool's call made where phalanx's function stands, by the function's name."""
-    return [("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp, optimizer, max_norm=1.0), "DataParallel, SGD, max_norm="),
+    return [("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp, optimizer, max_norm=1.0),
+             "DataParallel, SGD, max_norm="),
             ("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp, optimizer, 1.0), "DataParallel, SGD, float"),
             ("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp.parameters(), 1.0), "generator, float"),
             ("clip_grad_value_", lambda: phalanx.clip_grad_value_(dp, optimizer, clip_value=0.5),
@@ -224,7 +225,7 @@ def test_another_tool_s_order_of_arguments_names_phalanx_s_way(tmp_path):
                            global_batch_size=3, seed=0)
         assert phalanx.resume(tmp_path / "ck", world=WORLD1, model=dp, optimizer=optimizer, global_batch_size=3,
                               seed=0).epoch == 0
-    for name in ("clip_grad_norm_", "clip_grad_value_", "checkpoint", "resume"):  # the signature a reader sees is the function's own
+    for name in ("clip_grad_norm_", "clip_grad_value_", "checkpoint", "resume"):  # inspect sees the function's own
         assert "world" in str(inspect.signature(getattr(phalanx, name))) or name.startswith("clip")
 
 
