@@ -263,13 +263,13 @@ class ShardedLoader:
         if callable(set_epoch):
             set_epoch(epoch)
         yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
-                                 num_workers=self.num_workers,
-                                 first_chunk=lambda items: self._first_chunk(epoch, items), **self.loader_kwargs)
+                                 num_workers=self.num_workers, each_chunk=lambda index, items, last:
+                                 self._chunk_read(epoch, index, items, last), **self.loader_kwargs)
 
-    def _first_chunk(self, epoch: int, items: list) -> None:
-        """Called with the items of a stream's first global batch each epoch, before any rank
-        trains on it; nothing here (phalanx.ShardedLoader compares the ranks' items:
-        train/sharded_loader.py)."""
+    def _chunk_read(self, epoch: int, index: int, items: list, last: bool) -> None:
+        """Called with the items of a stream's global batch `index` of `epoch` (`last`: the stream
+        ends with it), before any rank trains on it; nothing here (phalanx.ShardedLoader compares
+        the ranks' batch sizes and first items: train/sharded_loader.py)."""
 
 
 class _EpochShards:
@@ -288,21 +288,27 @@ class _EpochShards:
 
 
 def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate_fn: Callable = default_collate,
-                  num_workers: int = 0, first_chunk: Callable[[list], None] | None = None,
+                  num_workers: int = 0, each_chunk: Callable[[int, list, bool], None] | None = None,
                   **loader_kwargs: Any) -> Iterator[tuple[Any, int]]:
     """A stream's items in order, `chunk` at a time (the last chunk what is left): this rank's
     contiguous slice of each, collated, and the chunk's size. Every rank reads every item; an
-    empty slice is the chunk's first item collated and cut to 0 rows. `first_chunk` sees the
-    first chunk's items before anything of it is yielded."""
+    empty slice is the chunk's first item collated and cut to 0 rows. `each_chunk(index, items,
+    last)` sees each chunk before anything of it is yielded, an empty stream's as `[]`, and whether
+    the stream ends with it (one item is read ahead to know)."""
     items = iter(DataLoader(stream, batch_size=None, collate_fn=as_is, num_workers=num_workers, **loader_kwargs))
-    first = True
-    while batch := list(itertools.islice(items, chunk)):
-        if first and first_chunk is not None:
-            first_chunk(batch)
-        first = False
+    batch, end = list(itertools.islice(items, chunk)), object()
+    for index in itertools.count():
+        ahead = next(items, end) if len(batch) == chunk else end
+        if each_chunk is not None:
+            each_chunk(index, batch, ahead is end)
+        if not batch:
+            return
         start, stop = shard_bounds(len(batch), world.world_size, world.rank)
         mine = collate_fn(batch[start:stop]) if stop > start else empty_batch_like(collate_fn(batch[:1]))
         yield mine, len(batch)
+        if ahead is end:
+            return
+        batch = [ahead, *itertools.islice(items, chunk - 1)]
 
 
 def as_is(item: Any) -> Any:

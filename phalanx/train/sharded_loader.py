@@ -10,7 +10,11 @@ of the data is trained on twice in an epoch and some never, silently. So at the 
 of every epoch, before anything is trained on it, the ranks all-gather one small record of its
 items' identities (`identity_checksum`: strings, bytes, whole numbers, token ids; not floating
 values, which a per-rank random augmentation may change) and rank 0 warns, once, naming the first
-rank whose items differ and the fix. One gather of 3 numbers an epoch.
+rank whose items differ and the fix. One gather of 3 numbers an epoch. A stream that yields fewer
+items on one rank (split by rank, a file missing on one host) would have the ranks train last
+batches of different sizes, or one rank a batch alone, so every global batch's size on each rank,
+and whether it ends that rank's stream (one item read ahead), is compared before it is yielded,
+one allreduce of 2 x k numbers a batch: a difference stops every rank with the same UsageError.
 
 A map-style dataset's order is computed alike on every rank, unless the script made it differ: a
 dataset already cut by rank (Horovod's habit: `Subset(full, range(rank, n, k))`, files split by
@@ -37,14 +41,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from phalanx.comm.calls import native
 from phalanx.comm.gather import gather
 from phalanx.data.item_identity import identity_checksum
 from phalanx.data.loader import ShardedLoader as LocalShardedLoader, as_is
 from phalanx.errors import UsageError, warn_at_caller
+from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 from phalanx.train.loader_resume import EpochStart, Replay, replayed
 from phalanx.train.rng_state import rng_state, set_rng_state
 
+STREAM_SIZES = Tag("stream batch sizes")  # each global batch of a stream: its size per rank, and if it ends it
 PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced classes all agree by chance 3e-6
 
 
@@ -140,10 +147,30 @@ class ShardedLoader(LocalShardedLoader):
         return list(DataLoader(self.dataset, batch_size=None, sampler=indices, num_workers=1, collate_fn=as_is,
                                **settings))
 
-    def _first_chunk(self, epoch: int, items: list) -> None:
-        """Compare the ranks' first global batch of `epoch` (module docstring)."""
+    def _chunk_read(self, epoch: int, index: int, items: list, last: bool) -> None:
+        """Compare the ranks' sizes of the stream's global batch `index` and whether it is their
+        last (every batch), then its first batch's items (module docstring)."""
         if not self._compares():
             return
+        table = torch.zeros(self.world.world_size, 2, dtype=torch.int64, device=self.world.device)
+        table[self.world.rank] = torch.tensor([len(items), int(last)])
+        native(self.world, STREAM_SIZES, lambda: dist.all_reduce(table, async_op=True), size_bytes=table.numel() * 8)
+        every = table.tolist()
+        differ = next((rank for rank, row in enumerate(every) if row != every[0]), None)
+        if differ is not None:
+            def said(rank):
+                size, ends = every[rank]
+                return f"rank {rank}'s holds {size} item(s){' and ends its stream' if ends else ', more follow'}"
+            raise UsageError(f"the stream's global batch {index} of epoch {epoch} differs between ranks ({said(0)}, "
+                             f"{said(differ)}): every rank must read the same items, as many of them, in the same "
+                             "order, or the ranks train on other batches than one device reads (or wait for each "
+                             "other); make the stream yield the same items on every rank (not split by rank: "
+                             "ShardedLoader splits each global batch itself)")
+        if index == 0 and items:
+            self._first_batch(epoch, items)
+
+    def _first_batch(self, epoch: int, items: list) -> None:
+        """Compare the ranks' first global batch of `epoch` (module docstring)."""
         count, checksum = identity_checksum(items)
         mine = torch.tensor([[len(items), count, checksum]], dtype=torch.int64)
         every = gather(mine, world=self.world).tolist()
