@@ -200,7 +200,9 @@ class ShardedLoader:
         self.dataset, self.world = dataset, world
         self.global_batch_size, self.seed = global_batch_size, seed
         self.shuffle = not self.streams and shuffle is not False  # a stream orders itself
-        self.num_workers, self.loader_kwargs = num_workers, loader_kwargs
+        # Worker base seeds from (seed, epoch), not torch's RNG: a resumed epoch leaves dropout's draws as they were.
+        self._generator = torch.Generator()
+        self.num_workers, self.loader_kwargs = num_workers, {"generator": self._generator, **loader_kwargs}
         self.collate_fn = collate_fn or default_collate
         self.collate = None if self.streams else ShardCollate(dataset, self.collate_fn)
         self._shards, self._loader = _EpochShards(), None
@@ -221,6 +223,7 @@ class ShardedLoader:
 
     def epoch(self, epoch: int) -> Iterator[tuple[Any, int]]:
         """Yield (this rank's batch, global batch size) for every step of `epoch`."""
+        self._generator.manual_seed(epoch_seed(self.seed, epoch))
         if self.streams:
             yield from self._stream_epoch(epoch)
             return

@@ -2,10 +2,11 @@
 mid-epoch resume exact when the dataset draws random numbers (`torch.rand` in `__getitem__`, as
 torchvision's random transforms do).
 
-Skipping the steps already done is not enough for such data: loading the skipped batches again
-draws from the RNG states that resume restored, and with loader workers each worker's seed is
-drawn from the main process's RNG when the epoch's iterator is made - at the epoch's start in the
-uninterrupted run, at the resumed step in the other. So the loader keeps this rank's RNG states as
+Skipping the steps already done is not enough for such data: loading the skipped batches again in
+this process (`num_workers=0`) draws from the RNG states that resume restored, not from the
+epoch's start. (Loader workers' seeds come from a generator seeded by (seed, epoch), not from the
+process's RNG, so they and the step's own draws resume alike without `loader=`; a resume
+without it is one warning on rank 0 all the same.) So the loader keeps this rank's RNG states as
 they were when its last epoch began (`EpochStart`); `phalanx.checkpoint(..., loader=loader)` saves
 every rank's beside its current ones, and `phalanx.resume(..., loader=loader)` hands them back as
 a `Replay`: the resumed epoch starts from the epoch's states, makes its iterator (the same worker
@@ -77,10 +78,14 @@ def hand_to_loader(state: dict, *, loader, rank: int, is_main: bool, path: Any) 
         return
     mine = of_rank(records, rank) if records else None
     if loader is None:
-        if mine is not None and is_main:
-            warn_at_caller(f"checkpoint {path} was saved with loader= at step {step} of epoch {epoch}; pass "
-                           "loader=loader to phalanx.resume too, or the skipped batches' random draws (augmentation, "
-                           "loader workers' seeds) move the run off the uninterrupted one")
+        if is_main:
+            saved = f"was saved with loader= at step {step}" if mine is not None else f"is at step {step}"
+            warn_at_caller(f"resuming without loader=: checkpoint {path} {saved} of epoch {epoch}, and the skipped "
+                           "batches load again from its RNG states, so random draws made while loading them in this "
+                           "process (augmentation in __getitem__ with num_workers=0, a collate that draws) differ "
+                           "from the uninterrupted run's; pass loader=loader to phalanx.resume too (and to "
+                           "phalanx.checkpoint): plain data, dropout and loader workers' draws go on exactly "
+                           "either way")
         return
     if mine is None or int(mine["epoch"]) != epoch:
         if is_main:

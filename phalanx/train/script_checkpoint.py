@@ -81,17 +81,17 @@ _SAID = []  # the warning below, once a process
 
 def _name_the_loader_left_out(loader, *, step: int, world: World) -> None:
     """Rank 0 warns, once, of a mid-epoch checkpoint without `loader=` while a ShardedLoader of
-    this process is inside an epoch: its resume would skip the done batches without replaying
-    their random draws, and drift where the data or the step draws random numbers (augmentation,
-    dropout: each epoch's DataLoader iterator takes a seed from torch's generator, so the resumed
-    epoch's start moves the step's draws by one number)."""
+    this process is inside an epoch: its resume would load the done batches again from the
+    checkpoint's RNG states, and drift where loading them draws random numbers in this process
+    (augmentation in `__getitem__` with `num_workers=0`); loader workers' seeds and the step's
+    own draws (dropout) do not depend on it (each epoch's workers are seeded by (seed, epoch))."""
     if loader is None and step > 0 and world.is_main and IN_EPOCH and not _SAID:
         _SAID.append(True)
         warn_at_caller(f"phalanx.checkpoint at step {step} of an epoch without loader=: pass loader=loader (here and "
-                       "to phalanx.resume) so that a resume replays the done batches' random draws (augmentation, "
-                       "loader workers' seeds); without it a resumed run drifts off the uninterrupted one wherever "
-                       "the data or the step draws random numbers (augmentation; dropout too, as the resumed epoch's "
-                       "loader takes a seed from torch's generator)")
+                       "to phalanx.resume) so that a resume replays the done batches' random draws; without it a "
+                       "resume loads them again from the checkpoint's RNG states, and draws made while loading them "
+                       "in this process (augmentation in __getitem__ with num_workers=0, a collate that draws) move "
+                       "the run off the uninterrupted one")
 
 
 @in_phalanx_order(first=(str, os.PathLike))

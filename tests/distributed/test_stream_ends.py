@@ -32,7 +32,8 @@ class _Stream(torch.utils.data.IterableDataset):
         self.count = sizes[rank]
         g = torch.Generator().manual_seed(3)
         most = max(sizes)
-        self.x, self.y = torch.randn(most, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (most,), generator=g)
+        self.x = torch.randn(most, 3, generator=g, dtype=torch.float64)
+        self.y = torch.randint(0, 3, (most,), generator=g)
 
     def __iter__(self):
         for i in range(self.count):
