@@ -21,6 +21,7 @@ metric, `classification_sums`, is for a classifier returning logits and refuses 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable
 
@@ -217,11 +218,17 @@ def lockstep_batches(count: int, module: nn.Module, *, world: World) -> int:
 
 def _to_device(batch, device: torch.device, dtype: torch.dtype | None):
     """`batch` on `device`, its floating tensors in `dtype` (None: as they are); integer labels,
-    token ids and masks keep theirs."""
+    token ids and masks keep theirs. Dicts, lists, tuples, named tuples (as default_collate keeps
+    them) and dataclasses keep their structure; anything else is passed as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, dtype) if dtype is not None and batch.is_floating_point() else batch.to(device)
     if isinstance(batch, dict):
         return {k: _to_device(v, device, dtype) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple takes its fields one by one
+        return type(batch)(*(_to_device(v, device, dtype) for v in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(_to_device(v, device, dtype) for v in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: _to_device(getattr(batch, f.name), device, dtype)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch

@@ -320,3 +320,29 @@ def test_empty_batches_of_other_collated_structures():
     with pytest.raises(TypeError, match="holds a value of type object, which phalanx cannot cut to no examples; have "
                                         "collate_fn return tensors"):
         empty_batch_like({"x": torch.ones(1), "record": object()})
+
+
+def test_evaluate_dataset_moves_named_tuple_and_dataclass_batches_as_it_moves_tuples():
+    # Before 2026-12-03 a dataset of named tuples (default_collate keeps them) failed inside
+    # evaluate_dataset with "Pair.__new__() missing 1 required positional argument", and a
+    # dataclass batch reached a float64 model in float32 (InputDtypeMismatch), uncast.
+    Pair = collections.namedtuple("Pair", "x y")
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        y: torch.Tensor
+
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(9, 3, generator=g), torch.randint(0, 2, (9,), generator=g)
+    pairs = [Pair(X[i], y[i]) for i in range(9)]
+    model = phalanx.prepare(nn.Linear(3, 2), world=world(0, 1), dtype="float64")
+    with torch.no_grad():
+        expected = F.cross_entropy(model.module(X.double()), y, reduction="sum").item()
+    loss = lambda m, b: {"loss": F.cross_entropy(m(b.x), b.y, reduction="sum")}  # noqa: E731
+    as_tuples = phalanx.evaluate_dataset(model, pairs, world=world(0, 1), batch_size=4, sums=loss)
+    as_dataclass = phalanx.evaluate_dataset(model, pairs, world=world(0, 1), batch_size=4, sums=loss,
+                                            collate_fn=lambda items: Batch(torch.stack([p.x for p in items]),
+                                                                           torch.stack([p.y for p in items])))
+    assert as_tuples == as_dataclass and as_tuples["count"] == 9
+    assert as_tuples["loss"] == pytest.approx(expected, rel=1e-12)  # float64: the batches' sums, added
