@@ -47,7 +47,7 @@ from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, check_gra
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
-from phalanx.data_parallel.layout import BucketLayout
+from phalanx.data_parallel.layout import AddedParameters, BucketLayout
 from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_, placed
 from phalanx.data_parallel.sharding.optim import make_optimizer
@@ -131,9 +131,9 @@ class DataParallel(ReplicaModule):
         self._replicas = ReplicaCheck(every=options.check_finite_every if self.exchanging else 0, world=world,
                                       module=self.module, sharding=self.sharding, allreduce=self.allreduce_now, owner=self)
         self._wire_buckets()
-        # What zero_grad clears with nothing to exchange: the parameters, listed once (as an
-        # optimizer holds its param_groups; walking the modules every step cost LeNet ~40 us).
-        self._params = list(self.module.parameters())
+        # What zero_grad clears with nothing to exchange: the parameters, listed once (walking the modules every
+        # step cost LeNet ~40 us); one added since is refused as at k ranks (1 device: its .grad never cleared).
+        self._params = AddedParameters(self.module)
 
     def _wire_buckets(self) -> None:
         """The scheduler, the usage flags (usage.py) and the landing hooks of the buckets as laid
@@ -167,7 +167,7 @@ class DataParallel(ReplicaModule):
         """Zero the bucket buffers (the views survive; with `set_to_none` they count as None until they
         land: usage.py); with nothing to exchange, set every .grad to None (or zero it) as torch does."""
         if not self.exchanging:
-            for param in self._params:
+            for param in self._params.checked():
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()
             return
         # Unsummed gradients no update read (a GAN's D under G's loss) are zeroed unsummed where nothing
@@ -241,8 +241,7 @@ class DataParallel(ReplicaModule):
         """The one wait point after backward: afterwards every bucket holds the sum over ranks.
         Launches, in bucket order, every bucket no hook launched (without overlap: all; with it, those
         not complete: unused parameters, an empty shard's), then waits every handle once; under no_sync(), nothing.
-        With no backward since the last sync it still joins the peers' collectives, and the gradient stays as it was.
-        """
+        With no backward since the last sync it still joins the peers' collectives; the gradient stays as it was."""
         if self._closed:
             raise RuntimeError("DataParallel is closed")
         if not self._sync_enabled:
@@ -251,6 +250,7 @@ class DataParallel(ReplicaModule):
             if self._capturing:
                 return
             self.world.check_here("this replica")  # one prepared before phalanx.launch forked this worker
+            self._params.checked()
             self._synced_steps += 1
             return self._finite.after_local_step(self.named_gradients, step=self._synced_steps)
         written = self._usage.written() if self._usage is not None else []  # by the script since landing

@@ -49,14 +49,13 @@ class BucketLayout:
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None, first_bucket_cap_mb: float | None,
                  shard: str, world: World | None = None, average: bool | None = None) -> None:
-        _count_registrations()
         # A sum carried into the next step without zero_grad, kept once over `world`'s ranks (carry.py; stages 2
         # and 3: sharding/stages.py); one rank (or no world given) keeps all of it, with nothing to do.
         many = world is not None and world.world_size > 1
         self.carry = CarriedSum(rank=world.rank if many else 0, scale=world.world_size if many and average else 1,
                                 carry=many and (shard == "optimizer" or shard == "none" and not average))
-        self.module, self.params, self._shard = module, list(module.parameters()), shard
-        self._registrations = _REGISTRATIONS[0]
+        self._added = AddedParameters(module)
+        self.module, self.params, self._shard = module, self._added.params, shard
         cap_bytes = mb_to_bytes(bucket_cap_mb)
         first = default_first_cap_bytes(cap_bytes) if first_bucket_cap_mb is None else mb_to_bytes(first_bucket_cap_mb)
         self._caps = dict(cap_bytes=cap_bytes, first_cap_bytes=first)
@@ -82,17 +81,7 @@ class BucketLayout:
 
     def check_added(self) -> None:
         """Refuse a parameter the module gained since prepare (module docstring)."""
-        if _REGISTRATIONS[0] == self._registrations:
-            return
-        self._registrations = _REGISTRATIONS[0]
-        known = {id(param) for param in self.params}
-        added = next((name for name, param in self.module.named_parameters() if id(param) not in known), None)
-        if added is not None:
-            raise UsageError(f"parameter {added} was added to the model after prepare (a layer appended or replaced, "
-                             "load_state_dict(assign=True)): no gradient bucket holds it, so each rank would train "
-                             "its own copy; prepare again once the model has it (dp.close(); "
-                             "dp = phalanx.prepare(dp.module, world=world)) and build the optimizer over its "
-                             "parameters")
+        self._added.checked()
 
     def before_step(self, *, set_to_none: bool = True) -> bool:
         """From zero_grad: lay out again if `requires_grad` changed, and every gradient a bucket
@@ -208,6 +197,32 @@ class BucketLayout:
     def sum_newly_trainable(self, allreduce: Callable[[torch.Tensor], object]) -> None:
         """Sum the gradients of parameters unfrozen after this step's buckets were laid out."""
         sum_newly_trainable([p for p, was in zip(self.params, self.laid_out) if p.requires_grad and not was], allreduce)
+
+
+class AddedParameters:
+    """`module`'s parameters as prepare found them, and the refusal of one registered since
+    (module docstring): the buckets' check, and a world of one's, whose `zero_grad` clears these."""
+
+    def __init__(self, module: nn.Module) -> None:
+        _count_registrations()
+        self.module, self.params = module, list(module.parameters())
+        self._registrations = _REGISTRATIONS[0]
+
+    def checked(self) -> list[nn.Parameter]:
+        """The parameters, once none was added since prepare (a loop over them only when some
+        registration anywhere in the process moved the count)."""
+        if _REGISTRATIONS[0] == self._registrations:
+            return self.params
+        self._registrations = _REGISTRATIONS[0]
+        known = {id(param) for param in self.params}
+        added = next((name for name, param in self.module.named_parameters() if id(param) not in known), None)
+        if added is not None:
+            raise UsageError(f"parameter {added} was added to the model after prepare (a layer appended or replaced, "
+                             "load_state_dict(assign=True)): no gradient bucket holds it, so each rank would train "
+                             "its own copy; prepare again once the model has it (dp.close(); "
+                             "dp = phalanx.prepare(dp.module, world=world)) and build the optimizer over its "
+                             "parameters")
+        return self.params
 
 
 def sum_newly_trainable(params: Sequence[nn.Parameter], allreduce: Callable[[torch.Tensor], object]) -> None:

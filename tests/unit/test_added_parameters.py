@@ -61,3 +61,22 @@ def test_parameters_loaded_with_assign_are_named():
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     with pytest.raises(UsageError, match=r"^parameter 0.weight was added"):
         layout.check_added()
+
+
+def test_a_world_of_one_refuses_an_added_parameter_as_k_ranks_do():
+    """One device has no buckets: its zero_grad cleared the parameters listed at prepare, so a
+    weight_norm added after prepare kept its first gradients, summed into every later step's (0.34
+    relative off torch alone after 4 SGD steps, silently, where 2 ranks refused it)."""
+    import phalanx
+    from phalanx.runtime.world import World
+
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  backend="none", timeout_s=10.0)
+    for call in ("zero_grad", "finish_gradient_sync"):
+        dp = phalanx.prepare(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), world=world)
+        dp.zero_grad()
+        dp.finish_gradient_sync()
+        torch.nn.utils.parametrizations.weight_norm(dp.module[0])
+        with pytest.raises(UsageError, match=r"^parameter 0.parametrizations.weight.original0 was added to the "
+                                             r"model after prepare .* prepare again"):
+            getattr(dp, call)()
