@@ -4,9 +4,11 @@ At rest each rank holds only its range of the flat order (params.py); a bucket's
 parameters are whole only while a layer that owns some of them computes. `GatherHooks` hooks
 every module that owns parameters directly:
 
-- **forward pre-hook**: its buckets gathered (an all-gather each; a bucket an earlier layer
-  gathered is whole already), and the all-gather of the bucket forward needs next started, so
-  it runs on the communication thread while this layer computes (FSDP's forward prefetch);
+- **forward pre-hook**, the module's first (a pre-hook of the user's, prune's
+  `weight_orig * weight_mask`, reads whole parameters): its buckets gathered (an all-gather each;
+  a bucket an earlier layer gathered is whole already), and the all-gather of the bucket forward
+  needs next started, so it runs on the communication thread while this layer computes (FSDP's
+  forward prefetch);
 - **forward hook**: once every module owning parameters of a bucket has run forward, the bucket
   is freed - except, while gradients are recorded, bucket 0 (the last layers: backward needs it
   first, so it stays whole rather than being gathered twice in a row); and on each output that
@@ -58,7 +60,7 @@ class GatherHooks:
             for index in mine:
                 self._users[index].add(id(sub))
             # ReplicaHooks: a deep copy of the module (inside dp.gathered_parameters()) keeps none of them.
-            self._handles.append(sub.register_forward_pre_hook(ReplicaHook(self._before_forward)))
+            self._handles.append(sub.register_forward_pre_hook(ReplicaHook(self._before_forward), prepend=True))
             self._handles.append(sub.register_forward_hook(ReplicaHook(self._after_forward)))
         self._ran: dict[int, set[int]] = {index: set() for index in self._users}  # done since the gather
         self._module = module
