@@ -175,9 +175,10 @@ class ShardedOptimizerHooks:
             raise RuntimeError("optimizer.step() while gradient reduce-scatters are in flight; call "
                                "dp.finish_gradient_sync() first")
         dp.check_synced("optimizer.step()")
-        if dp.sharding is not None:
+        if dp.sharding is not None:  # a parameter cut loose from the flat buffer would not train
             dp.sharding.params.check_outside_whole("optimizer.step()", "step before the block, whose reads (an "
                                                    "EMA's update, a logged norm) then see the stepped weights")
+            dp.sharding.params.refuse_replaced()
         unused = dp.unused_at_last_sync  # no rank used them: skipped, as torch skips a gradient of None
         for piece, grad, param in self._pieces:
             if id(param) in unused:

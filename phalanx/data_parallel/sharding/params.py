@@ -32,6 +32,7 @@ from phalanx.data_parallel.buckets import Bucket
 from phalanx.data_parallel.sharding.at_rest import stand_in, to_rest, to_whole
 from phalanx.data_parallel.sharding.flat_layout import (FlatLayout, flatten_parameters, free_storage, memory_order_of,
                                                refill_storage)
+from phalanx.errors import UsageError
 
 
 class ShardedParameters:
@@ -74,6 +75,21 @@ class ShardedParameters:
         elif self.keep_whole:
             for handle in [self._all_gather(index) for index in range(len(self.buckets))]:
                 handle.wait()
+
+    def refuse_replaced(self) -> None:
+        """Before an optimizer step, stages 1 and 2: refuse a parameter whose `.data` the script
+        replaced since prepare. It no longer views the flat buffer that the optimizer steps and the
+        all-gather fills, so its values would stay as set while its range trained on unseen
+        (shard="optimizer", SGD, 4 steps: 0.013 relative off one device, silently)."""
+        if not self.keep_whole:
+            return
+        for bucket, views in zip(self.buckets, self.views):
+            for param, view in zip(bucket.params, views):
+                if param.data_ptr() != view.data_ptr():
+                    raise UsageError(f"{self.layout.name_of(param)}.data was replaced after prepare(shard=...): the "
+                                     "parameter no longer lies in the flat buffer the sharded optimizer steps, so it "
+                                     "would not train; copy the values in instead (with torch.no_grad(): "
+                                     "param.copy_(new)), or set them before prepare")
 
     def owned_flat(self) -> list[tuple[int, int, int]]:
         """(bucket index, start, stop) in the flat order of each bucket part this rank owns."""
