@@ -103,7 +103,9 @@ def gradients_written(params: Sequence[torch.nn.Parameter], module: torch.nn.Mod
         f"the gradients of {names.get(id(params[0]), 'a parameter')}{more} were written in place between backward "
         "and finish_gradient_sync() (torch.nn.utils.clip_grad_norm_ before the sync?): each rank changed its own "
         "unsummed share, and a clip by each rank's own norm is not the clip of the sum; call "
-        "dp.finish_gradient_sync() right after backward, then clip and step")
+        "dp.finish_gradient_sync() right after backward, then clip and step (a register_post_accumulate_grad_hook "
+        "that writes p.grad: register it before prepare, so it writes each rank's share before it lands, as under "
+        "DDP)")
 
 
 def model_fingerprint(module: torch.nn.Module) -> str:
