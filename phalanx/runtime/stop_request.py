@@ -34,6 +34,8 @@ class _Request:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.previous: dict[int, object] = {}
+        # The signal a peer was asked to stop by, learnt in `agreed`: a rank that got none names it.
+        self.peers: int | None = None
 
 
 _REQUEST = _Request()
@@ -71,7 +73,7 @@ def arm(signals: tuple[int, ...] = (STOP_SIGNAL,)) -> bool:
             signal.signal(signum, _on_signal)
     except ValueError:  # not the main thread: the signals keep their handlers
         return False
-    _REQUEST.signum, _REQUEST.previous = None, previous
+    _REQUEST.signum, _REQUEST.previous, _REQUEST.peers = None, previous, None
     return True
 
 
@@ -88,20 +90,26 @@ def armed(enabled: bool = True, signals: tuple[int, ...] = (STOP_SIGNAL,)) -> It
     finally:
         for signum, previous in _REQUEST.previous.items():
             signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        _REQUEST.signum, _REQUEST.previous = None, {}
+        _REQUEST.signum, _REQUEST.previous, _REQUEST.peers = None, {}, None
 
 
 def agreed(sum_over_ranks: Callable[[list[float]], list[float]] | None) -> bool:
     """Whether any rank was asked to stop, the same answer on every rank. `sum_over_ranks(values)`
     sums a short list over the ranks (a collective every rank calls at this point; None in a
     world of one)."""
-    mine = 1.0 if _REQUEST.signum is not None else 0.0
     if sum_over_ranks is None:
-        return mine > 0
-    return sum_over_ranks([mine])[0] > 0.5
+        return _REQUEST.signum is not None
+    # One count per armed signal (the same list on every rank), so that every rank names the signal
+    # a peer got: a SIGINT sent to rank 1 alone ended the run as "stopped by SIGTERM", exit 143.
+    armed_signals = sorted(_REQUEST.previous) or [STOP_SIGNAL]
+    counts = sum_over_ranks([1.0 if _REQUEST.signum == signum else 0.0 for signum in armed_signals])
+    asked = [signum for signum, count in zip(armed_signals, counts) if count > 0.5]
+    if asked and _REQUEST.peers is None:
+        _REQUEST.peers = asked[0]
+    return bool(asked)
 
 
 def stopped_at(where: str, saved_in: str) -> Stopped:
     """The exception that ends a run that stopped after a step and saved it."""
-    return Stopped(_REQUEST.signum or STOP_SIGNAL, detail=f"after {where}, saved in {saved_in}; run the same "
+    return Stopped(_REQUEST.signum or _REQUEST.peers or STOP_SIGNAL, detail=f"after {where}, saved in {saved_in}; run the same "
                                                          "command with --resume auto to continue")

@@ -109,6 +109,21 @@ def test_a_sigterm_saves_an_agreed_step_and_the_resume_is_the_uninterrupted_run(
     assert all(torch.equal(model[name], reference[name]) for name in reference)
 
 
+def test_a_signal_to_one_worker_alone_is_named_by_every_rank(tmp_path):
+    # `kill -INT` to rank 1 alone: rank 0 got no signal of its own and used to report SIGTERM, so
+    # the run ended "stopped by SIGTERM", exit 143, for a SIGINT.
+    out = tmp_path / "run"
+    proc = _launch("cpu:2", out)
+    workers = _workers(proc.pid, 2)
+    _wait_for(out / "metrics.jsonl")
+    os.kill(workers[1], signal.SIGINT)
+    code, stderr = _finish(proc)
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("phalanx: stopped")]
+    assert code == 130 and len(lines) == 1 and SAVED.fullmatch(lines[0]), stderr[-3000:]
+    assert lines[0].startswith("phalanx: stopped by SIGINT after "), stderr[-3000:]
+    assert_all_gone(workers)
+
+
 def test_a_run_with_nowhere_to_save_stops_at_once_as_before(tmp_path):
     proc = subprocess.Popen([*PHALANX, *TRAIN, "--devices", "cpu:2", "--epochs", "200"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=tmp_path)
