@@ -8,6 +8,8 @@ launcher was told to stop by a signal, exit code 128 + its number. Every other e
 bug or an environment failure and keeps its traceback.
 """
 
+import errno
+
 
 class UsageError(Exception):
     """Bad input: the message names the problem and the fix, in one line."""
@@ -28,6 +30,17 @@ class RunFailed(RuntimeError):
     culprit: int | None = None
 
 
+_FREE = "free space there or choose another directory"
+# The fix a failed write's reason calls for: "free space there" told a run whose --out was deleted
+# under it (ENOENT) or that met `ulimit -f` (EFBIG) to do what would not help.
+_WRITE_FIXES = {errno.ENOENT: "its directory was removed while the run wrote there; choose a directory nothing "
+                              "else removes and resume from the last checkpoint if one is left",
+                errno.EFBIG: "the file is larger than this process may write (ulimit -f, a filesystem's file-size "
+                             "limit); raise the limit (ulimit -f unlimited) or choose another filesystem",
+                errno.EROFS: "the filesystem is mounted read-only; choose a writable directory",
+                errno.EACCES: "this user may not write there; fix its permissions or choose another directory"}
+
+
 class WriteFailed(RunFailed, OSError):
     """Writing an output failed (a full disk, a quota, a read-only filesystem): one line naming the
     file and the system's reason, exit code 1. Still an OSError (same errno and strerror), so a
@@ -35,8 +48,7 @@ class WriteFailed(RunFailed, OSError):
 
     @classmethod
     def of(cls, path, exc: OSError) -> "WriteFailed":
-        failed = cls(f"cannot write {path} ({exc.strerror or type(exc).__name__}); "
-                     "free space there or choose another directory")
+        failed = cls(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {_WRITE_FIXES.get(exc.errno, _FREE)}")
         failed.errno, failed.strerror = exc.errno, exc.strerror
         return failed
 

@@ -81,8 +81,21 @@ def test_a_failed_write_names_the_file_and_leaves_no_temporary(tmp_path, monkeyp
 
 
 def test_a_directory_that_vanished_is_named_too(tmp_path):
-    with pytest.raises(WriteFailed, match=r"cannot write .*gone/metrics.jsonl \(No such file or directory\)"):
+    # An --out deleted mid-run was told to "free space there".
+    with pytest.raises(WriteFailed, match=r"cannot write .*gone/metrics.jsonl \(No such file or directory\); its "
+                                          r"directory was removed while the run wrote there; choose a directory"):
         atomic.atomic_write_bytes(tmp_path / "gone" / "metrics.jsonl", b"{}")
+
+
+def test_a_file_size_limit_is_named_with_its_fix(tmp_path, monkeypatch):
+    def too_large(fd):  # what a write past `ulimit -f` meets (Python ignores SIGXFSZ)
+        raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+
+    monkeypatch.setattr(atomic.os, "fsync", too_large)
+    with pytest.raises(WriteFailed, match=r"\(File too large\); the file is larger than this process may write "
+                                          r"\(ulimit -f, .*\); raise the limit \(ulimit -f unlimited\)"):
+        atomic.atomic_write_bytes(tmp_path / "checkpoint.pt", b"weights")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_oversubscription_is_named_with_the_count_that_fits():
