@@ -170,7 +170,8 @@ def read_checkpoint(location: str | Path) -> dict[str, Any]:
         raise
     except Exception as exc:  # noqa: BLE001 - pickle, zip and weights-only errors alike
         said = (str(exc).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")  # its first sentence
-        reason = f"{type(exc).__name__}: {said if len(said) <= 160 else said[:157] + '...'}"
+        reason = f"{type(exc).__name__}: {said if len(said) <= 160 else said[:157] + '...'}" if said else \
+            "it is empty, 0 bytes" if path.stat().st_size == 0 else type(exc).__name__  # was "(EOFError: )"
         raise DamagedFile(path, f"is not loadable as a weights-only checkpoint ({reason}); it is corrupt, "
                                 "tampered with or not a phalanx checkpoint") from None
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, FORMAT_1, FORMAT_SHARDED):

@@ -80,6 +80,13 @@ def test_corrupt_file_is_refused_in_one_line(tmp_path, content):
     assert "\n" not in str(info.value)
 
 
+def test_an_empty_file_is_named_empty(tmp_path):
+    (tmp_path / "checkpoint.pt").write_bytes(b"")  # a copy cut short, `: > checkpoint.pt`
+    with pytest.raises(UsageError, match=r"checkpoint.pt is not loadable as a weights-only checkpoint \(it is empty, "
+                                         r"0 bytes\); it is corrupt"):
+        ckpt.read_checkpoint(tmp_path)
+
+
 class Payload:  # what an attacker pickles: unpickling would call os.system
     def __reduce__(self):
         import os
