@@ -8,7 +8,9 @@ temporary file, or nothing. A process stopped by a signal whose handler runs no 
 (a worker's SIGTERM: runtime.lifeline.flush_on_sigterm) calls `remove_unfinished` first, so a
 write cut short by the signal leaves no temporary file behind either. A process killed outright
 (SIGKILL, a power cut) cannot; `remove_stale_temporaries` removes what such a write left, for
-the next run that holds the directory (job/dirlock.py, under its lock).
+the next run that holds the directory (job/dirlock.py, under its lock). A temporary file's name
+carries its writer's pid, so where no lock is held (a script's `phalanx.resume`)
+`remove_orphaned_temporaries` removes only those whose writer is gone.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from typing import BinaryIO, Callable, Iterator
 from phalanx.errors import WriteFailed
 
 _UNFINISHED: set[str] = set()  # temporary files of this process's writes in progress
-# What `atomic_open`'s mkstemp names a temporary file: "." + the target's name + "." + 8 random
-# characters + ".tmp".
+# What `atomic_open`'s mkstemp names a temporary file: "." + the target's name + ".p" + the
+# writer's pid + "." + 8 random characters + ".tmp" (files of older versions lack the pid).
 _TEMPORARY = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+_WRITER = re.compile(r"\.p(\d+)\.[a-z0-9_]{8}\.tmp$")
 
 
 @contextlib.contextmanager
@@ -34,7 +37,7 @@ def atomic_open(path: str | os.PathLike, *, before_replace: Callable[[], None] |
     `before_replace()` runs once the new content is durable (fsynced), just before the rename."""
     target = Path(path)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.p{os.getpid()}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise WriteFailed.of(target, exc) from None
     _UNFINISHED.add(tmp_name)
@@ -77,6 +80,31 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
                     os.unlink(entry.path)
                     removed.append(Path(entry.path))
     return removed
+
+
+def remove_orphaned_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files in `directory` whose writer, a process of this host, is gone (a
+    worker killed during a `phalanx.checkpoint`); return them. Safe without a lock: a live writer's
+    file stays. Only for a directory no process of another host writes at the time."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            writer = _WRITER.search(entry.name)
+            if writer and _TEMPORARY.match(entry.name) and not _alive(int(writer[1])):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def _umask() -> int:

@@ -94,6 +94,37 @@ def test_a_restarted_script_resumes_and_ends_as_the_uninterrupted_run(tmp_path):
     assert all(torch.equal(got[key], want[key]) for key in want)
 
 
+KILLED_MID_WRITE = textwrap.dedent("""\
+    import os, signal, sys
+    import torch
+    import phalanx
+
+    world = phalanx.init()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = phalanx.resume(sys.argv[1], world=world, model=model, optimizer=optimizer, global_batch_size=8, seed=0)
+    for epoch in range(start.epoch, 3):
+        if attempt == 0 and epoch == 1 and world.rank == 0:  # killed with the bytes written, before the rename
+            os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)
+        phalanx.checkpoint(sys.argv[1], world=world, model=model, optimizer=optimizer, epoch=epoch + 1,
+                           global_batch_size=8, seed=0)
+""")
+
+
+def test_a_write_cut_short_by_a_kill_leaves_nothing_once_resumed(tmp_path):
+    # Rank 0 SIGKILLed inside phalanx.checkpoint left its temporary file (the whole checkpoint's
+    # size) in the script's directory for good: no run holds a lock there to sweep it.
+    script, checkpoints = tmp_path / "killed.py", tmp_path / "checkpoints"
+    script.write_text(KILLED_MID_WRITE)
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--quiet", "--timeout", "60",
+                           "--max-restarts", "1", str(script), str(checkpoints)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "worker rank 0 (cpu:0) died (signal SIGKILL)" in done.stderr, done.stderr[-3000:]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint.previous.pt", "checkpoint.pt"]
+
+
 def test_past_its_restarts_the_failure_is_the_run_s(tmp_path):
     done = _run(tmp_path, "spent", crash_epoch=1, crashes=5, restarts=1)
     assert done.returncode == 1

@@ -137,6 +137,24 @@ def test_temporary_files_of_a_killed_runs_writes_are_removed_under_the_lock(tmp_
         assert all(p.exists() for p in kept)
 
 
+def test_without_a_lock_only_the_temporaries_of_writers_that_are_gone_are_removed(tmp_path):
+    # A script's phalanx.resume holds no lock: a live writer's file (this process's) must stay.
+    from phalanx.atomic import _WRITER, atomic_open, remove_orphaned_temporaries
+
+    dead = int(open("/proc/sys/kernel/pid_max").read()) + 1  # no process has it
+    orphan = tmp_path / f".checkpoint.pt.p{dead}.ab3_9xyz.tmp"
+    kept = [tmp_path / f".checkpoint.pt.p{os.getpid()}.k2m8q0zz.tmp", tmp_path / ".checkpoint.pt.ab3_9xyz.tmp",
+            tmp_path / "checkpoint.pt"]
+    for path in [orphan, *kept]:
+        path.write_bytes(b"x")
+    with atomic_open(tmp_path / "probe.pt") as handle:  # the name atomic_open gives carries its pid
+        made = [p for p in tmp_path.iterdir() if p.name.startswith(".probe.pt.")]
+        handle.write(b"x")
+    assert len(made) == 1 and int(_WRITER.search(made[0].name)[1]) == os.getpid()
+    assert remove_orphaned_temporaries(tmp_path) == [orphan]
+    assert all(p.exists() for p in kept)
+
+
 def test_a_trace_directory_is_held_as_out_is(tmp_path):
     """Two runs with one --trace both ended 0, the second's traces over the first's (an operator's trial)."""
     from dataclasses import replace
