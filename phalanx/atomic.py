@@ -9,8 +9,8 @@ temporary file, or nothing. A process stopped by a signal whose handler runs no 
 write cut short by the signal leaves no temporary file behind either. A process killed outright
 (SIGKILL, a power cut) cannot; `remove_stale_temporaries` removes what such a write left, for
 the next run that holds the directory (job/dirlock.py, under its lock). A temporary file's name
-carries its writer's pid, so where no lock is held (a script's `phalanx.resume`)
-`remove_orphaned_temporaries` removes only those whose writer is gone.
+carries its writer's pid, so where no lock is held (a script's `phalanx.resume`) it removes,
+given `writer_alive`, only those whose writer is gone.
 """
 
 from __future__ import annotations
@@ -68,43 +68,25 @@ def remove_unfinished() -> None:
             os.unlink(tmp_name)
 
 
-def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+def remove_stale_temporaries(directory: str | os.PathLike, *,
+                             writer_alive: Callable[[int], bool] | None = None) -> list[Path]:
     """Remove the temporary files that interrupted atomic writes left in `directory` (named as
-    `atomic_open` names them); return them. Only for a caller that knows no write is in progress
-    there (it holds the directory's lock)."""
+    `atomic_open` names them); return them. Without `writer_alive`, every one: only for a caller
+    that knows no write is in progress there (it holds the directory's lock). With it, only those
+    whose name carries a writer's pid that `writer_alive(pid)` says is gone: safe without a lock
+    where every writer is a process of this host."""
     removed = []
     with contextlib.suppress(OSError):  # a directory that cannot be listed has nothing to sweep
         for entry in os.scandir(directory):
-            if _TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
-    return removed
-
-
-def remove_orphaned_temporaries(directory: str | os.PathLike) -> list[Path]:
-    """Remove the temporary files in `directory` whose writer, a process of this host, is gone (a
-    worker killed during a `phalanx.checkpoint`); return them. Safe without a lock: a live writer's
-    file stays. Only for a directory no process of another host writes at the time."""
-    removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(directory):
+            if not (_TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False)):
+                continue
             writer = _WRITER.search(entry.name)
-            if writer and _TEMPORARY.match(entry.name) and not _alive(int(writer[1])):
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-                    removed.append(Path(entry.path))
+            if writer_alive is not None and (writer is None or writer_alive(int(writer[1]))):
+                continue
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: alive
-        return True
-    return True
 
 
 def _umask() -> int:

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from phalanx.atomic import remove_orphaned_temporaries
+from phalanx.atomic import remove_stale_temporaries
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import PhalanxWarning, warn_at_caller
 from phalanx.runtime.foreign_names import in_phalanx_order
+from phalanx.runtime.procs import process_alive
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint import Position, check_compatible, checkpoint_path, fingerprint, has_checkpoint, \
     read_newest, restore, save_checkpoint, set_aside_passed_over
@@ -110,7 +111,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     world.check_here("phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
     if world.is_main:  # what a worker killed during a write left (no lock sweeps a script's directory)
-        remove_orphaned_temporaries(checkpoint_path(location).parent)
+        remove_stale_temporaries(checkpoint_path(location).parent, writer_alive=process_alive)
     if not has_checkpoint(location):
         return Position(epoch=0, step=0)
     module = _replica(model)

@@ -139,7 +139,8 @@ def test_temporary_files_of_a_killed_runs_writes_are_removed_under_the_lock(tmp_
 
 def test_without_a_lock_only_the_temporaries_of_writers_that_are_gone_are_removed(tmp_path):
     # A script's phalanx.resume holds no lock: a live writer's file (this process's) must stay.
-    from phalanx.atomic import _WRITER, atomic_open, remove_orphaned_temporaries
+    from phalanx.atomic import _WRITER, atomic_open, remove_stale_temporaries
+    from phalanx.runtime.procs import process_alive
 
     dead = int(open("/proc/sys/kernel/pid_max").read()) + 1  # no process has it
     orphan = tmp_path / f".checkpoint.pt.p{dead}.ab3_9xyz.tmp"
@@ -151,7 +152,7 @@ def test_without_a_lock_only_the_temporaries_of_writers_that_are_gone_are_remove
         made = [p for p in tmp_path.iterdir() if p.name.startswith(".probe.pt.")]
         handle.write(b"x")
     assert len(made) == 1 and int(_WRITER.search(made[0].name)[1]) == os.getpid()
-    assert remove_orphaned_temporaries(tmp_path) == [orphan]
+    assert remove_stale_temporaries(tmp_path, writer_alive=process_alive) == [orphan]
     assert all(p.exists() for p in kept)
 
 
