@@ -215,6 +215,35 @@ class _WholeLines:
         return getattr(self._stream, name)
 
 
+def signal_main_thread(pid: int, signum: int) -> None:
+    """`signum` to process `pid`'s main thread (Linux tgkill), not to the process as a whole.
+
+    A signal sent to a process goes to any of its threads not blocking it, the main one first
+    unless that one is busy; and Python runs its handlers on the main thread only, at its next
+    bytecode. One taken by another thread (gloo's, the communication thread: none block signals)
+    leaves a main thread asleep in a system call asleep: a script's `time.sleep(600)` got its
+    KeyboardInterrupt only when the sleep ended, long after the launcher's grace. Sent to the main
+    thread, it cuts that call short (EINTR) and the handler runs. Where tgkill is missing
+    (not Linux, glibc < 2.30): os.kill. Raises OSError as os.kill does (the process is gone)."""
+    tgkill = getattr(_LIBC, "tgkill", None) if _LIBC is not None else None
+    if tgkill is None:
+        os.kill(pid, signum)
+        return
+    if tgkill(pid, pid, signum) != 0:  # a process's main thread has the process's id
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
 def describe_signal(signum: int) -> str:
     try:
         return f"signal {signal.Signals(signum).name}"

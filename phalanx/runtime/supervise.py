@@ -24,7 +24,8 @@ in one piece and flush before they report or die of SIGTERM (lifeline.line_buffe
 A stopped launcher (SIGTERM, SIGHUP) first sends SIGTERM to each worker alone: one whose training
 is armed for it finishes its step, saves there and reports "stopped" (runtime/stop_request.py),
 one that is not dies of it; an interrupted one (Ctrl-C) sends SIGINT, so a script's own
-`except KeyboardInterrupt` runs, as under torchrun. After the grace every group is taken down.
+`except KeyboardInterrupt` runs, as under torchrun; each to the worker's main thread, where
+Python runs handlers (lifeline.signal_main_thread). After the grace every group is taken down.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_
                                            read_report, recorded, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
-                                     lead_own_group, line_buffered_output, signals_deferred, stop_on_signals,
-                                     terminate)
+                                     lead_own_group, line_buffered_output, signal_main_thread, signals_deferred,
+                                     stop_on_signals, terminate)
 
 # After a first failure, keep listening this long for the other ranks' reports: the first one to
 # arrive is often a secondary "connection closed" from a peer of the rank that really broke.
@@ -280,7 +281,7 @@ def _stop_gently(stop: BaseException, procs, conns) -> BaseException:
     pending = {rank for rank, proc in enumerate(procs) if proc.exitcode is None}
     for rank in pending:
         with contextlib.suppress(OSError):
-            os.kill(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
+            signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
     give_up_at, reports = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), {}
     while pending and give_up_at > time.monotonic():
         for rank in _ready(procs, conns, pending, give_up_at - time.monotonic()):

@@ -204,5 +204,7 @@ def test_ctrl_c_lets_a_scripts_own_keyboardinterrupt_handling_run_on_every_rank(
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C reaches the launcher's group (the workers lead their own)
     code, stderr = _finish(proc, timeout_s=60)
     assert (code, stderr.strip().splitlines()[-1]) == (130, "phalanx: interrupted"), stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("emergency-*.txt")) == ["emergency-0.txt", "emergency-1.txt"]
+    # Once in a full run (2026-12-03) rank 1's save did not run: tests/distributed/test_signal_main_thread.py.
+    assert sorted(p.name for p in tmp_path.glob("emergency-*.txt")) == ["emergency-0.txt", "emergency-1.txt"], \
+        stderr[-3000:]
     assert_all_gone(workers)
