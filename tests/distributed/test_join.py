@@ -26,9 +26,11 @@ TRAIN = ["-m", "phalanx", "train", "--dataset", "digits", "--epochs", "1", "--ba
          "--threads-per-device", "1"]
 
 
-def _nodes(argvs: list[list[str]], deadline_s: float) -> tuple[list[int | None], list[str], list[float]]:
+def _nodes(argvs: list[list[str]], deadline_s: float, wait_for: tuple[int, ...] | None = None
+           ) -> tuple[list[int | None], list[str], list[float]]:
     """Start node n with torchrun's flags and argvs[n]; (exit codes, stderr texts, seconds until each
-    ended). Whatever runs past `deadline_s` is killed with everything it started."""
+    ended). Whatever runs past `deadline_s`, or is still running once the nodes `wait_for` (default:
+    all) have ended, is killed with everything it started."""
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun, "torchrun ships with torch"
     port, started = _free_port(), time.monotonic()
@@ -41,7 +43,8 @@ def _nodes(argvs: list[list[str]], deadline_s: float) -> tuple[list[int | None],
                   for node, argv in enumerate(argvs)]
         ended = [float("inf")] * len(agents)
         try:
-            while time.monotonic() - started < deadline_s and any(end == float("inf") for end in ended):
+            awaited = range(len(agents)) if wait_for is None else wait_for
+            while time.monotonic() - started < deadline_s and any(ended[node] == float("inf") for node in awaited):
                 for node, agent in enumerate(agents):
                     if agent.poll() is not None and ended[node] == float("inf"):
                         ended[node] = time.monotonic() - started
@@ -67,7 +70,7 @@ def test_a_node_that_refuses_its_out_ends_the_other_node_at_once_with_its_line(t
 def test_a_worker_that_never_joins_is_named_when_the_timeout_runs_out(tmp_path):
     idle = tmp_path / "idle.py"
     idle.write_text("import time\ntime.sleep(120)\n")  # a node whose worker never reaches the join
-    codes, errs, elapsed = _nodes([[*TRAIN, "--timeout", "10"], [str(idle)]], deadline_s=60)
+    codes, errs, elapsed = _nodes([[*TRAIN, "--timeout", "10"], [str(idle)]], deadline_s=60, wait_for=(0,))
     line = ("phalanx: run stopped: rank 0 (node 0) waited 10 s (--timeout) for rank 1 to join the job: its worker "
             "stopped before joining (that node's own output says why) or cannot reach this job's store; torchrun's "
             "agent ends this node's workers")
