@@ -40,16 +40,24 @@ class CommandParser(argparse.ArgumentParser):
         raise UsageError(f"{message}{hint} (see `{owner.prog} --help`)")
 
 
+# One command's flag for what another command calls otherwise: the device counts a benchmark or a
+# prediction runs (`bench scaling --devices 1,2,4` beside `predict --world-sizes 1,2,4`).
+SAME_MEANING = {"--devices": ("--world-sizes",), "--world-sizes": ("--devices",)}
+
+
 def closest_flag(parser: argparse.ArgumentParser):
     """A function from an unknown `--flag[=value]` to the parser's flag it most likely meant, or None:
-    the flags it begins (the prefix argparse no longer takes; up to three, "--a or --b"), else one
-    spelled within a letter or two. A switch's `--no-x` is not offered for `--x`: that is its
+    the one another command spells otherwise for the same thing (SAME_MEANING), the flags it begins
+    (the prefix argparse no longer takes; up to three, "--a or --b"), else one spelled within a letter or two. A switch's `--no-x` is not offered for `--x`: that is its
     default, not a typo."""
     names = [name for action in parser._actions for name in action.option_strings
              if name.startswith("--") and name != "--help"]
 
     def close(word: str) -> str | None:
         word = word.split("=", 1)[0]
+        same = [name for name in SAME_MEANING.get(word, ()) if name in names]
+        if same:
+            return same[0]
         longer = [name for name in names if name.startswith(word)]
         if longer:
             return " or ".join(longer) if len(longer) <= 3 else None

@@ -235,6 +235,11 @@ def test_a_switch_defaulting_to_none_has_three_states():
     (["bench", "allreduce", "--world-size", "2"],
      "unrecognized arguments: --world-size 2; did you mean --world-sizes? (see `phalanx bench allreduce --help`)"),
     (["train", "--no-such-thing"], "unrecognized arguments: --no-such-thing (see `phalanx train --help`)"),
+    # one command's name for the device counts named where another command spells them otherwise
+    (["predict", "--devices", "1,2"],
+     "unrecognized arguments: --devices 1,2; did you mean --world-sizes? (see `phalanx predict --help`)"),
+    (["bench", "scaling", "--world-sizes", "1,2"],
+     "unrecognized arguments: --world-sizes 1,2; did you mean --devices? (see `phalanx bench scaling --help`)"),
 ])
 def test_no_prefixes_and_an_unknown_flag_names_the_closest(argv, line):
     # argparse took `--epoch` for `--epochs` silently, so a flag added later could change what a
