@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 import phalanx
+from phalanx.errors import UsageError
 from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
@@ -90,7 +91,7 @@ def _loaded(world) -> tuple[list[str], dict[str, float]]:
 def _refused(call) -> str:
     try:
         call()
-    except RuntimeError as exc:
+    except UsageError as exc:  # bad input: exit 2, one line, under phalanx run and phalanx.launch
         return str(exc)
     return "not refused"
 

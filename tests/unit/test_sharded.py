@@ -18,6 +18,7 @@ from phalanx.data_parallel import DataParallelConfig, build_buckets, prepare, pr
 from phalanx.data_parallel.sharding.flat_layout import FlatLayout, parameter_names
 from phalanx.data_parallel.sharding.optim import check_elementwise
 from phalanx.data_parallel.step import shard_loss
+from phalanx.errors import UsageError
 from phalanx.models import LeNet
 from phalanx.runtime.world import World
 from tests.unit.even_split import assert_even_split
@@ -141,6 +142,19 @@ def test_stage_three_keeps_no_whole_parameter_at_rest_and_loads_and_gives_its_st
     got = dp.full_state_dict()
     assert all(torch.equal(got[k], other[k]) for k in other)
     assert at_rest()  # released again after the gather
+
+
+def test_a_step_or_a_load_inside_gathered_parameters_is_a_usage_error():
+    """Bad input, like a replaced .data: a UsageError (exit 2, one line), not a RuntimeError (a
+    worker's failure with its traceback)."""
+    dp = _replica("parameters")
+    optimizer = dp.optimizer(torch.optim.SGD, lr=0.1)
+    with dp.gathered_parameters():
+        with pytest.raises(UsageError, match=r"^optimizer.step\(\) inside dp.gathered_parameters\(\): .*; step before"):
+            optimizer.step()
+        with pytest.raises(UsageError, match=r"^dp.load_state_dict\(\.\.\.\) inside dp.gathered_parameters\(\): "):
+            dp.load_state_dict(dp.module.state_dict())
+    optimizer.step()  # outside the block: allowed
 
 
 def test_shard_on_one_device_runs_as_none_and_says_so():

@@ -135,9 +135,9 @@ class ShardedParameters:
         there left the weights read 0.13 and a forward 0.35 off the unsharded run, and a clamp kept
         by writeback undid the step)."""
         if self._held and not self.keep_whole:
-            raise RuntimeError(f"{what} inside dp.gathered_parameters(): it changes each rank's range of the "
-                               "parameters, which the block holds whole as they were before it (what it reads, a "
-                               f"forward in it and writeback=True would use the old values); {way}")
+            raise UsageError(f"{what} inside dp.gathered_parameters(): it changes each rank's range of the "
+                             "parameters, which the block holds whole as they were before it (what it reads, a "
+                             f"forward in it and writeback=True would use the old values); {way}")
 
     def release(self, index: int) -> None:
         """Stage 3: give bucket `index`'s whole back (this rank keeps its range); a no-op else.
