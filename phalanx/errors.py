@@ -30,7 +30,7 @@ class RunFailed(RuntimeError):
     culprit: int | None = None
 
 
-_FREE = "free space there or choose another directory"
+FREE_SPACE = "free space there or choose another directory"
 # The fix a failed write's reason calls for: "free space there" told a run whose --out was deleted
 # under it (ENOENT) or that met `ulimit -f` (EFBIG) to do what would not help.
 _WRITE_FIXES = {errno.ENOENT: "its directory was removed while the run wrote there; choose a directory nothing "
@@ -41,6 +41,11 @@ _WRITE_FIXES = {errno.ENOENT: "its directory was removed while the run wrote the
                 errno.EACCES: "this user may not write there; fix its permissions or choose another directory"}
 
 
+def write_fix(exc: OSError) -> str:
+    """What to do about a write that failed with `exc`, read from its errno (free space by default)."""
+    return _WRITE_FIXES.get(exc.errno, FREE_SPACE)
+
+
 class WriteFailed(RunFailed, OSError):
     """Writing an output failed (a full disk, a quota, a read-only filesystem): one line naming the
     file and the system's reason, exit code 1. Still an OSError (same errno and strerror), so a
@@ -48,7 +53,7 @@ class WriteFailed(RunFailed, OSError):
 
     @classmethod
     def of(cls, path, exc: OSError) -> "WriteFailed":
-        failed = cls(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {_WRITE_FIXES.get(exc.errno, _FREE)}")
+        failed = cls(f"cannot write {path} ({exc.strerror or type(exc).__name__}); {write_fix(exc)}")
         failed.errno, failed.strerror = exc.errno, exc.strerror
         return failed
 

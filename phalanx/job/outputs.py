@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from phalanx.atomic import atomic_write_bytes
-from phalanx.errors import RunFailed
+from phalanx.errors import FREE_SPACE, RunFailed, write_fix
 from phalanx.telemetry import MetricsFile, plot_accuracy
 
 
@@ -108,9 +108,10 @@ class Outputs:
         spare = Path(tempfile.gettempdir()) / f"phalanx-model-{os.getpid()}.pt"
         try:
             save_state_dict(spare, whole_model)
-        except OSError as again:
-            return (f"{failed} nor a copy at {spare} ({_reason(again)}); the trained weights are lost: free space there "
-                    "or choose another directory")
+        except OSError as again:  # the fix model.pt's reason calls for (--out is where the run writes)
+            return f"{failed} nor a copy at {spare} ({_reason(again)}); the trained weights are lost: {write_fix(exc)}"
+        if write_fix(exc) != FREE_SPACE:  # not a want of space: what its reason calls for
+            return f"{failed}; the trained model is kept at {spare} instead; {write_fix(exc)}"
         return f"{failed}; the trained model is kept at {spare} instead: move it to {self.model} once there is space"
 
 

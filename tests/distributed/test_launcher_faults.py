@@ -227,7 +227,9 @@ def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, device
     # the weights and the limit stops the spare copy too, so the line says they are lost.
     assert len(last) == 1 and re.fullmatch(
         rf"phalanx: run stopped: cannot write {re.escape(str(out))}/model\.pt \(File too large\) nor a copy at "
-        r"\S+ \(File too large\); the trained weights are lost: free space there or choose another directory",
+        r"\S+ \(File too large\); the trained weights are lost: the file is larger than this process may write "
+        r"\(ulimit -f, a filesystem's file-size limit\); raise the limit \(ulimit -f unlimited\) or choose another "
+        r"filesystem",
         last[0]), proc.stderr[-2000:]
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
 

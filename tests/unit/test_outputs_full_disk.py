@@ -1,7 +1,8 @@
 """When model.pt cannot be written (a full disk, simulated by making the atomic write raise ENOSPC),
 the trained weights are not lost silently: one line names the last checkpoint that holds them, or
 a copy kept in the temporary directory, or says plainly that they are lost; accuracy.png failing
-afterwards names what was written."""
+afterwards names what was written. Another reason (a file-size limit, a removed --out) gets the
+fix it calls for, as every output's failed write does (errors.write_fix)."""
 
 import errno
 import os
@@ -17,13 +18,13 @@ from phalanx.job.outputs import Outputs
 ROWS = [{"epoch": 1, "train_acc": 0.5, "test_acc": 0.4}, {"epoch": 2, "train_acc": 0.6, "test_acc": 0.5}]
 
 
-def _full_disk_for(monkeypatch, *full_dirs):
-    """Writes into any of `full_dirs` fail as a full disk does; others go through."""
+def _full_disk_for(monkeypatch, *full_dirs, code: int = errno.ENOSPC):
+    """Writes into any of `full_dirs` fail as a full disk does (or with errno `code`); others go through."""
     real = outputs_module.atomic_write_bytes
 
     def write(path, data):
         if any(os.path.dirname(os.path.abspath(path)) == os.path.abspath(d) for d in full_dirs):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            raise OSError(code, os.strerror(code), str(path))
         return real(path, data)
 
     monkeypatch.setattr(outputs_module, "atomic_write_bytes", write)
@@ -76,6 +77,40 @@ def test_when_no_copy_fits_either_the_line_says_the_weights_are_lost(tmp_path, m
                                         r"\S+ \(No space left on device\); the trained weights are lost: free space "
                                         r"there or choose another directory$"):
         Outputs(out_dir=out).finish(ROWS, _model(), title="t", checkpoint=tmp_path / "missing.pt")
+
+
+def _spare_in(tmp_path, monkeypatch):
+    out, spare_dir = tmp_path / "run", tmp_path / "tmp"
+    out.mkdir()
+    spare_dir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(spare_dir))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    return out, spare_dir
+
+
+def test_a_file_size_limit_is_not_told_to_free_space(tmp_path, monkeypatch):
+    # Past `ulimit -f` (EFBIG) every write of this process fails alike: the copy too.
+    out, spare_dir = _spare_in(tmp_path, monkeypatch)
+    _full_disk_for(monkeypatch, out, spare_dir, code=errno.EFBIG)
+    with pytest.raises(RunFailed) as info:
+        Outputs(out_dir=out).finish(ROWS, _model(), title="t")
+    spare = spare_dir / f"phalanx-model-{os.getpid()}.pt"
+    assert str(info.value) == (f"cannot write {out / 'model.pt'} (File too large) nor a copy at {spare} (File too "
+                               "large); the trained weights are lost: the file is larger than this process may write "
+                               "(ulimit -f, a filesystem's file-size limit); raise the limit (ulimit -f unlimited) or "
+                               "choose another filesystem")
+
+
+def test_an_out_removed_meanwhile_is_named_and_the_copy_kept(tmp_path, monkeypatch):
+    out, spare_dir = _spare_in(tmp_path, monkeypatch)
+    _full_disk_for(monkeypatch, out, code=errno.ENOENT)
+    with pytest.raises(RunFailed) as info:
+        Outputs(out_dir=out).finish(ROWS, _model(), title="t")
+    spare = spare_dir / f"phalanx-model-{os.getpid()}.pt"
+    assert str(info.value) == (f"cannot write {out / 'model.pt'} (No such file or directory); the trained model is "
+                               f"kept at {spare} instead; its directory was removed while the run wrote there; choose "
+                               "a directory nothing else removes and resume from the last checkpoint if one is left")
+    assert spare.is_file()
 
 
 def test_a_plot_that_does_not_fit_names_what_was_written(tmp_path, monkeypatch):
