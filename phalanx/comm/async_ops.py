@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.algorithms import ALGORITHMS, P2P_ALGORITHMS, allreduce_fn, apply_flat, resolve_algorithm
-from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work
+from phalanx.comm.calls import collective, enter, run_now, wait_future, wait_work, when_completed
 from phalanx.comm.handle import Handle, done, flat_of
 from phalanx.comm.hierarchical import Hierarchy
 from phalanx.comm.hosts import LayoutError
@@ -154,8 +154,8 @@ class AsyncComm:
         """Start summing `tensor` in place across the world; the result is there after `wait()`.
 
         `tag`: what the collective is, as a failure names it (a bucket: Tag("gradient", i, step=s)).
-        `on_done()` runs as soon as the backend has finished (on its thread, before any wait; not
-        for a job `close()` cancelled): how a trace learns when communication really ended."""
+        `on_done()` runs as soon as the backend has finished (on its thread, before any wait; only
+        if it completed, calls.py's `when_completed`): how a trace learns when communication ended."""
         fn = allreduce_fn(algorithm)
         if not self.world.distributed:
             if on_done is not None:
@@ -219,7 +219,7 @@ class AsyncComm:
             ticket = enter(self.world, WORLD, tag, size_bytes, dtype=flat.dtype, check_peers=True)
             work = start()
             if on_done is not None:
-                work.get_future().add_done_callback(lambda _: on_done())
+                work.get_future().add_done_callback(when_completed(on_done))
             return functools.partial(wait_work, work, world=self.world, ticket=ticket)
         if self._executor is None:  # no thread: run now, grad mode off (as the thread's) where it matters
             with torch.no_grad() if flat.requires_grad else _GRAD_MODE_AS_IS:
@@ -231,8 +231,8 @@ class AsyncComm:
         ticket = enter(self.world, COMM, tag, size_bytes, dtype=flat.dtype, check_peers=algorithm != "shm")
         self._queued += 1
         future: Future = self._executor.submit(self._run, job, _cuda_of(flat), transport, ticket, True)
-        if on_done is not None:  # not for a job close() cancelled: it never ran (a trace would draw it done)
-            future.add_done_callback(lambda finished: finished.cancelled() or on_done())
+        if on_done is not None:  # not for a job cancelled, refused or failed (a trace would draw it done)
+            future.add_done_callback(when_completed(on_done))
         return functools.partial(wait_future, future, world=self.world, ticket=ticket)
 
     def _now(self, algorithm: str, tag: Tag, flat: torch.Tensor, *, start: Callable[[], object], job: Job) -> None:

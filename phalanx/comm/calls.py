@@ -148,6 +148,25 @@ def wait_work(work, *, world: World, ticket: Ticket | None) -> None:
             poll()  # outside the except: a diagnosis is not "raised while handling a poll timeout"
 
 
+def when_completed(on_done: Callable[[], None]) -> Callable[[object], None]:
+    """A done-callback for a collective's future (AsyncComm's thread's, or a backend work's) that
+    runs `on_done()` only if the collective completed: not for a job close() cancelled, one refused
+    after an earlier failure (it never ran) or one that failed, which a trace (Tracer.comm_done)
+    would otherwise draw as a finished exchange and count in its bandwidth."""
+    def callback(future) -> None:
+        if isinstance(future, concurrent.futures.Future):
+            completed = not future.cancelled() and future.exception() is None
+        else:  # torch's Future: value() raises the backend's error
+            try:
+                future.value()
+                completed = True
+            except Exception:  # noqa: BLE001 - any error: the collective did not complete
+                completed = False
+        if completed:
+            on_done()
+    return callback
+
+
 def wait_future(future: concurrent.futures.Future, *, world: World, ticket: Ticket | None) -> None:
     """Wait for a job on AsyncComm's thread with the board watched from this thread too, so a
     deadlock is seen wherever the ranks are blocked; the job's result True: its transport

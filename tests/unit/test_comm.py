@@ -352,3 +352,28 @@ def test_allreduce_refuses_auto_and_expanded_tensors_in_one_line():
                                          "pass tensor.clone"):
         allreduce(torch.ones(1).expand(4), world=make_world(0, 1))
     allreduce(torch.ones(1).expand(1, 1), world=make_world(0, 1))  # a size-1 dimension's stride says nothing
+
+
+def test_on_done_runs_for_a_completed_collective_only():
+    # A trace drew a failed or never-run exchange as finished (tests/distributed/test_comm_cancelled.py).
+    from concurrent.futures import Future
+
+    from phalanx.comm.calls import when_completed
+
+    done = []
+    mark = when_completed(lambda: done.append(1))
+    for outcome in ("result", "error", "cancel"):
+        future = Future()
+        if outcome == "result":
+            future.set_result(True)
+        elif outcome == "error":
+            future.set_exception(RuntimeError("a peer stalled"))
+        else:
+            future.cancel()
+        mark(future)
+    native_ok, native_failed = torch.futures.Future(), torch.futures.Future()
+    native_ok.set_result([torch.ones(1)])
+    native_failed.set_exception(RuntimeError("gloo: connection reset"))
+    mark(native_ok)
+    mark(native_failed)
+    assert done == [1, 1]  # the completed thread job and the completed backend work
