@@ -137,6 +137,8 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
 # (whose, phalanx's way); Fabric(...)'s and Accelerator(...)'s are init's, the rest their methods'.
 _DEVICES = "the devices come from phalanx run --devices cpu:2 script.py or phalanx.launch(fn, devices='cpu:2')"
 _INIT_LATER = "phalanx.prepare(model, world=world, precision='bf16-mixed') or dtype='float64'"
+_BY_VALUE = "phalanx.clip_grad_value_(dp, value), after dp.finish_gradient_sync(): no optimizer"
+_BY_NORM = "phalanx.clip_grad_norm_(dp, max_norm), after dp.finish_gradient_sync(): no optimizer"
 CALL_KEYWORDS: dict[tuple[str, str], tuple[str, str]] = {
     ("init", "accelerator"): ("Fabric's", f"{_DEVICES}; init(device='cpu'|'cuda') picks the kind"),
     ("init", "devices"): ("Fabric's", _DEVICES),
@@ -155,12 +157,15 @@ CALL_KEYWORDS: dict[tuple[str, str], tuple[str, str]] = {
                                                      "(op='mean' unless given, as Fabric's)"),
     ("main_first", "local"): ("Fabric's rank_zero_first", "per_host=True for local=True: "
                                                           "with phalanx.main_first(world=world, per_host=True): ..."),
+    ("clip_grad_value_", "clip_val"): ("Fabric's clip_gradients", f"clip_value=: {_BY_VALUE}"),
+    ("clip_grad_norm_", "clip_val"): ("Fabric's clip_gradients", f"a clip by value is {_BY_VALUE}"),
+    ("clip_grad_value_", "max_norm"): ("Fabric's clip_gradients", f"a clip by norm is {_BY_NORM}"),
 }
 
 
 def call_keywords_error(call: str, names: list[str]) -> TypeError:
-    """The TypeError for keywords `call` (init, reduce, main_first) does not take: another tool's
-    named with phalanx's way, in one line."""
+    """The TypeError for keywords `call` (init, reduce, main_first, the clips) does not take:
+    another tool's named with phalanx's way, in one line."""
     name = next((name for name in names if (call, name) in CALL_KEYWORDS), None)
     if name is None:
         return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
@@ -197,7 +202,8 @@ CALL_ORDERS: dict[str, tuple[str, str]] = {
 def in_phalanx_order(first: type | tuple[type, ...]):
     """`fn` (a name of CALL_ORDERS) as it is, but called in another tool's order - more positional
     arguments than it takes, a keyword that one of them already fills, or a first argument not a
-    `first` - a one-line TypeError naming phalanx's way before Python's own binding error."""
+    `first` - or with another tool's keyword (CALL_KEYWORDS) a one-line TypeError naming
+    phalanx's way before Python's own binding error."""
     def wrap(fn):
         params = inspect.signature(fn).parameters.values()
         positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -205,6 +211,9 @@ def in_phalanx_order(first: type | tuple[type, ...]):
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            foreign = [name for name in kwargs if (fn.__name__, name) in CALL_KEYWORDS]
+            if foreign:  # Fabric's clip_val=: its keyword, named before Python's "unexpected keyword"
+                raise call_keywords_error(fn.__name__, foreign)
             if (len(args) > len(positional) or not kwargs.keys().isdisjoint(positional[:len(args)])
                     or (args and not isinstance(args[0], first))):
                 given = ", ".join([*(type(arg).__name__ for arg in args), *(f"{name}=" for name in kwargs)])

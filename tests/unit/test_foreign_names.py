@@ -155,19 +155,36 @@ def test_every_fabric_name_a_script_calls_is_named_on_the_world(name):
 
 
 @pytest.mark.parametrize("call, name", sorted(CALL_KEYWORDS))
-def test_another_tool_s_keyword_on_init_reduce_or_main_first_names_phalanx_s_way(call, name):
+def test_another_tool_s_keyword_on_a_phalanx_call_names_phalanx_s_way(call, name):
     # A port writes phalanx.init(accelerator="cpu", devices=2) for Fabric(...), reduce(t, reduce_op="sum")
     # for fabric.all_reduce, main_first(local=True) for rank_zero_first: before 2026-12-03 Python's bare
-    # "got an unexpected keyword argument".
+    # "got an unexpected keyword argument"; clip_grad_value_(dp, clip_val=) for fabric.clip_gradients
+    # (and clip_val= / max_norm= on the other clip) met it until 2026-12-04.
     whose, way = CALL_KEYWORDS[call, name]
+    dp = phalanx.prepare(nn.Linear(2, 2), world=WORLD1)
     calls = {"init": lambda **kw: phalanx.init(**kw),
              "reduce": lambda **kw: phalanx.reduce(torch.tensor(1.0), world=WORLD1, **kw),
-             "main_first": lambda **kw: phalanx.main_first(world=WORLD1, **kw).__enter__()}
+             "main_first": lambda **kw: phalanx.main_first(world=WORLD1, **kw).__enter__(),
+             "clip_grad_norm_": lambda **kw: phalanx.clip_grad_norm_(dp, **kw),
+             "clip_grad_value_": lambda **kw: phalanx.clip_grad_value_(dp, **kw)}
     with pytest.raises(TypeError) as info:
         calls[call](**{name: 1})
     assert str(info.value) == f"{call}() takes no {name}= ({whose} keyword): in phalanx, {way}"
     with pytest.raises(TypeError, match=rf"^{call}\(\) got an unexpected keyword argument 'nonsense'$"):
         calls[call](nonsense=1)
+    dp.close()
+
+
+def test_fabric_s_clip_val_with_its_optimizer_names_the_clip_by_value():
+    with phalanx.prepare(nn.Linear(2, 2), world=WORLD1) as dp:
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+        with pytest.raises(TypeError, match=r"^clip_grad_value_\(\) takes no clip_val= \(Fabric's clip_gradients "
+                                            r"keyword\): in phalanx, clip_value=: phalanx.clip_grad_value_\(dp, value\), "
+                                            r"after dp.finish_gradient_sync\(\): no optimizer$"):
+            phalanx.clip_grad_value_(dp, optimizer, clip_val=0.5)
+        with pytest.raises(TypeError, match=r"^clip_grad_norm_\(\) takes no clip_val= .*a clip by value is "
+                                            r"phalanx.clip_grad_value_\(dp, value\)"):
+            phalanx.clip_grad_norm_(dp, optimizer, clip_val=0.5)
 
 
 def test_the_ways_the_keywords_name_exist():
