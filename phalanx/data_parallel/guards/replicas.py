@@ -23,7 +23,9 @@ The buffers are compared after them, by the evaluation's comparison (checks.py's
 a buffer the forward updates from each rank's own data (an EMA codebook) drifts apart silently,
 and a checkpoint would keep rank 0's. Left out: the norm layers' running statistics, which
 running_stats.py averages after the step this check runs in, or which follow each rank's data
-under `average_running_stats=False` until the script averages them. Not compared: a sharded optimizer's state (each rank holds its share), and the
+under `average_running_stats=False` until the script averages them. Not compared: a sharded optimizer's state (each rank holds its share), the
+local optimizer inside torch's `ZeroRedundancyOptimizer` (each rank's own partition; the wrapper's
+settings are compared, and its broadcast keeps the parameters alike), and the
 parameters of a replica sharded to `shard="parameters"` (each rank holds its own range, and
 every forward gathers one whole). A replica's optimizers are those it saw step it (`ReplicaCheck`),
 plus any a caller names. `evaluate_dataset(dp.module, ...)`, the form the README's script uses,
@@ -32,6 +34,7 @@ finds the replica by its module (`replica_of`) and compares as the replica would
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Callable, Iterable, Sequence
 
@@ -53,6 +56,16 @@ _SETTING = ("an lr scheduler stepped (or an optimizer setting changed) on some r
             "metric averaged over the ranks (phalanx.reduce(value, world=world))")
 # Each live replica whose check compares, by its module: evaluate_dataset(dp.module, ...) compares as it would.
 _REPLICAS: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def partitioned_inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
+    """A `ZeroRedundancyOptimizer`'s local optimizer, which steps this rank's partition of the
+    parameters (its state differs between ranks by design, then the wrapper broadcasts each
+    partition); None for any other optimizer."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")  # not imported: none exists
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return getattr(optimizer, "optim", None)
+    return None
 
 
 def replica_of(module: torch.nn.Module):
@@ -163,6 +176,9 @@ class ReplicaCheck:
         """`optimizer` is about to step: note it if it steps this replica (looked up once per optimizer)."""
         mine = self._verdicts.get(optimizer)
         if mine is None:
+            inner = partitioned_inner(optimizer)
+            if inner is not None:  # its own partition on each rank: the wrapper's settings are compared instead
+                self._verdicts[inner] = False
             ours = {id(p) for p in self._module.parameters()}
             mine = self._verdicts[optimizer] = any(
                 id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
