@@ -203,3 +203,41 @@ def test_a_torch_optimizers_zero_grad_on_a_sharded_replica_names_dp_optimizer_as
     assert "\n" not in message and "build the optimizer with dp.optimizer(torch.optim.AdamW, lr=...)" in message
     assert "DataParallel.zero_grad()" not in message  # not the fix here
     dp.close()
+
+
+def _train_then_add_a_group(dp, make, steps: int = 4) -> None:
+    """The first two parameters (in the module's order) train from the start; the rest join as a
+    second group with their own lr after the first step, as a backbone unfrozen mid-run."""
+    params = list(dp.module.parameters())
+    optimizer = make(params[:2])
+    generator = torch.Generator().manual_seed(3)
+    for step in range(steps):
+        X = torch.randn(12, 1, 28, 28, generator=generator, dtype=torch.float64)
+        y = torch.randint(0, 10, (12,), generator=generator)
+        optimizer.zero_grad()
+        shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 12).backward()
+        dp.finish_gradient_sync()
+        optimizer.step()
+        if step == 0:
+            optimizer.add_param_group({"params": params[2:], "lr": 2e-3})
+    return optimizer
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+def test_a_param_group_added_mid_run_trains_its_pieces_as_the_plain_replica(stage):
+    # Before 2026-12-04 add_param_group handed a sharded optimizer the whole parameters: at stages 2
+    # and 3 they had no gradient and never trained (silently; 0.16 relative off after 4 steps here),
+    # and at stage 1 its zero_grad dropped their bucket views and the sync refused the optimizer as
+    # one "built over dp.parameters()", naming dp.optimizer, which it was.
+    plain = _replica("none")
+    _train_then_add_a_group(plain, lambda params: plain.optimizer(torch.optim.AdamW, params, lr=1e-3))
+    sharded = _replica(stage)
+    optimizer = _train_then_add_a_group(sharded, lambda params: sharded.optimizer(torch.optim.AdamW, params, lr=1e-3))
+    want, got = plain.full_state_dict(), sharded.full_state_dict()
+    assert max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-12
+    whole = {id(p) for p in sharded.module.parameters()}
+    assert not any(id(p) in whole for group in optimizer.param_groups for p in group["params"])  # pieces only
+    assert [group["lr"] for group in optimizer.param_groups] == [1e-3, 2e-3]
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        optimizer.add_param_group({"params": list(sharded.module.parameters())[:1]})
+    sharded.close()

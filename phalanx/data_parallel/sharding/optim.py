@@ -84,23 +84,31 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
             optimizer.zero_grad = lambda set_to_none=True: dp.zero_grad(set_to_none=set_to_none)
         return optimizer
     check_elementwise(cls, elementwise)
-    groups, owned, group_names, params_of = [], [], [], []
-    for group in _groups(params, dp.module):
-        mine, names = [], []
+    owned, group_names, params_of = [], [], []
+
+    def pieces_of(group: dict) -> tuple[dict, list, list[str]]:  # this rank's pieces of a group's parameters
+        found_pieces, names = [], []
         for param in group["params"]:
             if not param.requires_grad:  # frozen: no bucket, never a gradient; torch's optimizer skips it too
                 continue
             found = sharding.piece(param)
             names.append(found.slot.name if found is not None else sharding.layout.name_of(param))
-            if found is None:
-                continue
-            piece = nn.Parameter(found.values, requires_grad=param.requires_grad)
+            if found is not None:
+                found_pieces.append((nn.Parameter(found.values, requires_grad=True), found, param))
+        for piece, found, _ in found_pieces:
             piece.grad = found.grad
-            mine.append(piece)
-            owned.append((piece, found))
-            params_of.append(param)
-        groups.append({**group, "params": mine})
+        return {**group, "params": [piece for piece, _, _ in found_pieces]}, found_pieces, names
+
+    def note(found_pieces: list, names: list[str]) -> None:
+        owned.extend((piece, found) for piece, found, _ in found_pieces)
+        params_of.extend(param for _, _, param in found_pieces)
         group_names.append(names)
+
+    groups = []
+    for group in _groups(params, dp.module):
+        mine, found_pieces, names = pieces_of(group)
+        groups.append(mine)
+        note(found_pieces, names)
     optimizer = cls(groups, **defaults)
     share = {"rank": dp.world.rank, "world_size": dp.world.world_size, "shard": dp.shard,
              "pieces": [(found.slot.name, found.start, found.stop) for _, found in owned]}
@@ -112,6 +120,26 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
                                          for (piece, found), param in zip(owned, params_of)])
     optimizer.register_step_pre_hook(sharded.before_step)
     optimizer.register_step_post_hook(sharded.after_step)
+    plain_add_param_group = optimizer.add_param_group
+
+    def add_param_group(group: dict) -> None:
+        """A group added mid-run (a backbone unfrozen, a new head) gets this rank's pieces too: its
+        whole parameters would step with gradients summed only in this rank's range."""
+        if not isinstance(group, dict):
+            return plain_add_param_group(group)  # torch's own error
+        group = {**group, "params": [group["params"]] if isinstance(group["params"], torch.Tensor)
+                 else list(group["params"])}
+        if any(id(p) in {id(q) for q in params_of} for p in group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group of this sharded optimizer; "
+                             "add each parameter to one group only")
+        mine, found_pieces, names = pieces_of(group)
+        plain_add_param_group(mine)
+        note(found_pieces, names)
+        share["pieces"].extend((found.slot.name, found.start, found.stop) for _, found, _ in found_pieces)
+        for piece, found, param in found_pieces:
+            sharded.add(piece, found.grad, param)
+
+    optimizer.add_param_group = add_param_group
     # Stage 1 keeps whole gradient buckets that backward adds into: zeroing only this rank's
     # pieces would leave the rest summing up across steps, so the optimizer's zero_grad is the
     # replica's (which zeroes every bucket) as well.
@@ -166,6 +194,10 @@ class ShardedOptimizerHooks:
     def __init__(self, dp, pieces: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
         self._dp = weakref.ref(dp)
         self._pieces = pieces  # (piece, its summed shard gradient, its parameter)
+
+    def add(self, piece: nn.Parameter, grad: torch.Tensor, param: nn.Parameter) -> None:
+        """A piece of a param group added after the optimizer was made."""
+        self._pieces.append((piece, grad, param))
 
     def before_step(self, optimizer, args, kwargs) -> None:
         dp = self._dp()
