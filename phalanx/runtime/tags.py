@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "pre-flight check", "replica check",
           "allreduce", "set-up", "reduce-scatter", "all-gather",
           "parameters", "gradient norm", "NaN/Inf check", "barrier", "SyncBatchNorm forward",
-          "SyncBatchNorm backward", "stop check", "first-step check", "sparse gradient rows", "stream batch sizes")
+          "SyncBatchNorm backward", "stop check", "first-step check", "sparse gradient rows", "stream batch sizes",
+          "GradScaler inf check")
 # parameters: a sharded bucket's all-gather; gradient norm: clipping's; NaN/Inf check: the finite
 # check's small sum (periodic, and before any state leaves the replica); barrier: phalanx.barrier;
 # SyncBatchNorm's: a layer's global statistics, and its backward's two sums, through a replica's exchange;
@@ -24,6 +25,7 @@ PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "p
 # first-step check: the sizes shard_loss got on each rank, compared at synced steps 1, 2, 4, 8, ... (guards/sizes.py)
 # sparse gradient rows: the rows each rank's backward touched, summed after the buckets (data_parallel/sparse.py)
 # stream batch sizes: each global batch's size on every rank, and whether it ends the stream (train/sharded_loader.py)
+# GradScaler inf check: a sharded optimizer's found-inf flags, summed in unscale_ (data_parallel/guards/unscale.py)
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 # What a collective does, set by the collective itself: "allreduce" stands for every collective of
 # allreduce's shape (the backend's broadcast and barrier too); the sharded two differ in kind.

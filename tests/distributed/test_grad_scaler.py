@@ -75,3 +75,50 @@ def test_unscale_before_the_sync_is_refused_on_every_rank(overlap):
     said = run_workers(_before_the_sync, 2, overlap)
     assert said[0] == said[1] and said[0].startswith("scaler.unscale_(optimizer) (or scaler.step, which calls it) "
                                                      "before dp.finish_gradient_sync()"), said
+
+
+def _overflow_in_one_range(world, stage: str) -> tuple[float, float, float]:
+    """Step 2's gradient overflows in the last layer's bias alone, which one rank's range holds:
+    one device skips that step; every rank must skip it too, and keep the same scale."""
+    overflow = [False]
+
+    def model() -> nn.Module:
+        built = _model()
+        built[4].bias.register_hook(lambda g: g * float("inf") if overflow[0] else g)
+        return built
+
+    def train(net, make_optimizer, finish, rows) -> torch.amp.GradScaler:
+        optimizer = make_optimizer(net)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+        g = torch.Generator().manual_seed(1)
+        for step in range(STEPS):
+            X, y = torch.randn(BATCH, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=g)
+            overflow[0] = step == 1
+            net.zero_grad()  # dp.zero_grad() keeps the pieces' gradients: unscale_ sees each rank's range
+            scaler.scale(phalanx.shard_loss(F.cross_entropy(net(X[rows]), y[rows], reduction="sum"), BATCH)).backward()
+            finish()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        return scaler
+
+    reference = model()
+    one = train(reference, lambda net: torch.optim.Adam(net.parameters(), lr=0.01), lambda: None, torch.arange(BATCH))
+    dp = phalanx.prepare(model(), world=world, shard=stage)
+    scaler = train(dp, lambda net: net.optimizer(torch.optim.Adam, lr=0.01), dp.finish_gradient_sync,
+                   phalanx.rank_shard(torch.arange(BATCH), rank=world.rank, world_size=world.world_size))
+    state = dp.full_state_dict()
+    worst = max(((state[k] - v).abs().max() / v.abs().max()).item() for k, v in reference.state_dict().items())
+    dp.close()
+    return worst, scaler.get_scale(), one.get_scale()
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+def test_an_overflow_in_one_ranks_range_is_skipped_on_every_rank_under_sharding(stage):
+    # Before 2026-12-04 each rank's unscale_ looked at its own range only: the rank holding the
+    # bias skipped the step and halved its scale while the other stepped, into the all-gather after
+    # the step alone (stages 1 and 2: "ranks are in different collectives"; stage 3, whose step has
+    # no collective: silently 0.31 relative off one device; guards/unscale.py's agree_on_overflow).
+    results = run_workers(_overflow_in_one_range, 2, stage, timeout_s=120)
+    assert max(worst for worst, _, _ in results) < 1e-12, results
+    assert all(scale == one for _, scale, one in results) and results[0][1] == results[1][1], results

@@ -241,3 +241,28 @@ def test_a_param_group_added_mid_run_trains_its_pieces_as_the_plain_replica(stag
     with pytest.raises(ValueError, match="more than one parameter group"):
         optimizer.add_param_group({"params": list(sharded.module.parameters())[:1]})
     sharded.close()
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+def test_a_grad_scaler_unscales_a_sharded_optimizers_gradients_as_the_plain_replicas(stage):
+    # Before 2026-12-04 unscale_ came before the step pre-hook that attaches each piece's gradient,
+    # which optimizer.zero_grad() (set_to_none) had let go of: torch found no gradient and its step
+    # failed with a bare "AssertionError: No inf checks were recorded for this optimizer."
+    def run(dp):
+        optimizer = dp.optimizer(torch.optim.SGD, lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        generator = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            X = torch.randn(12, 1, 28, 28, generator=generator, dtype=torch.float64)
+            y = torch.randint(0, 10, (12,), generator=generator)
+            optimizer.zero_grad()
+            scaler.scale(shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 12)).backward()
+            dp.finish_gradient_sync()
+            scaler.unscale_(optimizer)
+            scaler.step(optimizer)
+            scaler.update()
+        return dp.full_state_dict()
+
+    want, got = run(_replica("none")), run(sharded := _replica(stage))
+    assert max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-12
+    sharded.close()

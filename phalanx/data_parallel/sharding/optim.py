@@ -34,6 +34,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from phalanx.data_parallel.guards.unscale import agree_on_overflow
 from phalanx.data_parallel.replica_hook import on_every_optimizer_step
 from phalanx.data_parallel.sharding.torch_clip import TorchClipGuard
 
@@ -120,6 +121,7 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
                                          for (piece, found), param in zip(owned, params_of)])
     optimizer.register_step_pre_hook(sharded.before_step)
     optimizer.register_step_post_hook(sharded.after_step)
+    agree_on_overflow(optimizer, dp, sharded.attach)  # a GradScaler's unscale_: the pieces' gradients, every range
     plain_add_param_group = optimizer.add_param_group
 
     def add_param_group(group: dict) -> None:
@@ -211,6 +213,14 @@ class ShardedOptimizerHooks:
             dp.sharding.params.check_outside_whole("optimizer.step()", "step before the block, whose reads (an "
                                                    "EMA's update, a logged norm) then see the stepped weights")
             dp.sharding.params.refuse_replaced()
+        self.attach()
+
+    def attach(self) -> None:
+        """Each piece's summed shard gradient as its `.grad` again (a set_to_none `zero_grad` let go
+        of it): before the step, and before a GradScaler's `unscale_`, which reads `.grad` too."""
+        dp = self._dp()
+        if dp is None:
+            return
         unused = dp.unused_at_last_sync  # no rank used them: skipped, as torch skips a gradient of None
         for piece, grad, param in self._pieces:
             if id(param) in unused:
