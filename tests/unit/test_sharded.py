@@ -266,3 +266,21 @@ def test_a_grad_scaler_unscales_a_sharded_optimizers_gradients_as_the_plain_repl
     want, got = run(_replica("none")), run(sharded := _replica(stage))
     assert max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want) < 1e-12
     sharded.close()
+
+
+@pytest.mark.parametrize("stage", ["optimizer", "gradients", "parameters"])
+def test_a_grad_scalers_unscale_before_the_sync_is_refused_for_a_sharded_optimizer(stage):
+    # Its pieces are no module parameters, so the replica's guard never saw them (before 2026-12-04
+    # unscale_ read this rank's unsummed range, racing the exchange where buckets went out in backward).
+    from phalanx.data_parallel.guards.unscale import UnscaleBeforeSync
+
+    dp = _replica(stage)
+    optimizer = dp.optimizer(torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.randint(0, 10, (4,))
+    scaler.scale(shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 4)).backward()
+    with pytest.raises(UnscaleBeforeSync, match=r"call dp.finish_gradient_sync\(\) right after"):
+        scaler.unscale_(optimizer)
+    dp.finish_gradient_sync()
+    scaler.unscale_(optimizer)  # after the sync: torch's own
+    dp.close()

@@ -95,7 +95,10 @@ def _wrap() -> None:
             raise UnscaleBeforeSync(UNSCALE_BEFORE_SYNC)
         ref, attach = _SHARDED.get(optimizer, (None, None))
         dp = ref() if ref is not None else None
-        if dp is not None and self.is_enabled():
+        if dp is not None and self.is_enabled():  # its pieces are no module parameters: asked of the replica
+            unsynced = getattr(dp, "_unsynced", None)
+            if dp.exchange_in_flight or (unsynced is not None and unsynced.pending):
+                raise UnscaleBeforeSync(UNSCALE_BEFORE_SYNC)
             attach()
         result = original(self, optimizer)
         if dp is not None and self.is_enabled() and dp.world.distributed:
