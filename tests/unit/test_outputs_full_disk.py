@@ -50,11 +50,7 @@ def test_the_last_checkpoint_is_named_when_model_pt_does_not_fit(tmp_path, monke
 
 
 def test_without_a_checkpoint_a_copy_is_kept_in_the_temporary_directory(tmp_path, monkeypatch):
-    out, spare_dir = tmp_path / "run", tmp_path / "tmp"
-    out.mkdir()
-    spare_dir.mkdir()
-    monkeypatch.setenv("TMPDIR", str(spare_dir))
-    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+    out, spare_dir = _spare_in(tmp_path, monkeypatch)
     _full_disk_for(monkeypatch, out)
     model = _model()
     with pytest.raises(RunFailed) as info:
@@ -67,11 +63,7 @@ def test_without_a_checkpoint_a_copy_is_kept_in_the_temporary_directory(tmp_path
 
 
 def test_when_no_copy_fits_either_the_line_says_the_weights_are_lost(tmp_path, monkeypatch):
-    out, spare_dir = tmp_path / "run", tmp_path / "tmp"
-    out.mkdir()
-    spare_dir.mkdir()
-    monkeypatch.setenv("TMPDIR", str(spare_dir))
-    monkeypatch.setattr("tempfile.tempdir", None)
+    out, spare_dir = _spare_in(tmp_path, monkeypatch)
     _full_disk_for(monkeypatch, out, spare_dir)
     with pytest.raises(RunFailed, match=r"^cannot write \S+model\.pt \(No space left on device\) nor a copy at "
                                         r"\S+ \(No space left on device\); the trained weights are lost: free space "
@@ -84,7 +76,7 @@ def _spare_in(tmp_path, monkeypatch):
     out.mkdir()
     spare_dir.mkdir()
     monkeypatch.setenv("TMPDIR", str(spare_dir))
-    monkeypatch.setattr("tempfile.tempdir", None)
+    monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
     return out, spare_dir
 
 
