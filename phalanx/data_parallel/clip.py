@@ -25,28 +25,31 @@ from phalanx.runtime.foreign_names import in_phalanx_order
 
 
 @in_phalanx_order(first=DataParallel)  # Fabric's clip_gradients(model, optimizer, ...): one line
-def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
     """Scale the summed gradients so their global `norm_type` norm is at most `max_norm`.
 
     Call after `dp.finish_gradient_sync()` and before `optimizer.step()`; returns the norm before
-    clipping (as torch's `clip_grad_norm_`, which does the arithmetic). Refused inside `no_sync()`,
-    where gradients are still partial.
+    clipping (as torch's `clip_grad_norm_`, which does the arithmetic, and whose
+    `error_if_nonfinite` and `foreach` it takes: a non-finite norm raises on every rank alike, the
+    norm being the same there). Refused inside `no_sync()`, where gradients are still partial.
     """
     _check_synced(dp, "clip_grad_norm_")
     if dp.sharding is None:
-        return torch.nn.utils.clip_grad_norm_(dp.module.parameters(), max_norm, norm_type=norm_type)
-    return _clip_sharded(dp, float(max_norm), float(norm_type))
+        return torch.nn.utils.clip_grad_norm_(dp.module.parameters(), max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite, foreach=foreach)
+    return _clip_sharded(dp, float(max_norm), float(norm_type), error_if_nonfinite=error_if_nonfinite)
 
 
 @in_phalanx_order(first=DataParallel)
-def clip_grad_value_(dp: DataParallel, clip_value: float) -> None:
+def clip_grad_value_(dp: DataParallel, clip_value: float, *, foreach: bool | None = None) -> None:
     """Clamp the summed gradients into [-clip_value, clip_value], as torch's `clip_grad_value_`
     does on one device. Call where `clip_grad_norm_` is called; a sharded replica clamps its own
     range of the sum (element-wise, so no communication), torch's over `dp.parameters()` would
     clamp unsummed values or nothing (sharding/torch_clip.py refuses it)."""
     _check_synced(dp, "clip_grad_value_")
     if dp.sharding is None:
-        torch.nn.utils.clip_grad_value_(dp.module.parameters(), clip_value)
+        torch.nn.utils.clip_grad_value_(dp.module.parameters(), clip_value, foreach=foreach)
         return
     grads = [g for g in dp.sharding.shard_grads if g.numel()]
     if grads:
@@ -64,7 +67,7 @@ def _check_synced(dp: DataParallel, name: str) -> None:
     dp.check_synced(f"phalanx.{name}")  # a backward not yet exchanged (no overlap: nothing in flight)
 
 
-def _clip_sharded(dp: DataParallel, max_norm: float, norm_type: float) -> torch.Tensor:
+def _clip_sharded(dp: DataParallel, max_norm: float, norm_type: float, *, error_if_nonfinite: bool) -> torch.Tensor:
     grads = [g for g in dp.sharding.shard_grads if g.numel()]
     dtype = dp.sharding.shard_grads[0].dtype
     device = dp.sharding.shard_grads[0].device
@@ -84,6 +87,10 @@ def _clip_sharded(dp: DataParallel, max_norm: float, norm_type: float) -> torch.
         native(dp.world, Tag("gradient norm"), lambda: dist.all_reduce(total, op=op, async_op=True),
                size_bytes=total.element_size())
     norm = total[0] if math.isinf(norm_type) else total[0].pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):  # the same norm on every rank: all raise here
+        raise RuntimeError(f"the gradients' total {norm_type:g}-norm is {norm.item()}, which cannot be clipped "
+                           "(error_if_nonfinite=True); find the step that overflowed, or pass error_if_nonfinite=False "
+                           "to scale by it anyway")
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's clip_grad_norm_ arithmetic
     if grads:
         torch._foreach_mul_(grads, coefficient)

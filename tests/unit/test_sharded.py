@@ -284,3 +284,25 @@ def test_a_grad_scalers_unscale_before_the_sync_is_refused_for_a_sharded_optimiz
     dp.finish_gradient_sync()
     scaler.unscale_(optimizer)  # after the sync: torch's own
     dp.close()
+
+
+@pytest.mark.parametrize("stage", ["none", "optimizer", "parameters"])
+def test_clip_grad_norm_takes_torch_s_error_if_nonfinite_and_foreach(stage):
+    # A port of torch.nn.utils.clip_grad_norm_(params, 1.0, error_if_nonfinite=True, foreach=True)
+    # met "got an unexpected keyword argument"; now both are torch's, sharded or not.
+    from phalanx import clip_grad_norm_, clip_grad_value_
+
+    dp = _replica(stage)
+    optimizer = dp.optimizer(torch.optim.SGD, lr=0.1)
+    X = torch.randn(4, 1, 28, 28, dtype=torch.float64)
+    optimizer.zero_grad()
+    shard_loss(F.cross_entropy(dp(X), torch.tensor([0, 1, 2, 3]), reduction="sum"), 4).backward()
+    dp.finish_gradient_sync()
+    finite = clip_grad_norm_(dp, 1e9, error_if_nonfinite=True, foreach=True)
+    assert torch.isfinite(finite) and finite > 0
+    clip_grad_value_(dp, 1e9, foreach=False)
+    grads = dp.sharding.shard_grads if dp.sharding is not None else [p.grad for p in dp.module.parameters()]
+    grads[0].view(-1)[0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite|cannot be clipped"):
+        clip_grad_norm_(dp, 1.0, error_if_nonfinite=True)
+    assert clip_grad_norm_(dp, 1.0).isinf()  # torch's default: scaled by it, no error
