@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from phalanx.data_parallel.guards.replicas import _message, bit_sum, check_replicas_agree, fingerprint, settings
+from phalanx.data_parallel.guards.replicas import (ReplicaCheck, _message, bit_sum, check_replicas_agree, fingerprint,
+                                                   settings)
 from phalanx.runtime.world import World
 
 WORLD2 = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="none",
@@ -78,3 +79,24 @@ def test_the_line_names_the_ranks_how_far_and_both_causes():
                            "by up to 0.5 (in 1 of 4 tensors, 1.bias first), and their optimizer's lr is 0.05 where "
                            "rank 0's is 0.1 (param group 0); an lr scheduler stepped ")
     assert "; or a checkpoint loaded " in line  # a setting apart explains parameters apart: named first
+
+
+def test_an_optimizer_given_the_replica_by_add_param_group_later_is_compared_from_then_on():
+    # Its verdict ("does it step this replica?") was taken once, at its first step over a head of
+    # its own: the replica's parameters added after (a backbone unfrozen) were never compared.
+    model = nn.Linear(3, 2)
+    head = nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([head], lr=0.1)
+    check = ReplicaCheck(every=1, world=WORLD2, module=model, sharding=None, allreduce=lambda flat, tag: None,
+                         owner=model)
+    try:
+        head.grad = torch.ones_like(head)
+        optimizer.step()
+        assert check._stepped == {}  # not this replica's
+        optimizer.add_param_group({"params": list(model.parameters())})
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        assert list(check._stepped.values()) == [optimizer]
+    finally:
+        check.close()

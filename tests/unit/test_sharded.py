@@ -306,3 +306,20 @@ def test_clip_grad_norm_takes_torch_s_error_if_nonfinite_and_foreach(stage):
     with pytest.raises(RuntimeError, match="non-finite|cannot be clipped"):
         clip_grad_norm_(dp, 1.0, error_if_nonfinite=True)
     assert clip_grad_norm_(dp, 1.0).isinf()  # torch's default: scaled by it, no error
+
+
+def test_a_plain_optimizer_given_the_whole_parameters_later_by_add_param_group_is_refused_too():
+    # Its verdict was taken once, at its first step, over a parameter of its own; a group added
+    # after (the replica's whole parameters) stepped them with only this rank's range summed.
+    dp = _replica("optimizer")
+    other = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    optimizer = torch.optim.SGD([other], lr=0.1)
+    X, y = torch.randn(4, 1, 28, 28, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    other.grad = torch.ones_like(other)
+    optimizer.step()  # not the replica's: allowed
+    optimizer.add_param_group({"params": list(dp.parameters())})
+    shard_loss(F.cross_entropy(dp(X), y, reduction="sum"), 4).backward()
+    dp.finish_gradient_sync()
+    with pytest.raises(RuntimeError, match=r"build it with dp.optimizer\(SGD, \.\.\.\)"):
+        optimizer.step()
+    dp.close()

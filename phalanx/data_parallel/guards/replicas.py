@@ -161,9 +161,10 @@ class ReplicaCheck:
         self.every, self.world, self._module, self._sharding, self._allreduce = every, world, module, sharding, allreduce
         self._stepped: dict[int, torch.optim.Optimizer] = {}  # since the last check
         self._compared: list[torch.optim.Optimizer] = []  # at the last check
-        # Each optimizer's verdict (does it step this replica?), looked up once; held weakly: an id
-        # could be a dead optimizer's.
-        self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+        # Each optimizer's verdict (does it step this replica?), looked up again only once its group
+        # count changed (add_param_group); held weakly: an id could be a dead optimizer's.
+        self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
+        self._partitioned: weakref.WeakSet = weakref.WeakSet()  # ZeroRedundancyOptimizer's inner ones: never
         self._hook = on_every_optimizer_step(self.noted) if every and world.distributed else None
         self._registered = weakref.ref(owner) if self._hook is not None else None
         if self._registered is not None:
@@ -173,16 +174,16 @@ class ReplicaCheck:
                        for name, _ in m.named_buffers(recurse=False)}  # their statistics, by name
 
     def noted(self, optimizer: torch.optim.Optimizer) -> None:
-        """`optimizer` is about to step: note it if it steps this replica (looked up once per optimizer)."""
-        mine = self._verdicts.get(optimizer)
-        if mine is None:
+        """`optimizer` is about to step: note it if it steps this replica (again once a group is added)."""
+        groups, mine = self._verdicts.get(optimizer, (None, False))
+        if groups != len(optimizer.param_groups) and optimizer not in self._partitioned:  # first step, or a group added
             inner = partitioned_inner(optimizer)
             if inner is not None:  # its own partition on each rank: the wrapper's settings are compared instead
-                self._verdicts[inner] = False
+                self._partitioned.add(inner)
             ours = {id(p) for p in self._module.parameters()}
-            mine = self._verdicts[optimizer] = any(
+            groups, mine = self._verdicts[optimizer] = (len(optimizer.param_groups), any(
                 id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
-                self._sharding is not None and optimizer in self._sharding.optimizers)
+                self._sharding is not None and optimizer in self._sharding.optimizers))
         if mine:
             self._stepped[id(optimizer)] = optimizer
 

@@ -237,23 +237,23 @@ class ShardedOptimizerHooks:
 class WholeOptimizerGuard:
     """Refuses a torch optimizer built over a sharded replica's own parameters (the DDP habit
     `AdamW(dp.parameters())`): it would keep whole state and step with gradients that are summed
-    only in this rank's range. Process-wide hook (replica_hook.py), looked up once per optimizer.
+    only in this rank's range. Process-wide hook (replica_hook.py), looked up again when a group is added.
     torch's clip_grad_norm_ / clip_grad_value_ over them, wrong for the same reason, is refused
     too (torch_clip.py)."""
 
     def __init__(self, module: nn.Module, stage: str) -> None:
         self._ids = {id(p) for p in module.parameters()}
         self._stage = stage
-        # Each optimizer's verdict, looked up once; held weakly: an id could be a dead optimizer's.
+        # Each optimizer's verdict, looked up once per group count; held weakly: an id could be a dead optimizer's.
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handle = on_every_optimizer_step(self.check)
         self._clip = TorchClipGuard(self._ids, stage)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        whole = self._seen.get(optimizer)
-        if whole is None:
-            whole = self._seen[optimizer] = any(
-                id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
+        groups, whole = self._seen.get(optimizer, (None, False))
+        if groups != len(optimizer.param_groups):  # its first step, or a group added since (add_param_group)
+            groups, whole = self._seen[optimizer] = (len(optimizer.param_groups), any(
+                id(p) in self._ids for group in optimizer.param_groups for p in group["params"]))
         if whole:
             raise RuntimeError(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
                                "sums each rank's gradient range only; build it with dp.optimizer("
