@@ -249,7 +249,9 @@ def restore(state: dict[str, Any], *, world: World, model: torch.nn.Module, opti
     try:
         restore_any(state, path=Path(path) if path is not None else Path("."), module=model, optimizer=optimizer, dp=dp)
     except (ValueError, KeyError) as exc:
-        raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the same optimizer settings") from None
+        raise UsageError(f"checkpoint optimizer state does not fit ({exc}); resume with the optimizer the saving run "
+                         "had: its type and param groups (a group it added mid-run with add_param_group: add it "
+                         "before resume)") from None
     load_extras(state.get("extras"), extras, path=where)
     set_rng_state(of_rank(state["rng"], world.rank))
     totals = state.get("epoch_totals") or []

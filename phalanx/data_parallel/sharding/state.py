@@ -189,6 +189,7 @@ def load_shard(dp, optimizer: torch.optim.Optimizer, reader: Reader) -> None:
             entry[key] = reader.read(key, first + owned.start, first + owned.stop)
         if entry:
             state[index] = entry
+    _check_group_count(reader.groups, len(record.group_names))
     saved_groups = {tuple(g["names"]): g for g in reader.groups}
     groups = []
     for group, names in zip(optimizer.param_groups, record.group_names):
@@ -227,6 +228,7 @@ def whole_state(reader: Reader, *, slots, names: list[str],
         groups = [{**{k: v for k, v in g.items() if k != "names"}, "params": [position[n] for n in g["names"]]}
                   for g in reader.groups]
         return params, {"state": state, "param_groups": groups}
+    _check_group_count(reader.groups, len(group_names))
     saved_groups = {tuple(g["names"]): g for g in reader.groups}
     groups, first = [], 0
     for group in group_names:
@@ -238,6 +240,14 @@ def whole_state(reader: Reader, *, slots, names: list[str],
                        "params": list(range(first, first + len(group)))})
         first += len(group)
     return params, {"state": state, "param_groups": groups}
+
+
+def _check_group_count(saved: list[dict], loading: int) -> None:
+    """Each loading group takes the saved group of its names, so a saved group no loading group
+    takes (one the saving run added with add_param_group) would be dropped silently, its
+    parameters' state lost; torch's own load refuses a different count too."""
+    if saved and len(saved) != loading:
+        raise ValueError(f"the checkpoint's optimizer has {len(saved)} param groups, this one {loading}")
 
 
 def _shown(names: list[str]) -> str:
