@@ -58,3 +58,23 @@ def on_every_optimizer_step(method: Callable[[torch.optim.Optimizer], None]) -> 
             target(optimizer)
 
     return register_optimizer_step_pre_hook(hook)
+
+
+class OptimizerVerdicts:
+    """Each optimizer's answer to a question about its parameters (does it step this replica?),
+    taken at its first step and again whenever its group count changes: a group added with
+    add_param_group after the first step (a backbone unfrozen) changes the answer, and torch's step
+    hook does not say so. Held weakly: an id could be a dead optimizer's."""
+
+    def __init__(self) -> None:
+        self._taken: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (groups, verdict)
+
+    def of(self, optimizer: torch.optim.Optimizer, judge: Callable[[torch.optim.Optimizer], bool]) -> bool:
+        """`judge(optimizer)`, as taken for its present group count."""
+        groups, verdict = self._taken.get(optimizer, (None, False))
+        if groups != len(optimizer.param_groups):
+            groups, verdict = self._taken[optimizer] = (len(optimizer.param_groups), judge(optimizer))
+        return verdict
+
+    def __len__(self) -> int:
+        return len(self._taken)

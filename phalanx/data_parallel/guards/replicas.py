@@ -43,7 +43,7 @@ import torch
 from phalanx.comm import Tag, broadcast_, gather_objects
 from phalanx.data_parallel.guards.checks import ReplicaMismatch, check_replicas
 from phalanx.data_parallel.guards.running_stats import drifting_norm_layers
-from phalanx.data_parallel.replica_hook import on_every_optimizer_step
+from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step
 from phalanx.runtime.world import World
 
 ROW = 6  # per rank: parameters, optimizer settings, optimizer state, each 64 bits as two exact 32-bit halves
@@ -161,9 +161,7 @@ class ReplicaCheck:
         self.every, self.world, self._module, self._sharding, self._allreduce = every, world, module, sharding, allreduce
         self._stepped: dict[int, torch.optim.Optimizer] = {}  # since the last check
         self._compared: list[torch.optim.Optimizer] = []  # at the last check
-        # Each optimizer's verdict (does it step this replica?), looked up again only once its group
-        # count changed (add_param_group); held weakly: an id could be a dead optimizer's.
-        self._verdicts: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
+        self._verdicts = OptimizerVerdicts()  # does it step this replica?
         self._partitioned: weakref.WeakSet = weakref.WeakSet()  # ZeroRedundancyOptimizer's inner ones: never
         self._hook = on_every_optimizer_step(self.noted) if every and world.distributed else None
         self._registered = weakref.ref(owner) if self._hook is not None else None
@@ -175,17 +173,18 @@ class ReplicaCheck:
 
     def noted(self, optimizer: torch.optim.Optimizer) -> None:
         """`optimizer` is about to step: note it if it steps this replica (again once a group is added)."""
-        groups, mine = self._verdicts.get(optimizer, (None, False))
-        if groups != len(optimizer.param_groups) and optimizer not in self._partitioned:  # first step, or a group added
-            inner = partitioned_inner(optimizer)
-            if inner is not None:  # its own partition on each rank: the wrapper's settings are compared instead
-                self._partitioned.add(inner)
-            ours = {id(p) for p in self._module.parameters()}
-            groups, mine = self._verdicts[optimizer] = (len(optimizer.param_groups), any(
-                id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
-                self._sharding is not None and optimizer in self._sharding.optimizers))
-        if mine:
+        if self._verdicts.of(optimizer, self._steps_replica):
             self._stepped[id(optimizer)] = optimizer
+
+    def _steps_replica(self, optimizer: torch.optim.Optimizer) -> bool:
+        inner = partitioned_inner(optimizer)
+        if inner is not None:  # its own partition on each rank: the wrapper's settings are compared instead
+            self._partitioned.add(inner)
+        if optimizer in self._partitioned:
+            return False
+        ours = {id(p) for p in self._module.parameters()}
+        return any(id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
+            self._sharding is not None and optimizer in self._sharding.optimizers)
 
     def after_step(self, step: int) -> None:
         """Synced step `step` is summed: compare at the first and at every `every`-th."""

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from phalanx.data_parallel.guards.unscale import agree_on_overflow
-from phalanx.data_parallel.replica_hook import on_every_optimizer_step
+from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step
 from phalanx.data_parallel.sharding.torch_clip import TorchClipGuard
 
 # Element-wise updates: exact on any range of the parameters.
@@ -131,7 +131,8 @@ def make_optimizer(dp, cls: type, params: Iterable | None = None, *, elementwise
             return plain_add_param_group(group)  # torch's own error
         group = {**group, "params": [group["params"]] if isinstance(group["params"], torch.Tensor)
                  else list(group["params"])}
-        if any(id(p) in {id(q) for q in params_of} for p in group["params"]):
+        held = {id(param) for param in params_of}
+        if any(id(p) in held for p in group["params"]):
             raise ValueError("some parameters appear in more than one parameter group of this sharded optimizer; "
                              "add each parameter to one group only")
         mine, found_pieces, names = pieces_of(group)
@@ -244,20 +245,18 @@ class WholeOptimizerGuard:
     def __init__(self, module: nn.Module, stage: str) -> None:
         self._ids = {id(p) for p in module.parameters()}
         self._stage = stage
-        # Each optimizer's verdict, looked up once per group count; held weakly: an id could be a dead optimizer's.
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._seen = OptimizerVerdicts()  # does it step the replica's whole parameters?
         self._handle = on_every_optimizer_step(self.check)
         self._clip = TorchClipGuard(self._ids, stage)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        groups, whole = self._seen.get(optimizer, (None, False))
-        if groups != len(optimizer.param_groups):  # its first step, or a group added since (add_param_group)
-            groups, whole = self._seen[optimizer] = (len(optimizer.param_groups), any(
-                id(p) in self._ids for group in optimizer.param_groups for p in group["params"]))
-        if whole:
+        if self._seen.of(optimizer, self._holds_ours):
             raise RuntimeError(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
                                "sums each rank's gradient range only; build it with dp.optimizer("
                                f"{type(optimizer).__name__}, ...) instead of {type(optimizer).__name__}(dp.parameters(), ...)")
+
+    def _holds_ours(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
 
     def close(self) -> None:
         self._handle.remove()
