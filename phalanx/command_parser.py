@@ -48,8 +48,8 @@ SAME_MEANING = {"--devices": ("--world-sizes",), "--world-sizes": ("--devices",)
 def closest_flag(parser: argparse.ArgumentParser):
     """A function from an unknown `--flag[=value]` to the parser's flag it most likely meant, or None:
     the one another command spells otherwise for the same thing (SAME_MEANING), the flags it begins
-    (the prefix argparse no longer takes; up to three, "--a or --b"), else one spelled within a letter or two. A switch's `--no-x` is not offered for `--x`: that is its
-    default, not a typo."""
+    (the prefix argparse no longer takes; up to three, "--a or --b"), else one spelled within a
+    letter or two. A switch's `--no-x` is not offered for `--x`: that is its default, not a typo."""
     names = [name for action in parser._actions for name in action.option_strings
              if name.startswith("--") and name != "--help"]
 

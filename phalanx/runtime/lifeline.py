@@ -43,15 +43,24 @@ _GROUP_POLL_S = 0.02
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
+def _libc():
+    """This process's C library on Linux (prctl, tgkill), else None."""
+    try:
+        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
 def die_with_parent(parent_pid: int) -> None:
     """Linux: have the kernel SIGKILL this worker when the launcher dies (killed with SIGKILL,
     so no handler of its own could stop us), instead of training on as an orphan."""
-    if not sys.platform.startswith("linux"):
+    prctl = getattr(_LIBC, "prctl", None)
+    if prctl is None:
         return
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
+    prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:  # the launcher died before the request took effect
         os._exit(1)
 
@@ -221,27 +230,17 @@ def signal_main_thread(pid: int, signum: int) -> None:
     A signal sent to a process goes to any of its threads not blocking it, the main one first
     unless that one is busy; and Python runs its handlers on the main thread only, at its next
     bytecode. One taken by another thread (gloo's, the communication thread: none block signals)
-    leaves a main thread asleep in a system call asleep: a script's `time.sleep(600)` got its
+    does not wake a main thread asleep in a system call: a script's `time.sleep(600)` got its
     KeyboardInterrupt only when the sleep ended, long after the launcher's grace. Sent to the main
     thread, it cuts that call short (EINTR) and the handler runs. Where tgkill is missing
     (not Linux, glibc < 2.30): os.kill. Raises OSError as os.kill does (the process is gone)."""
-    tgkill = getattr(_LIBC, "tgkill", None) if _LIBC is not None else None
+    tgkill = getattr(_LIBC, "tgkill", None)
     if tgkill is None:
         os.kill(pid, signum)
         return
     if tgkill(pid, pid, signum) != 0:  # a process's main thread has the process's id
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-    except OSError:
-        return None
-
-
-_LIBC = _libc()
 
 
 def describe_signal(signum: int) -> str:
