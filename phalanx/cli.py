@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -82,6 +83,8 @@ def _runner(name: str) -> Callable[[argparse.Namespace], int]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        if argv is None:  # the command line itself, not a call from Python
+            _start_fork_server(sys.argv[1:])
         return _run_command(sys.argv[1:] if argv is None else argv)
     except UsageError as exc:
         print(f"phalanx: error: {exc}", file=sys.stderr)
@@ -158,9 +161,25 @@ def _a_torchrun_peer_saw_it(exc: BaseException) -> bool:
     return env is not None and env.rank != 0
 
 
+def _start_fork_server(argv: list[str]) -> None:
+    """For a command that may start workers: their fork server imports torch on another core while
+    this process imports the command's modules (runtime/fork_server.py). Not in a torchrun worker
+    (RANK and WORLD_SIZE set, read as in __main__.py), whose run starts no workers of its own."""
+    if _subcommand(argv) not in ("train", "run", *STARTS_ITS_OWN_WORKERS) or {"-h", "--help"} & set(argv):
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        from phalanx.runtime.fork_server import start_early
+
+        start_early()
+
+
+def _subcommand(argv: list[str]) -> str | None:
+    """The first word that is not a flag (the top level's flags take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def _run_command(argv: list[str]) -> int:
-    # The subcommand is the first word that is not a flag (the top level's flags take no value).
-    named = next((word for word in argv if not word.startswith("-")), None)
+    named = _subcommand(argv)
     if named in COMMANDS:  # before the command's module imports them
         absent = missing_reason(COMMANDS[named].needs)
         if absent is not None:

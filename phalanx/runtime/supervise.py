@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any, Callable, Mapping, Sequence
 
+from phalanx.runtime.fork_server import FRESH, LauncherState, worker_context
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
 from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
@@ -87,7 +88,7 @@ class WorkerSet:
     deadline_s: float | None = None  # bound on results arriving; None: the body bounds its own waits
     teardown_s: float = TEARDOWN_S
     exit_zero_is_success: bool = False  # a worker that exits 0 without a report succeeded (result None)
-    start_method: str = "spawn"  # or "fork"
+    start_method: str = FRESH  # or "spawn" (always a new interpreter) or "fork" (a copy of this process)
 
     def __post_init__(self) -> None:
         if self.num_procs < 1:
@@ -98,13 +99,16 @@ class WorkerSet:
             raise ValueError(f"deadline_s {self.deadline_s} must be positive seconds or None")
         if not self.teardown_s > 0:
             raise ValueError(f"teardown_s {self.teardown_s} must be positive seconds")
-        if self.start_method not in START_METHODS:
-            raise ValueError(f"start_method {self.start_method!r} is not one of {START_METHODS}")
+        if self.start_method not in (FRESH, *START_METHODS):
+            raise ValueError(f"start_method {self.start_method!r} is not one of {(FRESH, *START_METHODS)}")
 
 
-def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str | None) -> None:
-    """One spawned worker: run the body, send one report, then tear down."""
+def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str | None,
+                 launcher: LauncherState | None = None) -> None:
+    """One worker: run the body, send one report, then tear down (`launcher`: fork_server.py)."""
     global _PROGRESS
+    if launcher is not None:  # forked by the fork server, whose death is the launcher's
+        parent_pid = launcher.adopt()
     die_with_parent(parent_pid)
     lead_own_group()
     line_buffered_output()
@@ -163,7 +167,7 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
 
 def run_workers(workers: WorkerSet) -> list[Any]:
     """Start the worker set, supervise it, and return the results by rank (or raise)."""
-    ctx = mp.get_context(workers.start_method)
+    ctx, launcher = worker_context() if workers.start_method == FRESH else (mp.get_context(workers.start_method), None)
     procs, conns, failed, started_at = [], [], False, time.time()
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
@@ -172,11 +176,11 @@ def run_workers(workers: WorkerSet) -> list[Any]:
             for rank in range(workers.num_procs):
                 # A stop lands after the new worker is on the list; Python 3.12+ warns of any fork
                 # in a process with threads (the store's): forked.py says what a copy undoes.
-                with signals_deferred(), warnings.catch_warnings(), shared_hash_seed(workers.start_method):
+                with signals_deferred(), warnings.catch_warnings(), shared_hash_seed(ctx.get_start_method()):
                     warnings.simplefilter("ignore", DeprecationWarning)
                     parent_end, child_end = ctx.Pipe(duplex=False)
                     proc = ctx.Process(target=_worker_main, name=f"{workers.name}-{rank}",
-                                       args=(rank, workers, child_end, progress, os.getpid(), errors[rank]))
+                                       args=(rank, workers, child_end, progress, os.getpid(), errors[rank], launcher))
                     proc.start()
                     child_end.close()  # keep only the child's copy, so its death reads as EOF here
                     procs.append(proc)

@@ -15,7 +15,9 @@ in all cases, and the message starts with the failing rank, then every traceback
 worker's `UsageError` is raised as is. The launcher tolerates gloo's exit-time SIGABRT after a
 delivered result, with a warning (the baselines' "Traps").
 
-Start-up costs about 2 s per process (`import torch`), so batch many checks into one call.
+On Linux the workers are forked from the launcher's fork server, which imported torch once for
+the whole test session (runtime/fork_server.py): a run starts in well under a second after the
+first. Spawned (elsewhere) each costs about 3 s (`import torch`), so batch many checks into one call.
 """
 
 from __future__ import annotations

@@ -43,10 +43,13 @@ def _alive(pid: int) -> bool:
 
 
 def _workers(parent: int, count: int, timeout_s: float = 60.0) -> list[int]:
-    """The spawned workers of a launcher (not multiprocessing's resource tracker), oldest first."""
+    """The workers of a launcher, oldest first: forked by its fork server (runtime/fork_server.py),
+    or spawned by it (not multiprocessing's resource tracker)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        servers = [p for p in _children(parent) if "multiprocessing.forkserver" in _cmdline(p)]
         pids = [p for p in _children(parent) if "spawn_main" in _cmdline(p)]
+        pids += [p for server in servers for p in _children(server)]
         if len(pids) >= count:
             return sorted(pids)[:count]
         time.sleep(0.1)

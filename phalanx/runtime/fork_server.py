@@ -1,0 +1,182 @@
+"""Workers forked from a server that imported torch once, instead of k fresh interpreters.
+
+A spawned worker is a new interpreter that imports torch before it does anything: about 3 s of
+one core on the 2-core CI machine, paid by every worker of every launch and every restart.
+multiprocessing's "forkserver" start method starts one server process, which imports the
+modules in `PRELOAD` and then forks one copy of itself per worker: the copies start in
+milliseconds, share the imported pages until they write them, and restart as fast. The server
+never runs a worker's code, so each copy starts from a pristine, CUDA-free process, as a spawned
+one does (forked.py says what a copy of a *used* process would inherit).
+
+A local run uses it on Linux (`start_method()`); elsewhere, or when it cannot be used, spawn.
+The command line starts the server first thing (`start_early`), so its imports run on another
+core while the command imports its own.
+
+What a spawned worker inherits from the launcher at the moment it starts - the environment, the
+standard streams, the resource limits (the launcher raises `ulimit -n` for its workers), the
+cores it may run on, the umask - a copy would take from the server as it was when the server
+started. `LauncherState` carries them to the copy, which takes them on (`adopt`) before anything
+else. The current directory, sys.path and sys.argv travel by multiprocessing's own preparation
+data. What an interpreter reads only as it starts (PYTHONHASHSEED, LD_PRELOAD, OMP_*, ...) cannot
+be taken on later: a launch whose such variables differ from the server's spawns instead.
+
+The server ignores SIGTERM (fork_server_init.py) so that a signal sent to the launcher's whole
+process group reaches the launcher, which stops the workers gently, and not the server, whose
+death would kill them at once (their parent-death signal, lifeline.die_with_parent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from phalanx.runtime.hash_seed import shared_hash_seed
+
+FRESH = "fresh"  # a worker set's start method: forked from the server where it can be, else spawned
+# Imported by the server before its first fork: what every worker body needs (torch with them).
+PRELOAD = ["phalanx.runtime.fork_server_init", "phalanx.runtime.launch", "phalanx.runtime.script"]
+# Read by the interpreter or a library as it loads, so fixed in the server at its start.
+_AT_START = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_")
+_started_with: dict[str, str] | None = None  # those variables when this process started the server
+
+
+def start_method() -> str:
+    """"forkserver" where a server can be used for this launch, else "spawn"."""
+    if sys.platform != "linux" or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    if _started_with is not None and _started_with != _at_start_variables():
+        return "spawn"  # the server reads them no more: a fresh interpreter must
+    return "forkserver"
+
+
+def start_early() -> None:
+    """Start the server now, so its imports overlap this process's own (the command line's);
+    nothing if a launch here could not use it. Never raises: a launch then spawns."""
+    if start_method() == "forkserver":
+        with contextlib.suppress(Exception):
+            _ensure_running()
+
+
+def worker_context():
+    """The multiprocessing context a local launch starts its workers with, and for a copy of the
+    server what it takes on of this process (None for spawn)."""
+    if start_method() == "forkserver":
+        try:
+            _ensure_running()
+            return mp.get_context("forkserver"), LauncherState.capture()
+        except Exception:  # noqa: BLE001 - no server (a full or read-only temp dir): spawn as before
+            pass
+    return mp.get_context("spawn"), None
+
+
+def _ensure_running() -> None:
+    global _started_with
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    with shared_hash_seed("spawn"):  # the server's salt is every copy's: one for the whole run
+        forkserver.ensure_running()
+        if _started_with is None:
+            _started_with = _at_start_variables()
+
+
+def _at_start_variables() -> dict[str, str]:
+    with shared_hash_seed("spawn"):
+        return {name: value for name, value in os.environ.items() if name.startswith(_AT_START)}
+
+
+def _rebuild_stream(fd: int, df) -> int:
+    """In the copy: a standard stream of the launcher's, received as a descriptor, put in place."""
+    if df is None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        return fd
+    received = df.detach()
+    if received != fd:
+        os.dup2(received, fd)
+        os.close(received)
+    return fd
+
+
+class _Stream:
+    """One of the launcher's standard streams (0, 1 or 2), sent to the copy as a descriptor."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        try:
+            os.fstat(self.fd)
+        except OSError:  # closed in the launcher: closed in the worker too, as spawn would leave it
+            return _rebuild_stream, (self.fd, None)
+        return _rebuild_stream, (self.fd, reduction.DupFd(self.fd))
+
+
+@dataclass
+class LauncherState:
+    """What a spawned worker would inherit from the launcher as it starts: `capture()` in the
+    launcher, `adopt()` in a forked copy."""
+
+    environ: dict[str, str]
+    limits: dict[int, tuple[int, int]]
+    cores: set[int] | None
+    umask: int
+    streams: list = field(default_factory=lambda: [_Stream(fd) for fd in (0, 1, 2)])
+
+    @classmethod
+    def capture(cls) -> LauncherState:
+        import resource
+
+        limits = {}
+        for name in dir(resource):
+            if name.startswith("RLIMIT_"):
+                with contextlib.suppress(ValueError, OSError):
+                    limits[getattr(resource, name)] = resource.getrlimit(getattr(resource, name))
+        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        umask = os.umask(0)
+        os.umask(umask)
+        with shared_hash_seed("spawn"):
+            environ = dict(os.environ)
+        return cls(environ=environ, limits=limits, cores=cores, umask=umask)
+
+    def adopt(self) -> int:
+        """In the copy, first: become what a spawned worker would have been (the streams were put
+        in place as this object arrived). Returns the server's pid, the copy's parent."""
+        import resource
+
+        from phalanx.runtime.fork_server_init import SERVER_PID
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's SIG_IGN is not the worker's
+        _leave_the_server()
+        os.environ.clear()
+        os.environ.update(self.environ)
+        for which, (soft, hard) in self.limits.items():
+            with contextlib.suppress(ValueError, OSError):  # a hard limit above the server's needs root
+                resource.setrlimit(which, (soft, hard))
+        if self.cores is not None:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, self.cores)
+        os.umask(self.umask)
+        return SERVER_PID
+
+
+def _leave_the_server() -> None:
+    """Drop the copy's end of the server's keep-alive pipe: the server ends when the launcher does
+    (its end then reads EOF), and the workers with it (their parent-death signal). A copy that
+    kept it would keep the server, and itself, alive after a SIGKILLed launcher."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        server._forkserver_alive_fd = None
+        server._forkserver_address = None  # a forkserver this worker needs is its own

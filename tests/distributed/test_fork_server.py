@@ -1,0 +1,132 @@
+"""Workers forked from the fork server (runtime/fork_server.py) are what spawned ones were: they
+take on what the launcher holds when they start, not what it held when the server started (its
+environment, umask, cores, ulimits and standard streams); a SIGTERM to the launcher's whole
+process group stops them through the launcher, gently; a SIGKILLed launcher takes the server and
+every worker with it."""
+
+import contextlib
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from phalanx.runtime import fork_server
+from tests.distributed.harness import run_workers
+from tests.distributed.test_faults import PHALANX, _alive, _wait_for, _workers, assert_all_gone
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(sys.platform != "linux", reason="the fork server is used on Linux only")]
+
+
+def _what_it_inherited(world):
+    import signal as signals
+
+    import torch
+
+    print(f"rank {world.rank} writes to the launcher's stdout", flush=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    return {"parent": os.getppid(), "mark": os.environ.get("PHALANX_FORK_SERVER_MARK"), "umask": umask,
+            "cores": sorted(os.sched_getaffinity(0)), "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+            "hash": hash("phalanx"), "sigterm_ignored": signals.getsignal(signals.SIGTERM) == signals.SIG_IGN,
+            "sum": float(torch.ones(3).sum())}
+
+
+def test_a_copy_takes_on_what_the_launcher_holds_as_it_starts_not_as_the_server_started(monkeypatch, capfd):
+    fork_server.start_early()  # the server exists before any of the changes below
+    monkeypatch.setenv("PHALANX_FORK_SERVER_MARK", "set after the server started")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    cores = sorted(os.sched_getaffinity(0))
+    old_umask = os.umask(0o027)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+    os.sched_setaffinity(0, cores[:1])
+    try:
+        results = run_workers(_what_it_inherited, 2, timeout_s=60)
+    finally:
+        os.umask(old_umask)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        os.sched_setaffinity(0, cores)
+    for rank, got in enumerate(results):
+        assert got["parent"] != os.getpid(), "spawned by the launcher, not forked by the server"
+        assert got["parent"] == results[0]["parent"]
+        assert got["mark"] == "set after the server started"
+        assert got["umask"] == 0o027
+        assert got["cores"] == cores[:1]
+        assert got["nofile"] == (soft - 1, hard)
+        assert not got["sigterm_ignored"]  # the server ignores it; a worker must not
+        assert got["sum"] == 3.0
+        assert got["hash"] == results[0]["hash"]  # one salt for every rank (hash_seed.py)
+    out = capfd.readouterr().out
+    assert "rank 0 writes to the launcher's stdout" in out and "rank 1 writes to the launcher's stdout" in out
+
+
+# Each rank writes its pid once it has joined, then sleeps; a SIGTERM it receives is written down.
+SLEEPER = textwrap.dedent("""
+    import os, signal, sys, time
+    import phalanx
+    phalanx.init()
+    out = sys.argv[1]
+    def stopped(signum, frame):
+        open(os.path.join(out, f"stopped-{os.environ['RANK']}"), "w").close()
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, stopped)
+    open(os.path.join(out, f"pid-{os.environ['RANK']}.tmp"), "w").write(str(os.getpid()))
+    os.replace(os.path.join(out, f"pid-{os.environ['RANK']}.tmp"), os.path.join(out, f"pid-{os.environ['RANK']}"))
+    time.sleep(120)
+""")
+
+
+def _start_sleepers(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    proc = subprocess.Popen([*PHALANX, "run", "--devices", "cpu:2", "--threads-per-device", "1", str(script),
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for rank in (0, 1):
+        _wait_for(tmp_path / f"pid-{rank}", timeout_s=120)
+    return proc
+
+
+def test_a_sigterm_to_the_launchers_group_stops_the_workers_through_the_launcher(tmp_path):
+    proc = _start_sleepers(tmp_path)
+    try:
+        workers = _workers(proc.pid, 2)
+        servers = {_parent(worker) for worker in workers} - {proc.pid}
+        assert len(servers) == 1, "the workers were not forked by one server"
+        # What a SIGTERM to the whole group does to the server: nothing (had it died, every
+        # worker would have died with it, SIGKILLed, their parent-death signal).
+        os.kill(*servers, signal.SIGTERM)
+        time.sleep(1.5)
+        assert all(_alive(pid) for pid in [*servers, *workers]), "the server or a worker died of its SIGTERM"
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher, its fork server and its resource tracker
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert_all_gone(workers)
+    # Forwarded by the launcher: each worker's own handler ran.
+    assert (tmp_path / "stopped-0").exists() and (tmp_path / "stopped-1").exists(), stderr[-2000:]
+
+
+def test_a_sigkilled_launcher_takes_its_fork_server_and_every_worker_with_it(tmp_path):
+    proc = _start_sleepers(tmp_path)
+    try:
+        workers = _workers(proc.pid, 2)
+        servers = [pid for pid in {_parent(worker) for worker in workers} if pid != proc.pid]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert_all_gone(workers + servers)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # what is left of the group, if anything
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
