@@ -42,7 +42,7 @@ def atomic_open(path: str | os.PathLike, *, before_replace: Callable[[], None] |
         raise WriteFailed.of(target, exc) from None
     _UNFINISHED.add(tmp_name)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a normal file respects the umask
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; a normal file respects the umask
         with os.fdopen(fd, "wb") as handle:
             yield handle
             handle.flush()
@@ -89,7 +89,8 @@ def remove_stale_temporaries(directory: str | os.PathLike, *,
     return removed
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -34,6 +34,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from phalanx.atomic import current_umask
 from phalanx.runtime.hash_seed import shared_hash_seed
 
 FRESH = "fresh"  # a worker set's start method: forked from the server where it can be, else spawned
@@ -81,8 +82,8 @@ def _ensure_running() -> None:
     ctx.set_forkserver_preload(PRELOAD)
     with shared_hash_seed("spawn"):  # the server's salt is every copy's: one for the whole run
         forkserver.ensure_running()
-        if _started_with is None:
-            _started_with = _at_start_variables()
+    if _started_with is None:
+        _started_with = _at_start_variables()
 
 
 def _at_start_variables() -> dict[str, str]:
@@ -140,11 +141,9 @@ class LauncherState:
                 with contextlib.suppress(ValueError, OSError):
                     limits[getattr(resource, name)] = resource.getrlimit(getattr(resource, name))
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        umask = os.umask(0)
-        os.umask(umask)
         with shared_hash_seed("spawn"):
             environ = dict(os.environ)
-        return cls(environ=environ, limits=limits, cores=cores, umask=umask)
+        return cls(environ=environ, limits=limits, cores=cores, umask=current_umask())
 
     def adopt(self) -> int:
         """In the copy, first: become what a spawned worker would have been (the streams were put

@@ -32,6 +32,7 @@ from phalanx.runtime.binding import (allowed_cores, check_bindable, oversubscrip
 from phalanx.errors import UsageError
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.devices import DevicePlan
+from phalanx.runtime.fork_server import FRESH
 from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
 from phalanx.runtime.supervise import TEARDOWN_S, WorkerSet, report_progress, run_workers
@@ -115,13 +116,13 @@ def join_launcher_world(env: LauncherEnv, *, device: torch.device, timeout_s: fl
 
 def spawn_workers(body: Callable[[int, Any, contextlib.ExitStack], Any], payload: Any, *, spec: LaunchSpec,
                   exit_zero_is_success: bool = False, announce: Callable[[str], None] | None = None,
-                  start_method: str = "fresh", restart_count: int = 0, max_restarts: int = 0,
+                  start_method: str = FRESH, restart_count: int = 0, max_restarts: int = 0,
                   for_launch: bool = False) -> list[Any]:
     """Spawn one process per device of the plan with torchrun's environment, this launcher hosting
     the store; each runs `body(rank, payload, teardown)` (see phalanx.runtime.supervise; `start_method`
-    "fresh": each a process that ran nothing yet, from the fork server or spawned (runtime/fork_server.py),
-    "spawn" always a new interpreter, "fork" a copy of this process: runtime/forked.py; `restart_count` of `max_restarts`: which
-    attempt this is, as torchrun tells its workers: runtime/restarts.py; `for_launch`: warnings
+    FRESH: each a process that ran nothing yet, from the fork server or spawned: runtime/fork_server.py;
+    "spawn" always a new interpreter; "fork" a copy of this process: runtime/forked.py; `restart_count`
+    of `max_restarts`: which attempt this is, as torchrun tells its workers: runtime/restarts.py; `for_launch`: warnings
     name phalanx.launch's keywords).
     `announce(store_address)` is called once the store listens, before any worker starts."""
     if spec.bind_cores:  # refuse before any worker starts, not in each of them
