@@ -18,7 +18,10 @@ cores it may run on, the umask - a copy would take from the server as it was whe
 started. `LauncherState` carries them to the copy, which takes them on (`adopt`) before anything
 else. The current directory, sys.path and sys.argv travel by multiprocessing's own preparation
 data. What an interpreter reads only as it starts (PYTHONHASHSEED, LD_PRELOAD, OMP_*, ...) cannot
-be taken on later: a launch whose such variables differ from the server's spawns instead.
+be taken on later: a launch whose such variables differ from the server's stops it and starts a
+new one with them (`_ensure_running`). They change in a launcher more often than one would think:
+importing scikit-learn sets KMP_*, a one-device run in the launcher sets OMP_NUM_THREADS; had
+such a launch spawned, so would every launch after it.
 
 The server ignores SIGTERM (fork_server_init.py) so that a signal sent to the launcher's whole
 process group reaches the launcher, which stops the workers gently, and not the server, whose
@@ -32,6 +35,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 from phalanx.atomic import current_umask
@@ -46,11 +50,9 @@ _started_with: dict[str, str] | None = None  # those variables when this process
 
 
 def start_method() -> str:
-    """"forkserver" where a server can be used for this launch, else "spawn"."""
+    """"forkserver" where a server can be used (Linux), else "spawn"."""
     if sys.platform != "linux" or "forkserver" not in mp.get_all_start_methods():
         return "spawn"
-    if _started_with is not None and _started_with != _at_start_variables():
-        return "spawn"  # the server reads them no more: a fresh interpreter must
     return "forkserver"
 
 
@@ -75,15 +77,45 @@ def worker_context():
 
 
 def _ensure_running() -> None:
+    """A server that started with this process's start-up variables as they are now: the running
+    one, or a new one in its place (a launch ends its workers before the next one starts, so the
+    stopped server has no copy left to take down)."""
     global _started_with
     from multiprocessing import forkserver
 
+    wanted = _at_start_variables()
+    if _started_with is not None and _started_with != wanted:
+        _stop(forkserver._forkserver)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     with shared_hash_seed("spawn"):  # the server's salt is every copy's: one for the whole run
         forkserver.ensure_running()
-    if _started_with is None:
-        _started_with = _at_start_variables()
+    _started_with = wanted
+
+
+def _stop(server, deadline_s: float = 10.0) -> None:
+    """End `server` (multiprocessing's ForkServer): it leaves when its keep-alive pipe closes;
+    SIGKILLed if it has not within `deadline_s` (it ignores SIGTERM)."""
+    from multiprocessing import util
+
+    with server._lock:
+        pid, alive_fd, address = server._forkserver_pid, server._forkserver_alive_fd, server._forkserver_address
+        server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
+        if pid is None:
+            return
+        with contextlib.suppress(OSError, TypeError):
+            os.close(alive_fd)
+        if address and not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)  # its listening socket's file, in multiprocessing's temp dir
+        end = time.monotonic() + deadline_s
+        with contextlib.suppress(ChildProcessError):  # reaped already
+            while os.waitpid(pid, os.WNOHANG)[0] == 0:
+                if time.monotonic() > end:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
 
 
 def _at_start_variables() -> dict[str, str]:

@@ -65,6 +65,26 @@ def test_a_copy_takes_on_what_the_launcher_holds_as_it_starts_not_as_the_server_
     assert "rank 0 writes to the launcher's stdout" in out and "rank 1 writes to the launcher's stdout" in out
 
 
+def _its_server(world):
+    with open(f"/proc/{os.getppid()}/environ", "rb") as environ:  # as the server was started
+        started = dict(item.split(b"=", 1) for item in environ.read().split(b"\0") if b"=" in item)
+    return {"parent": os.getppid(), "server_schedule": started.get(b"OMP_SCHEDULE", b"").decode(),
+            "schedule": os.environ.get("OMP_SCHEDULE")}
+
+
+def test_a_variable_read_at_start_that_changed_starts_a_new_server_with_it(monkeypatch):
+    monkeypatch.delenv("OMP_SCHEDULE", raising=False)
+    before = run_workers(_its_server, 2, timeout_s=60)
+    monkeypatch.setenv("OMP_SCHEDULE", "static")  # read by libgomp as it loads, in the server's import of torch
+    after = run_workers(_its_server, 2, timeout_s=60)
+    old, new = before[0]["parent"], after[0]["parent"]
+    assert {got["parent"] for got in before} == {old} and {got["parent"] for got in after} == {new}
+    assert os.getpid() not in (old, new), "spawned by the launcher, not forked by a server"
+    assert new != old and not _alive(old), "the server that started without it was kept"
+    assert before[0]["server_schedule"] == "" and all(got["server_schedule"] == "static" for got in after)
+    assert all(got["schedule"] == "static" for got in after)
+
+
 # Each rank writes its pid once it has joined, then sleeps; a SIGTERM it receives is written down.
 SLEEPER = textwrap.dedent("""
     import os, signal, sys, time

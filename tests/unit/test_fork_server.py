@@ -12,17 +12,29 @@ from phalanx.runtime.fork_server import LauncherState
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the fork server is used on Linux only")
-def test_a_launch_forks_from_the_server_until_a_variable_read_at_start_changes(monkeypatch):
+def test_a_server_is_started_anew_when_a_variable_read_at_start_changed_and_only_then(monkeypatch):
+    from multiprocessing import forkserver
+
+    events = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: events.append("ensure"))
+    monkeypatch.setattr(fork_server, "_stop", lambda server: events.append("stop"))
     monkeypatch.setattr(fork_server, "_started_with", None)
-    assert fork_server.start_method() == "forkserver"  # not started yet: it will start with today's
-    monkeypatch.setattr(fork_server, "_started_with", fork_server._at_start_variables())
-    assert fork_server.start_method() == "forkserver"
+    fork_server._ensure_running()  # the first: nothing to stop
+    assert events == ["ensure"] and fork_server._started_with == fork_server._at_start_variables()
     monkeypatch.setenv("PHALANX_UNRELATED_MARK", "1")  # read after the start: the copy takes it on
-    assert fork_server.start_method() == "forkserver"
-    for name in ("OMP_SCHEDULE", "LD_PRELOAD", "PYTHONHASHSEED", "MALLOC_ARENA_MAX"):
+    fork_server._ensure_running()
+    assert events == ["ensure"] * 2
+    for name in ("OMP_SCHEDULE", "LD_PRELOAD", "PYTHONHASHSEED", "MALLOC_ARENA_MAX", "KMP_INIT_AT_FORK"):
+        events.clear()
         with monkeypatch.context() as changed:
             changed.setenv(name, "7")
-            assert fork_server.start_method() == "spawn", name
+            fork_server._ensure_running()
+            fork_server._ensure_running()  # started with it now: kept
+        assert events == ["stop", "ensure", "ensure"], name
+        assert fork_server.start_method() == "forkserver"  # never spawn for it: one import, not k
+        events.clear()
+        fork_server._ensure_running()  # the variable is back as it was: started anew again
+        assert events == ["stop", "ensure"], name
 
 
 def test_spawn_where_there_is_no_fork_server(monkeypatch):
