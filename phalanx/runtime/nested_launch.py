@@ -30,7 +30,7 @@ ENTRY_POINTS = ("spawn", "start_processes")
 
 
 def nested_launch_message(name: str, *, nprocs: int, device_type: str, target: Target) -> str:
-    return (f"{target.shown} calls torch.multiprocessing.{name} to start {nprocs} workers of its own, under phalanx "
+    return (f"torch.multiprocessing.{name} would start {nprocs} workers of the script's own under phalanx "
             "run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
             f"`python {target.command}` (phalanx.init() in each child joins the group it opens), or drop the spawn "
             f"and run `phalanx run --devices {device_type}:{nprocs} {target.command}`")

@@ -49,7 +49,7 @@ from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
 from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
-                                           read_report, recorded, user_traceback, with_recorded)
+                                           read_report, recorded, usage_line, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signal_main_thread, signals_deferred,
@@ -142,7 +142,7 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
                     f"{type(exc).__name__}: the result it returned cannot be sent back ({exc}); return tensors, "
                     "numbers, strings, or lists, tuples and dicts of them")), 1
         except UsageError as exc:
-            report, exit_code = pickle.dumps(("usage", str(exc))), 2
+            report, exit_code = pickle.dumps(("usage", usage_line(exc))), 2
         except Stopped as exc:  # asked to stop, it saved where it stopped (runtime/stop_request.py)
             report, exit_code = pickle.dumps(("stopped", exc.signum, exc.detail)), exc.exit_code
         except RunFailed as exc:  # a checked condition: the message is the whole story

@@ -38,6 +38,8 @@ import tempfile
 import traceback
 from typing import Callable, Iterator
 
+import torch
+
 from phalanx.errors import PeerLost, Stopped, UsageError
 from phalanx.runtime.lifeline import describe_signal
 from phalanx.runtime.procs import process_state
@@ -221,6 +223,34 @@ def user_traceback(exc: BaseException) -> str:
     while tb is not None and tb.tb_next is not None and tb.tb_frame.f_globals.get("__name__") in PLUMBING:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def usage_line(exc: UsageError) -> str:
+    """`exc`'s line, led by the place in the user's code whose call was refused (`train.py:12: `):
+    the innermost frame of its traceback that is not phalanx's, the standard library's or torch's
+    (a call made inside a `with` block still names the script's line, not contextlib's). The bare
+    line where there is none: phalanx's own commands, whose flags the line names."""
+    where = None
+    tb = exc.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if not filename.startswith(("<", *_NOT_THE_USERS)):
+            where = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    if where is None:
+        return str(exc)
+    relative = os.path.relpath(where[0])
+    return f"{where[0] if relative.startswith('..') else relative}:{where[1]}: {exc}"
+
+
+def _directory_of(path: str, up: int = 1) -> str:
+    for _ in range(up):
+        path = os.path.dirname(path)
+    return path + os.sep
+
+
+_NOT_THE_USERS = tuple({_directory_of(os.path.abspath(__file__), up=2), _directory_of(contextlib.__file__),
+                        _directory_of(torch.__file__)})
 
 
 def with_recorded(report: tuple, found: tuple[str, str] | None) -> tuple:

@@ -5,7 +5,8 @@ user runs them, so the exit status is the interpreter's own and any traceback Py
 (an exception escaping `main`, a warning, a crash at exit) shows up on stderr. One entry per path
 the refusal takes: the launching process's data check (--devices 2), the 1-device in-process
 worker, the device parser, and a download whose checksum fails (a local http.server); and
-`phalanx run`: a missing script (exit 2), a script that raises on one rank or exits non-zero
+`phalanx run`: a missing script (exit 2), a refused phalanx call (exit 2, naming the script's
+line), a script that raises on one rank or exits non-zero
 (exit 1, the first line names the rank or the exit code).
 """
 
@@ -132,6 +133,15 @@ def test_run_names_the_rank_whose_script_failed(tmp_path):
     assert proc.returncode == 1, proc.stderr
     first = proc.stderr.splitlines()[0]
     assert first == "phalanx: worker rank 1 failed: ValueError: bad shard on purpose", proc.stderr
+
+
+def test_a_refused_call_in_a_script_is_named_by_its_file_and_line(tmp_path):
+    """A phalanx call the script got wrong: exit 2, one line, led by the script's line that made it."""
+    body = "import phalanx\n\nworld = phalanx.init(device='tpu')\n"
+    proc = _phalanx_run(tmp_path, body, "--devices", "cpu:2", "--timeout", "20", "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("phalanx: error: user_script.py:3: init(device='tpu') is not understood; use 'cpu' "
+                                   "or 'cuda'"), proc.stderr
 
 
 def test_run_reports_a_nonzero_sys_exit(tmp_path):

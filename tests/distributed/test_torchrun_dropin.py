@@ -153,17 +153,18 @@ def test_a_script_that_spawns_its_own_workers_under_phalanx_run_is_refused_not_l
     """)
     proc = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--devices", devices, "--timeout", "20",
                              str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            start_new_session=True)
+                            start_new_session=True, cwd=tmp_path)
     try:
         _, stderr = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)  # the hung children share the launcher's session
     name = "spawn" if starter == "mp.spawn" else "start_processes"
+    line = 1 + next(i for i, text in enumerate(script.read_text().splitlines()) if f"{starter}(demo" in text)
     assert proc.returncode == 2, stderr[-3000:]
     assert stderr.splitlines()[-1] == (
-        f"phalanx: error: script.py calls torch.multiprocessing.{name} to start 3 workers of its own, under phalanx "
-        "run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
+        f"phalanx: error: script.py:{line}: torch.multiprocessing.{name} would start 3 workers of the script's own "
+        "under phalanx run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
         "`python script.py` (phalanx.init() in each child joins the group it opens), or drop the spawn and run "
         "`phalanx run --devices cpu:3 script.py`"), stderr[-3000:]
 

@@ -9,6 +9,7 @@ a report that lacks it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -141,3 +142,22 @@ def test_a_rank_that_exited_0_while_its_peers_waited_is_the_rank_at_fault():
 def test_a_rank_that_exited_0_is_no_cause_beside_a_rank_that_failed_on_its_own():
     reports = {0: worker_errors.error_report("ValueError: bad batch", ROOT_TB), 1: worker_errors.LEFT_EARLY}
     assert _message(reports, 0)[0] == "worker rank 0 failed: ValueError: bad batch"
+
+
+def _refused_here():
+    from phalanx.runtime.devices import parse_devices
+
+    parse_devices("cpu:0", cuda_count=0)  # phalanx refuses it: the line below this file's call names it
+
+
+def test_a_refused_call_is_led_by_the_users_file_and_line_not_phalanx_s():
+    from phalanx.errors import UsageError
+
+    with pytest.raises(UsageError) as refused:
+        _refused_here()
+    line = _refused_here.__code__.co_firstlineno + 3
+    shown = os.path.relpath(__file__)  # from where the tests run; the whole path from outside the tree
+    shown = __file__ if shown.startswith("..") else shown
+    assert worker_errors.usage_line(refused.value) == f"{shown}:{line}: {refused.value}"
+    refused.value.__traceback__ = refused.value.__traceback__.tb_next.tb_next  # phalanx's frames alone
+    assert worker_errors.usage_line(refused.value) == str(refused.value)  # phalanx train's own: the flag names it
