@@ -198,6 +198,14 @@ class LauncherState:
         return SERVER_PID
 
 
+    def exit(self) -> None:
+        """In the copy, last: what a spawned worker's interpreter runs as it exits, which the copy's
+        exit (os._exit, multiprocessing's) skips: the atexit handlers, the script's and torch's."""
+        import atexit
+
+        atexit._run_exitfuncs()
+
+
 def _leave_the_server() -> None:
     """Drop the copy's end of the server's keep-alive pipe: the server ends when the launcher does
     (its end then reads EOF), and the workers with it (their parent-death signal). A copy that

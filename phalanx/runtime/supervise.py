@@ -1,8 +1,9 @@
 """Run a set of fresh worker processes and watch over them: the one way phalanx starts processes.
 
-`run_workers(WorkerSet(...))` starts `num_procs` fresh interpreters (`spawn`; or copies of this
-process, `fork`, for phalanx.launch: runtime/forked.py), each running `body(rank, payload, teardown)`
-with `env[rank]` added to its environment, and returns their results by rank.
+`run_workers(WorkerSet(...))` starts `num_procs` fresh processes (forked by the fork server, else
+spawned: runtime/fork_server.py; or copies of this process, `fork`, for phalanx.launch:
+runtime/forked.py), each running `body(rank, payload, teardown)` with `env[rank]` added to its
+environment, and returns their results by rank.
 `phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
 `phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
 
@@ -10,16 +11,15 @@ Each worker sends one report (its result, or its error) through its own pipe *be
 `teardown` callbacks leave the process group, so a gloo abort at process exit (SIGABRT after
 destroy_process_group, ~1 run in 80 where the group outlives it) cannot lose a finished result.
 A group phalanx opens does not hit it (runtime/world.py's `_import_group_defaults` says why); a
-contender or a user's script that opens its own group may. The
-first failure takes every worker down, with whatever each started (its process group: SIGTERM,
-then SIGKILL; workers joined: no orphans, no zombies), and the message names the rank that
-broke first, with its traceback; a rank that only stopped because of it (its collective lost a
+contender or a user's script that opens its own group may. The first failure takes every worker
+down, with whatever each started (its process group: SIGTERM, then SIGKILL; workers joined: no
+orphans, no zombies), and the message names the rank that broke first, with its traceback; a rank that only stopped because of it (its collective lost a
 peer: worker_errors.is_echo) gets one line, "stopped too", and one that failed on its own with
 the same error one line, "failed too". Each worker has torchrun's `TORCHELASTIC_ERROR_FILE`
 (worker_errors.py): what a script's `@record` writes there completes the report of a worker
-that exited or died without one of its own. Once every result is in, the run
-has succeeded: teardown gets its own generous limit (`teardown_s`, not the collective timeout),
-after which a worker still tearing down is killed without a word. Workers write each output line
+that exited or died without one of its own. Once every result is in, the run has succeeded:
+teardown gets its own generous limit (`teardown_s`, not the collective timeout), after which a
+worker still tearing down is killed without a word. Workers write each output line
 in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
 A stopped launcher (SIGTERM, SIGHUP) first sends SIGTERM to each worker alone: one whose training
 is armed for it finishes its step, saves there and reports "stopped" (runtime/stop_request.py),
@@ -63,14 +63,13 @@ EXIT_POLL_S = 0.2
 # How long finished workers may take to leave the group and exit (measured under load: 1.8, 3.1
 # and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
 TEARDOWN_S = 30.0
-# Set in a spawned worker: (shared array of every rank's last finished step, this rank).
+# Set in a worker of a set: (shared array of every rank's last finished step, this rank).
 _PROGRESS: tuple[Any, int] | None = None
 
 
 def report_progress(step: int) -> None:
-    """Record the global step this worker just finished, so a failure report can name it.
-
-    A no-op outside a spawned worker (one device in-process, torchrun): nobody collects it."""
+    """Record the global step this worker just finished, for a failure report to name (a no-op
+    outside a worker of a set: one device in-process, torchrun)."""
     if _PROGRESS is not None:
         _PROGRESS[0][_PROGRESS[1]] = step
 
@@ -123,6 +122,8 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
         exit_code = on_fresh_thread(_report_then_teardown, rank, workers, conn)
     else:
         exit_code = _report_then_teardown(rank, workers, conn)
+    if launcher is not None:
+        launcher.exit()
     if exit_code:
         raise SystemExit(exit_code)
 
@@ -224,8 +225,7 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...)
     first_failure: int | None = None
-    give_up_at = deadline
-    pending = set(range(len(procs)))
+    give_up_at, pending = deadline, set(range(len(procs)))
     while pending:
         timeout = None if give_up_at is None else give_up_at - time.monotonic()
         if timeout is not None and timeout <= 0:

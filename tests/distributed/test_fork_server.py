@@ -1,6 +1,6 @@
 """Workers forked from the fork server (runtime/fork_server.py) are what spawned ones were: they
 take on what the launcher holds when they start, not what it held when the server started (its
-environment, umask, cores, ulimits and standard streams); a SIGTERM to the launcher's whole
+environment, umask, cores, ulimits and standard streams), and run their exit handlers; a SIGTERM to the launcher's whole
 process group stops them through the launcher, gently; a SIGKILLed launcher takes the server and
 every worker with it."""
 
@@ -63,6 +63,22 @@ def test_a_copy_takes_on_what_the_launcher_holds_as_it_starts_not_as_the_server_
         assert got["hash"] == results[0]["hash"]  # one salt for every rank (hash_seed.py)
     out = capfd.readouterr().out
     assert "rank 0 writes to the launcher's stdout" in out and "rank 1 writes to the launcher's stdout" in out
+
+
+def _registers_an_exit_handler(world):
+    import atexit
+
+    atexit.register(lambda: open(os.path.join(os.environ["PHALANX_EXIT_MARKS"], f"exited-{world.rank}"), "w").close())
+    return os.getppid()
+
+
+def test_a_copy_runs_its_exit_handlers_as_a_spawned_worker_does(monkeypatch, tmp_path):
+    """A copy ends through os._exit (multiprocessing's forkserver), which skips atexit: a script's
+    handlers that flush a log or close a tracker must run all the same."""
+    monkeypatch.setenv("PHALANX_EXIT_MARKS", str(tmp_path))
+    parents = run_workers(_registers_an_exit_handler, 2, timeout_s=60)
+    assert os.getpid() not in parents, "spawned by the launcher, not forked by the server"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["exited-0", "exited-1"]
 
 
 def _its_server(world):
