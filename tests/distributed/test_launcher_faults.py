@@ -235,12 +235,14 @@ def test_an_output_that_cannot_be_written_is_one_line_naming_it(tmp_path, device
 
 
 def listening_addresses_of_the_launcher(world) -> list[str]:
-    """The addresses every TCP socket the launcher (this worker's parent) listens on is bound to."""
-    return listening_addresses(os.getppid())
+    """The addresses every TCP socket the launcher listens on is bound to (it is this worker's
+    parent only when spawned: a worker forked by the fork server is the server's child)."""
+    return listening_addresses(int(os.environ["PHALANX_TEST_LAUNCHER_PID"]))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux /proc")
-def test_the_launchers_store_listens_on_loopback_only():
+def test_the_launchers_store_listens_on_loopback_only(monkeypatch):
+    monkeypatch.setenv("PHALANX_TEST_LAUNCHER_PID", str(os.getpid()))
     addresses = launch(listening_addresses_of_the_launcher, spec=_spec(2))[0]
     assert addresses, "the launcher hosts the run's store: it listens on something"
     assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1 in /proc's hex
