@@ -197,7 +197,6 @@ class LauncherState:
         os.umask(self.umask)
         return SERVER_PID
 
-
     def exit(self) -> None:
         """In the copy, last: what a spawned worker's interpreter runs as it exits, which the copy's
         exit (os._exit, multiprocessing's) skips: the atexit handlers, the script's and torch's."""

@@ -13,19 +13,19 @@ destroy_process_group, ~1 run in 80 where the group outlives it) cannot lose a f
 A group phalanx opens does not hit it (runtime/world.py's `_import_group_defaults` says why); a
 contender or a user's script that opens its own group may. The first failure takes every worker
 down, with whatever each started (its process group: SIGTERM, then SIGKILL; workers joined: no
-orphans, no zombies), and the message names the rank that broke first, with its traceback; a rank that only stopped because of it (its collective lost a
-peer: worker_errors.is_echo) gets one line, "stopped too", and one that failed on its own with
-the same error one line, "failed too". Each worker has torchrun's `TORCHELASTIC_ERROR_FILE`
-(worker_errors.py): what a script's `@record` writes there completes the report of a worker
-that exited or died without one of its own. Once every result is in, the run has succeeded:
-teardown gets its own generous limit (`teardown_s`, not the collective timeout), after which a
-worker still tearing down is killed without a word. Workers write each output line
-in one piece and flush before they report or die of SIGTERM (lifeline.line_buffered_output).
-A stopped launcher (SIGTERM, SIGHUP) first sends SIGTERM to each worker alone: one whose training
-is armed for it finishes its step, saves there and reports "stopped" (runtime/stop_request.py),
-one that is not dies of it; an interrupted one (Ctrl-C) sends SIGINT, so a script's own
-`except KeyboardInterrupt` runs, as under torchrun; each to the worker's main thread, where
-Python runs handlers (lifeline.signal_main_thread). After the grace every group is taken down.
+orphans, no zombies), and the message names the rank that broke first, with its traceback; a rank
+that only stopped because of it (its collective lost a peer: worker_errors.is_echo) gets one
+line, "stopped too", and one that failed on its own with the same error one line, "failed too".
+Each worker has torchrun's `TORCHELASTIC_ERROR_FILE` (worker_errors.py): what a script's `@record`
+writes there completes the report of a worker that exited or died without one of its own. Once
+every result is in, the run has succeeded: teardown gets its own generous limit (`teardown_s`,
+not the collective timeout), after which a worker still tearing down is killed without a word.
+Workers write each output line in one piece and flush before they report or die of SIGTERM
+(lifeline.line_buffered_output). A stopped launcher (SIGTERM, SIGHUP) first sends SIGTERM to each
+worker alone: one whose training is armed for it finishes its step, saves there and reports
+"stopped" (runtime/stop_request.py), one that is not dies of it; an interrupted one (Ctrl-C) sends
+SIGINT, so a script's own `except KeyboardInterrupt` runs, as under torchrun; each to the worker's
+main thread, where Python runs handlers (lifeline.signal_main_thread); past the grace, all go down.
 """
 
 from __future__ import annotations
