@@ -226,18 +226,20 @@ def user_traceback(exc: BaseException) -> str:
 
 
 def usage_line(exc: UsageError) -> str:
-    """`exc`'s line, led by the place in the user's code whose call was refused (`train.py:12: `):
+    """`exc`'s line, led by the place in the user's code whose call phalanx refused (`train.py:12: `):
     the innermost frame of its traceback that is not phalanx's, the standard library's or torch's
     (a call made inside a `with` block still names the script's line, not contextlib's). The bare
-    line where there is none: phalanx's own commands, whose flags the line names."""
-    where = None
+    line where there is none (phalanx's own commands, whose flags the line names), or where the
+    user's code raised it itself (its own words)."""
+    where, raised_by_user = None, False
     tb = exc.__traceback__
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if not filename.startswith(("<", *_NOT_THE_USERS)):
+        raised_by_user = not filename.startswith(("<", *_NOT_THE_USERS))
+        if raised_by_user:
             where = (filename, tb.tb_lineno)
         tb = tb.tb_next
-    if where is None:
+    if where is None or raised_by_user:
         return str(exc)
     relative = os.path.relpath(where[0])
     return f"{where[0] if relative.startswith('..') else relative}:{where[1]}: {exc}"

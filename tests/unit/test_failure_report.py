@@ -161,3 +161,14 @@ def test_a_refused_call_is_led_by_the_users_file_and_line_not_phalanx_s():
     assert worker_errors.usage_line(refused.value) == f"{shown}:{line}: {refused.value}"
     refused.value.__traceback__ = refused.value.__traceback__.tb_next.tb_next  # phalanx's frames alone
     assert worker_errors.usage_line(refused.value) == str(refused.value)  # phalanx train's own: the flag names it
+
+
+def test_a_usage_error_the_users_code_raises_itself_keeps_its_own_words():
+    from phalanx.errors import UsageError
+
+    def own_check():
+        raise UsageError("--lr must be positive; pass --lr 0.1")
+
+    with pytest.raises(UsageError) as refused:
+        own_check()
+    assert worker_errors.usage_line(refused.value) == "--lr must be positive; pass --lr 0.1"
