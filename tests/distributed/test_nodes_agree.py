@@ -10,6 +10,7 @@ its own command line), and once two real torchrun agents (`--nnodes 2`) with dif
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,14 @@ def _check(world, lr_on_rank_1: float, code_on_rank_1: str | None) -> str:
     return "agreed"
 
 
+def _refusal(caught) -> str:
+    """The refusal's line after its lead: `_check` and `_start` stand in for phalanx train's own
+    code, so the line is led by where this file called phalanx (worker_errors.usage_line)."""
+    lead = re.match(r"\S*test_nodes_agree\.py:\d+: ", str(caught.value))
+    assert lead, str(caught.value)
+    return str(caught.value)[lead.end():]
+
+
 def test_per_node_paths_and_settings_agree():
     assert run_workers(_check, 2, 0.2, None, timeout_s=90) == ["agreed", "agreed"]
 
@@ -61,7 +70,7 @@ def test_per_node_paths_and_settings_agree():
 def test_a_different_lr_is_one_line_naming_the_flag_ranks_and_nodes():
     with pytest.raises(UsageError) as caught:
         run_workers(_check, 2, 0.1, None, timeout_s=90)
-    line = str(caught.value)
+    line = _refusal(caught)
     assert "the nodes were started with different flags: --lr is 0.2 on rank 0 (node 0) and 0.1 on rank 1 " \
            "(node 0); give every node the same phalanx train command" in line, line
     assert "\n" not in line.strip(), line
@@ -70,7 +79,7 @@ def test_a_different_lr_is_one_line_naming_the_flag_ranks_and_nodes():
 def test_different_phalanx_sources_are_named():
     with pytest.raises(UsageError) as caught:
         run_workers(_check, 2, 0.2, "0.1.0 (sources 000000000000, at /elsewhere/phalanx)", timeout_s=90)
-    line = str(caught.value)
+    line = _refusal(caught)
     assert line.startswith("the nodes run different code: phalanx 0.1.0 (sources "), line
     assert line.endswith("and phalanx 0.1.0 (sources 000000000000, at /elsewhere/phalanx) on rank 1 (node 0); install "
                          "the same phalanx and torch on every node"), line
@@ -159,7 +168,7 @@ def test_a_node_that_cannot_see_the_checkpoint_is_named_before_it_starts_over():
     assert run_workers(_start, 2, [1, 0, "/mnt/run/checkpoints/checkpoint.pt"], timeout_s=90) == ["agreed"] * 2
     with pytest.raises(UsageError) as caught:
         run_workers(_start, 2, None, timeout_s=90)
-    assert str(caught.value) == (
+    assert _refusal(caught) == (
         "the nodes would start from different places: from epoch 2, step 0 (/shared/run/checkpoints/checkpoint.pt) on "
         "rank 0 (node 0) and from scratch (no checkpoint in /run-1) on rank 1 (node 0); every node must read the same "
         "checkpoint: put --out (or --checkpoint-dir) on a filesystem every node sees")
