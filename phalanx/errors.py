@@ -9,6 +9,10 @@ bug or an environment failure and keeps its traceback.
 """
 
 import errno
+import os
+
+# Where phalanx's own files lie: a frame whose file starts with it is phalanx's, not the user's.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class UsageError(Exception):
@@ -74,13 +78,11 @@ class PhalanxWarning(UserWarning):
 def warn_at_caller(message: str) -> None:
     """A PhalanxWarning pointing at the first frame outside phalanx: the script's line that led
     here, however many of phalanx's own calls (prepare, DataParallel(...)) lie between."""
-    import os
     import sys
     import warnings
 
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
     level, frame = 2, sys._getframe(1)  # stacklevel 1 is this function, 2 its caller
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR):
         level, frame = level + 1, frame.f_back
     warnings.warn(message, PhalanxWarning, stacklevel=level)
 

@@ -103,7 +103,7 @@ def _stop(server, deadline_s: float = 10.0) -> None:
         server._forkserver_pid = server._forkserver_alive_fd = server._forkserver_address = None
         if pid is None:
             return
-        with contextlib.suppress(OSError, TypeError):
+        with contextlib.suppress(OSError):
             os.close(alive_fd)
         if address and not util.is_abstract_socket_namespace(address):
             with contextlib.suppress(OSError):

@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from phalanx.errors import PeerLost, Stopped, UsageError
+from phalanx.errors import PACKAGE_DIR, PeerLost, Stopped, UsageError
 from phalanx.runtime.lifeline import describe_signal
 from phalanx.runtime.procs import process_state
 from phalanx.runtime.segment import stale_leftovers
@@ -245,14 +245,7 @@ def usage_line(exc: UsageError) -> str:
     return f"{where[0] if relative.startswith('..') else relative}:{where[1]}: {exc}"
 
 
-def _directory_of(path: str, up: int = 1) -> str:
-    for _ in range(up):
-        path = os.path.dirname(path)
-    return path + os.sep
-
-
-_NOT_THE_USERS = tuple({_directory_of(os.path.abspath(__file__), up=2), _directory_of(contextlib.__file__),
-                        _directory_of(torch.__file__)})
+_NOT_THE_USERS = (PACKAGE_DIR, *{os.path.dirname(module.__file__) + os.sep for module in (contextlib, torch)})
 
 
 def with_recorded(report: tuple, found: tuple[str, str] | None) -> tuple:

@@ -1,8 +1,8 @@
 """Workers forked from the fork server (runtime/fork_server.py) are what spawned ones were: they
 take on what the launcher holds when they start, not what it held when the server started (its
-environment, umask, cores, ulimits and standard streams), and run their exit handlers; a SIGTERM to the launcher's whole
-process group stops them through the launcher, gently; a SIGKILLed launcher takes the server and
-every worker with it."""
+environment, umask, cores, ulimits and standard streams), and run their exit handlers; a changed
+start-up variable gets a new server; a SIGTERM to the launcher's whole process group stops them
+through the launcher, gently; a SIGKILLed launcher takes the server and every worker with it."""
 
 import contextlib
 import os

@@ -164,9 +164,9 @@ def test_a_script_that_spawns_its_own_workers_under_phalanx_run_is_refused_not_l
     assert proc.returncode == 2, stderr[-3000:]
     assert stderr.splitlines()[-1] == (
         f"phalanx: error: script.py:{line}: torch.multiprocessing.{name} would start 3 workers of the script's own "
-        "under phalanx run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
-        "`python script.py` (phalanx.init() in each child joins the group it opens), or drop the spawn and run "
-        "`phalanx run --devices cpu:3 script.py`"), stderr[-3000:]
+        "under phalanx run, which starts the workers itself (its children would wait forever for a rendezvous): "
+        "run it as `python script.py` (phalanx.init() in each child joins the group it opens), or drop the spawn "
+        "and run `phalanx run --devices cpu:3 script.py`"), stderr[-3000:]
 
 
 def test_a_failing_torchrun_script_is_one_line_naming_the_rank(tmp_path):
