@@ -149,8 +149,8 @@ def test_bench_gpu_contenders_run(kind, graphs):
     record = run_one_device(OneDeviceJob(kind=kind, device="cuda", num_images=2048, global_batch_size=256,
                                          warmup_epochs=1, epochs=1, graphs=graphs), deadline_s=120)
     assert record["images"] == [2048] and record["wall_s"][0] > 0
-    if kind == "phalanx":
-        assert record["graph"] == ("replaying" if graphs else None) and record["notes"] == []
+    # bench gpu reads these of every contender (a KeyError on the plain loop's, on the first H200 it met)
+    assert record["graph"] == ("replaying" if graphs else None) and record["notes"] == []
 
 
 def test_the_api_pages_captured_step_replays_on_one_gpu(tmp_path):

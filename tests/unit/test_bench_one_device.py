@@ -10,6 +10,7 @@ import torch
 
 from phalanx.bench import gpu, gpu_report, step
 from phalanx.cli import main
+from phalanx.measure import one_device
 from phalanx.measure.one_device import OneDeviceJob
 
 
@@ -125,3 +126,22 @@ def test_rounds_run_most_telling_first_and_stop_at_the_budget(monkeypatch):
     assert len(seen) == 4 and payload["rounds_skipped"] == ["anchors"] and payload["elapsed_s"] == 84
     assert {r["contender"]: r["rounds"] for r in payload["results"] if r["group"] == "anchors"}["plain"] == 2
     assert "not started within the 100 s budget: 1 round(s) of anchors" in gpu_report.report_gpu(payload)
+
+
+def test_bench_gpu_reads_the_plain_loops_own_records():
+    # The device's first bench gpu failed on a KeyError: the fakes above gave every record phalanx's
+    # keys, the plain loop's (and DDP's, the same loop) had none. One real record, here on the CPU.
+    job = OneDeviceJob(kind="plain", device="cpu", num_images=64, global_batch_size=32, warmup_epochs=0, epochs=1)
+    record = one_device._plain_fresh(rank=0, num_procs=1, port=0, job=job)
+    assert record["images"] == [64] and record["graph"] is None and record["notes"] == []
+
+    def fake_run(jobs, *, rounds, deadline_s, on_run=None):
+        return {name: [_record(100, "replaying") if job.kind == "phalanx" and job.graphs else
+                       _record(100) if job.kind == "phalanx" else
+                       {**record, "graph": "replaying" if job.graphs else None}] for name, job in jobs.items()}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpu, "run_contenders", fake_run)
+        payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variant_rounds=0, rounds=1))
+    assert payload["check"] == {"passed": True, "problems": []}
+    assert {r["contender"]: r["graph"] for r in payload["results"]}["plain captured"] == ["replaying"]
