@@ -54,7 +54,7 @@ from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.restarts import with_restarts
-from phalanx.runtime.script_errors import translated
+from phalanx.runtime.script_errors import quiet_fd_sharing_resets, translated
 from phalanx.telemetry.log import survive_lost_output
 
 
@@ -162,7 +162,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     setup_worker(device, local_rank=env.local_rank, local_world_size=env.local_world_size,
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
     _bound_default_group_timeout(spec.timeout_s)
-    _platform_start_method()
+    _script_children()
     _current = None  # a forked worker's copy of its launcher's world is not its own
     _context = _RunContext(device=device, timeout_s=spec.timeout_s, threads=torch.get_num_threads(), rank=env.rank)
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
@@ -198,14 +198,14 @@ def _say_if_threads_changed(context: _RunContext) -> None:
          "it calls)")
 
 
-def _platform_start_method() -> None:
+def _script_children() -> None:
     """The script's own child processes start as under torchrun, where a rank is a fresh `python
-    script.py`: by the platform's default method (fork on Linux), not by `spawn`, which a spawned
-    worker inherits from its launcher. Under spawn a DataLoader worker re-runs a script that has no
-    `if __name__ == "__main__":` guard - `phalanx.init()` included - and tries to join the group.
-    None (unset) rather than the default's name, so a library that sets its own method only when
-    none is set still may."""
+    script.py`: by the platform's default method (fork on Linux), not by a spawned worker's
+    `spawn`, under which a DataLoader worker re-runs a script with no `__main__` guard, init()
+    included. None (unset), so a library that sets its own method only when none is set still may.
+    A loader worker says nothing of its rank stopping mid-request (quiet_fd_sharing_resets)."""
     multiprocessing.set_start_method(None, force=True)
+    quiet_fd_sharing_resets()
 
 
 def _bound_default_group_timeout(timeout_s: float) -> None:

@@ -19,13 +19,16 @@ on phalanx.init()'s board, where the other local ranks were meanwhile), and a Da
 the script's that exited or died (`loader_worker_lost`): torch's RuntimeError, raised wherever the
 rank's SIGCHLD lands (often inside a collective, chained to gloo's "connection reset"), named the
 pid but not the rank, and each rank's ~20-line traceback made an 80-line report.
-`translated` applies them all.
+`translated` applies them all. And one that is no error of the script's: a rank stopped while it
+fetched a batch's shared memory from a loader worker, which then printed multiprocessing's
+"Connection reset by peer" traceback under the one line (`quiet_fd_sharing_resets`).
 """
 
 from __future__ import annotations
 
 import re
 import signal
+import sys
 
 import torch.distributed as dist
 
@@ -192,3 +195,24 @@ def _innermost_frame(exc: BaseException):
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame if tb is not None else None
+
+
+def quiet_fd_sharing_resets() -> None:
+    """Wrap sys.excepthook (inherited by the script's forked DataLoader workers) so it drops what
+    multiprocessing's file-descriptor server thread (resource_sharer._serve) reports when the
+    process that asked it for a descriptor went away mid-request: a rank stopped by torch's SIGCHLD
+    check while it fetched a batch from a sibling of the loader worker that died. The thread goes on
+    serving; the rank's own line says why it stopped. Everything else reaches the previous hook."""
+    previous = sys.excepthook
+    if getattr(previous, "quiet_fd_sharing_resets", False):
+        return
+
+    def hook(kind, value, tb) -> None:
+        outer = tb.tb_frame if tb is not None else None
+        if issubclass(kind, (ConnectionError, EOFError)) and outer is not None and outer.f_code.co_name == "_serve" \
+                and outer.f_globals.get("__name__") == "multiprocessing.resource_sharer":
+            return
+        previous(kind, value, tb)
+
+    hook.quiet_fd_sharing_resets = True
+    sys.excepthook = hook

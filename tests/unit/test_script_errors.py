@@ -142,3 +142,48 @@ def test_a_timeout_in_a_call_of_the_scripts_own_after_phalanx_init_names_the_ran
         assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on one rank alone?) "
                              "or never made the call; raise --timeout")
         assert "init_process_group" not in busy
+
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_a_reset_in_the_fd_server_thread_is_quiet_and_other_errors_are_not(quiet, monkeypatch):
+    # This process serves a file descriptor, as a DataLoader worker serves a batch's shared memory
+    # to its rank; the client connects and vanishes mid-handshake, as a rank stopped by torch's
+    # SIGCHLD check did in CI (the server thread's traceback under phalanx's one line).
+    import os
+    import socket
+    import struct
+    import sys
+    import time
+    from multiprocessing import resource_sharer
+
+    from phalanx.runtime.script_errors import quiet_fd_sharing_resets
+
+    reached = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: reached.append(kind))
+    if quiet:
+        quiet_fd_sharing_resets()
+        quiet_fd_sharing_resets()  # once is enough: a second call wraps nothing
+        assert sys.excepthook.quiet_fd_sharing_resets
+    read_end, write_end = os.pipe()
+    try:
+        shared = resource_sharer.DupFd(write_end)
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(resource_sharer._resource_sharer._address)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            time.sleep(0.3)  # the server's challenge sent and unread: closing resets the connection
+        deadline = time.monotonic() + 5
+        while not reached and not quiet and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert [kind.__name__ for kind in reached] == ([] if quiet else ["ConnectionResetError"])
+        served = shared.detach()  # the server thread goes on serving a later request
+        os.write(served, b"x")
+        assert os.read(read_end, 1) == b"x"
+        os.close(served)
+        sys.excepthook(ValueError, ValueError("any other error"), None)
+        assert reached[-1] is ValueError
+    finally:
+        resource_sharer.stop(timeout=5)
+        os.close(read_end)
+        os.close(write_end)
