@@ -85,8 +85,9 @@ EOF
             step "train-cpu$k" 90 "$py" -m phalanx train --devices "cpu:$k" --data-dir "$data" --epochs 2 --no-progress \
                 --out "$out/train-cpu$k"
         done
-        # What --devices auto picks on this host (its first line: the layout and the measured alternatives).
-        step train-auto 60 "$py" -m phalanx train --devices auto --data-dir "$data" --epochs 2 --no-progress \
+        # What the CPU probe picks on this host (its first line: the layout and the measured alternatives);
+        # cpu:auto, since auto alone takes the GPU where one is.
+        step train-auto 60 "$py" -m phalanx train --devices cpu:auto --data-dir "$data" --epochs 2 --no-progress \
             --out "$out/train-auto"
         step threads 120 "$py" -m pytest tests/distributed/test_threads.py -q -p no:cacheprovider
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \

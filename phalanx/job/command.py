@@ -22,7 +22,7 @@ from phalanx.job.elastic import train_with_restarts
 from phalanx.options import add_options, build
 from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.runtime.binding import allowed_cores, check_bindable
-from phalanx.runtime.devices import AUTO, DevicePlan, parse_devices
+from phalanx.runtime.devices import AUTO, CPU_AUTO, DevicePlan, parse_devices
 from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.launch import check_loopback
 from phalanx.runtime.slurm import alone_in_slurm_step
@@ -56,8 +56,9 @@ def run_train(args: argparse.Namespace) -> int:
     check_path_length(config.data.directory, flag="--data-dir")
     check_temp_dir()  # torch itself needs one: refused before any data is read or worker started
     data = None
-    auto = config.launch.devices.strip().lower() == AUTO
-    if auto and env is None and not torch.cuda.is_available():
+    devices = config.launch.devices.strip().lower()
+    auto = devices in (AUTO, CPU_AUTO)
+    if auto and env is None and (devices == CPU_AUTO or not torch.cuda.is_available()):
         # The probe needs the model's classes: read (or download) the data now, as a run of
         # several devices does below anyway. What it chose, from what, is the run's first line.
         data = load_dataset(config.data.dataset, config.data.directory, log=RankZeroLog(enabled=True))
@@ -65,7 +66,7 @@ def run_train(args: argparse.Namespace) -> int:
         config, line = resolve_auto(config, data)
         RankZeroLog(enabled=True)(line)
     if auto and env is not None:  # torchrun decides the count; auto picks the kind
-        plan = parse_devices("cuda:0" if torch.cuda.is_available() else "cpu:1")
+        plan = parse_devices("cuda:0" if devices == AUTO and torch.cuda.is_available() else "cpu:1")
     else:
         plan = parse_devices(config.launch.devices)
     if env is not None:  # torchrun decides the count; --devices only picks cpu or cuda

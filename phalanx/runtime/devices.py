@@ -3,7 +3,8 @@
 Specs: `N` (N GPUs when CUDA is present, else N CPU workers), `cpu:N`, `cuda:0,1` (explicit GPU
 ids), `cuda:N` only as an id list (`cuda:1` is GPU 1), `auto` (every GPU where CUDA is present;
 on a CPU host `phalanx train` chooses the workers and threads from a probe of its model,
-job/auto_devices.py, and any other command asks for cpu:N). CPU workers are named
+job/auto_devices.py, and any other command asks for cpu:N), `cpu:auto` (that probe's CPU workers
+on any host, a GPU host too: phalanx train's only). CPU workers are named
 cpu:0..cpu:N-1 for display; they all compute on `torch.device("cpu")`, each in its own process.
 """
 
@@ -16,6 +17,7 @@ import torch
 from phalanx.errors import UsageError
 
 AUTO = "auto"  # --devices auto: every GPU, or on a CPU host what phalanx train's probe chooses
+CPU_AUTO = "cpu:auto"  # --devices cpu:auto: what phalanx train's probe chooses, GPUs present or not
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +50,9 @@ def parse_devices(spec: str | int, *, cuda_count: int | None = None) -> DevicePl
             raise UsageError("--devices auto on a CPU host is phalanx train's (it measures the model's step): "
                              "give --devices cpu:N here")
         return DevicePlan(names=tuple(f"cuda:{i}" for i in range(cuda_count)))
+    if text == CPU_AUTO:
+        raise UsageError("--devices cpu:auto is phalanx train's (it measures the model's step): give --devices cpu:N "
+                         "here")
     if text.isdigit():
         count = int(text)
         if count < 1:

@@ -21,9 +21,9 @@ DEFAULT_TIMEOUT_S = 120.0
 class LaunchConfig:
     """launch: the devices, and how each worker runs"""
 
-    devices: str = option("1", help="N, cpu:N, cuda:0,1 or auto (N: GPUs when present, else CPU workers; auto: "
-                                    "every GPU, or for train on a CPU host the workers x threads a probe of "
-                                    "the model finds fastest)")
+    devices: str = option("1", help="N, cpu:N, cuda:0,1, auto or cpu:auto (N: GPUs when present, else CPU "
+                                    "workers; auto: every GPU, or for train on a CPU host the workers x threads "
+                                    "a probe of the model finds fastest; cpu:auto: that probe's on any host)")
     threads_per_device: int | None = option(None, help="CPU threads per worker", check=at_least(1),
                                             default_text="the cores / the workers on this host")
     bind_cores: bool = option(False, help="pin each local worker to its own equal share of the cores "

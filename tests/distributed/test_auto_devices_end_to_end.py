@@ -32,10 +32,11 @@ def test_the_probe_measures_every_layout_in_order_and_keeps_this_threads_count()
 
 
 @pytest.mark.skipif(available_cores() != 2, reason="the expected layouts are the 2-core machine's")
-def test_train_devices_auto_says_what_it_chose_first_and_trains_on_it(tmp_path):
+@pytest.mark.parametrize("devices", ["auto", "cpu:auto"])  # on a CPU host the same; on a GPU host cpu:auto probes
+def test_train_devices_auto_says_what_it_chose_first_and_trains_on_it(tmp_path, devices):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("OMP_NUM_THREADS", None)
-    proc = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "auto", "--dataset", "synthetic",
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", devices, "--dataset", "synthetic",
                            "--epochs", "1", "--batch-size", "512", "--no-progress", "--timeout", "60"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -65,3 +65,22 @@ def test_lenet_bn_trains_on_one_gpu(tmp_path, idx_dir, capsys):
     assert rows[-1]["test_acc"] > 0.2
     state = torch.load(out / "model.pt", weights_only=True)
     assert state["bn3.running_var"].device.type == "cpu" and state["bn3.num_batches_tracked"] == 2 * 12
+
+
+def test_devices_cpu_auto_probes_cpu_workers_where_a_gpu_is(tmp_path):
+    # --devices auto takes the GPU here; cpu:auto asks for the CPU probe (the 16-core host beside the
+    # H200 could not say what auto chose for CPU workers without it).
+    import os
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "phalanx", "train", "--devices", "cpu:auto", "--dataset", "synthetic",
+                           "--epochs", "1", "--no-progress", "--timeout", "60", "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, second = proc.stdout.splitlines()[:2]
+    found = re.match(r"--devices auto: cpu:(\d+) x (\d+) threads? \(measured images/s", first)
+    assert found, first
+    assert f"on [{', '.join(f'cpu:{i}' for i in range(int(found.group(1))))}]" in second, second

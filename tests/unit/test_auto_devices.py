@@ -59,3 +59,6 @@ def test_auto_is_every_gpu_and_on_a_cpu_host_train_only():
     assert parse_devices("auto", cuda_count=2).names == ("cuda:0", "cuda:1")
     with pytest.raises(UsageError, match="--devices auto on a CPU host is phalanx train's .*give --devices cpu:N"):
         parse_devices("auto", cuda_count=0)
+    for gpus in (0, 1):  # the probe's CPU workers, GPUs present or not: train's alone too
+        with pytest.raises(UsageError, match="--devices cpu:auto is phalanx train's .*give --devices cpu:N"):
+            parse_devices("cpu:auto", cuda_count=gpus)
