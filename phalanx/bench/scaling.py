@@ -21,7 +21,8 @@ and forms the ratios, each the median of per-round ratios. Scaling efficiency is
 devices / (j x images/s on 1).
 
 With `--side-by-side` only the contenders that share phalanx's set-up run - phalanx/k, ceiling/k,
-the lockstep ceiling and DDP tuned in one start of k workers; phalanx/1 and the tuned plain loop
+the lockstep ceiling and DDP tuned in one start of k workers (and, where each has two threads or
+more, phalanx/k with one fewer: a core per worker left); phalanx/1 and the tuned plain loop
 in one start of one process - each start's contenders taking turns in `--blocks` blocks of
 `--steps` steps, the order rotated each block (phalanx/measure/side_by_side.py); a round is one
 start of each, and every ratio is the median of per-block ratios: both sides ran seconds apart
@@ -111,10 +112,11 @@ class ScalingBenchConfig:
 
 
 def variants(device_counts: tuple[int, ...], cores: int, *, grad_dtype: str | None = None,
-             finite_check_cost: bool = False) -> list[Variant]:
+             finite_check_cost: bool = False, core_left: bool = False) -> list[Variant]:
     """The contenders: phalanx on each of `device_counts` (and 1), the others on k, the largest.
     "tuned" ones get phalanx's CPU set-up (allocator env, memory format), so the table separates
-    what phalanx's defaults buy from what its engine does."""
+    what phalanx's defaults buy from what its engine does. `core_left` (--side-by-side): phalanx/k
+    with a thread fewer each too, where its workers have two or more."""
     counts = sorted({1, *device_counts})
     k = counts[-1]
     per_proc = max(1, cores // k)
@@ -125,6 +127,8 @@ def variants(device_counts: tuple[int, ...], cores: int, *, grad_dtype: str | No
     phalanx.append(replace(at_k, name=f"phalanx/{k} overlapped", overlap=True))  # what auto turns off on full cores
     if k <= cores:  # --bind-cores: where the workers run, priced beside the default
         phalanx.append(replace(at_k, name=f"phalanx/{k} bound", bind_cores=True))
+    if core_left and at_k.threads_per_proc > 1:  # a core per worker left to the host: placement's question
+        phalanx.append(replace(at_k, name=f"phalanx/{k} core left", threads_per_proc=at_k.threads_per_proc - 1))
     if grad_dtype is not None:
         phalanx.append(replace(at_k, name=f"phalanx/{k} {grad_dtype}", grad_dtype=grad_dtype))
     if finite_check_cost:  # the default checks every 100 steps: priced against none and every step
@@ -154,7 +158,7 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
     blocks inside shared starts); return the JSON payload."""
     cores = available_cores()
     contenders = variants(config.device_counts, cores, grad_dtype=config.grad_dtype,
-                          finite_check_cost=config.finite_check_cost)
+                          finite_check_cost=config.finite_check_cost, core_left=config.side_by_side)
     jobs = tuple(StepJob(model=config.model, global_batch_size=batch, warmup_steps=config.warmup_steps,
                          steps=config.steps, lr=config.lr, seed=config.seed) for batch in config.global_batch_sizes)
     load: dict[str, float | None] = {}
@@ -170,7 +174,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
 # in side_by_side.py; the names are variants()' own, so the table shows each one's set-up.
 def side_by_side_sets(k: int, cores: int) -> list[tuple[str, dict[str, str]]]:
     tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
-    return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"phalanx/{k} overlapped": "overlapped",
+    left = {f"phalanx/{k} core left": "core-left"} if cores // k > 1 else {}  # runs one thread below the start's
+    return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"phalanx/{k} overlapped": "overlapped", **left,
                               f"ceiling/{k}": "ceiling", f"ceiling/{k} lockstep": "lockstep", f"ddp/{k} tuned": "ddp"}),
             ("phalanx/1", {"phalanx/1": "phalanx", tuned: "torch"})]
 
@@ -267,6 +272,10 @@ def _payload(config: ScalingBenchConfig, cores: int, contenders: list[Variant], 
         ratios.append({"global_batch_size": batch, "metric": "overlapped_vs_default", "num_devices": k,
                        "against": f"phalanx/{k}", "numerator": f"phalanx/{k} overlapped",
                        "ratio": paired_ratio(per[f"phalanx/{k} overlapped"], per[f"phalanx/{k}"]).to_dict()})
+        if f"phalanx/{k} core left" in per:
+            ratios.append({"global_batch_size": batch, "metric": "core_left_vs_default", "num_devices": k,
+                           "against": f"phalanx/{k}", "numerator": f"phalanx/{k} core left",
+                           "ratio": paired_ratio(per[f"phalanx/{k} core left"], per[f"phalanx/{k}"]).to_dict()})
         ratios.append({"global_batch_size": batch, "metric": "lockstep_vs_ceiling", "num_devices": k,
                        "against": f"ceiling/{k}", "numerator": f"ceiling/{k} lockstep",
                        "ratio": paired_ratio(per[f"ceiling/{k} lockstep"], per[f"ceiling/{k}"]).to_dict()})

@@ -12,7 +12,9 @@ contenders is the median of their per-block ratios, so both sides of a ratio ran
 of each other on the same cores.
 
 Kinds: `phalanx` (prepare + train_batch), `overlapped` (the same with overlap=True, which auto
-turns off for shm where the workers' threads fill the cores), `ceiling` (the plain step,
+turns off for shm where the workers' threads fill the cores), `core-left` (phalanx built and
+stepped with one intra-op thread fewer, as `--threads-per-device` one below cores / k runs: a
+core per worker left to the host and, auto decides, a communication thread), `ceiling` (the plain step,
 phalanx's scaled loss, no exchange), `lockstep` (the ceiling meeting at every step through a
 4-byte allreduce of phalanx's auto algorithm), `ddp` (torch DDP over the world's default gloo
 group, mean loss), `torch` (the plain step in one process: the ceiling of one). What one
@@ -37,12 +39,14 @@ from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 
-SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "ceiling", "lockstep", "ddp", "torch")
+SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "core-left", "ceiling", "lockstep", "ddp", "torch")
 
 
 def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
              meet: Callable[[], object] | None) -> Callable[[], None]:
     """One contender's step on this rank, its model and optimizer built fresh from the job's seed."""
+    if kind == "core-left":
+        return with_threads(max(1, torch.get_num_threads() - 1), lambda: _stepper("phalanx", job, world, stack, meet))
     torch.manual_seed(job.seed)
     if kind in ("phalanx", "overlapped"):
         dp = stack.enter_context(prepare_replica(replace(job, overlap=True) if kind == "overlapped" else job, world))
@@ -52,6 +56,21 @@ def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
         model = torch.nn.parallel.DistributedDataParallel(model)
     return plain_step(model, plain_optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=kind == "ddp",
                       meet=meet if kind == "lockstep" else None)
+
+
+def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+    """`build()`'s step, built and run with `threads` intra-op threads (what a replica's auto
+    settings read at prepare, what its steps use), this process's count restored around both."""
+    def under(call: Callable[[], object]) -> object:
+        full = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return call()
+        finally:
+            torch.set_num_threads(full)
+
+    step = under(build)
+    return lambda: under(step)
 
 
 def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: int,

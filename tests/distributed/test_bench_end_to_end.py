@@ -211,3 +211,17 @@ def test_fresh_processes_get_the_environment_and_threads_asked_for(monkeypatch):
     # A plain user's process: no allocator setting; a failure names the rank and the error.
     with pytest.raises(RuntimeError, match=r"rank 0 failed: ValueError: gives up with setup \(0, 1, 2, False\)"):
         run_fresh(report_setup, "fail", num_procs=1, threads=2, tune_allocator=False, deadline_s=60)
+
+
+@pytest.mark.distributed
+def test_a_core_left_contender_runs_beside_phalanx_in_the_same_workers():
+    # 16 cores give 8 workers 2 threads each, so side by side times phalanx/8 at 1 thread in the
+    # same processes; here 2 workers of 2 threads run it at 1 (the 2 cores oversubscribed: a smoke).
+    from phalanx.measure.job_steps import StepJob
+    from phalanx.measure.side_by_side import run_side_by_side
+
+    job = StepJob(model="lenet", global_batch_size=8, warmup_steps=1, steps=1, lr=0.1, seed=0, num_shards=2,
+                  threads_per_device=2, memory_format="auto")
+    (seconds,) = run_side_by_side([job], ["phalanx", "core-left"], num_procs=2, threads_per_proc=2, blocks=2,
+                                  timeout_s=60, deadline_s=120)
+    assert set(seconds) == {"phalanx", "core-left"} and all(len(s) == 2 and min(s) > 0 for s in seconds.values())

@@ -16,7 +16,7 @@ from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, side_by_side_sets, variants
 from phalanx.measure.flags import format_size, parse_size
 from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
-from phalanx.measure.side_by_side import take_turns
+from phalanx.measure.side_by_side import take_turns, with_threads
 from phalanx.measure.job_steps import StepJob
 from phalanx.measure.step import Variant
 from phalanx.measure.timing import (Spread, calls_for, interleave, paired_ratio, run_interleaved, seconds_per_call,
@@ -201,17 +201,38 @@ def test_devices_picks_the_counts_phalanx_runs_on_and_one_always_runs():
 
 @pytest.mark.parametrize("k, cores", [(2, 1), (2, 2), (4, 16), (8, 16)])
 def test_side_by_side_runs_the_contenders_of_phalanxs_set_up_under_their_own_names(k, cores):
-    by_name = {v.name: v for v in variants((k,), cores=cores)}
+    by_name = {v.name: v for v in variants((k,), cores=cores, core_left=True)}
     sets = side_by_side_sets(k, cores)
     assert [lead for lead, _ in sets] == [f"phalanx/{k}", "phalanx/1"]
     for lead, kinds in sets:
         assert list(kinds.values())[0] == "phalanx" and next(iter(kinds)) == lead
-        for name in kinds:  # every one of them shares the start's processes, threads and set-up
+        for name, kind in kinds.items():  # every one shares the start's processes, threads and set-up
             v, first = by_name[name], by_name[lead]
-            assert (v.num_procs, v.threads_per_proc, v.allocator_env, v.memory_format) == (
+            fewer = kind == "core-left"  # but one thread: what its row says it ran with
+            assert (v.num_procs, v.threads_per_proc + fewer, v.allocator_env, v.memory_format) == (
                 first.num_procs, first.threads_per_proc, True, "auto"), name
-    assert set(sets[0][1].values()) == {"phalanx", "overlapped", "ceiling", "lockstep", "ddp"}
+    left = {"core-left"} if cores // k > 1 else set()  # 4 x 4 and 8 x 2 on 16 cores: a thread each to leave
+    assert set(sets[0][1].values()) == {"phalanx", "overlapped", "ceiling", "lockstep", "ddp"} | left
     assert set(sets[1][1].values()) == {"phalanx", "torch"}
+    assert (f"phalanx/{k} core left" in by_name) == bool(left)
+    assert f"phalanx/{k} core left" not in {v.name for v in variants((k,), cores=cores)}  # fresh starts: not run
+
+
+def test_a_core_left_contender_is_built_and_stepped_one_thread_below_the_start():
+    before, seen = torch.get_num_threads(), []
+
+    def build():
+        seen.append(("built", torch.get_num_threads()))  # what a replica's auto overlap reads
+        return lambda: seen.append(("step", torch.get_num_threads()))
+
+    torch.set_num_threads(3)  # the start's count
+    try:
+        step = with_threads(2, build)
+        assert torch.get_num_threads() == 3
+        step()
+        assert seen == [("built", 2), ("step", 2)] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_side_by_side_contenders_take_turns_in_blocks_rotated_after_each_warms_up():
