@@ -25,7 +25,9 @@ such a launch spawned, so would every launch after it.
 
 The server ignores SIGTERM (fork_server_init.py) so that a signal sent to the launcher's whole
 process group reaches the launcher, which stops the workers gently, and not the server, whose
-death would kill them at once (their parent-death signal, lifeline.die_with_parent).
+death would kill them at once (their parent-death signal, lifeline.die_with_parent). A server
+killed alone takes the workers' exit status too; the launcher's line then names it
+(`lost_server`), not "exited with code 255" for each worker.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 
 from phalanx.atomic import current_umask
 from phalanx.runtime.hash_seed import shared_hash_seed
+from phalanx.runtime.procs import process_alive
 
 FRESH = "fresh"  # a worker set's start method: forked from the server where it can be, else spawned
 # Imported by the server before its first fork: what every worker body needs (torch with them).
@@ -116,6 +119,28 @@ def _stop(server, deadline_s: float = 10.0) -> None:
                     os.waitpid(pid, 0)
                     break
                 time.sleep(0.01)
+
+
+def lost_server(proc, deadline_s: float = 1.0) -> int | None:
+    """The pid of the fork server that started worker `proc` where that server has ended: its
+    workers die with it (their parent-death signal) and their exit status, which it carried, is
+    lost (multiprocessing reads 255). None for a spawned worker or a server still running."""
+    from multiprocessing import forkserver, popen_forkserver
+
+    if not isinstance(getattr(proc, "_popen", None), popen_forkserver.Popen):
+        return None
+    pid = forkserver._forkserver._forkserver_pid
+    if pid is None:
+        return None
+    # Its pipes close as it exits, before /proc calls it a zombie: a moment's wait, as a worker's
+    # own exit code 255 is read with the server alive. Not reaped here: multiprocessing's own
+    # ensure_running waits for it and starts another.
+    end = time.monotonic() + deadline_s
+    while process_alive(pid):
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.01)
+    return pid
 
 
 def _at_start_variables() -> dict[str, str]:

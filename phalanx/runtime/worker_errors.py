@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 import torch
 
 from phalanx.errors import PACKAGE_DIR, PeerLost, Stopped, UsageError
+from phalanx.runtime.fork_server import lost_server
 from phalanx.runtime.lifeline import describe_signal
 from phalanx.runtime.procs import process_state
 from phalanx.runtime.segment import stale_leftovers
@@ -275,4 +276,8 @@ def read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
         return error_report(f"died ({describe_signal(-proc.exitcode)})")
     if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun,
         return LEFT_EARLY  # unless its peers then fail waiting for it (`failure`)
+    server = lost_server(proc) if proc.exitcode == 255 else None
+    if server is not None:
+        return error_report(f"died with the fork server that started the workers (pid {server}), which ended while "
+                            "they ran (killed from outside?); rerun the command")
     return error_report(f"exited with code {proc.exitcode} without a result")

@@ -166,3 +166,23 @@ def test_a_sigkilled_launcher_takes_its_fork_server_and_every_worker_with_it(tmp
 def _parent(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as stat:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_fork_server_killed_alone_is_named_as_what_ended_the_workers(tmp_path):
+    # The workers die with it (their parent-death signal), and their exit status, which the server
+    # carried, with them: multiprocessing reads 255, which said "exited with code 255" for each.
+    proc = _start_sleepers(tmp_path)
+    try:
+        workers = _workers(proc.pid, 2)
+        (server,) = {_parent(worker) for worker in workers} - {proc.pid}
+        os.kill(server, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    lost = (f"died with the fork server that started the workers (pid {server}), which ended while they ran (killed "
+            "from outside?); rerun the command")
+    assert proc.returncode == 1
+    assert stderr.splitlines()[1:] == [f"phalanx: worker rank 0 failed: {lost}", f"rank 1 failed too: {lost}"], stderr
+    assert_all_gone(workers)
