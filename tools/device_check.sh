@@ -10,9 +10,21 @@
 #                                        # (a core left per worker among them), allreduce 2,8, threads,
 #                                        # then (time left) bench scaling 1,8 in fresh starts and
 #                                        # cpu:8 with --overlap (auto: off at 8 x 2 threads)
+#   tools/device_check.sh all [SAMPLE]   # both in one device call (cpu with BUDGET_S=300, then gpu), every
+#                                        # file packed into $OUT/device-check.tgz (a call brings back 8 files)
 set -uo pipefail
-mode="${1:?usage: tools/device_check.sh gpu|cpu [SAMPLE_DIR]}"
+mode="${1:?usage: tools/device_check.sh gpu|cpu|all [SAMPLE_DIR]}"
 sample="${2:-}"
+if [[ "$mode" == all ]]; then
+    packed="${OUT:-runs/device-check}"
+    work="$(mktemp -d)"
+    OUT="$work/cpu" BUDGET_S="${BUDGET_S:-300}" timeout --kill-after=10 330 "$0" cpu "$sample" >"$work/cpu.out" 2>&1
+    OUT="$work/gpu" timeout --kill-after=10 230 "$0" gpu "$sample" >"$work/gpu.out" 2>&1
+    mkdir -p "$packed"
+    tar czf "$packed/device-check.tgz" -C "$work" --exclude='fashion-mnist-*' --exclude='*.pt' .
+    cat "$work/cpu/steps.txt" "$work/gpu/steps.txt"
+    exit 0
+fi
 out="${OUT:-runs/device-check}"
 images="${IMAGES:-60000}"  # training images tiled; a smaller IMAGES makes a smoke run of the script
 budget_s="${BUDGET_S:-480}"  # the cpu mode's optional last steps start only while this many seconds are not near
@@ -109,6 +121,6 @@ EOF
                 --overlap --no-progress --out "$out/train-cpu8-overlap"
         fi
         ;;
-    *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu or cpu" >&2; exit 2 ;;
+    *) echo "tools/device_check.sh: unknown mode '$mode'; use gpu, cpu or all" >&2; exit 2 ;;
 esac
 cat "$out/steps.txt"
