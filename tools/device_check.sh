@@ -5,12 +5,12 @@
 # own deadline and a failed step does not stop the next. Data: SAMPLE (IDX files) tiled to 60,000
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
-#   tools/device_check.sh gpu [SAMPLE]   # tests/gpu, bench gpu, float64 graphs vs eager
+#   tools/device_check.sh gpu [SAMPLE]   # bench gpu, tests/gpu, float64 graphs vs eager
 #   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and cpu:auto, bench scaling at 8 side by side
 #                                        # (a core left per worker among them), allreduce 2,8, threads,
 #                                        # then (time left) bench scaling 1,8 in fresh starts and
 #                                        # cpu:8 with --overlap (auto: off at 8 x 2 threads)
-#   tools/device_check.sh all [SAMPLE]   # both in one device call (cpu with BUDGET_S=300, then gpu), every
+#   tools/device_check.sh all [SAMPLE]   # both in one device call (cpu with BUDGET_S=290, then gpu), every
 #                                        # file packed into $OUT/device-check.tgz (a call brings back 8 files)
 set -uo pipefail
 mode="${1:?usage: tools/device_check.sh gpu|cpu|all [SAMPLE_DIR]}"
@@ -18,8 +18,8 @@ sample="${2:-}"
 if [[ "$mode" == all ]]; then
     packed="${OUT:-runs/device-check}"
     work="$(mktemp -d)"
-    OUT="$work/cpu" BUDGET_S="${BUDGET_S:-300}" timeout --kill-after=10 330 "$0" cpu "$sample" >"$work/cpu.out" 2>&1
-    OUT="$work/gpu" timeout --kill-after=10 230 "$0" gpu "$sample" >"$work/gpu.out" 2>&1
+    OUT="$work/cpu" BUDGET_S="${BUDGET_S:-290}" timeout --kill-after=10 310 "$0" cpu "$sample" >"$work/cpu.out" 2>&1
+    OUT="$work/gpu" timeout --kill-after=10 250 "$0" gpu "$sample" >"$work/gpu.out" 2>&1
     mkdir -p "$packed"
     tar czf "$packed/device-check.tgz" -C "$work" --exclude='fashion-mnist-*' --exclude='*.pt' .
     cat "$work/cpu/steps.txt" "$work/gpu/steps.txt"
@@ -73,12 +73,13 @@ EOF
 
 case "$mode" in
     gpu)
-        # Four pytest workers where pytest-xdist is there (the device's image has it): the GPU tests
-        # are mostly process start-up, and 45 of them one after another took most of the 8 minutes.
+        # bench gpu first (its figures have not been seen yet); then the tests, with four pytest workers
+        # where pytest-xdist is there (the device's image has it): they are mostly process start-up
+        # (2 minutes so on 2026-12-04, most of the 8 minutes one after another).
+        step bench-gpu 120 "$py" -m phalanx bench gpu --rounds 1 --variant-rounds 1 --budget-s 90 --out "$out/bench-gpu"
         xdist=(); "$py" -c "import xdist" 2>/dev/null && xdist=(-n 4)
         step tests-gpu 200 "$py" -m pytest tests/gpu tests/unit/test_models_bn.py "${xdist[@]}" -q -p no:cacheprovider \
             -rfEs --durations=15
-        step bench-gpu 120 "$py" -m phalanx bench gpu --rounds 1 --variant-rounds 1 --budget-s 90 --out "$out/bench-gpu"
         for graphs in on off; do
             step "float64-graphs-$graphs" 60 "$py" -m phalanx train --devices cuda:0 --data-dir "$data" --dtype float64 \
                 --epochs 2 --cuda-graphs "$graphs" --no-progress --out "$out/float64-graphs-$graphs"
