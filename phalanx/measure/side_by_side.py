@@ -35,6 +35,7 @@ import torch
 from phalanx.measure.job_steps import (OPTIMIZERS, StepJob, build_model, lockstep_meeting, phalanx_step,
                                        plain_optimizer, plain_step, prepare_replica, world_barrier)
 from phalanx.measure.procs import run_fresh
+from phalanx.measure.timing import intra_op_threads
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
@@ -61,16 +62,13 @@ def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
 def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
     """`build()`'s step, built and run with `threads` intra-op threads (what a replica's auto
     settings read at prepare, what its steps use), this process's count restored around both."""
-    def under(call: Callable[[], object]) -> object:
-        full = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return call()
-        finally:
-            torch.set_num_threads(full)
+    with intra_op_threads(threads):
+        step = build()
 
-    step = under(build)
-    return lambda: under(step)
+    def fewer() -> None:
+        with intra_op_threads(threads):
+            step()
+    return fewer
 
 
 def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: int,

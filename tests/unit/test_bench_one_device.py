@@ -128,7 +128,7 @@ def test_rounds_run_most_telling_first_and_stop_at_the_budget(monkeypatch):
     assert "not started within the 100 s budget: 1 round(s) of anchors" in gpu_report.report_gpu(payload)
 
 
-def test_bench_gpu_reads_the_plain_loops_own_records():
+def test_bench_gpu_reads_the_plain_loops_own_records(monkeypatch):
     # The device's first bench gpu failed on a KeyError: the fakes above gave every record phalanx's
     # keys, the plain loop's (and DDP's, the same loop) had none. One real record, here on the CPU.
     job = OneDeviceJob(kind="plain", device="cpu", num_images=64, global_batch_size=32, warmup_epochs=0, epochs=1)
@@ -140,8 +140,7 @@ def test_bench_gpu_reads_the_plain_loops_own_records():
                        _record(100) if job.kind == "phalanx" else
                        {**record, "graph": "replaying" if job.graphs else None}] for name, job in jobs.items()}
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gpu, "run_contenders", fake_run)
-        payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variant_rounds=0, rounds=1))
+    monkeypatch.setattr(gpu, "run_contenders", fake_run)
+    payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variant_rounds=0, rounds=1))
     assert payload["check"] == {"passed": True, "problems": []}
     assert {r["contender"]: r["graph"] for r in payload["results"]}["plain captured"] == ["replaying"]
