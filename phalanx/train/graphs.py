@@ -14,15 +14,16 @@ optimizer step) on static input tensors and returns its outputs - and runs it in
    buffer and optimizer state and the outputs (a tolerance of `rtol` of the update's size:
    kernels whose sums run in another order differ in the last bits). A capture that raises, or
    a replay that disagrees, leaves the eager result in place and runs eagerly from then on,
-   saying why in one line (`say`);
+   saying why in one line (`say`); torch's stream and random generator are put back as they
+   were before the capture (`_after_aborted_capture`);
 3. replay: every later call copies its inputs into the static buffers and replays.
 
 Between replays anything eager may run (an epoch's smaller last batch): the graph reads and
 writes only its static tensors and the model's own. A replay runs no Python, so what the step
 keeps on the host - a replica's step count and its periodic NaN/Inf check - is `after_replay`'s
 job, and `capturing` is entered around the runs of the step that are not steps of their own -
-the capture, and the eager run the first replay is checked against (DataParallel.capturing). The graph itself is a `GraphBackend`: `CudaGraph` on a GPU; on the CPU the tests
-hand in a stand-in that records the step and calls it back, so everything here but the kernel
+the capture, and the eager run the first replay is checked against (DataParallel.capturing).
+The graph itself is a `GraphBackend`: `CudaGraph` on a GPU; on the CPU the tests hand in a stand-in that records the step and calls it back, so everything here but the kernel
 is tested without a GPU. Refusals (what cannot be captured) are graph_plan.py's;
 `capture_step` is the front door for a user's own step (`phalanx.capture_step`).
 """
@@ -74,10 +75,16 @@ class CudaGraph:
         current.wait_stream(self.stream)
 
     def capture(self, step, params):
-        torch.cuda.current_stream(self.device).synchronize()
+        current = torch.cuda.current_stream(self.device)
+        current.synchronize()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):
-            outputs = step()
+        try:
+            with torch.cuda.graph(self.graph, stream=self.stream):
+                outputs = step()
+        except BaseException:
+            self.graph = None
+            _after_aborted_capture(self.device, current)
+            raise
         # The gradients backward allocated in the graph's pool: replays write them there. An eager
         # step in between sets .grad to tensors of its own, so every replay points them back.
         self._params, self._grads = list(params), [p.grad for p in params]
@@ -88,6 +95,18 @@ class CudaGraph:
         for param, grad in zip(self._params, self._grads):
             if param.grad is not grad:
                 param.grad = grad
+
+
+def _after_aborted_capture(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Undo what a capture that raised leaves behind (torch 2.11): `torch.cuda.graph` ends the
+    capture in its exit, and when that fails too it neither restores the current stream nor tells
+    the device's default generator the capture is over - every later random draw on the device
+    (dropout, `torch.randn`) then raises "Offset increment outside graph capture encountered
+    unexpectedly". The generator gets a fresh copy of its own state (same seed and offset, not
+    capturing): the eager steps that follow draw what they would have drawn with no capture tried."""
+    torch.cuda.set_stream(stream)
+    generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 class CapturedStep:
