@@ -23,8 +23,9 @@ writes only its static tensors and the model's own. A replay runs no Python, so 
 keeps on the host - a replica's step count and its periodic NaN/Inf check - is `after_replay`'s
 job, and `capturing` is entered around the runs of the step that are not steps of their own -
 the capture, and the eager run the first replay is checked against (DataParallel.capturing).
-The graph itself is a `GraphBackend`: `CudaGraph` on a GPU; on the CPU the tests hand in a stand-in that records the step and calls it back, so everything here but the kernel
-is tested without a GPU. Refusals (what cannot be captured) are graph_plan.py's;
+The graph itself is a `GraphBackend`: `CudaGraph` on a GPU; on the CPU the tests hand in a
+stand-in that records the step and calls it back, so everything here but the kernel is tested
+without a GPU. Refusals (what cannot be captured) are graph_plan.py's;
 `capture_step` is the front door for a user's own step (`phalanx.capture_step`).
 """
 
