@@ -13,8 +13,9 @@ and "compile" also as the alternative to capture (phalanx eager + compile), each
 run of phalanx's captured step, `--variant-rounds` times: what phalanx's CUDA defaults should
 become is read from these ratios. Rounds run most telling first - one of the anchors, the
 variants', then the anchors' others - and one that would end past `--budget-s` (170 s) is not
-started, so the bench stays under 3 minutes on one GPU whatever its start-up costs there. The
-check: every captured phalanx run replayed its graph to the end (a capture that fell back to
+started, so the bench stays under 3 minutes on one GPU whatever its start-up costs there; each
+round's images/s are printed as it ends (stderr), so a bench stopped from outside still leaves them.
+The check: every captured phalanx run replayed its graph to the end (a capture that fell back to
 eager is named, and the command exits 1). Without a GPU it refuses in one line (exit 2); `bench
 step` is the host-time proxy any CPU can run.
 """
@@ -115,9 +116,13 @@ def run_gpu_bench(config: GpuBenchConfig, *, on_run: Callable[[str], None] | Non
         if processes and clock() - started_s + per_process_s * len(jobs) > config.budget_s:
             skipped.append(group)
             continue
-        for name, runs in run_contenders(jobs, rounds=1, deadline_s=config.deadline_s, on_run=on_run).items():
+        done = run_contenders(jobs, rounds=1, deadline_s=config.deadline_s, on_run=on_run)
+        for name, runs in done.items():
             records[group].setdefault(name, []).extend(runs)
         processes += len(jobs)
+        if on_run is not None:  # the round's figures as it ends: a bench stopped later still leaves them
+            on_run(f"{group} round, images/s: " + ", ".join(f"{name} {images_per_s(runs[-1]):.0f}"
+                                                             for name, runs in done.items()))
     results, ratios, problems = [], [], []
     for group, by_name in records.items():
         rates = {name: [images_per_s(r) for r in runs] for name, runs in by_name.items()}

@@ -70,7 +70,15 @@ def test_ratios_and_the_check_come_from_the_records(monkeypatch):
         return {name: [_record(rates[name] + r, "replaying" if job.graphs else None)] for name, job in jobs.items()}
 
     monkeypatch.setattr(gpu, "run_contenders", fake_run)
-    payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variants=("fused", "compile"), rounds=2, variant_rounds=1))
+    said: list[str] = []
+    payload = gpu.run_gpu_bench(gpu.GpuBenchConfig(variants=("fused", "compile"), rounds=2, variant_rounds=1),
+                                on_run=said.append)
+    assert said == ["anchors round, images/s: phalanx eager 120, phalanx graphs 400, plain 130, plain captured 430, "
+                    "ddp/1 100",
+                    "variants round, images/s: phalanx graphs 400, phalanx graphs + fused 440, phalanx graphs + "
+                    "compile 420, phalanx eager + compile 150",
+                    "anchors round, images/s: phalanx eager 121, phalanx graphs 401, plain 131, plain captured 431, "
+                    "ddp/1 101"]
     ratios = {r["metric"]: r["ratio"]["median"] for r in payload["ratios"]}
     assert ratios["phalanx_eager_vs_plain"] == pytest.approx((120 / 130 + 121 / 131) / 2)
     assert ratios["phalanx_graphs_vs_plain_captured"] == pytest.approx((400 / 430 + 401 / 431) / 2)
