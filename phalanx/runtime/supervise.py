@@ -3,9 +3,8 @@
 `run_workers(WorkerSet(...))` starts `num_procs` fresh processes (forked by the fork server, else
 spawned: runtime/fork_server.py; or copies of this process, `fork`, for phalanx.launch:
 runtime/forked.py), each running `body(rank, payload, teardown)` with `env[rank]` added to its
-environment, and returns their results by rank.
-`phalanx.runtime.launch` uses it for phalanx's own workers (the body joins the world),
-`phalanx run` for a user's script, `bench.procs.run_fresh` for contenders that are not phalanx.
+environment, and returns their results by rank: for phalanx's own workers (`phalanx.runtime.launch`;
+the body joins the world), `phalanx run`'s scripts and `bench.procs.run_fresh`'s contenders.
 
 Each worker sends one report (its result, or its error) through its own pipe *before* its
 `teardown` callbacks leave the process group, so a gloo abort at process exit (SIGABRT after
@@ -48,8 +47,9 @@ from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
-from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
-                                           read_report, recorded, usage_line, user_traceback, with_recorded)
+from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, all_stopped, blame_stopped, error_files, error_report,
+                                           failure, is_echo, read_report, recorded, usage_line, user_traceback,
+                                           with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signal_main_thread, signals_deferred,
@@ -226,7 +226,7 @@ def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence
     reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...)
     first_failure: int | None = None
     give_up_at, pending = deadline, set(range(len(procs)))
-    while pending:
+    while pending and (first_failure is None or not all_stopped(procs[rank].pid for rank in pending)):
         timeout = None if give_up_at is None else give_up_at - time.monotonic()
         if timeout is not None and timeout <= 0:
             break

@@ -36,7 +36,7 @@ import shutil
 import signal
 import tempfile
 import traceback
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -210,6 +210,12 @@ def blame_stopped(reports: dict[int, tuple], first_failure: int, pending_pids: d
             reports[first_failure] = (*root[:3], True)
             return rank
     return first_failure
+
+
+def all_stopped(pids: Iterable[int]) -> bool:
+    """Whether every one of `pids` sits stopped (SIGSTOP, Ctrl-Z, a debugger at a stop): after a
+    first failure the launcher waits a grace for the other workers' reports, and these send none."""
+    return all(process_state(pid) in ("T", "t") for pid in pids)
 
 
 def error_report(line: str, trace: str = "", echo: bool = False) -> tuple:

@@ -103,6 +103,26 @@ def test_unpicklable_result_and_killed_worker_are_reported():
     assert "--- rank 1 ---" not in message  # a death has no traceback: its line is not said twice
 
 
+def fail_while_rank_1_sits_stopped(world):
+    dist.barrier()
+    if world.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # a debugger, Ctrl-Z: it can send no report until continued
+    raise ValueError(f"rank {world.rank} gives up")
+
+
+@pytest.mark.distributed
+def test_the_launcher_awaits_no_report_from_a_stopped_worker(monkeypatch):
+    # After a first failure the launcher gives the others a grace to report; a worker sitting
+    # stopped cannot, so the run ends at once (the grace is an hour here: waiting it out would fail).
+    from phalanx.runtime import supervise
+
+    monkeypatch.setattr(supervise, "ERROR_GRACE_S", 3600.0)
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match="worker rank 0 failed: ValueError: rank 0 gives up"):
+        launch(fail_while_rank_1_sits_stopped, spec=_spec(2))
+    assert time.monotonic() - started < 30
+
+
 @pytest.mark.distributed
 def test_worker_usage_error_is_one_line():
     with pytest.raises(UsageError) as failure:
