@@ -6,7 +6,7 @@
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu (float64 graphs = eager among them), then bench gpu
-#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 (8 also at 1 thread, OpenMP passive) and cpu:auto, bench scaling at 8 side by side
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and cpu:auto, bench scaling at 8 side by side
 #                                        # (a core left per worker among them), allreduce 2,8, round cost,
 #                                        # then (time left) bench scaling 1,8 in fresh starts and
 #                                        # cpu:8 with --overlap (auto: off at 8 x 2 threads)
@@ -106,12 +106,6 @@ case "$mode" in
             step "train-cpu$k" 90 "$py" -m phalanx train --devices "cpu:$k" --data-dir "$data" --epochs 2 --no-progress \
                 --out "$out/train-cpu$k"
         done
-        # Two placements of cpu:8 beside the table (the lockstep wait is the slowest of 8 each step): one thread
-        # each (8 cores left to the host and the exchange), and OpenMP's idle threads sleeping instead of spinning.
-        step train-cpu8-1thread 90 "$py" -m phalanx train --devices cpu:8 --threads-per-device 1 --data-dir "$data" \
-            --epochs 2 --no-progress --out "$out/train-cpu8-1thread"
-        step train-cpu8-omp-passive 90 env OMP_WAIT_POLICY=PASSIVE "$py" -m phalanx train --devices cpu:8 --data-dir "$data" \
-            --epochs 2 --no-progress --out "$out/train-cpu8-omp-passive"
         # What the CPU probe picks on this host (its first line: the layout and the measured alternatives);
         # cpu:auto, since auto alone takes the GPU where one is.
         step train-auto 60 "$py" -m phalanx train --devices cpu:auto --data-dir "$data" --epochs 2 --no-progress \
