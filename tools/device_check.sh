@@ -6,7 +6,7 @@
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu (float64 graphs = eager among them), then bench gpu
-#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and cpu:auto, bench scaling at 8 side by side
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and cpu:auto, bench scaling 1,2,4,8 side by side
 #                                        # (a core left per worker among them), allreduce 2,8, round cost,
 #                                        # then (time left) bench scaling 1,8 in fresh starts and
 #                                        # cpu:8 with --overlap (auto: off at 8 x 2 threads)
@@ -110,10 +110,11 @@ case "$mode" in
         # cpu:auto, since auto alone takes the GPU where one is.
         step train-auto 60 "$py" -m phalanx train --devices cpu:auto --data-dir "$data" --epochs 2 --no-progress \
             --out "$out/train-auto"
-        # The placement question first, side by side in shared starts (blocks, not fresh processes, which
-        # differed by 25-40% between two machines there): phalanx/8 beside its ceiling, its lockstep
-        # twin, DDP tuned and phalanx/8 with a core left per worker (1 thread each instead of 2).
-        step scaling-side-by-side 150 "$py" -m phalanx bench scaling --devices 8 --side-by-side --rounds 2 --blocks 5 \
+        # Side by side in shared starts (blocks, not fresh processes, which differed by 10-40% between
+        # starts there; 56 s at --devices 8): phalanx/8 beside its ceiling, its lockstep twin, DDP tuned and
+        # phalanx/8 with a core left per worker; phalanx/2 and phalanx/4 each in a start taking turns with
+        # phalanx/1's, for their speed-up over one process measured seconds apart.
+        step scaling-side-by-side 150 "$py" -m phalanx bench scaling --devices 1,2,4,8 --side-by-side --rounds 2 --blocks 5 \
             --out "$out/bench-scaling-side-by-side"
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
             --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"

@@ -18,12 +18,13 @@ runs and is timed is the measuring kit's (phalanx/measure/step.py: fresh process
 steps, a barrier, timed steps, the slowest rank's time); this module chooses the contenders,
 interleaves them round by round, prints each contender's images/s and wall time as it completes,
 and forms the ratios, each the median of per-round ratios. Scaling efficiency is images/s on j
-devices / (j x images/s on 1).
+devices / (j x images/s on 1); the speed-up, images/s on j / images/s on 1.
 
 With `--side-by-side` only the contenders that share phalanx's set-up run - phalanx/k, ceiling/k,
 the lockstep ceiling and DDP tuned in one start of k workers (and, where each has two threads or
 more, phalanx/k with one fewer: a core per worker left); phalanx/1 and the tuned plain loop
-in one start of one process - each start's contenders taking turns in `--blocks` blocks of
+in one start of one process, phalanx/j alone in a start of j workers for every other count of
+`--devices` - each start's contenders taking turns in `--blocks` blocks of
 `--steps` steps, the order rotated each block (phalanx/measure/side_by_side.py); a round is one
 start of each, and every ratio is the median of per-block ratios: both sides ran seconds apart
 on the same cores, where fresh starts of one program differ by 10-25% on a shared host.
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
@@ -78,7 +79,7 @@ class ScalingBenchConfig:
     finite_check_cost: bool = option(False, help="also time phalanx/k with the gradient's NaN/Inf check off and "
                                                  "at every step")
     side_by_side: bool = option(False, help="time only the contenders with phalanx's set-up, inside one start "
-                                            "each of k workers and of one process, taking turns in blocks")
+                                            "per device count, taking turns in blocks")
     blocks: int = option(10, check=at_least(1), help="with --side-by-side: blocks of --steps steps per contender "
                                                      "in each start (a round)")
 
@@ -88,10 +89,6 @@ class ScalingBenchConfig:
             raise ValueError(f"--devices {','.join(map(str, self.device_counts))}: the largest count must be at "
                              "least 2 to compare scaling")
         if self.side_by_side:
-            extra = [str(j) for j in self.device_counts if j not in (1, self.num_devices)]
-            if extra:
-                raise ValueError(f"--side-by-side times phalanx on k = {self.num_devices} and 1 only; drop "
-                                 f"{','.join(extra)} from --devices (or run without --side-by-side)")
             if self.grad_dtype is not None or self.finite_check_cost:
                 raise ValueError("--side-by-side times the contenders with phalanx's set-up only; run --grad-dtype "
                                  "and --finite-check-cost without it")
@@ -172,19 +169,23 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
 
 # --side-by-side: the contenders that share phalanx's set-up, by name, and the kind each runs as
 # in side_by_side.py; the names are variants()' own, so the table shows each one's set-up.
-def side_by_side_sets(k: int, cores: int) -> list[tuple[str, dict[str, str]]]:
+# Every other count of --devices gets a start of phalanx/j alone: its speed-up over phalanx/1, whose
+# start takes turns with it within seconds, where separate runs of one command differ by 10-40%.
+def side_by_side_sets(counts: Sequence[int], cores: int) -> list[tuple[str, dict[str, str]]]:
+    k = max(counts)
     tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
     left = {f"phalanx/{k} core left": "core-left"} if cores // k > 1 else {}  # runs one thread below the start's
+    between = [(f"phalanx/{j}", {f"phalanx/{j}": "phalanx"}) for j in sorted(set(counts) - {1, k})]
     return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"phalanx/{k} overlapped": "overlapped", **left,
                               f"ceiling/{k}": "ceiling", f"ceiling/{k} lockstep": "lockstep", f"ddp/{k} tuned": "ddp"}),
-            ("phalanx/1", {"phalanx/1": "phalanx", tuned: "torch"})]
+            *between, ("phalanx/1", {"phalanx/1": "phalanx", tuned: "torch"})]
 
 
 def _side_by_side(config: ScalingBenchConfig, contenders: list[Variant], jobs: tuple[StepJob, ...],
                   on_run: Callable[[str], None] | None):
     """Each round, one start per set of contenders sharing a set-up; images/s of every block."""
     by_name = {v.name: v for v in contenders}
-    sets = side_by_side_sets(config.num_devices, available_cores())
+    sets = side_by_side_sets(config.device_counts, available_cores())
     samples = {f"{job.global_batch_size}|{name}": [] for job in jobs for _, kinds in sets for name in kinds}
     wall_s: dict[str, list[float]] = {name: [] for _, kinds in sets for name in kinds}
     total = config.rounds * len(sets)
@@ -294,6 +295,8 @@ def _payload(config: ScalingBenchConfig, cores: int, contenders: list[Variant], 
                 ratios.append({"global_batch_size": batch, "metric": metric, "num_devices": k, "against": off,
                                "numerator": name, "ratio": paired_ratio(per[name], per[off]).to_dict()})
         for j in (j for j in config.phalanx_counts if j > 1):
+            ratios.append({"global_batch_size": batch, "metric": "speedup", "num_devices": j, "against": "phalanx/1",
+                           "ratio": paired_ratio(per[f"phalanx/{j}"], per["phalanx/1"]).to_dict()})
             ratios.append({"global_batch_size": batch, "metric": "scaling_efficiency", "num_devices": j,
                            "against": f"{j} x phalanx/1",
                            "ratio": paired_ratio(per[f"phalanx/{j}"], [j * s for s in per["phalanx/1"]]).to_dict()})

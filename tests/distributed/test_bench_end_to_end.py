@@ -101,10 +101,11 @@ def test_scaling_bench_smoke(tmp_path, capsys, smoke_sized_cores):
             "phalanx_vs_gloo_exchange", "phalanx_vs_ddp", "phalanx_vs_ddp_same_setup",
             "phalanx_vs_best_single_process", "phalanx_vs_best_single_process_same_setup", "phalanx_vs_ceiling",
             "phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling", "phalanx_1_device_vs_plain_loop_same_setup",
-            "scaling_efficiency", "overlapped_vs_default", *(["bound_cores_vs_unbound"] if bound else [])}
+            "speedup", "scaling_efficiency", "overlapped_vs_default", *(["bound_cores_vs_unbound"] if bound else [])}
     per = {r["variant"]: r["images_per_s"]["median"] for r in payload["results"] if r["global_batch_size"] == 8}
     ratio = {r["metric"]: r["ratio"]["median"] for r in payload["ratios"] if r["global_batch_size"] == 8}
     assert ratio["scaling_efficiency"] == pytest.approx(per["phalanx/2"] / (2 * per["phalanx/1"]))
+    assert ratio["speedup"] == pytest.approx(per["phalanx/2"] / per["phalanx/1"])
     assert ratio["phalanx_vs_ddp"] == pytest.approx(per["phalanx/2"] / per["ddp/2"])
     # The ceiling ratio is the product of what the exchange costs and what lockstep costs.
     assert ratio["phalanx_vs_lockstep_ceiling"] * ratio["lockstep_vs_ceiling"] == pytest.approx(
@@ -143,7 +144,7 @@ def test_scaling_bench_side_by_side_smoke(tmp_path, capsys, smoke_sized_cores):
         ratios = {r["metric"]: r for r in payload["ratios"] if r["global_batch_size"] == batch}
         assert set(ratios) == {"phalanx_vs_ddp_same_setup", "phalanx_vs_best_single_process_same_setup",
                                "phalanx_vs_ceiling", "phalanx_vs_lockstep_ceiling", "lockstep_vs_ceiling",
-                               "phalanx_1_device_vs_plain_loop_same_setup", "scaling_efficiency",
+                               "phalanx_1_device_vs_plain_loop_same_setup", "speedup", "scaling_efficiency",
                                "overlapped_vs_default"}
         # Per-block ratios: each block of phalanx against the same block of its yardstick.
         for metric, a, b in (("phalanx_vs_ceiling", "phalanx/2", "ceiling/2"),

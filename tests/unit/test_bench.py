@@ -202,7 +202,7 @@ def test_devices_picks_the_counts_phalanx_runs_on_and_one_always_runs():
 @pytest.mark.parametrize("k, cores", [(2, 1), (2, 2), (4, 16), (8, 16)])
 def test_side_by_side_runs_the_contenders_of_phalanxs_set_up_under_their_own_names(k, cores):
     by_name = {v.name: v for v in variants((k,), cores=cores, core_left=True)}
-    sets = side_by_side_sets(k, cores)
+    sets = side_by_side_sets((k,), cores)
     assert [lead for lead, _ in sets] == [f"phalanx/{k}", "phalanx/1"]
     for lead, kinds in sets:
         assert list(kinds.values())[0] == "phalanx" and next(iter(kinds)) == lead
@@ -216,6 +216,32 @@ def test_side_by_side_runs_the_contenders_of_phalanxs_set_up_under_their_own_nam
     assert set(sets[1][1].values()) == {"phalanx", "torch"}
     assert (f"phalanx/{k} core left" in by_name) == bool(left)
     assert f"phalanx/{k} core left" not in {v.name for v in variants((k,), cores=cores)}  # fresh starts: not run
+
+
+def test_side_by_side_times_every_other_count_alone_and_its_speedup_over_one_block_by_block(monkeypatch):
+    # --devices 1,2,4,8 on 16 cores: phalanx/2 (2 x 8) and phalanx/4 (4 x 4) each in a start of their
+    # own, taking turns with phalanx/8's and phalanx/1's; the speed-up is the median of per-block ratios.
+    from phalanx.bench import scaling
+
+    sets = side_by_side_sets((1, 2, 4, 8), cores=16)
+    assert [lead for lead, _ in sets] == ["phalanx/8", "phalanx/2", "phalanx/4", "phalanx/1"]
+    assert sets[1][1] == {"phalanx/2": "phalanx"} and sets[2][1] == {"phalanx/4": "phalanx"}
+    starts = []
+
+    def fake_side_by_side(jobs, kinds, *, num_procs, threads_per_proc, blocks, timeout_s, deadline_s):
+        starts.append((num_procs, threads_per_proc, tuple(kinds)))
+        per_block = {8: 4.0, 4: 2.0, 2: 1.0, 1: 1.0}[num_procs]  # seconds per block; phalanx/4 twice phalanx/1
+        return [{kind: [per_block * (b + 1) for b in range(blocks)] for kind in kinds} for _ in jobs]
+
+    monkeypatch.setattr(scaling, "available_cores", lambda: 16)
+    monkeypatch.setattr(scaling, "run_side_by_side", fake_side_by_side)
+    config = ScalingBenchConfig(device_counts=(1, 2, 4, 8), side_by_side=True, global_batch_sizes=(256,), blocks=3,
+                                rounds=1)
+    payload = scaling.run_scaling_bench(config)
+    assert [s[:2] for s in starts] == [(8, 2), (2, 8), (4, 4), (1, 16)] and starts[1][2] == ("phalanx",)
+    speedup = {r["num_devices"]: r["ratio"]["samples"] for r in payload["ratios"] if r["metric"] == "speedup"}
+    assert speedup == {2: pytest.approx([1.0] * 3), 4: pytest.approx([0.5] * 3), 8: pytest.approx([0.25] * 3)}
+    assert "phalanx/4" in {v["name"] for v in payload["variants"]}
 
 
 def test_a_core_left_contender_is_built_and_stepped_one_thread_below_the_start():
@@ -302,7 +328,6 @@ def test_bench_flags_build_each_benchmarks_config():
     (["bench", "allreduce", "--world-sizes", "1"], "--world-sizes 1"),
     (["bench", "allreduce", "--sizes", "4QB"], "4QB"),
     (["bench", "scaling", "--batch-sizes", "1", "--devices", "2"], "global batch"),
-    (["bench", "scaling", "--side-by-side", "--devices", "2,4"], "drop 2 from --devices"),
     (["bench", "scaling", "--side-by-side", "--grad-dtype", "bf16"], "run --grad-dtype"),
     (["bench", "overlap", "--algorithm", "gossip"], "gossip"),
 ])
