@@ -41,7 +41,8 @@ step() {  # step NAME SECONDS CMD...: run with a deadline, log to $out/NAME.log,
 "$py" -m pip install --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 || { tail "$out/install.log"; exit 1; }
 nproc >"$out/host.txt"; "$py" -c "import torch; print(torch.__version__, torch.cuda.is_available())" >>"$out/host.txt"
 command -v nvidia-smi >/dev/null && nvidia-smi >>"$out/host.txt" 2>&1
-# What the host does while we do nothing (the benches saw 5.6 and 8.3 of 16 cores busy elsewhere on 2026-12-04).
+# What the host does while we do nothing: beside the benches' own count of others' load (which took phalanx's
+# workers for others' until 2026-12-04), a figure no phalanx process is in.
 "$py" - >>"$out/host.txt" 2>&1 <<'EOF'
 import os
 import time

@@ -6,7 +6,8 @@ softirq steal; guest time is already inside user); `busy_window` notes, around a
 time, this process's CPU time and the host's busy time, as a picklable dict a worker returns;
 `others_busy_cores` turns the windows of a set of workers into the cores other programs kept busy
 meanwhile, and `cpu_taken_by_others` does the same for a block in this process (its reaped
-children included). Off Linux the host's time is None and nothing is subtracted.
+children and the fork server's workers included: `own_cpu_s`). Off Linux the host's time is None
+and nothing is subtracted.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import contextlib
 import os
 import time
 from typing import Iterator, Sequence
+
+from phalanx.runtime.fork_server import server_pid
 
 
 # Cores other programs kept busy past which a timing says it was taken under that load (the
@@ -62,13 +65,33 @@ def others_busy_cores(windows: Sequence[dict]) -> float:
     return max(0.0, (host - ours) / max(windows[0]["wall_s"], 1e-9))
 
 
+def own_cpu_s() -> float:
+    """CPU seconds of this process, its reaped children, and the fork server with the workers it
+    forked and reaped (runtime/fork_server.py): those are the server's children, not ours, so
+    os.times() alone never counts phalanx's workers while the server lives. A server restarted in
+    between is counted right by differences: the old one, reaped by us, moves into our children's."""
+    own = os.times()
+    return own.user + own.system + own.children_user + own.children_system + _process_tree_cpu_s(server_pid())
+
+
+def _process_tree_cpu_s(pid: int | None) -> float:
+    """utime + stime + cutime + cstime of `pid` (/proc/PID/stat fields 14-17), 0.0 without one."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # fields[0] is field 3, the state
+        return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0  # gone meanwhile, or no /proc
+
+
 def _machine_and_own_cpu_s() -> tuple[float, float] | None:
-    """(CPU seconds the host has spent busy, this process and its reaped children's), or None."""
+    """(CPU seconds the host has spent busy, `own_cpu_s`), or None off Linux."""
     machine = host_busy_s()
     if machine is None:
         return None
-    own = os.times()
-    return machine, own.user + own.system + own.children_user + own.children_system
+    return machine, own_cpu_s()
 
 
 @contextlib.contextmanager

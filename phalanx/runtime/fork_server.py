@@ -121,15 +121,22 @@ def _stop(server, deadline_s: float = 10.0) -> None:
                 time.sleep(0.01)
 
 
+def server_pid() -> int | None:
+    """The pid of this process's fork server, or None where none was started (or it was stopped)."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver._forkserver_pid
+
+
 def lost_server(proc, deadline_s: float = 1.0) -> int | None:
     """The pid of the fork server that started worker `proc` where that server has ended: its
     workers die with it (their parent-death signal) and their exit status, which it carried, is
     lost (multiprocessing reads 255). None for a spawned worker or a server still running."""
-    from multiprocessing import forkserver, popen_forkserver
+    from multiprocessing import popen_forkserver
 
     if not isinstance(getattr(proc, "_popen", None), popen_forkserver.Popen):
         return None
-    pid = forkserver._forkserver._forkserver_pid
+    pid = server_pid()
     if pid is None:
         return None
     # Its pipes close as it exits, before /proc calls it a zombie: a moment's wait, as a worker's
