@@ -111,6 +111,11 @@ case "$mode" in
         # cpu:auto, since auto alone takes the GPU where one is.
         step train-auto 60 "$py" -m phalanx train --devices cpu:auto --data-dir "$data" --epochs 2 --no-progress \
             --out "$out/train-auto"
+        # Where phalanx/8's step goes beyond its lockstep twin's (0.82 of it at batch 256, 0.99 at 2 x 1 on 2 cores):
+        # each rank's spans (forward, backward, the wait in finish_gradient_sync) and rank 0's summary.json
+        # (time per collective, the wait per step) over 50 steps.
+        step trace-cpu8 60 "$py" -m phalanx train --devices cpu:8 --data-dir "$data" --epochs 1 --no-progress \
+            --trace "$out/trace-cpu8" --trace-steps 50 --out "$out/train-cpu8-traced"
         # Side by side in shared starts (blocks, not fresh processes, which differed by 10-40% between
         # starts there; 56 s at --devices 8): phalanx/8 beside its ceiling, its lockstep twin, DDP tuned and
         # phalanx/8 with a core left per worker; phalanx/2 and phalanx/4 each in a start taking turns with
