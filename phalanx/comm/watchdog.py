@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from phalanx.runtime.board import FAILED, FINISHED, RUNNING, WAITING, Board, Line, Ticket
 from phalanx.runtime.tags import called_by, describe, dtype_of, gradient_step, is_generic, op_of, without_dtype
-from phalanx.runtime.procs import process_alive, process_state
+from phalanx.runtime.procs import STOPPED, process_alive, process_state
 from phalanx.errors import PeerLost, RunFailed
 from phalanx.runtime.world import World
 
@@ -207,9 +207,9 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
     candidates = lacking or [i for i in range(board.local_world_size) if i != board.local_rank]
     states = {i: process_state(lines[i].pid) if lines[i] is not None and lines[i].pid else None for i in candidates}
     # A stopped process explains the wait best; then one that has not entered the collective.
-    chosen = next((i for i in candidates if states[i] in ("T", "t")), candidates[0] if candidates else None)
+    chosen = next((i for i in candidates if states[i] in STOPPED), candidates[0] if candidates else None)
     waited = f"rank {me} waited {waited_s:.0f} s in {mine}"
-    if not lacking and (chosen is None or states[chosen] not in ("T", "t")):
+    if not lacking and (chosen is None or states[chosen] not in STOPPED):
         return PeerStalled(f"{waited}: every rank entered it, but it did not complete within the {timeout_s:g} s "
                            "timeout; raise --timeout if a step can really take that long")
     if chosen is None or lines[chosen] is None:
@@ -217,7 +217,7 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
     line, state = lines[chosen], states[chosen]
     word = _STATE_WORDS.get(state or "", state or "unknown")
     text = f"worker rank {line.rank} stopped responding (state: {word}){_after(line)}; {waited}"
-    if state in ("T", "t"):
+    if state in STOPPED:
         # Before the mismatch rule: a rank stopped inside a wait still shows the collective it was
         # in, which its peers may have completed and left (shm: rank 0 sums bucket 1 while stopped
         # rank 1 never read bucket 0's result). The stop is the cause, not the order of calls.

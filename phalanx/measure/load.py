@@ -18,6 +18,7 @@ import time
 from typing import Iterator, Sequence
 
 from phalanx.runtime.fork_server import server_pid
+from phalanx.runtime.procs import process_cpu_s
 
 
 # Cores other programs kept busy past which a timing says it was taken under that load (the
@@ -71,19 +72,7 @@ def own_cpu_s() -> float:
     os.times() alone never counts phalanx's workers while the server lives. A server restarted in
     between is counted right by differences: the old one, reaped by us, moves into our children's."""
     own = os.times()
-    return own.user + own.system + own.children_user + own.children_system + _process_tree_cpu_s(server_pid())
-
-
-def _process_tree_cpu_s(pid: int | None) -> float:
-    """utime + stime + cutime + cstime of `pid` (/proc/PID/stat fields 14-17), 0.0 without one."""
-    if pid is None:
-        return 0.0
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rsplit(b")", 1)[1].split()  # fields[0] is field 3, the state
-        return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0  # gone meanwhile, or no /proc
+    return own.user + own.system + own.children_user + own.children_system + process_cpu_s(server_pid())
 
 
 def _machine_and_own_cpu_s() -> tuple[float, float] | None:

@@ -1,13 +1,15 @@
-"""What /proc says about other processes: a state letter, whether one is still alive, who is in a group.
+"""What /proc says about other processes: a state letter, whether one is still alive or stopped,
+who is in a group, how much CPU time one and its reaped children took.
 
 The runtime's one reader of process facts: the supervisor, the collective watchdog (a peer that
-died or was stopped while others wait for it), the shared-memory allreduce and the launcher's
-clean-up (every process a worker started) ask here.
+died or was stopped while others wait for it), the shared-memory allreduce, the launcher's
+clean-up (every process a worker started) and the benches' load accounting ask here.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 
 def process_state(pid: int) -> str | None:
@@ -18,6 +20,29 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except (OSError, IndexError):
         return None
+
+
+# The state letters of a process that can do nothing until continued: stopped (SIGSTOP, Ctrl-Z) or
+# stopped by a tracer (a debugger).
+STOPPED = ("T", "t")
+
+
+def all_stopped(pids: Iterable[int]) -> bool:
+    """Whether every one of `pids` sits stopped: it can neither work nor report until continued."""
+    return all(process_state(pid) in STOPPED for pid in pids)
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """CPU seconds of `pid` and of its children it reaped (/proc/PID/stat's utime, stime, cutime,
+    cstime); 0.0 for None, a process gone meanwhile, or no /proc."""
+    if pid is None:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # fields[0] is the state, /proc's field 3
+        return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def process_alive(pid: int) -> bool:

@@ -47,9 +47,9 @@ from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
-from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, all_stopped, blame_stopped, error_files, error_report,
-                                           failure, is_echo, read_report, recorded, usage_line, user_traceback,
-                                           with_recorded)
+from phalanx.runtime.procs import all_stopped
+from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
+                                           read_report, recorded, usage_line, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signal_main_thread, signals_deferred,

@@ -36,14 +36,14 @@ import shutil
 import signal
 import tempfile
 import traceback
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from phalanx.errors import PACKAGE_DIR, PeerLost, Stopped, UsageError
 from phalanx.runtime.fork_server import lost_server
 from phalanx.runtime.lifeline import describe_signal
-from phalanx.runtime.procs import process_state
+from phalanx.runtime.procs import STOPPED, process_state
 from phalanx.runtime.segment import stale_leftovers
 
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
@@ -204,18 +204,12 @@ def blame_stopped(reports: dict[int, tuple], first_failure: int, pending_pids: d
     if root[0] != "error" or not any(words in root[1] for words in _STORE_TIMEOUT):
         return first_failure
     for rank, pid in sorted(pending_pids.items()):
-        if process_state(pid) in ("T", "t"):
+        if process_state(pid) in STOPPED:
             reports[rank] = error_report(f"stopped responding (state: stopped) during start-up, while rank "
                                          f"{first_failure} waited for it (SIGSTOP, Ctrl-Z or a debugger?)")
             reports[first_failure] = (*root[:3], True)
             return rank
     return first_failure
-
-
-def all_stopped(pids: Iterable[int]) -> bool:
-    """Whether every one of `pids` sits stopped (SIGSTOP, Ctrl-Z, a debugger at a stop): after a
-    first failure the launcher waits a grace for the other workers' reports, and these send none."""
-    return all(process_state(pid) in ("T", "t") for pid in pids)
 
 
 def error_report(line: str, trace: str = "", echo: bool = False) -> tuple:
