@@ -29,8 +29,9 @@ within the timeout, named with what its process is doing; `abort()` ends a wait.
 
 Rounds run compiled where the host has a C compiler (shm_kernel.c: a whole small round in one
 call, the GIL released; the spins, publishes and chunk sums of large ones) and in Python
-otherwise, to the same bits: both add in rank order in the element's type. The first line of a
-run says when rounds run in Python, and why.
+otherwise, to the same bits: both add in rank order in the element's type (a large round on a
+thread with an intra-op team runs on torch's ops, which split it over that team: TEAM_NUMEL). The
+first line of a run says when rounds run in Python, and why.
 
 The ranks open the segment together (`share_segment`): in /dev/shm, mode 0600, named for the
 run, unlinked once every rank has mapped it, so nothing is left on disk however a process ends
@@ -228,10 +229,10 @@ class ShmGroup:
         self._flags.publish(ARRIVED, g)
         self._flags.wait(ARRIVED, g, ticket)
 
-    @property
-    def kernel(self):
-        """The compiled rounds bound to this segment (shm_kernel.Rounds), None where rounds run in Python."""
-        return self._flags.compiled
+    def kernel_for(self, numel: int):
+        """The compiled rounds bound to this segment (shm_kernel.Rounds) for a round whose copies and sums
+        span `numel` elements; None where rounds run in Python, or on this thread's team (team_is_faster)."""
+        return None if shm_kernel.team_is_faster(numel) else self._flags.compiled
 
     def compiled_round_done(self, g: int, done: int, tags: tuple[int, int], ticket: Ticket | None,
                             rest: Callable[[], None]) -> bool:
@@ -262,8 +263,9 @@ class ShmGroup:
     def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> bool:
         """One round of `piece`; a small one also compares every rank's tag (shm_flags.TAGS): True
         when they all carried `ticket`'s."""
-        compiled = self._flags.compiled if piece.dtype in shm_kernel.DTYPES else None
         small = piece.numel() * piece.element_size() <= self.small_bytes
+        lo, hi = (0, piece.numel()) if small else _chunk(piece.numel(), self.k, self.rank, piece.element_size())
+        compiled = self.kernel_for(hi - lo) if piece.dtype in shm_kernel.DTYPES else None  # for this rank's sum
         if compiled is not None and small:  # the common case in one call (shm_kernel.c)
             self.round += 1
             g = self.round
@@ -280,7 +282,6 @@ class ShmGroup:
         if small:
             sum_into(piece, inputs)
             return ticket is not None and self.tags_agree(g, tags)
-        lo, hi = _chunk(piece.numel(), self.k, self.rank, piece.element_size())
         if hi > lo:
             if compiled is not None:
                 compiled.sum_slots(result[lo:hi], g % 2, offset_bytes=lo * piece.element_size())

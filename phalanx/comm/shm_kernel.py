@@ -48,6 +48,18 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")  # -O3: the sums vectorise
 COMPILE_TIMEOUT_S = 60.0
 DTYPES = {torch.float32: 0, torch.float64: 1}  # the kernel's codes; other dtypes take the Python rounds
 SMALL_LATE, SMALL_AGREED, SMALL_DIFFER = 0, 1, 2  # what phx_small_round returns
+# torch's adds and copies split a tensor over the calling thread's intra-op team once it exceeds
+# ATen's grain (32,768 elements); the kernel works on one thread. So a round this large, on a
+# thread with a team (training's, where the exchange runs on it), is faster on torch's ops: on 16
+# cores, 2 ranks x 8 threads, an allreduce of 512 KB took 0.065 ms on them against 0.107 ms
+# compiled, of 16 MB 1.08 ms against 4.37 (docs/device-runs/2026-12-04-h200-second). The
+# communication thread has no team (binding.run_single_threaded): its rounds stay compiled.
+TEAM_NUMEL = 4 * 32768
+
+
+def team_is_faster(numel: int) -> bool:
+    """Whether torch's ops, on this thread's intra-op team, copy and sum `numel` elements faster than the kernel."""
+    return numel >= TEAM_NUMEL and torch.get_num_threads() > 1
 
 
 class _Group(ctypes.Structure):

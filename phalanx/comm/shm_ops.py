@@ -101,7 +101,7 @@ def _compiled_reduce_scatter_round(r: "_Round", flat: torch.Tensor, tags: tuple[
                                    ticket: Ticket | None) -> bool | None:
     """Round `r` of a reduce-scatter of `flat` in one compiled call, sleeping for a late peer as
     every wait does: whether every rank's tag agreed; None: the round runs in Python."""
-    kernel = r.group.kernel if flat.dtype in shm_kernel.DTYPES and flat.is_contiguous() else None
+    kernel = r.group.kernel_for(r.stop - r.start) if flat.dtype in shm_kernel.DTYPES and flat.is_contiguous() else None
     if kernel is None:
         return None
 
@@ -116,7 +116,7 @@ def _compiled_reduce_scatter_round(r: "_Round", flat: torch.Tensor, tags: tuple[
 def _compiled_all_gather_round(r: "_Round", flat: torch.Tensor, tags: tuple[int, int],
                                ticket: Ticket | None) -> bool | None:
     """Round `r` of an all-gather of `flat` in one compiled call (a copy: any dtype), as above."""
-    kernel = r.group.kernel if flat.is_contiguous() else None
+    kernel = r.group.kernel_for(r.stop - r.start) if flat.is_contiguous() else None
     if kernel is None:
         return None
     done = kernel.all_gather_round(r.g % 2, r.g, flat, r.start, r.lo, r.hi, r.stop, *tags)

@@ -156,6 +156,64 @@ def test_a_compiled_all_gather_gives_every_rank_every_piece_as_the_python_rounds
             assert _bits(python[rank][index]) == _bits(expected), f"rank {rank} result {index}"
 
 
+
+class _Counted:
+    """The group's compiled rounds, counting the calls that copy or sum through them (not the flags')."""
+
+    MOVING = {"small_round", "sum_slots", "sum_with_own", "reduce_scatter_round", "all_gather_round", "gather_out"}
+
+    def __init__(self, rounds) -> None:
+        self.rounds, self.calls = rounds, 0
+
+    def __getattr__(self, name: str):
+        self.calls += name in self.MOVING
+        return getattr(self.rounds, name)
+
+
+def _by_team(world, threads: tuple[int, ...]) -> list:
+    """An allreduce of 4 KB, and one of 1 MB (small rounds, with two ranks: summed whole) and 1 MB in
+    chunks, a reduce-scatter and an all-gather of 1 MB, each on a thread with `threads[rank]` intra-op
+    threads: each result and how many calls went through the compiled rounds."""
+    from phalanx.comm.shm_ops import all_gather_shm, reduce_scatter_shm
+
+    torch.set_num_threads(threads[world.rank])
+    out = []
+    for small_bytes in (None, 0):
+        group = ShmGroup(world=world, small_bytes=small_bytes)
+        counted = group._flags.compiled = _Counted(group._flags.compiled)
+        g = torch.Generator().manual_seed(5 + world.rank)
+        for numel in (1024, 1 << 18):
+            flat = _rows(numel, torch.float32, g)
+            before = counted.calls
+            group.allreduce(flat)
+            out.append((flat, counted.calls - before))
+        if small_bytes is None:
+            counts = [(1 << 18) // 2, (1 << 18) - (1 << 18) // 2]
+            for call in (reduce_scatter_shm, all_gather_shm):
+                flat, before = _rows(1 << 18, torch.float64, g), counted.calls
+                call(flat, counts=counts, world=world, transport=group)
+                out.append((flat, counted.calls - before))
+        group.close()
+    return out
+
+
+@needs_cc
+def test_large_rounds_on_a_thread_with_an_intra_op_team_run_on_torchs_ops_to_the_same_bits():
+    """The kernel sums on one thread; training's thread has a team that torch's ops use (shm_kernel.TEAM_NUMEL)."""
+    assert shm_kernel.TEAM_NUMEL <= 1 << 18
+    alone = run_workers(_by_team, 2, (1, 1), timeout_s=90)
+    teamed = run_workers(_by_team, 2, (2, 2), timeout_s=90)
+    mixed = run_workers(_by_team, 2, (2, 1), timeout_s=90)
+    for rank in range(2):
+        for index, (flat, calls) in enumerate(alone[rank]):
+            assert calls > 0, f"rank {rank} call {index}: one thread, every round compiled"
+            assert _bits(teamed[rank][index][0]) == _bits(mixed[rank][index][0]) == _bits(flat), (rank, index)
+        # 4 KB, 1 MB, reduce-scatter, all-gather; chunked: 4 KB, 1 MB (a late peer adds a call)
+        compiled = [calls > 0 for _, calls in teamed[rank]]
+        assert compiled == [True, False, False, False, True, False], f"rank {rank}: {teamed[rank]}"
+        assert [calls > 0 for _, calls in mixed[rank]] == (compiled if rank == 0 else [True] * 6)
+
+
 def _late_peers(world, compiled_by_rank: tuple[bool, ...], small_bytes) -> dict:
     """Each rank in turn arrives 0.15 s late; the others' waits (spin, then futex) are timed."""
     group = ShmGroup(world=world, compiled=compiled_by_rank[world.rank], small_bytes=small_bytes)
