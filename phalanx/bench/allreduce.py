@@ -24,6 +24,7 @@ import torch
 
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.comm.ring import chunk_sizes
+from phalanx.comm.shm_kernel import TEAM_NUMEL
 from phalanx.comm.shards import ALL_GATHER, REDUCE_SCATTER, SHARDED_ALGORITHMS
 from phalanx.measure.collective import time_collectives
 from phalanx.measure.flags import format_size, parse_size
@@ -127,7 +128,11 @@ def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
         timings = time_collectives({key: call(key) for key in timed(config)}, rounds=config.rounds,
                                    warmup_calls=config.warmup_calls, target_batch_s=config.target_batch_s,
                                    max_calls=config.max_calls)
-        return {**timings, "shm_rounds": comm.shm_rounds}
+        rounds = comm.shm_rounds
+        if rounds == "compiled" and torch.get_num_threads() > 1:  # shm_kernel.team_is_faster
+            rounds += (f", those of {format_size(TEAM_NUMEL * _FLOAT_BYTES)} or more on torch's ops over each rank's "
+                       f"{torch.get_num_threads()} intra-op threads")
+        return {**timings, "shm_rounds": rounds}
     finally:
         comm.close()
         if python is not None:
@@ -214,7 +219,9 @@ def report_allreduce(payload: dict[str, Any]) -> str:
                                rows)]
         rounds = {str(k): v for k, v in payload.get("shm_rounds", {}).items()}.get(str(world_size))
         if rounds is not None:
-            lines.append(f"shm's rounds ran {'compiled (shm_kernel.c)' if rounds == 'compiled' else 'in ' + rounds}"
+            ran = rounds.replace("compiled", "compiled (shm_kernel.c)", 1) if rounds.startswith("compiled") \
+                else f"in {rounds}"
+            lines.append(f"shm's rounds ran {ran}"
                          + (f"; {PYTHON_ROUNDS}: the same algorithm, rounds in Python" if PYTHON_ROUNDS in
                             [r['algorithm'] for r in payload['results']] else ""))
         lines.append("")

@@ -10,7 +10,7 @@ import torch
 
 from phalanx.bench.cli import run_bench
 from phalanx.cli import build_parser
-from phalanx.bench.allreduce import AllreduceBenchConfig, timed
+from phalanx.bench.allreduce import AllreduceBenchConfig, report_allreduce, timed
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
 from phalanx.bench.scaling import ScalingBenchConfig, side_by_side_sets, variants
@@ -117,6 +117,18 @@ def test_bench_allreduce_times_the_halves_only_where_an_algorithm_has_them():
                              (4096, "reduce-scatter", "native"), (4096, "reduce-scatter", "shm"),
                              (4096, "all-gather", "native"), (4096, "all-gather", "shm")]
 
+
+
+@pytest.mark.parametrize("rounds, said", [
+    ("compiled", "shm's rounds ran compiled (shm_kernel.c)"),
+    ("compiled, those of 512KB or more on torch's ops over each rank's 8 intra-op threads",
+     "shm's rounds ran compiled (shm_kernel.c), those of 512KB or more on torch's ops over each rank's 8 intra-op threads"),
+    ("Python (no C compiler (cc) on PATH)", "shm's rounds ran in Python (no C compiler (cc) on PATH)"),
+])
+def test_bench_allreduce_says_how_shm_ran_its_rounds(rounds, said):
+    payload = {"memcpy": [], "results": [], "ratios": [], "halves": [], "shm_rounds": {2: rounds},
+               "config": {"collectives": ["allreduce"], "world_sizes": [2], "rounds": 3}}
+    assert said in report_allreduce(payload).splitlines()
 
 def test_sizes_and_lists_parse_in_binary_units():
     assert [parse_size(s) for s in ("4KB", "64kb", "1MB", "16MiB", "65536", "1.5MB")] == [
