@@ -52,8 +52,10 @@ SMALL_LATE, SMALL_AGREED, SMALL_DIFFER = 0, 1, 2  # what phx_small_round returns
 # ATen's grain (32,768 elements); the kernel works on one thread. So a round this large, on a
 # thread with a team (training's, where the exchange runs on it), is faster on torch's ops: on 16
 # cores, 2 ranks x 8 threads, an allreduce of 512 KB took 0.065 ms on them against 0.107 ms
-# compiled, of 16 MB 1.08 ms against 4.37 (docs/device-runs/2026-12-04-h200-second). The
-# communication thread has no team (binding.run_single_threaded): its rounds stay compiled.
+# compiled, of 16 MB 1.08 ms against 4.37 (docs/device-runs/2026-12-04-h200-second); on 2 cores
+# the sum of two 4 MB rows 82 us on 2 threads against 151, at one thread even (157 against 151),
+# at 128 KB rows the kernel ahead (5 us against 7). The communication thread has no team
+# (binding.run_single_threaded): its rounds stay compiled.
 TEAM_NUMEL = 4 * 32768
 
 
