@@ -24,7 +24,7 @@ import torch
 
 from phalanx.comm import ALGORITHMS, AsyncComm
 from phalanx.comm.ring import chunk_sizes
-from phalanx.comm.shm_kernel import TEAM_NUMEL
+from phalanx.comm.shm_kernel import TEAM_NUMEL, team_is_faster
 from phalanx.comm.shards import ALL_GATHER, REDUCE_SCATTER, SHARDED_ALGORITHMS
 from phalanx.measure.collective import time_collectives
 from phalanx.measure.flags import format_size, parse_size
@@ -129,7 +129,7 @@ def _worker(world: World, config: AllreduceBenchConfig) -> dict[str, Any]:
                                    warmup_calls=config.warmup_calls, target_batch_s=config.target_batch_s,
                                    max_calls=config.max_calls)
         rounds = comm.shm_rounds
-        if rounds == "compiled" and torch.get_num_threads() > 1:  # shm_kernel.team_is_faster
+        if rounds == "compiled" and team_is_faster(TEAM_NUMEL):  # this thread's large rounds run on torch's ops
             rounds += (f", those of {format_size(TEAM_NUMEL * _FLOAT_BYTES)} or more on torch's ops over each rank's "
                        f"{torch.get_num_threads()} intra-op threads")
         return {**timings, "shm_rounds": rounds}
