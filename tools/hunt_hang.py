@@ -1,18 +1,19 @@
 """Run one command again and again until a run overruns, then record what every process it
-started is doing: for a hang that shows up once in a hundred runs (a DataLoader worker of a
-`phalanx run` rank stuck at its start, 2026-12-04), where the run's own error says only that a
-rank sat outside any collective.
+started is doing: for a hang that shows up once in a hundred runs, where the run's own error says
+only that a rank sat outside any collective. It found why a DataLoader worker of a `phalanx run`
+rank hung at its start (2026-12-05: a lock copied held by its fork, runtime/fork_guard.py).
 
     .venv/bin/python tools/hunt_hang.py --runs 200 --stuck-after 35 --out /tmp/hunt -- \\
         .venv/bin/python -m phalanx run --devices cpu:2 --timeout 90 SCRIPT ARGS
 
 Each run's stderr is kept (`<out>/stderr-<n>.txt`) where it failed (exit code not 0) or overran. A run still going after
 `--stuck-after` seconds has its process tree (from `ps`, by parent pid) written to
-`<out>/stuck-<n>.txt`: every process's state and kernel wait channel, SIGUSR1 sent to the pids
-a script listed in `--pids-dir` (a script that calls `faulthandler.register(signal.SIGUSR1,
-all_threads=True)`, as its DataLoader workers then do too, prints every thread's Python stack),
-and each process's native stacks from gdb, the run's workers first (the launcher's are the least
-telling, and gdb takes seconds a process). Run several at once beside a CPU burner (`yes >
+`<out>/stuck-<n>.txt`: every process's state and kernel wait channel, SIGUSR1 sent to each
+process of the run that catches it (a script that calls `faulthandler.register(signal.SIGUSR1,
+all_threads=True)`, as the DataLoader workers it forks then do too, prints every thread's Python
+stack; a process that does not catch it is left alone, SIGUSR1 would end it), and each
+process's native stacks from gdb, the deepest first (the launcher's are the least telling, and
+gdb takes seconds a process). Run several at once beside a CPU burner (`yes >
 /dev/null`) to make a race likelier.
 """
 
@@ -43,15 +44,25 @@ def _tree(root: int) -> tuple[str, list[int]]:
     return table, found
 
 
-def _record(run: subprocess.Popen, where: Path, pids_dir: Path | None) -> None:
+def _catches_sigusr1(pid: int) -> bool:
+    """Whether `pid` has a handler for SIGUSR1 (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask >> (signal.SIGUSR1 - 1) & 1)
+
+
+def _record(run: subprocess.Popen, where: Path) -> None:
     table, tree = _tree(run.pid)
-    listed = [pid for pid in tree if pids_dir is not None and (pids_dir / str(pid)).exists()]
+    catching = [pid for pid in tree if _catches_sigusr1(pid)]
     with where.open("w") as out:
-        out.write(f"process tree of pid {run.pid}: {tree}\nlisted by the script: {listed}\n\n{table}\n")
+        out.write(f"process tree of pid {run.pid}: {tree}\nSIGUSR1 sent to: {catching}\n\n{table}\n")
         out.flush()
-        for pid in listed:
+        for pid in catching:
             os.kill(pid, signal.SIGUSR1)  # the Python stacks go to the run's stderr
-        for pid in listed[::-1] + [pid for pid in tree if pid not in listed][::-1]:  # workers first
+        for pid in tree[::-1]:  # the deepest first
             out.write(f"==== pid {pid}\n")
             out.flush()
             subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 25"], stdout=out,
@@ -63,7 +74,6 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--stuck-after", type=float, default=35.0, help="seconds after which a run is recorded")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--pids-dir", type=Path, help="a directory where the script touches a file per pid")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -80,7 +90,7 @@ def main() -> int:
             time.sleep(0.5)
             if not recorded and time.monotonic() - started > args.stuck_after:
                 recorded = True
-                _record(run, args.out / f"stuck-{n}.txt", args.pids_dir)
+                _record(run, args.out / f"stuck-{n}.txt")
         if not (run.returncode or recorded):
             stderr_path.unlink()
         print(f"run {n}: exit {run.returncode} after {time.monotonic() - started:.1f} s"

@@ -43,6 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from phalanx.runtime.fork_server import FRESH, LauncherState, worker_context
 from phalanx.runtime.forked import START_METHODS, on_fresh_thread, reset_signals
+from phalanx.runtime.fork_guard import guard_forks
 from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
@@ -112,6 +113,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
     lead_own_group()
     line_buffered_output()
     flush_on_sigterm()
+    guard_forks()  # a DataLoader's fork right after a collective must not copy a held lock
     if workers.env:
         os.environ.update(workers.env[rank])
     if error_file is not None:  # None: no temporary directory to hold it (worker_errors.error_files)
@@ -157,12 +159,10 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        try:
-            # Deliver before teardown: send_bytes returns once the whole report is in the pipe.
+        # Deliver before teardown: send_bytes returns once the whole report is in the pipe.
+        with contextlib.suppress(OSError):  # the parent is gone (interrupted): nobody is left to tell
             conn.send_bytes(report)
             conn.close()
-        except OSError:
-            pass  # the parent is gone (interrupted): nobody is left to tell
     return exit_code
 
 

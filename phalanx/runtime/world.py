@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from phalanx.errors import UsageError
 from phalanx.runtime.foreign_names import foreign_name_error
+from phalanx.runtime.fork_guard import guard_forks
 from phalanx.runtime.join import attempt_prefix, wait_for_peers
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
@@ -187,6 +188,7 @@ def start_world(
     if world_size > 1:
         backend = "nccl" if device.type == "cuda" and not shared_gpu else "gloo"
         _import_group_defaults()
+        guard_forks()  # gloo's threads make Python thread states: fork_guard.py
         if from_launcher_env:
             rendezvous = {"store": _launcher_store(master_addr, master_port, rank=rank, world_size=world_size,
                                                     timeout_s=timeout_s)}

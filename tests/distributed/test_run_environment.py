@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.runtime import fork_guard
+
 pytestmark = pytest.mark.distributed
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -80,6 +82,7 @@ def test_a_phalanx_run_worker_sees_what_a_torchrun_worker_sees(tmp_path):
         assert p["path0"] == t["path0"] and p["reads_itself"] and t["reads_itself"]
         assert p["env"]["OMP_NUM_THREADS"] == t["env"]["OMP_NUM_THREADS"] == "1"
         assert p["env"]["MKL_NUM_THREADS"] == "1" and p["threads"] == 1
+        assert p["fork_guard"] == fork_guard.needed() and not t["fork_guard"]  # a script's own group: no guard
         assert p["env"]["TORCHELASTIC_ERROR_FILE"].endswith(f"/{rank}/error.json")
         assert Path(p["env"]["TORCHELASTIC_ERROR_FILE"]).parent.parent.name.startswith("phalanx-errors-")
         agent_gives = {key for key in t["env"] if key not in os.environ or key == "OMP_NUM_THREADS"} - {"PROBE_OUT"}
