@@ -164,7 +164,8 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
             contenders, samples, wall_s = _side_by_side(config, contenders, jobs, on_run)
         else:
             samples, wall_s = _fresh_starts(config, contenders, jobs, on_run)
-    return {**_payload(config, cores, contenders, samples, wall_s), "others_cores": load["others_cores"]}
+    return {**_payload(config, cores, contenders, samples, wall_s), "others_cores": load["others_cores"],
+            "stolen_cores": load["stolen_cores"]}
 
 
 # --side-by-side: the contenders that share phalanx's set-up, by name, and the kind each runs as

@@ -51,6 +51,9 @@ def _load_lines(payload: dict[str, Any]) -> list[str]:
     if others is None:
         return []
     line = f"other processes kept {others:.1f} of the {payload['cores']} cores busy meanwhile"
+    stolen = payload.get("stolen_cores")
+    if stolen is not None and stolen >= 0.05:  # a VM's hypervisor ran other guests on its CPUs
+        line += f" ({stolen:.1f} of them stolen by the hypervisor for other virtual machines)"
     if others < DISTURBED_CORES:
         return [line]
     return [f"{line}: disturbed - each contender lost a different share of the cores to them, so a ratio may be "

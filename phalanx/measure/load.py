@@ -26,17 +26,31 @@ from phalanx.runtime.procs import process_cpu_s
 DISTURBED_CORES = 0.25
 
 
-def host_busy_s() -> float | None:
-    """CPU seconds the whole host has spent busy since boot (Linux /proc/stat), or None."""
+def _host_cpu_s() -> list[float] | None:
+    """/proc/stat's CPU seconds since boot, all CPUs: user nice system idle iowait irq softirq steal
+    (guest is in user); None off Linux."""
     try:
         with open("/proc/stat") as stat:
-            fields = [int(v) for v in stat.readline().split()[1:]]
+            fields = [int(v) for v in stat.readline().split()[1:9]]
         ticks = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, AttributeError):
         return None  # not Linux
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is in user)
-    return busy / ticks
+    return [v / ticks for v in fields]
+
+
+def host_busy_s() -> float | None:
+    """CPU seconds the whole host has spent busy since boot (Linux /proc/stat), or None."""
+    seconds = _host_cpu_s()
+    if seconds is None:
+        return None
+    return sum(seconds) - seconds[3] - (seconds[4] if len(seconds) > 4 else 0)  # all but idle and iowait
+
+
+def host_stolen_s() -> float | None:
+    """CPU seconds a virtual machine's hypervisor gave its CPUs to other guests since boot (/proc/stat's
+    steal, part of `host_busy_s`; 0 on bare metal), or None off Linux."""
+    seconds = _host_cpu_s()
+    return None if seconds is None else (seconds[7] if len(seconds) > 7 else 0.0)
 
 
 @contextlib.contextmanager
@@ -86,12 +100,16 @@ def _machine_and_own_cpu_s() -> tuple[float, float] | None:
 @contextlib.contextmanager
 def cpu_taken_by_others(result: dict[str, float | None]) -> Iterator[None]:
     """Fill result["others_cores"]: how many cores other processes kept busy, on average, while the
-    block ran. On a shared machine that is what a contender could not have (None off Linux)."""
-    before, start_s = _machine_and_own_cpu_s(), time.perf_counter()
+    block ran. On a shared machine that is what a contender could not have (None off Linux). And
+    result["stolen_cores"]: how many of those a virtual machine's hypervisor gave to other guests
+    (steal; on a VM the busiest neighbours are often not this host's processes at all)."""
+    before, stolen_before, start_s = _machine_and_own_cpu_s(), host_stolen_s(), time.perf_counter()
     try:
         yield
     finally:
-        after, wall_s = _machine_and_own_cpu_s(), time.perf_counter() - start_s
-        result["others_cores"] = None
+        after, stolen_after, wall_s = _machine_and_own_cpu_s(), host_stolen_s(), time.perf_counter() - start_s
+        result["others_cores"] = result["stolen_cores"] = None
         if before is not None and after is not None and wall_s > 0:
             result["others_cores"] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall_s)
+        if stolen_before is not None and stolen_after is not None and wall_s > 0:
+            result["stolen_cores"] = max(0.0, (stolen_after - stolen_before) / wall_s)

@@ -409,12 +409,14 @@ def test_cpu_taken_by_others_is_machine_busy_minus_our_own_per_wall_second(monke
 
     readings = iter([(100.0, 5.0), (103.0, 6.0)])  # machine busy +3 s, this process +1 s ...
     clock = iter([10.0, 12.0])  # ... over 2 s of wall time: others kept 1 core busy
+    stolen = iter([40.0, 40.5])  # half a core of it the hypervisor's, for other guests
     monkeypatch.setattr(load, "_machine_and_own_cpu_s", lambda: next(readings))
+    monkeypatch.setattr(load, "host_stolen_s", lambda: next(stolen))
     monkeypatch.setattr(load.time, "perf_counter", lambda: next(clock))
     result: dict = {}
     with load.cpu_taken_by_others(result):
         pass
-    assert result == {"others_cores": 1.0}
+    assert result == {"others_cores": 1.0, "stolen_cores": 0.25}
 
 
 def test_cpu_taken_by_others_reads_this_machine():

@@ -370,6 +370,11 @@ def test_the_scaling_table_says_what_other_programs_took():
     from phalanx.bench.scaling_report import _load_lines
     assert _load_lines({"cores": 2}) == []  # an older payload, or off Linux
     assert _load_lines({"cores": 2, "others_cores": 0.1}) == ["other processes kept 0.1 of the 2 cores busy meanwhile"]
+    assert _load_lines({"cores": 16, "others_cores": 0.1, "stolen_cores": 0.0}) == [
+        "other processes kept 0.1 of the 16 cores busy meanwhile"]  # bare metal, or a VM alone on its host
+    stolen = _load_lines({"cores": 16, "others_cores": 8.3, "stolen_cores": 6.0})[0]
+    assert stolen.startswith("other processes kept 8.3 of the 16 cores busy meanwhile (6.0 of them stolen by the "
+                             "hypervisor for other virtual machines): disturbed"), stolen
     disturbed = _load_lines({"cores": 2, "others_cores": 1.1})[0]
     assert disturbed.startswith("other processes kept 1.1 of the 2 cores busy meanwhile: disturbed")
     assert "a scaling efficiency above 1, phalanx above its ceiling: that load, not phalanx" in disturbed
