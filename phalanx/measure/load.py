@@ -38,19 +38,15 @@ def _host_cpu_s() -> list[float] | None:
     return [v / ticks for v in fields]
 
 
+def _busy_s(seconds: list[float]) -> float:
+    """The busy part of `_host_cpu_s`: all but idle and iowait."""
+    return sum(seconds) - seconds[3] - (seconds[4] if len(seconds) > 4 else 0)
+
+
 def host_busy_s() -> float | None:
     """CPU seconds the whole host has spent busy since boot (Linux /proc/stat), or None."""
     seconds = _host_cpu_s()
-    if seconds is None:
-        return None
-    return sum(seconds) - seconds[3] - (seconds[4] if len(seconds) > 4 else 0)  # all but idle and iowait
-
-
-def host_stolen_s() -> float | None:
-    """CPU seconds a virtual machine's hypervisor gave its CPUs to other guests since boot (/proc/stat's
-    steal, part of `host_busy_s`; 0 on bare metal), or None off Linux."""
-    seconds = _host_cpu_s()
-    return None if seconds is None else (seconds[7] if len(seconds) > 7 else 0.0)
+    return None if seconds is None else _busy_s(seconds)
 
 
 @contextlib.contextmanager
@@ -89,12 +85,13 @@ def own_cpu_s() -> float:
     return own.user + own.system + own.children_user + own.children_system + process_cpu_s(server_pid())
 
 
-def _machine_and_own_cpu_s() -> tuple[float, float] | None:
-    """(CPU seconds the host has spent busy, `own_cpu_s`), or None off Linux."""
-    machine = host_busy_s()
-    if machine is None:
+def _machine_and_own_cpu_s() -> tuple[float, float, float] | None:
+    """(CPU seconds the host has spent busy, of which a virtual machine's hypervisor gave its CPUs to
+    other guests - /proc/stat's steal, 0 on bare metal -, `own_cpu_s`), from one read; None off Linux."""
+    seconds = _host_cpu_s()
+    if seconds is None:
         return None
-    return machine, own_cpu_s()
+    return _busy_s(seconds), (seconds[7] if len(seconds) > 7 else 0.0), own_cpu_s()
 
 
 @contextlib.contextmanager
@@ -103,13 +100,12 @@ def cpu_taken_by_others(result: dict[str, float | None]) -> Iterator[None]:
     block ran. On a shared machine that is what a contender could not have (None off Linux). And
     result["stolen_cores"]: how many of those a virtual machine's hypervisor gave to other guests
     (steal; on a VM the busiest neighbours are often not this host's processes at all)."""
-    before, stolen_before, start_s = _machine_and_own_cpu_s(), host_stolen_s(), time.perf_counter()
+    before, start_s = _machine_and_own_cpu_s(), time.perf_counter()
     try:
         yield
     finally:
-        after, stolen_after, wall_s = _machine_and_own_cpu_s(), host_stolen_s(), time.perf_counter() - start_s
+        after, wall_s = _machine_and_own_cpu_s(), time.perf_counter() - start_s
         result["others_cores"] = result["stolen_cores"] = None
         if before is not None and after is not None and wall_s > 0:
-            result["others_cores"] = max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / wall_s)
-        if stolen_before is not None and stolen_after is not None and wall_s > 0:
-            result["stolen_cores"] = max(0.0, (stolen_after - stolen_before) / wall_s)
+            result["others_cores"] = max(0.0, ((after[0] - before[0]) - (after[2] - before[2])) / wall_s)
+            result["stolen_cores"] = max(0.0, (after[1] - before[1]) / wall_s)

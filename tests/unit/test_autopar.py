@@ -407,11 +407,10 @@ def test_verdicts_say_what_the_numbers_say():
 def test_cpu_taken_by_others_is_machine_busy_minus_our_own_per_wall_second(monkeypatch):
     from phalanx.measure import load
 
-    readings = iter([(100.0, 5.0), (103.0, 6.0)])  # machine busy +3 s, this process +1 s ...
-    clock = iter([10.0, 12.0])  # ... over 2 s of wall time: others kept 1 core busy
-    stolen = iter([40.0, 40.5])  # half a core of it the hypervisor's, for other guests
+    # machine busy +3 s (+0.5 s of it stolen by the hypervisor for other guests), this process +1 s ...
+    readings = iter([(100.0, 40.0, 5.0), (103.0, 40.5, 6.0)])
+    clock = iter([10.0, 12.0])  # ... over 2 s of wall time: others kept 1 core busy, 0.25 of it stolen
     monkeypatch.setattr(load, "_machine_and_own_cpu_s", lambda: next(readings))
-    monkeypatch.setattr(load, "host_stolen_s", lambda: next(stolen))
     monkeypatch.setattr(load.time, "perf_counter", lambda: next(clock))
     result: dict = {}
     with load.cpu_taken_by_others(result):
