@@ -121,7 +121,9 @@ case "$mode" in
         # Side by side in shared starts (blocks, not fresh processes, which differed by 10-40% between
         # starts there; 56 s at --devices 8): phalanx/8 beside its ceiling, its lockstep twin, DDP tuned and
         # phalanx/8 with a core left per worker; phalanx/2 and phalanx/4 each in a start taking turns with
-        # phalanx/1's, for their speed-up over one process measured seconds apart.
+        # phalanx/1's, for their speed-up over one process measured seconds apart. Under each batch size its
+        # report splits phalanx/8's step against its lockstep twin's phase by phase (forward, backward, wait,
+        # optimizer, other: measure/phases.py): the answer to where the 1.5 ms / 3.2 ms a step went.
         step scaling-side-by-side 150 "$py" -m phalanx bench scaling --devices 1,2,4,8 --side-by-side --rounds 2 --blocks 5 \
             --out "$out/bench-scaling-side-by-side"
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \

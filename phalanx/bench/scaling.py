@@ -25,9 +25,12 @@ the lockstep ceiling and DDP tuned in one start of k workers (and, where each ha
 more, phalanx/k with one fewer: a core per worker left); phalanx/1 and the tuned plain loop
 in one start of one process, phalanx/j alone in a start of j workers for every other count of
 `--devices` - each start's contenders taking turns in `--blocks` blocks of
-`--steps` steps, the order rotated each block (phalanx/measure/side_by_side.py); a round is one
-start of each, and every ratio is the median of per-block ratios: both sides ran seconds apart
-on the same cores, where fresh starts of one program differ by 10-25% on a shared host.
+`--steps` steps, the order rotated each block (phalanx/measure/side_by_side.py; the rounds:
+scaling_side.py); a round is one start of each, and every ratio is the median of per-block
+ratios: both sides ran seconds apart on the same cores, where fresh starts of one program differ
+by 10-25% on a shared host. Side by side also says where each contender's step went (forward,
+backward, wait, optimizer: the JSON's "phases"), so phalanx/k below its lockstep twin is split
+phase by phase.
 
 A round costs one fresh start of every contender, which runs every batch size in turn: with n
 device counts (1 included) n + 9 starts (n + 8 where k exceeds the cores: no bound run). Each
@@ -40,11 +43,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
+from phalanx.bench.scaling_side import side_by_side_rounds
 from phalanx.data_parallel import GRAD_DTYPES, DataParallelConfig
 from phalanx.measure.mlp import BENCH_MODELS
-from phalanx.measure.side_by_side import run_side_by_side
 from phalanx.measure.job_steps import StepJob
 from phalanx.measure.step import Variant, images_per_s, run_jobs
 from phalanx.measure.timing import Spread, paired_ratio, run_interleaved
@@ -161,62 +164,15 @@ def run_scaling_bench(config: ScalingBenchConfig, *, on_run: Callable[[str], Non
     load: dict[str, float | None] = {}
     with cpu_taken_by_others(load):  # on a shared machine, what no contender could have
         if config.side_by_side:
-            contenders, samples, wall_s = _side_by_side(config, contenders, jobs, on_run)
+            contenders, samples, wall_s, phases = side_by_side_rounds(
+                contenders, jobs, device_counts=config.device_counts, cores=cores, rounds=config.rounds,
+                blocks=config.blocks, timeout_s=config.timeout_s, deadline_s=config.deadline_s, on_run=on_run)
         else:
-            samples, wall_s = _fresh_starts(config, contenders, jobs, on_run)
-    return {**_payload(config, cores, contenders, samples, wall_s), "others_cores": load["others_cores"],
-            "stolen_cores": load["stolen_cores"]}
-
-
-# --side-by-side: the contenders that share phalanx's set-up, by name, and the kind each runs as
-# in side_by_side.py; the names are variants()' own, so the table shows each one's set-up.
-# Every other count of --devices gets a start of phalanx/j alone: its speed-up over phalanx/1, whose
-# start takes turns with it within seconds, where separate runs of one command differ by 10-40%.
-def side_by_side_sets(counts: Sequence[int], cores: int) -> list[tuple[str, dict[str, str]]]:
-    k = max(counts)
-    tuned = f"torch {cores} thread{'s' if cores > 1 else ''} tuned"
-    left = {f"phalanx/{k} core left": "core-left"} if cores // k > 1 else {}  # runs one thread below the start's
-    between = [(f"phalanx/{j}", {f"phalanx/{j}": "phalanx"}) for j in sorted(set(counts) - {1, k})]
-    return [(f"phalanx/{k}", {f"phalanx/{k}": "phalanx", f"phalanx/{k} overlapped": "overlapped", **left,
-                              f"ceiling/{k}": "ceiling", f"ceiling/{k} lockstep": "lockstep", f"ddp/{k} tuned": "ddp"}),
-            *between, ("phalanx/1", {"phalanx/1": "phalanx", tuned: "torch"})]
-
-
-def _side_by_side(config: ScalingBenchConfig, contenders: list[Variant], jobs: tuple[StepJob, ...],
-                  on_run: Callable[[str], None] | None):
-    """Each round, one start per set of contenders sharing a set-up; images/s of every block."""
-    by_name = {v.name: v for v in contenders}
-    sets = side_by_side_sets(config.device_counts, available_cores())
-    samples = {f"{job.global_batch_size}|{name}": [] for job in jobs for _, kinds in sets for name in kinds}
-    wall_s: dict[str, list[float]] = {name: [] for _, kinds in sets for name in kinds}
-    total = config.rounds * len(sets)
-    for index in range(total):
-        lead, kinds = sets[index % len(sets)]
-        variant = by_name[lead]
-        set_jobs = tuple(replace(job, num_shards=variant.num_procs, threads_per_device=variant.threads_per_proc,
-                                 memory_format=variant.memory_format, algorithm=variant.algorithm,
-                                 check_finite_every=variant.check_finite_every, shard=variant.shard,
-                                 overlap=variant.overlap) for job in jobs)
-        start_s = time.perf_counter()
-        seconds = run_side_by_side(set_jobs, list(kinds.values()), num_procs=variant.num_procs,
-                                   threads_per_proc=variant.threads_per_proc, blocks=config.blocks,
-                                   timeout_s=config.timeout_s, deadline_s=config.deadline_s)
-        elapsed_s = time.perf_counter() - start_s
-        rates = []
-        for job, by_kind in zip(set_jobs, seconds):
-            medians = []
-            for name, kind in kinds.items():
-                speeds = [job.global_batch_size * job.steps / s for s in by_kind[kind]]
-                samples[f"{job.global_batch_size}|{name}"] += speeds
-                medians.append(f"{name} {Spread.of(speeds).median:.0f}")
-            rates.append(f"global batch {job.global_batch_size}: {', '.join(medians)}")
-        for name in kinds:
-            wall_s[name].append(elapsed_s)
-        if on_run is not None:
-            on_run(f"[{index + 1}/{total}] side by side on {variant.num_procs} x {variant.threads_per_proc} threads, "
-                   f"images/s (median of {config.blocks} blocks): {', '.join(rates)} ({elapsed_s:.1f} s)")
-    names = [name for _, kinds in sets for name in kinds]
-    return [by_name[name] for name in names], samples, wall_s
+            (samples, wall_s), phases = _fresh_starts(config, contenders, jobs, on_run), None
+    payload = _payload(config, cores, contenders, samples, wall_s)
+    if phases is not None:  # where each step went, side by side (measure/phases.py)
+        payload["phases"] = phases
+    return {**payload, "others_cores": load["others_cores"], "stolen_cores": load["stolen_cores"]}
 
 
 def _fresh_starts(config: ScalingBenchConfig, contenders: list[Variant], jobs: tuple[StepJob, ...],

@@ -2,8 +2,9 @@
 
 Per global batch size: images/s of every contender (median, min-max over interleaved rounds, or
 over every block of a side-by-side run) with its process set-up, then each ratio phalanx is
-judged by (median of per-round, or per-block, ratios); the chart draws the same images/s as bars
-with min-max whiskers, phalanx's in blue.
+judged by (median of per-round, or per-block, ratios); side by side, where each contender's step
+went, phase by phase, and what phalanx/k spent beyond its lockstep twin. The chart draws the same
+images/s as bars with min-max whiskers, phalanx's in blue.
 """
 
 from __future__ import annotations
@@ -39,8 +40,33 @@ def report_scaling(payload: dict[str, Any]) -> str:
         for r in (r for r in payload["ratios"] if r["global_batch_size"] == batch):
             label = f"{r.get('numerator', 'phalanx/' + str(r['num_devices']))} / {r['against']}"
             lines.append(f"  {r['metric']:<42} {label:<36} {_ratio_text(r['ratio'], payload.get('method'))}")
-        lines.append("")
+        lines += [*_phase_lines(payload, batch), ""]
     return "\n".join(lines).rstrip()
+
+
+def _phase_lines(payload: dict[str, Any], batch: int) -> list[str]:
+    """Side by side: where each contender's step went at `batch` (measure/phases.py), and what of
+    phalanx/k's step its lockstep twin did not spend, phase by phase."""
+    rows = [r for r in payload.get("phases", ()) if r["global_batch_size"] == batch]
+    if not rows:
+        return []
+    by_name: dict[str, list[dict[str, float]]] = {}
+    for r in rows:
+        by_name.setdefault(r["variant"], []).append(r["ms_per_step"])
+    names = list(rows[0]["ms_per_step"])  # the phases, in order
+    ms = {name: {phase: statistics.median(start[phase] for start in starts) for phase in names}
+          for name, starts in by_name.items()}
+    table = [(name, *(f"{ms[name][p]:.2f}" for p in names), f"{sum(ms[name].values()):.2f}") for name in ms]
+    lines = ["", "  where a step went, ms per step (each start: the ranks' mean, the median of its blocks; the "
+             "median of starts); lockstep's wait is its meeting, DDP's exchange is inside its backward",
+             *("  " + line for line in format_table(["contender", *names, "step"], table).splitlines())]
+    k = max(payload["config"]["device_counts"])
+    ours, twin = ms.get(f"phalanx/{k}"), ms.get(f"ceiling/{k} lockstep")
+    if ours is not None and twin is not None:
+        extra = ", ".join(f"{p} {ours[p] - twin[p]:+.2f}" for p in names)
+        lines.append(f"  phalanx/{k} beyond its lockstep twin: {sum(ours.values()) - sum(twin.values()):+.2f} ms a "
+                     f"step ({extra})")
+    return lines
 
 
 def _load_lines(payload: dict[str, Any]) -> list[str]:

@@ -7,7 +7,9 @@ every rank draws the same fixed random global batch from the job's seed and take
 and `phalanx_step` are phalanx's (`prepare`, `train_batch`); `plain_step` is the PyTorch step the
 ceilings, DDP and single processes take (`build_model`: the job's model in its memory format;
 `plain_optimizer`: its optimizer), the lockstep ceiling's meeting after backward its
-`lockstep_meeting`; `world_barrier` is where every rank starts the clock together.
+`lockstep_meeting`; `world_barrier` is where every rank starts the clock together. Both steps
+take a `clock` (phases.py's PhaseClock: forward, backward, wait, optimizer) that sums each phase's
+seconds on this rank; the side-by-side starts pass one, fresh-process workers none.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from phalanx.data import split_batch
 from phalanx.data_parallel import apply_memory_format, prepare, resolve_memory_format
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.measure.mlp import build_bench_model
+from phalanx.measure.phases import PhaseClock
 from phalanx.runtime.world import World
+from phalanx.telemetry.tracing import span
 from phalanx.train.loop import train_batch
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}
@@ -78,30 +82,39 @@ def prepare_replica(job: StepJob, world: World):
                    shard=job.shard, check_finite_every=job.check_finite_every, overlap=job.overlap)
 
 
-def phalanx_step(dp, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int) -> Callable[[], None]:
-    """phalanx's training step (`train_batch`, as `phalanx train` runs it) on this rank's shard."""
+def phalanx_step(dp, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int,
+                 clock: PhaseClock | None = None) -> Callable[[], None]:
+    """phalanx's training step (`train_batch`, as `phalanx train` runs it) on this rank's shard;
+    `clock` sums its phases through the spans train_batch opens for a Tracer."""
     X, y = shard_batch(job, rank)
 
     def step() -> None:
-        train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size)
+        train_batch(dp, optimizer, X, y, global_batch_size=job.global_batch_size, tracer=clock)
 
     return step
 
 
 def plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: StepJob, *, rank: int,
-               mean_loss: bool, meet: Callable[[], object] | None = None) -> Callable[[], None]:
+               mean_loss: bool, meet: Callable[[], object] | None = None,
+               clock: PhaseClock | None = None) -> Callable[[], None]:
     """The plain PyTorch step on this rank's shard: the loss summed over the global batch
     (phalanx's scaling), or the mean over the shard (`mean_loss`: DDP's, FSDP's); `meet()`, if
-    given, after backward (the lockstep ceiling's meeting)."""
+    given, after backward (the lockstep ceiling's meeting, its "wait" phase); `clock` sums the
+    phases under phalanx's step's names."""
     X, y = shard_batch(job, rank)
     scale = X.shape[0] if mean_loss else job.global_batch_size
 
     def step() -> None:
         optimizer.zero_grad()
-        (F.cross_entropy(model(X), y, reduction="sum") / scale).backward()
+        with span(clock, "forward"):
+            loss = F.cross_entropy(model(X), y, reduction="sum") / scale
+        with span(clock, "backward"):
+            loss.backward()
         if meet is not None:
-            meet()
-        optimizer.step()
+            with span(clock, "wait"):
+                meet()
+        with span(clock, "optimizer"):
+            optimizer.step()
 
     return step
 

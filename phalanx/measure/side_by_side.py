@@ -20,7 +20,8 @@ phalanx's scaled loss, no exchange), `lockstep` (the ceiling meeting at every st
 group, mean loss), `torch` (the plain step in one process: the ceiling of one). What one
 process's contenders share - the allocator, caches, the communication thread an overlapped
 replica keeps (asleep on a futex while the others run) - they share alike; the JSON says the
-method (docs/benchmarks.md).
+method (docs/benchmarks.md). Every contender's step also sums its phases on each rank (forward,
+backward, wait, optimizer: phases.py), so a ratio below 1 comes with where the step went.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from phalanx.measure.job_steps import (OPTIMIZERS, StepJob, build_model, lockstep_meeting, phalanx_step,
                                        plain_optimizer, plain_step, prepare_replica, world_barrier)
+from phalanx.measure.phases import PhaseClock, phase_ms_per_step, with_other
 from phalanx.measure.procs import run_fresh
 from phalanx.measure.timing import intra_op_threads
 from phalanx.runtime.devices import parse_devices
@@ -44,19 +46,21 @@ SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "core-left", "ceiling", "lockstep
 
 
 def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
-             meet: Callable[[], object] | None) -> Callable[[], None]:
-    """One contender's step on this rank, its model and optimizer built fresh from the job's seed."""
+             meet: Callable[[], object] | None, clock: PhaseClock) -> Callable[[], None]:
+    """One contender's step on this rank, its model and optimizer built fresh from the job's seed,
+    its phases summed on `clock`."""
     if kind == "core-left":
-        return with_threads(max(1, torch.get_num_threads() - 1), lambda: _stepper("phalanx", job, world, stack, meet))
+        return with_threads(max(1, torch.get_num_threads() - 1),
+                            lambda: _stepper("phalanx", job, world, stack, meet, clock))
     torch.manual_seed(job.seed)
     if kind in ("phalanx", "overlapped"):
         dp = stack.enter_context(prepare_replica(replace(job, overlap=True) if kind == "overlapped" else job, world))
-        return phalanx_step(dp, dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr), job, rank=world.rank)
+        return phalanx_step(dp, dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr), job, rank=world.rank, clock=clock)
     model = build_model(job)
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return plain_step(model, plain_optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=kind == "ddp",
-                      meet=meet if kind == "lockstep" else None)
+                      meet=meet if kind == "lockstep" else None, clock=clock)
 
 
 def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
@@ -71,15 +75,26 @@ def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Calla
     return fewer
 
 
+class Turns(NamedTuple):
+    """One rank's blocks, by kind: each block's seconds, and its seconds per phase (phases.py)."""
+
+    seconds: dict[str, list[float]]
+    phases: dict[str, list[dict[str, float]]]
+
+
 def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: int,
-               barrier: Callable[[], object]) -> dict[str, list[float]]:
+               barrier: Callable[[], object], clocks: dict[str, PhaseClock] | None = None) -> Turns:
     """Warm-up steps of each, then `blocks` blocks of `job.steps` steps of each in turn, the order
-    rotated every block: this rank's seconds per block, by kind."""
-    for step in steppers.values():
+    rotated every block: this rank's seconds per block, by kind, and what each kind's `clocks`
+    summed per phase in each block (the rest of the block as phases.OTHER)."""
+    clocks = clocks or {}
+    for kind, step in steppers.items():
         for _ in range(job.warmup_steps):
             step()
+        if kind in clocks:
+            clocks[kind].take()  # the warm-up's phases dropped
     kinds = list(steppers)
-    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    turns = Turns({kind: [] for kind in kinds}, {kind: [] for kind in kinds if kind in clocks})
     for block in range(blocks):
         shift = block % len(kinds)
         for kind in kinds[shift:] + kinds[:shift]:
@@ -87,34 +102,46 @@ def take_turns(steppers: dict[str, Callable[[], None]], job: StepJob, blocks: in
             start = time.perf_counter()
             for _ in range(job.steps):
                 steppers[kind]()
-            seconds[kind].append(time.perf_counter() - start)
-    return seconds
+            block_s = time.perf_counter() - start
+            turns.seconds[kind].append(block_s)
+            if kind in clocks:
+                turns.phases[kind].append(with_other(clocks[kind].take(), block_s))
+    return turns
 
 
-def _worker(world: World, jobs: tuple[StepJob, ...], kinds: tuple[str, ...], blocks: int) -> list[dict]:
+def _worker(world: World, jobs: tuple[StepJob, ...], kinds: tuple[str, ...], blocks: int) -> list[Turns]:
     """Every job in turn (a batch size each): its contenders built, warmed up and timed in blocks."""
     out = []
     with contextlib.ExitStack() as comms:
         meet = lockstep_meeting(world, comms) if "lockstep" in kinds else None  # one for every job
         for job in jobs:
             with contextlib.ExitStack() as stack:  # each job's replicas closed before the next's
-                steppers = {kind: _stepper(kind, job, world, stack, meet) for kind in kinds}
-                out.append(take_turns(steppers, job, blocks, world_barrier(world)))
+                clocks = {kind: PhaseClock() for kind in kinds}
+                steppers = {kind: _stepper(kind, job, world, stack, meet, clocks[kind]) for kind in kinds}
+                out.append(take_turns(steppers, job, blocks, world_barrier(world), clocks))
     return out
 
 
-def _single(*, rank: int, num_procs: int, port: int, job: tuple) -> list[dict]:
+def _single(*, rank: int, num_procs: int, port: int, job: tuple) -> list[Turns]:
     # One device runs in the launcher's own process; this fresh process stands in for it.
     jobs, kinds, blocks = job
     spec = LaunchSpec(plan=parse_devices("cpu:1", cuda_count=0), threads_per_device=jobs[0].threads_per_device)
     return launch(_worker, jobs, kinds, blocks, spec=spec)[0]
 
 
+class SideBySide(NamedTuple):
+    """One job's result, by kind: the slowest rank's seconds of each block, and milliseconds per
+    step of each phase (phases.phase_ms_per_step: the ranks' mean, the blocks' median)."""
+
+    seconds: dict[str, list[float]]
+    phase_ms: dict[str, dict[str, float]]
+
+
 def run_side_by_side(jobs: Sequence[StepJob], kinds: Sequence[str], *, num_procs: int, threads_per_proc: int,
-                     blocks: int, timeout_s: float, deadline_s: float) -> list[dict[str, list[float]]]:
+                     blocks: int, timeout_s: float, deadline_s: float) -> list[SideBySide]:
     """One start of `num_procs` workers (phalanx's launcher: its allocator setting, threads, the
     jobs' memory format) running `kinds` side by side for each job; per job, per kind, the
-    slowest rank's seconds of each block."""
+    slowest rank's seconds of each block and where a step's time went."""
     unknown = [kind for kind in kinds if kind not in SIDE_BY_SIDE_KINDS]
     if unknown or not kinds:
         raise ValueError(f"side-by-side kinds {list(kinds)}: choose from {', '.join(SIDE_BY_SIDE_KINDS)}")
@@ -128,5 +155,8 @@ def run_side_by_side(jobs: Sequence[StepJob], kinds: Sequence[str], *, num_procs
         spec = LaunchSpec(plan=parse_devices(f"cpu:{num_procs}", cuda_count=0), threads_per_device=threads_per_proc,
                           timeout_s=timeout_s, deadline_s=deadline_s)
         by_rank = launch(_worker, jobs, tuple(kinds), blocks, spec=spec)
-    return [{kind: [max(records[i][kind][b] for records in by_rank) for b in range(blocks)] for kind in kinds}
-            for i in range(len(jobs))]
+    return [SideBySide({kind: [max(turns[i].seconds[kind][b] for turns in by_rank) for b in range(blocks)]
+                        for kind in kinds},
+                       {kind: phase_ms_per_step([turns[i].phases[kind] for turns in by_rank], job.steps)
+                        for kind in kinds})
+            for i, job in enumerate(jobs)]

@@ -223,6 +223,13 @@ def test_a_core_left_contender_runs_beside_phalanx_in_the_same_workers():
 
     job = StepJob(model="lenet", global_batch_size=8, warmup_steps=1, steps=1, lr=0.1, seed=0, num_shards=2,
                   threads_per_device=2, memory_format="auto")
-    (seconds,) = run_side_by_side([job], ["phalanx", "core-left"], num_procs=2, threads_per_proc=2, blocks=2,
-                                  timeout_s=60, deadline_s=120)
+    (result,) = run_side_by_side([job], ["phalanx", "core-left"], num_procs=2, threads_per_proc=2, blocks=2,
+                                 timeout_s=60, deadline_s=120)
+    seconds = result.seconds
     assert set(seconds) == {"phalanx", "core-left"} and all(len(s) == 2 and min(s) > 0 for s in seconds.values())
+    # Where each step went (measure/phases.py): every phase timed, the exchange in "wait", and the
+    # phases of a step within its block's time (the ranks' mean against the slowest rank's block).
+    for kind, phase_ms in result.phase_ms.items():
+        assert list(phase_ms) == ["forward", "backward", "wait", "optimizer", "other"], kind
+        assert min(phase_ms[p] for p in ("forward", "backward", "wait", "optimizer")) > 0, (kind, phase_ms)
+        assert sum(phase_ms.values()) <= max(seconds[kind]) * 1e3 / job.steps * 1.001, (kind, phase_ms)

@@ -4,6 +4,7 @@ formula, flag parsing and config validation, the contender set-ups, and the outp
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from phalanx.cli import build_parser
 from phalanx.bench.allreduce import AllreduceBenchConfig, report_allreduce, timed
 from phalanx.measure.mlp import WideMLP, build_bench_model
 from phalanx.autopar.chapter import OverlapBenchConfig
-from phalanx.bench.scaling import ScalingBenchConfig, side_by_side_sets, variants
+from phalanx.bench.scaling import ScalingBenchConfig, variants
+from phalanx.bench.scaling_side import side_by_side_sets
 from phalanx.measure.flags import format_size, parse_size
 from phalanx.measure.outputs import format_table, median_whiskers, new_figure, prepare_out_dir, write_outputs
 from phalanx.measure.side_by_side import take_turns, with_threads
@@ -233,7 +235,9 @@ def test_side_by_side_runs_the_contenders_of_phalanxs_set_up_under_their_own_nam
 def test_side_by_side_times_every_other_count_alone_and_its_speedup_over_one_block_by_block(monkeypatch):
     # --devices 1,2,4,8 on 16 cores: phalanx/2 (2 x 8) and phalanx/4 (4 x 4) each in a start of their
     # own, taking turns with phalanx/8's and phalanx/1's; the speed-up is the median of per-block ratios.
-    from phalanx.bench import scaling
+    from phalanx.bench import scaling, scaling_side
+    from phalanx.bench.scaling_report import report_scaling
+    from phalanx.measure.side_by_side import SideBySide
 
     sets = side_by_side_sets((1, 2, 4, 8), cores=16)
     assert [lead for lead, _ in sets] == ["phalanx/8", "phalanx/2", "phalanx/4", "phalanx/1"]
@@ -243,10 +247,13 @@ def test_side_by_side_times_every_other_count_alone_and_its_speedup_over_one_blo
     def fake_side_by_side(jobs, kinds, *, num_procs, threads_per_proc, blocks, timeout_s, deadline_s):
         starts.append((num_procs, threads_per_proc, tuple(kinds)))
         per_block = {8: 4.0, 4: 2.0, 2: 1.0, 1: 1.0}[num_procs]  # seconds per block; phalanx/4 twice phalanx/1
-        return [{kind: [per_block * (b + 1) for b in range(blocks)] for kind in kinds} for _ in jobs]
+        waits = {"phalanx": 2.0, "lockstep": 0.5}  # ms per step; the others never wait
+        return [SideBySide({kind: [per_block * (b + 1) for b in range(blocks)] for kind in kinds},
+                           {kind: {"forward": 1.0, "backward": 3.0, "wait": waits.get(kind, 0.0), "optimizer": 0.25,
+                                   "other": 0.5} for kind in kinds}) for _ in jobs]
 
     monkeypatch.setattr(scaling, "available_cores", lambda: 16)
-    monkeypatch.setattr(scaling, "run_side_by_side", fake_side_by_side)
+    monkeypatch.setattr(scaling_side, "run_side_by_side", fake_side_by_side)
     config = ScalingBenchConfig(device_counts=(1, 2, 4, 8), side_by_side=True, global_batch_sizes=(256,), blocks=3,
                                 rounds=1)
     payload = scaling.run_scaling_bench(config)
@@ -254,6 +261,13 @@ def test_side_by_side_times_every_other_count_alone_and_its_speedup_over_one_blo
     speedup = {r["num_devices"]: r["ratio"]["samples"] for r in payload["ratios"] if r["metric"] == "speedup"}
     assert speedup == {2: pytest.approx([1.0] * 3), 4: pytest.approx([0.5] * 3), 8: pytest.approx([0.25] * 3)}
     assert "phalanx/4" in {v["name"] for v in payload["variants"]}
+    # Where each step went: a row per contender and start; the report says what phalanx/8 spent beyond its twin.
+    rows = {row["variant"]: row["ms_per_step"] for row in payload["phases"]}
+    assert rows["phalanx/8"]["wait"] == 2.0 and rows["ceiling/8 lockstep"]["wait"] == 0.5 and len(rows) == 10
+    text = report_scaling(json.loads(json.dumps(payload)))
+    assert ("phalanx/8 beyond its lockstep twin: +1.50 ms a step (forward +0.00, backward +0.00, wait +1.50, "
+            "optimizer +0.00, other +0.00)") in text
+    assert re.search(r"ceiling/8 lockstep\s+1\.00\s+3\.00\s+0\.50\s+0\.25\s+0\.50\s+5\.25", text)
 
 
 def test_a_core_left_contender_is_built_and_stepped_one_thread_below_the_start():
@@ -277,7 +291,7 @@ def test_side_by_side_contenders_take_turns_in_blocks_rotated_after_each_warms_u
     log = []
     steppers = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
     job = StepJob(model="lenet", global_batch_size=8, warmup_steps=2, steps=3, lr=0.1, seed=0)
-    seconds = take_turns(steppers, job, 4, barrier=lambda: log.append("|"))
+    seconds = take_turns(steppers, job, 4, barrier=lambda: log.append("|")).seconds
     warm, timed = log[:6], "".join(log[6:])
     assert warm == ["a", "a", "b", "b", "c", "c"]
     assert timed.split("|")[1:] == ["aaa", "bbb", "ccc", "bbb", "ccc", "aaa", "ccc", "aaa", "bbb", "aaa", "bbb", "ccc"]
