@@ -139,7 +139,7 @@ def test_off_keeps_nothing_and_checks_nothing():
     check = FiniteCheck(every=0, world=_world())
     _steps(check, [NAN] * 3, [NAN] * 3)
     check.after_local_step(lambda: {"w's gradient": torch.tensor([NAN])}, step=1)
-    assert check._mine == [] and check.steps_noted == 0
+    assert check._sums is None and check.steps_noted == 0
 
 
 def _live_tensors() -> int:
@@ -313,6 +313,36 @@ def test_non_finite_steps_that_never_reached_the_weights_were_skipped_and_are_sa
     weights[0][1] = NAN  # an update applied one: the run stops, naming the gradient's step
     with pytest.raises(NonFinite, match=r"^gradient NaN/Inf at step 10: rank 0's own gradient went non-finite"):
         _steps(check, [1.0, NAN, 1.0, 1.0], [1.0, NAN, 1.0, 1.0], first=9, others=_others({}))
+
+
+def test_a_checked_interval_leaves_no_note_behind_for_a_step_with_fewer_buckets():
+    """The notes' table keeps its rows and columns across intervals: a skipped NaN in a second bucket
+    must not be found again by a later step that sends one bucket only."""
+    check = FiniteCheck(every=2, world=_world(rank=0, world_size=2), weights=lambda: [torch.ones(3)])
+    with pytest.warns(PhalanxWarning, match="^gradient NaN/Inf at step 1: rank 0's own gradient"):
+        _steps(check, [NAN, 1.0], [NAN, 1.0])  # two buckets; skipped: the weights are finite
+    sizes = []
+
+    def allreduce(tensor: torch.Tensor) -> None:
+        sizes.append(tensor.numel())
+    for step in (3, 4):  # one bucket each, finite
+        check.before_sum(torch.ones(3))
+        check.after_sum([torch.ones(3)], step=step, allreduce=allreduce)
+    assert sizes == [4] and check.steps_noted == 0  # the check's sum, no verdict on the weights: nothing found
+
+
+def test_a_float64_gradient_is_noted_in_float64_so_large_finite_sums_pass():
+    """The exactness tests train in float64: a sum past float32's range is still finite there."""
+    check = FiniteCheck(every=2, world=_world(rank=0, world_size=2))
+    big = torch.tensor([1e300, 1e300], dtype=torch.float64)
+    _steps(check, [1.0], [1.0])  # float32 buckets first: the table is widened to float64 when one comes
+    check.before_sum(big)
+    check.after_sum([big * 2], step=2, allreduce=_others({}))
+    assert check.steps_noted == 0  # checked at step 2, nothing found
+    check.before_sum(torch.tensor([1.0, INF], dtype=torch.float64))
+    check.after_sum([torch.tensor([1.0, INF], dtype=torch.float64)], step=3, allreduce=_others({}))
+    with pytest.raises(NonFinite, match="^gradient NaN/Inf at step 3: rank 0's own gradient"):
+        check.check_now(step=3, allreduce=_others({}))
 
 
 def test_a_non_finite_gradient_at_the_checking_step_is_decided_after_its_update():

@@ -7,12 +7,15 @@ default. At every synced step it keeps, on the device and without reading anythi
 number per bucket from this rank's own gradient just before the bucket goes on the wire
 (`before_sum`) and one from the summed bucket after the wait (`after_sum`): the bucket's sum,
 which is NaN or Inf when an element is (or when finite elements sum past float32's ~3e38, which
-only a diverged run reaches). A sum is one vectorised pass: 3 µs for LeNet's 126 k gradients on
-the 2-core CPU, where `isfinite(g).all()` costs 350 µs. When the step's buckets are summed, its
-sums become two flags (this rank's own sums, the summed ones: any NaN/Inf) in a row of one bool
-table, still on the device (`_flags`: min(every, 128) rows made at the first step, doubled while
-an interval needs more, then kept). The table keeps the memory flat: a stacked tensor kept per
-step until the check lived across steps in glibc's heap, where the allocator setting
+only a diverged run reaches). Each sum is written straight into its cell of one table on the
+device (`_sums`: a row per synced step since the last check, this rank's own sums and the summed
+ones, a column per bucket; min(every, 128) rows made at the first step, doubled while an interval
+needs more, widened for more buckets, then kept), so a step makes no tensor at all: one
+vectorised pass per bucket and side, 6 µs for LeNet's 126 k gradients on the 2-core CPU, where
+`isfinite(g).all()` costs 250 µs. Until 2026-12-05 each step also stacked its sums, tested them and
+wrote two flags, a dozen small ops: the check cost a small MLP's step 75 µs, now 40
+(docs/benchmarks.md). The table keeps the memory flat: a stacked tensor kept per step until the
+check lived across steps in glibc's heap, where the allocator setting
 (runtime/binding.py) puts the step's large blocks too, and pinned the holes they leave; a
 worker's peak RSS then grew step by step (a 16.8 M-parameter MLP with Adam, 2 CPU workers, per
 rank: 0.78-1.07 GB after 5 steps, 1.36-2.06 GB after 100; with the table 0.75-0.85 GB, torch
@@ -68,9 +71,14 @@ def _sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().sum(dtype=torch.float32 if tensor.element_size() < 4 else None)
 
 
-def _any_bad(sums: list[torch.Tensor]) -> torch.Tensor | bool:
-    """Whether any of `sums` is NaN/Inf, as a bool on their device (nothing read back); False for none."""
-    return torch.stack(sums).isfinite().all().logical_not_() if sums else False
+def _sum_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype `tensor`'s sum is noted in: float64 for float64, else float32 (as `_sum` sums halves)."""
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def _sum_into(cell: torch.Tensor, tensor: torch.Tensor) -> None:
+    """`tensor`'s sum written into the 0-d `cell` (its dtype: `_sum_dtype`), no tensor made."""
+    torch.sum(tensor.detach().reshape(-1), 0, dtype=cell.dtype, out=cell)
 
 
 def _first(bad: list[bool], since: int) -> int:
@@ -89,29 +97,31 @@ class FiniteCheck:
         self.every, self.world, self._weights = every, world, weights
         self._deferred: str | None = None  # a verdict waiting for the update of the step that checked
         self._skipped_said = False  # rank 0 said once that non-finite steps never reached the weights
-        self._mine: list[torch.Tensor] = []  # this step's own bucket sums, in launch order
-        self._earlier: list[torch.Tensor] | None = None  # those of the step's backwards summed before (another_backward)
-        self._flags: torch.Tensor | None = None  # a row per synced step since the last check: own, summed NaN/Inf
-        self._noted = 0  # the rows of _flags in use
+        # A row per synced step since the last check: [row, 0, j] this rank's own sum of the step's j-th
+        # launched bucket, [row, 1, j] the j-th summed bucket's; cells a step leaves unwritten stay 0.
+        self._sums: torch.Tensor | None = None
+        self._noted = 0  # the rows of _sums in use; row _noted is the step being noted
+        self._own_at = 0  # the own column the next launch of this step writes
+        self._adding = False  # another backward of this step: its launches add to the notes of the earlier
         self._local_at = 0  # the step this rank's own checks last looked at (no collective)
 
     def before_sum(self, bucket: torch.Tensor) -> None:
         """Note this rank's own `bucket` as it goes on the wire (a synced step's launch)."""
-        if self.every:
-            self._mine.append(_sum(bucket))
+        if not self.every:
+            return
+        cell = self._cell(0, self._own_at, bucket)
+        if self._adding:
+            cell.add_(_sum(bucket).to(cell.dtype))
+        else:
+            _sum_into(cell, bucket)
+        self._own_at += 1
 
     def another_backward(self) -> None:
         """This step's buckets were summed and go out again for another backward (overlap.py's
         settle): the own sums of their next launches add to those noted, so a step keeps one note
         per bucket (a NaN/Inf in either stays one)."""
         if self.every:
-            self._earlier, self._mine = self._own(), []
-
-    def _own(self) -> list[torch.Tensor]:
-        """This step's own bucket sums, those of its earlier backwards added in."""
-        if self._earlier is None:
-            return self._mine
-        return [earlier + mine for earlier, mine in zip(self._earlier, self._mine)]
+            self._own_at, self._adding = 0, True
 
     def after_sum(self, summed: Sequence[torch.Tensor], *, step: int,
                   allreduce: Callable[[torch.Tensor], object]) -> None:
@@ -120,9 +130,10 @@ class FiniteCheck:
         if not self.every or not summed:
             return
         self._settle(allreduce)
-        row = self._next_row(summed[0].device)
-        row[0], row[1] = _any_bad(self._own()), _any_bad([_sum(b) for b in summed])
-        self._mine, self._earlier = [], None
+        for j, bucket in enumerate(summed):
+            _sum_into(self._cell(1, j, bucket), bucket)
+        self._noted += 1
+        self._own_at, self._adding = 0, False
         if step % self.every == 0:
             self.check_now(step=step, allreduce=allreduce)
 
@@ -139,6 +150,7 @@ class FiniteCheck:
         notes = self._notes()
         own, total = notes[:, 0].tolist(), notes[:, 1].tolist()
         k, rank, since = self.world.world_size, self.world.rank, step - self._noted + 1
+        self._sums[:self._noted].zero_()  # compared: the rows serve the next interval
         self._noted = 0
         firsts = torch.zeros(2 * k, dtype=torch.float64, device=notes.device)
         firsts[2 * rank], firsts[2 * rank + 1] = _first(own, since), _first(total, since)
@@ -236,19 +248,26 @@ class FiniteCheck:
         """The synced steps noted since the last check across ranks."""
         return self._noted
 
-    def _next_row(self, device: torch.device) -> torch.Tensor:
-        """The row of `_flags` for the next synced step, the table made (or doubled) where it is full."""
-        if self._flags is None or self._noted == len(self._flags):
-            grown = torch.zeros(max(min(self.every, 128), 2 * self._noted), 2, dtype=torch.bool, device=device)
-            if self._noted:
-                grown[:self._noted] = self._flags
-            self._flags = grown
-        self._noted += 1
-        return self._flags[self._noted - 1]
+    def _cell(self, side: int, column: int, like: torch.Tensor) -> torch.Tensor:
+        """The cell of the step being noted for bucket `like`'s sum: `side` 0 this rank's own, 1 the
+        summed; the table made, or grown (rows doubled, columns for more buckets, float64 for a
+        float64 bucket) where it cannot hold it."""
+        table, dtype = self._sums, _sum_dtype(like)
+        rows, columns = (0, 0) if table is None else (table.shape[0], table.shape[2])
+        more_rows, more_columns = self._noted >= rows, column >= columns
+        if more_rows or more_columns or table.dtype != torch.promote_types(table.dtype, dtype):
+            grown = torch.zeros(max(min(self.every, 128), 2 * self._noted) if more_rows else rows, 2,
+                                max(column + 1, 2 * columns) if more_columns else columns,
+                                dtype=dtype if table is None else torch.promote_types(table.dtype, dtype),
+                                device=like.device)
+            if table is not None:
+                grown[:rows, :, :columns] = table
+            self._sums = table = grown
+        return table[self._noted, side, column]
 
     def _notes(self) -> torch.Tensor:
         """The notes as steps x (this rank's own buckets, the summed buckets): True where a sum was NaN/Inf."""
-        return self._flags[:self._noted]
+        return self._sums[:self._noted].isfinite().logical_not_().any(2)
 
     def after_local_step(self, gradients: Callable[[], Mapping[str, torch.Tensor]], *, step: int,
                          found: str | None = None) -> None:
