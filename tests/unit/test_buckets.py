@@ -84,3 +84,21 @@ def test_book_init_matches_the_chapter():
             assert torch.count_nonzero(param) == 0
         else:
             assert abs(param.std().item() - 0.01) < 0.003
+
+
+def test_a_gradient_replaced_or_moved_within_its_bucket_is_no_longer_its_view():
+    model = LeNet()
+    params = list(model.parameters())
+    buckets = build_buckets(params, cap_bytes=100 * 1024)
+    assert grads_are_bucket_views(buckets)
+    bucket = buckets[-1]
+    param = bucket.params[1]
+    kept = param.grad
+    param.grad = param.grad.clone()  # a script's own tensor: same values, other memory
+    assert not grads_are_bucket_views(buckets)
+    param.grad = bucket.buffer[:param.numel()].view_as(param)  # in the bucket, at another parameter's offset
+    assert bucket.offsets[1] != 0 and not grads_are_bucket_views(buckets)
+    param.grad = kept
+    assert grads_are_bucket_views(buckets)
+    param.grad = None
+    assert not grads_are_bucket_views(buckets)
