@@ -2,8 +2,9 @@
 
 `add_train_arguments` fills the subcommand's parser from `TrainConfig` and its components (every
 flag, help and default declared once, beside the code it configures: phalanx/options.py);
-`run_train` checks what can be checked before any process starts (output paths, devices, core
-binding), holds the run's directories, and runs the job with restarts (elastic.py).
+`run_train` checks what can be checked before any process starts (output paths, the checkpoint
+--resume names, devices, core binding), holds the run's directories, and runs the job with
+restarts (elastic.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from phalanx.job.auto_devices import resolve_auto
 from phalanx.job.config import TrainConfig
 from phalanx.job.dirlock import hold_run_directories
 from phalanx.job.elastic import train_with_restarts
+from phalanx.job.resume import check_named_checkpoint
 from phalanx.options import add_options, build
 from phalanx.outdir import check_out_dir, check_path_length
 from phalanx.runtime.binding import allowed_cores, check_bindable
@@ -55,6 +57,8 @@ def run_train(args: argparse.Namespace) -> int:
     check_out_dir(config.checkpoint.directory, flag="--checkpoint-dir")
     check_path_length(config.data.directory, flag="--data-dir")
     check_temp_dir()  # torch itself needs one: refused before any data is read or worker started
+    if env is None:  # a checkpoint no worker could read; under torchrun each rank reads it first thing anyway
+        check_named_checkpoint(config)
     data = None
     devices = config.launch.devices.strip().lower()
     auto = devices in (AUTO, CPU_AUTO)

@@ -159,6 +159,32 @@ def test_the_command_refuses_a_damaged_checkpoint_before_training(tmp_path, caps
     assert "epoch" not in captured.out  # nothing trained
 
 
+def test_a_checkpoint_no_worker_could_read_is_refused_before_the_workers_start(tmp_path, capsys, monkeypatch):
+    """--resume naming a damaged or missing checkpoint: the launcher's one line, before it reads the
+    data or starts a worker (it used to start both, and rank 0 said the same line 3 s later)."""
+    from phalanx.job import command
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run went on past a checkpoint no worker could read")
+    monkeypatch.setattr(command, "train_with_restarts", never)
+    monkeypatch.setattr(command, "load_dataset", never)
+    _save(tmp_path / "ck", _model(), 1)
+    flip_record_byte(tmp_path / "ck" / "checkpoint.pt")
+    train = ["train", "--dataset", "synthetic", "--devices", "cpu:2", "--no-progress", "--out", str(tmp_path / "run")]
+    for resume, said in ((tmp_path / "ck" / "checkpoint.pt", "is damaged: its record "),
+                         (tmp_path / "none", "no checkpoint at ")):
+        code = main([*train, "--resume", str(resume)])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.splitlines()) == 1 and said in err, err
+    assert not (tmp_path / "run").exists()  # nothing made on disk
+    # A directory whose newest file is damaged resumes from the one before it: not refused here.
+    _save(tmp_path / "two", _model(), 1)
+    _save(tmp_path / "two", _model(), 2)
+    flip_record_byte(tmp_path / "two" / "checkpoint.pt")
+    with pytest.raises(AssertionError, match="the run went on"):
+        main([*train, "--resume", str(tmp_path / "two")])
+
+
 def _full_disk(monkeypatch, directory) -> None:
     """Every write into `directory` fails as a full disk does: at the fsync of its bytes."""
     real = os.fsync
