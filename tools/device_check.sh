@@ -6,7 +6,8 @@
 # training images if given, else a generated Fashion-MNIST-shaped set of that size (timings do not
 # depend on what the pixels show).
 #   tools/device_check.sh gpu [SAMPLE]   # tests/gpu (float64 graphs = eager among them), then bench gpu
-#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and cpu:auto, bench scaling 1,2,4,8 side by side
+#   tools/device_check.sh cpu [SAMPLE]   # train on cpu:1/2/4/8 and cpu:auto, the gap probe at 8 x 2,
+#                                        # bench scaling 1,2,4,8 side by side
 #                                        # (a core left per worker among them), allreduce 2,8, round cost,
 #                                        # then (time left) bench scaling 1,8 in fresh starts and
 #                                        # cpu:8 with --overlap (auto: off at 8 x 2 threads)
@@ -118,13 +119,19 @@ case "$mode" in
         # (time per collective, the wait per step) over 50 steps.
         step trace-cpu8 60 "$py" -m phalanx train --devices cpu:8 --data-dir "$data" --epochs 1 --no-progress \
             --trace "$out/trace-cpu8" --trace-steps 50 --out "$out/train-cpu8-traced"
+        # The gap itself, suspects side by side, a start of 8 x 2 per batch size (~25 s: at 2 x 1 on 2 cores it took
+        # 36 s, 31 of them steps 4x as long as phalanx/8's there; on 2 cores 8 x 2 ran past 75 s):
+        # the phases of phalanx/8 against its lockstep twin's, and what dropping the NaN/Inf check, summing
+        # the rounds on the training thread's team or overlapping the exchange buys (tools/gap_probe.py).
+        step gap-probe 75 "$py" tools/gap_probe.py --devices 8 --threads 2 --blocks 8
         # Side by side in shared starts (blocks, not fresh processes, which differed by 10-40% between
         # starts there; 56 s at --devices 8): phalanx/8 beside its ceiling, its lockstep twin, DDP tuned and
         # phalanx/8 with a core left per worker; phalanx/2 and phalanx/4 each in a start taking turns with
         # phalanx/1's, for their speed-up over one process measured seconds apart. Under each batch size its
         # report splits phalanx/8's step against its lockstep twin's phase by phase (forward, backward, wait,
-        # optimizer, other: measure/phases.py): the answer to where the 1.5 ms / 3.2 ms a step went.
-        step scaling-side-by-side 150 "$py" -m phalanx bench scaling --devices 1,2,4,8 --side-by-side --rounds 2 --blocks 5 \
+        # optimizer, other: measure/phases.py): the answer to where the 1.5 ms / 3.2 ms a step went. One round: the
+        # gap probe above has the second's time.
+        step scaling-side-by-side 150 "$py" -m phalanx bench scaling --devices 1,2,4,8 --side-by-side --rounds 1 --blocks 6 \
             --out "$out/bench-scaling-side-by-side"
         step allreduce 100 "$py" -m phalanx bench allreduce --world-sizes 2,8 --algorithms native,shm --sizes 4KB,512KB,16MB \
             --shm-rounds compiled,python --collectives allreduce --rounds 3 --out "$out/bench-allreduce"

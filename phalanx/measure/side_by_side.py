@@ -14,7 +14,9 @@ of each other on the same cores.
 Kinds: `phalanx` (prepare + train_batch), `overlapped` (the same with overlap=True, which auto
 turns off for shm where the workers' threads fill the cores), `core-left` (phalanx built and
 stepped with one intra-op thread fewer, as `--threads-per-device` one below cores / k runs: a
-core per worker left to the host and, auto decides, a communication thread), `ceiling` (the plain step,
+core per worker left to the host and, auto decides, a communication thread), `unchecked` (phalanx
+without its NaN/Inf check), `team-rounds` (phalanx with its shm rounds on the training thread's
+intra-op team at any size: `on_team`; the last two are tools/gap_probe.py's), `ceiling` (the plain step,
 phalanx's scaled loss, no exchange), `lockstep` (the ceiling meeting at every step through a
 4-byte allreduce of phalanx's auto algorithm), `ddp` (torch DDP over the world's default gloo
 group, mean loss), `torch` (the plain step in one process: the ceiling of one). What one
@@ -33,6 +35,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from phalanx.comm import shm_kernel
 from phalanx.measure.job_steps import (OPTIMIZERS, StepJob, build_model, lockstep_meeting, phalanx_step,
                                        plain_optimizer, plain_step, prepare_replica, world_barrier)
 from phalanx.measure.phases import PhaseClock, phase_ms_per_step, with_other
@@ -42,7 +45,8 @@ from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 
-SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "core-left", "ceiling", "lockstep", "ddp", "torch")
+SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "core-left", "unchecked", "team-rounds", "ceiling", "lockstep", "ddp",
+                      "torch")
 
 
 def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
@@ -52,15 +56,32 @@ def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
     if kind == "core-left":
         return with_threads(max(1, torch.get_num_threads() - 1),
                             lambda: _stepper("phalanx", job, world, stack, meet, clock))
+    if kind == "team-rounds":
+        return on_team(_stepper("phalanx", job, world, stack, meet, clock))
     torch.manual_seed(job.seed)
-    if kind in ("phalanx", "overlapped"):
-        dp = stack.enter_context(prepare_replica(replace(job, overlap=True) if kind == "overlapped" else job, world))
+    if kind in ("phalanx", "overlapped", "unchecked"):
+        changed = {"overlapped": replace(job, overlap=True), "unchecked": replace(job, check_finite_every=0)}
+        dp = stack.enter_context(prepare_replica(changed.get(kind, job), world))
         return phalanx_step(dp, dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr), job, rank=world.rank, clock=clock)
     model = build_model(job)
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return plain_step(model, plain_optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=kind == "ddp",
                       meet=meet if kind == "lockstep" else None, clock=clock)
+
+
+def on_team(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` with the shm rounds on torch's ops, the thread's intra-op team, at any size
+    (shm_kernel.TEAM_NUMEL lowered around it): where the compiled kernel's one thread loses to a
+    team, and where not (a worker of one thread has no team: the same step)."""
+    def teamed() -> None:
+        kept = shm_kernel.TEAM_NUMEL
+        shm_kernel.TEAM_NUMEL = 0
+        try:
+            step()
+        finally:
+            shm_kernel.TEAM_NUMEL = kept
+    return teamed
 
 
 def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Callable[[], None]:

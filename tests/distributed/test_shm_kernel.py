@@ -366,3 +366,16 @@ def test_no_home_builds_privately_and_leaves_the_working_directory_alone(monkeyp
     library, reason = shm_kernel.load.__wrapped__()
     assert library is not None, reason
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_gap_probe_splits_every_contenders_step_against_the_lockstep_twin(capsys):
+    # tools/gap_probe.py: what the next 16-core run asks (8 x 2 threads); here 2 x 1, a smoke.
+    tool = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "gap_probe.py"))
+    rows = tool["main"](["--devices", "2", "--threads", "1", "--batch-sizes", "8", "--blocks", "2", "--steps", "1"])
+    assert [r["contender"] for r in rows] == ["lockstep twin", "phalanx", "phalanx, no NaN/Inf check",
+                                              "phalanx, rounds on the team", "phalanx overlapped"]
+    assert rows[0]["step_vs_twin"] == 1.0 and all(r["step_vs_twin"] > 0 for r in rows)
+    for row in rows:  # every phase timed; phalanx's exchange and the twin's meeting in "wait"
+        assert list(row["ms_per_step"]) == ["forward", "backward", "wait", "optimizer", "other"], row
+        assert min(row["ms_per_step"][p] for p in ("forward", "backward", "wait", "optimizer")) > 0, row
+    assert "/ twin's 1.000" in capsys.readouterr().out

@@ -287,6 +287,21 @@ def test_a_core_left_contender_is_built_and_stepped_one_thread_below_the_start()
         torch.set_num_threads(before)
 
 
+def test_the_team_rounds_contender_puts_every_round_on_the_team_for_its_step_alone():
+    from phalanx.comm import shm_kernel
+    from phalanx.measure.side_by_side import on_team
+
+    seen, before = [], torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        step = on_team(lambda: seen.append(shm_kernel.team_is_faster(1024)))
+        assert not shm_kernel.team_is_faster(1024)  # 4 KB: the compiled kernel's, as phalanx runs it
+        step()
+        assert seen == [True] and not shm_kernel.team_is_faster(1024)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_side_by_side_contenders_take_turns_in_blocks_rotated_after_each_warms_up():
     log = []
     steppers = {name: (lambda name=name: log.append(name)) for name in ("a", "b", "c")}
