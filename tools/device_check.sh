@@ -114,11 +114,12 @@ case "$mode" in
         # cpu:auto, since auto alone takes the GPU where one is.
         step train-auto 60 "$py" -m phalanx train --devices cpu:auto --data-dir "$data" --epochs 2 --no-progress \
             --out "$out/train-auto"
-        # Where phalanx/8's step goes beyond its lockstep twin's (0.82 of it at batch 256, 0.99 at 2 x 1 on 2 cores):
-        # each rank's spans (forward, backward, the wait in finish_gradient_sync) and rank 0's summary.json
-        # (time per collective, the wait per step) over 50 steps.
-        step trace-cpu8 60 "$py" -m phalanx train --devices cpu:8 --data-dir "$data" --epochs 1 --no-progress \
-            --trace "$out/trace-cpu8" --trace-steps 50 --out "$out/train-cpu8-traced"
+        # Where a cpu:2 epoch goes: on 2026-12-04 it took 3.36 s against cpu:1's 2.60, while auto's probe timed
+        # 2 x 8 at 22,629 images/s (2.65 s an epoch) against 1 x 16's 17,642 (on 2 cores train and bench agree:
+        # cpu:2 7.8-7.9 s against cpu:1 8.0-8.7). Each rank's spans (data, forward, backward, wait, optimizer) and
+        # rank 0's summary.json over 50 steps. (phalanx/8's step against its twin: gap-probe below.)
+        step trace-cpu2 60 "$py" -m phalanx train --devices cpu:2 --data-dir "$data" --epochs 1 --no-progress \
+            --trace "$out/trace-cpu2" --trace-steps 50 --out "$out/train-cpu2-traced"
         # The gap itself, suspects side by side, a start of 8 x 2 per batch size (~25 s: at 2 x 1 on 2 cores it took
         # 36 s, 31 of them steps 4x as long as phalanx/8's there; on 2 cores 8 x 2 ran past 75 s):
         # the phases of phalanx/8 against its lockstep twin's, and what dropping the NaN/Inf check, summing
