@@ -18,10 +18,10 @@ ran 1.5 / 3.2 ms a step beyond its twin at batch 256 / 1024 (0.82 / 0.90 of its 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 from phalanx.measure.job_steps import StepJob
 from phalanx.measure.side_by_side import run_side_by_side
+from phalanx.measure.timing import paired_ratio
 
 CONTENDERS = {"lockstep twin": "lockstep", "phalanx": "phalanx", "phalanx, no NaN/Inf check": "unchecked",
               "phalanx, rounds on the team": "team-rounds", "phalanx overlapped": "overlapped"}
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         twin = result.seconds["lockstep"]
         for name, kind in CONTENDERS.items():
             ms = result.phase_ms[kind]
-            ratio = statistics.median(t / w for t, w in zip(result.seconds[kind], twin))
+            ratio = paired_ratio(result.seconds[kind], twin).median
             phases = "  ".join(f"{phase} {value:6.2f}" for phase, value in ms.items())
             print(f"  {name:<28} {phases}  step {sum(ms.values()):6.2f}  / twin's {ratio:.3f}", flush=True)
             rows.append({"global_batch_size": job.global_batch_size, "contender": name, "ms_per_step": ms,

@@ -53,17 +53,17 @@ def _phase_lines(payload: dict[str, Any], batch: int) -> list[str]:
     by_name: dict[str, list[dict[str, float]]] = {}
     for r in rows:
         by_name.setdefault(r["variant"], []).append(r["ms_per_step"])
-    names = list(rows[0]["ms_per_step"])  # the phases, in order
-    ms = {name: {phase: statistics.median(start[phase] for start in starts) for phase in names}
+    phases = list(rows[0]["ms_per_step"])  # in their order
+    ms = {name: {phase: statistics.median(start[phase] for start in starts) for phase in phases}
           for name, starts in by_name.items()}
-    table = [(name, *(f"{ms[name][p]:.2f}" for p in names), f"{sum(ms[name].values()):.2f}") for name in ms]
+    table = [(name, *(f"{ms[name][p]:.2f}" for p in phases), f"{sum(ms[name].values()):.2f}") for name in ms]
     lines = ["", "  where a step went, ms per step (each start: the ranks' mean, the median of its blocks; the "
              "median of starts); lockstep's wait is its meeting, DDP's exchange is inside its backward",
-             *("  " + line for line in format_table(["contender", *names, "step"], table).splitlines())]
+             *("  " + line for line in format_table(["contender", *phases, "step"], table).splitlines())]
     k = max(payload["config"]["device_counts"])
     ours, twin = ms.get(f"phalanx/{k}"), ms.get(f"ceiling/{k} lockstep")
     if ours is not None and twin is not None:
-        extra = ", ".join(f"{p} {ours[p] - twin[p]:+.2f}" for p in names)
+        extra = ", ".join(f"{p} {ours[p] - twin[p]:+.2f}" for p in phases)
         lines.append(f"  phalanx/{k} beyond its lockstep twin: {sum(ours.values()) - sum(twin.values()):+.2f} ms a "
                      f"step ({extra})")
     return lines
