@@ -62,6 +62,40 @@ b1, s1, t1 = host_busy_s(), steal_s(), time.time()
 print(f"idle host: {(b1 - b0) / (t1 - t0):.2f} cores busy over 5 s, of them steal {(s1 - s0) / (t1 - t0):.2f}")
 EOF
 top -bn1 2>/dev/null | head -20 >>"$out/host.txt"
+# The CPUs as placement sees them (SMT siblings, packages, NUMA nodes: runtime/topology.py reads the same /sys),
+# and what a futex wake-up costs here (a VM's idle vCPU may take far longer to wake than a bare core): a shm
+# wait past its 50 us spin sleeps on one, and a large round at 8 ranks waits twice.
+{ command -v lscpu >/dev/null && lscpu; grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list
+  ls -d /sys/devices/system/node/node* 2>/dev/null; } >>"$out/host.txt" 2>&1
+"$py" - >>"$out/host.txt" 2>&1 <<'EOF'
+import mmap, os, statistics, struct, time
+
+import torch
+
+from phalanx.runtime.segment import Futex
+
+m = mmap.mmap(-1, 4096)
+address, words, futex, n = torch.frombuffer(m, dtype=torch.uint8).data_ptr(), memoryview(m).cast("q"), Futex(), 200
+if (pid := os.fork()) == 0:  # the sleeper: wakes n times, notes how long after the waker's store each took
+    late = []
+    for i in range(1, n + 1):
+        words[2] = i
+        while words[0] < i:
+            futex.wait(address, words[0], 1.0)
+        late.append(time.perf_counter() - struct.unpack("d", m[24:32])[0])
+    late.sort()
+    print(f"futex wake-up (Python to Python, another process): median {late[n // 2] * 1e6:.0f} us, "
+          f"p10 {late[n // 10] * 1e6:.0f}, p90 {late[9 * n // 10] * 1e6:.0f}", flush=True)
+    os._exit(0)
+for i in range(1, n + 1):
+    while words[2] < i:
+        pass
+    time.sleep(0.002)  # long past the sleeper's last look: asleep
+    m[24:32] = struct.pack("d", time.perf_counter())
+    words[0] = i
+    futex.wake(address)
+os.waitpid(pid, 0)
+EOF
 data="$out/fashion-mnist-$images"
 step data 120 "$py" - "$sample" "$data" "$images" <<'EOF'
 import sys

@@ -129,10 +129,11 @@ def world_barrier(world: World) -> Callable[[], object]:
     return dist.barrier if world.distributed else (lambda: None)
 
 
-def lockstep_meeting(world: World, stack: contextlib.ExitStack) -> Callable[[], None]:
-    """The lockstep ceiling's meeting, once a step after backward: a 4-byte allreduce of the
-    algorithm phalanx's auto picks, on a comm `stack` closes."""
+def lockstep_meeting(world: World, stack: contextlib.ExitStack, *, numel: int = 1) -> Callable[[], None]:
+    """The lockstep ceiling's meeting, once a step after backward: an allreduce of `numel` float32
+    zeros (4 bytes; as many as the gradient's for a twin that exchanges as much as phalanx) of
+    the algorithm phalanx's auto picks, on a comm `stack` closes."""
     opened = open_comm(world, "auto")
     stack.callback(opened.comm.close)
-    token = torch.zeros(1)
+    token = torch.zeros(numel)
     return lambda: opened.comm.allreduce(token, algorithm=opened.algorithm)

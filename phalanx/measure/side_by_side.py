@@ -16,13 +16,15 @@ turns off for shm where the workers' threads fill the cores), `core-left` (phala
 stepped with one intra-op thread fewer, as `--threads-per-device` one below cores / k runs: a
 core per worker left to the host and, auto decides, a communication thread), `unchecked` (phalanx
 without its NaN/Inf check), `team-rounds` (phalanx with its shm rounds on the training thread's
-intra-op team at any size: `on_team`; the last two are tools/gap_probe.py's), `ceiling` (the plain step,
-phalanx's scaled loss, no exchange), `lockstep` (the ceiling meeting at every step through a
-4-byte allreduce of phalanx's auto algorithm), `ddp` (torch DDP over the world's default gloo
-group, mean loss), `torch` (the plain step in one process: the ceiling of one). What one
-process's contenders share - the allocator, caches, the communication thread an overlapped
-replica keeps (asleep on a futex while the others run) - they share alike; the JSON says the
-method (docs/benchmarks.md). Every contender's step also sums its phases on each rank (forward,
+intra-op team at any size: `on_team`), `long-spin` (phalanx whose shm waits spin 1 ms, not 50 us,
+before they sleep; these three are tools/gap_probe.py's), `ceiling` (the plain step, phalanx's
+scaled loss, no exchange), `lockstep` (the ceiling meeting at every step through a 4-byte
+allreduce of phalanx's auto algorithm), `lockstep-full` (the same meeting as large as phalanx's
+gradient: the collective's own cost in a training step, without phalanx's replica), `ddp` (torch
+DDP over the world's default gloo group, mean loss), `torch` (the plain step in one process: the
+ceiling of one). What one process's contenders share - the allocator, caches, the communication
+thread an overlapped replica keeps (asleep on a futex while the others run) - they share alike;
+the JSON says the method (docs/benchmarks.md). Every contender's step also sums its phases on each rank (forward,
 backward, wait, optimizer: phases.py), so a ratio below 1 comes with where the step went.
 """
 
@@ -31,11 +33,11 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import replace
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
-from phalanx.comm import shm_kernel
+from phalanx.comm import shm, shm_kernel
 from phalanx.measure.job_steps import (OPTIMIZERS, StepJob, build_model, lockstep_meeting, phalanx_step,
                                        plain_optimizer, plain_step, prepare_replica, world_barrier)
 from phalanx.measure.phases import PhaseClock, phase_ms_per_step, with_other
@@ -45,8 +47,9 @@ from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.runtime.world import World
 
-SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "core-left", "unchecked", "team-rounds", "ceiling", "lockstep", "ddp",
-                      "torch")
+SIDE_BY_SIDE_KINDS = ("phalanx", "overlapped", "core-left", "unchecked", "team-rounds", "long-spin", "ceiling",
+                      "lockstep", "lockstep-full", "ddp", "torch")
+LONG_SPIN_S = 1e-3  # the long-spin kind's busy wait before a futex sleep (shm_flags.SPIN_S: 50 us)
 
 
 def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
@@ -58,12 +61,17 @@ def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
                             lambda: _stepper("phalanx", job, world, stack, meet, clock))
     if kind == "team-rounds":
         return on_team(_stepper("phalanx", job, world, stack, meet, clock))
+    if kind == "long-spin":
+        with _spin_s(LONG_SPIN_S):  # read where the replica's shm group opens, at prepare
+            return _stepper("phalanx", job, world, stack, meet, clock)
     torch.manual_seed(job.seed)
     if kind in ("phalanx", "overlapped", "unchecked"):
         changed = {"overlapped": replace(job, overlap=True), "unchecked": replace(job, check_finite_every=0)}
         dp = stack.enter_context(prepare_replica(changed.get(kind, job), world))
         return phalanx_step(dp, dp.optimizer(OPTIMIZERS[job.optimizer], lr=job.lr), job, rank=world.rank, clock=clock)
     model = build_model(job)
+    if kind == "lockstep-full":  # a meeting as large as the gradient phalanx exchanges, on a comm of its own
+        kind, meet = "lockstep", lockstep_meeting(world, stack, numel=sum(p.numel() for p in model.parameters()))
     if kind == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return plain_step(model, plain_optimizer(model.parameters(), job), job, rank=world.rank, mean_loss=kind == "ddp",
@@ -82,6 +90,17 @@ def on_team(step: Callable[[], None]) -> Callable[[], None]:
         finally:
             shm_kernel.TEAM_NUMEL = kept
     return teamed
+
+
+@contextlib.contextmanager
+def _spin_s(seconds: float) -> Iterator[None]:
+    """Shm groups opened in the block spin `seconds` before they sleep (where every worker has a core)."""
+    kept = shm.SPIN_S
+    shm.SPIN_S = seconds
+    try:
+        yield
+    finally:
+        shm.SPIN_S = kept
 
 
 def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
@@ -166,7 +185,7 @@ def run_side_by_side(jobs: Sequence[StepJob], kinds: Sequence[str], *, num_procs
     unknown = [kind for kind in kinds if kind not in SIDE_BY_SIDE_KINDS]
     if unknown or not kinds:
         raise ValueError(f"side-by-side kinds {list(kinds)}: choose from {', '.join(SIDE_BY_SIDE_KINDS)}")
-    if num_procs == 1 and {"ddp", "lockstep"} & set(kinds):
+    if num_procs == 1 and {"ddp", "lockstep", "lockstep-full"} & set(kinds):
         raise ValueError("ddp and lockstep contenders need at least 2 processes")
     jobs = tuple(jobs)
     if num_procs == 1:

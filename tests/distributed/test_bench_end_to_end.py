@@ -14,6 +14,7 @@ import torch
 
 from phalanx.bench.cli import run_bench
 from phalanx.cli import build_parser
+from phalanx.measure.mlp import build_bench_model
 from phalanx.measure.procs import run_fresh
 from tests.distributed.allocator_probe import keeps_large_blocks_off_mmap
 
@@ -192,6 +193,48 @@ def test_the_lockstep_ceiling_meets_at_every_step_and_the_ceiling_never():
         for sizes, records in launch(count_lockstep_meetings, jobs, lockstep, spec=spec):
             assert sizes == [1] * meetings  # one 1-element allreduce per step, warm-up included
             assert len(records) == 2 and all(record["wall_s"] > 0 for record in records)
+
+
+def record_meetings_and_spins(world, jobs, kinds):
+    """side_by_side's worker with AsyncComm.allreduce's sizes and each shm group's spin recorded."""
+    from phalanx.comm import AsyncComm, shm
+    from phalanx.measure import side_by_side
+
+    sizes, spins, allreduce, opened = [], [], AsyncComm.allreduce, shm.ShmGroup._opened
+
+    def counted(self, tensor, **kwargs):
+        sizes.append(tensor.numel())
+        return allreduce(self, tensor, **kwargs)
+
+    def noted(self):
+        spins.append(self.spin_s)
+        return opened(self)
+
+    AsyncComm.allreduce, shm.ShmGroup._opened = counted, noted
+    side_by_side._worker(world, jobs, kinds, 2)
+    return sizes, spins, shm.SPIN_S
+
+
+@pytest.mark.distributed
+def test_the_gradient_sized_twin_meets_through_a_gradients_worth_and_long_spin_spins_a_millisecond():
+    # tools/gap_probe.py's split of phalanx's wait: the collective alone (the twin meeting through
+    # as many floats as LeNet's gradient) and phalanx with waits spinning 1 ms before they sleep.
+    from phalanx.measure.job_steps import StepJob
+    from phalanx.measure.side_by_side import LONG_SPIN_S
+    from phalanx.comm.shm_flags import SPIN_S
+    from phalanx.runtime.devices import parse_devices
+    from phalanx.runtime.launch import LaunchSpec, launch
+
+    job = StepJob(model="lenet", global_batch_size=8, warmup_steps=1, steps=2, lr=0.2, seed=0, num_shards=2,
+                  threads_per_device=1)
+    spec = LaunchSpec(plan=parse_devices("cpu:2", cuda_count=0), threads_per_device=1, timeout_s=60, deadline_s=120)
+    gradient = sum(p.numel() for p in build_bench_model("lenet").parameters())
+    for sizes, spins, spin_after in launch(record_meetings_and_spins, (job,), ("lockstep-full", "long-spin"),
+                                           spec=spec):
+        meetings = [n for n in sizes if n == gradient]
+        assert len(meetings) == 1 + 2 * 2, sizes  # a meeting a step: 1 warm-up, 2 blocks of 2
+        # The twin's comm spins as phalanx's does; the long-spin replica's group 1 ms; SPIN_S restored.
+        assert spins[0] == SPIN_S and LONG_SPIN_S in spins[1:] and spin_after == SPIN_S, spins
 
 
 def report_setup(*, rank, num_procs, port, job):

@@ -372,8 +372,9 @@ def test_the_gap_probe_splits_every_contenders_step_against_the_lockstep_twin(ca
     # tools/gap_probe.py: what the next 16-core run asks (8 x 2 threads); here 2 x 1, a smoke.
     tool = runpy.run_path(str(Path(__file__).parents[2] / "tools" / "gap_probe.py"))
     rows = tool["main"](["--devices", "2", "--threads", "1", "--batch-sizes", "8", "--blocks", "2", "--steps", "1"])
-    assert [r["contender"] for r in rows] == ["lockstep twin", "phalanx", "phalanx, no NaN/Inf check",
-                                              "phalanx, rounds on the team", "phalanx overlapped"]
+    assert [r["contender"] for r in rows] == ["lockstep twin", "twin, gradient-sized meeting", "phalanx",
+                                              "phalanx, no NaN/Inf check", "phalanx, rounds on the team",
+                                              "phalanx, waits spin 1 ms", "phalanx overlapped"]
     assert rows[0]["step_vs_twin"] == 1.0 and all(r["step_vs_twin"] > 0 for r in rows)
     for row in rows:  # every phase timed; phalanx's exchange and the twin's meeting in "wait"
         assert list(row["ms_per_step"]) == ["forward", "backward", "wait", "optimizer", "other"], row
