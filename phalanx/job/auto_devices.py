@@ -4,19 +4,19 @@ this model fastest on this host, chosen from about a second of measurement per l
 The layouts are k workers of t threads, k a power of two up to the cores or the cores themselves
 (a layout must fit the global batch and the split), t what a run of k workers would get
 (binding.worker_threads: --threads-per-device, or PLACEMENT on a k-th of the cores). Each is
-probed in this process the way its workers would run: k threads start together, each with its
-own replica, optimizer and a random batch of this model's input shape (the largest shard of the
+probed in this process the way its workers would run: k threads (the first this one) start
+together, each with its own replica, optimizer and a random batch of this model's input shape (the largest shard of the
 global batch), each running ATen ops with an intra-op team of t (torch.set_num_threads in the
 thread), so the k x t threads contend for the cores, caches and memory bandwidth as the workers
-would. One warm-up step, then 3 timed steps (1 when a step takes over 0.25 s); the layout's
-images/s is the global batch over the slowest thread's step. So a layout costs about four of
-its steps plus set-up: for LeNet at batch 256 on 2 cores, whose step takes about 0.1 s on a
-quiet machine, under a second (on the shared, loaded build machine 2-10 s). Layouts past
-PROBE_BUDGET_S of probing are left out (fewest workers are probed first, and the first always
-runs), so a slow model or a busy host costs at most about that plus one layout. The fastest
-wins, and among
-layouts within 3% of it the one with the fewest workers: communication, start-up and memory
-grow with k, and the probe leaves them out.
+would, and under their allocator setting (binding.keep_freed_memory_mapped). One warm-up step,
+then 3 timed steps (1 when a step takes over 0.25 s); the layout's images/s is the global batch
+over the slowest thread's step. So a layout costs about four of its steps plus set-up: for LeNet
+at batch 256 on 2 cores, whose step takes about 0.1 s on a quiet machine, under a second (on the
+shared, loaded build machine 2-10 s). Layouts past PROBE_BUDGET_S of probing are left out
+(fewest workers are probed first, and the first always runs), so a slow model or a busy host
+costs at most about that plus one layout. The fastest wins, and among layouts within 3% of it
+the one with the fewest workers: communication, start-up and memory grow with k, and the probe
+leaves them out.
 
 What the probe does not see: the gradient exchange (the shm allreduce costs a few percent of a
 LeNet step at k = 2), and Python's GIL, which serializes each thread's Python between ATen ops,
@@ -40,7 +40,8 @@ from phalanx.data import ImageDataset
 from phalanx.data_parallel.memory_format import apply_memory_format, resolve_memory_format
 from phalanx.job.config import TrainConfig
 from phalanx.models import build_model
-from phalanx.runtime.binding import available_cores, set_intra_op_threads, worker_threads
+from phalanx.runtime.binding import (available_cores, give_back_freed_memory, keep_freed_memory_mapped,
+                                     set_intra_op_threads, worker_threads)
 
 MARGIN = 0.03  # layouts this close to the fastest count as a tie, won by the fewest workers
 LONG_STEP_S = 0.25  # a warm-up step longer than this: one timed step instead of three
@@ -89,11 +90,11 @@ def describe(chosen: Layout, probes: list[Probe], *, probe_s: float,
 def probe_layout(model: nn.Module, input_shape: tuple[int, ...], *, global_batch_size: int, layout: Layout,
                  num_classes: int, seed: int = 0) -> float:
     """Images/s of `layout` on this host: k threads training copies of `model` at once (see the
-    module docstring). `model` is left untouched."""
+    module docstring), the first of them this one, as a worker trains on its main thread (and
+    its heap); this thread's intra-op count is kept. `model` is left untouched."""
     k, shard = layout.workers, -(-global_batch_size // layout.workers)
-    start, warmed, done = threading.Barrier(k + 1), threading.Barrier(k + 1), threading.Barrier(k + 1)
+    start, warmed = threading.Barrier(k), threading.Barrier(k)
     warm_s, step_s, errors = [0.0] * k, [0.0] * k, []
-    steps = [3]
 
     def worker(index: int) -> None:
         try:
@@ -114,32 +115,28 @@ def probe_layout(model: nn.Module, input_shape: tuple[int, ...], *, global_batch
             began = time.perf_counter()
             step()
             warm_s[index] = time.perf_counter() - began
-            warmed.wait()  # main reads the warm-up times and sets the timed steps meanwhile
-            warmed.wait()
+            warmed.wait()  # every warm-up timed: each thread takes the same number of timed steps
+            steps = 1 if max(warm_s) > LONG_STEP_S else 3
             began = time.perf_counter()
-            for _ in range(steps[0]):
+            for _ in range(steps):
                 step()
-            step_s[index] = (time.perf_counter() - began) / steps[0]
-        except BaseException as exc:  # reported on the main thread; the barriers are broken for the others
+            step_s[index] = (time.perf_counter() - began) / steps
+        except BaseException as exc:  # raised on this thread once all ended; the barriers broken for the others
             errors.append(exc)
-            for barrier in (start, warmed, done):
-                barrier.abort()
-            return
-        done.wait()
+            start.abort()
+            warmed.abort()
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"phalanx-probe-{i}", daemon=True) for i in range(k)]
+    threads = [threading.Thread(target=worker, args=(i,), name=f"phalanx-probe-{i}", daemon=True)
+               for i in range(1, k)]
     for thread in threads:
         thread.start()
+    mine = torch.get_num_threads()
     try:
-        start.wait()
-        warmed.wait()
-        steps[0] = 1 if max(warm_s) > LONG_STEP_S else 3
-        warmed.wait()
-        done.wait()
-    except threading.BrokenBarrierError:
-        pass
-    for thread in threads:
-        thread.join()
+        worker(0)
+    finally:
+        torch.set_num_threads(mine)
+        for thread in threads:
+            thread.join()
     if errors:
         raise errors[0]
     return global_batch_size / max(step_s)
@@ -149,9 +146,16 @@ def probe_layouts(model: nn.Module, input_shape: tuple[int, ...], layouts: list[
                   num_classes: int, budget_s: float = PROBE_BUDGET_S) -> tuple[list[Probe], float]:
     """The layouts' images/s, in order, until `budget_s` of probing has passed (the first layout
     always runs), and the seconds it took. This thread's own intra-op count is kept (each probe
-    thread sets its own, and with it torch's default)."""
+    thread sets its own, and with it torch's default). Probed under the workers' allocator
+    setting (binding.keep_freed_memory_mapped; a user's MALLOC_* wins, in the workers too), the
+    probe's memory returned to the system afterwards."""
     mine = torch.get_num_threads()
     set_intra_op_threads(mine)  # torch's second pool made at one thread first, as in a worker (binding.py)
+    # Without it every step's activations page-fault in again, and the threads of one team fault on
+    # one process's memory map: on 2 cores 1 x 2 probed at 4,800-5,300 images/s against the 7,200
+    # its run trains at (2 x 1 probed right, 7,100-7,900), and on 16 cores 1 x 16 at 17,642 against
+    # 23,055, so auto took more workers than pay.
+    keep_freed_memory_mapped()
     model = apply_memory_format(model, resolve_memory_format("auto", model, torch.device("cpu")))
     began, probes = time.perf_counter(), []
     try:
@@ -162,6 +166,7 @@ def probe_layouts(model: nn.Module, input_shape: tuple[int, ...], layouts: list[
                 model, input_shape, global_batch_size=global_batch_size, layout=layout, num_classes=num_classes)))
     finally:
         torch.set_num_threads(mine)
+        give_back_freed_memory()  # the probe's replicas and activations, kept on the heap by the setting
     return probes, time.perf_counter() - began
 
 
