@@ -1,22 +1,21 @@
 """`phalanx train --devices auto` on a CPU host: how many workers, with how many threads each, train
 this model fastest on this host, chosen from about a second of measurement per layout.
 
-The layouts are k workers of t threads, k a power of two up to the cores or the cores themselves
-(a layout must fit the global batch and the split), t what a run of k workers would get
-(binding.worker_threads: --threads-per-device, or PLACEMENT on a k-th of the cores). Each is
-probed in this process the way its workers would run: k threads (the first this one) start
-together, each with its own replica, optimizer and a random batch of this model's input shape (the largest shard of the
-global batch), each running ATen ops with an intra-op team of t (torch.set_num_threads in the
+The layouts are k workers of t threads, k a power of two up to the cores or the cores themselves (a
+layout must fit the global batch and the split), t what a run of k workers would get
+(binding.worker_threads: --threads-per-device, or PLACEMENT on a k-th of the cores). Each is probed
+in this process the way its workers would run: k threads (the first this one) start together, each
+with its own replica, optimizer and a random batch of this model's input shape (the largest shard of
+the global batch), each running ATen ops with an intra-op team of t (torch.set_num_threads in the
 thread), so the k x t threads contend for the cores, caches and memory bandwidth as the workers
-would, and under their allocator setting (binding.keep_freed_memory_mapped). One warm-up step,
-then 3 timed steps (1 when a step takes over 0.25 s); the layout's images/s is the global batch
-over the slowest thread's step. So a layout costs about four of its steps plus set-up: for LeNet
-at batch 256 on 2 cores, whose step takes about 0.1 s on a quiet machine, under a second (on the
-shared, loaded build machine 2-10 s). Layouts past PROBE_BUDGET_S of probing are left out
-(fewest workers are probed first, and the first always runs), so a slow model or a busy host
-costs at most about that plus one layout. The fastest wins, and among layouts within 3% of it
-the one with the fewest workers: communication, start-up and memory grow with k, and the probe
-leaves them out.
+would, and under their allocator setting (binding.keep_freed_memory_mapped). One warm-up step, then
+3 timed steps (1 when a step takes over 0.25 s); the layout's images/s is the global batch over the
+slowest thread's step. So a layout costs about four of its steps plus set-up: for LeNet at batch 256
+on 2 cores, whose step takes about 0.1 s on a quiet machine, under a second (on the shared, loaded
+build machine 2-10 s). Layouts past PROBE_BUDGET_S of probing are left out (fewest workers are
+probed first, and the first always runs), so a slow model or a busy host costs at most about that
+plus one layout. The fastest wins, and among layouts within 3% of it the one with the fewest
+workers: communication, start-up and memory grow with k, and the probe leaves them out.
 
 What the probe does not see: the gradient exchange (the shm allreduce costs a few percent of a
 LeNet step at k = 2), and Python's GIL, which serializes each thread's Python between ATen ops,

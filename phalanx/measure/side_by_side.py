@@ -11,21 +11,21 @@ each block. A block's time is its slowest rank's, as a lockstep step's is; the r
 contenders is the median of their per-block ratios, so both sides of a ratio ran within seconds
 of each other on the same cores.
 
-Kinds: `phalanx` (prepare + train_batch), `overlapped` (the same with overlap=True, which auto
-turns off for shm where the workers' threads fill the cores), `core-left` (phalanx built and
-stepped with one intra-op thread fewer, as `--threads-per-device` one below cores / k runs: a
-core per worker left to the host and, auto decides, a communication thread), `unchecked` (phalanx
-without its NaN/Inf check), `team-rounds` (phalanx with its shm rounds on the training thread's
-intra-op team at any size: `on_team`), `long-spin` (phalanx whose shm waits spin 1 ms, not 50 us,
-before they sleep; these three are tools/gap_probe.py's), `ceiling` (the plain step, phalanx's
-scaled loss, no exchange), `lockstep` (the ceiling meeting at every step through a 4-byte
-allreduce of phalanx's auto algorithm), `lockstep-full` (the same meeting as large as phalanx's
-gradient: the collective's own cost in a training step, without phalanx's replica), `ddp` (torch
-DDP over the world's default gloo group, mean loss), `torch` (the plain step in one process: the
-ceiling of one). What one process's contenders share - the allocator, caches, the communication
-thread an overlapped replica keeps (asleep on a futex while the others run) - they share alike;
-the JSON says the method (docs/benchmarks.md). Every contender's step also sums its phases on each rank (forward,
-backward, wait, optimizer: phases.py), so a ratio below 1 comes with where the step went.
+Kinds: `phalanx` (prepare + train_batch), `overlapped` (the same with overlap=True, which auto turns
+off for shm where the workers' threads fill the cores), `core-left` (phalanx built and stepped with
+one intra-op thread fewer, as `--threads-per-device` one below cores / k runs: a core per worker
+left to the host and, auto decides, a communication thread), `unchecked` (phalanx without its
+NaN/Inf check), `team-rounds` (phalanx with its shm rounds on the training thread's intra-op team at
+any size: `on_team`), `long-spin` (phalanx whose shm waits spin 1 ms, not 50 us, before they sleep;
+these three are tools/gap_probe.py's), `ceiling` (the plain step, phalanx's scaled loss, no
+exchange), `lockstep` (the ceiling meeting at every step through a 4-byte allreduce of phalanx's
+auto algorithm), `lockstep-full` (the same meeting as large as phalanx's gradient: the collective's
+own cost in a training step, without phalanx's replica), `ddp` (torch DDP over the world's default
+gloo group, mean loss), `torch` (the plain step in one process: the ceiling of one). What one
+process's contenders share - the allocator, caches, the communication thread an overlapped replica
+keeps (asleep on a futex while the others run) - they share alike; the JSON says the method
+(docs/benchmarks.md). Every contender's step also sums its phases on each rank (forward, backward,
+wait, optimizer: phases.py), so a ratio below 1 comes with where the step went.
 """
 
 from __future__ import annotations
