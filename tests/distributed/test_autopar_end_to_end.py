@@ -88,7 +88,9 @@ def test_autopar_bench_smoke(tmp_path, capsys, smoke_sized_cores):
                                    one["contenders_s"]["share 1 alone"]["samples"])])
     two = experiments[2]
     assert [r["size"] for r in two["sweep"]] == [8, 16]
-    assert two["crossover"]["kind"] in ("crossover", "wins everywhere", "never wins")
+    # Any of crossover's kinds: a smoke's timings decide which (a fresh clone's run met "isolated":
+    # 1.16x at n=16, 0.81x at n=8); report.crossover's unit tests pin each kind on given speed-ups.
+    assert two["crossover"]["kind"] in ("crossover", "wins everywhere", "never wins", "isolated")
     five = experiments[5]
     assert five["check"]["weights_equal_sequential"] and five["check"]["diamond_chain"]["passed"]
     assert five["outcome"]["ideal_s"]["samples"] == pytest.approx([r["ideal_s"] for r in five["rounds"]])
