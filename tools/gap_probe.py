@@ -3,19 +3,19 @@ of k workers taking turns, phase by phase (measure/phases.py), with the suspects
 
     .venv/bin/python tools/gap_probe.py [--devices 8] [--threads 2] [--batch-sizes 256,1024] [--blocks 8]
 
-Contenders, side by side in the same workers (measure/side_by_side.py): the lockstep twin (the
-plain step, a 4-byte meeting after backward); the twin meeting through an allreduce as large as
-phalanx's gradient (what the collective alone costs inside a step: from it to phalanx is
-phalanx's replica); phalanx as `bench scaling` runs it; phalanx without the NaN/Inf check;
-phalanx whose shm rounds sum and copy on the training thread's intra-op team at any size (the
-compiled kernel works on one thread, and LeNet's 504 KB bucket sits just below the team's
-threshold; a worker of one thread has no team and runs as phalanx does); phalanx whose shm
-waits spin 1 ms before a futex sleep, not 50 us (a large round at 8 ranks waits twice, and a
-rank woken from a sleep may have left its core); phalanx overlapped (its exchange beside
-backward on a thread of its own). Each line: ms a step per phase (each block the ranks' mean,
-the median of blocks) and the step's time against the twin's (the median of per-block ratios
-of the slowest rank's blocks). On 16 cores, 8 x 2 threads, phalanx/8 ran 1.5 / 3.2 ms a step
-beyond its twin at batch 256 / 1024 (0.82 / 0.90 of its images/s, 2026-12-04): this says which phase that is and what each change buys.
+Contenders, side by side in the same workers (measure/side_by_side.py): the lockstep twin (the plain
+step, a 4-byte meeting after backward); the twin meeting through an allreduce as large as phalanx's
+gradient (what the collective alone costs inside a step: from it to phalanx is phalanx's replica);
+phalanx as `bench scaling` runs it; phalanx without the NaN/Inf check; phalanx whose shm rounds sum
+and copy on the training thread's intra-op team at any size (the compiled kernel works on one
+thread, and LeNet's 504 KB bucket sits just below the team's threshold; a worker of one thread has
+no team and runs as phalanx does); phalanx whose shm waits spin 1 ms before a futex sleep, not 50 us
+(a large round at 8 ranks waits twice, and a rank woken from a sleep may have left its core);
+phalanx overlapped (its exchange beside backward on a thread of its own). Each line: ms a step per
+phase (each block the ranks' mean, the median of blocks) and the step's time against the twin's (the
+median of per-block ratios of the slowest rank's blocks). On 16 cores, 8 x 2 threads, phalanx/8 ran
+1.5 / 3.2 ms a step beyond its twin at batch 256 / 1024 (0.82 / 0.90 of its images/s, 2026-12-04):
+this says which phase that is and what each change buys.
 """
 
 from __future__ import annotations
