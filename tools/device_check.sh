@@ -68,7 +68,7 @@ top -bn1 2>/dev/null | head -20 >>"$out/host.txt"
 { command -v lscpu >/dev/null && lscpu; grep -H . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list
   ls -d /sys/devices/system/node/node* 2>/dev/null; } >>"$out/host.txt" 2>&1
 "$py" - >>"$out/host.txt" 2>&1 <<'EOF'
-import mmap, os, statistics, struct, time
+import mmap, os, struct, time
 
 import torch
 

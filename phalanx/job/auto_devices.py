@@ -133,9 +133,9 @@ def probe_layout(model: nn.Module, input_shape: tuple[int, ...], *, global_batch
     try:
         worker(0)
     finally:
-        torch.set_num_threads(mine)
         for thread in threads:
             thread.join()
+        torch.set_num_threads(mine)  # after every probe thread set its own (and with it torch's default)
     if errors:
         raise errors[0]
     return global_batch_size / max(step_s)
@@ -144,12 +144,12 @@ def probe_layout(model: nn.Module, input_shape: tuple[int, ...], *, global_batch
 def probe_layouts(model: nn.Module, input_shape: tuple[int, ...], layouts: list[Layout], *, global_batch_size: int,
                   num_classes: int, budget_s: float = PROBE_BUDGET_S) -> tuple[list[Probe], float]:
     """The layouts' images/s, in order, until `budget_s` of probing has passed (the first layout
-    always runs), and the seconds it took. This thread's own intra-op count is kept (each probe
-    thread sets its own, and with it torch's default). Probed under the workers' allocator
+    always runs), and the seconds it took. This thread's own intra-op count is kept (probe_layout
+    restores it). Probed under the workers' allocator
     setting (binding.keep_freed_memory_mapped; a user's MALLOC_* wins, in the workers too), the
     probe's memory returned to the system afterwards."""
-    mine = torch.get_num_threads()
-    set_intra_op_threads(mine)  # torch's second pool made at one thread first, as in a worker (binding.py)
+    # torch's second pool made at one thread first, as in a worker (binding.py)
+    set_intra_op_threads(torch.get_num_threads())
     # Without it every step's activations page-fault in again, and the threads of one team fault on
     # one process's memory map: on 2 cores 1 x 2 probed at 4,800-5,300 images/s against the 7,200
     # its run trains at (2 x 1 probed right, 7,100-7,900), and on 16 cores 1 x 16 at 17,642 against
@@ -164,7 +164,6 @@ def probe_layouts(model: nn.Module, input_shape: tuple[int, ...], layouts: list[
             probes.append(Probe(layout=layout, images_per_s=probe_layout(
                 model, input_shape, global_batch_size=global_batch_size, layout=layout, num_classes=num_classes)))
     finally:
-        torch.set_num_threads(mine)
         give_back_freed_memory()  # the probe's replicas and activations, kept on the heap by the setting
     return probes, time.perf_counter() - began
 

@@ -62,7 +62,7 @@ def _stepper(kind: str, job: StepJob, world: World, stack: contextlib.ExitStack,
     if kind == "team-rounds":
         return on_team(_stepper("phalanx", job, world, stack, meet, clock))
     if kind == "long-spin":
-        with _spin_s(LONG_SPIN_S):  # read where the replica's shm group opens, at prepare
+        with _set_for(shm, "SPIN_S", LONG_SPIN_S):  # read where the replica's shm group opens, at prepare
             return _stepper("phalanx", job, world, stack, meet, clock)
     torch.manual_seed(job.seed)
     if kind in ("phalanx", "overlapped", "unchecked"):
@@ -83,24 +83,20 @@ def on_team(step: Callable[[], None]) -> Callable[[], None]:
     (shm_kernel.TEAM_NUMEL lowered around it): where the compiled kernel's one thread loses to a
     team, and where not (a worker of one thread has no team: the same step)."""
     def teamed() -> None:
-        kept = shm_kernel.TEAM_NUMEL
-        shm_kernel.TEAM_NUMEL = 0
-        try:
+        with _set_for(shm_kernel, "TEAM_NUMEL", 0):
             step()
-        finally:
-            shm_kernel.TEAM_NUMEL = kept
     return teamed
 
 
 @contextlib.contextmanager
-def _spin_s(seconds: float) -> Iterator[None]:
-    """Shm groups opened in the block spin `seconds` before they sleep (where every worker has a core)."""
-    kept = shm.SPIN_S
-    shm.SPIN_S = seconds
+def _set_for(module: object, name: str, value: object) -> Iterator[None]:
+    """`module.name` is `value` inside the block (a knob a measurement kind turns), restored after."""
+    kept = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        shm.SPIN_S = kept
+        setattr(module, name, kept)
 
 
 def with_threads(threads: int, build: Callable[[], Callable[[], None]]) -> Callable[[], None]:
