@@ -1,7 +1,7 @@
 """torch's own errors that a script under `phalanx run` meets for want of one change, re-worded as one line naming it.
 
 A torch error reaches the user as `phalanx: worker rank R failed: <its message>` and a traceback;
-for three that a DDP script ported to CPU workers meets first, the message names no fix, so
+for five that a DDP script ported to CPU workers meets first, the message names no fix, so
 `reworded` turns each into the line a `UsageError` carries (exit 2), told by the exception's type,
 by where in torch it was raised and by what this worker is, not by its wording alone:
 
@@ -12,6 +12,11 @@ by where in torch it was raised and by what this worker is, not by its wording a
   the group with a ValueError (PyPI's builds of 2.4.1 and 2.11.0), and one with a GPU fails at the
   first collective on CPU tensors.
 - `init_process_group` after `phalanx.init()`, which opened the default group already.
+- A GPU asked for on CPU workers where torch has none (`torch.cuda.set_device(local_rank)`,
+  `model.to(local_rank)`, `.cuda()`: the tutorials' and nanoGPT's lines): a CPU build says "module
+  'torch._C' has no attribute '_cuda_setDevice'" or "Torch not compiled with CUDA enabled", a CUDA
+  build on a host without a GPU "Found no NVIDIA driver"; the line names the script's own line.
+- `DistributedDataParallel(model, device_ids=[local_rank])` with the model on the CPU.
 
 And two the script's run stops on (exit 1): a collective of its own group that waited out
 `--timeout` (`stalled`: gloo's message names the wait, not the fix; the line names the rank and,
@@ -26,10 +31,13 @@ fetched a batch's shared memory from a loader worker, which then printed multipr
 
 from __future__ import annotations
 
+import linecache
+import os
 import re
 import signal
 import sys
 
+import torch
 import torch.distributed as dist
 
 from phalanx.errors import RunFailed, UsageError
@@ -52,6 +60,20 @@ GROUP_AFTER_INIT = ("the script calls torch.distributed.init_process_group after
                     "process group already: drop the script's own call (phalanx.init() joined the same world), or make "
                     "it before phalanx.init(), which then adopts the group the script opened")
 
+GPU_ON_CPU = ("the script asks for a GPU{at}, and these workers are CPU workers ({why}): keep the model and its "
+              "batches on the CPU - phalanx.init().device names each worker's device (cpu here, cuda:LOCAL_RANK on "
+              "GPUs) - and leave out torch.cuda.set_device and DistributedDataParallel's device_ids there")
+DDP_DEVICE_IDS_ON_CPU = ("the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...]){at}: "
+                         "device_ids names GPUs; leave it out (None) on CPU workers, or wrap the model with "
+                         "phalanx.prepare(model), which needs neither")
+# What torch says where a GPU is asked for and there is none: a CPU build (the first three: set_device, the
+# lazy CUDA start behind .cuda() and .to("cuda"), Module.to(0) or Tensor.to(0) through the accelerator API),
+# a CUDA build without a driver or a GPU (the rest).
+_NO_GPU = ("has no attribute '_cuda_", "Torch not compiled with CUDA enabled",
+           "Cannot access accelerator device when none is available", "Found no NVIDIA driver",
+           "No CUDA GPUs are available", "no CUDA-capable device is detected")
+_DDP_DEVICE_IDS = "device_ids and output_device arguments only work with"
+
 # What torch says where NCCL cannot serve CPU workers: a CPU build (RuntimeError), a CUDA build on a
 # host without a GPU (ValueError, from ProcessGroupNCCL's constructor), and a CUDA build's NCCL group
 # handed CPU tensors (RuntimeError).
@@ -73,7 +95,37 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     if init_ran and isinstance(exc, ValueError) and "default process group twice" in text \
             and where == "torch.distributed.distributed_c10d":
         return GROUP_AFTER_INIT
+    if device_type == "cpu" and isinstance(exc, (AttributeError, AssertionError, RuntimeError)) \
+            and any(said in text for said in _NO_GPU) and not torch.cuda.is_available() \
+            and not where.startswith("phalanx"):  # torch raises some from C++, in the frame that called it
+        why = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "this host has no GPU"
+        return GPU_ON_CPU.format(at=_at_scripts_line(exc), why=why)
+    if device_type == "cpu" and isinstance(exc, ValueError) and _DDP_DEVICE_IDS in text \
+            and "device(type='cpu')" in text and where == "torch.nn.parallel.distributed":
+        return DDP_DEVICE_IDS_ON_CPU.format(at=_at_scripts_line(exc))
     return None
+
+
+def _scripts_frame(exc: BaseException) -> tuple[str | None, int]:
+    """(file, line) of the innermost frame of `exc`'s traceback that is neither torch's nor
+    phalanx's: the script's line that led to it (or its library's); (None, 0) where there is none."""
+    found: tuple[str | None, int] = (None, 0)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").split(".")[0] not in ("torch", "phalanx"):
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def _at_scripts_line(exc: BaseException) -> str:
+    """" at train.py:89 (`torch.cuda.set_device(device)`)", or "" where no frame of the script's is known."""
+    path, line = _scripts_frame(exc)
+    if path is None:
+        return ""
+    code = linecache.getline(path, line).strip()
+    shown = f" (`{code if len(code) <= 80 else code[:77] + '...'}`)" if code else ""
+    return f" at {os.path.basename(path)}:{line}{shown}"
 
 
 def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, world: World | None = None) -> str | None:

@@ -78,6 +78,53 @@ def test_a_second_group_after_phalanx_init_is_named(no_group):
     assert reworded(exc, device_type="cpu", init_ran=False) is None  # the script's own two calls: torch's words
 
 
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: torch gives these scripts one")
+
+
+@no_gpu
+@pytest.mark.parametrize("asks", [
+    lambda: torch.cuda.set_device(0),                          # nanoGPT's and the DDP tutorials' line
+    lambda: torch.nn.Linear(2, 2).to(0),                       # the DDP tutorial's `ToyModel().to(rank)`
+    lambda: torch.zeros(1).cuda(),
+    lambda: torch.zeros(1).to("cuda:1"),
+], ids=["set_device", "module-to-rank", "cuda", "to-cuda"])
+def test_a_gpu_asked_for_on_cpu_workers_is_named_with_the_scripts_line(asks):
+    # nanoGPT's train.py under `phalanx run --devices cpu:2 ... --backend=gloo` ended in torch's
+    # "AttributeError: module 'torch._C' has no attribute '_cuda_setDevice'" and a traceback (torchrun's too).
+    exc = _caught(asks)
+    line = reworded(exc, device_type="cpu", init_ran=False)
+    assert line is not None, repr(exc)
+    assert line.startswith("the script asks for a GPU at test_script_errors.py:"), line
+    assert "these workers are CPU workers (" in line and "phalanx.init().device" in line
+    assert reworded(exc, device_type="cuda", init_ran=False) is None  # GPU workers: torch's own words
+
+
+@no_gpu
+@pytest.mark.parametrize("said", ["Found no NVIDIA driver on your system.", "No CUDA GPUs are available"])
+def test_a_cuda_build_without_a_gpu_is_named_too(said):
+    """What a CUDA build says on a host without a GPU (its lazy start, in torch.cuda), made here in a
+    frame of torch.cuda, since this build cannot say it."""
+    import torch.cuda as cuda
+
+    try:
+        exec(compile("raise RuntimeError(said)", cuda.__file__, "exec"), {"__name__": cuda.__name__, "said": said})
+    except RuntimeError as raised:
+        line = reworded(raised, device_type="cpu", init_ran=False)
+    assert line is not None and line.startswith("the script asks for a GPU"), line
+    assert reworded(ValueError(said), device_type="cpu", init_ran=False) is None  # another type: not torch's
+
+
+def test_ddps_device_ids_for_a_cpu_model_is_named(no_group):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    exc = _caught(lambda: torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), device_ids=[0]))
+    line = reworded(exc, device_type="cpu", init_ran=False)
+    assert line is not None and line.startswith("the script wraps a model on the CPU as DistributedDataParallel(model, "
+                                                "device_ids=[...]) at test_script_errors.py:"), line
+    assert line.endswith("leave it out (None) on CPU workers, or wrap the model with phalanx.prepare(model), which "
+                         "needs neither")
+    assert reworded(exc, device_type="cuda", init_ran=False) is None
+
+
 def test_only_gloos_own_timeout_is_reworded_as_the_timeout():
     from phalanx.runtime.script_errors import stalled
 
