@@ -35,28 +35,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Run the probe; print and return a row per (batch size, contender): ms a step per phase, and
     the step's time against the twin's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="lenet", choices=("lenet", "mlp"),
+                        help="mlp: 5.8 M parameters, a 23 MB gradient, where the exchange's bytes weigh")
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads per worker")
     parser.add_argument("--batch-sizes", default="256,1024")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS.values()),
+                        help="which, by kind (the lockstep twin always runs: the yardstick)")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="steps per block")
     args = parser.parse_args(argv)
-    jobs = [StepJob(model="lenet", global_batch_size=int(b), warmup_steps=2, steps=args.steps, lr=0.2, seed=0,
+    kinds = {"lockstep", *args.contenders.split(",")}
+    unknown = kinds - set(CONTENDERS.values())
+    if unknown:
+        parser.error(f"unknown contender {sorted(unknown)[0]!r}; choose from {', '.join(CONTENDERS.values())}")
+    chosen = {name: kind for name, kind in CONTENDERS.items() if kind in kinds}
+    jobs = [StepJob(model=args.model, global_batch_size=int(b), warmup_steps=2, steps=args.steps, lr=0.2, seed=0,
                     num_shards=args.devices, threads_per_device=args.threads, memory_format="auto")
             for b in args.batch_sizes.split(",")]
     rows = []
     for job in jobs:  # a start each, its lines printed as it ends: a deadline that cuts the next loses only that
-        (result,) = run_side_by_side([job], list(CONTENDERS.values()), num_procs=args.devices,
+        (result,) = run_side_by_side([job], list(chosen.values()), num_procs=args.devices,
                                      threads_per_proc=args.threads, blocks=args.blocks, timeout_s=120, deadline_s=540)
-        print(f"{args.devices} x {args.threads} threads, global batch {job.global_batch_size}: ms a step, and the "
+        print(f"{args.model}, {args.devices} x {args.threads} threads, global batch {job.global_batch_size}: ms a step, and the "
               f"step's time / the twin's ({args.blocks} blocks of {job.steps} steps)")
         twin = result.seconds["lockstep"]
-        for name, kind in CONTENDERS.items():
+        for name, kind in chosen.items():
             ms = result.phase_ms[kind]
             ratio = paired_ratio(result.seconds[kind], twin).median
             phases = "  ".join(f"{phase} {value:6.2f}" for phase, value in ms.items())
             print(f"  {name:<28} {phases}  step {sum(ms.values()):6.2f}  / twin's {ratio:.3f}", flush=True)
-            rows.append({"global_batch_size": job.global_batch_size, "contender": name, "ms_per_step": ms,
+            rows.append({"model": args.model, "global_batch_size": job.global_batch_size, "contender": name, "ms_per_step": ms,
                          "step_vs_twin": ratio})
     return rows
 

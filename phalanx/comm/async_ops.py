@@ -141,7 +141,6 @@ class AsyncComm:
         def run(flat: torch.Tensor) -> None:
             self._now(algorithm, tag, flat, start=lambda: dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True),
                       job=lambda transport, ticket: fn(flat, world=self.world, transport=transport, ticket=ticket))
-
         if tensor.requires_grad:  # sums written in place must not be recorded by autograd
             with torch.no_grad():
                 apply_flat(tensor, run)
@@ -150,13 +149,14 @@ class AsyncComm:
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, *, algorithm: str = "native", tag: Tag = ALLREDUCE,
-                        on_done: Callable[[], None] | None = None) -> Handle:
+                        on_done: Callable[[], None] | None = None, notes: torch.Tensor | None = None) -> Handle:
         """Start summing `tensor` in place across the world; the result is there after `wait()`.
 
         `tag`: what the collective is, as a failure names it (a bucket: Tag("gradient", i, step=s)).
         `on_done()` runs as soon as the backend has finished (on its thread, before any wait; only
-        if it completed, calls.py's `when_completed`): how a trace learns when communication ended."""
-        fn = allreduce_fn(algorithm)
+        if it completed, calls.py's `when_completed`): how a trace learns when communication ended.
+        `notes` ("shm" only): the NaN/Inf check's two sums, taken as the data moves (ShmGroup.allreduce)."""
+        fn = functools.partial(allreduce_fn(algorithm), **({} if notes is None else {"notes": notes}))
         if not self.world.distributed:
             if on_done is not None:
                 on_done()

@@ -42,7 +42,6 @@ rank's stores becoming visible to others in program order (x86-64's TSO memory m
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 from typing import Callable
@@ -54,6 +53,7 @@ from phalanx.comm import shm_kernel
 from phalanx.comm.calls import collective
 from phalanx.comm.shm_flags import (ARRIVED, LINE, LIVENESS_EVERY_S, REDUCED, SPIN_S, Flags, ShmError, ShmPeerGone,
                                    call_tags)
+from phalanx.comm.shm_sums import chunk_of, sum_into
 from phalanx.runtime.binding import available_cores
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.tags import Tag
@@ -199,15 +199,17 @@ class ShmGroup:
         if self._flags is not None:
             self._flags.aborted = True
 
-    def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None) -> bool:
+    def allreduce(self, flat: torch.Tensor, *, ticket: Ticket | None = None, notes: torch.Tensor | None = None) -> bool:
         """Sum the contiguous 1-D CPU tensor `flat` in place across the group. `ticket`: the call's
         board entry (calls.py), which waits read to name whom they wait for; None: lives and time.
         True when the round itself saw every rank's call carry `ticket`'s tag and size (a call of
-        one small round): settle (calls.py) then skips the board's pairing check."""
+        one small round): settle (calls.py) then skips the board's pairing check. `notes`: None, or
+        two float64s the NaN/Inf check reads (guards/finite.py): `flat`'s sum on entry is added to
+        the first, the summed `flat`'s to the second, in the passes that move the data anyway."""
         if flat.numel() * flat.element_size() <= self.slot_bytes and self._mmap is not None and flat.is_cpu:
-            return self._round(flat, ticket)  # one round, the common case: no windows to cut
+            return self._round(flat, ticket, notes)  # one round, the common case: no windows to cut
         for lo, hi in self.windows(flat):
-            self._round(flat[lo:hi], ticket)
+            self._round(flat[lo:hi], ticket, notes)
         return False
 
     def windows(self, flat: torch.Tensor) -> list[tuple[int, int]]:
@@ -260,27 +262,31 @@ class ShmGroup:
                                              half[self.k][:nbytes].view(dtype))
         return views
 
-    def _round(self, piece: torch.Tensor, ticket: Ticket | None) -> bool:
+    def _round(self, piece: torch.Tensor, ticket: Ticket | None, notes: torch.Tensor | None = None) -> bool:
         """One round of `piece`; a small one also compares every rank's tag (shm_flags.TAGS): True
-        when they all carried `ticket`'s."""
+        when they all carried `ticket`'s. `notes`: as allreduce's."""
         small = piece.numel() * piece.element_size() <= self.small_bytes
-        lo, hi = (0, piece.numel()) if small else _chunk(piece.numel(), self.k, self.rank, piece.element_size())
+        lo, hi = (0, piece.numel()) if small else chunk_of(piece.numel(), self.k, self.rank, piece.element_size())
         compiled = self.kernel_for(hi - lo) if piece.dtype in shm_kernel.DTYPES else None  # for this rank's sum
+        own, summed = (None, None) if notes is None else (notes[0:1], notes[1:2])
         if compiled is not None and small:  # the common case in one call (shm_kernel.c)
             self.round += 1
             g = self.round
             tags = call_tags(ticket, g)
-            done = compiled.small_round(g % 2, g, piece, *tags)
-            agreed = self.compiled_round_done(g, done, tags, ticket, rest=lambda: compiled.sum_slots(piece, g % 2))
+            done = compiled.small_round(g % 2, g, piece, *tags, notes=notes)
+            agreed = self.compiled_round_done(g, done, tags, ticket,
+                                              rest=lambda: compiled.sum_slots(piece, g % 2, note=summed))
             return ticket is not None and agreed
         g, inputs, result = self.begin(piece.numel(), piece.dtype)
-        inputs[self.rank].copy_(piece)
+        self._copy(inputs[self.rank], piece, own)
         if small:
             tags = call_tags(ticket, g)
             self.write_tags(g, tags)
         self.arrive(g, ticket)
         if small:
             sum_into(piece, inputs)
+            if summed is not None:
+                summed.add_(piece.sum())
             return ticket is not None and self.tags_agree(g, tags)
         if hi > lo:
             if compiled is not None:
@@ -289,8 +295,19 @@ class ShmGroup:
                 sum_into(result[lo:hi], [x[lo:hi] for x in inputs])
         self._flags.publish(REDUCED, g)
         self._flags.wait(REDUCED, g, ticket)
-        piece.copy_(result)
+        self._copy(piece, result, summed)
         return False
+
+    def _copy(self, out: torch.Tensor, source: torch.Tensor, note: torch.Tensor | None) -> None:
+        """out = source, and the float64 `note` (None: none) += its sum: in the copy's own pass where
+        the kernel runs this round's size and dtype, else by torch's sum after it."""
+        kernel = self.kernel_for(source.numel()) if note is not None and source.dtype in shm_kernel.DTYPES else None
+        if kernel is not None:
+            kernel.copy_noted(out, source, note)
+            return
+        out.copy_(source)
+        if note is not None:
+            note.add_(source.sum())
 
     def __enter__(self) -> "ShmGroup":
         return self
@@ -298,23 +315,3 @@ class ShmGroup:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def sum_into(out: torch.Tensor, parts: list[torch.Tensor], scratch: torch.Tensor | None = None) -> None:
-    """out = parts[0] + ... + parts[k-1], added in that order (k >= 2), so every shm sum is
-    deterministic. A part may be `out` itself if `scratch` holds the partial sums until the last add."""
-    acc = out if scratch is None or len(parts) == 2 else scratch
-    torch.add(parts[0], parts[1], out=acc)
-    for part in parts[2:-1]:
-        acc.add_(part)
-    if len(parts) > 2:
-        torch.add(acc, parts[-1], out=out)
-
-
-def _chunk(numel: int, parts: int, index: int, element_size: int) -> tuple[int, int]:
-    """[lo, hi) of chunk `index`: near-equal chunks whose bounds fall on 64-byte lines."""
-    per_line = max(1, LINE // element_size)
-    lines = math.ceil(numel / per_line)
-    base, extra = divmod(lines, parts)
-    lo_line = index * base + min(index, extra)
-    hi_line = lo_line + base + (1 if index < extra else 0)
-    return min(numel, lo_line * per_line), min(numel, hi_line * per_line)

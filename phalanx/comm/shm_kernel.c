@@ -98,6 +98,72 @@ void phx_sum_own(void *out, const char *first, int64_t stride, int32_t k, int32_
         SUM_OWN(double);
 }
 
+/* The NaN/Inf check's notes (data_parallel/guards/finite.py), taken in the pass that moves the data
+ * anyway: `*note` += the sum of what is copied or summed, added in LANES independent partial sums of
+ * the element's type (so the loop vectorises without reordering any one of them), then combined in
+ * double. Only whether a note is finite is read: it is NaN/Inf when an element is, or when finite
+ * elements sum past the type's range, as torch.sum's. The copied and summed values are unchanged. */
+#define LANES 32
+#define NOTED(T, VALUE_AT, STORE)                                                                 \
+    do {                                                                                          \
+        T acc[LANES] = {0};                                                                       \
+        int64_t i = 0;                                                                            \
+        for (; i + LANES <= n; i += LANES)                                                        \
+            for (int32_t j = 0; j < LANES; j++) { T v = VALUE_AT(i + j); STORE(i + j, v); acc[j] += v; } \
+        double s = 0;                                                                             \
+        for (; i < n; i++) { T v = VALUE_AT(i); STORE(i, v); s += v; }                           \
+        for (int32_t j = 0; j < LANES; j++) s += acc[j];                                          \
+        *note += s;                                                                               \
+    } while (0)
+
+#define COPY_AT(i) src[i]
+#define COPY_STORE(i, v) dst[i] = v
+#define COPY_NOTED(T)                                                                             \
+    do {                                                                                          \
+        T *restrict dst = (T *)out;                                                               \
+        const T *restrict src = (const T *)in;                                                    \
+        NOTED(T, COPY_AT, COPY_STORE);                                                            \
+    } while (0)
+
+/* out = in (n elements), and *note += their sum. */
+__attribute__((target_clones("avx2", "avx", "default")))
+void phx_copy_noted(void *out, const void *in, int64_t n, int32_t dtype, double *note) {
+    if (dtype == F32)
+        COPY_NOTED(float);
+    else
+        COPY_NOTED(double);
+}
+
+#define FIRST_AT(i) (a[i] + p[i])
+#define LAST_AT(i) (o[i] + p[i])
+#define LAST_STORE(i, v) o[i] = v
+#define SUM_ROWS_NOTED(T)                                                                         \
+    do {                                                                                          \
+        T *restrict o = (T *)out;                                                                 \
+        const T *restrict a = (const T *)first, *restrict p = (const T *)(first + stride);      \
+        if (k > 2) {                                                                              \
+            for (int64_t i = 0; i < n; i++) o[i] = a[i] + p[i];                                   \
+            for (int32_t r = 2; r < k - 1; r++) {                                                 \
+                const T *restrict q = (const T *)(first + r * stride);                           \
+                for (int64_t i = 0; i < n; i++) o[i] += q[i];                                     \
+            }                                                                                     \
+            p = (const T *)(first + (int64_t)(k - 1) * stride);                                  \
+            NOTED(T, LAST_AT, LAST_STORE);                                                        \
+        } else {                                                                                  \
+            NOTED(T, FIRST_AT, LAST_STORE);                                                       \
+        }                                                                                         \
+    } while (0)
+
+/* phx_sum_rows, the same adds in the same order, and *note += the sum of `out` as it ends. */
+__attribute__((target_clones("avx2", "avx", "default")))
+void phx_sum_rows_noted(void *out, const char *first, int64_t stride, int32_t k, int64_t n, int32_t dtype,
+                        double *note) {
+    if (dtype == F32)
+        SUM_ROWS_NOTED(float);
+    else
+        SUM_ROWS_NOTED(double);
+}
+
 /* Set this rank's `field` to `value`; wake the peers that sleep on it (only those that marked). */
 void phx_publish(const phx_group *g, int32_t field, int64_t value) {
     int64_t index = (int64_t)g->rank * LINE_WORDS + field;
@@ -147,18 +213,25 @@ static void write_tags(const phx_group *g, int32_t parity, int64_t code, int64_t
 
 /* One round of a piece summed whole by every rank (shm.py's small pieces): copy in, write this
  * call's tag code and key beside the flags, publish arrival, spin, sum every slot in rank order
- * into the piece, compare every rank's tag. 1: done, every rank's call carried the same tag;
- * 2: done, a tag differs (the caller asks the collective board whether that is a mismatch);
- * 0: a peer is late, the caller sleeps until all arrived, then calls phx_sum_rows and
- * phx_tags_agree itself. */
+ * into the piece, compare every rank's tag. `notes`: NULL, or the check's two notes, added to (the
+ * own piece's sum, the summed piece's). 1: done, every rank's call carried the same tag; 2: done, a
+ * tag differs (the caller asks the collective board whether that is a mismatch); 0: a peer is late,
+ * the caller sleeps until all arrived, then calls phx_sum_rows (or _noted) and phx_tags_agree itself. */
 int32_t phx_small_round(const phx_group *g, int32_t parity, int64_t round, void *piece, int64_t numel,
-                        int32_t dtype, int64_t code, int64_t key) {
+                        int32_t dtype, int64_t code, int64_t key, double *notes) {
     int64_t nbytes = numel * (dtype == F32 ? 4 : 8);
-    memcpy(g->slots[parity] + (int64_t)g->rank * g->slot_stride, piece, (size_t)nbytes);
+    char *slot = g->slots[parity] + (int64_t)g->rank * g->slot_stride;
+    if (notes)  /* notes[0] += this rank's own piece's sum, notes[1] += the summed piece's */
+        phx_copy_noted(slot, piece, numel, dtype, &notes[0]);
+    else
+        memcpy(slot, piece, (size_t)nbytes);
     write_tags(g, parity, code, key);
     phx_publish(g, 0, round);
     if (!phx_spin(g, 0, round)) return 0;
-    phx_sum_rows(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype);
+    if (notes)
+        phx_sum_rows_noted(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype, &notes[1]);
+    else
+        phx_sum_rows(piece, g->slots[parity], g->slot_stride, g->k, numel, dtype);
     return phx_tags_agree(g, parity, code, key) ? 1 : 2;
 }
 

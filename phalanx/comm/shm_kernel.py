@@ -201,6 +201,10 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     group, i32, i64, ptr = ctypes.POINTER(_Group), ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
     library.phx_sum_rows.argtypes = [ptr, ptr, i64, i32, i64, i32]
     library.phx_sum_rows.restype = None
+    library.phx_sum_rows_noted.argtypes = [ptr, ptr, i64, i32, i64, i32, ptr]
+    library.phx_sum_rows_noted.restype = None
+    library.phx_copy_noted.argtypes = [ptr, ptr, i64, i32, ptr]
+    library.phx_copy_noted.restype = None
     library.phx_sum_own.argtypes = [ptr, ptr, i64, i32, i32, i64, i32]
     library.phx_sum_own.restype = None
     library.phx_reduce_scatter_round.argtypes = [group, i32, i64, ptr, i64, i64, i64, i64, i32, i64, i64]
@@ -213,7 +217,7 @@ def _declare(library: ctypes.CDLL) -> ctypes.CDLL:
     library.phx_publish.restype = None
     library.phx_spin.argtypes = [group, i32, i64]
     library.phx_spin.restype = i32
-    library.phx_small_round.argtypes = [group, i32, i64, ptr, i64, i32, i64, i64]
+    library.phx_small_round.argtypes = [group, i32, i64, ptr, i64, i32, i64, i64, ptr]
     library.phx_small_round.restype = i32
     library.phx_tags_agree.argtypes = [group, i32, i64, i64]
     library.phx_tags_agree.restype = i32
@@ -233,19 +237,26 @@ class Rounds:
         self._publish = library.phx_publish
         self._spin = library.phx_spin
         self._sum_rows = library.phx_sum_rows
+        self._sum_rows_noted = library.phx_sum_rows_noted
+        self._copy_noted = library.phx_copy_noted
         self._sum_own = library.phx_sum_own
         self._reduce_scatter_round = library.phx_reduce_scatter_round
         self._all_gather_round = library.phx_all_gather_round
         self._gather_out = library.phx_gather_out
         self._rank = rank
 
-    def small_round(self, parity: int, g: int, piece: torch.Tensor, code: int, key: int) -> int:
+    def small_round(self, parity: int, g: int, piece: torch.Tensor, code: int, key: int,
+                    notes: torch.Tensor | None = None) -> int:
         """Copy in, write the call's tag `code` and `key` (shm_flags.TAGS), publish, spin, sum whole
         into `piece`, compare every rank's tag: SMALL_AGREED or SMALL_DIFFER when done; SMALL_LATE
         when a peer is late (the caller sleeps until every rank arrived, then calls `sum_slots`
-        and `tags_agree`)."""
+        and `tags_agree`). `notes`: two float64s, the own piece's sum and the summed one's added to."""
         return self._small_round(self._ref, parity, g, piece.data_ptr(), piece.numel(), DTYPES[piece.dtype], code,
-                                 key)
+                                 key, None if notes is None else notes.data_ptr())
+
+    def copy_noted(self, out: torch.Tensor, source: torch.Tensor, note: torch.Tensor) -> None:
+        """out = source (contiguous, one float dtype), and the float64 `note` += its sum, in one pass."""
+        self._copy_noted(out.data_ptr(), source.data_ptr(), out.numel(), DTYPES[out.dtype], note.data_ptr())
 
     def tags_agree(self, parity: int, code: int, key: int) -> bool:
         """True when every rank's tag words of half `parity` hold `code` and `key`."""
@@ -258,10 +269,15 @@ class Rounds:
         """True once every rank's `field` >= value; False after the group's spin time."""
         return bool(self._spin(self._ref, field, value))
 
-    def sum_slots(self, out: torch.Tensor, parity: int, offset_bytes: int = 0) -> None:
-        """out = the k input slots of half `parity` (from `offset_bytes` on, out's length), in rank order."""
-        self._sum_rows(out.data_ptr(), self._slots[parity] + offset_bytes, self._stride, self._k, out.numel(),
-                       DTYPES[out.dtype])
+    def sum_slots(self, out: torch.Tensor, parity: int, offset_bytes: int = 0, note: torch.Tensor | None = None):
+        """out = the k input slots of half `parity` (from `offset_bytes` on, out's length), in rank
+        order; the float64 `note`, if given, += out's sum."""
+        first = self._slots[parity] + offset_bytes
+        if note is None:
+            self._sum_rows(out.data_ptr(), first, self._stride, self._k, out.numel(), DTYPES[out.dtype])
+        else:
+            self._sum_rows_noted(out.data_ptr(), first, self._stride, self._k, out.numel(), DTYPES[out.dtype],
+                                 note.data_ptr())
 
     def sum_with_own(self, own: torch.Tensor, parity: int, offset_bytes: int) -> None:
         """own = the k input slots of half `parity` (from `offset_bytes` on, own's length) in rank

@@ -41,18 +41,20 @@ import torch
 
 from phalanx.comm import shm_kernel
 from phalanx.comm.counts import own_range
-from phalanx.comm.shm import ShmGroup, sum_into
+from phalanx.comm.shm import ShmGroup
+from phalanx.comm.shm_sums import sum_into
 from phalanx.comm.shm_flags import call_tags
 from phalanx.runtime.board import Ticket
 from phalanx.runtime.world import World
 
 
 def allreduce_shm(flat: torch.Tensor, *, world: World, transport: ShmGroup | None = None,
-                  ticket: Ticket | None = None) -> bool:
+                  ticket: Ticket | None = None, notes: torch.Tensor | None = None) -> bool:
     """Sum `flat` in place across `world` through `transport`'s shared segment (an ShmGroup);
     `ticket`: the call's entry on the collective board, when the caller made one. True when the
-    segment itself saw every rank's call carry the ticket's tag (calls.py: settle skips the board's check)."""
-    return world.distributed and segment_of(transport, "allreduce").allreduce(flat, ticket=ticket)
+    segment itself saw every rank's call carry the ticket's tag (calls.py: settle skips the board's check).
+    `notes`: the NaN/Inf check's two sums, taken as the data moves (ShmGroup.allreduce)."""
+    return world.distributed and segment_of(transport, "allreduce").allreduce(flat, ticket=ticket, notes=notes)
 
 
 def reduce_scatter_shm(flat: torch.Tensor, *, counts: Sequence[int], world: World, transport: ShmGroup | None = None,

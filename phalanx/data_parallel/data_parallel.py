@@ -179,8 +179,7 @@ class DataParallel(ReplicaModule):
         if self._layout.before_step(set_to_none=set_to_none):  # requires_grad changed since the layout
             self._rewire()
         if self.sharding is not None and not self.sharding.keeps_gradients:
-            self.sharding.zero_grad()  # its buckets hold nothing between steps
-            return
+            return self.sharding.zero_grad()  # its buckets hold nothing between steps
         self._layout.zero()
 
     def no_sync(self, enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -189,14 +188,12 @@ class DataParallel(ReplicaModule):
         return no_sync(self, enabled=enabled)
 
     def accumulate(self, micro_batches: int | Iterable) -> Iterator:
-        """Yield `micro_batches`' items (an int n: 0..n-1), all but the last under `no_sync()`:
-        gradient accumulation as a loop (accumulate.py); then finish_gradient_sync and step."""
+        """Gradient accumulation as a loop: `micro_batches`' items (n: 0..n-1), all but the last under `no_sync()`."""
         return accumulate(self.no_sync, micro_batches)
 
     @property
     def first_step_pending(self) -> bool:
-        """True until rank 0's one-time look at the first synced step is done (guards/step_extras.py):
-        only then must a loss come through `shard_loss` to be recognised."""
+        """True until rank 0's first-step look is done (step_extras.py): until then losses go through `shard_loss`."""
         return self._extras.first_step is not None
 
     @property
@@ -215,8 +212,7 @@ class DataParallel(ReplicaModule):
         self._unsynced.landed(synced=self._sync_enabled)
 
     def _launch(self, bucket: Bucket):
-        """The one send path: `bucket`'s allreduce (its reduce-scatter when sharded), on the wire
-        in its wire dtype, traced, tagged."""
+        """The one send path: `bucket`'s allreduce (sharded: its reduce-scatter), in its wire dtype, traced, tagged."""
         # Sharded stages 2-3 send the gradients autograd made (fill): in the bucket, or as they are.
         # An alias with a version counter of its own: the sum moves no counter the usage notes watch (usage.py).
         sent = bucket.storage.data if self.sharding is None else self.sharding.fill(bucket)
@@ -224,8 +220,10 @@ class DataParallel(ReplicaModule):
             if bucket is self.buckets[-1]:
                 self._usage.write_flags()  # every gradient of this rank's has landed by now (usage.py)
             self._usage.noted(bucket.index)
-        self._finite.before_sum(sent)  # this rank's own gradient, before the sum spreads it
-        wire = wire_of(sent, self.grad_dtype)
+        wire = wire_of(sent, self.grad_dtype)  # this rank's own sum, noted before the sum spreads it (or by shm's):
+        notes = self._finite.before_sum(sent, index=bucket.index, buckets=len(self.buckets), by_transport=(
+            self._owns_comm and self.world.distributed and self.algorithm == "shm" and wire is sent
+            and self.sharding is None))
         on_done = None
         if self.tracer is not None:
             record = self.tracer.comm_launched(bucket.index, wire.numel() * wire.element_size(),
@@ -234,7 +232,8 @@ class DataParallel(ReplicaModule):
         tag = Tag("gradient", bucket.index, step=self._synced_steps)  # what a failure calls this collective
         if self.sharding is not None:
             return self.sharding.reduce_scatter(bucket, sent, wire, tag=tag, on_done=on_done)
-        handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, tag=tag, on_done=on_done)
+        handle = self._comm.allreduce_async(wire, algorithm=self.algorithm, tag=tag, on_done=on_done,
+                                            **({} if notes is None else {"notes": notes}))  # (a caller's comm: none)
         return handle if wire is sent else DecompressingHandle(handle, wire, sent)
 
     def finish_gradient_sync(self) -> None:
@@ -263,12 +262,13 @@ class DataParallel(ReplicaModule):
             check_gradients_aliased(self._usage, self.module, compiled_after_prepare=self.compiled_after_prepare,
                                     sharded=self.sharding is not None)
         # What no rank used loses its gradient, as on one device; small sums apart if need be (layout.py).
-        if self._layout.after_sum(lambda flat: self.allreduce_now(
+        if laid_out_again := self._layout.after_sum(lambda flat: self.allreduce_now(
                 flat, Tag("gradient", len(self.buckets), step=self._synced_steps))):
             self._rewire()
         self._synced_steps += 1
         summed = [b.buffer for b in self.buckets] if self.sharding is None else self.sharding.shard_grads
-        self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum)
+        self._finite.after_sum(summed, step=self._synced_steps, allreduce=self._finite_check_sum,
+                               laid_out_again=laid_out_again)
         self._replicas.after_step(self._synced_steps)
         self._extras.after_exchange(summed, self.allreduce_now)
         self._layout.end_sync(lambda flat: self.allreduce_now(flat, Tag("sparse gradient rows")))

@@ -14,8 +14,10 @@ needs more, widened for more buckets, then kept), so a step makes no tensor at a
 vectorised pass per bucket and side, 6 µs for LeNet's 126 k gradients on the 2-core CPU, where
 `isfinite(g).all()` costs 250 µs. Until 2026-12-05 each step also stacked its sums, tested them and
 wrote two flags, a dozen small ops: the check cost a small MLP's step 75 µs, now 40
-(docs/benchmarks.md). The table keeps the memory flat: a stacked tensor kept per step until the
-check lived across steps in glibc's heap, where the allocator setting
+(docs/benchmarks.md). Over the shm allreduce the exchange takes both sums itself, in the passes that
+copy and sum the bucket (finite_notes.py): a 23 MB gradient's two passes here cost 2-3 ms a step.
+The table keeps the memory flat: a stacked tensor kept per step until the check lived across steps
+in glibc's heap, where the allocator setting
 (runtime/binding.py) puts the step's large blocks too, and pinned the holes they leave; a
 worker's peak RSS then grew step by step (a 16.8 M-parameter MLP with Adam, 2 CPU workers, per
 rank: 0.78-1.07 GB after 5 steps, 1.36-2.06 GB after 100; with the table 0.75-0.85 GB, torch
@@ -59,6 +61,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 
 from phalanx.data_parallel.guards.checks import NonFinite
+from phalanx.data_parallel.guards.finite_notes import NOTED_DTYPES, TransportNotes
 from phalanx.errors import warn_at_caller
 from phalanx.runtime.world import World
 
@@ -104,11 +107,18 @@ class FiniteCheck:
         self._own_at = 0  # the own column the next launch of this step writes
         self._adding = False  # another backward of this step: its launches add to the notes of the earlier
         self._local_at = 0  # the step this rank's own checks last looked at (no collective)
+        self._transport = TransportNotes()  # sums the shm allreduce takes as it moves a bucket (finite_notes.py)
 
-    def before_sum(self, bucket: torch.Tensor) -> None:
-        """Note this rank's own `bucket` as it goes on the wire (a synced step's launch)."""
+    def before_sum(self, bucket: torch.Tensor, *, index: int = 0, buckets: int = 1,
+                   by_transport: bool = False) -> torch.Tensor | None:
+        """Note this rank's own `bucket` as it goes on the wire (a synced step's launch). `by_transport`:
+        the exchange can take the sums as it moves the bucket (the shm allreduce): then the pair it
+        adds them to (bucket `index` of `buckets`; finite_notes.py), read at after_sum; else None."""
         if not self.every:
-            return
+            return None
+        if by_transport and bucket.dtype in NOTED_DTYPES:
+            self._own_at += 1
+            return self._transport.pair(index, buckets=buckets, own_column=self._own_at - 1)
         cell = self._cell(0, self._own_at, bucket)
         if self._adding:
             cell.add_(_sum(bucket).to(cell.dtype))
@@ -123,15 +133,23 @@ class FiniteCheck:
         if self.every:
             self._own_at, self._adding = 0, True
 
-    def after_sum(self, summed: Sequence[torch.Tensor], *, step: int,
-                  allreduce: Callable[[torch.Tensor], object]) -> None:
+    def after_sum(self, summed: Sequence[torch.Tensor], *, step: int, allreduce: Callable[[torch.Tensor], object],
+                  laid_out_again: bool = False) -> None:
         """Note synced step `step`'s summed buckets; at a check step, compare notes across ranks
-        (`allreduce` sums a small float64 tensor in place on every rank) and raise if any was NaN/Inf."""
+        (`allreduce` sums a small float64 tensor in place on every rank) and raise if any was NaN/Inf.
+        `laid_out_again`: the buckets were laid out anew after the sum (layout.py): the sums the
+        exchange took of the old ones are not these buckets', so they are summed here."""
+        taken = self._transport.take()
         if not self.every or not summed:
             return
         self._settle(allreduce)
+        for j, notes in taken.items():
+            self._cell(0, notes.own_column, notes.own).copy_(notes.own)
         for j, bucket in enumerate(summed):
-            _sum_into(self._cell(1, j, bucket), bucket)
+            if j in taken and not laid_out_again:
+                self._cell(1, j, bucket).copy_(taken[j].summed)
+            else:
+                _sum_into(self._cell(1, j, bucket), bucket)
         self._noted += 1
         self._own_at, self._adding = 0, False
         if step % self.every == 0:
