@@ -178,6 +178,13 @@ case "$mode" in
         if (( SECONDS < budget_s - 60 )); then
             step round-cost 60 "$py" tools/shm_round_cost.py --ranks 2,8 --calls 3000 --rounds 3
         fi
+        # Where a gradient's bytes weigh (the MLP's 23 MB, one bucket): the collective's own cost inside a step
+        # (the gradient-sized twin), the NaN/Inf check's (taken by the shm rounds since 2026-12-05: "unchecked"
+        # should read as phalanx), and the rounds on the training thread's team (~20 s on 2 cores at 2 x 1).
+        if (( SECONDS < budget_s - 70 )); then
+            step gap-probe-mlp 60 "$py" tools/gap_probe.py --model mlp --devices 8 --threads 2 --batch-sizes 256 \
+                --contenders lockstep-full,phalanx,unchecked,team-rounds --blocks 6 --steps 4
+        fi
         # Whether the communication thread beside backward pays where the workers fill every core
         # (auto turns it off there: 0.60x / 1.00x at batch 256 / 1024 on 2026-12-04).
         if (( SECONDS < budget_s - 60 )); then
