@@ -58,9 +58,10 @@ def _phalanx_lines(done: subprocess.CompletedProcess) -> list[str]:
 def test_each_gpu_line_of_a_ddp_script_on_cpu_workers_is_one_line_naming_it(tmp_path):
     asked = _run(tmp_path, device='f"cuda:{local_rank}"', device_ids="[local_rank]")
     assert asked.returncode == 2, asked.stderr[-3000:]
+    why = f"torch {torch.__version__} has no CUDA" if torch.version.cuda is None else "this host has no GPU"
     assert _phalanx_lines(asked) == [
         f"phalanx: error: the script asks for a GPU at train.py:11 (`torch.cuda.set_device(device)`), and these "
-        f"workers are CPU workers (torch {torch.__version__} has no CUDA): keep the model and its batches on the CPU - "
+        f"workers are CPU workers ({why}): keep the model and its batches on the CPU - "
         "phalanx.init().device names each worker's device (cpu here, cuda:LOCAL_RANK on GPUs) - and leave out "
         "torch.cuda.set_device and DistributedDataParallel's device_ids there"], asked.stderr[-3000:]
     assert "Traceback" not in asked.stderr
