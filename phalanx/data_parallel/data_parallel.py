@@ -193,7 +193,7 @@ class DataParallel(ReplicaModule):
 
     @property
     def first_step_pending(self) -> bool:
-        """True until rank 0's first-step look is done (step_extras.py): until then losses go through `shard_loss`."""
+        """True until rank 0's first-step look (step_extras.py) is done; only meanwhile must a loss come via `shard_loss`."""
         return self._extras.first_step is not None
 
     @property
@@ -220,7 +220,7 @@ class DataParallel(ReplicaModule):
             if bucket is self.buckets[-1]:
                 self._usage.write_flags()  # every gradient of this rank's has landed by now (usage.py)
             self._usage.noted(bucket.index)
-        wire = wire_of(sent, self.grad_dtype)  # this rank's own sum, noted before the sum spreads it (or by shm's):
+        wire = wire_of(sent, self.grad_dtype)  # then this rank's own sum, noted before the sum spreads it
         notes = self._finite.before_sum(sent, index=bucket.index, buckets=len(self.buckets), by_transport=(
             self._owns_comm and self.world.distributed and self.algorithm == "shm" and wire is sent
             and self.sharding is None))
