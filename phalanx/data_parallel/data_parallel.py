@@ -193,7 +193,7 @@ class DataParallel(ReplicaModule):
 
     @property
     def first_step_pending(self) -> bool:
-        """True until rank 0's first-step look (step_extras.py) is done; only meanwhile must a loss come via `shard_loss`."""
+        """True until rank 0's first-step look (step_extras.py) ends; only meanwhile must losses use `shard_loss`."""
         return self._extras.first_step is not None
 
     @property
