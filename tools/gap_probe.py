@@ -1,7 +1,8 @@
 """Where phalanx/k's step loses to its lockstep twin, and which change would win it back: one start
 of k workers taking turns, phase by phase (measure/phases.py), with the suspects as contenders.
 
-    .venv/bin/python tools/gap_probe.py [--devices 8] [--threads 2] [--batch-sizes 256,1024] [--blocks 8]
+    .venv/bin/python tools/gap_probe.py [--model lenet|mlp] [--devices 8] [--threads 2] [--batch-sizes 256,1024]
+                                        [--blocks 8] [--contenders lockstep-full,phalanx,...]
 
 Contenders, side by side in the same workers (measure/side_by_side.py): the lockstep twin (the plain
 step, a 4-byte meeting after backward); the twin meeting through an allreduce as large as phalanx's
