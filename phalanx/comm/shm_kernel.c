@@ -141,12 +141,8 @@ void phx_copy_noted(void *out, const void *in, int64_t n, int32_t dtype, double 
     do {                                                                                          \
         T *restrict o = (T *)out;                                                                 \
         const T *restrict a = (const T *)first, *restrict p = (const T *)(first + stride);      \
-        if (k > 2) {                                                                              \
-            for (int64_t i = 0; i < n; i++) o[i] = a[i] + p[i];                                   \
-            for (int32_t r = 2; r < k - 1; r++) {                                                 \
-                const T *restrict q = (const T *)(first + r * stride);                           \
-                for (int64_t i = 0; i < n; i++) o[i] += q[i];                                     \
-            }                                                                                     \
+        if (k > 2) { /* rows 0..k-2 as phx_sum_rows adds them, then the last one noted */          \
+            phx_sum_rows(out, first, stride, k - 1, n, dtype);                                    \
             p = (const T *)(first + (int64_t)(k - 1) * stride);                                  \
             NOTED(T, LAST_AT, LAST_STORE);                                                        \
         } else {                                                                                  \
