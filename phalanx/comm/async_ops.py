@@ -85,8 +85,7 @@ class AsyncComm:
     map segments). Construct it at the same point on every rank: opening a group or a segment is a
     collective. `compiled_rounds`: False runs the shm segment's rounds in Python (ShmGroup's).
     `threaded`: False starts no thread; a launch but a native one runs to its end on the caller's
-    thread (where no core is free for a thread, handing it work only adds wake-ups to each call).
-    """
+    thread (where no core is free for a thread, handing it work only adds wake-ups to each call)."""
 
     def __init__(self, *, world: World, algorithms=None, compiled_rounds: bool = True, threaded: bool = True) -> None:
         self.world = world
@@ -156,7 +155,8 @@ class AsyncComm:
         `on_done()` runs as soon as the backend has finished (on its thread, before any wait; only
         if it completed, calls.py's `when_completed`): how a trace learns when communication ended.
         `notes` ("shm" only): the NaN/Inf check's two sums, taken as the data moves (ShmGroup.allreduce)."""
-        fn = functools.partial(allreduce_fn(algorithm), **({} if notes is None else {"notes": notes}))
+        fn = allreduce_fn(algorithm)
+        fn = fn if notes is None else functools.partial(fn, notes=notes)  # no partial on the common path
         if not self.world.distributed:
             if on_done is not None:
                 on_done()
