@@ -9,7 +9,8 @@ temporary file, or nothing. A process stopped by a signal whose handler runs no 
 write cut short by the signal leaves no temporary file behind either. A process killed outright
 (SIGKILL, a power cut) cannot; `remove_stale_temporaries` removes what such a write left, for
 the next run that holds the directory (job/dirlock.py, under its lock). A temporary file's name
-carries its writer's pid, so where no lock is held (a script's `phalanx.resume`) it removes,
+carries its writer's pid, so where no lock covers the directory (a script's `phalanx.resume`:
+file_lock.py holds one checkpoint, and another job may write another beside it) it removes,
 given `writer_alive`, only those whose writer is gone.
 """
 

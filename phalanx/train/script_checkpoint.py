@@ -19,6 +19,7 @@ import torch
 from phalanx.atomic import remove_stale_temporaries
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import PhalanxWarning, warn_at_caller
+from phalanx.file_lock import hold_for_process
 from phalanx.runtime.foreign_names import in_phalanx_order
 from phalanx.runtime.procs import process_alive
 from phalanx.runtime.world import World
@@ -64,18 +65,30 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     `extras`: the rest of the training state by name, `{"scheduler": scheduler, "scaler": scaler}`:
     each object's `state_dict()` (rank 0's: they are replicated like the model). `loader`: the
     `phalanx.ShardedLoader` the loop reads, whose every rank's RNG states at the epoch's start make
-    a resume at `step` exact for data that draws random numbers. Rank 0 writes, atomically."""
+    a resume at `step` exact for data that draws random numbers. Rank 0 writes, atomically, and holds
+    `location` for the rest of its process: another job given it stops in one line (file_lock.py)."""
     world.check_here("phalanx.checkpoint")
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     _name_the_loader_left_out(loader, step=step, world=world)
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")
         model.check_replicas(where="phalanx.checkpoint()", optimizers=[optimizer])
+    if world.is_main:  # after the checks: a refused checkpoint leaves nothing, not even its directory
+        checkpoint_path(location).parent.mkdir(parents=True, exist_ok=True)
+        _hold(location, "phalanx.checkpoint")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
                            fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
                            dp=_sharded(model), extras=states, loader_record=loader_record(loader))
+
+
+def _hold(location: str | Path, caller: str) -> None:
+    """Rank 0 holds `location`'s checkpoint for the rest of the job (file_lock.py)."""
+    path = checkpoint_path(location)
+    hold_for_process(path, refusal=lambda holder: (
+        f"{caller}: {path} is the checkpoint of another job ({holder}, its rank 0), and two jobs writing one "
+        "checkpoint resume from each other's; wait for that job to end, or give this one another location"))
 
 
 _SAID = []  # the warning below, once a process
@@ -110,7 +123,9 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     """
     world.check_here("phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
-    if world.is_main:  # what a worker killed during a write left (no lock sweeps a script's directory)
+    if world.is_main and checkpoint_path(location).parent.is_dir():  # else nothing to resume, nor to guard yet
+        _hold(location, "phalanx.resume")
+    if world.is_main:  # what a worker killed during a write left (another job's writes may be in progress)
         remove_stale_temporaries(checkpoint_path(location).parent, writer_alive=process_alive)
     if not has_checkpoint(location):
         return Position(epoch=0, step=0)

@@ -4,7 +4,8 @@ itself loads without a word - is refused in one line naming the file and the rec
 directory's damaged newest checkpoint gives way to the one before it, saying so, and is set aside
 (checkpoint.damaged.pt), so no later save rotates it over the intact one; a save that fails (a
 full disk, simulated by an fsync that raises ENOSPC) rotates nothing; a file named on its own is
-refused, naming the one before it."""
+refused, naming the one before it. (The listings name this process's hold on the checkpoint too,
+.checkpoint.pt.lock: file_lock.py, released as the process ends.)"""
 
 import errno
 import os
@@ -47,7 +48,7 @@ def test_a_save_keeps_the_checkpoint_it_replaces(tmp_path):
     newest, previous = ckpt.generation_paths(tmp_path)
     assert (newest.name, previous.name) == ("checkpoint.pt", "checkpoint.previous.pt")
     assert ckpt.read_checkpoint(newest)["epoch"] == 3 and ckpt.read_checkpoint(previous)["epoch"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous.pt", "checkpoint.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.lock", "checkpoint.previous.pt", "checkpoint.pt"]
 
 
 def test_without_hard_links_the_previous_one_is_copied(tmp_path, monkeypatch):
@@ -59,7 +60,7 @@ def test_without_hard_links_the_previous_one_is_copied(tmp_path, monkeypatch):
     _save(tmp_path, model, 1)
     _save(tmp_path, model, 2)
     assert [ckpt.read_checkpoint(p)["epoch"] for p in ckpt.generation_paths(tmp_path)] == [2, 1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous.pt", "checkpoint.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.lock", "checkpoint.previous.pt", "checkpoint.pt"]
 
 
 def test_a_flipped_byte_in_a_tensor_is_refused_in_one_line_naming_the_file(tmp_path):
@@ -209,7 +210,7 @@ def test_a_save_that_fails_rotates_nothing(tmp_path, monkeypatch):
     with pytest.raises(WriteFailed, match="No space left on device"):
         _save(tmp_path, model, 3)
     assert _epochs(tmp_path) == [2, 1]  # both generations as they were, nothing half-written beside them
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous.pt", "checkpoint.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.lock", "checkpoint.previous.pt", "checkpoint.pt"]
 
 
 def test_after_a_fall_back_the_damaged_file_is_no_generation_and_a_failed_save_keeps_the_good_one(tmp_path,
@@ -221,7 +222,7 @@ def test_after_a_fall_back_the_damaged_file_is_no_generation_and_a_failed_save_k
     with pytest.warns(PhalanxWarning, match=r"so this is the checkpoint before it \(kept as checkpoint.damaged.pt, "
                                             r"no longer a checkpoint\)"):
         assert _resume(tmp_path, _model()).epoch == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.damaged.pt", "checkpoint.previous.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.pt.lock", "checkpoint.damaged.pt", "checkpoint.previous.pt"]
     with monkeypatch.context() as patched:
         _full_disk(patched, tmp_path)
         with pytest.raises(WriteFailed):  # the resumed run's first save fails
@@ -240,4 +241,5 @@ def test_a_resume_that_needs_no_fall_back_sets_nothing_aside(tmp_path):
     with pytest.warns(PhalanxWarning, match="is missing, so this is the checkpoint before it$"):
         _resume(tmp_path, _model())
     assert _resume(tmp_path / "checkpoint.previous.pt", _model()).epoch == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.previous.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.previous.pt.lock", ".checkpoint.pt.lock",
+                                                          "checkpoint.previous.pt"]  # a file named on its own is held

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "phalanx"
 # Layer of each top-level part: a module may import only parts of a lower or equal layer
 # (equal: within its own part). models and telemetry know nothing of the others.
 LAYERS = {
-    "errors": 0, "atomic": 0, "outdir": 0, "caches": 0, "models": 0, "options": 0, "command_parser": 0,
+    "errors": 0, "atomic": 0, "file_lock": 0, "outdir": 0, "caches": 0, "models": 0, "options": 0, "command_parser": 0,
     "dependencies": 0, "public_names": 0,
     "telemetry": 1, "data": 1, "runtime": 1,
     "comm": 2,
