@@ -67,7 +67,7 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
             elif restarts < config.restarts.max_restarts:
                 restarts += 1
                 say(f"{failed}; restart {restarts} of {config.restarts.max_restarts} from {where} "
-                    f"on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}")
+                    f"on {plan.num_devices} device{'s' * (plan.num_devices > 1)} {plan}{failure.shown()}")
             else:
                 raise
             previous = (failure.device, position)

@@ -4,7 +4,8 @@
 died, raised or stopped answering: its rank, its device, how) - or None for what would repeat (a
 checked condition such as a NaN loss, bad input, a failure no rank is blamed for).
 `with_restarts` starts the workers again, every one, after such a failure, up to N times, each
-restart one line on stderr naming the rank, its device and what happened; the attempt's number
+restart one line on stderr naming the rank, its device and what happened (then the rank's
+traceback, where it raised: a restart must not hide why it was needed); the attempt's number
 reaches the workers as torchrun's `TORCHELASTIC_RESTART_COUNT`. A script resumes by itself
 (`phalanx.resume(...)` from its last `phalanx.checkpoint(...)`); `phalanx train`'s restarts
 (job/elastic.py) also give up a device that keeps failing, reading failures here.
@@ -24,6 +25,11 @@ class Failure:
     rank: int
     device: str
     what: str  # "died (signal SIGKILL) after step 31"
+    traceback: str = ""  # the rank's own report, "" for a death
+
+    def shown(self) -> str:
+        """What follows a restart line: the failed rank's traceback, as the run's end shows it."""
+        return f"\n--- rank {self.rank} ---\n{self.traceback}" if self.traceback else ""
 
 
 def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
@@ -38,7 +44,7 @@ def failure_of(exc: WorkerFailed, names: Sequence[str]) -> Failure | None:
     # script_errors.loader_worker_lost's line, "run stopped: rank 1's DataLoader worker (pid 5) exited ...".
     first = re.sub(rf"^run stopped: rank {exc.rank}'s (DataLoader worker \(pid [\d, ]+\)) ", r"lost its \1, which ",
                    first)
-    return Failure(rank=exc.rank, device=names[exc.rank], what=first.strip())
+    return Failure(rank=exc.rank, device=names[exc.rank], what=first.strip(), traceback=exc.traceback)
 
 
 def with_restarts(start: Callable[[int], Any], *, max_restarts: int, names: Sequence[str],
@@ -56,4 +62,4 @@ def with_restarts(start: Callable[[int], Any], *, max_restarts: int, names: Sequ
                 raise
             restarts += 1
             say(f"worker rank {failure.rank} ({failure.device}) {failure.what}; restart {restarts} of {max_restarts}: "
-                f"every worker starts again (TORCHELASTIC_RESTART_COUNT={restarts})")
+                f"every worker starts again (TORCHELASTIC_RESTART_COUNT={restarts}){failure.shown()}")

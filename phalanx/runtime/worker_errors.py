@@ -123,11 +123,13 @@ class WorkerFailed(RuntimeError):
     `rank`: the rank at fault, when one is known; `restartable`: whether starting the workers
     again from a checkpoint can get past it (a death, an error, a worker that stopped responding:
     yes; a checked condition that would repeat, such as a NaN loss: no). `--max-restarts` reads
-    these, never the message."""
+    these, never the message. `traceback`: the rank at fault's own report (its traceback), "" for a
+    death; a restart line shows it, as torchrun's worker prints its own before a restart."""
 
-    def __init__(self, message: str, *, rank: int | None = None, restartable: bool = False) -> None:
+    def __init__(self, message: str, *, rank: int | None = None, restartable: bool = False,
+                 traceback: str = "") -> None:
         super().__init__(message)
-        self.rank, self.restartable = rank, restartable
+        self.rank, self.restartable, self.traceback = rank, restartable, traceback
 
 
 def failure(reports: dict[int, tuple], first_failure: int, progress,
@@ -172,7 +174,7 @@ def failure(reports: dict[int, tuple], first_failure: int, progress,
                             f"rank {rank} failed too: {report[1]}" if report[1] == root[1] else
                             f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
     return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
-                        restartable=True)
+                        restartable=True, traceback=(root[2] or "").rstrip())
 
 
 def _left_early(rank: int, failed: dict[int, tuple], progress) -> WorkerFailed:

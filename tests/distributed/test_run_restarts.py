@@ -2,8 +2,8 @@
 --max-restarts: after a worker fails, every worker starts again (TORCHELASTIC_RESTART_COUNT says
 which attempt), and a script that checkpoints each epoch with `phalanx.checkpoint` and starts with
 `phalanx.resume` ends bitwise equal to the run nothing interrupted (2 CPU workers, float64, Adam).
-Each restart is one line naming the rank and what happened; past N restarts the failure is the
-run's; bad input is not restarted."""
+Each restart is one line naming the rank and what happened, then that rank's traceback where it
+raised; past N restarts the failure is the run's; bad input is not restarted."""
 
 from __future__ import annotations
 
@@ -148,8 +148,13 @@ def _bad_input() -> None:
 def test_launch_restarts_a_function_and_not_bad_input(capfd):
     assert phalanx.launch(_attempt_twice, "unused", devices="cpu:2", max_restarts=1, timeout_s=60, quiet=True) == [1, 1]
     said = capfd.readouterr().err
-    assert ("phalanx.launch: worker rank 0 (cpu:0) ValueError: the first attempt's fault; restart 1 of 1: every "
-            "worker starts again (TORCHELASTIC_RESTART_COUNT=1)") in said
+    line = ("phalanx.launch: worker rank 0 (cpu:0) ValueError: the first attempt's fault; restart 1 of 1: every "
+            "worker starts again (TORCHELASTIC_RESTART_COUNT=1)")
+    assert line in said
+    # Then the rank's traceback, as the run's end would show it: a restart does not hide why it came.
+    shown = said.split(line + "\n", 1)[1].splitlines()
+    assert shown[:2] == ["--- rank 0 ---", "Traceback (most recent call last):"], said
+    assert "in _attempt_twice" in said and shown.index("ValueError: the first attempt's fault") > 2, said
     with pytest.raises(phalanx.UsageError, match="^bad input, not worth a restart$"):
         phalanx.launch(_bad_input, devices="cpu:2", max_restarts=3, timeout_s=60, quiet=True)
     assert "restart" not in capfd.readouterr().err
