@@ -12,13 +12,16 @@ phalanx.init() in each child joins the group it opens.
 Both of torch's entry points are held, in the package and in its `spawn` module (where `spawn`
 calls `start_processes`): `mp.spawn(...)` and `from torch.multiprocessing.spawn import
 start_processes` (both tested), and a launcher that imports them while the script runs, meet the
-refusal; a worker's own processes (DataLoader workers, multiprocessing pools) do not.
+refusal; a worker's own processes (DataLoader workers, multiprocessing pools) do not. Lightning's
+Trainer(strategy="ddp_spawn" or "ddp_fork") starts its workers through `start_processes`: its
+refusal names Lightning's fix, strategy="ddp" (checked with lightning 2.6.6, 2026-12-05).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch.multiprocessing
@@ -29,7 +32,13 @@ from phalanx.runtime.main_module import Target
 ENTRY_POINTS = ("spawn", "start_processes")
 
 
-def nested_launch_message(name: str, *, nprocs: int, device_type: str, target: Target) -> str:
+def nested_launch_message(name: str, *, nprocs: int, device_type: str, target: Target, caller: str = "") -> str:
+    """The refusal; `caller`: the file that called torch's starter (Lightning's own launcher gets its fix)."""
+    if "lightning" in Path(caller).parts or "pytorch_lightning" in Path(caller).parts:
+        return ('Lightning\'s strategy="ddp_spawn" (or "ddp_fork") would start its own workers under phalanx run, '
+                'which starts the workers itself (its children would wait forever for a rendezvous): give the Trainer '
+                f'strategy="ddp", which joins the workers `phalanx run --devices {device_type}:{nprocs} '
+                f'{target.command}` starts')
     return (f"torch.multiprocessing.{name} would start {nprocs} workers of the script's own under phalanx "
             "run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
             f"`python {target.command}` (phalanx.init() in each child joins the group it opens), or drop the spawn "
@@ -44,7 +53,8 @@ def refusing_nested_launch(*, device_type: str, target: Target) -> Iterator[None
 
     def refusal(name: str) -> Callable[..., None]:
         def refuse(fn: object, args: object = (), nprocs: int = 1, *rest: object, **kwargs: object) -> None:
-            raise UsageError(nested_launch_message(name, nprocs=nprocs, device_type=device_type, target=target))
+            raise UsageError(nested_launch_message(name, nprocs=nprocs, device_type=device_type, target=target,
+                                                   caller=sys._getframe(1).f_code.co_filename))
         return refuse
 
     for holder, name, _ in saved:
