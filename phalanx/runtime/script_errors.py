@@ -140,7 +140,9 @@ def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, wo
     if world is None:
         waited = (f"{who} waited {timeout_s:g} s in a collective of the script's own process group for another rank, "
                   "the --timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes)")
-        fix = "raise --timeout, or pass timeout= to init_process_group"
+        # A library may open the group (transformers' Trainer on CPU drops its ddp_timeout): --timeout always works.
+        fix = ("raise --timeout (--timeout 1800 waits as long as torchrun), or pass timeout= to init_process_group "
+               "where the script opens the group")
     else:
         waited = (f"{who} waited {timeout_s:g} s in a torch.distributed collective of the script's own for another "
                   "rank, the --timeout of the process group phalanx.init() opened")
@@ -157,8 +159,8 @@ def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, wo
     if done:
         return (f"{waited}, while rank {done[0]} had finished its work without making that call (did it run fewer "
                 "steps, or skip the call?); every rank must make the same collective calls in the same order")
-    return (f"{waited}: another rank was busy that long (an evaluation or a save on one rank alone?) or never made "
-            f"the call; {fix}")
+    return (f"{waited}: another rank was busy that long (a dataset's preprocessing, an evaluation or a save on one "
+            f"rank alone?) or never made the call; {fix}")
 
 
 def _waiting_in_ours(world: World | None, peers: list[tuple[int, Line]]) -> list[tuple[int, Ticket]]:

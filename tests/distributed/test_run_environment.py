@@ -283,8 +283,9 @@ def test_a_script_group_collective_past_the_timeout_is_one_line_naming_the_timeo
     assert done.stderr.strip().splitlines()[-1] == (
         "phalanx: run stopped: rank 1 waited 4 s in a collective of the script's own process group for another rank, "
         "the --timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another "
-        "rank was busy that long (an evaluation or a save on one rank alone?) or never made the call; raise "
-        "--timeout, or pass timeout= to init_process_group"), done.stderr[-3000:]
+        "rank was busy that long (a dataset's preprocessing, an evaluation or a save on one rank alone?) or never "
+        "made the call; raise --timeout (--timeout 1800 waits as long as torchrun), or pass timeout= to "
+        "init_process_group where the script opens the group"), done.stderr[-3000:]
 
 
 def test_a_torch_distributed_call_on_one_rank_after_phalanx_init_names_both_ranks_calls(tmp_path):

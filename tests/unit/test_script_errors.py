@@ -186,8 +186,8 @@ def test_a_timeout_in_a_call_of_the_scripts_own_after_phalanx_init_names_the_ran
     failed_later = said(lambda me, peer: (me.enter(1, Tag("gradient", 0, step=9), 864), waits(me, peer),
                                           peer.unblock(), peer.mark(FAILED)))
     for busy in (busy_now, failed_later):
-        assert busy.endswith("opened: another rank was busy that long (an evaluation or a save on one rank alone?) "
-                             "or never made the call; raise --timeout")
+        assert busy.endswith("opened: another rank was busy that long (a dataset's preprocessing, an evaluation or "
+                             "a save on one rank alone?) or never made the call; raise --timeout")
         assert "init_process_group" not in busy
 
 
