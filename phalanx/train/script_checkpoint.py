@@ -18,7 +18,7 @@ import torch
 
 from phalanx.atomic import remove_stale_temporaries
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.errors import PhalanxWarning, warn_at_caller
+from phalanx.errors import PhalanxWarning, WriteFailed, warn_at_caller
 from phalanx.file_lock import hold_for_process
 from phalanx.runtime.foreign_names import in_phalanx_order
 from phalanx.runtime.procs import process_alive
@@ -84,11 +84,17 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
 
 
 def _hold(location: str | Path, caller: str) -> None:
-    """Rank 0 holds `location`'s checkpoint for the rest of the job (file_lock.py)."""
+    """Rank 0 holds `location`'s checkpoint for the rest of the job (file_lock.py). A resume from a
+    location this job cannot write (read-only, another user's) holds nothing: it writes nothing
+    there to guard, and a checkpoint() there names the failed write."""
     path = checkpoint_path(location)
-    hold_for_process(path, refusal=lambda holder: (
-        f"{caller}: {path} is the checkpoint of another job ({holder}, its rank 0), and two jobs writing one "
-        "checkpoint resume from each other's; wait for that job to end, or give this one another location"))
+    try:
+        hold_for_process(path, refusal=lambda holder: (
+            f"{caller}: {path} is the checkpoint of another job ({holder}, its rank 0), and two jobs writing one "
+            "checkpoint resume from each other's; wait for that job to end, or give this one another location"))
+    except WriteFailed:
+        if caller != "phalanx.resume":
+            raise
 
 
 _SAID = []  # the warning below, once a process

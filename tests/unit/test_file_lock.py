@@ -5,14 +5,18 @@ a normal exit, but only while it is still the holder's own. In one process: a se
 description of the lock file plays the other process (a flock belongs to the open file, not the
 process); tests/distributed/test_checkpoint_lock.py holds it in a real second job."""
 
+import errno
 import fcntl
 import os
 
 import pytest
+import torch
 
 from phalanx import file_lock
-from phalanx.errors import UsageError
+from phalanx.errors import UsageError, WriteFailed
 from phalanx.file_lock import hold_for_process, lock_path, release_all
+from phalanx.runtime.world import World
+from phalanx.train import script_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -103,3 +107,25 @@ def test_exit_leaves_a_lock_file_that_is_no_longer_the_holders(tmp_path):
     lock_path(target).write_text("someone else's\n")
     release_all()
     assert lock_path(target).read_text() == "someone else's\n"
+
+
+def test_a_resume_from_a_location_it_cannot_write_holds_nothing_and_a_checkpoint_there_names_the_write(
+        tmp_path, monkeypatch):
+    # A read-only location (a mount, another user's run): resuming from it worked before the lock and
+    # still does; a checkpoint() there fails as its write would, in one line.
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  backend="none", timeout_s=10.0)
+    model = torch.nn.Linear(3, 2)
+    kept = dict(world=world, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), global_batch_size=4,
+                seed=0)
+    script_checkpoint.checkpoint(tmp_path, epoch=1, **kept)
+    release_all()
+
+    def read_only(path):
+        raise WriteFailed.of(path, OSError(errno.EROFS, "Read-only file system"))
+
+    monkeypatch.setattr(file_lock, "_open", read_only)
+    assert script_checkpoint.resume(tmp_path, **kept).epoch == 1
+    with pytest.raises(WriteFailed, match=r"^cannot write .*/\.checkpoint\.pt\.lock \(Read-only file system\); the "
+                                          r"filesystem is mounted read-only; choose a writable directory$"):
+        script_checkpoint.checkpoint(tmp_path, epoch=2, **kept)
