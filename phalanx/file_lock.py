@@ -99,10 +99,16 @@ def _names(path: Path, fd: int) -> bool:
 
 
 def _holder(fd: int) -> str:
+    return holder_named(lambda: int(os.pread(fd, 32, 0)))
+
+
+def holder_named(read_pid: Callable[[], int]) -> str:
+    """"pid N" from `read_pid()` (OSError or ValueError until the holder has written it), waiting at
+    most PID_WAIT_S for it; "pid unknown" after that."""
     deadline = time.monotonic() + PID_WAIT_S
     while True:
         with contextlib.suppress(OSError, ValueError):
-            return f"pid {int(os.pread(fd, 32, 0))}"
+            return f"pid {read_pid()}"
         if time.monotonic() > deadline:
             return "pid unknown"
         time.sleep(0.05)

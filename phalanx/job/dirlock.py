@@ -22,12 +22,12 @@ import contextlib
 import fcntl
 import os
 import stat
-import time
 from pathlib import Path
 from typing import Iterator
 
 from phalanx.atomic import remove_stale_temporaries
 from phalanx.errors import UsageError
+from phalanx.file_lock import holder_named
 from phalanx.outdir import check_out_dir
 from phalanx.telemetry.metrics import read_metrics
 from phalanx.train.checkpoint import FILENAME as CHECKPOINT_FILENAME, generation_paths
@@ -38,8 +38,6 @@ from phalanx.job.outputs import Outputs
 from phalanx.job.resume import requested_resume
 
 PID_FILE = ".phalanx-run.pid"
-# A holder writes its pid right after taking the lock: how long a refused run waits to read it.
-PID_WAIT_S = 1.0
 
 
 @contextlib.contextmanager
@@ -164,13 +162,7 @@ def _remove_empty(created: list[Path]) -> None:
 
 
 def _holder(path: Path) -> str:
-    deadline = time.monotonic() + PID_WAIT_S
-    while True:
-        with contextlib.suppress(OSError, ValueError):
-            return f"pid {_read_pid(path)}"
-        if time.monotonic() > deadline:
-            return "pid unknown"
-        time.sleep(0.05)
+    return holder_named(lambda: _read_pid(path))
 
 
 def _write_pid(path: Path) -> None:
