@@ -56,8 +56,9 @@ def hold_for_process(target: str | os.PathLike, *, refusal: Callable[[str], str]
         if _names(path, fd):
             break
         os.close(fd)  # its holder removed it between our open and our flock: take the new one
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    with contextlib.suppress(OSError):  # only names the holder to a refused job: a full disk must not stop this one
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     if not _HELD:
         atexit.register(release_all)
     _HELD[key] = (path, fd)

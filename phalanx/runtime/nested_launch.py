@@ -13,8 +13,9 @@ Both of torch's entry points are held, in the package and in its `spawn` module 
 calls `start_processes`): `mp.spawn(...)` and `from torch.multiprocessing.spawn import
 start_processes` (both tested), and a launcher that imports them while the script runs, meet the
 refusal; a worker's own processes (DataLoader workers, multiprocessing pools) do not. Lightning's
-Trainer(strategy="ddp_spawn" or "ddp_fork") starts its workers through `start_processes`: its
-refusal names Lightning's fix, strategy="ddp" (checked with lightning 2.6.6, 2026-12-05).
+Trainer and Fabric with strategy="ddp_spawn" or "ddp_fork" start their workers through
+`start_processes`: their refusal names Lightning's fix, strategy="ddp" (checked with lightning
+2.6.6's Trainer, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ ENTRY_POINTS = ("spawn", "start_processes")
 
 
 def nested_launch_message(name: str, *, nprocs: int, device_type: str, target: Target, caller: str = "") -> str:
-    """The refusal; `caller`: the file that called torch's starter (Lightning's own launcher gets its fix)."""
-    if "lightning" in Path(caller).parts or "pytorch_lightning" in Path(caller).parts:
+    """The refusal; `caller`: the file that called torch's starter (Lightning's own launchers get their fix)."""
+    if {"lightning", "pytorch_lightning", "lightning_fabric"} & set(Path(caller).parts):
         return ('Lightning\'s strategy="ddp_spawn" (or "ddp_fork") would start its own workers under phalanx run, '
-                'which starts the workers itself (its children would wait forever for a rendezvous): give the Trainer '
-                f'strategy="ddp", which joins the workers `phalanx run --devices {device_type}:{nprocs} '
-                f'{target.command}` starts')
+                'which starts the workers itself (its children would wait forever for a rendezvous): pass '
+                f'strategy="ddp" to the Trainer (or Fabric), which joins the workers `phalanx run --devices '
+                f'{device_type}:{nprocs} {target.command}` starts')
     return (f"torch.multiprocessing.{name} would start {nprocs} workers of the script's own under phalanx "
             "run, which starts the workers itself (its children would wait forever for a rendezvous): run it as "
             f"`python {target.command}` (phalanx.init() in each child joins the group it opens), or drop the spawn "
