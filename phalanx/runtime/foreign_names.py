@@ -248,6 +248,8 @@ DDP_KEYWORDS: dict[str, str] = {
     "batched_grad_copy": "always: the gradients live in the buckets, so nothing is copied into them",
     "forward_sync_buffers": "plain BatchNorm statistics are averaged across ranks after each step and other buffers "
                             "are broadcast once here",
+    "lazy_bucket_allocation": "the gradients live in the buckets, allocated once; ZeRO's shard='gradients' keeps "
+                              "1/k of them on each rank",  # torch 2.15
 }
 
 

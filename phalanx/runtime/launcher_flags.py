@@ -4,7 +4,7 @@ horovodrun's, deepspeed's), each named.
 Someone coming from torchrun types `phalanx run --nproc-per-node 2 train.py`, from Accelerate
 `--num_processes 2 --mixed_precision bf16`, from Fabric `--accelerator cpu --strategy ddp`, from
 Horovod `-np 2`, from DeepSpeed `--num_gpus 2`, where argparse alone answers "unrecognized
-arguments". Every flag of torchrun's parser (torch 2.13) is here, and those of accelerate launch
+arguments". Every flag of torchrun's parser (torch 2.13 to 2.15) is here, and those of accelerate launch
 (1.15, both its spellings), fabric run (Lightning 2.6), horovodrun and deepspeed that a
 single-host data-parallel run sets; hidden from `--help`, each given before the script
 stops the command with a `UsageError` saying what phalanx does instead: `--devices`,
@@ -83,6 +83,7 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("--log-dir", "--log_dir"), True, _OUTPUT),
     ("torchrun", ("-r", "--redirects"), True, _OUTPUT),
     ("torchrun", ("-t", "--tee"), True, _OUTPUT),
+    ("torchrun", ("--log-line-prefix-template", "--log_line_prefix_template"), True, _OUTPUT),  # torch 2.15
     ("torchrun", ("--local-ranks-filter", "--local_ranks_filter"), True, _OUTPUT),
     ("torchrun", ("--duplicate-stdout-filters", "--duplicate_stdout_filters"), True, _OUTPUT),
     ("torchrun", ("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True, _OUTPUT),
@@ -96,6 +97,8 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("--signals-to-handle", "--signals_to_handle"), True, _OTHER),
     ("torchrun", ("--shutdown-timeout", "--shutdown_timeout"), True, _OTHER),
     ("torchrun", ("--virtual-local-rank", "--virtual_local_rank"), False, _OTHER),
+    ("torchrun", ("--print-completion", "--print_completion"), True,  # torch 2.15
+     "phalanx run prints no shell completion script: {flag} is torchrun's (phalanx --help lists the commands)"),
     # accelerate launch's own (its flags shared with torchrun are torchrun's above)
     ("accelerate launch", _both("--num_processes"), True, _COUNT),
     ("accelerate launch", ("--cpu",), False, _CPUS),

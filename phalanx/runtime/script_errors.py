@@ -75,9 +75,11 @@ _NO_GPU = ("has no attribute '_cuda_", "Torch not compiled with CUDA enabled",
 _DDP_DEVICE_IDS = "device_ids and output_device arguments only work with"
 
 # What torch says where NCCL cannot serve CPU workers: a CPU build (RuntimeError), a CUDA build on a
-# host without a GPU (ValueError, from ProcessGroupNCCL's constructor), and a CUDA build's NCCL group
-# handed CPU tensors (RuntimeError).
-_NCCL_MISSING = ("doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs")
+# host without a GPU (ValueError, from ProcessGroupNCCL's constructor; from torch 2.15 "nccl" is the
+# torchcomms ProcessGroupNCCL2, whose RuntimeError says "nccl2 requires ..."), and a CUDA build's NCCL
+# group handed CPU tensors (RuntimeError).
+_NCCL_MISSING = ("doesn't have NCCL built in", "ProcessGroupNCCL is only supported with GPUs",
+                 "nccl2 requires at least one CUDA device")
 _NO_CPU_BACKEND = "No backend type associated with device type cpu"
 
 

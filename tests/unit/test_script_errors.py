@@ -61,10 +61,12 @@ def _raised_in_torch(exc: BaseException) -> BaseException:
 @pytest.mark.parametrize("exc", [
     RuntimeError("Distributed package doesn't have NCCL built in"),          # a CPU build (CI's 2.13.0+cpu)
     ValueError("ProcessGroupNCCL is only supported with GPUs, no GPUs found!"),  # PyPI's 2.4.1, 2.11.0 on a CPU host
-], ids=["cpu-build", "cuda-build-no-gpu"])
+    RuntimeError("nccl2 requires at least one CUDA device"),  # PyPI's 2.15.0 on a CPU host (torchcomms' NCCL group)
+], ids=["cpu-build", "cuda-build-no-gpu", "cuda-build-2.15-no-gpu"])
 def test_nccl_refused_by_every_build_is_named_with_gloo(exc):
     """Found on torch 2.11.0 and 2.4.1 (PyPI's CUDA builds, the usual `pip install torch`) on a CPU
-    host: their ValueError reached the user as a traceback, since only a RuntimeError was re-worded."""
+    host: their ValueError reached the user as a traceback, since only a RuntimeError was re-worded;
+    and on 2.15.0, whose "nccl" backend is a new group with its own words (2026-12-05)."""
     raised = _raised_in_torch(exc)
     assert reworded(raised, device_type="cpu", init_ran=False) == NCCL_ON_CPU
     assert reworded(raised, device_type="cuda", init_ran=False) is None
