@@ -83,7 +83,7 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("--log-dir", "--log_dir"), True, _OUTPUT),
     ("torchrun", ("-r", "--redirects"), True, _OUTPUT),
     ("torchrun", ("-t", "--tee"), True, _OUTPUT),
-    ("torchrun", ("--log-line-prefix-template", "--log_line_prefix_template"), True, _OUTPUT),  # torch 2.15
+    ("torchrun", ("--log-line-prefix-template", "--log_line_prefix_template"), True, _OUTPUT),  # torch 2.14
     ("torchrun", ("--local-ranks-filter", "--local_ranks_filter"), True, _OUTPUT),
     ("torchrun", ("--duplicate-stdout-filters", "--duplicate_stdout_filters"), True, _OUTPUT),
     ("torchrun", ("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True, _OUTPUT),
@@ -97,7 +97,7 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("--signals-to-handle", "--signals_to_handle"), True, _OTHER),
     ("torchrun", ("--shutdown-timeout", "--shutdown_timeout"), True, _OTHER),
     ("torchrun", ("--virtual-local-rank", "--virtual_local_rank"), False, _OTHER),
-    ("torchrun", ("--print-completion", "--print_completion"), True,  # torch 2.15
+    ("torchrun", ("--print-completion", "--print_completion"), True,  # torch 2.14
      "phalanx run prints no shell completion script: {flag} is torchrun's (phalanx --help lists the commands)"),
     # accelerate launch's own (its flags shared with torchrun are torchrun's above)
     ("accelerate launch", _both("--num_processes"), True, _COUNT),

@@ -108,26 +108,32 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     return None
 
 
-def _scripts_frame(exc: BaseException) -> tuple[str | None, int]:
-    """(file, line) of the innermost frame of `exc`'s traceback that is neither torch's nor
-    phalanx's: the script's line that led to it (or its library's); (None, 0) where there is none."""
-    found: tuple[str | None, int] = (None, 0)
+def _frames_outside(exc: BaseException) -> list[tuple[str, int, str]]:
+    """(file, line, module) of each frame of `exc`'s traceback that is neither torch's nor phalanx's,
+    outermost first: the script's, and its libraries' (timm's, transformers')."""
+    found = []
     tb = exc.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_globals.get("__name__", "").split(".")[0] not in ("torch", "phalanx"):
-            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        module = tb.tb_frame.f_globals.get("__name__", "")
+        if module.split(".")[0] not in ("torch", "phalanx"):
+            found.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, module))
         tb = tb.tb_next
     return found
 
 
 def _at_scripts_line(exc: BaseException) -> str:
-    """" at train.py:89 (`torch.cuda.set_device(device)`)", or "" where no frame of the script's is known."""
-    path, line = _scripts_frame(exc)
-    if path is None:
+    """" at train.py:89 (`torch.cuda.set_device(device)`)", or "" where no frame of the script's is
+    known: the script's own line (its innermost __main__ frame, the line to change), and the
+    library's that raised it when one came between (timm's train.py wraps DDP inside timm.task)."""
+    outside = _frames_outside(exc)
+    if not outside:
         return ""
+    own = next((frame for frame in reversed(outside) if frame[2] == "__main__"), outside[-1])
+    path, line, _ = own
     code = linecache.getline(path, line).strip()
     shown = f" (`{code if len(code) <= 80 else code[:77] + '...'}`)" if code else ""
-    return f" at {os.path.basename(path)}:{line}{shown}"
+    inner = "" if outside[-1] is own else f" (in {outside[-1][2]}, line {outside[-1][1]})"
+    return f" at {os.path.basename(path)}:{line}{shown}{inner}"
 
 
 def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, world: World | None = None) -> str | None:

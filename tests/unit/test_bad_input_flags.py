@@ -240,7 +240,7 @@ FLAG_CASES += [(["run", flag, "1", "train.py"],
 FLAG_CASES += [(["run", flag, "0", "train.py"], rf"phalanx run takes no {flag}: every worker writes to this console")
                for flag in ("--log-dir", "-r", "-t", "--local-ranks-filter", "--duplicate-stdout-filters",
                             "--duplicate-stderr-filters", "--logs-specs", "--log-line-prefix-template")]
-FLAG_CASES += [(["run", "--print-completion", "bash", "train.py"],  # torch 2.15's, as --log-line-prefix-template
+FLAG_CASES += [(["run", "--print-completion", "bash", "train.py"],  # torch 2.14's, as --log-line-prefix-template
                 r"^phalanx: error: phalanx run prints no shell completion script: --print-completion is torchrun's "
                 r"\(phalanx --help lists the commands\)$")]
 FLAG_CASES += [([*argv, "train.py"], rf"torchrun's {argv[1]} has no counterpart in phalanx run, .*drop it, or start the "

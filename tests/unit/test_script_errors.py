@@ -127,6 +127,24 @@ def test_ddps_device_ids_for_a_cpu_model_is_named(no_group):
     assert reworded(exc, device_type="cuda", init_ran=False) is None
 
 
+def test_a_refusal_raised_inside_a_library_names_the_scripts_line_and_the_librarys(no_group, tmp_path):
+    # timm's train.py (1.0.31, 2026-12-05) wraps DDP inside timm.task.classification: the line named
+    # that file alone (classification.py:97), never the script's line a user changes (train.py:1028).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    library, script = tmp_path / "classification.py", tmp_path / "train.py"
+    library.write_text("import torch\n\ndef wrap(model, device_ids):\n"
+                       "    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)\n")
+    script.write_text("def main(wrap, model):\n    return wrap(model, [0])  # the user's line\n")
+    in_library = {"__name__": "timm.task.classification"}
+    exec(compile(library.read_text(), str(library), "exec"), in_library)
+    as_main = {"__name__": "__main__"}
+    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    exc = _caught(lambda: as_main["main"](in_library["wrap"], torch.nn.Linear(2, 2)))
+    assert reworded(exc, device_type="cpu", init_ran=False).startswith(
+        "the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...]) at train.py:2 "
+        "(`return wrap(model, [0])  # the user's line`) (in timm.task.classification, line 4): device_ids names GPUs")
+
+
 def test_only_gloos_own_timeout_is_reworded_as_the_timeout():
     from phalanx.runtime.script_errors import stalled
 
