@@ -10,6 +10,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -74,8 +75,9 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
         model.check_finite(where="phalanx.checkpoint()")
         model.check_replicas(where="phalanx.checkpoint()", optimizers=[optimizer])
     if world.is_main:  # after the checks: a refused checkpoint leaves nothing, not even its directory
-        checkpoint_path(location).parent.mkdir(parents=True, exist_ok=True)
-        _hold(location, "phalanx.checkpoint")
+        path = checkpoint_path(location)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _hold(path, "phalanx.checkpoint")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),
@@ -83,18 +85,11 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
                            dp=_sharded(model), extras=states, loader_record=loader_record(loader))
 
 
-def _hold(location: str | Path, caller: str) -> None:
-    """Rank 0 holds `location`'s checkpoint for the rest of the job (file_lock.py). A resume from a
-    location this job cannot write (read-only, another user's) holds nothing: it writes nothing
-    there to guard, and a checkpoint() there names the failed write."""
-    path = checkpoint_path(location)
-    try:
-        hold_for_process(path, refusal=lambda holder: (
-            f"{caller}: {path} is the checkpoint of another job ({holder}, its rank 0), and two jobs writing one "
-            "checkpoint resume from each other's; wait for that job to end, or give this one another location"))
-    except WriteFailed:
-        if caller != "phalanx.resume":
-            raise
+def _hold(path: Path, caller: str) -> None:
+    """Rank 0 holds the checkpoint `path` for the rest of the job (file_lock.py)."""
+    hold_for_process(path, refusal=lambda holder: (
+        f"{caller}: {path} is the checkpoint of another job ({holder}, its rank 0), and two jobs writing one "
+        "checkpoint resume from each other's; wait for that job to end, or give this one another location"))
 
 
 _SAID = []  # the warning below, once a process
@@ -129,10 +124,15 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     """
     world.check_here("phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
-    if world.is_main and checkpoint_path(location).parent.is_dir():  # else nothing to resume, nor to guard yet
-        _hold(location, "phalanx.resume")
-    if world.is_main:  # what a worker killed during a write left (another job's writes may be in progress)
-        remove_stale_temporaries(checkpoint_path(location).parent, writer_alive=process_alive)
+    if world.is_main:
+        path = checkpoint_path(location)
+        if path.parent.is_dir():  # else nothing to resume, nor to guard yet
+            # A location this job cannot write (read-only, another user's) holds nothing: it writes
+            # nothing there to guard, and a checkpoint() there names the failed write.
+            with contextlib.suppress(WriteFailed):
+                _hold(path, "phalanx.resume")
+        # What a worker killed during a write left (another job's writes may be in progress).
+        remove_stale_temporaries(path.parent, writer_alive=process_alive)
     if not has_checkpoint(location):
         return Position(epoch=0, step=0)
     module = _replica(model)
