@@ -75,7 +75,10 @@ class BucketLayout:
         none = [param for param in self.params if param.grad is None or id(param) in counted]
         self.buckets = build_buckets(self.params, **self._caps, gradient_views=views,
                                      spare=usage_elements(self.params) if rides else 0)
+        first = self.usage is None
         self.usage = ParameterUsage(self.buckets, rides=rides, views=views, none=none) if self.buckets else None
+        if first and rides and self.usage is not None:  # as one device's before its first backward: None until
+            self.usage.drop(none)  # they land, or zero_grad() makes them zeroed slots (usage.py)
         # Sparse gradients made sparse again after the sum (sparse.py); sharded, the optimizer steps dense ranges.
         self.sparse = sparse_gradients(self.module, self.buckets) if rides else None
 

@@ -6,7 +6,8 @@ touches the model. `ReplicaModule` gives them, over the wrapped model held as th
 name, so `dp.module` keeps working), broadcast from rank 0 at construction (`broadcast_state_`). One deliberate
 difference from DDP: names carry no `module.` prefix - `dp.state_dict()` and `dp.named_parameters()` are the
 model's own, so `torch.save(dp.state_dict())` loads into the plain model, and a checkpoint does not depend on
-how many devices wrote it. `load_state_dict` takes the model's keys, or DDP's prefixed ones. What leaves it -
+how many devices wrote it; they resolve on the replica too (`dp.get_parameter("0.weight")`, and DCP's
+`get_state_dict(dp, optimizer)` walking them). `load_state_dict` takes the model's keys, or DDP's prefixed ones. What leaves it -
 `state_dict()`, `full_state_dict()`, `check_finite()` - first checks the gradients of the steps since the last
 NaN/Inf check (guards/finite.py), so nothing non-finite is saved.
 
@@ -24,8 +25,6 @@ sets it per micro-batch) is `no_sync()`'s switch; DDP's methods phalanx has no u
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -39,6 +38,7 @@ from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.input_dtype import input_dtype_mismatch
 from phalanx.data_parallel.sharding.gathered import gathered_parameters
 from phalanx.data_parallel.unfit import refuse_unfit
+from phalanx.data_parallel.widen import widened
 from phalanx.errors import UsageError
 from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
@@ -48,6 +48,11 @@ NOT_COPIED = ("a DataParallel replica cannot be copied or pickled: it holds this
               "communication; copy or save the model inside it, e.g. AveragedModel(dp.module), "
               "copy.deepcopy(dp.module) (under shard=\"parameters\", inside `with dp.gathered_parameters():`), "
               "torch.save(dp.state_dict())")
+# torch.distributed.checkpoint's get_state_dict/set_state_dict on a sharded replica.
+DCP_SHARDED = ("torch.distributed.checkpoint's state-dict functions read whole parameters and a torch optimizer's "
+               "state per parameter, which a replica under shard=\"{shard}\" does not hold (each rank steps flat "
+               "pieces of them): save with phalanx.checkpoint(...) and resume with phalanx.resume(...), exact on any "
+               "device count and stage, or use them on a replica with shard=\"none\"")
 
 
 class ReplicaModule(nn.Module):
@@ -84,14 +89,24 @@ class ReplicaModule(nn.Module):
         try:
             return super().__getattr__(name)  # parameters, buffers and submodules (`module`)
         except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("module")
+            if inner is not None and (name in inner._modules or name in inner._parameters or name in inner._buffers):
+                return getattr(inner, name)  # dp's names are the model's: they resolve here too
             if name in REPLICA_NAMES:  # DDP's method, DeepSpeed engine's: phalanx's way in one line
                 raise replica_name_error(type(self).__name__, name) from None
-            inner = self.__dict__.get("_modules", {}).get("module")
             if inner is not None and not name.startswith("__") and hasattr(inner, name):  # nanoGPT's generate
                 raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'; the model's own "
                                      f"attributes live on the wrapped model: dp.module.{name} (as DDP's "
                                      "model.module)") from None
             raise
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        # torch.distributed.checkpoint's contract (torch >= 2.7) for a module whose state_dict keys leave
+        # out an attribute: each first name of the keys maps to `module`, the one they skip, so
+        # get_state_dict(dp, optimizer) names model and optimizer state as the plain model's are named.
+        if self.sharding is not None:  # its state-dict functions ended in KeyError: 0 inside torch
+            raise UsageError(DCP_SHARDED.format(shard=self.sharding.stage))
+        return dict.fromkeys(_first_names(self.module), "module")
 
     def broadcast_state(self, *, src: int = 0) -> None:
         """Make every replica equal to rank `src`'s parameters and buffers (one flat broadcast)."""
@@ -144,7 +159,7 @@ class ReplicaModule(nn.Module):
         cache = not getattr(self, "_capturing", False)
         with torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=cache):
             out = self.module(*args, **kwargs)
-        return _widen(out)
+        return widened(out)
 
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
@@ -278,6 +293,11 @@ class ReplicaModule(nn.Module):
             return super()._apply(fn, recurse)
 
 
+def _first_names(module: nn.Module) -> set[str]:
+    """The first names of `module`'s state: its own parameters, buffers and children."""
+    return {*module._parameters, *module._buffers, *module._modules}
+
+
 def placed(module: nn.Module, device: torch.device, *, world_size: int = 1) -> nn.Module:
     """`module` moved to `device`, once `refuse_unfit` found nothing to refuse (a meta module
     cannot even move): a replica's first step, before `broadcast_state_`."""
@@ -297,24 +317,3 @@ def broadcast_state_(module: nn.Module, *, world: World, src: int = 0) -> None:
         flat = torch.cat([t.detach().reshape(-1) for t in group])
         broadcast_(flat, world=world, src=src)
         torch._foreach_copy_(group, [piece.view_as(t) for piece, t in zip(torch.split(flat, [t.numel() for t in group]), group)])
-
-
-def _widen(out: Any) -> Any:
-    """Floating tensors narrower than float32 in `out` (tensor, tuple, list, dict, dataclass), as
-    float32, in containers of the same type: a dict subclass (Hugging Face's `ModelOutput`, read as
-    `out.logits`) is a shallow copy with its items replaced, a dataclass a `dataclasses.replace`."""
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() and out.element_size() < 4 else out
-    if isinstance(out, dict):
-        widened = copy.copy(out)
-        for key, value in out.items():
-            widened[key] = _widen(value)
-        return widened
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        fields = [field.name for field in dataclasses.fields(out) if field.init]
-        return dataclasses.replace(out, **{name: _widen(getattr(out, name)) for name in fields})
-    if isinstance(out, tuple) and hasattr(out, "_fields"):  # a namedtuple takes its fields positionally
-        return type(out)(*(_widen(value) for value in out))
-    if isinstance(out, (tuple, list)):
-        return type(out)(_widen(value) for value in out)
-    return out

@@ -100,7 +100,7 @@ def test_a_layout_drops_frozen_gradients_and_lays_out_only_what_trains():
     model[0].requires_grad_(True)
     model[2].requires_grad_(False)
     assert layout.changed and layout.first_change() == "0.weight"
-    model[2].weight.grad.fill_(3.0)
+    model[2].weight.grad = torch.full_like(model[2].weight, 3.0)  # a gradient held from before
     assert layout.before_step()  # laid out again, gradients views of the new buckets
     assert model[2].weight.grad is None and model[2].bias.grad is None
     assert [p for b in layout.buckets for p in b.params] == [model[0].bias, model[0].weight]
