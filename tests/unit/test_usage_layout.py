@@ -107,6 +107,18 @@ def test_a_layout_drops_frozen_gradients_and_lays_out_only_what_trains():
     assert layout.usage.flags.numel() == 2 and not layout.changed
 
 
+def test_gradients_are_none_until_zero_grad_makes_them_slots_and_a_frozen_layer_keeps_none():
+    # The first layout leaves every gradient None, as one device's before a backward; a layer frozen
+    # at construction has no slot, so zero_grad() must not look one up (a KeyError in restore()).
+    model = _model()
+    model[0].requires_grad_(False)
+    layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="none")
+    assert all(param.grad is None for param in model.parameters())
+    assert not layout.before_step()
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    assert all(param.grad is not None and not param.grad.any() for param in model[2].parameters())
+
+
 def test_frozen_inside_a_step_keeps_a_copy_of_its_summed_gradient():
     model = _model()
     layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="none")
