@@ -164,8 +164,8 @@ class DataParallel(ReplicaModule):
         self.choices = replica_choices(self, self.options)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the bucket buffers (the views survive; with `set_to_none` they count as None until they
-        land: usage.py); with nothing to exchange, set every .grad to None (or zero it) as torch does."""
+        """Zero the bucket buffers (the views survive, and with `set_to_none` count as None until they land,
+        and a None stays None: usage.py); with nothing to exchange, set every .grad to None (or zero it) as torch does."""
         if not self.exchanging:
             for param in self._params.checked():
                 param.grad = None if set_to_none or param.grad is None else param.grad.detach_().zero_()

@@ -78,7 +78,7 @@ class BucketLayout:
         first = self.usage is None
         self.usage = ParameterUsage(self.buckets, rides=rides, views=views, none=none) if self.buckets else None
         if first and rides and self.usage is not None:  # as one device's before its first backward: None until
-            # they land, or zero_grad() makes them zeroed slots (usage.py); a frozen parameter has no slot
+            # they land or zero_grad(set_to_none=False) makes them zeroed slots (usage.py); a frozen parameter has none
             self.usage.drop([param for param in none if param.requires_grad])
         # Sparse gradients made sparse again after the sum (sparse.py); sharded, the optimizer steps dense ranges.
         self.sparse = sparse_gradients(self.module, self.buckets) if rides else None

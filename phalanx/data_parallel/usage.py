@@ -23,8 +23,9 @@ when compressed to bf16/fp16). Those gradients become None on every rank alike; 
 rank used but some held a gradient for keeps its slot, the sum of what the ranks held (zeros
 after `zero_grad(set_to_none=False)`), on every rank alike. A rank that used every parameter
 knows without reading that none is unused globally, so the flags are read (on a GPU: one
-device-to-host copy) only on a rank that left some out. The gradients are views again at the
-next `zero_grad()`, or when the parameter lands again, or at the next sync.
+device-to-host copy) only on a rank that left some out. A dropped gradient stays None
+through `zero_grad()`, as torch's does (`zero_grad(set_to_none=False)` makes it its zeroed slot, for
+gradients written in by hand), and is its view again when the parameter lands, or at the next sync.
 
 The same flags tell a skipped backward: a rank whose grad-enabled forward took examples since the
 last sync but whose gradients never landed (`if rank == 0: loss.backward()`) gives the sum
@@ -194,14 +195,17 @@ class ParameterUsage:
         self.dropped = list(params)
 
     def restore(self, *, set_to_none: bool = True) -> None:
-        """From zero_grad: every dropped gradient a view of its (zero) slot again, still counted as
-        None; with `set_to_none` every gradient counts as None, as torch's zero_grad() leaves it."""
+        """From zero_grad: with `set_to_none` a dropped gradient stays None and every gradient counts as
+        None, as torch's zero_grad() leaves them (DCP's template reads a gradient as "stepped"); without,
+        a dropped gradient is its zeroed slot again, still counted as None, for a script that writes its
+        gradients into the slots by hand (`p.grad.copy_(g)`)."""
+        if set_to_none:  # (still dropped: a later zero_grad(set_to_none=False) may make them slots)
+            self.none = set(map(id, self.params))
+            return
         for param in self.dropped:
             if param.grad is None:
                 param.grad = self._views[id(param)]
                 self.none.add(id(param))
-        if set_to_none:
-            self.none = set(map(id, self.params))
         self.dropped = []
 
     def take_back(self) -> None:

@@ -1,6 +1,6 @@
 """Gradients a script sets by hand are summed like autograd's, on 2 gloo workers against one device
 (float64): `grads = torch.autograd.grad(loss, params)` then `p.grad = g` (meta-learning, a
-functional loss, an RL update written out), or `p.grad.copy_(g)` into the slots `dp.zero_grad()`
+functional loss, an RL update written out), or `p.grad.copy_(g)` into the slots `dp.zero_grad(set_to_none=False)`
 left, then `finish_gradient_sync()` and the step. No
 landing hook sees such a gradient, so the replica took its parameters for unused: every rank
 dropped them and the optimizer skipped them, and k workers trained nothing while one device
@@ -80,7 +80,7 @@ def _worker(world, shard: str, overlap: bool, mixed: bool, in_place: bool = Fals
     kwargs = dict(lr=0.1, momentum=0.9)
     optimizer = torch.optim.SGD(dp.parameters(), **kwargs) if shard == "none" else dp.optimizer(torch.optim.SGD, **kwargs)
     if in_place:
-        dp.zero_grad()  # every gradient a zeroed bucket slot, as the script then writes into it
+        dp.zero_grad(set_to_none=False)  # every gradient a zeroed bucket slot, as the script then writes into it
         optimizer = _ZeroingByReplica(optimizer, dp)
     _train(dp, list(dp.module.parameters()), optimizer, rows=mine, mixed=mixed, in_place=in_place,
            finish=dp.finish_gradient_sync)
@@ -100,7 +100,8 @@ def test_gradients_set_by_hand_are_summed_as_one_device_s(shard, overlap, mixed)
 
 @pytest.mark.parametrize("shard, overlap", [("none", False), ("none", True), ("optimizer", True)])
 def test_gradients_written_by_hand_into_the_zeroed_slots_are_summed_as_one_device_s(shard, overlap):
-    """`dp.zero_grad()` keeps every gradient a zeroed bucket slot; `p.grad.copy_(g)` writes there."""
+    """`dp.zero_grad(set_to_none=False)` makes every gradient a zeroed bucket slot, `dp.zero_grad()` keeps
+    them so; `p.grad.copy_(g)` writes there."""
     worst = run_workers(_worker, 2, shard, overlap, False, True, timeout_s=90)
     assert max(worst) <= 1e-12, worst
 

@@ -128,7 +128,7 @@ def _full_dev_shm(world) -> dict:
 
     shm.create_segment = lambda path, size: (None, "cannot reserve 9.0 MiB in /dev/shm (No space left on device)")
     with DataParallel(LeNet(), world=world) as dp:  # auto: falls back, on every rank alike
-        dp.zero_grad()  # every gradient a zeroed bucket slot (None until then, as on one device)
+        dp.zero_grad(set_to_none=False)  # every gradient a zeroed bucket slot (None until then, as on one device)
         for p in dp.module.parameters():
             p.grad.fill_(world.rank + 1.0)
         dp.finish_gradient_sync()

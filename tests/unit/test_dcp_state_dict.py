@@ -77,7 +77,9 @@ def test_a_replicas_gradients_are_none_until_its_first_backward_as_on_one_device
     assert grads_are_bucket_views(dp.buckets)  # bound at their first landing: backward writes into them from here
     dp.close()
     dp = _replica()
-    dp.zero_grad()  # the replica's zero_grad keeps zeroed slots a script may write into (p.grad.copy_(g))
+    dp.zero_grad()  # None stays None, as torch's zero_grad leaves it (before 2026-12-05: zeroed slots)
+    assert all(param.grad is None for param in dp.parameters())
+    dp.zero_grad(set_to_none=False)  # zeroed slots a script may write its gradients into (p.grad.copy_(g))
     assert grads_are_bucket_views(dp.buckets) and not any(param.grad.any() for param in dp.parameters())
     dp.close()
 
@@ -111,8 +113,9 @@ def test_get_state_dict_names_the_state_as_the_plain_models(how):
 
 
 @pytest.mark.skipif(not ASKS_THE_REPLICA, reason=BEFORE_2_7)
+@pytest.mark.parametrize("zero_grad_first", [False, True])
 @pytest.mark.parametrize("how", ["dp.optimizer", "torch.optim"])
-def test_a_resume_through_dcp_save_and_load_continues_bitwise(tmp_path, how):
+def test_a_resume_through_dcp_save_and_load_continues_bitwise(tmp_path, how, zero_grad_first):
     straight = _replica()
     straight_optimizer = _optimizer(straight, how)
     _steps(straight, straight_optimizer, range(6))
@@ -125,6 +128,8 @@ def test_a_resume_through_dcp_save_and_load_continues_bitwise(tmp_path, how):
 
     resumed = _replica()  # a fresh process's replica: no step taken yet
     resumed_optimizer = _optimizer(resumed, how)
+    if zero_grad_first:  # a loop's zero_grad before the load: before 2026-12-05 it made zeroed slots, which
+        resumed_optimizer.zero_grad()  # DCP's template read as "stepped": the moments were left out, silently
     model_state, optimizer_state = dcp_state_dict.get_state_dict(resumed, resumed_optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=tmp_path / "dcp")

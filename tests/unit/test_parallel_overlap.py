@@ -355,7 +355,9 @@ def test_unused_parameter_bucket_launches_at_finish_and_later_buckets_wait_for_i
     assert torch.count_nonzero(dp.buckets[0].buffer) == 0
     assert dp.module.extra.weight.grad is None and dp.module.extra.bias.grad is None
     assert dp.module.lenet.conv1.weight.grad is not None
-    dp.zero_grad()  # a bucket view again, for the next backward
+    dp.zero_grad()  # None stays None, as torch's zero_grad leaves it; the next landing takes its slot back
+    assert dp.module.extra.weight.grad is None
+    dp.module.extra(torch.ones(1, 10, dtype=torch.float64)).sum().backward()
     assert dp.module.extra.weight.grad.data_ptr() == dp.buckets[0].buffer.data_ptr() + 10 * 8
 
 

@@ -49,7 +49,7 @@ def test_flags_say_what_this_rank_used():
     assert usage.flags.tolist() == [1.0] * 4
 
 
-def test_what_no_rank_used_loses_its_gradient_and_gets_its_view_back():
+def test_what_no_rank_used_loses_its_gradient_and_gets_its_view_back_at_its_next_landing():
     model = _model()
     buckets, usage = _usage(model)
     params = usage.params
@@ -59,10 +59,12 @@ def test_what_no_rank_used_loses_its_gradient_and_gets_its_view_back():
     usage.flags.copy_(torch.tensor([2.0, 2.0, 1.0, 0.0]))  # after the sum: a peer used params[2], nobody params[3]
     assert usage.after_sum() == [params[3]]
     assert params[3].grad is None and params[2].grad is not None
-    usage.restore()
+    usage.restore()  # zero_grad: None stays None, as torch's zero_grad leaves it
+    assert params[3].grad is None
+    params[3].grad = torch.ones_like(params[3])  # a backward reached it: autograd's fresh tensor
+    usage.landed(params[3])
     slot = buckets[0].buffer[buckets[0].offsets[3]:]
-    assert params[3].grad is not None and params[3].grad.data_ptr() == slot.data_ptr()
-    assert usage.dropped == []
+    assert params[3].grad.data_ptr() == slot.data_ptr() and torch.equal(params[3].grad, torch.ones_like(params[3]))
 
 
 def test_a_rank_that_used_everything_reads_no_flag():
@@ -107,14 +109,17 @@ def test_a_layout_drops_frozen_gradients_and_lays_out_only_what_trains():
     assert layout.usage.flags.numel() == 2 and not layout.changed
 
 
-def test_gradients_are_none_until_zero_grad_makes_them_slots_and_a_frozen_layer_keeps_none():
-    # The first layout leaves every gradient None, as one device's before a backward; a layer frozen
-    # at construction has no slot, so zero_grad() must not look one up (a KeyError in restore()).
+def test_gradients_are_none_until_they_land_or_zero_grad_without_set_to_none_and_a_frozen_layer_keeps_none():
+    # The first layout leaves every gradient None, as one device's before a backward, and zero_grad()
+    # leaves them so (DCP's template reads a gradient as "stepped"); a layer frozen at construction
+    # has no slot, so zero_grad(set_to_none=False) must not look one up (a KeyError in restore(), once).
     model = _model()
     model[0].requires_grad_(False)
     layout = BucketLayout(model, bucket_cap_mb=None, first_bucket_cap_mb=None, shard="none")
     assert all(param.grad is None for param in model.parameters())
     assert not layout.before_step()
+    assert all(param.grad is None for param in model.parameters())
+    assert not layout.before_step(set_to_none=False)  # zeroed slots, for gradients written in by hand
     assert model[0].weight.grad is None and model[0].bias.grad is None
     assert all(param.grad is not None and not param.grad.any() for param in model[2].parameters())
 
@@ -184,8 +189,8 @@ def test_unfrozen_inside_a_step_and_reached_by_nobody_stays_without_a_gradient()
     assert layout.after_sum(allreduce)
     assert model[0].weight.grad is None and model[0].bias.grad is None  # as on one device: the optimizer skips it
     assert model[2].weight.grad is not None
-    layout.before_step()  # the next zero_grad: views again, for the next backward
-    assert model[0].weight.grad is not None and not model[0].weight.grad.any()
+    layout.before_step()  # the next zero_grad: still None (its next landing takes its slot)
+    assert model[0].weight.grad is None
 
 
 def _sync(layout: BucketLayout, landed: list, *, set_to_none: bool) -> list:
