@@ -46,6 +46,7 @@ from phalanx.options import add_options, at_least, build, check_options, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, report_progress, setup_worker, spawn_workers,
                                    threads_per_worker, torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
+from phalanx.runtime.apart import watch_ranks_apart
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.binding import threads_note
@@ -134,11 +135,9 @@ def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
 
 
 def _inherit_launcher_stdin() -> None:
-    """sys.stdin: fd 0, the launcher's stdin, which a spawned worker inherits but for which
-    multiprocessing gave Python /dev/null; a torchrun worker reads its agent's. So `breakpoint()`
-    (pdb) and `input()` read the terminal, as under torchrun and plain python, instead of ending
-    the run with BdbQuit / EOFError at once (torch.distributed.breakpoint() opens /dev/stdin and
-    worked either way)."""
+    """sys.stdin: fd 0, the launcher's stdin (multiprocessing gave Python /dev/null), as a torchrun worker
+    reads its agent's: `breakpoint()` and `input()` read the terminal instead of ending the run with
+    BdbQuit / EOFError at once (torch.distributed.breakpoint() opens /dev/stdin and worked either way)."""
     try:
         os.fstat(0)
     except OSError:  # closed: /dev/null stays
@@ -168,6 +167,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
     if guard is not None:
         teardown.enter_context(guard)
+    teardown.callback((apart := watch_ranks_apart(rank=env.rank)).close)  # ranks apart: said once
     try:
         result = call()
     except BaseException as exc:
@@ -179,6 +179,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
             raise one_line from None
         raise
     else:  # peers still waiting in a collective learn at once that this rank's work ended
+        apart.finish()
         mark_exit(_current, ok=True)
         return result
     finally:
@@ -187,8 +188,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
 
 
 def _say_if_threads_changed(context: _RunContext) -> None:
-    """Once, on rank 0 of a CPU run: the script set its own intra-op thread count (a
-    torch.set_num_threads of its own or a library's), so the first line's count no longer holds."""
+    """Once, on rank 0 of a CPU run: the script (or a library) set its own thread count, not the first line's."""
     now = torch.get_num_threads()
     if context.threads_said or context.rank != 0 or context.device.type != "cpu" or now == context.threads:
         return

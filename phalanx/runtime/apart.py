@@ -1,0 +1,192 @@
+"""Ranks that train apart under `phalanx run`: said once, after the script's first optimizer step.
+
+A script that opens a process group and never wraps its model (no DistributedDataParallel, no
+phalanx.prepare) trains k separate models, each on its own part of the data, and nothing fails:
+torchrun says nothing, the loss falls, and the checkpoint rank 0 writes is one of k models.
+PyTorch's own ImageNet example (pytorch/examples imagenet/main.py) does so on the CPU: its DDP wrap
+sits in the GPU branch. phalanx's replica compares itself across ranks; a bare model has nobody.
+
+`watch_ranks_apart` puts one pre- and one post-hook on torch's process-wide optimizer step. At each
+optimizer's first step, with a group of more than one rank open, each rank takes an exact
+fingerprint of that optimizer's parameters before and after (per tensor: its shape and the integer
+sum of its bits) and leaves it in the launcher's store, under its own key; rank 0 reads the peers'
+without waiting (a store `check` at its later steps; at the script's end at most `END_WAIT_S`) and
+compares. Equal after the step (DDP, Horovod, anything that sums gradients): silent. Apart while
+every shape matches: one PhalanxWarning on rank 0, at the script's line of that step, saying whether they were equal before the step (the
+gradients were not summed) or already apart (each rank's own initialisation, nothing broadcast).
+
+What is not a bare model is left alone: a step inside another optimizer's step (ZeRO's and local
+SGD's inner optimizers), parameters that are views or tensor subclasses (phalanx's and DeepSpeed's
+shards, FSDP's flat parameters, DTensors), any shape that differs between ranks (a pipeline, a
+shard), and scripts that imported DeepSpeed or Megatron. Ranks meant to differ with
+whole, equal-shaped models (local SGD by hand, an ensemble, a search per rank) get the warning
+once; it says so, and `warnings.filterwarnings("ignore", category=phalanx.PhalanxWarning)` silences it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from phalanx.errors import PACKAGE_DIR, PhalanxWarning
+
+KEY = "phalanx/apart"
+END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's first fingerprint
+# Libraries whose ranks hold different parts in plain, equal-shaped tensors (ZeRO's flat partitions, tensor
+# parallelism); torch's own FSDP and DTensor are imported with torch.distributed, so they are told by type.
+SHARDING_MODULES = ("deepspeed", "megatron")
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def fingerprint(params: list[torch.Tensor]) -> list[list[int]]:
+    """Per tensor `[*shape, bit_sum]`: exact, so any difference between ranks shows (one host read)."""
+    sums = []
+    for param in params:
+        flat = param.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        ints = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat
+        sums.append(ints.sum(dtype=torch.int64) if ints.numel() else torch.zeros((), dtype=torch.int64))
+    total = torch.stack([s.to("cpu") for s in sums]).tolist() if sums else []
+    return [[*param.shape, value] for param, value in zip(params, total)]
+
+
+def _whole_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
+    """The optimizer's parameters, or None where they are not a bare model's (module docstring)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or any(type(p) not in (torch.Tensor, torch.nn.Parameter) or p._is_view() for p in params):
+        return None
+    return params
+
+
+@dataclass
+class _First:
+    """One optimizer's first step, as this rank saw it: where the script called it, and its fingerprint."""
+
+    ordinal: int
+    where: tuple[str, int]
+    before: list[list[int]] | None = None
+
+
+def _script_line() -> tuple[str, int]:
+    """The first frame outside phalanx and torch: the script's `optimizer.step()` (or its wrapper's)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith((PACKAGE_DIR, _TORCH_DIR)):
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+@dataclass
+class ApartWatch:
+    """The hooks' state on one worker (see the module docstring); `close()` removes them."""
+
+    rank: int
+    firsts: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    pending: list[tuple[Any, _First, int]] = field(default_factory=list)  # (store, first, world size): rank 0's
+    depth: int = 0  # optimizer steps running now: one inside another is a wrapper's inner optimizer
+    said: bool = False
+    handles: list = field(default_factory=list)
+
+    def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.depth += 1
+        if self.depth > 1 or optimizer in self.firsts or not _group_open():
+            return
+        first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=_script_line())
+        if not any(name in sys.modules for name in SHARDING_MODULES):
+            params = _whole_params(optimizer)
+            first.before = fingerprint(params) if params is not None else None
+
+    def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+        first = self.firsts.get(optimizer)
+        if self.depth == 0 and first is not None and first.before is not None:
+            before, first.before = first.before, None  # published once
+            self._publish(first, before, fingerprint(_whole_params(optimizer) or []))
+        if self.rank == 0 and self.pending:
+            self.compare(wait_s=0.0)
+
+    def _publish(self, first: _First, before: list, after: list) -> None:
+        try:
+            store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+            store.set(f"{KEY}/{first.ordinal}/{self.rank}", json.dumps({"before": before, "after": after}))
+        except (RuntimeError, ValueError):  # a group without a store of torch's: nothing to compare through
+            return
+        if self.rank == 0:
+            self.pending.append((store, first, world_size))
+
+    def compare(self, *, wait_s: float) -> None:
+        """Rank 0: each first step whose fingerprints every rank has left, compared; the rest kept."""
+        still = []
+        for store, first, world_size in self.pending:
+            keys = [f"{KEY}/{first.ordinal}/{rank}" for rank in range(world_size)]
+            try:
+                if wait_s > 0:
+                    store.wait(keys, datetime.timedelta(seconds=wait_s))
+                elif not store.check(keys):
+                    still.append((store, first, world_size))
+                    continue
+                prints = [json.loads(store.get(key)) for key in keys]
+            except (RuntimeError, ValueError):  # a peer that never got there, or a store already gone
+                continue
+            line = apart_line(prints)
+            if line is not None and not self.said:  # at the script's line, so the script's filters apply
+                self.said = True
+                warnings.warn_explicit(line, PhalanxWarning, *first.where)
+        self.pending = still
+
+    def finish(self) -> None:
+        """At the script's successful end: rank 0's last comparison, waiting at most END_WAIT_S."""
+        if self.rank == 0 and self.pending:
+            self.compare(wait_s=END_WAIT_S)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _group_open() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def apart_line(prints: list[dict]) -> str | None:
+    """The one line for every rank's first-step fingerprints (rank order), or None when they agree
+    or are not the same model (a shape differs)."""
+    ours = prints[0]
+    if any(len(p["after"]) != len(ours["after"]) or any(a[:-1] != b[:-1] for a, b in zip(p["after"], ours["after"]))
+           for p in prints[1:]):
+        return None
+    apart = [(rank, sum(a != b for a, b in zip(p["after"], ours["after"]))) for rank, p in enumerate(prints)]
+    apart = [(rank, count) for rank, count in apart if count]
+    if not apart:
+        return None
+    rank, count = apart[0]
+    started = all(p["before"] == ours["before"] for p in prints[1:])
+    how = ("they were equal before it and apart after it: no gradient was summed across the ranks" if started
+           else "they were apart before it too (each rank its own initialisation: nothing broadcast rank 0's) "
+                "and no gradient was summed across the ranks")
+    others = f" and {len(apart) - 1} more rank{'s' * (len(apart) > 2)}" if len(apart) > 1 else ""
+    return (f"after this first optimizer step the {len(prints)} ranks hold different models "
+            f"(rank {rank}'s parameters differ from rank 0's in {count} of {len(ours['after'])} tensors{others}): "
+            f"{how}, so each rank trains its own model on its part of the data; wrap the model before the "
+            "optimizer (model = phalanx.prepare(model), or DistributedDataParallel(model), without device_ids on "
+            "the CPU); if the ranks are meant to differ (local SGD, an ensemble), filter this PhalanxWarning out")
+
+
+def watch_ranks_apart(*, rank: int) -> ApartWatch:
+    """Install the hooks for this worker; `close()` them when the script ends."""
+    watch = ApartWatch(rank=rank)
+    watch.handles = [register_optimizer_step_pre_hook(watch.before_step),
+                     register_optimizer_step_post_hook(watch.after_step)]
+    return watch
