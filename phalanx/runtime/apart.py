@@ -58,7 +58,7 @@ def fingerprint(params: list[torch.Tensor]) -> list[list[int]]:
             flat = torch.view_as_real(flat).reshape(-1)
         ints = flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat
         sums.append(ints.sum(dtype=torch.int64) if ints.numel() else torch.zeros((), dtype=torch.int64))
-    total = torch.stack([s.to("cpu") for s in sums]).tolist() if sums else []
+    total = torch.stack([s.to(sums[0].device) for s in sums]).tolist() if sums else []  # one read from a GPU
     return [[*param.shape, value] for param, value in zip(params, total)]
 
 
@@ -100,7 +100,7 @@ class ApartWatch:
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.depth += 1
-        if self.depth > 1 or optimizer in self.firsts or not _group_open():
+        if self.depth > 1 or optimizer in self.firsts or not _group_open() or _capturing():
             return
         first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=_script_line())
         if not any(name in sys.modules for name in SHARDING_MODULES):
@@ -154,6 +154,11 @@ class ApartWatch:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+
+
+def _capturing() -> bool:
+    """A step recorded into a CUDA graph: nothing may be read from the device (its eager steps are watched)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _group_open() -> bool:
