@@ -139,8 +139,8 @@ class DataParallel(ReplicaModule):
         """The scheduler, the usage flags (usage.py) and the landing hooks of the buckets as laid
         out now: every parameter hooked to overlap or to note what it used."""
         window = None if self.sharding is None or self.sharding.keeps_gradients else MAX_IN_FLIGHT
-        self._scheduler = OverlapScheduler(self.buckets, launch=self._launch,
-                                           max_in_flight=window) if self.exchanging else None
+        self._scheduler = OverlapScheduler(self.buckets, launch=self._launch, max_in_flight=window,
+                                           module=self.module) if self.exchanging else None
         self._usage = self._layout.usage if self._layout is not None else None
         self._hook_handles = landing_hooks(self.buckets, self._on_grad_ready if self.overlap else self._on_backward,
                                            every_parameter=self.overlap)

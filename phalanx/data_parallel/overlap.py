@@ -23,12 +23,25 @@ to settle at and stays refused, naming both and the fixes (one backward of the s
 overlap=False, or the first backward under `no_sync()`). DDP runs the latter without a word,
 and its gradients are not one process's (0.14 apart on a 5-8-3 MLP, 2 gloo ranks, torch 2.13).
 
+Reentrant activation checkpointing (`checkpoint(fn, x, use_reentrant=True)`, the default of many
+libraries) runs each checkpointed segment's backward as a backward of its own, so a parameter used
+in several segments (ALBERT's one layer, a block applied twice) lands once per segment in one
+backward. DDP refuses it ("marked ready twice") unless told `static_graph=True`, which counts the
+landings of its first iteration. The scheduler learns the same without being told: during the
+first synced backward it looks, at each landing, whether that landing runs inside checkpoint's
+reentrant backward; from the first that does, it launches nothing more in that step and counts
+every parameter's landings, and from then on a bucket launches once each of its parameters landed
+as often as then (one that lands fewer times goes out at `finish()`, as an unused one). A landing
+beyond that count, once its bucket went out, is refused naming the parameter and the fixes.
+
 Hooks run on autograd's engine thread for the parameters' device; with one device per process
 that is one thread, so this class needs no lock.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Callable, Protocol, Sequence
 
 import torch
@@ -51,7 +64,7 @@ class OverlapScheduler:
     """Launch bucket i's allreduce once its gradients have all landed and buckets < i launched."""
 
     def __init__(self, buckets: Sequence[Bucket], *, launch: Callable[[Bucket], PendingHandle],
-                 max_in_flight: int | None = None) -> None:
+                 max_in_flight: int | None = None, module: nn.Module | None = None) -> None:
         """`max_in_flight`: at most this many launched, unwaited buckets; a launch beyond it
         first waits the oldest (a sharded replica frees a bucket's buffer at its wait). None:
         every handle is waited in `finish()`."""
@@ -66,7 +79,12 @@ class OverlapScheduler:
         for bucket in self.buckets:
             for param in bucket.params:
                 self._bucket_of[id(param)] = bucket.index
-        self._landed: list[set[int]] = [set() for _ in self.buckets]  # id(param)s landed this backward
+        self._landed: list[dict[int, int]] = [{} for _ in self.buckets]  # id(param) -> landings this backward
+        self._done = [0] * len(self.buckets)  # each bucket's parameters that landed as often as expected
+        self._expected: dict[int, int] = {}  # id(param) -> landings per backward, where learned above 1
+        self._watching = True  # until the first synced backward is summed: looking for reentrant checkpointing
+        self._learning = False  # that backward runs reentrant checkpointing: launch nothing, count (docstring)
+        self._module = module  # for a refusal's parameter name
         self._handles: list[PendingHandle | None] = [None] * len(self.buckets)
         self._next_launch = 0  # buckets [0, _next_launch) have launched in this step
         self._next_wait = 0  # buckets [0, _next_wait) have been waited in this step
@@ -85,24 +103,40 @@ class OverlapScheduler:
         return self._next_launch > 0
 
     def mark_ready(self, param: nn.Parameter) -> None:
-        """Called once per parameter per synced backward, after its gradient was accumulated."""
+        """Called after each accumulation of a parameter's gradient in a synced backward."""
         index = self._bucket_of[id(param)]
         landed = self._landed[index]
-        if self._handles[index] is not None or id(param) in landed:
+        if self._watching and not self._learning and in_reentrant_backward():
+            self._learning = True
+        count, expected = landed.get(id(param), 0) + 1, self._expected.get(id(param), 1)
+        if self._handles[index] is not None or (count > expected and not self._learning):
             # The bucket's buffer is (or is about to be) on the wire: a second gradient for it
             # would race with the allreduce, so refuse loudly (DDP: "marked ready twice").
-            raise RuntimeError(
-                f"a gradient landed twice in bucket {index} during one synced step: two backwards with no forward "
-                "between them - of two forwards run before either backward (forward a, forward b, backward a, "
-                "backward b), or of one forward (retain_graph=True) - or two backwards of a sharded replica, before "
-                "finish_gradient_sync, while the first one's buckets were on the wire; add the losses and call "
-                "backward once, or run each backward right after its own forward, or prepare with overlap=False, or "
-                "call the first backward under dp.no_sync()"
-            )
+            raise self._twice(index, param)
         self._started = True
-        landed.add(id(param))
-        if len(landed) == len(self.buckets[index].params):
-            self._launch_ready_in_order()
+        landed[id(param)] = count
+        if count == expected:
+            self._done[index] += 1
+            if self._done[index] == len(self.buckets[index].params) and not self._learning:
+                self._launch_ready_in_order()
+
+    def _twice(self, index: int, param: nn.Parameter) -> RuntimeError:
+        name = next((n for n, p in self._module.named_parameters() if p is param), None) if self._module else None
+        what = f"{name}'s gradient" if name else "a gradient"
+        if in_reentrant_backward():
+            return RuntimeError(
+                f"{what} landed again after its bucket {index} went out, inside the backward of reentrant activation "
+                "checkpointing (torch.utils.checkpoint with use_reentrant=True), which runs each checkpointed "
+                "segment's backward on its own: the parameter is used in more segments than in the first synced "
+                "step, or outside one and inside another; pass use_reentrant=False (torch's advice), or prepare "
+                "with overlap=False")
+        return RuntimeError(
+            f"{what} landed twice in bucket {index} during one synced step: two backwards with no forward "
+            "between them - of two forwards run before either backward (forward a, forward b, backward a, "
+            "backward b), or of one forward (retain_graph=True) - or two backwards of a sharded replica, before "
+            "finish_gradient_sync, while the first one's buckets were on the wire; add the losses and call "
+            "backward once, or run each backward right after its own forward, or prepare with overlap=False, or "
+            "call the first backward under dp.no_sync()")
 
     def _launch_ready_in_order(self) -> None:
         # Launch strictly in bucket order, even when a later bucket is complete first. Backends
@@ -115,7 +149,7 @@ class OverlapScheduler:
             self._launch(self._next_launch)
 
     def _is_complete(self, index: int) -> bool:
-        return len(self._landed[index]) == len(self.buckets[index].params)
+        return self._done[index] == len(self.buckets[index].params) and not self._learning
 
     def _launch(self, index: int) -> None:
         assert index == self._next_launch, (index, self._next_launch)
@@ -168,7 +202,13 @@ class OverlapScheduler:
         self._carried = carried
 
     def _sum_all(self) -> None:
-        """Launch what has not launched, in order, and wait every handle once."""
+        """Launch what has not launched, in order, and wait every handle once; what a learning
+        backward counted is kept (module docstring)."""
+        if self._learning:
+            for landed in self._landed:
+                self._expected.update((pid, count) for pid, count in landed.items() if count > 1)
+        self._learning = False
+        self._watching = self._watching and not self._started
         while self._next_launch < len(self.buckets):
             self._launch(self._next_launch)
         while self._next_wait < len(self.buckets):
@@ -188,6 +228,8 @@ class OverlapScheduler:
         """Forget this step's state (after finish, or after a failed step)."""
         for landed in self._landed:
             landed.clear()
+        self._done = [0] * len(self.buckets)
+        self._learning = False
         self._handles = [None] * len(self.buckets)
         self._next_launch = self._next_wait = 0
         self._started, self._carried = False, None
@@ -202,3 +244,17 @@ def landing_hooks(buckets: Sequence[Bucket], on_landed: Callable[[nn.Parameter],
     of the module keeps none of them (replica_hook.py)."""
     return [param.register_post_accumulate_grad_hook(ReplicaHook(on_landed))
             for bucket in buckets for param in (bucket.params if every_parameter else bucket.params[:1])]
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def in_reentrant_backward() -> bool:
+    """Whether this landing runs inside reentrant activation checkpointing's backward (a frame of
+    torch.utils.checkpoint's `backward` on the stack); looked for only in the first synced backward."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "backward" and frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False

@@ -226,8 +226,9 @@ def in_phalanx_order(first: type | tuple[type, ...]):
 # DistributedDataParallel's keywords -> what phalanx does instead (prepare's TypeError names it).
 DDP_KEYWORDS: dict[str, str] = {
     "find_unused_parameters": _UNUSED_FOUND,
-    "static_graph": "not needed: unused parameters are found every step, and a change of requires_grad lays the "
-                    "buckets out again",
+    "static_graph": "not needed: unused parameters are found every step, a parameter that reentrant activation "
+                    "checkpointing lands more than once per backward is counted in the first step, and a change of "
+                    "requires_grad lays the buckets out again",
     "broadcast_buffers": "plain BatchNorm statistics are averaged across ranks after each step and other buffers "
                          "are broadcast once here; DataParallelConfig(average_running_stats=False) turns the "
                          "averaging off",
