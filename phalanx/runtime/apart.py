@@ -15,6 +15,9 @@ compares. Equal after the step (DDP, Horovod, anything that sums gradients): sil
 every shape matches: one PhalanxWarning on rank 0, at the script's line of that step, saying whether they were equal before the step (the
 gradients were not summed) or already apart (each rank's own initialisation, nothing broadcast).
 
+A script that never joins the job's group (no phalanx.init(), no init_process_group) runs k whole
+copies of the run: rank 0 says so at its first optimizer step, without any store.
+
 What is not a bare model is left alone: a step inside another optimizer's step (ZeRO's and local
 SGD's inner optimizers), parameters that are views or tensor subclasses (phalanx's and DeepSpeed's
 shards, FSDP's flat parameters, DTensors), any shape that differs between ranks (a pipeline, a
@@ -92,6 +95,7 @@ class ApartWatch:
     """The hooks' state on one worker (see the module docstring); `close()` removes them."""
 
     rank: int
+    workers: int = 1  # the launcher's WORLD_SIZE
     firsts: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
     pending: list[tuple[Any, _First, int]] = field(default_factory=list)  # (store, first, world size): rank 0's
     depth: int = 0  # optimizer steps running now: one inside another is a wrapper's inner optimizer
@@ -100,6 +104,9 @@ class ApartWatch:
 
     def before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.depth += 1
+        if self.depth == 1 and self.rank == 0 and self.workers > 1 and not self.said and not _joined():
+            self.said = True  # the first step of a script that never joined: every worker trains alone
+            warnings.warn_explicit(alone_line(self.workers), PhalanxWarning, *_script_line())
         if self.depth > 1 or optimizer in self.firsts or not _group_open() or _capturing():
             return
         first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=_script_line())
@@ -161,8 +168,20 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _group_open() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return _joined() and dist.get_world_size() > 1
+
+
+def alone_line(workers: int) -> str:
+    """What rank 0 says at an optimizer step taken before the script joined the job's process group."""
+    return (f"this optimizer step ran before the script joined the job's process group, so each of the {workers} "
+            "workers trains alone, a whole run of its own: call phalanx.init() (or "
+            "torch.distributed.init_process_group()) before training, and wrap the model (model = "
+            "phalanx.prepare(model)) so the workers split each batch and sum their gradients")
 
 
 def apart_line(prints: list[dict]) -> str | None:
@@ -189,9 +208,9 @@ def apart_line(prints: list[dict]) -> str | None:
             "the CPU); if the ranks are meant to differ (local SGD, an ensemble), filter this PhalanxWarning out")
 
 
-def watch_ranks_apart(*, rank: int) -> ApartWatch:
-    """Install the hooks for this worker; `close()` them when the script ends."""
-    watch = ApartWatch(rank=rank)
+def watch_ranks_apart(*, rank: int, workers: int = 1) -> ApartWatch:
+    """Install the hooks for this worker (`workers`: the launcher's WORLD_SIZE); `close()` them when the script ends."""
+    watch = ApartWatch(rank=rank, workers=workers)
     watch.handles = [register_optimizer_step_pre_hook(watch.before_step),
                      register_optimizer_step_post_hook(watch.after_step)]
     return watch

@@ -167,7 +167,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     teardown.callback(leave_default_group)  # after the report: one the script (or init()) left open
     if guard is not None:
         teardown.enter_context(guard)
-    teardown.callback((apart := watch_ranks_apart(rank=env.rank)).close)  # ranks apart: said once
+    teardown.callback((apart := watch_ranks_apart(rank=env.rank, workers=env.world_size)).close)  # said once
     try:
         result = call()
     except BaseException as exc:

@@ -49,3 +49,11 @@ def test_ranks_that_sum_their_gradients_or_hold_parts_by_design_hear_nothing(mod
     assert done.returncode == 0, done.stderr[-3000:]
     assert "hold different models" not in done.stderr, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines()) == ["rank 0 done", "rank 1 done"]
+
+
+def test_a_script_that_never_joins_the_group_is_told_each_worker_trains_alone():
+    done = _run("alone")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "PhalanxWarning: this optimizer step ran before" in line]
+    assert len(lines) == 1 and "each of the 2 workers trains alone" in lines[0], done.stderr[-3000:]
+    assert SAID not in done.stderr

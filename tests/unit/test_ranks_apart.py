@@ -147,3 +147,21 @@ def test_only_whole_plain_parameters_of_the_outermost_step_are_fingerprinted(mon
         watch.close()
     _step(torch.optim.SGD(model.parameters(), lr=0.1), model)  # closed: no hook left
     assert len(watch.firsts) == 2
+
+
+@pytest.mark.parametrize("rank, workers, said", [(0, 2, 1), (1, 2, 0), (0, 1, 0)])
+def test_a_step_before_the_script_joined_any_group_is_said_once_on_rank_0(monkeypatch, rank, workers, said):
+    monkeypatch.setattr(apart, "_joined", lambda: False)
+    watch = watch_ranks_apart(rank=rank, workers=workers)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                _step(optimizer, model)
+    finally:
+        watch.close()
+    assert len(caught) == said
+    if said:
+        assert caught[0].filename == __file__ and "each of the 2 workers trains alone" in str(caught[0].message)

@@ -1,12 +1,14 @@
 """A torchrun-style script whose ranks may train apart, for `phalanx run`'s one line (runtime/apart.py).
 
-    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|ddp|zero|prepare-sharded|rank-widths
+    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|alone|ddp|zero|prepare-sharded|rank-widths
 
 bare: PyTorch's ImageNet example on the CPU (its DDP wrap sits in the GPU branch): a process group,
 no wrapper, every rank its own model. seeded: the same with a seed per rank (apart from the start).
+alone: no process group at all (a one-device script started on k workers).
 The others sum their gradients, or hold rank-sized parts by design: nothing may be said.
 """
 
+import os
 import sys
 
 import torch
@@ -17,8 +19,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 mode = sys.argv[1]
-dist.init_process_group("gloo")
-rank = dist.get_rank()
+if mode != "alone":
+    dist.init_process_group("gloo")
+rank = int(os.environ["RANK"])
 torch.manual_seed(rank if mode == "seeded" else 0)
 width = 8 + rank if mode == "rank-widths" else 8
 model = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
@@ -40,5 +43,6 @@ for step in range(3):
     optimizer.step()
 if mode == "prepare-sharded":
     model.close()
-dist.destroy_process_group()
+if dist.is_initialized():
+    dist.destroy_process_group()
 print(f"rank {rank} done")
