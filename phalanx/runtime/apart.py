@@ -12,8 +12,10 @@ fingerprint of that optimizer's parameters before and after (per tensor: its sha
 sum of its bits) and leaves it in the launcher's store, under its own key; rank 0 reads the peers'
 without waiting (a store `check` at its later steps; at the script's end at most `END_WAIT_S`) and
 compares. Equal after the step (DDP, Horovod, anything that sums gradients): silent. Apart while
-every shape matches: one PhalanxWarning on rank 0, at the script's line of that step, saying whether they were equal before the step (the
-gradients were not summed) or already apart (each rank's own initialisation, nothing broadcast).
+every shape matches: one PhalanxWarning on rank 0, at the script's line of that step, saying
+whether they were equal before it (the gradients were not summed) or already apart (each rank's
+own initialisation, nothing broadcast). Keys carry the restart count, so a restarted run compares
+its own steps.
 
 A script that never joins the job's group (no phalanx.init(), no init_process_group) runs k whole
 copies of the run: rank 0 says so at its first optimizer step, without any store.
@@ -21,9 +23,9 @@ copies of the run: rank 0 says so at its first optimizer step, without any store
 What is not a bare model is left alone: a step inside another optimizer's step (ZeRO's and local
 SGD's inner optimizers), parameters that are views or tensor subclasses (phalanx's and DeepSpeed's
 shards, FSDP's flat parameters, DTensors), any shape that differs between ranks (a pipeline, a
-shard), and scripts that imported DeepSpeed or Megatron. Ranks meant to differ with
-whole, equal-shaped models (local SGD by hand, an ensemble, a search per rank) get the warning
-once; it says so, and `warnings.filterwarnings("ignore", category=phalanx.PhalanxWarning)` silences it.
+shard), and scripts that imported DeepSpeed or Megatron. Ranks meant to differ with whole,
+equal-shaped models (local SGD by hand, an ensemble, a search per rank) get the warning once; it
+says so, and `warnings.filterwarnings("ignore", category=phalanx.PhalanxWarning)` silences it.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ class ApartWatch:
     def _publish(self, first: _First, before: list, after: list) -> None:
         try:
             store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-            store.set(f"{KEY}/{first.ordinal}/{self.rank}", json.dumps({"before": before, "after": after}))
+            store.set(_key(first.ordinal, self.rank), json.dumps({"before": before, "after": after}))
         except (RuntimeError, ValueError):  # a group without a store of torch's: nothing to compare through
             return
         if self.rank == 0:
@@ -136,7 +138,7 @@ class ApartWatch:
         """Rank 0: each first step whose fingerprints every rank has left, compared; the rest kept."""
         still = []
         for store, first, world_size in self.pending:
-            keys = [f"{KEY}/{first.ordinal}/{rank}" for rank in range(world_size)]
+            keys = [_key(first.ordinal, rank) for rank in range(world_size)]
             try:
                 if wait_s > 0:
                     store.wait(keys, datetime.timedelta(seconds=wait_s))
@@ -166,6 +168,11 @@ class ApartWatch:
 def _capturing() -> bool:
     """A step recorded into a CUDA graph: nothing may be read from the device (its eager steps are watched)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _key(ordinal: int, rank: int) -> str:
+    """Where `rank` leaves its fingerprints of the `ordinal`-th optimizer's first step, in this attempt."""
+    return f"{KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{ordinal}/{rank}"
 
 
 def _joined() -> bool:

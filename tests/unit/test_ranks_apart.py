@@ -14,7 +14,7 @@ from torch import nn
 
 from phalanx.errors import PhalanxWarning
 from phalanx.runtime import apart
-from phalanx.runtime.apart import KEY, apart_line, fingerprint, watch_ranks_apart
+from phalanx.runtime.apart import _key, apart_line, fingerprint, watch_ranks_apart
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64])
@@ -70,8 +70,8 @@ class _FakeGroup:
         after = fingerprint(list(model.parameters()))
         if nudge:
             after[0][-1] += 1
-        before = json.loads(self.store.get(f"{KEY}/{ordinal}/0"))["before"]
-        self.store.set(f"{KEY}/{ordinal}/1", json.dumps({"before": before, "after": after}))
+        before = json.loads(self.store.get(_key(ordinal, 0)))["before"]
+        self.store.set(_key(ordinal, 1), json.dumps({"before": before, "after": after}))
 
 
 def _step(optimizer, model):
@@ -139,10 +139,10 @@ def test_only_whole_plain_parameters_of_the_outermost_step_are_fingerprinted(mon
     try:
         _step(outer, model)
         assert list(watch.firsts.keys()) == [outer]
-        assert group.store.check([f"{KEY}/0/1"]) and not group.store.check([f"{KEY}/1/1"])
+        assert group.store.check([_key(0, 1)]) and not group.store.check([_key(1, 1)])
         piece.grad = torch.ones(4)
         pieces.step()
-        assert watch.firsts[pieces].before is None and not group.store.check([f"{KEY}/1/1"])
+        assert watch.firsts[pieces].before is None and not group.store.check([_key(1, 1)])
     finally:
         watch.close()
     _step(torch.optim.SGD(model.parameters(), lr=0.1), model)  # closed: no hook left
