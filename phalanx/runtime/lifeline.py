@@ -173,6 +173,11 @@ def flush_on_sigterm() -> None:
     an atomic write stays beside its target."""
 
     def flush_and_die(signum, frame):
+        # The stop reaches the worker's DataLoader workers too; torch's SIGCHLD handler raises when one dies,
+        # and raised in here it ended the worker with a traceback instead of the signal (a fresh clone, 2026-12-05).
+        with contextlib.suppress(Exception):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         remove_unfinished()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # closed, or interrupted inside its own write

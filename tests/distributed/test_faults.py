@@ -183,3 +183,25 @@ def test_a_worker_stopped_by_sigterm_mid_write_leaves_no_temporary_file(tmp_path
     done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
     assert done.returncode == -signal.SIGTERM, done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_stopped_by_sigterm_dies_of_it_when_a_loader_worker_dies_meanwhile():
+    # The launcher's SIGTERM reaches the worker's DataLoader workers too; torch's SIGCHLD handler raises
+    # when one dies, and raised inside the SIGTERM handler it ended the worker with a traceback ahead
+    # of the run's one line (test_run_loader_workers' os._exit case, a fresh clone on 2026-12-05).
+    script = (
+        "import os, signal, time\n"
+        "import phalanx.runtime.lifeline as lifeline\n"
+        "def raising(signum, frame):\n"
+        "    raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')\n"
+        "lifeline.remove_unfinished = lambda: time.sleep(2)  # a child dies while the handler runs\n"
+        "lifeline.flush_on_sigterm()\n"
+        "signal.signal(signal.SIGCHLD, raising)\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(0.3)\n"
+        "    os._exit(0)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(10)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert done.returncode == -signal.SIGTERM and "Traceback" not in done.stderr, (done.returncode, done.stderr)
