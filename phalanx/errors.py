@@ -75,16 +75,26 @@ class PhalanxWarning(UserWarning):
     """A run that trains, but not as written means (silence with warnings.filterwarnings)."""
 
 
+def frame_outside(skip_dirs: tuple[str, ...] = (PACKAGE_DIR,), *, start=None) -> tuple:
+    """The first frame, from `start` (default: this function's caller) outward, whose file lies in
+    none of `skip_dirs`, and how many frames were passed on the way: the script's line behind
+    phalanx's own calls. The outermost frame when every frame is skipped."""
+    import sys
+
+    frame, passed = start or sys._getframe(1), 0
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip_dirs):
+        frame, passed = frame.f_back, passed + 1
+    return frame, passed
+
+
 def warn_at_caller(message: str) -> None:
     """A PhalanxWarning pointing at the first frame outside phalanx: the script's line that led
     here, however many of phalanx's own calls (prepare, DataParallel(...)) lie between."""
     import sys
     import warnings
 
-    level, frame = 2, sys._getframe(1)  # stacklevel 1 is this function, 2 its caller
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(PACKAGE_DIR):
-        level, frame = level + 1, frame.f_back
-    warnings.warn(message, PhalanxWarning, stacklevel=level)
+    _, passed = frame_outside(start=sys._getframe(1))
+    warnings.warn(message, PhalanxWarning, stacklevel=2 + passed)  # stacklevel 2: this function's caller
 
 
 class Stopped(BaseException):

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from phalanx.errors import PACKAGE_DIR, PhalanxWarning
+from phalanx.errors import PACKAGE_DIR, PhalanxWarning, frame_outside
 
 KEY = "phalanx/apart"
 END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's first fingerprint
@@ -86,9 +86,7 @@ class _First:
 
 def _script_line() -> tuple[str, int]:
     """The first frame outside phalanx and torch: the script's `optimizer.step()` (or its wrapper's)."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith((PACKAGE_DIR, _TORCH_DIR)):
-        frame = frame.f_back
+    frame, _ = frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(1))
     return frame.f_code.co_filename, frame.f_lineno
 
 
