@@ -1,7 +1,7 @@
 """torch's own errors that a script under `phalanx run` meets for want of one change, re-worded as one line naming it.
 
 A torch error reaches the user as `phalanx: worker rank R failed: <its message>` and a traceback;
-for five that a DDP script ported to CPU workers meets first, the message names no fix, so
+for six that a DDP script ported to CPU workers meets first, the message names no fix, so
 `reworded` turns each into the line a `UsageError` carries (exit 2), told by the exception's type,
 by where in torch it was raised and by what this worker is, not by its wording alone:
 
@@ -16,7 +16,9 @@ by where in torch it was raised and by what this worker is, not by its wording a
   `model.to(local_rank)`, `.cuda()`: the tutorials' and nanoGPT's lines): a CPU build says "module
   'torch._C' has no attribute '_cuda_setDevice'" or "Torch not compiled with CUDA enabled", a CUDA
   build on a host without a GPU "Found no NVIDIA driver"; the line names the script's own line.
-- `DistributedDataParallel(model, device_ids=[local_rank])` with the model on the CPU.
+- `DistributedDataParallel(model, device_ids=[local_rank])` with the model on the CPU, and
+  `init_process_group(..., device_id=torch.device("cpu"))` (pytorch/examples' FSDP2 script made
+  to run on CPU): torch binds a group to an accelerator only.
 
 And two the script's run stops on (exit 1): a collective of its own group that waited out
 `--timeout` (`stalled`: gloo's message names the wait, not the fix; the line names the rank and,
@@ -66,6 +68,11 @@ GPU_ON_CPU = ("the script asks for a GPU{at}, and these workers are CPU workers 
 DDP_DEVICE_IDS_ON_CPU = ("the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...]){at}: "
                          "device_ids names GPUs; leave it out (None) on CPU workers, or wrap the model with "
                          "phalanx.prepare(model), which needs neither")
+GROUP_DEVICE_ID_ON_CPU = ("the script opens its process group with init_process_group(..., device_id=<the CPU>){at}: "
+                          "device_id binds a group to one accelerator (cuda:LOCAL_RANK); leave it out on CPU workers, "
+                          "where the group needs no device, or call phalanx.init(), which binds the GPU on GPUs only")
+_GROUP_DEVICE_ID = ("device_id parameter must be an accelerator with an index",  # torch 2.6 and later
+                    "device_id parameter must be a cuda device with an id")  # torch 2.4, 2.5
 # What torch says where a GPU is asked for and there is none: a CPU build (the first three: set_device, the
 # lazy CUDA start behind .cuda() and .to("cuda"), Module.to(0) or Tensor.to(0) through the accelerator API),
 # a CUDA build without a driver or a GPU (the rest).
@@ -105,6 +112,9 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     if device_type == "cpu" and isinstance(exc, ValueError) and _DDP_DEVICE_IDS in text \
             and "device(type='cpu')" in text and where == "torch.nn.parallel.distributed":
         return DDP_DEVICE_IDS_ON_CPU.format(at=_at_scripts_line(exc))
+    if device_type == "cpu" and isinstance(exc, ValueError) and any(said in text for said in _GROUP_DEVICE_ID) \
+            and where == "torch.distributed.distributed_c10d":
+        return GROUP_DEVICE_ID_ON_CPU.format(at=_at_scripts_line(exc))
     return None
 
 

@@ -127,6 +127,21 @@ def test_ddps_device_ids_for_a_cpu_model_is_named(no_group):
     assert reworded(exc, device_type="cuda", init_ran=False) is None
 
 
+def test_a_group_bound_to_the_cpu_is_named(no_group):
+    # pytorch/examples' FSDP2 script, made to run on CPU, opens its group with device_id=torch.device("cpu"):
+    # torch's ValueError names no fix.
+    exc = _caught(lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                                  device_id=torch.device("cpu")))
+    assert isinstance(exc, ValueError) and not dist.is_initialized(), repr(exc)
+    line = reworded(exc, device_type="cpu", init_ran=False)
+    assert line is not None and line.startswith("the script opens its process group with init_process_group(..., "
+                                                "device_id=<the CPU>) at test_script_errors.py:"), line
+    assert line.endswith("leave it out on CPU workers, where the group needs no device, or call phalanx.init(), which "
+                         "binds the GPU on GPUs only")
+    assert reworded(exc, device_type="cuda", init_ran=False) is None
+    assert reworded(ValueError(str(exc)), device_type="cpu", init_ran=False) is None  # not raised by torch
+
+
 def test_a_refusal_raised_inside_a_library_names_the_scripts_line_and_the_librarys(no_group, tmp_path):
     # timm's train.py (1.0.31, 2026-12-05) wraps DDP inside timm.task.classification: the line named
     # that file alone (classification.py:97), never the script's line a user changes (train.py:1028).
