@@ -123,6 +123,10 @@ def check_logits(logits, labels) -> None:
                              f"softmax), or {_SUMS_FIX}")
 
 
+_NOTHING = ("evaluate_dataset got {what}: there is nothing to evaluate; pass the held-out set itself (the sums "
+            "of an empty one would be 0 and its means 0 / 0)")
+
+
 def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_size: int = 256,
                      sums: Callable = classification_sums, collate_fn: Callable | None = None) -> dict[str, float]:
     """Exact evaluation of any Dataset on all ranks: sums over every example, counted once.
@@ -142,6 +146,8 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
         raise TypeError(f"evaluate_dataset's sums= takes a function, got a {type(sums).__name__}; {_SUMS_FIX}, "
                         "e.g. sums=lambda model, batch: {\"loss\": F.cross_entropy(model(batch[0]), batch[1], "
                         "reduction=\"sum\")}")
+    if not isinstance(dataset, IterableDataset) and len(dataset) == 0:  # every rank alike, before any collective
+        raise ValueError(_NOTHING.format(what="a dataset of 0 examples"))
     check_agree(model, world=world, where="evaluate_dataset()")
     if isinstance(dataset, IterableDataset):  # a stream: every rank reads it, evaluating its slice of each chunk
         read = [0, 0]  # items this rank read (every rank must read the same), and of them its own
@@ -174,6 +180,8 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     all_reduce_sum_(flat, world=world, tag=EVALUATION)
     result = dict(zip(names, flat[:-1].tolist()))
     result["count"] = flat[-1].item()
+    if result["count"] == 0:  # a stream that yielded nothing, on every rank: no sums were taken
+        raise ValueError(_NOTHING.format(what="a stream that yielded no items"))
     expected = read[0]
     if int(result["count"]) != expected:  # a sharding bug, or a stream that differs between ranks, would skew it
         stream = (f"; rank {world.rank} read {expected} items of the stream, which must yield the same items in the "

@@ -139,6 +139,23 @@ def test_evaluate_dataset_refuses_a_count_of_the_sums_own_naming_the_fix():
     assert sums == {"tokens": 60.0, "count": 10.0}
 
 
+def test_evaluate_dataset_refuses_an_empty_set_or_stream_in_one_line():
+    # Before 2026-12-05 an empty Dataset failed inside the empty-shard collate with torch's
+    # "IndexError: index 0 is out of bounds for dimension 0 with size 0", and an empty stream came
+    # back as {"count": 0.0} without the sums' names (the script's r["loss"] then a KeyError).
+    from torch.utils.data import IterableDataset
+
+    class Nothing(IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    empty = TensorDataset(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+    for data, what in ((empty, "a dataset of 0 examples"), (Nothing(), "a stream that yielded no items")):
+        with pytest.raises(ValueError, match=rf"^evaluate_dataset got {what}: there is nothing to evaluate; pass the "
+                                             r"held-out set itself"):
+            phalanx.evaluate_dataset(nn.Linear(3, 2), data, world=world(0, 1))
+
+
 def test_evaluate_dataset_follows_a_float64_models_dtype():
     # Uncast, a float32 batch fails inside evaluate_dataset with "RNN input dtype (torch.float32) does not
     # match weight dtype (torch.float64)"; it is cast as the internal evaluate casts its images.
