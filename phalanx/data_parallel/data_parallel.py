@@ -20,12 +20,11 @@ and zeroed by zero_grad() if none did (guards/checks.py). Every `check_finite_ev
 is checked for NaN/Inf (guards/finite.py) and the replicas compared (guards/replicas.py; also at the first
 step), both again before state leaves the replica (`check_finite`, `check_replicas`: phalanx.checkpoint, close).
 
-Its options are one `DataParallelConfig` (config.py), checked where it was made. A world of one builds nothing
-(no buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone` builds the exchange on one
-device all the same, and `DataParallel.over(comm, ...)` exchanges over the caller's comm (one that counts
-bytes). A `DataParallel` is an `nn.Module` (replica.py); DDP users' habits are made right or named after each
-synced exchange (guards/step_extras.py). What it runs with is `dp.choices` (choices.py); its SyncBatchNorm
-layers sum through its exchange.
+Its options are one `DataParallelConfig` (config.py), checked where made. A world of one builds nothing (no
+buckets, hooks, thread or collectives: the plain loop's step); `exchange_alone` builds the exchange on one device
+too, and `DataParallel.over(comm, ...)` exchanges over the caller's comm (one that counts bytes). A `DataParallel`
+is an `nn.Module` (replica.py); DDP users' habits are made right or named after each synced exchange
+(guards/step_extras.py). `dp.choices` says what it runs with; its SyncBatchNorm layers sum through its exchange.
 """
 
 from __future__ import annotations
@@ -52,6 +51,7 @@ from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_, placed
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
+from phalanx.data_parallel.unfit import held
 from phalanx.data_parallel.sync_batchnorm import route_sync_batchnorm
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
@@ -108,8 +108,7 @@ class DataParallel(ReplicaModule):
                                     bucket_cap_mb=bucket_cap_for(options.bucket_cap_mb, algorithm=self.algorithm),
                                     world=world, average=options.average) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
-        self._sync_enabled, self._closed, self._capturing = True, False, False  # capturing(): a CUDA graph records
-        self._synced_steps = 0  # the step in each bucket's tag
+        self._sync_enabled, self._closed, self._capturing, self._synced_steps = True, False, False, 0  # (replica.py)
         self.average = options.average
         self._extras = StepExtras(self.module, world=world, average=options.average, batchnorm=options.batchnorm,
                                   average_running_stats=options.average_running_stats)
@@ -134,6 +133,7 @@ class DataParallel(ReplicaModule):
         # What zero_grad clears with nothing to exchange: the parameters, listed once (walking the modules every
         # step cost LeNet ~40 us); one added since is refused as at k ranks (1 device: its .grad never cleared).
         self._params = AddedParameters(self.module)
+        held(self)  # built: a second prepare of these parameters is refused while this is open (unfit.py)
 
     def _wire_buckets(self) -> None:
         """The scheduler, the usage flags (usage.py) and the landing hooks of the buckets as laid

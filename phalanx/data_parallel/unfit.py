@@ -5,7 +5,9 @@ device (deferred initialization, as torchtitan builds a model) has no values unt
 materialized. Neither can be broadcast from rank 0 or laid out in buckets, and either would die
 inside torch (`UninitializedParameter`, "Cannot copy out of meta tensor"). A model already inside
 a data-parallel wrapper (torch's DDP, FSDP or `nn.DataParallel`, the book's one-process split over
-GPUs, or a phalanx replica) would have its gradients exchanged twice, once by each. `prepare`
+GPUs, or a phalanx replica) would have its gradients exchanged twice, once by each; so would a model
+an open replica holds (`held`), prepared again (a notebook cell run twice, a helper called twice):
+each replica's hooks fire on every gradient, and the older one refused every step as never summed. `prepare`
 refuses them before converting anything, and `DataParallel` before it moves the module
 (replica.py's `placed`), on every world size alike, so a script fails on one device where it would on k.
 
@@ -17,9 +19,24 @@ exchange can make that the 1-device update; renormalizing after the step, on eve
 
 from __future__ import annotations
 
+import os
+import weakref
+
 from torch import nn
 from torch.nn import Embedding, EmbeddingBag
 from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
+
+from phalanx.errors import frame_outside
+
+# Every replica built, with where the script built it; open while not closed (its hooks hold it alive).
+_BUILT: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def held(replica: nn.Module) -> None:
+    """`replica` (a DataParallel, built) now exchanges its module's gradients: a later prepare of
+    any of them is refused while it is open."""
+    frame, _ = frame_outside()
+    _BUILT[replica] = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def refuse_unfit(module: nn.Module, *, world_size: int = 1) -> None:
@@ -39,6 +56,7 @@ def refuse_unfit(module: nn.Module, *, world_size: int = 1) -> None:
             raise ValueError(f"{where} is already wrapped in {wrapper}, whose gradient exchange phalanx's would "
                              f"repeat; pass the model itself ({'.'.join(filter(None, [name, 'module']))} of this one) "
                              "to phalanx.prepare, once")
+    _refuse_held(module)
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         owner = type(module.get_submodule(name.rpartition(".")[0])).__name__
         if nn.parameter.is_lazy(tensor):  # DDP refuses them too
@@ -49,6 +67,21 @@ def refuse_unfit(module: nn.Module, *, world_size: int = 1) -> None:
             raise ValueError(f"{name} ({owner}) is on the meta device and holds no values: materialize the model "
                              "before phalanx.prepare, model.to_empty(device=world.device) then initialize it (each "
                              "module's reset_parameters(), or your init; prepare broadcasts rank 0's values)")
+
+
+def _refuse_held(module: nn.Module) -> None:
+    """ValueError if an open replica already exchanges a parameter of `module` (the model, a part, a whole)."""
+    open_replicas = [(replica, site) for replica, site in list(_BUILT.items()) if not replica._closed]
+    if not open_replicas:
+        return
+    names = {id(param): name for name, param in module.named_parameters()}
+    for replica, site in open_replicas:
+        shared = next((names[id(p)] for p in replica.module.parameters() if id(p) in names), None)
+        if shared is not None:
+            raise ValueError(f"the model's parameter {shared} is already exchanged by an open phalanx replica (made "
+                             f"at {site}), and a second would exchange it again: use that replica, or call its "
+                             "close() first (a notebook cell that prepares the model, run twice: dp.close(), then "
+                             "run it)")
 
 
 def _wrapper(module: nn.Module) -> str | None:

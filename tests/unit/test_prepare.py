@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
 from dataclasses import replace
 
 import pytest
@@ -203,6 +204,28 @@ def test_a_model_already_in_a_data_parallel_wrapper_is_refused_naming_the_model_
                     build(wrapped, world=WORLD1)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_model_an_open_replica_holds_is_refused_until_that_one_is_closed():
+    # A notebook cell `dp = phalanx.prepare(model, ...)` run twice, or a helper that prepares called
+    # twice: before 2026-12-05 both replicas hooked the same gradients and on 2 ranks every
+    # optimizer.step() was refused as "after a backward whose gradients were never summed" although
+    # the script called finish_gradient_sync() (the older replica's never were).
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    first = phalanx.prepare(model, world=WORLD1); line = sys._getframe().f_lineno  # noqa: E702
+    said = (rf"^the model's parameter {{}} is already exchanged by an open phalanx replica \(made at "
+            rf"test_prepare\.py:{line}\), and a second would exchange it again: use that replica, or call its "
+            rf"close\(\) first \(a notebook cell that prepares the model, run twice: dp\.close\(\), then run it\)$")
+    for again, name in ((model, "0.weight"), (model[2], "weight"), (nn.Sequential(model, nn.Linear(2, 1)), "0.0.weight")):
+        for build in (phalanx.prepare, phalanx.DataParallel):
+            with pytest.raises(ValueError, match=said.format(re.escape(name))):
+                build(again, world=WORLD1)
+    other = phalanx.prepare(nn.Linear(4, 2), world=WORLD1)  # another model's replica: its own
+    first.close()
+    second = phalanx.prepare(model, world=WORLD1)  # closed: the model may be prepared again
+    with pytest.raises(ValueError, match=said.format("weight").replace(str(line), r"\d+")):
+        phalanx.prepare(model[0], world=WORLD1)
+    second.close(), other.close()
 
 
 def test_a_lazy_module_after_a_dummy_forward_trains_as_the_plain_loop():
