@@ -116,28 +116,31 @@ def test_a_cuda_build_without_a_gpu_is_named_too(said):
     assert reworded(ValueError(said), device_type="cpu", init_ran=False) is None  # another type: not torch's
 
 
-def test_ddps_device_ids_for_a_cpu_model_is_named(no_group):
+def _ddp_device_ids():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    exc = _caught(lambda: torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), device_ids=[0]))
-    line = reworded(exc, device_type="cpu", init_ran=False)
-    assert line is not None and line.startswith("the script wraps a model on the CPU as DistributedDataParallel(model, "
-                                                "device_ids=[...]) at test_script_errors.py:"), line
-    assert line.endswith("leave it out (None) on CPU workers, or wrap the model with phalanx.prepare(model), which "
-                         "needs neither")
-    assert reworded(exc, device_type="cuda", init_ran=False) is None
+    return _caught(lambda: torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2), device_ids=[0]))
 
 
-def test_a_group_bound_to_the_cpu_is_named(no_group):
-    # pytorch/examples' FSDP2 script, made to run on CPU, opens its group with device_id=torch.device("cpu"):
-    # torch's ValueError names no fix.
+def _group_bound_to_the_cpu():
+    # pytorch/examples' FSDP2 script, made to run on CPU, opens its group with device_id=torch.device("cpu").
     exc = _caught(lambda: dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                                                   device_id=torch.device("cpu")))
-    assert isinstance(exc, ValueError) and not dist.is_initialized(), repr(exc)
+    assert not dist.is_initialized()
+    return exc
+
+
+@pytest.mark.parametrize("make, starts, ends", [
+    (_ddp_device_ids, "the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...])",
+     "leave it out (None) on CPU workers, or wrap the model with phalanx.prepare(model), which needs neither"),
+    (_group_bound_to_the_cpu, "the script opens its process group with init_process_group(..., device_id=<the CPU>)",
+     "leave it out on CPU workers, where the group needs no device, or call phalanx.init(), which binds the GPU on "
+     "GPUs only")])
+def test_a_gpu_only_argument_on_a_cpu_worker_is_named_at_the_scripts_line(no_group, make, starts, ends):
+    exc = make()  # torch's ValueError, which names no fix
     line = reworded(exc, device_type="cpu", init_ran=False)
-    assert line is not None and line.startswith("the script opens its process group with init_process_group(..., "
-                                                "device_id=<the CPU>) at test_script_errors.py:"), line
-    assert line.endswith("leave it out on CPU workers, where the group needs no device, or call phalanx.init(), which "
-                         "binds the GPU on GPUs only")
+    assert isinstance(exc, ValueError) and line is not None, repr(exc)
+    assert line.startswith(f"{starts} at test_script_errors.py:"), line
+    assert line.endswith(ends), line
     assert reworded(exc, device_type="cuda", init_ran=False) is None
     assert reworded(ValueError(str(exc)), device_type="cpu", init_ran=False) is None  # not raised by torch
 
