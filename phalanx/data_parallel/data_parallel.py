@@ -47,7 +47,7 @@ from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
 from phalanx.data_parallel.layout import AddedParameters, BucketLayout
-from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks
+from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks, unhooked
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_, placed
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
@@ -150,8 +150,7 @@ class DataParallel(ReplicaModule):
 
     def _rewire(self) -> None:
         """The layout changed with `requires_grad` (layout.py): its new buckets take the hooks."""
-        for handle in self._hook_handles:
-            handle.remove()
+        unhooked(self._hook_handles)
         self.buckets = self._layout.buckets
         self._wire_buckets()
         self.choices = replica_choices(self, self.options)
@@ -294,19 +293,20 @@ class DataParallel(ReplicaModule):
         self._comm.allreduce(flat, algorithm=self.algorithm, tag=tag)
 
     def close(self) -> None:
-        """Check the steps since the last NaN/Inf check and compare the replicas (every rank, unless an error is
-        on its way), then remove the hooks and stop the AsyncComm this replica made; call before stop_world."""
+        """Check the steps since the last NaN/Inf check, compare the replicas and gather stage 3's parameters whole
+        into the module (every rank, unless an error is on its way: the module is a plain model again), then remove
+        the hooks and stop the AsyncComm this replica made; call before stop_world."""
         try:
             if not self._closed and sys.exc_info()[1] is None:
                 self.check_finite(where="close()")
                 self.check_replicas(where="close()")
+                if self.sharding is not None:  # stage 3: its parameters whole again, for good (a collective)
+                    self.sharding.leave_whole()
         finally:
             self._close()
 
     def _close(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
+        self._hook_handles = unhooked(self._hook_handles)
         if self._unsynced is not None:
             self._unsynced.close()
         self._extras.close()

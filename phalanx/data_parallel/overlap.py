@@ -246,6 +246,13 @@ def landing_hooks(buckets: Sequence[Bucket], on_landed: Callable[[nn.Parameter],
             for bucket in buckets for param in (bucket.params if every_parameter else bucket.params[:1])]
 
 
+def unhooked(handles: Sequence) -> list:
+    """Remove every hook of `handles` (landing_hooks' and the like); an empty list, to hold instead."""
+    for handle in handles:
+        handle.remove()
+    return []
+
+
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 
 

@@ -7,7 +7,8 @@ lost it too; a copy of the module failed to pickle the communication. Now a read
 is one line naming `dp.gathered_parameters()`, inside which the parameters are whole: an EMA
 (`AveragedModel`) built and updated there equals the unsharded run's, WGAN's weight clipping with
 `writeback=True` equals 1 device, and an edit made without writeback, or differently on each
-rank, is refused. Also: a 0-d parameter trains at stage 3 as on 1 device, and an embedding with
+rank, is refused; `dp.close()` leaves the model whole and plain (before 2026-12-05 it stayed at
+rest, unreadable, with the block it named gone with the replica). Also: a 0-d parameter trains at stage 3 as on 1 device, and an embedding with
 `max_norm` (each rank renormalizes the rows it looks up) is refused on 2 ranks, fine on 1.
 """
 
@@ -63,7 +64,8 @@ def _flat(module: nn.Module) -> torch.Tensor:
 
 def _train(world, shard: str, *, clip: bool) -> dict:
     """STEPS steps of SGD; after each, inside the block: the EMA's update, and (`clip`) the clipping."""
-    dp = phalanx.prepare(_model(), world=world, shard=shard)
+    model = _model()
+    dp = phalanx.prepare(model, world=world, shard=shard)
     optimizer = dp.optimizer(torch.optim.SGD, lr=0.2)
     with dp.gathered_parameters():
         ema = AveragedModel(dp.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
@@ -80,8 +82,9 @@ def _train(world, shard: str, *, clip: bool) -> dict:
             ema.update_parameters(dp.module)
     with dp.gathered_parameters():
         whole = _flat(dp.module)
-    dp.close()
-    return {"params": whole, "ema": _flat(ema.module), "ema types": {type(p) for p in ema.module.parameters()}}
+    dp.close()  # the model whole again: before 2026-12-05 stage 3's stayed at rest, unreadable for good
+    return {"params": whole, "ema": _flat(ema.module), "ema types": {type(p) for p in ema.module.parameters()},
+            "closed": _flat(model), "closed types": {type(p) for p in model.parameters()}}
 
 
 def _one_device(*, clip: bool) -> torch.Tensor:
@@ -111,6 +114,8 @@ def test_ema_and_clipping_inside_the_block_equal_unsharded_and_one_device(clip):
         assert (unsharded["params"] - want).abs().max().item() <= 1e-12
         assert (sharded["ema"] - unsharded["ema"]).abs().max().item() <= 1e-12
         assert sharded["ema types"] == {nn.Parameter}  # an ordinary model, not the replica's parameters
+        for closed in (sharded, unsharded):  # after dp.close() the model is whole and plain, as trained
+            assert torch.equal(closed["closed"], closed["params"]) and closed["closed types"] == {nn.Parameter}
 
 
 def _one_line(call) -> str:

@@ -216,6 +216,12 @@ class Sharding:
         raise ValueError("the optimizer was given a parameter that is not the replica's; pass the model's own "
                          "parameters (or param groups of them)")
 
+    def leave_whole(self) -> None:
+        """Stage 3, as the replica closes: every parameter gathered whole and left so, a plain parameter
+        again (a collective); stages 1 and 2 keep them whole throughout."""
+        for index in range(len(self.buckets)):
+            self.params.ensure_gathered(index)
+
     def close(self) -> None:
         if self._hooks is not None:
             self._hooks.close()
