@@ -52,4 +52,6 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names and the module's dunders (what a notebook's completion offers): not the helpers
+    this file imports (importlib, sys) nor the subpackages imported so far."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

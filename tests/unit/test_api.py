@@ -36,6 +36,9 @@ def test_front_door_reexports_the_owners_objects():
         assert getattr(phalanx, name) is not None
     for name, module in owners.items():
         assert getattr(phalanx, name) is getattr(importlib.import_module(module), name)
+    # What a notebook's completion offers: the public names, not the front door's own imports (importlib,
+    # sys) or the subpackages loaded so far (before 2026-12-05 all of them).
+    assert [name for name in dir(phalanx) if not name.startswith("_")] == sorted(phalanx.__all__)
 
 
 @pytest.mark.parametrize("k", [2, 3])
