@@ -1,15 +1,16 @@
 """Modules a replica cannot be built from, refused where one is built, in one line naming the fix.
 
-A lazy module (`nn.LazyLinear`) has no shapes until its first forward; one built on the meta
-device (deferred initialization, as torchtitan builds a model) has no values until it is
-materialized. Neither can be broadcast from rank 0 or laid out in buckets, and either would die
-inside torch (`UninitializedParameter`, "Cannot copy out of meta tensor"). A model already inside
-a data-parallel wrapper (torch's DDP, FSDP or `nn.DataParallel`, the book's one-process split over
-GPUs, or a phalanx replica) would have its gradients exchanged twice, once by each; so would a model
-an open replica holds (`held`), prepared again (a notebook cell run twice, a helper called twice):
-each replica's hooks fire on every gradient, and the older one refused every step as never summed. `prepare`
-refuses them before converting anything, and `DataParallel` before it moves the module
-(replica.py's `placed`), on every world size alike, so a script fails on one device where it would on k.
+A lazy module (`nn.LazyLinear`) has no shapes until its first forward; one built on the meta device
+(deferred initialization, as torchtitan builds a model) has no values until it is materialized.
+Neither can be broadcast from rank 0 or laid out in buckets, and either would die inside torch
+(`UninitializedParameter`, "Cannot copy out of meta tensor"). A model already inside a data-parallel
+wrapper (torch's DDP, FSDP or `nn.DataParallel`, the book's one-process split over GPUs, or a
+phalanx replica) would have its gradients exchanged twice, once by each; so would a model an open
+replica holds (`held`), prepared again (a notebook cell run twice, a helper called twice): each
+replica's hooks fire on every gradient, and the older one refused every step as never summed.
+`prepare` refuses them before converting anything, and `DataParallel` before it moves the module
+(replica.py's `placed`), on every world size alike, so a script fails on one device where it would
+on k.
 
 On more than one rank, also an `nn.Embedding` (or `EmbeddingBag`) with `max_norm`: its forward
 renormalizes, in place, the rows this rank's batch looks up, so each rank changes other rows and the

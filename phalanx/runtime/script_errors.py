@@ -71,8 +71,8 @@ DDP_DEVICE_IDS_ON_CPU = ("the script wraps a model on the CPU as DistributedData
 GROUP_DEVICE_ID_ON_CPU = ("the script opens its process group with init_process_group(..., device_id=<the CPU>){at}: "
                           "device_id binds a group to one accelerator (cuda:LOCAL_RANK); leave it out on CPU workers, "
                           "where the group needs no device, or call phalanx.init(), which binds the GPU on GPUs only")
-_GROUP_DEVICE_ID = ("device_id parameter must be an accelerator with an index",  # torch 2.6 and later
-                    "device_id parameter must be a cuda device with an id")  # torch 2.4, 2.5
+_GROUP_DEVICE_ID = ("device_id parameter must be an accelerator with an index",  # torch 2.13.0, 2.14.1
+                    "device_id parameter must be a cuda device with an id")  # torch 2.4.1
 # What torch says where a GPU is asked for and there is none: a CPU build (the first three: set_device, the
 # lazy CUDA start behind .cuda() and .to("cuda"), Module.to(0) or Tensor.to(0) through the accelerator API),
 # a CUDA build without a driver or a GPU (the rest).
