@@ -1,15 +1,16 @@
 """A stage-3 replica's parameters between steps (`shard="parameters"`), on 2 gloo workers, float64.
 
-At rest each rank holds only its range of a parameter, and the parameter is a stand-in of its
-shape. Reading one there gave NaN without a word (a weight norm, an EMA updated from `dp.module`),
-and an in-place write was lost (a 1-element bias's `fill_`) or died in a torch error whose advice
-lost it too; a copy of the module failed to pickle the communication. Now a read or write at rest
-is one line naming `dp.gathered_parameters()`, inside which the parameters are whole: an EMA
+At rest each rank holds only its range of a parameter, and the parameter is a stand-in of its shape.
+Reading one there gave NaN without a word (a weight norm, an EMA updated from `dp.module`), and an
+in-place write was lost (a 1-element bias's `fill_`) or died in a torch error whose advice lost it
+too; a copy of the module failed to pickle the communication. Now a read or write at rest is one
+line naming `dp.gathered_parameters()`, inside which the parameters are whole: an EMA
 (`AveragedModel`) built and updated there equals the unsharded run's, WGAN's weight clipping with
-`writeback=True` equals 1 device, and an edit made without writeback, or differently on each
-rank, is refused; `dp.close()` leaves the model whole and plain (before 2026-12-05 it stayed at
-rest, unreadable, with the block it named gone with the replica). Also: a 0-d parameter trains at stage 3 as on 1 device, and an embedding with
-`max_norm` (each rank renormalizes the rows it looks up) is refused on 2 ranks, fine on 1.
+`writeback=True` equals 1 device, and an edit made without writeback, or differently on each rank,
+is refused; `dp.close()` leaves the model whole and plain (before 2026-12-05 it stayed at rest,
+unreadable, with the block it named gone with the replica). Also: a 0-d parameter trains at stage 3
+as on 1 device, and an embedding with `max_norm` (each rank renormalizes the rows it looks up) is
+refused on 2 ranks, fine on 1.
 """
 
 from __future__ import annotations

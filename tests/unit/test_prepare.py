@@ -225,7 +225,8 @@ def test_a_model_an_open_replica_holds_is_refused_until_that_one_is_closed():
     second = phalanx.prepare(model, world=WORLD1)  # closed: the model may be prepared again
     with pytest.raises(ValueError, match=said.format("weight").replace(str(line), r"\d+")):
         phalanx.prepare(model[0], world=WORLD1)
-    second.close(), other.close()
+    second.close()
+    other.close()
 
 
 def test_a_lazy_module_after_a_dummy_forward_trains_as_the_plain_loop():
