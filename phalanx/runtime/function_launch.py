@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from phalanx.errors import Stopped, UsageError
+from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.options import OptionError
 from phalanx.runtime.devices import DevicePlan, parse_devices
 from phalanx.runtime.forked import START_METHODS, check_forkable, warm_imports
@@ -60,7 +60,7 @@ def launch(fn: Callable[..., Any], *args: Any, devices: str | int = "1", threads
     `phalanx run`'s `--max-restarts` (every worker starts `fn` again after one fails, up to N
     times: runtime/restarts.py); `quiet` drops the first line (on stderr: the workers, their
     threads, how they started). Every other keyword is `fn`'s; arguments `fn` does not take are
-    refused here, not in each worker.
+    refused here, not in each worker. A `sys.exit()` in `fn` reads as a process's exit code.
     """
     if not callable(fn):
         raise UsageError(f"launch() takes the function to run first, not a {type(fn).__name__}; "
@@ -167,8 +167,21 @@ def _unspawnable(fn: Callable[..., Any], arguments: tuple[tuple, dict]) -> str |
 def _function_body(rank: int, payload: tuple, teardown: contextlib.ExitStack) -> Any:
     """One worker of `launch`: set up as phalanx run's are, run fn, its result on the CPU."""
     fn, args, kwargs, spec = payload
-    return on_cpu(run_in_worker(lambda: fn(*args, **kwargs), spec=spec, device=spec.plan.torch_device(rank),
-                                teardown=teardown))
+    return on_cpu(run_in_worker(lambda: _call(fn, args, kwargs, rank=rank), spec=spec,
+                                device=spec.plan.torch_device(rank), teardown=teardown))
+
+
+def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, *, rank: int) -> Any:
+    """fn's result; its `sys.exit()` as a process's exit (torch.multiprocessing.spawn's reading): 0 or
+    None is a rank that finished with no result, any other code this rank's failure."""
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            return None
+        detail = f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise RunFailed(f"{name}() exited with {detail} on rank {rank} (sys.exit)") from None
 
 
 def on_cpu(value: Any) -> Any:

@@ -3,9 +3,10 @@ does and returns each rank's result; forked (the default) and spawned, 2 workers
 1e-12 of 1 worker (float64). From an interactive session (a notebook: no `__file__`) whose
 OpenMP pool is already open, a forked function - a closure over a dataset in memory - runs with
 2 threads per worker: forked workers that ran on their main thread hung there. A failure is
-raised naming the rank; a UsageError stays one line; the notebook's own world (or a replica or
-loader made with it) used in a forked worker is one line, not k workers each training alone; under
-`phalanx run` the function runs once per worker, in it."""
+raised naming the rank, a `sys.exit(3)` as that exit code (0: a rank that finished); a UsageError
+stays one line; the notebook's own world (or a replica or loader made with it) used in a forked
+worker is one line, not k workers each training alone; under `phalanx run` the function runs once
+per worker, in it."""
 
 from __future__ import annotations
 
@@ -58,6 +59,11 @@ def _fail_on_rank_1() -> None:
     phalanx.barrier(world=world)
 
 
+def _exit(code_on_rank_1) -> None:
+    world = phalanx.init()
+    sys.exit(0 if world.rank == 0 else code_on_rank_1)
+
+
 def _usage() -> None:
     raise phalanx.UsageError("bad input, named with its fix")
 
@@ -80,6 +86,13 @@ def test_a_failure_names_the_rank_and_a_usage_error_stays_one_line():
     assert 'in _fail_on_rank_1\n    raise ValueError("rank 1\'s own failure")' in text
     with pytest.raises(phalanx.UsageError, match="^bad input, named with its fix$"):
         phalanx.launch(_usage, devices="cpu:2", timeout_s=60, quiet=True)
+
+
+def test_sys_exit_reads_as_a_processs_exit_code():
+    # torch.multiprocessing.spawn's reading. Before, rank 0's sys.exit(0) was named the failure over rank 1's exit 3.
+    with pytest.raises(WorkerFailed, match=r"^run stopped: _exit\(\) exited with code 3 on rank 1 \(sys.exit\)$"):
+        phalanx.launch(_exit, 3, devices="cpu:2", timeout_s=30, quiet=True)
+    assert phalanx.launch(_exit, None, devices="cpu:2", timeout_s=30, quiet=True) == [None, None]
 
 
 NOTEBOOK = textwrap.dedent("""\
