@@ -59,6 +59,7 @@ COMMANDS = {
 # Commands that measure or train by starting their own workers: under a several-task Slurm step
 # each task would run one beside the others (runtime/slurm.py).
 STARTS_ITS_OWN_WORKERS = ("bench", "verify", "predict", "sweep")
+WORKERS_TRAIN = ("train", "verify", "predict", "sweep")  # each worker makes a torch optimizer: fork_server.py
 
 
 def build_parser(commands: Sequence[str] | None = None) -> argparse.ArgumentParser:
@@ -170,7 +171,7 @@ def _start_fork_server(argv: list[str]) -> None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         from phalanx.runtime.fork_server import start_early
 
-        start_early()
+        start_early(workers_train=_subcommand(argv) in WORKERS_TRAIN)
 
 
 def _subcommand(argv: list[str]) -> str | None:

@@ -47,9 +47,17 @@ from phalanx.runtime.procs import process_alive
 FRESH = "fresh"  # a worker set's start method: forked from the server where it can be, else spawned
 # Imported by the server before its first fork: what every worker body needs (torch with them).
 PRELOAD = ["phalanx.runtime.fork_server_init", "phalanx.runtime.launch", "phalanx.runtime.script"]
+# And for a command whose workers train: torch's compiler front end, which the first torch.optim
+# optimizer a process makes imports (2-3 s of one core each on the CI machine). Imported once by the
+# server, not by each worker of each launch and restart: `phalanx train`, 1 epoch, 0.94x the wall
+# time on 2 workers, 0.80x on 4 (2 cores); a script that makes no optimizer would wait 2 s longer
+# for its workers, so `phalanx run` leaves it out. multiprocessing skips a module a torch build lacks.
+COMPILER_FRONT_END = "torch._dynamo"
 # Read by the interpreter or a library as it loads, so fixed in the server at its start.
-_AT_START = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_")
-_started_with: dict[str, str] | None = None  # those variables when this process started the server
+_AT_START = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_", "TORCHDYNAMO_",
+             "TORCHINDUCTOR_")
+_preload = PRELOAD  # what this process's server imports: start_early's choice
+_started_with: tuple[dict[str, str], list[str]] | None = None  # those variables and the preload, at its start
 
 
 def start_method() -> str:
@@ -59,9 +67,12 @@ def start_method() -> str:
     return "forkserver"
 
 
-def start_early() -> None:
+def start_early(*, workers_train: bool = False) -> None:
     """Start the server now, so its imports overlap this process's own (the command line's);
-    nothing if a launch here could not use it. Never raises: a launch then spawns."""
+    nothing if a launch here could not use it. Never raises: a launch then spawns.
+    `workers_train`: the command's workers make an optimizer (COMPILER_FRONT_END above)."""
+    global _preload
+    _preload = [*PRELOAD, COMPILER_FRONT_END] if workers_train else PRELOAD
     if start_method() == "forkserver":
         with contextlib.suppress(Exception):
             _ensure_running()
@@ -80,17 +91,17 @@ def worker_context():
 
 
 def _ensure_running() -> None:
-    """A server that started with this process's start-up variables as they are now: the running
-    one, or a new one in its place (a launch ends its workers before the next one starts, so the
-    stopped server has no copy left to take down)."""
+    """A server that started with this process's start-up variables as they are now, and its
+    preload: the running one, or a new one in its place (a launch ends its workers before the
+    next one starts, so the stopped server has no copy left to take down)."""
     global _started_with
     from multiprocessing import forkserver
 
-    wanted = _at_start_variables()
+    wanted = (_at_start_variables(), _preload)
     if _started_with is not None and _started_with != wanted:
         _stop(forkserver._forkserver)
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(_preload)
     with shared_hash_seed("spawn"):  # the server's salt is every copy's: one for the whole run
         forkserver.ensure_running()
     _started_with = wanted

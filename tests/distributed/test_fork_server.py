@@ -1,7 +1,8 @@
 """Workers forked from the fork server (runtime/fork_server.py) are what spawned ones were: they
 take on what the launcher holds when they start, not what it held when the server started (its
 environment, umask, cores, ulimits and standard streams), and run their exit handlers; a changed
-start-up variable gets a new server; a SIGTERM to the launcher's whole process group stops them
+start-up variable gets a new server, and so does a command whose workers train (it imports torch's
+compiler front end for them); a SIGTERM to the launcher's whole process group stops them
 through the launcher, gently; a SIGKILLed launcher takes the server and every worker with it."""
 
 import contextlib
@@ -99,6 +100,26 @@ def test_a_variable_read_at_start_that_changed_starts_a_new_server_with_it(monke
     assert new != old and not _alive(old), "the server that started without it was kept"
     assert before[0]["server_schedule"] == "" and all(got["server_schedule"] == "static" for got in after)
     assert all(got["schedule"] == "static" for got in after)
+
+
+def _compiler_imported(world):
+    return os.getppid(), "torch._dynamo" in sys.modules  # on the worker's entry, before any optimizer
+
+
+def test_a_command_whose_workers_train_gets_a_server_that_imported_torchs_compiler_once():
+    """Each worker's first optimizer imported torch._dynamo (2-3 s of a core); for train, verify,
+    predict and sweep the server imports it before it forks them, and a launch that wants it
+    otherwise than the running server gets a new one."""
+    try:
+        fork_server.start_early(workers_train=True)
+        trains = run_workers(_compiler_imported, 2, timeout_s=60)
+        fork_server.start_early(workers_train=False)  # phalanx run's: its script may make no optimizer
+        plain = run_workers(_compiler_imported, 2, timeout_s=60)
+    finally:
+        fork_server.start_early(workers_train=False)
+    assert [imported for _, imported in trains] == [True, True], trains
+    assert [imported for _, imported in plain] == [False, False], plain
+    assert trains[0][0] != plain[0][0] and os.getpid() not in (trains[0][0], plain[0][0])
 
 
 # Each rank writes its pid once it has joined, then sleeps; a SIGTERM it receives is written down.

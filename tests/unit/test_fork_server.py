@@ -19,8 +19,10 @@ def test_a_server_is_started_anew_when_a_variable_read_at_start_changed_and_only
     monkeypatch.setattr(forkserver, "ensure_running", lambda: events.append("ensure"))
     monkeypatch.setattr(fork_server, "_stop", lambda server: events.append("stop"))
     monkeypatch.setattr(fork_server, "_started_with", None)
+    monkeypatch.setattr(fork_server, "_preload", fork_server.PRELOAD)
     fork_server._ensure_running()  # the first: nothing to stop
-    assert events == ["ensure"] and fork_server._started_with == fork_server._at_start_variables()
+    assert events == ["ensure"] and fork_server._started_with == (fork_server._at_start_variables(),
+                                                                fork_server.PRELOAD)
     monkeypatch.setenv("PHALANX_UNRELATED_MARK", "1")  # read after the start: the copy takes it on
     fork_server._ensure_running()
     assert events == ["ensure"] * 2
@@ -35,6 +37,18 @@ def test_a_server_is_started_anew_when_a_variable_read_at_start_changed_and_only
         events.clear()
         fork_server._ensure_running()  # the variable is back as it was: started anew again
         assert events == ["stop", "ensure"], name
+
+
+def test_the_server_of_a_command_whose_workers_train_imports_torchs_compiler_front_end(monkeypatch):
+    from phalanx import cli
+
+    chosen = []
+    monkeypatch.setattr(fork_server, "start_early", lambda **choice: chosen.append(choice["workers_train"]))
+    monkeypatch.delenv("RANK", raising=False)
+    for argv in (["train", "--devices", "cpu:2"], ["verify"], ["predict"], ["sweep"], ["run", "a.py"],
+                 ["bench", "allreduce"], ["train", "--help"]):
+        cli._start_fork_server(argv)
+    assert chosen == [True, True, True, True, False, False]  # --help starts none
 
 
 def test_spawn_where_there_is_no_fork_server(monkeypatch):
