@@ -5,9 +5,9 @@ the CLI's defaults: each split's test accuracy within 0.02 of `--split data` on 
 In float32 the splits do not stay bitwise equal (summation order), so this is the check that the
 rounding differences stay harmless. The accuracy compared is the mean of the last 3 epochs': one
 epoch's test accuracy at lr 0.2 swings by 0.02 from the epoch before (0.949, 0.952, 0.930), which
-says nothing about the split. Why 20 epochs (measured 2026-12-06, seeds 0 and 1): at 10 the splits'
-means were 0.011-0.048 below data's (still climbing), at 12-15 up to 0.022 apart (0.02 is allowed), at 20 within 0.006.
-~5 minutes.
+says nothing about the split. Why 20 epochs (measured 2026-12-06, seeds 0 and 1): at 10 the
+splits' means were 0.011-0.048 below data's (still climbing), at 12-15 up to 0.022 apart (0.02
+is allowed), at 20 within 0.006. ~5 minutes.
 """
 
 from dataclasses import replace
