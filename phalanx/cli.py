@@ -165,13 +165,31 @@ def _a_torchrun_peer_saw_it(exc: BaseException) -> bool:
 def _start_fork_server(argv: list[str]) -> None:
     """For a command that may start workers: their fork server imports torch on another core while
     this process imports the command's modules (runtime/fork_server.py). Not in a torchrun worker
-    (RANK and WORLD_SIZE set, read as in __main__.py), whose run starts no workers of its own."""
-    if _subcommand(argv) not in ("train", "run", *STARTS_ITS_OWN_WORKERS) or {"-h", "--help"} & set(argv):
+    (RANK and WORLD_SIZE set, read as in __main__.py), whose run starts no workers of its own, nor
+    for a `train` that runs in this process."""
+    named = _subcommand(argv)
+    if named not in ("train", "run", *STARTS_ITS_OWN_WORKERS) or {"-h", "--help"} & set(argv):
+        return
+    if named == "train" and _trains_here(argv):
         return
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         from phalanx.runtime.fork_server import start_early
 
         start_early(workers_train=_subcommand(argv) in WORKERS_TRAIN)
+
+
+def _trains_here(argv: list[str]) -> bool:
+    """Whether `phalanx train` runs in this process, starting no worker: on one device (`--devices
+    1` or `cpu:1`, or none: its default) with no `--max-restarts` (which puts even one device in a
+    worker). Read from the words, before the parser loads; a form not read here (an abbreviated
+    flag) starts the server as any launch does. Its imports (torch, torch._dynamo: 4-5 s of a core)
+    had run beside such a run for nothing."""
+    given = {"--devices": "1", "--max-restarts": "0"}
+    for i, word in enumerate(argv):
+        name, equals, value = word.partition("=")
+        if name in given:
+            given[name] = value if equals else (argv[i + 1] if i + 1 < len(argv) else "")
+    return given["--devices"] in ("1", "cpu:1") and given["--max-restarts"] == "0"
 
 
 def _subcommand(argv: list[str]) -> str | None:

@@ -49,6 +49,12 @@ def test_the_server_of_a_command_whose_workers_train_imports_torchs_compiler_fro
                  ["bench", "allreduce"], ["train", "--help"]):
         cli._start_fork_server(argv)
     assert chosen == [True, True, True, True, False, False]  # --help starts none
+    chosen.clear()  # one device with no restarts trains in the launcher: no server
+    for argv in (["train"], ["train", "--devices", "1"], ["train", "--devices=cpu:1", "--epochs", "2"],
+                 ["train", "--devices", "1", "--max-restarts", "2"], ["train", "--devices", "2"],
+                 ["train", "--devices", "auto"], ["train", "--max-restarts=1"], ["train", "--devices"]):
+        cli._start_fork_server(argv)
+    assert chosen == [True] * 5
 
 
 def test_spawn_where_there_is_no_fork_server(monkeypatch):
