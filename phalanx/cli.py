@@ -175,7 +175,7 @@ def _start_fork_server(argv: list[str]) -> None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         from phalanx.runtime.fork_server import start_early
 
-        start_early(workers_train=_subcommand(argv) in WORKERS_TRAIN)
+        start_early(workers_train=named in WORKERS_TRAIN)
 
 
 def _trains_here(argv: list[str]) -> bool:

@@ -43,6 +43,7 @@ from phalanx.runtime.devices import DevicePlan, parse_devices
 from phalanx.runtime.forked import START_METHODS, check_forkable, warm_imports
 from phalanx.runtime.launch import LaunchSpec, spawn_workers
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
+from phalanx.runtime.main_module import failed_exit
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script import RunOptions, first_line, run_in_worker
 from phalanx.runtime.worker_errors import WorkerFailed
@@ -177,9 +178,9 @@ def _call(fn: Callable[..., Any], args: tuple, kwargs: dict, *, rank: int) -> An
     try:
         return fn(*args, **kwargs)
     except SystemExit as exc:
-        if exc.code in (None, 0):
+        detail = failed_exit(exc)
+        if detail is None:
             return None
-        detail = f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
         name = getattr(fn, "__qualname__", type(fn).__name__)
         raise RunFailed(f"{name}() exited with {detail} on rank {rank} (sys.exit)") from None
 

@@ -78,12 +78,20 @@ def run_as_main(target: Target, args: tuple[str, ...], *, rank: int) -> None:
         else:
             sys.path.insert(0, str(Path(target.name).resolve().parent))  # python's own: symbolic links resolved
             _run_file(os.path.abspath(target.name))
-    except SystemExit as exc:  # sys.exit() / argparse in the script: 0 is success, else a failure
-        if exc.code not in (None, 0):
-            detail = f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
+    except SystemExit as exc:  # sys.exit() / argparse in the script
+        detail = failed_exit(exc)
+        if detail is not None:
             raise RunFailed(f"{target.shown} exited with {detail} on rank {rank}") from None
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def failed_exit(exc: SystemExit) -> str | None:
+    """How a `sys.exit()` failed, as a process's exit status reads it (`code 3`, or the message's
+    repr), or None for success: code 0 or none."""
+    if exc.code in (None, 0):
+        return None
+    return f"code {exc.code}" if isinstance(exc.code, int) else repr(exc.code)
 
 
 def _run_file(path: str) -> None:
