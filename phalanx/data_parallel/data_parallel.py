@@ -43,6 +43,7 @@ from phalanx.data_parallel.choices import replica_choices
 from phalanx.data_parallel.config import DataParallelConfig, bucket_cap_for, resolve_overlap
 from phalanx.data_parallel.format_fallback import FormatFallback
 from phalanx.data_parallel.guards.checks import UnsyncedGradientGuard, check_gradients_aliased, gradients_written
+from phalanx.data_parallel.guards.closure import ClosureLoss
 from phalanx.data_parallel.guards.finite import FiniteCheck
 from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.guards.step_extras import StepExtras
@@ -125,8 +126,10 @@ class DataParallel(ReplicaModule):
                                  steps=lambda: self._synced_steps) if self.shard != "none" else None
         if self.sharding is not None:  # a sum carried without zero_grad kept once; who divides it (average=True)
             self._extras.divide_by = self.sharding.adopt(self._layout.carry, divide_by=self._extras.divide_by)
-        # Refuses zero_grad / optimizer.step after a synced backward that finish_gradient_sync never summed.
+        # Unsummed gradients refused at zero_grad / step; optimizer.step(closure) sees the global loss (guards/closure.py).
         self._unsynced = UnsyncedGradientGuard(self.module) if self.exchanging else None
+        self._closures = ClosureLoss(world=world, average=options.average, module=self.module, sharding=self.sharding,
+                                     unsynced=self._unsynced, allreduce=self.allreduce_now) if world.distributed else None
         self._replicas = ReplicaCheck(every=options.check_finite_every if self.exchanging else 0, world=world,
                                       module=self.module, sharding=self.sharding, allreduce=self.allreduce_now, owner=self)
         self._wire_buckets()
@@ -307,12 +310,9 @@ class DataParallel(ReplicaModule):
 
     def _close(self) -> None:
         self._hook_handles = unhooked(self._hook_handles)
-        if self._unsynced is not None:
-            self._unsynced.close()
-        self._extras.close()
-        self._replicas.close()
-        if self.sharding is not None:
-            self.sharding.close()
+        for part in (self._unsynced, self._closures, self._extras, self._replicas, self.sharding):
+            if part is not None:
+                part.close()
         if self._routes_bn:
             route_sync_batchnorm(self.module, None)
         if self._comm is not None and self._owns_comm:

@@ -78,3 +78,11 @@ class OptimizerVerdicts:
 
     def __len__(self) -> int:
         return len(self._taken)
+
+
+def steps_replica(optimizer: torch.optim.Optimizer, module: torch.nn.Module, sharding) -> bool:
+    """Whether `optimizer` steps the replica of `module`: it holds any of its parameters, or it is one
+    of `sharding`'s (`dp.optimizer`'s over this rank's shards; None: not sharded)."""
+    ours = {id(p) for p in module.parameters()}
+    return any(id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
+        sharding is not None and optimizer in sharding.optimizers)

@@ -43,7 +43,7 @@ import torch
 from phalanx.comm import Tag, broadcast_, gather_objects
 from phalanx.data_parallel.guards.checks import ReplicaMismatch, check_replicas
 from phalanx.data_parallel.guards.running_stats import drifting_norm_layers
-from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step
+from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step, steps_replica
 from phalanx.runtime.world import World
 
 ROW = 6  # per rank: parameters, optimizer settings, optimizer state, each 64 bits as two exact 32-bit halves
@@ -182,9 +182,7 @@ class ReplicaCheck:
             self._partitioned.add(inner)
         if optimizer in self._partitioned:
             return False
-        ours = {id(p) for p in self._module.parameters()}
-        return any(id(p) in ours for group in optimizer.param_groups for p in group["params"]) or (
-            self._sharding is not None and optimizer in self._sharding.optimizers)
+        return steps_replica(optimizer, self._module, self._sharding)
 
     def after_step(self, step: int) -> None:
         """Synced step `step` is summed: compare at the first and at every `every`-th."""
