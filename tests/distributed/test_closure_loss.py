@@ -129,7 +129,7 @@ def _sgd_closure(world, shard: str) -> tuple[float, float]:
     return got, F.cross_entropy(_model()(x), y).item()
 
 
-@pytest.mark.parametrize("shard", ["none", "optimizer"])
+@pytest.mark.parametrize("shard", ["none", "optimizer", "parameters"])
 def test_the_loss_a_closure_step_returns_is_the_global_batchs(shard):
     for got, want in run_workers(_sgd_closure, 2, shard, timeout_s=60):
         assert got == pytest.approx(want, rel=1e-12)
