@@ -92,7 +92,7 @@ class ClosureLoss:
             return loss  # reduced in the closure already: the global loss on every rank
         total = rows.mean() if self.average else rows.sum()
         if isinstance(loss, torch.Tensor):
-            return total.to(device=loss.device, dtype=loss.dtype)
+            return total.to(device=loss.device, dtype=loss.dtype).reshape(loss.shape)
         return total.item()
 
     def close(self) -> None:
