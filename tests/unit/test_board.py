@@ -225,6 +225,22 @@ def _lenet_step(dp: DataParallel, optimizer, *, sync: bool) -> None:
     optimizer.step()
 
 
+def test_an_optimizer_given_the_replicas_parameters_later_is_guarded_from_then_on():
+    """Judged again when its groups change (a backbone unfrozen into an optimizer that held a head alone): the
+    guard's verdict was once kept per id() for good, so this optimizer's steps went unguarded."""
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),
+                  backend="none", timeout_s=5.0)
+    with DataParallel(LeNet(), world=world, options=DataParallelConfig(overlap=False, exchange_alone=True)) as dp:
+        head = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(head.parameters(), lr=0.1)
+        F.cross_entropy(dp(torch.rand(2, 1, 28, 28)), torch.tensor([0, 1]), reduction="sum").backward()
+        optimizer.step()  # pending, but not this replica's optimizer: judged, and let through
+        optimizer.add_param_group({"params": list(dp.module.parameters())})
+        with pytest.raises(RuntimeError, match="^optimizer.step\\(\\) after a backward whose gradients were never summed"):
+            optimizer.step()
+        dp.finish_gradient_sync()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_forgotten_finish_gradient_sync_is_refused_at_the_optimizer_step(overlap):
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"),

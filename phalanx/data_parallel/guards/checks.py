@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from phalanx.comm import Tag, broadcast_, collective, gather_objects
 from phalanx.data_parallel.guards.unscale import watch as watch_unscale
+from phalanx.data_parallel.replica_hook import OptimizerVerdicts, steps_replica
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.world import World
 
@@ -243,7 +244,7 @@ class UnsyncedGradientGuard:
         self._module = module
         self._params = list(module.parameters())
         self._versions: list[int] = []  # the parameters' version counters when `pending` was set
-        self._steps_module: dict[int, bool] = {}  # id(optimizer) -> does it hold the module's parameters?
+        self._verdicts = OptimizerVerdicts()  # does it hold the module's parameters? (held weakly: no id reused)
         self._handle = register_optimizer_step_pre_hook(_step_hook(weakref.ref(self)))
         watch_unscale(self)  # a GradScaler's unscale_ before the sum is refused too (unscale.py)
 
@@ -274,13 +275,8 @@ class UnsyncedGradientGuard:
         return pending
 
     def steps_module(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether `optimizer` holds any of the module's parameters (looked up once per optimizer)."""
-        mine = self._steps_module.get(id(optimizer))
-        if mine is None:
-            ours = {id(p) for p in self._module.parameters()}
-            mine = self._steps_module[id(optimizer)] = any(
-                id(p) in ours for group in optimizer.param_groups for p in group["params"])
-        return mine
+        """Whether `optimizer` holds any of the module's parameters (judged again when its groups change)."""
+        return self._verdicts.of(optimizer, lambda judged: steps_replica(judged, self._module, None))
 
     def check_step(self, optimizer: torch.optim.Optimizer) -> None:
         if not self.steps_module(optimizer):
