@@ -8,13 +8,15 @@ sits in the GPU branch. phalanx's replica compares itself across ranks; a bare m
 
 `watch_ranks_apart` puts one pre- and one post-hook on torch's process-wide optimizer step. At each
 optimizer's first step, with a group of more than one rank open, each rank takes an exact
-fingerprint of that optimizer's parameters before and after (per tensor: its shape and the integer
-sum of its bits) and leaves it in the launcher's store, under its own key; rank 0 reads the peers'
-without waiting (a store `check` at its later steps; at the script's end at most `END_WAIT_S`) and
-compares. Equal after the step (DDP, Horovod, anything that sums gradients): silent. Apart while
-every shape matches: one PhalanxWarning on rank 0, at the script's line of that step, saying
-whether they were equal before it (the gradients were not summed) or already apart (each rank's
-own initialisation, nothing broadcast). Keys carry the restart count, so a restarted run compares
+fingerprint of that optimizer's parameters before and after, and of the gradients it reads (per
+tensor: its shape and the integer sum of its bits), and leaves them in the launcher's store, under
+its own key; rank 0 reads the peers' without waiting (a store `check` at its later steps; at the
+script's end at most `END_WAIT_S`) and compares. Equal after the step (DDP, Horovod, anything that
+sums gradients): silent. Apart while every shape matches: one PhalanxWarning on rank 0, at the
+script's line of that step, saying whether they were equal before it with gradients that differed
+(not summed), equal before it with gradients alike (the step read something that differs between
+the ranks: an lr set from the rank, a scheduler stepped on rank 0 only), or already apart (each
+rank's own initialisation, nothing broadcast). Keys carry the restart count, so a restarted run compares
 its own steps.
 
 A script that never joins the job's group (no phalanx.init(), no init_process_group) runs k whole
@@ -82,6 +84,7 @@ class _First:
     ordinal: int
     where: tuple[str, int]
     before: list[list[int]] | None = None
+    grads: list[list[int]] | None = None  # the gradients the step read (a None one: empty)
 
 
 def _script_line() -> tuple[str, int]:
@@ -113,20 +116,22 @@ class ApartWatch:
         if not any(name in sys.modules for name in SHARDING_MODULES):
             params = _whole_params(optimizer)
             first.before = fingerprint(params) if params is not None else None
+            first.grads = fingerprint([torch.zeros(0) if p.grad is None else p.grad for p in params or []])
 
     def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         first = self.firsts.get(optimizer)
         if self.depth == 0 and first is not None and first.before is not None:
             before, first.before = first.before, None  # published once
-            self._publish(first, before, fingerprint(_whole_params(optimizer) or []))
+            self._publish(first, {"before": before, "grads": first.grads,
+                                  "after": fingerprint(_whole_params(optimizer) or [])})
         if self.rank == 0 and self.pending:
             self.compare(wait_s=0.0)
 
-    def _publish(self, first: _First, before: list, after: list) -> None:
+    def _publish(self, first: _First, prints: dict) -> None:
         try:
             store, world_size = dist.distributed_c10d._get_default_store(), dist.get_world_size()
-            store.set(_key(first.ordinal, self.rank), json.dumps({"before": before, "after": after}))
+            store.set(_key(first.ordinal, self.rank), json.dumps(prints))
         except (RuntimeError, ValueError):  # a group without a store of torch's: nothing to compare through
             return
         if self.rank == 0:
@@ -202,15 +207,22 @@ def apart_line(prints: list[dict]) -> str | None:
         return None
     rank, count = apart[0]
     started = all(p["before"] == ours["before"] for p in prints[1:])
-    how = ("they were equal before it and apart after it: no gradient was summed across the ranks" if started
-           else "they were apart before it too (each rank its own initialisation: nothing broadcast rank 0's) "
-                "and no gradient was summed across the ranks")
+    summed = all(p["grads"] == ours["grads"] for p in prints[1:])  # the gradients the step read: alike
     others = f" and {len(apart) - 1} more rank{'s' * (len(apart) > 2)}" if len(apart) > 1 else ""
-    return (f"after this first optimizer step the {len(prints)} ranks hold different models "
-            f"(rank {rank}'s parameters differ from rank 0's in {count} of {len(ours['after'])} tensors{others}): "
-            f"{how}, so each rank trains its own model on its part of the data; wrap the model before the "
+    said = (f"after this first optimizer step the {len(prints)} ranks hold different models "
+            f"(rank {rank}'s parameters differ from rank 0's in {count} of {len(ours['after'])} tensors{others}): ")
+    meant = "if the ranks are meant to differ (local SGD, an ensemble), filter this PhalanxWarning out"
+    if started and summed:
+        return (f"{said}they were equal before it and so were their gradients, so the step itself read something "
+                "that differs between the ranks: an optimizer setting changed on some ranks only (an lr set from the "
+                "rank, a scheduler stepped under `if rank == 0:`) or a value each rank computed from its own data; "
+                f"make it alike on every rank; {meant}")
+    how = ("they were equal before it and apart after it: no gradient was summed across the ranks" if started
+           else "they were apart before it too (each rank its own initialisation: nothing broadcast rank 0's)"
+                + ("" if summed else " and no gradient was summed across the ranks"))
+    return (f"{said}{how}, so each rank trains its own model on its part of the data; wrap the model before the "
             "optimizer (model = phalanx.prepare(model), or DistributedDataParallel(model), without device_ids on "
-            "the CPU); if the ranks are meant to differ (local SGD, an ensemble), filter this PhalanxWarning out")
+            f"the CPU); {meant}")
 
 
 def watch_ranks_apart(*, rank: int, workers: int = 1) -> ApartWatch:

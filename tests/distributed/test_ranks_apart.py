@@ -43,6 +43,15 @@ def test_ranks_that_train_apart_are_said_once_on_rank_0(mode, started):
     assert sorted(line for line in done.stdout.splitlines()) == ["rank 0 done", "rank 1 done"]
 
 
+def test_ranks_that_summed_their_gradients_and_stepped_apart_are_told_the_step_differs():
+    done = _run("rank-lr")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if SAID in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert "they were equal before it and so were their gradients, so the step itself read something" in lines[0]
+    assert "an lr set from the rank" in lines[0] and "no gradient was summed" not in lines[0]
+
+
 @pytest.mark.parametrize("mode", ["ddp", "zero", "prepare-sharded", "rank-widths"])
 def test_ranks_that_sum_their_gradients_or_hold_parts_by_design_hear_nothing(mode):
     done = _run(mode)

@@ -35,9 +35,11 @@ def test_the_fingerprint_reads_memory_order_alike_and_takes_any_tensor():
     assert fingerprint([]) == []
 
 
-def _prints(*afters, befores=None):
+def _prints(*afters, befores=None, grads=None):
+    """Every rank's fingerprints; by default each rank read gradients of its own (none summed)."""
     befores = befores or [[[2, 10]]] * len(afters)
-    return [{"before": b, "after": a} for b, a in zip(befores, afters)]
+    grads = grads or [[[2, rank]] for rank in range(len(afters))]
+    return [{"before": b, "grads": g, "after": a} for b, g, a in zip(befores, grads, afters)]
 
 
 def test_the_line_says_nothing_where_the_ranks_agree_or_hold_other_shapes():
@@ -55,6 +57,18 @@ def test_the_line_names_the_first_rank_apart_and_whether_they_started_equal():
     assert "\n" not in line
     started_apart = apart_line(_prints([[2, 5]], [[2, 6]], befores=[[[2, 1]], [[2, 2]]]))
     assert "they were apart before it too (each rank its own initialisation" in started_apart
+    assert "and no gradient was summed" in started_apart
+    summed_apart = apart_line(_prints([[2, 5]], [[2, 6]], befores=[[[2, 1]], [[2, 2]]], grads=[[[2, 3]]] * 2))
+    assert "nothing broadcast rank 0's), so each rank trains" in summed_apart and "no gradient" not in summed_apart
+
+
+def test_ranks_whose_gradients_were_alike_but_stepped_apart_are_told_the_step_read_something_of_their_own():
+    """Summed gradients (DDP, a phalanx replica) and still apart: an lr set from the rank, a scheduler stepped on
+    rank 0 only. Before, the line said no gradient was summed, and to wrap a model that was wrapped."""
+    line = apart_line(_prints([[2, 5]], [[2, 6]], grads=[[[2, 3]]] * 2))
+    assert "they were equal before it and so were their gradients, so the step itself read something that " \
+           "differs between the ranks: an optimizer setting changed on some ranks only" in line
+    assert "no gradient was summed" not in line and "phalanx.prepare(model)" not in line and "\n" not in line
 
 
 class _FakeGroup:
@@ -70,8 +84,8 @@ class _FakeGroup:
         after = fingerprint(list(model.parameters()))
         if nudge:
             after[0][-1] += 1
-        before = json.loads(self.store.get(_key(ordinal, 0)))["before"]
-        self.store.set(_key(ordinal, 1), json.dumps({"before": before, "after": after}))
+        mine = json.loads(self.store.get(_key(ordinal, 0)))
+        self.store.set(_key(ordinal, 1), json.dumps({"before": mine["before"], "grads": mine["grads"], "after": after}))
 
 
 def _step(optimizer, model):

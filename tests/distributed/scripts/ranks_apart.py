@@ -1,10 +1,11 @@
 """A torchrun-style script whose ranks may train apart, for `phalanx run`'s one line (runtime/apart.py).
 
-    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|alone|ddp|zero|prepare-sharded|rank-widths
+    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|alone|rank-lr|ddp|zero|prepare-sharded|rank-widths
 
 bare: PyTorch's ImageNet example on the CPU (its DDP wrap sits in the GPU branch): a process group,
 no wrapper, every rank its own model. seeded: the same with a seed per rank (apart from the start).
-alone: no process group at all (a one-device script started on k workers).
+alone: no process group at all (a one-device script started on k workers). rank-lr: DDP, its gradients
+summed, and an lr set from the rank.
 The others sum their gradients, or hold rank-sized parts by design: nothing may be said.
 """
 
@@ -30,9 +31,9 @@ if mode == "prepare-sharded":
     model = phalanx.prepare(model, world=phalanx.init(), shard="optimizer", average=True)
     optimizer = model.optimizer(torch.optim.AdamW, lr=0.05)
 else:
-    model = DDP(model) if mode in ("ddp", "zero") else model
-    optimizer = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05)
-                 if mode == "zero" else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model = DDP(model) if mode in ("ddp", "zero", "rank-lr") else model
+    optimizer = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05) if mode == "zero" else
+                 torch.optim.SGD(model.parameters(), lr=0.1 * (1 + rank * (mode == "rank-lr")), momentum=0.9))
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own part of the data
 for step in range(3):
     x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
