@@ -115,16 +115,17 @@ class ApartWatch:
         first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=_script_line())
         if not any(name in sys.modules for name in SHARDING_MODULES):
             params = _whole_params(optimizer)
-            first.before = fingerprint(params) if params is not None else None
-            first.grads = fingerprint([torch.zeros(0) if p.grad is None else p.grad for p in params or []])
+            if params is not None:
+                first.before = fingerprint(params)
+                first.grads = fingerprint([torch.zeros(0) if p.grad is None else p.grad for p in params])
 
     def after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         first = self.firsts.get(optimizer)
         if self.depth == 0 and first is not None and first.before is not None:
-            before, first.before = first.before, None  # published once
-            self._publish(first, {"before": before, "grads": first.grads,
-                                  "after": fingerprint(_whole_params(optimizer) or [])})
+            prints = {"before": first.before, "grads": first.grads, "after": fingerprint(_whole_params(optimizer) or [])}
+            first.before = first.grads = None  # published once
+            self._publish(first, prints)
         if self.rank == 0 and self.pending:
             self.compare(wait_s=0.0)
 
