@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from phalanx.data_parallel.guards.unscale import agree_on_overflow
-from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step
+from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step, steps_replica
 from phalanx.data_parallel.sharding.torch_clip import TorchClipGuard
 
 # Element-wise updates: exact on any range of the parameters.
@@ -243,20 +243,16 @@ class WholeOptimizerGuard:
     too (torch_clip.py)."""
 
     def __init__(self, module: nn.Module, stage: str) -> None:
-        self._ids = {id(p) for p in module.parameters()}
-        self._stage = stage
+        self._module, self._stage = module, stage
         self._seen = OptimizerVerdicts()  # does it step the replica's whole parameters?
         self._handle = on_every_optimizer_step(self.check)
-        self._clip = TorchClipGuard(self._ids, stage)
+        self._clip = TorchClipGuard({id(p) for p in module.parameters()}, stage)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._seen.of(optimizer, self._holds_ours):
+        if self._seen.of(optimizer, lambda judged: steps_replica(judged, self._module, None)):
             raise RuntimeError(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
                                "sums each rank's gradient range only; build it with dp.optimizer("
                                f"{type(optimizer).__name__}, ...) instead of {type(optimizer).__name__}(dp.parameters(), ...)")
-
-    def _holds_ours(self, optimizer: torch.optim.Optimizer) -> bool:
-        return any(id(p) in self._ids for group in optimizer.param_groups for p in group["params"])
 
     def close(self) -> None:
         self._handle.remove()
