@@ -257,6 +257,11 @@ class UnsyncedGradientGuard:
             self.pending = True
             self._versions = [p._version for p in self._params]
 
+    @property
+    def unsummed(self) -> bool:
+        """Whether a backward's gradients wait unsummed (synced, or accumulated under no_sync()): no step may read them."""
+        return self.pending or self.accumulating
+
     def written_since_marked(self) -> bool:
         return self.pending and [p._version for p in self._params] != self._versions
 
@@ -297,7 +302,7 @@ class UnsyncedGradientGuard:
 def _step_hook(guard: "weakref.ref[UnsyncedGradientGuard]"):
     def hook(optimizer, args, kwargs) -> None:
         target = guard()
-        if target is not None and (target.pending or target.accumulating):
+        if target is not None and target.unsummed:
             target.check_step(optimizer)
 
     return hook

@@ -70,7 +70,7 @@ class ClosureLoss:
     def wrap(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         def global_loss() -> Any:
             loss = closure()
-            if self._unsynced.pending or self._unsynced.accumulating:
+            if self._unsynced.unsummed:
                 raise RuntimeError(UNSUMMED)
             return self.combined(loss)
 
