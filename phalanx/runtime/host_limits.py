@@ -31,7 +31,9 @@ _FLOORS = (
     (resource.RLIMIT_NPROC, "-u", lambda k: 8 + 4 * k, "processes and threads of this user"),
     (resource.RLIMIT_AS, "-v", lambda k: 1_500_000, "KiB of address space per process"),
 )
-_FIX = {"-n": "ulimit -n 1024", "-u": "ulimit -u 4096", "-v": "ulimit -v unlimited"}
+# The value each fix names: the usual default, or what the run needs where that is more.
+_FIX = {"-n": lambda need: f"ulimit -n {max(need, 1024)}", "-u": lambda need: f"ulimit -u {max(need, 4096)}",
+        "-v": lambda need: "ulimit -v unlimited"}
 
 
 def check_temp_dir() -> None:
@@ -65,8 +67,10 @@ def check_limits(num_workers: int) -> None:
             target = target if hard == resource.RLIM_INFINITY else min(target, hard)
             resource.setrlimit(which, (target, hard))
             continue
+        fewer = ", or run fewer workers" if floor(1) != floor(2) else ""  # a floor that grows with k
         raise UsageError(f"ulimit {flag} is {soft // scale} (hard limit {hard // scale}), and {num_workers} "
-                         f"worker(s) need at least {need // scale} {unit}; raise it ({_FIX[flag]}) and run again")
+                         f"worker(s) need at least {need // scale} {unit}; raise it ({_FIX[flag](need // scale)}: "
+                         f"the hard limit too, as root or with docker run --ulimit) and run again{fewer}")
 
 
 def _limited(which: int) -> int | None:
@@ -82,7 +86,7 @@ def limit_reason(exc: BaseException) -> str | None:
             and _limited(resource.RLIMIT_NOFILE) is not None:
         soft = _limited(resource.RLIMIT_NOFILE)
         return (f"too many open files ({text.splitlines()[0][:160]}): this process may hold {soft} (ulimit -n); "
-                f"raise it ({_FIX['-n']}) and run again")
+                f"raise it ({_FIX['-n'](2 * soft)}) and run again")
     threads = _limited(resource.RLIMIT_NPROC)
     if threads is not None and not isinstance(exc, BlockingIOError) and (
             "Resource temporarily unavailable" in text or "can't start new thread" in text

@@ -3,7 +3,7 @@
 `Target` is the thing named on the command line: a file's path as given (`train.py`), or with
 `-m` a module's dotted name (`pkg.train`), as torchrun's and python's `-m` take it. `check()`
 refuses, in the launcher and in one line, a target no worker could run (a missing or unreadable
-file; a module the import system does not find, or a package without `__main__`), without
+file, a Jupyter notebook; a module the import system does not find, or a package without `__main__`), without
 running any of the user's code: the module is looked up through the import system's finders
 part by part, not imported. `run_as_main` runs it in this worker with what `python script.py` /
 `python -m pkg.train` give it: sys.argv = [argv0, *args], sys.path[0] the file's directory (a
@@ -54,6 +54,10 @@ class Target:
                              "-m pkg.train)")
         if not os.access(path, os.R_OK):
             raise UsageError(f"script {self.name} is not readable; check its permissions")
+        if path.suffix.lower() == ".ipynb":  # JSON: python (and torchrun) fail on its first `null`
+            raise UsageError(f"script {self.name} is a Jupyter notebook, which python cannot run (nor torchrun); "
+                             f"export it (jupyter nbconvert --to script {self.name}) and run the .py file, or call "
+                             "phalanx.launch(fn, devices=\"cpu:2\") from a cell of the notebook")
         try:  # here, once, not in every worker after the start (and each rank's traceback)
             with warnings.catch_warnings():  # a SyntaxWarning is the workers' to show
                 warnings.simplefilter("ignore")

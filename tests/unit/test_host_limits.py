@@ -37,7 +37,9 @@ def test_out_of_address_space_names_ulimit_v(monkeypatch):
 
 def test_too_many_open_files_names_ulimit_n(monkeypatch):
     _limits(monkeypatch, RLIMIT_NOFILE=14)
-    assert "ulimit -n" in limit_reason(OSError(errno.EMFILE, "Too many open files"))
+    assert "(ulimit -n 1024)" in limit_reason(OSError(errno.EMFILE, "Too many open files"))
+    _limits(monkeypatch, RLIMIT_NOFILE=4096)  # already past the usual default: a value above what it holds
+    assert "(ulimit -n 8192)" in limit_reason(OSError(errno.EMFILE, "Too many open files"))
 
 
 def test_errors_no_limit_explains_stay_errors(monkeypatch):
@@ -60,6 +62,20 @@ def test_a_hard_limit_below_the_floor_is_refused(monkeypatch):
     _limits(monkeypatch, RLIMIT_NOFILE=12)
     with pytest.raises(UsageError, match=r"ulimit -n is 12 \(hard limit 12\).*ulimit -n 1024"):
         check_limits(2)
+
+
+def test_the_fix_names_at_least_what_the_workers_need(monkeypatch):
+    # `--devices cpu:100000` under a hard limit of 20,000 was told "raise it (ulimit -n 1024)".
+    _limits(monkeypatch, RLIMIT_NOFILE=20_000)
+    with pytest.raises(UsageError) as caught:
+        check_limits(100_000)
+    line = str(caught.value)
+    assert "need at least 400032 open files" in line and "(ulimit -n 400032: the hard limit too" in line
+    assert line.endswith("or run fewer workers") and "\n" not in line
+    _limits(monkeypatch, RLIMIT_AS=2**30)  # a floor per process: fewer workers would not help
+    with pytest.raises(UsageError) as caught:
+        check_limits(2)
+    assert "(ulimit -v unlimited: the hard limit too" in str(caught.value) and "fewer" not in str(caught.value)
 
 
 def test_no_temporary_directory_is_refused_and_the_error_files_fall_away(monkeypatch):

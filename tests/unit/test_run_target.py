@@ -106,6 +106,19 @@ def test_a_script_that_does_not_compile_is_one_line_before_any_worker_starts(tmp
     Target(str(script)).check()
 
 
+def test_a_notebook_is_one_line_naming_the_export_and_launch(tmp_path):
+    # A notebook's JSON failed on every rank with "NameError: name 'null' is not defined" (torchrun's too);
+    # one whose JSON happens to be valid Python ran as a dict expression and did nothing.
+    for name, text in (("train.ipynb", '{"cells": [{"execution_count": null}]}'), ("Train.IPYNB", '{"cells": []}')):
+        notebook = tmp_path / name
+        notebook.write_text(text)
+        with pytest.raises(UsageError) as caught:
+            Target(str(notebook)).check()
+        line = str(caught.value)
+        assert "\n" not in line and f"{name} is a Jupyter notebook" in line
+        assert f"jupyter nbconvert --to script {notebook}" in line and "phalanx.launch(fn" in line
+
+
 @pytest.mark.parametrize("after", [["--n", "5"], ["--b", "1", "--e", "2", "--s", "3", "--co", "--sa", "--nproc"],
                                    ["--devices", "cpu:9", "-m", "--dev", "x", "--quiet"]])
 def test_the_scripts_own_options_after_its_name_are_the_scripts(after):
