@@ -11,7 +11,8 @@ write cut short by the signal leaves no temporary file behind either. A process 
 the next run that holds the directory (job/dirlock.py, under its lock). A temporary file's name
 carries its writer's pid, so where no lock covers the directory (a script's `phalanx.resume`:
 file_lock.py holds one checkpoint, and another job may write another beside it) it removes,
-given `writer_alive`, only those whose writer is gone.
+given `writer_alive`, only those whose writer is gone. `make_dir` creates the directory an API
+call names at run time (a script's checkpoint location, a MetricsLogger's), one line where it cannot.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from phalanx.errors import WriteFailed
+from phalanx.errors import UsageError, WriteFailed
 
 _UNFINISHED: set[str] = set()  # temporary files of this process's writes in progress
 # What `atomic_open`'s mkstemp names a temporary file: "." + the target's name + ".p" + the
@@ -112,3 +113,16 @@ def sync_directory(directory: str | os.PathLike) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def make_dir(directory: str | os.PathLike, *, named: str) -> None:
+    """`mkdir -p directory` for an output a call names at run time, where no flag was checked before
+    the run (outdir.py checks those): a path that cannot be made is one UsageError naming `named`,
+    the directory and why (a file on the way, permission), not FileExistsError's traceback."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+        reason = f"{blocker} is a file" if blocker is not None else exc.strerror or type(exc).__name__
+        raise UsageError(f"{named} {directory} cannot be created ({reason}); pick another directory") from None

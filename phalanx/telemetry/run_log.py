@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Protocol, TextIO
 
+from phalanx.atomic import make_dir
 from phalanx.errors import UsageError
 from phalanx.telemetry.metrics import MetricsFile
 from phalanx.telemetry.progress import ProgressBar
@@ -59,7 +60,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         writer_cls = None if tensorboard is False else _summary_writer(required=tensorboard is True)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(self.out_dir, named="MetricsLogger's out_dir")
         self.metrics = MetricsFile(self.out_dir / "metrics.jsonl", start_epoch=start_epoch)
         if writer_cls is not None:
             self.writer = writer_cls(log_dir=str(self.out_dir))

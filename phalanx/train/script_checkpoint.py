@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from phalanx.atomic import remove_stale_temporaries
+from phalanx.atomic import make_dir, remove_stale_temporaries
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import PhalanxWarning, WriteFailed, warn_at_caller
 from phalanx.file_lock import hold_for_process
@@ -76,7 +76,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
         model.check_replicas(where="phalanx.checkpoint()", optimizers=[optimizer])
     if world.is_main:  # after the checks: a refused checkpoint leaves nothing, not even its directory
         path = checkpoint_path(location)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent, named="phalanx.checkpoint's location")
         _hold(path, "phalanx.checkpoint")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,

@@ -46,7 +46,7 @@ from phalanx.comm import Tag, collective
 from phalanx.data_parallel.sharding.flat_layout import Slot
 from phalanx.data_parallel.sharding.state import RangesReader, WholeReader, load_shard, rank_state, trainable_names, \
     whole_state
-from phalanx.atomic import atomic_write_bytes
+from phalanx.atomic import atomic_write_bytes, make_dir
 from phalanx.errors import UsageError
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint_files import DamagedFile, previous_of, serialize, write_generation
@@ -71,7 +71,7 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
                                                          "step": run_state["step"]}}
     name = shard_name(world.rank, world.world_size, serial[0])
     data = serialize(share)
-    manifest_path.parent.mkdir(parents=True, exist_ok=True)  # every rank writes its share before rank 0's manifest
+    make_dir(manifest_path.parent, named="the checkpoint's location")  # every rank writes its share before rank 0's manifest
     atomic_write_bytes(manifest_path.parent / name, data)
     written = [None] * world.world_size
     with collective(world, Tag("checkpoint")):  # every share on disk before the manifest names them

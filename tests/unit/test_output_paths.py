@@ -158,3 +158,34 @@ def test_an_unwritable_working_directory_is_named_by_its_absolute_path(tmp_path,
     with pytest.raises(UsageError) as info:
         check_out_dir("runs/r1")
     assert str(info.value) == f"--out runs/r1 is not writable ({tmp_path} denies writing); pick another directory"
+
+
+def test_a_location_an_api_call_names_under_a_file_is_one_line_and_makes_nothing(tmp_path):
+    # phalanx.checkpoint and MetricsLogger made their directory with mkdir: a file on the way was
+    # FileExistsError's or NotADirectoryError's traceback (the CLI's flags were checked before).
+    import torch
+
+    import phalanx
+    from phalanx.atomic import make_dir
+    from phalanx.runtime.world import World
+
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
+                  timeout_s=5.0)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for location in (blocker / "ck.pt", blocker / "deeper" / "ck.pt"):
+        with pytest.raises(UsageError) as caught:
+            phalanx.checkpoint(location, world=world, model=model, optimizer=optimizer, epoch=0, global_batch_size=4,
+                               seed=0)
+        line = str(caught.value)
+        assert "\n" not in line and line.startswith("phalanx.checkpoint's location "), line
+        assert line.endswith(f"cannot be created ({blocker} is a file); pick another directory"), line
+    with pytest.raises(UsageError, match=r"^MetricsLogger's out_dir .*afile/logs cannot be created \(.*afile is a "
+                                         r"file\); pick another directory$"):
+        phalanx.MetricsLogger(blocker / "logs", world=world)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"] and blocker.read_text() == ""
+    make_dir(tmp_path / "a" / "b", named="x")  # what can be made is made, and an existing one is fine
+    make_dir(tmp_path / "a" / "b", named="x")
+    assert (tmp_path / "a" / "b").is_dir()
