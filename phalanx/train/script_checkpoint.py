@@ -19,7 +19,7 @@ import torch
 
 from phalanx.atomic import make_dir, remove_stale_temporaries
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.errors import PhalanxWarning, WriteFailed, warn_at_caller
+from phalanx.errors import PhalanxWarning, UsageError, WriteFailed, warn_at_caller
 from phalanx.file_lock import hold_for_process
 from phalanx.runtime.foreign_names import in_phalanx_order
 from phalanx.runtime.procs import process_alive
@@ -69,6 +69,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     a resume at `step` exact for data that draws random numbers. Rank 0 writes, atomically, and holds
     `location` for the rest of its process: another job given it stops in one line (file_lock.py)."""
     world.check_here("phalanx.checkpoint")
+    _check_location(location, "phalanx.checkpoint")
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     _name_the_loader_left_out(loader, step=step, world=world)
     if isinstance(model, DataParallel):
@@ -83,6 +84,15 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
                            position=Position(epoch=epoch, step=step),
                            fingerprint=_script_fingerprint(module, global_batch_size=global_batch_size, seed=seed),
                            dp=_sharded(model), extras=states, loader_record=loader_record(loader))
+
+
+def _check_location(location, caller: str) -> None:
+    """An empty location (an unset variable's default) would be the working directory to Path:
+    refused on every rank, before any collective, as the CLI refuses an empty --out."""
+    if not isinstance(location, (str, os.PathLike)):
+        raise UsageError(f"{caller}'s location is a {type(location).__name__}; pass a directory or a file path")
+    if not os.fspath(location):
+        raise UsageError(f"{caller}'s location is empty; name a directory (or a .pt file) to keep the checkpoint in")
 
 
 def _hold(path: Path, caller: str) -> None:
@@ -123,6 +133,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     replays the skipped batches' draws (loader_resume.py).
     """
     world.check_here("phalanx.resume")
+    _check_location(location, "phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
     if world.is_main:
         path = checkpoint_path(location)

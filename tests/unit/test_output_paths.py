@@ -189,3 +189,22 @@ def test_a_location_an_api_call_names_under_a_file_is_one_line_and_makes_nothing
     make_dir(tmp_path / "a" / "b", named="x")  # what can be made is made, and an existing one is fine
     make_dir(tmp_path / "a" / "b", named="x")
     assert (tmp_path / "a" / "b").is_dir()
+
+
+def test_an_empty_checkpoint_location_is_refused_not_the_working_directory(tmp_path, monkeypatch):
+    # `phalanx.checkpoint(os.environ.get("CKPT", ""), ...)` wrote ./checkpoint.pt, as Path("") is ".".
+    import torch
+
+    import phalanx
+    from phalanx.runtime.world import World
+
+    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
+                  timeout_s=5.0)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^phalanx.checkpoint's location is empty; name a directory"):
+        phalanx.checkpoint("", world=world, model=model, optimizer=optimizer, epoch=0, global_batch_size=4, seed=0)
+    with pytest.raises(UsageError, match=r"^phalanx.resume's location is a NoneType; pass a directory"):
+        phalanx.resume(location=None, world=world, model=model, optimizer=optimizer, global_batch_size=4, seed=0)
+    assert list(tmp_path.iterdir()) == []
