@@ -50,6 +50,7 @@ from phalanx.runtime.apart import watch_ranks_apart
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.binding import threads_note
+from phalanx.runtime.child_world import ALONE_IN_A_CHILD, inherited_message, joined_worker, stamp_joined
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
@@ -88,8 +89,11 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **o
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise UsageError("init(device='cuda') but torch sees no CUDA device; use device='cpu'")
-    env = launcher_env()
-    if env is None and dist.is_initialized():  # a group the script opened with no launcher: mp.spawn's children
+    env, worker_pid = launcher_env(), joined_worker()
+    if env is not None and worker_pid is not None:  # a worker's child, not a worker (child_world.py)
+        warn_at_caller(inherited_message(env.rank, worker_pid))
+        env = None
+    elif env is None and dist.is_initialized():  # a group the script opened with no launcher: mp.spawn's children
         env = open_group_env()
     if env is None:
         try:
@@ -97,7 +101,7 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **o
         except UsageError as exc:  # every task would go on alone: stop here, one line, as the CLI says it
             print(f"phalanx: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(exc.exit_code) from None
-        if multiprocessing.parent_process() is not None:
+        if multiprocessing.parent_process() is not None and worker_pid is None:
             warn_at_caller(ALONE_IN_A_CHILD)
         world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, backend="none", timeout_s=timeout_s,
                       device=torch.device("cuda:0" if use_cuda else "cpu"))
@@ -112,19 +116,12 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **o
         else:
             world = join_launcher_world(env, device=torch_device, timeout_s=timeout_s, set_up=_context is None)
         atexit.register(stop_world, world)
+        stamp_joined()
         world = open_board(world)  # the collective board: a failure names the rank and collective
         if _context is not None and world.board is not None:  # so the launcher's line names the step too
             world.board.on_step = report_progress
     _current = world
     return world
-
-
-# torch's DDP tutorial starts its workers with torch.multiprocessing.spawn; with neither a launcher's
-# variables nor a group the script opened, each child would train alone, silently.
-ALONE_IN_A_CHILD = ("phalanx.init() in a child process found no RANK/WORLD_SIZE and no process group, so this "
-                    "process is a world of one and trains alone; start the script with `phalanx run --devices cpu:K "
-                    "script.py` (or torchrun) instead of torch.multiprocessing.spawn, or call "
-                    "torch.distributed.init_process_group(...) before phalanx.init()")
 
 
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:

@@ -1,0 +1,43 @@
+"""A process a joined worker started, which inherited the worker's RANK and WORLD_SIZE, is a
+world of one in one warning (it tried to join as a second rank and took the run down: found by an
+outside-user trial, rank 0 running an evaluation script with subprocess.run); a process started
+before any join (a wrapper's child) still joins. tests/distributed/test_child_world.py runs both
+under `phalanx run`."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+
+import phalanx
+from phalanx.runtime import child_world, script
+
+
+def test_the_stamp_tells_the_worker_from_its_descendants(monkeypatch):
+    monkeypatch.delenv(child_world.JOINED_PID, raising=False)
+    assert child_world.joined_worker() is None  # nobody joined: this process may be the worker
+    child_world.stamp_joined()
+    assert os.environ[child_world.JOINED_PID] == str(os.getpid()) and child_world.joined_worker() is None
+    monkeypatch.setenv(child_world.JOINED_PID, str(os.getpid() + 1))
+    assert child_world.joined_worker() == os.getpid() + 1
+    monkeypatch.setenv(child_world.JOINED_PID, "not a pid")
+    assert child_world.joined_worker() is None
+
+
+def test_init_in_a_joined_workers_child_is_a_world_of_one_said_once(monkeypatch):
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", child_world.JOINED_PID: "1"}.items():
+        monkeypatch.setenv(name, value)  # port 1: a join would fail at once, not pass unnoticed
+    monkeypatch.setattr(script, "_current", None)
+    monkeypatch.setattr(script, "_context", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        world = phalanx.init(device="cpu", timeout_s=3.0)  # the code before: a join that fails in 3 s
+    assert (world.rank, world.world_size, world.backend) == (0, 1, "none")
+    said = [str(w.message) for w in caught if issubclass(w.category, phalanx.PhalanxWarning)]
+    assert len(said) == 1 and caught[0].filename == __file__, said
+    assert f"pid {os.getpid()}, a process that worker rank 1 (pid 1) started after it joined the run" in said[0]
+    assert "cannot join the run as a second rank 1, so this process is a world of one" in said[0]
+    assert os.environ[child_world.JOINED_PID] == "1"  # a world of one joins nothing: the stamp stays the worker's
