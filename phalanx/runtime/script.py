@@ -14,7 +14,8 @@ torchrun joins with its own `dist.init_process_group(...)` (env://, through the 
 - so a script runs unchanged under `phalanx run` and under torchrun, and one that calls `init()`
 under plain python too (a world of one; torch's own init_process_group needs a launcher's RANK).
 Without a launcher's variables, a group the script opened itself (torch's DDP tutorial: children
-of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line.
+of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line,
+as is a process that a joined worker started with its variables (child_world.py).
 Such a spawn under `phalanx run` is refused (nested_launch.py: its children would hang). A group
 opened without `timeout=` waits at most `--timeout` (not 30 minutes); one left open is destroyed.
 
