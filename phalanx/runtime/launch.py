@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from phalanx.runtime.child_world import JOINED_PID
 from phalanx.runtime.binding import (allowed_cores, check_bindable, oversubscription, place_worker, too_many_workers,
                                     worker_threads)
 from phalanx.errors import UsageError
@@ -161,6 +162,7 @@ def torchrun_env(*, rank: int, world_size: int, master_port: int, run_id: str, r
         "TORCHELASTIC_SIGNALS_TO_HANDLE": os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE",
                                                          "SIGTERM,SIGINT,SIGHUP,SIGQUIT"),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+        JOINED_PID: "",  # a worker, never a joined worker's descendant, whatever stamp the launcher inherited
     }
     interface = loopback_interface()
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

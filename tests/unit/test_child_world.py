@@ -16,8 +16,10 @@ from phalanx.runtime import child_world, script
 
 
 def test_the_stamp_tells_the_worker_from_its_descendants(monkeypatch):
-    monkeypatch.delenv(child_world.JOINED_PID, raising=False)
+    monkeypatch.setenv(child_world.JOINED_PID, "")  # what the launcher gives its workers; undone after the test
     assert child_world.joined_worker() is None  # nobody joined: this process may be the worker
+    monkeypatch.delenv(child_world.JOINED_PID)
+    assert child_world.joined_worker() is None
     child_world.stamp_joined()
     assert os.environ[child_world.JOINED_PID] == str(os.getpid()) and child_world.joined_worker() is None
     monkeypatch.setenv(child_world.JOINED_PID, str(os.getpid() + 1))
@@ -41,3 +43,15 @@ def test_init_in_a_joined_workers_child_is_a_world_of_one_said_once(monkeypatch)
     assert f"pid {os.getpid()}, a process that worker rank 1 (pid 1) started after it joined the run" in said[0]
     assert "cannot join the run as a second rank 1, so this process is a world of one" in said[0]
     assert os.environ[child_world.JOINED_PID] == "1"  # a world of one joins nothing: the stamp stays the worker's
+
+
+def test_the_launchers_workers_start_unstamped_whatever_it_inherited(monkeypatch):
+    # A stamp in the launcher's own environment (pytest's, after a test left one; a launcher started by
+    # a joined worker) made every worker of the run a world of one.
+    from phalanx.runtime.launch import torchrun_env
+
+    monkeypatch.setenv(child_world.JOINED_PID, "1")
+    env = torchrun_env(rank=1, world_size=2, master_port=1, run_id="r")
+    assert env[child_world.JOINED_PID] == ""
+    monkeypatch.setenv(child_world.JOINED_PID, env[child_world.JOINED_PID])  # as the worker's os.environ.update
+    assert child_world.joined_worker() is None
