@@ -9,10 +9,13 @@ otherwise go wrong without a word or with the whole run:
   (rank 0 running an evaluation script with `subprocess.run`): it tried to join as a second rank
   R, waited out the timeout in the store, and rank 0, waiting for it, took the run down with a
   line blaming rank 0's own work (found by an outside-user trial, 2026-12-06). A worker stamps its
-  pid into its environment as it joins (`stamp_joined`); a process whose stamp is another's is a
-  descendant of a joined worker (`joined_worker`). A process started before any join - a wrapper
+  pid and the run it joined (store address and rank: `run_key`) into its environment as it joins
+  (`stamp_joined`); a process whose variables name the same run and rank under another pid's stamp
+  is a descendant of that worker (`joined_worker`). A process started before any join - a wrapper
   script that runs the real training with subprocess - carries no stamp, and joins as the worker,
-  as it does under torchrun.
+  as it does under torchrun; so do the workers of a launcher a worker starts (torchrun, for a
+  sweep's trial), whose variables name another run, and phalanx's own launcher gives its workers
+  an empty stamp whatever its own environment holds (launch.torchrun_env).
 """
 
 from __future__ import annotations
@@ -29,16 +32,22 @@ ALONE_IN_A_CHILD = ("phalanx.init() in a child process found no RANK/WORLD_SIZE 
                     "torch.distributed.init_process_group(...) before phalanx.init()")
 
 
-def stamp_joined() -> None:
-    """Mark this process as the worker that joined the run: the processes it starts inherit the mark."""
-    os.environ[JOINED_PID] = str(os.getpid())
+def run_key(env) -> str:
+    """Which run and rank a launcher's variables (a world.LauncherEnv) name: its store and the rank."""
+    return f"{env.master_addr}:{env.master_port}/{env.rank}"
 
 
-def joined_worker() -> int | None:
-    """The pid of the joined worker whose launcher variables this process inherited, or None when
-    this process is that worker, or no worker had joined when it was started."""
-    stamped = os.environ.get(JOINED_PID, "")
-    return int(stamped) if stamped.isdigit() and int(stamped) != os.getpid() else None
+def stamp_joined(key: str) -> None:
+    """Mark this process as the worker that joined run `key`: the processes it starts inherit the mark."""
+    os.environ[JOINED_PID] = f"{os.getpid()}@{key}"
+
+
+def joined_worker(key: str) -> int | None:
+    """The pid of the worker that joined run `key` and whose variables this process inherited; None
+    when this process is that worker, no worker had joined when it was started, or the stamp is of
+    another run (a launcher between them set new variables)."""
+    pid, _, stamped_key = os.environ.get(JOINED_PID, "").partition("@")
+    return int(pid) if pid.isdigit() and int(pid) != os.getpid() and stamped_key == key else None
 
 
 def inherited_message(rank: int, worker_pid: int) -> str:

@@ -51,7 +51,7 @@ from phalanx.runtime.apart import watch_ranks_apart
 from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
 from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.binding import threads_note
-from phalanx.runtime.child_world import ALONE_IN_A_CHILD, inherited_message, joined_worker, stamp_joined
+from phalanx.runtime.child_world import ALONE_IN_A_CHILD, inherited_message, joined_worker, run_key, stamp_joined
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
@@ -90,8 +90,9 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **o
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     if use_cuda and not torch.cuda.is_available():
         raise UsageError("init(device='cuda') but torch sees no CUDA device; use device='cpu'")
-    env, worker_pid = launcher_env(), joined_worker()
-    if env is not None and worker_pid is not None:  # a worker's child, not a worker (child_world.py)
+    env = launcher_env()
+    worker_pid = None if env is None else joined_worker(run_key(env))
+    if worker_pid is not None:  # a worker's child, not a worker (child_world.py)
         warn_at_caller(inherited_message(env.rank, worker_pid))
         env = None
     elif env is None and dist.is_initialized():  # a group the script opened with no launcher: mp.spawn's children
@@ -117,7 +118,7 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **o
         else:
             world = join_launcher_world(env, device=torch_device, timeout_s=timeout_s, set_up=_context is None)
         atexit.register(stop_world, world)
-        stamp_joined()
+        stamp_joined(run_key(env))
         world = open_board(world)  # the collective board: a failure names the rank and collective
         if _context is not None and world.board is not None:  # so the launcher's line names the step too
             world.board.on_step = report_progress
