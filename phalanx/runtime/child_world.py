@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-JOINED_PID = "PHALANX_JOINED_PID"  # the pid of the worker that joined the run with these variables
+JOINED_PID = "PHALANX_JOINED_PID"  # "pid@run_key" of the worker that joined the run with these variables
 
 # torch's DDP tutorial starts its workers with torch.multiprocessing.spawn; with neither a launcher's
 # variables nor a group the script opened, each child would train alone, silently.
