@@ -71,7 +71,8 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
                                                          "step": run_state["step"]}}
     name = shard_name(world.rank, world.world_size, serial[0])
     data = serialize(share)
-    make_dir(manifest_path.parent, named="the checkpoint's location")  # every rank writes its share before rank 0's manifest
+    # Every rank writes its share before rank 0's manifest.
+    make_dir(manifest_path.parent, named="the checkpoint's location")
     atomic_write_bytes(manifest_path.parent / name, data)
     written = [None] * world.world_size
     with collective(world, Tag("checkpoint")):  # every share on disk before the manifest names them
