@@ -5,8 +5,8 @@
 refuses, in the launcher and in one line, a target no worker could run (a missing or unreadable
 file, a Jupyter notebook; a module the import system does not find, or a package without
 `__main__`), without running any of the user's code: the module is looked up through the import
-system's finders part by part, not imported. `run_as_main` runs it in this worker with what `python script.py` /
-`python -m pkg.train` give it: sys.argv = [argv0, *args], sys.path[0] the file's directory (a
+system's finders part by part, not imported. `run_as_main` runs it in this worker with what
+`python script.py` / `python -m pkg.train` give it: sys.argv = [argv0, *args], sys.path[0] the file's directory (a
 module: the working directory), `__name__ == "__main__"` (a module's `__spec__` and
 `__package__` too, so its relative imports work); a `sys.exit` with a code other than 0 is a
 failure naming the rank.

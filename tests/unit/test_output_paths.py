@@ -160,21 +160,27 @@ def test_an_unwritable_working_directory_is_named_by_its_absolute_path(tmp_path,
     assert str(info.value) == f"--out runs/r1 is not writable ({tmp_path} denies writing); pick another directory"
 
 
-def test_a_location_an_api_call_names_under_a_file_is_one_line_and_makes_nothing(tmp_path):
-    # phalanx.checkpoint and MetricsLogger made their directory with mkdir: a file on the way was
-    # FileExistsError's or NotADirectoryError's traceback (the CLI's flags were checked before).
+def _one_rank_run():
+    """A world of one, a model and its optimizer: what phalanx.checkpoint and resume take."""
     import torch
 
-    import phalanx
-    from phalanx.atomic import make_dir
     from phalanx.runtime.world import World
 
     world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
                   timeout_s=5.0)
+    model = torch.nn.Linear(2, 2)
+    return world, model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_a_location_an_api_call_names_under_a_file_is_one_line_and_makes_nothing(tmp_path):
+    # phalanx.checkpoint and MetricsLogger made their directory with mkdir: a file on the way was
+    # FileExistsError's or NotADirectoryError's traceback (the CLI's flags were checked before).
+    import phalanx
+    from phalanx.atomic import make_dir
+
+    world, model, optimizer = _one_rank_run()
     blocker = tmp_path / "afile"
     blocker.write_text("")
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for location in (blocker / "ck.pt", blocker / "deeper" / "ck.pt"):
         with pytest.raises(UsageError) as caught:
             phalanx.checkpoint(location, world=world, model=model, optimizer=optimizer, epoch=0, global_batch_size=4,
@@ -193,15 +199,9 @@ def test_a_location_an_api_call_names_under_a_file_is_one_line_and_makes_nothing
 
 def test_an_empty_checkpoint_location_is_refused_not_the_working_directory(tmp_path, monkeypatch):
     # `phalanx.checkpoint(os.environ.get("CKPT", ""), ...)` wrote ./checkpoint.pt, as Path("") is ".".
-    import torch
-
     import phalanx
-    from phalanx.runtime.world import World
 
-    world = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
-                  timeout_s=5.0)
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    world, model, optimizer = _one_rank_run()
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UsageError, match=r"^phalanx.checkpoint's location is empty; name a directory"):
         phalanx.checkpoint("", world=world, model=model, optimizer=optimizer, epoch=0, global_batch_size=4, seed=0)
