@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
+from phalanx.comm.agreed import agreed_outcome
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
 from phalanx.comm.calls import collective, native, run_collective
@@ -50,6 +51,7 @@ from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
 __all__ = [
+    "agreed_outcome",
     "ALGORITHMS",
     "AsyncComm",
     "CHOICES",

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import Tag, collective
+from phalanx.comm import Tag, agreed_outcome, collective
 from phalanx.errors import UsageError
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint_extras import check_extra_names, load_extras
@@ -105,19 +105,9 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     the path on rank 0, on every rank once the checkpoint is whole on disk. `settings`: for the
     resumed run's log line. `dp`: a sharded replica, whose ranks each write their share
     (sharded_checkpoint.py). `extras`: a script's scheduler, scaler, ... (checkpoint_extras.py).
-    `loader_record`: this rank's loader's epoch start (loader_resume.py)."""
-    path = _write_checkpoint(directory, world=world, model=model, optimizer=optimizer, position=position,
-                             fingerprint=fingerprint, settings=settings, dp=dp, extras=extras,
-                             loader_record=loader_record)
-    if world.distributed:  # rank 0 wrote last: the others wait for it (a failed write ends rank 0, naming it)
-        with collective(world, Tag("checkpoint")):
-            dist.barrier()
-    return path
-
-
-def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module,
-                      optimizer: torch.optim.Optimizer, position: Position, fingerprint: dict, settings: dict | None,
-                      dp, extras: dict | None, loader_record: dict | None) -> Path | None:
+    `loader_record`: this rank's loader's epoch start (loader_resume.py). A failed write raises
+    on every rank alike (comm/agreed.py), once the others know: rank 0's full disk is every rank's
+    WriteFailed, so a script that catches it goes on in step."""
     mine = {"rng": rng_state(), "epoch_totals": [float(v) for v in position.epoch_totals], "loader": loader_record}
     if world.distributed:
         every = [None] * world.world_size
@@ -132,18 +122,24 @@ def _write_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Mo
                      "extras": dict(extras or {}), "loader": [r["loader"] for r in every]}
         return save_sharded(checkpoint_path(directory), world=world, dp=dp, optimizer=optimizer, run_state=run_state,
                             every=every)
-    if not world.is_main:
-        return None
-    state = {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
-             "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-             "optimizer": optimizer.state_dict(), "optimizer_names": optimizer_names(model, optimizer),
-             "rng": [r["rng"] for r in every],
-             "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
-             "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
-             "extras": dict(extras or {}), "loader": [r["loader"] for r in every]}
-    path = checkpoint_path(directory)
-    write_generation(path, serialize(state))
+    path = checkpoint_path(directory) if world.is_main else None
+    with agreed_outcome(world, Tag("checkpoint")):  # rank 0 writes; every rank waits for it and learns how it went
+        if world.is_main:
+            write_generation(path, serialize(_whole_state(model, optimizer, position=position, fingerprint=fingerprint,
+                                                          settings=settings, extras=extras, every=every)))
     return path
+
+
+def _whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, position: Position, fingerprint: dict,
+                 settings: dict | None, extras: dict | None, every: list[dict]) -> dict[str, Any]:
+    """The checkpoint of a replicated model, as rank 0 writes it: every rank's RNG states and sums in `every`."""
+    return {"format": FORMAT, "epoch": position.epoch, "step": position.step, "fingerprint": fingerprint,
+            "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(), "optimizer_names": optimizer_names(model, optimizer),
+            "rng": [r["rng"] for r in every],
+            "epoch_totals": _global_totals([r["epoch_totals"] for r in every]),
+            "rank_totals": [r["epoch_totals"] for r in every], "settings": dict(settings or {}),
+            "extras": dict(extras or {}), "loader": [r["loader"] for r in every]}
 
 
 def _global_totals(per_rank: list[list[float]]) -> list[float]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from phalanx.atomic import make_dir, remove_stale_temporaries
+from phalanx.comm import Tag, agreed_outcome
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import PhalanxWarning, UsageError, WriteFailed, warn_at_caller
 from phalanx.file_lock import hold_for_process
@@ -75,10 +76,13 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     if isinstance(model, DataParallel):
         model.check_finite(where="phalanx.checkpoint()")
         model.check_replicas(where="phalanx.checkpoint()", optimizers=[optimizer])
-    if world.is_main:  # after the checks: a refused checkpoint leaves nothing, not even its directory
-        path = checkpoint_path(location)
-        make_dir(path.parent, named="phalanx.checkpoint's location")
-        _hold(path, "phalanx.checkpoint")
+    # After the checks: a refused checkpoint leaves nothing, not even its directory. A location rank 0
+    # cannot make or hold raises on every rank (comm/agreed.py), as a failed write does.
+    with agreed_outcome(world, Tag("checkpoint")):
+        if world.is_main:
+            path = checkpoint_path(location)
+            make_dir(path.parent, named="phalanx.checkpoint's location")
+            _hold(path, "phalanx.checkpoint")
     module = _replica(model)
     return save_checkpoint(location, world=world, model=module, optimizer=optimizer,
                            position=Position(epoch=epoch, step=step),

@@ -33,6 +33,7 @@ conversion step. The ranges here are plain torch.save files any process can read
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import zipfile
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.comm import Tag, collective
+from phalanx.comm import Tag, agreed_outcome, collective
 from phalanx.data_parallel.sharding.flat_layout import Slot
 from phalanx.data_parallel.sharding.state import RangesReader, WholeReader, load_shard, rank_state, trainable_names, \
     whole_state
@@ -71,22 +72,35 @@ def save_sharded(manifest_path: Path, *, world: World, dp, optimizer: torch.opti
                                                          "step": run_state["step"]}}
     name = shard_name(world.rank, world.world_size, serial[0])
     data = serialize(share)
-    # Every rank writes its share before rank 0's manifest.
-    make_dir(manifest_path.parent, named="the checkpoint's location")
-    atomic_write_bytes(manifest_path.parent / name, data)
+    # Every rank's share on disk before rank 0's manifest names them. Where any rank's write fails
+    # (or rank 0's manifest's), every rank raises it and removes its own share of this save.
+    def remove_mine() -> None:
+        with contextlib.suppress(OSError):
+            (manifest_path.parent / name).unlink(missing_ok=True)
+
+    with agreed_outcome(world, Tag("checkpoint"), undo=remove_mine):
+        make_dir(manifest_path.parent, named="the checkpoint's location")
+        atomic_write_bytes(manifest_path.parent / name, data)
     written = [None] * world.world_size
-    with collective(world, Tag("checkpoint")):  # every share on disk before the manifest names them
+    with collective(world, Tag("checkpoint")):
         dist.all_gather_object(written, {"file": name, "ranges": share["ranges"],
                                          "sha256": hashlib.sha256(data).hexdigest()})
-    if not world.is_main:
-        return None
+    with agreed_outcome(world, Tag("checkpoint"), undo=remove_mine):
+        if world.is_main:
+            _write_manifest(manifest_path, dp=dp, run_state=run_state, share=share, written=written, every=every)
+    if world.is_main:  # an older save's shares; left for the next save where they cannot be removed now
+        with contextlib.suppress(OSError):
+            _remove_unnamed_shares(manifest_path)
+    return manifest_path if world.is_main else None
+
+
+def _write_manifest(manifest_path: Path, *, dp, run_state: dict, share: dict, written: list[dict],
+                    every: list[dict]) -> None:
     manifest = {**run_state, "format": FORMAT_SHARDED,
                 "model": {**persistent_buffers(dp.module), **frozen_parameters(dp.module, dp.sharding.layout.slots)},
                 "layout": dp.sharding.layout.describe(), "shards": written, "optimizer_groups": share["groups"],
                 "rng": [r["rng"] for r in every]}
     write_generation(manifest_path, serialize(manifest))
-    _remove_unnamed_shares(manifest_path)
-    return manifest_path
 
 
 def frozen_parameters(module: torch.nn.Module, slots) -> dict[str, torch.Tensor]:

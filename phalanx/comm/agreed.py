@@ -1,0 +1,75 @@
+"""An outcome every rank agrees on: work that may fail on some ranks alone (rank 0 writing a
+checkpoint, each rank its share of one) ends in one small all-gather of what failed where, and
+every rank then raises that failure or none does.
+
+Without it a failure on rank 0 alone left the others in the checkpoint's next collective: a
+script that goes on after a failed save (`except OSError:` around `phalanx.checkpoint`, for a
+full disk) stopped at rank 0's next step with "ranks are in different collectives". Now every
+rank raises the same error at the same call: caught, the ranks go on in step; uncaught, each
+stops on the same line. Only this rank's own work goes inside the block, never a collective: a
+collective's failure is the board's diagnosis already, and a second collective after it would
+only hide it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch.distributed as dist
+
+from phalanx.comm.calls import collective
+from phalanx.errors import RunFailed, UsageError, WriteFailed
+from phalanx.runtime.tags import Tag
+from phalanx.runtime.world import World
+
+
+@contextlib.contextmanager
+def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = None) -> Iterator[None]:
+    """Run the block on every rank, then agree: the rank whose block raised raises it again; every
+    other rank raises the lowest failed rank's error rebuilt (`told_again`); if none failed, none
+    raises. Where some rank failed, every rank first calls `undo()` (what its own part left on
+    disk: a share no manifest will name). A stop (SIGTERM, Ctrl-C: BaseException) is not a
+    failure to agree on; it passes."""
+    failure = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - whatever this rank's own work raised, every rank hears it
+        failure = exc
+    told = [_telling(failure)]
+    if world.distributed:
+        told = [None] * world.world_size
+        with collective(world, tag):
+            dist.all_gather_object(told, _telling(failure))
+    failed = [(rank, t) for rank, t in enumerate(told) if t is not None]
+    if failed and undo is not None:
+        undo()
+    if failure is not None:
+        raise failure
+    if failed:
+        raise told_again(*failed[0])
+
+
+def _telling(failure: Exception | None) -> tuple | None:
+    """What the other ranks need to raise `failure` again: its kind, errno and strerror (an
+    OSError's), its type's name and its one line."""
+    if failure is None:
+        return None
+    kind = "usage" if isinstance(failure, UsageError) else "os" if isinstance(failure, OSError) else "other"
+    return kind, getattr(failure, "errno", None), getattr(failure, "strerror", None), type(failure).__name__, \
+        str(failure)
+
+
+def told_again(rank: int, told: tuple) -> Exception:
+    """Rank `rank`'s failure as this rank raises it: bad input stays a UsageError (exit 2), a
+    failed write an OSError (WriteFailed: a script's `except OSError:` catches it on every rank),
+    with the same line, so a run that stops names it once whichever rank reports it; anything
+    else a RunFailed naming the rank and the error's type."""
+    kind, errno, strerror, name, line = told
+    if kind == "usage":
+        return UsageError(line)
+    if kind == "os":
+        failed = WriteFailed(line)
+        failed.errno, failed.strerror = errno, strerror
+        return failed
+    return RunFailed(f"rank {rank} failed: {name}: {line}")
