@@ -87,6 +87,10 @@ class TrainConfig:
         if self.restarts.max_restarts and self.checkpoint.every is None:
             raise ValueError(f"--max-restarts {self.restarts.max_restarts} restarts from the last checkpoint; "
                              "add --checkpoint-every N (or epoch)")
+        if self.optim.warmup_epochs >= self.epochs:  # as sweep's: the warmup ends before the run does
+            raise ValueError(f"--warmup-epochs {self.optim.warmup_epochs:g} must be below --epochs {self.epochs}, so "
+                             f"the lr reaches --lr {self.optim.lr:g} before the run ends; use e.g. --warmup-epochs "
+                             f"{self.epochs / 2:g}")
         if self.checkpoint.resume == "auto" and self.checkpoint_location is None:
             raise ValueError("--resume auto looks in the checkpoint dir; add --checkpoint-dir DIR or --out DIR")
         self._check_split()

@@ -42,6 +42,9 @@ FLAG_CASES = [
      r"--shard parameters reduce-scatters and all-gathers, which --allreduce tree cannot; use --allreduce auto"),
     (["train", "--shard", "optimizer", "--split", "layers"], r"--shard is a data-parallel option; drop it with --split layers"),
     (["train", "--warmup-epochs", "-1"], r"--warmup-epochs -1\.0 must be 0 \(none\) or a positive number"),
+    (["train", "--warmup-epochs", "3", "--epochs", "3"],  # trained silently before 2026-12-06
+     r"--warmup-epochs 3 must be below --epochs 3, so the lr reaches --lr 0\.2 before the run ends; use e\.g\. "
+     r"--warmup-epochs 1\.5"),
     (["train", "--allreduce", "butterfly"], r"--allreduce 'butterfly' is unknown; choose one of"),
     (["train", "--seed", "-5"], r"--seed -5 must be 0 or more; use e\.g\. --seed 0"),
     (["train", "--init", "xavier"], r"--init 'xavier' is unknown; choose one of"),
