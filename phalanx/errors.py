@@ -1,7 +1,7 @@
 """The exception types whose message is the whole story, so the terminal shows no traceback.
 
 `UsageError`: the user gave us something we cannot use; one line naming the problem and the
-fix, exit code 2 (see `phalanx.cli`). `RunFailed`: a run stopped on a condition phalanx checks
+fix, exit code 2 (see `phalanx.cli`); `Misuse`, one made in a call of the script's own code. `RunFailed`: a run stopped on a condition phalanx checks
 for (a NaN loss, replicas that drifted apart, an output that could not be written:
 `WriteFailed`); one line naming what happened and what to try, exit code 1. `Stopped`: the
 launcher was told to stop by a signal, exit code 128 + its number. Every other exception is a
@@ -19,6 +19,13 @@ class UsageError(Exception):
     """Bad input: the message names the problem and the fix, in one line."""
 
     exit_code = 2
+
+
+class Misuse(UsageError, RuntimeError):
+    """A call in the script's own code that the replica refuses (a step out of order, an optimizer
+    over the whole parameters under `shard=`): one line led by the script's line, exit 2, as bad
+    input is. Still a RuntimeError, what torch and DDP raise for such calls, so code that catches
+    those keeps catching it."""
 
 
 class RunFailed(RuntimeError):

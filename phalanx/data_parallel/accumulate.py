@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterable, Iterator
 
+from phalanx.errors import Misuse
+
 
 @contextlib.contextmanager
 def no_sync(replica, *, enabled: bool = True) -> Iterator[None]:
@@ -24,7 +26,7 @@ def no_sync(replica, *, enabled: bool = True) -> Iterator[None]:
         yield
         return
     if replica.exchange_in_flight:
-        raise RuntimeError("no_sync() entered while gradient allreduces are in flight; finish them first")
+        raise Misuse("no_sync() entered while gradient allreduces are in flight; finish them first")
     previous = replica.require_backward_grad_sync
     replica.require_backward_grad_sync = False
     try:

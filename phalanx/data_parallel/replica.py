@@ -39,7 +39,7 @@ from phalanx.data_parallel.input_dtype import input_dtype_mismatch
 from phalanx.data_parallel.sharding.gathered import gathered_parameters
 from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.data_parallel.widen import widened
-from phalanx.errors import UsageError
+from phalanx.errors import Misuse, UsageError
 from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
 from phalanx.runtime.world import World
 
@@ -126,7 +126,7 @@ class ReplicaModule(nn.Module):
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, sync: bool) -> None:
         if not sync and self.exchange_in_flight:
-            raise RuntimeError("require_backward_grad_sync = False set while gradient allreduces are in flight; "
+            raise Misuse("require_backward_grad_sync = False set while gradient allreduces are in flight; "
                                "call finish_gradient_sync() first")
         self._sync_enabled = bool(sync)
 
@@ -166,7 +166,7 @@ class ReplicaModule(nn.Module):
         """While a CUDA graph records a step of a replica with nothing to exchange: not a step, so finish_gradient_sync
         counts nothing and reads nothing on the host (its NaN/Inf check); call it after each replay."""
         if self.exchanging:
-            raise RuntimeError("capturing a replica that exchanges gradients is not supported; "
+            raise Misuse("capturing a replica that exchanges gradients is not supported; "
                                "capture a one-device replica's step")
         self._capturing = True
         try:

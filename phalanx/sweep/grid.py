@@ -91,14 +91,16 @@ class SweepConfig:
                 raise ValueError(f"--lr {rule} must be a positive finite number or 'scaled'; use e.g. --lr 0.2")
         if not self.warmup_epochs >= 0:
             raise ValueError(f"--warmup-epochs {self.warmup_epochs:g} must be at least 0; use e.g. --warmup-epochs 1")
-        # The training settings are TrainConfig's to judge (the same one-line messages as train's).
         points = expand_grid(self)
-        for point in points:
-            train_config(self, point, data=self.data)
         # Only a 'scaled' point whose lr exceeds base-lr warms up: a grid without one has no warmup to fit.
-        if not self.warmup_epochs < self.epochs and any(point.warmup_epochs for point in points):
+        # Before train's own check of each point, which names a point's lr rather than the rule (an
+        # --epochs below 1 is train's to name).
+        if 1 <= self.epochs <= self.warmup_epochs and any(point.warmup_epochs for point in points):
             raise ValueError(f"--warmup-epochs {self.warmup_epochs:g} must be below --epochs {self.epochs}, so the "
                              f"scaled lr is reached; use e.g. --warmup-epochs {self.epochs / 2:g}")
+        # The training settings are TrainConfig's to judge (the same one-line messages as train's).
+        for point in points:
+            train_config(self, point, data=self.data)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -40,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from phalanx.comm import Tag, broadcast_, collective, gather_objects
 from phalanx.data_parallel.guards.unscale import watch as watch_unscale
 from phalanx.data_parallel.replica_hook import OptimizerVerdicts, steps_replica
-from phalanx.errors import RunFailed, UsageError
+from phalanx.errors import Misuse, RunFailed, UsageError
 from phalanx.runtime.world import World
 
 
@@ -267,7 +267,7 @@ class UnsyncedGradientGuard:
 
     def check(self, what: str) -> None:
         if self.pending:
-            raise RuntimeError(f"{what} after a backward whose gradients were never summed across ranks: call "
+            raise Misuse(f"{what} after a backward whose gradients were never summed across ranks: call "
                                "dp.finish_gradient_sync() between loss.backward() and optimizer.step(), or the "
                                "replicas drift apart")
 
@@ -288,7 +288,7 @@ class UnsyncedGradientGuard:
             return
         self.check("optimizer.step()")
         if self.accumulating:  # Accelerate's optimizer skips a step inside accumulate(); torch's does not
-            raise RuntimeError("optimizer.step() on gradients accumulated with the sync off (inside dp.no_sync(), "
+            raise Misuse("optimizer.step() on gradients accumulated with the sync off (inside dp.no_sync(), "
                                "after dp.require_backward_grad_sync = False, or before dp.accumulate()'s last "
                                "micro-batch) and never summed across ranks: each rank would step on its own and the "
                                "replicas drift apart; step once per step, after dp.finish_gradient_sync() (nanoGPT's "

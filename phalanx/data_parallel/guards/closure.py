@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from phalanx.comm import Tag
 from phalanx.data_parallel.replica_hook import OptimizerVerdicts, steps_replica
+from phalanx.errors import Misuse
 from phalanx.runtime.world import World
 
 CLOSURE_LOSS = Tag("closure loss")
@@ -71,7 +72,7 @@ class ClosureLoss:
         def global_loss() -> Any:
             loss = closure()
             if self._unsynced.unsummed:
-                raise RuntimeError(UNSUMMED)
+                raise Misuse(UNSUMMED)
             return self.combined(loss)
 
         return global_loss

@@ -33,6 +33,7 @@ from torch import nn
 
 from phalanx.data_parallel.replica_hook import ReplicaHook
 from phalanx.data_parallel.sharding.params import ShardedParameters
+from phalanx.errors import Misuse
 
 _COLLECTIVE_FORWARD = "_phalanx_collective_forward"
 
@@ -70,7 +71,7 @@ class GatherHooks:
     def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         # At rest the parameters are empty tensors: a state dict of them would save nothing, silently.
         if not all(self._params.gathered):
-            raise RuntimeError("shard=\"parameters\" spreads the parameters over the ranks: call "
+            raise Misuse("shard=\"parameters\" spreads the parameters over the ranks: call "
                                "dp.full_state_dict() on every rank for the whole model's state dict (or "
                                "dp.module.state_dict() inside `with dp.gathered_parameters():`)")
 

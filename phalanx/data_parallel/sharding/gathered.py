@@ -32,6 +32,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from phalanx.data_parallel.guards.replicas import bit_sum
+from phalanx.errors import Misuse
 
 _COLUMNS = 3  # per rank: the whole parameters' bit sum as two exact 32-bit halves, changed (0 or 1)
 
@@ -56,12 +57,12 @@ def gathered_parameters(sharding, *, writeback: bool, rank: int, world_size: int
         table = [tuple(row) for row in rows.tolist()]
         changed = [r for r in range(world_size) if table[r][2]]
         if changed and not writeback:
-            raise RuntimeError(f"the parameters were changed inside dp.gathered_parameters() ({_ranks(changed)}), "
+            raise Misuse(f"the parameters were changed inside dp.gathered_parameters() ({_ranks(changed)}), "
                                "whose default writeback=False drops a change: pass writeback=True to keep it")
         if changed:
             apart = [r for r in range(world_size) if table[r][:2] != table[0][:2]]
             if apart:
-                raise RuntimeError(f"the parameters edited inside dp.gathered_parameters(writeback=True) differ "
+                raise Misuse(f"the parameters edited inside dp.gathered_parameters(writeback=True) differ "
                                    f"between ranks ({_ranks(apart)} from rank 0's): each rank keeps its range of "
                                    "one model, so make the same edit on every rank (the same values, the same seed)")
             params.take_whole()

@@ -37,6 +37,7 @@ from torch import nn
 from phalanx.data_parallel.guards.unscale import agree_on_overflow
 from phalanx.data_parallel.replica_hook import OptimizerVerdicts, on_every_optimizer_step, steps_replica
 from phalanx.data_parallel.sharding.torch_clip import TorchClipGuard
+from phalanx.errors import Misuse
 
 # Element-wise updates: exact on any range of the parameters.
 ELEMENTWISE = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop")
@@ -207,7 +208,7 @@ class ShardedOptimizerHooks:
         if dp is None:
             return
         if dp.exchange_in_flight:
-            raise RuntimeError("optimizer.step() while gradient reduce-scatters are in flight; call "
+            raise Misuse("optimizer.step() while gradient reduce-scatters are in flight; call "
                                "dp.finish_gradient_sync() first")
         dp.check_synced("optimizer.step()")
         if dp.sharding is not None:  # a parameter cut loose from the flat buffer would not train
@@ -250,7 +251,7 @@ class WholeOptimizerGuard:
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         if self._seen.of(optimizer, lambda judged: steps_replica(judged, self._module, None)):
-            raise RuntimeError(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
+            raise Misuse(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
                                "sums each rank's gradient range only; build it with dp.optimizer("
                                f"{type(optimizer).__name__}, ...) instead of {type(optimizer).__name__}(dp.parameters(), ...)")
 

@@ -1,0 +1,54 @@
+"""A call the replica refuses in a script's own code is one line under `phalanx run`, led by the
+script's line, exit 2, as bad input is (errors.Misuse). Before 2026-12-06 each was a RuntimeError:
+every rank's traceback, "rank 1 failed too", exit 1. Still a RuntimeError to code that catches it
+(tests/unit: the replicas' refusals are caught as RuntimeError there)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = textwrap.dedent("""\
+    import sys
+    import torch, torch.nn.functional as F
+    import phalanx
+
+    world = phalanx.init()
+    torch.manual_seed(0)
+    misuse = sys.argv[1]
+    if misuse == "whole-optimizer":
+        dp = phalanx.prepare(torch.nn.Linear(10, 2), world=world, shard="parameters")
+        optimizer = torch.optim.SGD(dp.parameters(), lr=0.1)
+    else:
+        dp = phalanx.prepare(torch.nn.Linear(10, 2), world=world, overlap=False)
+        optimizer = dp.optimizer(torch.optim.SGD, lr=0.1)
+    x, y = torch.randn(8, 10), torch.randint(0, 2, (8,))
+    phalanx.shard_loss(F.cross_entropy(dp(x), y, reduction="sum"), 16).backward()
+    if misuse == "whole-optimizer":
+        dp.finish_gradient_sync()
+    optimizer.step()
+""")
+
+STEP_LINE = SCRIPT.splitlines().index("optimizer.step()") + 1
+
+
+@pytest.mark.parametrize("misuse, words", [
+    ("whole-optimizer", "this optimizer steps the replica's whole parameters, but shard='parameters' sums each "
+                        "rank's gradient range only; build it with dp.optimizer(SGD, ...)"),
+    ("forgotten-sync", "optimizer.step() after a backward whose gradients were never summed across ranks: call "
+                       "dp.finish_gradient_sync() between loss.backward() and optimizer.step()"),
+])
+def test_a_refused_call_is_one_line_naming_the_scripts_line(tmp_path, misuse, words):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--timeout", "30", str(script),
+                          misuse], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"phalanx: error: train.py:{STEP_LINE}: {words}"), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "failed too" not in run.stderr, run.stderr[-3000:]
