@@ -52,7 +52,7 @@ from phalanx.data_parallel.overlap import OverlapScheduler, landing_hooks, unhoo
 from phalanx.data_parallel.replica import ReplicaModule, broadcast_state_, placed
 from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
-from phalanx.data_parallel.unfit import held
+from phalanx.data_parallel.unfit import RefusesAnOuterWrapper, held
 from phalanx.data_parallel.sync_batchnorm import route_sync_batchnorm
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
@@ -60,7 +60,7 @@ from phalanx.telemetry import Tracer
 __all__ = ["DataParallel"]
 
 
-class DataParallel(ReplicaModule):
+class DataParallel(ReplicaModule, RefusesAnOuterWrapper):
     """A replica plus its gradient exchange, as an nn.Module. Construct it at the same point on
     every rank (the broadcast and AsyncComm's group or segment are collectives)."""
 

@@ -12,6 +12,9 @@ replica's hooks fire on every gradient, and the older one refused every step as 
 (replica.py's `placed`), on every world size alike, so a script fails on one device where it would
 on k.
 
+The other way round, DDP around a replica (a ported script that keeps its `DDP(model)` line after
+`phalanx.prepare`), is refused in DDP's constructor (`RefusesAnOuterWrapper`).
+
 On more than one rank, also an `nn.Embedding` (or `EmbeddingBag`) with `max_norm`: its forward
 renormalizes, in place, the rows this rank's batch looks up, so each rank changes other rows and the
 replicas part (under `shard="parameters"` the write lands in a gathered copy and is lost). No
@@ -27,7 +30,7 @@ from torch import nn
 from torch.nn import Embedding, EmbeddingBag
 from torch.nn.parallel import DataParallel as OneProcess, DistributedDataParallel
 
-from phalanx.errors import frame_outside
+from phalanx.errors import Misuse, frame_outside
 
 # Every replica built, with where the script built it; open while not closed (its hooks hold it alive).
 _BUILT: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -97,3 +100,16 @@ def _wrapper(module: nn.Module) -> str | None:
     if hasattr(module, "finish_gradient_sync") and hasattr(module, "buckets"):
         return "a phalanx replica (DataParallel)"
     return None
+
+
+class RefusesAnOuterWrapper:
+    """A replica wrapped in torch's DDP would have its gradients exchanged a second time, summed
+    then averaged on top (before 2026-12-06 the step was refused later, blaming a clip). DDP's
+    constructor reads this attribute of the module it wraps (torch 2.4 to 2.13, its one reader):
+    reading it raises the one line, at the script's `DDP(...)` line."""
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        raise Misuse("DistributedDataParallel around the replica phalanx.prepare returned would exchange its "
+                     "gradients a second time: drop the DDP(...) wrap and use the replica itself (it keeps DDP's "
+                     "habits: .module, no_sync(), state_dict())")
