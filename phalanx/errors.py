@@ -1,11 +1,11 @@
 """The exception types whose message is the whole story, so the terminal shows no traceback.
 
 `UsageError`: the user gave us something we cannot use; one line naming the problem and the
-fix, exit code 2 (see `phalanx.cli`); `Misuse`, one made in a call of the script's own code. `RunFailed`: a run stopped on a condition phalanx checks
-for (a NaN loss, replicas that drifted apart, an output that could not be written:
-`WriteFailed`); one line naming what happened and what to try, exit code 1. `Stopped`: the
-launcher was told to stop by a signal, exit code 128 + its number. Every other exception is a
-bug or an environment failure and keeps its traceback.
+fix, exit code 2 (see `phalanx.cli`); `Misuse` is one made in a call of the script's own code.
+`RunFailed`: a run stopped on a condition phalanx checks for (a NaN loss, replicas that drifted
+apart, an output that could not be written: `WriteFailed`); one line naming what happened and
+what to try, exit code 1. `Stopped`: the launcher was told to stop by a signal, exit code 128 +
+its number. Every other exception is a bug or an environment failure and keeps its traceback.
 """
 
 import errno

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import torch.distributed as dist
 
 from phalanx.comm.calls import collective
-from phalanx.errors import RunFailed, UsageError, WriteFailed
+from phalanx.errors import PeerLost, UsageError, WriteFailed
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
@@ -64,7 +64,8 @@ def told_again(rank: int, told: tuple) -> Exception:
     """Rank `rank`'s failure as this rank raises it: bad input stays a UsageError (exit 2), a
     failed write an OSError (WriteFailed: a script's `except OSError:` catches it on every rank),
     with the same line, so a run that stops names it once whichever rank reports it; anything
-    else a RunFailed naming the rank and the error's type."""
+    else (a bug) a PeerLost naming the rank and the error's type: the echo of the failed rank's
+    own report, whose traceback the launcher shows."""
     kind, errno, strerror, name, line = told
     if kind == "usage":
         return UsageError(line)
@@ -72,4 +73,4 @@ def told_again(rank: int, told: tuple) -> Exception:
         failed = WriteFailed(line)
         failed.errno, failed.strerror = errno, strerror
         return failed
-    return RunFailed(f"rank {rank} failed: {name}: {line}")
+    return PeerLost(f"rank {rank} failed: {name}: {line}")

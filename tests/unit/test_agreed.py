@@ -1,6 +1,6 @@
 """comm/agreed.py in a world of one, and how another rank raises a failure it is told of: bad input
 stays a UsageError, a failed write an OSError with its errno (a script's `except OSError:` catches
-it on every rank), anything else a RunFailed naming the rank. The agreement across ranks is
+it on every rank), anything else a PeerLost naming the rank. The agreement across ranks is
 tested under `phalanx run` (tests/distributed/test_checkpoint_failure_agreed.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from phalanx.comm import Tag, agreed_outcome
 from phalanx.comm.agreed import _telling, told_again
-from phalanx.errors import RunFailed, UsageError, WriteFailed
+from phalanx.errors import PeerLost, UsageError, WriteFailed
 from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
@@ -46,4 +46,5 @@ def test_another_rank_raises_what_it_was_told_as_its_kind():
     bad = told_again(0, _telling(UsageError("ck is a file; pick another directory")))
     assert type(bad) is UsageError and str(bad) == "ck is a file; pick another directory"
     other = told_again(3, _telling(KeyError("model")))
-    assert type(other) is RunFailed and str(other) == "rank 3 failed: KeyError: 'model'"
+    # An echo of rank 3's own report, whose traceback the launcher shows.
+    assert type(other) is PeerLost and str(other) == "rank 3 failed: KeyError: 'model'"
