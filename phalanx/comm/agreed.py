@@ -14,6 +14,7 @@ only hide it.
 from __future__ import annotations
 
 import contextlib
+import pickle
 from typing import Callable, Iterator
 
 import torch.distributed as dist
@@ -51,26 +52,38 @@ def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = 
 
 
 def _telling(failure: Exception | None) -> tuple | None:
-    """What the other ranks need to raise `failure` again: its kind, errno and strerror (an
-    OSError's), its type's name and its one line."""
+    """What the other ranks need to raise `failure` again: its kind, errno and strerror, itself
+    pickled (an OSError's: its own class, a WriteFailed, a ConnectionError, urllib's URLError),
+    its type's name and its one line."""
     if failure is None:
         return None
     kind = "usage" if isinstance(failure, UsageError) else "os" if isinstance(failure, OSError) else "other"
-    return kind, getattr(failure, "errno", None), getattr(failure, "strerror", None), type(failure).__name__, \
-        str(failure)
+    pickled = None
+    if kind == "os":
+        with contextlib.suppress(Exception):  # an exception that does not pickle is rebuilt as an OSError
+            pickled = pickle.dumps(failure)
+    return kind, getattr(failure, "errno", None), getattr(failure, "strerror", None), pickled, \
+        type(failure).__name__, str(failure)
 
 
 def told_again(rank: int, told: tuple) -> Exception:
-    """Rank `rank`'s failure as this rank raises it: bad input stays a UsageError (exit 2), a
-    failed write an OSError (WriteFailed: a script's `except OSError:` catches it on every rank),
-    with the same line, so a run that stops names it once whichever rank reports it; anything
-    else (a bug) a PeerLost naming the rank and the error's type: the echo of the failed rank's
-    own report, whose traceback the launcher shows."""
-    kind, errno, strerror, name, line = told
+    """Rank `rank`'s failure as this rank raises it, with the same line, so a run that stops names
+    it once whichever rank reports it: bad input stays a UsageError (exit 2); an OSError keeps its
+    class, errno and strerror (a full disk's WriteFailed, a failed download's ConnectionError: the
+    script's `except OSError:` catches it on every rank), a plain OSError with its line where it
+    does not unpickle; anything else (a bug) is a PeerLost naming the rank and the error's type: the echo
+    of the failed rank's own report, whose traceback the launcher shows."""
+    kind, errno, strerror, pickled, name, line = told
     if kind == "usage":
         return UsageError(line)
     if kind == "os":
-        failed = WriteFailed(line)
-        failed.errno, failed.strerror = errno, strerror
+        try:
+            failed = pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - not pickled, or its class cannot be rebuilt here
+            failed = None
+        if not isinstance(failed, OSError) or str(failed) != line:
+            return OSError(line)
+        if isinstance(failed, WriteFailed) and failed.errno is None:  # set after construction: not pickled
+            failed.errno, failed.strerror = errno, strerror
         return failed
     return PeerLost(f"rank {rank} failed: {name}: {line}")

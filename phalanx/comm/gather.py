@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from phalanx.comm.agreed import agreed_outcome
 from phalanx.comm.calls import collective, native
 from phalanx.runtime.foreign_names import call_keywords_error
 from phalanx.runtime.tags import Tag
@@ -62,19 +63,23 @@ def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
 @contextlib.contextmanager
 def main_first(*, world: World, per_host: bool = False, **other_tools: object) -> Iterator[None]:
     """Run the block on rank 0 first (`per_host`: on each host's local rank 0, for files on
-    each host's own disk), then on every other rank: one barrier, which the first ranks reach
-    after the block and the others before it. A first rank whose block raises never reaches it:
-    it fails, and the others, waiting there, are stopped with the run (or by the world's timeout,
-    which a block longer than it needs raised: `--timeout`)."""
+    each host's own disk), then on every other rank: one agreement (comm/agreed.py), which the
+    first ranks reach after the block and the others before it. Where a first rank's block
+    raises, every rank raises it there, the others without running theirs: a script that catches
+    a failed download around the `with` goes on in step on every rank (before 2026-12-06 the others
+    ran their block and waited in a barrier rank 0 never reached). The others wait at most the
+    world's timeout (`--timeout`), which a longer block needs raised."""
     if other_tools:  # Fabric's local=: one line naming per_host=
         raise call_keywords_error("main_first", list(other_tools))
     world.check_here("phalanx.main_first")
     first = world.local_rank == 0 if per_host else world.is_main
     if not first:
-        barrier(world=world)
-    yield
-    if first:
-        barrier(world=world)
+        with agreed_outcome(world, Tag("barrier")):
+            pass
+        yield
+        return
+    with agreed_outcome(world, Tag("barrier")):
+        yield
 
 
 def gather_objects(world: World, obj: Any, tag: Tag) -> list[Any]:

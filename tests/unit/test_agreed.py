@@ -1,7 +1,7 @@
 """comm/agreed.py in a world of one, and how another rank raises a failure it is told of: bad input
-stays a UsageError, a failed write an OSError with its errno (a script's `except OSError:` catches
-it on every rank), anything else a PeerLost naming the rank. The agreement across ranks is
-tested under `phalanx run` (tests/distributed/test_checkpoint_failure_agreed.py)."""
+stays a UsageError, an OSError keeps its class and errno (a script's `except OSError:` catches it
+on every rank), anything else a PeerLost naming the rank. The agreement across ranks is
+tested under `phalanx run` (tests/distributed/test_agreed_failures.py)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,13 @@ def test_another_rank_raises_what_it_was_told_as_its_kind():
     again = told_again(0, _telling(full))
     assert isinstance(again, OSError) and isinstance(again, WriteFailed)
     assert (str(again), again.errno, again.strerror) == (str(full), errno.ENOSPC, "No space left on device")
+    refused = told_again(0, _telling(ConnectionRefusedError(111, "Connection refused")))
+    assert type(refused) is ConnectionRefusedError and (refused.errno, str(refused)) == (111, "[Errno 111] Connection "
+                                                                                          "refused")
+    unpicklable = OSError("half")
+    unpicklable.handle = lambda: None  # its __dict__ does not pickle: rebuilt as an OSError with the same line
+    again = told_again(0, _telling(unpicklable))
+    assert type(again) is OSError and str(again) == "half"
     bad = told_again(0, _telling(UsageError("ck is a file; pick another directory")))
     assert type(bad) is UsageError and str(bad) == "ck is a file; pick another directory"
     other = told_again(3, _telling(KeyError("model")))

@@ -3,7 +3,9 @@ run`: a script that catches it (`except OSError:`, to go on when a disk is full)
 and its next checkpoint is whole. Before 2026-12-06 only the failing rank raised; the others waited
 in the checkpoint's barrier, and the run stopped at rank 0's next step with "ranks are in
 different collectives". Replicated (rank 0 writes) and ZeRO-3 (each rank writes its share, then
-rank 0 the manifest: a failed save's shares are removed, not left to fill the disk)."""
+rank 0 the manifest: a failed save's shares are removed, not left to fill the disk). So does
+`main_first`'s block failing on the first rank (a failed download): the others raise it without
+running theirs, and a script that falls back goes on in step."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import pytest
 
 from phalanx.train.checkpoint import read_checkpoint
 from phalanx.train.sharded_checkpoint import share_files
+from tests.distributed.harness import run_workers
 
 pytestmark = pytest.mark.distributed
 
@@ -90,3 +93,26 @@ def test_uncaught_the_run_stops_on_the_failing_ranks_one_line(tmp_path):
     assert stopped == [f"phalanx: run stopped: cannot write {tmp_path / 'ck' / 'checkpoint.pt'} (No space left on "
                        "device); free space there or choose another directory"], run.stderr[-3000:]
     assert "different collectives" not in run.stderr
+
+
+def _download_fails_on_rank_0(world, per_host: bool) -> tuple[list[int], str, float]:
+    import phalanx
+
+    ran = []
+    try:
+        with phalanx.main_first(world=world, per_host=per_host):
+            ran.append(world.rank)
+            if world.rank == 0:
+                raise ConnectionError("download failed: connection reset")
+    except OSError as exc:  # the script's fallback (a local copy), on every rank alike
+        told = f"{type(exc).__name__}: {exc}"
+    return ran, told, phalanx.reduce(float(world.rank), world=world, op="sum")
+
+
+@pytest.mark.parametrize("per_host", [False, True])
+def test_a_failed_main_first_block_raises_on_every_rank_and_the_others_skip_theirs(per_host):
+    # Before 2026-12-06 the other ranks ran their block and waited in a barrier rank 0 never reached.
+    results = run_workers(_download_fails_on_rank_0, 3, per_host, timeout_s=60)
+    assert [ran for ran, _, _ in results] == [[0], [], []]
+    assert {told for _, told, _ in results} == {"ConnectionError: download failed: connection reset"}
+    assert [total for _, _, total in results] == [3.0, 3.0, 3.0]  # in step after it: the next collective pairs
