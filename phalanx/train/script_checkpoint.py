@@ -139,15 +139,16 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     world.check_here("phalanx.resume")
     _check_location(location, "phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
-    if world.is_main:
-        path = checkpoint_path(location)
-        if path.parent.is_dir():  # else nothing to resume, nor to guard yet
-            # A location this job cannot write (read-only, another user's) holds nothing: it writes
-            # nothing there to guard, and a checkpoint() there names the failed write.
-            with contextlib.suppress(WriteFailed):
-                _hold(path, "phalanx.resume")
-        # What a worker killed during a write left (another job's writes may be in progress).
-        remove_stale_temporaries(path.parent, writer_alive=process_alive)
+    with agreed_outcome(world, Tag("checkpoint")):  # another job's location: refused on every rank, as checkpoint's
+        if world.is_main:
+            path = checkpoint_path(location)
+            if path.parent.is_dir():  # else nothing to resume, nor to guard yet
+                # A location this job cannot write (read-only, another user's) holds nothing: it writes
+                # nothing there to guard, and a checkpoint() there names the failed write.
+                with contextlib.suppress(WriteFailed):
+                    _hold(path, "phalanx.resume")
+            # What a worker killed during a write left (another job's writes may be in progress).
+            remove_stale_temporaries(path.parent, writer_alive=process_alive)
     if not has_checkpoint(location):
         return Position(epoch=0, step=0)
     module = _replica(model)
