@@ -1,6 +1,6 @@
 """An outcome every rank agrees on: work that may fail on some ranks alone (rank 0 writing a
-checkpoint, each rank its share of one) ends in one small all-gather of what failed where, and
-every rank then raises that failure or none does.
+checkpoint, each rank its share of one) ends in one small sum of the ranks that failed (and, where
+one did, an all-gather of what failed where), and every rank then raises that failure or none does.
 
 Without it a failure on rank 0 alone left the others in the checkpoint's next collective: a
 script that goes on after a failed save (`except OSError:` around `phalanx.checkpoint`, for a
@@ -17,9 +17,10 @@ import contextlib
 import pickle
 from typing import Callable, Iterator
 
+import torch
 import torch.distributed as dist
 
-from phalanx.comm.calls import collective
+from phalanx.comm.calls import collective, native
 from phalanx.errors import PeerLost, UsageError, WriteFailed
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
@@ -38,7 +39,7 @@ def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = 
     except Exception as exc:  # noqa: BLE001 - whatever this rank's own work raised, every rank hears it
         failure = exc
     told = [_telling(failure)]
-    if world.distributed:
+    if world.distributed and _any_failed(world, tag, failure is not None):  # every rank is here: no wait
         told = [None] * world.world_size
         with collective(world, tag):
             dist.all_gather_object(told, _telling(failure))
@@ -49,6 +50,15 @@ def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = 
         raise failure
     if failed:
         raise told_again(*failed[0])
+
+
+def _any_failed(world: World, tag: Tag, failed_here: bool) -> bool:
+    """Whether any rank failed: one small sum through `native`, whose wait is watched like every
+    collective's (a rank still at its work past --timeout is named as such, at once), where a
+    blocking all-gather of the failures would wait out the backend's own timeout first."""
+    count = torch.tensor([int(failed_here)], dtype=torch.int32, device=world.device)
+    native(world, tag, lambda: dist.all_reduce(count, async_op=True), size_bytes=4, dtype=count.dtype)
+    return bool(count.item())
 
 
 def _telling(failure: Exception | None) -> tuple | None:
