@@ -39,7 +39,7 @@ def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = 
     except Exception as exc:  # noqa: BLE001 - whatever this rank's own work raised, every rank hears it
         failure = exc
     told = [_telling(failure)]
-    if world.distributed and _any_failed(world, tag, failure is not None):  # every rank is here: no wait
+    if world.distributed and _any_failed(world, tag, failure is not None):  # all here: the gather waits for none
         told = [None] * world.world_size
         with collective(world, tag):
             dist.all_gather_object(told, _telling(failure))
@@ -81,8 +81,8 @@ def told_again(rank: int, told: tuple) -> Exception:
     it once whichever rank reports it: bad input stays a UsageError (exit 2); an OSError keeps its
     class, errno and strerror (a full disk's WriteFailed, a failed download's ConnectionError: the
     script's `except OSError:` catches it on every rank), a plain OSError with its line where it
-    does not unpickle; anything else (a bug) is a PeerLost naming the rank and the error's type: the echo
-    of the failed rank's own report, whose traceback the launcher shows."""
+    does not unpickle; anything else (a bug) is a PeerLost naming the rank and the error's type:
+    the echo of the failed rank's own report, whose traceback the launcher shows."""
     kind, errno, strerror, pickled, name, line = told
     if kind == "usage":
         return UsageError(line)
