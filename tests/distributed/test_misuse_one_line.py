@@ -1,7 +1,8 @@
 """A call the replica refuses in a script's own code is one line under `phalanx run`, led by the
-script's line, exit 2, as bad input is (errors.Misuse); so is torch's DDP wrapped around a replica. Before 2026-12-06 each was a RuntimeError:
-every rank's traceback, "rank 1 failed too", exit 1. Still a RuntimeError to code that catches it
-(tests/unit: the replicas' refusals are caught as RuntimeError there)."""
+script's line, exit 2, as bad input is (errors.Misuse); so is torch's DDP wrapped around a
+replica. Before 2026-12-06 each was a RuntimeError: every rank's traceback, "rank 1 failed too",
+exit 1. Still a RuntimeError to code that catches it (tests/unit: the replicas' refusals are
+caught as RuntimeError there)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,10 @@ DDP_LINE = SCRIPT.splitlines().index("    dp = torch.nn.parallel.DistributedData
 
 
 @pytest.mark.parametrize("misuse, line, words", [
-    ("whole-optimizer", STEP_LINE, "this optimizer steps the replica's whole parameters, but shard='parameters' sums each "
-                        "rank's gradient range only; build it with dp.optimizer(SGD, ...)"),
-    ("forgotten-sync", STEP_LINE, "optimizer.step() after a backward whose gradients were never summed across ranks: call "
-                       "dp.finish_gradient_sync() between loss.backward() and optimizer.step()"),
+    ("whole-optimizer", STEP_LINE, "this optimizer steps the replica's whole parameters, but shard='parameters' "
+                                   "sums each rank's gradient range only; build it with dp.optimizer(SGD, ...)"),
+    ("forgotten-sync", STEP_LINE, "optimizer.step() after a backward whose gradients were never summed across ranks: "
+                                  "call dp.finish_gradient_sync() between loss.backward() and optimizer.step()"),
     # Before 2026-12-06 refused only at the step, blaming a clip (DDP had written the gradients in place).
     ("ddp-around", DDP_LINE, "DistributedDataParallel around the replica phalanx.prepare returned would exchange "
                              "its gradients a second time: drop the DDP(...) wrap"),
