@@ -61,10 +61,10 @@ def clip_grad_value_(dp: DataParallel, clip_value: float, *, foreach: bool | Non
 def _check_synced(dp: DataParallel, name: str) -> None:
     if not dp.sync_enabled:
         raise Misuse(f"{name} inside no_sync(): each rank holds only its partial gradient; "
-                           "clip after the synced backward's finish_gradient_sync()")
+                     "clip after the synced backward's finish_gradient_sync()")
     if dp.exchange_in_flight:
         raise Misuse(f"{name} while gradient allreduces are in flight; call "
-                           "dp.finish_gradient_sync() first, so it acts on the summed gradient")
+                     "dp.finish_gradient_sync() first, so it acts on the summed gradient")
     dp.check_synced(f"phalanx.{name}")  # a backward not yet exchanged (no overlap: nothing in flight)
 
 

@@ -127,7 +127,7 @@ class ReplicaModule(nn.Module):
     def require_backward_grad_sync(self, sync: bool) -> None:
         if not sync and self.exchange_in_flight:
             raise Misuse("require_backward_grad_sync = False set while gradient allreduces are in flight; "
-                               "call finish_gradient_sync() first")
+                         "call finish_gradient_sync() first")
         self._sync_enabled = bool(sync)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -167,7 +167,7 @@ class ReplicaModule(nn.Module):
         counts nothing and reads nothing on the host (its NaN/Inf check); call it after each replay."""
         if self.exchanging:
             raise Misuse("capturing a replica that exchanges gradients is not supported; "
-                               "capture a one-device replica's step")
+                         "capture a one-device replica's step")
         self._capturing = True
         try:
             yield

@@ -268,8 +268,8 @@ class UnsyncedGradientGuard:
     def check(self, what: str) -> None:
         if self.pending:
             raise Misuse(f"{what} after a backward whose gradients were never summed across ranks: call "
-                               "dp.finish_gradient_sync() between loss.backward() and optimizer.step(), or the "
-                               "replicas drift apart")
+                         "dp.finish_gradient_sync() between loss.backward() and optimizer.step(), or the "
+                         "replicas drift apart")
 
     def take_unread(self, what: str) -> bool:
         """At zero_grad: raise if an update wrote the parameters since unsummed gradients landed;
@@ -289,11 +289,11 @@ class UnsyncedGradientGuard:
         self.check("optimizer.step()")
         if self.accumulating:  # Accelerate's optimizer skips a step inside accumulate(); torch's does not
             raise Misuse("optimizer.step() on gradients accumulated with the sync off (inside dp.no_sync(), "
-                               "after dp.require_backward_grad_sync = False, or before dp.accumulate()'s last "
-                               "micro-batch) and never summed across ranks: each rank would step on its own and the "
-                               "replicas drift apart; step once per step, after dp.finish_gradient_sync() (nanoGPT's "
-                               "loop: dp.require_backward_grad_sync = True before the last micro-batch's backward; in "
-                               "dp.accumulate(n): after the last micro-batch, when dp.sync_enabled is True)")
+                         "after dp.require_backward_grad_sync = False, or before dp.accumulate()'s last "
+                         "micro-batch) and never summed across ranks: each rank would step on its own and the "
+                         "replicas drift apart; step once per step, after dp.finish_gradient_sync() (nanoGPT's "
+                         "loop: dp.require_backward_grad_sync = True before the last micro-batch's backward; in "
+                         "dp.accumulate(n): after the last micro-batch, when dp.sync_enabled is True)")
 
     def close(self) -> None:
         self._handle.remove()

@@ -72,8 +72,8 @@ class GatherHooks:
         # At rest the parameters are empty tensors: a state dict of them would save nothing, silently.
         if not all(self._params.gathered):
             raise Misuse("shard=\"parameters\" spreads the parameters over the ranks: call "
-                               "dp.full_state_dict() on every rank for the whole model's state dict (or "
-                               "dp.module.state_dict() inside `with dp.gathered_parameters():`)")
+                         "dp.full_state_dict() on every rank for the whole model's state dict (or "
+                         "dp.module.state_dict() inside `with dp.gathered_parameters():`)")
 
     def _before_forward(self, sub: nn.Module, args: Any) -> None:
         mine = self._buckets_of[id(sub)]

@@ -58,13 +58,13 @@ def gathered_parameters(sharding, *, writeback: bool, rank: int, world_size: int
         changed = [r for r in range(world_size) if table[r][2]]
         if changed and not writeback:
             raise Misuse(f"the parameters were changed inside dp.gathered_parameters() ({_ranks(changed)}), "
-                               "whose default writeback=False drops a change: pass writeback=True to keep it")
+                         "whose default writeback=False drops a change: pass writeback=True to keep it")
         if changed:
             apart = [r for r in range(world_size) if table[r][:2] != table[0][:2]]
             if apart:
                 raise Misuse(f"the parameters edited inside dp.gathered_parameters(writeback=True) differ "
-                                   f"between ranks ({_ranks(apart)} from rank 0's): each rank keeps its range of "
-                                   "one model, so make the same edit on every rank (the same values, the same seed)")
+                             f"between ranks ({_ranks(apart)} from rank 0's): each rank keeps its range of "
+                             "one model, so make the same edit on every rank (the same values, the same seed)")
             params.take_whole()
 
 

@@ -209,7 +209,7 @@ class ShardedOptimizerHooks:
             return
         if dp.exchange_in_flight:
             raise Misuse("optimizer.step() while gradient reduce-scatters are in flight; call "
-                               "dp.finish_gradient_sync() first")
+                         "dp.finish_gradient_sync() first")
         dp.check_synced("optimizer.step()")
         if dp.sharding is not None:  # a parameter cut loose from the flat buffer would not train
             dp.sharding.params.check_outside_whole("optimizer.step()", "step before the block, whose reads (an "
@@ -252,8 +252,8 @@ class WholeOptimizerGuard:
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         if self._seen.of(optimizer, lambda judged: steps_replica(judged, self._module, None)):
             raise Misuse(f"this optimizer steps the replica's whole parameters, but shard={self._stage!r} "
-                               "sums each rank's gradient range only; build it with dp.optimizer("
-                               f"{type(optimizer).__name__}, ...) instead of {type(optimizer).__name__}(dp.parameters(), ...)")
+                         "sums each rank's gradient range only; build it with dp.optimizer("
+                         f"{type(optimizer).__name__}, ...) instead of {type(optimizer).__name__}(dp.parameters(), ...)")
 
     def close(self) -> None:
         self._handle.remove()
