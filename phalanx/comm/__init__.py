@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import increment_version
 
-from phalanx.comm.agreed import agreed_outcome
+from phalanx.comm.agreed import agreed_outcome, gather_objects
 from phalanx.comm.algorithms import ALGORITHMS, CHOICES, allreduce_fn, apply_flat, check_choice, resolve_algorithm
 from phalanx.comm.async_ops import ALLREDUCE, AsyncComm, OpenedComm, open_comm
 from phalanx.comm.calls import collective, native, run_collective
-from phalanx.comm.gather import barrier, broadcast, gather, gather_objects
+from phalanx.comm.gather import barrier, broadcast, gather
 from phalanx.comm.handle import Handle
 from phalanx.comm.hierarchical import Hierarchy, allreduce_hierarchical
 from phalanx.comm.hosts import HostLayout, hierarchy_applies

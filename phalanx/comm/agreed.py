@@ -1,6 +1,13 @@
-"""An outcome every rank agrees on: work that may fail on some ranks alone (rank 0 writing a
+"""What every rank agrees on: the small facts ranks compare before they trust each other, and
+the outcome of work that may fail on some ranks alone.
+
+`gather_objects(world, obj, tag)`: every rank's small picklable facts (flags, model shapes,
+replica fingerprints), by rank, on every rank, which the guards compare.
+
+`agreed_outcome(world, tag)`: work that may fail on some ranks alone (rank 0 writing a
 checkpoint, each rank its share of one) ends in one small sum of the ranks that failed (and, where
-one did, an all-gather of what failed where), and every rank then raises that failure or none does.
+one did, a `gather_objects` of what failed where), and every rank then raises that failure or none
+does.
 
 Without it a failure on rank 0 alone left the others in the checkpoint's next collective: a
 script that goes on after a failed save (`except OSError:` around `phalanx.checkpoint`, for a
@@ -15,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,11 +45,10 @@ def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = 
         yield
     except Exception as exc:  # noqa: BLE001 - whatever this rank's own work raised, every rank hears it
         failure = exc
-    told = [_telling(failure)]
-    if world.distributed and _any_failed(world, tag, failure is not None):  # all here: the gather waits for none
-        told = [None] * world.world_size
-        with collective(world, tag):
-            dist.all_gather_object(told, _telling(failure))
+    mine = _telling(failure)
+    # After the sum every rank is here: the gather waits for none.
+    anywhere = world.distributed and _any_failed(world, tag, failure is not None)
+    told = gather_objects(world, mine, tag) if anywhere else [mine]
     failed = [(rank, t) for rank, t in enumerate(told) if t is not None]
     if failed and undo is not None:
         undo()
@@ -50,6 +56,18 @@ def agreed_outcome(world: World, tag: Tag, *, undo: Callable[[], None] | None = 
         raise failure
     if failed:
         raise told_again(*failed[0])
+
+
+def gather_objects(world: World, obj: Any, tag: Tag) -> list[Any]:
+    """Every rank's picklable `obj`, by rank, on every rank: one all_gather_object under
+    `collective`, for the small facts ranks compare before trusting each other (flags, shapes,
+    replica checks); `[obj]` in a world of one."""
+    if not world.distributed:
+        return [obj]
+    gathered: list[Any] = [None] * world.world_size
+    with collective(world, tag):
+        dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def _any_failed(world: World, tag: Tag, failed_here: bool) -> bool:

@@ -18,8 +18,7 @@ rest then read, instead of k ranks writing the same files at once. `broadcast(ob
 gives every rank rank `src`'s object (Fabric's `broadcast`, Accelerate's `broadcast_object_list`):
 a run name, a seed, a tensor; pickled by torch.save on `src` (tensors arrive on the world's
 device), two backend broadcasts (the length, then the bytes). In a world of one each returns at
-once. `gather_objects(world, obj, tag)` is phalanx's own: every rank's small picklable facts (flags,
-model shapes, replica fingerprints), which the guards compare before the ranks trust each other.
+once.
 All wait at most the world's timeout, and a rank that never arrives is named, as for every
 collective (calls.py).
 """
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.comm.agreed import agreed_outcome
-from phalanx.comm.calls import collective, native
+from phalanx.comm.calls import native
 from phalanx.runtime.foreign_names import call_keywords_error
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
@@ -80,18 +79,6 @@ def main_first(*, world: World, per_host: bool = False, **other_tools: object) -
         return
     with agreed_outcome(world, Tag("barrier")):
         yield
-
-
-def gather_objects(world: World, obj: Any, tag: Tag) -> list[Any]:
-    """Every rank's picklable `obj`, by rank, on every rank: one all_gather_object under
-    `collective`, for the small facts ranks compare before trusting each other (flags, shapes,
-    replica checks); `[obj]` in a world of one."""
-    if not world.distributed:
-        return [obj]
-    gathered: list[Any] = [None] * world.world_size
-    with collective(world, tag):
-        dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def _header(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
