@@ -54,6 +54,7 @@ from phalanx.data_parallel.sharding.optim import make_optimizer
 from phalanx.data_parallel.sharding.stages import MAX_IN_FLIGHT, Sharding
 from phalanx.data_parallel.unfit import RefusesAnOuterWrapper, held
 from phalanx.data_parallel.sync_batchnorm import route_sync_batchnorm
+from phalanx.errors import Misuse
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
 
@@ -85,10 +86,9 @@ class DataParallel(ReplicaModule, RefusesAnOuterWrapper):
     def _build(self, module: nn.Module, *, world: World, options: DataParallelConfig, tracer: Tracer | None,
                comm: AsyncComm | None) -> None:
         world.check_here("phalanx.prepare (DataParallel)")
-        self.options, self.world, self.exchanging = options, world, False
+        self.options, self.world, self.exchanging, self.average = options, world, False, options.average
         self._finite = FiniteCheck(every=options.check_finite_every, world=world, weights=self.held_weights)
-        forward_dtype = options.forward_dtype
-        self.autocast = None if forward_dtype is None else (world.device.type, forward_dtype)
+        self.autocast = None if options.forward_dtype is None else (world.device.type, options.forward_dtype)
         # Refuses an algorithm that cannot carry this world's tensors before the module moves.
         self.algorithm = resolve_algorithm(options.allreduce, world)
         self.fallback_reason: str | None = None  # why auto did not get shm where it usually would
@@ -110,7 +110,6 @@ class DataParallel(ReplicaModule, RefusesAnOuterWrapper):
                                     world=world, average=options.average) if self.exchanging else None
         self.buckets: list[Bucket] = self._layout.buckets if self.exchanging else []
         self._sync_enabled, self._closed, self._capturing, self._synced_steps = True, False, False, 0  # (replica.py)
-        self.average = options.average
         self._extras = StepExtras(self.module, world=world, average=options.average, batchnorm=options.batchnorm,
                                   average_running_stats=options.average_running_stats)
         # How the shared segment sums, when one does: "compiled" or "Python (why)" (comm/shm_kernel.py).
@@ -244,7 +243,8 @@ class DataParallel(ReplicaModule, RefusesAnOuterWrapper):
         not complete: unused parameters, an empty shard's), then waits every handle once; under no_sync(), nothing.
         With no backward since the last sync it still joins the peers' collectives; the gradient stays as it was."""
         if self._closed:
-            raise RuntimeError("DataParallel is closed")
+            raise Misuse("dp.finish_gradient_sync() after dp.close(): a closed replica exchanges nothing; "
+                         "close it after the last step, or phalanx.prepare the model again to go on training")
         if not self._sync_enabled:
             return
         if not self.exchanging:  # nothing to sum, but a gradient to check all the same

@@ -34,11 +34,16 @@ SCRIPT = textwrap.dedent("""\
     phalanx.shard_loss(F.cross_entropy(dp(x), y, reduction="sum"), 16).backward()
     if misuse == "whole-optimizer":
         dp.finish_gradient_sync()
+    if misuse == "closed":  # a loop that goes on after dp.close()
+        dp.finish_gradient_sync()
+        dp.close()
+        dp.finish_gradient_sync()  # after close
     optimizer.step()
 """)
 
 STEP_LINE = SCRIPT.splitlines().index("optimizer.step()") + 1
 DDP_LINE = SCRIPT.splitlines().index("    dp = torch.nn.parallel.DistributedDataParallel(dp)") + 1
+CLOSED_LINE = SCRIPT.splitlines().index("    dp.finish_gradient_sync()  # after close") + 1
 
 
 @pytest.mark.parametrize("misuse, line, words", [
@@ -49,6 +54,9 @@ DDP_LINE = SCRIPT.splitlines().index("    dp = torch.nn.parallel.DistributedData
     # Before 2026-12-06 refused only at the step, blaming a clip (DDP had written the gradients in place).
     ("ddp-around", DDP_LINE, "DistributedDataParallel around the replica phalanx.prepare returned would exchange "
                              "its gradients a second time: drop the DDP(...) wrap"),
+    # Until 2026-12-06 a RuntimeError's traceback on every rank, "DataParallel is closed", without a fix.
+    ("closed", CLOSED_LINE, "dp.finish_gradient_sync() after dp.close(): a closed replica exchanges nothing; "
+                            "close it after the last step"),
 ])
 def test_a_refused_call_is_one_line_naming_the_scripts_line(tmp_path, misuse, line, words):
     script = tmp_path / "train.py"
