@@ -8,7 +8,7 @@ no mean/std normalisation. This module owns the type and its invariants, not whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +64,10 @@ class ImageDataset:
     @property
     def num_test(self) -> int:
         return self.test_images.shape[0]
+
+    def first_train_examples(self, count: int) -> ImageDataset:
+        """This data set with only its first `count` training images (views, no copy); the test set whole."""
+        return replace(self, train_images=self.train_images[:count], train_labels=self.train_labels[:count])
 
     def describe(self) -> str:
         """One line for the run log: name, sizes, source."""

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import torch
 
-from phalanx.data import load_dataset
 from phalanx.errors import UsageError
 from phalanx.job.auto_devices import resolve_auto
 from phalanx.job.config import TrainConfig
@@ -65,7 +64,7 @@ def run_train(args: argparse.Namespace) -> int:
     if auto and env is None and (devices == CPU_AUTO or not torch.cuda.is_available()):
         # The probe needs the model's classes: read (or download) the data now, as a run of
         # several devices does below anyway. What it chose, from what, is the run's first line.
-        data = load_dataset(config.data.dataset, config.data.directory, log=RankZeroLog(enabled=True))
+        data = config.data.load(log=RankZeroLog(enabled=True))
         config = replace(config, data=replace(config.data, dataset=data.name, directory=data.data_dir))
         config, line = resolve_auto(config, data)
         RankZeroLog(enabled=True)(line)
@@ -95,7 +94,7 @@ def run_train(args: argparse.Namespace) -> int:
         if env is None and plan.num_devices > 1 and data is None:
             # Check (and download) the data once here, so bad data is one line from one process
             # and the workers find it cached; resolve the fallback so every worker agrees.
-            data = load_dataset(config.data.dataset, config.data.directory, log=RankZeroLog(enabled=True))
+            data = config.data.load(log=RankZeroLog(enabled=True))
             config = replace(config, data=replace(config.data, dataset=data.name, directory=data.data_dir))
         names = plan.names if env is None else _torchrun_names(plan, env.world_size)
         train_with_restarts(config, names, spec=config.launch.spec(plan))

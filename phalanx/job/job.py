@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from phalanx.runtime.binding import describe as describe_cores, threads_note
-from phalanx.data import load_dataset, steps_per_epoch
+from phalanx.data import steps_per_epoch
 from phalanx.models import build_model
 from phalanx.data_parallel.guards.checks import model_fingerprint, preflight_check
 from phalanx.data_parallel.prepare import prepare_replica
@@ -52,7 +52,7 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     survive_lost_output()  # `phalanx train | head`: the lines end, the training does not
     check_same_run(world, config)  # torchrun's nodes each parse their own flags: one line if they differ
     log = RankZeroLog(enabled=world.is_main)
-    data = load_dataset(config.data.dataset, config.data.directory, log=log)
+    data = config.data.load(log=log)
     num_train = data.train_images.shape[0]
     if config.global_batch_size > num_train:  # accepted (one step per epoch), but rarely what was meant
         log(f"note: --batch-size {config.global_batch_size} is larger than the {num_train} training images, "

@@ -17,12 +17,11 @@ import contextlib
 import io
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from phalanx.atomic import atomic_write_bytes
-from phalanx.data import load_dataset
-from phalanx.data.config import DataConfig
 from phalanx.runtime.devices import parse_devices
 from phalanx.runtime.launch import LaunchSpec, launch
 from phalanx.sweep.grid import GridPoint, SweepConfig, expand_grid, train_config
@@ -68,7 +67,8 @@ def point_settings(train: TrainConfig, point: GridPoint) -> dict[str, Any]:
     return {"num_devices": point.num_devices, "model": train.model, "dataset": train.data.dataset,
             "data_dir": train.data.directory, "epochs": train.epochs, "global_batch_size": train.global_batch_size,
             "lr": train.optim.lr, "warmup_epochs": train.optim.warmup_epochs, "seed": train.seed,
-            "threads_per_device": train.launch.threads_per_device}
+            "threads_per_device": train.launch.threads_per_device,
+            **({} if train.data.train_examples is None else {"train_examples": train.data.train_examples})}
 
 
 def sweep_worker(world: World, jobs: Sequence[tuple[GridPoint, TrainConfig, dict]], names: Sequence[str],
@@ -109,13 +109,13 @@ def run_grid(config: SweepConfig, *, progress: Callable[[str], None] = _stderr) 
     """Train the whole grid (data loaded and checked once, here); the rows in grid order."""
     # Resolve the dataset once, so bad data is one line from this process and every point trains
     # on the same data (an unnamed fashion-mnist may fall back to digits offline).
-    data = load_dataset(config.data.dataset, config.data.directory, log=progress)
+    data = config.data.load(log=progress)
     points_dir = Path(config.out_dir) / POINTS_DIR
     points_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     by_devices: dict[int, list] = {}
     for point in expand_grid(config):
-        train = train_config(config, point, data=DataConfig(dataset=data.name, directory=data.data_dir))
+        train = train_config(config, point, data=replace(config.data, dataset=data.name, directory=data.data_dir))
         settings = point_settings(train, point)
         stored = load_stored(points_dir, point.key, settings) if config.resume else None
         if stored is not None:

@@ -215,7 +215,7 @@ def check_compatible(state: dict[str, Any], expected: dict, *, path: str | Path,
     if "data" in saved and "data" in expected and saved["data"] != expected["data"]:
         raise UsageError(f"checkpoint {path} was trained on {_describe_data(saved['data'])} but this run has "
                          f"{_describe_data(expected['data'])}; resume with the data set it was trained on "
-                         "(--dataset / --data-dir)")
+                         "(--dataset / --data-dir / --train-examples)")
     mine, theirs = dict(map(tuple, [(n, tuple(s)) for n, s in expected["parameters"]])), \
         dict((n, tuple(s)) for n, s in saved["parameters"])
     for name in sorted(set(mine) | set(theirs)):

@@ -5,7 +5,7 @@ ranks, so none are lost when a rank goes away. Resume refuses a checkpoint of an
 one line, says what changed (--lr, devices) and marks the epoch row that mixes two rates, and
 "nothing to train" states the checkpoint's true position.
 
-float64 LeNet on synthetic data, 2 epochs of 24 steps; the interrupted runs SIGKILL rank 0 right
+float64 LeNet on synthetic data (its first 3,000 images), 2 epochs of 24 steps of 128 images; the interrupted runs SIGKILL rank 0 right
 after the checkpoint at epoch 2, step 10 (global step 34) lands (a driver script patches
 save_checkpoint).
 """
@@ -20,8 +20,8 @@ from tests.distributed.runs import (assert_same_rows, crash_script, finished_run
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["train", "--dataset", "synthetic", "--dtype", "float64", "--no-progress", "--threads-per-device", "1",
-          "--epochs", "2", "--checkpoint-every", "17"]
+COMMON = ["train", "--dataset", "synthetic", "--train-examples", "3000", "--batch-size", "128", "--dtype", "float64",
+          "--no-progress", "--threads-per-device", "1", "--epochs", "2", "--checkpoint-every", "17"]
 
 
 def _assert_uninterrupted(got: Path, want: Path) -> None:
@@ -81,9 +81,9 @@ def test_a_checkpoint_of_another_data_set_is_refused_in_one_line(crashed_on_2, t
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1, refused.stderr
     assert lines[0].startswith(f"phalanx: error: checkpoint {out / 'checkpoints' / 'checkpoint.pt'} was trained on "
-                               "synthetic (6000 train / 1000 test images, sha256 "), lines[0]
+                               "synthetic (3000 train / 1000 test images, sha256 "), lines[0]
     assert "but this run has fashion-mnist (3000 train / 1000 test images, sha256 " in lines[0], lines[0]
-    assert lines[0].endswith("resume with the data set it was trained on (--dataset / --data-dir)")
+    assert lines[0].endswith("resume with the data set it was trained on (--dataset / --data-dir / --train-examples)")
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from phalanx.cli import main
+from phalanx.data.config import DataConfig
 from phalanx.errors import PhalanxWarning, UsageError, WriteFailed
 from phalanx.models import build_model
 from phalanx.train import checkpoint as ckpt
@@ -168,7 +169,7 @@ def test_a_checkpoint_no_worker_could_read_is_refused_before_the_workers_start(t
     def never(*args, **kwargs):
         raise AssertionError("the run went on past a checkpoint no worker could read")
     monkeypatch.setattr(command, "train_with_restarts", never)
-    monkeypatch.setattr(command, "load_dataset", never)
+    monkeypatch.setattr(DataConfig, "load", never)
     _save(tmp_path / "ck", _model(), 1)
     flip_record_byte(tmp_path / "ck" / "checkpoint.pt")
     train = ["train", "--dataset", "synthetic", "--devices", "cpu:2", "--no-progress", "--out", str(tmp_path / "run")]

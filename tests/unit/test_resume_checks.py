@@ -81,7 +81,7 @@ def test_a_checkpoint_of_another_data_set_is_refused_in_one_line(tmp_path, chang
     assert "\n" not in message
     assert message.startswith(f"checkpoint {tmp_path / 'checkpoint.pt'} was trained on synthetic (64 train / 16 test "
                               "images, sha256 ")
-    assert message.endswith("; resume with the data set it was trained on (--dataset / --data-dir)")
+    assert message.endswith("; resume with the data set it was trained on (--dataset / --data-dir / --train-examples)")
 
 
 def test_lr_epochs_and_devices_may_change_and_the_resumed_line_names_each(tmp_path):
