@@ -4,9 +4,10 @@ whose worker keeps dying (runs.DEAD_ON_RESUME's driver makes it die at every res
 and the run finishes on the others, equal to the uninterrupted run to rounding (k devices compute
 the 1-device update). Without --elastic the restarts run out and the run fails naming the rank.
 
-float64 LeNet on synthetic data, 3 CPU workers, 2 epochs of 24 steps, a checkpoint every 5 steps;
-the victim is rank 1 (cpu:1), killed once the first checkpoint is on disk. Under torchrun elastic
-(--nnodes 1:2, two agents on this host) a node that leaves is resumed without, the same way.
+float64 LeNet on synthetic data (its first 3,000 images), 3 CPU workers, 2 epochs of 24 steps of 128
+images, a checkpoint every 5 steps; the victim is rank 1 (cpu:1), killed once the first checkpoint
+is on disk. Under torchrun elastic (--nnodes 1:2, two agents on this host) a node that leaves is
+resumed without, the same way.
 """
 
 import os
@@ -28,8 +29,8 @@ from tests.distributed.test_faults import _children, _cmdline, _wait_for, _worke
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["train", "--devices", "cpu:3", "--dataset", "synthetic", "--dtype", "float64", "--epochs", "2",
-          "--checkpoint-every", "5", "--no-progress", "--threads-per-device", "1"]
+COMMON = ["train", "--devices", "cpu:3", "--dataset", "synthetic", "--train-examples", "3000", "--batch-size", "128",
+          "--dtype", "float64", "--epochs", "2", "--checkpoint-every", "5", "--no-progress", "--threads-per-device", "1"]
 TIMEOUT_S = 300
 RESTART = (r"^phalanx: worker rank 1 \(cpu:1\) died \(signal SIGKILL\)[^;]*; restart 1 of 1 from "
            r"\S+checkpoint\.pt \(epoch 1, step (\d+)\) on 3 devices \[cpu:0, cpu:1, cpu:2\]$")

@@ -1,6 +1,7 @@
 """Resuming is exact: an interrupted run continued with --resume ends where an uninterrupted one does.
 
-float64 LeNet on synthetic data, 2 CPU workers, 2 epochs of 24 steps. The reference trains
+float64 LeNet on synthetic data (its first 3,000 images), 2 CPU workers, 2 epochs of 24 steps of
+128 images, the last one short. The reference trains
 straight through (checkpointing as it goes: saving must not change training). Interrupted at an
 epoch boundary: `--epochs 1`, then the same command with `--epochs 2 --resume`. Interrupted
 mid-epoch: a driver script makes rank 0 SIGKILL itself right after the checkpoint at epoch 2,
@@ -58,8 +59,8 @@ FAIL_CHECKPOINT_WRITE = textwrap.dedent("""
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["train", "--devices", "cpu:2", "--dataset", "synthetic", "--dtype", "float64", "--no-progress",
-          "--threads-per-device", "1"]
+COMMON = ["train", "--devices", "cpu:2", "--dataset", "synthetic", "--train-examples", "3000", "--batch-size", "128",
+          "--dtype", "float64", "--no-progress", "--threads-per-device", "1"]
 
 
 def _assert_same_run(got: Path, want: Path) -> None:

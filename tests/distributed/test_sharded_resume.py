@@ -1,7 +1,7 @@
 """Sharded runs resume exactly on any device count and stage, and their faults end in one line.
 
-float64 LeNet on synthetic data, AdamW with weight decay (state that sharding divides), 2 epochs
-of 24 steps, a checkpoint every 17 steps; the reference trains uninterrupted on 2 devices with
+float64 LeNet on synthetic data (its first 3,000 images), AdamW with weight decay (state that sharding
+divides), 2 epochs of 24 steps of 128 images, a checkpoint every 17 steps; the reference trains uninterrupted on 2 devices with
 `--shard none`. A `--shard parameters` run on 3 CPU workers is SIGKILLed right after its
 checkpoint at epoch 2, step 10 lands (runs.crash_script); finished on 2 devices (stage 3 again)
 and on one device (no sharding at all) it must end within 1e-9 of the reference. A checkpoint
@@ -29,8 +29,9 @@ from tests.distributed.test_elastic import kill_rank_1_for_good
 
 pytestmark = pytest.mark.distributed
 
-COMMON = ["train", "--dataset", "synthetic", "--dtype", "float64", "--no-progress", "--threads-per-device", "1",
-          "--epochs", "2", "--checkpoint-every", "17", "--optimizer", "adamw", "--weight-decay", "0.01"]
+COMMON = ["train", "--dataset", "synthetic", "--train-examples", "3000", "--batch-size", "128", "--dtype", "float64",
+          "--no-progress", "--threads-per-device", "1", "--epochs", "2", "--checkpoint-every", "17", "--optimizer", "adamw",
+          "--weight-decay", "0.01"]
 
 
 @pytest.fixture(scope="module")

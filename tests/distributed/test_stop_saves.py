@@ -23,7 +23,7 @@ from tests.distributed.test_faults import _wait_for, _workers, assert_all_gone
 pytestmark = pytest.mark.distributed
 
 PHALANX = [sys.executable, "-m", "phalanx"]
-TRAIN = ["train", "--dataset", "synthetic", "--dtype", "float64", "--epochs", "3", "--batch-size", "512",
+TRAIN = ["train", "--dataset", "synthetic", "--train-examples", "3000", "--dtype", "float64", "--epochs", "3",
          "--seed", "5", "--no-progress"]
 SAVED = re.compile(r"phalanx: stopped by (?:SIGTERM|SIGINT) after epoch (\d+), step (\d+) of (\d+), saved in (.+); "
                    r"run the same command with --resume auto to continue")
