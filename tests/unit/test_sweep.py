@@ -175,6 +175,14 @@ def test_resume_reuses_only_a_stored_point_with_the_same_settings(tmp_path):
     assert load_stored(tmp_path, "broken", row["settings"]) is None
 
 
+def test_a_point_trained_on_part_of_the_data_is_not_the_same_point():
+    config = SweepConfig(num_devices=(1,), batch_sizes_per_device=(32,), lr_rules=(0.2,), epochs=2)
+    point = expand_grid(config)[0]
+    whole = point_settings(train_config(config, point, data=DataConfig(dataset="digits")), point)
+    cut = point_settings(train_config(config, point, data=DataConfig(dataset="digits", train_examples=500)), point)
+    assert cut == {**whole, "train_examples": 500}  # and a stored whole-data point keeps its settings as they were
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--devices", "1,two"], "--devices item 'two' is not a device count"),
     (["--per-device-batch", ","], "--per-device-batch is empty"),
