@@ -5,9 +5,9 @@ ranks, so none are lost when a rank goes away. Resume refuses a checkpoint of an
 one line, says what changed (--lr, devices) and marks the epoch row that mixes two rates, and
 "nothing to train" states the checkpoint's true position.
 
-float64 LeNet on synthetic data (its first 3,000 images), 2 epochs of 24 steps of 128 images; the interrupted runs SIGKILL rank 0 right
-after the checkpoint at epoch 2, step 10 (global step 34) lands (a driver script patches
-save_checkpoint).
+float64 LeNet on synthetic data (its first 3,000 images), 2 epochs of 24 steps of 128 images; the
+interrupted runs SIGKILL rank 0 right after the checkpoint at epoch 2, step 10 (global step 34)
+lands (a driver script patches save_checkpoint).
 """
 
 import shutil

@@ -1,8 +1,9 @@
 """Sharded runs resume exactly on any device count and stage, and their faults end in one line.
 
-float64 LeNet on synthetic data (its first 3,000 images), AdamW with weight decay (state that sharding
-divides), 2 epochs of 24 steps of 128 images, a checkpoint every 17 steps; the reference trains uninterrupted on 2 devices with
-`--shard none`. A `--shard parameters` run on 3 CPU workers is SIGKILLed right after its
+float64 LeNet on synthetic data (its first 3,000 images), AdamW with weight decay (state that
+sharding divides), 2 epochs of 24 steps of 128 images, a checkpoint every 17 steps; the reference
+trains uninterrupted on 2 devices with `--shard none`. A `--shard parameters` run on 3 CPU workers
+is SIGKILLed right after its
 checkpoint at epoch 2, step 10 lands (runs.crash_script); finished on 2 devices (stage 3 again)
 and on one device (no sharding at all) it must end within 1e-9 of the reference. A checkpoint
 whose newest generation misses a rank's share goes back to the previous generation and says so;
