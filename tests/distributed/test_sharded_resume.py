@@ -3,16 +3,15 @@
 float64 LeNet on synthetic data (its first 3,000 images), AdamW with weight decay (state that
 sharding divides), 2 epochs of 24 steps of 128 images, a checkpoint every 17 steps; the reference
 trains uninterrupted on 2 devices with `--shard none`. A `--shard parameters` run on 3 CPU workers
-is SIGKILLed right after its
-checkpoint at epoch 2, step 10 lands (runs.crash_script); finished on 2 devices (stage 3 again)
-and on one device (no sharding at all) it must end within 1e-9 of the reference. A checkpoint
-whose newest generation misses a rank's share goes back to the previous generation and says so;
-with no generation left it is refused in one line naming the share. So does one whose rank-1
-share is an intact share of the previous generation copied over the newest one's name (each
-share's digest is in the manifest): the resumed run ends within 1e-9 of the reference, and the
-manifest named on its own is refused in one line naming the share and the generation it holds.
-`--max-restarts 1 --elastic` gives up a device that keeps dying and finishes the sharded run on
-the rest, within 1e-9. And the docs' snippet reads a sharded checkpoint into a plain model.
+is SIGKILLed right after its checkpoint at epoch 2, step 10 lands (runs.crash_script); finished on 2
+devices (stage 3 again) and on one device (no sharding at all) it must end within 1e-9 of the
+reference. A checkpoint whose newest generation misses a rank's share goes back to the previous
+generation and says so; with no generation left it is refused in one line naming the share. So does
+one whose rank-1 share is an intact share of the previous generation copied over the newest one's
+name (each share's digest is in the manifest): the resumed run ends within 1e-9 of the reference,
+and the manifest named on its own is refused in one line naming the share and the generation it
+holds. `--max-restarts 1 --elastic` gives up a device that keeps dying and finishes the sharded run
+on the rest, within 1e-9. And the docs' snippet reads a sharded checkpoint into a plain model.
 """
 
 import shutil
