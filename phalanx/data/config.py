@@ -7,7 +7,7 @@ say (datasets.py's `load_dataset`, then the first --train-examples images), wher
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from phalanx.data.datasets import DATASET_NAMES, DEFAULT_DATASET, load_dataset
@@ -45,3 +45,8 @@ class DataConfig:
             raise UsageError(f"--train-examples {self.train_examples} is more than the {data.num_train} training "
                              f"images {data.name} has; use at most {data.num_train}, or leave it out for all of them")
         return data.first_train_examples(self.train_examples)
+
+    def resolved(self, data: ImageDataset) -> DataConfig:
+        """These options naming the data `load` returned (an unnamed fashion-mnist's offline fallback
+        included, and the cache it was read from), so every process that loads them reads the same."""
+        return replace(self, dataset=data.name, directory=data.data_dir)

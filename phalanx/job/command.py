@@ -65,7 +65,7 @@ def run_train(args: argparse.Namespace) -> int:
         # The probe needs the model's classes: read (or download) the data now, as a run of
         # several devices does below anyway. What it chose, from what, is the run's first line.
         data = config.data.load(log=RankZeroLog(enabled=True))
-        config = replace(config, data=replace(config.data, dataset=data.name, directory=data.data_dir))
+        config = replace(config, data=config.data.resolved(data))
         config, line = resolve_auto(config, data)
         RankZeroLog(enabled=True)(line)
     if auto and env is not None:  # torchrun decides the count; auto picks the kind
@@ -95,7 +95,7 @@ def run_train(args: argparse.Namespace) -> int:
             # Check (and download) the data once here, so bad data is one line from one process
             # and the workers find it cached; resolve the fallback so every worker agrees.
             data = config.data.load(log=RankZeroLog(enabled=True))
-            config = replace(config, data=replace(config.data, dataset=data.name, directory=data.data_dir))
+            config = replace(config, data=config.data.resolved(data))
         names = plan.names if env is None else _torchrun_names(plan, env.world_size)
         train_with_restarts(config, names, spec=config.launch.spec(plan))
     return 0

@@ -17,7 +17,6 @@ import contextlib
 import io
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -110,12 +109,13 @@ def run_grid(config: SweepConfig, *, progress: Callable[[str], None] = _stderr) 
     # Resolve the dataset once, so bad data is one line from this process and every point trains
     # on the same data (an unnamed fashion-mnist may fall back to digits offline).
     data = config.data.load(log=progress)
+    resolved = config.data.resolved(data)
     points_dir = Path(config.out_dir) / POINTS_DIR
     points_dir.mkdir(parents=True, exist_ok=True)
     rows: dict[str, dict] = {}
     by_devices: dict[int, list] = {}
     for point in expand_grid(config):
-        train = train_config(config, point, data=replace(config.data, dataset=data.name, directory=data.data_dir))
+        train = train_config(config, point, data=resolved)
         settings = point_settings(train, point)
         stored = load_stored(points_dir, point.key, settings) if config.resume else None
         if stored is not None:
