@@ -48,8 +48,8 @@ class VerifyConfig:
     world_sizes: tuple[int, ...] = option(
         (2, 3), flag="--devices", items=device_count, help="device counts k compared with 1 device",
         check=Rule(ok=lambda k: isinstance(k, int) and k >= 2,
-                   problem="must list device counts of at least 2 (1 device is the reference every count is "
-                           "compared with); e.g. --devices 2,3"))
+                   problem="must be at least 2 (1 device is the reference every count is compared "
+                           "with); e.g. --devices 2,3"))
     steps: int = option(5, check=at_least(1), help="SGD steps compared")
     # for (inputs, targets) data; ignored for a batches_fn
     global_batch_size: int = option(DEFAULT_GLOBAL_BATCH_SIZE, flag="--batch-size",
