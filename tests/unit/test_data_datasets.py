@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import os
 import urllib.error
 from pathlib import Path
 
@@ -232,6 +233,33 @@ def test_digits(digits):
     assert int(digits.train_images.max()) == 255 and int(digits.train_images.min()) == 0
     again = load_dataset("digits", None)
     assert torch.equal(again.train_images, digits.train_images) and torch.equal(again.test_labels, digits.test_labels)
+
+
+def test_digits_are_scikit_learn_s_own_read_without_importing_it(monkeypatch):
+    """The bundled CSV read directly holds load_digits' values; where it is not found, load_digits
+    itself gives the same data set; and loading the fallback imports no scikit-learn, so the
+    environment's start-up variables (KMP_*, which a fork server compares) stay as they were."""
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    from phalanx.data import digits as digits_module
+
+    images, targets = digits_module.bundled_digits()
+    bunch = load_digits()
+    assert images.dtype == bunch.images.dtype and np.array_equal(images, bunch.images)
+    assert np.array_equal(targets, bunch.target) and images.shape == (1797, 8, 8)
+    for name in [name for name in sys.modules if name.partition(".")[0] == "sklearn"]:
+        monkeypatch.delitem(sys.modules, name)  # put back after the test
+    for variable in ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"):  # what importing scikit-learn sets
+        monkeypatch.delenv(variable, raising=False)
+    read = load_dataset("digits", None)
+    assert "sklearn" not in sys.modules and not {"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"} & set(os.environ)
+    monkeypatch.setattr(digits_module, "_bundled_csv", lambda: None)
+    imported = load_dataset("digits", None)
+    assert "sklearn" in sys.modules  # the fallback did import it
+    assert torch.equal(read.train_images, imported.train_images) and torch.equal(read.test_labels, imported.test_labels)
+    assert torch.equal(read.test_images, imported.test_images) and torch.equal(read.train_labels, imported.train_labels)
 
 
 def test_synthetic_deterministic_and_sized():
