@@ -56,6 +56,7 @@ COMPILER_FRONT_END = "torch._dynamo"
 # Read by the interpreter or a library as it loads, so fixed in the server at its start.
 _AT_START = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_", "TORCHDYNAMO_",
              "TORCHINDUCTOR_")
+_CACHE_DIR = "TORCHINDUCTOR_CACHE_DIR"
 _preload = PRELOAD  # what this process's server imports: start_early's choice
 _started_with: tuple[dict[str, str], list[str]] | None = None  # those variables and the preload, at its start
 
@@ -163,7 +164,14 @@ def lost_server(proc, deadline_s: float = 1.0) -> int | None:
 
 def _at_start_variables() -> dict[str, str]:
     with shared_hash_seed("spawn"):
-        return {name: value for name, value in os.environ.items() if name.startswith(_AT_START)}
+        variables = {name: value for name, value in os.environ.items() if name.startswith(_AT_START)}
+    # torch._dynamo's import writes its cache directory into the environment where it is not set:
+    # a launcher that made an optimizer since the server started (verify's reference, auto's probe)
+    # then holds what the server gave itself, and a restart would import torch again for nothing.
+    torch_default = getattr(sys.modules.get("torch._inductor.runtime.cache_dir_utils"), "default_cache_dir", None)
+    if torch_default is not None and variables.get(_CACHE_DIR) == os.path.abspath(torch_default()):
+        del variables[_CACHE_DIR]
+    return variables
 
 
 def _rebuild_stream(fd: int, df) -> int:

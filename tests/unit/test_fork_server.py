@@ -39,6 +39,30 @@ def test_a_server_is_started_anew_when_a_variable_read_at_start_changed_and_only
         assert events == ["stop", "ensure"], name
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the fork server is used on Linux only")
+def test_the_compilers_cache_directory_set_by_torchs_own_import_keeps_the_server(monkeypatch, tmp_path):
+    """torch._dynamo's import writes TORCHINDUCTOR_CACHE_DIR (torch's default) where it is unset: a
+    launcher that imported it after the server started (an optimizer made in-process: verify's
+    reference, auto's probe) must not restart the server for it; another directory still does."""
+    from multiprocessing import forkserver
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # what torch._dynamo imports
+
+    events = []
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: events.append("ensure"))
+    monkeypatch.setattr(fork_server, "_stop", lambda server: events.append("stop"))
+    monkeypatch.setattr(fork_server, "_started_with", None)
+    monkeypatch.setattr(fork_server, "_preload", fork_server.PRELOAD)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    fork_server._ensure_running()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.abspath(default_cache_dir()))
+    fork_server._ensure_running()
+    assert events == ["ensure", "ensure"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the user's own: the server's import read it
+    fork_server._ensure_running()
+    assert events == ["ensure", "ensure", "stop", "ensure"]
+
+
 def test_the_server_of_a_command_whose_workers_train_imports_torchs_compiler_front_end(monkeypatch):
     from phalanx import cli
 
