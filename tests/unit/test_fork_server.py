@@ -63,6 +63,48 @@ def test_the_compilers_cache_directory_set_by_torchs_own_import_keeps_the_server
     assert events == ["ensure", "ensure", "stop", "ensure"]
 
 
+def test_the_server_leaves_without_the_teardown_and_a_copy_runs_on(monkeypatch):
+    """The server's atexit call flushes and ends the process at once (0, or 1 after an uncaught
+    exception); in a copy, which inherits the registration and runs its atexit handlers as a
+    spawned worker would, it does nothing, so the worker's own handlers and exit code stand."""
+    import atexit
+    import importlib.util
+    import signal
+
+    # Loaded as a copy under another name, with atexit and signal held: imported for real, it would
+    # ignore SIGTERM in this process and end pytest itself through os._exit.
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)
+    spec = importlib.util.spec_from_file_location("server_init_under_test", fork_server.__file__.replace(
+        "fork_server.py", "fork_server_init.py"))
+    server_init = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server_init)
+    assert registered == [server_init._leave_at_once]
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        raise Exited(code)
+
+    flushed = []
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setattr(sys, "stdout", type("Out", (), {"flush": lambda self: flushed.append("out")})())
+    monkeypatch.setattr(sys, "stderr", type("Err", (), {"flush": lambda self: flushed.append("err")})())
+    monkeypatch.delattr(sys, "last_value", raising=False)
+    with pytest.raises(Exited) as exited:
+        server_init._leave_at_once()  # loaded in this process: the server's view
+    assert exited.value.args == (0,) and flushed == ["out", "err"]
+    monkeypatch.setattr(sys, "last_value", RuntimeError("the server's loop failed"), raising=False)
+    with pytest.raises(Exited) as exited:
+        server_init._leave_at_once()
+    assert exited.value.args == (1,)
+    flushed.clear()
+    monkeypatch.setattr(server_init, "SERVER_PID", os.getpid() + 1)  # a copy's view: its parent's pid
+    assert server_init._leave_at_once() is None and flushed == []
+
+
 def test_the_server_of_a_command_whose_workers_train_imports_torchs_compiler_front_end(monkeypatch):
     from phalanx import cli
 
