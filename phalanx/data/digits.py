@@ -71,8 +71,10 @@ def _bundled_csv() -> Path | None:
     try:
         spec = importlib.util.find_spec("sklearn")
     except (ImportError, ValueError):
+        spec = None
+    if spec is None:
         return None
-    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+    for root in spec.submodule_search_locations or ():
         path = Path(root) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             return path
