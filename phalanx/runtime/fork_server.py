@@ -20,8 +20,10 @@ else. The current directory, sys.path and sys.argv travel by multiprocessing's o
 data. What an interpreter reads only as it starts (PYTHONHASHSEED, LD_PRELOAD, OMP_*, ...) cannot
 be taken on later: a launch whose such variables differ from the server's stops it and starts a
 new one with them (`_ensure_running`). They change in a launcher more often than one would think:
-importing scikit-learn sets KMP_*, a one-device run in the launcher sets OMP_NUM_THREADS; had
-such a launch spawned, so would every launch after it.
+importing scikit-learn sets KMP_* (the digits fallback's did, until it read the file instead), a
+one-device run in the launcher sets OMP_NUM_THREADS; had such a launch spawned, so would every
+launch after it. The one a launcher's own torch sets to what the server set for itself
+(TORCHINDUCTOR_CACHE_DIR, written by torch._dynamo's import) is left out of the comparison.
 
 The server ignores SIGTERM (fork_server_init.py) so that a signal sent to the launcher's whole
 process group reaches the launcher, which stops the workers gently, and not the server, whose
