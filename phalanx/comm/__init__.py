@@ -47,6 +47,7 @@ from phalanx.comm.shm import ShmError, ShmGroup, shm_applies
 from phalanx.comm.shm_ops import allreduce_shm
 from phalanx.comm.tree import allreduce_tree
 from phalanx.comm.watchdog import CollectiveMismatch, PeerFinished, PeerGone, PeerStalled
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
@@ -91,6 +92,7 @@ __all__ = [
 ]
 
 
+@phalanx_call  # torch.distributed's op=, the World by position: one line (call_habits.py)
 @torch.no_grad()
 def allreduce(tensor: torch.Tensor, *, world: World, algorithm: str = "native", transport=None,
               tag: Tag = ALLREDUCE) -> torch.Tensor:

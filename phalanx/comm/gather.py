@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from phalanx.comm.agreed import agreed_outcome
 from phalanx.comm.calls import native
-from phalanx.runtime.foreign_names import call_keywords_error
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 
@@ -52,6 +52,7 @@ def _all_gather(tensor: torch.Tensor, *, world: World, tag: Tag) -> list[torch.T
     return pieces
 
 
+@phalanx_call
 def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
     """Return once every rank of `world` has called barrier (at once in a world of one)."""
     world.check_here("phalanx.barrier")
@@ -59,8 +60,9 @@ def barrier(*, world: World, tag: Tag = Tag("barrier")) -> None:
         native(world, tag, lambda: dist.barrier(async_op=True), size_bytes=0)
 
 
+@phalanx_call  # Fabric's local=, the World by position: one line (call_habits.py)
 @contextlib.contextmanager
-def main_first(*, world: World, per_host: bool = False, **other_tools: object) -> Iterator[None]:
+def main_first(*, world: World, per_host: bool = False) -> Iterator[None]:
     """Run the block on rank 0 first (`per_host`: on each host's local rank 0, for files on
     each host's own disk), then on every other rank: one agreement (comm/agreed.py), which the
     first ranks reach after the block and the others before it. Where a first rank's block
@@ -68,8 +70,6 @@ def main_first(*, world: World, per_host: bool = False, **other_tools: object) -
     a failed download around the `with` goes on in step on every rank (before 2026-12-06 the others
     ran their block and waited in a barrier rank 0 never reached). The others wait at most the
     world's timeout (`--timeout`), which a longer block needs raised."""
-    if other_tools:  # Fabric's local=: one line naming per_host=
-        raise call_keywords_error("main_first", list(other_tools))
     world.check_here("phalanx.main_first")
     first = world.local_rank == 0 if per_host else world.is_main
     if not first:
@@ -97,6 +97,7 @@ def _describe(header: list[int]) -> str:
     return f"{str(dtype).removeprefix('torch.')} rows of shape {tuple(header[3:2 + ndim])}"
 
 
+@phalanx_call
 @torch.no_grad()
 def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> torch.Tensor:
     """Every rank's `tensor` concatenated along dim 0 in rank order, on every rank (a
@@ -131,6 +132,7 @@ def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> 
     return joined.view(rows.dtype).reshape(joined.shape[0], *row_shape)
 
 
+@phalanx_call
 @torch.no_grad()
 def broadcast(obj: Any, *, src: int = 0, world: World, tag: Tag = Tag("broadcast")) -> Any:
     """Rank `src`'s `obj` on every rank (a collective: every rank calls it at the same point, the

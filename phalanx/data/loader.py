@@ -38,20 +38,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from phalanx.data.split import epoch_seed, global_batches, rank_shard, shard_bounds, steps_per_epoch
-
-
-class Ranked(Protocol):
-    """What sharding needs of a `phalanx.World` (data/ sits below runtime/world.py, so it names no World)."""
-
-    rank: int
-    world_size: int
+from phalanx.data.split import Ranked, epoch_seed, global_batches, rank_shard, shard_bounds, steps_per_epoch
 
 
 _LEAVES = (str, bytes, int, float, bool, type(None))

@@ -13,13 +13,22 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 # Mixes (seed, epoch) into one generator seed. A prime multiplier keeps (s, e) and (s+1, e')
 # apart for every epoch count a run will reach.
 _EPOCH_SEED_STRIDE = 1_000_003
+
+
+class Ranked(Protocol):
+    """What sharding needs of a `phalanx.World` (data/ sits below runtime/world.py, so it names no World)."""
+
+    rank: int
+    world_size: int
 
 
 def shard_sizes(total: int, num_shards: int) -> list[int]:
@@ -103,12 +112,28 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * _EPOCH_SEED_STRIDE + epoch
 
 
-def rank_shard(batch_indices: torch.Tensor, *, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's contiguous slice of a global batch: shard `rank` of `shard_sizes(len, world_size)`."""
-    if batch_indices.dim() != 1:
-        raise ValueError(f"rank_shard: batch_indices must be 1-D, got shape {tuple(batch_indices.shape)}")
-    start, stop = shard_bounds(batch_indices.shape[0], world_size, rank)
-    return batch_indices[start:stop]
+def rank_shard(items: Sequence | torch.Tensor, *, world: Ranked | None = None, rank: int | None = None,
+               world_size: int | None = None) -> Sequence | torch.Tensor:
+    """A rank's contiguous share of `items`: shard `rank` of `shard_sizes(len(items), world_size)`, the cut
+    `ShardedLoader` and `split_batch` make. `items`: a tensor (its rows, as a view) or a sequence (a list,
+    tuple or range: its slice), as Accelerate's `split_between_processes` takes them. Whose share:
+    `world=` (a `phalanx.World`: this rank's), or `rank=` and `world_size=` (any rank's)."""
+    if world is not None:
+        if rank is not None or world_size is not None:
+            raise TypeError("rank_shard takes world= or rank= and world_size=, not both: rank_shard(items, "
+                            "world=world) is this rank's share")
+        rank, world_size = world.rank, world.world_size
+    elif rank is None or world_size is None:
+        raise TypeError("rank_shard needs whose share it is: rank_shard(items, world=world) for this rank's, or "
+                        "rank= and world_size=")
+    if isinstance(items, torch.Tensor):
+        if items.dim() == 0:
+            raise ValueError("rank_shard: a 0-dim tensor has no rows to share; pass a tensor of rows (dim 0) or a list")
+    elif not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+        raise TypeError(f"rank_shard takes a tensor (its rows) or a sequence (a list, tuple or range), got "
+                        f"{type(items).__name__}: pass list(items)")
+    start, stop = shard_bounds(len(items), world_size, rank)
+    return items[start:stop]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,6 +30,7 @@ from torch import nn
 
 from phalanx.data.split import shard_bounds
 from phalanx.errors import UsageError
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.world import World
 
 # Channel dropouts: the mask is one number per (sample, channel), broadcast over this many dims.
@@ -51,6 +52,7 @@ class BatchRandom:
     with the same draws.
     """
 
+    @phalanx_call
     def __init__(self, *, world: World, seed: int = 0) -> None:
         self.world = world
         self.seed = seed

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from phalanx.comm import Tag, native
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import Misuse
-from phalanx.runtime.foreign_names import in_phalanx_order
+from phalanx.runtime.call_habits import phalanx_call
 
 
-@in_phalanx_order(first=DataParallel)  # Fabric's clip_gradients(model, optimizer, ...): one line
+@phalanx_call(first=DataParallel)  # Fabric's clip_gradients(model, optimizer, ...): one line
 def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach: bool | None = None) -> torch.Tensor:
     """Scale the summed gradients so their global `norm_type` norm is at most `max_norm`.
@@ -42,7 +42,7 @@ def clip_grad_norm_(dp: DataParallel, max_norm: float, *, norm_type: float = 2.0
     return _clip_sharded(dp, float(max_norm), float(norm_type), error_if_nonfinite=error_if_nonfinite)
 
 
-@in_phalanx_order(first=DataParallel)
+@phalanx_call(first=DataParallel)
 def clip_grad_value_(dp: DataParallel, clip_value: float, *, foreach: bool | None = None) -> None:
     """Clamp the summed gradients into [-clip_value, clip_value], as torch's `clip_grad_value_`
     does on one device. Call where `clip_grad_norm_` is called; a sharded replica clamps its own

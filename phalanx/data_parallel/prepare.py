@@ -35,6 +35,7 @@ from phalanx.data_parallel.memory_format import apply_memory_format, resolve_mem
 from phalanx.data_parallel.unfit import refuse_unfit
 from phalanx.data_parallel.sync_batchnorm import convert_sync_batchnorm
 from phalanx.options import OptionError
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.foreign_names import foreign_keywords_error
 from phalanx.runtime.world import World
 from phalanx.telemetry import Tracer
@@ -43,6 +44,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch
 __all__ = ["Choices", "prepare", "prepare_replica"]  # Choices: what the replica prepare returns says it runs with
 
 
+@phalanx_call  # the World by position: one line (call_habits.py)
 def prepare(model: nn.Module, *not_the_model: object, world: World | None = None,
             dtype: str | torch.dtype | None = None, batchnorm: str = "sync",
             memory_format: str = "auto", algorithm: str = "auto", overlap: bool | None = None,

@@ -6,22 +6,19 @@ not Python's bare "has no attribute". Names that already mean the same (`device`
 same for what a DDP user hands `prepare` where they handed `DistributedDataParallel(...)`, and
 `DDP_METHODS` for what they call on the replica where they called it on DDP's wrapper; with
 Horovod's and DeepSpeed's (horovod_deepspeed.py) they make prepare's TypeError and the replica's
-AttributeError. `CALL_ORDERS` names what another tool passes in another order where phalanx's
-function stands (`in_phalanx_order`), where Python's binding error would name only the count.
+AttributeError. What another tool hands a phalanx function (its keywords, its order of arguments,
+the World by position) is call_habits.py's.
 """
 
 from __future__ import annotations
-
-import functools
-import inspect
 
 from phalanx.runtime.horovod_deepspeed import ENGINE_METHODS, KEYWORDS as HOROVOD_DEEPSPEED_KEYWORDS
 
 ACCELERATE, FABRIC, _BOTH = "Accelerate's", "Fabric's", "Accelerate's and Fabric's"
 
 # Ways more than one name is given.
-_TRACKER = "phalanx.MetricsLogger(out_dir, world=world)"
-_CALLBACKS = "no callbacks: call the functions themselves in the loop (rank 0's alone: if world.is_main: ...)"
+TRACKER_WAY = "phalanx.MetricsLogger(out_dir, world=world)"
+CALLBACKS_WAY = "no callbacks: call the functions themselves in the loop (rank 0's alone: if world.is_main: ...)"
 _OPTIMIZER_AS_IS = "the optimizer over dp.parameters(), as it is (with shard=: dp.optimizer(cls, ...))"
 _TRIGGER = "phalanx.reduce(float(flag), op='sum', world=world) > 0: whether any rank set it"
 _SAME_BATCH_COUNT = "not needed with phalanx.ShardedLoader, which gives every rank the same number of batches"
@@ -80,9 +77,8 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "main_process_first": (ACCELERATE, "with phalanx.main_first(world=world): ..."),
     "local_main_process_first": (ACCELERATE, "with phalanx.main_first(world=world, per_host=True): ..."),
     "rank_zero_first": (FABRIC, "with phalanx.main_first(world=world): ... (local=True: per_host=True)"),
-    "split_between_processes": (ACCELERATE, "items[i] for i in phalanx.rank_shard(torch.arange(len(items)), "
-                                            "rank=world.rank, world_size=world.world_size): this rank's contiguous "
-                                            "slice, which phalanx.gather puts back in order"),
+    "split_between_processes": (ACCELERATE, "phalanx.rank_shard(items, world=world): this rank's contiguous slice "
+                                            "of a list or a tensor's rows, which phalanx.gather puts back in order"),
     "use_distributed": (ACCELERATE, "world.distributed"),
     "distributed_type": (ACCELERATE, "world.backend: 'gloo' for CPU workers, 'nccl' for GPUs, 'none' alone"),
     "is_last_process": (ACCELERATE, "world.rank == world.world_size - 1"),
@@ -108,10 +104,10 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
                                       "torch.amp.GradScaler as on one device"),
     "clip_grad_value_": (ACCELERATE, "phalanx.clip_grad_value_(dp, value), after dp.finish_gradient_sync()"),
     "pad_across_processes": (ACCELERATE, "phalanx.gather(tensor, world=world) takes different row counts unpadded"),
-    "init_trackers": (ACCELERATE, _TRACKER),
-    "get_tracker": (ACCELERATE, _TRACKER),
-    "loggers": (FABRIC, _TRACKER),
-    "logger": (FABRIC, _TRACKER),
+    "init_trackers": (ACCELERATE, TRACKER_WAY),
+    "get_tracker": (ACCELERATE, TRACKER_WAY),
+    "loggers": (FABRIC, TRACKER_WAY),
+    "logger": (FABRIC, TRACKER_WAY),
     "save_model": (ACCELERATE, "torch.save(dp.state_dict(), path) on rank 0 (world.is_main): no module. prefix"),
     "get_state_dict": (ACCELERATE, "dp.state_dict() (a sharded replica's whole: dp.full_state_dict())"),
     "free_memory": (ACCELERATE, "dp.close(), then drop the references"),
@@ -121,8 +117,8 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
     "check_trigger": (ACCELERATE, _TRIGGER),
     "strategy": (FABRIC, "dp = phalanx.prepare(model, world=world) is data parallel; prepare(..., shard='optimizer' | "
                          "'gradients' | 'parameters') for ZeRO's stages"),
-    "call": (FABRIC, _CALLBACKS),
-    "callbacks": (FABRIC, _CALLBACKS),
+    "call": (FABRIC, CALLBACKS_WAY),
+    "callbacks": (FABRIC, CALLBACKS_WAY),
     "accelerator": (FABRIC, "world.device, and world.backend: 'gloo' for CPU workers, 'nccl' for GPUs"),
     "init_tensor": (FABRIC, "with torch.device(world.device): ... (prepare(model, world=world, dtype=...) casts "
                             "the model)"),
@@ -133,94 +129,12 @@ FOREIGN_NAMES: dict[str, tuple[str, str]] = {
 }
 
 
-# Keywords another tool's call takes where phalanx's own call stands: (phalanx's function, keyword) ->
-# (whose, phalanx's way); Fabric(...)'s and Accelerator(...)'s are init's, the rest their methods'.
-_DEVICES = "the devices come from phalanx run --devices cpu:2 script.py or phalanx.launch(fn, devices='cpu:2')"
-_INIT_LATER = "phalanx.prepare(model, world=world, precision='bf16-mixed') or dtype='float64'"
-_BY_VALUE = "phalanx.clip_grad_value_(dp, value), after dp.finish_gradient_sync(): no optimizer"
-_BY_NORM = "phalanx.clip_grad_norm_(dp, max_norm), after dp.finish_gradient_sync(): no optimizer"
-CALL_KEYWORDS: dict[tuple[str, str], tuple[str, str]] = {
-    ("init", "accelerator"): ("Fabric's", f"{_DEVICES}; init(device='cpu'|'cuda') picks the kind"),
-    ("init", "devices"): ("Fabric's", _DEVICES),
-    ("init", "num_nodes"): ("Fabric's", "many hosts through torchrun --nnodes H ... script.py"),
-    ("init", "strategy"): ("Fabric's", "data parallel always: phalanx.prepare(model, world=world), with shard= "
-                                       "for ZeRO's stages"),
-    ("init", "precision"): ("Fabric's", _INIT_LATER),
-    ("init", "mixed_precision"): ("Accelerator's", _INIT_LATER),
-    ("init", "cpu"): ("Accelerator's", "init(device='cpu')"),
-    ("init", "gradient_accumulation_steps"): ("Accelerator's", "for piece in dp.accumulate(n): ..."),
-    ("init", "callbacks"): ("Fabric's", _CALLBACKS),
-    ("init", "loggers"): ("Fabric's", _TRACKER),
-    ("init", "log_with"): ("Accelerator's", _TRACKER),
-    ("init", "plugins"): ("Fabric's", "none: precision and sharding are prepare's keywords"),
-    ("reduce", "reduce_op"): ("Fabric's all_reduce", "op=: phalanx.reduce(value, op='sum', world=world) "
-                                                     "(op='mean' unless given, as Fabric's)"),
-    ("main_first", "local"): ("Fabric's rank_zero_first", "per_host=True for local=True: "
-                                                          "with phalanx.main_first(world=world, per_host=True): ..."),
-    ("clip_grad_value_", "clip_val"): ("Fabric's clip_gradients", f"clip_value=: {_BY_VALUE}"),
-    ("clip_grad_norm_", "clip_val"): ("Fabric's clip_gradients", f"a clip by value is {_BY_VALUE}"),
-    ("clip_grad_value_", "max_norm"): ("Fabric's clip_gradients", f"a clip by norm is {_BY_NORM}"),
-}
-
-
-def call_keywords_error(call: str, names: list[str]) -> TypeError:
-    """The TypeError for keywords `call` (init, reduce, main_first, the clips) does not take:
-    another tool's named with phalanx's way, in one line."""
-    name = next((name for name in names if (call, name) in CALL_KEYWORDS), None)
-    if name is None:
-        return TypeError(f"{call}() got an unexpected keyword argument {names[0]!r}")
-    whose, way = CALL_KEYWORDS[call, name]
-    return TypeError(f"{call}() takes no {name}= ({whose} keyword): in phalanx, {way}")
-
-
 def foreign_name_error(name: str) -> AttributeError:
     """The AttributeError for `name` asked of a World: phalanx's way where it is another tool's name."""
     if name not in FOREIGN_NAMES:
         return AttributeError(f"'World' object has no attribute {name!r}")
     whose, way = FOREIGN_NAMES[name]
     return AttributeError(f"'World' object has no attribute {name!r} ({whose} name): in phalanx, {way}")
-
-
-# Calls another tool makes with its own order of arguments where phalanx's function stands:
-# phalanx's function -> (the other tools' calls, phalanx's way).
-_PARTS = "epoch=epoch, step=step, global_batch_size=..., seed=...): each part by keyword, no state dict"
-CALL_ORDERS: dict[str, tuple[str, str]] = {
-    "clip_grad_norm_": ("Fabric's clip_gradients(model, optimizer, max_norm=...), Accelerate's "
-                        "clip_grad_norm_(parameters, max_norm)", "phalanx.clip_grad_norm_(dp, max_norm), after "
-                                                                 "dp.finish_gradient_sync(): no optimizer"),
-    "clip_grad_value_": ("Fabric's clip_gradients(model, optimizer, clip_val=...), Accelerate's "
-                         "clip_grad_value_(parameters, value)", "phalanx.clip_grad_value_(dp, value), after "
-                                                                "dp.finish_gradient_sync(): no optimizer"),
-    "checkpoint": ("Fabric's save(path, state), torch.save(state, path)",
-                   f"phalanx.checkpoint(path, world=world, model=dp, optimizer=optimizer, {_PARTS}"),
-    "resume": ("Fabric's load(path, state), torch.load(path)",
-               "position = phalanx.resume(path, world=world, model=dp, optimizer=optimizer, global_batch_size=..., "
-               "seed=...): restores each part in place"),
-}
-
-
-def in_phalanx_order(first: type | tuple[type, ...]):
-    """`fn` (a name of CALL_ORDERS) as it is, but called in another tool's order - more positional
-    arguments than it takes, a keyword that one of them already fills, or a first argument not a
-    `first` - or with another tool's keyword (CALL_KEYWORDS) a one-line TypeError naming
-    phalanx's way before Python's own binding error."""
-    def wrap(fn):
-        params = inspect.signature(fn).parameters.values()
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        whose, way = CALL_ORDERS[fn.__name__]
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            foreign = [name for name in kwargs if (fn.__name__, name) in CALL_KEYWORDS]
-            if foreign:  # Fabric's clip_val=: its keyword, named before Python's "unexpected keyword"
-                raise call_keywords_error(fn.__name__, foreign)
-            if (len(args) > len(positional) or not kwargs.keys().isdisjoint(positional[:len(args)])
-                    or (args and not isinstance(args[0], first))):
-                given = ", ".join([*(type(arg).__name__ for arg in args), *(f"{name}=" for name in kwargs)])
-                raise TypeError(f"{fn.__name__}({given}) is another tool's order ({whose}): in phalanx, {way}")
-            return fn(*args, **kwargs)
-        return call
-    return wrap
 
 
 # DistributedDataParallel's keywords -> what phalanx does instead (prepare's TypeError names it).

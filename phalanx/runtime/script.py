@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.runtime.devices import parse_devices
-from phalanx.runtime.foreign_names import call_keywords_error
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.errors import UsageError, warn_at_caller
 from phalanx.options import add_options, at_least, build, check_options, option
 from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, report_progress, setup_worker, spawn_workers,
@@ -74,14 +74,13 @@ _current: World | None = None  # this process's world, once init() made it
 _context: _RunContext | None = None  # set while `phalanx run` runs the script in this worker
 
 
-def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None, **other_tools: object) -> World:
+@phalanx_call  # Fabric(...)'s and init_process_group's keywords: one line (call_habits.py)
+def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> World:
     """This worker's World; call once at the top of a script (later calls return the same one). Under `phalanx
     run` or torchrun this joins the job's process group (gloo on CPU, NCCL on `cuda:LOCAL_RANK`), or adopts the
     one the script opened, and leaves it at interpreter exit; `timeout_s` bounds every collective (under `phalanx
     run`, its `--timeout` does); otherwise the world has one rank and no group. `device`: "cpu" or "cuda" (default:
     cuda when present; under `phalanx run`, its `--devices`). Fabric(...)'s keywords: one line (foreign_names.py)."""
-    if other_tools:
-        raise call_keywords_error("init", list(other_tools))
     global _current
     if _current is not None:
         return _current

@@ -39,12 +39,14 @@ from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.guards.checks import check_replicas
 from phalanx.data_parallel.guards.replicas import check_replicas_agree, replica_of
 from phalanx.data_parallel.replica import ReplicaModule
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.world import World
 
 EVALUATION = Tag("evaluation")  # what the board calls the sums below
 REPLICA_CHECK = Tag("replica check")
 
 
+@phalanx_call
 def evaluate(
     model: nn.Module, images: torch.Tensor, labels: torch.Tensor, *, world: World, batch_size: int = 1024
 ) -> float:
@@ -127,6 +129,7 @@ _NOTHING = ("evaluate_dataset got {what}: there is nothing to evaluate; pass the
             "of an empty one would be 0 and its means 0 / 0)")
 
 
+@phalanx_call
 def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_size: int = 256,
                      sums: Callable = classification_sums, collate_fn: Callable | None = None) -> dict[str, float]:
     """Exact evaluation of any Dataset on all ranks: sums over every example, counted once.

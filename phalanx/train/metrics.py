@@ -18,24 +18,27 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm import all_reduce_sum_
-from phalanx.runtime.foreign_names import call_keywords_error
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.world import World
 
 REDUCE_OPS = ("mean", "sum", "max", "min")
+# torch.distributed.ReduceOp's names of the same (all_reduce(t, op=ReduceOp.SUM)): taken as they are.
+TORCH_OPS = {"SUM": "sum", "AVG": "mean", "MAX": "max", "MIN": "min"}
 
 
-def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean",
-           **other_tools: object) -> float | int | torch.Tensor:
+@phalanx_call  # Fabric's reduce_op=, the World by position: one line (call_habits.py)
+def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean") -> float | int | torch.Tensor:
     """`value` summed over every rank of `world` (`op="sum"`), or that sum / world size
     (`op="mean"`), or its largest / smallest over the ranks (`op="max"` / `"min"`: each rank's
     value in its own row of a k-row sum, through the same watched collective; k times the bytes,
     nothing for a logged number). Real numbers are summed in float64; integers (an int, an integer or bool
     tensor: counts) exactly, in int64, so `op="sum"` gives an int (past 2**53 a float64 sum would
     round). A number or a one-element tensor gives a Python number; a larger tensor a tensor of its
-    shape (one collective for all its elements). The caller's tensor is left as it was."""
-    if other_tools:  # Fabric's reduce_op=: one line naming op=
-        raise call_keywords_error("reduce", list(other_tools))
+    shape (one collective for all its elements). The caller's tensor is left as it was. `op` may be
+    torch.distributed's `ReduceOp.SUM`, `AVG`, `MAX` or `MIN`."""
     world.check_here("phalanx.reduce")
+    if not isinstance(op, str):
+        op = TORCH_OPS.get(getattr(op, "name", None), op)
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is unknown; choose one of {', '.join(REDUCE_OPS)}")
     if isinstance(value, torch.Tensor):

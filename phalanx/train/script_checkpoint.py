@@ -22,7 +22,7 @@ from phalanx.comm import Tag, agreed_outcome
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.errors import PhalanxWarning, UsageError, WriteFailed, warn_at_caller
 from phalanx.file_lock import hold_for_process
-from phalanx.runtime.foreign_names import in_phalanx_order
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.procs import process_alive
 from phalanx.runtime.world import World
 from phalanx.train.checkpoint import Position, check_compatible, checkpoint_path, fingerprint, has_checkpoint, \
@@ -52,7 +52,7 @@ def _script_fingerprint(module: torch.nn.Module, *, global_batch_size: int, seed
                        dtype=dtype)
 
 
-@in_phalanx_order(first=(str, os.PathLike))  # Fabric's save(path, state): one line
+@phalanx_call(first=(str, os.PathLike))  # Fabric's save(path, state): one line
 def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, epoch: int,
                step: int = 0, global_batch_size: int, seed: int, extras: dict | None = None,
                loader=None) -> Path | None:
@@ -124,7 +124,7 @@ def _name_the_loader_left_out(loader, *, step: int, world: World) -> None:
                        "the run off the uninterrupted one")
 
 
-@in_phalanx_order(first=(str, os.PathLike))
+@phalanx_call(first=(str, os.PathLike))
 def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.Optimizer, global_batch_size: int,
            seed: int, extras: dict | None = None, loader=None) -> Position:
     """Continue from `location`'s checkpoint if there is one (else epoch 0, step 0).

@@ -46,6 +46,7 @@ from phalanx.comm.gather import gather
 from phalanx.data.item_identity import identity_checksum
 from phalanx.data.loader import ShardedLoader as LocalShardedLoader, as_is
 from phalanx.errors import UsageError, warn_at_caller
+from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 from phalanx.train.loader_resume import EpochStart, Replay, replayed
@@ -70,8 +71,15 @@ class ShardedLoader(LocalShardedLoader):
 
     # wraps: help() and inspect.signature show data/loader.py's keywords (global_batch_size, seed,
     # shuffle, ...) that the docs name, not a bare **kwargs.
+    @phalanx_call  # the World by position: one line (call_habits.py)
     @functools.wraps(LocalShardedLoader.__init__)
     def __init__(self, dataset, *, world, **kwargs) -> None:
+        if "global_batch_size" not in kwargs and "batch_size" in kwargs:  # DataLoader's, per rank under DDP
+            per_rank = kwargs["batch_size"]
+            example = (f": batch_size={per_rank} on {world.world_size} ranks is global_batch_size="
+                       f"{per_rank * world.world_size}" if isinstance(per_rank, int) else "")
+            raise TypeError("ShardedLoader takes global_batch_size=, the batch of all ranks together, not batch_size= "
+                            f"(DataLoader's, per rank under a DistributedSampler){example}")
         if isinstance(world, World):  # tests hand data/loader.py stand-ins for the world
             world.check_here("phalanx.ShardedLoader")
         super().__init__(dataset, world=world, **kwargs)

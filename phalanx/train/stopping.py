@@ -87,6 +87,9 @@ def stop_requested(dp) -> bool:
                                    global_batch_size=B, seed=SEED)
                 break
     """
+    if not isinstance(getattr(dp, "world", None), World):  # the World or the bare model: a replica's world is asked
+        raise TypeError(f"stop_requested takes the replica, got {type(dp).__name__}: "
+                        "phalanx.stop_requested(dp), dp being phalanx.prepare(model, world=world)")
     if not stop_request.arm():
         warnings.warn("phalanx.stop_requested: SIGTERM can be caught on the main thread only (phalanx.launch "
                       "runs a forked worker's function on another); here it still ends the process at once",

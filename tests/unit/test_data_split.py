@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -119,10 +121,45 @@ def test_rank_shards_reassemble_the_global_batch(n, batch, world_size, epoch):
 
 
 def test_rank_shard_rejects():
-    with pytest.raises(ValueError, match="1-D"):
-        rank_shard(torch.zeros(2, 2, dtype=torch.int64), rank=0, world_size=1)
     with pytest.raises(ValueError, match="outside"):
         rank_shard(torch.arange(4), rank=2, world_size=2)
+    with pytest.raises(ValueError, match=r"^rank_shard: a 0-dim tensor has no rows to share"):
+        rank_shard(torch.tensor(3), rank=0, world_size=1)
+    for items, given in ((iter([1, 2]), "list_iterator"), ("abcd", "str"), ({"a": 1}, "dict")):
+        with pytest.raises(TypeError, match=rf"^rank_shard takes a tensor \(its rows\) or a sequence .*, got {given}: "
+                                            r"pass list\(items\)$"):
+            rank_shard(items, rank=0, world_size=1)
+
+
+@dataclass
+class _Ranked:
+    rank: int
+    world_size: int
+
+
+def test_rank_shard_cuts_a_tensor_s_rows_or_a_sequence_for_world_or_rank():
+    # Accelerate's split_between_processes(items) ported as rank_shard(items, world=world): before
+    # 2026-12-06 only a 1-D index tensor with rank= and world_size= (world= was Python's bare "unexpected
+    # keyword", a list an AttributeError, a batch of rows a ValueError).
+    rows = torch.arange(30.0).reshape(10, 3)
+    for world_size in (1, 2, 3, 4):
+        shares = [rank_shard(rows, world=_Ranked(rank, world_size)) for rank in range(world_size)]
+        assert torch.equal(torch.cat(shares), rows)
+        assert [len(share) for share in shares] == shard_sizes(10, world_size)
+        storage = rows.untyped_storage().data_ptr()
+        assert all(share.untyped_storage().data_ptr() == storage for share in shares)  # views
+        for rank in range(world_size):
+            assert torch.equal(rank_shard(rows, rank=rank, world_size=world_size), shares[rank])
+            names, cut = ["a", "b", "c", "d", "e"], slice(*shard_bounds(5, world_size, rank))
+            mine = rank_shard(names, world=_Ranked(rank, world_size))
+            assert mine == names[cut] and isinstance(mine, list)
+            assert rank_shard(range(5), world=_Ranked(rank, world_size)) == range(5)[cut]
+            assert rank_shard(tuple(names), rank=rank, world_size=world_size) == tuple(mine)
+    with pytest.raises(TypeError, match=r"^rank_shard takes world= or rank= and world_size=, not both"):
+        rank_shard(rows, world=_Ranked(0, 2), rank=0, world_size=2)
+    for partial in ({}, {"rank": 0}, {"world_size": 2}):
+        with pytest.raises(TypeError, match=r"^rank_shard needs whose share it is: rank_shard\(items, world=world\)"):
+            rank_shard(rows, **partial)
 
 
 def test_epoch_batches_matches_function():

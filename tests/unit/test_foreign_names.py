@@ -15,7 +15,8 @@ from torch import nn
 
 import phalanx
 from phalanx.data_parallel import DataParallel
-from phalanx.runtime.foreign_names import CALL_KEYWORDS, DDP_KEYWORDS, DDP_METHODS, FOREIGN_NAMES
+from phalanx.runtime.call_habits import CALL_KEYWORDS, CALL_ORDERS
+from phalanx.runtime.foreign_names import DDP_KEYWORDS, DDP_METHODS, FOREIGN_NAMES
 from phalanx.runtime.world import World
 
 WORLD1 = World(rank=0, world_size=1, local_rank=0, local_world_size=1, device=torch.device("cpu"), backend="none",
@@ -164,6 +165,7 @@ def test_another_tool_s_keyword_on_a_phalanx_call_names_phalanx_s_way(call, name
     dp = phalanx.prepare(nn.Linear(2, 2), world=WORLD1)
     calls = {"init": lambda **kw: phalanx.init(**kw),
              "reduce": lambda **kw: phalanx.reduce(torch.tensor(1.0), world=WORLD1, **kw),
+             "allreduce": lambda **kw: phalanx.allreduce(torch.ones(2), world=WORLD1, **kw),
              "main_first": lambda **kw: phalanx.main_first(world=WORLD1, **kw).__enter__(),
              "clip_grad_norm_": lambda **kw: phalanx.clip_grad_norm_(dp, **kw),
              "clip_grad_value_": lambda **kw: phalanx.clip_grad_value_(dp, **kw)}
@@ -188,7 +190,6 @@ def test_fabric_s_clip_val_with_its_optimizer_names_the_clip_by_value():
 
 
 def test_the_ways_the_keywords_name_exist():
-    from phalanx.runtime.foreign_names import CALL_ORDERS
     ways = " ".join(way for _, way in [*CALL_KEYWORDS.values(), *CALL_ORDERS.values()])
     for name in re.findall(r"phalanx\.(\w+)", ways):
         assert name in phalanx.__all__, name
@@ -230,7 +231,6 @@ def test_another_tool_s_order_of_arguments_names_phalanx_s_way(tmp_path):
             with pytest.raises(TypeError) as info:
                 call()
             assert str(info.value).startswith(f"{name}({given}) is another tool's order ("), str(info.value)
-            from phalanx.runtime.foreign_names import CALL_ORDERS
             whose, way = CALL_ORDERS[name]
             assert str(info.value) == f"{name}({given}) is another tool's order ({whose}): in phalanx, {way}"
         assert not (tmp_path / "ck").exists()
