@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from phalanx.atomic import make_dir, remove_stale_temporaries
 from phalanx.comm import Tag, agreed_outcome
 from phalanx.data_parallel.data_parallel import DataParallel
-from phalanx.errors import PhalanxWarning, UsageError, WriteFailed, warn_at_caller
+from phalanx.errors import UsageError, WriteFailed, warn_at_caller
 from phalanx.file_lock import hold_for_process
 from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.procs import process_alive
@@ -155,7 +154,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     path, state, passed_over = read_newest(location)
     if passed_over and world.is_main:
         kept = set_aside_passed_over(location, path, world=world)
-        warnings.warn(f"resuming from {path}: {passed_over}{kept}", PhalanxWarning, stacklevel=2)
+        warn_at_caller(f"resuming from {path}: {passed_over}{kept}")  # the script's resume line
     check_compatible(state, _script_fingerprint(module, global_batch_size=global_batch_size, seed=seed), path=path,
                      names=SCRIPT_NAMES)
     position = restore(state, world=world, model=module, optimizer=optimizer, dp=_sharded(model), path=path,

@@ -90,8 +90,9 @@ def test_a_damaged_newest_checkpoint_gives_way_to_the_one_before_it(tmp_path):
     assert note == (f"{tmp_path / 'checkpoint.pt'} is damaged: its record {record} fails its CRC-32 check (the bytes "
                     "changed after they were written), so this is the checkpoint before it")
     fresh = _model()
-    with pytest.warns(PhalanxWarning, match=r"resuming from \S+checkpoint.previous.pt: \S+checkpoint.pt is damaged"):
+    with pytest.warns(PhalanxWarning, match=r"resuming from \S+checkpoint.previous.pt: \S+checkpoint.pt is damaged") as said:
         position = _resume(tmp_path, fresh)
+    assert [w.filename for w in said if w.category is PhalanxWarning] == [__file__]  # the caller's line, not phalanx's
     assert position.epoch == 1
     for a, b in zip(_model().state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)  # epoch 1's weights, not the damaged epoch 2's
