@@ -36,6 +36,9 @@ def shard_loss(loss_sum: torch.Tensor, global_batch_size: int) -> torch.Tensor:
     over the global batch, for any split (even or not). For a loss over tokens, pass the global
     number of tokens. The result is marked, so a replica's first step can tell a backward that
     came through here from a per-rank mean's (data_parallel/guards/first_step.py)."""
+    if not isinstance(loss_sum, torch.Tensor):  # loss.item(): a number backward cannot go through
+        raise TypeError(f"shard_loss takes the shard's loss sum as a tensor, got {type(loss_sum).__name__}: pass the "
+                        "loss itself (F.cross_entropy(out, y, reduction='sum')), not its .item()")
     if global_batch_size < 1:
         raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
     scaled = loss_sum / global_batch_size

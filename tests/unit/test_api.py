@@ -92,6 +92,10 @@ def test_shard_loss_of_uneven_shards_sums_to_the_global_mean():
     torch.testing.assert_close(total, losses.mean())
     wrong = sum(s.mean() for s in shards) / 3  # the per-rank-mean bug
     assert abs(wrong - losses.mean()) > 1e-6
+    with pytest.raises(TypeError, match=r"^shard_loss takes the shard's loss sum as a tensor, got float: pass the "
+                                        r"loss itself \(F.cross_entropy\(out, y, reduction='sum'\)\), not its "
+                                        r"\.item\(\)$"):  # was "'float' object has no attribute 'requires_grad'"
+        phalanx.shard_loss(losses.sum().item(), 11)
 
 
 def test_clip_grad_norm_refuses_partial_gradients_and_clips_the_summed_one():
