@@ -97,6 +97,18 @@ def _describe(header: list[int]) -> str:
     return f"{str(dtype).removeprefix('torch.')} rows of shape {tuple(header[3:2 + ndim])}"
 
 
+def per_leaf(collection: Any, fn) -> Any:
+    """`collection` (a dict, list, tuple or named tuple, nested) with `fn` applied to each leaf, in its
+    order, which every rank's same code makes the same: one collective per leaf, in step on every rank."""
+    if isinstance(collection, dict):
+        return {key: per_leaf(value, fn) for key, value in collection.items()}
+    if isinstance(collection, tuple) and hasattr(collection, "_fields"):
+        return type(collection)(*(per_leaf(value, fn) for value in collection))
+    if isinstance(collection, (list, tuple)):
+        return type(collection)(per_leaf(value, fn) for value in collection)
+    return fn(collection)
+
+
 @phalanx_call
 @torch.no_grad()
 def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> torch.Tensor:
@@ -104,10 +116,14 @@ def gather(tensor: torch.Tensor, *, world: World, tag: Tag = Tag("metrics")) -> 
     collective: every rank calls it at the same point). Ranks may differ in the number of rows,
     not in what a row is (its trailing shape and dtype): a mismatch is a ValueError on every
     rank naming both. The caller's tensor is left as it was; the result is a new tensor on
-    `world.device` (a 0-d tensor counts as one row)."""
+    `world.device` (a 0-d tensor counts as one row). A tuple, list or dict of tensors (nested)
+    gives the same collection, each tensor gathered."""
     world.check_here("phalanx.gather")
+    if isinstance(tensor, (dict, list, tuple)):  # Accelerate's gather_for_metrics((preds, labels)), Fabric's all_gather
+        return per_leaf(tensor, lambda leaf: gather(leaf, world=world, tag=tag))
     if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"gather takes a tensor, got {type(tensor).__name__}: wrap numbers in torch.tensor(...)")
+        raise ValueError(f"gather takes a tensor (or a tuple, list or dict of them), got {type(tensor).__name__}: wrap "
+                         "numbers in torch.tensor(...)")
     rows = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
     header = _header(rows, world.device)
     if not world.distributed:

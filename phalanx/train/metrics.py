@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from phalanx.comm import all_reduce_sum_
+from phalanx.comm.gather import per_leaf
 from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.world import World
 
@@ -34,13 +35,16 @@ def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean")
     nothing for a logged number). Real numbers are summed in float64; integers (an int, an integer or bool
     tensor: counts) exactly, in int64, so `op="sum"` gives an int (past 2**53 a float64 sum would
     round). A number or a one-element tensor gives a Python number; a larger tensor a tensor of its
-    shape (one collective for all its elements). The caller's tensor is left as it was. `op` may be
+    shape (one collective for all its elements). The caller's tensor is left as it was. A tuple, list
+    or dict of values (nested) gives the same collection, each value reduced. `op` may be
     torch.distributed's `ReduceOp.SUM`, `AVG`, `MAX` or `MIN`."""
     world.check_here("phalanx.reduce")
     if not isinstance(op, str):
         op = TORCH_OPS.get(getattr(op, "name", None), op)
     if op not in REDUCE_OPS:
         raise ValueError(f"reduce op {op!r} is unknown; choose one of {', '.join(REDUCE_OPS)}")
+    if isinstance(value, (dict, list, tuple)):  # Fabric's all_reduce of a collection: each value alike
+        return per_leaf(value, lambda leaf: reduce(leaf, world=world, op=op))
     if isinstance(value, torch.Tensor):
         if value.is_complex():
             raise ValueError("reduce takes real values, got a complex tensor; reduce torch.view_as_real(value) "
@@ -51,7 +55,8 @@ def reduce(value: float | int | torch.Tensor, *, world: World, op: str = "mean")
         dtype = torch.int64 if isinstance(value, int) else torch.float64
         total = torch.tensor(value, dtype=dtype, device=world.device)
     else:
-        raise ValueError(f"reduce takes a number or a tensor, got {type(value).__name__}")
+        raise ValueError(f"reduce takes a number or a tensor (or a tuple, list or dict of them), got "
+                         f"{type(value).__name__}")
     if op in ("max", "min"):
         rows = torch.zeros((world.world_size, *total.shape), dtype=total.dtype, device=world.device)
         rows[world.rank] = total

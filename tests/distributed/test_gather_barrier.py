@@ -5,10 +5,11 @@ global batch, a row mismatch is one ValueError on every rank naming both, and no
 barrier before the last has come to it, and main_first's block ends on rank 0 before another
 rank's begins (per_host too, on one host); broadcast gives every rank what torch's
 broadcast_object_list gives (a dict of a string, a number and tensors, from rank 1; a bare tensor
-from rank 2)."""
+from rank 2); a tuple, list or dict of tensors gathers (and of values reduces) as each one alone."""
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 
@@ -37,6 +38,9 @@ def _cases(rank: int) -> dict[str, torch.Tensor]:
     }
 
 
+Pair = collections.namedtuple("Pair", "preds labels")
+
+
 def _torch_gather(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     """torch's own answer: every rank's tensor as an object, concatenated in rank order."""
     objects = [None] * world_size
@@ -58,6 +62,25 @@ def _worker(world, marker_dir: str) -> dict:
     loader = phalanx.ShardedLoader(dataset, world=world, global_batch_size=4, seed=3)
     gathered = [phalanx.gather(y, world=world) for (_, y), _ in loader.epoch(0)]
     out["loader"] = gathered
+    # A collection (Accelerate's gather_for_metrics((preds, labels)), Fabric's all_gather and all_reduce of
+    # a dict): the same collection, each tensor gathered (each value reduced) as alone. Before 2026-12-06
+    # both were refused ("gather takes a tensor, got tuple").
+    cases = _cases(world.rank)
+    nested = {"pair": (cases["float64 rows"], cases["int64 1-d"]), "list": [cases["bool"]],
+              "named": Pair(cases["float32 0-d"], cases["complex64"])}
+    got = phalanx.gather(nested, world=world)
+    leaves = [*got["pair"], *got["list"], *got["named"]]
+    wanted = [_torch_gather(t, world.world_size) for t in (*nested["pair"], *nested["list"], *nested["named"])]
+    out["collection"] = ([type(got[key]) for key in ("pair", "list", "named")] == [tuple, list, Pair]
+                         and all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(leaves, wanted)))
+    values = {"loss": 0.25 * world.rank, "counts": [world.rank + 1, torch.tensor([world.rank, 2])]}
+    for op in ("sum", "mean", "max"):
+        got = phalanx.reduce(values, op=op, world=world)
+        alone = {"loss": phalanx.reduce(values["loss"], op=op, world=world),
+                 "counts": [phalanx.reduce(v, op=op, world=world) for v in values["counts"]]}
+        out[f"reduce {op}"] = (got["loss"] == alone["loss"] and got["counts"][0] == alone["counts"][0]
+                               and type(got["counts"][0]) is type(alone["counts"][0])
+                               and torch.equal(got["counts"][1], alone["counts"][1]))
     # Rows that do not match: every rank raises, naming both.
     try:
         phalanx.gather(torch.zeros(2, 3 if world.rank == 1 else 4), world=world)
@@ -105,6 +128,7 @@ def test_gather_and_barrier_against_torch(tmp_path):
         assert mismatch.startswith("gather: rank ") and "\n" not in mismatch
         assert "float32 rows of shape (3,)" in mismatch and "float32 rows of shape (4,)" in mismatch
         assert mismatch.endswith("every rank's rows must have the same trailing shape and dtype")
+        assert out["collection"] and all(out[f"reduce {op}"] for op in ("sum", "mean", "max")), rank
         assert out["after barrier"]
         for per_host in (False, True):
             saw, began, _ = out[f"main_first {per_host}"]
@@ -136,7 +160,7 @@ def test_a_world_of_one_gathers_its_own_rows_and_passes_the_barrier():
     with phalanx.main_first(world=world), phalanx.main_first(world=world, per_host=True):
         ran = True
     assert ran
-    with pytest.raises(ValueError, match="gather takes a tensor, got float"):
+    with pytest.raises(ValueError, match=r"gather takes a tensor \(or a tuple, list or dict of them\), got float"):
         phalanx.gather(2.0, world=world)
     with pytest.raises(ValueError, match="dtype torch.uint16 is not supported"):
         phalanx.gather(torch.zeros(2, dtype=torch.uint16), world=world)

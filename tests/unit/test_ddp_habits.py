@@ -538,7 +538,7 @@ def test_reduce_and_world_print_in_a_world_of_one(capsys):
     with pytest.raises(ValueError, match="reduce op 'avg' is unknown; choose one of mean, sum, max, min"):
         phalanx.reduce(1.0, op="avg", world=world())
     assert phalanx.reduce(2.5, op="max", world=world()) == 2.5 and phalanx.reduce(3, op="min", world=world()) == 3
-    with pytest.raises(ValueError, match="reduce takes a number or a tensor, got str"):
+    with pytest.raises(ValueError, match=r"reduce takes a number or a tensor \(or a tuple, list or dict of them\), got str"):
         phalanx.reduce("1", world=world())
     # Counts are summed exactly (a float64 sum would make 2**53 + 1 even), and complex is refused.
     assert phalanx.reduce(torch.tensor(2 ** 53 + 1), op="sum", world=world()) == 2 ** 53 + 1
