@@ -70,6 +70,7 @@ def checkpoint(location: str | Path, *, world: World, model, optimizer: torch.op
     `location` for the rest of its process: another job given it stops in one line (file_lock.py)."""
     world.check_here("phalanx.checkpoint")
     _check_location(location, "phalanx.checkpoint")
+    _check_optimizer(optimizer, "phalanx.checkpoint")
     states = extra_states(extras)  # every rank, before any collective: a bad extra fails alike everywhere
     _name_the_loader_left_out(loader, step=step, world=world)
     if isinstance(model, DataParallel):
@@ -96,6 +97,15 @@ def _check_location(location, caller: str) -> None:
         raise UsageError(f"{caller}'s location is a {type(location).__name__}; pass a directory or a file path")
     if not os.fspath(location):
         raise UsageError(f"{caller}'s location is empty; name a directory (or a .pt file) to keep the checkpoint in")
+
+
+def _check_optimizer(optimizer, caller: str) -> None:
+    """The optimizer is part of what resumes exactly (its moments, its step count): a None or a
+    stand-in is refused on every rank, before any collective, instead of an AttributeError in the save."""
+    if not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state_dict")):
+        raise UsageError(f"{caller} needs optimizer=, the optimizer the loop steps (its state is what makes the resume "
+                         f"exact), got {type(optimizer).__name__}; to keep the weights alone, "
+                         "torch.save(dp.state_dict(), path) on rank 0 (if world.is_main)")
 
 
 def _hold(path: Path, caller: str) -> None:
@@ -137,6 +147,7 @@ def resume(location: str | Path, *, world: World, model, optimizer: torch.optim.
     """
     world.check_here("phalanx.resume")
     _check_location(location, "phalanx.resume")
+    _check_optimizer(optimizer, "phalanx.resume")
     checked_extras(extras)  # a wrong one fails on the first run too, not only when a checkpoint exists
     with agreed_outcome(world, Tag("checkpoint")):  # another job's location: refused on every rank, as checkpoint's
         if world.is_main:

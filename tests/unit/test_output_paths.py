@@ -208,3 +208,18 @@ def test_an_empty_checkpoint_location_is_refused_not_the_working_directory(tmp_p
     with pytest.raises(UsageError, match=r"^phalanx.resume's location is a NoneType; pass a directory"):
         phalanx.resume(location=None, world=world, model=model, optimizer=optimizer, global_batch_size=4, seed=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_without_its_optimizer_is_refused_naming_how_to_keep_the_weights(tmp_path):
+    # phalanx.checkpoint(..., optimizer=None), to keep a model's weights, met an AttributeError inside the save
+    # ("'NoneType' object has no attribute 'param_groups'").
+    import phalanx
+
+    world, model, _ = _one_rank_run()
+    for call in (phalanx.checkpoint, phalanx.resume):
+        extra = {"epoch": 0} if call is phalanx.checkpoint else {}
+        with pytest.raises(UsageError, match=rf"^phalanx.{call.__name__} needs optimizer=, the optimizer the loop steps "
+                                             r"\(its state is what makes the resume exact\), got NoneType; to keep the "
+                                             r"weights alone, torch.save\(dp.state_dict\(\), path\) on rank 0"):
+            call(tmp_path / "ck", world=world, model=model, optimizer=None, global_batch_size=4, seed=0, **extra)
+    assert list(tmp_path.iterdir()) == []
