@@ -59,6 +59,13 @@ PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced 
 # The loaders of this process inside an epoch: a mid-epoch phalanx.checkpoint without loader=
 # names what it leaves out (script_checkpoint.py).
 IN_EPOCH: "weakref.WeakSet[ShardedLoader]" = weakref.WeakSet()
+_EPOCH_WAY = "for batch, global_size in loader.epoch(epoch): ..."
+_NOT_HERE = {  # DataLoader's and DistributedSampler's attributes -> phalanx's way
+    "set_epoch": f"DistributedSampler's set_epoch is loader.epoch's argument: {_EPOCH_WAY} draws that epoch's order "
+                 "on every rank",
+    "batch_size": "it holds global_batch_size, the batch of all ranks together; each step yields this rank's share "
+                  f"and the global size: {_EPOCH_WAY}",
+}
 
 
 class ShardedLoader(LocalShardedLoader):
@@ -83,6 +90,12 @@ class ShardedLoader(LocalShardedLoader):
         if isinstance(world, World):  # tests hand data/loader.py stand-ins for the world
             world.check_here("phalanx.ShardedLoader")
         super().__init__(dataset, world=world, **kwargs)
+
+    def __getattr__(self, name: str):
+        """DataLoader's and DistributedSampler's names a DDP loop asks of its loader, named in one line."""
+        if name in _NOT_HERE:
+            raise AttributeError(f"'ShardedLoader' object has no attribute {name!r}: {_NOT_HERE[name]}")
+        raise AttributeError(f"'ShardedLoader' object has no attribute {name!r}")
 
     def epoch(self, epoch: int):
         """Yield (this rank's batch, global batch size) for every step of `epoch`; the epoch that

@@ -209,6 +209,24 @@ def test_a_sharded_loader_iterated_as_fabric_s_loader_names_epoch():
     assert [size for _, size in loader.epoch(0)] == [4, 2]
 
 
+def test_a_sharded_loader_asked_for_distributed_sampler_s_set_epoch_or_a_batch_size_names_phalanx_s_way():
+    # A DDP loop calls sampler.set_epoch(epoch) and reads loader.batch_size: Python's bare "has no attribute"
+    # before 2026-12-06.
+    dataset = torch.utils.data.TensorDataset(torch.randn(6, 2), torch.arange(6))
+    loader = phalanx.ShardedLoader(dataset, world=WORLD1, global_batch_size=4)
+    with pytest.raises(AttributeError, match=r"^'ShardedLoader' object has no attribute 'set_epoch': DistributedSampler's "
+                                             r"set_epoch is loader.epoch's argument: for batch, global_size in "
+                                             r"loader.epoch\(epoch\): \.\.\. draws that epoch's order on every rank$"):
+        loader.set_epoch(1)
+    with pytest.raises(AttributeError, match=r"^'ShardedLoader' object has no attribute 'batch_size': it holds "
+                                             r"global_batch_size, the batch of all ranks together"):
+        loader.batch_size
+    with pytest.raises(AttributeError, match=r"^'ShardedLoader' object has no attribute 'nonsense'$"):
+        loader.nonsense
+    assert not hasattr(loader, "set_epoch") and loader.global_batch_size == 4
+    assert [size for _, size in copy.deepcopy(loader).epoch(0)] == [4, 2]  # copies still find nothing extra
+
+
 def _foreign_order_calls(dp, optimizer, path):
     """Another tool's call made where phalanx's function stands, by the function's name."""
     return [("clip_grad_norm_", lambda: phalanx.clip_grad_norm_(dp, optimizer, max_norm=1.0),
