@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -129,6 +129,10 @@ def rank_shard(items: Sequence | torch.Tensor, *, world: Ranked | None = None, r
     if isinstance(items, torch.Tensor):
         if items.dim() == 0:
             raise ValueError("rank_shard: a 0-dim tensor has no rows to share; pass a tensor of rows (dim 0) or a list")
+    elif isinstance(items, Mapping):  # Accelerate's split_between_processes cuts each value of a dict
+        raise TypeError("rank_shard takes a tensor (its rows) or a sequence (a list, tuple or range), got "
+                        f"{type(items).__name__}: cut each value, {{key: rank_shard(value, world=world) for key, value "
+                        "in items.items()}")
     elif not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
         raise TypeError(f"rank_shard takes a tensor (its rows) or a sequence (a list, tuple or range), got "
                         f"{type(items).__name__}: pass list(items)")

@@ -125,7 +125,9 @@ def test_rank_shard_rejects():
         rank_shard(torch.arange(4), rank=2, world_size=2)
     with pytest.raises(ValueError, match=r"^rank_shard: a 0-dim tensor has no rows to share"):
         rank_shard(torch.tensor(3), rank=0, world_size=1)
-    for items, given in ((iter([1, 2]), "list_iterator"), ("abcd", "str"), ({"a": 1}, "dict")):
+    with pytest.raises(TypeError, match=r"got dict: cut each value, \{key: rank_shard\(value, world=world\) for "):
+        rank_shard({"a": [1, 2]}, rank=0, world_size=1)
+    for items, given in ((iter([1, 2]), "list_iterator"), ("abcd", "str")):
         with pytest.raises(TypeError, match=rf"^rank_shard takes a tensor \(its rows\) or a sequence .*, got {given}: "
                                             r"pass list\(items\)$"):
             rank_shard(items, rank=0, world_size=1)
