@@ -115,8 +115,8 @@ def epoch_seed(seed: int, epoch: int) -> int:
 def rank_shard(items: Sequence | torch.Tensor, *, world: Ranked | None = None, rank: int | None = None,
                world_size: int | None = None) -> Sequence | torch.Tensor:
     """A rank's contiguous share of `items`: shard `rank` of `shard_sizes(len(items), world_size)`, the cut
-    `ShardedLoader` and `split_batch` make. `items`: a tensor (its rows, as a view) or a sequence (a list,
-    tuple or range: its slice), as Accelerate's `split_between_processes` takes them. Whose share:
+    `ShardedLoader` and `split_batch` make. `items`: a tensor or an array (its rows, as a view) or a
+    sequence (a list, tuple or range: its slice), as Accelerate's `split_between_processes` takes them. Whose share:
     `world=` (a `phalanx.World`: this rank's), or `rank=` and `world_size=` (any rank's)."""
     if world is not None:
         if rank is not None or world_size is not None:
@@ -126,16 +126,15 @@ def rank_shard(items: Sequence | torch.Tensor, *, world: Ranked | None = None, r
     elif rank is None or world_size is None:
         raise TypeError("rank_shard needs whose share it is: rank_shard(items, world=world) for this rank's, or "
                         "rank= and world_size=")
-    if isinstance(items, torch.Tensor):
-        if items.dim() == 0:
-            raise ValueError("rank_shard: a 0-dim tensor has no rows to share; pass a tensor of rows (dim 0) or a list")
-    elif isinstance(items, Mapping):  # Accelerate's split_between_processes cuts each value of a dict
+    if isinstance(items, Mapping):  # Accelerate's split_between_processes cuts each value of a dict
         raise TypeError("rank_shard takes a tensor (its rows) or a sequence (a list, tuple or range), got "
                         f"{type(items).__name__}: cut each value, {{key: rank_shard(value, world=world) for key, value "
                         "in items.items()}")
-    elif not isinstance(items, Sequence) or isinstance(items, (str, bytes)):
+    if isinstance(items, (str, bytes)) or not (hasattr(items, "__len__") and hasattr(items, "__getitem__")):
         raise TypeError(f"rank_shard takes a tensor (its rows) or a sequence (a list, tuple or range), got "
                         f"{type(items).__name__}: pass list(items)")
+    if getattr(items, "ndim", 1) == 0:  # a 0-dim tensor or array
+        raise ValueError("rank_shard: a 0-dim tensor has no rows to share; pass a tensor of rows (dim 0) or a list")
     start, stop = shard_bounds(len(items), world_size, rank)
     return items[start:stop]
 

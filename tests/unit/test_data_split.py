@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -157,6 +158,9 @@ def test_rank_shard_cuts_a_tensor_s_rows_or_a_sequence_for_world_or_rank():
             assert mine == names[cut] and isinstance(mine, list)
             assert rank_shard(range(5), world=_Ranked(rank, world_size)) == range(5)[cut]
             assert rank_shard(tuple(names), rank=rank, world_size=world_size) == tuple(mine)
+            array = rows.numpy()  # numpy's rows too, as a view
+            share = rank_shard(array, world=_Ranked(rank, world_size))
+            assert np.array_equal(share, shares[rank].numpy()) and np.shares_memory(share, array)
     with pytest.raises(TypeError, match=r"^rank_shard takes world= or rank= and world_size=, not both"):
         rank_shard(rows, world=_Ranked(0, 2), rank=0, world_size=2)
     for partial in ({}, {"rank": 0}, {"world_size": 2}):
