@@ -26,6 +26,7 @@ from phalanx.runtime.binding import allowed_cores, check_bindable
 from phalanx.runtime.devices import AUTO, CPU_AUTO, DevicePlan, parse_devices
 from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.launch import check_loopback
+from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.world import launcher_env
 from phalanx.telemetry import RankZeroLog, survive_lost_output
@@ -43,6 +44,7 @@ EPILOG = "Each flag and what it does: docs/command.md."
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description, parser.epilog = DESCRIPTION, EPILOG
     add_options(parser, TrainConfig)
+    add_launcher_flags(parser, command="train")  # torchrun's --nproc-per-node, ...: one line naming --devices
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -226,9 +226,30 @@ class _LauncherFlag(argparse.Action):
                                           own=f"{', '.join(own[:-1])} and {own[-1]}"))
 
 
-def add_launcher_flags(parser: argparse.ArgumentParser) -> None:
-    """Every flag of torchrun, accelerate launch and fabric run above, hidden from --help, named at use."""
-    for launcher, spellings, takes_value, line in LAUNCHER_FLAGS:
+# phalanx train (a launcher too, of its own job) takes the counts and the many hosts' flags above, each
+# naming train's way; the rest of the table is about a script.
+_TRAIN_LINES = {
+    _COUNT: ("{launcher}'s {flag} {value} is --devices in phalanx train: --devices N (the GPUs when present, else N "
+             "CPU workers), cpu:N, cuda:0,1 or auto, e.g. phalanx train --devices {example}"),
+    _MANY_HOSTS: ("phalanx train starts the workers of this host, so it takes no {flag}; for many hosts start it "
+                  "with torchrun itself (torchrun --nnodes 2 --node-rank R --nproc-per-node N --master-addr A "
+                  "--master-port P -m phalanx train ...): docs/many-hosts.md"),
+}
+
+
+def launcher_flags(command: str = "run") -> list[tuple[str, tuple[str, ...], bool, str]]:
+    """`LAUNCHER_FLAGS` as `command` takes them: every one for run; for train the counts and the many
+    hosts' flags, in train's words."""
+    if command == "run":
+        return list(LAUNCHER_FLAGS)
+    return [(launcher, spellings, takes_value, _TRAIN_LINES[line])
+            for launcher, spellings, takes_value, line in LAUNCHER_FLAGS if line in _TRAIN_LINES]
+
+
+def add_launcher_flags(parser: argparse.ArgumentParser, *, command: str = "run") -> None:
+    """Every flag of torchrun, accelerate launch and fabric run above (`launcher_flags(command)`'s),
+    hidden from --help, named at use."""
+    for launcher, spellings, takes_value, line in launcher_flags(command):
         parser.add_argument(*spellings, action=_LauncherFlag, launcher=launcher, line=line,
                             nargs=None if takes_value else 0, metavar="VALUE", default=argparse.SUPPRESS,
                             help=argparse.SUPPRESS)

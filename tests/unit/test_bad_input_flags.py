@@ -15,6 +15,7 @@ import re
 import pytest
 
 from phalanx.autopar.trace import records_every_thread
+from phalanx.runtime.launcher_flags import launcher_flags
 from phalanx.runtime.binding import allowed_cores
 from phalanx.cli import build_parser, main
 
@@ -257,6 +258,14 @@ FLAG_CASES += [([*argv, "train.py"], rf"torchrun's {argv[1]} has no counterpart 
                             ["run", "--event-log-handler", "null"], ["run", "--signals-to-handle", "SIGTERM"],
                             ["run", "--shutdown-timeout", "5"], ["run", "--virtual-local-rank"])]
 FLAG_CASES += [(["run", "--debug", "train.py"], r"accelerate launch's --debug has no counterpart in phalanx run")]
+# The counts and the many hosts' flags given to phalanx train: --devices, or torchrun itself (before
+# 2026-12-06 argparse's "unrecognized arguments").
+FLAG_CASES += [(["train", spelling, *(["2"] if takes_value else [])],
+                rf"^phalanx: error: ({re.escape(launcher)}'s {re.escape(spelling)} 2 is --devices in phalanx train: .*"
+                r"e\.g\. phalanx train --devices 2$|phalanx train starts the workers of this host, so it takes no "
+                rf"{re.escape(spelling)}; for many hosts start it with torchrun itself \(torchrun --nnodes 2 .* -m "
+                r"phalanx train \.\.\.\): docs/many-hosts\.md$)")
+               for launcher, spellings, takes_value, _ in launcher_flags("train") for spelling in spellings]
 # accelerate launch's and fabric run's, each spelling (Accelerate takes --num_processes and --num-processes)
 FLAG_CASES += [(["run", spelling, *values, "train.py"], pattern) for flags, values, pattern in (
     (("--num_processes", "--num-processes"), ["3"],
