@@ -142,14 +142,14 @@ def _worker(world: World, config: SplitsBenchConfig) -> dict:
     records = {s: [] for s in SPLITS}
     for round_index in range(config.rounds + 1):  # round 0 warms up and is discarded
         for split, (strategy, transport) in strategies.items():
-            first, stop = strategy.rows(config.global_batch_size)
+            rows = strategy.rows(config.global_batch_size)
             for _ in range(config.steps):
                 dist.barrier()
                 before = transport.snapshot()
                 meter = SavedTensorMeter(strategy.module.parameters())
                 start = time.perf_counter()
                 with meter:  # zero_grad and the optimizer step save nothing for backward
-                    train_step(strategy, optimizers[split], X[first:stop], y[first:stop],
+                    train_step(strategy, optimizers[split], X[rows], y[rows],
                                global_batch_size=config.global_batch_size)
                 step_s = time.perf_counter() - start
                 counts = transport.snapshot().minus(before)

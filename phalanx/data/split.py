@@ -75,6 +75,28 @@ def split_batch(X: torch.Tensor, y: torch.Tensor, num_shards: int) -> list[tuple
     return list(zip(torch.split(X, sizes), torch.split(y, sizes)))
 
 
+def accumulation_rows(total: int, world_size: int, rank: int, micro_batches: int) -> tuple[slice, list[int]]:
+    """A rank's rows of a `total`-example global batch trained as `micro_batches` accumulated
+    micro-batches, and how many of them fall in each micro-batch, in order.
+
+    One device cuts the global batch into contiguous micro-batches (`shard_sizes(total,
+    micro_batches)`). So that micro-batch j over all k ranks holds exactly one device's micro-batch
+    j - what a synchronized BatchNorm normalizes over - the rank reads every k-th row from its own
+    rank on: each rank then holds ⌊|Mj|/k⌋ or ⌈|Mj|/k⌉ of every micro-batch Mj, and in all
+    `shard_sizes(total, k)[rank]` rows, as many as its contiguous shard. One micro-batch: that shard.
+    """
+    if micro_batches == 1:
+        first, stop = shard_bounds(total, world_size, rank)
+        return slice(first, stop), [stop - first]
+
+    def read_before(position: int) -> int:  # rows rank, rank + k, ... below `position`
+        return max(0, -((rank - position) // world_size))
+
+    stops = torch.tensor(shard_sizes(total, micro_batches)).cumsum(0).tolist()
+    counts = [read_before(stop) - read_before(start) for start, stop in zip([0, *stops[:-1]], stops)]
+    return slice(rank, total, world_size), counts
+
+
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     """Optimizer steps in one epoch: the last, smaller batch counts (it is not dropped)."""
     if global_batch_size < 1:

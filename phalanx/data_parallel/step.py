@@ -5,18 +5,20 @@ its shard's losses divided by the *global* batch size (`shard_loss`), so after t
 summed across ranks the update is the 1-device update on the whole global batch - also for an
 uneven last batch, where averaging per-rank means would weight the small shards too heavily.
 
-Gradient accumulation composes with that rule unchanged: a rank cuts *its* shard into N
+Gradient accumulation composes with that rule unchanged: a rank cuts *its* rows into N
 micro-batches (`micro_batches`) and runs them through `dp.accumulate` (accumulate.py): the first
 N-1 under `no_sync()`, so their gradients only add up in the buckets, the last synced. Each
 micro-batch still contributes its loss sum / global batch size, so the summed gradient - and the
-update - equals the 1-device update on the whole global batch. Cutting the rank's shard (rather than cutting the global batch into N
-smaller global batches first) keeps every rank on exactly the examples `rank_shard` gives it.
+update - equals the 1-device update on the whole global batch. `phalanx train` hands each rank
+every k-th row of the global batch (`accumulation_rows`), so micro-batch j over all ranks is one
+device's micro-batch j: a synchronized BatchNorm normalizes it over the same examples as 1 device.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,22 +55,28 @@ def _inverse(global_batch_size: int, dtype: torch.dtype, device: torch.device) -
     return torch.ones((), dtype=dtype, device=device) / global_batch_size
 
 
-def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Cut a rank's shard into `grad_accum_steps` contiguous micro-batches, sizes as even as
-    possible (larger first, some empty when the shard is smaller than the count): the book's
-    `split_batch` cut, applied a second time inside the rank."""
+def micro_batches(X: torch.Tensor, y: torch.Tensor, grad_accum_steps: int,
+                  sizes: Sequence[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Cut a rank's rows into `grad_accum_steps` contiguous micro-batches of `sizes` rows (the
+    counts `accumulation_rows` gives), or, with no sizes, as even as possible (larger first, some
+    empty when the shard is smaller than the count): the book's `split_batch` cut, applied a
+    second time inside the rank."""
     if grad_accum_steps < 1:
         raise ValueError(f"grad_accum_steps must be at least 1, got {grad_accum_steps}")
-    return split_batch(X, y, grad_accum_steps)
+    if sizes is None:
+        return split_batch(X, y, grad_accum_steps)
+    return list(zip(torch.split(X, list(sizes)), torch.split(y, list(sizes))))
 
 
 def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, global_batch_size: int,
-                     grad_accum_steps: int = 1, tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     grad_accum_steps: int = 1, micro_sizes: Sequence[int] | None = None,
+                     tracer: Tracer | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward of this rank's shard (X, y), then the gradient exchange: afterwards
     every rank holds the summed gradient. Returns this shard's (loss sum, correct count), on the
     device: the loss sum in the model's dtype for one piece, in float64 when pieces are added.
 
-    With `grad_accum_steps` N > 1 the shard runs as N micro-batches, gradients exchanged once.
+    With `grad_accum_steps` N > 1 the shard runs as N micro-batches (of `micro_sizes` rows; None:
+    as even as they can be), gradients exchanged once.
     `tracer` records forward / backward / wait spans (None: tracing off).
     """
     if grad_accum_steps == 1 and X.shape[0] > 0:
@@ -86,7 +94,7 @@ def forward_backward(dp: DataParallel, X: torch.Tensor, y: torch.Tensor, *, glob
         with span(tracer, "wait"):
             dp.finish_gradient_sync()
         return loss_sum.detach(), (logits.argmax(dim=1) == y).sum()
-    pieces = micro_batches(X, y, grad_accum_steps)
+    pieces = micro_batches(X, y, grad_accum_steps, micro_sizes)
     loss_sum = correct = None
     # dp.accumulate: every piece but the last under no_sync, the last with sync on, so its hooks
     # launch the buckets (overlap). Closed on the way out, so an error in a piece restores sync.

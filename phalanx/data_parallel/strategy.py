@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phalanx.data import shard_bounds
+from phalanx.data.split import accumulation_rows
 from phalanx.data_parallel.clip import clip_grad_norm_
 from phalanx.data_parallel.data_parallel import DataParallel
 from phalanx.data_parallel.guards.checks import check_replicas
@@ -33,15 +33,24 @@ class DataSplit:
         self.max_grad_norm = max_grad_norm
         self.tracer = dp.tracer if tracer is None else tracer
 
-    def rows(self, total: int) -> tuple[int, int]:
-        return shard_bounds(total, self.dp.world.world_size, self.dp.world.rank)
+    def rows(self, total: int) -> slice:
+        """This rank's rows of a `total`-example batch: its contiguous shard, or with accumulation every
+        k-th row, so that each micro-batch over all ranks is one device's (`accumulation_rows`)."""
+        return self._layout(total)[0]
+
+    def _layout(self, total: int) -> tuple[slice, list[int]]:
+        return accumulation_rows(total, self.dp.world.world_size, self.dp.world.rank, self.grad_accum_steps)
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()
 
     def forward_backward(self, X, y, *, global_batch_size):
+        # The rows `rows` handed out fall into the micro-batches in these counts; rows the caller cut
+        # otherwise (phalanx.train_batch's) are cut evenly.
+        sizes = self._layout(global_batch_size)[1] if self.grad_accum_steps > 1 else None
+        sizes = sizes if sizes is not None and sum(sizes) == X.shape[0] else None
         sums = forward_backward(self.dp, X, y, global_batch_size=global_batch_size,
-                                grad_accum_steps=self.grad_accum_steps, tracer=self.tracer)
+                                grad_accum_steps=self.grad_accum_steps, micro_sizes=sizes, tracer=self.tracer)
         if self.max_grad_norm is not None:  # by the summed gradient's global norm (clip.py)
             clip_grad_norm_(self.dp, self.max_grad_norm)
         return sums

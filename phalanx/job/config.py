@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phalanx.data.config import DataConfig
+from phalanx.data.split import accumulation_rows, shard_sizes
 from phalanx.data_parallel.config import DataParallelConfig
 from phalanx.data_parallel.guards.finite import DEFAULT_CHECK_FINITE_EVERY
 from phalanx.job.checkpointing import CheckpointConfig, RestartConfig
@@ -145,3 +146,28 @@ class TrainConfig:
             )
         check_split(self.split.kind, model=self.model, num_devices=num_devices, micro_batches=self.split.micro_batches,
                     global_batch_size=self.global_batch_size)
+
+    def check_batch_statistics(self, num_train: int, num_devices: int) -> None:
+        """A BatchNorm model normalizes every micro-batch by its own statistics, which torch refuses for
+        fewer than 2 examples: a run whose smallest one (often the epoch's last, smaller batch) would
+        hold fewer is refused before it trains, not at that batch."""
+        if self.split.kind != "data" or not has_batchnorm(build_model(self.model)):
+            return
+        accum = self.data_parallel.grad_accum_steps
+        per_rank = self.data_parallel.batchnorm == "local" and num_devices > 1  # else over the global micro-batch
+        full, last = divmod(num_train, self.global_batch_size)
+        for size in [self.global_batch_size] * (full > 0) + [last] * (last > 0):
+            smallest = min(min(accumulation_rows(size, num_devices, rank, accum)[1]) for rank in range(num_devices)) \
+                if per_rank else min(shard_sizes(size, accum))
+            if smallest >= 2:
+                continue
+            unit = ("device's share of a " if per_rank else "") + ("micro-batch" if accum > 1 else "batch")
+            which = (f"the epoch's last batch ({num_train} = {full} x {self.global_batch_size} + {last})"
+                     if size == last else f"a batch of {size}")
+            cut = (f" on {num_devices} devices (--batchnorm local)" if per_rank else "") + \
+                  (f" in --grad-accum {accum} micro-batches" if accum > 1 else "")
+            fix = (f"use --train-examples {full * self.global_batch_size} (whole batches)" if size == last and full
+                   else f"use --batch-size {2 * accum * (num_devices if per_rank else 1)} or more")
+            raise ValueError(f"--model {self.model} normalizes each {unit} by its own statistics, which takes 2 or "
+                             f"more examples, and {which}{cut} leaves one of {smallest} example{'' if smallest == 1 else 's'}: {fix}"
+                             + (", or a smaller --grad-accum" if accum > 1 else ""))

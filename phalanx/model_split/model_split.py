@@ -60,9 +60,9 @@ class ModelSplit:
         """What a metrics row and the pre-flight check record about the split."""
         return {"split": self.name, "micro_batches": None, "schedule": None}
 
-    def rows(self, total: int) -> tuple[int, int]:
+    def rows(self, total: int) -> slice:
         """Every rank reads all of a global batch: each computes its part of the model for all of it."""
-        return 0, total
+        return slice(0, total)
 
     def named_gradients(self) -> dict[str, torch.Tensor]:
         return {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}

@@ -53,24 +53,26 @@ def evaluate(
     """Test accuracy of a replica: each rank counts its contiguous shard of (images, labels)."""
     world.check_here("phalanx.evaluate")
     check_agree(model, world=world, where="phalanx.evaluate()")
-    rows = shard_bounds(images.shape[0], world.world_size, world.rank)
-    return count_accuracy(model, model, images, labels, rows=rows, world=world, batch_size=batch_size)
+    first, stop = shard_bounds(images.shape[0], world.world_size, world.rank)
+    return count_accuracy(model, model, images, labels, rows=slice(first, stop), world=world, batch_size=batch_size)
 
 
 def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Tensor | None], images: torch.Tensor,
-                   labels: torch.Tensor, *, rows: tuple[int, int], world: World, batch_size: int = 1024) -> float:
-    """Accuracy over every test image, counted once: this rank predicts rows [start, stop) with
+                   labels: torch.Tensor, *, rows: slice, world: World, batch_size: int = 1024) -> float:
+    """Accuracy over every test image, counted once: this rank predicts `rows` (a slice) with
     `module` in eval mode and no gradients, counts where `predict` returns logits (a model split
     returns None on ranks that do not hold the output), and the counts are summed over ranks.
     `evaluate` reads each rank's shard; a model split has every rank read every row."""
-    start, stop = rows
+    total = images.shape[0]
+    images, labels = images[rows], labels[rows]  # views, strided or not
     was_training = module.training
     module.eval()
     counts = torch.zeros(2, dtype=torch.float64, device=world.device)  # correct, seen
     dtype = next(module.parameters()).dtype
-    batches = lockstep_batches(-(-(stop - start) // batch_size), module, world=world)
+    stop = images.shape[0]
+    batches = lockstep_batches(-(-stop // batch_size), module, world=world)
     with torch.no_grad():
-        for lo in range(start, start + batches * batch_size, batch_size):
+        for lo in range(0, batches * batch_size, batch_size):
             lo, hi = min(lo, stop), min(lo + batch_size, stop)
             logits = predict(to_float(images[lo:hi], dtype))
             if logits is not None:
@@ -79,8 +81,8 @@ def count_accuracy(module: nn.Module, predict: Callable[[torch.Tensor], torch.Te
     module.train(was_training)
     all_reduce_sum_(counts, world=world, tag=EVALUATION)
     seen = int(counts[1].item())
-    if seen != images.shape[0]:  # a sharding bug would silently skew accuracy
-        raise RuntimeError(f"evaluation saw {seen} test images, expected {images.shape[0]}")
+    if seen != total:  # a sharding bug would silently skew accuracy
+        raise RuntimeError(f"evaluation saw {seen} test images, expected {total}")
     return counts[0].item() / max(seen, 1)
 
 

@@ -38,8 +38,8 @@ class Strategy(Protocol):
     """How this rank takes part in training, whichever way the work is split.
 
     `train_epoch` and the job drive data parallelism (data_parallel/strategy.py's `DataSplit`) and
-    the model splits (model_split/: pipeline, channels) through these alone: the loop reads rows
-    [`rows(n)`) of each n-example global batch, calls `zero_grad`, then `forward_backward`
+    the model splits (model_split/: pipeline, channels) through these alone: the loop reads the
+    rows `rows(n)` (a slice) of each n-example global batch, calls `zero_grad`, then `forward_backward`
     (the gradients the optimizer needs, exchanged; returns this rank's (loss sum, correct)),
     then steps the optimizer over `module`'s parameters. Ranks with `holds_output` count loss,
     correct and examples. `predict` serves evaluation; `whole_model()` (a collective) and
@@ -52,7 +52,7 @@ class Strategy(Protocol):
     holds_output: bool
     check_replicas: Callable[[int], None] | None
 
-    def rows(self, total: int) -> tuple[int, int]: ...
+    def rows(self, total: int) -> slice: ...
     def zero_grad(self) -> None: ...
     def forward_backward(self, X: torch.Tensor, y: torch.Tensor, *,
                          global_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -133,15 +133,15 @@ def train_epoch(
     def running_totals() -> list[float]:  # synchronises a GPU: called only when a value is needed
         return [*torch.stack([loss_total, correct_total.double()]).tolist(), examples, time.perf_counter() - start_s]
 
-    rows: dict[int, tuple[int, int]] = {}  # this rank's rows of an n-example batch, by n
+    rows: dict[int, slice] = {}  # this rank's rows of an n-example batch, by n
     for step, batch in enumerate(batches):
         if step < start_step:
             continue
         if tracer is not None:
             tracer.begin_step(step)
         n = batch.numel()
-        first, stop = rows[n] if n in rows else rows.setdefault(n, strategy.rows(n))
-        shard = batch if (first, stop) == (0, n) else batch[first:stop]
+        mine = rows[n] if n in rows else rows.setdefault(n, strategy.rows(n))
+        shard = batch if mine == slice(0, n) else batch[mine]
         with span(tracer, "step"):
             if graph is not None and n == global_batch_size:
                 loss_sum, correct = graph(shard)
@@ -156,7 +156,7 @@ def train_epoch(
             tracer.end_step()
         loss_total.add_(loss_sum)
         correct_total.add_(correct)
-        examples += stop - first if strategy.holds_output else 0
+        examples += shard.numel() if strategy.holds_output else 0
         if after_step is not None:
             after_step(step + 1, len(batches), loss_sum, running_totals)
         if on_step is not None:
@@ -176,8 +176,8 @@ def captured_train_step(strategy: DataSplit, optimizer: torch.optim.Optimizer, i
     """`train_step` on this rank's rows of a full global batch, as a CUDA graph (graphs.py) that
     `train_epoch(graph=...)` runs: the rows' indices go through one static buffer, and the step
     reads images and labels (resident on the device) through it, as the eager step does."""
-    first, stop = strategy.rows(global_batch_size)
-    index = torch.zeros(stop - first, dtype=torch.long, device=images.device)
+    index = torch.zeros(len(range(global_batch_size)[strategy.rows(global_batch_size)]), dtype=torch.long,
+                        device=images.device)
     dtype = next(strategy.module.parameters()).dtype
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.data import EpochBatches, global_batches, rank_shard, shard_bounds, shard_sizes, split_batch, steps_per_epoch
+from phalanx.data.split import accumulation_rows
 from tests.unit.even_split import assert_even_split
 
 
@@ -174,3 +175,27 @@ def test_epoch_batches_matches_function():
     assert all(torch.equal(a, b) for a, b in zip(schedule.epoch(1), global_batches(50, 16, seed=2, epoch=1)))
     with pytest.raises(ValueError, match="got 0"):
         EpochBatches(num_examples=50, global_batch_size=0, seed=2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(0, 500), world_size=st.integers(1, 8), micro_batches=st.integers(1, 6))
+def test_accumulation_rows_give_every_micro_batch_of_one_device_and_even_shares(total, world_size, micro_batches):
+    """Micro-batch j over all ranks is 1 device's contiguous micro-batch j (what a synchronized
+    BatchNorm normalizes over), each rank holds floor or ceil of every micro-batch over k, and its
+    shard is as large as its contiguous one: together every row once."""
+    ends = np.cumsum([0, *shard_sizes(total, micro_batches)])
+    over_ranks = [[] for _ in range(micro_batches)]
+    for rank in range(world_size):
+        rows, counts = accumulation_rows(total, world_size, rank, micro_batches)
+        mine = list(range(total))[rows]
+        assert len(mine) == sum(counts) == shard_sizes(total, world_size)[rank]
+        if micro_batches == 1:
+            assert (rows.start, rows.stop) == shard_bounds(total, world_size, rank)
+        cut = np.cumsum([0, *counts])
+        for j in range(micro_batches):
+            piece = mine[cut[j]:cut[j + 1]]
+            assert all(ends[j] <= p < ends[j + 1] for p in piece)
+            assert len(piece) in (len(range(ends[j], ends[j + 1])) // world_size,
+                                  -(-len(range(ends[j], ends[j + 1])) // world_size))
+            over_ranks[j] += piece
+    assert [sorted(rows) for rows in over_ranks] == [list(range(ends[j], ends[j + 1])) for j in range(micro_batches)]

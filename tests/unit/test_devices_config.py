@@ -77,3 +77,34 @@ def test_batch_smaller_than_device_count():
     with pytest.raises(ValueError, match="smaller than the 4 devices"):
         TrainConfig(global_batch_size=3).check_devices(4)
     TrainConfig(global_batch_size=4).check_devices(4)
+
+
+@pytest.mark.parametrize("kwargs, num_train, devices, fragment", [
+    # the epoch's last batch of 1 (149 = 4 x 37 + 1): torch's "Expected more than 1 value per channel"
+    # at the end of the first epoch before, with a traceback
+    (dict(global_batch_size=37), 149, 1, "last batch (149 = 4 x 37 + 1) leaves one of 1 example: use --train-examples 148"),
+    (dict(global_batch_size=37), 149, 2, "leaves one of 1 example: use --train-examples 148 (whole batches)"),
+    # a last batch of 2 in 3 micro-batches: one empty ("got 0" from SyncBatchNorm on 3 workers)
+    (dict(global_batch_size=37, data_parallel=DataParallelConfig(grad_accum_steps=3)), 150, 3,
+     "micro-batches leaves one of 0 examples: use --train-examples 148 (whole batches), or a smaller --grad-accum"),
+    (dict(global_batch_size=3, data_parallel=DataParallelConfig(grad_accum_steps=2)), 150, 1,
+     "a batch of 3 in --grad-accum 2 micro-batches leaves one of 1 example: use --batch-size 4 or more"),
+    (dict(global_batch_size=3, data_parallel=DataParallelConfig(batchnorm="local")), 150, 2,
+     "each device's share of a batch by its own statistics, which takes 2 or more examples, and a batch of 3 on 2 "
+     "devices (--batchnorm local) leaves one of 1 example: use --batch-size 4 or more"),
+])
+def test_a_batchnorm_micro_batch_of_fewer_than_two_examples_is_refused_before_training(kwargs, num_train, devices,
+                                                                                      fragment):
+    with pytest.raises(ValueError, match="^--model lenet-bn normalizes each ") as refused:
+        TrainConfig(model="lenet-bn", **kwargs).check_batch_statistics(num_train, devices)
+    assert fragment in str(refused.value)
+
+
+@pytest.mark.parametrize("kwargs, num_train, devices", [
+    (dict(model="lenet-bn", global_batch_size=37), 150, 3),  # a last batch of 2, over the global batch (sync)
+    (dict(model="lenet-bn", global_batch_size=3), 150, 2),  # a share of 1, the statistics over the global 3
+    (dict(model="lenet", global_batch_size=37), 149, 2),  # no BatchNorm: a batch of 1 is fine
+    (dict(model="lenet-bn", global_batch_size=37, data_parallel=DataParallelConfig(grad_accum_steps=2)), 148, 2),
+])
+def test_batchnorm_batches_of_two_or_more_and_models_without_batchnorm_pass(kwargs, num_train, devices):
+    TrainConfig(**kwargs).check_batch_statistics(num_train, devices)
