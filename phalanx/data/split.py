@@ -11,6 +11,7 @@ data to devices and does not average anything; see the loss-weighting note on `s
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Mapping, Sequence
@@ -92,7 +93,7 @@ def accumulation_rows(total: int, world_size: int, rank: int, micro_batches: int
     def read_before(position: int) -> int:  # rows rank, rank + k, ... below `position`
         return max(0, -((rank - position) // world_size))
 
-    stops = torch.tensor(shard_sizes(total, micro_batches)).cumsum(0).tolist()
+    stops = list(itertools.accumulate(shard_sizes(total, micro_batches)))
     counts = [read_before(stop) - read_before(start) for start, stop in zip([0, *stops[:-1]], stops)]
     return slice(rank, total, world_size), counts
 

@@ -45,8 +45,8 @@ class DataSplit:
         self.dp.zero_grad()
 
     def forward_backward(self, X, y, *, global_batch_size):
-        # The rows `rows` handed out fall into the micro-batches in these counts; rows the caller cut
-        # otherwise (phalanx.train_batch's) are cut evenly.
+        # The micro-batches' counts of the rows `rows` hands out; rows of another count (a caller's
+        # own cut, through phalanx.train_batch) are cut evenly.
         sizes = self._layout(global_batch_size)[1] if self.grad_accum_steps > 1 else None
         sizes = sizes if sizes is not None and sum(sizes) == X.shape[0] else None
         sums = forward_backward(self.dp, X, y, global_batch_size=global_batch_size,
