@@ -127,8 +127,9 @@ def main() -> int:
                 k_args += ["--checkpoint-dir", str(where / "ckpt")]
             row = {"n": n, "k": k, "shape": shape, "exchange": exchange}
             run = _train(k_args, where / "k", args.timeout)
-            if run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1:
-                row.update(verdict="refused", said=run.stderr.strip())
+            errors = [line for line in run.stderr.splitlines() if line.startswith("phalanx: error:")]
+            if run.returncode == 2 and len(errors) == 1 and run.stderr.rstrip().endswith(errors[0]):
+                row.update(verdict="refused", said=errors[0])
             elif run.returncode != 0:
                 row.update(verdict="FAIL", said=f"k-device run exit {run.returncode}: {run.stderr.strip()[-400:]}")
             else:
