@@ -5,16 +5,19 @@ the tests prove each setting alone and a few pairs, this hunts for the pair nobo
 
 Each draw trains the same small float64 job (synthetic data, an uneven global batch, 1-2
 epochs) on k in {2, 3} CPU workers with the drawn exchange (allreduce, overlap, buckets,
-sharding, accumulation, optimizer, clipping, warm-up, memory format, checkpoints) and on
-1 device with the same model, data and update rule, and compares the saved models tensor by
-tensor and the per-epoch losses: a tensor fails when max|a - b| exceeds 1e-9 of the largest
-|b| of the model (float64 rounding of a different summation order stays near 1e-15). Where it
-does, 1 device is trained again with the other memory format (other conv kernels, other rounding):
-a difference within 10x of what that alone makes is rounding amplified by training (Adam divides
-a BatchNorm-preceded bias's ~0 gradient by its own ~0 scale) and is recorded as "noise". A
-combination refused at the start (exit 2) must say why in one line; it is recorded, not
-failed. Every draw's command lines, verdict and output go to `<out>/draws.jsonl` and a
-failure's logs to `<out>/<n>/`. Exit 1 when any draw failed.
+sharding, accumulation, optimizer, clipping, warm-up, memory format, checkpoints; or, in 15%, a
+model split, `--split layers` or `channels`) and on 1 device with the same model, data and update
+rule, and compares the saved models tensor by tensor and the per-epoch losses: a tensor fails when
+max|a - b| exceeds 1e-9 of the largest |b| of the model (float64 rounding of a different summation
+order stays near 1e-15). Where it does, 1 device is trained again with the other memory format
+(other conv kernels, other rounding): a difference within 10x of what that alone makes is rounding
+amplified by training (Adam divides a BatchNorm-preceded bias's ~0 gradient by its own ~0 scale)
+and is recorded as "noise". A combination refused at the start (exit 2) must say why in one line;
+it is recorded, not failed. A third of the draws are stopped by SIGTERM a few seconds into the
+k-device run (every rank then saves the same step and exits 143) and resumed from that step with
+`--resume auto` on 1, 2 or 3 workers: the resumed run must end where the uninterrupted 1-device
+run ends. Every draw's command lines, verdict and output go to `<out>/draws.jsonl` and a failure's
+logs to `<out>/<n>/`. Exit 1 when any draw failed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +59,15 @@ EXCHANGE = {
 
 
 def _draw(rng: random.Random) -> tuple[list[str], list[str], int]:
+    if rng.random() < 0.15:  # a model split instead of replicas: LeNet and plain SGD, as the splits train
+        shape = ["--model", "lenet", "--batch-size", rng.choice(SHAPE["--batch-size"]),
+                 "--train-examples", rng.choice(SHAPE["--train-examples"]), "--epochs", rng.choice(["1", "2"]),
+                 "--lr", "0.05"]
+        split = rng.choice(["layers", "channels"])
+        exchange = ["--split", split]
+        if split == "layers":
+            exchange += ["--schedule", rng.choice(["gpipe", "1f1b"]), "--micro-batches", rng.choice(["1", "3", "8"])]
+        return shape, exchange, rng.choice([2, 3])
     shape, exchange = [], []
     for table, into in ((SHAPE, shape), (EXCHANGE, exchange)):
         for flag, values in table.items():
@@ -68,10 +81,32 @@ def _draw(rng: random.Random) -> tuple[list[str], list[str], int]:
     return shape + ["--lr", lr], exchange, rng.choice([2, 3])
 
 
+def _common(out: Path) -> list[str]:
+    return ["--dataset", "synthetic", "--dtype", "float64", "--no-progress", "--threads-per-device", "1",
+            "--timeout", "60", "--out", str(out)]
+
+
 def _train(args: list[str], out: Path, timeout_s: float) -> subprocess.CompletedProcess:
-    common = ["--dataset", "synthetic", "--dtype", "float64", "--no-progress", "--threads-per-device", "1",
-              "--timeout", "60", "--out", str(out)]
-    return subprocess.run(PHALANX + args + common, capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(PHALANX + args + _common(out), capture_output=True, text=True, timeout=timeout_s)
+
+
+def _stopped_and_resumed(args: list[str], out: Path, stop_after_s: float, resume_devices: str,
+                         timeout_s: float) -> subprocess.CompletedProcess:
+    """Run `args`, SIGTERM it after `stop_after_s` (it saves a step and exits 143; one that ended
+    before is left alone), then resume it from its checkpoint on `resume_devices`."""
+    run = subprocess.Popen(PHALANX + args + _common(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = run.communicate(timeout=stop_after_s)
+    except subprocess.TimeoutExpired:
+        run.send_signal(signal.SIGTERM)
+        stdout, stderr = run.communicate(timeout=timeout_s)
+    if run.returncode not in (0, 128 + signal.SIGTERM):
+        return subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
+    devices = args.index("--devices")
+    resumed = args[:devices] + ["--devices", resume_devices] + args[devices + 2:] + ["--resume", "auto"]
+    again = _train(resumed, out, timeout_s)
+    return subprocess.CompletedProcess(again.args, again.returncode, stdout + again.stdout,
+                                       stderr + "\n--- resumed\n" + again.stderr)
 
 
 def _losses(out: Path) -> list[float]:
@@ -126,7 +161,13 @@ def main() -> int:
             if "--checkpoint-every" in exchange:
                 k_args += ["--checkpoint-dir", str(where / "ckpt")]
             row = {"n": n, "k": k, "shape": shape, "exchange": exchange}
-            run = _train(k_args, where / "k", args.timeout)
+            if rng.random() < 1 / 3:
+                if "--checkpoint-every" not in exchange:
+                    k_args += ["--checkpoint-every", "3", "--checkpoint-dir", str(where / "ckpt")]
+                row["stop_after_s"], row["resume_on"] = round(rng.uniform(3.0, 7.0), 1), rng.choice(["1", "cpu:2", "cpu:3"])
+                run = _stopped_and_resumed(k_args, where / "k", row["stop_after_s"], row["resume_on"], args.timeout)
+            else:
+                run = _train(k_args, where / "k", args.timeout)
             errors = [line for line in run.stderr.splitlines() if line.startswith("phalanx: error:")]
             if run.returncode == 2 and len(errors) == 1 and run.stderr.rstrip().endswith(errors[0]):
                 row.update(verdict="refused", said=errors[0])
@@ -158,8 +199,12 @@ def main() -> int:
                 (where / "stdout.txt").write_text(run.stdout + "\n--- stderr\n" + run.stderr)
             log.write(json.dumps(row) + "\n")
             log.flush()
-            print(f"{n:3d} k={k} {row['verdict']:7s} {format(row['worst_rel'], '9.2e') if 'worst_rel' in row else '':>9s}{' (rounding ' + format(row['rounding_rel'], '.1e') + ')' if 'rounding_rel' in row else ''} {row.get('worst', '')}  "
-                  f"{' '.join(shape + exchange)}" + (f"\n     {row['said']}" if "said" in row else ""), flush=True)
+            worst = format(row["worst_rel"], "9.2e") if "worst_rel" in row else ""
+            rounding = f" (rounding {row['rounding_rel']:.1e})" if "rounding_rel" in row else ""
+            print(f"{n:3d} k={k} {row['verdict']:7s} {worst:>9s}{rounding} {row.get('worst', '')}  "
+                  f"{' '.join(shape + exchange)}"
+                  + (f"  [SIGTERM at {row['stop_after_s']} s, resumed on {row['resume_on']}]" if "resume_on" in row else "")
+                  + (f"\n     {row['said']}" if "said" in row else ""), flush=True)
     print(f"{failed} of {args.runs} draws failed")
     return 1 if failed else 0
 

@@ -168,6 +168,7 @@ class TrainConfig:
                   (f" in --grad-accum {accum} micro-batches" if accum > 1 else "")
             fix = (f"use --train-examples {full * self.global_batch_size} (whole batches)" if size == last and full
                    else f"use --batch-size {2 * accum * (num_devices if per_rank else 1)} or more")
+            fix += ", or a smaller --grad-accum" if accum > 1 else ""
+            examples = "example" if smallest == 1 else "examples"
             raise ValueError(f"--model {self.model} normalizes each {unit} by its own statistics, which takes 2 or "
-                             f"more examples, and {which}{cut} leaves one of {smallest} example{'' if smallest == 1 else 's'}: {fix}"
-                             + (", or a smaller --grad-accum" if accum > 1 else ""))
+                             f"more examples, and {which}{cut} leaves one of {smallest} {examples}: {fix}")
