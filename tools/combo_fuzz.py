@@ -13,8 +13,8 @@ order stays near 1e-15). Where it does, 1 device is trained again with the other
 (other conv kernels, other rounding): a difference within 10x of what that alone makes is rounding
 amplified by training (Adam divides a BatchNorm-preceded bias's ~0 gradient by its own ~0 scale)
 and is recorded as "noise". A combination refused at the start (exit 2) must say why in one line;
-it is recorded, not failed. A third of the draws are stopped by SIGTERM a few seconds into the
-k-device run (every rank then saves the same step and exits 143) and resumed from that step with
+it is recorded, not failed. A third of the draws are stopped by SIGTERM up to a second after the
+k-device run's first checkpoint (every rank then saves the same step and exits 143) and resumed from that step with
 `--resume auto` on 1, 2 or 3 workers: the resumed run must end where the uninterrupted 1-device
 run ends. Every draw's command lines, verdict and output go to `<out>/draws.jsonl` and a failure's
 logs to `<out>/<n>/`. Exit 1 when any draw failed.
@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -90,16 +91,21 @@ def _train(args: list[str], out: Path, timeout_s: float) -> subprocess.Completed
     return subprocess.run(PHALANX + args + _common(out), capture_output=True, text=True, timeout=timeout_s)
 
 
-def _stopped_and_resumed(args: list[str], out: Path, stop_after_s: float, resume_devices: str,
-                         timeout_s: float) -> subprocess.CompletedProcess:
-    """Run `args`, SIGTERM it after `stop_after_s` (it saves a step and exits 143; one that ended
-    before is left alone), then resume it from its checkpoint on `resume_devices`."""
+def _stopped_and_resumed(args: list[str], out: Path, checkpoints: Path, stop_after_s: float, resume_devices: str,
+                         timeout_s: float, row: dict) -> subprocess.CompletedProcess:
+    """Run `args`, SIGTERM it `stop_after_s` after its first checkpoint appears in `checkpoints` (it
+    saves a step and exits 143; one that ended before is left alone), then resume it from its
+    checkpoint on `resume_devices`. `row` records the first run's exit and its stop line."""
     run = subprocess.Popen(PHALANX + args + _common(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        stdout, stderr = run.communicate(timeout=stop_after_s)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + timeout_s
+    while run.poll() is None and not (checkpoints / "checkpoint.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(stop_after_s)
+    if run.poll() is None:
         run.send_signal(signal.SIGTERM)
-        stdout, stderr = run.communicate(timeout=timeout_s)
+    stdout, stderr = run.communicate(timeout=timeout_s)
+    row["first_exit"] = run.returncode
+    row["stop_line"] = next((line for line in stderr.splitlines() if "stopped by SIGTERM" in line), None)
     if run.returncode not in (0, 128 + signal.SIGTERM):
         return subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
     devices = args.index("--devices")
@@ -164,8 +170,9 @@ def main() -> int:
             if rng.random() < 1 / 3:
                 if "--checkpoint-every" not in exchange:
                     k_args += ["--checkpoint-every", "3", "--checkpoint-dir", str(where / "ckpt")]
-                row["stop_after_s"], row["resume_on"] = round(rng.uniform(3.0, 7.0), 1), rng.choice(["1", "cpu:2", "cpu:3"])
-                run = _stopped_and_resumed(k_args, where / "k", row["stop_after_s"], row["resume_on"], args.timeout)
+                row["stop_after_s"], row["resume_on"] = round(rng.uniform(0.0, 1.0), 2), rng.choice(["1", "cpu:2", "cpu:3"])
+                run = _stopped_and_resumed(k_args, where / "k", where / "ckpt", row["stop_after_s"], row["resume_on"],
+                                           args.timeout, row)
             else:
                 run = _train(k_args, where / "k", args.timeout)
             errors = [line for line in run.stderr.splitlines() if line.startswith("phalanx: error:")]
@@ -203,7 +210,8 @@ def main() -> int:
             rounding = f" (rounding {row['rounding_rel']:.1e})" if "rounding_rel" in row else ""
             print(f"{n:3d} k={k} {row['verdict']:7s} {worst:>9s}{rounding} {row.get('worst', '')}  "
                   f"{' '.join(shape + exchange)}"
-                  + (f"  [SIGTERM at {row['stop_after_s']} s, resumed on {row['resume_on']}]" if "resume_on" in row else "")
+                  + (f"\n     [{row.get('stop_line') or 'not stopped: it ended first'}; resumed on {row['resume_on']}]"
+                     if "resume_on" in row else "")
                   + (f"\n     {row['said']}" if "said" in row else ""), flush=True)
     print(f"{failed} of {args.runs} draws failed")
     return 1 if failed else 0
