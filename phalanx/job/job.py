@@ -67,20 +67,21 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     tracer = None if config.trace_dir is None else Tracer(rank=world.rank, world_size=world.world_size,
                                                           steps_per_epoch=config.trace_steps)
     strategy = build_strategy(config, model, world=world, num_classes=data.num_classes, tracer=tracer)
-    try:
-        # Armed where a stop can be saved: the first SIGTERM (or Ctrl-C) then ends the run after a step, saved there.
-        with stop_request.armed(enabled=config.checkpoint_location is not None,
-                                signals=(signal.SIGTERM, signal.SIGINT)):
+    # Armed where a stop can be saved: the first SIGTERM (or Ctrl-C) then ends the run after a step, saved
+    # there. Through close() too, whose replica check is a collective: a stop that comes after the last step
+    # lets every rank finish, where it killed the ranks that had left the armed part while a peer waited.
+    with stop_request.armed(enabled=config.checkpoint_location is not None, signals=(signal.SIGTERM, signal.SIGINT)):
+        try:
             result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
                           tracer=tracer)
-        if tracer is not None:
-            tracer.write(config.trace_dir)
-            if world.is_main:
-                log(format_summary(tracer.summary()))
-                log(f"traces in {config.trace_dir}/trace-rank*.json (open in https://ui.perfetto.dev)")
-        return result
-    finally:
-        strategy.close()  # stops a replica's communication thread before the launcher's stop_world
+        finally:
+            strategy.close()  # stops a replica's communication thread before the launcher's stop_world
+    if tracer is not None:
+        tracer.write(config.trace_dir)
+        if world.is_main:
+            log(format_summary(tracer.summary()))
+            log(f"traces in {config.trace_dir}/trace-rank*.json (open in https://ui.perfetto.dev)")
+    return result
 
 
 def run_facts(config: TrainConfig, *, dataset: str) -> dict[str, Any]:

@@ -246,3 +246,44 @@ def test_the_launchers_store_listens_on_loopback_only(monkeypatch):
     addresses = launch(listening_addresses_of_the_launcher, spec=_spec(2))[0]
     assert addresses, "the launcher hosts the run's store: it listens on something"
     assert set(addresses) == {"0100007F"}, addresses  # 127.0.0.1 in /proc's hex
+
+
+# Rank 0 finishes its step with the first SIGTERM held off (an armed `phalanx train`) and waits for
+# rank 1 in a collective; rank 1, past its armed part (in its last collectives, or a script's rank
+# that never armed), dies of that SIGTERM.
+ONE_RANK_HOLDS_THE_STOP = textwrap.dedent("""
+    import signal
+    import sys
+    import time
+    import phalanx
+
+    world = phalanx.init()
+    if world.rank == 0:
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    print(f"rank {world.rank} ready", flush=True)
+    if world.rank == 1:
+        time.sleep(3600)  # the launcher's SIGTERM ends it here
+    phalanx.barrier(world=world)
+""")
+
+
+def test_a_stop_that_kills_one_rank_while_its_peer_waits_is_a_stop_not_a_failure(tmp_path):
+    # Found by tools/combo_fuzz.py: a SIGTERM that reached `phalanx train` just after its last step
+    # ended in "worker rank 1 failed: died (signal SIGTERM)" and "rank 0 stopped too: PeerGone ...",
+    # exit 1, as if rank 1 had failed on its own; the launcher had sent that signal itself.
+    script = tmp_path / "holds.py"
+    script.write_text(ONE_RANK_HOLDS_THE_STOP)
+    proc = _start(["run", "--devices", "cpu:2", "--quiet", "--timeout", "60", str(script)], tmp_path)
+    try:
+        ready = []
+        while len(ready) < 2:
+            line = proc.stdout.readline()
+            assert line, proc.stderr.read()[-2000:]
+            ready += [line] if line.endswith("ready\n") else []
+        time.sleep(0.3)  # rank 0 in the barrier
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, stderr.strip().splitlines()[-1]) == (143, "phalanx: stopped by SIGTERM; every worker was stopped"), stderr[-2000:]
