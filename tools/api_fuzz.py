@@ -12,7 +12,9 @@ momentum and weight decay, Adam, AdamW) and the loop's habits (micro-batches thr
 epochs of an uneven global batch from `phalanx.ShardedLoader` on k in {2, 3} workers
 (`phalanx.launch`), and trains the same global batches in one process with torch alone (loss sum /
 global batch size, torch's own clipping). Every tensor of rank 0's final state must be within
-1e-9 of torch's, relative to the model's largest value; a failure prints the draw. BatchNorm with
+1e-9 of torch's, relative to the model's largest value; a failure prints the draw. A third of
+the draws stop at a drawn step, save with `phalanx.checkpoint`, and continue in a new launch on 1,
+2 or 3 workers from `phalanx.resume` (shards resharded across the worker counts). BatchNorm with
 micro-batches is left out: each rank cuts its own shard, so a micro-batch's statistics are not
 one device's (docs/api.md). Exit 1 when any draw failed.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +80,9 @@ def _model(draw: dict) -> Net:
     return Net(draw["model"]).double()
 
 
-def _worker(draw: dict) -> dict[str, torch.Tensor]:
+def _worker(draw: dict, location: str | None = None, stop_at: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """Train the draw; with `location`, resume from its checkpoint first, and with `stop_at` (epoch,
+    step) save there and leave, returning nothing."""
     world = phalanx.init()
     data = _data(draw)
     dp = phalanx.prepare(_model(draw), world=world, shard=draw["shard"], algorithm=draw["algorithm"],
@@ -86,8 +91,17 @@ def _worker(draw: dict) -> dict[str, torch.Tensor]:
     optimizer = (dp.optimizer(getattr(torch.optim, draw["optimizer"][0]), **settings) if draw["shard"] != "none"
                  else _optimizer(draw, dp.parameters()))
     loader = phalanx.ShardedLoader(data, world=world, global_batch_size=draw["batch"], seed=draw["seed"])
-    for epoch in range(2):
-        for (xb, yb), global_size in loader.epoch(epoch):
+    kept = dict(world=world, model=dp, optimizer=optimizer, global_batch_size=draw["batch"], seed=draw["seed"],
+                loader=loader)
+    start = phalanx.resume(location, **kept) if location is not None else None
+    for epoch in range(start.epoch if start else 0, 2):
+        for step, ((xb, yb), global_size) in enumerate(loader.epoch(epoch)):
+            if start is not None and epoch == start.epoch and step < start.step:
+                continue  # trained before the checkpoint
+            if (epoch, step) == stop_at:
+                phalanx.checkpoint(location, epoch=epoch, step=step, **kept)
+                dp.close()
+                return {}
             dp.zero_grad() if draw["zero_grad"] == "dp" else optimizer.zero_grad()
             for x, y in dp.accumulate(phalanx.split_batch(xb, yb, draw["accum"])):
                 phalanx.shard_loss(F.cross_entropy(dp(x), y, reduction="sum"), global_size).backward()
@@ -131,7 +145,10 @@ def _draw(rng: random.Random, seed: int) -> dict:
             "algorithm": rng.choice(["auto", "auto", "ring", "native"]), "overlap": rng.choice([None, True, False]),
             "bucket_cap_mb": rng.choice(["auto", 0.0005, None]),
             "accum": 1 if model == "batchnorm" else rng.choice([1, 1, 2, 3]),
-            "clip": rng.choice([None, None, 0.3]), "zero_grad": rng.choice(["dp", "optimizer"])}
+            "clip": rng.choice([None, None, 0.3]), "zero_grad": rng.choice(["dp", "optimizer"]),
+            # a third stop after a step of epoch 0 or 1, save with phalanx.checkpoint and resume on 1-3 workers
+            "stop_at": (rng.choice([0, 1]), rng.randrange(0, -(-examples // batch))) if rng.random() < 1 / 3 else None,
+            "resume_k": rng.choice([1, 2, 3])}
 
 
 def _worst(state: dict, reference: dict) -> tuple[float, str]:
@@ -162,7 +179,12 @@ def main() -> int:
     for n in range(args.runs):
         draw = _draw(rng, seed=1000 * args.seed + n)
         try:
-            state = phalanx.launch(_worker, draw, devices=f"cpu:{draw['k']}")[0]
+            if draw["stop_at"] is None:
+                state = phalanx.launch(_worker, draw, devices=f"cpu:{draw['k']}")[0]
+            else:  # stopped and saved on k workers, resumed on others
+                with tempfile.TemporaryDirectory() as location:
+                    phalanx.launch(_worker, draw, location, draw["stop_at"], devices=f"cpu:{draw['k']}")
+                    state = phalanx.launch(_worker, draw, location, devices=f"cpu:{draw['resume_k']}")[0]
             worst, name = _worst(state, _torch_alone(draw))
             verdict = "pass" if worst <= args.tolerance else "FAIL"
         except Exception as exc:  # a refusal or a crash: both are findings to read
