@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
+from state_diff import worst_difference  # tools/, beside this script
 
 FEATURES, CLASSES, VOCAB = 6, 4, 20
 
@@ -151,23 +152,6 @@ def _draw(rng: random.Random, seed: int) -> dict:
             "resume_k": rng.choice([1, 2, 3])}
 
 
-def _worst(state: dict, reference: dict) -> tuple[float, str]:
-    if set(state) != set(reference):
-        return float("inf"), f"keys differ: {sorted(set(state) ^ set(reference))}"
-    scale = max(v.abs().max().item() for v in reference.values() if v.is_floating_point() and v.numel())
-    worst, name = 0.0, ""
-    for key, ref in reference.items():
-        got = state[key].to(ref.device)
-        if not ref.is_floating_point():
-            if not torch.equal(got, ref):
-                return float("inf"), f"{key}: {got.tolist()} against {ref.tolist()}"
-            continue
-        diff = (got - ref).abs().max().item() / max(ref.abs().max().item(), 0.1 * scale)
-        if diff > worst:
-            worst, name = diff, key
-    return worst, name
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=40)
@@ -185,7 +169,7 @@ def main() -> int:
                 with tempfile.TemporaryDirectory() as location:
                     phalanx.launch(_worker, draw, location, draw["stop_at"], devices=f"cpu:{draw['k']}")
                     state = phalanx.launch(_worker, draw, location, devices=f"cpu:{draw['resume_k']}")[0]
-            worst, name = _worst(state, _torch_alone(draw))
+            worst, name = worst_difference(state, _torch_alone(draw))
             verdict = "pass" if worst <= args.tolerance else "FAIL"
         except Exception as exc:  # a refusal or a crash: both are findings to read
             worst, name, verdict = float("nan"), f"{type(exc).__name__}: {str(exc)[:300]}", "ERROR"

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from state_diff import worst_difference  # tools/, beside this script
+
 PHALANX = [sys.executable, "-m", "phalanx", "train"]
 
 # The job's shape: drawn per run, the same on k devices and on 1.
@@ -123,19 +125,9 @@ def _losses(out: Path) -> list[float]:
 def _compare(k_out: Path, one_out: Path) -> tuple[float, str]:
     """The largest difference of any saved tensor, relative to that tensor's largest |value| (floored
     at 0.1 of the model's largest), and the tensor's name."""
-    a, b = torch.load(k_out / "model.pt"), torch.load(one_out / "model.pt")
-    if set(a) != set(b):
-        return float("inf"), f"keys differ: {sorted(set(a) ^ set(b))}"
-    scale = max(v.abs().max().item() for v in b.values() if v.is_floating_point() and v.numel())
-    worst, name = 0.0, ""
-    for key, ref in b.items():
-        if not ref.is_floating_point():
-            if not torch.equal(a[key], ref):
-                return float("inf"), f"{key} (integer) differs"
-            continue
-        diff = (a[key] - ref).abs().max().item() / max(ref.abs().max().item(), 0.1 * scale, 1e-300)
-        if diff > worst:
-            worst, name = diff, key
+    worst, name = worst_difference(torch.load(k_out / "model.pt"), torch.load(one_out / "model.pt"))
+    if worst == float("inf"):
+        return worst, name
     la, lb = _losses(k_out), _losses(one_out)
     if len(la) != len(lb):
         return float("inf"), f"{len(la)} epochs of losses against {len(lb)}"
