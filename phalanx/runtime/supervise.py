@@ -294,11 +294,8 @@ def _stop_gently(stop: BaseException, procs, conns) -> BaseException:
     kinds = {report[0] for report in reports.values()}
     if not reports or (interrupt and "stopped" not in kinds):  # phalanx train saves on Ctrl-C too; a script not
         return stop
-    # A worker that failed while stopping (its save could not be written): that failure, not a stop. A
-    # death is the signal sent, and a peer's error that echoes it (PeerGone: a rank that held the signal
-    # off, armed, waited in a collective for one that died of it) is the stop too, not a failure.
-    failed = [rank for rank, report in sorted(reports.items())
-              if report[0] in ("failed", "usage")
+    # Failed while stopping (a save not written): a failure. A death of the signal sent, or a peer's echo: the stop.
+    failed = [rank for rank, report in sorted(reports.items()) if report[0] in ("failed", "usage")
               or (report[0] == "error" and not report[1].startswith("died") and not report[3])]
     if failed:
         return failure(reports, failed[0], None)
