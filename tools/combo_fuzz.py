@@ -16,14 +16,17 @@ and is recorded as "noise". A combination refused at the start (exit 2) must say
 it is recorded, not failed. A third of the draws are stopped by SIGTERM up to a second after the
 k-device run's first checkpoint (every rank then saves the same step and exits 143) and resumed from that step with
 `--resume auto` on 1, 2 or 3 workers: the resumed run must end where the uninterrupted 1-device
-run ends. Every draw's command lines, verdict and output go to `<out>/draws.jsonl` and a failure's
+run ends. A sixth have one worker SIGKILLed instead, under `--max-restarts 1`: the launcher's
+restart from the checkpoint must end there too. Every draw's command lines, verdict and output go to `<out>/draws.jsonl` and a failure's
 logs to `<out>/<n>/`. Exit 1 when any draw failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -117,6 +120,34 @@ def _stopped_and_resumed(args: list[str], out: Path, checkpoints: Path, stop_aft
                                        stderr + "\n--- resumed\n" + again.stderr)
 
 
+def _worker_killed(args: list[str], out: Path, checkpoints: Path, kill_after_s: float, timeout_s: float,
+                   row: dict, rng: random.Random) -> subprocess.CompletedProcess:
+    """Run `args` (with --max-restarts), SIGKILL one of its workers `kill_after_s` after its first
+    checkpoint, and let the launcher restart the workers from it. `row` records whom it killed."""
+    run = subprocess.Popen(PHALANX + args + _common(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    while run.poll() is None and not (checkpoints / "checkpoint.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(kill_after_s)
+    workers = [pid for server in _children(run.pid) for pid in _children(server)]  # the fork server's children
+    if run.poll() is None and workers:
+        row["killed"] = rng.choice(workers)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(row["killed"], signal.SIGKILL)
+    stdout, stderr = run.communicate(timeout=timeout_s)
+    row["restart_line"] = next((line for line in stderr.splitlines() if "restart" in line), None)
+    return subprocess.CompletedProcess(run.args, run.returncode, stdout, stderr)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
 def _losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [row["train_loss"] for row in rows if "train_loss" in row]
@@ -159,12 +190,17 @@ def main() -> int:
             if "--checkpoint-every" in exchange:
                 k_args += ["--checkpoint-dir", str(where / "ckpt")]
             row = {"n": n, "k": k, "shape": shape, "exchange": exchange}
-            if rng.random() < 1 / 3:
-                if "--checkpoint-every" not in exchange:
-                    k_args += ["--checkpoint-every", "3", "--checkpoint-dir", str(where / "ckpt")]
+            mode = rng.random()
+            if mode < 1 / 2 and "--checkpoint-every" not in exchange:
+                k_args += ["--checkpoint-every", "3", "--checkpoint-dir", str(where / "ckpt")]
+            if mode < 1 / 3:
                 row["stop_after_s"], row["resume_on"] = round(rng.uniform(0.0, 1.0), 2), rng.choice(["1", "cpu:2", "cpu:3"])
                 run = _stopped_and_resumed(k_args, where / "k", where / "ckpt", row["stop_after_s"], row["resume_on"],
                                            args.timeout, row)
+            elif mode < 1 / 2:
+                row["kill_after_s"] = round(rng.uniform(0.0, 1.0), 2)
+                run = _worker_killed(k_args + ["--max-restarts", "1"], where / "k", where / "ckpt", row["kill_after_s"],
+                                     args.timeout, row, rng)
             else:
                 run = _train(k_args, where / "k", args.timeout)
             errors = [line for line in run.stderr.splitlines() if line.startswith("phalanx: error:")]
@@ -204,6 +240,7 @@ def main() -> int:
                   f"{' '.join(shape + exchange)}"
                   + (f"\n     [{row.get('stop_line') or 'not stopped: it ended first'}; resumed on {row['resume_on']}]"
                      if "resume_on" in row else "")
+                  + (f"\n     [killed worker pid {row.get('killed')}: {row.get('restart_line')}]" if "kill_after_s" in row else "")
                   + (f"\n     {row['said']}" if "said" in row else ""), flush=True)
     print(f"{failed} of {args.runs} draws failed")
     return 1 if failed else 0
