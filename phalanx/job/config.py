@@ -147,11 +147,11 @@ class TrainConfig:
         check_split(self.split.kind, model=self.model, num_devices=num_devices, micro_batches=self.split.micro_batches,
                     global_batch_size=self.global_batch_size)
 
-    def check_batch_statistics(self, num_train: int, num_devices: int) -> None:
-        """A BatchNorm model normalizes every micro-batch by its own statistics, which torch refuses for
-        fewer than 2 examples: a run whose smallest one (often the epoch's last, smaller batch) would
-        hold fewer is refused before it trains, not at that batch."""
-        if self.split.kind != "data" or not has_batchnorm(build_model(self.model)):
+    def check_batch_statistics(self, num_train: int, num_devices: int, *, batchnorm: bool) -> None:
+        """A BatchNorm model (`batchnorm`: the model holds BatchNorm layers) normalizes every micro-batch
+        by its own statistics, which torch refuses for fewer than 2 examples: a run whose smallest one
+        (often the epoch's last, smaller batch) would hold fewer is refused before it trains, not at that batch."""
+        if self.split.kind != "data" or not batchnorm:
             return
         accum = self.data_parallel.grad_accum_steps
         per_rank = self.data_parallel.batchnorm == "local" and num_devices > 1  # else over the global micro-batch

@@ -26,7 +26,7 @@ import torch
 from phalanx.runtime.binding import describe as describe_cores, threads_note
 from phalanx.data import steps_per_epoch
 from phalanx.errors import UsageError
-from phalanx.models import build_model
+from phalanx.models import build_model, has_batchnorm
 from phalanx.data_parallel.guards.checks import model_fingerprint, preflight_check
 from phalanx.data_parallel.prepare import prepare_replica
 from phalanx.model_split.splits import build_split
@@ -55,15 +55,15 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     log = RankZeroLog(enabled=world.is_main)
     data = config.data.load(log=log)
     num_train = data.train_images.shape[0]
-    try:
-        config.check_batch_statistics(num_train, world.world_size)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
     if config.global_batch_size > num_train:  # accepted (one step per epoch), but rarely what was meant
         log(f"note: --batch-size {config.global_batch_size} is larger than the {num_train} training images, "
             f"so every step trains on all of them (one step per epoch); use --batch-size {num_train} or less")
     torch.manual_seed(config.seed)  # the same whole model on every rank; the broadcast makes it a guarantee
     model = build_model(config.model, init=config.init, num_classes=data.num_classes)
+    try:
+        config.check_batch_statistics(num_train, world.world_size, batchnorm=has_batchnorm(model))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     tracer = None if config.trace_dir is None else Tracer(rank=world.rank, world_size=world.world_size,
                                                           steps_per_epoch=config.trace_steps)
     strategy = build_strategy(config, model, world=world, num_classes=data.num_classes, tracer=tracer)

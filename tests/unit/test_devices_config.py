@@ -8,6 +8,7 @@ from phalanx.data.config import DataConfig
 from phalanx.data_parallel.config import DataParallelConfig
 from phalanx.job.config import TrainConfig
 from phalanx.job.optim import OptimizerConfig
+from phalanx.models import build_model, has_batchnorm
 from phalanx.runtime.launch_config import LaunchConfig
 
 
@@ -96,7 +97,7 @@ def test_batch_smaller_than_device_count():
 def test_a_batchnorm_micro_batch_of_fewer_than_two_examples_is_refused_before_training(kwargs, num_train, devices,
                                                                                       fragment):
     with pytest.raises(ValueError, match="^--model lenet-bn normalizes each ") as refused:
-        TrainConfig(model="lenet-bn", **kwargs).check_batch_statistics(num_train, devices)
+        TrainConfig(model="lenet-bn", **kwargs).check_batch_statistics(num_train, devices, batchnorm=True)
     assert fragment in str(refused.value)
 
 
@@ -107,4 +108,5 @@ def test_a_batchnorm_micro_batch_of_fewer_than_two_examples_is_refused_before_tr
     (dict(model="lenet-bn", global_batch_size=37, data_parallel=DataParallelConfig(grad_accum_steps=2)), 148, 2),
 ])
 def test_batchnorm_batches_of_two_or_more_and_models_without_batchnorm_pass(kwargs, num_train, devices):
-    TrainConfig(**kwargs).check_batch_statistics(num_train, devices)
+    config = TrainConfig(**kwargs)
+    config.check_batch_statistics(num_train, devices, batchnorm=has_batchnorm(build_model(config.model)))
