@@ -9,7 +9,13 @@ the batch as a plain `DataLoader` collates it (any Dataset, lazy ones included, 
 as usual: one DataLoader serves every epoch, so `persistent_workers=True` keeps its workers)
 and the size of the *global* batch it belongs to, which the loss needs (`phalanx.shard_loss`).
 A rank whose share of a tiny last batch is empty gets an empty batch of the right structure, so
-its forward/backward/gradient exchange still pair with its peers'.
+its forward/backward/gradient exchange still pair with its peers' (data/empty_batch.py).
+
+With `micro_batches=n` a step yields n micro-batches to accumulate instead of one batch, each
+collated on its own (there is no collated batch to cut afterwards): rank r reads the rows r, r+k,
+r+2k, ... of the global batch (`accumulation_rows`), so micro-batch j over the k ranks is exactly
+one device's contiguous micro-batch j. A synchronized BatchNorm then normalizes what one device
+normalizes, which a rank cutting its own contiguous shard into n pieces does not.
 
 A sampler of the user's (`sampler=`: a WeightedRandomSampler for imbalanced classes, a subset)
 gives the epoch's order instead of the permutation, cut into global batches the same way; one
@@ -35,57 +41,15 @@ handed here instead of its dataset.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 from torch.utils.data._utils.collate import default_collate
 
-from phalanx.data.split import Ranked, epoch_seed, global_batches, rank_shard, shard_bounds, steps_per_epoch
-
-
-_LEAVES = (str, bytes, int, float, bool, type(None))
-
-
-def empty_batch_like(batch: Any) -> Any:
-    """`batch` (one example collated) with every batch dimension cut to 0: each tensor or array to
-    0 rows (same dtypes, trailing shapes), a list or tuple of plain values or objects (a batch of
-    strings, as default_collate gives a text field; of images) to none; mappings (a Hugging Face
-    BatchEncoding too), dataclasses, named tuples and lists of fields keep their structure, and a
-    plain value among them (a count) stays. Any other object would be the example itself, a
-    phantom on a rank that holds none: TypeError."""
-    if isinstance(batch, torch.Tensor) or (getattr(batch, "ndim", 0) >= 1 and hasattr(batch, "__getitem__")):
-        return batch[:0]
-    if isinstance(batch, Mapping):
-        cut = {key: empty_batch_like(value) for key, value in batch.items()}
-        try:
-            return type(batch)(cut)
-        except TypeError:  # a mapping whose constructor takes no dict: its items as a plain one
-            return cut
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: empty_batch_like(getattr(batch, f.name))
-                                             for f in dataclasses.fields(batch) if f.init})
-    if isinstance(batch, (tuple, list)):
-        if hasattr(batch, "_fields"):  # a named tuple, as default_collate keeps it
-            return type(batch)(*(empty_batch_like(value) for value in batch))
-        if batch and not any(_is_structure(value) for value in batch):
-            return type(batch)()  # the example's own values, not fields: none of them here
-        return type(batch)(empty_batch_like(value) for value in batch)
-    if isinstance(batch, _LEAVES):
-        return batch
-    raise TypeError(f"a rank whose share of a global batch is empty gets an empty batch shaped like one example's, "
-                    f"and the collated batch holds a value of type {type(batch).__name__}, which phalanx cannot cut to "
-                    "no examples; have collate_fn return tensors, arrays, lists, dicts or dataclasses of them, or use "
-                    "a global batch size whose last batch has an example for every rank")
-
-
-def _is_structure(value: Any) -> bool:
-    """Whether `value` in a list is a field of a structure (a tensor, a container), not an example's value."""
-    return (isinstance(value, (torch.Tensor, Mapping, list, tuple)) or getattr(value, "ndim", 0) >= 1
-            or (dataclasses.is_dataclass(value) and not isinstance(value, type)))
+from phalanx.data.empty_batch import ShardCollate, empty_batch_like
+from phalanx.data.split import Ranked, epoch_seed, global_batches, rank_micro_batches, steps_per_epoch
 
 
 def _sampler_of(obj: Any) -> DistributedSampler | None:
@@ -127,24 +91,12 @@ def refuse_loader(obj: Any, what: str) -> None:
                          "(ShardedLoader's global_batch_size is the batch of all ranks: DDP's batch_size x world size)")
 
 
-class ShardCollate:
-    """The user's collate, plus an empty batch (shaped like example 0's) for an empty shard."""
-
-    def __init__(self, dataset: Dataset, collate_fn: Callable) -> None:
-        self.dataset, self.collate_fn = dataset, collate_fn
-
-    def __call__(self, items: list) -> Any:
-        if items:
-            return self.collate_fn(items)
-        return empty_batch_like(self.collate_fn([self.dataset[0]]))
-
-
 class ShardedLoader:
     """This rank's shards of a dataset's global batches; see the module docstring."""
 
     def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
                  shuffle: bool | None = None, sampler: Sampler | None = None, collate_fn: Callable | None = None,
-                 num_workers: int = 0, drop_last: bool = False, **loader_kwargs: Any) -> None:
+                 num_workers: int = 0, drop_last: bool = False, micro_batches: int = 1, **loader_kwargs: Any) -> None:
         """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching is this
         class's, so `batch_size` and `batch_sampler` are refused. `drop_last=True` leaves out each
         epoch's last global batch when it is smaller than the others (a BatchNorm model's batch of
@@ -154,7 +106,10 @@ class ShardedLoader:
         stream's own order for an IterableDataset). `sampler` (a WeightedRandomSampler, ...): its
         order each epoch, cut into global batches; one that draws from a `generator` is given one
         seeded by (seed, epoch), so every rank draws the same order, and one with `set_epoch` is told
-        the epoch."""
+        the epoch. `micro_batches=n` (n > 1): each step yields a list of n micro-batches to accumulate,
+        piece j over all ranks one device's contiguous micro-batch j (`rank_micro_batches`; fewer
+        where a global batch holds fewer than n examples), so a BatchNorm model accumulating on k
+        ranks normalizes what one device does."""
         refuse_loader(dataset, "ShardedLoader")
         taken = sorted({"batch_size", "batch_sampler"} & set(loader_kwargs))
         if taken:
@@ -167,6 +122,9 @@ class ShardedLoader:
                              f"use {world.world_size} or more")
         if seed < 0:
             raise ValueError(f"seed {seed} must be >= 0")
+        if not isinstance(micro_batches, int) or not 1 <= micro_batches <= global_batch_size:
+            raise ValueError(f"micro_batches={micro_batches!r} must be a whole number from 1 (no accumulation) to "
+                             f"global_batch_size ({global_batch_size}): the micro-batches each step is cut into")
         self.streams = isinstance(dataset, IterableDataset)
         if self.streams and drop_last:
             raise ValueError("ShardedLoader reads an IterableDataset to its end, as every rank must; drop "
@@ -191,7 +149,7 @@ class ShardedLoader:
                              f"{global_batch_size}; use a smaller global_batch_size or drop_last=False")
         self.drop_last = drop_last
         self.dataset, self.world = dataset, world
-        self.global_batch_size, self.seed = global_batch_size, seed
+        self.global_batch_size, self.seed, self.micro_batches = global_batch_size, seed, micro_batches
         self.shuffle = not self.streams and shuffle is not False  # a stream orders itself
         # Worker base seeds from (seed, epoch), not torch's RNG: a resumed epoch leaves dropout's draws as they were.
         self._generator = torch.Generator()
@@ -228,13 +186,16 @@ class ShardedLoader:
         if self.drop_last and batches[-1].numel() < self.global_batch_size:
             batches = batches[:-1]
         self._order_made(epoch, batches)
-        self._shards.now = [rank_shard(b, rank=self.world.rank, world_size=self.world.world_size).tolist()
-                            for b in batches]
+        cuts = [rank_micro_batches(b, rank=self.world.rank, world_size=self.world.world_size,
+                                   micro_batches=self.micro_batches) for b in batches]
+        self._shards.now = [piece.tolist() for pieces in cuts for piece in pieces]  # one DataLoader batch each
         if self._loader is None:  # one DataLoader for every epoch: persistent_workers=True keeps its workers
             self._loader = DataLoader(self.dataset, batch_sampler=self._shards, collate_fn=self.collate,
                                       num_workers=self.num_workers, **self.loader_kwargs)
-        for batch, indices in zip(self._loader, batches):
-            yield batch, indices.numel()
+        loaded = iter(self._loader)
+        for pieces, indices in zip(cuts, batches):
+            micro = [next(loaded) for _ in pieces]
+            yield micro if self.micro_batches > 1 else micro[0], indices.numel()
 
     def _sampler_order(self, epoch: int) -> torch.Tensor:
         """The user's sampler's order for `epoch`, the same on every rank where its draws are seeded
@@ -259,7 +220,7 @@ class ShardedLoader:
         if callable(set_epoch):
             set_epoch(epoch)
         yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
-                                 num_workers=self.num_workers, each_chunk=lambda index, items, last:
+                                 num_workers=self.num_workers, micro_batches=self.micro_batches, each_chunk=lambda index, items, last:
                                  self._chunk_read(epoch, index, items, last), **self.loader_kwargs)
 
     def _chunk_read(self, epoch: int, index: int, items: list, last: bool) -> None:
@@ -284,11 +245,13 @@ class _EpochShards:
 
 
 def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate_fn: Callable = default_collate,
-                  num_workers: int = 0, each_chunk: Callable[[int, list, bool], None] | None = None,
-                  **loader_kwargs: Any) -> Iterator[tuple[Any, int]]:
+                  num_workers: int = 0, micro_batches: int = 1,
+                  each_chunk: Callable[[int, list, bool], None] | None = None, **loader_kwargs: Any
+                  ) -> Iterator[tuple[Any, int]]:
     """A stream's items in order, `chunk` at a time (the last chunk what is left): this rank's
-    contiguous slice of each, collated, and the chunk's size. Every rank reads every item; an
-    empty slice is the chunk's first item collated and cut to 0 rows. `each_chunk(index, items,
+    contiguous slice of each, collated (or its `micro_batches` pieces, a list), and the chunk's
+    size. Every rank reads every item; an empty slice is the chunk's first item collated and cut to
+    0 rows. `each_chunk(index, items,
     last)` sees each chunk before anything of it is yielded, an empty stream's as `[]`, and whether
     the stream ends with it (one item is read ahead to know)."""
     items = iter(DataLoader(stream, batch_size=None, collate_fn=as_is, num_workers=num_workers, **loader_kwargs))
@@ -299,9 +262,9 @@ def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate
             each_chunk(index, batch, ahead is end)
         if not batch:
             return
-        start, stop = shard_bounds(len(batch), world.world_size, world.rank)
-        mine = collate_fn(batch[start:stop]) if stop > start else empty_batch_like(collate_fn(batch[:1]))
-        yield mine, len(batch)
+        mine = [collate_fn(piece) if piece else empty_batch_like(collate_fn(batch[:1])) for piece in
+                rank_micro_batches(batch, rank=world.rank, world_size=world.world_size, micro_batches=micro_batches)]
+        yield mine if micro_batches > 1 else mine[0], len(batch)
         if ahead is end:
             return
         batch = [ahead, *itertools.islice(items, chunk - 1)]

@@ -98,6 +98,16 @@ def accumulation_rows(total: int, world_size: int, rank: int, micro_batches: int
     return slice(rank, total, world_size), counts
 
 
+def rank_micro_batches(items: Sequence | torch.Tensor, *, rank: int, world_size: int, micro_batches: int) -> list:
+    """A rank's rows of the global batch `items` as `micro_batches` pieces to accumulate, laid out
+    by `accumulation_rows` (piece j over all ranks is one device's contiguous micro-batch j);
+    fewer pieces where the batch holds fewer items than `micro_batches`, so that no micro-batch is
+    empty on every rank (one rank's piece is empty where its micro-batch has fewer items than ranks)."""
+    rows, counts = accumulation_rows(len(items), world_size, rank, max(1, min(micro_batches, len(items))))
+    mine, stops = items[rows], list(itertools.accumulate(counts))
+    return [mine[start:stop] for start, stop in zip([0, *stops[:-1]], stops)]
+
+
 def steps_per_epoch(num_examples: int, global_batch_size: int) -> int:
     """Optimizer steps in one epoch: the last, smaller batch counts (it is not dropped)."""
     if global_batch_size < 1:

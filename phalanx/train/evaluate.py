@@ -34,7 +34,8 @@ from torch.utils.data._utils.collate import default_collate
 
 from phalanx.comm import Tag, all_reduce_sum_, native
 from phalanx.data import shard_bounds, to_float
-from phalanx.data.loader import ShardCollate, refuse_loader, stream_shards
+from phalanx.data.empty_batch import ShardCollate
+from phalanx.data.loader import refuse_loader, stream_shards
 from phalanx.data_parallel.sharding.gather_hooks import collective_forward
 from phalanx.data_parallel.guards.checks import check_replicas
 from phalanx.data_parallel.guards.replicas import check_replicas_agree, replica_of

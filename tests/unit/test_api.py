@@ -333,7 +333,7 @@ class _Encoding(collections.UserDict):
 
 
 def test_empty_batches_of_other_collated_structures():
-    from phalanx.data.loader import empty_batch_like
+    from phalanx.data.empty_batch import empty_batch_like
 
     cut = empty_batch_like(_Batch(ids=torch.ones(1, 3), texts=["one"]))
     assert isinstance(cut, _Batch) and cut.ids.shape == (0, 3) and cut.texts == []

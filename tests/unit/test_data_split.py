@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phalanx.data import EpochBatches, global_batches, rank_shard, shard_bounds, shard_sizes, split_batch, steps_per_epoch
-from phalanx.data.split import accumulation_rows
+from phalanx.data.split import accumulation_rows, rank_micro_batches
 from tests.unit.even_split import assert_even_split
 
 
@@ -199,3 +199,24 @@ def test_accumulation_rows_give_every_micro_batch_of_one_device_and_even_shares(
                                   -(-len(range(ends[j], ends[j + 1])) // world_size))
             over_ranks[j] += piece
     assert [sorted(rows) for rows in over_ranks] == [list(range(ends[j], ends[j + 1])) for j in range(micro_batches)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 300), world_size=st.integers(1, 8), micro_batches=st.integers(1, 6))
+def test_rank_micro_batches_over_the_ranks_are_one_devices_micro_batches(total, world_size, micro_batches):
+    """Piece j over all ranks is 1 device's contiguous micro-batch j, with min(n, total) pieces, so
+    none is empty on every rank; a list and a tensor are cut alike; one piece is the contiguous shard."""
+    items = list(range(100, 100 + total))
+    pieces = [rank_micro_batches(items, rank=r, world_size=world_size, micro_batches=micro_batches)
+              for r in range(world_size)]
+    device = rank_micro_batches(items, rank=0, world_size=1, micro_batches=micro_batches)
+    assert len(device) == min(micro_batches, total) and all(device)
+    assert [len(p) for p in device] == shard_sizes(total, len(device))
+    assert sum(device, []) == items  # one device's pieces are contiguous, in order
+    for j, piece in enumerate(device):
+        assert sorted(sum((mine[j] for mine in pieces), [])) == piece
+    as_tensor = rank_micro_batches(torch.tensor(items), rank=world_size - 1, world_size=world_size,
+                                   micro_batches=micro_batches)
+    assert [p.tolist() for p in as_tensor] == pieces[-1]
+    if micro_batches == 1:
+        assert all(mine == [rank_shard(items, rank=r, world_size=world_size)] for r, mine in enumerate(pieces))
