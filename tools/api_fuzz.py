@@ -8,15 +8,17 @@ Each draw builds a small float64 model (a plain MLP, one with BatchNorm, a layer
 frozen layer, a parameter no forward uses, an embedding of token ids), picks `prepare`'s options
 (`shard=`, `algorithm=`, `overlap=`, `bucket_cap_mb=`), the optimizer (SGD with or without
 momentum and weight decay, Adam, AdamW) and the loop's habits (micro-batches through
-`dp.accumulate`, clipping by the global norm, `dp.zero_grad()` or the optimizer's), trains two
-epochs of an uneven global batch from `phalanx.ShardedLoader` on k in {2, 3} workers
-(`phalanx.launch`), and trains the same global batches in one process with torch alone (loss sum /
-global batch size, torch's own clipping). Every tensor of rank 0's final state must be within
+`dp.accumulate`, cut from each rank's shard or handed out by `ShardedLoader(micro_batches=n)`,
+clipping by the global norm, `dp.zero_grad()` or the optimizer's), trains two epochs of an
+uneven global batch from `phalanx.ShardedLoader` on k in {2, 3} workers (`phalanx.launch`), and
+trains the same global batches in one process with torch alone (loss sum / global batch size,
+torch's own clipping). Every tensor of rank 0's final state must be within
 1e-9 of torch's, relative to the model's largest value; a failure prints the draw. A third of
 the draws stop at a drawn step, save with `phalanx.checkpoint`, and continue in a new launch on 1,
 2 or 3 workers from `phalanx.resume` (shards resharded across the worker counts). BatchNorm with
-micro-batches is left out: each rank cuts its own shard, so a micro-batch's statistics are not
-one device's (docs/api.md). Exit 1 when any draw failed.
+micro-batches takes them from the loader (a rank's own shard cut into pieces does not normalize one
+device's micro-batch: docs/api.md), every micro-batch of 2 or more examples. Exit 1 when any draw
+failed.
 """
 
 from __future__ import annotations
@@ -91,12 +93,13 @@ def _worker(draw: dict, location: str | None = None, stop_at: tuple[int, int] | 
     settings = draw["optimizer"][1]
     optimizer = (dp.optimizer(getattr(torch.optim, draw["optimizer"][0]), **settings) if draw["shard"] != "none"
                  else _optimizer(draw, dp.parameters()))
-    loader = phalanx.ShardedLoader(data, world=world, global_batch_size=draw["batch"], seed=draw["seed"])
+    loader = phalanx.ShardedLoader(data, world=world, global_batch_size=draw["batch"], seed=draw["seed"],
+                                   micro_batches=draw["accum"] if draw["pieces"] == "loader" else None)
     kept = dict(world=world, model=dp, optimizer=optimizer, global_batch_size=draw["batch"], seed=draw["seed"],
                 loader=loader)
     start = phalanx.resume(location, **kept) if location is not None else None
     for epoch in range(start.epoch if start else 0, 2):
-        for step, ((xb, yb), global_size) in enumerate(loader.epoch(epoch)):
+        for step, (batch, global_size) in enumerate(loader.epoch(epoch)):
             if start is not None and epoch == start.epoch and step < start.step:
                 continue  # trained before the checkpoint
             if (epoch, step) == stop_at:
@@ -104,7 +107,8 @@ def _worker(draw: dict, location: str | None = None, stop_at: tuple[int, int] | 
                 dp.close()
                 return {}
             dp.zero_grad() if draw["zero_grad"] == "dp" else optimizer.zero_grad()
-            for x, y in dp.accumulate(phalanx.split_batch(xb, yb, draw["accum"])):
+            pieces = batch if draw["pieces"] == "loader" else phalanx.split_batch(*batch, draw["accum"])
+            for x, y in dp.accumulate(pieces):
                 phalanx.shard_loss(F.cross_entropy(dp(x), y, reduction="sum"), global_size).backward()
             dp.finish_gradient_sync()
             if draw["clip"] is not None:
@@ -140,12 +144,17 @@ def _draw(rng: random.Random, seed: int) -> dict:
     examples, batch = rng.choice([40, 61]), rng.choice([7, 13, 29])
     if model == "batchnorm" and examples % batch == 1:  # torch cannot normalize a last batch of one
         examples += 1
+    accum, pieces = rng.choice([1, 1, 2, 3]), rng.choice(["own", "loader"])
+    if model == "batchnorm" and accum > 1:  # one device's micro-batches, from the loader, 2 examples or more each
+        pieces = "loader"
+        if min(batch, examples % batch or batch) // accum < 2:
+            accum = 1
     return {"seed": seed, "model": model, "optimizer": optimizer, "k": rng.choice([2, 3]),
             "examples": examples, "batch": batch,
             "shard": rng.choice(["none", "none", "optimizer", "gradients", "parameters"]),
             "algorithm": rng.choice(["auto", "auto", "ring", "native"]), "overlap": rng.choice([None, True, False]),
             "bucket_cap_mb": rng.choice(["auto", 0.0005, None]),
-            "accum": 1 if model == "batchnorm" else rng.choice([1, 1, 2, 3]),
+            "accum": accum, "pieces": pieces,
             "clip": rng.choice([None, None, 0.3]), "zero_grad": rng.choice(["dp", "optimizer"]),
             # a third stop after a step of epoch 0 or 1, save with phalanx.checkpoint and resume on 1-3 workers
             "stop_at": (rng.choice([0, 1]), rng.randrange(0, -(-examples // batch))) if rng.random() < 1 / 3 else None,

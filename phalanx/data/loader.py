@@ -11,7 +11,7 @@ and the size of the *global* batch it belongs to, which the loss needs (`phalanx
 A rank whose share of a tiny last batch is empty gets an empty batch of the right structure, so
 its forward/backward/gradient exchange still pair with its peers' (data/empty_batch.py).
 
-With `micro_batches=n` a step yields n micro-batches to accumulate instead of one batch, each
+With `micro_batches=n` a step yields a list of n micro-batches to accumulate, not one batch, each
 collated on its own (there is no collated batch to cut afterwards): rank r reads the rows r, r+k,
 r+2k, ... of the global batch (`accumulation_rows`), so micro-batch j over the k ranks is exactly
 one device's contiguous micro-batch j. A synchronized BatchNorm then normalizes what one device
@@ -96,7 +96,8 @@ class ShardedLoader:
 
     def __init__(self, dataset: Dataset, *, world: Ranked, global_batch_size: int, seed: int = 0,
                  shuffle: bool | None = None, sampler: Sampler | None = None, collate_fn: Callable | None = None,
-                 num_workers: int = 0, drop_last: bool = False, micro_batches: int = 1, **loader_kwargs: Any) -> None:
+                 num_workers: int = 0, drop_last: bool = False, micro_batches: int | None = None,
+                 **loader_kwargs: Any) -> None:
         """`loader_kwargs` go to each epoch's `DataLoader` (pin_memory, ...); batching is this
         class's, so `batch_size` and `batch_sampler` are refused. `drop_last=True` leaves out each
         epoch's last global batch when it is smaller than the others (a BatchNorm model's batch of
@@ -106,7 +107,7 @@ class ShardedLoader:
         stream's own order for an IterableDataset). `sampler` (a WeightedRandomSampler, ...): its
         order each epoch, cut into global batches; one that draws from a `generator` is given one
         seeded by (seed, epoch), so every rank draws the same order, and one with `set_epoch` is told
-        the epoch. `micro_batches=n` (n > 1): each step yields a list of n micro-batches to accumulate,
+        the epoch. `micro_batches=n`: each step yields a list of n micro-batches to accumulate (n = 1 too),
         piece j over all ranks one device's contiguous micro-batch j (`rank_micro_batches`; fewer
         where a global batch holds fewer than n examples), so a BatchNorm model accumulating on k
         ranks normalizes what one device does."""
@@ -122,7 +123,8 @@ class ShardedLoader:
                              f"use {world.world_size} or more")
         if seed < 0:
             raise ValueError(f"seed {seed} must be >= 0")
-        if not isinstance(micro_batches, int) or not 1 <= micro_batches <= global_batch_size:
+        if micro_batches is not None and (not isinstance(micro_batches, int) or isinstance(micro_batches, bool)
+                                          or not 1 <= micro_batches <= global_batch_size):
             raise ValueError(f"micro_batches={micro_batches!r} must be a whole number from 1 (no accumulation) to "
                              f"global_batch_size ({global_batch_size}): the micro-batches each step is cut into")
         self.streams = isinstance(dataset, IterableDataset)
@@ -187,7 +189,7 @@ class ShardedLoader:
             batches = batches[:-1]
         self._order_made(epoch, batches)
         cuts = [rank_micro_batches(b, rank=self.world.rank, world_size=self.world.world_size,
-                                   micro_batches=self.micro_batches) for b in batches]
+                                   micro_batches=self.micro_batches or 1) for b in batches]
         self._shards.now = [piece.tolist() for pieces in cuts for piece in pieces]  # one DataLoader batch each
         if self._loader is None:  # one DataLoader for every epoch: persistent_workers=True keeps its workers
             self._loader = DataLoader(self.dataset, batch_sampler=self._shards, collate_fn=self.collate,
@@ -195,7 +197,7 @@ class ShardedLoader:
         loaded = iter(self._loader)
         for pieces, indices in zip(cuts, batches):
             micro = [next(loaded) for _ in pieces]
-            yield micro if self.micro_batches > 1 else micro[0], indices.numel()
+            yield micro if self.micro_batches is not None else micro[0], indices.numel()
 
     def _sampler_order(self, epoch: int) -> torch.Tensor:
         """The user's sampler's order for `epoch`, the same on every rank where its draws are seeded
@@ -220,7 +222,8 @@ class ShardedLoader:
         if callable(set_epoch):
             set_epoch(epoch)
         yield from stream_shards(self.dataset, self.global_batch_size, world=self.world, collate_fn=self.collate_fn,
-                                 num_workers=self.num_workers, micro_batches=self.micro_batches, each_chunk=lambda index, items, last:
+                                 num_workers=self.num_workers, micro_batches=self.micro_batches,
+                                 each_chunk=lambda index, items, last:
                                  self._chunk_read(epoch, index, items, last), **self.loader_kwargs)
 
     def _chunk_read(self, epoch: int, index: int, items: list, last: bool) -> None:
@@ -245,7 +248,7 @@ class _EpochShards:
 
 
 def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate_fn: Callable = default_collate,
-                  num_workers: int = 0, micro_batches: int = 1,
+                  num_workers: int = 0, micro_batches: int | None = None,
                   each_chunk: Callable[[int, list, bool], None] | None = None, **loader_kwargs: Any
                   ) -> Iterator[tuple[Any, int]]:
     """A stream's items in order, `chunk` at a time (the last chunk what is left): this rank's
@@ -262,9 +265,10 @@ def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate
             each_chunk(index, batch, ahead is end)
         if not batch:
             return
-        mine = [collate_fn(piece) if piece else empty_batch_like(collate_fn(batch[:1])) for piece in
-                rank_micro_batches(batch, rank=world.rank, world_size=world.world_size, micro_batches=micro_batches)]
-        yield mine if micro_batches > 1 else mine[0], len(batch)
+        pieces = rank_micro_batches(batch, rank=world.rank, world_size=world.world_size,
+                                    micro_batches=micro_batches or 1)
+        mine = [collate_fn(piece) if piece else empty_batch_like(collate_fn(batch[:1])) for piece in pieces]
+        yield mine if micro_batches is not None else mine[0], len(batch)
         if ahead is end:
             return
         batch = [ahead, *itertools.islice(items, chunk - 1)]

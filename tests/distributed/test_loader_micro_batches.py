@@ -31,7 +31,8 @@ EXAMPLES, GLOBAL_BATCH, EPOCHS, SEED = 44, 13, 2, 5
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(11)
-    return torch.randn(EXAMPLES, 2, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (EXAMPLES,), generator=g)
+    X = torch.randn(EXAMPLES, 2, 6, 6, generator=g, dtype=torch.float64)
+    return X, torch.randint(0, 3, (EXAMPLES,), generator=g)
 
 
 class _Stream(IterableDataset):

@@ -38,11 +38,13 @@ def test_each_steps_pieces_over_the_ranks_are_one_devices_contiguous_micro_batch
     assert ranks[1][-1][0][0][0].dtype == torch.float64  # an empty piece keeps the batch's structure
 
 
-def test_one_micro_batch_is_the_plain_loader():
+def test_one_micro_batch_is_a_list_of_the_plain_loaders_batch():
+    """A loop written for `micro_batches=args.accum` takes a list at 1 too; without the argument, the batch."""
     data = TensorDataset(torch.arange(12.0).unsqueeze(1), torch.arange(12))
     plain = list(phalanx.ShardedLoader(data, world=world(1, 2), global_batch_size=5).epoch(0))
     once = list(phalanx.ShardedLoader(data, world=world(1, 2), global_batch_size=5, micro_batches=1).epoch(0))
-    assert [(_labels(b), g) for b, g in plain] == [(_labels(b), g) for b, g in once]
+    assert all(isinstance(pieces, list) and len(pieces) == 1 for pieces, _ in once)
+    assert [(_labels(b), g) for b, g in plain] == [(_labels(pieces[0]), g) for pieces, g in once]
 
 
 class _Stream(IterableDataset):
@@ -69,7 +71,7 @@ def test_a_streams_pieces_over_the_ranks_are_one_devices_micro_batches(k):
             assert all(ranks[r][step][0][j]["x"].shape[1:] == (2,) for r in range(k))
 
 
-@pytest.mark.parametrize("value", [0, -1, 2.5, 9])
+@pytest.mark.parametrize("value", [0, -1, 2.5, 9, True])
 def test_micro_batches_outside_one_to_the_global_batch_is_one_line(value):
     data = TensorDataset(torch.zeros(20, 1))
     with pytest.raises(ValueError, match=rf"micro_batches={value} must be a whole number from 1 \(no accumulation\) to "
