@@ -27,11 +27,11 @@ class InputDtypeMismatch(UsageError, RuntimeError):
     """A floating input whose dtype the model's forward cannot take (a RuntimeError, as torch's was)."""
 
 
-def input_dtype_mismatch(exc: RuntimeError, inputs: Iterable[Any], module: nn.Module,
+def input_dtype_mismatch(exc: Exception, inputs: Iterable[Any], module: nn.Module,
                          autocast: tuple[str, torch.dtype] | None) -> InputDtypeMismatch | None:
     """The one-line error for `exc`, raised by `module`'s forward on `inputs` (the positional and
     keyword arguments' values), where it is an input dtype's (see the module docstring); else None."""
-    if "type" not in str(exc).lower():
+    if not isinstance(exc, RuntimeError) or "type" not in str(exc).lower():
         return None
     weights = {p.dtype for p in module.parameters() if p.is_floating_point()}
     if len(weights) != 1:

@@ -18,8 +18,8 @@ model unfit to be a replica (unfit.py, checked by `placed`). `forward` may run u
 floating outputs come back float32 in their own containers (a Hugging Face `ModelOutput` is still read as
 `out.logits`). While `capturing()`, a CUDA graph records a one-device step. The first forward under `auto`'s
 channels_last is a trial (format_fallback.py). DDP's own face carries over: `require_backward_grad_sync` (nanoGPT
-sets it per micro-batch) is `no_sync()`'s switch; DDP's methods phalanx has no use for (`register_comm_hook`,
-`join`, ...) are one AttributeError naming phalanx's way.
+sets it per micro-batch) is `no_sync()`'s switch; DDP's methods phalanx has no use for (`join`, ...) are an
+AttributeError naming phalanx's way; a forward failing on its inputs' dtype or a whole batch, one line (whole_batch.py).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from phalanx.data_parallel.guards.replicas import ReplicaCheck
 from phalanx.data_parallel.input_dtype import input_dtype_mismatch
 from phalanx.data_parallel.sharding.gathered import gathered_parameters
 from phalanx.data_parallel.unfit import refuse_unfit
+from phalanx.data_parallel.whole_batch import whole_batch_passed
 from phalanx.data_parallel.widen import widened
 from phalanx.errors import Misuse, UsageError
 from phalanx.runtime.foreign_names import REPLICA_NAMES, replica_name_error
@@ -74,9 +75,8 @@ class ReplicaModule(nn.Module):
     world: World
     _scheduler: Any = None  # overlap.py's OverlapScheduler while exchanging, else None
     _usage: Any = None  # usage.py's ParameterUsage while exchanging, else None
-    # torch.compile(dp): its wrapper's zero_grad() is nn.Module's, which sets .grad to None; taken back
-    # into the buckets at the next landing (usage.py), except on a sharded replica, whose refusal names
-    # this (noted here, where the compiler traces).
+    # torch.compile(dp): its wrapper's zero_grad() (nn.Module's) sets .grad to None; back into the buckets at the next
+    # landing (usage.py), but on a sharded replica, whose refusal names this (noted here, where the compiler traces).
     compiled_after_prepare = False
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -146,10 +146,11 @@ class ReplicaModule(nn.Module):
             self._layout.before_forward((*args, *kwargs.values()))  # examples noted; a sum carried without zero_grad kept once (carry.py)
         try:
             return self._format.forward(self._forward, *args, **kwargs)  # auto's channels_last tried (format_fallback.py)
-        except RuntimeError as exc:  # a float32 batch into prepare(dtype="float64")'s model: one line (input_dtype.py)
-            if (mismatch := input_dtype_mismatch(exc, (*args, *kwargs.values()), self.module, self.autocast)) is None:
+        except (RuntimeError, TypeError, AttributeError) as exc:  # one line each: input_dtype.py, whole_batch.py
+            named = input_dtype_mismatch(exc, (*args, *kwargs.values()), self.module, self.autocast)
+            if (named := named or whole_batch_passed(exc, args)) is None:
                 raise
-            raise mismatch from exc
+            raise named from exc
 
     def _forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.autocast is None:
