@@ -10,7 +10,8 @@ frozen layer, a parameter no forward uses, an embedding of token ids), picks `pr
 momentum and weight decay, Adam, AdamW) and the loop's habits (micro-batches through
 `dp.accumulate`, cut from each rank's shard or handed out by `ShardedLoader(micro_batches=n)`,
 clipping by the global norm, `dp.zero_grad()` or the optimizer's), trains two epochs of an
-uneven global batch from `phalanx.ShardedLoader` on k in {2, 3} workers (`phalanx.launch`), and
+uneven global batch from `phalanx.ShardedLoader` (a map-style dataset or a stream, with or
+without loader workers) on k in {2, 3} workers (`phalanx.launch`), and
 trains the same global batches in one process with torch alone (loss sum / global batch size,
 torch's own clipping). Every tensor of rank 0's final state must be within
 1e-9 of torch's, relative to the model's largest value; a failure prints the draw. A third of
@@ -73,6 +74,19 @@ def _data(draw: dict) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, torch.randint(0, CLASSES, (n,), generator=g))
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """The draw's examples as a stream in index order; loader workers each yield every n-th item,
+    which DataLoader's round robin puts back in order."""
+
+    def __init__(self, data: torch.utils.data.TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return (self.data[i] for i in range(start, len(self.data), step))
+
+
 def _optimizer(draw: dict, params):
     name, settings = draw["optimizer"]
     return getattr(torch.optim, name)(params, **settings)
@@ -87,14 +101,15 @@ def _worker(draw: dict, location: str | None = None, stop_at: tuple[int, int] | 
     """Train the draw; with `location`, resume from its checkpoint first, and with `stop_at` (epoch,
     step) save there and leave, returning nothing."""
     world = phalanx.init()
-    data = _data(draw)
+    data = _data(draw) if draw["data"] == "map" else _Stream(_data(draw))
     dp = phalanx.prepare(_model(draw), world=world, shard=draw["shard"], algorithm=draw["algorithm"],
                          overlap=draw["overlap"], bucket_cap_mb=draw["bucket_cap_mb"])
     settings = draw["optimizer"][1]
     optimizer = (dp.optimizer(getattr(torch.optim, draw["optimizer"][0]), **settings) if draw["shard"] != "none"
                  else _optimizer(draw, dp.parameters()))
     loader = phalanx.ShardedLoader(data, world=world, global_batch_size=draw["batch"], seed=draw["seed"],
-                                   micro_batches=draw["accum"] if draw["pieces"] == "loader" else None)
+                                   micro_batches=draw["accum"] if draw["pieces"] == "loader" else None,
+                                   num_workers=draw["workers"])
     kept = dict(world=world, model=dp, optimizer=optimizer, global_batch_size=draw["batch"], seed=draw["seed"],
                 loader=loader)
     start = phalanx.resume(location, **kept) if location is not None else None
@@ -125,7 +140,9 @@ def _torch_alone(draw: dict) -> dict[str, torch.Tensor]:
     model = _model(draw)
     optimizer = _optimizer(draw, [p for p in model.parameters() if p.requires_grad])
     for epoch in range(2):
-        for batch in phalanx.global_batches(len(data), draw["batch"], seed=draw["seed"], epoch=epoch):
+        order = (phalanx.global_batches(len(data), draw["batch"], seed=draw["seed"], epoch=epoch)
+                 if draw["data"] == "map" else torch.arange(len(data)).split(draw["batch"]))
+        for batch in order:
             xb, yb = data[batch]
             optimizer.zero_grad()
             for x, y in zip(torch.tensor_split(xb, draw["accum"]), torch.tensor_split(yb, draw["accum"])):
@@ -158,7 +175,8 @@ def _draw(rng: random.Random, seed: int) -> dict:
             "clip": rng.choice([None, None, 0.3]), "zero_grad": rng.choice(["dp", "optimizer"]),
             # a third stop after a step of epoch 0 or 1, save with phalanx.checkpoint and resume on 1-3 workers
             "stop_at": (rng.choice([0, 1]), rng.randrange(0, -(-examples // batch))) if rng.random() < 1 / 3 else None,
-            "resume_k": rng.choice([1, 2, 3])}
+            "resume_k": rng.choice([1, 2, 3]), "data": rng.choice(["map", "map", "stream"]),
+            "workers": rng.choice([0, 0, 2])}
 
 
 def main() -> int:
