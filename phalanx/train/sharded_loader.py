@@ -18,10 +18,12 @@ one allreduce of 2 x k numbers a batch: a difference stops every rank with the s
 
 A map-style dataset's order is computed alike on every rank, unless the script made it differ: a
 dataset already cut by rank (Horovod's habit: `Subset(full, range(rank, n, k))`, files split by
-rank) trains on 1/k of the data, and a sampler drawing from unseeded numpy or Python RNG orders
-each rank's epoch differently. So at the loader's first epoch the ranks gather, once, the
-dataset's length, a CRC of the epoch's whole index order and the identities of the first global
-batch's first `PROBE_ITEMS` items (read where the loader reads, with the RNG states set aside and
+rank) trains on 1/k of the data, a `random_split` drawn after a per-rank seed (`torch.manual_seed(
+seed + rank)`, for augmentation) gives each rank other examples, and a sampler drawing from
+unseeded numpy or Python RNG orders each rank's epoch differently. So at the loader's first epoch
+the ranks gather, once, the dataset's length, a CRC of the epoch's whole index order, one of its
+Subsets' indices (which sees a split of float targets, where labels cannot) and the identities of
+the first global batch's first `PROBE_ITEMS` items (read where the loader reads, with the RNG states set aside and
 put back, so the run's draws are untouched: 8 reads once on each rank, outside its own shards).
 Any difference is certain, so every rank raises the same UsageError naming the cause and the fix
 before a step is trained. Neither check runs in a world of one, nor for a stand-in for the world
@@ -39,7 +41,7 @@ import numpy as np
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from phalanx.comm.calls import native
 from phalanx.comm.gather import gather
@@ -140,12 +142,21 @@ class ShardedLoader(LocalShardedLoader):
         finally:
             set_rng_state(saved)
         size = len(self.dataset) if hasattr(self.dataset, "__len__") else -1  # a sampler's dataset may have none
-        mine = torch.tensor([[size, count, checksum, zlib.crc32(order)]], dtype=torch.int64)
+        mine = torch.tensor([[size, count, checksum, zlib.crc32(order), subset_checksum(self.dataset)]],
+                            dtype=torch.int64)
         every = gather(mine, world=self.world).tolist()
         differ = next((rank for rank, row in enumerate(every) if row != every[0]), None)
         if differ is None:
             return
         theirs, first = every[differ], every[0]
+        if theirs[0] == first[0] and theirs[4] != first[4]:  # Subsets of one length, of other examples
+            raise UsageError(f"each rank passed a different dataset to ShardedLoader (rank {differ}'s Subset holds "
+                             "other indices than rank 0's): a dataset cut by rank (Subset(data, range(rank, n, k))) "
+                             "trains on 1/k of it, and a random_split drawn from each rank's own random numbers "
+                             "(after torch.manual_seed(seed + rank), or unseeded) on other examples on every rank; "
+                             "make the same split on every rank (random_split(data, lengths, generator="
+                             "torch.Generator().manual_seed(0))) and pass all of it: ShardedLoader shards each global "
+                             "batch by rank itself")
         if theirs[0] != first[0] or theirs[3] == first[3]:  # the same order: the items at its indices differ
             what = (f"has {theirs[0]} examples, rank 0's {first[0]}" if theirs[0] != first[0]
                     else "holds other labels or keys than rank 0's at the same indices")
@@ -205,3 +216,13 @@ class ShardedLoader(LocalShardedLoader):
                        "labels or token ids differ): every rank must read the same items in the same order, or the "
                        "ranks train on other data than one device would; seed the stream's shuffle (e.g. "
                        "dataset.shuffle(seed=42, buffer_size=...)) and read it in a fixed order")
+
+
+def subset_checksum(dataset) -> int:
+    """A CRC of the indices of `dataset`'s `Subset`s (what `random_split` returns), outermost first;
+    -1 for a dataset that is no Subset. Read once, at a loader's first epoch."""
+    crc = -1
+    while isinstance(dataset, Subset):
+        crc = zlib.crc32(np.asarray(dataset.indices, dtype=np.int64).tobytes(), max(crc, 0))
+        dataset = dataset.dataset
+    return crc
