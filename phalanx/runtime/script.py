@@ -56,6 +56,7 @@ from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
+from phalanx.runtime.unguarded_main import refusing_unguarded_starts
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script_errors import quiet_fd_sharing_resets, translated
 from phalanx.telemetry.log import survive_lost_output
@@ -145,8 +146,9 @@ def _inherit_launcher_stdin() -> None:
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
                 teardown: contextlib.ExitStack) -> None:
-    run_in_worker(lambda: run_as_main(target, args, rank=launcher_env().rank), spec=spec, device=device,
-                  teardown=teardown, guard=refusing_nested_launch(device_type=device.type, target=target))
+    with refusing_unguarded_starts():  # a DataLoader's spawn or forkserver workers from an unguarded top level
+        run_in_worker(lambda: run_as_main(target, args, rank=launcher_env().rank), spec=spec, device=device,
+                      teardown=teardown, guard=refusing_nested_launch(device_type=device.type, target=target))
 
 
 def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.device, teardown: contextlib.ExitStack,

@@ -132,6 +132,21 @@ def test_a_loader_worker_that_exits_is_one_line_naming_rank_pid_code_and_fix(tmp
     _assert_nothing_left(tmp_path, mark)
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_loader_workers_started_by_spawn_from_the_unguarded_top_level_are_refused_naming_the_guard(tmp_path, context):
+    """macOS's start method, and Linux's from Python 3.14: each worker would run the script again
+    (phalanx.init() and a loader of its own included) and die of Python's bootstrapping error."""
+    ran, mark, _ = _run(tmp_path, "--context", context)
+    lines = ran.stderr.splitlines()
+    assert ran.returncode == 2 and len(lines) == 2, ran.stderr[-3000:]
+    assert re.fullmatch(r"phalanx: error: \S*loader_workers\.py:\d+: this starts a process by spawn or forkserver "
+                        r"\(a DataLoader's workers: .*\), which runs the script's top level again before it can "
+                        r"work, and line \d+ of loader_workers\.py, which led here, is not under `if __name__ == "
+                        r"\"__main__\":`; .*multiprocessing_context=\"fork\".*", lines[1]), lines[1]
+    assert "PhalanxWarning" not in ran.stderr  # no child ran the script again
+    _assert_nothing_left(tmp_path, mark)
+
+
 def test_max_restarts_restarts_after_the_killed_rank_not_its_peer(tmp_path):
     ran, mark, _ = _run(tmp_path, "--kill", launcher=("--max-restarts", "1"))
     assert ran.returncode == 0, ran.stderr[-3000:]

@@ -4,7 +4,8 @@ DataLoader over a DistributedSampler; 0 or 2 loader workers, persistent or not) 
 rank's final parameters as `<pipeline>-rank<r>.pt`. Every process it starts records its pid in
 `pids/`. `--fail` makes a loader worker of rank 1 raise, `--loader-exit` one call os._exit(3);
 `--kill` has rank 1 SIGKILL itself at step 3, its 2 loader workers running (the first attempt
-only: a restart runs to the end), `--exit` call os._exit(4) there instead.
+only: a restart runs to the end), `--exit` call os._exit(4) there instead. `--context spawn` (or
+forkserver) starts the loader workers that way: from this unguarded top level, refused.
 
     phalanx run --devices cpu:2 loader_workers.py --out DIR
     torchrun --nproc-per-node 2 loader_workers.py --out DIR
@@ -26,6 +27,7 @@ parser.add_argument("--fail", action="store_true", help="a loader worker of rank
 parser.add_argument("--loader-exit", action="store_true", help="a loader worker of rank 1 calls os._exit(3)")
 parser.add_argument("--kill", action="store_true", help="rank 1 SIGKILLs itself at step 3 of the first attempt")
 parser.add_argument("--exit", action="store_true", help="rank 1 calls os._exit(4) at step 3 of the first attempt")
+parser.add_argument("--context", help="the loader workers' multiprocessing_context: spawn, forkserver")
 args = parser.parse_args()
 out = Path(args.out)
 (out / "pids").mkdir(parents=True, exist_ok=True)
@@ -72,7 +74,7 @@ data = Waves(120)
 PIPELINES = [(kind, workers, persistent) for kind in ("sharded", "plain")
              for workers, persistent in ((0, False), (2, False), (2, True))]
 kill = (args.kill or args.exit) and world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-one_pipeline = args.fail or args.loader_exit or args.kill or args.exit
+one_pipeline = args.fail or args.loader_exit or args.kill or args.exit or args.context
 for kind, workers, persistent in PIPELINES[2:3] if one_pipeline else PIPELINES:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1)).double()
@@ -82,7 +84,8 @@ for kind, workers, persistent in PIPELINES[2:3] if one_pipeline else PIPELINES:
     for epoch in range(2):
         for step, ((X, y), global_size) in enumerate(batches(kind, epoch, loaders, num_workers=workers,
                                                              persistent_workers=persistent,
-                                                             worker_init_fn=record_pid if workers else None)):
+                                                             worker_init_fn=record_pid if workers else None,
+                                                             multiprocessing_context=args.context)):
             if kill and step == 3:  # as the OOM killer does, its loader workers alive and holding its pipes
                 os._exit(4) if args.exit else os.kill(os.getpid(), signal.SIGKILL)
             dp.zero_grad()
