@@ -90,7 +90,7 @@ def _top_level(filename: str) -> tuple[ast.stmt, ...]:
 
 
 def _is_main_guard(statement: ast.stmt) -> bool:
-    """Whether `statement` is an `if` whose test compares `__name__` with "__main__" (either side, or within an `and`)."""
+    """Whether `statement` is an `if` whose test compares `__name__` with "__main__" (either side, in an `and` too)."""
     if not isinstance(statement, ast.If):
         return False
     for node in ast.walk(statement.test):
