@@ -254,9 +254,8 @@ def stream_shards(stream: IterableDataset, chunk: int, *, world: Ranked, collate
     """A stream's items in order, `chunk` at a time (the last chunk what is left): this rank's
     contiguous slice of each, collated (or its `micro_batches` pieces, a list), and the chunk's
     size. Every rank reads every item; an empty slice is the chunk's first item collated and cut to
-    0 rows. `each_chunk(index, items,
-    last)` sees each chunk before anything of it is yielded, an empty stream's as `[]`, and whether
-    the stream ends with it (one item is read ahead to know)."""
+    0 rows. `each_chunk(index, items, last)` sees each chunk before anything of it is yielded, an
+    empty stream's as `[]`, and whether the stream ends with it (one item is read ahead to know)."""
     items = iter(DataLoader(stream, batch_size=None, collate_fn=as_is, num_workers=num_workers, **loader_kwargs))
     batch, end = list(itertools.islice(items, chunk)), object()
     for index in itertools.count():
