@@ -75,7 +75,7 @@ def _worker(world, micro_batches: int, way: str) -> dict:
     data = _Stream() if way == "stream" else TensorDataset(*_data())
     dp = phalanx.prepare(_model(), world=world)  # BatchNorm synchronized (batchnorm="sync")
     optimizer = torch.optim.AdamW(dp.parameters(), lr=0.05)
-    cut = 1 if way == "own-shard" else micro_batches
+    cut = None if way == "own-shard" else micro_batches  # None: the plain batch, cut by the rank itself
     loader = phalanx.ShardedLoader(data, world=world, global_batch_size=GLOBAL_BATCH, seed=SEED, micro_batches=cut)
     for epoch in range(EPOCHS):
         for batch, global_size in loader.epoch(epoch):
