@@ -18,13 +18,14 @@ one allreduce of 2 x k numbers a batch: a difference stops every rank with the s
 
 A map-style dataset's order is computed alike on every rank, unless the script made it differ: a
 dataset already cut by rank (Horovod's habit: `Subset(full, range(rank, n, k))`, files split by
-rank) trains on 1/k of the data, a `random_split` drawn after a per-rank seed (`torch.manual_seed(
-seed + rank)`, for augmentation) gives each rank other examples, and a sampler drawing from
-unseeded numpy or Python RNG orders each rank's epoch differently. So at the loader's first epoch
-the ranks gather, once, the dataset's length, a CRC of the epoch's whole index order, one of its
-Subsets' indices (which sees a split of float targets, where labels cannot) and the identities of
-the first global batch's first `PROBE_ITEMS` items (read where the loader reads, with the RNG states set aside and
-put back, so the run's draws are untouched: 8 reads once on each rank, outside its own shards).
+rank) trains on 1/k of the data, a `random_split` drawn after a per-rank seed
+(`torch.manual_seed(seed + rank)`, for augmentation) gives each rank other examples, and a sampler
+drawing from unseeded numpy or Python RNG orders each rank's epoch differently. So at the loader's
+first epoch the ranks gather, once, the dataset's length, a CRC of the epoch's whole index order,
+one of its Subsets' indices (which sees a split of float targets, where labels cannot) and the
+identities of the first global batch's first `PROBE_ITEMS` items (read where the loader reads, with
+the RNG states set aside and put back, so the run's draws are untouched: 8 reads once on each
+rank, outside its own shards).
 Any difference is certain, so every rank raises the same UsageError naming the cause and the fix
 before a step is trained. Neither check runs in a world of one, nor for a stand-in for the world
 that opened no process group (tests).
