@@ -12,7 +12,8 @@ batch the same way).
 It first checks that the replicas agree (`check_agree`: their parameters and optimizers in one
 small allreduce, their buffers in one small all-gather): each rank evaluates its shard with its
 own replica, so replicas that trained apart, or whose running statistics drifted apart, would be
-mixed into one number without a word. Where forward is itself a collective (a
+mixed into one number without a word; then, for a map-style dataset, that every rank holds the same
+one (`check_same_dataset`: a set each rank cut to its own part would count 1/k of it). Where forward is itself a collective (a
 replica with `shard="parameters"` gathers each layer's weights), every rank runs as many
 batches as the rank with the most, padding with empty ones (`lockstep_batches`). Its default
 metric, `classification_sums`, is for a classifier returning logits and refuses anything else
@@ -42,6 +43,7 @@ from phalanx.data_parallel.guards.replicas import check_replicas_agree, replica_
 from phalanx.data_parallel.replica import ReplicaModule
 from phalanx.runtime.call_habits import phalanx_call
 from phalanx.runtime.world import World
+from phalanx.train.same_dataset import check_same_dataset
 
 EVALUATION = Tag("evaluation")  # what the board calls the sums below
 REPLICA_CHECK = Tag("replica check")
@@ -155,6 +157,8 @@ def evaluate_dataset(model: nn.Module, dataset: Dataset, *, world: World, batch_
     if not isinstance(dataset, IterableDataset) and len(dataset) == 0:  # every rank alike, before any collective
         raise ValueError(_NOTHING.format(what="a dataset of 0 examples"))
     check_agree(model, world=world, where="evaluate_dataset()")
+    if world.distributed and not isinstance(dataset, IterableDataset):  # a stream's count is checked after
+        check_same_dataset(dataset, world=world, caller="evaluate_dataset", tag=EVALUATION)
     if isinstance(dataset, IterableDataset):  # a stream: every rank reads it, evaluating its slice of each chunk
         read = [0, 0]  # items this rank read (every rank must read the same), and of them its own
         batches = _counted(stream_shards(dataset, batch_size * world.world_size, world=world,

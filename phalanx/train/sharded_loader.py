@@ -34,15 +34,12 @@ that opened no process group (tests).
 from __future__ import annotations
 
 import functools
-import random
 import weakref
 import zlib
 
-import numpy as np
-
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from phalanx.comm.calls import native
 from phalanx.comm.gather import gather
@@ -54,9 +51,9 @@ from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 from phalanx.train.loader_resume import EpochStart, Replay, replayed
 from phalanx.train.rng_state import rng_state, set_rng_state
+from phalanx.train.same_dataset import PROBE_ITEMS, dataset_record, different_datasets
 
 STREAM_SIZES = Tag("stream batch sizes")  # each global batch of a stream: its size per rank, and if it ends it
-PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced classes all agree by chance 3e-6
 
 
 # The loaders of this process inside an epoch: a mid-epoch phalanx.checkpoint without loader=
@@ -133,37 +130,15 @@ class ShardedLoader(LocalShardedLoader):
             return
         self._checked = True
         order = torch.cat(batches).to(torch.int64).contiguous().numpy().tobytes()
-        probe = batches[0][:PROBE_ITEMS].tolist()
-        saved = rng_state()
-        try:  # the same draws on every rank (a random label agrees too), and the run's own put back after
-            torch.default_generator.manual_seed(0)  # the CPU generator alone: a GPU's is not in rng_state()
-            np.random.seed(0)
-            random.seed(0)
-            count, checksum = identity_checksum(self._read(probe))
-        finally:
-            set_rng_state(saved)
-        size = len(self.dataset) if hasattr(self.dataset, "__len__") else -1  # a sampler's dataset may have none
-        mine = torch.tensor([[size, count, checksum, zlib.crc32(order), subset_checksum(self.dataset)]],
-                            dtype=torch.int64)
+        size, count, checksum, subset = dataset_record(self.dataset, self._read, batches[0][:PROBE_ITEMS].tolist())
+        mine = torch.tensor([[size, count, checksum, subset, zlib.crc32(order)]], dtype=torch.int64)
         every = gather(mine, world=self.world).tolist()
         differ = next((rank for rank, row in enumerate(every) if row != every[0]), None)
         if differ is None:
             return
         theirs, first = every[differ], every[0]
-        if theirs[0] == first[0] and theirs[4] != first[4]:  # Subsets of one length, of other examples
-            raise UsageError(f"each rank passed a different dataset to ShardedLoader (rank {differ}'s Subset holds "
-                             "other indices than rank 0's): a dataset cut by rank (Subset(data, range(rank, n, k))) "
-                             "trains on 1/k of it, and a random_split drawn from each rank's own random numbers "
-                             "(after torch.manual_seed(seed + rank), or unseeded) on other examples on every rank; "
-                             "make the same split on every rank (random_split(data, lengths, generator="
-                             "torch.Generator().manual_seed(0))) and pass all of it: ShardedLoader shards each global "
-                             "batch by rank itself")
-        if theirs[0] != first[0] or theirs[3] == first[3]:  # the same order: the items at its indices differ
-            what = (f"has {theirs[0]} examples, rank 0's {first[0]}" if theirs[0] != first[0]
-                    else "holds other labels or keys than rank 0's at the same indices")
-            raise UsageError(f"each rank passed a different dataset to ShardedLoader (rank {differ}'s {what}): "
-                             "pass the whole dataset on every rank; ShardedLoader shards each global batch by rank "
-                             "itself (a dataset cut by rank, e.g. Subset(data, range(rank, n, k)), trains on 1/k of it)")
+        if theirs[4] == first[4] or theirs[0] != first[0] or theirs[3] != first[3]:  # else the order alone differs
+            raise UsageError(different_datasets("ShardedLoader", differ, first[:4], theirs[:4]))
         raise UsageError(f"the sampler gives rank {differ} another order than rank 0 in epoch {epoch}, so the ranks "
                          "cut other global batches than one device reads: make every rank draw the same order (draw "
                          "from self.generator, which ShardedLoader seeds by (seed, epoch), not from unseeded numpy "
@@ -217,13 +192,3 @@ class ShardedLoader(LocalShardedLoader):
                        "labels or token ids differ): every rank must read the same items in the same order, or the "
                        "ranks train on other data than one device would; seed the stream's shuffle (e.g. "
                        "dataset.shuffle(seed=42, buffer_size=...)) and read it in a fixed order")
-
-
-def subset_checksum(dataset) -> int:
-    """A CRC of the indices of `dataset`'s `Subset`s (what `random_split` returns), outermost first;
-    -1 for a dataset that is no Subset. Read once, at a loader's first epoch."""
-    crc = -1
-    while isinstance(dataset, Subset):
-        crc = zlib.crc32(np.asarray(dataset.indices, dtype=np.int64).tobytes(), max(crc, 0))
-        dataset = dataset.dataset
-    return crc
