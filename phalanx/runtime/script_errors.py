@@ -55,9 +55,10 @@ CPU_SYNC_BATCHNORM = ("torch.nn.SyncBatchNorm runs on GPUs only (torch refuses i
                       "too); on CPU workers wrap the model with phalanx.prepare(model, batchnorm=\"sync\") instead of "
                       "DistributedDataParallel: it normalizes with the whole global batch's statistics, torch's "
                       "SyncBatchNorm layers included")
-NCCL_ON_CPU = ("the script's process group uses backend \"nccl\", which runs on GPUs only, and these workers are CPU "
-               "workers (--devices cpu:N): open it with init_process_group(\"gloo\") on CPU, or call phalanx.init(), "
-               "which picks gloo on CPU and NCCL on GPUs")
+NCCL_ON_CPU = ("the script's process group uses backend \"nccl\"{at}, which runs on GPUs only, and these workers are "
+               "CPU workers (--devices cpu:N): open it with init_process_group(\"gloo\") on CPU (a script that picks "
+               "its backend from a device option of its own, as timm's train.py from --device, takes that option's "
+               "CPU value), or call phalanx.init(), which picks gloo on CPU and NCCL on GPUs")
 GROUP_AFTER_INIT = ("the script calls torch.distributed.init_process_group after phalanx.init(), which opened the "
                     "process group already: drop the script's own call (phalanx.init() joined the same world), or make "
                     "it before phalanx.init(), which then adopts the group the script opened")
@@ -100,7 +101,7 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     if device_type == "cpu" and isinstance(exc, (RuntimeError, ValueError)) and where.startswith("torch.") and (
             any(said in text for said in _NCCL_MISSING)
             or (_NO_CPU_BACKEND in text and dist.is_initialized() and dist.get_backend() == "nccl")):
-        return NCCL_ON_CPU
+        return NCCL_ON_CPU.format(at=_at_scripts_line(exc))
     if init_ran and isinstance(exc, ValueError) and "default process group twice" in text \
             and where == "torch.distributed.distributed_c10d":
         return GROUP_AFTER_INIT

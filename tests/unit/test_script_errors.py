@@ -7,6 +7,7 @@ The SyncBatchNorm case runs end to end in tests/distributed/test_run_environment
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -40,10 +41,30 @@ def _nccl_for_cpu_tensors() -> None:
 
 def test_nccl_on_cpu_workers_is_named_with_gloo(no_group):
     exc = _caught(_nccl_for_cpu_tensors)
-    assert reworded(exc, device_type="cpu", init_ran=False) == NCCL_ON_CPU, repr(exc)
+    said = reworded(exc, device_type="cpu", init_ran=False)
+    assert said is not None and re.fullmatch(  # the line that raised: the group's opening (a CPU build) or the call
+        re.escape(NCCL_ON_CPU.split("{at}")[0]) + r" at test_script_errors\.py:3[78] \(`dist\.(init_process_group|"
+        r"all_reduce)\(.*`\)" + re.escape(NCCL_ON_CPU.split("{at}")[1]), said), repr(exc)
     assert reworded(exc, device_type="cuda", init_ran=False) is None
     assert reworded(RuntimeError("Distributed package doesn't have NCCL built in"), device_type="cpu",
                     init_ran=False) is None  # not raised by torch
+
+
+@pytest.mark.skipif(dist.is_nccl_available(), reason="opens an NCCL group where torch has NCCL")
+def test_nccl_opened_inside_a_library_names_the_scripts_line_and_the_library(no_group, tmp_path):
+    # timm's train.py (1.0.31) without --device cpu: timm.utils.distributed opens an NCCL group, and the line
+    # said "open it with init_process_group("gloo")", a call the script does not make (2026-12-07).
+    library, script = tmp_path / "distributed.py", tmp_path / "train.py"
+    library.write_text("import torch.distributed as dist\n\ndef init_distributed_device(store):\n"
+                       "    dist.init_process_group(\"nccl\", store=store, rank=0, world_size=1)\n")
+    script.write_text("def main(init, store):\n    return init(store)  # the user's line\n")
+    in_library, as_main = {"__name__": "timm.utils.distributed"}, {"__name__": "__main__"}
+    exec(compile(library.read_text(), str(library), "exec"), in_library)
+    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    exc = _caught(lambda: as_main["main"](in_library["init_distributed_device"], dist.HashStore()))
+    assert reworded(exc, device_type="cpu", init_ran=False) == NCCL_ON_CPU.format(
+        at=" at train.py:2 (`return init(store)  # the user's line`) (in timm.utils.distributed, line 4)")
+    assert "as timm's train.py from --device, takes that option's CPU value" in NCCL_ON_CPU
 
 
 def _raised_in_torch(exc: BaseException) -> BaseException:
@@ -68,7 +89,8 @@ def test_nccl_refused_by_every_build_is_named_with_gloo(exc):
     host: their ValueError reached the user as a traceback, since only a RuntimeError was re-worded;
     and on 2.15.0, whose "nccl" backend is a new group with its own words (2026-12-05)."""
     raised = _raised_in_torch(exc)
-    assert reworded(raised, device_type="cpu", init_ran=False) == NCCL_ON_CPU
+    assert reworded(raised, device_type="cpu", init_ran=False).startswith(
+        "the script's process group uses backend \"nccl\" at test_script_errors.py:")
     assert reworded(raised, device_type="cuda", init_ran=False) is None
     assert reworded(type(exc)(str(exc)), device_type="cpu", init_ran=False) is None  # not raised by torch
 
