@@ -7,6 +7,8 @@ integer tensors and arrays (token ids). Floating values and tensors of 2 or more
 decoded, perhaps randomly cropped image; an audio clip) are left out, and so is any other object:
 a stream that augments each rank's items with that rank's own random numbers still yields the
 same items. Python's `hash` is seeded per process, so the checksum is CRC-32 over bytes.
+A map-style dataset's identity adds its `Subset` indices (`subset_checksum`), which a
+`random_split` drawn per rank changes where its items' identities cannot (float targets).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 import torch
+from torch.utils.data import Subset
 
 
 def identity_checksum(items: list) -> tuple[int, int]:
@@ -64,3 +69,13 @@ def _bytes_of(value: str | bytes | bool | int) -> bytes:
 def _add(data: bytes, found: list[int]) -> None:
     found[0] += 1
     found[1] = zlib.crc32(struct.pack("<I", len(data)) + data, found[1])
+
+
+def subset_checksum(dataset) -> int:
+    """A CRC of the indices of `dataset`'s `Subset`s (what `random_split` returns), outermost first;
+    -1 for a dataset that is no Subset."""
+    crc = -1
+    while isinstance(dataset, Subset):
+        crc = zlib.crc32(np.asarray(dataset.indices, dtype=np.int64).tobytes(), max(crc, 0))
+        dataset = dataset.dataset
+    return crc

@@ -52,7 +52,7 @@ from phalanx.data.empty_batch import ShardCollate, empty_batch_like
 from phalanx.data.split import Ranked, epoch_seed, global_batches, rank_micro_batches, steps_per_epoch
 
 
-def _sampler_of(obj: Any) -> DistributedSampler | None:
+def sampler_of(obj: Any) -> DistributedSampler | None:
     """`obj` itself, or the sampler of a DataLoader `obj`, when it is a DistributedSampler."""
     if isinstance(obj, DistributedSampler):
         return obj
@@ -66,7 +66,7 @@ def _sampler_of(obj: Any) -> DistributedSampler | None:
 def distributed_sampler_note(obj: Any) -> str | None:
     """One line naming what torch's DistributedSampler (`obj`, or a DataLoader's) does to an epoch
     and the fix; None when `obj` is none, or when it neither pads nor drops (the split is then even)."""
-    sampler = _sampler_of(obj)
+    sampler = sampler_of(obj)
     if sampler is None:
         return None
     num_examples, ranks = len(sampler.dataset), sampler.num_replicas
@@ -86,7 +86,7 @@ def distributed_sampler_note(obj: Any) -> str | None:
 def refuse_loader(obj: Any, what: str) -> None:
     """ValueError when a DataLoader is handed where a Dataset belongs (`what`: who refuses)."""
     if isinstance(obj, DataLoader):
-        sampler = " (with torch's DistributedSampler, which phalanx's sharding replaces)" if _sampler_of(obj) else ""
+        sampler = " (with torch's DistributedSampler, which phalanx's sharding replaces)" if sampler_of(obj) else ""
         raise ValueError(f"{what} takes a Dataset, got a DataLoader{sampler}; pass loader.dataset "
                          "(ShardedLoader's global_batch_size is the batch of all ranks: DDP's batch_size x world size)")
 
@@ -136,7 +136,7 @@ class ShardedLoader:
                              "drop shuffle=True and shuffle inside the stream with a fixed seed (set_epoch(e) is "
                              "called every epoch where the dataset has one)")
         if sampler is not None:
-            if self.streams or shuffle or _sampler_of(sampler) is not None:
+            if self.streams or shuffle or sampler_of(sampler) is not None:
                 why = ("a stream orders itself" if self.streams else "the order is the sampler's, which shuffle=True "
                        "would override" if shuffle else "torch's DistributedSampler shards by itself, padding or "
                        "dropping examples")

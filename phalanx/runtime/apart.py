@@ -19,6 +19,13 @@ the ranks: an lr set from the rank, a scheduler stepped on rank 0 only), or alre
 rank's own initialisation, nothing broadcast). Keys carry the restart count, so a restarted run compares
 its own steps.
 
+The same record carries, per DistributedSampler (or DataLoader with one) that the script's frames
+hold at that step, by variable name, its dataset's length and a CRC of its Subset indices: the
+sampler shards one dataset by rank itself, so a `random_split` drawn after a per-rank seed
+(`torch.manual_seed(seed + rank)`, for augmentation) has every rank read its shard of another
+split, and some examples train on one rank while validating on another. DDP's models stay equal,
+so nothing else shows it; rank 0 names the sampler and the fix once (`sampler_line`).
+
 A script that never joins the job's group (no phalanx.init(), no init_process_group) runs k whole
 copies of the run: rank 0 says so at its first optimizer step, without any store.
 
@@ -32,6 +39,7 @@ says so, and `warnings.filterwarnings("ignore", category=phalanx.PhalanxWarning)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -45,6 +53,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from phalanx.data.item_identity import subset_checksum
+from phalanx.data.loader import sampler_of
 from phalanx.errors import PACKAGE_DIR, PhalanxWarning, frame_outside
 
 KEY = "phalanx/apart"
@@ -54,6 +64,7 @@ END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's firs
 SHARDING_MODULES = ("deepspeed", "megatron")
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+SAMPLER_FRAMES = 8  # frames searched for DistributedSamplers, from the script's optimizer.step() outward
 
 
 def fingerprint(params: list[torch.Tensor]) -> list[list[int]]:
@@ -85,12 +96,29 @@ class _First:
     where: tuple[str, int]
     before: list[list[int]] | None = None
     grads: list[list[int]] | None = None  # the gradients the step read (a None one: empty)
+    samplers: dict[str, list[int]] = field(default_factory=dict)  # sampler_datasets at the step
 
 
-def _script_line() -> tuple[str, int]:
+def _script_frame():
     """The first frame outside phalanx and torch: the script's `optimizer.step()` (or its wrapper's)."""
-    frame, _ = frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(1))
-    return frame.f_code.co_filename, frame.f_lineno
+    return frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(1))[0]
+
+
+def sampler_datasets(frame) -> dict[str, list[int]]:
+    """By variable name, each DistributedSampler (or DataLoader with one) in the locals of `frame`
+    and the frames above it, or in the script's globals: [its dataset's length, its Subset CRC]."""
+    found: dict[str, list[int]] = {}
+    for _ in range(SAMPLER_FRAMES):
+        if frame is None:
+            break
+        scopes = [frame.f_locals] + ([frame.f_globals] if frame.f_globals.get("__name__") == "__main__" else [])
+        for name, value in [item for scope in scopes for item in list(scope.items())]:
+            sampler = sampler_of(value)
+            if sampler is not None and name not in found:
+                with contextlib.suppress(TypeError):  # a dataset without a length: nothing to compare
+                    found[name] = [len(sampler.dataset), subset_checksum(sampler.dataset)]
+        frame = frame.f_back
+    return found
 
 
 @dataclass
@@ -109,13 +137,17 @@ class ApartWatch:
         self.depth += 1
         if self.depth == 1 and self.rank == 0 and self.workers > 1 and not self.said and not _joined():
             self.said = True  # the first step of a script that never joined: every worker trains alone
-            warnings.warn_explicit(alone_line(self.workers), PhalanxWarning, *_script_line())
+            frame = _script_frame()
+            warnings.warn_explicit(alone_line(self.workers), PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
         if self.depth > 1 or optimizer in self.firsts or not _group_open() or _capturing():
             return
-        first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=_script_line())
+        frame = _script_frame()
+        first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=(frame.f_code.co_filename,
+                                                                                   frame.f_lineno))
         if not any(name in sys.modules for name in SHARDING_MODULES):
             params = _whole_params(optimizer)
             if params is not None:
+                first.samplers = sampler_datasets(frame)
                 first.before = fingerprint(params)
                 first.grads = fingerprint([torch.zeros(0) if p.grad is None else p.grad for p in params])
 
@@ -123,7 +155,8 @@ class ApartWatch:
         self.depth = max(self.depth - 1, 0)
         first = self.firsts.get(optimizer)
         if self.depth == 0 and first is not None and first.before is not None:
-            prints = {"before": first.before, "grads": first.grads, "after": fingerprint(_whole_params(optimizer) or [])}
+            prints = {"before": first.before, "grads": first.grads, "after": fingerprint(_whole_params(optimizer) or []),
+                      "samplers": first.samplers}
             first.before = first.grads = None  # published once
             self._publish(first, prints)
         if self.rank == 0 and self.pending:
@@ -152,7 +185,7 @@ class ApartWatch:
                 prints = [json.loads(store.get(key)) for key in keys]
             except (RuntimeError, ValueError):  # a peer that never got there, or a store already gone
                 continue
-            line = apart_line(prints)
+            line = apart_line(prints) or sampler_line(prints)
             if line is not None and not self.said:  # at the script's line, so the script's filters apply
                 self.said = True
                 warnings.warn_explicit(line, PhalanxWarning, *first.where)
@@ -224,6 +257,28 @@ def apart_line(prints: list[dict]) -> str | None:
     return (f"{said}{how}, so each rank trains its own model on its part of the data; wrap the model before the "
             "optimizer (model = phalanx.prepare(model), or DistributedDataParallel(model), without device_ids on "
             f"the CPU); {meant}")
+
+
+def sampler_line(prints: list[dict]) -> str | None:
+    """The one line for a DistributedSampler whose dataset differs between the ranks (`prints`: every
+    rank's first-step record, rank order), or None where every sampler rank 0 holds agrees."""
+    ours = prints[0].get("samplers", {})
+    for rank, theirs in enumerate(prints[1:], 1):
+        for name, (size, crc) in theirs.get("samplers", {}).items():
+            if name not in ours or [size, crc] == ours[name]:
+                continue
+            said = (f"the DistributedSampler of `{name}` shards a different dataset on each rank (rank {rank}'s ")
+            if size != ours[name][0]:
+                return (f"{said}has {size} examples, rank 0's {ours[name][0]}): it shards one dataset by rank itself, "
+                        "so a dataset each rank cut to its own part first trains on 1/k of it; hand the sampler the "
+                        "whole dataset on every rank")
+            return (f"{said}Subset holds other indices than rank 0's): it shards one dataset by rank itself, so a "
+                    "dataset each rank cut to its own part (Subset(data, range(rank, n, k))) trains on 1/k of it, and "
+                    "a random_split drawn from each rank's own random numbers (after torch.manual_seed(seed + rank)) "
+                    "on shards of other splits, some examples on one rank while another validates on them; make the "
+                    "same split on every rank (random_split(data, lengths, generator=torch.Generator()."
+                    "manual_seed(0))) and hand the sampler all of it")
+    return None
 
 
 def watch_ranks_apart(*, rank: int, workers: int = 1) -> ApartWatch:

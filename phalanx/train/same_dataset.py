@@ -12,32 +12,20 @@ same UsageError (`different_datasets` writes it) naming the first rank whose rec
 from __future__ import annotations
 
 import random
-import zlib
 from typing import Callable
 
 import numpy as np
 
 import torch
-from torch.utils.data import Subset
 
 from phalanx.comm.gather import gather
-from phalanx.data.item_identity import identity_checksum
+from phalanx.data.item_identity import identity_checksum, subset_checksum
 from phalanx.errors import UsageError
 from phalanx.runtime.tags import Tag
 from phalanx.runtime.world import World
 from phalanx.train.rng_state import rng_state, set_rng_state
 
 PROBE_ITEMS = 8  # items whose labels/keys are compared: 8 labels of 5 balanced classes all agree by chance 3e-6
-
-
-def subset_checksum(dataset) -> int:
-    """A CRC of the indices of `dataset`'s `Subset`s (what `random_split` returns), outermost first;
-    -1 for a dataset that is no Subset."""
-    crc = -1
-    while isinstance(dataset, Subset):
-        crc = zlib.crc32(np.asarray(dataset.indices, dtype=np.int64).tobytes(), max(crc, 0))
-        dataset = dataset.dataset
-    return crc
 
 
 def probed_identity(read: Callable[[list[int]], list], indices: list[int]) -> tuple[int, int]:

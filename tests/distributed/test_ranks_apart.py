@@ -52,11 +52,11 @@ def test_ranks_that_summed_their_gradients_and_stepped_apart_are_told_the_step_d
     assert "an lr set from the rank" in lines[0] and "no gradient was summed" not in lines[0]
 
 
-@pytest.mark.parametrize("mode", ["ddp", "zero", "prepare-sharded", "rank-widths"])
+@pytest.mark.parametrize("mode", ["ddp", "zero", "prepare-sharded", "rank-widths", "split-alike"])
 def test_ranks_that_sum_their_gradients_or_hold_parts_by_design_hear_nothing(mode):
     done = _run(mode)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "hold different models" not in done.stderr, done.stderr[-3000:]
+    assert "hold different models" not in done.stderr and "DistributedSampler" not in done.stderr, done.stderr[-3000:]
     assert sorted(line for line in done.stdout.splitlines()) == ["rank 0 done", "rank 1 done"]
 
 
@@ -66,3 +66,16 @@ def test_a_script_that_never_joins_the_group_is_told_each_worker_trains_alone():
     lines = [line for line in done.stderr.splitlines() if "PhalanxWarning: this optimizer step ran before" in line]
     assert len(lines) == 1 and "each of the 2 workers trains alone" in lines[0], done.stderr[-3000:]
     assert SAID not in done.stderr
+
+
+def test_a_distributed_sampler_over_a_split_drawn_per_rank_is_said_once_on_rank_0():
+    # DDP over DistributedSampler(random_split(...)) after torch.manual_seed(seed + rank): the models stay equal,
+    # every rank reads its shard of another split, and nothing was said before 2026-12-07.
+    done = _run("split-by-rank")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    assert "PhalanxWarning: the DistributedSampler of `train_loader` shards a different dataset on each rank " \
+           "(rank 1's Subset holds other indices than rank 0's)" in lines[0]
+    assert "random_split(data, lengths, generator=torch.Generator().manual_seed(0))" in lines[0]
+    assert sorted(line for line in done.stdout.splitlines()) == ["rank 0 done", "rank 1 done"]

@@ -179,3 +179,38 @@ def test_a_step_before_the_script_joined_any_group_is_said_once_on_rank_0(monkey
     assert len(caught) == said
     if said:
         assert caught[0].filename == __file__ and "each of the 2 workers trains alone" in str(caught[0].message)
+
+
+def test_the_samplers_in_the_scripts_frames_are_found_by_name_with_their_datasets():
+    from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+
+    data = TensorDataset(torch.arange(10.0))
+    part = Subset(data, [0, 2, 4, 6, 8])
+    train_sampler = DistributedSampler(part, num_replicas=2, rank=0)
+    val_loader = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=0))
+    plain_loader = DataLoader(data, shuffle=True)  # no DistributedSampler: nothing to compare
+
+    def inner():
+        return apart.sampler_datasets(__import__("sys")._getframe())
+
+    found = inner()  # from a frame below this one: the caller's locals are searched too
+    assert found["train_sampler"] == [5, apart.subset_checksum(part)] and found["val_loader"] == [10, -1]
+    assert "plain_loader" not in found and "part" not in found
+    assert apart.subset_checksum(Subset(data, [0, 2, 4, 6, 9])) != found["train_sampler"][1]
+    del train_sampler, val_loader, plain_loader
+
+
+def test_the_sampler_line_names_the_sampler_and_the_kind_of_difference():
+    def prints(*samplers):
+        return [{"before": [], "grads": [], "after": [], "samplers": s} for s in samplers]
+
+    assert apart.sampler_line(prints({"loader": [48, 7]}, {"loader": [48, 7]})) is None
+    assert apart.sampler_line(prints({"loader": [48, 7]}, {"other": [48, 8]})) is None  # not held by rank 0
+    assert apart.sampler_line(prints({}, {})) is None and apart.sampler_line([{}, {}]) is None  # older records
+    split = apart.sampler_line(prints({"loader": [48, 7]}, {"loader": [48, 7]}, {"loader": [48, 9]}))
+    assert split.startswith("the DistributedSampler of `loader` shards a different dataset on each rank (rank 2's "
+                            "Subset holds other indices than rank 0's): it shards one dataset by rank itself")
+    assert "generator=torch.Generator().manual_seed(0)" in split and "\n" not in split
+    cut = apart.sampler_line(prints({"loader": [48, -1]}, {"loader": [47, -1]}))
+    assert cut.startswith("the DistributedSampler of `loader` shards a different dataset on each rank (rank 1's has 47 "
+                          "examples, rank 0's 48)") and cut.endswith("hand the sampler the whole dataset on every rank")

@@ -1,11 +1,14 @@
 """A torchrun-style script whose ranks may train apart, for `phalanx run`'s one line (runtime/apart.py).
 
-    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|alone|rank-lr|ddp|zero|prepare-sharded|rank-widths
+    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|alone|rank-lr|ddp|zero|prepare-sharded|rank-widths|
+                                                split-by-rank|split-alike
 
 bare: PyTorch's ImageNet example on the CPU (its DDP wrap sits in the GPU branch): a process group,
 no wrapper, every rank its own model. seeded: the same with a seed per rank (apart from the start).
 alone: no process group at all (a one-device script started on k workers). rank-lr: DDP, its gradients
-summed, and an lr set from the rank.
+summed, and an lr set from the rank. split-by-rank: DDP over a DistributedSampler of a random_split
+drawn after a per-rank seed (each rank reads its shard of another split); split-alike: the split
+drawn from one generator.
 The others sum their gradients, or hold rank-sized parts by design: nothing may be said.
 """
 
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset, random_split
 
 mode = sys.argv[1]
 if mode != "alone":
@@ -31,12 +35,19 @@ if mode == "prepare-sharded":
     model = phalanx.prepare(model, world=phalanx.init(), shard="optimizer", average=True)
     optimizer = model.optimizer(torch.optim.AdamW, lr=0.05)
 else:
-    model = DDP(model) if mode in ("ddp", "zero", "rank-lr") else model
+    model = DDP(model) if mode in ("ddp", "zero", "rank-lr", "split-by-rank", "split-alike") else model
     optimizer = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05) if mode == "zero" else
                  torch.optim.SGD(model.parameters(), lr=0.1 * (1 + rank * (mode == "rank-lr")), momentum=0.9))
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own part of the data
-for step in range(3):
-    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+batches = [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(3)]
+if mode.startswith("split"):
+    data = TensorDataset(torch.randn(64, 6, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 3)
+    torch.manual_seed(7 + rank)  # a seed per rank, for augmentation, then the split drawn from it
+    train, val = random_split(data, [48, 16], generator=None if mode == "split-by-rank" else
+                              torch.Generator().manual_seed(0))
+    train_loader = DataLoader(train, batch_size=8, sampler=DistributedSampler(train, shuffle=False))
+    batches = list(train_loader)[:3]
+for x, y in batches:
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
     if mode == "prepare-sharded":
