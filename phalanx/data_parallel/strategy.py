@@ -39,7 +39,11 @@ class DataSplit:
         return self._layout(total)[0]
 
     def _layout(self, total: int) -> tuple[slice, list[int]]:
-        return accumulation_rows(total, self.dp.world.world_size, self.dp.world.rank, self.grad_accum_steps)
+        # A batch of fewer examples than micro-batches (a tiny last batch) is cut into one piece per
+        # example, as ShardedLoader's micro_batches cuts it (rank_micro_batches): a micro-batch empty on
+        # every rank adds nothing, and under shard="parameters" its forward would gather every layer.
+        pieces = max(1, min(self.grad_accum_steps, total))
+        return accumulation_rows(total, self.dp.world.world_size, self.dp.world.rank, pieces)
 
     def zero_grad(self) -> None:
         self.dp.zero_grad()

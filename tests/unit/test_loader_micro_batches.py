@@ -5,12 +5,14 @@ with them against one device: tests/distributed/test_loader_micro_batches.py."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import phalanx
-from phalanx.data.split import shard_sizes
+from phalanx.data.split import rank_micro_batches, shard_sizes
 from tests.unit.test_api import world
 
 
@@ -77,3 +79,21 @@ def test_micro_batches_outside_one_to_the_global_batch_is_one_line(value):
     with pytest.raises(ValueError, match=rf"micro_batches={value} must be a whole number from 1 \(no accumulation\) to "
                                          r"global_batch_size \(8\)"):
         phalanx.ShardedLoader(data, world=world(0, 2), global_batch_size=8, micro_batches=value)
+
+
+def test_phalanx_trains_cut_is_the_loaders_cut_a_tiny_batch_included():
+    # One mechanism: phalanx train's rows and micro-batch counts (DataSplit) are the pieces ShardedLoader's
+    # micro_batches yields. Before 2026-12-07 a batch of fewer examples than --grad-accum ran micro-batches
+    # empty on every rank (under shard="parameters" each gathered every layer for nothing).
+    from types import SimpleNamespace
+
+    from phalanx.data_parallel.strategy import DataSplit
+
+    for total, k, accum in itertools.product(range(1, 14), range(1, 5), range(1, 7)):
+        for rank in range(k):
+            split = DataSplit.__new__(DataSplit)
+            split.dp, split.grad_accum_steps = SimpleNamespace(world=SimpleNamespace(world_size=k, rank=rank)), accum
+            rows, counts = split._layout(total)
+            pieces = rank_micro_batches(list(range(total)), rank=rank, world_size=k, micro_batches=accum)
+            assert list(range(total))[rows] == sum(pieces, []) and counts == [len(p) for p in pieces]
+            assert len(counts) == min(accum, total)
