@@ -9,7 +9,8 @@ system's finders part by part, not imported. `run_as_main` runs it in this worke
 `python script.py` / `python -m pkg.train` give it: sys.argv = [argv0, *args], sys.path[0] the file's directory (a
 module: the working directory), `__name__ == "__main__"` (a module's `__spec__` and
 `__package__` too, so its relative imports work); a `sys.exit` with a code other than 0 is a
-failure naming the rank.
+failure naming the rank. `inherit_launcher_stdin` gives it the launcher's stdin, as torchrun's agent
+gives its workers theirs.
 """
 
 from __future__ import annotations
@@ -168,3 +169,14 @@ def _find_one(full: str, path):
         if spec is not None:
             return spec
     return None
+
+
+def inherit_launcher_stdin() -> None:
+    """sys.stdin: fd 0, the launcher's stdin (multiprocessing gave Python /dev/null), as a torchrun worker
+    reads its agent's: `breakpoint()` and `input()` read the terminal instead of ending the run with
+    BdbQuit / EOFError at once (torch.distributed.breakpoint() opens /dev/stdin and worked either way)."""
+    try:
+        os.fstat(0)
+    except OSError:  # closed: /dev/null stays
+        return
+    sys.stdin = open(0, encoding="utf-8", closefd=False)

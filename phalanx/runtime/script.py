@@ -32,7 +32,6 @@ import atexit
 import contextlib
 import datetime
 import multiprocessing
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -54,9 +53,10 @@ from phalanx.runtime.binding import threads_note
 from phalanx.runtime.child_world import ALONE_IN_A_CHILD, inherited_message, joined_worker, run_key, stamp_joined
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
-from phalanx.runtime.main_module import Target, run_as_main
+from phalanx.runtime.main_module import Target, inherit_launcher_stdin, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.unguarded_main import refusing_unguarded_starts
+from phalanx.runtime.sampler_epochs import watching_sampler_epochs
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script_errors import quiet_fd_sharing_resets, translated
 from phalanx.telemetry.log import survive_lost_output
@@ -129,19 +129,8 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
     """One spawned worker of `phalanx run`."""
     target, args, spec = payload
-    _inherit_launcher_stdin()
+    inherit_launcher_stdin()
     _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown)
-
-
-def _inherit_launcher_stdin() -> None:
-    """sys.stdin: fd 0, the launcher's stdin (multiprocessing gave Python /dev/null), as a torchrun worker
-    reads its agent's: `breakpoint()` and `input()` read the terminal instead of ending the run with
-    BdbQuit / EOFError at once (torch.distributed.breakpoint() opens /dev/stdin and worked either way)."""
-    try:
-        os.fstat(0)
-    except OSError:  # closed: /dev/null stays
-        return
-    sys.stdin = open(0, encoding="utf-8", closefd=False)
 
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
@@ -168,6 +157,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     if guard is not None:
         teardown.enter_context(guard)
     teardown.callback((apart := watch_ranks_apart(rank=env.rank, workers=env.world_size)).close)  # said once
+    teardown.enter_context(watching_sampler_epochs(rank=env.rank))  # a DistributedSampler without set_epoch
     try:
         result = call()
     except BaseException as exc:

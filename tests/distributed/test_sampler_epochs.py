@@ -1,0 +1,40 @@
+"""`phalanx run` of a DDP script whose DistributedSampler never has set_epoch called: rank 0 says so
+once, at the script's loop line, when a second training pass ends at one epoch (runtime/sampler_epochs.py); before 2026-12-07 every epoch read the
+first epoch's order and nothing was said (torchrun says nothing). With set_epoch: nothing said."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "sampler_epochs.py"
+
+
+def _run(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--threads-per-device", "1",
+                           "--timeout", "60", "--quiet", str(SCRIPT), mode], capture_output=True, text=True,
+                          timeout=240, env=dict(os.environ))
+
+
+def test_a_forgotten_set_epoch_is_said_once_on_rank_0_at_the_loop():
+    done = _run("forgets")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    loop = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "the epoch's loop" in line)
+    assert lines[0].startswith(f"{SCRIPT}:{loop}: PhalanxWarning: this DistributedSampler (shuffle=True) ended "
+                               "a second training pass at epoch 0: its set_epoch was not called"), lines[0]
+    assert sorted(done.stdout.splitlines()) == ["rank 0 distinct first batches 1", "rank 1 distinct first batches 1"]
+
+
+def test_a_loop_that_sets_the_epoch_hears_nothing():
+    done = _run("sets")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "PhalanxWarning" not in done.stderr, done.stderr[-3000:]
+    assert sorted(done.stdout.splitlines()) == ["rank 0 distinct first batches 4", "rank 1 distinct first batches 4"]

@@ -1,0 +1,71 @@
+"""A shuffling DistributedSampler whose set_epoch is never called (runtime/sampler_epochs.py): said
+once on rank 0 when a second training pass (one with an optimizer step) ends at one epoch, at the
+script's `for` line; a loop that moves the epoch, passes that take no step (an evaluation, the
+training set's accuracy), a pass left early, a sampler that does not shuffle, and rank 1 hear nothing.
+End to end under `phalanx run`: tests/distributed/test_sampler_epochs.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from phalanx.errors import PhalanxWarning
+from phalanx.runtime.sampler_epochs import watching_sampler_epochs
+
+DATA = TensorDataset(torch.arange(12.0))
+
+
+def _said(*, rank: int = 0, shuffle: bool = True, set_epoch: bool, epochs: int = 3, trains: bool = True,
+          evaluates: bool = False, leaves_early: bool = False):
+    sampler = DistributedSampler(DATA, num_replicas=2, rank=rank, shuffle=shuffle, seed=3)
+    loader = DataLoader(DATA, batch_size=2, sampler=sampler)
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    orders = []
+    with warnings.catch_warnings(record=True) as caught, watching_sampler_epochs(rank=rank):
+        warnings.simplefilter("always")
+        for epoch in range(epochs):
+            if set_epoch:
+                sampler.set_epoch(epoch)
+            orders.append([])
+            for (x,) in loader:  # the loop's line
+                orders[-1] += x.tolist()
+                if trains:
+                    optimizer.zero_grad()
+                    (weight * x.sum()).backward()
+                    optimizer.step()
+                if leaves_early:
+                    break
+            if evaluates:  # the training set's accuracy, each epoch: a pass without a step
+                sum(x.sum() for (x,) in loader)
+    return [w for w in caught if issubclass(w.category, PhalanxWarning)], orders
+
+
+def test_a_forgotten_set_epoch_is_said_once_at_the_scripts_line():
+    said, orders = _said(set_epoch=False, evaluates=True)
+    assert len(said) == 1 and orders[0] == orders[1] == orders[2]  # torch's own: one order, every epoch
+    assert str(said[0].message).startswith("this DistributedSampler (shuffle=True) ended a second training pass at "
+                                           "epoch 0: its set_epoch was not called")
+    assert "call sampler.set_epoch(epoch) at each epoch's start" in str(said[0].message)
+    assert said[0].filename == __file__ and "the loop's line" in open(__file__).read().splitlines()[said[0].lineno - 1]
+
+
+def test_loops_that_move_the_epoch_passes_without_a_step_and_other_ranks_hear_nothing():
+    said, orders = _said(set_epoch=True, evaluates=True)
+    assert said == [] and orders[0] != orders[1]
+    assert _said(set_epoch=False, trains=False)[0] == []  # a shuffling sampler over a validation set
+    assert _said(set_epoch=False, leaves_early=True)[0] == []  # no pass ended
+    assert _said(set_epoch=False, shuffle=False)[0] == [] and _said(set_epoch=False, rank=1)[0] == []
+    assert _said(set_epoch=False, epochs=1)[0] == []
+
+
+def test_the_sampler_and_the_step_hook_are_put_back_after():
+    from torch.optim import optimizer
+
+    original, hooks = DistributedSampler.__iter__, len(optimizer._global_optimizer_post_hooks)
+    with watching_sampler_epochs(rank=0):
+        assert DistributedSampler.__iter__ is not original
+        assert len(optimizer._global_optimizer_post_hooks) == hooks + 1
+    assert DistributedSampler.__iter__ is original and len(optimizer._global_optimizer_post_hooks) == hooks
