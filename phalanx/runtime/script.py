@@ -56,7 +56,7 @@ from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, inherit_launcher_stdin, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
 from phalanx.runtime.unguarded_main import refusing_unguarded_starts
-from phalanx.runtime.sampler_epochs import watching_sampler_epochs
+from phalanx.runtime.sampler_passes import watching_sampler_passes
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.script_errors import quiet_fd_sharing_resets, translated
 from phalanx.telemetry.log import survive_lost_output
@@ -157,7 +157,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     if guard is not None:
         teardown.enter_context(guard)
     teardown.callback((apart := watch_ranks_apart(rank=env.rank, workers=env.world_size)).close)  # said once
-    teardown.enter_context(watching_sampler_epochs(rank=env.rank))  # a DistributedSampler without set_epoch
+    teardown.enter_context(watching_sampler_passes(rank=env.rank))  # a DistributedSampler without set_epoch
     try:
         result = call()
     except BaseException as exc:

@@ -1,6 +1,8 @@
 """`phalanx run` of a DDP script whose DistributedSampler never has set_epoch called: rank 0 says so
-once, at the script's loop line, when a second training pass ends at one epoch (runtime/sampler_epochs.py); before 2026-12-07 every epoch read the
-first epoch's order and nothing was said (torchrun says nothing). With set_epoch: nothing said."""
+once, at the script's loop line, when a second training pass ends at one epoch; and of one that
+evaluates over a sampler that pads its set: rank 0 says so once, at the evaluation's line
+(runtime/sampler_passes.py). Before 2026-12-07 every epoch read the first epoch's order, and the
+evaluation counted an example twice, and nothing was said (torchrun says nothing)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "sampler_epochs.py"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "sampler_passes.py"
 
 
 def _run(mode: str) -> subprocess.CompletedProcess:
@@ -38,3 +40,13 @@ def test_a_loop_that_sets_the_epoch_hears_nothing():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "PhalanxWarning" not in done.stderr, done.stderr[-3000:]
     assert sorted(done.stdout.splitlines()) == ["rank 0 distinct first batches 4", "rank 1 distinct first batches 4"]
+
+
+def test_an_evaluation_over_a_padding_sampler_is_said_once_on_rank_0_at_its_line():
+    done = _run("evaluates")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
+    assert len(lines) == 1, done.stderr[-3000:]
+    at = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "the evaluation" in line)
+    assert lines[0].startswith(f"{SCRIPT}:{at}: PhalanxWarning: this DistributedSampler ended a pass without an "
+                               "optimizer step (an evaluation?) that reads 1 of its 31 examples twice"), lines[0]

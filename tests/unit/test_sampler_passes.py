@@ -1,8 +1,8 @@
-"""A shuffling DistributedSampler whose set_epoch is never called (runtime/sampler_epochs.py): said
+"""A shuffling DistributedSampler whose set_epoch is never called (runtime/sampler_passes.py): said
 once on rank 0 when a second training pass (one with an optimizer step) ends at one epoch, at the
 script's `for` line; a loop that moves the epoch, passes that take no step (an evaluation, the
 training set's accuracy), a pass left early, a sampler that does not shuffle, and rank 1 hear nothing.
-End to end under `phalanx run`: tests/distributed/test_sampler_epochs.py."""
+End to end under `phalanx run`: tests/distributed/test_sampler_passes.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from phalanx.errors import PhalanxWarning
-from phalanx.runtime.sampler_epochs import watching_sampler_epochs
+from phalanx.runtime.sampler_passes import watching_sampler_passes
 
 DATA = TensorDataset(torch.arange(12.0))
 
@@ -24,7 +24,7 @@ def _said(*, rank: int = 0, shuffle: bool = True, set_epoch: bool, epochs: int =
     weight = torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.SGD([weight], lr=0.1)
     orders = []
-    with warnings.catch_warnings(record=True) as caught, watching_sampler_epochs(rank=rank):
+    with warnings.catch_warnings(record=True) as caught, watching_sampler_passes(rank=rank):
         warnings.simplefilter("always")
         for epoch in range(epochs):
             if set_epoch:
@@ -65,7 +65,36 @@ def test_the_sampler_and_the_step_hook_are_put_back_after():
     from torch.optim import optimizer
 
     original, hooks = DistributedSampler.__iter__, len(optimizer._global_optimizer_post_hooks)
-    with watching_sampler_epochs(rank=0):
+    with watching_sampler_passes(rank=0):
         assert DistributedSampler.__iter__ is not original
         assert len(optimizer._global_optimizer_post_hooks) == hooks + 1
     assert DistributedSampler.__iter__ is original and len(optimizer._global_optimizer_post_hooks) == hooks
+
+
+def _evaluated(size: int, *, drop_last: bool = False, rank: int = 0, trains: bool = False):
+    data = TensorDataset(torch.arange(float(size)))
+    loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False,
+                                                                      drop_last=drop_last))
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with warnings.catch_warnings(record=True) as caught, watching_sampler_passes(rank=rank):
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for (x,) in loader:  # the evaluation's line
+                if trains:
+                    optimizer.zero_grad()
+                    (weight * x.sum()).backward()
+                    optimizer.step()
+    return [str(w.message) for w in caught if issubclass(w.category, PhalanxWarning)]
+
+
+def test_an_evaluation_over_an_uneven_sampler_is_said_once_with_what_it_repeats_or_leaves_out():
+    padded = _evaluated(11)
+    assert len(padded) == 1 and padded[0].startswith(
+        "this DistributedSampler ended a pass without an optimizer step (an evaluation?) that reads 1 of its 11 "
+        "examples twice (it pads them to 12 so that 2 ranks get equal shares), so metrics summed over the ranks are "
+        "not one device's")
+    assert padded[0].endswith("evaluate with phalanx.evaluate_dataset(model, dataset, world=world), which counts "
+                              "every example once")
+    assert "leaves 1 of its 11 examples out (drop_last=True)" in _evaluated(11, drop_last=True)[0]
+    assert _evaluated(12) == [] and _evaluated(11, rank=1) == [] and _evaluated(11, trains=True) == []

@@ -1,0 +1,107 @@
+"""What a DistributedSampler's passes show under `phalanx run`, said once each on rank 0.
+
+torch's DistributedSampler draws each epoch's order from `seed + epoch`, and its epoch moves only
+when the script calls `sampler.set_epoch(epoch)`. A DDP loop that forgets the call (torch's docs
+warn of it; tutorials drop it; PyTorch-Ignite's Engine leaves it to a handler) reads the first
+epoch's order in every epoch, on every rank, and nothing fails. And a sampler whose dataset does not
+divide by the ranks pads it by repeating examples (or drops some, `drop_last=True`) so that each
+rank gets an equal share: an evaluation over it counts some examples twice (or never), and its
+metrics summed over the ranks are not one device's.
+
+`watching_sampler_passes` follows, while the script runs, each pass of a shuffling or uneven
+DistributedSampler to its end, counting the optimizer steps taken meanwhile. A second training pass
+(one with a step in it) ended at the same epoch is the forgotten call; a pass without a step over an
+uneven sampler is an evaluation that repeats or skips examples. Rank 0 warns once each, at the line
+that read the pass's last batch (its `for ... in loader:`). A shuffling sampler over a validation
+set, whose order does not matter, is left alone, and so is a pass left before its end.
+`phalanx.ShardedLoader` has no call to forget (`loader.epoch(e)` takes the epoch), and
+`phalanx.evaluate_dataset` counts every example once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+import weakref
+from typing import Iterator
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.data import DistributedSampler
+
+from phalanx.errors import PACKAGE_DIR, PhalanxWarning, frame_outside
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def repeated_epoch_line(epoch: int) -> str:
+    """What rank 0 says when a shuffling sampler ends a second training pass at epoch `epoch`."""
+    return (f"this DistributedSampler (shuffle=True) ended a second training pass at epoch {epoch}: its set_epoch "
+            "was not called, so every epoch reads the first epoch's order, on every rank; call "
+            "sampler.set_epoch(epoch) at each epoch's start (the sampler's, not the DataLoader's), or use "
+            "phalanx.ShardedLoader, whose loader.epoch(epoch) takes the epoch")
+
+
+def uneven_evaluation_line(sampler: DistributedSampler) -> str:
+    """What rank 0 says when a pass without an optimizer step ends over an uneven `sampler`."""
+    examples, read, ranks = len(sampler.dataset), sampler.total_size, sampler.num_replicas
+    what = (f"reads {read - examples} of its {examples} examples twice (it pads them to {read} so that {ranks} ranks "
+            "get equal shares)" if read > examples else
+            f"leaves {examples - read} of its {examples} examples out (drop_last=True)")
+    return (f"this DistributedSampler ended a pass without an optimizer step (an evaluation?) that {what}, so metrics "
+            "summed over the ranks are not one device's (DDP's evaluation does the same); evaluate with "
+            "phalanx.evaluate_dataset(model, dataset, world=world), which counts every example once")
+
+
+@contextlib.contextmanager
+def watching_sampler_passes(*, rank: int) -> Iterator[None]:
+    """While held, follow each shuffling or uneven DistributedSampler's passes (module docstring);
+    rank 0 warns once of each finding. Every DistributedSampler's `__iter__` is wrapped, and put back after."""
+    original = DistributedSampler.__iter__
+    trained: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sampler -> (epoch, training passes ended)
+    steps, said = [0], {"epoch": rank != 0, "uneven": rank != 0}
+
+    def count_step(optimizer, args, kwargs) -> None:
+        steps[0] += 1
+
+    def say(line: str) -> None:
+        frame = frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(2))[0]
+        warnings.warn_explicit(line, PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
+
+    def followed(sampler, indices: Iterator[int]) -> Iterator[int]:
+        epoch, steps_before = sampler.epoch, steps[0]
+        yield from indices
+        if steps[0] == steps_before:  # an evaluation's pass
+            if _uneven(sampler) and not said["uneven"]:
+                said["uneven"] = True
+                say(uneven_evaluation_line(sampler))
+            return
+        ended_before, passes = trained.get(sampler, (None, 0))
+        passes = passes + 1 if ended_before == epoch == sampler.epoch else 1
+        trained[sampler] = (epoch, passes)
+        if passes >= 2 and sampler.shuffle and not said["epoch"]:
+            said["epoch"] = True
+            say(repeated_epoch_line(epoch))
+
+    def passes(self):
+        indices = original(self)
+        followed_now = (self.shuffle and not said["epoch"]) or (_uneven(self) and not said["uneven"])
+        return followed(self, indices) if followed_now else indices
+
+    handle = register_optimizer_step_post_hook(count_step)
+    DistributedSampler.__iter__ = passes
+    try:
+        yield
+    finally:
+        DistributedSampler.__iter__ = original
+        handle.remove()
+
+
+def _uneven(sampler: DistributedSampler) -> bool:
+    """Whether `sampler` pads its dataset or drops some of it to give every rank an equal share."""
+    try:
+        return sampler.total_size != len(sampler.dataset)
+    except (AttributeError, TypeError):  # a subclass that keeps no total, a dataset without a length
+        return False
