@@ -9,11 +9,14 @@ rank gets an equal share: an evaluation over it counts some examples twice (or n
 metrics summed over the ranks are not one device's.
 
 `watching_sampler_passes` follows, while the script runs, each pass of a shuffling or uneven
-DistributedSampler to its end, counting the optimizer steps taken meanwhile. A second training pass
-(one with a step in it) ended at the same epoch is the forgotten call; a pass without a step over an
-uneven sampler is an evaluation that repeats or skips examples. Rank 0 warns once each, at the line
-that read the pass's last batch (its `for ... in loader:`). A shuffling sampler over a validation
-set, whose order does not matter, is left alone, and so is a pass left before its end.
+DistributedSampler, counting the optimizer steps taken meanwhile, and judges it when its last index
+is drawn (a loop that knows its length, as Lightning's, never asks past it). A second training pass
+(one with a step in it) read to its end at the same epoch is the forgotten call; a pass without a
+step, read with gradients off (`torch.no_grad()`, `inference_mode`), over an uneven sampler is an
+evaluation that repeats or skips examples. Rank 0 warns once each, at the line that read the pass's
+last batch (its `for ... in loader:`). A shuffling sampler over a validation set, whose order does
+not matter, is left alone, and so is a pass left before its end; a pass of one batch, or whose last
+indices a DataLoader's workers drew before its first step, counts as no training pass.
 `phalanx.ShardedLoader` has no call to forget (`loader.epoch(e)` takes the epoch), and
 `phalanx.evaluate_dataset` counts every example once.
 """
@@ -37,21 +40,21 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def repeated_epoch_line(epoch: int) -> str:
-    """What rank 0 says when a shuffling sampler ends a second training pass at epoch `epoch`."""
-    return (f"this DistributedSampler (shuffle=True) ended a second training pass at epoch {epoch}: its set_epoch "
-            "was not called, so every epoch reads the first epoch's order, on every rank; call "
+    """What rank 0 says when a shuffling sampler reaches the end of a second training pass at epoch `epoch`."""
+    return (f"this DistributedSampler (shuffle=True) reached the end of a second training pass at epoch {epoch}: its "
+            "set_epoch was not called, so every epoch reads the first epoch's order, on every rank; call "
             "sampler.set_epoch(epoch) at each epoch's start (the sampler's, not the DataLoader's), or use "
             "phalanx.ShardedLoader, whose loader.epoch(epoch) takes the epoch")
 
 
 def uneven_evaluation_line(sampler: DistributedSampler) -> str:
-    """What rank 0 says when a pass without an optimizer step ends over an uneven `sampler`."""
+    """What rank 0 says when an evaluation's pass over an uneven `sampler` reaches its end."""
     examples, read, ranks = len(sampler.dataset), sampler.total_size, sampler.num_replicas
     what = (f"reads {read - examples} of its {examples} examples twice (it pads them to {read} so that {ranks} ranks "
             "get equal shares)" if read > examples else
             f"leaves {examples - read} of its {examples} examples out (drop_last=True)")
-    return (f"this DistributedSampler ended a pass without an optimizer step (an evaluation?) that {what}, so metrics "
-            "summed over the ranks are not one device's (DDP's evaluation does the same); evaluate with "
+    return (f"this DistributedSampler reached the end of an evaluation's pass (no optimizer step, gradients off) that "
+            f"{what}, so metrics summed over the ranks are not one device's (DDP's evaluation does the same); evaluate with "
             "phalanx.evaluate_dataset(model, dataset, world=world), which counts every example once")
 
 
@@ -67,14 +70,19 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
         steps[0] += 1
 
     def say(line: str) -> None:
-        frame = frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(2))[0]
+        frame = frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(3))[0]
         warnings.warn_explicit(line, PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
 
     def followed(sampler, indices: Iterator[int]) -> Iterator[int]:
-        epoch, steps_before = sampler.epoch, steps[0]
-        yield from indices
-        if steps[0] == steps_before:  # an evaluation's pass
-            if _uneven(sampler) and not said["uneven"]:
+        epoch, steps_before, last = sampler.epoch, steps[0], sampler.num_samples - 1
+        for drawn, index in enumerate(indices):
+            if drawn == last:  # its last batch is being read: judged now (a loop that knows its length asks no more)
+                judge(sampler, epoch, stepped=steps[0] > steps_before)
+            yield index
+
+    def judge(sampler, epoch: int, *, stepped: bool) -> None:
+        if not stepped:  # an evaluation's pass, if gradients are off
+            if not torch.is_grad_enabled() and _uneven(sampler) and not said["uneven"]:
                 said["uneven"] = True
                 say(uneven_evaluation_line(sampler))
             return
@@ -88,7 +96,8 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
     def passes(self):
         indices = original(self)
         followed_now = (self.shuffle and not said["epoch"]) or (_uneven(self) and not said["uneven"])
-        return followed(self, indices) if followed_now else indices
+        return followed(self, indices) if followed_now and isinstance(getattr(self, "num_samples", None), int) \
+            else indices
 
     handle = register_optimizer_step_post_hook(count_step)
     DistributedSampler.__iter__ = passes

@@ -1,5 +1,5 @@
 """`phalanx run` of a DDP script whose DistributedSampler never has set_epoch called: rank 0 says so
-once, at the script's loop line, when a second training pass ends at one epoch; and of one that
+once, at the script's loop line, when it reaches the end of a second training pass at one epoch; and of one that
 evaluates over a sampler that pads its set: rank 0 says so once, at the evaluation's line
 (runtime/sampler_passes.py). Before 2026-12-07 every epoch read the first epoch's order, and the
 evaluation counted an example twice, and nothing was said (torchrun says nothing)."""
@@ -30,8 +30,8 @@ def test_a_forgotten_set_epoch_is_said_once_on_rank_0_at_the_loop():
     lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
     assert len(lines) == 1, done.stderr[-3000:]
     loop = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "the epoch's loop" in line)
-    assert lines[0].startswith(f"{SCRIPT}:{loop}: PhalanxWarning: this DistributedSampler (shuffle=True) ended "
-                               "a second training pass at epoch 0: its set_epoch was not called"), lines[0]
+    assert lines[0].startswith(f"{SCRIPT}:{loop}: PhalanxWarning: this DistributedSampler (shuffle=True) reached "
+                               "the end of a second training pass at epoch 0: its set_epoch was not called"), lines[0]
     assert sorted(done.stdout.splitlines()) == ["rank 0 distinct first batches 1", "rank 1 distinct first batches 1"]
 
 
@@ -48,5 +48,6 @@ def test_an_evaluation_over_a_padding_sampler_is_said_once_on_rank_0_at_its_line
     lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
     assert len(lines) == 1, done.stderr[-3000:]
     at = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "the evaluation" in line)
-    assert lines[0].startswith(f"{SCRIPT}:{at}: PhalanxWarning: this DistributedSampler ended a pass without an "
-                               "optimizer step (an evaluation?) that reads 1 of its 31 examples twice"), lines[0]
+    assert lines[0].startswith(f"{SCRIPT}:{at}: PhalanxWarning: this DistributedSampler reached the end of an "
+                               "evaluation's pass (no optimizer step, gradients off) that reads 1 of its 31 examples "
+                               "twice"), lines[0]

@@ -1,11 +1,12 @@
 """A shuffling DistributedSampler whose set_epoch is never called (runtime/sampler_passes.py): said
-once on rank 0 when a second training pass (one with an optimizer step) ends at one epoch, at the
+once on rank 0 when a second training pass (one with an optimizer step) reaches its end at one epoch, at the
 script's `for` line; a loop that moves the epoch, passes that take no step (an evaluation, the
 training set's accuracy), a pass left early, a sampler that does not shuffle, and rank 1 hear nothing.
 End to end under `phalanx run`: tests/distributed/test_sampler_passes.py."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -39,15 +40,16 @@ def _said(*, rank: int = 0, shuffle: bool = True, set_epoch: bool, epochs: int =
                 if leaves_early:
                     break
             if evaluates:  # the training set's accuracy, each epoch: a pass without a step
-                sum(x.sum() for (x,) in loader)
+                with torch.no_grad():
+                    sum(x.sum() for (x,) in loader)
     return [w for w in caught if issubclass(w.category, PhalanxWarning)], orders
 
 
 def test_a_forgotten_set_epoch_is_said_once_at_the_scripts_line():
     said, orders = _said(set_epoch=False, evaluates=True)
     assert len(said) == 1 and orders[0] == orders[1] == orders[2]  # torch's own: one order, every epoch
-    assert str(said[0].message).startswith("this DistributedSampler (shuffle=True) ended a second training pass at "
-                                           "epoch 0: its set_epoch was not called")
+    assert str(said[0].message).startswith("this DistributedSampler (shuffle=True) reached the end of a second "
+                                           "training pass at epoch 0: its set_epoch was not called")
     assert "call sampler.set_epoch(epoch) at each epoch's start" in str(said[0].message)
     assert said[0].filename == __file__ and "the loop's line" in open(__file__).read().splitlines()[said[0].lineno - 1]
 
@@ -71,7 +73,7 @@ def test_the_sampler_and_the_step_hook_are_put_back_after():
     assert DistributedSampler.__iter__ is original and len(optimizer._global_optimizer_post_hooks) == hooks
 
 
-def _evaluated(size: int, *, drop_last: bool = False, rank: int = 0, trains: bool = False):
+def _evaluated(size: int, *, drop_last: bool = False, rank: int = 0, trains: bool = False, no_grad: bool = True):
     data = TensorDataset(torch.arange(float(size)))
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False,
                                                                       drop_last=drop_last))
@@ -80,21 +82,24 @@ def _evaluated(size: int, *, drop_last: bool = False, rank: int = 0, trains: boo
     with warnings.catch_warnings(record=True) as caught, watching_sampler_passes(rank=rank):
         warnings.simplefilter("always")
         for _ in range(2):
-            for (x,) in loader:  # the evaluation's line
-                if trains:
-                    optimizer.zero_grad()
-                    (weight * x.sum()).backward()
-                    optimizer.step()
-    return [str(w.message) for w in caught if issubclass(w.category, PhalanxWarning)]
+            with torch.no_grad() if no_grad and not trains else contextlib.nullcontext():
+                for (x,) in loader:  # the evaluation's line
+                    if trains:
+                        optimizer.zero_grad()
+                        (weight * x.sum()).backward()
+                        optimizer.step()
+    return [w for w in caught if issubclass(w.category, PhalanxWarning)]
 
 
 def test_an_evaluation_over_an_uneven_sampler_is_said_once_with_what_it_repeats_or_leaves_out():
     padded = _evaluated(11)
-    assert len(padded) == 1 and padded[0].startswith(
-        "this DistributedSampler ended a pass without an optimizer step (an evaluation?) that reads 1 of its 11 "
-        "examples twice (it pads them to 12 so that 2 ranks get equal shares), so metrics summed over the ranks are "
-        "not one device's")
-    assert padded[0].endswith("evaluate with phalanx.evaluate_dataset(model, dataset, world=world), which counts "
-                              "every example once")
-    assert "leaves 1 of its 11 examples out (drop_last=True)" in _evaluated(11, drop_last=True)[0]
+    assert len(padded) == 1 and str(padded[0].message).startswith(
+        "this DistributedSampler reached the end of an evaluation's pass (no optimizer step, gradients off) that "
+        "reads 1 of its 11 examples twice (it pads them to 12 so that 2 ranks get equal shares), so metrics summed "
+        "over the ranks are not one device's")
+    assert str(padded[0].message).endswith("evaluate with phalanx.evaluate_dataset(model, dataset, world=world), "
+                                           "which counts every example once")
+    assert "the evaluation's line" in open(__file__).read().splitlines()[padded[0].lineno - 1]
+    assert "leaves 1 of its 11 examples out (drop_last=True)" in str(_evaluated(11, drop_last=True)[0].message)
     assert _evaluated(12) == [] and _evaluated(11, rank=1) == [] and _evaluated(11, trains=True) == []
+    assert _evaluated(11, no_grad=False) == []  # gradients on and no step: not told from a training pass
