@@ -95,9 +95,12 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
 
     def passes(self):
         indices = original(self)
+        # A subclass that keeps none of torch's attributes (epoch, shuffle, num_samples) is not followed.
+        if not all(isinstance(getattr(self, name, None), kind) for name, kind in
+                   (("epoch", int), ("shuffle", bool), ("num_samples", int))):
+            return indices
         followed_now = (self.shuffle and not said["epoch"]) or (_uneven(self) and not said["uneven"])
-        return followed(self, indices) if followed_now and isinstance(getattr(self, "num_samples", None), int) \
-            else indices
+        return followed(self, indices) if followed_now else indices
 
     handle = register_optimizer_step_post_hook(count_step)
     DistributedSampler.__iter__ = passes
