@@ -45,6 +45,7 @@ import torch.distributed as dist
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.board import FAILED, FINISHED, WAITING, Line, Ticket, synced_steps
 from phalanx.runtime.host_limits import limit_reason
+from phalanx.runtime.state_dict_errors import prefix_line
 from phalanx.runtime.tags import describe
 from phalanx.runtime.world import World
 
@@ -116,6 +117,8 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     if device_type == "cpu" and isinstance(exc, ValueError) and any(said in text for said in _GROUP_DEVICE_ID) \
             and where == "torch.distributed.distributed_c10d":
         return GROUP_DEVICE_ID_ON_CPU.format(at=_at_scripts_line(exc))
+    if isinstance(exc, RuntimeError) and where == "torch.nn.modules.module":
+        return prefix_line(text, _at_scripts_line(exc))
     return None
 
 

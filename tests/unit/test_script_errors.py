@@ -294,3 +294,36 @@ def test_a_reset_in_the_fd_server_thread_is_quiet_and_other_errors_are_not(quiet
         resource_sharer.stop(timeout=5)
         os.close(read_end)
         os.close(write_end)
+
+
+class _Wrapper(torch.nn.Module):
+    """DDP's names without a process group: the model as the child `module`."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_a_checkpoint_that_differs_from_the_model_by_ddps_prefix_is_named_at_the_scripts_line(tmp_path):
+    # The commonest DDP question: a DDP checkpoint loaded into the bare model (or the reverse) listed every
+    # key twice, as missing and as unexpected, and said nothing of "module." (a traceback before 2026-12-07).
+    script = tmp_path / "evaluate.py"
+    script.write_text("def main(model, state):\n    model.load_state_dict(state)  # the user's line\n")
+    as_main = {"__name__": "__main__"}
+    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    wrapped_state = _Wrapper(model).state_dict()
+    saved_by_ddp = _caught(lambda: as_main["main"](model, wrapped_state))
+    assert reworded(saved_by_ddp, device_type="cpu", init_ran=False) == (
+        "the checkpoint's keys carry DDP's \"module.\" prefix and the model's do not at evaluate.py:2 "
+        "(`model.load_state_dict(state)  # the user's line`) (e.g. \"module.0.bias\" for \"0.bias\"): it was saved "
+        "from a DistributedDataParallel's state_dict(); strip the prefix before loading (torch.nn.modules.utils."
+        "consume_prefix_in_state_dict_if_present(state, \"module.\")), or save ddp.module.state_dict() instead "
+        "(phalanx's replica, dp.load_state_dict, takes either)")
+    into_wrapper = _caught(lambda: as_main["main"](_Wrapper(model), model.state_dict()))
+    assert reworded(into_wrapper, device_type="cuda", init_ran=True).startswith(
+        "the model's keys carry DDP's \"module.\" prefix and the checkpoint's do not at evaluate.py:2")
+    other = dict(wrapped_state)
+    other.pop("module.0.bias")  # another difference besides the prefix: torch's own error stands
+    assert reworded(_caught(lambda: as_main["main"](model, other)), device_type="cpu", init_ran=False) is None
+    assert reworded(RuntimeError(str(saved_by_ddp)), device_type="cpu", init_ran=False) is None  # not torch's
