@@ -7,7 +7,8 @@ One example per file (`<index>.txt`: the label, then the features, comma-separat
 listing the directory and read only in `__getitem__`, so memory holds file names, not the data:
 the shape of image folders, audio clips or documents. `ShardedLoader` hands each rank only the
 indices of its shards, so a rank opens only its own files (each rank prints how many it read),
-besides the first global batch's first 8, read once to check that every rank lists the same set;
+besides a few read to check that every rank lists the same set (the first global batch's first 8,
+once, and the first 8 files when evaluating);
 `--loader-workers N` reads them in N DataLoader worker processes.
 `--make-data DIR` first writes a generated set there (rank 0 writes, the others wait for it).
 """

@@ -107,7 +107,9 @@ def test_lazy_files_each_rank_reads_only_its_shards(tmp_path):
     one = run_example("lazy_files.py", "cpu:1", *args, "--out", str(tmp_path / "k1"))
     two = run_example("lazy_files.py", "cpu:2", *args, "--out", str(tmp_path / "k2"))
     reads = [int(m) for m in re.findall(r"rank \d: \d+ files listed, (\d+) reads", two)]
-    probes = 2 * 8  # each rank reads the first global batch's first 8 files once: do the ranks hold one dataset?
+    # Do the ranks hold one dataset? Each rank reads the first global batch's first 8 files once (ShardedLoader),
+    # and the set's first 8 once (evaluate_dataset).
+    probes = 2 * (8 + 8)
     assert len(reads) == 2 and sum(reads) == (epochs + 1) * n + probes and max(reads) < (epochs + 1) * n
     assert f"rank 0: {n} files listed, {(epochs + 1) * n} reads" in one
     k1 = torch.load(tmp_path / "k1" / "rank0.pt", weights_only=True)
