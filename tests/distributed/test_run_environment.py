@@ -260,9 +260,12 @@ def test_a_ddp_script_opening_nccl_on_cpu_workers_is_told_to_use_gloo(tmp_path):
     refused = _phalanx_run(script)
     assert refused.returncode == 2, refused.stderr[-3000:]
     lines = [line for line in refused.stderr.splitlines() if line.startswith("phalanx")]
-    assert lines == ["phalanx: error: the script's process group uses backend \"nccl\", which runs on GPUs only, and "
-                     "these workers are CPU workers (--devices cpu:N): open it with init_process_group(\"gloo\") on "
-                     "CPU, or call phalanx.init(), which picks gloo on CPU and NCCL on GPUs"], refused.stderr[-3000:]
+    assert lines == ["phalanx: error: the script's process group uses backend \"nccl\" at script.py:3 "
+                     "(`dist.init_process_group(backend=\"nccl\")  # the DDP tutorials' line, on CPU wo...`), which "
+                     "runs on GPUs only, and these workers are CPU workers (--devices cpu:N): open it with "
+                     "init_process_group(\"gloo\") on CPU (a script that picks its backend from a device option of its "
+                     "own, as timm's train.py from --device, takes that option's CPU value), or call phalanx.init(), "
+                     "which picks gloo on CPU and NCCL on GPUs"], refused.stderr[-3000:]
     assert "Traceback" not in refused.stderr
 
 
