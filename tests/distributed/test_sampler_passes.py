@@ -24,15 +24,21 @@ def _run(mode: str) -> subprocess.CompletedProcess:
                           timeout=240, env=dict(os.environ))
 
 
-def test_a_forgotten_set_epoch_is_said_once_on_rank_0_at_the_loop():
-    done = _run("forgets")
+def _said_once(mode: str, marker: str) -> tuple[str, str, list[str]]:
+    """The run's one PhalanxWarning, where it must point (the script's line holding `marker`), and its stdout."""
+    done = _run(mode)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
     assert len(lines) == 1, done.stderr[-3000:]
-    loop = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "the epoch's loop" in line)
-    assert lines[0].startswith(f"{SCRIPT}:{loop}: PhalanxWarning: this DistributedSampler (shuffle=True) reached "
-                               "the end of a second training pass at epoch 0: its set_epoch was not called"), lines[0]
-    assert sorted(done.stdout.splitlines()) == ["rank 0 distinct first batches 1", "rank 1 distinct first batches 1"]
+    at = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if marker in line)
+    return lines[0], f"{SCRIPT}:{at}: PhalanxWarning: ", sorted(done.stdout.splitlines())
+
+
+def test_a_forgotten_set_epoch_is_said_once_on_rank_0_at_the_loop():
+    line, where, printed = _said_once("forgets", "the epoch's loop")
+    assert line.startswith(f"{where}this DistributedSampler (shuffle=True) reached the end of a second training "
+                           "pass at epoch 0: its set_epoch was not called"), line
+    assert printed == ["rank 0 distinct first batches 1", "rank 1 distinct first batches 1"]
 
 
 def test_a_loop_that_sets_the_epoch_hears_nothing():
@@ -43,11 +49,6 @@ def test_a_loop_that_sets_the_epoch_hears_nothing():
 
 
 def test_an_evaluation_over_a_padding_sampler_is_said_once_on_rank_0_at_its_line():
-    done = _run("evaluates")
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if "PhalanxWarning" in line]
-    assert len(lines) == 1, done.stderr[-3000:]
-    at = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if "the evaluation" in line)
-    assert lines[0].startswith(f"{SCRIPT}:{at}: PhalanxWarning: this DistributedSampler reached the end of an "
-                               "evaluation's pass (no optimizer step, gradients off) that reads 1 of its 31 examples "
-                               "twice"), lines[0]
+    line, where, _ = _said_once("evaluates", "the evaluation")
+    assert line.startswith(f"{where}this DistributedSampler reached the end of an evaluation's pass (no optimizer "
+                           "step, gradients off) that reads 1 of its 31 examples twice"), line
