@@ -94,6 +94,15 @@ def frame_outside(skip_dirs: tuple[str, ...] = (PACKAGE_DIR,), *, start=None) ->
     return frame, passed
 
 
+def script_frame(start):
+    """The first frame from `start` outward outside phalanx and torch: the script's line behind
+    torch's own calls (an optimizer's step hooks, a DataLoader drawing from its sampler)."""
+    import sys
+
+    torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
+    return frame_outside((PACKAGE_DIR, torch_dir), start=start)[0]
+
+
 def warn_at_caller(message: str) -> None:
     """A PhalanxWarning pointing at the first frame outside phalanx: the script's line that led
     here, however many of phalanx's own calls (prepare, DataParallel(...)) lie between."""

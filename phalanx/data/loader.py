@@ -63,6 +63,22 @@ def sampler_of(obj: Any) -> DistributedSampler | None:
     return None
 
 
+def samplers_in_frames(frame, *, depth: int = 8) -> Iterator[tuple[str, DistributedSampler]]:
+    """(name, sampler) for each DistributedSampler (or DataLoader using one) held in the locals of
+    `frame` and the frames above it, `depth` frames in all, or in the script's globals, innermost
+    first: where a loop that steps through a replica or an optimizer keeps its loaders (the loop is
+    `frame`, or a few frames up when the step runs through train_batch or a helper)."""
+    for _ in range(depth):
+        if frame is None:
+            return
+        scopes = [frame.f_locals] + ([frame.f_globals] if frame.f_globals.get("__name__") == "__main__" else [])
+        for name, value in [item for scope in scopes for item in list(scope.items())]:
+            sampler = sampler_of(value)
+            if sampler is not None:
+                yield name, sampler
+        frame = frame.f_back
+
+
 def distributed_sampler_note(obj: Any) -> str | None:
     """One line naming what torch's DistributedSampler (`obj`, or a DataLoader's) does to an epoch
     and the fix; None when `obj` is none, or when it neither pads nor drops (the split is then even)."""

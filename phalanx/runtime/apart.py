@@ -54,8 +54,8 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from phalanx.data.item_identity import subset_checksum
-from phalanx.data.loader import sampler_of
-from phalanx.errors import PACKAGE_DIR, PhalanxWarning, frame_outside
+from phalanx.data.loader import samplers_in_frames
+from phalanx.errors import PhalanxWarning, script_frame
 
 KEY = "phalanx/apart"
 END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's first fingerprint
@@ -63,8 +63,6 @@ END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's firs
 # parallelism); torch's own FSDP and DTensor are imported with torch.distributed, so they are told by type.
 SHARDING_MODULES = ("deepspeed", "megatron")
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-SAMPLER_FRAMES = 8  # frames searched for DistributedSamplers, from the script's optimizer.step() outward
 
 
 def fingerprint(params: list[torch.Tensor]) -> list[list[int]]:
@@ -99,25 +97,14 @@ class _First:
     samplers: dict[str, list[int]] = field(default_factory=dict)  # sampler_datasets at the step
 
 
-def _script_frame():
-    """The first frame outside phalanx and torch: the script's `optimizer.step()` (or its wrapper's)."""
-    return frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(1))[0]
-
-
 def sampler_datasets(frame) -> dict[str, list[int]]:
     """By variable name, each DistributedSampler (or DataLoader with one) in the locals of `frame`
     and the frames above it, or in the script's globals: [its dataset's length, its Subset CRC]."""
     found: dict[str, list[int]] = {}
-    for _ in range(SAMPLER_FRAMES):
-        if frame is None:
-            break
-        scopes = [frame.f_locals] + ([frame.f_globals] if frame.f_globals.get("__name__") == "__main__" else [])
-        for name, value in [item for scope in scopes for item in list(scope.items())]:
-            sampler = sampler_of(value)
-            if sampler is not None and name not in found:
-                with contextlib.suppress(TypeError):  # a dataset without a length: nothing to compare
-                    found[name] = [len(sampler.dataset), subset_checksum(sampler.dataset)]
-        frame = frame.f_back
+    for name, sampler in samplers_in_frames(frame):
+        if name not in found:
+            with contextlib.suppress(TypeError):  # a dataset without a length: nothing to compare
+                found[name] = [len(sampler.dataset), subset_checksum(sampler.dataset)]
     return found
 
 
@@ -137,11 +124,11 @@ class ApartWatch:
         self.depth += 1
         if self.depth == 1 and self.rank == 0 and self.workers > 1 and not self.said and not _joined():
             self.said = True  # the first step of a script that never joined: every worker trains alone
-            frame = _script_frame()
+            frame = script_frame(sys._getframe())
             warnings.warn_explicit(alone_line(self.workers), PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
         if self.depth > 1 or optimizer in self.firsts or not _group_open() or _capturing():
             return
-        frame = _script_frame()
+        frame = script_frame(sys._getframe())
         first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=(frame.f_code.co_filename,
                                                                                    frame.f_lineno))
         if not any(name in sys.modules for name in SHARDING_MODULES):

@@ -24,7 +24,6 @@ indices a DataLoader's workers drew before its first step, counts as no training
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import warnings
 import weakref
@@ -34,10 +33,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DistributedSampler
 
-from phalanx.errors import PACKAGE_DIR, PhalanxWarning, frame_outside
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-
+from phalanx.errors import PhalanxWarning, script_frame
 
 def repeated_epoch_line(epoch: int) -> str:
     """What rank 0 says when a shuffling sampler reaches the end of a second training pass at epoch `epoch`."""
@@ -70,7 +66,7 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
         steps[0] += 1
 
     def say(line: str) -> None:
-        frame = frame_outside((PACKAGE_DIR, _TORCH_DIR), start=sys._getframe(3))[0]
+        frame = script_frame(sys._getframe(3))
         warnings.warn_explicit(line, PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
 
     def followed(sampler, indices: Iterator[int]) -> Iterator[int]:

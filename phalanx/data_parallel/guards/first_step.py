@@ -41,14 +41,10 @@ from types import FrameType
 import torch
 from torch import nn
 
-from phalanx.data.loader import distributed_sampler_note
+from phalanx.data.loader import distributed_sampler_note, samplers_in_frames
 from phalanx.errors import PhalanxWarning
 from phalanx.data_parallel.replica_hook import ReplicaHook
 from phalanx.data_parallel.guards.sizes import note_size
-
-# How many frames above finish_gradient_sync to search for a DistributedSampler: the user's loop
-# is the caller, or a few frames up when the step runs through train_batch / a helper.
-_FRAMES_SEARCHED = 8
 
 
 # The checks that wait to see a backward through shard_loss (rank 0's, until its first synced step).
@@ -162,19 +158,8 @@ class FirstStepCheck:
 def _sampler_in_frames(frame: FrameType | None) -> str | None:
     """The note for the first padding/dropping DistributedSampler (or DataLoader using one) that
     a frame from `frame` upwards holds in its locals, or the script's globals; None if none."""
-    for _ in range(_FRAMES_SEARCHED):
-        if frame is None:
-            return None
-        scopes = [frame.f_locals]
-        if frame.f_globals.get("__name__") == "__main__":
-            scopes.append(frame.f_globals)
-        for scope in scopes:
-            for value in list(scope.values()):
-                note = distributed_sampler_note(value)
-                if note is not None:
-                    return note
-        frame = frame.f_back
-    return None
+    notes = (distributed_sampler_note(sampler) for _, sampler in samplers_in_frames(frame))
+    return next((note for note in notes if note is not None), None)
 
 
 def caller_frame(depth: int) -> FrameType | None:
