@@ -97,10 +97,43 @@ def frame_outside(skip_dirs: tuple[str, ...] = (PACKAGE_DIR,), *, start=None) ->
 def script_frame(start):
     """The first frame from `start` outward outside phalanx and torch: the script's line behind
     torch's own calls (an optimizer's step hooks, a DataLoader drawing from its sampler)."""
+    return frame_outside((PACKAGE_DIR, _torch_dir()), start=start)[0]
+
+
+def _torch_dir() -> str:
     import sys
 
-    torch_dir = os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
-    return frame_outside((PACKAGE_DIR, torch_dir), start=start)[0]
+    return os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
+
+
+def script_line(start) -> tuple[str, int, str]:
+    """Where a warning about the script's doing points, from frame `start` outward: the first frame
+    outside phalanx, torch, the standard library and installed packages (site-packages), the line its
+    author can change (`trainer.run(loader)`, past PyTorch-Ignite's Engine that drew from the sampler),
+    as (file, line, note), the note naming the installed library's line in between ("" where none:
+    " (reached in ignite.engine.engine, line 1216)"). Where no such frame lies outward (a script run
+    from installed code), script_frame's, with no note."""
+    import sysconfig
+
+    first = script_frame(start)
+    paths = sysconfig.get_paths()
+    installed = tuple(os.path.abspath(paths[name]) + os.sep for name in ("stdlib", "purelib", "platlib"))
+    frame = first
+    while frame is not None and _installed(frame.f_code.co_filename, installed):
+        frame = frame.f_back
+    if frame is None or frame is first or os.path.abspath(frame.f_code.co_filename).startswith(
+            (PACKAGE_DIR, _torch_dir())):
+        return first.f_code.co_filename, first.f_lineno, ""
+    library = first.f_globals.get("__name__") or os.path.basename(first.f_code.co_filename)
+    return frame.f_code.co_filename, frame.f_lineno, f" (reached in {library}, line {first.f_lineno})"
+
+
+def _installed(filename: str, installed: tuple[str, ...]) -> bool:
+    """Whether `filename` is the standard library's or an installed package's ("<frozen runpy>" too)."""
+    path = os.path.abspath(filename)
+    parts = path.split(os.sep)
+    return (filename.startswith("<frozen") or path.startswith(installed)
+            or "site-packages" in parts or "dist-packages" in parts)
 
 
 def warn_at_caller(message: str) -> None:

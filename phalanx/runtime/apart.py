@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from phalanx.data.item_identity import subset_checksum
 from phalanx.data.loader import samplers_in_frames
-from phalanx.errors import PhalanxWarning, script_frame
+from phalanx.errors import PhalanxWarning, script_frame, script_line
 
 KEY = "phalanx/apart"
 END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's first fingerprint
@@ -91,7 +91,7 @@ class _First:
     """One optimizer's first step, as this rank saw it: where the script called it, and its fingerprint."""
 
     ordinal: int
-    where: tuple[str, int]
+    where: tuple[str, int, str]  # errors.script_line's (file, line, note)
     before: list[list[int]] | None = None
     grads: list[list[int]] | None = None  # the gradients the step read (a None one: empty)
     samplers: dict[str, list[int]] = field(default_factory=dict)  # sampler_datasets at the step
@@ -124,13 +124,12 @@ class ApartWatch:
         self.depth += 1
         if self.depth == 1 and self.rank == 0 and self.workers > 1 and not self.said and not _joined():
             self.said = True  # the first step of a script that never joined: every worker trains alone
-            frame = script_frame(sys._getframe())
-            warnings.warn_explicit(alone_line(self.workers), PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
+            path, line_number, note = script_line(sys._getframe())
+            warnings.warn_explicit(alone_line(self.workers) + note, PhalanxWarning, path, line_number)
         if self.depth > 1 or optimizer in self.firsts or not _group_open() or _capturing():
             return
         frame = script_frame(sys._getframe())
-        first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=(frame.f_code.co_filename,
-                                                                                   frame.f_lineno))
+        first = self.firsts[optimizer] = _First(ordinal=len(self.firsts), where=script_line(frame))
         if not any(name in sys.modules for name in SHARDING_MODULES):
             params = _whole_params(optimizer)
             if params is not None:
@@ -175,7 +174,8 @@ class ApartWatch:
             line = apart_line(prints) or sampler_line(prints)
             if line is not None and not self.said:  # at the script's line, so the script's filters apply
                 self.said = True
-                warnings.warn_explicit(line, PhalanxWarning, *first.where)
+                path, line_number, note = first.where
+                warnings.warn_explicit(line + note, PhalanxWarning, path, line_number)
         self.pending = still
 
     def finish(self) -> None:

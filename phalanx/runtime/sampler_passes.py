@@ -14,7 +14,8 @@ is drawn (a loop that knows its length, as Lightning's, never asks past it). A s
 (one with a step in it) read to its end at the same epoch is the forgotten call; a pass without a
 step, read with gradients off (`torch.no_grad()`, `inference_mode`), over an uneven sampler is an
 evaluation that repeats or skips examples. Rank 0 warns once each, at the line that read the pass's
-last batch (its `for ... in loader:`). A shuffling sampler over a validation set, whose order does
+last batch (its `for ... in loader:`; where a library's loop read it, the script's line that called
+the library, naming the library's). A shuffling sampler over a validation set, whose order does
 not matter, is left alone, and so is a pass left before its end; a pass of one batch, or whose last
 indices a DataLoader's workers drew before its first step, counts as no training pass.
 `phalanx.ShardedLoader` has no call to forget (`loader.epoch(e)` takes the epoch), and
@@ -33,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DistributedSampler
 
-from phalanx.errors import PhalanxWarning, script_frame
+from phalanx.errors import PhalanxWarning, script_line
 
 def repeated_epoch_line(epoch: int) -> str:
     """What rank 0 says when a shuffling sampler reaches the end of a second training pass at epoch `epoch`."""
@@ -66,8 +67,8 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
         steps[0] += 1
 
     def say(line: str) -> None:
-        frame = script_frame(sys._getframe(3))
-        warnings.warn_explicit(line, PhalanxWarning, frame.f_code.co_filename, frame.f_lineno)
+        path, line_number, note = script_line(sys._getframe(3))
+        warnings.warn_explicit(line + note, PhalanxWarning, path, line_number)
 
     def followed(sampler, indices: Iterator[int]) -> Iterator[int]:
         epoch, steps_before, last = sampler.epoch, steps[0], sampler.num_samples - 1

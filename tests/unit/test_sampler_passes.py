@@ -103,3 +103,32 @@ def test_an_evaluation_over_an_uneven_sampler_is_said_once_with_what_it_repeats_
     assert "leaves 1 of its 11 examples out (drop_last=True)" in str(_evaluated(11, drop_last=True)[0].message)
     assert _evaluated(12) == [] and _evaluated(11, rank=1) == [] and _evaluated(11, trains=True) == []
     assert _evaluated(11, no_grad=False) == []  # gradients on and no step: not told from a training pass
+
+
+def test_a_pass_read_by_an_installed_librarys_loop_is_said_at_the_scripts_call_naming_the_library(tmp_path):
+    """PyTorch-Ignite's Engine draws the batches: the warning points at the script's `trainer.run(...)`,
+    the line its author changes, and names the library's line that reached the end."""
+    import importlib.util
+
+    library = tmp_path / "site-packages" / "fake_engine.py"
+    library.parent.mkdir()
+    library.write_text("def run(loader, step, epochs):\n    for _ in range(epochs):\n"
+                       "        for batch in loader:\n            step(batch)\n")
+    spec = importlib.util.spec_from_file_location("fake_engine", library)
+    engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine)
+    loader = DataLoader(DATA, batch_size=2, sampler=DistributedSampler(DATA, num_replicas=2, rank=0, seed=3))
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+
+    def step(batch):
+        optimizer.zero_grad()
+        (weight * batch[0].sum()).backward()
+        optimizer.step()
+
+    with warnings.catch_warnings(record=True) as caught, watching_sampler_passes(rank=0):
+        warnings.simplefilter("always")
+        engine.run(loader, step, 2)  # the script's call
+    (said,) = [w for w in caught if issubclass(w.category, PhalanxWarning)]
+    assert said.filename == __file__ and "the script's call" in open(__file__).read().splitlines()[said.lineno - 1]
+    assert str(said.message).endswith("takes the epoch (reached in fake_engine, line 3)")
