@@ -55,6 +55,7 @@ from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, inherit_launcher_stdin, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
+from phalanx.runtime.own_rendezvous import joining_launcher_store, launcher_store_env
 from phalanx.runtime.unguarded_main import refusing_unguarded_starts
 from phalanx.runtime.sampler_passes import watching_sampler_passes
 from phalanx.runtime.restarts import with_restarts
@@ -91,6 +92,8 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
     if use_cuda and not torch.cuda.is_available():
         raise UsageError("init(device='cuda') but torch sees no CUDA device; use device='cpu'")
     env = launcher_env()
+    if env is not None:  # under phalanx run: its store, whatever MASTER_ADDR/MASTER_PORT the script set
+        env = launcher_store_env(env)
     worker_pid = None if env is None else joined_worker(run_key(env))
     if worker_pid is not None:  # a worker's child, not a worker (child_world.py)
         warn_at_caller(inherited_message(env.rank, worker_pid))
@@ -158,6 +161,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
         teardown.enter_context(guard)
     teardown.callback((apart := watch_ranks_apart(rank=env.rank, workers=env.world_size)).close)  # said once
     teardown.enter_context(watching_sampler_passes(rank=env.rank))  # a DistributedSampler without set_epoch
+    teardown.enter_context(joining_launcher_store(rank=env.rank))  # a MASTER_PORT of the script's own
     try:
         result = call()
     except BaseException as exc:

@@ -1,0 +1,140 @@
+"""A script's own rendezvous address under `phalanx run`, replaced by the launcher's store: said once.
+
+torch's DDP tutorial opens its group after `os.environ["MASTER_ADDR"] = "localhost"` and
+`os.environ["MASTER_PORT"] = "12355"`; other scripts pass `init_method="tcp://localhost:23456"`.
+Under torchrun, and under `phalanx run`, which gives each worker torchrun's environment, every rank
+is a client of the launcher's store (TORCHELASTIC_USE_AGENT_STORE=True): on another port no one
+hosts a store, and each rank retried its connection for the group's timeout and then again after a
+pause of torch's choosing (2 workers under `phalanx run --timeout 120`: 3 min 31 s, then torch's
+DistNetworkError traceback naming neither cause nor fix; torchrun waits alike). While the script
+runs, `init_process_group` is held (as nested_launch.py holds torch's spawn): a call whose `env://`
+or `tcp://` rendezvous names another port than the launcher's store is made against that store, its
+other arguments as given, and rank 0 warns once at the script's line, naming both addresses and the
+lines to drop so that the script runs under torchrun too. `phalanx.init()` joins the launcher's
+store whatever the script set (`launcher_store_env`). A `store=`, a `file://` rendezvous and the
+launcher's own port are left as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import os
+import sys
+import urllib.parse
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch.distributed as dist
+
+from phalanx.errors import PhalanxWarning, script_line
+from phalanx.runtime.world import LauncherEnv
+
+
+
+@dataclass
+class _Held:
+    address: tuple[str, str]  # the launcher's MASTER_ADDR and MASTER_PORT, as the worker started
+    said: bool  # rank 0 warned already (or this is not rank 0)
+
+    def warn(self, script_address: str, how: str, frame) -> None:
+        if not self.said:
+            self.said = True
+            path, line_number, note = script_line(frame)
+            warnings.warn_explicit(moved_line(script_address, how, self.address) + note, PhalanxWarning, path,
+                                   line_number)
+
+
+_HELD: list[_Held] = []  # while joining_launcher_store is held
+
+
+def launcher_store_env(env: LauncherEnv) -> LauncherEnv:
+    """`env` (read from os.environ) with the launcher's store while held: phalanx.init() in a script that
+    set MASTER_ADDR/MASTER_PORT joins the launcher's store, said once as for init_process_group."""
+    if not _HELD or str(env.master_port) == _HELD[-1].address[1]:
+        return env
+    held = _HELD[-1]
+    held.warn(f"{env.master_addr}:{env.master_port}", "MASTER_ADDR and MASTER_PORT set by the script",
+              sys._getframe())
+    return dataclasses.replace(env, master_addr=held.address[0], master_port=int(held.address[1]))
+
+
+def moved_line(script_address: str, how: str, launcher: tuple[str, str]) -> str:
+    """What rank 0 says when the script's group met at `script_address`, set by `how`."""
+    return (f"the script's process group meets at {script_address} ({how}), where under phalanx run and torchrun no "
+            "process hosts a store (every rank is a client of the launcher's: TORCHELASTIC_USE_AGENT_STORE=True), so "
+            "each rank would wait for one until its timeout; phalanx run joined its own store at "
+            f"{launcher[0]}:{launcher[1]} instead: drop {'those lines' if how.startswith('MASTER') else 'init_method'} "
+            "(both launchers set MASTER_ADDR and MASTER_PORT, which env:// reads) and the script runs under torchrun "
+            "too")
+
+
+@contextlib.contextmanager
+def joining_launcher_store(*, rank: int) -> Iterator[None]:
+    """While held, torch.distributed's init_process_group meets at the launcher's store (module docstring)."""
+    address = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not all(address):
+        yield
+        return
+    c10d = dist.distributed_c10d
+    original = c10d.init_process_group
+    signature = inspect.signature(original)
+    held = _Held(address=address, said=rank != 0)
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:  # torch's own error for the call as written
+            return original(*args, **kwargs)
+        method = bound.arguments.get("init_method")
+        if bound.arguments.get("store") is not None:
+            return original(*args, **kwargs)
+        if method in (None, "env://"):
+            script_address = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+            if script_address[1] == address[1]:
+                return original(*args, **kwargs)
+            held.warn(f"{script_address[0]}:{script_address[1]}", "MASTER_ADDR and MASTER_PORT set by the script",
+                      sys._getframe())
+            with _environment(MASTER_ADDR=address[0], MASTER_PORT=address[1]):
+                return original(*args, **kwargs)
+        if isinstance(method, str) and method.startswith("tcp://") and _port(method) not in ("", address[1]):
+            held.warn(urllib.parse.urlsplit(method).netloc, f"init_method={method!r}", sys._getframe())
+            bound.arguments["init_method"] = urllib.parse.urlsplit(method)._replace(
+                netloc=f"{address[0]}:{address[1]}").geturl()
+            return original(*bound.args, **bound.kwargs)
+        return original(*args, **kwargs)  # file://, the launcher's own port, or a URL torch will refuse
+
+    _HELD.append(held)
+    c10d.init_process_group = dist.init_process_group = init_process_group
+    try:
+        yield
+    finally:
+        c10d.init_process_group = dist.init_process_group = original
+        _HELD.pop()
+
+
+def _port(url: str) -> str:
+    """The port a tcp:// URL names ("" where none or not a number: torch's own error then)."""
+    try:
+        return str(urllib.parse.urlsplit(url).port or "")
+    except ValueError:
+        return ""
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """`values` in os.environ for the block; what was there before, after it (the script's own values)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
