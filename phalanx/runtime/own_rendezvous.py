@@ -1,4 +1,4 @@
-"""A script's own rendezvous address under `phalanx run`, replaced by the launcher's store: said once.
+"""A script's own rendezvous under `phalanx run`: its address replaced by the launcher's store, said once.
 
 torch's DDP tutorial opens its group after `os.environ["MASTER_ADDR"] = "localhost"` and
 `os.environ["MASTER_PORT"] = "12355"`; other scripts pass `init_method="tcp://localhost:23456"`.
@@ -12,7 +12,9 @@ or `tcp://` rendezvous names another port than the launcher's store is made agai
 other arguments as given, and rank 0 warns once at the script's line, naming both addresses and the
 lines to drop so that the script runs under torchrun too. `phalanx.init()` joins the launcher's
 store whatever the script set (`launcher_store_env`). A `store=`, a `file://` rendezvous and the
-launcher's own port are left as they are.
+launcher's own port are left as they are. A `world_size=` other than the workers started (a
+config's default) or a `rank=` other than the worker's RANK (`rank=0` on every worker) is refused
+at once in one line: each was a wait of `--timeout`, then torch's DistStoreError traceback.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from phalanx.errors import PhalanxWarning, script_line
+from phalanx.errors import PhalanxWarning, UsageError, script_line
 from phalanx.runtime.world import LauncherEnv
 
 
@@ -73,8 +75,9 @@ def moved_line(script_address: str, how: str, launcher: tuple[str, str]) -> str:
 
 
 @contextlib.contextmanager
-def joining_launcher_store(*, rank: int) -> Iterator[None]:
-    """While held, torch.distributed's init_process_group meets at the launcher's store (module docstring)."""
+def joining_launcher_store(*, rank: int, world_size: int) -> Iterator[None]:
+    """While held, torch.distributed's init_process_group meets at the launcher's store (module docstring);
+    a `rank=` or `world_size=` other than this worker's (`rank`, `world_size`) is refused in one line."""
     address = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not all(address):
         yield
@@ -93,6 +96,8 @@ def joining_launcher_store(*, rank: int) -> Iterator[None]:
         method = bound.arguments.get("init_method")
         if bound.arguments.get("store") is not None:
             return original(*args, **kwargs)
+        _check_place(bound.arguments.get("rank", -1), bound.arguments.get("world_size", -1), rank=rank,
+                     world_size=world_size)
         if method in (None, "env://"):
             script_address = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
             if script_address[1] == address[1]:
@@ -115,6 +120,22 @@ def joining_launcher_store(*, rank: int) -> Iterator[None]:
     finally:
         c10d.init_process_group = dist.init_process_group = original
         _HELD.pop()
+
+
+def _check_place(given_rank: int, given_size: int, *, rank: int, world_size: int) -> None:
+    """UsageError where the script's init_process_group names another world size or rank than the
+    launcher gave this worker: every rank waited --timeout for peers that never came (or for a rank
+    two workers claimed), then torch's DistStoreError traceback. The launcher's line names the
+    script's line."""
+    if given_size not in (-1, world_size):
+        raise UsageError(f"the script opens its process group with world_size={given_size}, and phalanx run "
+                         f"started {world_size} workers (WORLD_SIZE={world_size}): every rank would wait --timeout for "
+                         "ranks that never come; leave world_size out (env:// reads WORLD_SIZE) or pass "
+                         f"int(os.environ[\"WORLD_SIZE\"]), or start as many (phalanx run --devices {given_size})")
+    if given_rank not in (-1, rank):
+        raise UsageError(f"the script opens its process group with rank={given_rank} on the worker whose RANK is "
+                         f"{rank}: two workers would claim rank {given_rank} and every rank wait --timeout; leave rank "
+                         "out (env:// reads RANK) or pass int(os.environ[\"RANK\"])")
 
 
 def _port(url: str) -> str:

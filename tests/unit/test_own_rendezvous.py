@@ -1,7 +1,8 @@
 """A script's own rendezvous under phalanx run (runtime/own_rendezvous.py), in this process with a
 store of the test's as the launcher's: MASTER_PORT set by the script and a tcp:// init_method join
 that store, said once on rank 0 at the script's line, the script's environment kept; a store=, a
-file:// rendezvous and the launcher's own port pass through unsaid, and torch's function is put back.
+file:// rendezvous and the launcher's own port pass through unsaid, and torch's function is put back;
+another world size or rank than the launcher's is refused in one line before any wait.
 End to end on 2 workers: tests/distributed/test_own_rendezvous.py."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import warnings
 import pytest
 import torch.distributed as dist
 
-from phalanx.errors import PhalanxWarning
+from phalanx.errors import PhalanxWarning, UsageError
 from phalanx.runtime.own_rendezvous import joining_launcher_store, launcher_store_env
 from phalanx.runtime.world import launcher_env
 
@@ -39,7 +40,7 @@ def _free_port() -> str:
 
 @contextlib.contextmanager
 def _said(rank: int = 0):
-    with warnings.catch_warnings(record=True) as caught, joining_launcher_store(rank=rank):
+    with warnings.catch_warnings(record=True) as caught, joining_launcher_store(rank=rank, world_size=1):
         warnings.simplefilter("always")
         yield caught
     caught[:] = [w for w in caught if issubclass(w.category, PhalanxWarning)]
@@ -91,5 +92,17 @@ def test_the_launchers_port_a_store_and_other_ranks_pass_unsaid_and_torchs_funct
 def test_outside_a_launcher_nothing_is_held(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     original = dist.init_process_group
-    with joining_launcher_store(rank=0):
+    with joining_launcher_store(rank=0, world_size=1):
         assert dist.init_process_group is original
+
+
+def test_another_world_size_or_rank_than_the_launchers_is_refused_at_once(launcher):
+    with _said(), pytest.raises(UsageError, match=r"^the script opens its process group with world_size=4, and "
+                                                  r"phalanx run started 1 workers \(WORLD_SIZE=1\): every rank would "
+                                                  r"wait --timeout .* or start as many \(phalanx run --devices 4\)$"):
+        dist.init_process_group("gloo", world_size=4, timeout=datetime.timedelta(seconds=30))
+    with _said(), pytest.raises(UsageError, match=r"^the script opens its process group with rank=1 on the worker "
+                                                  r"whose RANK is 0: two workers would claim rank 1 .* leave rank out "
+                                                  r"\(env:// reads RANK\)"):
+        dist.init_process_group("gloo", rank=1, world_size=1, timeout=datetime.timedelta(seconds=30))
+    assert not dist.is_initialized()
