@@ -170,6 +170,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
     """Start the worker set, supervise it, and return the results by rank (or raise)."""
     ctx, launcher = worker_context() if workers.start_method == FRESH else (mp.get_context(workers.start_method), None)
     procs, conns, failed, started_at = [], [], False, time.time()
+    reports: dict[int, tuple] = {}  # read so far, in arrival order; a stop judges them with the rest
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
             oom_kills = oom_kill_count()  # before any worker exists: a rise is theirs (or a neighbour's)
@@ -186,9 +187,9 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                     child_end.close()  # keep only the child's copy, so its death reads as EOF here
                     procs.append(proc)
                     conns.append(parent_end)
-            return _supervise(procs, conns, workers, progress=progress, errors=errors, oom_kills=oom_kills)
+            return _supervise(procs, conns, workers, reports, progress=progress, errors=errors, oom_kills=oom_kills)
         except (Stopped, KeyboardInterrupt) as stop:
-            raise _stop_gently(stop, procs, conns) from None
+            raise _stop_gently(stop, procs, conns, reports) from None
         except BaseException:
             failed = True
             raise
@@ -219,11 +220,11 @@ def _progress_array(ctx, num_procs: int):
         return None
 
 
-def _supervise(procs, conns, workers: WorkerSet, progress=None, errors: Sequence[str | None] = (),
-               oom_kills: int | None = None) -> list[Any]:
-    """`oom_kills`: the OOM killer's count as the workers started, to tell what a SIGKILL was (oom.py)."""
+def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], progress=None,
+               errors: Sequence[str | None] = (), oom_kills: int | None = None) -> list[Any]:
+    """`reports`: filled in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...);
+    `oom_kills`: the OOM killer's count as the workers started, to tell what a SIGKILL was (oom.py)."""
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
-    reports: dict[int, tuple] = {}  # in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...)
     first_failure: int | None = None
     give_up_at, pending = deadline, set(range(len(procs)))
     while pending and (first_failure is None or not all_stopped(procs[rank].pid for rank in pending)):
@@ -271,22 +272,25 @@ def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:
                   or procs[r].exitcode is not None)
 
 
-def _stop_gently(stop: BaseException, procs, conns) -> BaseException:
+def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple]) -> BaseException:
     """The launcher was stopped: its signal to each worker itself (not its group) first, as a
     terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
     saves and reports "stopped" (runtime/stop_request.py), one not armed dies of it at once; waits
     up to STOP_GRACE_S, and returns `stop` with the saved place, if any. Ctrl-C (SIGINT): a
     script's `except KeyboardInterrupt` and `finally` blocks run (an emergency save), and phalanx
     train, armed for it too, saves as for SIGTERM; waits up to INTERRUPT_GRACE_S (a forked worker
-    hands it to the thread running its function: forked.on_fresh_thread)."""
+    hands it to the thread running its function: forked.on_fresh_thread). `reports`: those read
+    before the stop (a worker that reported its result and was still tearing down is not asked
+    again: its pipe is empty now, and its exit 0 read as "exited without a result", a failure)."""
     interrupt = isinstance(stop, KeyboardInterrupt)
     if not interrupt and stop.detail is not None:
         return stop
-    pending = {rank for rank, proc in enumerate(procs) if proc.exitcode is None}
+    pending = {rank for rank in range(len(procs)) if rank not in reports}
     for rank in pending:
         with contextlib.suppress(OSError):
-            signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
-    give_up_at, reports = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), {}
+            if procs[rank].exitcode is None:
+                signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
+    give_up_at, reports = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), dict(reports)
     while pending and give_up_at > time.monotonic():
         for rank in _ready(procs, conns, pending, give_up_at - time.monotonic()):
             pending.discard(rank)

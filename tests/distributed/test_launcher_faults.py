@@ -287,3 +287,41 @@ def test_a_stop_that_kills_one_rank_while_its_peer_waits_is_a_stop_not_a_failure
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert (proc.returncode, stderr.strip().splitlines()[-1]) == (143, "phalanx: stopped by SIGTERM; every worker was stopped"), stderr[-2000:]
+
+
+# Rank 1 delivers its result and lingers at exit deaf to SIGTERM (a teardown that ends by itself,
+# exit 0); rank 0 still works when the stop comes.
+ONE_RANK_DELIVERED = textwrap.dedent("""
+    import atexit
+    import os
+    import signal
+    import time
+
+    if os.environ["RANK"] == "1":
+        def linger():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            time.sleep(3)
+        atexit.register(linger)
+        print("rank 1 done", flush=True)
+    else:
+        time.sleep(3600)  # the launcher's SIGTERM ends it here
+""")
+
+
+def test_a_stop_while_a_rank_that_delivered_its_result_tears_down_is_a_stop_not_a_failure(tmp_path):
+    # Found by tools/combo_fuzz.py (seed 62, draw 8): a SIGTERM that reached `phalanx train` as rank 1
+    # tore down after its report ended in "worker rank 1 failed: exited with code 0 without a result",
+    # exit 1: the stop asked rank 1 for its report again, and its pipe was empty by then.
+    script = tmp_path / "delivered.py"
+    script.write_text(ONE_RANK_DELIVERED)
+    proc = _start(["run", "--devices", "cpu:2", "--quiet", "--timeout", "60", str(script)], tmp_path)
+    try:
+        assert proc.stdout.readline() == "rank 1 done\n", proc.stderr.read()[-2000:]
+        time.sleep(0.8)  # its report read, rank 1 in its linger
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert (proc.returncode, stderr.strip().splitlines()[-1]) == (143, "phalanx: stopped by SIGTERM; every worker was "
+                                                                       "stopped"), stderr[-2000:]
