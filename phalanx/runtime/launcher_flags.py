@@ -99,6 +99,11 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("--virtual-local-rank", "--virtual_local_rank"), False, _OTHER),
     ("torchrun", ("--print-completion", "--print_completion"), True,  # torch 2.14
      "phalanx run prints no shell completion script: {flag} is torchrun's (phalanx --help lists the commands)"),
+    # torch.distributed.launch's own (deprecated for torchrun; its other flags are torchrun's)
+    ("torch.distributed.launch", ("--use-env", "--use_env"), False,
+     "phalanx run gives each worker LOCAL_RANK in its environment, as {flag} asked torch.distributed.launch to (and "
+     "torchrun does), and passes the script no --local-rank argument: drop {flag}, and let a script that parses "
+     "--local-rank read int(os.environ[\"LOCAL_RANK\"])"),
     # accelerate launch's own (its flags shared with torchrun are torchrun's above)
     ("accelerate launch", _both("--num_processes"), True, _COUNT),
     ("accelerate launch", ("--cpu",), False, _CPUS),

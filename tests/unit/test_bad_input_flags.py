@@ -240,6 +240,9 @@ FLAG_CASES += [
     (["run", "--no-python", "train.py"], r"phalanx run runs a Python file, or a module with -m"),
     (["run", "--run-path", "train.py"], r"phalanx run already runs the script in each worker's own interpreter"),
     (["run", "--numa-binding", "node", "train.py"], r"phalanx run takes no --numa-binding: --bind-cores pins each worker"),
+    (["run", "--use-env", "train.py"], r"phalanx run gives each worker LOCAL_RANK in its environment, as --use-env asked "
+                                       r"torch\.distributed\.launch to .*: drop --use-env, and let a script that parses "
+                                       r"--local-rank read int\(os\.environ\[\"LOCAL_RANK\"\]\)$"),
 ]
 FLAG_CASES += [(["run", flag, "1", "train.py"],
                 rf"phalanx run starts the workers of this host, .* takes no {flag}; for many hosts start the script with "
