@@ -27,7 +27,6 @@ import os
 import sys
 import urllib.parse
 import warnings
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch.distributed as dist
@@ -36,8 +35,7 @@ from phalanx.errors import PhalanxWarning, UsageError, script_line
 from phalanx.runtime.world import LauncherEnv
 
 
-
-@dataclass
+@dataclasses.dataclass
 class _Held:
     address: tuple[str, str]  # the launcher's MASTER_ADDR and MASTER_PORT, as the worker started
     said: bool  # rank 0 warned already (or this is not rank 0)
