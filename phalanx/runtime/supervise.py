@@ -169,8 +169,7 @@ def _report_then_teardown(rank: int, workers: WorkerSet, conn) -> int:
 def run_workers(workers: WorkerSet) -> list[Any]:
     """Start the worker set, supervise it, and return the results by rank (or raise)."""
     ctx, launcher = worker_context() if workers.start_method == FRESH else (mp.get_context(workers.start_method), None)
-    procs, conns, failed, started_at = [], [], False, time.time()
-    reports: dict[int, tuple] = {}  # read so far, in arrival order; a stop judges them with the rest
+    procs, conns, reports, failed, started_at = [], [], {}, False, time.time()
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
             oom_kills = oom_kill_count()  # before any worker exists: a rise is theirs (or a neighbour's)
@@ -222,8 +221,7 @@ def _progress_array(ctx, num_procs: int):
 
 def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], progress=None,
                errors: Sequence[str | None] = (), oom_kills: int | None = None) -> list[Any]:
-    """`reports`: filled in arrival order, rank -> ("ok", result) | ("usage", msg) | error_report(...);
-    `oom_kills`: the OOM killer's count as the workers started, to tell what a SIGKILL was (oom.py)."""
+    """`reports`: filled as they arrive; `oom_kills`: the OOM killer's count at the start, for a SIGKILL (oom.py)."""
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     first_failure: int | None = None
     give_up_at, pending = deadline, set(range(len(procs)))
@@ -279,17 +277,15 @@ def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple]) -
     up to STOP_GRACE_S, and returns `stop` with the saved place, if any. Ctrl-C (SIGINT): a
     script's `except KeyboardInterrupt` and `finally` blocks run (an emergency save), and phalanx
     train, armed for it too, saves as for SIGTERM; waits up to INTERRUPT_GRACE_S (a forked worker
-    hands it to the thread running its function: forked.on_fresh_thread). `reports`: those read
-    before the stop (a worker that reported its result and was still tearing down is not asked
-    again: its pipe is empty now, and its exit 0 read as "exited without a result", a failure)."""
+    hands it to the thread running its function: forked.on_fresh_thread). `reports`: those read before the stop,
+    not asked for again (a worker tearing down after its report exits 0, its pipe empty: "without a result")."""
     interrupt = isinstance(stop, KeyboardInterrupt)
     if not interrupt and stop.detail is not None:
         return stop
     pending = {rank for rank in range(len(procs)) if rank not in reports}
-    for rank in pending:
+    for rank in (rank for rank in pending if procs[rank].exitcode is None):
         with contextlib.suppress(OSError):
-            if procs[rank].exitcode is None:
-                signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
+            signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
     give_up_at, reports = time.monotonic() + (INTERRUPT_GRACE_S if interrupt else STOP_GRACE_S), dict(reports)
     while pending and give_up_at > time.monotonic():
         for rank in _ready(procs, conns, pending, give_up_at - time.monotonic()):
