@@ -19,6 +19,8 @@ by where in torch it was raised and by what this worker is, not by its wording a
 - `DistributedDataParallel(model, device_ids=[local_rank])` with the model on the CPU, and
   `init_process_group(..., device_id=torch.device("cpu"))` (pytorch/examples' FSDP2 script made
   to run on CPU): torch binds a group to an accelerator only.
+- DDP's "Expected to have finished reduction in the prior iteration" for parameters a step's loss
+  left out, which lists them by index: named, with the fixes (ddp_unused.py).
 
 And two the script's run stops on (exit 1): a collective of its own group that waited out
 `--timeout` (`stalled`: gloo's message names the wait, not the fix; the line names the rank and,
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import RunFailed, UsageError
+from phalanx.runtime.ddp_unused import unused_line
 from phalanx.runtime.board import FAILED, FINISHED, WAITING, Line, Ticket, synced_steps
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.state_dict_errors import prefix_line
@@ -119,6 +122,8 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
         return GROUP_DEVICE_ID_ON_CPU.format(at=_at_scripts_line(exc))
     if isinstance(exc, RuntimeError) and where == "torch.nn.modules.module":
         return prefix_line(text, _at_scripts_line(exc))
+    if isinstance(exc, RuntimeError) and where == "torch.nn.parallel.distributed":
+        return unused_line(text, _innermost_locals(exc).get("self"), _at_scripts_line(exc))
     return None
 
 

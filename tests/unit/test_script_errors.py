@@ -327,3 +327,39 @@ def test_a_checkpoint_that_differs_from_the_model_by_ddps_prefix_is_named_at_the
     other.pop("module.0.bias")  # another difference besides the prefix: torch's own error stands
     assert reworded(_caught(lambda: as_main["main"](model, other)), device_type="cpu", init_ran=False) is None
     assert reworded(RuntimeError(str(saved_by_ddp)), device_type="cpu", init_ran=False) is None  # not torch's
+
+
+class _Heads(torch.nn.Module):
+    """A trunk and two heads; forward uses head `use` only (the other gets no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = torch.nn.Linear(4, 4).requires_grad_(False)  # first, and not in DDP's list: the indices skip it
+        self.trunk, self.heads = torch.nn.Linear(4, 4), torch.nn.ModuleList([torch.nn.Linear(4, 2) for _ in range(2)])
+        self.use = 0
+
+    def forward(self, x):
+        return self.heads[self.use](self.trunk(self.frozen(x)))
+
+
+def test_ddps_unused_parameters_error_names_them_and_the_fixes_at_the_scripts_line(tmp_path, no_group):
+    # DDP's commonest error: a 12-line paragraph listing the parameters by index ("2 3") unless
+    # TORCH_DISTRIBUTED_DEBUG is set (a traceback before 2026-12-07).
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    script = tmp_path / "train.py"
+    script.write_text("def step(model, x):\n    model(x).sum().backward()  # the user's line\n")
+    as_main = {"__name__": "__main__"}
+    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    model = DistributedDataParallel(_Heads())
+    as_main["step"](model, torch.randn(2, 4))
+    exc = _caught(lambda: as_main["step"](model, torch.randn(2, 4)))
+    assert "Parameter indices which did not receive grad for rank 0: 4 5" in str(exc)  # torch's own: by index
+    assert reworded(exc, device_type="cpu", init_ran=False) == (
+        "DistributedDataParallel stopped at the next step at train.py:2 (`model(x).sum().backward()  # the user's "
+        "line`): 2 parameters got no gradient from the previous step's loss on rank 0 (heads.1.weight, heads.1.bias), "
+        "and DDP waits for every parameter's unless told; pass find_unused_parameters=True to "
+        "DistributedDataParallel(...), set requires_grad=False on parameters no step uses, or wrap the model with "
+        "phalanx.prepare(model), which needs neither")
+    assert reworded(RuntimeError(str(exc)), device_type="cpu", init_ran=False) is None  # not raised by DDP
