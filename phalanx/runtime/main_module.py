@@ -4,13 +4,14 @@
 `-m` a module's dotted name (`pkg.train`), as torchrun's and python's `-m` take it. `check()`
 refuses, in the launcher and in one line, a target no worker could run (a missing or unreadable
 file, a Jupyter notebook; a module the import system does not find, or a package without
-`__main__`), without running any of the user's code: the module is looked up through the import
-system's finders part by part, not imported. `run_as_main` runs it in this worker with what
-`python script.py` / `python -m pkg.train` give it: sys.argv = [argv0, *args], sys.path[0] the file's directory (a
-module: the working directory), `__name__ == "__main__"` (a module's `__spec__` and
-`__package__` too, so its relative imports work); a `sys.exit` with a code other than 0 is a
-failure naming the rank. `inherit_launcher_stdin` gives it the launcher's stdin, as torchrun's agent
-gives its workers theirs.
+`__main__`) and another launcher (torchrun's module or console script: each worker started workers
+of its own, k separate jobs that trained apart, exit 0), without running any of the user's code:
+the module is looked up through the import system's finders part by part, not imported.
+`run_as_main` runs it in this worker with what `python script.py` / `python -m pkg.train` give it:
+sys.argv = [argv0, *args], sys.path[0] the file's directory (a module: the working directory),
+`__name__ == "__main__"` (a module's `__spec__` and `__package__` too, so its relative imports work);
+a `sys.exit` with a code other than 0 is a failure naming the rank. `inherit_launcher_stdin` gives it
+the launcher's stdin, as torchrun's agent gives its workers theirs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phalanx.errors import RunFailed, UsageError
+
+
+# Other launchers a target may be by mistake (`phalanx run -m torch.distributed.run ...` for `python -m ...`).
+LAUNCHER_MODULES = {"torch.distributed.run": "torchrun", "torch.distributed.launch": "torch.distributed.launch",
+                    "accelerate.commands.launch": "accelerate launch",
+                    "accelerate.commands.accelerate_cli": "accelerate", "deepspeed.launcher.runner": "deepspeed",
+                    "horovod.runner.launch": "horovodrun"}
+LAUNCHER_FILES = {"torchrun": "torchrun", "accelerate": "accelerate", "deepspeed": "deepspeed",
+                  "horovodrun": "horovodrun"}  # their console scripts, by path (phalanx run $(which torchrun) ...)
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,15 @@ class Target:
         return f"-m {self.name}" if self.module else self.shown
 
     def check(self) -> None:
-        """Refuse a target no worker could run, in one line naming the fix."""
+        """Refuse a target no worker could run, or one that is another launcher, in one line naming the fix."""
+        launcher = LAUNCHER_MODULES.get(self.name) if self.module else LAUNCHER_FILES.get(Path(self.name).name)
+        if launcher is not None:  # run, it made k separate jobs of its own workers, which never met
+            what = f"{self.command} is {launcher}, a launcher" if self.module else \
+                f"{self.shown} is a launcher ({launcher}'s console script)"
+            raise UsageError(f"{what}: under phalanx run each worker would start "
+                             "workers of its own, separate jobs that never meet; phalanx run is the launcher, so run "
+                             "the script itself: phalanx run --devices N script.py (the launcher's flags before the "
+                             "script are named in one line each)")
         if self.module:
             _check_module(self.name)
             return

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import json
 import sys
 
@@ -104,6 +105,21 @@ def test_a_script_that_does_not_compile_is_one_line_before_any_worker_starts(tmp
         Target(str(script)).check()
     script.write_text("s = '\\d'\nprint(s)\n")  # a SyntaxWarning only (an invalid escape): it runs
     Target(str(script)).check()
+
+
+@pytest.mark.parametrize("target, said", [(Target("torch.distributed.run", module=True),
+                                            "-m torch.distributed.run is torchrun, a launcher"),
+                                           (Target("accelerate.commands.launch", module=True),
+                                            "-m accelerate.commands.launch is accelerate launch, a launcher"),
+                                           (Target("/usr/bin/torchrun"), "torchrun is a launcher (torchrun's console "
+                                                                         "script)")])
+def test_another_launcher_as_the_target_is_one_line_before_any_worker_starts(target, said):
+    # `phalanx run -m torch.distributed.run --nproc-per-node 2 train.py` (python's line with phalanx run put in)
+    # started torchrun on each worker: 2 separate jobs of 2 workers each, every one printed its result, exit 0.
+    with pytest.raises(UsageError, match=rf"^{re.escape(said)}: under phalanx run each worker would start workers of "
+                                         r"its own, separate jobs that never meet; .* run the script itself: phalanx "
+                                         r"run --devices N script\.py"):
+        target.check()
 
 
 def test_a_notebook_is_one_line_naming_the_export_and_launch(tmp_path):
