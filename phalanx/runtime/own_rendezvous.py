@@ -40,6 +40,14 @@ class _Held:
     address: tuple[str, str]  # the launcher's MASTER_ADDR and MASTER_PORT, as the worker started
     said: bool  # rank 0 warned already (or this is not rank 0)
 
+    def env_moved(self, addr: str, port: str, frame) -> bool:
+        """Whether MASTER_ADDR/MASTER_PORT as the script left them (`addr`, `port`) name another port
+        than the launcher's store; if so, said once at the script's line outward from `frame`."""
+        if port == self.address[1]:
+            return False
+        self.warn(f"{addr}:{port}", "MASTER_ADDR and MASTER_PORT set by the script", frame)
+        return True
+
     def warn(self, script_address: str, how: str, frame) -> None:
         if not self.said:
             self.said = True
@@ -54,12 +62,10 @@ _HELD: list[_Held] = []  # while joining_launcher_store is held
 def launcher_store_env(env: LauncherEnv) -> LauncherEnv:
     """`env` (read from os.environ) with the launcher's store while held: phalanx.init() in a script that
     set MASTER_ADDR/MASTER_PORT joins the launcher's store, said once as for init_process_group."""
-    if not _HELD or str(env.master_port) == _HELD[-1].address[1]:
+    if not _HELD or not _HELD[-1].env_moved(env.master_addr, str(env.master_port), sys._getframe()):
         return env
-    held = _HELD[-1]
-    held.warn(f"{env.master_addr}:{env.master_port}", "MASTER_ADDR and MASTER_PORT set by the script",
-              sys._getframe())
-    return dataclasses.replace(env, master_addr=held.address[0], master_port=int(held.address[1]))
+    address = _HELD[-1].address
+    return dataclasses.replace(env, master_addr=address[0], master_port=int(address[1]))
 
 
 def moved_line(script_address: str, how: str, launcher: tuple[str, str]) -> str:
@@ -97,17 +103,15 @@ def joining_launcher_store(*, rank: int, world_size: int) -> Iterator[None]:
         _check_place(bound.arguments.get("rank", -1), bound.arguments.get("world_size", -1), rank=rank,
                      world_size=world_size)
         if method in (None, "env://"):
-            script_address = (os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
-            if script_address[1] == address[1]:
+            if not held.env_moved(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                                  sys._getframe()):
                 return original(*args, **kwargs)
-            held.warn(f"{script_address[0]}:{script_address[1]}", "MASTER_ADDR and MASTER_PORT set by the script",
-                      sys._getframe())
             with _environment(MASTER_ADDR=address[0], MASTER_PORT=address[1]):
                 return original(*args, **kwargs)
-        if isinstance(method, str) and method.startswith("tcp://") and _port(method) not in ("", address[1]):
-            held.warn(urllib.parse.urlsplit(method).netloc, f"init_method={method!r}", sys._getframe())
-            bound.arguments["init_method"] = urllib.parse.urlsplit(method)._replace(
-                netloc=f"{address[0]}:{address[1]}").geturl()
+        url = urllib.parse.urlsplit(method) if isinstance(method, str) and method.startswith("tcp://") else None
+        if url is not None and _port(url) not in ("", address[1]):
+            held.warn(url.netloc, f"init_method={method!r}", sys._getframe())
+            bound.arguments["init_method"] = url._replace(netloc=f"{address[0]}:{address[1]}").geturl()
             return original(*bound.args, **bound.kwargs)
         return original(*args, **kwargs)  # file://, the launcher's own port, or a URL torch will refuse
 
@@ -136,10 +140,10 @@ def _check_place(given_rank: int, given_size: int, *, rank: int, world_size: int
                          "out (env:// reads RANK) or pass int(os.environ[\"RANK\"])")
 
 
-def _port(url: str) -> str:
+def _port(url: urllib.parse.SplitResult) -> str:
     """The port a tcp:// URL names ("" where none or not a number: torch's own error then)."""
     try:
-        return str(urllib.parse.urlsplit(url).port or "")
+        return str(url.port or "")
     except ValueError:
         return ""
 

@@ -161,7 +161,8 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
         teardown.enter_context(guard)
     teardown.callback((apart := watch_ranks_apart(rank=env.rank, workers=env.world_size)).close)  # said once
     teardown.enter_context(watching_sampler_passes(rank=env.rank))  # a DistributedSampler without set_epoch
-    teardown.enter_context(joining_launcher_store(rank=env.rank, world_size=env.world_size))  # a MASTER_PORT of the script's own
+    # A MASTER_PORT or tcp:// rendezvous of the script's own: the launcher's store (own_rendezvous.py).
+    teardown.enter_context(joining_launcher_store(rank=env.rank, world_size=env.world_size))
     try:
         result = call()
     except BaseException as exc:
