@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from phalanx.errors import RunFailed, UsageError
 from phalanx.runtime.ddp_unused import unused_line
-from phalanx.runtime.board import FAILED, FINISHED, WAITING, Line, Ticket, synced_steps
+from phalanx.runtime.board import FINISHED, WAITING, Line, Ticket, synced_steps
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.state_dict_errors import prefix_line
 from phalanx.runtime.tags import describe
@@ -192,14 +192,15 @@ def stalled(exc: BaseException, *, timeout_s: float, rank: int | None = None, wo
 
 def _waiting_in_ours(world: World | None, peers: list[tuple[int, Line]]) -> list[tuple[int, Ticket]]:
     """(rank, ticket) of each peer waiting in a collective of phalanx's: one waiting now, or one
-    that failed since (its own deadline ran out as this rank's did) in a collective this rank never
-    entered, which so cannot have completed."""
+    whose wait ended since in a collective this rank never entered, which so cannot have completed:
+    its own deadline ran out as this rank's did, and it is failing (RUNNING between the wait's end
+    and its FAILED mark, a window the line read "another rank was busy" in once in CI)."""
     own = world.board.line(world.board.local_rank) if peers else None
     found = []
     for peer, line in peers:
         if line.state == WAITING and line.block is not None:
             found.append((peer, line.block))
-        elif line.state == FAILED and line.last_block is not None and own is not None \
+        elif line.last_block is not None and own is not None \
                 and line.last_block.seq > own.entered[line.last_block.channel]:
             found.append((peer, line.last_block))
     return found
