@@ -13,8 +13,9 @@ other arguments as given, and rank 0 warns once at the script's line, naming bot
 lines to drop so that the script runs under torchrun too. `phalanx.init()` joins the launcher's
 store whatever the script set (`launcher_store_env`). A `store=`, a `file://` rendezvous and the
 launcher's own port are left as they are. A `world_size=` other than the workers started (a
-config's default) or a `rank=` other than the worker's RANK (`rank=0` on every worker) is refused
-at once in one line: each was a wait of `--timeout`, then torch's DistStoreError traceback.
+config's default) or a `rank=` other than the worker's RANK (`rank=0` on every worker), as an
+argument or set in os.environ before an env:// rendezvous or `phalanx.init()` (which read them), is
+refused at once in one line: each was a wait of `--timeout`, then torch's DistStoreError traceback.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from phalanx.runtime.world import LauncherEnv
 class _Held:
     address: tuple[str, str]  # the launcher's MASTER_ADDR and MASTER_PORT, as the worker started
     said: bool  # rank 0 warned already (or this is not rank 0)
+    rank: int  # the worker's RANK and WORLD_SIZE, as the launcher gave them
+    world_size: int
 
     def env_moved(self, addr: str, port: str, frame) -> bool:
         """Whether MASTER_ADDR/MASTER_PORT as the script left them (`addr`, `port`) name another port
@@ -62,7 +65,10 @@ _HELD: list[_Held] = []  # while joining_launcher_store is held
 def launcher_store_env(env: LauncherEnv) -> LauncherEnv:
     """`env` (read from os.environ) with the launcher's store while held: phalanx.init() in a script that
     set MASTER_ADDR/MASTER_PORT joins the launcher's store, said once as for init_process_group."""
-    if not _HELD or not _HELD[-1].env_moved(env.master_addr, str(env.master_port), sys._getframe()):
+    if not _HELD:
+        return env
+    _check_place(env.rank, env.world_size, rank=_HELD[-1].rank, world_size=_HELD[-1].world_size, environ=True)
+    if not _HELD[-1].env_moved(env.master_addr, str(env.master_port), sys._getframe()):
         return env
     address = _HELD[-1].address
     return dataclasses.replace(env, master_addr=address[0], master_port=int(address[1]))
@@ -89,7 +95,7 @@ def joining_launcher_store(*, rank: int, world_size: int) -> Iterator[None]:
     c10d = dist.distributed_c10d
     original = c10d.init_process_group
     signature = inspect.signature(original)
-    held = _Held(address=address, said=rank != 0)
+    held = _Held(address=address, said=rank != 0, rank=rank, world_size=world_size)
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
@@ -102,7 +108,10 @@ def joining_launcher_store(*, rank: int, world_size: int) -> Iterator[None]:
             return original(*args, **kwargs)
         _check_place(bound.arguments.get("rank", -1), bound.arguments.get("world_size", -1), rank=rank,
                      world_size=world_size)
-        if method in (None, "env://"):
+        if method in (None, "env://"):  # it reads RANK and WORLD_SIZE where no argument gives them
+            _check_place(-1 if "rank" in bound.arguments else _environ_int("RANK"),
+                         -1 if "world_size" in bound.arguments else _environ_int("WORLD_SIZE"), rank=rank,
+                         world_size=world_size, environ=True)
             if not held.env_moved(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
                                   sys._getframe()):
                 return original(*args, **kwargs)
@@ -124,20 +133,34 @@ def joining_launcher_store(*, rank: int, world_size: int) -> Iterator[None]:
         _HELD.pop()
 
 
-def _check_place(given_rank: int, given_size: int, *, rank: int, world_size: int) -> None:
+def _check_place(given_rank: int, given_size: int, *, rank: int, world_size: int, environ: bool = False) -> None:
     """UsageError where the script's init_process_group names another world size or rank than the
-    launcher gave this worker: every rank waited --timeout for peers that never came (or for a rank
-    two workers claimed), then torch's DistStoreError traceback. The launcher's line names the
-    script's line."""
+    launcher gave this worker (`environ`: in os.environ, where env:// and phalanx.init() read them):
+    every rank waited --timeout for peers that never came (or for a rank two workers claimed), then
+    torch's DistStoreError traceback. The launcher's line names the script's line."""
     if given_size not in (-1, world_size):
-        raise UsageError(f"the script opens its process group with world_size={given_size}, and phalanx run "
-                         f"started {world_size} workers (WORLD_SIZE={world_size}): every rank would wait --timeout for "
-                         "ranks that never come; leave world_size out (env:// reads WORLD_SIZE) or pass "
-                         f"int(os.environ[\"WORLD_SIZE\"]), or start as many (phalanx run --devices {given_size})")
+        said = f'opens its process group after setting os.environ["WORLD_SIZE"] = "{given_size}"' if environ else \
+            f"opens its process group with world_size={given_size}"
+        fix = "drop the line that sets it (the launcher sets WORLD_SIZE)" if environ else \
+            'leave world_size out (env:// reads WORLD_SIZE) or pass int(os.environ["WORLD_SIZE"])'
+        raise UsageError(f"the script {said}, and phalanx run started {world_size} workers (WORLD_SIZE={world_size}): "
+                         f"every rank would wait --timeout for ranks that never come; {fix}, or start as many "
+                         f"(phalanx run --devices {given_size})")
     if given_rank not in (-1, rank):
-        raise UsageError(f"the script opens its process group with rank={given_rank} on the worker whose RANK is "
-                         f"{rank}: two workers would claim rank {given_rank} and every rank wait --timeout; leave rank "
-                         "out (env:// reads RANK) or pass int(os.environ[\"RANK\"])")
+        said = f'opens its process group after setting os.environ["RANK"] = "{given_rank}"' if environ else \
+            f"opens its process group with rank={given_rank}"
+        fix = "drop the line that sets it (the launcher sets RANK)" if environ else \
+            'leave rank out (env:// reads RANK) or pass int(os.environ["RANK"])'
+        raise UsageError(f"the script {said} on the worker whose RANK is {rank}: two workers would claim rank "
+                         f"{given_rank} and every rank wait --timeout; {fix}")
+
+
+def _environ_int(name: str) -> int:
+    """os.environ[name] as a number; -1 where absent or not one (torch's own error then)."""
+    try:
+        return int(os.environ.get(name, "-1"))
+    except ValueError:
+        return -1
 
 
 def _port(url: urllib.parse.SplitResult) -> str:

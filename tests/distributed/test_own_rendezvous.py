@@ -44,10 +44,12 @@ def test_a_scripts_own_rendezvous_joins_the_launchers_store_said_once_at_its_lin
     assert f"phalanx run joined its own store at 127.0.0.1:{launcher_port} instead" in said[0]
 
 
-def test_a_world_size_other_than_the_workers_started_is_one_line_at_once():
-    done = _run("size")
-    at = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.endswith("# size"))
+@pytest.mark.parametrize("mode, how", [("size", "with world_size=4"),
+                                       ("environ", 'after setting os.environ["WORLD_SIZE"] = "4"')])
+def test_a_world_size_other_than_the_workers_started_is_one_line_at_once(mode, how):
+    done = _run(mode)
+    at = next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.endswith(f"# {mode}"))
     last = done.stderr.splitlines()[-1]
     assert done.returncode == 2 and last.startswith("phalanx: error: ") and (
-        f"own_rendezvous.py:{at}: the script opens its process group with world_size=4, and phalanx run started 2 "
+        f"own_rendezvous.py:{at}: the script opens its process group {how}, and phalanx run started 2 "
         "workers (WORLD_SIZE=2)") in last, done.stderr[-3000:]

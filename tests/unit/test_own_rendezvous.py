@@ -83,8 +83,8 @@ def test_the_launchers_port_a_store_and_other_ranks_pass_unsaid_and_torchs_funct
         _joined(store=dist.HashStore(), rank=0, world_size=1)
         _joined(init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     assert caught == [] and dist.init_process_group is original is dist.distributed_c10d.init_process_group
-    with _said(rank=1) as caught:
-        os.environ["MASTER_PORT"] = _free_port()
+    with _said(rank=1) as caught:  # rank 1 of the launcher's: not the one to say it
+        os.environ["MASTER_PORT"], os.environ["RANK"] = _free_port(), "1"
         moved = launcher_store_env(launcher_env())
     assert caught == [] and moved.master_port == launcher.port and moved.master_addr == "127.0.0.1"
 
@@ -106,3 +106,24 @@ def test_another_world_size_or_rank_than_the_launchers_is_refused_at_once(launch
                                                   r"\(env:// reads RANK\)"):
         dist.init_process_group("gloo", rank=1, world_size=1, timeout=datetime.timedelta(seconds=30))
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("name, value, said", [
+    ("WORLD_SIZE", "4", r'^the script opens its process group after setting os.environ\["WORLD_SIZE"\] = "4", and '
+                        r"phalanx run started 1 workers \(WORLD_SIZE=1\): .* drop the line that sets it \(the launcher "
+                        r"sets WORLD_SIZE\), or start as many \(phalanx run --devices 4\)$"),
+    ("RANK", "1", r'^the script opens its process group after setting os.environ\["RANK"\] = "1" on the worker whose '
+                  r"RANK is 0: two workers would claim rank 1 .* drop the line that sets it \(the launcher sets RANK\)$")])
+def test_a_world_size_or_rank_the_script_set_in_its_environment_is_refused_at_once(launcher, monkeypatch, name, value,
+                                                                                   said):
+    # `os.environ["WORLD_SIZE"] = "4"` before an env:// rendezvous or phalanx.init(), which read it: each waited
+    # --timeout for ranks that never came, then torch's DistStoreError traceback.
+    monkeypatch.setenv(name, value)
+    with _said(), pytest.raises(UsageError, match=said):
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    with _said(), pytest.raises(UsageError, match=said):
+        launcher_store_env(launcher_env())
+    assert not dist.is_initialized()
+    with _said() as caught:  # an argument wins over the environment in torch's env://: the launcher's values pass
+        _joined(rank=0, world_size=1)
+    assert caught == []

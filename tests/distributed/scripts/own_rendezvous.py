@@ -1,11 +1,12 @@
 """A script that names its own rendezvous, for tests: torch's DDP tutorial's setup() lines
 (MASTER_ADDR=localhost, MASTER_PORT=12355) before init_process_group ("env"), an
 init_method="tcp://localhost:23456" ("tcp"), MASTER_PORT set before phalanx.init() ("init"), or a
-world_size=4 on 2 workers ("size"); then one summed collective, printed by each rank. Under
-torchrun each rank waits for a store no one hosts (or for ranks that never come); under `phalanx
-run` the first three join the launcher's store, and the fourth is refused in one line.
+world_size=4 on 2 workers, as an argument ("size") or set in os.environ before phalanx.init()
+("environ"); then one summed collective, printed by each rank. Under torchrun each rank waits for a
+store no one hosts (or for ranks that never come); under `phalanx run` the first three join the
+launcher's store, and the last two are refused in one line.
 
-    phalanx run --devices cpu:2 own_rendezvous.py env|tcp|init|size
+    phalanx run --devices cpu:2 own_rendezvous.py env|tcp|init|size|environ
 """
 
 import os
@@ -26,6 +27,11 @@ def main(mode: str) -> None:
                                 world_size=int(os.environ["WORLD_SIZE"]))
     elif mode == "size":  # a config's world size, not the workers started
         dist.init_process_group("gloo", world_size=4)  # size
+    elif mode == "environ":
+        import phalanx
+
+        os.environ["WORLD_SIZE"] = "4"
+        phalanx.init()  # environ
     else:
         import phalanx
 
