@@ -224,6 +224,13 @@ def _stalled(board: Board, lines: list[Line | None], lacking: list[int], ticket:
         return PeerStalled(f"{text} (SIGSTOP, Ctrl-Z or a debugger?)", culprit=line.rank)
     if line.state == WAITING and line.block is not None and chosen in lacking:
         return _mismatch(board, line.rank, line.block, ticket)
+    ended = line.last_block
+    own = board.line(board.local_rank)
+    if line.state == RUNNING and chosen in lacking and ended is not None and own is not None \
+            and ended.seq > own.entered[ended.channel]:
+        # Its wait ended in a collective this rank never entered, so it cannot have completed: its own
+        # deadline ran out too, and it fails (read between the end of its wait and its FAILED mark).
+        return _mismatch(board, line.rank, ended, ticket)
     if line.state == RUNNING:  # alive, outside every collective: its own work outlasted the timeout
         return PeerStalled(f"worker rank {line.rank} was outside any collective (state: {word}){_after(line)} "
                            f"while rank {me} waited {waited_s:.0f} s in {mine}, past the {timeout_s:g} s timeout: work on rank "

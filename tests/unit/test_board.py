@@ -216,6 +216,21 @@ def test_at_the_deadline_a_running_peer_is_named_busy_with_the_timeout_and_the_r
         check(world_of(a), mine, waited_s=3.1, timeout_s=3)
 
 
+def test_at_the_deadline_a_peer_whose_wait_ended_in_a_collective_this_rank_never_entered_is_a_mismatch():
+    # Both deadlines run out together: read between the end of rank 1's wait and its FAILED mark, rank 1
+    # shows RUNNING, and the line said "outside any collective ... work on rank 1 alone".
+    a, b = boards(2)
+    mine = a.enter(WORLD, Tag("broadcast"), 64)
+    b.block(b.enter(COMM, Tag("gradient", step=4), 524))
+    b.unblock()
+    with pytest.raises(CollectiveMismatch, match="^ranks are in different collectives: rank 1 is in step 5's gradient "
+                                                 "bucket 0 \\(524 B\\); rank 0 in broadcast from rank 0 \\(64 B\\)"):
+        check(world_of(a), mine, waited_s=3.1, timeout_s=3)
+    a.enter(COMM, Tag("gradient", step=4), 524)  # one this rank entered too completed: rank 1 is busy after it
+    with pytest.raises(PeerStalled, match="^worker rank 1 was outside any collective"):
+        check(world_of(a), mine, waited_s=3.1, timeout_s=3)
+
+
 def _lenet_step(dp: DataParallel, optimizer, *, sync: bool) -> None:
     dp.zero_grad()
     X = torch.rand(4, 1, 28, 28, generator=torch.Generator().manual_seed(0))
