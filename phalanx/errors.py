@@ -107,25 +107,41 @@ def _torch_dir() -> str:
 
 
 def script_line(start) -> tuple[str, int, str]:
-    """Where a warning about the script's doing points, from frame `start` outward: the first frame
-    outside phalanx, torch, the standard library and installed packages (site-packages), the line its
-    author can change (`trainer.run(loader)`, past PyTorch-Ignite's Engine that drew from the sampler),
-    as (file, line, note), the note naming the installed library's line in between ("" where none:
-    " (reached in ignite.engine.engine, line 1216)"). Where no such frame lies outward (a script run
-    from installed code), script_frame's, with no note."""
+    """Where a warning about the script's doing points, from frame `start` outward: the line its
+    author can change (`authors_frame`: `trainer.run(loader)`, past PyTorch-Ignite's Engine that drew
+    from the sampler), as (file, line, note), the note naming the installed library's line in between
+    ("" where none: " (reached in ignite.engine.engine, line 1216)"). Where no such frame lies outward
+    (a script run from installed code), script_frame's, with no note."""
+    first = frame = script_frame(start)
+    walked = []
+    while frame is not None:
+        walked.append((frame.f_code.co_filename, frame.f_lineno,
+                       frame.f_globals.get("__name__") or os.path.basename(frame.f_code.co_filename)))
+        frame = frame.f_back
+    found = authors_frame(walked)
+    if found is None:
+        return first.f_code.co_filename, first.f_lineno, ""
+    (path, line, _), library = found
+    return path, line, "" if library is None else f" (reached in {library[2]}, line {library[1]})"
+
+
+def authors_frame(frames: list[tuple[str, int, str]]) -> tuple[tuple[str, int, str], tuple | None] | None:
+    """Of `frames` ((file, line, module), innermost first: a live stack's or a traceback's), the line
+    its author can change: the innermost outside phalanx, torch, the standard library and installed
+    packages (site-packages), a script's or a module of its own; with the innermost frame of an
+    installed library when one came between (timm's train.py wraps DDP inside timm.task), else None.
+    Where every frame is a library's: the innermost outside phalanx and torch, with None; None where
+    every frame is phalanx's or torch's."""
     import sysconfig
 
-    first = script_frame(start)
     paths = sysconfig.get_paths()
     installed = tuple(os.path.abspath(paths[name]) + os.sep for name in ("stdlib", "purelib", "platlib"))
-    frame = first
-    while frame is not None and _installed(frame.f_code.co_filename, installed):
-        frame = frame.f_back
-    if frame is None or frame is first or os.path.abspath(frame.f_code.co_filename).startswith(
-            (PACKAGE_DIR, _torch_dir())):
-        return first.f_code.co_filename, first.f_lineno, ""
-    library = first.f_globals.get("__name__") or os.path.basename(first.f_code.co_filename)
-    return frame.f_code.co_filename, frame.f_lineno, f" (reached in {library}, line {first.f_lineno})"
+    ours = (PACKAGE_DIR, _torch_dir())
+    outside = [frame for frame in frames if not os.path.abspath(frame[0]).startswith(ours)]
+    author = next((frame for frame in outside if not _installed(frame[0], installed)), None)
+    if author is None:
+        return (outside[0], None) if outside else None
+    return author, None if outside[0] is author else outside[0]
 
 
 def _installed(filename: str, installed: tuple[str, ...]) -> bool:

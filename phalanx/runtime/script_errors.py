@@ -44,7 +44,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import RunFailed, UsageError
+from phalanx.errors import RunFailed, UsageError, authors_frame
 from phalanx.runtime.ddp_unused import unused_line
 from phalanx.runtime.board import FINISHED, WAITING, Line, Ticket, synced_steps
 from phalanx.runtime.host_limits import limit_reason
@@ -127,31 +127,21 @@ def reworded(exc: BaseException, *, device_type: str, init_ran: bool) -> str | N
     return None
 
 
-def _frames_outside(exc: BaseException) -> list[tuple[str, int, str]]:
-    """(file, line, module) of each frame of `exc`'s traceback that is neither torch's nor phalanx's,
-    outermost first: the script's, and its libraries' (timm's, transformers')."""
-    found = []
-    tb = exc.__traceback__
-    while tb is not None:
-        module = tb.tb_frame.f_globals.get("__name__", "")
-        if module.split(".")[0] not in ("torch", "phalanx"):
-            found.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, module))
-        tb = tb.tb_next
-    return found
-
-
 def _at_scripts_line(exc: BaseException) -> str:
-    """" at train.py:89 (`torch.cuda.set_device(device)`)", or "" where no frame of the script's is
-    known: the script's own line (its innermost __main__ frame, the line to change), and the
+    """" at train.py:89 (`torch.cuda.set_device(device)`)", or "" where no frame outside torch and
+    phalanx is known: the line its author can change (errors.authors_frame), and the installed
     library's that raised it when one came between (timm's train.py wraps DDP inside timm.task)."""
-    outside = _frames_outside(exc)
-    if not outside:
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_globals.get("__name__", "")))
+        tb = tb.tb_next
+    found = authors_frame(frames[::-1])
+    if found is None:
         return ""
-    own = next((frame for frame in reversed(outside) if frame[2] == "__main__"), outside[-1])
-    path, line, _ = own
+    (path, line, _), library = found
     code = linecache.getline(path, line).strip()
     shown = f" (`{code if len(code) <= 80 else code[:77] + '...'}`)" if code else ""
-    inner = "" if outside[-1] is own else f" (in {outside[-1][2]}, line {outside[-1][1]})"
+    inner = "" if library is None else f" (in {library[2]}, line {library[1]})"
     return f" at {os.path.basename(path)}:{line}{shown}{inner}"
 
 

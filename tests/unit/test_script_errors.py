@@ -54,7 +54,7 @@ def test_nccl_on_cpu_workers_is_named_with_gloo(no_group):
 def test_nccl_opened_inside_a_library_names_the_scripts_line_and_the_library(no_group, tmp_path):
     # timm's train.py (1.0.31) without --device cpu: timm.utils.distributed opens an NCCL group, and the line
     # said "open it with init_process_group("gloo")", a call the script does not make (2026-12-07).
-    library, script = tmp_path / "distributed.py", tmp_path / "train.py"
+    library, script = _installed(tmp_path, "timm/utils/distributed.py"), tmp_path / "train.py"
     library.write_text("import torch.distributed as dist\n\ndef init_distributed_device(store):\n"
                        "    dist.init_process_group(\"nccl\", store=store, rank=0, world_size=1)\n")
     script.write_text("def main(init, store):\n    return init(store)  # the user's line\n")
@@ -65,6 +65,30 @@ def test_nccl_opened_inside_a_library_names_the_scripts_line_and_the_library(no_
     assert reworded(exc, device_type="cpu", init_ran=False) == NCCL_ON_CPU.format(
         at=" at train.py:2 (`return init(store)  # the user's line`) (in timm.utils.distributed, line 4)")
     assert "as timm's train.py from --device, takes that option's CPU value" in NCCL_ON_CPU
+
+
+def _installed(root, name: str):
+    """A path for module file `name` as an installed package's (under a site-packages folder)."""
+    path = root / "lib" / "site-packages" / name
+    path.parent.mkdir(parents=True)
+    return path
+
+
+def test_a_refusal_raised_in_a_module_of_the_users_own_names_that_modules_line(no_group, tmp_path):
+    # The script's own package (not installed) wraps the model: the line to change is there, not at
+    # the script's call (before 2026-12-07 the __main__ frame was named, with the module as a library).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    own, script = tmp_path / "wrapping.py", tmp_path / "train.py"
+    own.write_text("from torch.nn.parallel import DistributedDataParallel as DDP\n\ndef wrap(model):\n"
+                   "    return DDP(model, device_ids=[0])  # the line\n")
+    script.write_text("def main(wrap, model):\n    return wrap(model)\n")
+    in_module, as_main = {"__name__": "mytrainer.wrapping"}, {"__name__": "__main__"}
+    exec(compile(own.read_text(), str(own), "exec"), in_module)
+    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    exc = _caught(lambda: as_main["main"](in_module["wrap"], torch.nn.Linear(2, 2)))
+    assert reworded(exc, device_type="cpu", init_ran=False).startswith(
+        "the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...]) at wrapping.py:4 "
+        "(`return DDP(model, device_ids=[0])  # the line`): device_ids names GPUs")
 
 
 def _raised_in_torch(exc: BaseException) -> BaseException:
@@ -171,7 +195,7 @@ def test_a_refusal_raised_inside_a_library_names_the_scripts_line_and_the_librar
     # timm's train.py (1.0.31, 2026-12-05) wraps DDP inside timm.task.classification: the line named
     # that file alone (classification.py:97), never the script's line a user changes (train.py:1028).
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    library, script = tmp_path / "classification.py", tmp_path / "train.py"
+    library, script = _installed(tmp_path, "timm/task/classification.py"), tmp_path / "train.py"
     library.write_text("import torch\n\ndef wrap(model, device_ids):\n"
                        "    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)\n")
     script.write_text("def main(wrap, model):\n    return wrap(model, [0])  # the user's line\n")
