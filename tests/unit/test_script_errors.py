@@ -54,13 +54,11 @@ def test_nccl_on_cpu_workers_is_named_with_gloo(no_group):
 def test_nccl_opened_inside_a_library_names_the_scripts_line_and_the_library(no_group, tmp_path):
     # timm's train.py (1.0.31) without --device cpu: timm.utils.distributed opens an NCCL group, and the line
     # said "open it with init_process_group("gloo")", a call the script does not make (2026-12-07).
-    library, script = _installed(tmp_path, "timm/utils/distributed.py"), tmp_path / "train.py"
-    library.write_text("import torch.distributed as dist\n\ndef init_distributed_device(store):\n"
-                       "    dist.init_process_group(\"nccl\", store=store, rank=0, world_size=1)\n")
-    script.write_text("def main(init, store):\n    return init(store)  # the user's line\n")
-    in_library, as_main = {"__name__": "timm.utils.distributed"}, {"__name__": "__main__"}
-    exec(compile(library.read_text(), str(library), "exec"), in_library)
-    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    in_library = _loaded(_installed(tmp_path, "timm/utils/distributed.py"), "timm.utils.distributed",
+                         "import torch.distributed as dist\n\ndef init_distributed_device(store):\n"
+                         "    dist.init_process_group(\"nccl\", store=store, rank=0, world_size=1)\n")
+    as_main = _loaded(tmp_path / "train.py", "__main__",
+                      "def main(init, store):\n    return init(store)  # the user's line\n")
     exc = _caught(lambda: as_main["main"](in_library["init_distributed_device"], dist.HashStore()))
     assert reworded(exc, device_type="cpu", init_ran=False) == NCCL_ON_CPU.format(
         at=" at train.py:2 (`return init(store)  # the user's line`) (in timm.utils.distributed, line 4)")
@@ -74,17 +72,22 @@ def _installed(root, name: str):
     return path
 
 
+def _loaded(path, module: str, code: str) -> dict:
+    """`code` written to `path` and run as module `module`: its namespace, its frames at `path`."""
+    path.write_text(code)
+    namespace = {"__name__": module}
+    exec(compile(code, str(path), "exec"), namespace)
+    return namespace
+
+
 def test_a_refusal_raised_in_a_module_of_the_users_own_names_that_modules_line(no_group, tmp_path):
     # The script's own package (not installed) wraps the model: the line to change is there, not at
     # the script's call (before 2026-12-07 the __main__ frame was named, with the module as a library).
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    own, script = tmp_path / "wrapping.py", tmp_path / "train.py"
-    own.write_text("from torch.nn.parallel import DistributedDataParallel as DDP\n\ndef wrap(model):\n"
-                   "    return DDP(model, device_ids=[0])  # the line\n")
-    script.write_text("def main(wrap, model):\n    return wrap(model)\n")
-    in_module, as_main = {"__name__": "mytrainer.wrapping"}, {"__name__": "__main__"}
-    exec(compile(own.read_text(), str(own), "exec"), in_module)
-    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    in_module = _loaded(tmp_path / "wrapping.py", "mytrainer.wrapping",
+                        "from torch.nn.parallel import DistributedDataParallel as DDP\n\ndef wrap(model):\n"
+                        "    return DDP(model, device_ids=[0])  # the line\n")
+    as_main = _loaded(tmp_path / "train.py", "__main__", "def main(wrap, model):\n    return wrap(model)\n")
     exc = _caught(lambda: as_main["main"](in_module["wrap"], torch.nn.Linear(2, 2)))
     assert reworded(exc, device_type="cpu", init_ran=False).startswith(
         "the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...]) at wrapping.py:4 "
@@ -195,14 +198,11 @@ def test_a_refusal_raised_inside_a_library_names_the_scripts_line_and_the_librar
     # timm's train.py (1.0.31, 2026-12-05) wraps DDP inside timm.task.classification: the line named
     # that file alone (classification.py:97), never the script's line a user changes (train.py:1028).
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    library, script = _installed(tmp_path, "timm/task/classification.py"), tmp_path / "train.py"
-    library.write_text("import torch\n\ndef wrap(model, device_ids):\n"
-                       "    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)\n")
-    script.write_text("def main(wrap, model):\n    return wrap(model, [0])  # the user's line\n")
-    in_library = {"__name__": "timm.task.classification"}
-    exec(compile(library.read_text(), str(library), "exec"), in_library)
-    as_main = {"__name__": "__main__"}
-    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    in_library = _loaded(_installed(tmp_path, "timm/task/classification.py"), "timm.task.classification",
+                         "import torch\n\ndef wrap(model, device_ids):\n"
+                         "    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)\n")
+    as_main = _loaded(tmp_path / "train.py", "__main__",
+                      "def main(wrap, model):\n    return wrap(model, [0])  # the user's line\n")
     exc = _caught(lambda: as_main["main"](in_library["wrap"], torch.nn.Linear(2, 2)))
     assert reworded(exc, device_type="cpu", init_ran=False).startswith(
         "the script wraps a model on the CPU as DistributedDataParallel(model, device_ids=[...]) at train.py:2 "
@@ -334,10 +334,8 @@ class _Wrapper(torch.nn.Module):
 def test_a_checkpoint_that_differs_from_the_model_by_ddps_prefix_is_named_at_the_scripts_line(tmp_path):
     # The commonest DDP question: a DDP checkpoint loaded into the bare model (or the reverse) listed every
     # key twice, as missing and as unexpected, and said nothing of "module." (a traceback before 2026-12-07).
-    script = tmp_path / "evaluate.py"
-    script.write_text("def main(model, state):\n    model.load_state_dict(state)  # the user's line\n")
-    as_main = {"__name__": "__main__"}
-    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    as_main = _loaded(tmp_path / "evaluate.py", "__main__",
+                      "def main(model, state):\n    model.load_state_dict(state)  # the user's line\n")
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     wrapped_state = _Wrapper(model).state_dict()
     saved_by_ddp = _caught(lambda: as_main["main"](model, wrapped_state))
@@ -375,10 +373,8 @@ def test_ddps_unused_parameters_error_names_them_and_the_fixes_at_the_scripts_li
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    script = tmp_path / "train.py"
-    script.write_text("def step(model, x):\n    model(x).sum().backward()  # the user's line\n")
-    as_main = {"__name__": "__main__"}
-    exec(compile(script.read_text(), str(script), "exec"), as_main)
+    as_main = _loaded(tmp_path / "train.py", "__main__",
+                      "def step(model, x):\n    model(x).sum().backward()  # the user's line\n")
     model = DistributedDataParallel(_Heads())
     as_main["step"](model, torch.randn(2, 4))
     exc = _caught(lambda: as_main["step"](model, torch.randn(2, 4)))
