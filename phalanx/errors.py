@@ -129,19 +129,27 @@ def authors_frame(frames: list[tuple[str, int, str]]) -> tuple[tuple[str, int, s
     """Of `frames` ((file, line, module), innermost first: a live stack's or a traceback's), the line
     its author can change: the innermost outside phalanx, torch, the standard library and installed
     packages (site-packages), a script's or a module of its own; with the innermost frame of an
-    installed library when one came between (timm's train.py wraps DDP inside timm.task), else None.
-    Where every frame is a library's: the innermost outside phalanx and torch, with None; None where
-    every frame is phalanx's or torch's."""
+    installed library when one came between (timm's train.py wraps DDP inside timm.task; the standard
+    library's, argparse's, is not named), else None. Where every frame is a library's: the innermost
+    outside phalanx and torch, with None; None where every frame is phalanx's or torch's."""
     import sysconfig
 
     paths = sysconfig.get_paths()
-    installed = tuple(os.path.abspath(paths[name]) + os.sep for name in ("stdlib", "purelib", "platlib"))
+    stdlib = os.path.abspath(paths["stdlib"]) + os.sep
+    installed = (stdlib, *(os.path.abspath(paths[name]) + os.sep for name in ("purelib", "platlib")))
     ours = (PACKAGE_DIR, _torch_dir())
     outside = [frame for frame in frames if not os.path.abspath(frame[0]).startswith(ours)]
     author = next((frame for frame in outside if not _installed(frame[0], installed)), None)
     if author is None:
         return (outside[0], None) if outside else None
-    return author, None if outside[0] is author else outside[0]
+    return author, next((frame for frame in outside[:outside.index(author)] if not _standard(frame[0], stdlib)), None)
+
+
+def _standard(filename: str, stdlib: str) -> bool:
+    """Whether `filename` is the standard library's own (a site-packages folder inside it is not)."""
+    parts = os.path.abspath(filename).split(os.sep)
+    return filename.startswith("<frozen") or (os.path.abspath(filename).startswith(stdlib)
+                                              and "site-packages" not in parts and "dist-packages" not in parts)
 
 
 def _installed(filename: str, installed: tuple[str, ...]) -> bool:

@@ -55,6 +55,7 @@ from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
 from phalanx.runtime.main_module import Target, inherit_launcher_stdin, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
+from phalanx.runtime.local_rank_arg import passing_local_rank
 from phalanx.runtime.own_rendezvous import joining_launcher_store, launcher_store_env
 from phalanx.runtime.unguarded_main import refusing_unguarded_starts
 from phalanx.runtime.sampler_passes import watching_sampler_passes
@@ -138,8 +139,10 @@ def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
                 teardown: contextlib.ExitStack) -> None:
-    with refusing_unguarded_starts():  # a DataLoader's spawn or forkserver workers from an unguarded top level
-        run_in_worker(lambda: run_as_main(target, args, rank=launcher_env().rank), spec=spec, device=device,
+    env = launcher_env()
+    # A DataLoader's spawn or forkserver workers from an unguarded top level; torch.distributed.launch's argument.
+    with refusing_unguarded_starts(), passing_local_rank(local_rank=env.local_rank, rank=env.rank):
+        run_in_worker(lambda: run_as_main(target, args, rank=env.rank), spec=spec, device=device,
                       teardown=teardown, guard=refusing_nested_launch(device_type=device.type, target=target))
 
 

@@ -1,0 +1,70 @@
+"""torch.distributed.launch's `--local_rank` argument for a script under `phalanx run`, said once.
+
+Scripts written for `python -m torch.distributed.launch` (before torchrun) read each worker's GPU
+from an argument that launcher appended, `--local_rank=N` (`--local-rank=N` from torch 2.0):
+`parser.add_argument("--local_rank", type=int, required=True)`, or `default=-1` with "-1 means
+not distributed". torchrun sets LOCAL_RANK in the environment and passes no such argument, so under
+it the first kind stops at argparse's "the following arguments are required: --local_rank" (exit 2
+on every rank) and the second trains each rank alone, or every rank on GPU 0. While a script runs
+under `phalanx run`, a parse of the command line (`parse_args()`, `parse_known_args()`, with no
+list given) by a parser that defines either spelling and was not given it gets this worker's
+`--local_rank=LOCAL_RANK`, as that launcher passed it, and rank 0 warns once at the script's line,
+naming the line that runs under torchrun too. A list handed to the parser, and an argument given on
+the command line, are left as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import warnings
+from typing import Iterator
+
+from phalanx.errors import PhalanxWarning, script_line
+
+NAMES = ("--local_rank", "--local-rank")
+
+
+def passed_line(option: str) -> str:
+    """What rank 0 says when the script's parser took `option` from phalanx run."""
+    return (f"the script's parser takes {option}, which torch.distributed.launch appended to each worker's command "
+            "line and torchrun does not pass (it sets LOCAL_RANK: there the script stops at argparse's \"required\" "
+            f"error, or every rank takes the argument's default); phalanx run passed each worker {option}=LOCAL_RANK: "
+            "read int(os.environ[\"LOCAL_RANK\"]) instead and the script runs under torchrun too")
+
+
+@contextlib.contextmanager
+def passing_local_rank(*, local_rank: int, rank: int) -> Iterator[None]:
+    """While held, a command-line parse by a parser that defines `--local_rank` (or `--local-rank`)
+    and was not given it gets `--local_rank=local_rank` first (module docstring); said once on rank 0."""
+    original = argparse.ArgumentParser.parse_known_args
+    said = [rank != 0]
+
+    def parse_known_args(self, args=None, namespace=None):
+        option = _option(self) if args is None else None
+        if option is not None and not _given(self, option, sys.argv[1:]):
+            args = [f"{option}={local_rank}", *sys.argv[1:]]
+            if not said[0]:
+                said[0] = True
+                path, line_number, note = script_line(sys._getframe(1))
+                warnings.warn_explicit(passed_line(option) + note, PhalanxWarning, path, line_number)
+        return original(self, args, namespace)
+
+    argparse.ArgumentParser.parse_known_args = parse_known_args
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+
+
+def _option(parser: argparse.ArgumentParser) -> str | None:
+    """The spelling of torch.distributed.launch's argument `parser` defines, if any."""
+    return next((name for action in parser._actions for name in action.option_strings if name in NAMES), None)
+
+
+def _given(parser: argparse.ArgumentParser, option: str, argv: list[str]) -> bool:
+    """Whether `argv` (up to a "--") names `option`'s action by any of its spellings."""
+    action = next(action for action in parser._actions if option in action.option_strings)
+    before = argv[:argv.index("--")] if "--" in argv else argv
+    return any(arg == name or arg.startswith(name + "=") for arg in before for name in action.option_strings)
