@@ -102,8 +102,8 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     # torch.distributed.launch's own (deprecated for torchrun; its other flags are torchrun's)
     ("torch.distributed.launch", ("--use-env", "--use_env"), False,
      "phalanx run gives each worker LOCAL_RANK in its environment, as {flag} asked torch.distributed.launch to (and "
-     "torchrun does), and passes the script no --local-rank argument: drop {flag}, and let a script that parses "
-     "--local-rank read int(os.environ[\"LOCAL_RANK\"])"),
+     "torchrun does), and a --local-rank argument only to a script whose parser defines it (said once): drop {flag}, "
+     "and let a script that parses --local-rank read int(os.environ[\"LOCAL_RANK\"])"),
     # accelerate launch's own (its flags shared with torchrun are torchrun's above)
     ("accelerate launch", _both("--num_processes"), True, _COUNT),
     ("accelerate launch", ("--cpu",), False, _CPUS),
@@ -205,8 +205,8 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("deepspeed", ("--min_elastic_nodes",), True, _ELASTIC),
     ("deepspeed", ("--max_elastic_nodes",), True, _ELASTIC),
     ("deepspeed", ("--no_local_rank",), False,
-     "phalanx run hands the script no --local_rank argument (torchrun's way: LOCAL_RANK in the environment, "
-     "world.local_rank in phalanx): drop {flag}"),
+     "phalanx run hands a --local_rank argument only to a script whose parser defines it, said once (torchrun's way: "
+     "LOCAL_RANK in the environment, world.local_rank in phalanx): drop {flag}"),
     ("deepspeed", ("--enable_each_rank_log",), True, _OUTPUT),
     ("deepspeed", ("--bind_cores_to_rank",), False, _BIND),
     ("deepspeed", ("--bind_core_list",), True, _BIND),

@@ -53,9 +53,9 @@ from phalanx.runtime.binding import threads_note
 from phalanx.runtime.child_world import ALONE_IN_A_CHILD, inherited_message, joined_worker, run_key, stamp_joined
 from phalanx.runtime.board import mark_exit, open_board
 from phalanx.runtime.launcher_flags import add_launcher_flags
+from phalanx.runtime.local_rank_arg import passing_local_rank
 from phalanx.runtime.main_module import Target, inherit_launcher_stdin, run_as_main
 from phalanx.runtime.nested_launch import refusing_nested_launch
-from phalanx.runtime.local_rank_arg import passing_local_rank
 from phalanx.runtime.own_rendezvous import joining_launcher_store, launcher_store_env
 from phalanx.runtime.unguarded_main import refusing_unguarded_starts
 from phalanx.runtime.sampler_passes import watching_sampler_passes
