@@ -9,8 +9,9 @@ on every rank) and the second trains each rank alone, or every rank on GPU 0. Wh
 under `phalanx run`, a parse of the command line (`parse_args()`, `parse_known_args()`, with no
 list given) by a parser that defines either spelling and was not given it gets this worker's
 `--local_rank=LOCAL_RANK`, as that launcher passed it, and rank 0 warns once at the script's line,
-naming the line that runs under torchrun too. A list handed to the parser, and an argument given on
-the command line, are left as they are.
+naming the line that runs under torchrun too. A list handed to the parser, an argument given on the
+command line, and a parse an installed library makes (transformers' HfArgumentParser, whose
+TrainingArguments read LOCAL_RANK themselves) are left as they are.
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def passing_local_rank(*, local_rank: int, rank: int) -> Iterator[None]:
     def parse_known_args(self, args=None, namespace=None):
         option = _option(self) if args is None else None
         if option is not None and not _given(self, option, sys.argv[1:]):
-            args = [f"{option}={local_rank}", *sys.argv[1:]]
-            if not said[0]:
-                said[0] = True
-                path, line_number, note = script_line(sys._getframe(1))
-                warnings.warn_explicit(passed_line(option) + note, PhalanxWarning, path, line_number)
+            path, line_number, library = script_line(sys._getframe(1))
+            if not library:  # the script's own parse, not an installed library's (transformers' reads LOCAL_RANK)
+                args = [f"{option}={local_rank}", *sys.argv[1:]]
+                if not said[0]:
+                    said[0] = True
+                    warnings.warn_explicit(passed_line(option), PhalanxWarning, path, line_number)
         return original(self, args, namespace)
 
     argparse.ArgumentParser.parse_known_args = parse_known_args

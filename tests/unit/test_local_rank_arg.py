@@ -1,7 +1,8 @@
 """torch.distributed.launch's `--local_rank` argument under phalanx run (runtime/local_rank_arg.py),
 in this process: a command-line parse by a parser that defines it and was not given it gets this
 worker's LOCAL_RANK, said once on rank 0 at the script's line; an argument given, a list handed to the
-parser, another rank and a parser without it are left alone, and argparse is put back.
+parser, another rank, a parser without it and an installed library's parse are left alone, and argparse
+is put back.
 End to end on 2 workers: tests/distributed/test_local_rank_arg.py."""
 
 from __future__ import annotations
@@ -60,3 +61,19 @@ def test_a_given_argument_a_list_another_rank_and_other_parsers_are_left_alone()
     assert parsed.local_rank == 3 and said == []
     parsed, said = _parsed(["--lr", "2"], _parser("--rank", default=-1))
     assert parsed == argparse.Namespace(local_rank=-1, lr=2.0) and said == []
+
+
+def test_a_parse_an_installed_library_makes_is_left_alone(tmp_path):
+    # transformers' HfArgumentParser parses the command line itself, and its TrainingArguments read
+    # LOCAL_RANK: no argument to add, and nothing for the script's author to change.
+    library = tmp_path / "lib" / "site-packages" / "hf_argparser.py"
+    library.parent.mkdir(parents=True)
+    library.write_text("def parse(parser):\n    return parser.parse_known_args()[0]\n")
+    namespace = {"__name__": "transformers.hf_argparser"}
+    exec(compile(library.read_text(), str(library), "exec"), namespace)
+    with warnings.catch_warnings(record=True) as caught, passing_local_rank(local_rank=3, rank=0):
+        warnings.simplefilter("always")
+        sys.argv = ["train.py", "--lr", "2"]
+        parsed = namespace["parse"](_parser("--local_rank", default=-1))
+    assert parsed == argparse.Namespace(local_rank=-1, lr=2.0)
+    assert [w for w in caught if issubclass(w.category, PhalanxWarning)] == []
