@@ -106,6 +106,18 @@ def _torch_dir() -> str:
     return os.path.dirname(os.path.abspath(sys.modules["torch"].__file__)) + os.sep
 
 
+def frame_values(frame, *, depth: int = 8):
+    """(name, value) of each local of `frame` and the frames above it, `depth` frames in all, and of
+    the script's globals where a frame is the script's (__main__), innermost first: what a loop that
+    steps an optimizer holds (its loaders, its model), a few frames up when a helper takes the step."""
+    for _ in range(depth):
+        if frame is None:
+            return
+        scopes = [frame.f_locals] + ([frame.f_globals] if frame.f_globals.get("__name__") == "__main__" else [])
+        yield from [item for scope in scopes for item in list(scope.items())]
+        frame = frame.f_back
+
+
 def script_line(start) -> tuple[str, int, str]:
     """Where a warning about the script's doing points, from frame `start` outward: the line its
     author can change (`authors_frame`: `trainer.run(loader)`, past PyTorch-Ignite's Engine that drew

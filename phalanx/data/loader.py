@@ -50,6 +50,7 @@ from torch.utils.data._utils.collate import default_collate
 
 from phalanx.data.empty_batch import ShardCollate, empty_batch_like
 from phalanx.data.split import Ranked, epoch_seed, global_batches, rank_micro_batches, steps_per_epoch
+from phalanx.errors import frame_values
 
 
 def sampler_of(obj: Any) -> DistributedSampler | None:
@@ -68,15 +69,10 @@ def samplers_in_frames(frame, *, depth: int = 8) -> Iterator[tuple[str, Distribu
     `frame` and the frames above it, `depth` frames in all, or in the script's globals, innermost
     first: where a loop that steps through a replica or an optimizer keeps its loaders (the loop is
     `frame`, or a few frames up when the step runs through train_batch or a helper)."""
-    for _ in range(depth):
-        if frame is None:
-            return
-        scopes = [frame.f_locals] + ([frame.f_globals] if frame.f_globals.get("__name__") == "__main__" else [])
-        for name, value in [item for scope in scopes for item in list(scope.items())]:
-            sampler = sampler_of(value)
-            if sampler is not None:
-                yield name, sampler
-        frame = frame.f_back
+    for name, value in frame_values(frame, depth=depth):
+        sampler = sampler_of(value)
+        if sampler is not None:
+            yield name, sampler
 
 
 def distributed_sampler_note(obj: Any) -> str | None:

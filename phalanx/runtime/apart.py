@@ -55,7 +55,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from phalanx.data.item_identity import subset_checksum
 from phalanx.data.loader import samplers_in_frames
-from phalanx.errors import PhalanxWarning, script_frame, script_line
+from phalanx.errors import PhalanxWarning, frame_values, script_frame, script_line
 
 KEY = "phalanx/apart"
 END_WAIT_S = 1.0  # at the script's end, how long rank 0 waits for a peer's first fingerprint
@@ -95,6 +95,7 @@ class _First:
     before: list[list[int]] | None = None
     grads: list[list[int]] | None = None  # the gradients the step read (a None one: empty)
     samplers: dict[str, list[int]] = field(default_factory=dict)  # sampler_datasets at the step
+    data_parallel: str = ""  # data_parallel_note at the step (rank 0's)
 
 
 def sampler_datasets(frame) -> dict[str, list[int]]:
@@ -125,7 +126,8 @@ class ApartWatch:
         if self.depth == 1 and self.rank == 0 and self.workers > 1 and not self.said and not _joined():
             self.said = True  # the first step of a script that never joined: every worker trains alone
             path, line_number, note = script_line(sys._getframe())
-            warnings.warn_explicit(alone_line(self.workers) + note, PhalanxWarning, path, line_number)
+            warnings.warn_explicit(alone_line(self.workers) + data_parallel_note(sys._getframe()) + note, PhalanxWarning,
+                                   path, line_number)
         if self.depth > 1 or optimizer in self.firsts or not _group_open() or _capturing():
             return
         frame = script_frame(sys._getframe())
@@ -134,6 +136,7 @@ class ApartWatch:
             params = _whole_params(optimizer)
             if params is not None:
                 first.samplers = sampler_datasets(frame)
+                first.data_parallel = data_parallel_note(frame) if self.rank == 0 else ""
                 first.before = fingerprint(params)
                 first.grads = fingerprint([torch.zeros(0) if p.grad is None else p.grad for p in params])
 
@@ -171,7 +174,7 @@ class ApartWatch:
                 prints = [json.loads(store.get(key)) for key in keys]
             except (RuntimeError, ValueError):  # a peer that never got there, or a store already gone
                 continue
-            line = apart_line(prints) or sampler_line(prints)
+            line = apart_line(prints, first.data_parallel) or sampler_line(prints)
             if line is not None and not self.said:  # at the script's line, so the script's filters apply
                 self.said = True
                 path, line_number, note = first.where
@@ -207,6 +210,15 @@ def _group_open() -> bool:
     return _joined() and dist.get_world_size() > 1
 
 
+def data_parallel_note(frame) -> str:
+    """What the script's torch.nn.DataParallel, held in `frame` or the frames above it, does not do
+    across processes ("" where none): the book's concise implementation, one process's GPUs only."""
+    name = next((name for name, value in frame_values(frame) if isinstance(value, torch.nn.DataParallel)), None)
+    return "" if name is None else (
+        f"; `{name}` is a torch.nn.DataParallel, which splits each batch over the GPUs of one process and sums nothing "
+        "across processes (the book's concise implementation): put phalanx.prepare(model) in its place")
+
+
 def alone_line(workers: int) -> str:
     """What rank 0 says at an optimizer step taken before the script joined the job's process group."""
     return (f"this optimizer step ran before the script joined the job's process group, so each of the {workers} "
@@ -215,9 +227,10 @@ def alone_line(workers: int) -> str:
             "phalanx.prepare(model)) so the workers split each batch and sum their gradients")
 
 
-def apart_line(prints: list[dict]) -> str | None:
+def apart_line(prints: list[dict], wrapper: str = "") -> str | None:
     """The one line for every rank's first-step fingerprints (rank order), or None when they agree
-    or are not the same model (a shape differs)."""
+    or are not the same model (a shape differs); `wrapper`: data_parallel_note's, said where no
+    gradient was summed."""
     ours = prints[0]
     if any(len(p["after"]) != len(ours["after"]) or any(a[:-1] != b[:-1] for a, b in zip(p["after"], ours["after"]))
            for p in prints[1:]):
@@ -243,7 +256,7 @@ def apart_line(prints: list[dict]) -> str | None:
                 + ("" if summed else " and no gradient was summed across the ranks"))
     return (f"{said}{how}, so each rank trains its own model on its part of the data; wrap the model before the "
             "optimizer (model = phalanx.prepare(model), or DistributedDataParallel(model), without device_ids on "
-            f"the CPU); {meant}")
+            f"the CPU){wrapper}; {meant}")
 
 
 def sampler_line(prints: list[dict]) -> str | None:

@@ -30,7 +30,8 @@ def _run(mode: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("mode, started", [("bare", "they were equal before it and apart after it"),
-                                           ("seeded", "they were apart before it too")])
+                                           ("seeded", "they were apart before it too"),
+                                           ("data-parallel", "they were equal before it and apart after it")])
 def test_ranks_that_train_apart_are_said_once_on_rank_0(mode, started):
     done = _run(mode)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -40,6 +41,9 @@ def test_ranks_that_train_apart_are_said_once_on_rank_0(mode, started):
     assert lines[0].startswith(f"{SCRIPT}:{step_line}: ")  # the script's step, as any PhalanxWarning
     assert "rank 1's parameters differ from rank 0's in 4 of 4 tensors" in lines[0]
     assert started in lines[0] and "model = phalanx.prepare(model)" in lines[0]
+    # The book's concise implementation is named as what sums nothing across processes.
+    assert ("; `model` is a torch.nn.DataParallel, which splits each batch over the GPUs of one process and sums "
+            "nothing across processes" in lines[0]) == (mode == "data-parallel")
     assert sorted(line for line in done.stdout.splitlines()) == ["rank 0 done", "rank 1 done"]
 
 

@@ -181,6 +181,23 @@ def test_a_step_before_the_script_joined_any_group_is_said_once_on_rank_0(monkey
         assert caught[0].filename == __file__ and "each of the 2 workers trains alone" in str(caught[0].message)
 
 
+def test_a_script_that_never_joined_and_holds_a_torch_data_parallel_hears_what_it_does_not_do(monkeypatch):
+    # The book's concise implementation, `net = nn.DataParallel(net)`, started on 2 workers (named as the
+    # innermost frame holds it: the step's helper calls it `model`).
+    monkeypatch.setattr(apart, "_joined", lambda: False)
+    watch = watch_ranks_apart(rank=0, workers=2)
+    net = nn.DataParallel(nn.Linear(3, 2))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _step(torch.optim.SGD(net.parameters(), lr=0.1), net)
+    finally:
+        watch.close()
+    assert [str(w.message) for w in caught] == [apart.alone_line(2) + (
+        "; `model` is a torch.nn.DataParallel, which splits each batch over the GPUs of one process and sums nothing "
+        "across processes (the book's concise implementation): put phalanx.prepare(model) in its place")]
+
+
 def test_the_samplers_in_the_scripts_frames_are_found_by_name_with_their_datasets():
     from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 

@@ -1,10 +1,11 @@
 """A torchrun-style script whose ranks may train apart, for `phalanx run`'s one line (runtime/apart.py).
 
-    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|alone|rank-lr|ddp|zero|prepare-sharded|rank-widths|
-                                                split-by-rank|split-alike
+    phalanx run --devices cpu:2 ranks_apart.py bare|seeded|data-parallel|alone|rank-lr|ddp|zero|prepare-sharded|
+                                                rank-widths|split-by-rank|split-alike
 
 bare: PyTorch's ImageNet example on the CPU (its DDP wrap sits in the GPU branch): a process group,
 no wrapper, every rank its own model. seeded: the same with a seed per rank (apart from the start).
+data-parallel: the book's concise implementation, torch.nn.DataParallel, one process's own split.
 alone: no process group at all (a one-device script started on k workers). rank-lr: DDP, its gradients
 summed, and an lr set from the rank. split-by-rank: DDP over a DistributedSampler of a random_split
 drawn after a per-rank seed (each rank reads its shard of another split); split-alike: the split
@@ -36,6 +37,7 @@ if mode == "prepare-sharded":
     optimizer = model.optimizer(torch.optim.AdamW, lr=0.05)
 else:
     model = DDP(model) if mode in ("ddp", "zero", "rank-lr", "split-by-rank", "split-alike") else model
+    model = nn.DataParallel(model) if mode == "data-parallel" else model
     optimizer = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05) if mode == "zero" else
                  torch.optim.SGD(model.parameters(), lr=0.1 * (1 + rank * (mode == "rank-lr")), momentum=0.9))
 g = torch.Generator().manual_seed(100 + rank)  # each rank its own part of the data
