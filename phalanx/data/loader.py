@@ -75,15 +75,21 @@ def samplers_in_frames(frame, *, depth: int = 8) -> Iterator[tuple[str, Distribu
             yield name, sampler
 
 
+def uneven(sampler: DistributedSampler) -> bool:
+    """Whether `sampler` pads its dataset or drops some of it to give every rank an equal share."""
+    try:
+        return sampler.total_size != len(sampler.dataset)
+    except (AttributeError, TypeError):  # a subclass that keeps no total, a dataset without a length
+        return False
+
+
 def distributed_sampler_note(obj: Any) -> str | None:
     """One line naming what torch's DistributedSampler (`obj`, or a DataLoader's) does to an epoch
     and the fix; None when `obj` is none, or when it neither pads nor drops (the split is then even)."""
     sampler = sampler_of(obj)
-    if sampler is None:
+    if sampler is None or not uneven(sampler):
         return None
     num_examples, ranks = len(sampler.dataset), sampler.num_replicas
-    if sampler.total_size == num_examples:
-        return None
     if sampler.total_size > num_examples:
         repeats = sampler.total_size - num_examples
         what = (f"pads the {num_examples} examples to {sampler.total_size} by repeating {repeats} so that "

@@ -34,6 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import DistributedSampler
 
+from phalanx.data.loader import uneven
 from phalanx.errors import PhalanxWarning, script_line
 
 def repeated_epoch_line(epoch: int) -> str:
@@ -79,7 +80,7 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
 
     def judge(sampler, epoch: int, *, stepped: bool) -> None:
         if not stepped:  # an evaluation's pass, if gradients are off
-            if not torch.is_grad_enabled() and _uneven(sampler) and not said["uneven"]:
+            if not torch.is_grad_enabled() and uneven(sampler) and not said["uneven"]:
                 said["uneven"] = True
                 say(uneven_evaluation_line(sampler))
             return
@@ -96,7 +97,7 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
         if not all(isinstance(getattr(self, name, None), kind) for name, kind in
                    (("epoch", int), ("shuffle", bool), ("num_samples", int))):
             return indices
-        followed_now = (self.shuffle and not said["epoch"]) or (_uneven(self) and not said["uneven"])
+        followed_now = (self.shuffle and not said["epoch"]) or (uneven(self) and not said["uneven"])
         return followed(self, indices) if followed_now else indices
 
     handle = register_optimizer_step_post_hook(count_step)
@@ -106,11 +107,3 @@ def watching_sampler_passes(*, rank: int) -> Iterator[None]:
     finally:
         DistributedSampler.__iter__ = original
         handle.remove()
-
-
-def _uneven(sampler: DistributedSampler) -> bool:
-    """Whether `sampler` pads its dataset or drops some of it to give every rank an equal share."""
-    try:
-        return sampler.total_size != len(sampler.dataset)
-    except (AttributeError, TypeError):  # a subclass that keeps no total, a dataset without a length
-        return False
