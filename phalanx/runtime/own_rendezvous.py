@@ -139,20 +139,24 @@ def _check_place(given_rank: int, given_size: int, *, rank: int, world_size: int
     every rank waited --timeout for peers that never came (or for a rank two workers claimed), then
     torch's DistStoreError traceback. The launcher's line names the script's line."""
     if given_size not in (-1, world_size):
-        said = f'opens its process group after setting os.environ["WORLD_SIZE"] = "{given_size}"' if environ else \
-            f"opens its process group with world_size={given_size}"
-        fix = "drop the line that sets it (the launcher sets WORLD_SIZE)" if environ else \
-            'leave world_size out (env:// reads WORLD_SIZE) or pass int(os.environ["WORLD_SIZE"])'
+        said, fix = _how("world_size", given_size, environ)
         raise UsageError(f"the script {said}, and phalanx run started {world_size} workers (WORLD_SIZE={world_size}): "
                          f"every rank would wait --timeout for ranks that never come; {fix}, or start as many "
                          f"(phalanx run --devices {given_size})")
     if given_rank not in (-1, rank):
-        said = f'opens its process group after setting os.environ["RANK"] = "{given_rank}"' if environ else \
-            f"opens its process group with rank={given_rank}"
-        fix = "drop the line that sets it (the launcher sets RANK)" if environ else \
-            'leave rank out (env:// reads RANK) or pass int(os.environ["RANK"])'
+        said, fix = _how("rank", given_rank, environ)
         raise UsageError(f"the script {said} on the worker whose RANK is {rank}: two workers would claim rank "
                          f"{given_rank} and every rank wait --timeout; {fix}")
+
+
+def _how(argument: str, value: int, environ: bool) -> tuple[str, str]:
+    """How the script gave `argument` (world_size, rank) its `value`, and the fix for that way."""
+    variable = argument.upper()
+    if environ:
+        return (f'opens its process group after setting os.environ["{variable}"] = "{value}"',
+                f"drop the line that sets it (the launcher sets {variable})")
+    return (f"opens its process group with {argument}={value}",
+            f'leave {argument} out (env:// reads {variable}) or pass int(os.environ["{variable}"])')
 
 
 def _environ_int(name: str) -> int:
