@@ -43,8 +43,9 @@ def passing_local_rank(*, local_rank: int, rank: int) -> Iterator[None]:
     said = [rank != 0]
 
     def parse_known_args(self, args=None, namespace=None):
-        option = _option(self) if args is None else None
-        if option is not None and not _given(self, option, sys.argv[1:]):
+        action = _action(self) if args is None else None
+        if action is not None and not _given(action, sys.argv[1:]):
+            option = next(name for name in action.option_strings if name in NAMES)
             path, line_number, library = script_line(sys._getframe(1))
             if not library:  # the script's own parse, not an installed library's (transformers' reads LOCAL_RANK)
                 args = [f"{option}={local_rank}", *sys.argv[1:]]
@@ -60,13 +61,12 @@ def passing_local_rank(*, local_rank: int, rank: int) -> Iterator[None]:
         argparse.ArgumentParser.parse_known_args = original
 
 
-def _option(parser: argparse.ArgumentParser) -> str | None:
-    """The spelling of torch.distributed.launch's argument `parser` defines, if any."""
-    return next((name for action in parser._actions for name in action.option_strings if name in NAMES), None)
+def _action(parser: argparse.ArgumentParser) -> argparse.Action | None:
+    """The action of `parser` that takes torch.distributed.launch's argument, if any."""
+    return next((action for action in parser._actions if set(NAMES) & set(action.option_strings)), None)
 
 
-def _given(parser: argparse.ArgumentParser, option: str, argv: list[str]) -> bool:
-    """Whether `argv` (up to a "--") names `option`'s action by any of its spellings."""
-    action = next(action for action in parser._actions if option in action.option_strings)
+def _given(action: argparse.Action, argv: list[str]) -> bool:
+    """Whether `argv` (up to a "--") names `action` by any of its spellings."""
     before = argv[:argv.index("--")] if "--" in argv else argv
     return any(arg == name or arg.startswith(name + "=") for arg in before for name in action.option_strings)
