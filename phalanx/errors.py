@@ -159,17 +159,17 @@ def authors_frame(frames: list[tuple[str, int, str]]) -> tuple[tuple[str, int, s
 
 def _standard(filename: str, stdlib: str) -> bool:
     """Whether `filename` is the standard library's own (a site-packages folder inside it is not)."""
-    parts = os.path.abspath(filename).split(os.sep)
-    return filename.startswith("<frozen") or (os.path.abspath(filename).startswith(stdlib)
-                                              and "site-packages" not in parts and "dist-packages" not in parts)
+    return filename.startswith("<frozen") or (os.path.abspath(filename).startswith(stdlib) and not _packaged(filename))
 
 
 def _installed(filename: str, installed: tuple[str, ...]) -> bool:
     """Whether `filename` is the standard library's or an installed package's ("<frozen runpy>" too)."""
-    path = os.path.abspath(filename)
-    parts = path.split(os.sep)
-    return (filename.startswith("<frozen") or path.startswith(installed)
-            or "site-packages" in parts or "dist-packages" in parts)
+    return filename.startswith("<frozen") or os.path.abspath(filename).startswith(installed) or _packaged(filename)
+
+
+def _packaged(filename: str) -> bool:
+    """Whether `filename` lies in a site-packages or dist-packages folder (an installed package's)."""
+    return not {"site-packages", "dist-packages"}.isdisjoint(os.path.abspath(filename).split(os.sep))
 
 
 def warn_at_caller(message: str) -> None:
