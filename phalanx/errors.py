@@ -154,10 +154,11 @@ def authors_frame(frames: list[tuple[str, int, str]]) -> tuple[tuple[str, int, s
     author = next((frame for frame in outside if not _installed(frame[0], installed)), None)
     if author is None:
         return (outside[0], None) if outside else None
-    return author, next((frame for frame in outside[:outside.index(author)] if not _standard(frame[0], stdlib)), None)
+    between = outside[:outside.index(author)]
+    return author, next((frame for frame in between if not standard_library(frame[0], stdlib)), None)
 
 
-def _standard(filename: str, stdlib: str) -> bool:
+def standard_library(filename: str, stdlib: str) -> bool:
     """Whether `filename` is the standard library's own (a site-packages folder inside it is not)."""
     return filename.startswith("<frozen") or (os.path.abspath(filename).startswith(stdlib) and not _packaged(filename))
 

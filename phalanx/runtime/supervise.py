@@ -49,8 +49,8 @@ from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
 from phalanx.runtime.procs import all_stopped
-from phalanx.runtime.worker_errors import (ERROR_FILE_VAR, blame_stopped, error_files, error_report, failure, is_echo,
-                                           read_report, recorded, usage_line, user_traceback, with_recorded)
+from phalanx.runtime.worker_errors import (arm, blame_stopped, error_files, error_report, failure, is_echo, read_report,
+                                           recorded, usage_line, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
 from phalanx.runtime.lifeline import (INTERRUPT_GRACE_S, STOP_GRACE_S, die_with_parent, flush_on_sigterm,
                                      lead_own_group, line_buffered_output, signal_main_thread, signals_deferred,
@@ -116,8 +116,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
     guard_forks()  # a DataLoader's fork right after a collective must not copy a held lock
     if workers.env:
         os.environ.update(workers.env[rank])
-    if error_file is not None:  # None: no temporary directory to hold it (worker_errors.error_files)
-        os.environ[ERROR_FILE_VAR] = error_file  # as torchrun's agent gives each worker one of its own
+    arm(error_file)  # torchrun's error file, and faulthandler's beside it
     _PROGRESS = None if progress is None else (progress, rank)
     if workers.start_method == "fork":
         reset_signals()
@@ -230,8 +229,9 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
         if timeout is not None and timeout <= 0:
             break
         for rank in _ready(procs, conns, pending, timeout):
-            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success),
-                                    recorded(errors[rank] if rank < len(errors) else None))
+            error_file = errors[rank] if rank < len(errors) else None
+            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, error_file),
+                                   recorded(error_file))
             pending.discard(rank)
             reports[rank] = report
             if report[0] != "ok" and first_failure is None:

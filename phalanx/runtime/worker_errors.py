@@ -41,6 +41,7 @@ from typing import Callable, Iterator
 import torch
 
 from phalanx.errors import PACKAGE_DIR, PeerLost, Stopped, UsageError
+from phalanx.runtime.crash_site import crash_site, enable as enable_fault_file
 from phalanx.runtime.fork_server import lost_server
 from phalanx.runtime.lifeline import describe_signal
 from phalanx.runtime.procs import STOPPED, process_state
@@ -81,6 +82,14 @@ def error_files(num_procs: int) -> Iterator[list[str | None]]:
         yield paths
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def arm(error_file: str | None) -> None:
+    """In a worker: its error file in torchrun's variable (as torchrun's agent gives each worker one of
+    its own), and faulthandler's file beside it (crash_site.py); None: no temporary directory for them."""
+    if error_file is not None:
+        os.environ[ERROR_FILE_VAR] = error_file
+        enable_fault_file(error_file)
 
 
 def recorded(path: str | None) -> tuple[str, str] | None:
@@ -160,7 +169,7 @@ def failure(reports: dict[int, tuple], first_failure: int, progress,
     root = reports[first_failure]
     line = root[1]
     if progress is not None and progress[first_failure] >= 0:
-        line = f"{line} after step {progress[first_failure]}"
+        line = _after_step(line, progress[first_failure])
     if explain_kill is not None and root[1] == KILLED:
         line = f"{line}: {explain_kill()}"
     # The root's traceback, and any other rank's that says something else; a rank that only
@@ -175,6 +184,14 @@ def failure(reports: dict[int, tuple], first_failure: int, progress,
                             f"--- rank {rank} ---\n{(report[2] or report[1]).rstrip()}")
     return WorkerFailed(f"worker rank {first_failure} failed: {line}\n" + "\n".join(sections), rank=first_failure,
                         restartable=True, traceback=(root[2] or "").rstrip())
+
+
+def _after_step(line: str, step: int) -> str:
+    """`line` with the step it failed after: after "died (signal SIGSEGV)" where a crash site follows."""
+    if line.startswith("died (") and ") " in line:
+        signal_part, site = line.split(") ", 1)
+        return f"{signal_part}) after step {step} {site}"
+    return f"{line} after step {step}"
 
 
 def _left_early(rank: int, failed: dict[int, tuple], progress) -> WorkerFailed:
@@ -262,8 +279,9 @@ def with_recorded(report: tuple, found: tuple[str, str] | None) -> tuple:
     return (report[0], line, report[2] or found[1], report[3])
 
 
-def read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
-    """This worker's report, or a report of its death (all it sent is in the pipe once it exits)."""
+def read_report(proc, conn, exit_zero_is_success: bool, error_file: str | None = None) -> tuple:
+    """This worker's report, or a report of its death (all it sent is in the pipe once it exits); a
+    fatal signal's with where it struck, from the fault file beside `error_file` (crash_site.py)."""
     try:
         if conn.poll(0):
             return pickle.loads(conn.recv_bytes())
@@ -275,7 +293,9 @@ def read_report(proc, conn, exit_zero_is_success: bool) -> tuple:
     if proc.exitcode is None:
         return error_report("closed its result pipe but kept running")
     if proc.exitcode < 0:
-        return error_report(f"died ({describe_signal(-proc.exitcode)})")
+        site = crash_site(error_file, -proc.exitcode)
+        line = f"died ({describe_signal(-proc.exitcode)})"
+        return error_report(line) if site is None else error_report(f"{line} {site[0]}", site[1])
     if proc.exitcode == 0 and exit_zero_is_success:  # os._exit(0) before the end: success, as under torchrun,
         return LEFT_EARLY  # unless its peers then fail waiting for it (`failure`)
     server = lost_server(proc) if proc.exitcode == 255 else None

@@ -1,0 +1,78 @@
+"""A worker that dies of a fatal signal (SIGSEGV in compiled code, os.abort) is reported with where
+it was: `phalanx run`'s failure line names the script's line and the innermost frame, and the rank's
+section holds its Python stack (runtime/crash_site.py), with no faulthandler dump on the terminal.
+Before 2026-12-07: "died (signal SIGSEGV)" alone, as torchrun's "Signal 11 (SIGSEGV) received by
+PID". A script that enables faulthandler itself keeps it (so does a run under PYTHONFAULTHANDLER):
+its dump on its stderr, the line bare.
+Also through `launch` (phalanx train's launcher, and phalanx.launch)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from phalanx.runtime.devices import parse_devices
+from phalanx.runtime.launch import LaunchSpec, launch
+from phalanx.runtime.worker_errors import WorkerFailed
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "crashes.py"
+
+
+def _line_of(marker: str) -> int:
+    return next(n for n, line in enumerate(SCRIPT.read_text().splitlines(), 1) if line.endswith(f"# {marker}"))
+
+
+def _run(mode: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--threads-per-device", "1",
+                           "--timeout", "30", str(SCRIPT), mode], capture_output=True, text=True, timeout=120,
+                          cwd=SCRIPT.parent, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("mode, signal_name, where", [
+    ("segfault", "SIGSEGV", f"at crashes.py:{_line_of('segfault')}, in ctypes/__init__.py:\\d+ \\(string_at\\)"),
+    ("thread", "SIGSEGV", f"at crashes.py:{_line_of('segfault')}, in ctypes/__init__.py:\\d+ \\(string_at\\)"),
+    ("abort", "SIGABRT", f"at crashes.py:{_line_of('abort')} \\(crash\\)")])
+def test_a_crash_names_the_scripts_line_and_the_rank_shows_its_python_stack(mode, signal_name, where):
+    done = _run(mode)
+    assert done.returncode != 0
+    lines = done.stderr.splitlines()
+    failed = next(line for line in lines if "worker rank" in line)
+    assert re.fullmatch(f"phalanx: worker rank 1 failed: died \\(signal {signal_name}\\) {where}", failed), failed
+    assert "Fatal Python error" not in done.stderr  # the dump went to the rank's file, not the terminal
+    stack = lines[lines.index("--- rank 1 ---") + 1:]
+    assert stack[0] == "Python's stack when it died (faulthandler's, most recent call last):"
+    assert f'  File "{SCRIPT}", line {_line_of("abort" if mode == "abort" else "segfault")}' in "\n".join(stack)
+    if mode != "thread":  # a thread's stack starts in threading; the main thread's at the script's top
+        assert stack[1] == f'  File "{SCRIPT}", line {_line_of("rank 1")}, in <module>'
+
+
+@pytest.mark.parametrize("mode, env", [("own", {}), ("segfault", {"PYTHONFAULTHANDLER": "1"})])
+def test_a_script_that_enables_faulthandler_itself_keeps_its_dump_and_the_line_is_bare(mode, env):
+    done = _run(mode, **env)
+    assert done.returncode != 0
+    assert "phalanx: worker rank 1 failed: died (signal SIGSEGV)\n" in done.stderr
+    assert "Fatal Python error: Segmentation fault" in done.stderr  # the script's own handler wrote it
+
+
+def crash_on_rank_one(world) -> int:
+    if world.rank == 1:
+        ctypes.string_at(0)
+    return world.rank
+
+
+def test_a_crash_in_a_launched_function_names_its_line():
+    spec = LaunchSpec(plan=parse_devices("cpu:2", cuda_count=0), threads_per_device=1, timeout_s=30.0)
+    with pytest.raises(WorkerFailed) as failed:
+        launch(crash_on_rank_one, spec=spec)
+    first = str(failed.value).splitlines()[0]
+    line = crash_on_rank_one.__code__.co_firstlineno + 2
+    assert re.fullmatch(f"worker rank 1 failed: died \\(signal SIGSEGV\\) at .*test_crash_site.py:{line}, "
+                        "in ctypes/__init__.py:\\d+ \\(string_at\\)", first), first
