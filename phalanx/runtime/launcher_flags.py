@@ -27,9 +27,9 @@ _MANY_HOSTS = ("phalanx run starts the workers of this host, with a store of its
                "{flag}; for many hosts start the script with torchrun itself (torchrun --nnodes 2 --node-rank R "
                "--nproc-per-node N --master-addr A --master-port P script.py), where phalanx.init() joins torchrun's "
                "world: docs/many-hosts.md")
-_OUTPUT = ("phalanx run takes no {flag}: every worker writes to this console as it runs (torchrun's default); print on "
-           "rank 0 alone with world.print(...), and keep a log by redirecting the command (phalanx run ... > run.log "
-           "2>&1)")
+_OUTPUT = ("phalanx run takes no {flag}: every worker writes to this console as it runs (torchrun's default); show "
+           "some ranks alone with --local-ranks-filter 0, print on rank 0 alone with world.print(...), and keep a log "
+           "by redirecting the command (phalanx run ... > run.log 2>&1)")
 _OTHER = ("{launcher}'s {flag} has no counterpart in phalanx run, whose launcher supervises its workers itself "
           "(--timeout bounds every wait); drop it, or start the script with torchrun itself, where phalanx.init() "
           "joins its world")
@@ -84,7 +84,8 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
     ("torchrun", ("-r", "--redirects"), True, _OUTPUT),
     ("torchrun", ("-t", "--tee"), True, _OUTPUT),
     ("torchrun", ("--log-line-prefix-template", "--log_line_prefix_template"), True, _OUTPUT),  # torch 2.14
-    ("torchrun", ("--local-ranks-filter", "--local_ranks_filter"), True, _OUTPUT),
+    ("torchrun", ("--local_ranks_filter",), True,
+     "phalanx run spells it --local-ranks-filter R,... (torchrun takes {flag} too)"),
     ("torchrun", ("--duplicate-stdout-filters", "--duplicate_stdout_filters"), True, _OUTPUT),
     ("torchrun", ("--duplicate-stderr-filters", "--duplicate_stderr_filters"), True, _OUTPUT),
     ("torchrun", ("--node-rank", "--node_rank"), True, _MANY_HOSTS),

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
-import datetime
 import multiprocessing
 import sys
 from dataclasses import dataclass
@@ -47,7 +46,8 @@ from phalanx.runtime.launch import (LaunchSpec, join_launcher_world, report_prog
                                    threads_per_worker, torchrun_device, warn_if_oversubscribed)
 from phalanx.runtime.launch_config import DEFAULT_TIMEOUT_S, LaunchConfig
 from phalanx.runtime.apart import watch_ranks_apart
-from phalanx.runtime.world import World, adopt_world, launcher_env, leave_default_group, open_group_env, stop_world
+from phalanx.runtime.world import (World, adopt_world, bound_default_group_timeout, launcher_env, leave_default_group,
+                                  open_group_env, stop_world)
 from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.binding import threads_note
 from phalanx.runtime.child_world import ALONE_IN_A_CHILD, inherited_message, joined_worker, run_key, stamp_joined
@@ -60,6 +60,7 @@ from phalanx.runtime.own_rendezvous import joining_launcher_store, launcher_stor
 from phalanx.runtime.unguarded_main import refusing_unguarded_starts
 from phalanx.runtime.sampler_passes import watching_sampler_passes
 from phalanx.runtime.restarts import with_restarts
+from phalanx.runtime.shown_ranks import FLAG as FILTER_FLAG, check_shown, mute_unless_shown
 from phalanx.runtime.script_errors import quiet_fd_sharing_resets, translated
 from phalanx.telemetry.log import survive_lost_output
 
@@ -132,14 +133,15 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
 
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
     """One spawned worker of `phalanx run`."""
-    target, args, spec = payload
+    target, args, spec, shown = payload
     inherit_launcher_stdin()
-    _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown)
+    _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown, shown=shown)
 
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
-                teardown: contextlib.ExitStack) -> None:
+                teardown: contextlib.ExitStack, shown: tuple[int, ...] | None = None) -> None:
     env = launcher_env()
+    mute_unless_shown(env.local_rank, shown)  # --local-ranks-filter (shown_ranks.py)
     # A DataLoader's spawn or forkserver workers from an unguarded top level; torch.distributed.launch's argument.
     with refusing_unguarded_starts(), passing_local_rank(local_rank=env.local_rank, rank=env.rank):
         run_in_worker(lambda: run_as_main(target, args, rank=env.rank), spec=spec, device=device,
@@ -155,7 +157,7 @@ def run_in_worker(call: Callable[[], Any], *, spec: LaunchSpec, device: torch.de
     env = launcher_env()
     setup_worker(device, local_rank=env.local_rank, local_world_size=env.local_world_size,
                  threads=spec.threads_per_device, bind_cores=spec.bind_cores)
-    _bound_default_group_timeout(spec.timeout_s)
+    bound_default_group_timeout(spec.timeout_s)
     _script_children()
     _current = None  # a forked worker's copy of its launcher's world is not its own
     _context = _RunContext(device=device, timeout_s=spec.timeout_s, threads=torch.get_num_threads(), rank=env.rank)
@@ -206,17 +208,6 @@ def _script_children() -> None:
     quiet_fd_sharing_resets()
 
 
-def _bound_default_group_timeout(timeout_s: float) -> None:
-    """A group the script opens without `timeout=` gets `--timeout` instead of torch's default
-    (30 minutes for gloo), so a hung collective fails the run as phalanx's own would. torch reads
-    these module defaults when `init_process_group` is called without a timeout."""
-    c10d = dist.distributed_c10d
-    timeout = datetime.timedelta(seconds=timeout_s)
-    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
-        if getattr(c10d, name, None) is not None:
-            setattr(c10d, name, timeout)
-
-
 RUN_DESCRIPTION = """\
 Run your own training script on k workers, as torchrun would: each worker runs the script as
 __main__ (sys.argv = [script, *args]) under phalanx's launcher, which supervises the workers and
@@ -243,6 +234,11 @@ class RunOptions:
                                help="after a worker fails, start every worker again, up to N times, as torchrun "
                                     "--max-restarts does (TORCHELASTIC_RESTART_COUNT says which attempt; the script "
                                     "resumes from its last phalanx.checkpoint with phalanx.resume)")
+    local_ranks_filter: tuple[int, ...] | None = option(None, flag=FILTER_FLAG, items=int, metavar="R,...",
+                                                 default_text="every rank", check=at_least(0),
+                                                 help="show only these local ranks' stdout and stderr, as torchrun's "
+                                                      "flag does (the others' go to /dev/null; a failure is named "
+                                                      "whatever the filter)")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -284,17 +280,21 @@ def run_run(args: argparse.Namespace) -> int:
                             store=f"{env.master_addr}:{env.master_port}", launcher="torchrun"))
         if env.local_rank == 0:
             warn_if_oversubscribed(spec, local_workers=env.local_world_size)
+        check_shown(options.local_ranks_filter, local_workers=env.local_world_size)
         device = torchrun_device(spec, env)
         with contextlib.ExitStack() as teardown:
-            _run_script(target, tuple(args.args), spec=spec, device=device, teardown=teardown)
+            _run_script(target, tuple(args.args), spec=spec, device=device, teardown=teardown,
+                        shown=options.local_ranks_filter)
         return 0
     k = spec.plan.num_devices
+    check_shown(options.local_ranks_filter, local_workers=k)
     announce = None if options.quiet else (
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
+    payload = (target, tuple(args.args), spec, options.local_ranks_filter)
     with_restarts(lambda restart: spawn_workers(
-        _script_body, (target, tuple(args.args), spec), spec=spec, exit_zero_is_success=True,
+        _script_body, payload, spec=spec, exit_zero_is_success=True,
         announce=announce if restart == 0 else None, restart_count=restart, max_restarts=options.max_restarts),
         max_restarts=options.max_restarts, names=spec.plan.names, say=lambda line: _say(f"phalanx run: {line}"))
     return 0

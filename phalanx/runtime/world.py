@@ -281,3 +281,14 @@ def leave_default_group() -> None:
     script or a benchmark contender that called init_process_group itself); else nothing."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def bound_default_group_timeout(timeout_s: float) -> None:
+    """A group the script opens without `timeout=` gets `--timeout` instead of torch's default
+    (30 minutes for gloo), so a hung collective fails the run as phalanx's own would. torch reads
+    these module defaults when `init_process_group` is called without a timeout."""
+    c10d = dist.distributed_c10d
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        if getattr(c10d, name, None) is not None:
+            setattr(c10d, name, timeout)

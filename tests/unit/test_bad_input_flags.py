@@ -235,6 +235,12 @@ FLAG_CASES += [
      r"^phalanx: error: torchrun's --nproc-per-node 4 is --devices in phalanx run: .*e\.g\. phalanx run --devices 4 "),
     (["run", "--nproc_per_node=gpu", "train.py"], r"torchrun's --nproc_per_node gpu is --devices in phalanx run"),
     (["run", "--standalone", "train.py"], r"phalanx run is standalone already .*: drop --standalone$"),
+    (["run", "--devices", "cpu:2", "--local-ranks-filter", "0,2", "train.py"],
+     r"^phalanx: error: --local-ranks-filter names local rank 2, but this host runs 2 workers \(local ranks 0 to 1\); "
+     r"name ranks below 2, e.g. --local-ranks-filter 0$"),
+    (["run", "--local-ranks-filter", "-1", "train.py"], r"--local-ranks-filter -1 must be at least 0"),
+    (["run", "--local_ranks_filter", "0", "train.py"],
+     r"phalanx run spells it --local-ranks-filter R,\.\.\. \(torchrun takes --local_ranks_filter too\)"),
     (["run", "--max_restarts", "3", "train.py"], r"phalanx run spells it --max-restarts N \(torchrun takes --max_restarts "
                                                  r"too\)$"),
     (["run", "--no-python", "train.py"], r"phalanx run runs a Python file, or a module with -m"),
@@ -250,7 +256,7 @@ FLAG_CASES += [(["run", flag, "1", "train.py"],
                for flag in ("--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--role",
                             "--node-rank", "--master-addr", "--master-port", "--local-addr")]
 FLAG_CASES += [(["run", flag, "0", "train.py"], rf"phalanx run takes no {flag}: every worker writes to this console")
-               for flag in ("--log-dir", "-r", "-t", "--local-ranks-filter", "--duplicate-stdout-filters",
+               for flag in ("--log-dir", "-r", "-t", "--duplicate-stdout-filters",
                             "--duplicate-stderr-filters", "--logs-specs", "--log-line-prefix-template")]
 FLAG_CASES += [(["run", "--print-completion", "bash", "train.py"],  # torch 2.14's, as --log-line-prefix-template
                 r"^phalanx: error: phalanx run prints no shell completion script: --print-completion is torchrun's "
