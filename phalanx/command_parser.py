@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import sys
 
 from phalanx.errors import UsageError
 
@@ -27,6 +28,7 @@ class CommandParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args=None, namespace=None):
         self.reached = True  # argparse hands a subcommand's words to its parser through this call
+        self.words = list(sys.argv[1:] if args is None else args)  # what it was given (launcher_flags reads them)
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str):

@@ -228,8 +228,28 @@ class _LauncherFlag(argparse.Action):
         example = value if value.isdigit() else "2"
         own = [action.option_strings[0] for action in parser._actions  # what --help shows, read where it is declared
                if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"]
-        raise UsageError(self.line.format(launcher=self.launcher, flag=option_string, value=value, example=example,
-                                          own=f"{', '.join(own[:-1])} and {own[-1]}"))
+        line = self.line.format(launcher=self.launcher, flag=option_string, value=value, example=example,
+                                own=f"{', '.join(own[:-1])} and {own[-1]}")
+        others = _other_launchers_flags(parser, option_string)
+        if others:  # a torchrun command line brings several: all named at once, not one per attempt
+            listed = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
+            line += (f"; the command line also gives {listed}, {'not' if len(others) == 1 else 'none of them'} "
+                     f"{parser.prog}'s either (`{parser.prog} --help` lists its own)")
+        raise UsageError(line)
+
+
+def _other_launchers_flags(parser: argparse.ArgumentParser, first: str) -> list[str]:
+    """The other launchers' flags on the command line before the script (after it, the script's own
+    arguments), `first` left out, in order: from the words the parser was given (CommandParser keeps them)."""
+    actions = {name: action for action in parser._actions for name in action.option_strings}
+    words, found, at = getattr(parser, "words", []), [], 0
+    while at < len(words) and words[at].startswith("-") and words[at] != "--":
+        name = words[at].split("=", 1)[0]
+        action = actions.get(name)
+        if isinstance(action, _LauncherFlag) and name != first and name not in found:
+            found.append(name)
+        at += 2 if action is not None and action.nargs is None and "=" not in words[at] else 1
+    return found
 
 
 # phalanx train (a launcher too, of its own job) takes the counts and the many hosts' flags above, each

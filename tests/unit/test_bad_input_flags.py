@@ -241,6 +241,15 @@ FLAG_CASES += [
     (["run", "--local-ranks-filter", "-1", "train.py"], r"--local-ranks-filter -1 must be at least 0"),
     (["run", "--local_ranks_filter", "0", "train.py"],
      r"phalanx run spells it --local-ranks-filter R,\.\.\. \(torchrun takes --local_ranks_filter too\)"),
+    # torchtitan's run_train.sh line: every other launcher's flag before the script named at once (before
+    # 2026-12-07 one per attempt, five attempts); the script's own after its name are its own.
+    (["run", "--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0",
+      "--role", "rank", "--tee", "3", "-m", "train", "--tee", "2", "--nnodes", "4"],
+     r"^phalanx: error: torchrun's --nproc_per_node 2 is --devices in phalanx run: .*; the command line also gives "
+     r"--rdzv_backend, --rdzv_endpoint, --role and --tee, none of them phalanx run's either \(`phalanx run --help` "
+     r"lists its own\)$"),
+    (["train", "--nproc-per-node", "2", "--epochs", "1", "--nnodes", "1"],
+     r"is --devices in phalanx train: .*; the command line also gives --nnodes, not phalanx train's either"),
     (["run", "--max_restarts", "3", "train.py"], r"phalanx run spells it --max-restarts N \(torchrun takes --max_restarts "
                                                  r"too\)$"),
     (["run", "--no-python", "train.py"], r"phalanx run runs a Python file, or a module with -m"),
