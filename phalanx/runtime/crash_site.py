@@ -1,16 +1,22 @@
-"""Where a worker that died of a fatal signal was in its Python code: the failure line names it.
+"""Where a worker was in its Python code when it crashed, or when the run stopped while it hung.
 
 A crash inside compiled code (torch's, a C extension's, the script's own ctypes call) killed a
 worker with SIGSEGV, SIGBUS, SIGFPE, SIGILL or SIGABRT, and the failure line said "died (signal
-SIGSEGV)" and no more (torchrun: "Signal 11 (SIGSEGV) received by PID ..."); the user had to rerun
-under `python -X faulthandler` to learn which line. Each worker of a set now enables Python's
-faulthandler, all threads, into a file of its own beside its error file (worker_errors.error_files),
-and when a worker dies of one of those signals the launcher reads back the stack of the thread that
-crashed: the line names the script's line (errors.authors_frame's rule) and the innermost frame,
-and the stack becomes the rank's traceback. A file, not stderr: gloo's exit-time SIGABRT that the
-launcher tolerates (supervise._await_exit) dumps there unseen. A script that enables faulthandler
-itself takes it over (its stack goes to its own stderr), as a run under PYTHONFAULTHANDLER keeps it
-there; the line is then the bare one.
+SIGSEGV)" and no more (torchrun: "Signal 11 (SIGSEGV) received by PID ..."); a rank that never
+reached a collective was named with its process state ("sleeping") and no place. The user had to
+rerun under `python -X faulthandler`, or attach py-spy in time, to learn which line.
+
+Each worker of a set enables Python's faulthandler, all threads, into files of its own beside its
+error file (worker_errors.error_files): on a fatal signal into `fault.txt`, and on STACK_SIGNAL (a
+real-time signal, which no library listens for) into `stack.txt`. When a worker dies of a fatal
+signal the launcher reads back the stack of the thread that crashed; when the run fails while a
+worker has not reported (a rank busy elsewhere while its peers wait, a deadline), the launcher
+asks it for its stack first (`ask_where`), once, and reads the thread that runs its work. Each
+is named by the script's line (errors.authors_frame's rule) and the innermost frame, and its
+stack goes into the report. Files, not stderr: gloo's exit-time SIGABRT that the launcher
+tolerates (supervise._await_exit) dumps there unseen. A script that enables faulthandler itself
+takes it over (its stack goes to its own stderr), as a run under PYTHONFAULTHANDLER keeps it
+there; the line is then the bare one, and a worker whose STACK_SIGNAL a script took is not asked.
 
 One crash has a known cause, named with its fix: torch's DDP constructor dies of SIGSEGV whenever
 TORCH_DISTRIBUTED_DEBUG=DETAIL is set (torch 2.13.0, CPU, 1 or 2 ranks, under torchrun alike;
@@ -24,85 +30,138 @@ import os
 import re
 import signal
 import sys
+import time
+from typing import Iterable
 
 from phalanx.errors import authors_frame, standard_library
+from phalanx.runtime.procs import STOPPED, catches_signal, process_state
 
-FAULT_FILE = "fault.txt"  # beside the rank's error.json
+FAULT_FILE, STACK_FILE = "fault.txt", "stack.txt"  # beside the rank's error.json
 # The signals faulthandler dumps a stack on (Python's documented set).
 FATAL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT})
-_HEADER = re.compile(r"^(Current thread .*|Stack )\(most recent call first\):$")
+# The launcher's request for a worker's stack: a real-time signal (Linux), whose default action ends
+# a process, so it is sent only to a worker whose /proc entry shows it caught (procs.catches_signal).
+STACK_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
+ASK_WAIT_S = 0.5  # how long the launcher waits for the asked stacks to be written
+_HEADER = re.compile(r"^(Current thread|Thread|Stack)\b.*\(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _DDP_FILE = os.path.join("torch", "nn", "parallel", "distributed.py")
+_WORK = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py"), "_report_then_teardown")
+
+Frame = tuple[str, int, str]  # (file, line, function)
 
 
-def fault_file(error_file: str | None) -> str | None:
-    """The faulthandler file of the worker whose error file is `error_file` (None: none)."""
-    return None if error_file is None else os.path.join(os.path.dirname(error_file), FAULT_FILE)
+def _beside(error_file: str | None, name: str) -> str | None:
+    return None if error_file is None else os.path.join(os.path.dirname(error_file), name)
 
 
 def enable(error_file: str | None) -> None:
-    """In a worker: dump every thread's Python stack into its fault file on a fatal signal.
-    Nothing where the file cannot be opened, or where the user asked for the dump on stderr
-    (PYTHONFAULTHANDLER, -X faulthandler): the failure line is then the bare one."""
-    path = fault_file(error_file)
-    if path is None or os.environ.get("PYTHONFAULTHANDLER") or "faulthandler" in sys._xoptions:
+    """In a worker: dump every thread's Python stack into its fault file on a fatal signal, and
+    into its stack file on STACK_SIGNAL. Nothing where the files cannot be opened, or where the
+    user asked for the dump on stderr (PYTHONFAULTHANDLER, -X faulthandler)."""
+    if error_file is None or os.environ.get("PYTHONFAULTHANDLER") or "faulthandler" in sys._xoptions:
         return
-    try:
-        handle = open(path, "w")  # faulthandler keeps the object (and so the descriptor) alive
+    try:  # faulthandler keeps each file object (and so its descriptor) alive
+        fault, stack = open(_beside(error_file, FAULT_FILE), "w"), open(_beside(error_file, STACK_FILE), "w")
     except OSError:
         return
-    faulthandler.enable(handle, all_threads=True)
+    faulthandler.enable(fault, all_threads=True)
+    if STACK_SIGNAL is not None:
+        faulthandler.register(STACK_SIGNAL, stack, all_threads=True)
 
 
-def crashed_stack(text: str) -> list[tuple[str, int, str]]:
-    """(file, line, function) of the crashed thread's frames in faulthandler's dump `text`,
-    innermost first ([] where it holds none)."""
-    frames, inside = [], False
+def thread_stacks(text: str) -> list[tuple[bool, list[Frame]]]:
+    """Each thread's frames in faulthandler's dump `text`, innermost first, with whether it is
+    the thread the signal struck (faulthandler's "Current thread"; the one stack of a dump made
+    without all_threads)."""
+    stacks: list[tuple[bool, list[Frame]]] = []
     for line in text.splitlines():
         if _HEADER.match(line):
-            if inside:  # another thread's block (its own header): the crashed one came first
-                break
-            inside = True
-        elif inside:
-            found = _FRAME.match(line)
-            if found is None and frames:
-                break
-            if found is not None:
-                frames.append((found[1], int(found[2]), found[3]))
-    return frames
+            stacks.append((not line.startswith("Thread"), []))
+        elif stacks and (found := _FRAME.match(line)) is not None:
+            stacks[-1][1].append((found[1], int(found[2]), found[3]))
+    return [(current, frames) for current, frames in stacks if frames]
+
+
+def crashed_stack(text: str) -> list[Frame]:
+    """The crashed thread's frames in a fatal signal's dump, innermost first ([] where none)."""
+    return next((frames for current, frames in thread_stacks(text) if current), [])
 
 
 def crash_site(error_file: str | None, signum: int, environ=os.environ) -> tuple[str, str] | None:
     """(what to add to the "died (signal ...)" line, the stack as the rank's traceback) for a worker
     that died of `signum`, from its fault file; None where the signal dumps nothing or the file holds
     no stack (faulthandler taken over by the script, no file)."""
-    path = fault_file(error_file)
-    if signum not in FATAL_SIGNALS or path is None:
+    if signum not in FATAL_SIGNALS:
         return None
-    try:
-        with open(path, errors="replace") as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    frames = crashed_stack(text)
+    frames = crashed_stack(_read(_beside(error_file, FAULT_FILE)))
     if not frames:
         return None
+    where = _where(frames)
+    if environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" and frames[0][0].endswith(_DDP_FILE):
+        where += ("; TORCH_DISTRIBUTED_DEBUG=DETAIL is set, under which torch's DDP constructor dies of SIGSEGV "
+                  "(torch 2.13, torchrun alike): rerun without it, or with INFO, which still names unused parameters")
+    return where, _trace("when it died", frames)
+
+
+def ask_where(workers: Iterable[tuple[int, str | None]], wait_s: float = ASK_WAIT_S) -> None:
+    """Ask each worker (pid, error file) that is still running and listens for STACK_SIGNAL to write
+    its stack, then wait up to `wait_s` for those stacks. A stopped worker is not asked (it could
+    not write), nor one whose signal a script took over (it might not survive the request)."""
+    asked = []
+    for pid, error_file in workers:
+        path = _beside(error_file, STACK_FILE)
+        if STACK_SIGNAL is None or path is None or process_state(pid) in (None, *STOPPED):
+            continue
+        if catches_signal(pid, STACK_SIGNAL):
+            try:
+                os.kill(pid, STACK_SIGNAL)
+                asked.append(path)
+            except OSError:
+                continue  # gone meanwhile
+    give_up_at = time.monotonic() + wait_s
+    while asked and time.monotonic() < give_up_at and not all(_read(path) for path in asked):
+        time.sleep(0.02)
+
+
+def where_it_was(error_file: str | None) -> tuple[str, str] | None:
+    """(where, the stack) of a worker asked by `ask_where`: the thread that runs its work (the
+    script, the training), else the one the request struck; None where it wrote none."""
+    stacks = thread_stacks(_read(_beside(error_file, STACK_FILE)))
+    working = [frames for _, frames in stacks if any((f[0], f[2]) == _WORK for f in frames)]
+    frames = (working or [frames for current, frames in stacks if current] or [[]])[0]
+    return (_where(frames), _trace("when the run stopped", frames)) if frames else None
+
+
+def _read(path: str | None) -> str:
+    if path is None:
+        return ""
+    try:
+        with open(path, errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def _where(frames: list[Frame]) -> str:
+    """"at train.py:4, in torch/nn/parallel/distributed.py:1473 (_ddp_init_helper)": the script's line
+    first where it is not the innermost frame."""
     innermost = frames[0]
-    found = authors_frame([(file, line, function) for file, line, function in frames])
+    found = authors_frame(list(frames))
     author = None if found is None else found[0]
     where = f"at {_shown(innermost[0])}:{innermost[1]} ({innermost[2]})"
     if author is not None and author != innermost:
         where = f"at {_shown(author[0])}:{author[1]}, in {_shown(innermost[0])}:{innermost[1]} ({innermost[2]})"
-    if environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL" and innermost[0].endswith(_DDP_FILE):
-        where += ("; TORCH_DISTRIBUTED_DEBUG=DETAIL is set, under which torch's DDP constructor dies of SIGSEGV "
-                  "(torch 2.13, torchrun alike): rerun without it, or with INFO, which still names unused parameters")
+    return where
+
+
+def _trace(when: str, frames: list[Frame]) -> str:
     shown = _below_launcher(frames)
-    trace = "Python's stack when it died (faulthandler's, most recent call last):\n" + "\n".join(
+    return f"Python's stack {when} (faulthandler's, most recent call last):\n" + "\n".join(
         f'  File "{file}", line {line}, in {function}' for file, line, function in reversed(shown))
-    return where, trace
 
 
-def _below_launcher(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+def _below_launcher(frames: list[Frame]) -> list[Frame]:
     """`frames` (innermost first) without the outer ones that start every worker (the standard
     library's multiprocessing and runpy, phalanx's runtime), as a traceback leaves them out; all of
     them where nothing else is left."""

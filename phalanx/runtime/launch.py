@@ -36,7 +36,8 @@ from phalanx.runtime.devices import DevicePlan
 from phalanx.runtime.fork_server import FRESH
 from phalanx.runtime.host_limits import check_limits, check_temp_dir
 from phalanx.runtime.lifeline import signals_deferred, stop_on_signals
-from phalanx.runtime.supervise import TEARDOWN_S, WorkerSet, report_progress, run_workers
+from phalanx.runtime.progress import report_progress
+from phalanx.runtime.supervise import TEARDOWN_S, WorkerSet, run_workers
 from phalanx.runtime.worker_errors import WorkerFailed
 from phalanx.runtime.slurm import alone_in_slurm_step
 from phalanx.runtime.world import LauncherEnv, World, launcher_env, start_world, stop_world

@@ -32,6 +32,17 @@ def all_stopped(pids: Iterable[int]) -> bool:
     return all(process_state(pid) in STOPPED for pid in pids)
 
 
+def catches_signal(pid: int, signum: int) -> bool:
+    """Whether `pid` has a handler installed for `signum` (/proc/PID/status's SigCgt mask); False
+    when it has none, is gone, or there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigCgt:"))
+        return bool(int(mask, 16) >> (signum - 1) & 1)
+    except (OSError, StopIteration, IndexError, ValueError):
+        return False
+
+
 def process_cpu_s(pid: int | None) -> float:
     """CPU seconds of `pid` and of its children it reaped (/proc/PID/stat's utime, stime, cutime,
     cstime); 0.0 for None, a process gone meanwhile, or no /proc."""

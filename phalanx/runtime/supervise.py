@@ -48,7 +48,9 @@ from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
+from phalanx.runtime.crash_site import ask_where, where_it_was
 from phalanx.runtime.procs import all_stopped
+from phalanx.runtime.progress import adopt_slot, progress_array
 from phalanx.runtime.worker_errors import (arm, blame_stopped, error_files, error_report, failure, is_echo, read_report,
                                            recorded, usage_line, user_traceback, with_recorded)
 from phalanx.errors import RunFailed, Stopped, UsageError
@@ -64,15 +66,6 @@ EXIT_POLL_S = 0.2
 # How long finished workers may take to leave the group and exit (measured under load: 1.8, 3.1
 # and 3.7 s at 2, 4 and 8 workers) before they are killed; their results stand either way.
 TEARDOWN_S = 30.0
-# Set in a worker of a set: (shared array of every rank's last finished step, this rank).
-_PROGRESS: tuple[Any, int] | None = None
-
-
-def report_progress(step: int) -> None:
-    """Record the global step this worker just finished, for a failure report to name (a no-op
-    outside a worker of a set: one device in-process, torchrun)."""
-    if _PROGRESS is not None:
-        _PROGRESS[0][_PROGRESS[1]] = step
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +99,6 @@ class WorkerSet:
 def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int, error_file: str | None,
                  launcher: LauncherState | None = None) -> None:
     """One worker: run the body, send one report, then tear down (`launcher`: fork_server.py)."""
-    global _PROGRESS
     if launcher is not None:  # forked by the fork server, whose death is the launcher's
         parent_pid = launcher.adopt()
     die_with_parent(parent_pid)
@@ -117,7 +109,7 @@ def _worker_main(rank: int, workers: WorkerSet, conn, progress, parent_pid: int,
     if workers.env:
         os.environ.update(workers.env[rank])
     arm(error_file)  # torchrun's error file, and faulthandler's beside it
-    _PROGRESS = None if progress is None else (progress, rank)
+    adopt_slot(progress, rank)  # this rank's last finished step, for a failure line (progress.py)
     if workers.start_method == "fork":
         reset_signals()
         exit_code = on_fresh_thread(_report_then_teardown, rank, workers, conn)
@@ -172,7 +164,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
     with stop_on_signals(), error_files(workers.num_procs) as errors:
         try:
             oom_kills = oom_kill_count()  # before any worker exists: a rise is theirs (or a neighbour's)
-            progress = _progress_array(ctx, workers.num_procs)
+            progress = progress_array(ctx, workers.num_procs)
             for rank in range(workers.num_procs):
                 # A stop lands after the new worker is on the list; Python 3.12+ warns of any fork
                 # in a process with threads (the store's): forked.py says what a copy undoes.
@@ -208,40 +200,33 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                         proc.close()
 
 
-def _progress_array(ctx, num_procs: int):
-    """Every rank's last finished step, shared with the workers (multiprocessing's heap, a file
-    in /dev/shm); None where /dev/shm cannot hold it (read-only, full): failure lines then name
-    no step, and the run goes on."""
-    try:
-        return ctx.Array("q", [-1] * num_procs, lock=False)
-    except OSError:
-        return None
-
-
 def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], progress=None,
                errors: Sequence[str | None] = (), oom_kills: int | None = None) -> list[Any]:
     """`reports`: filled as they arrive; `oom_kills`: the OOM killer's count at the start, for a SIGKILL (oom.py)."""
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     first_failure: int | None = None
+    error_of = lambda rank: errors[rank] if rank < len(errors) else None  # noqa: E731
     give_up_at, pending = deadline, set(range(len(procs)))
     while pending and (first_failure is None or not all_stopped(procs[rank].pid for rank in pending)):
         timeout = None if give_up_at is None else give_up_at - time.monotonic()
         if timeout is not None and timeout <= 0:
             break
         for rank in _ready(procs, conns, pending, timeout):
-            error_file = errors[rank] if rank < len(errors) else None
-            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, error_file),
-                                   recorded(error_file))
+            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, error_of(rank)),
+                                   recorded(error_of(rank)))
             pending.discard(rank)
             reports[rank] = report
             if report[0] != "ok" and first_failure is None:
                 first_failure = rank  # the others' reports: soon after an error, after their saves for a stop
                 grace_end = time.monotonic() + (STOP_GRACE_S if report[0] == "stopped" else ERROR_GRACE_S)
                 give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
+                if report[0] != "stopped":  # where each rank yet to report is now, should it never (crash_site.py)
+                    ask_where((procs[other].pid, error_of(other)) for other in pending)
     if first_failure is not None and pending:  # a start-up wait that ran out for a stopped worker: name it
         first_failure = blame_stopped(reports, first_failure, {rank: procs[rank].pid for rank in pending})
     if first_failure is None and pending:
         first_failure = min(pending)
+        ask_where((procs[rank].pid, error_of(rank)) for rank in pending)
         for rank in sorted(pending):
             reports[rank] = error_report(f"gave no result within the {workers.deadline_s:g} s deadline (hung?)")
     if first_failure is None:
@@ -250,7 +235,9 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
         first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
     if first_failure is None:
         return [reports[rank][1] for rank in range(len(procs))]
-    raise failure(reports, first_failure, progress, explain_kill=lambda: sigkill_cause(oom_kills, oom_kill_count()))
+    where = {rank: found for rank in sorted(pending) if (found := where_it_was(error_of(rank))) is not None}
+    raise failure(reports, first_failure, progress, explain_kill=lambda: sigkill_cause(oom_kills, oom_kill_count()),
+                  where=where)
 
 
 def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:

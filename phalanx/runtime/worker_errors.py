@@ -142,9 +142,23 @@ class WorkerFailed(RuntimeError):
 
 
 def failure(reports: dict[int, tuple], first_failure: int, progress,
-            explain_kill: Callable[[], str] | None = None) -> BaseException:
+            explain_kill: Callable[[], str] | None = None,
+            where: dict[int, tuple[str, str]] | None = None) -> BaseException:
     """The exception a failed (or stopped) worker set ends in, from every report collected;
-    `explain_kill()` says what a root cause's SIGKILL most likely was (runtime/oom.py)."""
+    `explain_kill()` says what a root cause's SIGKILL most likely was (runtime/oom.py); `where`:
+    (where, stack) of each rank that had not reported, asked as the run failed (crash_site.py),
+    named after the rest."""
+    found = _failure(reports, first_failure, progress, explain_kill)
+    if not where or not isinstance(found, WorkerFailed):
+        return found
+    lines = [str(found)]
+    for rank, (place, trace) in sorted(where.items()):
+        lines += [f"rank {rank} had not reported when the run stopped: it was {place}", *trace.splitlines()[1:]]
+    return WorkerFailed("\n".join(lines), rank=found.rank, restartable=found.restartable, traceback=found.traceback)
+
+
+def _failure(reports: dict[int, tuple], first_failure: int, progress,
+             explain_kill: Callable[[], str] | None = None) -> BaseException:
     stopped = [report for _, report in sorted(reports.items()) if report[0] == "stopped"]
     if stopped and all(report[0] in ("ok", "stopped") for report in reports.values()):
         # Asked to stop (a worker's SIGTERM, not the launcher's): every rank saved and stopped.

@@ -1,6 +1,8 @@
 """A worker that dies of a fatal signal (SIGSEGV in compiled code, os.abort) is reported with where
 it was: `phalanx run`'s failure line names the script's line and the innermost frame, and the rank's
 section holds its Python stack (runtime/crash_site.py), with no faulthandler dump on the terminal.
+A rank busy elsewhere while its peer's collective ran out of time is named with the line it was at
+and its stack (before 2026-12-07: its process state, "sleeping", and no place).
 Before 2026-12-07: "died (signal SIGSEGV)" alone, as torchrun's "Signal 11 (SIGSEGV) received by
 PID". A script that enables faulthandler itself keeps it (so does a run under PYTHONFAULTHANDLER):
 its dump on its stderr, the line bare.
@@ -76,3 +78,24 @@ def test_a_crash_in_a_launched_function_names_its_line():
     line = crash_on_rank_one.__code__.co_firstlineno + 2
     assert re.fullmatch(f"worker rank 1 failed: died \\(signal SIGSEGV\\) at .*test_crash_site.py:{line}, "
                         "in ctypes/__init__.py:\\d+ \\(string_at\\)", first), first
+
+
+HANGS = Path(__file__).resolve().parent / "scripts" / "hangs.py"
+
+
+@pytest.mark.parametrize("group", ["phalanx", "torch"])
+def test_a_rank_busy_elsewhere_is_named_with_the_line_it_was_at(group):
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--threads-per-device", "1",
+                           "--timeout", "4", str(HANGS), group], capture_output=True, text=True, timeout=120,
+                          cwd=HANGS.parent, env=dict(os.environ))
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    at = lines.index(next(line for line in lines if line.startswith("rank 1 had not reported")))
+    source = HANGS.read_text().splitlines()
+    sleeping, called = (next(n for n, line in enumerate(source, 1) if line.endswith(f"# {mark}"))
+                        for mark in ("sleeping", "rank 1"))
+    said = f"rank 1 had not reported when the run stopped: it was at hangs.py:{sleeping} (slow_data)"
+    assert lines[at:at + 3] == [said,
+                                f'  File "{HANGS}", line {called}, in <module>',
+                                f'  File "{HANGS}", line {sleeping}, in slow_data'], done.stderr
+    assert lines[at - 1].startswith("phalanx: run stopped: ")  # the line that says why comes first, as before

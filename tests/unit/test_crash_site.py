@@ -2,11 +2,14 @@
 innermost frame, from the faulthandler dump the worker wrote into the file beside its error file,
 and that stack as the rank's traceback (crash_site.py). Before, "died (signal SIGSEGV)" alone. A
 crash in DDP's constructor while TORCH_DISTRIBUTED_DEBUG=DETAIL is set names the setting and its
-fix. Here on dumps written as faulthandler writes them; tests/distributed/test_crash_site.py
-crashes real workers."""
+fix. A rank that had not reported when the run failed is asked for its stack (a real-time signal
+faulthandler answers), and named with the line its work was at. Here on dumps written as
+faulthandler writes them, and on this process answering its own request;
+tests/distributed/test_crash_site.py crashes and hangs real workers."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import textwrap
@@ -14,7 +17,9 @@ import textwrap
 import torch
 
 from phalanx.runtime import worker_errors
-from phalanx.runtime.crash_site import FAULT_FILE, crash_site, crashed_stack
+from phalanx.runtime import crash_site as sites
+from phalanx.runtime.crash_site import FAULT_FILE, STACK_FILE, STACK_SIGNAL, ask_where, crash_site, crashed_stack
+from phalanx.runtime.procs import catches_signal
 
 TORCH_DIR = os.path.dirname(torch.__file__)
 DDP_FILE = os.path.join(TORCH_DIR, "nn", "parallel", "distributed.py")
@@ -107,3 +112,45 @@ def test_the_failure_line_puts_the_step_after_the_signal_and_the_site_after_it(t
     bare = {1: worker_errors.error_report("died (signal SIGSEGV)")}
     first = str(worker_errors.failure(bare, 1, [-1, 3])).splitlines()[0]
     assert first == "worker rank 1 failed: died (signal SIGSEGV) after step 3"
+
+
+def test_the_asked_stack_is_the_thread_running_the_work_not_the_one_the_signal_struck(tmp_path):
+    work = f'  File "{RUNTIME}", line 139 in _report_then_teardown\n'
+    dump = ("Current thread 0x2 (most recent call first):\n"  # the request struck a comm thread
+            f'  File "{STDLIB}/threading.py", line 331 in wait\n\n'
+            "Thread 0x1 (most recent call first):\n"
+            '  File "/home/u/train.py", line 12 in load\n  File "/home/u/train.py", line 30 in <module>\n' + work)
+    (tmp_path / STACK_FILE).write_text(dump)
+    where, trace = sites.where_it_was(str(tmp_path / "error.json"))
+    assert where == "at /home/u/train.py:12 (load)"
+    assert trace.splitlines()[1:] == ['  File "/home/u/train.py", line 30, in <module>',
+                                      '  File "/home/u/train.py", line 12, in load']
+    (tmp_path / STACK_FILE).write_text("")
+    assert sites.where_it_was(str(tmp_path / "error.json")) is None  # never answered
+
+
+def test_a_rank_that_had_not_reported_is_named_with_where_it_was():
+    reports = {0: ("failed", "worker rank 1 was outside any collective (state: sleeping) while rank 0 waited", "", 1,
+                   True)}
+    trace = "Python's stack when the run stopped (...):\n  File \"/u/t.py\", line 7, in <module>"
+    lines = str(worker_errors.failure(reports, 0, None, where={1: ("at t.py:7 (<module>)", trace)})).splitlines()
+    assert lines == ["run stopped: worker rank 1 was outside any collective (state: sleeping) while rank 0 waited",
+                     "rank 1 had not reported when the run stopped: it was at t.py:7 (<module>)",
+                     '  File "/u/t.py", line 7, in <module>']
+
+
+def test_a_process_that_listens_is_asked_and_answers_one_that_does_not_is_left_alone(tmp_path):
+    error_file = str(tmp_path / "error.json")
+    assert not catches_signal(os.getpid(), STACK_SIGNAL)
+    ask_where([(os.getpid(), error_file)], wait_s=0.05)  # no handler: not sent (its default would end us)
+    assert not (tmp_path / STACK_FILE).exists()
+    with open(tmp_path / STACK_FILE, "w") as stack:
+        faulthandler.register(STACK_SIGNAL, stack, all_threads=True)
+        try:
+            assert catches_signal(os.getpid(), STACK_SIGNAL)
+            ask_where([(os.getpid(), error_file)])
+        finally:
+            faulthandler.unregister(STACK_SIGNAL)
+    # the dump names this very test as the function its thread was in
+    assert "in test_a_process_that_listens_is_asked_and_answers_one_that_does_not_is_left_alone" in (
+        tmp_path / STACK_FILE).read_text()
