@@ -16,7 +16,9 @@ orphans, no zombies), and the message names the rank that broke first, with its 
 that only stopped because of it (its collective lost a peer: worker_errors.is_echo) gets one
 line, "stopped too", and one that failed on its own with the same error one line, "failed too".
 Each worker has torchrun's `TORCHELASTIC_ERROR_FILE` (worker_errors.py): what a script's `@record`
-writes there completes the report of a worker that exited or died without one of its own. Once
+writes there completes the report of a worker that exited or died without one of its own, and
+faulthandler's files beside it say where a worker crashed, or where one that had not reported was
+when the run failed (the launcher asks it then: crash_site.py). Once
 every result is in, the run has succeeded: teardown gets its own generous limit (`teardown_s`,
 not the collective timeout), after which a worker still tearing down is killed without a word.
 Workers write each output line in one piece and flush before they report or die of SIGTERM
@@ -205,15 +207,15 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
     """`reports`: filled as they arrive; `oom_kills`: the OOM killer's count at the start, for a SIGKILL (oom.py)."""
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     first_failure: int | None = None
-    error_of = lambda rank: errors[rank] if rank < len(errors) else None  # noqa: E731
+    files = [*errors, *[None] * (len(procs) - len(errors))]  # each rank's error file (crash_site's files beside it)
     give_up_at, pending = deadline, set(range(len(procs)))
     while pending and (first_failure is None or not all_stopped(procs[rank].pid for rank in pending)):
         timeout = None if give_up_at is None else give_up_at - time.monotonic()
         if timeout is not None and timeout <= 0:
             break
         for rank in _ready(procs, conns, pending, timeout):
-            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, error_of(rank)),
-                                   recorded(error_of(rank)))
+            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, files[rank]),
+                                   recorded(files[rank]))
             pending.discard(rank)
             reports[rank] = report
             if report[0] != "ok" and first_failure is None:
@@ -221,12 +223,12 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
                 grace_end = time.monotonic() + (STOP_GRACE_S if report[0] == "stopped" else ERROR_GRACE_S)
                 give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
                 if report[0] != "stopped":  # where each rank yet to report is now, should it never (crash_site.py)
-                    ask_where((procs[other].pid, error_of(other)) for other in pending)
+                    ask_where((procs[other].pid, files[other]) for other in pending)
     if first_failure is not None and pending:  # a start-up wait that ran out for a stopped worker: name it
         first_failure = blame_stopped(reports, first_failure, {rank: procs[rank].pid for rank in pending})
     if first_failure is None and pending:
         first_failure = min(pending)
-        ask_where((procs[rank].pid, error_of(rank)) for rank in pending)
+        ask_where((procs[rank].pid, files[rank]) for rank in pending)
         for rank in sorted(pending):
             reports[rank] = error_report(f"gave no result within the {workers.deadline_s:g} s deadline (hung?)")
     if first_failure is None:
@@ -235,7 +237,7 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
         first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
     if first_failure is None:
         return [reports[rank][1] for rank in range(len(procs))]
-    where = {rank: found for rank in sorted(pending) if (found := where_it_was(error_of(rank))) is not None}
+    where = {rank: found for rank in sorted(pending) if (found := where_it_was(files[rank])) is not None}
     raise failure(reports, first_failure, progress, explain_kill=lambda: sigkill_cause(oom_kills, oom_kill_count()),
                   where=where)
 

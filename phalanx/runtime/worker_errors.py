@@ -86,7 +86,7 @@ def error_files(num_procs: int) -> Iterator[list[str | None]]:
 
 def arm(error_file: str | None) -> None:
     """In a worker: its error file in torchrun's variable (as torchrun's agent gives each worker one of
-    its own), and faulthandler's file beside it (crash_site.py); None: no temporary directory for them."""
+    its own), and faulthandler's files beside it (crash_site.py); None: no temporary directory for them."""
     if error_file is not None:
         os.environ[ERROR_FILE_VAR] = error_file
         enable_fault_file(error_file)
