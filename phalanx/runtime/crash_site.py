@@ -106,7 +106,7 @@ def crash_site(error_file: str | None, signum: int, environ=os.environ) -> tuple
 
 def ask_where(workers: Iterable[tuple[int, str | None]], wait_s: float = ASK_WAIT_S) -> None:
     """Ask each worker (pid, error file) that is still running and listens for STACK_SIGNAL to write
-    its stack, then wait up to `wait_s` for those stacks. A stopped worker is not asked (it could
+    its stack, then wait up to `wait_s` for those stacks to be whole. A stopped worker is not asked (it could
     not write), nor one whose signal a script took over (it might not survive the request)."""
     asked = []
     for pid, error_file in workers:
@@ -119,9 +119,20 @@ def ask_where(workers: Iterable[tuple[int, str | None]], wait_s: float = ASK_WAI
                 asked.append(path)
             except OSError:
                 continue  # gone meanwhile
-    give_up_at = time.monotonic() + wait_s
-    while asked and time.monotonic() < give_up_at and not all(_read(path) for path in asked):
+    give_up_at, sizes = time.monotonic() + wait_s, None
+    while asked and time.monotonic() < give_up_at:  # until every stack is written: there, and grown no more
+        now = [_size(path) for path in asked]
+        if all(now) and now == sizes:
+            return
+        sizes = now
         time.sleep(0.02)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def where_it_was(error_file: str | None) -> tuple[str, str] | None:
