@@ -183,6 +183,15 @@ def warn_at_caller(message: str) -> None:
     warnings.warn(message, PhalanxWarning, stacklevel=2 + passed)  # stacklevel 2: this function's caller
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C reached the launcher, and its workers have been taken down; `where`: one line per
+    worker that was still working, where it was then ("rank 1 at train.py:40 (load)")."""
+
+    def __init__(self, where: list[str]) -> None:
+        super().__init__(*(["where each rank was: " + "; ".join(where)] if where else []))  # a notebook shows it
+        self.where = where
+
+
 class Stopped(BaseException):
     """The launcher was told to stop (SIGTERM from `timeout`, a scheduler, a container stop, or
     SIGHUP); its workers have been taken down. `detail`: where a training run stopped and what it

@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Iterable
 
-from phalanx.errors import authors_frame, standard_library
+from phalanx.errors import PACKAGE_DIR, Interrupted, authors_frame, standard_library
 from phalanx.runtime.procs import STOPPED, catches_signal, process_state
 
 FAULT_FILE, STACK_FILE = "fault.txt", "stack.txt"  # beside the rank's error.json
@@ -144,6 +144,12 @@ def where_it_was(error_file: str | None) -> tuple[str, str] | None:
     return (_where(frames), _trace("when the run stopped", frames)) if frames else None
 
 
+def interrupted_at(error_files, ranks: Iterable[int]) -> Interrupted:
+    """Ctrl-C's exception, with where each of `ranks` was when asked (`ask_where`), one line each."""
+    found = {rank: where_it_was(error_files[rank] if rank < len(error_files) else None) for rank in sorted(ranks)}
+    return Interrupted([f"rank {rank} {site[0]}" for rank, site in found.items() if site is not None])
+
+
 def _read(path: str | None) -> str:
     if path is None:
         return ""
@@ -187,10 +193,12 @@ def _below_launcher(frames: list[Frame]) -> list[Frame]:
 def _shown(path: str) -> str:
     """`path` as a failure line shows it: an installed package's from its package folder
     (torch/nn/parallel/distributed.py), the standard library's from its own (ctypes/__init__.py),
-    one under the working directory relative to it."""
+    phalanx's from its own (phalanx/comm/watchdog.py), one under the working directory relative to it."""
     absolute, stdlib = os.path.abspath(path), os.path.dirname(os.__file__) + os.sep
     if standard_library(absolute, stdlib) and absolute.startswith(stdlib):
         return os.path.relpath(absolute, stdlib)
+    if absolute.startswith(PACKAGE_DIR):  # phalanx's own, wherever it is installed from
+        return os.path.relpath(absolute, os.path.dirname(PACKAGE_DIR.rstrip(os.sep)))
     for root in sorted({os.path.abspath(entry) for entry in sys.path if entry}, key=len, reverse=True):
         if ("site-packages" in root or "dist-packages" in root) and absolute.startswith(root + os.sep):
             return os.path.relpath(absolute, root)

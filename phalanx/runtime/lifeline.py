@@ -163,7 +163,9 @@ def stop_message(exc: BaseException) -> tuple[str, int]:
     """The command's last line and exit code for a stop: Ctrl-C 130, a signal 128 + its number."""
     if isinstance(exc, Stopped):
         return f"phalanx: {exc}" + ("" if exc.detail else "; every worker was stopped"), exc.exit_code
-    return "phalanx: interrupted", 128 + signal.SIGINT
+    where = getattr(exc, "where", None)  # errors.Interrupted: where each rank was when Ctrl-C came
+    said = "phalanx: interrupted" + ("; where each rank was:\n" + "\n".join(where) if where else "")
+    return said, 128 + signal.SIGINT
 
 
 def flush_on_sigterm() -> None:

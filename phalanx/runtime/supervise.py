@@ -50,7 +50,7 @@ from phalanx.runtime.segment import remove_segments_of, remove_torch_leftovers
 from phalanx.runtime.host_limits import limit_reason
 from phalanx.runtime.hash_seed import shared_hash_seed
 from phalanx.runtime.oom import oom_kill_count, sigkill_cause
-from phalanx.runtime.crash_site import ask_where, where_it_was
+from phalanx.runtime.crash_site import ask_where, interrupted_at, where_it_was
 from phalanx.runtime.procs import all_stopped
 from phalanx.runtime.progress import adopt_slot, progress_array
 from phalanx.runtime.worker_errors import (arm, blame_stopped, error_files, error_report, failure, is_echo, read_report,
@@ -181,7 +181,7 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                     conns.append(parent_end)
             return _supervise(procs, conns, workers, reports, progress=progress, errors=errors, oom_kills=oom_kills)
         except (Stopped, KeyboardInterrupt) as stop:
-            raise _stop_gently(stop, procs, conns, reports) from None
+            raise _stop_gently(stop, procs, conns, reports, errors) from None
         except BaseException:
             failed = True
             raise
@@ -259,7 +259,7 @@ def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:
                   or procs[r].exitcode is not None)
 
 
-def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple]) -> BaseException:
+def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple], files=()) -> BaseException:
     """The launcher was stopped: its signal to each worker itself (not its group) first, as a
     terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
     saves and reports "stopped" (runtime/stop_request.py), one not armed dies of it at once; waits
@@ -272,6 +272,9 @@ def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple]) -
     if not interrupt and stop.detail is not None:
         return stop
     pending = {rank for rank in range(len(procs)) if rank not in reports}
+    working = sorted(pending)  # where each is, asked before its SIGINT moves it (crash_site.py)
+    if interrupt:
+        ask_where((procs[rank].pid, files[rank]) for rank in working if rank < len(files))
     for rank in (rank for rank in pending if procs[rank].exitcode is None):
         with contextlib.suppress(OSError):
             signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
@@ -282,7 +285,7 @@ def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple]) -
             reports[rank] = read_report(procs[rank], conns[rank], False)
     kinds = {report[0] for report in reports.values()}
     if not reports or (interrupt and "stopped" not in kinds):  # phalanx train saves on Ctrl-C too; a script not
-        return stop
+        return interrupted_at(files, working) if interrupt else stop
     # Failed while stopping (a save not written): a failure. A death of the signal sent, or a peer's echo: the stop.
     failed = [rank for rank, report in sorted(reports.items()) if report[0] in ("failed", "usage")
               or (report[0] == "error" and not report[1].startswith("died") and not report[3])]

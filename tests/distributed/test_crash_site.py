@@ -2,7 +2,8 @@
 it was: `phalanx run`'s failure line names the script's line and the innermost frame, and the rank's
 section holds its Python stack (runtime/crash_site.py), with no faulthandler dump on the terminal.
 A rank busy elsewhere while its peer's collective ran out of time is named with the line it was at
-and its stack (before 2026-12-07: its process state, "sleeping", and no place).
+and its stack (before 2026-12-07: its process state, "sleeping", and no place); and Ctrl-C on a run
+that seems stuck says where each rank was (before: "phalanx: interrupted" alone).
 Before 2026-12-07: "died (signal SIGSEGV)" alone, as torchrun's "Signal 11 (SIGSEGV) received by
 PID". A script that enables faulthandler itself keeps it (so does a run under PYTHONFAULTHANDLER):
 its dump on its stderr, the line bare.
@@ -13,8 +14,11 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +103,30 @@ def test_a_rank_busy_elsewhere_is_named_with_the_line_it_was_at(group):
                                 f'  File "{HANGS}", line {called}, in <module>',
                                 f'  File "{HANGS}", line {sleeping}, in slow_data'], done.stderr
     assert lines[at - 1].startswith("phalanx: run stopped: ")  # the line that says why comes first, as before
+
+
+def _source_line(mark: str) -> int:
+    return next(n for n, line in enumerate(HANGS.read_text().splitlines(), 1) if line.endswith(f"# {mark}"))
+
+
+@pytest.mark.parametrize("group", ["phalanx", "torch"])
+def test_ctrl_c_on_a_run_that_seems_stuck_says_where_each_rank_was(group):
+    run = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--threads-per-device", "1",
+                            "--timeout", "120", str(HANGS), group], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           bufsize=0, cwd=HANGS.parent, env=dict(os.environ))
+    try:
+        out, give_up_at = b"", time.monotonic() + 90
+        while out.count(b" ready\n") < 2 and time.monotonic() < give_up_at:
+            if select.select([run.stdout], [], [], 1.0)[0]:
+                out += os.read(run.stdout.fileno(), 4096)
+        assert sorted(out.decode().splitlines()) == ["rank 0 ready", "rank 1 ready"], out
+        time.sleep(0.5)  # rank 0 into its barrier, rank 1 into its sleep
+        run.send_signal(signal.SIGINT)  # as a terminal's Ctrl-C reaches the launcher
+        err = run.communicate(timeout=60)[1].decode()
+    finally:
+        run.kill()
+    assert run.returncode == 130, err
+    lines = err.splitlines()
+    at = lines.index("phalanx: interrupted; where each rank was:")
+    assert lines[at + 1].startswith("rank 0 at hangs.py:"), err  # in its barrier, past the lambda that calls it
+    assert lines[at + 2] == f"rank 1 at hangs.py:{_source_line('sleeping')} (slow_data)", err

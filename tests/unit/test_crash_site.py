@@ -154,3 +154,20 @@ def test_a_process_that_listens_is_asked_and_answers_one_that_does_not_is_left_a
     # the dump names this very test as the function its thread was in
     assert "in test_a_process_that_listens_is_asked_and_answers_one_that_does_not_is_left_alone" in (
         tmp_path / STACK_FILE).read_text()
+
+
+def test_ctrl_c_says_where_each_rank_was_when_it_knows(tmp_path):
+    from phalanx.errors import Interrupted
+    from phalanx.runtime.lifeline import stop_message
+
+    assert stop_message(Interrupted(["rank 0 at t.py:8, in phalanx/comm/calls.py:142 (wait_work)",
+                                     "rank 1 at t.py:5 (slow_data)"])) == (
+        "phalanx: interrupted; where each rank was:\nrank 0 at t.py:8, in phalanx/comm/calls.py:142 (wait_work)\n"
+        "rank 1 at t.py:5 (slow_data)", 130)
+    assert stop_message(Interrupted([])) == stop_message(KeyboardInterrupt()) == ("phalanx: interrupted", 130)
+    assert "where each rank was: rank 1 at t.py:5" in str(Interrupted(["rank 1 at t.py:5"]))  # a notebook's line
+    dump = 'Current thread 0x1 (most recent call first):\n  File "/u/t.py", line 5 in slow_data\n'
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / STACK_FILE).write_text(dump)
+    files = [str(tmp_path / "0" / "error.json"), str(tmp_path / "1" / "error.json")]
+    assert sites.interrupted_at(files, [0, 1]).where == ["rank 1 at /u/t.py:5 (slow_data)"]  # rank 0 never answered

@@ -1,6 +1,7 @@
 """A script whose rank 1 is busy elsewhere (a sleep in a helper, as a slow preprocessing or a save on
 one rank would be) while rank 0 waits in a collective (tests/distributed/test_crash_site.py): through
-phalanx.init's world ("phalanx"), or a group the script opens itself ("torch")."""
+phalanx.init's world ("phalanx"), or a group the script opens itself ("torch"). Each rank says it is
+ready just before."""
 
 import sys
 import time
@@ -20,6 +21,7 @@ if sys.argv[1] == "phalanx":
 else:
     dist.init_process_group("gloo")
     rank, barrier = dist.get_rank(), dist.barrier
+print(f"rank {rank} ready", flush=True)
 if rank == 1:
     slow_data()  # rank 1
 barrier()
