@@ -15,8 +15,9 @@ asks it for its stack first (`ask_where`), once, and reads the thread that runs 
 is named by the script's line (errors.authors_frame's rule) and the innermost frame, and its
 stack goes into the report. Files, not stderr: gloo's exit-time SIGABRT that the launcher
 tolerates (supervise._await_exit) dumps there unseen. A script that enables faulthandler itself
-takes it over (its stack goes to its own stderr), as a run under PYTHONFAULTHANDLER keeps it
-there; the line is then the bare one, and a worker whose STACK_SIGNAL a script took is not asked.
+takes the fatal dump over (its stack goes to its own stderr), as a run under PYTHONFAULTHANDLER
+keeps it there; the line is then the bare one. A worker whose STACK_SIGNAL has no handler (its
+default would end it) is not asked.
 
 One crash has a known cause, named with its fix: torch's DDP constructor dies of SIGSEGV whenever
 TORCH_DISTRIBUTED_DEBUG=DETAIL is set (torch 2.13.0, CPU, 1 or 2 ranks, under torchrun alike;
@@ -56,16 +57,17 @@ def _beside(error_file: str | None, name: str) -> str | None:
 
 
 def enable(error_file: str | None) -> None:
-    """In a worker: dump every thread's Python stack into its fault file on a fatal signal, and
-    into its stack file on STACK_SIGNAL. Nothing where the files cannot be opened, or where the
-    user asked for the dump on stderr (PYTHONFAULTHANDLER, -X faulthandler)."""
-    if error_file is None or os.environ.get("PYTHONFAULTHANDLER") or "faulthandler" in sys._xoptions:
+    """In a worker: dump every thread's Python stack into its fault file on a fatal signal (unless
+    the user asked for that dump on stderr: PYTHONFAULTHANDLER, -X faulthandler), and into its
+    stack file on STACK_SIGNAL. Nothing where the files cannot be opened."""
+    if error_file is None:
         return
     try:  # faulthandler keeps each file object (and so its descriptor) alive
         fault, stack = open(_beside(error_file, FAULT_FILE), "w"), open(_beside(error_file, STACK_FILE), "w")
     except OSError:
         return
-    faulthandler.enable(fault, all_threads=True)
+    if not (os.environ.get("PYTHONFAULTHANDLER") or "faulthandler" in sys._xoptions):
+        faulthandler.enable(fault, all_threads=True)
     if STACK_SIGNAL is not None:
         faulthandler.register(STACK_SIGNAL, stack, all_threads=True)
 
@@ -106,8 +108,8 @@ def crash_site(error_file: str | None, signum: int, environ=os.environ) -> tuple
 
 def ask_where(workers: Iterable[tuple[int, str | None]], wait_s: float = ASK_WAIT_S) -> None:
     """Ask each worker (pid, error file) that is still running and listens for STACK_SIGNAL to write
-    its stack, then wait up to `wait_s` for those stacks to be whole. A stopped worker is not asked (it could
-    not write), nor one whose signal a script took over (it might not survive the request)."""
+    its stack, then wait up to `wait_s` for those stacks to be whole. A stopped worker is not asked
+    (it could not write), nor one with no handler for the signal (its default would end it)."""
     asked = []
     for pid, error_file in workers:
         path = _beside(error_file, STACK_FILE)

@@ -283,7 +283,11 @@ def test_a_script_group_collective_past_the_timeout_is_one_line_naming_the_timeo
     done = subprocess.run([sys.executable, "-m", "phalanx", "run", "--devices", "cpu:2", "--timeout", "4", "--quiet",
                            str(script)], capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 1, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == (
+    lines = done.stderr.strip().splitlines()
+    # then where rank 0 was (crash_site.py): its sleep, the script's line 5
+    assert lines[-2:] == [f"rank 0 had not reported when the run stopped: it was at {script}:5 (<module>)",
+                          f'  File "{script}", line 5, in <module>'], done.stderr[-3000:]
+    assert lines[-3] == (
         "phalanx: run stopped: rank 1 waited 4 s in a collective of the script's own process group for another rank, "
         "the --timeout phalanx run gives a group opened without timeout= (torchrun leaves torch's 30 minutes): another "
         "rank was busy that long (a dataset's preprocessing, an evaluation or a save on one rank alone?) or never "
