@@ -43,7 +43,7 @@ FATAL_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.
 # The launcher's request for a worker's stack: a real-time signal (Linux), whose default action ends
 # a process, so it is sent only to a worker whose /proc entry shows it caught (procs.catches_signal).
 STACK_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else None
-ASK_WAIT_S = 0.5  # how long the launcher waits for the asked stacks to be written
+ASK_WAIT_S = 1.0  # at most, for the asked stacks to be written (a few ms where each worker gets a core)
 _HEADER = re.compile(r"^(Current thread|Thread|Stack)\b.*\(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _DDP_FILE = os.path.join("torch", "nn", "parallel", "distributed.py")
