@@ -222,8 +222,9 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
                 first_failure = rank  # the others' reports: soon after an error, after their saves for a stop
                 grace_end = time.monotonic() + (STOP_GRACE_S if report[0] == "stopped" else ERROR_GRACE_S)
                 give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
-                if report[0] != "stopped":  # where each rank yet to report is now, should it never (crash_site.py)
-                    ask_where((procs[other].pid, files[other]) for other in pending)
+                if report[0] != "stopped":  # where each rank yet to report is now, should it never (crash_site.py);
+                    # no wait here: the grace is for the others' reports, and the stacks are read after it
+                    ask_where(((procs[other].pid, files[other]) for other in pending), wait_s=0.0)
     if first_failure is not None and pending:  # a start-up wait that ran out for a stopped worker: name it
         first_failure = blame_stopped(reports, first_failure, {rank: procs[rank].pid for rank in pending})
     if first_failure is None and pending:

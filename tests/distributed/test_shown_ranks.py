@@ -23,7 +23,9 @@ SCRIPT = textwrap.dedent("""
     world = phalanx.init()
     print(f"rank {world.rank} says hello", flush=True)
     print(f"rank {world.rank} warns", file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-c", f"print('child of rank {world.rank}')"], check=True)
+    # one write, so that a line of another process cannot land inside it (PYTHONUNBUFFERED splits a print in two)
+    subprocess.run([sys.executable, "-c", f"import os; os.write(1, b'child of rank {world.rank}' + bytes([10]))"],
+                   check=True)
     phalanx.barrier(world=world)
     if len(sys.argv) > 1 and world.rank == int(sys.argv[1]):
         raise ValueError(f"rank {world.rank} broke")
