@@ -147,8 +147,9 @@ def where_it_was(error_file: str | None) -> tuple[str, str] | None:
 
 
 def interrupted_at(error_files, ranks: Iterable[int]) -> Interrupted:
-    """Ctrl-C's exception, with where each of `ranks` was when asked (`ask_where`), one line each."""
-    found = {rank: where_it_was(error_files[rank] if rank < len(error_files) else None) for rank in sorted(ranks)}
+    """Ctrl-C's exception, with where each of `ranks` was when asked (`ask_where`), one line each;
+    `error_files`: every rank's (worker_errors.error_files)."""
+    found = {rank: where_it_was(error_files[rank]) for rank in sorted(ranks)}
     return Interrupted([f"rank {rank} {site[0]}" for rank, site in found.items() if site is not None])
 
 

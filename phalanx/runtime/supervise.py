@@ -202,20 +202,20 @@ def run_workers(workers: WorkerSet) -> list[Any]:
                         proc.close()
 
 
-def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], progress=None,
-               errors: Sequence[str | None] = (), oom_kills: int | None = None) -> list[Any]:
-    """`reports`: filled as they arrive; `oom_kills`: the OOM killer's count at the start, for a SIGKILL (oom.py)."""
+def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], *, errors: Sequence[str | None],
+               progress=None, oom_kills: int | None = None) -> list[Any]:
+    """`reports`: filled as they arrive; `errors`: each rank's error file (worker_errors.error_files: one per
+    rank, None without a temporary directory); `oom_kills`: the OOM killer's count at the start (oom.py)."""
     deadline = None if workers.deadline_s is None else time.monotonic() + workers.deadline_s
     first_failure: int | None = None
-    files = [*errors, *[None] * (len(procs) - len(errors))]  # each rank's error file (crash_site's files beside it)
     give_up_at, pending = deadline, set(range(len(procs)))
     while pending and (first_failure is None or not all_stopped(procs[rank].pid for rank in pending)):
         timeout = None if give_up_at is None else give_up_at - time.monotonic()
         if timeout is not None and timeout <= 0:
             break
         for rank in _ready(procs, conns, pending, timeout):
-            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, files[rank]),
-                                   recorded(files[rank]))
+            report = with_recorded(read_report(procs[rank], conns[rank], workers.exit_zero_is_success, errors[rank]),
+                                   recorded(errors[rank]))
             pending.discard(rank)
             reports[rank] = report
             if report[0] != "ok" and first_failure is None:
@@ -224,12 +224,12 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
                 give_up_at = grace_end if give_up_at is None else min(give_up_at, grace_end)
                 if report[0] != "stopped":  # where each rank yet to report is now, should it never (crash_site.py);
                     # no wait here: the grace is for the others' reports, and the stacks are read after it
-                    ask_where(((procs[other].pid, files[other]) for other in pending), wait_s=0.0)
+                    ask_where(((procs[other].pid, errors[other]) for other in pending), wait_s=0.0)
     if first_failure is not None and pending:  # a start-up wait that ran out for a stopped worker: name it
         first_failure = blame_stopped(reports, first_failure, {rank: procs[rank].pid for rank in pending})
     if first_failure is None and pending:
         first_failure = min(pending)
-        ask_where((procs[rank].pid, files[rank]) for rank in pending)
+        ask_where((procs[rank].pid, errors[rank]) for rank in pending)
         for rank in sorted(pending):
             reports[rank] = error_report(f"gave no result within the {workers.deadline_s:g} s deadline (hung?)")
     if first_failure is None:
@@ -238,7 +238,7 @@ def _supervise(procs, conns, workers: WorkerSet, reports: dict[int, tuple], prog
         first_failure = next((r for r in sorted(reports) if reports[r][0] != "ok"), None)
     if first_failure is None:
         return [reports[rank][1] for rank in range(len(procs))]
-    where = {rank: found for rank in sorted(pending) if (found := where_it_was(files[rank])) is not None}
+    where = {rank: found for rank in sorted(pending) if (found := where_it_was(errors[rank])) is not None}
     raise failure(reports, first_failure, progress, explain_kill=lambda: sigkill_cause(oom_kills, oom_kill_count()),
                   where=where)
 
@@ -260,7 +260,7 @@ def _ready(procs, conns, pending: set[int], timeout: float | None) -> list[int]:
                   or procs[r].exitcode is not None)
 
 
-def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple], files=()) -> BaseException:
+def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple], errors) -> BaseException:
     """The launcher was stopped: its signal to each worker itself (not its group) first, as a
     terminal's Ctrl-C or torchrun's agent gives it. SIGTERM: an armed training finishes its step,
     saves and reports "stopped" (runtime/stop_request.py), one not armed dies of it at once; waits
@@ -275,7 +275,7 @@ def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple], f
     pending = {rank for rank in range(len(procs)) if rank not in reports}
     working = sorted(pending)  # where each is, asked before its SIGINT moves it (crash_site.py)
     if interrupt:
-        ask_where((procs[rank].pid, files[rank]) for rank in working if rank < len(files))
+        ask_where((procs[rank].pid, errors[rank]) for rank in working)
     for rank in (rank for rank in pending if procs[rank].exitcode is None):
         with contextlib.suppress(OSError):
             signal_main_thread(procs[rank].pid, signal.SIGINT if interrupt else signal.SIGTERM)
@@ -286,7 +286,7 @@ def _stop_gently(stop: BaseException, procs, conns, reports: dict[int, tuple], f
             reports[rank] = read_report(procs[rank], conns[rank], False)
     kinds = {report[0] for report in reports.values()}
     if not reports or (interrupt and "stopped" not in kinds):  # phalanx train saves on Ctrl-C too; a script not
-        return interrupted_at(files, working) if interrupt else stop
+        return interrupted_at(errors, working) if interrupt else stop
     # Failed while stopping (a save not written): a failure. A death of the signal sent, or a peer's echo: the stop.
     failed = [rank for rank, report in sorted(reports.items()) if report[0] in ("failed", "usage")
               or (report[0] == "error" and not report[1].startswith("died") and not report[3])]
