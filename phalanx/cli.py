@@ -144,12 +144,17 @@ def _peer_lost_under_torchrun(exc: BaseException) -> str | None:
     from phalanx.runtime.worker_errors import is_echo
     from phalanx.runtime.world import launcher_env
 
+    from phalanx.job.survivors import made
+
     env = launcher_env()
     if env is None or not is_echo(exc):
         return None
+    saved = made()  # this rank saved the step the run reached (job/survivors.py)
     return (f"phalanx: run stopped: rank {env.rank} (on {socket.gethostname()}) lost its connection to another rank "
             f"({backend_reason(exc)}): a worker of this run stopped, or its host or the link to it failed; that "
-            "worker's own output says why, and torchrun's agent ends the rest")
+            "worker's own output says why, and torchrun's agent ends the rest" +
+            (f"; rank {env.rank} saved the run where it stopped, {saved}: torchrun's --max-restarts, or the same "
+             "command with --resume auto, goes on from there" if saved else ""))
 
 
 def _a_torchrun_peer_saw_it(exc: BaseException) -> bool:

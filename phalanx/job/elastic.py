@@ -25,6 +25,7 @@ each new worker set resumes by itself from the checkpoint (resume.py), on howeve
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 from typing import Any, Callable, Sequence
 
@@ -43,7 +44,17 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
     (see the module docstring); returns the finished attempt's results by rank."""
     say = say or (lambda line: print(f"phalanx: {line}", file=sys.stderr, flush=True))
     if config.restarts.max_restarts == 0:
-        return _launch_once(config, names, spec)
+        started_at = time.time()
+        try:
+            return _launch_once(config, names, spec)
+        except WorkerFailed as exc:  # the ranks left may have saved where the run stopped (survivors.py)
+            saved = _newest(config.checkpoint_location)
+            if _by_survivors(saved, since=started_at):
+                where = _where(config.checkpoint_location, saved)
+                raise WorkerFailed(f"{exc}\nthe run was saved where it stopped: {where}; run the same command with "
+                                   "--resume auto to continue", rank=exc.rank,
+                                   restartable=exc.restartable, traceback=exc.traceback) from None
+            raise
     spec = replace(spec, spawn_single=True)  # one device too: a worker's death must leave the launcher
     plan, attempt, restarts = DevicePlan(names=tuple(names)), config, 0
     previous: tuple[str, tuple[int, int] | None] | None = None  # (device, checkpoint position) of the last failure
@@ -54,8 +65,9 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
             failure = failure_of(exc, plan.names)
             if failure is None:
                 raise
-            position = checkpoint_position(config.checkpoint_location)
-            where = _where(config.checkpoint_location, position)
+            saved = _newest(config.checkpoint_location)
+            position = None if saved is None else (int(saved["epoch"]), int(saved["step"]))
+            where = _where(config.checkpoint_location, saved)
             failed = f"worker rank {failure.rank} ({failure.device}) {failure.what}"
             if config.restarts.elastic and previous == (failure.device, position) and _fits(config, plan.num_devices - 1):
                 plan = DevicePlan(names=tuple(n for n in plan.names if n != failure.device))
@@ -83,21 +95,30 @@ def _launch_once(config: TrainConfig, names: Sequence[str], spec: LaunchSpec) ->
                            restartable=exc.restartable) from None
 
 
-def checkpoint_position(location: str | None) -> tuple[int, int] | None:
-    """(epoch, step) of the checkpoint at `location`, or None when there is none (yet)."""
+def _newest(location: str | None) -> dict | None:
+    """The checkpoint at `location` a restart resumes from (its state), or None when there is none (yet)."""
     if location is None or not ckpt.has_checkpoint(location):
         return None
     try:
-        _, state, _ = ckpt.read_newest(location)  # the generation a restart resumes from
+        _, state, _ = ckpt.read_newest(location)
     except UsageError:
         return None
-    return int(state["epoch"]), int(state["step"])
+    return state
 
 
-def _where(location: str | None, position: tuple[int, int] | None) -> str:
-    if position is None:
+def _by_survivors(state: dict | None, *, since: float) -> bool:
+    """Whether `state` is a survivors' save (survivors.py) made after `since` (a time.time())."""
+    note = None if state is None else state.get("survivors")
+    return isinstance(note, dict) and float(note.get("saved_at", 0.0)) >= since
+
+
+def _where(location: str | None, state: dict | None) -> str:
+    if state is None:
         return "the start (no checkpoint yet)"
-    return f"{ckpt.checkpoint_path(location)} (epoch {position[0] + 1}, step {position[1]})"
+    note = state.get("survivors") or {}
+    lost = ", ".join(map(str, note.get("lost_ranks", [])))
+    by = f", saved by rank {note.get('by_rank')} when rank {lost} was lost" if note else ""
+    return f"{ckpt.checkpoint_path(location)} (epoch {int(state['epoch']) + 1}, step {int(state['step'])}{by})"
 
 
 def _fits(config: TrainConfig, num_devices: int) -> bool:

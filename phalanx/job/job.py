@@ -44,6 +44,7 @@ from phalanx.job.outputs import Outputs
 from phalanx.job.resume import dataset_identity, mixed_lr, resume_run, run_fingerprint, run_settings
 from phalanx.job.schedule import lr_at, set_lr, warmup_steps
 from phalanx.job.step_hook import after_step_hook
+from phalanx.job.survivors import arm as arm_survivors, reason_not_armed, saving as survivors_saving
 from phalanx.train.stopping import stop_check
 from phalanx.runtime import stop_request
 from phalanx.runtime.world import World
@@ -72,8 +73,9 @@ def train_worker(world: World, config: TrainConfig, device_names: Sequence[str])
     # lets every rank finish, where it killed the ranks that had left the armed part while a peer waited.
     with stop_request.armed(enabled=config.checkpoint_location is not None, signals=(signal.SIGTERM, signal.SIGINT)):
         try:
-            result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
-                          tracer=tracer)
+            with survivors_saving():  # a peer's death: the survivors save the step the run reached (survivors.py)
+                result = _run(strategy, world=world, config=config, data=data, log=log, device_names=device_names,
+                              tracer=tracer)
         finally:
             strategy.close()  # stops a replica's communication thread before the launcher's stop_world
     if tracer is not None:
@@ -131,6 +133,18 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
     graph_plan = config.graph_plan(world.device.type, world.world_size, backend=world.backend)
     _set_capturable(optimizer, graph_plan.capture)
 
+    def write_alone(position: ckpt.Position, every: list[dict], note: dict):  # one survivor of a dead peer
+        return ckpt.save_alone(config.checkpoint_location, model=strategy.module, optimizer=optimizer,
+                               position=position, fingerprint=run_fingerprint(config, strategy.module, data=identity()),
+                               settings=settings, every=every, note=note)
+
+    why_not = reason_not_armed(world, data_split=replica is not None, batchnorm=has_batchnorm(whole),
+                               sharded=replica is not None and replica.sharding is not None,
+                               location=config.checkpoint_location)
+    survivors = arm_survivors(world, steps_per_epoch=steps, location=config.checkpoint_location, write=write_alone,
+                              parameters=strategy.module.parameters, start_step=start.epoch * steps + start.step,
+                              why_not=why_not)
+
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
         if replica is not None:  # nothing non-finite is saved: the steps since the last check, checked
             replica.check_finite(where="the checkpoint")
@@ -138,6 +152,8 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
                              fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings, dp=replica)
+        if survivors is not None:
+            survivors.saved(position)
 
     complete = (start.epoch, start.step) == (config.epochs, 0)  # the run that saved it trained to the end
     if start.epoch >= config.epochs and not complete:  # past the last epoch: nothing to do, nothing to write
@@ -167,7 +183,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         bar = ProgressBar(label=f"epoch {epoch + 1}/{config.epochs}", enabled=world.is_main and config.progress)
         after_step = after_step_hook(config=config, world=world, optimizer=optimizer, epoch=epoch, warmup=warmup,
                                      gradients=strategy.named_gradients, save=save,
-                                     check_replicas=strategy.check_replicas, stop=stop)
+                                     check_replicas=strategy.check_replicas, stop=stop, survivors=survivors)
         stats = train_epoch(strategy, optimizer, train_images, train_labels, world=world,
                             global_batch_size=config.global_batch_size, seed=config.seed, epoch=epoch,
                             on_step=bar.update, tracer=tracer, start_step=first_step,

@@ -31,14 +31,17 @@ def after_step_hook(*, config: TrainConfig, world: World, optimizer: torch.optim
                     warmup: int, gradients: Callable[[], Mapping[str, torch.Tensor]],
                     save: Callable[[ckpt.Position], None],
                     check_replicas: Callable[[int], None] | None = None,
-                    stop: StopCheck | None = None) -> Callable[..., None]:
+                    stop: StopCheck | None = None, survivors=None) -> Callable[..., None]:
     """The callback for `epoch`. `gradients()` names this rank's gradients (read only at check
     steps and the epoch's last); `check_replicas(step)`, when given, compares the replicas at check
-    steps; `stop`, when given, ends the run (raises Stopped) after saving the step it agrees on."""
+    steps; `stop`, when given, ends the run (raises Stopped) after saving the step it agrees on;
+    `survivors` (survivors.py's SurvivorsSave), when given, is told each step and its sums."""
 
     def after_step(done: int, total: int, loss_sum: torch.Tensor, totals: Callable[[], list[float]]) -> None:
         global_step = epoch * total + done
         report_progress(global_step)
+        if survivors is not None:  # before any collective of this hook: a peer lost in one finds it posted
+            survivors.post(epoch, done, totals())
         if warmup:
             set_lr(optimizer, lr_at(global_step, base_lr=config.optim.lr, warmup=warmup))
         checking = bool(config.check_every) and global_step % config.check_every == 0

@@ -20,7 +20,8 @@ waits for a collective, the line says which one (BLOCK_*), since when, and a ser
 with every wait, so a reader can take a consistent snapshot without a lock (a seqlock). The line
 also holds the pid, whether the rank finished its work normally or failed, and the last step
 whose gradient exchange it settled: what "after step N" says, and the step of a tag that names
-none (a user's own call, e.g. "evaluation after step 75").
+none (a user's own call, e.g. "evaluation after step 75"), and, in `phalanx train`, the last step
+its job finished with that step's running sums: what the survivors of a dead rank save for it.
 
 What the board is not: it moves no data and decides nothing; `watchdog.py` reads it while
 waiting. Its memory is a /dev/shm segment the local ranks open together right after joining
@@ -36,6 +37,7 @@ import dataclasses
 import os
 import sys
 import time
+from array import array
 from typing import Callable, NamedTuple
 
 from phalanx.runtime.segment import create_segment, share_segment, shm_supported
@@ -46,7 +48,9 @@ WORLD, COMM = 0, 1  # channels: the default process group; AsyncComm's thread (s
 RING_SLOTS = 32  # recent tags kept per channel; more than a step's buckets, so a peer ahead stays readable
 _PID, _RANK, _STATE, _SERIAL, _SINCE_NS, _BLOCK_CH, _BLOCK_SEQ, _BLOCK_CODE, _BLOCK_SIZE, _STEPS = range(10)
 _ENTERED = 10  # + channel: collectives entered on that channel so far
-_RING = 16  # + (channel * RING_SLOTS + seq % RING_SLOTS) * 2: the tag code, then the size in bytes
+_POSTED, _TOTALS = 12, 13  # the last step its job posted (+1; 0: none), then that step's 4 running sums (float64)
+_WRITTEN = 17  # the step this rank saved for the survivors of a dead one (job/survivors.py; 0: none)
+_RING = 20  # + (channel * RING_SLOTS + seq % RING_SLOTS) * 2: the tag code, then the size in bytes
 LINE_WORDS = _RING + 2 * RING_SLOTS * 2
 RUNNING, WAITING, FINISHED, FAILED = 0, 1, 2, 3
 
@@ -84,6 +88,7 @@ class Board:
         if len(words) < LINE_WORDS * local_world_size:
             raise ValueError(f"board memory holds {len(words)} words, {LINE_WORDS * local_world_size} needed")
         self._words = words
+        self._floats = memoryview(memory).cast("B").cast("d")  # the same memory, for the posted sums
         self.rank, self.local_rank = rank, local_rank
         self.local_world_size, self.world_size = local_world_size, world_size
         self.first_rank = rank - local_rank  # launchers number the ranks of one host contiguously
@@ -137,6 +142,32 @@ class Board:
             self._words[self._base + _STEPS] = step + 1
             if self.on_step is not None:
                 self.on_step(step + 1)
+
+    def post(self, global_step: int, totals: list[float]) -> None:
+        """The job finished `global_step` with these running sums (job/survivors.py reads a dead
+        peer's): no step while the sums change, then the step, so a reader that sees a step twice
+        around its read of the sums read that step's."""
+        self._words[self._base + _POSTED] = 0
+        self._floats[self._base + _TOTALS:self._base + _TOTALS + 4] = array("d", totals[:4])
+        self._words[self._base + _POSTED] = global_step + 1
+
+    def posted(self, local_rank: int) -> tuple[int, list[float]] | None:
+        """(step, sums) a rank last posted, None before its first post (or if it kept changing)."""
+        base = local_rank * LINE_WORDS
+        for _ in range(8):
+            step = self._words[base + _POSTED]
+            totals = self._floats[base + _TOTALS:base + _TOTALS + 4].tolist()
+            if step == 0:
+                return None
+            if self._words[base + _POSTED] == step:
+                return step - 1, totals
+        return None
+
+    def written(self, local_rank: int) -> int:
+        return self._words[local_rank * LINE_WORDS + _WRITTEN]
+
+    def mark_written(self, global_step: int) -> None:
+        self._words[self._base + _WRITTEN] = global_step
 
     def mark(self, state: int) -> None:
         """FINISHED (the worker's work returned) or FAILED (it raised): what peers will be told."""

@@ -17,7 +17,7 @@ PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "p
           "allreduce", "set-up", "reduce-scatter", "all-gather",
           "parameters", "gradient norm", "NaN/Inf check", "barrier", "SyncBatchNorm forward",
           "SyncBatchNorm backward", "stop check", "first-step check", "sparse gradient rows", "stream batch sizes",
-          "GradScaler inf check", "closure loss")
+          "GradScaler inf check", "closure loss", "RNG states")
 # parameters: a sharded bucket's all-gather; gradient norm: clipping's; NaN/Inf check: the finite
 # check's small sum (periodic, and before any state leaves the replica); barrier: phalanx.barrier;
 # SyncBatchNorm's: a layer's global statistics, and its backward's two sums, through a replica's exchange;
@@ -27,6 +27,7 @@ PHASES = ("", "gradient", "evaluation", "metrics", "broadcast", "checkpoint", "p
 # stream batch sizes: each global batch's size on every rank, and whether it ends the stream (train/sharded_loader.py)
 # GradScaler inf check: a sharded optimizer's found-inf flags, summed in unscale_ (data_parallel/guards/unscale.py)
 # closure loss: the loss an optimizer's closure returned, summed over the ranks (data_parallel/guards/closure.py)
+# RNG states: every rank's generators, gathered as `phalanx train` starts (job/survivors.py)
 _PHASE_CODE = {name: code for code, name in enumerate(PHASES) if name}
 # What a collective does, set by the collective itself: "allreduce" stands for every collective of
 # allreduce's shape (the backend's broadcast and barrier too); the sharded two differ in kind.

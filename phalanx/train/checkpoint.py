@@ -130,6 +130,18 @@ def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Modu
     return path
 
 
+def save_alone(directory: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, position: Position,
+               fingerprint: dict, settings: dict | None, every: list[dict], note: dict) -> Path:
+    """One rank writes a replicated model's checkpoint with no collective: the survivors' save of
+    a run whose peer died (job/survivors.py), `every` holding each rank's RNG states and sums as
+    save_checkpoint gathers them, `note` what the file says of its making (the ranks lost)."""
+    path = checkpoint_path(directory)
+    state = _whole_state(model, optimizer, position=position, fingerprint=fingerprint, settings=settings, extras=None,
+                         every=every)
+    write_generation(path, serialize({**state, "survivors": note}))
+    return path
+
+
 def _whole_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, position: Position, fingerprint: dict,
                  settings: dict | None, extras: dict | None, every: list[dict]) -> dict[str, Any]:
     """The checkpoint of a replicated model, as rank 0 writes it: every rank's RNG states and sums in `every`."""

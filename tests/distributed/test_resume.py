@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phalanx.train import checkpoint as ckpt
 from tests.distributed.runs import (crash_script, final_weights, finished_run, flip_record_byte, metrics_rows, run_phalanx,
                                    started_phalanx)
 
@@ -136,9 +137,13 @@ def test_a_fall_back_then_a_failed_first_save_still_leaves_the_good_checkpoint(r
     assert "so this is the checkpoint before it (kept as checkpoint.damaged.pt" in failed.stdout, failed.stdout[-2000:]
     why = "died (signal SIGKILL)" if failure == "kill" else f"cannot write {checkpoints / 'checkpoint.pt'} (No space"
     assert why in failed.stderr, failed.stderr[-2000:]
+    if failure == "kill":  # rank 1, left, saved the step the run reached (job/survivors.py): the good one before it
+        assert "the run was saved where it stopped" in failed.stderr, failed.stderr[-2000:]
+        assert ckpt.read_checkpoint(checkpoints / "checkpoint.previous.pt")["step"] == 17
     resumed = run_phalanx(*COMMON, "--epochs", "2", "--checkpoint-every", "17", "--out", str(out), "--resume", "auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert resumed.stdout.splitlines()[0].startswith(
+        f"resumed from {checkpoints / 'checkpoint.pt'} at epoch 1, step 24" if failure == "kill" else
         f"resumed from {checkpoints / 'checkpoint.previous.pt'} at epoch 1, step 17; {checkpoints / 'checkpoint.pt'} "
         "is missing, so this is the checkpoint before it"), resumed.stdout[-1500:]
     _assert_same_run(out, reference)

@@ -1,0 +1,96 @@
+"""The survivors' save's rules (job/survivors.py), without processes: what a rank posts on the board
+and a peer reads back, which survivor writes and when none may, whether generators moved, and
+which runs arm it. The save itself, after a real worker's death, is tests/distributed/test_survivors_save.py's."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from phalanx.job.survivors import decide, reason_not_armed, rng_changed
+from phalanx.runtime.board import LINE_WORDS, Board
+from phalanx.runtime.world import World
+from phalanx.train.rng_state import rng_state, set_rng_state
+
+
+def boards(k: int) -> list[Board]:
+    memory = bytearray(LINE_WORDS * 8 * k)
+    return [Board(memory, rank=r, local_rank=r, local_world_size=k, world_size=k) for r in range(k)]
+
+
+def test_a_post_is_read_back_by_a_peer_whole_and_nothing_before_the_first():
+    mine, peer = boards(2)
+    assert peer.posted(0) is None
+    mine.post(17, [2503.25, 114.0, 1088.0, 0.78])
+    assert peer.posted(0) == (17, [2503.25, 114.0, 1088.0, 0.78])
+    mine.post(18, [2600.5, 120.0, 1152.0, 0.81])
+    assert peer.posted(0) == (18, [2600.5, 120.0, 1152.0, 0.81])
+    assert peer.posted(1) is None  # its own line: nothing posted
+
+
+def test_a_post_cut_short_reads_as_none_not_as_the_old_step_with_new_sums():
+    mine, peer = boards(2)
+    mine.post(5, [1.0, 2.0, 3.0, 4.0])
+    mine._words[mine._base + 12] = 0  # what a rank killed between clearing its step and writing the new one leaves
+    assert peer.posted(0) is None
+
+
+def test_the_written_mark_is_per_rank():
+    a, b = boards(2)
+    assert (a.written(0), a.written(1)) == (0, 0)
+    b.mark_written(34)
+    assert (a.written(0), a.written(1)) == (0, 34)
+
+
+def test_the_lowest_live_rank_writes_when_every_rank_posted_its_step():
+    assert decide(rank=0, posts=[17, 17, 17], alive=[0, 2], saved_step=10, written=[0, 0, 0]) is None
+    assert decide(rank=1, posts=[17, 17, 17], alive=[1, 2], saved_step=10, written=[0, 0, 0]) is None
+    assert decide(rank=2, posts=[17, 17, 17], alive=[0, 2], saved_step=10, written=[0, 0, 0]) == \
+        "rank 0 is alive and writes it"
+
+
+@pytest.mark.parametrize("posts, saved_step, written, why", [
+    ([17, 16], 10, [0, 0], "rank 1 posted step 16, not 17"),  # died between its exchange and its post
+    ([17, None], 10, [0, 0], "rank 1 posted step None, not 17"),  # died before its first step's post
+    ([None, None], 0, [0, 0], "no step was trained yet"),
+    ([10, 10], 10, [0, 0], "the newest checkpoint already holds step 10"),  # e.g. died right after the save
+    ([17, 17], 10, [0, 17], "rank 1 saved step 17"),  # a survivor that wrote, then exited
+])
+def test_no_save_where_it_would_not_be_exact_or_is_already_made(posts, saved_step, written, why):
+    assert decide(rank=0, posts=posts, alive=[0], saved_step=saved_step, written=written) == why
+
+
+def test_generators_that_moved_are_told_apart_from_ones_that_did_not():
+    start = rng_state()
+    assert not rng_changed(start, rng_state())
+    try:
+        for draw in (lambda: torch.rand(1), lambda: np.random.rand(), lambda: random.random()):
+            set_rng_state(start)
+            draw()
+            assert rng_changed(start, rng_state())
+    finally:
+        set_rng_state(start)
+
+
+def _world(k: int, *, board: bool = True, device: str = "cpu") -> World:
+    return World(rank=0, world_size=k, local_rank=0, local_world_size=k, device=torch.device(device), backend="gloo",
+                 timeout_s=5.0, board=boards(k)[0] if board else None)
+
+
+@pytest.mark.parametrize("world, options, why", [
+    (_world(2), {}, None),
+    (_world(2), {"location": None}, "nowhere to save"),
+    (_world(1), {}, "not CPU workers of one host"),
+    (_world(2, board=False), {}, "not CPU workers of one host"),  # several hosts, or no /dev/shm
+    (_world(2, device="cuda"), {}, "not CPU workers of one host"),
+    (_world(2), {"data_split": False}, "no rank holds the whole state"),
+    (_world(2), {"sharded": True}, "no rank holds the whole state"),
+    (_world(2), {"batchnorm": True}, "BatchNorm's running statistics move in a forward a death cuts short"),
+])
+def test_which_runs_arm_it(world, options, why):
+    settings = {"data_split": True, "sharded": False, "batchnorm": False, "location": "runs/r1/checkpoints",
+                **options}
+    assert reason_not_armed(world, **settings) == why
