@@ -138,11 +138,12 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                                position=position, fingerprint=run_fingerprint(config, strategy.module, data=identity()),
                                settings=settings, every=every, note=note)
 
-    why_not = reason_not_armed(world, data_split=replica is not None, batchnorm=has_batchnorm(whole),
-                               sharded=replica is not None and replica.sharding is not None,
+    batchnorm = has_batchnorm(whole)
+    why_not = reason_not_armed(world, data_split=replica is not None, batchnorm=config.data_parallel.batchnorm
+                               if batchnorm else None, sharded=replica is not None and replica.sharding is not None,
                                location=config.checkpoint_location)
     survivors = arm_survivors(world, steps_per_epoch=steps, location=config.checkpoint_location, write=write_alone,
-                              parameters=strategy.module.parameters, start_step=start.epoch * steps + start.step,
+                              module=strategy.module, batchnorm=batchnorm, start_step=start.epoch * steps + start.step,
                               why_not=why_not)
 
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)

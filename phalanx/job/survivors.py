@@ -16,8 +16,9 @@ It is made only where it is exact, else nothing is written and the periodic chec
 newest:
 - a replica's state: the data split, unsharded (a sharded run or a model split holds parts that only
   the dead rank had); CPU workers on one host (the board covers the world; reading the sums every
-  step is free on a CPU and would make a GPU host wait for its device); no BatchNorm (a forward the
-  death cut short has already moved the running statistics);
+  step is free on a CPU and would make a GPU host wait for its device); BatchNorm synchronised (the
+  default: every rank's running statistics are the same), and no training forward since the last
+  post (a death in the next step's forward or backward: its forward has moved them already);
 - the writer's generators are where they were when training began (phalanx's models draw no
   random numbers while training), so the states gathered then are every rank's now;
 - every rank, the dead one included, posted the writer's step (a rank that died between its step's
@@ -36,6 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from phalanx.comm import Tag, collective
 from phalanx.runtime.procs import process_alive
@@ -60,12 +62,25 @@ class SurvivorsSave:
     start_rng: list[dict]  # every rank's, gathered as training began
     location: str  # where the run's checkpoints are
     write: Callable[[ckpt.Position, list[dict], dict], object]
-    parameters: Callable[[], list[torch.Tensor]]
+    module: nn.Module  # the replica's
     saved_step: int = 0  # the newest checkpoint's global step (a resume's start, the job's saves)
+    forwards: int = 0  # training-mode forwards of a BatchNorm model so far (`count_forwards`), and at the last post
+    forwards_at_post: int = 0
+    hook: object = None
 
     def post(self, epoch: int, done: int, totals: list[float]) -> None:
         """After each step (`done` of the epoch's steps, 1-based): where this rank is, for its survivors."""
         self.world.board.post(epoch * self.steps_per_epoch + done, totals)
+        self.forwards_at_post = self.forwards
+
+    def count_forwards(self) -> None:
+        """Count the module's training forwards: one since the last post has moved BatchNorm's running
+        statistics past the posted step (a death in the next step's forward or backward)."""
+        def counted(module: nn.Module, _inputs) -> None:
+            if module.training:
+                self.forwards += 1
+
+        self.hook = self.module.register_forward_pre_hook(counted)
 
     def saved(self, position: ckpt.Position) -> None:
         """The job saved (or resumed from) `position`: nothing at or before it needs the survivors."""
@@ -83,7 +98,9 @@ class SurvivorsSave:
             why = f"the newest checkpoint already holds step {posts[world.rank][0]}"
         if why is None and rng_changed(self.start_rng[world.rank], rng_state()):
             why = "the model drew random numbers while training: the dead rank's generators are not known"
-        if why is None and not all(bool(torch.isfinite(p).all()) for p in self.parameters()):
+        if why is None and self.forwards != self.forwards_at_post:
+            why = "a forward since the last step moved BatchNorm's running statistics"
+        if why is None and not all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
             why = "the parameters are not finite"
         if why is not None:
             return why
@@ -139,31 +156,35 @@ def rng_changed(start: dict, now: dict) -> bool:
     return not (same_numpy and start["python"] == now["python"])
 
 
-def reason_not_armed(world: World, *, data_split: bool, sharded: bool, batchnorm: bool,
+def reason_not_armed(world: World, *, data_split: bool, sharded: bool, batchnorm: str | None,
                      location: str | None) -> str | None:
-    """Why a run makes no survivors' save (the same on every rank: its settings and world), else None."""
+    """Why a run makes no survivors' save (the same on every rank: its settings and world), else None.
+    `batchnorm`: None for a model without BatchNorm, else the replica's policy ("sync", "local")."""
     if location is None:
         return "nowhere to save"
     if not world.distributed or world.board is None or world.device.type != "cpu":
         return "not CPU workers of one host"
     if not data_split or sharded:
         return "no rank holds the whole state"
-    if batchnorm:
-        return "BatchNorm's running statistics move in a forward a death cuts short"
+    if batchnorm == "local":
+        return "BatchNorm's running statistics are each rank's own (--batchnorm local)"
     return None
 
 
-def arm(world: World, *, steps_per_epoch: int, location: str, write, parameters, start_step: int,
-        why_not: str | None):
+def arm(world: World, *, steps_per_epoch: int, location: str, write, module: nn.Module, batchnorm: bool,
+        start_step: int, why_not: str | None):
     """Every rank calls this as training starts (a collective where it arms: the RNG states are
-    gathered): the rank's SurvivorsSave, or None where `why_not` (reason_not_armed's) says none is made."""
+    gathered): the rank's SurvivorsSave, or None where `why_not` (reason_not_armed's) says none is
+    made; `batchnorm`: the module holds BatchNorm layers (its training forwards are counted)."""
     if why_not is not None:
         return None
     every: list = [None] * world.world_size
     with collective(world, Tag("RNG states")):
         dist.all_gather_object(every, rng_state())
     armed = SurvivorsSave(world=world, steps_per_epoch=steps_per_epoch, start_rng=every, location=location, write=write,
-                          parameters=parameters, saved_step=start_step)
+                          module=module, saved_step=start_step)
+    if batchnorm:
+        armed.count_forwards()
     _ARMED[:] = [armed]
     return armed
 
@@ -186,4 +207,6 @@ def saving() -> Iterator[None]:
                 _ARMED[0].after_peer_lost()
         raise
     finally:
+        if _ARMED and _ARMED[0].hook is not None:
+            _ARMED[0].hook.remove()
         _ARMED.clear()

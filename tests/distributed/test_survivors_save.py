@@ -127,3 +127,15 @@ def test_under_torchrun_the_worker_left_says_it_saved_and_torchruns_restart_goes
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     assert "resumed from" in restarted.stdout and "at epoch 1, step 17" in restarted.stdout, restarted.stdout[-2000:]
     _assert_bitwise_equal(tmp_path / "restarted", reference)
+
+
+def test_a_batchnorm_model_is_saved_too_its_statistics_being_every_ranks(tmp_path):
+    # SyncBatchNorm (the default) keeps every rank's running statistics the same; the death comes
+    # between two steps, so no forward has moved them past the posted step.
+    want = finished_run(tmp_path / "reference", *COMMON, *TWO, "--model", "lenet-bn")
+    out = tmp_path / "run"
+    done = _killed(tmp_path, "--out", str(out), "--model", "lenet-bn", rank=1, step=17)
+    assert done.returncode == 1 and "the run was saved where it stopped" in done.stderr, done.stderr[-3000:]
+    resumed = run_phalanx(*COMMON, *TWO, "--model", "lenet-bn", "--out", str(out), "--resume", "auto")
+    assert resumed.returncode == 0 and "at epoch 1, step 17" in resumed.stdout, resumed.stderr[-3000:]
+    _assert_bitwise_equal(out, want)

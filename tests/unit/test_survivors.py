@@ -4,13 +4,14 @@ which runs arm it. The save itself, after a real worker's death, is tests/distri
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import pytest
 import torch
 
-from phalanx.job.survivors import decide, reason_not_armed, rng_changed
+from phalanx.job.survivors import SurvivorsSave, decide, reason_not_armed, rng_changed
 from phalanx.runtime.board import LINE_WORDS, Board
 from phalanx.runtime.world import World
 from phalanx.train.rng_state import rng_state, set_rng_state
@@ -88,9 +89,68 @@ def _world(k: int, *, board: bool = True, device: str = "cpu") -> World:
     (_world(2, device="cuda"), {}, "not CPU workers of one host"),
     (_world(2), {"data_split": False}, "no rank holds the whole state"),
     (_world(2), {"sharded": True}, "no rank holds the whole state"),
-    (_world(2), {"batchnorm": True}, "BatchNorm's running statistics move in a forward a death cuts short"),
+    (_world(2), {"batchnorm": "sync"}, None),  # the same statistics on every rank
+    (_world(2), {"batchnorm": "local"}, "BatchNorm's running statistics are each rank's own (--batchnorm local)"),
 ])
 def test_which_runs_arm_it(world, options, why):
-    settings = {"data_split": True, "sharded": False, "batchnorm": False, "location": "runs/r1/checkpoints",
+    settings = {"data_split": True, "sharded": False, "batchnorm": None, "location": "runs/r1/checkpoints",
                 **options}
     assert reason_not_armed(world, **settings) == why
+
+
+def test_a_training_forward_since_the_last_post_is_seen_and_an_evaluation_is_not():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    armed = SurvivorsSave(world=_world(2), steps_per_epoch=24, start_rng=[rng_state()] * 2, location="ck",
+                          write=lambda *args: None, module=model)
+    armed.count_forwards()
+    model(torch.randn(5, 3))  # step 1's forward
+    armed.post(0, 1, [1.0, 2.0, 5.0, 0.1])
+    assert armed.forwards == armed.forwards_at_post == 1
+    model.eval()
+    model(torch.randn(5, 3))  # an evaluation leaves the running statistics as they are
+    assert armed.forwards == armed.forwards_at_post
+    model.train()
+    model(torch.randn(5, 3))  # step 2's forward, cut short by a peer's death before its post
+    assert armed.forwards == armed.forwards_at_post + 1
+
+
+def _unused_pid() -> int:
+    return next(pid for pid in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{pid}"))
+
+
+def _survivor_of_rank_1(model: torch.nn.Module, tmp_path, written: list) -> tuple[SurvivorsSave, Board]:
+    """Rank 0's SurvivorsSave, and the board line of a rank 1 whose process is gone."""
+    memory = bytearray(LINE_WORDS * 8 * 2)
+    mine = Board(memory, rank=0, local_rank=0, local_world_size=2, world_size=2)
+    dead = Board(memory, rank=1, local_rank=1, local_world_size=2, world_size=2, pid=_unused_pid())
+    world = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="gloo",
+                  timeout_s=5.0, board=mine)
+    armed = SurvivorsSave(world=world, steps_per_epoch=24, start_rng=[rng_state(), rng_state()],
+                          location=str(tmp_path), module=model, saved_step=10,
+                          write=lambda position, every, note: written.append((position, every, note)) or "ck.pt")
+    return armed, dead
+
+
+def test_the_survivor_writes_the_posted_step_with_the_dead_ranks_sums(tmp_path):
+    written: list = []
+    armed, dead = _survivor_of_rank_1(torch.nn.Linear(3, 2), tmp_path, written)
+    armed.post(0, 17, [2503.25, 114.0, 1088.0, 0.78])
+    dead.post(17, [2501.93, 122.0, 1088.0, 0.79])
+    assert armed.after_peer_lost() == "saved ck.pt (epoch 1, step 17)"
+    (position, every, note), = written
+    assert (position.epoch, position.step, position.epoch_totals) == (0, 17, (2503.25, 114.0, 1088.0, 0.78))
+    assert [r["epoch_totals"] for r in every] == [[2503.25, 114.0, 1088.0, 0.78], [2501.93, 122.0, 1088.0, 0.79]]
+    assert (note["lost_ranks"], note["by_rank"]) == ([1], 0)
+    assert armed.world.board.written(0) == 17  # a survivor that looks later does not write it again
+
+
+def test_no_save_of_a_batchnorm_model_whose_next_forward_had_begun(tmp_path):
+    written: list = []
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    armed, dead = _survivor_of_rank_1(model, tmp_path, written)
+    armed.count_forwards()
+    armed.post(0, 17, [1.0, 2.0, 3.0, 0.5])
+    dead.post(17, [1.0, 2.0, 3.0, 0.5])
+    model(torch.linspace(-1, 1, 15).reshape(5, 3))  # step 18's forward (no random numbers): the peer died in it
+    assert armed.after_peer_lost() == "a forward since the last step moved BatchNorm's running statistics"
+    assert written == []
