@@ -17,8 +17,8 @@ newest:
 - a replica's state: the data split, unsharded (a sharded run or a model split holds parts that only
   the dead rank had); CPU workers on one host (the board covers the world; reading the sums every
   step is free on a CPU and would make a GPU host wait for its device); BatchNorm synchronised (the
-  default: every rank's running statistics are the same), and no training forward since the last
-  post (a death in the next step's forward or backward: its forward has moved them already);
+  default: every rank's running statistics are the same; each post keeps a copy of them, put back
+  when a death inside the next step finds them moved by its forward);
 - the writer's generators are where they were when training began (phalanx's models draw no
   random numbers while training), so the states gathered then are every rank's now;
 - every rank, the dead one included, posted the writer's step (a rank that died between its step's
@@ -64,22 +64,27 @@ class SurvivorsSave:
     write: Callable[[ckpt.Position, list[dict], dict], object]
     module: nn.Module  # the replica's
     saved_step: int = 0  # the newest checkpoint's global step (a resume's start, the job's saves)
-    forwards: int = 0  # training-mode forwards of a BatchNorm model so far (`count_forwards`), and at the last post
+    forwards: int = 0  # training-mode forwards of a BatchNorm model so far (`keep_statistics`), and at the last post
     forwards_at_post: int = 0
     hook: object = None
+    kept: list[torch.Tensor] | None = None  # the module's buffers as the last post found them
 
     def post(self, epoch: int, done: int, totals: list[float]) -> None:
         """After each step (`done` of the epoch's steps, 1-based): where this rank is, for its survivors."""
         self.world.board.post(epoch * self.steps_per_epoch + done, totals)
-        self.forwards_at_post = self.forwards
+        if self.kept is not None:  # 4 us a step for lenet-bn's 9 buffers, 9 for resnet's 27 (2-core VM)
+            torch._foreach_copy_(self.kept, list(self.module.buffers()))
+            self.forwards_at_post = self.forwards
 
-    def count_forwards(self) -> None:
-        """Count the module's training forwards: one since the last post has moved BatchNorm's running
-        statistics past the posted step (a death in the next step's forward or backward)."""
+    def keep_statistics(self) -> None:
+        """For a BatchNorm model: keep its buffers at each post, and count its training forwards; a
+        forward since the last post (a death inside the next step) moved the running statistics, and
+        the save puts the kept ones back."""
         def counted(module: nn.Module, _inputs) -> None:
             if module.training:
                 self.forwards += 1
 
+        self.kept = [buffer.detach().clone() for buffer in self.module.buffers()]
         self.hook = self.module.register_forward_pre_hook(counted)
 
     def saved(self, position: ckpt.Position) -> None:
@@ -98,8 +103,8 @@ class SurvivorsSave:
             why = f"the newest checkpoint already holds step {posts[world.rank][0]}"
         if why is None and rng_changed(self.start_rng[world.rank], rng_state()):
             why = "the model drew random numbers while training: the dead rank's generators are not known"
-        if why is None and self.forwards != self.forwards_at_post:
-            why = "a forward since the last step moved BatchNorm's running statistics"
+        if why is None and self.forwards != self.forwards_at_post:  # this rank exits after the save: its own to change
+            torch._foreach_copy_(list(self.module.buffers()), self.kept)
         if why is None and not all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
             why = "the parameters are not finite"
         if why is not None:
@@ -175,7 +180,7 @@ def arm(world: World, *, steps_per_epoch: int, location: str, write, module: nn.
         start_step: int, why_not: str | None):
     """Every rank calls this as training starts (a collective where it arms: the RNG states are
     gathered): the rank's SurvivorsSave, or None where `why_not` (reason_not_armed's) says none is
-    made; `batchnorm`: the module holds BatchNorm layers (its training forwards are counted)."""
+    made; `batchnorm`: the module holds BatchNorm layers (its statistics are kept at each post)."""
     if why_not is not None:
         return None
     every: list = [None] * world.world_size
@@ -184,7 +189,7 @@ def arm(world: World, *, steps_per_epoch: int, location: str, write, module: nn.
     armed = SurvivorsSave(world=world, steps_per_epoch=steps_per_epoch, start_rng=every, location=location, write=write,
                           module=module, saved_step=start_step)
     if batchnorm:
-        armed.count_forwards()
+        armed.keep_statistics()
     _ARMED[:] = [armed]
     return armed
 

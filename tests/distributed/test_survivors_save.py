@@ -32,17 +32,24 @@ COMMON = ["train", "--dataset", "synthetic", "--train-examples", "3000", "--batc
 # restarted attempt (TORCHELASTIC_RESTART_COUNT > 0) is left alone.
 KILL_AT_POST = textwrap.dedent("""
     import os, signal
+    import torch
     from phalanx.job import survivors
-    real_post = survivors.SurvivorsSave.post
+    real_post, real_backward, in_next_backward = survivors.SurvivorsSave.post, torch.Tensor.backward, []
     def post_or_die(self, epoch, done, totals):
         due = (self.world.rank == int(os.environ["KILL_RANK"]) and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
                and epoch * self.steps_per_epoch + done == int(os.environ["KILL_STEP"]))
         if due and os.environ.get("KILL_BEFORE_POST"):
             os.kill(os.getpid(), signal.SIGKILL)
         real_post(self, epoch, done, totals)
-        if due:
+        if due and os.environ.get("KILL_IN_NEXT_BACKWARD"):
+            in_next_backward.append(True)
+        elif due:
             os.kill(os.getpid(), signal.SIGKILL)
-    survivors.SurvivorsSave.post = post_or_die
+    def backward_or_die(self, *args, **kwargs):
+        if in_next_backward:  # every rank's forward of the next step ran (its SyncBatchNorm sums need them all)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_backward(self, *args, **kwargs)
+    survivors.SurvivorsSave.post, torch.Tensor.backward = post_or_die, backward_or_die
     if __name__ == "__main__":
         import sys
         from phalanx.cli import main
@@ -55,13 +62,13 @@ def reference(tmp_path_factory) -> Path:
     return finished_run(tmp_path_factory.mktemp("reference") / "run", *COMMON, *TWO)
 
 
-def _killed(tmp_path: Path, *args: str, rank: int, step: int, before_post: bool = False, launcher: tuple = ()):
-    """`phalanx train` (COMMON + args) whose rank `rank` is SIGKILLed at its post of global step `step`;
-    `launcher`: the command that starts the script (default: python, phalanx's own launcher)."""
+def _killed(tmp_path: Path, *args: str, rank: int, step: int, when: str = "", launcher: tuple = ()):
+    """`phalanx train` (COMMON + args) whose rank `rank` is SIGKILLed at its post of global step `step`
+    (`when`: "KILL_BEFORE_POST", "KILL_IN_NEXT_BACKWARD", else right after it); `launcher`: the command
+    that starts the script (default: python, phalanx's own launcher)."""
     script = tmp_path / "kill_at_post.py"
     script.write_text(KILL_AT_POST)
-    env = {**os.environ, "KILL_RANK": str(rank), "KILL_STEP": str(step),
-           **({"KILL_BEFORE_POST": "1"} if before_post else {})}
+    env = {**os.environ, "KILL_RANK": str(rank), "KILL_STEP": str(step), **({when: "1"} if when else {})}
     return subprocess.run([*(launcher or (sys.executable,)), str(script), *COMMON, *(() if launcher else TWO), *args],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
@@ -108,7 +115,7 @@ def test_rank_1_saves_when_rank_0_dies_and_the_restart_goes_on_from_there(refere
 
 def test_no_save_when_the_dead_rank_had_not_posted_its_last_step(reference, tmp_path):
     out = tmp_path / "run"
-    done = _killed(tmp_path, "--out", str(out), rank=1, step=17, before_post=True)
+    done = _killed(tmp_path, "--out", str(out), rank=1, step=17, when="KILL_BEFORE_POST")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "saved where it stopped" not in done.stderr, done.stderr[-3000:]
     assert _position(out / "checkpoints" / "checkpoint.pt") == (0, 10, None)  # its sums of step 17 are lost
@@ -129,13 +136,18 @@ def test_under_torchrun_the_worker_left_says_it_saved_and_torchruns_restart_goes
     _assert_bitwise_equal(tmp_path / "restarted", reference)
 
 
-def test_a_batchnorm_model_is_saved_too_its_statistics_being_every_ranks(tmp_path):
-    # SyncBatchNorm (the default) keeps every rank's running statistics the same; the death comes
-    # between two steps, so no forward has moved them past the posted step.
-    want = finished_run(tmp_path / "reference", *COMMON, *TWO, "--model", "lenet-bn")
+@pytest.fixture(scope="module")
+def batchnorm_reference(tmp_path_factory) -> Path:
+    return finished_run(tmp_path_factory.mktemp("reference") / "run", *COMMON, *TWO, "--model", "lenet-bn")
+
+
+@pytest.mark.parametrize("when", ["", "KILL_IN_NEXT_BACKWARD"])
+def test_a_batchnorm_model_is_saved_too_with_the_statistics_of_its_last_step(batchnorm_reference, tmp_path, when):
+    # SyncBatchNorm (the default) keeps every rank's running statistics the same. Killed in step 18's
+    # backward, every survivor's forward of step 18 has moved them: the save puts step 17's back.
     out = tmp_path / "run"
-    done = _killed(tmp_path, "--out", str(out), "--model", "lenet-bn", rank=1, step=17)
+    done = _killed(tmp_path, "--out", str(out), "--model", "lenet-bn", rank=1, step=17, when=when)
     assert done.returncode == 1 and "the run was saved where it stopped" in done.stderr, done.stderr[-3000:]
     resumed = run_phalanx(*COMMON, *TWO, "--model", "lenet-bn", "--out", str(out), "--resume", "auto")
     assert resumed.returncode == 0 and "at epoch 1, step 17" in resumed.stdout, resumed.stderr[-3000:]
-    _assert_bitwise_equal(out, want)
+    _assert_bitwise_equal(out, batchnorm_reference)

@@ -102,7 +102,7 @@ def test_a_training_forward_since_the_last_post_is_seen_and_an_evaluation_is_not
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     armed = SurvivorsSave(world=_world(2), steps_per_epoch=24, start_rng=[rng_state()] * 2, location="ck",
                           write=lambda *args: None, module=model)
-    armed.count_forwards()
+    armed.keep_statistics()
     model(torch.randn(5, 3))  # step 1's forward
     armed.post(0, 1, [1.0, 2.0, 5.0, 0.1])
     assert armed.forwards == armed.forwards_at_post == 1
@@ -144,13 +144,17 @@ def test_the_survivor_writes_the_posted_step_with_the_dead_ranks_sums(tmp_path):
     assert armed.world.board.written(0) == 17  # a survivor that looks later does not write it again
 
 
-def test_no_save_of_a_batchnorm_model_whose_next_forward_had_begun(tmp_path):
-    written: list = []
+def test_a_batchnorm_model_whose_next_forward_had_begun_is_saved_with_the_posted_steps_statistics(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    written: list = []
     armed, dead = _survivor_of_rank_1(model, tmp_path, written)
-    armed.count_forwards()
+    armed.keep_statistics()
+    x = torch.linspace(-1, 1, 15).reshape(5, 3)  # no random numbers: the generators stay where they began
+    model(x)  # step 17's forward
+    posted = {name: b.clone() for name, b in model.named_buffers()}
     armed.post(0, 17, [1.0, 2.0, 3.0, 0.5])
     dead.post(17, [1.0, 2.0, 3.0, 0.5])
-    model(torch.linspace(-1, 1, 15).reshape(5, 3))  # step 18's forward (no random numbers): the peer died in it
-    assert armed.after_peer_lost() == "a forward since the last step moved BatchNorm's running statistics"
-    assert written == []
+    model(x * 3)  # step 18's forward: the peer died in it
+    assert not torch.equal(model[1].running_var, posted["1.running_var"])
+    assert armed.after_peer_lost() == "saved ck.pt (epoch 1, step 17)" and len(written) == 1
+    assert all(torch.equal(b, posted[name]) for name, b in model.named_buffers())  # step 17's, as written
