@@ -6,7 +6,8 @@ replica is the whole model and optimizer at the last step (k devices compute the
 and what a rank holds alone - its generators and its running sums of the epoch - is small. So each
 rank posts, after every step, the step and its sums on the collective board (runtime/board.py:
 shared memory, which outlives a dead rank), and every rank's RNG states are gathered once, as
-training starts. When a collective then loses a peer (`worker_errors.is_echo`), one survivor writes
+training starts. When a collective then loses a peer (`worker_errors.is_echo`: it died or failed;
+or `PeerStalled`: it stopped responding, frozen or starved, past `--timeout`), one survivor writes
 that step's checkpoint by itself - the format and the two generations of every save, no collective
 (`checkpoint.save_alone`) - and the restart (`--max-restarts`, torchrun's) or `--resume auto` goes
 on from the step the run reached, where it went back to the last periodic checkpoint before. (The
@@ -24,8 +25,8 @@ newest:
 - every rank, the dead one included, posted the writer's step (a rank that died between its step's
   exchange and its post leaves the others a step ahead of its sums), later than the newest checkpoint;
 - the parameters are finite.
-The writer is the lowest rank whose process is alive; one that wrote marks its line, so a survivor
-that looks after it has exited does not write the same step again.
+The writer is the lowest rank whose process is alive (a stalled one counts as lost); one that wrote
+marks its line, so a survivor that looks after it has exited does not write the same step again.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.comm import Tag, collective
+from phalanx.comm import PeerStalled, Tag, collective
 from phalanx.runtime.procs import process_alive
 from phalanx.runtime.worker_errors import is_echo
 from phalanx.runtime.world import World
@@ -64,8 +65,8 @@ class SurvivorsSave:
     write: Callable[[ckpt.Position, list[dict], dict], object]
     module: nn.Module  # the replica's
     saved_step: int = 0  # the newest checkpoint's global step (a resume's start, the job's saves)
-    forwards: int = 0  # training-mode forwards of a BatchNorm model so far (`keep_statistics`), and at the last post
-    forwards_at_post: int = 0
+    forwards: int = 0  # a BatchNorm model's training forwards so far (`keep_statistics`)
+    forwards_at_post: int = 0  # ... and at the last post
     hook: object = None
     kept: list[torch.Tensor] | None = None  # the module's buffers as the last post found them
 
@@ -91,19 +92,20 @@ class SurvivorsSave:
         """The job saved (or resumed from) `position`: nothing at or before it needs the survivors."""
         self.saved_step = max(self.saved_step, position.epoch * self.steps_per_epoch + position.step)
 
-    def after_peer_lost(self) -> str:
-        """Write the checkpoint if this rank is the one to, and the conditions hold; says what it did."""
+    def after_peer_lost(self, stalled: int | None = None) -> str:
+        """Write the checkpoint if this rank is the one to, and the conditions hold; says what it did.
+        `stalled`: a rank that stopped responding (frozen, starved), lost though its process lives."""
         board, world = self.world.board, self.world
         posts = [board.posted(r) for r in range(world.world_size)]
         lines = board.lines()
-        alive = [r for r, line in enumerate(lines) if line is not None and process_alive(line.pid)]
+        alive = [r for r, line in enumerate(lines) if line is not None and process_alive(line.pid) and r != stalled]
         why = decide(rank=world.rank, posts=[p[0] if p else None for p in posts], alive=alive,
                      saved_step=self.saved_step, written=[board.written(r) for r in range(world.world_size)])
         if why is None and self._newest_on_disk() >= posts[world.rank][0]:  # a peer wrote it, then died
             why = f"the newest checkpoint already holds step {posts[world.rank][0]}"
         if why is None and rng_changed(self.start_rng[world.rank], rng_state()):
             why = "the model drew random numbers while training: the dead rank's generators are not known"
-        if why is None and self.forwards != self.forwards_at_post:  # this rank exits after the save: its own to change
+        if why is None and self.forwards != self.forwards_at_post:  # the rank exits after the save: its to change
             torch._foreach_copy_(list(self.module.buffers()), self.kept)
         if why is None and not all(bool(torch.isfinite(p).all()) for p in self.module.parameters()):
             why = "the parameters are not finite"
@@ -120,7 +122,6 @@ class SurvivorsSave:
         board.mark_written(step)
         _MADE[:] = [f"{path} (epoch {epoch + 1}, step {done})"]
         return f"saved {_MADE[0]}"
-
 
     def _newest_on_disk(self) -> int:
         """The global step of the checkpoint a restart would resume from (0: none readable)."""
@@ -205,11 +206,12 @@ def saving() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        if _ARMED and is_echo(exc):
+        stalled = exc.culprit if isinstance(exc, PeerStalled) else None  # a frozen peer: named, alive
+        if _ARMED and (is_echo(exc) or stalled is not None):
             # Said by the launcher when made (elastic.py reads the checkpoint); a save not made, or one
             # that failed (a full disk), leaves the periodic checkpoint, and the peer's death the report.
             with contextlib.suppress(Exception):
-                _ARMED[0].after_peer_lost()
+                _ARMED[0].after_peer_lost(stalled)
         raise
     finally:
         if _ARMED and _ARMED[0].hook is not None:

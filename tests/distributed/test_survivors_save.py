@@ -43,6 +43,8 @@ KILL_AT_POST = textwrap.dedent("""
         real_post(self, epoch, done, totals)
         if due and os.environ.get("KILL_IN_NEXT_BACKWARD"):
             in_next_backward.append(True)
+        elif due and os.environ.get("STOP_AFTER_POST"):
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peers wait --timeout, then name it
         elif due:
             os.kill(os.getpid(), signal.SIGKILL)
     def backward_or_die(self, *args, **kwargs):
@@ -64,7 +66,8 @@ def reference(tmp_path_factory) -> Path:
 
 def _killed(tmp_path: Path, *args: str, rank: int, step: int, when: str = "", launcher: tuple = ()):
     """`phalanx train` (COMMON + args) whose rank `rank` is SIGKILLed at its post of global step `step`
-    (`when`: "KILL_BEFORE_POST", "KILL_IN_NEXT_BACKWARD", else right after it); `launcher`: the command
+    (`when`: "KILL_BEFORE_POST", "KILL_IN_NEXT_BACKWARD", "STOP_AFTER_POST": SIGSTOP, else right after
+    it); `launcher`: the command
     that starts the script (default: python, phalanx's own launcher)."""
     script = tmp_path / "kill_at_post.py"
     script.write_text(KILL_AT_POST)
@@ -151,3 +154,16 @@ def test_a_batchnorm_model_is_saved_too_with_the_statistics_of_its_last_step(bat
     resumed = run_phalanx(*COMMON, *TWO, "--model", "lenet-bn", "--out", str(out), "--resume", "auto")
     assert resumed.returncode == 0 and "at epoch 1, step 17" in resumed.stdout, resumed.stderr[-3000:]
     _assert_bitwise_equal(out, batchnorm_reference)
+
+
+def test_a_frozen_rank_is_lost_too_and_the_ranks_left_save_the_step_it_reached(reference, tmp_path):
+    out = tmp_path / "run"
+    done = _killed(tmp_path, "--out", str(out), "--timeout", "5", rank=1, step=17, when="STOP_AFTER_POST")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("phalanx: run stopped: worker rank 1 stopped responding (state: stopped) after "
+                                  "step 17"), done.stderr[-3000:]
+    assert re.search(r"the run was saved where it stopped: \S+checkpoint\.pt \(epoch 1, step 17, saved by rank 0 "
+                     r"when rank 1 was lost\)", done.stderr), done.stderr[-3000:]
+    resumed = run_phalanx(*COMMON, *TWO, "--out", str(out), "--resume", "auto")
+    assert resumed.returncode == 0 and "at epoch 1, step 17" in resumed.stdout, resumed.stderr[-3000:]
+    _assert_bitwise_equal(out, reference)

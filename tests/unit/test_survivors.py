@@ -158,3 +158,20 @@ def test_a_batchnorm_model_whose_next_forward_had_begun_is_saved_with_the_posted
     assert not torch.equal(model[1].running_var, posted["1.running_var"])
     assert armed.after_peer_lost() == "saved ck.pt (epoch 1, step 17)" and len(written) == 1
     assert all(torch.equal(b, posted[name]) for name, b in model.named_buffers())  # step 17's, as written
+
+
+def test_a_stalled_rank_0_alive_but_frozen_is_lost_and_rank_1_writes(tmp_path):
+    memory = bytearray(LINE_WORDS * 8 * 2)
+    frozen = Board(memory, rank=0, local_rank=0, local_world_size=2, world_size=2, pid=os.getppid())  # alive
+    mine = Board(memory, rank=1, local_rank=1, local_world_size=2, world_size=2)
+    world = World(rank=1, world_size=2, local_rank=1, local_world_size=2, device=torch.device("cpu"), backend="gloo",
+                  timeout_s=5.0, board=mine)
+    written: list = []
+    model = torch.nn.Linear(3, 2)  # before the states are taken: its initialisation draws random numbers
+    armed = SurvivorsSave(world=world, steps_per_epoch=24, start_rng=[rng_state(), rng_state()], location=str(tmp_path),
+                          module=model, write=lambda *args: written.append(args) or "ck.pt")
+    frozen.post(30, [1.0, 2.0, 3.0, 0.5])
+    armed.post(1, 6, [1.5, 2.0, 3.0, 0.5])
+    assert armed.after_peer_lost() == "rank 0 is alive and writes it" and written == []  # a death elsewhere
+    assert armed.after_peer_lost(stalled=0) == "saved ck.pt (epoch 2, step 6)"  # PeerStalled(culprit=0)
+    assert written[0][2]["lost_ranks"] == [0]
