@@ -5,7 +5,9 @@ raises, stops answering), starts the whole worker set again from the last checkp
 `torchrun --max-restarts` does, up to N times; each restart is one line on stderr naming the
 rank and device that failed, how, the checkpoint and the device count. A resumed run continues
 exactly (the checkpoint holds model, optimizer, RNG states, position and the epoch's sums), so a
-restarted run ends bitwise equal to an uninterrupted one.
+restarted run ends bitwise equal to an uninterrupted one. The last checkpoint is most often the
+survivors' save of the step the run reached (survivors.py): the line says so, and a run without
+restarts ends with where it was saved and `--resume auto`.
 
 `--elastic` goes on without a device that cannot be brought back. The rule: the worker on the
 same device fails again in the attempt right after a restart, before the run got past the

@@ -169,6 +169,6 @@ def test_a_frozen_worker_is_restarted_like_a_dead_one_and_the_run_ends_bitwise_e
     assert code == 0, stderr[-3000:]
     said = _said(stderr)
     assert len(said) == 1 and re.match(r"^phalanx: worker rank 1 \(cpu:1\) stopped responding \(state: stopped\)"
-                                       r".*; restart 1 of 1 from \S+checkpoint\.pt \(epoch 1, step \d+\) on 3 devices "
+                                       r".*; restart 1 of 1 from \S+checkpoint\.pt \(epoch 1, step \d+[^)]*\) on 3 devices "
                                        r"\[cpu:0, cpu:1, cpu:2\]$", said[0]), stderr[-3000:]
     _assert_bitwise_equal(out, reference)
