@@ -25,8 +25,8 @@ newest:
 - every rank, the dead one included, posted the writer's step (a rank that died between its step's
   exchange and its post leaves the others a step ahead of its sums), later than the newest checkpoint;
 - the parameters are finite.
-The writer is the lowest rank whose process is alive (a stalled one counts as lost); one that wrote
-marks its line, so a survivor that looks after it has exited does not write the same step again.
+The writer is the lowest rank left (alive, and neither failed on its own nor stalled); one that
+wrote marks its line, so a survivor that looks after it has exited does not write the same step again.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.comm import PeerStalled, Tag, collective
+from phalanx.runtime.board import FAILED
 from phalanx.runtime.procs import process_alive
 from phalanx.runtime.worker_errors import is_echo
 from phalanx.runtime.world import World
@@ -98,7 +99,10 @@ class SurvivorsSave:
         board, world = self.world.board, self.world
         posts = [board.posted(r) for r in range(world.world_size)]
         lines = board.lines()
-        alive = [r for r, line in enumerate(lines) if line is not None and process_alive(line.pid) and r != stalled]
+        # The ranks left: a process that lives, and neither raised (its line says FAILED before its
+        # peers learn it) nor stopped responding; a survivor marks FAILED only after this handler.
+        alive = [r for r, line in enumerate(lines)
+                 if line is not None and line.state != FAILED and process_alive(line.pid) and r != stalled]
         why = decide(rank=world.rank, posts=[p[0] if p else None for p in posts], alive=alive,
                      saved_step=self.saved_step, written=[board.written(r) for r in range(world.world_size)])
         if why is None and self._newest_on_disk() >= posts[world.rank][0]:  # a peer wrote it, then died
@@ -134,7 +138,8 @@ class SurvivorsSave:
 
 def decide(*, rank: int, posts: list[int | None], alive: list[int], saved_step: int, written: list[int]) -> str | None:
     """Why this rank writes no survivors' save, or None when it is the one to write: `posts`, each
-    rank's last posted global step (None: none); `alive`, the ranks whose process lives;
+    rank's last posted global step (None: none); `alive`, the ranks left (their process lives, and
+    they neither raised on their own nor stalled);
     `written`, the step each rank's line says it saved for the survivors (0: none)."""
     if min(alive, default=rank) != rank:
         return f"rank {min(alive)} is alive and writes it"

@@ -45,6 +45,8 @@ KILL_AT_POST = textwrap.dedent("""
             in_next_backward.append(True)
         elif due and os.environ.get("STOP_AFTER_POST"):
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen: its peers wait --timeout, then name it
+        elif due and os.environ.get("RAISE_AFTER_POST"):
+            raise OSError("the injected error: a file this rank reads is gone")
         elif due:
             os.kill(os.getpid(), signal.SIGKILL)
     def backward_or_die(self, *args, **kwargs):
@@ -66,8 +68,8 @@ def reference(tmp_path_factory) -> Path:
 
 def _killed(tmp_path: Path, *args: str, rank: int, step: int, when: str = "", launcher: tuple = ()):
     """`phalanx train` (COMMON + args) whose rank `rank` is SIGKILLed at its post of global step `step`
-    (`when`: "KILL_BEFORE_POST", "KILL_IN_NEXT_BACKWARD", "STOP_AFTER_POST": SIGSTOP, else right after
-    it); `launcher`: the command
+    (`when`: "KILL_BEFORE_POST", "KILL_IN_NEXT_BACKWARD", "STOP_AFTER_POST": SIGSTOP, "RAISE_AFTER_POST":
+    an error of its own, else right after it); `launcher`: the command
     that starts the script (default: python, phalanx's own launcher)."""
     script = tmp_path / "kill_at_post.py"
     script.write_text(KILL_AT_POST)
@@ -164,6 +166,20 @@ def test_a_frozen_rank_is_lost_too_and_the_ranks_left_save_the_step_it_reached(r
                                   "step 17"), done.stderr[-3000:]
     assert re.search(r"the run was saved where it stopped: \S+checkpoint\.pt \(epoch 1, step 17, saved by rank 0 "
                      r"when rank 1 was lost\)", done.stderr), done.stderr[-3000:]
+    resumed = run_phalanx(*COMMON, *TWO, "--out", str(out), "--resume", "auto")
+    assert resumed.returncode == 0 and "at epoch 1, step 17" in resumed.stdout, resumed.stderr[-3000:]
+    _assert_bitwise_equal(out, reference)
+
+
+def test_when_rank_0_fails_with_an_error_of_its_own_rank_1_saves(reference, tmp_path):
+    # Rank 0 raised (its process lives on a moment, its board line says FAILED): it saves nothing,
+    # its error not being a lost peer's; rank 1, the lowest rank left, does.
+    out = tmp_path / "run"
+    done = _killed(tmp_path, "--out", str(out), rank=0, step=17, when="RAISE_AFTER_POST")
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("phalanx: worker rank 0 failed: OSError: the injected error"), done.stderr[-3000:]
+    assert re.search(r"the run was saved where it stopped: \S+checkpoint\.pt \(epoch 1, step 17, saved by rank 1 "
+                     r"when rank 0 was lost\)", done.stderr), done.stderr[-3000:]
     resumed = run_phalanx(*COMMON, *TWO, "--out", str(out), "--resume", "auto")
     assert resumed.returncode == 0 and "at epoch 1, step 17" in resumed.stdout, resumed.stderr[-3000:]
     _assert_bitwise_equal(out, reference)

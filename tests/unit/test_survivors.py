@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from phalanx.job.survivors import SurvivorsSave, decide, reason_not_armed, rng_changed
-from phalanx.runtime.board import LINE_WORDS, Board
+from phalanx.runtime.board import FAILED, LINE_WORDS, Board
 from phalanx.runtime.world import World
 from phalanx.train.rng_state import rng_state, set_rng_state
 
@@ -175,3 +175,6 @@ def test_a_stalled_rank_0_alive_but_frozen_is_lost_and_rank_1_writes(tmp_path):
     assert armed.after_peer_lost() == "rank 0 is alive and writes it" and written == []  # a death elsewhere
     assert armed.after_peer_lost(stalled=0) == "saved ck.pt (epoch 2, step 6)"  # PeerStalled(culprit=0)
     assert written[0][2]["lost_ranks"] == [0]
+    mine.mark_written(0)  # forget that save: the case below on a board of its own
+    frozen.mark(FAILED)  # rank 0 raised an error of its own: lost though its process still lives
+    assert armed.after_peer_lost() == "saved ck.pt (epoch 2, step 6)" and written[1][2]["lost_ranks"] == [0]
