@@ -28,8 +28,8 @@ _MANY_HOSTS = ("phalanx run starts the workers of this host, with a store of its
                "--nproc-per-node N --master-addr A --master-port P script.py), where phalanx.init() joins torchrun's "
                "world: docs/many-hosts.md")
 _OUTPUT = ("phalanx run takes no {flag}: every worker writes to this console as it runs (torchrun's default); show "
-           "some ranks alone with --local-ranks-filter 0, print on rank 0 alone with world.print(...), and keep a log "
-           "by redirecting the command (phalanx run ... > run.log 2>&1)")
+           "some ranks alone with --local-ranks-filter 0, print on rank 0 alone with world.print(...), and keep each "
+           "worker's output in files of its own with --log-dir DIR (--tee, --redirects: torchrun's)")
 _OTHER = ("{launcher}'s {flag} has no counterpart in phalanx run, whose launcher supervises its workers itself "
           "(--timeout bounds every wait); drop it, or start the script with torchrun itself, where phalanx.init() "
           "joins its world")
@@ -80,9 +80,9 @@ LAUNCHER_FLAGS: tuple[tuple[str, tuple[str, ...], bool, str], ...] = (
      "phalanx run runs a Python file, or a module with -m; start any other program with torchrun --no-python"),
     ("torchrun", ("--run-path", "--run_path"), False,
      "phalanx run already runs the script in each worker's own interpreter, as torchrun's --run-path does: drop it"),
-    ("torchrun", ("--log-dir", "--log_dir"), True, _OUTPUT),
-    ("torchrun", ("-r", "--redirects"), True, _OUTPUT),
-    ("torchrun", ("-t", "--tee"), True, _OUTPUT),
+    ("torchrun", ("--log_dir",), True, "phalanx run spells it --log-dir DIR (torchrun takes {flag} too)"),
+    ("torchrun", ("-r",), True, "phalanx run spells it --redirects (torchrun takes {flag} too)"),
+    ("torchrun", ("-t",), True, "phalanx run spells it --tee (torchrun takes {flag} too)"),
     ("torchrun", ("--log-line-prefix-template", "--log_line_prefix_template"), True, _OUTPUT),  # torch 2.14
     ("torchrun", ("--local_ranks_filter",), True,
      "phalanx run spells it --local-ranks-filter R,... (torchrun takes {flag} too)"),

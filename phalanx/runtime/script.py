@@ -6,9 +6,8 @@ each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_AD
 TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
 runs the script (or with `-m`, a module) as `__main__`, as python would (main_module.py); the flags
 of torchrun, accelerate launch and fabric run are named with phalanx run's way (launcher_flags.py).
-A script that changes its thread count is named once on rank 0; torch errors that name no fix
-(SyncBatchNorm or NCCL on CPU workers, a group opened after phalanx.init()) are one line naming it
-(script_errors.py).
+A script that changes its thread count is named once on rank 0; torch errors that name no fix (SyncBatchNorm
+or NCCL on CPU workers, a group opened after phalanx.init()) are one line naming it (script_errors.py).
 No process group is opened for it: `init()` joins phalanx's world, and a script written for
 torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
 - so a script runs unchanged under `phalanx run` and under torchrun, and one that calls `init()`
@@ -61,6 +60,7 @@ from phalanx.runtime.unguarded_main import refusing_unguarded_starts
 from phalanx.runtime.sampler_passes import watching_sampler_passes
 from phalanx.runtime.restarts import with_restarts
 from phalanx.runtime.shown_ranks import FLAG as FILTER_FLAG, check_shown, mute_unless_shown
+from phalanx.runtime.worker_logs import WorkerLogs, logged, write_to_files
 from phalanx.runtime.script_errors import quiet_fd_sharing_resets, translated
 from phalanx.telemetry.log import survive_lost_output
 
@@ -133,15 +133,16 @@ def init(*, timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None) -> 
 
 def _script_body(rank: int, payload, teardown: contextlib.ExitStack) -> None:
     """One spawned worker of `phalanx run`."""
-    target, args, spec, shown = payload
+    target, args, spec, shown, logs = payload
     inherit_launcher_stdin()
-    _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown, shown=shown)
+    _run_script(target, args, spec=spec, device=spec.plan.torch_device(rank), teardown=teardown, shown=shown, logs=logs)
 
 
 def _run_script(target: Target, args: tuple[str, ...], *, spec: LaunchSpec, device: torch.device,
-                teardown: contextlib.ExitStack, shown: tuple[int, ...] | None = None) -> None:
+                teardown: contextlib.ExitStack, shown: tuple[int, ...] | None = None, logs=None) -> None:
     env = launcher_env()
     mute_unless_shown(env.local_rank, shown)  # --local-ranks-filter (shown_ranks.py)
+    write_to_files(logs, env.local_rank)  # --log-dir, --redirects, --tee (worker_logs.py)
     # A DataLoader's spawn or forkserver workers from an unguarded top level; torch.distributed.launch's argument.
     with refusing_unguarded_starts(), passing_local_rank(local_rank=env.local_rank, rank=env.rank):
         run_in_worker(lambda: run_as_main(target, args, rank=env.rank), spec=spec, device=device,
@@ -251,6 +252,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     # script's own `--n 5` after its name was "ambiguous option: --n could match --nnodes, --nproc-per-node".
     add_options(parser, LaunchConfig)
     add_options(parser, RunOptions)
+    add_options(parser, WorkerLogs)
     # The script and what follows it are positional, which options.py's flags are not: the two
     # hand-written arguments of a generated parser.
     parser.add_argument("-m", "--module", action="store_true",
@@ -268,12 +270,13 @@ def run_run(args: argparse.Namespace) -> int:
         survive_lost_output(redirect=False)  # the workers inherit the descriptors as given: their prints as python's
     target = Target(args.script, module=args.module)
     target.check()
-    launch_config, options = build(LaunchConfig, args), build(RunOptions, args)
+    launch_config, options, logs = build(LaunchConfig, args), build(RunOptions, args), build(WorkerLogs, args)
     spec = launch_config.spec(parse_devices(launch_config.devices))
     if env is None:  # phalanx run is the launcher: once per host, not once per Slurm task
         alone_in_slurm_step()
-    if env is not None and options.max_restarts:
-        raise UsageError("under torchrun, restarts are torchrun's: pass --max-restarts to torchrun, not to phalanx run")
+    if env is not None and (options.max_restarts or logs.log_dir):  # the launcher's parts: torchrun's there
+        raise UsageError("under torchrun, restarts and worker logs are torchrun's: pass --max-restarts and --log-dir "
+                         "to torchrun, not to phalanx run")
     if env is not None:  # under torchrun this process is the worker; torchrun decides the count
         if env.rank == 0 and not options.quiet:
             _say(first_line(spec, workers=env.world_size, local_workers=env.local_world_size,
@@ -281,9 +284,8 @@ def run_run(args: argparse.Namespace) -> int:
         if env.local_rank == 0:
             warn_if_oversubscribed(spec, local_workers=env.local_world_size)
         check_shown(options.local_ranks_filter, local_workers=env.local_world_size)
-        device = torchrun_device(spec, env)
         with contextlib.ExitStack() as teardown:
-            _run_script(target, tuple(args.args), spec=spec, device=device, teardown=teardown,
+            _run_script(target, tuple(args.args), spec=spec, device=torchrun_device(spec, env), teardown=teardown,
                         shown=options.local_ranks_filter)
         return 0
     k = spec.plan.num_devices
@@ -292,10 +294,10 @@ def run_run(args: argparse.Namespace) -> int:
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
-    payload = (target, tuple(args.args), spec, options.local_ranks_filter)
-    with_restarts(lambda restart: spawn_workers(
-        _script_body, payload, spec=spec, exit_zero_is_success=True,
-        announce=announce if restart == 0 else None, restart_count=restart, max_restarts=options.max_restarts),
+    payload = (target, tuple(args.args), spec, options.local_ranks_filter, logs if logs.log_dir else None)
+    with_restarts(lambda restart: logged(payload[4], attempt=restart, local_workers=k, shown=payload[3], start=lambda: (
+        spawn_workers(_script_body, payload, spec=spec, exit_zero_is_success=True, restart_count=restart,
+                      announce=announce if restart == 0 else None, max_restarts=options.max_restarts))),
         max_restarts=options.max_restarts, names=spec.plan.names, say=lambda line: _say(f"phalanx run: {line}"))
     return 0
 

@@ -246,7 +246,7 @@ FLAG_CASES += [
     (["run", "--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint=localhost:0", "--local-ranks-filter", "0",
       "--role", "rank", "--tee", "3", "-m", "train", "--tee", "2", "--nnodes", "4"],
      r"^phalanx: error: torchrun's --nproc_per_node 2 is --devices in phalanx run: .*; the command line also gives "
-     r"--rdzv_backend, --rdzv_endpoint, --role and --tee, none of them phalanx run's either \(`phalanx run --help` "
+     r"--rdzv_backend, --rdzv_endpoint and --role, none of them phalanx run's either \(`phalanx run --help` "
      r"lists its own\)$"),
     (["train", "--nproc-per-node", "2", "--epochs", "1", "--nnodes", "1"],
      r"is --devices in phalanx train: .*; the command line also gives --nnodes, not phalanx train's either"),
@@ -265,8 +265,23 @@ FLAG_CASES += [(["run", flag, "1", "train.py"],
                for flag in ("--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv-conf", "--role",
                             "--node-rank", "--master-addr", "--master-port", "--local-addr")]
 FLAG_CASES += [(["run", flag, "0", "train.py"], rf"phalanx run takes no {flag}: every worker writes to this console")
-               for flag in ("--log-dir", "-r", "-t", "--duplicate-stdout-filters",
+               for flag in ("--duplicate-stdout-filters",
                             "--duplicate-stderr-filters", "--logs-specs", "--log-line-prefix-template")]
+FLAG_CASES += [(["run", flag, "3", "train.py"], rf"^phalanx: error: phalanx run spells it {spelled} \S* ?\(torchrun takes "
+                                                rf"{flag} too\)$")
+               for flag, spelled in (("-r", "--redirects"), ("-t", "--tee"), ("--log_dir", "--log-dir"))]
+# torchrun's worker logs, phalanx run's own since 2026-12-07 (runtime/worker_logs.py)
+FLAG_CASES += [
+    (["run", "--tee", "3", "train.py"], r"^phalanx: error: --tee 3 writes each worker's streams to files: add --log-dir "
+                                        r"DIR$"),
+    (["run", "--log-dir", "logs", "--tee", "5", "train.py"],
+     r"^phalanx: error: --tee 5 is not 0 \(neither stream\), 1 \(stdout\), 2 \(stderr\) or 3 \(both\), for every "
+     r"local rank or rank by rank \(0:3,1:2\); e\.g\. --tee 3$"),
+    (["run", "--log-dir", "logs", "--redirects", "one:3", "train.py"],
+     r"^phalanx: error: --redirects one:3: 'one:3' is not rank:streams; e\.g\. --redirects 0:3,1:2$"),
+    (["run", "--log-dir", "train.py", "train.py"],
+     r"^phalanx: error: --log-dir train\.py is a file, not a directory; give a directory \(made if missing\)$"),
+]
 FLAG_CASES += [(["run", "--print-completion", "bash", "train.py"],  # torch 2.14's, as --log-line-prefix-template
                 r"^phalanx: error: phalanx run prints no shell completion script: --print-completion is torchrun's "
                 r"\(phalanx --help lists the commands\)$")]
