@@ -141,10 +141,9 @@ def _peer_lost_under_torchrun(exc: BaseException) -> str | None:
     import socket
 
     from phalanx.comm.hosts import backend_reason
+    from phalanx.job.survivors import made
     from phalanx.runtime.worker_errors import is_echo
     from phalanx.runtime.world import launcher_env
-
-    from phalanx.job.survivors import made
 
     env = launcher_env()
     if env is None or not is_echo(exc):

@@ -50,7 +50,7 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
         try:
             return _launch_once(config, names, spec)
         except WorkerFailed as exc:  # the ranks left may have saved where the run stopped (survivors.py)
-            saved = _newest(config.checkpoint_location)
+            saved = ckpt.newest_state(config.checkpoint_location)
             if _by_survivors(saved, since=started_at):
                 where = _where(config.checkpoint_location, saved)
                 raise WorkerFailed(f"{exc}\nthe run was saved where it stopped: {where}; run the same command with "
@@ -67,7 +67,7 @@ def train_with_restarts(config: TrainConfig, names: Sequence[str], *, spec: Laun
             failure = failure_of(exc, plan.names)
             if failure is None:
                 raise
-            saved = _newest(config.checkpoint_location)
+            saved = ckpt.newest_state(config.checkpoint_location)
             position = None if saved is None else (int(saved["epoch"]), int(saved["step"]))
             where = _where(config.checkpoint_location, saved)
             failed = f"worker rank {failure.rank} ({failure.device}) {failure.what}"
@@ -95,17 +95,6 @@ def _launch_once(config: TrainConfig, names: Sequence[str], spec: LaunchSpec) ->
     except RunFailed as exc:  # one device runs in this process: report it as a spawned worker's is
         raise WorkerFailed(f"run stopped: {str(exc).splitlines()[0]}", rank=exc.culprit,
                            restartable=exc.restartable) from None
-
-
-def _newest(location: str | None) -> dict | None:
-    """The checkpoint at `location` a restart resumes from (its state), or None when there is none (yet)."""
-    if location is None or not ckpt.has_checkpoint(location):
-        return None
-    try:
-        _, state, _ = ckpt.read_newest(location)
-    except UsageError:
-        return None
-    return state
 
 
 def _by_survivors(state: dict | None, *, since: float) -> bool:

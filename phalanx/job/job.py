@@ -143,8 +143,7 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
                                if batchnorm else None, sharded=replica is not None and replica.sharding is not None,
                                location=config.checkpoint_location)
     survivors = arm_survivors(world, steps_per_epoch=steps, location=config.checkpoint_location, write=write_alone,
-                              module=strategy.module, batchnorm=batchnorm, start_step=start.epoch * steps + start.step,
-                              why_not=why_not)
+                              module=strategy.module, batchnorm=batchnorm, why_not=why_not)
 
     def save(position: ckpt.Position) -> None:  # every rank calls it (a split gathers its shards)
         if replica is not None:  # nothing non-finite is saved: the steps since the last check, checked
@@ -153,8 +152,6 @@ def _run(strategy: Strategy, *, world: World, config: TrainConfig, data, log: Ra
         ckpt.save_checkpoint(config.checkpoint_location, world=world, model=whole,
                              optimizer=_whole_optimizer(optimizer, strategy, whole), position=position,
                              fingerprint=run_fingerprint(config, whole, data=identity()), settings=settings, dp=replica)
-        if survivors is not None:
-            survivors.saved(position)
 
     complete = (start.epoch, start.step) == (config.epochs, 0)  # the run that saved it trained to the end
     if start.epoch >= config.epochs and not complete:  # past the last epoch: nothing to do, nothing to write

@@ -65,7 +65,6 @@ class SurvivorsSave:
     location: str  # where the run's checkpoints are
     write: Callable[[ckpt.Position, list[dict], dict], object]
     module: nn.Module  # the replica's
-    saved_step: int = 0  # the newest checkpoint's global step (a resume's start, the job's saves)
     forwards: int = 0  # a BatchNorm model's training forwards so far (`keep_statistics`)
     forwards_at_post: int = 0  # ... and at the last post
     hook: object = None
@@ -89,10 +88,6 @@ class SurvivorsSave:
         self.kept = [buffer.detach().clone() for buffer in self.module.buffers()]
         self.hook = self.module.register_forward_pre_hook(counted)
 
-    def saved(self, position: ckpt.Position) -> None:
-        """The job saved (or resumed from) `position`: nothing at or before it needs the survivors."""
-        self.saved_step = max(self.saved_step, position.epoch * self.steps_per_epoch + position.step)
-
     def after_peer_lost(self, stalled: int | None = None) -> str:
         """Write the checkpoint if this rank is the one to, and the conditions hold; says what it did.
         `stalled`: a rank that stopped responding (frozen, starved), lost though its process lives."""
@@ -103,10 +98,12 @@ class SurvivorsSave:
         # peers learn it) nor stopped responding; a survivor marks FAILED only after this handler.
         alive = [r for r, line in enumerate(lines)
                  if line is not None and line.state != FAILED and process_alive(line.pid) and r != stalled]
+        # The newest checkpoint on disk: the job's last save (or the one it resumed from), or one a
+        # peer wrote just before it died.
+        newest = ckpt.newest_state(self.location)
+        saved_step = 0 if newest is None else int(newest["epoch"]) * self.steps_per_epoch + int(newest["step"])
         why = decide(rank=world.rank, posts=[p[0] if p else None for p in posts], alive=alive,
-                     saved_step=self.saved_step, written=[board.written(r) for r in range(world.world_size)])
-        if why is None and self._newest_on_disk() >= posts[world.rank][0]:  # a peer wrote it, then died
-            why = f"the newest checkpoint already holds step {posts[world.rank][0]}"
+                     saved_step=saved_step, written=[board.written(r) for r in range(world.world_size)])
         if why is None and rng_changed(self.start_rng[world.rank], rng_state()):
             why = "the model drew random numbers while training: the dead rank's generators are not known"
         if why is None and self.forwards != self.forwards_at_post:  # the rank exits after the save: its to change
@@ -127,20 +124,12 @@ class SurvivorsSave:
         _MADE[:] = [f"{path} (epoch {epoch + 1}, step {done})"]
         return f"saved {_MADE[0]}"
 
-    def _newest_on_disk(self) -> int:
-        """The global step of the checkpoint a restart would resume from (0: none readable)."""
-        try:
-            _, state, _ = ckpt.read_newest(self.location)
-        except Exception:  # noqa: BLE001 - none, or damaged: nothing newer than what the posts say
-            return 0
-        return int(state["epoch"]) * self.steps_per_epoch + int(state["step"])
-
 
 def decide(*, rank: int, posts: list[int | None], alive: list[int], saved_step: int, written: list[int]) -> str | None:
     """Why this rank writes no survivors' save, or None when it is the one to write: `posts`, each
     rank's last posted global step (None: none); `alive`, the ranks left (their process lives, and
-    they neither raised on their own nor stalled);
-    `written`, the step each rank's line says it saved for the survivors (0: none)."""
+    they neither raised on their own nor stalled); `saved_step`, the newest checkpoint's on disk (0:
+    none); `written`, the step each rank's line says it saved for the survivors (0: none)."""
     if min(alive, default=rank) != rank:
         return f"rank {min(alive)} is alive and writes it"
     step = posts[rank]
@@ -183,7 +172,7 @@ def reason_not_armed(world: World, *, data_split: bool, sharded: bool, batchnorm
 
 
 def arm(world: World, *, steps_per_epoch: int, location: str, write, module: nn.Module, batchnorm: bool,
-        start_step: int, why_not: str | None):
+        why_not: str | None):
     """Every rank calls this as training starts (a collective where it arms: the RNG states are
     gathered): the rank's SurvivorsSave, or None where `why_not` (reason_not_armed's) says none is
     made; `batchnorm`: the module holds BatchNorm layers (its statistics are kept at each post)."""
@@ -193,7 +182,7 @@ def arm(world: World, *, steps_per_epoch: int, location: str, write, module: nn.
     with collective(world, Tag("RNG states")):
         dist.all_gather_object(every, rng_state())
     armed = SurvivorsSave(world=world, steps_per_epoch=steps_per_epoch, start_rng=every, location=location, write=write,
-                          module=module, saved_step=start_step)
+                          module=module)
     if batchnorm:
         armed.keep_statistics()
     _ARMED[:] = [armed]

@@ -98,6 +98,17 @@ def has_checkpoint(location: str | Path) -> bool:
     return any(p.is_file() for p in (generation_paths(location) if path != Path(location) else (path,)))
 
 
+def newest_state(location: str | Path | None) -> dict[str, Any] | None:
+    """The state of the generation a resume at `location` would read (`read_newest`), or None where
+    there is none yet, or none readable."""
+    if location is None or not has_checkpoint(location):
+        return None
+    try:
+        return read_newest(location)[1]
+    except UsageError:  # DamagedFile included: every generation damaged
+        return None
+
+
 def save_checkpoint(directory: str | Path, *, world: World, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     position: Position, fingerprint: dict, settings: dict | None = None, dp=None,
                     extras: dict | None = None, loader_record: dict | None = None) -> Path | None:

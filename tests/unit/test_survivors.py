@@ -126,7 +126,7 @@ def _survivor_of_rank_1(model: torch.nn.Module, tmp_path, written: list) -> tupl
     world = World(rank=0, world_size=2, local_rank=0, local_world_size=2, device=torch.device("cpu"), backend="gloo",
                   timeout_s=5.0, board=mine)
     armed = SurvivorsSave(world=world, steps_per_epoch=24, start_rng=[rng_state(), rng_state()],
-                          location=str(tmp_path), module=model, saved_step=10,
+                          location=str(tmp_path), module=model,
                           write=lambda position, every, note: written.append((position, every, note)) or "ck.pt")
     return armed, dead
 
