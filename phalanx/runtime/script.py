@@ -1,27 +1,25 @@
 """A user's own training script on k workers: `phalanx run script.py` and `init()` inside it.
 
-`phalanx run --devices cpu:3 train.py --lr 0.1` starts the script on k workers through the same
-launcher as `phalanx train` (supervision, one-line failures naming the rank), as torchrun would:
-each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...,
-TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its threads and allocator set up, and
-runs the script (or with `-m`, a module) as `__main__`, as python would (main_module.py); the flags
-of torchrun, accelerate launch and fabric run are named with phalanx run's way (launcher_flags.py).
-A script that changes its thread count is named once on rank 0; torch errors that name no fix (SyncBatchNorm
-or NCCL on CPU workers, a group opened after phalanx.init()) are one line naming it (script_errors.py).
-No process group is opened for it: `init()` joins phalanx's world, and a script written for
-torchrun joins with its own `dist.init_process_group(...)` (env://, through the launcher's store)
-- so a script runs unchanged under `phalanx run` and under torchrun, and one that calls `init()`
-under plain python too (a world of one; torch's own init_process_group needs a launcher's RANK).
-Without a launcher's variables, a group the script opened itself (torch's DDP tutorial: children
-of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one line,
-as is a process that a joined worker started with its variables (child_world.py).
-Such a spawn under `phalanx run` is refused (nested_launch.py: its children would hang). A group
-opened without `timeout=` waits at most `--timeout` (not 30 minutes); one left open is destroyed.
+`phalanx run --devices cpu:3 train.py --lr 0.1` starts the script on k workers through the same launcher as `phalanx
+train` (supervision, one-line failures naming the rank), as torchrun would: each worker gets torchrun's environment
+(RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ..., TORCHELASTIC_ERROR_FILE; OMP_NUM_THREADS with its threads), its
+threads and allocator set up, and runs the script (or with `-m`, a module) as `__main__`, as python would
+(main_module.py); the flags of torchrun, accelerate launch and fabric run are named with phalanx run's way
+(launcher_flags.py). A script that changes its thread count is named once on rank 0; torch errors that name no fix
+(SyncBatchNorm or NCCL on CPU workers, a group opened after phalanx.init()) are one line naming it (script_errors.py).
+No process group is opened for it: `init()` joins phalanx's world, and a script written for torchrun joins with its
+own `dist.init_process_group(...)` (env://, through the launcher's store) - so a script runs unchanged under `phalanx
+run` and under torchrun, and one that calls `init()` under plain python too (a world of one; torch's own
+init_process_group needs a launcher's RANK). Without a launcher's variables, a group the script opened itself (torch's
+DDP tutorial: children of torch.multiprocessing.spawn) is adopted; a child with neither trains alone, said in one
+line, as is a process that a joined worker started with its variables (child_world.py). Such a spawn under `phalanx
+run` is refused (nested_launch.py: its children would hang). A group opened without `timeout=` waits at most
+`--timeout` (not 30 minutes); one left open is destroyed.
 
-The world a script gets lives in one process-level slot (`_current`): a script started by path
-has no other way to receive it (Accelerate's `PartialState` and Fabric keep the same kind of
-state); `_context` holds what `phalanx run` decided for this worker (device, --timeout).
-phalanx's own code does not read them; it keeps passing `World` by keyword.
+The world a script gets lives in one process-level slot (`_current`): a script started by path has no other way to
+receive it (Accelerate's `PartialState` and Fabric keep the same kind of state); `_context` holds what `phalanx run`
+decided for this worker (device, --timeout). phalanx's own code does not read them; it keeps passing `World` by
+keyword.
 """
 
 from __future__ import annotations
@@ -294,11 +292,13 @@ def run_run(args: argparse.Namespace) -> int:
         lambda store: _say(first_line(spec, workers=k, local_workers=k, store=store, launcher="phalanx")))
     # One device too runs in a spawned worker: the script sees the same process set-up at any k. A
     # worker that exits 0 before the script's end (os._exit(0)) has succeeded, as under torchrun.
-    payload = (target, tuple(args.args), spec, options.local_ranks_filter, logs if logs.log_dir else None)
-    with_restarts(lambda restart: logged(payload[4], attempt=restart, local_workers=k, shown=payload[3], start=lambda: (
-        spawn_workers(_script_body, payload, spec=spec, exit_zero_is_success=True, restart_count=restart,
-                      announce=announce if restart == 0 else None, max_restarts=options.max_restarts))),
-        max_restarts=options.max_restarts, names=spec.plan.names, say=lambda line: _say(f"phalanx run: {line}"))
+    payload = (target, tuple(args.args), spec, options.local_ranks_filter, logs)
+    def attempt(restart: int) -> list:  # one attempt's workers, their log files made first (worker_logs.py)
+        return logged(logs, attempt=restart, local_workers=k, shown=options.local_ranks_filter, start=lambda: (
+            spawn_workers(_script_body, payload, spec=spec, exit_zero_is_success=True, restart_count=restart,
+                          announce=announce if restart == 0 else None, max_restarts=options.max_restarts)))
+    with_restarts(attempt, max_restarts=options.max_restarts, names=spec.plan.names,
+                  say=lambda line: _say(f"phalanx run: {line}"))
     return 0
 
 

@@ -93,8 +93,8 @@ class WorkerLogs:
 
 def write_to_files(logs: WorkerLogs | None, local_rank: int) -> None:
     """In a worker: descriptors 1 and 2 to this rank's files where redirected or tee'd (after
-    --local-ranks-filter, which sent a rank not shown to /dev/null)."""
-    if logs is None:
+    --local-ranks-filter, which sent a rank not shown to /dev/null); nothing without --log-dir."""
+    if logs is None or logs.log_dir is None:
         return
     redirected, teed = logs.streams(local_rank)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -112,8 +112,8 @@ def write_to_files(logs: WorkerLogs | None, local_rank: int) -> None:
 def logged(logs: WorkerLogs | None, *, attempt: int, local_workers: int, shown: tuple[int, ...] | None,
            start: Callable[[], T]) -> T:
     """`start()` (one attempt's workers, to their end) with their log files made first and the tee'd
-    ones of the ranks shown copied to the console while they run."""
-    if logs is None:
+    ones of the ranks shown copied to the console while they run (`start()` alone without --log-dir)."""
+    if logs is None or logs.log_dir is None:
         return start()
     teed = []
     for rank in range(local_workers):
